@@ -1,0 +1,106 @@
+"""Choosing the attention implementation: Triton kernels on CUDA, the torch reference elsewhere.
+
+Triton is imported only when its backend is chosen, so CPU-only installs never need it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAMES = ("auto", "triton", "torch")
+
+WriteKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+DecodeAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+]
+PrefillAttention = Callable[
+    [
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        float,
+    ],
+    torch.Tensor,
+]
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionBackend:
+    """The three attention operations; signatures are those of `kernels.torch_attention`."""
+
+    name: str
+    write_kv: WriteKV
+    decode_attention: DecodeAttention
+    prefill_attention: PrefillAttention
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _torch_backend() -> AttentionBackend:
+    from kernels import torch_attention
+
+    return AttentionBackend(
+        "torch",
+        torch_attention.write_kv,
+        torch_attention.paged_decode_attention,
+        torch_attention.paged_prefill_attention,
+    )
+
+
+def _triton_backend() -> AttentionBackend:
+    from kernels import triton_attention
+
+    return AttentionBackend(
+        "triton",
+        triton_attention.write_kv,
+        triton_attention.paged_decode_attention,
+        triton_attention.paged_prefill_attention,
+    )
+
+
+def select_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """`auto`: Triton on CUDA (torch if triton is missing), torch elsewhere; `triton`/`torch`: as named.
+
+    `triton` on a CPU device runs the kernels in Triton's interpreter, so it needs `TRITON_INTERPRET=1`.
+    """
+    device = torch.device(device)
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown attention backend {name!r}; expected one of {', '.join(BACKEND_NAMES)}")
+    if name == "torch":
+        return _torch_backend()
+    if name == "auto":
+        if device.type != "cuda":
+            return _torch_backend()
+        if not triton_available():
+            logger.warning("triton is not installed; using the torch attention backend on %s", device)
+            return _torch_backend()
+        return _triton_backend()
+    if not triton_available():
+        raise ValueError("attention backend 'triton' requested but the triton package is not installed")
+    if device.type == "cpu" and not interpreter_enabled():
+        raise ValueError(
+            "attention backend 'triton' on a CPU device needs TRITON_INTERPRET=1 (Triton's interpreter, "
+            "set before triton kernels are imported); use 'torch' or 'auto' for CPU workers"
+        )
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"attention backend 'triton' supports CUDA devices only, got {device}")
+    return _triton_backend()

@@ -1,0 +1,173 @@
+"""Triton prefill attention: new tokens attend causally to their paged cached prefix plus themselves.
+
+Grid (query tiles of every sequence, query heads), flattened over variable-length sequences without a host
+sync: `cu_tiles` (built with device ops) maps a program to its sequence. Each program first sweeps the cached
+prefix through the block table, then the new tokens' own keys from `k`/`v`: tiles wholly below the diagonal
+without a mask, the diagonal tile(s) with the causal mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_common import LOG2E, check_attention_inputs, online_softmax_step, paged_offsets
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    cu_seqlens_q_ptr,
+    seq_lens_ptr,
+    cu_tiles_ptr,
+    out_ptr,
+    num_seqs,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    qk_scale,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SEQS_PAD: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+    seqs = tl.arange(0, SEQS_PAD)
+    tile_ends = tl.load(cu_tiles_ptr + 1 + seqs, mask=seqs < num_seqs, other=2147483647)
+    seq = tl.sum((tile_ends <= pid).to(tl.int32), 0)
+    if seq >= num_seqs:
+        return
+    q_tile = pid - tl.load(cu_tiles_ptr + seq)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    prefix = tl.load(seq_lens_ptr + seq) - q_len
+    kv_head = head // GROUP
+
+    rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < q_len
+    dims = tl.arange(0, HEAD_DIM)
+    q_off = (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :]
+    q = tl.load(q_ptr + q_off, mask=rmask[:, None], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    table_row = block_tables_ptr + seq * stride_bt
+    for n0 in range(0, prefix, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        cmask = cols < prefix
+        off = paged_offsets(table_row, cols, cmask, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
+        k = tl.load(k_cache_ptr + off[:, None] + dims[None, :], mask=cmask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + off[:, None] + dims[None, :], mask=cmask[:, None], other=0.0)
+        m_i, l_i, acc = online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, cmask[None, :], True)
+
+    # BLOCK_M is a multiple of BLOCK_N, so no key tile straddles the diagonal start.
+    diag = q_tile * BLOCK_M
+    k_base = k_ptr + kv_head * stride_kh + dims[None, :]
+    v_base = v_ptr + kv_head * stride_vh + dims[None, :]
+    for n0 in range(0, diag, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        k = tl.load(k_base + (q_start + cols)[:, None] * stride_kt)
+        v = tl.load(v_base + (q_start + cols)[:, None] * stride_vt)
+        m_i, l_i, acc = online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, None, False)
+    for n0 in range(diag, tl.minimum(diag + BLOCK_M, q_len), BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        cmask = cols < q_len
+        k = tl.load(k_base + (q_start + cols)[:, None] * stride_kt, mask=cmask[:, None], other=0.0)
+        v = tl.load(v_base + (q_start + cols)[:, None] * stride_vt, mask=cmask[:, None], other=0.0)
+        causal = (cols[None, :] <= rows[:, None]) & cmask[None, :]
+        m_i, l_i, acc = online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, causal, True)
+
+    out = acc / l_i[:, None]
+    o_off = (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :]
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+
+
+def _tile_config(dtype: torch.dtype, head_dim: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages); the interpreter gets small tiles so tiny tests cross tiles."""
+    if device.type != "cuda":
+        return 32, 16, 4, 1
+    if dtype == torch.float32:
+        return 64, 32, 4, 2
+    if head_dim > 64:
+        return 128, 64, 8, 3
+    return 128, 64, 4, 3
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [Tq, H, D], the new tokens of every sequence, concatenated
+    k: torch.Tensor,  # [Tq, Hkv, D], their keys
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # holds each sequence's prefix (positions < seq_len - q_len)
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    cu_seqlens_q: torch.Tensor,  # [S + 1] int32, offsets of each sequence's queries in q
+    seq_lens: torch.Tensor,  # [S] int32, prefix + new tokens
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of new tokens over their cached prefix plus themselves (chunked prefill, prefix hits)."""
+    total_q, num_heads, head_dim = q.shape
+    num_seqs = seq_lens.shape[0]
+    group = check_attention_inputs(q, k_cache, v_cache)
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError("k and v must match q's dtype and be contiguous along head_dim")
+    out = torch.empty_like(q)
+    if total_q == 0 or num_seqs == 0:
+        return out
+    block_m, block_n, num_warps, num_stages = _tile_config(q.dtype, head_dim, q.device)
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    cu_tiles = torch.zeros(num_seqs + 1, dtype=torch.int32, device=q.device)
+    cu_tiles[1:] = torch.cumsum((q_lens + block_m - 1) // block_m, 0)
+    # Each sequence wastes at most one partial tile, so this bounds the real tile count without a sync.
+    max_tiles = triton.cdiv(total_q, block_m) + num_seqs
+    _prefill_kernel[(max_tiles, num_heads)](
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        seq_lens,
+        cu_tiles,
+        out,
+        num_seqs,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        *k_cache.stride()[:3],
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        scale * LOG2E,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        SEQS_PAD=triton.next_power_of_2(num_seqs),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out

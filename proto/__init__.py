@@ -1,0 +1,1 @@
+"""Every contract between minivllm processes: the gRPC service (serving.proto) and the ZMQ messages (wire.py)."""

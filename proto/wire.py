@@ -1,0 +1,358 @@
+"""The scheduler ⇄ worker messages on ZMQ: plain dataclasses, msgpack with an explicit, versioned layout.
+
+Every message is `[WIRE_VERSION, kind, *fields]`. Decoding checks the version, the size and the type of every
+field, so a malformed message raises `WireError` instead of reaching the engine. Never pickle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any, Callable, TypeVar, Union
+
+import msgpack
+
+WIRE_VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+T = TypeVar("T")
+
+
+class WireError(ValueError):
+    """A message that is not a valid minivllm wire message."""
+
+
+class Kind(IntEnum):
+    HELLO = 1
+    ASSIGNMENT = 2
+    READY = 3
+    PLAN = 4
+    RESULT = 5
+    SHUTDOWN = 6
+
+
+def _check(value: Any, kind: type | tuple[type, ...], what: str) -> Any:
+    if isinstance(value, bool) and kind is not bool and kind != (bool,):
+        raise WireError(f"{what}: expected {kind}, got bool")
+    if not isinstance(value, kind):
+        raise WireError(f"{what}: expected {kind}, got {type(value).__name__}")
+    return value
+
+
+def _int_list(value: Any, what: str) -> list[int]:
+    _check(value, list, what)
+    for v in value:
+        _check(v, int, what)
+    return value
+
+
+def _list_of(value: Any, item: Callable[[Any], T], what: str) -> list[T]:
+    return [item(v) for v in _check(value, list, what)]
+
+
+def _optional(value: Any, kind: type, what: str) -> Any:
+    return None if value is None else _check(value, kind, what)
+
+
+@dataclass(slots=True)
+class SamplingOptions:
+    """What a worker needs to sample; stop conditions and max_tokens stay with the scheduler."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    logprobs: int | None = None  # top alternatives to return besides the sampled token
+
+    def to_wire(self) -> list[Any]:
+        return [self.temperature, self.top_p, self.top_k, self.seed, self.logprobs]
+
+    @classmethod
+    def from_wire(cls, v: Any) -> SamplingOptions:
+        t, p, k, seed, lp = _fixed(v, 5, "sampling")
+        return cls(
+            float(_check(t, (float, int), "temperature")),
+            float(_check(p, (float, int), "top_p")),
+            _check(k, int, "top_k"),
+            _optional(seed, int, "seed"),
+            _optional(lp, int, "logprobs"),
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True)
+class NewRequest:
+    """A request the worker has not seen (or lost through preemption): everything, in full."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling: SamplingOptions
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    def to_wire(self) -> list[Any]:
+        return [
+            self.req_id,
+            self.prompt_token_ids,
+            self.output_token_ids,
+            self.sampling.to_wire(),
+            self.block_ids,
+            self.num_computed_tokens,
+        ]
+
+    @classmethod
+    def from_wire(cls, v: Any) -> NewRequest:
+        rid, prompt, out, sampling, blocks, computed = _fixed(v, 6, "new_request")
+        return cls(
+            _check(rid, str, "req_id"),
+            _int_list(prompt, "prompt_token_ids"),
+            _int_list(out, "output_token_ids"),
+            SamplingOptions.from_wire(sampling),
+            _int_list(blocks, "block_ids"),
+            _check(computed, int, "num_computed_tokens"),
+        )
+
+
+@dataclass(slots=True)
+class CachedRequest:
+    """A request the worker already holds: only the blocks added since the last step."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+    def to_wire(self) -> list[Any]:
+        return [self.req_id, self.new_block_ids, self.num_computed_tokens]
+
+    @classmethod
+    def from_wire(cls, v: Any) -> CachedRequest:
+        rid, blocks, computed = _fixed(v, 3, "cached_request")
+        return cls(
+            _check(rid, str, "req_id"),
+            _int_list(blocks, "new_block_ids"),
+            _check(computed, int, "num_computed_tokens"),
+        )
+
+
+@dataclass(slots=True)
+class StepPlan:
+    step_id: int
+    new_requests: list[NewRequest] = field(default_factory=list)
+    cached_requests: list[CachedRequest] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    finished_req_ids: list[str] = field(default_factory=list)  # forget them (finished or aborted)
+    preempted_req_ids: list[str] = field(default_factory=list)  # forget them; they come back as new
+
+    KIND = Kind.PLAN
+
+    def to_wire(self) -> list[Any]:
+        return [
+            self.step_id,
+            [r.to_wire() for r in self.new_requests],
+            [r.to_wire() for r in self.cached_requests],
+            self.num_scheduled_tokens,
+            self.finished_req_ids,
+            self.preempted_req_ids,
+        ]
+
+    @classmethod
+    def from_wire(cls, v: Any) -> StepPlan:
+        step, new, cached, sched, finished, preempted = _fixed(v, 6, "plan")
+        _check(sched, dict, "num_scheduled_tokens")
+        for rid, n in sched.items():
+            _check(rid, str, "num_scheduled_tokens key")
+            _check(n, int, "num_scheduled_tokens value")
+        return cls(
+            _check(step, int, "step_id"),
+            _list_of(new, NewRequest.from_wire, "new_requests"),
+            _list_of(cached, CachedRequest.from_wire, "cached_requests"),
+            sched,
+            _list_of(finished, lambda r: _check(r, str, "finished_req_ids"), "finished_req_ids"),
+            _list_of(preempted, lambda r: _check(r, str, "preempted_req_ids"), "preempted_req_ids"),
+        )
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    logprob: float
+    top: list[tuple[int, float]]  # best first
+
+    def to_wire(self) -> list[Any]:
+        return [self.logprob, [list(t) for t in self.top]]
+
+    @classmethod
+    def from_wire(cls, v: Any) -> TokenLogprobs:
+        lp, top = _fixed(v, 2, "logprobs")
+        pairs = [_fixed(t, 2, "top logprob") for t in _check(top, list, "top")]
+        return cls(
+            float(_check(lp, (float, int), "logprob")),
+            [(_check(t, int, "token"), float(_check(p, (float, int), "lp"))) for t, p in pairs],
+        )
+
+
+@dataclass(slots=True)
+class StepResult:
+    step_id: int
+    sampled: dict[str, list[int]]  # only the requests that reached the end of their tokens this step
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    execute_ms: float = 0.0
+
+    KIND = Kind.RESULT
+
+    def to_wire(self) -> list[Any]:
+        lps = {r: [x.to_wire() for x in v] for r, v in self.logprobs.items()}
+        return [self.step_id, self.sampled, lps, self.execute_ms]
+
+    @classmethod
+    def from_wire(cls, v: Any) -> StepResult:
+        step, sampled, lps, ms = _fixed(v, 4, "result")
+        _check(sampled, dict, "sampled")
+        for rid, toks in sampled.items():
+            _check(rid, str, "sampled key")
+            _int_list(toks, "sampled tokens")
+        _check(lps, dict, "logprobs")
+        logprobs = {
+            _check(r, str, "logprobs key"): _list_of(x, TokenLogprobs.from_wire, "logprobs")
+            for r, x in lps.items()
+        }
+        return cls(_check(step, int, "step_id"), sampled, logprobs, float(_check(ms, (float, int), "ms")))
+
+
+@dataclass(slots=True)
+class WorkerHello:
+    """A worker introduces itself; the scheduler answers with an Assignment."""
+
+    host: str
+    pid: int
+    device: str
+
+    KIND = Kind.HELLO
+
+    def to_wire(self) -> list[Any]:
+        return [self.host, self.pid, self.device]
+
+    @classmethod
+    def from_wire(cls, v: Any) -> WorkerHello:
+        host, pid, device = _fixed(v, 3, "hello")
+        return cls(_check(host, str, "host"), _check(pid, int, "pid"), _check(device, str, "device"))
+
+
+@dataclass(slots=True)
+class Assignment:
+    """The scheduler's answer to Hello: which rank this worker is and what it serves."""
+
+    rank: int
+    world_size: int
+    model: str
+    dtype: str
+    block_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+
+    KIND = Kind.ASSIGNMENT
+
+    def to_wire(self) -> list[Any]:
+        return [
+            self.rank,
+            self.world_size,
+            self.model,
+            self.dtype,
+            self.block_size,
+            self.max_num_batched_tokens,
+            self.max_num_seqs,
+        ]
+
+    @classmethod
+    def from_wire(cls, v: Any) -> Assignment:
+        rank, world, model, dtype, bs, mnbt, mns = _fixed(v, 7, "assignment")
+        return cls(
+            _check(rank, int, "rank"),
+            _check(world, int, "world_size"),
+            _check(model, str, "model"),
+            _check(dtype, str, "dtype"),
+            _check(bs, int, "block_size"),
+            _check(mnbt, int, "max_num_batched_tokens"),
+            _check(mns, int, "max_num_seqs"),
+        )
+
+
+@dataclass(slots=True)
+class WorkerReady:
+    """The worker loaded its shard and sized its KV cache."""
+
+    rank: int
+    num_kv_blocks: int
+    kv_cache_bytes: int
+
+    KIND = Kind.READY
+
+    def to_wire(self) -> list[Any]:
+        return [self.rank, self.num_kv_blocks, self.kv_cache_bytes]
+
+    @classmethod
+    def from_wire(cls, v: Any) -> WorkerReady:
+        rank, blocks, size = _fixed(v, 3, "ready")
+        return cls(_check(rank, int, "rank"), _check(blocks, int, "num_kv_blocks"), _check(size, int, "bytes"))
+
+
+@dataclass(slots=True)
+class Shutdown:
+    reason: str
+
+    KIND = Kind.SHUTDOWN
+
+    def to_wire(self) -> list[Any]:
+        return [self.reason]
+
+    @classmethod
+    def from_wire(cls, v: Any) -> Shutdown:
+        (reason,) = _fixed(v, 1, "shutdown")
+        return cls(_check(reason, str, "reason"))
+
+
+Message = Union[WorkerHello, Assignment, WorkerReady, StepPlan, StepResult, Shutdown]
+_BY_KIND: dict[int, Any] = {
+    c.KIND: c for c in (WorkerHello, Assignment, WorkerReady, StepPlan, StepResult, Shutdown)
+}
+
+
+def _fixed(value: Any, n: int, what: str) -> list[Any]:
+    if not isinstance(value, list) or len(value) != n:
+        raise WireError(f"{what}: expected a list of {n} fields")
+    return value
+
+
+def encode(message: Message) -> bytes:
+    data: bytes = msgpack.packb([WIRE_VERSION, int(message.KIND), *message.to_wire()], use_bin_type=True)
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise WireError(f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+    return data
+
+
+def decode(data: bytes) -> Message:
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise WireError(f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+    try:
+        items = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise WireError(f"not msgpack: {exc}") from exc
+    if not isinstance(items, list) or len(items) < 2:
+        raise WireError("expected [version, kind, *fields]")
+    version, kind, *fields = items
+    if version != WIRE_VERSION:
+        raise WireError(f"wire version {version!r}, this build speaks {WIRE_VERSION}")
+    cls = _BY_KIND.get(kind) if isinstance(kind, int) else None
+    if cls is None:
+        raise WireError(f"unknown message kind {kind!r}")
+    try:
+        return cls.from_wire(fields)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise WireError(f"malformed {cls.__name__}: {exc}") from exc

@@ -1,0 +1,84 @@
+"""A request's state on the scheduler: WAITING → RUNNING ⇄ PREEMPTED → FINISHED(stop|length|abort|error)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from proto.wire import NewRequest, SamplingOptions
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+
+@dataclass(frozen=True, slots=True)
+class StopConditions:
+    max_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()  # empty when ignore_eos
+
+
+_arrivals = itertools.count()
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+    stop: StopConditions
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_seq: int = field(default_factory=lambda: next(_arrivals))  # breaks arrival-time ties
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is (or, once this step runs, will be) in the cache
+    status: Status = Status.WAITING
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    def append_tokens(self, token_ids: list[int]) -> list[int]:
+        """Append sampled tokens up to the first stop; return the ones kept and set the status when done."""
+        kept: list[int] = []
+        for token in token_ids:
+            self.output_token_ids.append(token)
+            kept.append(token)
+            if token in self.stop.eos_token_ids:
+                self.status = Status.FINISHED_STOPPED
+                break
+            if len(self.output_token_ids) >= self.stop.max_tokens:
+                self.status = Status.FINISHED_LENGTH
+                break
+        return kept
+
+    def to_new_request(self, block_ids: list[int]) -> NewRequest:
+        return NewRequest(
+            self.req_id,
+            list(self.prompt_token_ids),
+            list(self.output_token_ids),
+            self.sampling,
+            list(block_ids),
+            self.num_computed_tokens,
+        )

@@ -1,0 +1,24 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.models import build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from worker_node.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    return build_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    return build_tiny_model("qwen2", tmp_path_factory.mktemp("tiny-qwen2"), smollm2_dir)
