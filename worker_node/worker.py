@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from kernels.backend import BACKEND_NAMES, select_attention_backend
+from kernels.backend import select_attention_backend
 from proto.cli_config import add_config_flag, parse_args
+from proto.worker_flags import add_worker_flags
 from proto.wire import (
     MAX_MESSAGE_BYTES,
     Assignment,
@@ -45,16 +46,6 @@ class WorkerOptions:
     attention_backend: str = "auto"
     connect_timeout: float = 60.0
     threads: int = 0
-
-
-def parse_size(text: str) -> int:
-    """'4GiB', '512MiB', '1e9' or a plain byte count."""
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
-    lowered = text.strip().lower()
-    for unit, factor in units.items():
-        if lowered.endswith(unit):
-            return int(float(lowered[: -len(unit)]) * factor)
-    return int(float(lowered))
 
 
 def pick_device(name: str) -> torch.device:
@@ -132,24 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
         "runs the model on its device and returns sampled tokens.",
     )
     add_config_flag(p)
-    p.add_argument("--scheduler-address", default="127.0.0.1:50061", help="HOST:PORT of the scheduler's worker socket")
-    p.add_argument("--device", default="auto", help="auto (cuda if present, else cpu), cpu, cuda, cuda:N")
     p.add_argument(
-        "--kv-cache-memory",
-        type=parse_size,
-        default=None,
-        help="bytes for the KV cache, e.g. 4GiB (default: a quarter of free RAM on CPU; "
-        "--gpu-memory-utilization on GPU)",
+        "--scheduler-address", default="127.0.0.1:50061", help="HOST:PORT of the scheduler's worker socket"
     )
-    p.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        help="fraction of GPU memory this worker may fill, model and KV cache together",
-    )
-    p.add_argument("--attention-backend", choices=BACKEND_NAMES, default="auto", help="auto: triton on CUDA, torch on CPU")
-    p.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the scheduler's answer")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    add_worker_flags(p)
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     return p
 

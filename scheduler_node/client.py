@@ -1,0 +1,69 @@
+"""vllm-client: stream a prompt (or a chat message) from the command line and print text as it arrives."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+
+from proto import serving_pb2 as pb
+from proto import serving_pb2_grpc as pb_grpc
+from proto.cli_config import add_config_flag, parse_args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vllm-client", description="Stream a completion from a minivllm server.")
+    add_config_flag(p)
+    p.add_argument("prompt", nargs="?", help="the prompt text (read from stdin when omitted)")
+    p.add_argument("--host", default="127.0.0.1", help="server address")
+    p.add_argument("--port", type=int, default=50051, help="server gRPC port")
+    p.add_argument("--chat", action="store_true", help="send the prompt as one user message (chat template)")
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens to generate (default: to the context end)")
+    p.add_argument("--temperature", type=float, default=None, help="0 for greedy (server default 1.0)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens (-1: off)")
+    p.add_argument("--seed", type=int, default=None, help="per-request seed for reproducible sampling")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--n", type=int, default=None, help="sequences to sample")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    p.add_argument("--request-id", default="", help="request id (default: assigned by the server)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
+    return p
+
+
+def build_request(args: argparse.Namespace, prompt: str) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(stop=args.stop, ignore_eos=args.ignore_eos)
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "n"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(sampling, name, value)
+    request = pb.GenerateRequest(request_id=args.request_id, sampling=sampling)
+    if args.chat:
+        request.messages.messages.add(role="user", content=prompt)
+    else:
+        request.prompt = prompt
+    return request
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(build_parser(), argv)
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    with grpc.insecure_channel(f"{args.host}:{args.port}") as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        try:
+            for resp in stub.Generate(build_request(args, prompt), timeout=args.timeout):
+                prefix = f"[{resp.index}] " if args.n and args.n > 1 and resp.text else ""
+                print(prefix + resp.text, end="", flush=True)
+                if resp.finish_reason:
+                    u = resp.usage
+                    print(f"\n[{resp.finish_reason}: {u.prompt_tokens} prompt + {u.completion_tokens} tokens]",
+                          file=sys.stderr)
+        except grpc.RpcError as exc:
+            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

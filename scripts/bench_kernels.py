@@ -1,0 +1,206 @@
+"""Triton attention kernels on a GPU: correctness against the torch reference, decode bandwidth, prefill FLOP/s.
+
+    python scripts/bench_kernels.py              # everything, about a minute on a recent GPU
+    python scripts/bench_kernels.py --sweep      # also try other decode/prefill tile configs
+
+Decode attention is memory-bound, so it is judged by the bytes of K/V it reads per second against what a
+plain device-to-device copy achieves on the same GPU (bar: 70%). Prefill is judged in TFLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import torch_attention as ref  # noqa: E402
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+# (block_size, head_dim, GQA group) covering every supported value at least once
+CHECK_SHAPES = [(16, 128, 1), (32, 64, 2), (64, 128, 4), (16, 64, 8), (32, 128, 8)]
+BANDWIDTH_BAR = 0.70
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp16", help="dtype of the speed runs")
+    parser.add_argument("--num-kv-heads", type=int, default=8, help="KV heads of the speed runs")
+    parser.add_argument("--group", type=int, default=4, help="query heads per KV head in the speed runs")
+    parser.add_argument("--head-dim", type=int, default=128, help="head dim of the speed runs")
+    parser.add_argument("--block-size", type=int, default=16, help="KV block size of the speed runs")
+    parser.add_argument("--skip-correctness", action="store_true", help="only time the kernels")
+    parser.add_argument("--sweep", action="store_true", help="also time other tile configs (slower)")
+    parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
+    return parser.parse_args()
+
+
+def paged_cache(lens: list[int], kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype):
+    """Random K/V caches and block tables scattering each sequence over shuffled blocks."""
+    per_seq = [-(-n // block_size) for n in lens]
+    num_blocks = sum(per_seq)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device="cuda", dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    order = torch.randperm(num_blocks, device="cuda", dtype=torch.int32)
+    tables = torch.zeros(len(lens), max(per_seq), dtype=torch.int32, device="cuda")
+    for i, start in enumerate(itertools.accumulate([0] + per_seq[:-1])):
+        tables[i, : per_seq[i]] = order[start : start + per_seq[i]]
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    return k_cache, v_cache, tables, seq_lens
+
+
+def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
+    return float((out.float() - want.float()).norm() / want.float().norm())
+
+
+def check_correctness(tri) -> list[dict]:
+    rows = []
+    for (block_size, head_dim, group), (dname, dtype) in itertools.product(CHECK_SHAPES, DTYPES.items()):
+        kv_heads, scale = 2, head_dim**-0.5
+        lens = [1, block_size + 1, 5 * block_size - 3, 700]
+        k_cache, v_cache, tables, seq_lens = paged_cache(lens, kv_heads, head_dim, block_size, dtype)
+        errs = {}
+        q = torch.randn(len(lens), kv_heads * group, head_dim, device="cuda", dtype=dtype)
+        args = (q, k_cache, v_cache, tables, seq_lens, scale)
+        want = ref.paged_decode_attention(*args)
+        for segments in (1, 4, None):
+            errs[f"decode[seg={segments}]"] = rel_err(tri.paged_decode_attention(*args, num_segments=segments), want)
+        new = [1, 9, block_size, 300]
+        cu = torch.tensor([0] + new, device="cuda").cumsum(0).int()
+        qp = torch.randn(sum(new), kv_heads * group, head_dim, device="cuda", dtype=dtype)
+        kp = torch.randn(sum(new), kv_heads, head_dim, device="cuda", dtype=dtype)
+        vp = torch.randn_like(kp)
+        pargs = (qp, kp, vp, k_cache, v_cache, tables, cu, seq_lens, scale)
+        errs["prefill"] = rel_err(tri.paged_prefill_attention(*pargs), ref.paged_prefill_attention(*pargs))
+        slots = torch.randperm(k_cache.shape[0] * block_size, device="cuda")[: sum(new)]
+        want_k, want_v, got_k, got_v = (c.clone() for c in (k_cache, v_cache, k_cache, v_cache))
+        ref.write_kv(kp, vp, want_k, want_v, slots)
+        tri.write_kv(kp, vp, got_k, got_v, slots)
+        errs["write_kv"] = max(rel_err(got_k, want_k), rel_err(got_v, want_v))
+        for kernel, err in errs.items():
+            ok = err < TOLERANCE[dtype]
+            shape = f"bs={block_size} d={head_dim} g={group}"
+            rows.append({"kernel": kernel, "dtype": dname, "shape": shape, "rel_err": err, "ok": ok})
+    return rows
+
+
+def copy_bandwidth() -> float:
+    """Bytes moved per second (read + write) by a device-to-device copy of 2 GiB."""
+    from triton.testing import do_bench
+
+    src = torch.empty(2**30, dtype=torch.float16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+def bench_decode(tri, args: argparse.Namespace, batch: int, seq_len: int) -> dict:
+    from triton.testing import do_bench
+
+    dtype = DTYPES[args.dtype]
+    k_cache, v_cache, tables, seq_lens = paged_cache(
+        [seq_len] * batch, args.num_kv_heads, args.head_dim, args.block_size, dtype
+    )
+    q = torch.randn(batch, args.num_kv_heads * args.group, args.head_dim, device="cuda", dtype=dtype)
+    ms = do_bench(
+        lambda: tri.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.1), return_mode="median"
+    )
+    kv_bytes = 2 * batch * seq_len * args.num_kv_heads * args.head_dim * k_cache.element_size()
+    return {"batch": batch, "seq_len": seq_len, "ms": ms, "GB/s": kv_bytes / (ms * 1e-3) / 1e9}
+
+
+def bench_prefill(tri, args: argparse.Namespace, num_seqs: int, prefix: int, new: int) -> dict:
+    from triton.testing import do_bench
+
+    dtype, kv_heads, head_dim = DTYPES[args.dtype], args.num_kv_heads, args.head_dim
+    heads = kv_heads * args.group
+    k_cache, v_cache, tables, seq_lens = paged_cache(
+        [prefix + new] * num_seqs, kv_heads, head_dim, args.block_size, dtype
+    )
+    q = torch.randn(num_seqs * new, heads, head_dim, device="cuda", dtype=dtype)
+    k = torch.randn(num_seqs * new, kv_heads, head_dim, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    cu = torch.arange(num_seqs + 1, device="cuda", dtype=torch.int32) * new
+    pargs = (q, k, v, k_cache, v_cache, tables, cu, seq_lens, head_dim**-0.5)
+    ms = do_bench(lambda: tri.paged_prefill_attention(*pargs), return_mode="median")
+    pairs = num_seqs * (new * prefix + new * (new + 1) // 2)  # (query, visible key) pairs
+    flops = 4 * pairs * heads * head_dim  # QK^T and PV, a multiply-add each
+    return {"seqs": num_seqs, "prefix": prefix, "new": new, "ms": ms, "TFLOP/s": flops / (ms * 1e-3) / 1e12}
+
+
+def sweep(tri, args: argparse.Namespace) -> list[dict]:
+    """Time other tile configs on the main decode and prefill shapes, patching the modules' config pickers."""
+    from kernels import triton_decode, triton_prefill
+
+    rows = []
+    decode_default, prefill_default = triton_decode._tile_config, triton_prefill._tile_config
+    try:
+        for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
+            triton_decode._tile_config = lambda *_, c=(block_n, warps, stages): c
+            result = bench_decode(tri, args, 64, 4096)
+            rows.append({"kernel": "decode", "config": f"N={block_n} w={warps} s={stages}", **result})
+        for bm, bn, warps, stages in [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 128, 8, 2)]:
+            triton_prefill._tile_config = lambda *_, c=(bm, bn, warps, stages): c
+            result = bench_prefill(tri, args, 8, 0, 2048)
+            rows.append({"kernel": "prefill", "config": f"M={bm} N={bn} w={warps} s={stages}", **result})
+    finally:
+        triton_decode._tile_config, triton_prefill._tile_config = decode_default, prefill_default
+    return rows
+
+
+def print_table(title: str, rows: list[dict]) -> None:
+    if not rows:
+        return
+    cols = list(rows[0])
+    cells = [[f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    print(f"\n## {title}")
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+
+
+def main() -> int:
+    args = parse_args()
+    if not torch.cuda.is_available():
+        print("bench_kernels: no CUDA device; the Triton kernels need a GPU (use the tests for CPU).", file=sys.stderr)
+        return 2
+    try:
+        from kernels import triton_attention as tri
+    except ImportError as exc:
+        print(f"bench_kernels: cannot import the Triton kernels ({exc}); pip install triton", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    results: dict[str, object] = {"device": torch.cuda.get_device_name()}
+    ok = True
+    if not args.skip_correctness:
+        checks = check_correctness(tri)
+        print_table("correctness vs torch reference", checks)
+        ok = all(row["ok"] for row in checks)
+        results["correctness"] = checks
+    copy_bw = copy_bandwidth() / 1e9
+    decode = [bench_decode(tri, args, b, n) for b, n in [(1, 32768), (8, 8192), (64, 4096), (256, 1024)]]
+    for row in decode:
+        row["% of copy"] = 100 * row["GB/s"] / copy_bw
+    best = max(row["% of copy"] for row in decode)
+    print_table(f"decode attention ({args.dtype}); device copy = {copy_bw:.0f} GB/s", decode)
+    print(f"best decode bandwidth: {best:.1f}% of copy (bar {100 * BANDWIDTH_BAR:.0f}%)")
+    prefill = [bench_prefill(tri, args, s, p, n) for s, p, n in [(8, 0, 2048), (4, 4096, 512), (64, 0, 256)]]
+    print_table(f"prefill attention ({args.dtype})", prefill)
+    results.update(copy_GBps=copy_bw, decode=decode, prefill=prefill, decode_bar_met=best >= 100 * BANDWIDTH_BAR)
+    if args.sweep:
+        results["sweep"] = sweep(tri, args)
+        print_table("tile-config sweep", results["sweep"])
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

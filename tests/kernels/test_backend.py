@@ -1,0 +1,74 @@
+"""Which attention implementation `select_attention_backend` hands out, and when it refuses."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from kernels import backend, torch_attention
+from kernels.backend import select_attention_backend
+
+CPU = torch.device("cpu")
+CUDA = torch.device("cuda")  # only named, never touched: selection works on machines without a GPU
+
+
+def test_unknown_name_is_rejected() -> None:
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        select_attention_backend("flash", CPU)
+
+
+@pytest.mark.parametrize("name", ["auto", "torch"])
+def test_cpu_gets_the_torch_reference(name: str) -> None:
+    chosen = select_attention_backend(name, CPU)
+    assert chosen.name == "torch"
+    assert chosen.write_kv is torch_attention.write_kv
+    assert chosen.decode_attention is torch_attention.paged_decode_attention
+    assert chosen.prefill_attention is torch_attention.paged_prefill_attention
+
+
+def test_torch_is_honoured_on_cuda() -> None:
+    assert select_attention_backend("torch", CUDA).name == "torch"
+
+
+def test_auto_on_cuda_is_triton() -> None:
+    pytest.importorskip("triton")
+    from kernels import triton_attention
+
+    chosen = select_attention_backend("auto", CUDA)
+    assert chosen.name == "triton"
+    assert chosen.decode_attention is triton_attention.paged_decode_attention
+
+
+def test_auto_on_cuda_falls_back_to_torch_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(backend, "triton_available", lambda: False)
+    assert select_attention_backend("auto", CUDA).name == "torch"
+
+
+def test_triton_without_the_package_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(backend, "triton_available", lambda: False)
+    with pytest.raises(ValueError, match="not installed"):
+        select_attention_backend("triton", CUDA)
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(backend, "triton_available", lambda: True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        select_attention_backend("triton", CPU)
+
+
+def test_triton_on_cpu_with_the_interpreter() -> None:
+    pytest.importorskip("triton")  # conftest sets TRITON_INTERPRET=1
+    assert select_attention_backend("triton", CPU).name == "triton"
+
+
+def test_triton_on_other_devices_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(backend, "triton_available", lambda: True)
+    with pytest.raises(ValueError, match="CUDA devices only"):
+        select_attention_backend("triton", torch.device("meta"))
+
+
+def test_backend_is_frozen() -> None:
+    chosen = select_attention_backend("torch", CPU)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        chosen.name = "other"  # type: ignore[misc]
