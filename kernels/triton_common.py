@@ -4,6 +4,9 @@ Importing this module imports triton; `kernels.backend` only imports it when the
 Scores live in the log2 domain (`qk_scale` folds in log2(e)) so the kernels can use `exp2`.
 """
 
+# Triton spells compile-time constants (tl.constexpr arguments) in upper case.
+# ruff: noqa: N803
+
 from __future__ import annotations
 
 import functools
@@ -55,7 +58,7 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return num_heads // num_kv_heads
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def multiprocessor_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device; a small stand-in for the CPU interpreter."""
     if device.type != "cuda":

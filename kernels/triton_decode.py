@@ -6,6 +6,9 @@ max, sum and unnormalised output; a second kernel merges the segments. With a si
 kernel writes the final output itself.
 """
 
+# Triton spells compile-time constants (tl.constexpr arguments) in upper case.
+# ruff: noqa: N803
+
 from __future__ import annotations
 
 import torch
@@ -137,7 +140,9 @@ def _tile_config(dtype: torch.dtype, device: torch.device) -> tuple[int, int, in
     return 64, 4, 3
 
 
-def choose_num_segments(batch: int, num_kv_heads: int, max_len: int, block_n: int, device: torch.device) -> int:
+def choose_num_segments(
+    batch: int, num_kv_heads: int, max_len: int, block_n: int, device: torch.device
+) -> int:
     """Enough segments to give every SM a few programs, none shorter than one tile, at most MAX_SEGMENTS."""
     wanted = triton.cdiv(PROGRAMS_PER_SM * multiprocessor_count(device), batch * num_kv_heads)
     return max(1, min(wanted, triton.cdiv(max_len, block_n), MAX_SEGMENTS))
@@ -169,7 +174,7 @@ def paged_decode_attention(
     direct = num_segments == 1
     if direct:
         o_part, m_part, l_part = out, out, out
-        part_strides = (out.stride(0), out.stride(1), 0, 0, 0)
+        part_strides: tuple[int, ...] = (out.stride(0), out.stride(1), 0, 0, 0)
     else:
         o_part = torch.empty((batch, num_heads, num_segments, head_dim), dtype=torch.float32, device=q.device)
         m_part = torch.empty((batch, num_heads, num_segments), dtype=torch.float32, device=q.device)

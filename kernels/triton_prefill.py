@@ -6,6 +6,9 @@ prefix through the block table, then the new tokens' own keys from `k`/`v`: tile
 without a mask, the diagonal tile(s) with the causal mask.
 """
 
+# Triton spells compile-time constants (tl.constexpr arguments) in upper case.
+# ruff: noqa: N803
+
 from __future__ import annotations
 
 import torch
@@ -102,7 +105,7 @@ def _prefill_kernel(
 
 
 def _tile_config(dtype: torch.dtype, head_dim: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages); the interpreter gets small tiles so tiny tests cross tiles."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages); small tiles in the interpreter so tiny tests cross them."""
     if device.type != "cuda":
         return 32, 16, 4, 1
     if dtype == torch.float32:
@@ -123,7 +126,7 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,  # [S] int32, prefix + new tokens
     scale: float,
 ) -> torch.Tensor:
-    """Causal attention of new tokens over their cached prefix plus themselves (chunked prefill, prefix hits)."""
+    """Causal attention of new tokens over their cached prefix plus themselves (chunked prefill, prefixes)."""
     total_q, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
     group = check_attention_inputs(q, k_cache, v_cache)

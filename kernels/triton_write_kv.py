@@ -1,5 +1,8 @@
 """Triton scatter of new keys/values into the paged KV cache (one program per token, all KV heads)."""
 
+# Triton spells compile-time constants (tl.constexpr arguments) in upper case.
+# ruff: noqa: N803
+
 from __future__ import annotations
 
 import torch

@@ -140,3 +140,78 @@ class Generation:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class ControlStub:
+    """Operators' view of the server.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.GetStats = channel.unary_unary(
+                '/minivllm.v1.Control/GetStats',
+                request_serializer=serving__pb2.GetStatsRequest.SerializeToString,
+                response_deserializer=serving__pb2.Stats.FromString,
+                _registered_method=True)
+
+
+class ControlServicer:
+    """Operators' view of the server.
+    """
+
+    def GetStats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ControlServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'GetStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStats,
+                    request_deserializer=serving__pb2.GetStatsRequest.FromString,
+                    response_serializer=serving__pb2.Stats.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'minivllm.v1.Control', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('minivllm.v1.Control', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Control:
+    """Operators' view of the server.
+    """
+
+    @staticmethod
+    def GetStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/minivllm.v1.Control/GetStats',
+            serving__pb2.GetStatsRequest.SerializeToString,
+            serving__pb2.Stats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

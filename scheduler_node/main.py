@@ -121,6 +121,7 @@ async def serve(args: argparse.Namespace) -> int:
     if engine_task.done():
         code = 1
         logger.error("engine stopped: %s", engine.failed or engine_task.exception())
+    logger.info("shutting down")
     await set_serving(health, False)
     engine_task.cancel()
     await _shutdown(server, link, "scheduler shutting down")

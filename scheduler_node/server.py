@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAMES = (
     pb.DESCRIPTOR.services_by_name["Generation"].full_name,
+    pb.DESCRIPTOR.services_by_name["Control"].full_name,
     health.SERVICE_NAME,
     reflection.SERVICE_NAME,
 )
@@ -72,6 +73,30 @@ class GenerationService(pb_grpc.GenerationServicer):
         return pb.AbortResponse(found=found)
 
 
+class ControlService(pb_grpc.ControlServicer):
+    def __init__(self, generation: GenerationService) -> None:
+        self.generation = generation
+
+    async def GetStats(  # noqa: N802
+        self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Stats:
+        engine = self.generation.engine
+        if engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "workers are joining")
+        s = engine.scheduler
+        return pb.Stats(
+            total_blocks=s.blocks.num_blocks,
+            used_blocks=s.blocks.num_used,
+            free_blocks=s.blocks.num_free,
+            kv_usage=s.blocks.usage,
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_preemptions=s.num_preemptions,
+            block_size=s.config.block_size,
+            max_model_len=s.config.max_model_len,
+        )
+
+
 def _response(request_id: str, d: Delta) -> pb.GenerateResponse:
     resp = pb.GenerateResponse(
         request_id=request_id, index=d.index, token_ids=d.token_ids, text=d.text, finish_reason=d.finish_reason
@@ -94,6 +119,7 @@ def build_server(
         ]
     )
     pb_grpc.add_GenerationServicer_to_server(service, server)
+    pb_grpc.add_ControlServicer_to_server(ControlService(service), server)
     health_service = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
     reflection.enable_server_reflection(SERVICE_NAMES, server)

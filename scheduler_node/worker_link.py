@@ -117,7 +117,7 @@ class WorkerLink:
             except zmq.ZMQError:
                 pass
         self._monitor.close(linger=0)
-        self._sock.close(linger=0)
+        self._sock.close(linger=1000)  # let the Shutdown messages leave
         self._ctx.term()
 
     async def _send(self, identity: bytes, message: Message) -> None:

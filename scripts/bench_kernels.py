@@ -1,4 +1,4 @@
-"""Triton attention kernels on a GPU: correctness against the torch reference, decode bandwidth, prefill FLOP/s.
+"""Triton attention kernels on a GPU: correctness vs the torch reference, decode bandwidth, prefill FLOP/s.
 
     python scripts/bench_kernels.py              # everything, about a minute on a recent GPU
     python scripts/bench_kernels.py --sweep      # also try other decode/prefill tile configs
@@ -13,7 +13,10 @@ import argparse
 import itertools
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -29,7 +32,9 @@ BANDWIDTH_BAR = 0.70
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp16", help="dtype of the speed runs")
     parser.add_argument("--num-kv-heads", type=int, default=8, help="KV heads of the speed runs")
     parser.add_argument("--group", type=int, default=4, help="query heads per KV head in the speed runs")
@@ -41,7 +46,9 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def paged_cache(lens: list[int], kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype):
+def paged_cache(
+    lens: list[int], kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random K/V caches and block tables scattering each sequence over shuffled blocks."""
     per_seq = [-(-n // block_size) for n in lens]
     num_blocks = sum(per_seq)
@@ -59,7 +66,7 @@ def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
     return float((out.float() - want.float()).norm() / want.float().norm())
 
 
-def check_correctness(tri) -> list[dict]:
+def check_correctness(tri: ModuleType) -> list[dict]:
     rows = []
     for (block_size, head_dim, group), (dname, dtype) in itertools.product(CHECK_SHAPES, DTYPES.items()):
         kv_heads, scale = 2, head_dim**-0.5
@@ -70,7 +77,9 @@ def check_correctness(tri) -> list[dict]:
         args = (q, k_cache, v_cache, tables, seq_lens, scale)
         want = ref.paged_decode_attention(*args)
         for segments in (1, 4, None):
-            errs[f"decode[seg={segments}]"] = rel_err(tri.paged_decode_attention(*args, num_segments=segments), want)
+            errs[f"decode[seg={segments}]"] = rel_err(
+                tri.paged_decode_attention(*args, num_segments=segments), want
+            )
         new = [1, 9, block_size, 300]
         cu = torch.tensor([0] + new, device="cuda").cumsum(0).int()
         qp = torch.randn(sum(new), kv_heads * group, head_dim, device="cuda", dtype=dtype)
@@ -100,7 +109,7 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * src.element_size() / (ms * 1e-3)
 
 
-def bench_decode(tri, args: argparse.Namespace, batch: int, seq_len: int) -> dict:
+def bench_decode(tri: ModuleType, args: argparse.Namespace, batch: int, seq_len: int) -> dict:
     from triton.testing import do_bench
 
     dtype = DTYPES[args.dtype]
@@ -115,7 +124,7 @@ def bench_decode(tri, args: argparse.Namespace, batch: int, seq_len: int) -> dic
     return {"batch": batch, "seq_len": seq_len, "ms": ms, "GB/s": kv_bytes / (ms * 1e-3) / 1e9}
 
 
-def bench_prefill(tri, args: argparse.Namespace, num_seqs: int, prefix: int, new: int) -> dict:
+def bench_prefill(tri: ModuleType, args: argparse.Namespace, num_seqs: int, prefix: int, new: int) -> dict:
     from triton.testing import do_bench
 
     dtype, kv_heads, head_dim = DTYPES[args.dtype], args.num_kv_heads, args.head_dim
@@ -134,7 +143,15 @@ def bench_prefill(tri, args: argparse.Namespace, num_seqs: int, prefix: int, new
     return {"seqs": num_seqs, "prefix": prefix, "new": new, "ms": ms, "TFLOP/s": flops / (ms * 1e-3) / 1e12}
 
 
-def sweep(tri, args: argparse.Namespace) -> list[dict]:
+def _try(bench: Callable[[], dict]) -> dict:
+    """A sweep config that does not fit the GPU (e.g. shared memory) is reported, not fatal."""
+    try:
+        return {"ms": float("nan"), **bench(), "error": ""}
+    except Exception as exc:  # noqa: BLE001 - triton raises several unrelated types for a bad config
+        return {"ms": float("nan"), "error": type(exc).__name__}
+
+
+def sweep(tri: ModuleType, args: argparse.Namespace) -> list[dict]:
     """Time other tile configs on the main decode and prefill shapes, patching the modules' config pickers."""
     from kernels import triton_decode, triton_prefill
 
@@ -143,12 +160,16 @@ def sweep(tri, args: argparse.Namespace) -> list[dict]:
     try:
         for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
             triton_decode._tile_config = lambda *_, c=(block_n, warps, stages): c
-            result = bench_decode(tri, args, 64, 4096)
-            rows.append({"kernel": "decode", "config": f"N={block_n} w={warps} s={stages}", **result})
+            config = f"N={block_n} w={warps} s={stages}"
+            rows.append(
+                {"kernel": "decode", "config": config, **_try(lambda: bench_decode(tri, args, 64, 4096))}
+            )
         for bm, bn, warps, stages in [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 128, 8, 2)]:
             triton_prefill._tile_config = lambda *_, c=(bm, bn, warps, stages): c
-            result = bench_prefill(tri, args, 8, 0, 2048)
-            rows.append({"kernel": "prefill", "config": f"M={bm} N={bn} w={warps} s={stages}", **result})
+            config = f"M={bm} N={bn} w={warps} s={stages}"
+            rows.append(
+                {"kernel": "prefill", "config": config, **_try(lambda: bench_prefill(tri, args, 8, 0, 2048))}
+            )
     finally:
         triton_decode._tile_config, triton_prefill._tile_config = decode_default, prefill_default
     return rows
@@ -161,15 +182,18 @@ def print_table(title: str, rows: list[dict]) -> None:
     cells = [[f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
     print(f"\n## {title}")
-    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)))
     for row in cells:
-        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
 
 
 def main() -> int:
     args = parse_args()
     if not torch.cuda.is_available():
-        print("bench_kernels: no CUDA device; the Triton kernels need a GPU (use the tests for CPU).", file=sys.stderr)
+        print(
+            "bench_kernels: no CUDA device; the Triton kernels need a GPU (use the tests for CPU).",
+            file=sys.stderr,
+        )
         return 2
     try:
         from kernels import triton_attention as tri
@@ -177,7 +201,7 @@ def main() -> int:
         print(f"bench_kernels: cannot import the Triton kernels ({exc}); pip install triton", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    results: dict[str, object] = {"device": torch.cuda.get_device_name()}
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name()}
     ok = True
     if not args.skip_correctness:
         checks = check_correctness(tri)
@@ -193,7 +217,9 @@ def main() -> int:
     print(f"best decode bandwidth: {best:.1f}% of copy (bar {100 * BANDWIDTH_BAR:.0f}%)")
     prefill = [bench_prefill(tri, args, s, p, n) for s, p, n in [(8, 0, 2048), (4, 4096, 512), (64, 0, 256)]]
     print_table(f"prefill attention ({args.dtype})", prefill)
-    results.update(copy_GBps=copy_bw, decode=decode, prefill=prefill, decode_bar_met=best >= 100 * BANDWIDTH_BAR)
+    results.update(
+        copy_GBps=copy_bw, decode=decode, prefill=prefill, decode_bar_met=best >= 100 * BANDWIDTH_BAR
+    )
     if args.sweep:
         results["sweep"] = sweep(tri, args)
         print_table("tile-config sweep", results["sweep"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
 from dataclasses import dataclass
@@ -131,6 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _exit_cleanly(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(build_parser(), argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -145,10 +150,12 @@ def main(argv: list[str] | None = None) -> int:
         args.connect_timeout,
         args.threads,
     )
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     worker = Worker(options)
     try:
         return worker.run()
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):
+        logger.info("stopped by signal")
         return 0
     finally:
         worker.close()

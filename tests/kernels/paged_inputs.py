@@ -49,7 +49,7 @@ def make_paged_batch(
         tables[i, :n] = order[start : start + n].int()
         start += n
     batch = PagedBatch(k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32), [], [])
-    for i, (length, cached) in enumerate(zip(seq_lens, cached_lens)):
+    for i, (length, cached) in enumerate(zip(seq_lens, cached_lens, strict=True)):
         keys = torch.randn(length, num_kv_heads, head_dim, generator=gen).to(dtype)
         values = torch.randn(length, num_kv_heads, head_dim, generator=gen).to(dtype)
         slots = batch.slots(i, range(cached))

@@ -32,7 +32,9 @@ def test_prefill_matches_dense(group: int) -> None:
     # (cached prefix, new tokens): no prefix, prefix ending mid-block, on a block boundary, single new token
     pairs = [(0, 5), (0, 17), (10, 7), (16, 16), (33, 1), (5, 40)]
     lens = [p + n for p, n in pairs]
-    batch = make_paged_batch(lens, [p for p, _ in pairs], NUM_KV_HEADS, HEAD_DIM, block_size, torch.float32, gen)
+    batch = make_paged_batch(
+        lens, [p for p, _ in pairs], NUM_KV_HEADS, HEAD_DIM, block_size, torch.float32, gen
+    )
     q = torch.randn(sum(n for _, n in pairs), NUM_KV_HEADS * group, HEAD_DIM, generator=gen)
     k = torch.cat([batch.keys[i][p:] for i, (p, _) in enumerate(pairs)])
     v = torch.cat([batch.values[i][p:] for i, (p, _) in enumerate(pairs)])

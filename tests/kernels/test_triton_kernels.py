@@ -4,6 +4,8 @@ Shapes stay tiny: the interpreter executes every program in Python. bf16 attenti
 scripts/bench_kernels.py only, because the interpreter's `tl.dot` multiplies raw bf16 bit patterns.
 """
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -25,11 +27,11 @@ class _PoisonedTorch:
         return getattr(torch, name)
 
     @staticmethod
-    def empty(size: tuple[int, ...], **kw: object) -> torch.Tensor:
+    def empty(size: tuple[int, ...], **kw: Any) -> torch.Tensor:
         return torch.full(size, float("nan"), **kw)
 
     @staticmethod
-    def empty_like(t: torch.Tensor, **kw: object) -> torch.Tensor:
+    def empty_like(t: torch.Tensor, **kw: Any) -> torch.Tensor:
         return torch.full_like(t, float("nan"), **kw)
 
 
@@ -42,7 +44,11 @@ def poisoned_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize(
     ("block_size", "kv_dtype", "cache_dtype"),
-    [(16, torch.float32, torch.float32), (32, torch.float32, torch.float16), (64, torch.bfloat16, torch.bfloat16)],
+    [
+        (16, torch.float32, torch.float32),
+        (32, torch.float32, torch.float16),
+        (64, torch.bfloat16, torch.bfloat16),
+    ],
 )
 def test_write_kv_matches_reference(block_size: int, kv_dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
     # (the interpreter truncates fp32 -> bf16 where the GPU rounds to nearest, hence no fp32 -> bf16 case)
@@ -76,6 +82,7 @@ DECODE_CASES = [
     (16, 2, 128, [50, 16], 1),
     (32, 4, 64, [33, 5, 64], 3),
     (64, 8, 64, [70, 1], 2),
+    (64, 4, 128, [300, 129], None),
 ]
 
 
@@ -132,3 +139,20 @@ def test_fp16_attention_through_backend(poisoned_outputs: None) -> None:
     decode_args = (q[:2], k_cache, v_cache, tables, seq_lens, SCALE)
     out = backend.decode_attention(*decode_args)
     assert rel_err(out, ref.paged_decode_attention(*decode_args)) < 2e-3
+
+
+def test_strided_q_and_odd_kv_head_count(poisoned_outputs: None) -> None:
+    """q/k/v as views of one fused projection output, 3 KV heads (not a power of two), GQA group 2."""
+    gen = torch.Generator().manual_seed(3)
+    kv_heads, group, head_dim, pairs = 3, 2, 64, [(12, 20), (0, 9)]
+    lens = [p + n for p, n in pairs]
+    batch = make_paged_batch(lens, [p for p, _ in pairs], kv_heads, head_dim, 16, torch.float32, gen)
+    fused = torch.randn(sum(n for _, n in pairs), kv_heads * (group + 2), head_dim, generator=gen)
+    q, k, v = fused.split([kv_heads * group, kv_heads, kv_heads], dim=1)
+    cu = torch.tensor([0] + [n for _, n in pairs]).cumsum(0).int()
+    args = (q, k, v, batch.k_cache, batch.v_cache, batch.block_tables, cu, batch.seq_lens, SCALE)
+    assert rel_err(tri.paged_prefill_attention(*args), ref.paged_prefill_attention(*args)) < 1e-5
+    decode_args = (q[:2], batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, SCALE)
+    for segments in (1, 2):
+        out = tri.paged_decode_attention(*decode_args, num_segments=segments)
+        assert rel_err(out, ref.paged_decode_attention(*decode_args)) < 1e-5
