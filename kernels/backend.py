@@ -18,9 +18,7 @@ logger = logging.getLogger(__name__)
 BACKEND_NAMES = ("auto", "triton", "torch")
 
 WriteKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
-DecodeAttention = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
-]
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 PrefillAttention = Callable[
     [
         torch.Tensor,

@@ -45,8 +45,8 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """Validate what the kernels assume about q and the caches; return the GQA group size."""
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_kv_heads = k_cache.shape[2]
-    if head_dim not in (16, 32, 64, 128, 256) or k_cache.shape[3] != head_dim:
-        raise ValueError(f"head_dim must be a power of two in 16..256 matching the cache, got {head_dim}")
+    if head_dim not in (16, 32, 64, 128) or k_cache.shape[3] != head_dim:
+        raise ValueError(f"head_dim must be 16, 32, 64 or 128 and match the cache, got {head_dim}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if q.dtype not in SUPPORTED_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:

@@ -140,9 +140,7 @@ def _tile_config(dtype: torch.dtype, device: torch.device) -> tuple[int, int, in
     return 64, 4, 3
 
 
-def choose_num_segments(
-    batch: int, num_kv_heads: int, max_len: int, block_n: int, device: torch.device
-) -> int:
+def choose_num_segments(batch: int, num_kv_heads: int, max_len: int, block_n: int, device: torch.device) -> int:
     """Enough segments to give every SM a few programs, none shorter than one tile, at most MAX_SEGMENTS."""
     wanted = triton.cdiv(PROGRAMS_PER_SM * multiprocessor_count(device), batch * num_kv_heads)
     return max(1, min(wanted, triton.cdiv(max_len, block_n), MAX_SEGMENTS))

@@ -104,15 +104,13 @@ def _prefill_kernel(
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
-def _tile_config(dtype: torch.dtype, head_dim: int, device: torch.device) -> tuple[int, int, int, int]:
+def _tile_config(dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages); small tiles in the interpreter so tiny tests cross them."""
     if device.type != "cuda":
         return 32, 16, 4, 1
-    if dtype == torch.float32:
+    if dtype == torch.float32:  # a correctness dtype: exact fp32 dots run on FMA units and spill some
         return 64, 32, 4, 2
-    if head_dim > 64:
-        return 128, 64, 8, 3
-    return 128, 64, 4, 3
+    return 128, 64, 8, 3  # with 4 warps head_dim 64 sits at 250 registers on sm_90, 8 leaves headroom
 
 
 def paged_prefill_attention(
@@ -135,7 +133,7 @@ def paged_prefill_attention(
     out = torch.empty_like(q)
     if total_q == 0 or num_seqs == 0:
         return out
-    block_m, block_n, num_warps, num_stages = _tile_config(q.dtype, head_dim, q.device)
+    block_m, block_n, num_warps, num_stages = _tile_config(q.dtype, q.device)
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
     cu_tiles = torch.zeros(num_seqs + 1, dtype=torch.int32, device=q.device)
     cu_tiles[1:] = torch.cumsum((q_lens + block_m - 1) // block_m, 0)

@@ -38,9 +38,10 @@ def _load(parser: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
         action = known.get(dest)
         if action is None:
             parser.error(f"unknown key {key!r} in {path}; valid keys: {', '.join(sorted(known))}")
-        if action.type is not None and value is not None and not isinstance(value, bool):
+        convert = action.type
+        if callable(convert) and value is not None and not isinstance(value, bool):
             try:
-                value = action.type(value) if not isinstance(value, list) else [action.type(v) for v in value]
+                value = convert(value) if not isinstance(value, list) else [convert(v) for v in value]
             except (TypeError, ValueError) as exc:
                 parser.error(f"{key} in {path}: {exc}")
         if action.choices is not None and value not in action.choices:

@@ -220,8 +220,7 @@ class StepResult:
             _int_list(toks, "sampled tokens")
         _check(lps, dict, "logprobs")
         logprobs = {
-            _check(r, str, "logprobs key"): _list_of(x, TokenLogprobs.from_wire, "logprobs")
-            for r, x in lps.items()
+            _check(r, str, "logprobs key"): _list_of(x, TokenLogprobs.from_wire, "logprobs") for r, x in lps.items()
         }
         return cls(_check(step, int, "step_id"), sampled, logprobs, float(_check(ms, (float, int), "ms")))
 
@@ -319,9 +318,7 @@ class Shutdown:
 
 
 Message = Union[WorkerHello, Assignment, WorkerReady, StepPlan, StepResult, Shutdown]
-_BY_KIND: dict[int, Any] = {
-    c.KIND: c for c in (WorkerHello, Assignment, WorkerReady, StepPlan, StepResult, Shutdown)
-}
+_BY_KIND: dict[int, Any] = {c.KIND: c for c in (WorkerHello, Assignment, WorkerReady, StepPlan, StepResult, Shutdown)}
 
 
 def _fixed(value: Any, n: int, what: str) -> list[Any]:

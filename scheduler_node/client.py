@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
@@ -29,6 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     p.add_argument("--request-id", default="", help="request id (default: assigned by the server)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
+    p.add_argument(
+        "--wait-ready",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="first wait up to this long for the server to report SERVING (health check)",
+    )
     return p
 
 
@@ -46,10 +55,29 @@ def build_request(args: argparse.Namespace, prompt: str) -> pb.GenerateRequest:
     return request
 
 
+def wait_ready(channel: grpc.Channel, timeout: float) -> bool:
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                return True
+        except grpc.RpcError:
+            pass
+        time.sleep(0.5)
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(build_parser(), argv)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     with grpc.insecure_channel(f"{args.host}:{args.port}") as channel:
+        if args.wait_ready and not wait_ready(channel, args.wait_ready):
+            print(
+                f"error: no SERVING server at {args.host}:{args.port} after {args.wait_ready} s",
+                file=sys.stderr,
+            )
+            return 1
         stub = pb_grpc.GenerationStub(channel)
         try:
             for resp in stub.Generate(build_request(args, prompt), timeout=args.timeout):
@@ -57,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(prefix + resp.text, end="", flush=True)
                 if resp.finish_reason:
                     u = resp.usage
-                    print(f"\n[{resp.finish_reason}: {u.prompt_tokens} prompt + {u.completion_tokens} tokens]",
-                          file=sys.stderr)
+                    print(
+                        f"\n[{resp.finish_reason}: {u.prompt_tokens} prompt + {u.completion_tokens} tokens]",
+                        file=sys.stderr,
+                    )
         except grpc.RpcError as exc:
             print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1

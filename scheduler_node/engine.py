@@ -85,9 +85,7 @@ class Engine:
             sampling = spec.sampling
             if spec.n > 1 and sampling.seed is not None:
                 sampling = dataclasses.replace(sampling, seed=sampling.seed + index)
-            req = Request(
-                req_id, spec.prompt_token_ids, sampling, StopConditions(spec.max_tokens, eos), spec.priority
-            )
+            req = Request(req_id, spec.prompt_token_ids, sampling, StopConditions(spec.max_tokens, eos), spec.priority)
             detok = IncrementalDetokenizer(self.tokenizer, spec.prompt_token_ids, spec.stop)
             self._sequences[req_id] = _Sequence(stream, index, detok)
             self.scheduler.add(req)

@@ -33,14 +33,26 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-port", type=int, default=50061, help="port of the ZMQ socket workers join")
     p.add_argument("--num-workers", type=int, default=1, help="workers to wait for before serving")
     p.add_argument("--worker-join-timeout", type=float, default=600.0, help="seconds to wait for all workers")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="model dtype on the workers (auto: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="model dtype on the workers (auto: bfloat16 on GPU, float32 on CPU)",
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (8, 16, 32, 64, 128)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="token budget of one step; prompts longer than this are prefilled in chunks")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="token budget of one step; prompts longer than this are prefilled in chunks",
+    )
     p.add_argument("--max-num-seqs", type=int, default=128, help="running requests at most")
-    p.add_argument("--max-model-len", type=int, default=0,
-                   help="context length (0: the model's, capped by the KV cache capacity)")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=0,
+        help="context length (0: the model's, capped by the KV cache capacity)",
+    )
     p.add_argument("--scheduling-policy", default="fcfs", choices=sorted(POLICIES), help="request order")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
 
@@ -88,12 +100,25 @@ async def serve(args: argparse.Namespace) -> int:
     server, health = build_server(service, f"{args.host}:{args.port}")
     await server.start()
     await set_serving(health, False)
-    logger.info("gRPC on %s:%d; waiting for %d worker(s) on %s:%d",
-                args.host, args.port, args.num_workers, args.worker_host, args.worker_port)
+    logger.info(
+        "gRPC on %s:%d; waiting for %d worker(s) on %s:%d",
+        args.host,
+        args.port,
+        args.num_workers,
+        args.worker_host,
+        args.worker_port,
+    )
 
     def assignment(rank: int) -> Assignment:
-        return Assignment(rank, args.num_workers, str(folder), args.dtype, config.block_size,
-                          config.max_num_batched_tokens, config.max_num_seqs)
+        return Assignment(
+            rank,
+            args.num_workers,
+            str(folder),
+            args.dtype,
+            config.block_size,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+        )
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -114,8 +139,15 @@ async def serve(args: argparse.Namespace) -> int:
     service.engine = engine
     engine_task = asyncio.ensure_future(engine.run())
     await set_serving(health, True)
-    logger.info("serving %s on %s:%d: %d KV blocks of %d tokens, max_model_len %d",
-                folder.name, args.host, args.port, num_blocks, config.block_size, max_len)
+    logger.info(
+        "serving %s on %s:%d: %d KV blocks of %d tokens, max_model_len %d",
+        folder.name,
+        args.host,
+        args.port,
+        num_blocks,
+        config.block_size,
+        max_len,
+    )
     await asyncio.wait({engine_task, stopper}, return_when=asyncio.FIRST_COMPLETED)
     code = 0
     if engine_task.done():

@@ -135,9 +135,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         blocks = self.blocks.free(req.req_id)
         self._forget_on_worker(req, self._preempted_ids)
-        logger.info(
-            "preempted %s by recompute: %d tokens, %d blocks", req.req_id, req.num_computed_tokens, blocks
-        )
+        logger.info("preempted %s by recompute: %d tokens, %d blocks", req.req_id, req.num_computed_tokens, blocks)
         self.running.remove(req)
         req.status = Status.PREEMPTED
         req.num_computed_tokens = 0

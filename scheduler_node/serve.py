@@ -16,8 +16,20 @@ from scheduler_node.main import add_scheduler_flags
 logger = logging.getLogger("vllm-serve")
 
 SCHEDULER_FLAGS = (
-    "model", "host", "port", "worker_host", "worker_port", "num_workers", "worker_join_timeout", "dtype",
-    "block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "scheduling_policy", "log_level",
+    "model",
+    "host",
+    "port",
+    "worker_host",
+    "worker_port",
+    "num_workers",
+    "worker_join_timeout",
+    "dtype",
+    "block_size",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "max_model_len",
+    "scheduling_policy",
+    "log_level",
 )
 
 
@@ -62,8 +74,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     scheduler = subprocess.Popen([sys.executable, "-m", "scheduler_node.main", *_argv(args, SCHEDULER_FLAGS)])
     address = f"{args.worker_host}:{args.worker_port}"
-    worker_cmd = [sys.executable, "-m", "worker_node.worker", "--scheduler-address", address,
-                  "--log-level", args.log_level, *worker_argv(args)]
+    worker_cmd = [
+        sys.executable,
+        "-m",
+        "worker_node.worker",
+        "--scheduler-address",
+        address,
+        "--log-level",
+        args.log_level,
+        *worker_argv(args),
+    ]
     workers = [subprocess.Popen(worker_cmd) for _ in range(args.num_workers)]
     procs = [scheduler, *workers]
     stopping = False

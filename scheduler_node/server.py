@@ -48,9 +48,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         if not spec.request_id:
             spec = dataclasses.replace(spec, request_id=uuid.uuid4().hex)
         if engine.is_live(spec.request_id):
-            await context.abort(
-                grpc.StatusCode.ALREADY_EXISTS, f"request_id: {spec.request_id!r} is already running"
-            )
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {spec.request_id!r} is already running")
             return
         stream = engine.submit(spec)
         done = False
@@ -83,6 +81,7 @@ class ControlService(pb_grpc.ControlServicer):
         engine = self.generation.engine
         if engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "workers are joining")
+            raise AssertionError("abort raises")
         s = engine.scheduler
         return pb.Stats(
             total_blocks=s.blocks.num_blocks,
@@ -99,7 +98,11 @@ class ControlService(pb_grpc.ControlServicer):
 
 def _response(request_id: str, d: Delta) -> pb.GenerateResponse:
     resp = pb.GenerateResponse(
-        request_id=request_id, index=d.index, token_ids=d.token_ids, text=d.text, finish_reason=d.finish_reason
+        request_id=request_id,
+        index=d.index,
+        token_ids=d.token_ids,
+        text=d.text,
+        finish_reason=d.finish_reason,
     )
     for lp in d.logprobs:
         resp.logprobs.add(logprob=lp.logprob, top=[pb.TokenLogprob(token_id=t, logprob=p) for t, p in lp.top])
@@ -109,9 +112,7 @@ def _response(request_id: str, d: Delta) -> pb.GenerateResponse:
     return resp
 
 
-def build_server(
-    service: GenerationService, address: str
-) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+def build_server(service: GenerationService, address: str) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -44,7 +44,9 @@ class ModelTokenizer:
         if self._template is None:
             raise ValueError("the model has no chat template")
         text = self._template.render(
-            messages=messages, add_generation_prompt=True, **{k: v for k, v in self.special_tokens.items() if v}
+            messages=messages,
+            add_generation_prompt=True,
+            **{k: v for k, v in self.special_tokens.items() if v},
         )
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 

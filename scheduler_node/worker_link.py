@@ -66,9 +66,7 @@ class WorkerLink:
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(set(range(world_size)) - set(ready))
-                raise TimeoutError(
-                    f"workers for ranks {missing} did not join {self.address} within {timeout:.0f} s"
-                )
+                raise TimeoutError(f"workers for ranks {missing} did not join {self.address} within {timeout:.0f} s")
             try:
                 identity, msg = await asyncio.wait_for(self._recv(), left)
             except asyncio.TimeoutError:

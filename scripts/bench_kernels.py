@@ -32,9 +32,7 @@ BANDWIDTH_BAR = 0.70
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp16", help="dtype of the speed runs")
     parser.add_argument("--num-kv-heads", type=int, default=8, help="KV heads of the speed runs")
     parser.add_argument("--group", type=int, default=4, help="query heads per KV head in the speed runs")
@@ -77,9 +75,7 @@ def check_correctness(tri: ModuleType) -> list[dict]:
         args = (q, k_cache, v_cache, tables, seq_lens, scale)
         want = ref.paged_decode_attention(*args)
         for segments in (1, 4, None):
-            errs[f"decode[seg={segments}]"] = rel_err(
-                tri.paged_decode_attention(*args, num_segments=segments), want
-            )
+            errs[f"decode[seg={segments}]"] = rel_err(tri.paged_decode_attention(*args, num_segments=segments), want)
         new = [1, 9, block_size, 300]
         cu = torch.tensor([0] + new, device="cuda").cumsum(0).int()
         qp = torch.randn(sum(new), kv_heads * group, head_dim, device="cuda", dtype=dtype)
@@ -117,9 +113,7 @@ def bench_decode(tri: ModuleType, args: argparse.Namespace, batch: int, seq_len:
         [seq_len] * batch, args.num_kv_heads, args.head_dim, args.block_size, dtype
     )
     q = torch.randn(batch, args.num_kv_heads * args.group, args.head_dim, device="cuda", dtype=dtype)
-    ms = do_bench(
-        lambda: tri.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.1), return_mode="median"
-    )
+    ms = do_bench(lambda: tri.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.1), return_mode="median")
     kv_bytes = 2 * batch * seq_len * args.num_kv_heads * args.head_dim * k_cache.element_size()
     return {"batch": batch, "seq_len": seq_len, "ms": ms, "GB/s": kv_bytes / (ms * 1e-3) / 1e9}
 
@@ -161,15 +155,11 @@ def sweep(tri: ModuleType, args: argparse.Namespace) -> list[dict]:
         for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
             triton_decode._tile_config = lambda *_, c=(block_n, warps, stages): c
             config = f"N={block_n} w={warps} s={stages}"
-            rows.append(
-                {"kernel": "decode", "config": config, **_try(lambda: bench_decode(tri, args, 64, 4096))}
-            )
+            rows.append({"kernel": "decode", "config": config, **_try(lambda: bench_decode(tri, args, 64, 4096))})
         for bm, bn, warps, stages in [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 128, 8, 2)]:
             triton_prefill._tile_config = lambda *_, c=(bm, bn, warps, stages): c
             config = f"M={bm} N={bn} w={warps} s={stages}"
-            rows.append(
-                {"kernel": "prefill", "config": config, **_try(lambda: bench_prefill(tri, args, 8, 0, 2048))}
-            )
+            rows.append({"kernel": "prefill", "config": config, **_try(lambda: bench_prefill(tri, args, 8, 0, 2048))})
     finally:
         triton_decode._tile_config, triton_prefill._tile_config = decode_default, prefill_default
     return rows
@@ -217,9 +207,7 @@ def main() -> int:
     print(f"best decode bandwidth: {best:.1f}% of copy (bar {100 * BANDWIDTH_BAR:.0f}%)")
     prefill = [bench_prefill(tri, args, s, p, n) for s, p, n in [(8, 0, 2048), (4, 4096, 512), (64, 0, 256)]]
     print_table(f"prefill attention ({args.dtype})", prefill)
-    results.update(
-        copy_GBps=copy_bw, decode=decode, prefill=prefill, decode_bar_met=best >= 100 * BANDWIDTH_BAR
-    )
+    results.update(copy_GBps=copy_bw, decode=decode, prefill=prefill, decode_bar_met=best >= 100 * BANDWIDTH_BAR)
     if args.sweep:
         results["sweep"] = sweep(tri, args)
         print_table("tile-config sweep", results["sweep"])

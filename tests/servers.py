@@ -21,7 +21,9 @@ def free_port() -> int:
 
 
 class Cluster:
-    def __init__(self, model: Path, scheduler_args: list[str] = (), worker_args: list[str] = (), num_workers: int = 1) -> None:  # type: ignore[assignment]
+    def __init__(
+        self, model: Path, scheduler_args: list[str] = (), worker_args: list[str] = (), num_workers: int = 1
+    ) -> None:  # type: ignore[assignment]
         self.port = free_port()
         self.worker_port = free_port()
         self.address = f"127.0.0.1:{self.port}"
@@ -29,14 +31,36 @@ class Cluster:
         common = ["--log-level", "INFO"]
         self.scheduler = self._spawn(
             "scheduler",
-            [sys.executable, "-m", "scheduler_node.main", "--model", str(model), "--port", str(self.port),
-             "--worker-port", str(self.worker_port), "--num-workers", str(num_workers), *common, *scheduler_args],
+            [
+                sys.executable,
+                "-m",
+                "scheduler_node.main",
+                "--model",
+                str(model),
+                "--port",
+                str(self.port),
+                "--worker-port",
+                str(self.worker_port),
+                "--num-workers",
+                str(num_workers),
+                *common,
+                *scheduler_args,
+            ],
         )
         self.workers = [
             self._spawn(
                 f"worker{i}",
-                [sys.executable, "-m", "worker_node.worker", "--scheduler-address",
-                 f"127.0.0.1:{self.worker_port}", "--threads", "1", *common, *worker_args],
+                [
+                    sys.executable,
+                    "-m",
+                    "worker_node.worker",
+                    "--scheduler-address",
+                    f"127.0.0.1:{self.worker_port}",
+                    "--threads",
+                    "1",
+                    *common,
+                    *worker_args,
+                ],
             )
             for i in range(num_workers)
         ]

@@ -74,7 +74,12 @@ def test_health_and_reflection(cluster: Cluster) -> None:
 
 
 def test_concurrent_streams_join_to_their_text(stub, control, tokenizer) -> None:  # type: ignore[no-untyped-def]
-    prompts = ["The capital of France is", "List three colors:", "1, 2, 3, 4,", "Write a haiku about the sea."]
+    prompts = [
+        "The capital of France is",
+        "List three colors:",
+        "1, 2, 3, 4,",
+        "Write a haiku about the sea.",
+    ]
     results: dict[int, list[pb.GenerateResponse]] = {}
 
     def run(i: int) -> None:
@@ -209,7 +214,8 @@ def test_logprobs_and_seeded_sampling(stub) -> None:  # type: ignore[no-untyped-
 
 def test_n_sequences_stream_with_their_index(stub) -> None:  # type: ignore[no-untyped-def]
     request = pb.GenerateRequest(
-        prompt="Name a fruit:", sampling=pb.SamplingParams(max_tokens=6, temperature=1.0, seed=1, n=3, ignore_eos=True)
+        prompt="Name a fruit:",
+        sampling=pb.SamplingParams(max_tokens=6, temperature=1.0, seed=1, n=3, ignore_eos=True),
     )
     deltas = collect(stub, request)
     finished = [d.index for d in deltas if d.finish_reason]

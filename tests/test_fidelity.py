@@ -27,7 +27,11 @@ def test_greedy_matches_hf_under_chunking_and_preemption(kind: str, request: pyt
     num_blocks = 14  # the batch needs ~20 blocks at its peak: forces recompute preemption
     runner = make_runner(folder, num_blocks, BLOCK)
     requests, scheduler = run_offline(
-        runner, prompts, max_tokens, num_blocks=num_blocks, max_num_batched_tokens=24  # forces chunked prefill
+        runner,
+        prompts,
+        max_tokens,
+        num_blocks=num_blocks,
+        max_num_batched_tokens=24,  # forces chunked prefill
     )
     assert scheduler.num_preemptions > 0, "the test lost its point: no preemption happened"
     assert scheduler.blocks.num_free == num_blocks
@@ -41,7 +45,11 @@ def test_smollm2_greedy_matches_hf(smollm2_dir) -> None:  # type: ignore[no-unty
     from scheduler_node.tokenizer import ModelTokenizer
 
     tok = ModelTokenizer(smollm2_dir)
-    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away, there lived"]
+    texts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time, in a land far away, there lived",
+    ]
     prompts = [tok.encode(t) for t in texts]
     runner = make_runner(smollm2_dir, 64, BLOCK)
     requests, _ = run_offline(runner, prompts, [24, 24, 24], num_blocks=64, max_num_batched_tokens=16)

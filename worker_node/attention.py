@@ -37,9 +37,7 @@ def paged_attention(
     parts = []
     if nd:
         parts.append(
-            backend.decode_attention(
-                q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
-            )
+            backend.decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
         )
     if nd < q.shape[0]:
         parts.append(

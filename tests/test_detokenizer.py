@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from scheduler_node.detokenizer import IncrementalDetokenizer
+from scheduler_node.tokenizer import ModelTokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_dir: Path) -> ModelTokenizer:
+    return ModelTokenizer(smollm2_dir)
+
+
+def stream(tok: ModelTokenizer, text: str, stop: list[str]) -> tuple[list[str], IncrementalDetokenizer]:
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok, tok.encode("Prompt:"), stop)
+    deltas = []
+    for i, token in enumerate(ids):
+        detok.add([token])
+        deltas.append(detok.delta(final=detok.stopped or i == len(ids) - 1))
+        if detok.stopped:
+            break
+    return deltas, detok
+
+
+def test_multibyte_characters_are_never_split(tok: ModelTokenizer) -> None:
+    text = "Grüße aus 日本語, emoji 🎉🚀 and more: ñ, ø, 한국어."
+    ids = tok.encode(text)
+    assert any("\ufffd" in tok.decode([t]) for t in ids), "the text must contain tokens that split characters"
+    deltas, _ = stream(tok, text, [])
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == tok.decode(ids)
+
+
+def test_stop_string_is_cut_exactly_even_across_tokens(tok: ModelTokenizer) -> None:
+    text = "alpha beta gamma delta epsilon"
+    deltas, detok = stream(tok, text, ["ma del"])
+    assert detok.stopped
+    assert "".join(deltas) == "alpha beta gam"
+
+
+def test_held_back_text_is_released_when_no_stop_matches(tok: ModelTokenizer) -> None:
+    deltas, detok = stream(tok, "one two three", ["zzz-not-there"])
+    assert not detok.stopped
+    assert "".join(deltas) == "one two three"

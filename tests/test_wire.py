@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proto.wire import (
+    MAX_MESSAGE_BYTES,
+    WIRE_VERSION,
+    Assignment,
+    CachedRequest,
+    NewRequest,
+    SamplingOptions,
+    Shutdown,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+    WireError,
+    WorkerHello,
+    WorkerReady,
+    decode,
+    encode,
+)
+
+MESSAGES = [
+    WorkerHello("host", 123, "cpu"),
+    Assignment(0, 2, "/models/x", "auto", 16, 2048, 128),
+    WorkerReady(1, 1000, 123456789),
+    Shutdown("bye"),
+    StepPlan(
+        7,
+        [NewRequest("a", [1, 2, 3], [4], SamplingOptions(0.7, 0.9, 5, 42, 2), [3, 4], 0)],
+        [CachedRequest("b", [9], 17)],
+        {"a": 4, "b": 1},
+        ["c"],
+        ["d"],
+    ),
+    StepResult(7, {"a": [5]}, {"a": [TokenLogprobs(-0.5, [(5, -0.5), (6, -1.5)])]}, 3.25),
+]
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_round_trip(message: object) -> None:
+    assert decode(encode(message)) == message  # type: ignore[arg-type]
+
+
+def test_wrong_version_and_kind_are_rejected() -> None:
+    with pytest.raises(WireError, match="version"):
+        decode(msgpack.packb([WIRE_VERSION + 1, 6, "x"]))
+    with pytest.raises(WireError, match="kind"):
+        decode(msgpack.packb([WIRE_VERSION, 99, "x"]))
+
+
+def test_wrong_field_types_are_rejected() -> None:
+    with pytest.raises(WireError):
+        decode(msgpack.packb([WIRE_VERSION, 3, "rank", 1, 2]))  # WorkerReady.rank must be an int
+    with pytest.raises(WireError):
+        decode(msgpack.packb([WIRE_VERSION, 5, 1, {"a": ["x"]}, {}, 0.0]))  # tokens must be ints
+
+
+def test_oversized_message_is_rejected() -> None:
+    with pytest.raises(WireError, match="limit"):
+        decode(b"\x00" * (MAX_MESSAGE_BYTES + 1))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=256))
+def test_random_bytes_never_escape_as_other_errors(data: bytes) -> None:
+    try:
+        decode(data)
+    except WireError:
+        pass
