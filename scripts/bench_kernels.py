@@ -168,8 +168,8 @@ def sweep(tri: ModuleType, args: argparse.Namespace) -> list[dict]:
 def print_table(title: str, rows: list[dict]) -> None:
     if not rows:
         return
-    cols = list(rows[0])
-    cells = [[f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols] for r in rows]
+    cols = list(dict.fromkeys(c for r in rows for c in r))  # every key, in first-seen order
+    cells = [[f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
     print(f"\n## {title}")
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)))
