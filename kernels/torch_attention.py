@@ -36,21 +36,31 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [B] int32, tokens in the cache including the query's own
     scale: float,
 ) -> torch.Tensor:
+    """Attention block by block: only the blocks a sequence holds are read (no padding to the longest one);
+    per-block partial softmaxes are merged per sequence, as the split-KV kernel does per segment."""
     batch, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    max_len = int(seq_lens.max())
-    max_blocks = -(-max_len // block_size)
-    table = block_tables[:, :max_blocks].long()
-    keys = k_cache[table].flatten(1, 2)[:, :max_len]  # [B, L, Hkv, D]
-    values = v_cache[table].flatten(1, 2)[:, :max_len]
+    num_cache_blocks, block_size, num_kv_heads = k_cache.shape[:3]
     group = num_heads // num_kv_heads
-    qg = q.view(batch, num_kv_heads, group, head_dim).float()
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, keys.float()) * scale
-    pad = torch.arange(max_len, device=q.device)[None, :] >= seq_lens[:, None].long()
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, values.float())
-    return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+    lens = seq_lens.long()
+    num_blocks = (lens + block_size - 1) // block_size
+    held = torch.arange(block_tables.shape[1], device=q.device)[None, :] < num_blocks[:, None]
+    blocks = block_tables[held].long()  # every held block, sequence by sequence
+    owner = torch.repeat_interleave(torch.arange(batch, device=q.device), num_blocks)
+    index_in_seq = torch.arange(block_tables.shape[1], device=q.device).expand_as(held)[held]
+    keys = k_cache.view(num_cache_blocks, -1).index_select(0, blocks).view(-1, block_size, num_kv_heads, head_dim)
+    values = v_cache.view(num_cache_blocks, -1).index_select(0, blocks).view_as(keys)
+    qb = q.view(batch, num_kv_heads, group, head_dim).float().index_select(0, owner)  # [N, Hkv, G, D]
+    scores = torch.matmul(qb.transpose(0, 1), keys.float().permute(2, 0, 3, 1)) * scale  # [Hkv, N, G, bs]
+    pos = index_in_seq[:, None] * block_size + torch.arange(block_size, device=q.device)[None, :]
+    scores.masked_fill_((pos >= lens[owner][:, None])[None, :, None, :], float("-inf"))
+    seq_max = torch.full((num_kv_heads, batch, group), float("-inf"), device=q.device)
+    seq_max.scatter_reduce_(1, owner[None, :, None].expand(num_kv_heads, -1, group), scores.amax(-1), "amax")
+    probs = torch.exp(scores - seq_max[:, owner, :, None])
+    denom = torch.zeros(num_kv_heads, batch, group, device=q.device).index_add_(1, owner, probs.sum(-1))
+    partial = torch.matmul(probs, values.float().permute(2, 0, 1, 3))  # [Hkv, N, G, D]
+    out = torch.zeros(num_kv_heads, batch, group, head_dim, device=q.device).index_add_(1, owner, partial)
+    out = out / denom[..., None]
+    return out.permute(1, 0, 2, 3).reshape(batch, num_heads, head_dim).to(q.dtype)
 
 
 def paged_prefill_attention(

@@ -1,10 +1,18 @@
-"""Triton attention kernels on a GPU: correctness vs the torch reference, decode bandwidth, prefill FLOP/s.
+"""Triton attention on a GPU: kernel correctness vs the torch reference, decode bandwidth, prefill FLOP/s, and
+end-to-end engine decode tokens/s with the Triton vs the torch attention backend.
 
-    python scripts/bench_kernels.py              # everything, about a minute on a recent GPU
-    python scripts/bench_kernels.py --sweep      # also try other decode/prefill tile configs
+    python scripts/bench_kernels.py                  # everything, a few minutes on a recent GPU
+    python scripts/bench_kernels.py --sweep          # also try other decode/prefill tile configs
+    python scripts/bench_kernels.py --skip-engine    # kernels only
+    python scripts/bench_kernels.py --engine-only    # the end-to-end engine comparison only
 
 Decode attention is memory-bound, so it is judged by the bytes of K/V it reads per second against what a
 plain device-to-device copy achieves on the same GPU (bar: 70%). Prefill is judged in TFLOP/s.
+
+The engine comparison runs the scheduler and the model runner in-process (no sockets) on SmolLM2-135M in
+bf16: 64 requests of 128 random prompt tokens, 128 greedy output tokens each (eos ignored). Decode tokens/s
+counts only steps that are all decodes; `runner ms` is the model runner's own time per such step. Each backend
+runs the workload once to compile and warm up, then once timed.
 """
 
 from __future__ import annotations
@@ -12,7 +20,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import random
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -23,12 +33,23 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import torch_attention as ref  # noqa: E402
+from kernels.backend import select_attention_backend  # noqa: E402
+from proto.wire import SamplingOptions  # noqa: E402
+from scheduler_node.config import SchedulerConfig  # noqa: E402
+from scheduler_node.request import Request, StopConditions  # noqa: E402
+from scheduler_node.scheduler import Scheduler  # noqa: E402
+from worker_node.kv_cache import allocate_kv_cache, bytes_per_block  # noqa: E402
+from worker_node.model_runner import ModelRunner  # noqa: E402
+from worker_node.models.config import ModelConfig  # noqa: E402
+from worker_node.models.loader import load_model  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 # (block_size, head_dim, GQA group) covering every supported value at least once
 CHECK_SHAPES = [(16, 128, 1), (32, 64, 2), (64, 128, 4), (16, 64, 8), (32, 128, 8)]
 BANDWIDTH_BAR = 0.70
+ENGINE_BACKENDS = ("torch", "triton")
+ENGINE_DTYPE = torch.bfloat16
 
 
 def parse_args() -> argparse.Namespace:
@@ -41,6 +62,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-correctness", action="store_true", help="only time the kernels")
     parser.add_argument("--sweep", action="store_true", help="also time other tile configs (slower)")
     parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
+    parser.add_argument("--skip-engine", action="store_true", help="skip the end-to-end engine comparison")
+    parser.add_argument("--engine-only", action="store_true", help="only run the end-to-end engine comparison")
+    parser.add_argument("--model", type=Path, help="HF model folder of the engine runs (default: SmolLM2-135M)")
+    parser.add_argument("--engine-requests", type=int, default=64, help="requests of the engine runs")
+    parser.add_argument("--engine-prompt-len", type=int, default=128, help="prompt tokens per engine request")
+    parser.add_argument("--engine-output-len", type=int, default=128, help="output tokens per engine request")
+    parser.add_argument(
+        "--engine-batched-tokens", type=int, default=2048, help="max_num_batched_tokens of the engine runs"
+    )
     return parser.parse_args()
 
 
@@ -165,6 +195,92 @@ def sweep(tri: ModuleType, args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def engine_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, vocab_size) for _ in range(args.engine_prompt_len)] for _ in range(args.engine_requests)]
+
+
+def make_engine_runner(
+    folder: Path, backend: str, device: torch.device, dtype: torch.dtype, num_blocks: int, block_size: int
+) -> ModelRunner:
+    """What a worker builds at start-up (like tests/harness.make_runner), on `device` in `dtype`."""
+    config = ModelConfig.from_folder(folder)
+    model = load_model(folder, select_attention_backend(backend, device), dtype, device, config.max_model_len)
+    budget = num_blocks * bytes_per_block(config, block_size, dtype)
+    return ModelRunner(model, allocate_kv_cache(config, block_size, dtype, device, budget), block_size, device)
+
+
+def drive_engine(
+    runner: ModelRunner, prompts: list[list[int]], output_len: int, num_blocks: int, max_num_batched_tokens: int
+) -> tuple[dict, list[list[int]]]:
+    """Run every request to its last token through a fresh scheduler; time the steps that are all decodes."""
+    config = SchedulerConfig(
+        block_size=runner.block_size,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=len(prompts),
+        max_model_len=runner.model.config.max_model_len,
+    )
+    scheduler = Scheduler(config, num_blocks)
+    greedy = SamplingOptions(temperature=0.0)
+    requests = [Request(f"r{i}", p, greedy, StopConditions(output_len)) for i, p in enumerate(prompts)]
+    for req in requests:
+        scheduler.add(req)
+    decode_s = runner_ms = 0.0
+    decode_steps = decode_tokens = 0
+    start = time.perf_counter()
+    while scheduler.has_work:
+        step_start = time.perf_counter()
+        plan = scheduler.schedule()
+        result = runner.execute(plan)  # returns host ints: the step's GPU work is done when it returns
+        scheduler.update(result)
+        counts = plan.num_scheduled_tokens.values()
+        if counts and all(n == 1 for n in counts):
+            decode_s += time.perf_counter() - step_start
+            runner_ms += result.execute_ms
+            decode_steps += 1
+            decode_tokens += len(result.sampled)
+    stats = {
+        "total s": time.perf_counter() - start,
+        "decode steps": decode_steps,
+        "decode tok/s": decode_tokens / decode_s if decode_s else float("nan"),
+        "ms/step": 1e3 * decode_s / max(decode_steps, 1),
+        "runner ms": runner_ms / max(decode_steps, 1),
+        "preemptions": scheduler.num_preemptions,
+    }
+    return stats, [r.output_token_ids for r in requests]
+
+
+def bench_engine(args: argparse.Namespace, device: torch.device, dtype: torch.dtype = ENGINE_DTYPE) -> list[dict]:
+    """Decode tokens/s of the whole engine with each attention backend on the same greedy batch."""
+    folder = args.model
+    if folder is None:
+        from worker_node.default_model import ensure_default_model
+
+        folder = ensure_default_model()
+    block_size = args.block_size
+    per_request = -(-(args.engine_prompt_len + args.engine_output_len) // block_size)
+    num_blocks = args.engine_requests * per_request  # every request fits at once: no preemption
+    prompts = engine_prompts(args, ModelConfig.from_folder(folder).vocab_size)
+    rows, outputs = [], {}
+    for backend in ENGINE_BACKENDS:
+        runner = make_engine_runner(folder, backend, device, dtype, num_blocks, block_size)
+        run = (runner, prompts, args.engine_output_len, num_blocks, args.engine_batched_tokens)
+        drive_engine(*run)  # compiles the kernels for every shape the timed run meets
+        stats, outputs[backend] = drive_engine(*run)
+        rows.append({"backend": backend, **stats})
+        del runner
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    reference = outputs[ENGINE_BACKENDS[0]]
+    for row in rows:  # bf16 rounding differs between backends, so greedy paths may part after a while
+        got = outputs[row["backend"]]
+        row["same as torch"] = f"{sum(a == b for a, b in zip(got, reference))}/{len(reference)}"
+    base = rows[0]["decode tok/s"]
+    for row in rows:
+        row["speed-up"] = row["decode tok/s"] / base
+    return rows
+
+
 def print_table(title: str, rows: list[dict]) -> None:
     if not rows:
         return
@@ -177,21 +293,8 @@ def print_table(title: str, rows: list[dict]) -> None:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
 
 
-def main() -> int:
-    args = parse_args()
-    if not torch.cuda.is_available():
-        print(
-            "bench_kernels: no CUDA device; the Triton kernels need a GPU (use the tests for CPU).",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        from kernels import triton_attention as tri
-    except ImportError as exc:
-        print(f"bench_kernels: cannot import the Triton kernels ({exc}); pip install triton", file=sys.stderr)
-        return 2
-    torch.manual_seed(0)
-    results: dict[str, Any] = {"device": torch.cuda.get_device_name()}
+def kernel_benchmarks(tri: ModuleType, args: argparse.Namespace, results: dict[str, Any]) -> bool:
+    """Correctness, decode bandwidth, prefill FLOP/s (and the sweep); False if a correctness check failed."""
     ok = True
     if not args.skip_correctness:
         checks = check_correctness(tri)
@@ -211,6 +314,35 @@ def main() -> int:
     if args.sweep:
         results["sweep"] = sweep(tri, args)
         print_table("tile-config sweep", results["sweep"])
+    return ok
+
+
+def main() -> int:
+    args = parse_args()
+    if args.skip_engine and args.engine_only:
+        print("bench_kernels: --skip-engine and --engine-only leave nothing to run", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print(
+            "bench_kernels: no CUDA device; the Triton kernels need a GPU (use the tests for CPU).",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        from kernels import triton_attention as tri
+    except ImportError as exc:
+        print(f"bench_kernels: cannot import the Triton kernels ({exc}); pip install triton", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name()}
+    ok = True
+    if not args.engine_only:
+        ok = kernel_benchmarks(tri, args, results)
+        torch.cuda.empty_cache()
+    if not args.skip_engine:
+        results["engine"] = bench_engine(args, torch.device("cuda"))
+        shape = f"{args.engine_requests} x ({args.engine_prompt_len} prompt + {args.engine_output_len} output)"
+        print_table(f"engine decode, {shape} tokens, bf16", results["engine"])
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0 if ok else 1

@@ -22,3 +22,8 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) 
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
     return build_tiny_model("qwen2", tmp_path_factory.mktemp("tiny-qwen2"), smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    return build_tiny_model("mistral", tmp_path_factory.mktemp("tiny-mistral"), smollm2_dir)

@@ -11,7 +11,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 
 def build_tiny_model(kind: str, folder: Path, tokenizer_dir: Path) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     common = dict(
         vocab_size=49152,
@@ -34,6 +41,8 @@ def build_tiny_model(kind: str, folder: Path, tokenizer_dir: Path) -> Path:
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    elif kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=4096))
     else:
         raise ValueError(kind)
     with torch.no_grad():  # a larger spread than the default init, so argmax ties are rare

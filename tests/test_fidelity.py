@@ -20,7 +20,7 @@ def mixed_prompts(seed: int, vocab: int = 49152) -> tuple[list[list[int]], list[
     return prompts, max_tokens
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
 def test_greedy_matches_hf_under_chunking_and_preemption(kind: str, request: pytest.FixtureRequest) -> None:
     folder = request.getfixturevalue(f"tiny_{kind}_dir")
     prompts, max_tokens = mixed_prompts(7)

@@ -1,0 +1,53 @@
+"""vllm-serve starts a scheduler and its workers, serves, and stops them all cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from proto import serving_pb2 as pb
+from proto import serving_pb2_grpc as pb_grpc
+from scheduler_node.client import wait_ready
+from tests.servers import REPO, free_port
+
+
+def test_serve_runs_and_stops_all_children_on_sigterm(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    port, worker_port = free_port(), free_port()
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"model: {tiny_llama_dir}\nkv-cache-memory: 16MiB\nthreads: 1\nlog-level: WARNING\n")
+    argv = [sys.executable, "-m", "scheduler_node.serve", "--config", str(config),
+            "--port", str(port), "--worker-port", str(worker_port)]  # fmt: skip
+    serve = subprocess.Popen(argv, cwd=REPO)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            assert wait_ready(channel, 120), "vllm-serve never became SERVING"
+            stub = pb_grpc.GenerationStub(channel)
+            request = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=5, temperature=0))
+            deltas = list(stub.Generate(request, timeout=60))
+            assert deltas[-1].usage.completion_tokens == 5
+        children = _children(serve.pid)
+        assert len(children) == 2, children  # the scheduler and one worker
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(30) == 0
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in children if _alive(pid)], "children outlived vllm-serve"
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    return [int(x) for x in out.stdout.split()]
+
+
+def _alive(pid: int) -> bool:
+    state = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
+    return bool(state) and not state.startswith("Z")
