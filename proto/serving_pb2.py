@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rserving.proto\x12\x0bminivllm.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x96\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x0e\n\x01n\x18\x08 \x01(\x05H\x05\x88\x01\x01\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x06\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobs\"\xe3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x31\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x15.minivllm.v1.TokenIdsH\x00\x12-\n\x08messages\x18\x04 \x01(\x0b\x32\x19.minivllm.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.minivllm.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x42\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.minivllm.v1.ChatMessage\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"C\n\x08Logprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12&\n\x03top\x18\x02 \x03(\x0b\x32\x19.minivllm.v1.TokenLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xb9\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.minivllm.v1.Usage\x12\'\n\x08logprobs\x18\x07 \x03(\x0b\x32\x15.minivllm.v1.Logprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\xc7\x01\n\x05Stats\x12\x14\n\x0ctotal_blocks\x18\x01 \x01(\x05\x12\x13\n\x0bused_blocks\x18\x02 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\x05\x12\x10\n\x08kv_usage\x18\x04 \x01(\x02\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\x03\x12\x12\n\nblock_size\x18\x08 \x01(\x05\x12\x15\n\rmax_model_len\x18\t \x01(\x05\x32\x97\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.minivllm.v1.GenerateRequest\x1a\x1d.minivllm.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.minivllm.v1.AbortRequest\x1a\x1a.minivllm.v1.AbortResponse2G\n\x07\x43ontrol\x12<\n\x08GetStats\x12\x1c.minivllm.v1.GetStatsRequest\x1a\x12.minivllm.v1.Statsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rserving.proto\x12\x0bminivllm.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x96\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x0e\n\x01n\x18\x08 \x01(\x05H\x05\x88\x01\x01\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x06\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobs\"\x8b\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x31\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x15.minivllm.v1.TokenIdsH\x00\x12-\n\x08messages\x18\x04 \x01(\x0b\x32\x19.minivllm.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.minivllm.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x12\n\ndeadline_s\x18\x08 \x01(\x01\x42\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.minivllm.v1.ChatMessage\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"C\n\x08Logprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12&\n\x03top\x18\x02 \x03(\x0b\x32\x19.minivllm.v1.TokenLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xb9\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.minivllm.v1.Usage\x12\'\n\x08logprobs\x18\x07 \x03(\x0b\x32\x15.minivllm.v1.Logprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\xd7\x03\n\x05Stats\x12\x14\n\x0ctotal_blocks\x18\x01 \x01(\x05\x12\x13\n\x0bused_blocks\x18\x02 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\x05\x12\x10\n\x08kv_usage\x18\x04 \x01(\x02\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\x03\x12\x12\n\nblock_size\x18\x08 \x01(\x05\x12\x15\n\rmax_model_len\x18\t \x01(\x05\x12\x1a\n\x12\x63\x61\x63hed_free_blocks\x18\n \x01(\x05\x12\x15\n\rfragmentation\x18\x0b \x01(\x02\x12\x1c\n\x14prefix_cache_queries\x18\x0c \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\r \x01(\x03\x12\x1d\n\x15prefix_cache_hit_rate\x18\x0e \x01(\x02\x12\x1d\n\x15preemptions_recompute\x18\x0f \x01(\x03\x12\x18\n\x10preemptions_swap\x18\x10 \x01(\x03\x12\x18\n\x10swap_blocks_used\x18\x11 \x01(\x05\x12\x19\n\x11swap_blocks_total\x18\x12 \x01(\x05\x12\x15\n\rusable_blocks\x18\x13 \x01(\x05\"\x14\n\x12ListWorkersRequest\"\xa9\x01\n\x0cWorkerStatus\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x0f\n\x07tp_rank\x18\x05 \x01(\x05\x12\x10\n\x08pp_stage\x18\x06 \x01(\x05\x12\r\n\x05state\x18\x07 \x01(\t\x12\x17\n\x0fheartbeat_age_s\x18\x08 \x01(\x01\x12\x15\n\rnum_kv_blocks\x18\t \x01(\x05\"A\n\x13ListWorkersResponse\x12*\n\x07workers\x18\x01 \x03(\x0b\x32\x19.minivllm.v1.WorkerStatus\"!\n\x0c\x44rainRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x01\"3\n\rDrainResponse\x12\x0f\n\x07\x64rained\x18\x01 \x01(\x08\x12\x11\n\tremaining\x18\x02 \x01(\x05\"(\n\x12ResizeCacheRequest\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\"S\n\x13ResizeCacheResponse\x12\x15\n\rusable_blocks\x18\x01 \x01(\x05\x12\x14\n\x0c\x62locks_moved\x18\x02 \x01(\x05\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x32\x97\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.minivllm.v1.GenerateRequest\x1a\x1d.minivllm.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.minivllm.v1.AbortRequest\x1a\x1a.minivllm.v1.AbortResponse2\xab\x02\n\x07\x43ontrol\x12<\n\x08GetStats\x12\x1c.minivllm.v1.GetStatsRequest\x1a\x12.minivllm.v1.Stats\x12P\n\x0bListWorkers\x12\x1f.minivllm.v1.ListWorkersRequest\x1a .minivllm.v1.ListWorkersResponse\x12>\n\x05\x44rain\x12\x19.minivllm.v1.DrainRequest\x1a\x1a.minivllm.v1.DrainResponse\x12P\n\x0bResizeCache\x12\x1f.minivllm.v1.ResizeCacheRequest\x1a .minivllm.v1.ResizeCacheResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,29 +36,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=77
   _globals['_SAMPLINGPARAMS']._serialized_end=355
   _globals['_GENERATEREQUEST']._serialized_start=358
-  _globals['_GENERATEREQUEST']._serialized_end=585
-  _globals['_TOKENIDS']._serialized_start=587
-  _globals['_TOKENIDS']._serialized_end=610
-  _globals['_CHATMESSAGES']._serialized_start=612
-  _globals['_CHATMESSAGES']._serialized_end=670
-  _globals['_TOKENLOGPROB']._serialized_start=672
-  _globals['_TOKENLOGPROB']._serialized_end=721
-  _globals['_LOGPROBS']._serialized_start=723
-  _globals['_LOGPROBS']._serialized_end=790
-  _globals['_USAGE']._serialized_start=792
-  _globals['_USAGE']._serialized_end=849
-  _globals['_GENERATERESPONSE']._serialized_start=852
-  _globals['_GENERATERESPONSE']._serialized_end=1037
-  _globals['_ABORTREQUEST']._serialized_start=1039
-  _globals['_ABORTREQUEST']._serialized_end=1073
-  _globals['_ABORTRESPONSE']._serialized_start=1075
-  _globals['_ABORTRESPONSE']._serialized_end=1105
-  _globals['_GETSTATSREQUEST']._serialized_start=1107
-  _globals['_GETSTATSREQUEST']._serialized_end=1124
-  _globals['_STATS']._serialized_start=1127
-  _globals['_STATS']._serialized_end=1326
-  _globals['_GENERATION']._serialized_start=1329
-  _globals['_GENERATION']._serialized_end=1480
-  _globals['_CONTROL']._serialized_start=1482
-  _globals['_CONTROL']._serialized_end=1553
+  _globals['_GENERATEREQUEST']._serialized_end=625
+  _globals['_TOKENIDS']._serialized_start=627
+  _globals['_TOKENIDS']._serialized_end=650
+  _globals['_CHATMESSAGES']._serialized_start=652
+  _globals['_CHATMESSAGES']._serialized_end=710
+  _globals['_TOKENLOGPROB']._serialized_start=712
+  _globals['_TOKENLOGPROB']._serialized_end=761
+  _globals['_LOGPROBS']._serialized_start=763
+  _globals['_LOGPROBS']._serialized_end=830
+  _globals['_USAGE']._serialized_start=832
+  _globals['_USAGE']._serialized_end=889
+  _globals['_GENERATERESPONSE']._serialized_start=892
+  _globals['_GENERATERESPONSE']._serialized_end=1077
+  _globals['_ABORTREQUEST']._serialized_start=1079
+  _globals['_ABORTREQUEST']._serialized_end=1113
+  _globals['_ABORTRESPONSE']._serialized_start=1115
+  _globals['_ABORTRESPONSE']._serialized_end=1145
+  _globals['_GETSTATSREQUEST']._serialized_start=1147
+  _globals['_GETSTATSREQUEST']._serialized_end=1164
+  _globals['_STATS']._serialized_start=1167
+  _globals['_STATS']._serialized_end=1638
+  _globals['_LISTWORKERSREQUEST']._serialized_start=1640
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1660
+  _globals['_WORKERSTATUS']._serialized_start=1663
+  _globals['_WORKERSTATUS']._serialized_end=1832
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1834
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1899
+  _globals['_DRAINREQUEST']._serialized_start=1901
+  _globals['_DRAINREQUEST']._serialized_end=1934
+  _globals['_DRAINRESPONSE']._serialized_start=1936
+  _globals['_DRAINRESPONSE']._serialized_end=1987
+  _globals['_RESIZECACHEREQUEST']._serialized_start=1989
+  _globals['_RESIZECACHEREQUEST']._serialized_end=2029
+  _globals['_RESIZECACHERESPONSE']._serialized_start=2031
+  _globals['_RESIZECACHERESPONSE']._serialized_end=2114
+  _globals['_GENERATION']._serialized_start=2117
+  _globals['_GENERATION']._serialized_end=2268
+  _globals['_CONTROL']._serialized_start=2271
+  _globals['_CONTROL']._serialized_end=2570
 # @@protoc_insertion_point(module_scope)

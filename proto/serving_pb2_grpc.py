@@ -157,6 +157,21 @@ class ControlStub:
                 request_serializer=serving__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=serving__pb2.Stats.FromString,
                 _registered_method=True)
+        self.ListWorkers = channel.unary_unary(
+                '/minivllm.v1.Control/ListWorkers',
+                request_serializer=serving__pb2.ListWorkersRequest.SerializeToString,
+                response_deserializer=serving__pb2.ListWorkersResponse.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/minivllm.v1.Control/Drain',
+                request_serializer=serving__pb2.DrainRequest.SerializeToString,
+                response_deserializer=serving__pb2.DrainResponse.FromString,
+                _registered_method=True)
+        self.ResizeCache = channel.unary_unary(
+                '/minivllm.v1.Control/ResizeCache',
+                request_serializer=serving__pb2.ResizeCacheRequest.SerializeToString,
+                response_deserializer=serving__pb2.ResizeCacheResponse.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -169,6 +184,26 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListWorkers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Stop admitting (new requests get UNAVAILABLE), finish what runs, then answer drained=true.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResizeCache(self, request, context):
+        """Shrink or grow the usable KV block count at run time; live blocks above the limit are compacted below it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -176,6 +211,21 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=serving__pb2.GetStatsRequest.FromString,
                     response_serializer=serving__pb2.Stats.SerializeToString,
+            ),
+            'ListWorkers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListWorkers,
+                    request_deserializer=serving__pb2.ListWorkersRequest.FromString,
+                    response_serializer=serving__pb2.ListWorkersResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=serving__pb2.DrainRequest.FromString,
+                    response_serializer=serving__pb2.DrainResponse.SerializeToString,
+            ),
+            'ResizeCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResizeCache,
+                    request_deserializer=serving__pb2.ResizeCacheRequest.FromString,
+                    response_serializer=serving__pb2.ResizeCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -206,6 +256,87 @@ class Control:
             '/minivllm.v1.Control/GetStats',
             serving__pb2.GetStatsRequest.SerializeToString,
             serving__pb2.Stats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/minivllm.v1.Control/ListWorkers',
+            serving__pb2.ListWorkersRequest.SerializeToString,
+            serving__pb2.ListWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/minivllm.v1.Control/Drain',
+            serving__pb2.DrainRequest.SerializeToString,
+            serving__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResizeCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/minivllm.v1.Control/ResizeCache',
+            serving__pb2.ResizeCacheRequest.SerializeToString,
+            serving__pb2.ResizeCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,
