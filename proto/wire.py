@@ -29,6 +29,8 @@ class Kind(IntEnum):
     PLAN = 4
     RESULT = 5
     SHUTDOWN = 6
+    HEARTBEAT = 7
+    STEP_ERROR = 8
 
 
 def _check(value: Any, kind: type | tuple[type, ...], what: str) -> Any:
@@ -146,6 +148,12 @@ class StepPlan:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     finished_req_ids: list[str] = field(default_factory=list)  # forget them (finished or aborted)
     preempted_req_ids: list[str] = field(default_factory=list)  # forget them; they come back as new
+    # Device work before the forward pass, in this order: swap out, copy, swap in.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    # Blocks replaced in tables the workers hold (copy-on-write, compaction): req_id -> [(index, block)].
+    block_updates: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
     KIND = Kind.PLAN
 
@@ -157,15 +165,20 @@ class StepPlan:
             self.num_scheduled_tokens,
             self.finished_req_ids,
             self.preempted_req_ids,
+            [list(p) for p in self.swap_out],
+            [list(p) for p in self.block_copies],
+            [list(p) for p in self.swap_in],
+            {r: [list(p) for p in u] for r, u in self.block_updates.items()},
         ]
 
     @classmethod
     def from_wire(cls, v: Any) -> StepPlan:
-        step, new, cached, sched, finished, preempted = _fixed(v, 6, "plan")
+        step, new, cached, sched, finished, preempted, out, copies, into, updates = _fixed(v, 10, "plan")
         _check(sched, dict, "num_scheduled_tokens")
         for rid, n in sched.items():
             _check(rid, str, "num_scheduled_tokens key")
             _check(n, int, "num_scheduled_tokens value")
+        _check(updates, dict, "block_updates")
         return cls(
             _check(step, int, "step_id"),
             _list_of(new, NewRequest.from_wire, "new_requests"),
@@ -173,11 +186,23 @@ class StepPlan:
             sched,
             _list_of(finished, lambda r: _check(r, str, "finished_req_ids"), "finished_req_ids"),
             _list_of(preempted, lambda r: _check(r, str, "preempted_req_ids"), "preempted_req_ids"),
+            _pairs(out, "swap_out"),
+            _pairs(copies, "block_copies"),
+            _pairs(into, "swap_in"),
+            {_check(r, str, "block_updates key"): _pairs(u, "block_updates") for r, u in updates.items()},
         )
 
     @property
     def total_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
+
+
+def _pairs(value: Any, what: str) -> list[tuple[int, int]]:
+    out = []
+    for pair in _check(value, list, what):
+        a, b = _fixed(pair, 2, what)
+        out.append((_check(a, int, what), _check(b, int, what)))
+    return out
 
 
 @dataclass(slots=True)
@@ -246,7 +271,12 @@ class WorkerHello:
 
 @dataclass(slots=True)
 class Assignment:
-    """The scheduler's answer to Hello: which rank this worker is and what it serves."""
+    """The scheduler's answer to Hello: which rank this worker is, what it serves, and where the world meets.
+
+    Rank r is TP rank r % tensor_parallel_size of pipeline stage r // tensor_parallel_size (proto/parallel.py).
+    With a world of more than one worker, every rank joins torch.distributed at `distributed_init`
+    (host:port of rank 0's rendezvous store, which rank 0 opens).
+    """
 
     rank: int
     world_size: int
@@ -255,6 +285,11 @@ class Assignment:
     block_size: int
     max_num_batched_tokens: int
     max_num_seqs: int
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_init: str = ""  # "host:port" of the rendezvous; "" for a world of one
+    device: str = ""  # the device the placement chose ("cuda:3", "cpu"); "" leaves it to the worker
+    distributed_timeout_s: float = 300.0  # a collective or the rendezvous waiting longer than this fails
 
     KIND = Kind.ASSIGNMENT
 
@@ -267,12 +302,17 @@ class Assignment:
             self.block_size,
             self.max_num_batched_tokens,
             self.max_num_seqs,
+            self.tensor_parallel_size,
+            self.pipeline_parallel_size,
+            self.distributed_init,
+            self.device,
+            self.distributed_timeout_s,
         ]
 
     @classmethod
     def from_wire(cls, v: Any) -> Assignment:
-        rank, world, model, dtype, bs, mnbt, mns = _fixed(v, 7, "assignment")
-        return cls(
+        rank, world, model, dtype, bs, mnbt, mns, tp, pp, init, device, timeout = _fixed(v, 12, "assignment")
+        a = cls(
             _check(rank, int, "rank"),
             _check(world, int, "world_size"),
             _check(model, str, "model"),
@@ -280,26 +320,51 @@ class Assignment:
             _check(bs, int, "block_size"),
             _check(mnbt, int, "max_num_batched_tokens"),
             _check(mns, int, "max_num_seqs"),
+            _check(tp, int, "tensor_parallel_size"),
+            _check(pp, int, "pipeline_parallel_size"),
+            _check(init, str, "distributed_init"),
+            _check(device, str, "device"),
+            float(_check(timeout, (float, int), "distributed_timeout_s")),
         )
+        if a.tensor_parallel_size < 1 or a.pipeline_parallel_size < 1:
+            raise WireError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+        if a.tensor_parallel_size * a.pipeline_parallel_size != a.world_size:
+            raise WireError(
+                f"world_size {a.world_size} != tensor_parallel_size {a.tensor_parallel_size} "
+                f"x pipeline_parallel_size {a.pipeline_parallel_size}"
+            )
+        if not 0 <= a.rank < a.world_size:
+            raise WireError(f"rank {a.rank} is outside a world of {a.world_size}")
+        if a.world_size > 1 and ":" not in a.distributed_init:
+            raise WireError(f"distributed_init must be host:port for a world of {a.world_size}")
+        return a
 
 
 @dataclass(slots=True)
 class WorkerReady:
-    """The worker loaded its shard and sized its KV cache."""
+    """The worker loaded its shard and sized its KV cache and swap space."""
 
     rank: int
     num_kv_blocks: int
     kv_cache_bytes: int
+    num_host_blocks: int = 0  # swap space, in blocks
+    swap_bytes_per_s: float = 0.0  # measured device ⇄ host copy bandwidth (0: unknown)
 
     KIND = Kind.READY
 
     def to_wire(self) -> list[Any]:
-        return [self.rank, self.num_kv_blocks, self.kv_cache_bytes]
+        return [self.rank, self.num_kv_blocks, self.kv_cache_bytes, self.num_host_blocks, self.swap_bytes_per_s]
 
     @classmethod
     def from_wire(cls, v: Any) -> WorkerReady:
-        rank, blocks, size = _fixed(v, 3, "ready")
-        return cls(_check(rank, int, "rank"), _check(blocks, int, "num_kv_blocks"), _check(size, int, "bytes"))
+        rank, blocks, size, host, bw = _fixed(v, 5, "ready")
+        return cls(
+            _check(rank, int, "rank"),
+            _check(blocks, int, "num_kv_blocks"),
+            _check(size, int, "bytes"),
+            _check(host, int, "num_host_blocks"),
+            float(_check(bw, (float, int), "swap_bytes_per_s")),
+        )
 
 
 @dataclass(slots=True)
@@ -317,8 +382,52 @@ class Shutdown:
         return cls(_check(reason, str, "reason"))
 
 
-Message = Union[WorkerHello, Assignment, WorkerReady, StepPlan, StepResult, Shutdown]
-_BY_KIND: dict[int, Any] = {c.KIND: c for c in (WorkerHello, Assignment, WorkerReady, StepPlan, StepResult, Shutdown)}
+@dataclass(slots=True)
+class Heartbeat:
+    """Sent both ways while a worker is ready. The scheduler's carries its --heartbeat-timeout, so a worker
+    knows how long a silent scheduler may stay silent before it is considered gone."""
+
+    rank: int
+    seq: int
+    timeout_s: float  # the sender's heartbeat timeout: silence longer than this means the peer is gone
+
+    KIND = Kind.HEARTBEAT
+
+    def to_wire(self) -> list[Any]:
+        return [self.rank, self.seq, self.timeout_s]
+
+    @classmethod
+    def from_wire(cls, v: Any) -> Heartbeat:
+        rank, seq, timeout = _fixed(v, 3, "heartbeat")
+        timeout_s = float(_check(timeout, (float, int), "timeout_s"))
+        if not 0 < timeout_s < 1e6:  # NaN fails too
+            raise WireError(f"timeout_s must be in (0, 1e6), got {timeout_s}")
+        return cls(_check(rank, int, "rank"), _check(seq, int, "seq"), timeout_s)
+
+
+@dataclass(slots=True)
+class StepError:
+    """A worker could not execute a plan (instead of its StepResult); the worker itself keeps running."""
+
+    step_id: int
+    rank: int
+    reason: str
+
+    KIND = Kind.STEP_ERROR
+
+    def to_wire(self) -> list[Any]:
+        return [self.step_id, self.rank, self.reason]
+
+    @classmethod
+    def from_wire(cls, v: Any) -> StepError:
+        step, rank, reason = _fixed(v, 3, "step_error")
+        return cls(_check(step, int, "step_id"), _check(rank, int, "rank"), _check(reason, str, "reason"))
+
+
+Message = Union[WorkerHello, Assignment, WorkerReady, StepPlan, StepResult, Shutdown, Heartbeat, StepError]
+_BY_KIND: dict[int, Any] = {
+    c.KIND: c for c in (WorkerHello, Assignment, WorkerReady, StepPlan, StepResult, Shutdown, Heartbeat, StepError)
+}
 
 
 def _fixed(value: Any, n: int, what: str) -> list[Any]:

@@ -8,9 +8,12 @@ WORKER_FLAGS = (
     "device",
     "kv_cache_memory",
     "gpu_memory_utilization",
+    "swap_space",
     "attention_backend",
     "connect_timeout",
     "threads",
+    "local_address",
+    "cuda_graph_sizes",
 )
 
 
@@ -45,8 +48,38 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto: triton on CUDA, torch on CPU",
     )
+    p.add_argument(
+        "--swap-space",
+        type=float,
+        default=4.0,
+        help="GiB of host memory per worker for swapped-out KV blocks (preemption by swap); 0 disables swap",
+    )
     p.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the scheduler")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument(
+        "--local-address",
+        default=None,
+        help="this worker's IP on a multi-host world: its connection to the scheduler leaves from it, the "
+        "scheduler hands it out as the rendezvous address when this worker is rank 0, and torch.distributed "
+        "(gloo) binds to it (default: chosen by the OS)",
+    )
+    p.add_argument(
+        "--cuda-graph-sizes",
+        default="",
+        help="decode batch sizes to capture as CUDA graphs, e.g. 1,2,4,8,16,32 (batches pad up to the nearest); "
+        "GPU with the triton backend and TP 1 only; empty: run eagerly (the default, and always on CPU)",
+    )
+
+
+def add_curve_flag(p: argparse.ArgumentParser) -> None:
+    """--zmq-curve-dir: on the scheduler and on every worker (vllm-serve passes it to both)."""
+    p.add_argument(
+        "--zmq-curve-dir",
+        default=None,
+        metavar="DIR",
+        help="encrypt and authenticate the scheduler-worker socket with ZMQ CURVE keys kept in DIR "
+        "(the scheduler creates them when missing; copy DIR to worker hosts); default: plain TCP",
+    )
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:

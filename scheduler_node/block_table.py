@@ -1,19 +1,58 @@
-"""The global KV block table: fixed-size blocks with ref counts, allocated on growth, freed on finish."""
+"""The global KV block table: fixed-size blocks with ref counts, prefix-cache hashes and copy-on-write.
+
+Every request holds a list of device blocks. A full block whose KV is computed gets a chained hash (its
+parent's hash and its token ids), so a later request with the same prefix reuses it. A freed block keeps its
+hash in an LRU free queue until it is handed out again (lazy free). A block held by more than one request is
+copied before it is written. Swap space on the workers' host memory has its own pool of host blocks.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+BlockHash = bytes
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int], salt: str = "") -> BlockHash:
+    """The chained hash of one full block; the salt seeds the chain so tenants can opt out of sharing."""
+    seed = parent if parent is not None else hashlib.blake2b(salt.encode(), digest_size=16).digest()
+    return hashlib.blake2b(seed + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
+@dataclass(slots=True)
+class BlockOps:
+    """Device work the workers do before a step's forward pass, in this order."""
+
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    copy: list[tuple[int, int]] = field(default_factory=list)  # (source block, destination block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
 
 
 class BlockTable:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_host_blocks: int = 0
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.usable_blocks = num_blocks  # ResizeCache limit: blocks at or above it are never handed out
         self._ref_counts = [0] * num_blocks
+        self._hash_of: list[BlockHash | None] = [None] * num_blocks
+        self._cached: dict[BlockHash, int] = {}
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # LRU first
         self._tables: dict[str, list[int]] = {}
+        self.num_host_blocks = num_host_blocks
+        self._host_free = list(range(num_host_blocks - 1, -1, -1))
+        self._host_tables: dict[str, list[int]] = {}
+        self.ops = BlockOps()  # collected for the next plan
+
+    # ---- reading
 
     @property
     def num_free(self) -> int:
@@ -21,44 +60,224 @@ class BlockTable:
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.usable_blocks - len(self._free)
 
     @property
     def usage(self) -> float:
-        return self.num_used / self.num_blocks
+        return self.num_used / self.usable_blocks
+
+    @property
+    def num_cached_free(self) -> int:
+        return sum(1 for b in self._free if self._hash_of[b] is not None)
+
+    @property
+    def num_host_used(self) -> int:
+        return self.num_host_blocks - len(self._host_free)
+
+    def is_free(self, block: int) -> bool:
+        return block in self._free
 
     def blocks_of(self, req_id: str) -> list[int]:
         return self._tables.get(req_id, [])
 
+    def host_blocks_of(self, req_id: str) -> list[int]:
+        return self._host_tables.get(req_id, [])
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def extra_blocks(self, req_id: str, num_tokens: int) -> int:
-        """Blocks the request still needs so that `num_tokens` tokens have a slot."""
-        return max(0, self.blocks_for(num_tokens) - len(self.blocks_of(req_id)))
+    def take_ops(self) -> BlockOps:
+        ops, self.ops = self.ops, BlockOps()
+        return ops
 
-    def can_grow(self, req_id: str, num_tokens: int, reserve: int = 0) -> bool:
-        return self.extra_blocks(req_id, num_tokens) + reserve <= len(self._free)
+    # ---- growth and copy-on-write
 
-    def grow(self, req_id: str, num_tokens: int) -> list[int]:
-        """Give the request enough blocks for `num_tokens` tokens; return the blocks added."""
-        need = self.extra_blocks(req_id, num_tokens)
-        if need > len(self._free):
-            raise MemoryError(f"{req_id} needs {need} blocks, {len(self._free)} free")
-        added = [self._free.popleft() for _ in range(need)]
-        for block in added:
-            self._ref_counts[block] = 1
-        self._tables.setdefault(req_id, []).extend(added)
-        return added
+    def blocks_needed(self, req_id: str, first: int, end: int) -> int:
+        """Free blocks needed so positions [first, end) can be written: new blocks plus shared ones to copy."""
+        table = self._tables.get(req_id, [])
+        new = max(0, self.blocks_for(end) - len(table))
+        last_held = min(len(table), self.blocks_for(end))
+        shared = sum(1 for i in range(first // self.block_size, last_held) if self._ref_counts[table[i]] > 1)
+        return new + shared
+
+    def can_write(self, req_id: str, first: int, end: int, reserve: int = 0) -> bool:
+        return self.blocks_needed(req_id, first, end) + reserve <= len(self._free)
+
+    def write(self, req_id: str, first: int, end: int) -> tuple[list[int], list[tuple[int, int]]]:
+        """Make positions [first, end) writable: copy shared blocks, append new ones.
+
+        Returns the appended blocks and the (index, block) replacements made by copy-on-write."""
+        if not self.can_write(req_id, first, end):
+            raise MemoryError(f"{req_id} needs {self.blocks_needed(req_id, first, end)} blocks, {self.num_free} free")
+        table = self._tables.setdefault(req_id, [])
+        replaced = []
+        for i in range(first // self.block_size, min(len(table), self.blocks_for(end))):
+            src = table[i]
+            if self._ref_counts[src] > 1:
+                dst = self._pop_free()
+                self._ref_counts[src] -= 1
+                table[i] = dst
+                self.ops.copy.append((src, dst))
+                replaced.append((i, dst))
+        added = [self._pop_free() for _ in range(self.blocks_for(end) - len(table))]
+        table.extend(added)
+        return added, replaced
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:
+        """The child shares the parent's blocks that hold its first `num_tokens` tokens."""
+        shared = self._tables[parent_id][: self.blocks_for(num_tokens)]
+        for block in shared:
+            self._ref_counts[block] += 1
+        self._tables[child_id] = list(shared)
 
     def free(self, req_id: str) -> int:
-        """Release every block the request holds; return how many."""
+        """Release every block the request holds (device and host); return how many device blocks."""
         blocks = self._tables.pop(req_id, [])
-        for block in reversed(blocks):  # the tail goes back last: LIFO reuse of recent blocks
-            self._ref_counts[block] -= 1
-            if self._ref_counts[block] == 0:
-                self._free.append(block)
+        for block in reversed(blocks):  # the tail goes back first, so it is evicted before the shared head
+            self._release(block)
+        self._host_free.extend(self._host_tables.pop(req_id, []))
         return len(blocks)
+
+    # ---- prefix caching
+
+    def match_prefix(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """The cached blocks holding the longest prefix of these block hashes."""
+        if not self.enable_prefix_caching:
+            return []
+        blocks = []
+        for h in hashes:
+            block = self._cached.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def acquire(self, req_id: str, blocks: list[int]) -> None:
+        """Give a request that holds nothing yet these cached blocks (prefix hit)."""
+        assert req_id not in self._tables
+        for block in blocks:
+            if self._ref_counts[block] == 0:
+                del self._free[block]
+            self._ref_counts[block] += 1
+        self._tables[req_id] = list(blocks)
+
+    def register(self, req_id: str, hashes: Sequence[BlockHash]) -> None:
+        """Record the hashes of the request's full, computed blocks (the first len(hashes) blocks)."""
+        if not self.enable_prefix_caching:
+            return
+        for block, h in zip(self._tables.get(req_id, []), hashes):
+            if self._hash_of[block] is None and h not in self._cached:
+                self._hash_of[block] = h
+                self._cached[h] = block
+
+    # ---- swap
+
+    def can_swap_out(self, req_id: str) -> bool:
+        return len(self._tables.get(req_id, [])) <= len(self._host_free)
+
+    def swap_out(self, req_id: str) -> int:
+        blocks = self._tables.pop(req_id)
+        host = [self._host_free.pop() for _ in blocks]
+        self.ops.swap_out.extend(zip(blocks, host))
+        for block in reversed(blocks):
+            self._release(block)
+        self._host_tables[req_id] = host
+        return len(blocks)
+
+    def can_swap_in(self, req_id: str, reserve: int = 0) -> bool:
+        return len(self._host_tables.get(req_id, [])) + reserve <= len(self._free)
+
+    def swap_in(self, req_id: str) -> int:
+        host = self._host_tables.pop(req_id)
+        blocks = [self._pop_free() for _ in host]
+        self.ops.swap_in.extend(zip(host, blocks))
+        self._host_free.extend(host)
+        self._tables[req_id] = blocks
+        return len(blocks)
+
+    # ---- resizing and compaction
+
+    def resize(self, usable: int) -> dict[str, list[tuple[int, int]]]:
+        """Set the usable block count; live blocks at or above it move below (device copies).
+
+        Returns, per request, the (index, block) replacements. Raises MemoryError when the live blocks do
+        not fit under the new limit."""
+        if not 1 <= usable <= self.num_blocks:
+            raise ValueError(f"usable blocks must be in [1, {self.num_blocks}], got {usable}")
+        live_above = [b for b in range(usable, self.usable_blocks) if self._ref_counts[b] > 0]
+        free_below = sum(1 for b in self._free if b < usable)
+        if len(live_above) > free_below:
+            raise MemoryError(f"{self.num_used} live blocks do not fit in {usable}")
+        for b in range(usable, self.usable_blocks):  # drop the free ones above the limit
+            if b in self._free:
+                del self._free[b]
+                self._evict(b)
+        for b in range(self.usable_blocks, usable):  # or bring blocks back
+            self._free[b] = None
+        self.usable_blocks = usable
+        return self._relocate(live_above)
+
+    def compact(self, max_moves: int) -> dict[str, list[tuple[int, int]]]:
+        """Move up to `max_moves` of the highest live blocks into the lowest free ones below them."""
+        free_low = sorted(self._free)
+        moves: list[int] = []
+        for block in range(self.usable_blocks - 1, -1, -1):
+            if len(moves) == max_moves or not free_low or free_low[0] > block:
+                break
+            if self._ref_counts[block] > 0:
+                moves.append(block)
+                free_low.pop(0)
+        return self._relocate(moves)
+
+    def _relocate(self, blocks: list[int]) -> dict[str, list[tuple[int, int]]]:
+        if not blocks:
+            return {}
+        moving = set(blocks)
+        lowest_free = sorted(b for b in self._free)
+        target = {}
+        for block in sorted(moving):
+            dst = lowest_free.pop(0)
+            del self._free[dst]
+            self._evict(dst)  # its cached content is overwritten
+            target[block] = dst
+            self.ops.copy.append((block, dst))
+            self._ref_counts[dst], self._ref_counts[block] = self._ref_counts[block], 0
+            h = self._hash_of[block]
+            if h is not None:
+                self._hash_of[dst], self._hash_of[block] = h, None
+                self._cached[h] = dst
+            if block < self.usable_blocks:
+                self._free[block] = None
+        updates: dict[str, list[tuple[int, int]]] = {}
+        for req_id, table in self._tables.items():
+            for i, block in enumerate(table):
+                if block in target:
+                    table[i] = target[block]
+                    updates.setdefault(req_id, []).append((i, target[block]))
+        return updates
+
+    # ---- internals
+
+    def _pop_free(self) -> int:
+        block, _ = self._free.popitem(last=False)
+        self._evict(block)
+        self._ref_counts[block] = 1
+        return block
+
+    def _evict(self, block: int) -> None:
+        h = self._hash_of[block]
+        if h is not None:
+            self._hash_of[block] = None
+            if self._cached.get(h) == block:
+                del self._cached[h]
+
+    def _release(self, block: int) -> None:
+        self._ref_counts[block] -= 1
+        if self._ref_counts[block] == 0:
+            if block < self.usable_blocks:
+                self._free[block] = None
+            else:  # above a shrunk limit: forget its content, never hand it out
+                self._evict(block)
 
     def check_invariants(self) -> None:
         """Raise AssertionError when the bookkeeping is inconsistent (tests and debugging)."""
@@ -68,9 +287,15 @@ class BlockTable:
                 holders[block] += 1
         if holders != self._ref_counts:
             raise AssertionError("ref counts differ from holders")
-        free = set(self._free)
-        if len(free) != len(self._free):
-            raise AssertionError("a block is free twice")
         for block in range(self.num_blocks):
-            if (block in free) == (self._ref_counts[block] > 0):
+            is_free = block in self._free
+            if block < self.usable_blocks and is_free == (self._ref_counts[block] > 0):
                 raise AssertionError(f"block {block} is both free and held, or neither")
+            if block >= self.usable_blocks and (is_free or self._ref_counts[block]):
+                raise AssertionError(f"block {block} is above the usable limit but in use")
+        for h, block in self._cached.items():
+            if self._hash_of[block] != h:
+                raise AssertionError(f"hash points at block {block}, which holds other tokens")
+        host_held = [b for t in self._host_tables.values() for b in t]
+        if sorted(host_held + self._host_free) != list(range(self.num_host_blocks)):
+            raise AssertionError("host blocks leaked or double-booked")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -31,6 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     p.add_argument("--request-id", default="", help="request id (default: assigned by the server)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
+    p.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's root certificates")
+    p.add_argument("--tls-ca", default=None, metavar="PEM", help="connect with TLS, trusting this CA (implies --tls)")
+    p.add_argument(
+        "--tls-server-name", default=None, help="the name the server's certificate must carry (default: --host)"
+    )
     p.add_argument(
         "--wait-ready",
         type=float,
@@ -55,6 +61,16 @@ def build_request(args: argparse.Namespace, prompt: str) -> pb.GenerateRequest:
     return request
 
 
+def make_channel(args: argparse.Namespace) -> grpc.Channel:
+    """A plain channel, or a TLS one with --tls / --tls-ca."""
+    target = f"{args.host}:{args.port}"
+    if not (args.tls or args.tls_ca):
+        return grpc.insecure_channel(target)
+    roots = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+    options = [("grpc.ssl_target_name_override", args.tls_server_name)] if args.tls_server_name else []
+    return grpc.secure_channel(target, grpc.ssl_channel_credentials(roots), options)
+
+
 def wait_ready(channel: grpc.Channel, timeout: float) -> bool:
     stub = health_pb2_grpc.HealthStub(channel)
     deadline = time.monotonic() + timeout
@@ -71,7 +87,12 @@ def wait_ready(channel: grpc.Channel, timeout: float) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(build_parser(), argv)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
-    with grpc.insecure_channel(f"{args.host}:{args.port}") as channel:
+    try:
+        channel = make_channel(args)
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    with channel:
         if args.wait_ready and not wait_ready(channel, args.wait_ready):
             print(
                 f"error: no SERVING server at {args.host}:{args.port} after {args.wait_ready} s",

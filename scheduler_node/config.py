@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+PREEMPTION_MODES = ("recompute", "swap", "elastic")
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
@@ -11,6 +13,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
     max_num_seqs: int = 128  # running requests at once
     max_model_len: int = 0  # 0: from the model's config (and the KV capacity)
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "elastic"  # recompute | swap | elastic (the cheaper of the two per victim)
+    compaction_interval: int = 0  # steps between compactions of live blocks (0: never)
+    compaction_max_moves: int = 64  # blocks moved per compaction at most
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -21,3 +27,7 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.compaction_interval < 0 or self.compaction_max_moves < 1:
+            raise ValueError("compaction_interval must be >= 0 and compaction_max_moves >= 1")

@@ -6,15 +6,19 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
-from proto.wire import TokenLogprobs
+from proto.wire import StepPlan, TokenLogprobs
 from scheduler_node.detokenizer import IncrementalDetokenizer
+from scheduler_node.metrics import Metrics
 from scheduler_node.request import Request, Status, StopConditions
 from scheduler_node.scheduler import RequestOutput, Scheduler
 from scheduler_node.tokenizer import ModelTokenizer
 from scheduler_node.validation import RequestSpec
-from scheduler_node.worker_link import WorkerLink, WorkerLost
+from scheduler_node.worker_link import StepFailed, WorkerLink, WorkerLost
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +33,7 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str = ""  # set with finish_reason "error": why the request failed
+    code: str = ""  # with finish_reason "error": the gRPC status name (UNAVAILABLE, DEADLINE_EXCEEDED, ...)
 
 
 class RequestStream:
@@ -52,18 +57,48 @@ class _Sequence:
     stream: RequestStream
     index: int
     detokenizer: IncrementalDetokenizer
+    arrival: float = field(default_factory=time.monotonic)
+    scheduled: bool = False
+    last_token_at: float = 0.0  # 0 until the first token
 
 
 class Engine:
-    def __init__(self, scheduler: Scheduler, tokenizer: ModelTokenizer, link: WorkerLink) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        tokenizer: ModelTokenizer,
+        link: WorkerLink,
+        metrics: Metrics | None = None,
+        rejoin_timeout: float = 60.0,
+        max_waiting_requests: int = 0,
+    ) -> None:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.link = link
+        self.metrics = metrics or Metrics("minivllm")
+        self.rejoin_timeout = rejoin_timeout  # seconds a lost rank may take to come back
+        self.max_waiting_requests = max_waiting_requests  # 0: unbounded
         self._sequences: dict[str, _Sequence] = {}
         self._by_request_id: dict[str, list[str]] = {}
+        self._deadlines: dict[str, asyncio.TimerHandle] = {}
         self._ids = itertools.count()
         self._wake = asyncio.Event()
+        self._idle = asyncio.Event()  # set while no request is live
+        self._idle.set()
         self.failed: str = ""  # set when the engine stopped for good
+        self.draining = False  # no new requests; set by Drain and SIGTERM, never cleared
+        self.gave_up = ""  # why requests are refused: a rank was lost and nobody rejoined in time
+
+    def unavailable(self) -> str:
+        """Why a new request cannot be admitted now ("" when it can)."""
+        if self.draining:
+            return "the server is draining: it finishes what runs and takes nothing new"
+        return self.failed or self.gave_up
+
+    def queue_full(self, n: int) -> bool:
+        """Would `n` more sequences overflow --max-waiting-requests?"""
+        limit = self.max_waiting_requests
+        return bool(limit) and len(self.scheduler.waiting) + n > limit
 
     @property
     def max_model_len(self) -> int:
@@ -72,7 +107,8 @@ class Engine:
     def is_live(self, request_id: str) -> bool:
         return request_id in self._by_request_id
 
-    def submit(self, spec: RequestSpec) -> RequestStream:
+    def submit(self, spec: RequestSpec, deadline_s: float = 0.0) -> RequestStream:
+        """Queue a request; with `deadline_s` > 0 it ends with DEADLINE_EXCEEDED that many seconds from now."""
         if spec.request_id in self._by_request_id:
             raise KeyError(spec.request_id)
         if self.failed:
@@ -80,19 +116,33 @@ class Engine:
         stream = RequestStream(spec.request_id, spec.n)
         eos = frozenset() if spec.ignore_eos else self.tokenizer.eos_token_ids
         internal = []
+        sequences: list[Request] = []
         for index in range(spec.n):
             req_id = f"{spec.request_id}#{next(self._ids)}"
             sampling = spec.sampling
             if spec.n > 1 and sampling.seed is not None:
                 sampling = dataclasses.replace(sampling, seed=sampling.seed + index)
-            req = Request(req_id, spec.prompt_token_ids, sampling, StopConditions(spec.max_tokens, eos), spec.priority)
+            stop = StopConditions(spec.max_tokens, eos)
+            sequences.append(
+                Request(req_id, spec.prompt_token_ids, sampling, stop, spec.priority, cache_salt=spec.cache_salt)
+            )
             detok = IncrementalDetokenizer(self.tokenizer, spec.prompt_token_ids, spec.stop)
             self._sequences[req_id] = _Sequence(stream, index, detok)
-            self.scheduler.add(req)
             internal.append(req_id)
+        self.scheduler.add(sequences[0], forks=sequences[1:])  # siblings share the prompt's blocks
         self._by_request_id[spec.request_id] = internal
+        if deadline_s > 0:
+            expire = asyncio.get_running_loop().call_later(deadline_s, self._expire, spec.request_id, deadline_s)
+            self._deadlines[spec.request_id] = expire
+        self._idle.clear()
         self._wake.set()
         return stream
+
+    def resize_cache(self, num_blocks: int) -> int:
+        """Change the usable KV blocks; the block moves run on the workers before the next step."""
+        moved = self.scheduler.resize(num_blocks)
+        self._wake.set()
+        return moved
 
     def abort(self, request_id: str) -> bool:
         ids = self._by_request_id.get(request_id)
@@ -108,23 +158,112 @@ class Engine:
     async def run(self) -> None:
         try:
             while True:
-                if not self.scheduler.has_work:
+                if not self.link.all_ready:
+                    await self._recover()
+                elif not self.scheduler.has_work:
                     self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                plan = self.scheduler.schedule()
-                if not plan.num_scheduled_tokens and not self.scheduler.running and self.scheduler.waiting:
-                    raise RuntimeError("waiting requests fit in no KV configuration")  # validation prevents it
-                result = await self.link.step(plan)
-                for out in self.scheduler.update(result):
-                    self._on_output(out)
-        except WorkerLost as exc:
-            self._fail_all(f"worker lost: {exc}")
-            raise
+                    await _first(self._wake.wait(), self.link.lost.wait())
+                else:
+                    await self._step()
         except Exception as exc:
             logger.exception("engine loop failed")
-            self._fail_all(f"engine failed: {exc}")
+            self.failed = f"engine failed: {exc}"
+            self.end_all(self.failed, "INTERNAL")
             raise
+
+    async def _step(self) -> None:
+        start = time.perf_counter()
+        plan = self.scheduler.schedule()
+        schedule_s = time.perf_counter() - start
+        if not plan.num_scheduled_tokens and not self.scheduler.running and self.scheduler.waiting:
+            raise RuntimeError("waiting requests fit in no KV configuration")  # validation prevents it
+        self._note_scheduled(plan)
+        try:
+            result = await self.link.step(plan)
+        except WorkerLost as exc:
+            logger.error("step %d did not complete: %s", plan.step_id, exc)
+            await self._recover()
+            return
+        except StepFailed as exc:
+            self._fail_step(plan, str(exc))
+            return
+        for out in self.scheduler.update(plan, result):
+            self._on_output(out)
+        if plan.num_scheduled_tokens:
+            m = self.metrics
+            m.schedule_time.observe(schedule_s)
+            m.step_time.observe(time.perf_counter() - start)
+            m.iteration_tokens.observe(plan.total_tokens)
+            m.batch_utilization = plan.total_tokens / self.scheduler.config.max_num_batched_tokens
+
+    async def _recover(self) -> None:
+        """A rank is lost with its KV: requeue everything, wait for a replacement, resume by recompute.
+
+        If none joins within the rejoin timeout, every live request ends with UNAVAILABLE and new ones are
+        refused until the ranks are complete again."""
+        reason = self.link.lost_reason or "a rank is not ready"
+        self.metrics.worker_losses.inc()
+        running = self.scheduler.requeue_all()
+        if self.draining:
+            self.end_all(f"{reason} while draining", "UNAVAILABLE")
+        else:
+            logger.warning(
+                "%s: %d running request(s) back to waiting; waiting up to %g s for a replacement worker",
+                reason,
+                running,
+                self.rejoin_timeout,
+            )
+            if await self.link.wait_ready(self.rejoin_timeout):
+                logger.info("every rank is ready; resuming %d request(s) by recompute", self.scheduler.num_unfinished)
+                return
+        self.gave_up = f"{reason}, and no worker rejoined within {self.rejoin_timeout:g} s"
+        logger.error("%s: failing %d live request(s)", self.gave_up, len(self._by_request_id))
+        self.end_all(self.gave_up, "UNAVAILABLE")
+        await self.link.wait_ready(None)
+        self.scheduler.requeue_all()  # start from a clean slate: no notices for the old workers
+        self.gave_up = ""
+        self.link.changed.set()  # health: SERVING again
+        logger.info("every rank is ready again; serving")
+
+    def _fail_step(self, plan: StepPlan, reason: str) -> None:
+        """A worker could not run the plan: its requests fail, the rest are recomputed (worker state is suspect)."""
+        logger.error("%s; failing the %d request(s) of that step", reason, len(plan.num_scheduled_tokens))
+        for req_id in plan.num_scheduled_tokens:
+            req = self.scheduler.finish(req_id, Status.FINISHED_ERROR)
+            if req is not None and req_id in self._sequences:
+                self._emit(req, [], [], error=reason, code="INTERNAL")
+        self.scheduler.requeue_all()
+
+    def _note_scheduled(self, plan: StepPlan) -> None:
+        now = time.monotonic()
+        for req_id in plan.num_scheduled_tokens:
+            seq = self._sequences.get(req_id)
+            if seq is not None and not seq.scheduled:
+                seq.scheduled = True
+                self.metrics.queue_time.observe(now - seq.arrival)
+
+    def _expire(self, request_id: str, deadline_s: float) -> None:
+        self._deadlines.pop(request_id, None)
+        for req_id in list(self._by_request_id.get(request_id, [])):
+            req = self.scheduler.finish(req_id, Status.FINISHED_ERROR)
+            if req is not None:
+                error = f"deadline_s: {deadline_s:g} s passed before the request finished"
+                self._emit(req, [], [], error=error, code="DEADLINE_EXCEEDED")
+        self._wake.set()  # tell the workers to forget them
+
+    async def drain(self, timeout: float | None, hurry: asyncio.Event | None = None) -> int:
+        """Take no new requests; wait until every live one finished, `timeout` seconds passed, or `hurry` is
+        set. Returns how many are still live."""
+        if not self.draining:
+            self.draining = True
+            logger.info("draining: %d live request(s)", len(self._by_request_id))
+            self.link.changed.set()  # health: NOT_SERVING
+        waits = [self._idle.wait()] + ([hurry.wait()] if hurry is not None else [])
+        try:
+            await asyncio.wait_for(_first(*waits), timeout)
+        except asyncio.TimeoutError:
+            pass
+        return len(self._by_request_id)
 
     def _on_output(self, out: RequestOutput) -> None:
         seq = self._sequences.get(out.request.req_id)
@@ -135,8 +274,12 @@ class Engine:
             self.scheduler.finish(out.request.req_id, Status.FINISHED_STOPPED)
         self._emit(out.request, out.new_token_ids, out.logprobs)
 
-    def _emit(self, req: Request, token_ids: list[int], logprobs: list[TokenLogprobs], error: str = "") -> None:
+    def _emit(
+        self, req: Request, token_ids: list[int], logprobs: list[TokenLogprobs], error: str = "", code: str = ""
+    ) -> None:
         seq = self._sequences[req.req_id]
+        if token_ids:
+            self._observe_tokens(seq, req, len(token_ids))
         finished = req.finished
         delta = Delta(seq.index, token_ids, seq.detokenizer.delta(final=finished), logprobs=logprobs)
         if finished:
@@ -144,6 +287,8 @@ class Engine:
             delta.prompt_tokens = len(req.prompt_token_ids)
             delta.completion_tokens = len(req.output_token_ids)
             delta.error = error
+            delta.code = code
+            self.metrics.finished(req.status.value, None if error else time.monotonic() - seq.arrival)
             self._forget(req.req_id, seq.stream.request_id)
         if delta.token_ids or delta.text or finished:
             seq.stream.queue.put_nowait(delta)
@@ -154,10 +299,38 @@ class Engine:
         ids.remove(req_id)
         if not ids:
             del self._by_request_id[request_id]
+            expire = self._deadlines.pop(request_id, None)
+            if expire is not None:
+                expire.cancel()
+            if not self._by_request_id:
+                self._idle.set()
 
-    def _fail_all(self, reason: str) -> None:
-        self.failed = reason
+    def _observe_tokens(self, seq: _Sequence, req: Request, n: int) -> None:
+        m, now = self.metrics, time.monotonic()
+        m.generation_tokens.inc(n)
+        if not seq.last_token_at:
+            m.ttft.observe(now - seq.arrival)
+            if seq.index == 0:
+                m.prompt_tokens.inc(len(req.prompt_token_ids))
+        else:
+            for _ in range(n):
+                m.itl.observe((now - seq.last_token_at) / n)
+        seq.last_token_at = now
+
+    def end_all(self, reason: str, code: str) -> None:
+        """End every live request with an error (`code`: the gRPC status name) and free its blocks."""
         for req_id in list(self._sequences):
             req = self.scheduler.finish(req_id, Status.FINISHED_ERROR)
             if req is not None:
-                self._emit(req, [], [], error=reason)
+                self._emit(req, [], [], error=reason, code=code)
+        self._wake.set()
+
+
+async def _first(*waits: Coroutine[Any, Any, Any]) -> None:
+    """Wait until the first of these finishes; cancel the others."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -8,18 +8,26 @@ import dataclasses
 import json
 import logging
 import signal
+import socket
 import sys
 from pathlib import Path
 
 from proto.cli_config import add_config_flag, parse_args
+from proto.curve import ensure_keys
+from proto.parallel import ParallelLayout
 from proto.wire import Assignment
-from scheduler_node.config import SchedulerConfig
+from scheduler_node.config import PREEMPTION_MODES, SchedulerConfig
 from scheduler_node.engine import Engine
+from scheduler_node.metrics import Metrics
 from scheduler_node.model_path import DEFAULT, resolve_model
+from scheduler_node.operations import add_operations_flags, check_operations_flags, rejoin_rule, report_health
+from scheduler_node.placement import Placement, RankAssigner, place
 from scheduler_node.policy import POLICIES, make_policy
-from scheduler_node.scheduler import Scheduler
+from scheduler_node.scheduler import PreemptionCosts, Scheduler
+from scheduler_node.security import server_credentials
 from scheduler_node.server import GenerationService, build_server, set_serving
 from scheduler_node.tokenizer import ModelTokenizer
+from scheduler_node.topology import load_topology, single_island
 from scheduler_node.worker_link import WorkerLink
 
 logger = logging.getLogger("vllm-scheduler")
@@ -31,7 +39,56 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50051, help="gRPC port")
     p.add_argument("--worker-host", default="127.0.0.1", help="bind address of the ZMQ socket workers join")
     p.add_argument("--worker-port", type=int, default=50061, help="port of the ZMQ socket workers join")
-    p.add_argument("--num-workers", type=int, default=1, help="workers to wait for before serving")
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="workers that split every layer (heads, MLP, vocab) and all-reduce after each",
+    )
+    p.add_argument(
+        "--pipeline-parallel-size",
+        type=int,
+        default=1,
+        help="pipeline stages, each holding a contiguous slice of the layers; the world is TP x PP workers",
+    )
+    p.add_argument(
+        "--num-workers",
+        type=int,
+        default=None,
+        help="workers to wait for; derived from TP x PP, kept as a checked alias (it must equal TP x PP)",
+    )
+    p.add_argument(
+        "--topology",
+        default=None,
+        metavar="FILE.yaml",
+        help="devices, hosts and interconnects (deploy/topology/*.yaml) to place ranks on; default: one "
+        "island, ranks in join order, each worker picks its device",
+    )
+    p.add_argument(
+        "--allow-cross-island",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="let a tensor-parallel group span slower links when it fits no fast island (else: fail at start)",
+    )
+    p.add_argument(
+        "--print-placement",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="print which rank goes on which host and device, and how the stages are linked, then exit",
+    )
+    p.add_argument(
+        "--distributed-port",
+        type=int,
+        default=0,
+        help="port of the torch.distributed rendezvous that rank 0 opens (0: one free on this host; set it "
+        "when rank 0 runs on another host)",
+    )
+    p.add_argument(
+        "--distributed-timeout",
+        type=float,
+        default=300.0,
+        help="seconds the rendezvous or any collective may wait for a peer rank before failing",
+    )
     p.add_argument("--worker-join-timeout", type=float, default=600.0, help="seconds to wait for all workers")
     p.add_argument(
         "--dtype",
@@ -53,7 +110,27 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
         default=0,
         help="context length (0: the model's, capped by the KV cache capacity)",
     )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of identical prompt prefixes across requests (--no-enable-prefix-caching: off)",
+    )
+    p.add_argument(
+        "--preemption-mode",
+        choices=PREEMPTION_MODES,
+        default="elastic",
+        help="when KV runs out: recompute the victim later, swap its blocks to host memory, or elastic "
+        "(per victim, whichever is cheaper by measured compute time and swap bandwidth)",
+    )
+    p.add_argument(
+        "--compaction-interval",
+        type=int,
+        default=0,
+        help="every N steps, move live KV blocks into the lowest free ones (0: never)",
+    )
     p.add_argument("--scheduling-policy", default="fcfs", choices=sorted(POLICIES), help="request order")
+    add_operations_flags(p)
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
 
 
@@ -66,6 +143,33 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flag(p)
     add_scheduler_flags(p)
     return p
+
+
+def resolve_parallel(args: argparse.Namespace) -> Placement:
+    """The layout and where each rank goes; ValueError (naming what does not fit) when it cannot work."""
+    layout = ParallelLayout(args.tensor_parallel_size, args.pipeline_parallel_size)
+    if args.num_workers is not None and args.num_workers != layout.world_size:
+        raise ValueError(
+            f"--num-workers {args.num_workers} != --tensor-parallel-size {layout.tensor_parallel_size} x "
+            f"--pipeline-parallel-size {layout.pipeline_parallel_size}; drop --num-workers (it is derived)"
+        )
+    if args.topology:
+        return place(load_topology(args.topology), layout, args.allow_cross_island)
+    return place(single_island(layout.world_size), layout, worker_chooses_device=True)
+
+
+def check_model_split(folder: Path, layout: ParallelLayout) -> None:
+    c = json.loads((folder / "config.json").read_text())
+    heads = int(c["num_attention_heads"])
+    layout.check_model(
+        heads, int(c.get("num_key_value_heads") or heads), int(c["intermediate_size"]), int(c["num_hidden_layers"])
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
 
 
 def resolve_max_model_len(requested: int, model_limit: int, num_blocks: int, block_size: int) -> int:
@@ -91,40 +195,75 @@ def model_limit(folder: Path) -> int:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    config = SchedulerConfig(args.block_size, args.max_num_batched_tokens, args.max_num_seqs, args.max_model_len)
+    config = SchedulerConfig(
+        args.block_size,
+        args.max_num_batched_tokens,
+        args.max_num_seqs,
+        args.max_model_len,
+        args.enable_prefix_caching,
+        args.preemption_mode,
+        args.compaction_interval,
+    )
     policy = make_policy(args.scheduling_policy)
+    placement = resolve_parallel(args)
+    layout = placement.layout
     folder = resolve_model(args.model)
+    check_model_split(folder, layout)
+    assigner = RankAssigner(placement)
+    dist_port = args.distributed_port or free_port()
     tokenizer = ModelTokenizer(folder)
-    link = WorkerLink(f"{args.worker_host}:{args.worker_port}")
+    check_operations_flags(args)
+    if args.zmq_curve_dir:
+        ensure_keys(args.zmq_curve_dir)
+    link = WorkerLink(f"{args.worker_host}:{args.worker_port}", args.heartbeat_timeout, args.zmq_curve_dir)
     service = GenerationService(tokenizer)
-    server, health = build_server(service, f"{args.host}:{args.port}")
+    service.link = link
+    credentials = server_credentials(args.tls_cert, args.tls_key) if args.tls_cert else None
+    server, health = build_server(service, f"{args.host}:{args.port}", credentials, args.control_token)
+    metrics = Metrics(folder.name)
+    if args.metrics_port:
+        metrics.serve(args.metrics_host, args.metrics_port)
     await server.start()
     await set_serving(health, False)
     logger.info(
         "gRPC on %s:%d; waiting for %d worker(s) on %s:%d",
         args.host,
         args.port,
-        args.num_workers,
+        layout.world_size,
         args.worker_host,
         args.worker_port,
     )
+    if layout.world_size > 1:
+        logger.info("%s", placement.describe())
 
     def assignment(rank: int) -> Assignment:
         return Assignment(
             rank,
-            args.num_workers,
+            layout.world_size,
             str(folder),
             args.dtype,
             config.block_size,
             config.max_num_batched_tokens,
             config.max_num_seqs,
+            layout.tensor_parallel_size,
+            layout.pipeline_parallel_size,
+            f"{assigner.rendezvous_host}:{dist_port}" if layout.world_size > 1 else "",
+            assigner.devices.get(rank, ""),
+            args.distributed_timeout,
         )
 
-    stop = asyncio.Event()
+    link.claim = assigner.claim
+    link.output_rank = layout.output_rank
+
+    stop, hurry = asyncio.Event(), asyncio.Event()  # the first signal drains, a second ends the drain
+
+    def on_signal() -> None:
+        (hurry if stop.is_set() else stop).set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    gather = asyncio.ensure_future(link.gather(args.num_workers, assignment, args.worker_join_timeout))
+        loop.add_signal_handler(sig, on_signal)
+    gather = asyncio.ensure_future(link.gather(layout.world_size, assignment, args.worker_join_timeout))
     stopper = asyncio.ensure_future(stop.wait())
     await asyncio.wait({gather, stopper}, return_when=asyncio.FIRST_COMPLETED)
     if not gather.done():
@@ -133,12 +272,21 @@ async def serve(args: argparse.Namespace) -> int:
         return 0
     workers = gather.result()
     num_blocks = min(w.num_kv_blocks for w in workers)
+    num_host_blocks = min(w.num_host_blocks for w in workers)
+    costs = PreemptionCosts(
+        bytes_per_block=max(w.kv_cache_bytes // max(w.num_kv_blocks, 1) for w in workers),
+        swap_bytes_per_s=min(w.swap_bytes_per_s for w in workers),
+    )
     max_len = resolve_max_model_len(config.max_model_len, model_limit(folder), num_blocks, config.block_size)
-    scheduler = Scheduler(dataclasses.replace(config, max_model_len=max_len), num_blocks, policy)
-    engine = Engine(scheduler, tokenizer, link)
+    scheduler = Scheduler(
+        dataclasses.replace(config, max_model_len=max_len), num_blocks, policy, num_host_blocks, costs
+    )
+    engine = Engine(scheduler, tokenizer, link, metrics, args.worker_rejoin_timeout, args.max_waiting_requests)
+    link.admit = rejoin_rule(num_blocks, num_host_blocks)
+    metrics.bind(engine, loop)
     service.engine = engine
     engine_task = asyncio.ensure_future(engine.run())
-    await set_serving(health, True)
+    health_task = asyncio.ensure_future(report_health(link, engine, health))
     logger.info(
         "serving %s on %s:%d: %d KV blocks of %d tokens, max_model_len %d",
         folder.name,
@@ -153,10 +301,17 @@ async def serve(args: argparse.Namespace) -> int:
     if engine_task.done():
         code = 1
         logger.error("engine stopped: %s", engine.failed or engine_task.exception())
+    else:
+        remaining = await engine.drain(args.drain_timeout or None, hurry)
+        if remaining:
+            logger.warning("%d request(s) still live after the drain; ending them with UNAVAILABLE", remaining)
+            engine.end_all("the server is shutting down", "UNAVAILABLE")
     logger.info("shutting down")
+    health_task.cancel()
     await set_serving(health, False)
     engine_task.cancel()
     await _shutdown(server, link, "scheduler shutting down")
+    metrics.close()
     return code
 
 
@@ -169,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(build_parser(), argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        if args.print_placement:
+            print(resolve_parallel(args).describe())
+            return 0
         return asyncio.run(serve(args))
     except (ValueError, FileNotFoundError, TimeoutError, OSError) as exc:
         logger.error("%s", exc)

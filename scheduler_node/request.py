@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from proto.wire import NewRequest, SamplingOptions
+from scheduler_node.block_table import BlockHash, hash_block
 
 
 class Status(enum.Enum):
@@ -46,6 +47,10 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is (or, once this step runs, will be) in the cache
     status: Status = Status.WAITING
     num_preemptions: int = 0
+    cache_salt: str = ""
+    block_hashes: list[BlockHash] = field(default_factory=list)  # of every full block of tokens
+    swapped: bool = False  # preempted with its KV on the workers' host memory
+    forks: list[Request] = field(default_factory=list)  # n > 1: siblings started once the prompt is computed
 
     @property
     def num_tokens(self) -> int:
@@ -58,6 +63,17 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status.finished
+
+    def update_block_hashes(self, block_size: int) -> list[BlockHash]:
+        """Hash every block that is now full of tokens (computed or not); return all the hashes."""
+        full = self.num_tokens // block_size
+        if len(self.block_hashes) < full:
+            tokens = self.all_token_ids
+            for i in range(len(self.block_hashes), full):
+                parent = self.block_hashes[-1] if self.block_hashes else None
+                chunk = tokens[i * block_size : (i + 1) * block_size]
+                self.block_hashes.append(hash_block(parent, chunk, self.cache_salt))
+        return self.block_hashes
 
     def append_tokens(self, token_ids: list[int]) -> list[int]:
         """Append sampled tokens up to the first stop; return the ones kept and set the status when done."""

@@ -1,13 +1,15 @@
-"""The scheduler: one rule for prefill, chunked prefill, resumption and decode.
+"""The scheduler: one rule for prefill, chunked prefill, prefix hits, resumption and decode.
 
 Each request has `num_computed_tokens` and `num_tokens`; every step hands out tokens from a budget
 (`max_num_batched_tokens`, `max_num_seqs`) so that the first catches up with the second. When blocks run out,
-the policy's least valued running request is preempted by recompute and goes back to waiting.
+the policy's least valued running request is preempted (recompute, swap, or whichever is cheaper) and goes
+back to waiting.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from proto.wire import CachedRequest, StepPlan, StepResult, TokenLogprobs
@@ -28,27 +30,75 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class PreemptionCosts:
+    """What elastic preemption weighs: recomputing a victim's tokens vs moving its blocks out and back."""
+
+    ms_per_token: float = 1.0  # refreshed from the workers' step timings
+    bytes_per_block: int = 0
+    swap_bytes_per_s: float = 0.0  # 0: unknown, swap is never assumed cheaper
+
+    def recompute_ms(self, req: Request) -> float:
+        return req.num_computed_tokens * self.ms_per_token
+
+    def swap_ms(self, num_blocks: int) -> float:
+        if self.swap_bytes_per_s <= 0:
+            return float("inf")
+        return 2 * num_blocks * self.bytes_per_block / self.swap_bytes_per_s * 1e3
+
+    def observe(self, execute_ms: float, num_tokens: int) -> None:
+        if num_tokens > 0 and execute_ms > 0:
+            self.ms_per_token = 0.9 * self.ms_per_token + 0.1 * execute_ms / num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerCounters:
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    preemptions_recompute: int = 0
+    preemptions_swap: int = 0
+    compaction_moves: int = 0
+    compaction_seconds: float = 0.0
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, num_blocks: int, policy: Policy | None = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        num_blocks: int,
+        policy: Policy | None = None,
+        num_host_blocks: int = 0,
+        costs: PreemptionCosts | None = None,
+    ) -> None:
         self.config = config
         self.policy = policy or Policy()
-        self.blocks = BlockTable(num_blocks, config.block_size)
+        self.blocks = BlockTable(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
+        self.costs = costs or PreemptionCosts()
+        self.counters = SchedulerCounters()
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._on_worker: set[str] = set()  # requests whose state the workers hold
         self._pending_new_blocks: dict[str, list[int]] = {}
+        self._pending_updates: dict[str, list[tuple[int, int]]] = {}
         self._finished_ids: list[str] = []  # to tell the workers in the next plan
         self._preempted_ids: list[str] = []
         self._step_id = 0
-        self.num_preemptions = 0
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.counters.preemptions_recompute + self.counters.preemptions_swap
 
     # ---- queue management
 
-    def add(self, req: Request) -> None:
-        if req.req_id in self.requests:
-            raise KeyError(f"request {req.req_id!r} is already live")
-        self.requests[req.req_id] = req
+    def add(self, req: Request, forks: list[Request] | None = None) -> None:
+        """Queue a request; `forks` (n > 1) start from its prompt's blocks once the prompt is computed."""
+        for r in [req, *(forks or [])]:
+            if r.req_id in self.requests:
+                raise KeyError(f"request {r.req_id!r} is already live")
+        req.forks = list(forks or [])
+        for r in [req, *req.forks]:
+            self.requests[r.req_id] = r
         self.waiting.append(req)
 
     def finish(self, req_id: str, status: Status) -> Request | None:
@@ -62,12 +112,19 @@ class Scheduler:
             self.waiting.remove(req)
         if not req.finished:
             req.status = status
-        self._release(req)
+        self.blocks.free(req.req_id)
+        self._forget_on_worker(req, self._finished_ids)
         return req
+
+    def resize(self, num_blocks: int) -> int:
+        """Change the usable KV blocks at run time; returns how many live blocks move (on the next step)."""
+        return self._queue_updates(self.blocks.resize(num_blocks))
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._finished_ids or self._preempted_ids)
+        ops = self.blocks.ops
+        pending_ops = bool(ops.copy or ops.swap_out or ops.swap_in)
+        return bool(self.waiting or self.running or self._finished_ids or self._preempted_ids or pending_ops)
 
     @property
     def num_unfinished(self) -> int:
@@ -77,6 +134,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         self._step_id += 1
+        self._maybe_compact()
         plan = StepPlan(self._step_id)
         budget = self.config.max_num_batched_tokens
         preempted = False
@@ -86,7 +144,8 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
-            while not self.blocks.can_grow(req.req_id, req.num_computed_tokens + n):
+            first = req.num_computed_tokens
+            while not self.blocks.can_write(req.req_id, first, first + n):
                 victim = self.policy.pick_victim(to_schedule) or req
                 self._preempt(victim)
                 preempted = True
@@ -97,29 +156,58 @@ class Scheduler:
                 self._take(req, n, plan)
                 budget -= n
         if not preempted:
-            budget = self._admit(budget, plan)
+            self._admit(budget, plan)
         self._attach_diffs(plan)
         return plan
 
-    def _admit(self, budget: int, plan: StepPlan) -> int:
+    def _admit(self, budget: int, plan: StepPlan) -> None:
         for req in self.policy.order_waiting(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.blocks.can_grow(req.req_id, req.num_computed_tokens + n):
+            if not self._claim_blocks(req, budget):
                 break  # strict order: a big request at the head is not overtaken forever
             self.waiting.remove(req)
             self.running.append(req)
             req.status = Status.RUNNING
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
             self._take(req, n, plan)
             budget -= n
-        return budget
+
+    def _claim_blocks(self, req: Request, budget: int) -> bool:
+        """Bring back a swapped request's blocks, or look up a new one's prefix; False if it does not fit."""
+        bt = self.blocks
+        if req.swapped:
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            growth = bt.blocks_for(req.num_computed_tokens + n) - len(bt.host_blocks_of(req.req_id))
+            if not bt.can_swap_in(req.req_id, reserve=max(0, growth)):
+                return False
+            bt.swap_in(req.req_id)
+            req.swapped = False
+            return True
+        if bt.blocks_of(req.req_id):  # a fork: it already shares its parent's prompt blocks
+            first = req.num_computed_tokens
+            return bt.can_write(req.req_id, first, first + min(req.num_tokens - first, budget))
+        hashes = req.update_block_hashes(bt.block_size)
+        hits = bt.match_prefix(hashes[: (req.num_tokens - 1) // bt.block_size])  # the last token is recomputed
+        hit_tokens = len(hits) * bt.block_size
+        n = min(req.num_tokens - hit_tokens, budget)
+        reused_free = sum(1 for b in hits if bt.is_free(b))
+        if bt.blocks_for(hit_tokens + n) - len(hits) + reused_free > bt.num_free:
+            return False
+        if req.num_preemptions == 0 and not req.output_token_ids:  # new prompts only: resumptions would inflate it
+            self.counters.prefix_cache_queries += req.num_tokens
+            self.counters.prefix_cache_hits += hit_tokens
+        bt.acquire(req.req_id, hits)
+        req.num_computed_tokens = hit_tokens
+        return True
 
     def _take(self, req: Request, n: int, plan: StepPlan) -> None:
-        added = self.blocks.grow(req.req_id, req.num_computed_tokens + n)
+        first = req.num_computed_tokens
+        added, replaced = self.blocks.write(req.req_id, first, first + n)
         if req.req_id in self._on_worker:
             self._pending_new_blocks.setdefault(req.req_id, []).extend(added)
-            plan.cached_requests.append(CachedRequest(req.req_id, [], req.num_computed_tokens))
+            self._pending_updates.setdefault(req.req_id, []).extend(replaced)
+            plan.cached_requests.append(CachedRequest(req.req_id, [], first))
         else:
             plan.new_requests.append(req.to_new_request(self.blocks.blocks_of(req.req_id)))
             self._on_worker.add(req.req_id)
@@ -129,40 +217,79 @@ class Scheduler:
     def _attach_diffs(self, plan: StepPlan) -> None:
         for cached in plan.cached_requests:
             cached.new_block_ids = self._pending_new_blocks.pop(cached.req_id, [])
+        plan.block_updates = {r: u for r, u in self._pending_updates.items() if r in self._on_worker}
+        self._pending_updates = {}
+        ops = self.blocks.take_ops()
+        plan.swap_out, plan.block_copies, plan.swap_in = ops.swap_out, ops.copy, ops.swap_in
         plan.finished_req_ids, self._finished_ids = self._finished_ids, []
         plan.preempted_req_ids, self._preempted_ids = self._preempted_ids, []
 
     def _preempt(self, req: Request) -> None:
-        blocks = self.blocks.free(req.req_id)
+        mode = self._preemption_mode(req)
+        tokens = req.num_computed_tokens
+        if mode == "swap":
+            blocks = self.blocks.swap_out(req.req_id)
+            req.swapped = True
+            self.counters.preemptions_swap += 1
+        else:
+            blocks = self.blocks.free(req.req_id)
+            req.num_computed_tokens = 0
+            self.counters.preemptions_recompute += 1
         self._forget_on_worker(req, self._preempted_ids)
-        logger.info("preempted %s by recompute: %d tokens, %d blocks", req.req_id, req.num_computed_tokens, blocks)
+        logger.info("preempted %s by %s: %d tokens, %d blocks", req.req_id, mode, tokens, blocks)
         self.running.remove(req)
         req.status = Status.PREEMPTED
-        req.num_computed_tokens = 0
         req.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.append(req)
 
-    def _release(self, req: Request) -> None:
-        self.blocks.free(req.req_id)
-        self._forget_on_worker(req, self._finished_ids)
+    def _preemption_mode(self, req: Request) -> str:
+        mode = self.config.preemption_mode
+        if mode == "recompute" or not self.blocks.can_swap_out(req.req_id):
+            return "recompute"  # swap space full: fall back
+        if mode == "swap":
+            return "swap"
+        swap = self.costs.swap_ms(len(self.blocks.blocks_of(req.req_id)))
+        return "swap" if swap < self.costs.recompute_ms(req) else "recompute"
 
     def _forget_on_worker(self, req: Request, notice: list[str]) -> None:
         self._pending_new_blocks.pop(req.req_id, None)
+        self._pending_updates.pop(req.req_id, None)
         if req.req_id in self._on_worker:
             self._on_worker.discard(req.req_id)
             notice.append(req.req_id)
 
+    def _maybe_compact(self) -> None:
+        interval = self.config.compaction_interval
+        if not interval or self._step_id % interval:
+            return
+        start = time.perf_counter()
+        moved = self._queue_updates(self.blocks.compact(max_moves=self.config.compaction_max_moves))
+        self.counters.compaction_moves += moved
+        self.counters.compaction_seconds += time.perf_counter() - start
+
+    def _queue_updates(self, updates: dict[str, list[tuple[int, int]]]) -> int:
+        for req_id, changes in updates.items():
+            self._pending_updates.setdefault(req_id, []).extend(changes)
+        return sum(len(c) for c in updates.values())
+
     # ---- results
 
-    def update(self, result: StepResult) -> list[RequestOutput]:
-        """Append the sampled tokens, apply stop conditions, free what finished."""
+    def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        """Register computed blocks for prefix caching, append sampled tokens, apply stop conditions."""
+        self.costs.observe(result.execute_ms, plan.total_tokens)
+        for req_id in plan.num_scheduled_tokens:
+            req = self.requests.get(req_id)
+            if req is not None and req.status is Status.RUNNING:
+                full = req.num_computed_tokens // self.blocks.block_size
+                self.blocks.register(req_id, req.update_block_hashes(self.blocks.block_size)[:full])
         outputs = []
         for req_id, token_ids in result.sampled.items():
             req = self.requests.get(req_id)
             if req is None or req.status is not Status.RUNNING:
                 continue  # aborted or preempted while the step ran
             kept = req.append_tokens(token_ids)
+            if req.forks:
+                self._start_forks(req)
             logprobs = result.logprobs.get(req_id, [])[: len(kept)]
             outputs.append(RequestOutput(req, kept, logprobs))
             if req.num_tokens >= self.config.max_model_len and not req.finished:
@@ -170,3 +297,36 @@ class Scheduler:
             if req.finished:
                 self.finish(req_id, req.status)
         return outputs
+
+    def _start_forks(self, parent: Request) -> None:
+        """The prompt is computed: each sibling shares its blocks and recomputes only the last prompt token,
+        so it samples its own first token; the shared last block is copied when first written."""
+        prompt_len = len(parent.prompt_token_ids)
+        for child in parent.forks:
+            self.blocks.fork(parent.req_id, child.req_id, prompt_len)
+            child.num_computed_tokens = prompt_len - 1
+            self.waiting.append(child)
+        parent.forks = []
+
+    # ---- worker failure
+
+    def requeue_all(self) -> int:
+        """The workers' KV is gone (a rank was lost): every running request goes back to waiting, to be
+        recomputed, swapped and forked ones drop their blocks too, and the prefix cache starts empty (the
+        replacement worker's cache holds nothing). Returns how many requests were running."""
+        running = list(self.running)
+        for req in running:
+            self.running.remove(req)
+            req.status = Status.PREEMPTED
+            req.num_preemptions += 1
+            self.counters.preemptions_recompute += 1
+            self.waiting.append(req)
+        for req in self.requests.values():
+            self._forget_on_worker(req, self._preempted_ids)
+            req.num_computed_tokens = 0
+            req.swapped = False
+        old = self.blocks
+        self.blocks = BlockTable(old.num_blocks, old.block_size, old.enable_prefix_caching, old.num_host_blocks)
+        self.blocks.resize(old.usable_blocks)
+        self._pending_updates = {}
+        return len(running)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import time
 import uuid
 from typing import AsyncIterator
 
@@ -15,8 +17,11 @@ from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from proto.wire import MAX_MESSAGE_BYTES
 from scheduler_node.engine import Delta, Engine
+from scheduler_node.security import ControlAuth
+from scheduler_node.stats import snapshot
 from scheduler_node.tokenizer import ModelTokenizer
 from scheduler_node.validation import InvalidField, validate
+from scheduler_node.worker_link import WorkerLink
 
 logger = logging.getLogger(__name__)
 
@@ -32,30 +37,39 @@ class GenerationService(pb_grpc.GenerationServicer):
     def __init__(self, tokenizer: ModelTokenizer) -> None:
         self.tokenizer = tokenizer
         self.engine: Engine | None = None  # set once the workers have joined
+        self.link: WorkerLink | None = None
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         engine = self.engine
-        if engine is None or engine.failed:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, engine.failed if engine else "workers are joining")
+        if engine is None or engine.unavailable():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, engine.unavailable() if engine else "workers are joining")
             return
         try:
             spec = validate(request, self.tokenizer, engine.max_model_len)
         except InvalidField as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return
+        if not math.isfinite(request.deadline_s) or request.deadline_s < 0:
+            detail = f"deadline_s: must be a finite number >= 0 (0: none), got {request.deadline_s}"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, detail)
+            return
+        if engine.queue_full(spec.n):
+            detail = f"the waiting queue is full (--max-waiting-requests {engine.max_waiting_requests}); retry later"
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, detail)
+            return
         if not spec.request_id:
             spec = dataclasses.replace(spec, request_id=uuid.uuid4().hex)
         if engine.is_live(spec.request_id):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {spec.request_id!r} is already running")
             return
-        stream = engine.submit(spec)
+        stream = engine.submit(spec, request.deadline_s)
         done = False
         try:
             async for delta in stream:
                 if delta.finish_reason == "error":
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, delta.error)
+                    await context.abort(grpc.StatusCode[delta.code or "UNAVAILABLE"], delta.error)
                 yield _response(spec.request_id, delta)
             done = True
         finally:
@@ -75,6 +89,44 @@ class ControlService(pb_grpc.ControlServicer):
     def __init__(self, generation: GenerationService) -> None:
         self.generation = generation
 
+    async def ListWorkers(  # noqa: N802
+        self, request: pb.ListWorkersRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListWorkersResponse:
+        link, now = self.generation.link, time.monotonic()
+        workers = link.status() if link is not None else []
+        return pb.ListWorkersResponse(
+            workers=[
+                pb.WorkerStatus(
+                    rank=w.rank,
+                    host=w.host,
+                    pid=w.pid,
+                    device=w.device,
+                    tp_rank=w.tp_rank,
+                    pp_stage=w.pp_stage,
+                    state=w.state,
+                    heartbeat_age_s=now - w.last_seen,
+                    num_kv_blocks=w.num_kv_blocks,
+                )
+                for w in workers
+            ]
+        )
+
+    async def Drain(  # noqa: N802
+        self, request: pb.DrainRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DrainResponse:
+        engine = self.generation.engine
+        if engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "workers are joining")
+            raise AssertionError("abort raises")
+        if not math.isfinite(request.timeout_s) or request.timeout_s < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s: must be >= 0, got {request.timeout_s}")
+        timeout: float | None = request.timeout_s or None
+        left = context.time_remaining()
+        if left is not None:  # answer before the caller's own deadline cuts the call
+            timeout = min(timeout or left, max(0.0, left - 0.25))
+        remaining = await engine.drain(timeout)
+        return pb.DrainResponse(drained=remaining == 0, remaining=remaining)
+
     async def GetStats(  # noqa: N802
         self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.Stats:
@@ -82,17 +134,30 @@ class ControlService(pb_grpc.ControlServicer):
         if engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "workers are joining")
             raise AssertionError("abort raises")
-        s = engine.scheduler
-        return pb.Stats(
-            total_blocks=s.blocks.num_blocks,
-            used_blocks=s.blocks.num_used,
-            free_blocks=s.blocks.num_free,
-            kv_usage=s.blocks.usage,
-            num_running=len(s.running),
-            num_waiting=len(s.waiting),
-            num_preemptions=s.num_preemptions,
-            block_size=s.config.block_size,
-            max_model_len=s.config.max_model_len,
+        stats = dataclasses.asdict(snapshot(engine.scheduler))
+        stats["num_preemptions"] = stats["preemptions_recompute"] + stats["preemptions_swap"]
+        return pb.Stats(**stats)
+
+    async def ResizeCache(  # noqa: N802
+        self, request: pb.ResizeCacheRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ResizeCacheResponse:
+        engine = self.generation.engine
+        if engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "workers are joining")
+            raise AssertionError("abort raises")
+        total = engine.scheduler.blocks.num_blocks
+        if not 1 <= request.num_blocks <= total:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"num_blocks: must be in [1, {total}]")
+        start = time.perf_counter()
+        try:
+            moved = engine.resize_cache(request.num_blocks)
+        except MemoryError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"num_blocks: {exc}")
+            raise
+        return pb.ResizeCacheResponse(
+            usable_blocks=engine.scheduler.blocks.usable_blocks,
+            blocks_moved=moved,
+            seconds=time.perf_counter() - start,
         )
 
 
@@ -112,19 +177,27 @@ def _response(request_id: str, d: Delta) -> pb.GenerateResponse:
     return resp
 
 
-def build_server(service: GenerationService, address: str) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+def build_server(
+    service: GenerationService,
+    address: str,
+    credentials: grpc.ServerCredentials | None = None,
+    control_token: str = "",
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """The gRPC server; TLS with `credentials`, and Control RPCs need the bearer `control_token` when set."""
     server = grpc.aio.server(
+        interceptors=[ControlAuth(control_token)] if control_token else [],
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ]
+        ],
     )
     pb_grpc.add_GenerationServicer_to_server(service, server)
     pb_grpc.add_ControlServicer_to_server(ControlService(service), server)
     health_service = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
     reflection.enable_server_reflection(SERVICE_NAMES, server)
-    if server.add_insecure_port(address) == 0:
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    if port == 0:
         raise OSError(f"cannot bind gRPC to {address}")
     return server, health_service
 

@@ -31,11 +31,14 @@ class RequestSpec:
     ignore_eos: bool
     n: int
     priority: int
+    cache_salt: str = ""
 
 
 def validate(request: pb.GenerateRequest, tokenizer: ModelTokenizer, max_model_len: int) -> RequestSpec:
     if len(request.request_id) > MAX_ID_LENGTH:
         raise InvalidField("request_id", f"longer than {MAX_ID_LENGTH} characters")
+    if len(request.cache_salt) > MAX_ID_LENGTH:
+        raise InvalidField("cache_salt", f"longer than {MAX_ID_LENGTH} characters")
     prompt_ids = _prompt_ids(request, tokenizer)
     if len(prompt_ids) >= max_model_len:
         raise InvalidField(
@@ -79,6 +82,7 @@ def validate(request: pb.GenerateRequest, tokenizer: ModelTokenizer, max_model_l
         ignore_eos=s.ignore_eos,
         n=n,
         priority=request.priority,
+        cache_salt=request.cache_salt,
     )
 
 

@@ -10,7 +10,7 @@ import torch
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-def build_tiny_model(kind: str, folder: Path, tokenizer_dir: Path) -> Path:
+def build_tiny_model(kind: str, folder: Path, tokenizer_dir: Path, num_kv_heads: int = 2) -> Path:
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -26,7 +26,7 @@ def build_tiny_model(kind: str, folder: Path, tokenizer_dir: Path) -> Path:
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=num_kv_heads,  # 1: fewer KV heads than tensor-parallel ranks
         max_position_embeddings=1024,
         eos_token_id=2,
         bos_token_id=1,

@@ -1,30 +1,61 @@
+"""The block table under random operations, against a model of what each block would hold on the workers."""
+
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from scheduler_node.block_table import BlockTable
+from scheduler_node.block_table import BlockTable, hash_block
+
+BS = 4
 
 
-def test_grow_allocates_only_missing_blocks_and_free_returns_them() -> None:
-    table = BlockTable(num_blocks=8, block_size=4)
-    assert table.grow("a", 5) == [0, 1]  # 5 tokens need 2 blocks
-    assert table.grow("a", 8) == []  # still fits in 2
-    assert table.grow("a", 9) == [2]
+def test_write_allocates_only_missing_blocks_and_free_returns_them() -> None:
+    table = BlockTable(num_blocks=8, block_size=BS)
+    assert table.write("a", 0, 5) == ([0, 1], [])  # 5 tokens need 2 blocks
+    assert table.write("a", 5, 8) == ([], [])  # still fits in 2
+    assert table.write("a", 8, 9) == ([2], [])
     assert table.num_free == 5
     assert table.free("a") == 3
     assert table.num_free == 8
     table.check_invariants()
 
 
-def test_grow_beyond_capacity_raises_and_can_grow_says_so() -> None:
-    table = BlockTable(num_blocks=2, block_size=4)
-    assert table.can_grow("a", 8)
-    assert not table.can_grow("a", 9)
+def test_writing_beyond_capacity_raises_and_can_write_says_so() -> None:
+    table = BlockTable(num_blocks=2, block_size=BS)
+    assert table.can_write("a", 0, 8)
+    assert not table.can_write("a", 0, 9)
     with pytest.raises(MemoryError):
-        table.grow("a", 9)
+        table.write("a", 0, 9)
     assert table.num_free == 2  # nothing half-allocated
+
+
+def test_prefix_hit_reuses_freed_blocks_until_they_are_handed_out_again() -> None:
+    table = BlockTable(num_blocks=4, block_size=BS)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    hashes = [hash_block(None, tokens[:4]), hash_block(hash_block(None, tokens[:4]), tokens[4:8])]
+    table.write("a", 0, 9)
+    table.register("a", hashes)
+    table.free("a")
+    assert table.num_cached_free == 2
+    assert table.match_prefix(hashes) == table.match_prefix(hashes)[:2] and len(table.match_prefix(hashes)) == 2
+    assert table.match_prefix([hash_block(None, tokens[:4], salt="tenant-b")]) == []  # salted: no sharing
+    table.write("b", 0, 16)  # takes every block: the cached ones are evicted (lazy free)
+    assert table.match_prefix(hashes) == []
+    table.check_invariants()
+
+
+def test_shared_block_is_copied_before_it_is_written() -> None:
+    table = BlockTable(num_blocks=8, block_size=BS)
+    table.write("parent", 0, 6)
+    table.fork("parent", "child", 6)
+    added, replaced = table.write("child", 5, 7)  # position 5 sits in the shared second block
+    assert added == [] and [i for i, _ in replaced] == [1]
+    assert table.take_ops().copy == [(table.blocks_of("parent")[1], table.blocks_of("child")[1])]
+    assert table.blocks_of("child")[0] == table.blocks_of("parent")[0]  # the full first block stays shared
+    table.check_invariants()
 
 
 def test_bad_size_is_rejected() -> None:
@@ -32,20 +63,173 @@ def test_bad_size_is_rejected() -> None:
         BlockTable(0, 16)
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from("grow free".split()), st.integers(0, 5), st.integers(1, 40))))
-def test_random_operations_keep_invariants(ops: list[tuple[str, int, int]]) -> None:
-    table = BlockTable(num_blocks=16, block_size=4)
-    for op, who, tokens in ops:
-        req = f"r{who}"
-        if op == "grow":
-            if table.can_grow(req, tokens):
-                table.grow(req, tokens)
-                assert len(table.blocks_of(req)) >= table.blocks_for(tokens)
+class BlockTableMachine(RuleBasedStateMachine):
+    """Random allocate / append / fork / free / preempt (recompute, swap) / resume / resize / compact."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = BlockTable(num_blocks=12, block_size=BS, num_host_blocks=6)
+        self.device: dict[int, list[int | None]] = {b: [None] * BS for b in range(12)}
+        self.host: dict[int, list[int | None]] = {b: [None] * BS for b in range(6)}
+        self.tokens: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+        self.where: dict[str, str] = {}  # device | host | none (preempted by recompute)
+        self.block_tokens: dict[bytes, tuple[int, ...]] = {}
+        self.next_id = 0
+
+    # ---- helpers that play the workers' part
+
+    def _apply_ops(self) -> None:
+        ops = self.table.take_ops()
+        for dev, host in ops.swap_out:
+            self.host[host] = list(self.device[dev])
+        for src, dst in ops.copy:
+            self.device[dst] = list(self.device[src])
+        for host, dev in ops.swap_in:
+            self.device[dev] = list(self.host[host])
+
+    def _hashes(self, tokens: list[int]) -> list[bytes]:
+        out: list[bytes] = []
+        for i in range(len(tokens) // BS):
+            out.append(hash_block(out[-1] if out else None, tokens[i * BS : (i + 1) * BS]))
+        return out
+
+    def _compute(self, rid: str, first: int, end: int) -> None:
+        self.table.write(rid, first, end)
+        self._apply_ops()  # copy-on-write happens before the forward pass writes
+        table = self.table.blocks_of(rid)
+        for p in range(first, end):
+            self.device[table[p // BS]][p % BS] = self.tokens[rid][p]
+        self.computed[rid] = end
+        hashes = self._hashes(self.tokens[rid])[: end // BS]
+        self.table.register(rid, hashes)
+        for i, h in enumerate(hashes):
+            self.block_tokens.setdefault(h, tuple(self.tokens[rid][i * BS : (i + 1) * BS]))
+
+    def _admit(self, rid: str) -> bool:
+        tokens = self.tokens[rid]
+        hits = self.table.match_prefix(self._hashes(tokens)[: (len(tokens) - 1) // BS])
+        reused_free = sum(1 for b in hits if self.table.is_free(b))
+        if self.table.blocks_for(len(tokens)) - len(hits) + reused_free > self.table.num_free:
+            return False
+        self.table.acquire(rid, hits)
+        self._compute(rid, len(hits) * BS, len(tokens))
+        self.where[rid] = "device"
+        return True
+
+    def _on(self, where: str) -> list[str]:
+        return sorted(r for r, w in self.where.items() if w == where)
+
+    # ---- rules
+
+    @rule(prompt=st.lists(st.integers(1, 2), min_size=1, max_size=14))
+    def new_request(self, prompt: list[int]) -> None:
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        self.tokens[rid] = list(prompt)
+        if not self._admit(rid):
+            del self.tokens[rid]
+
+    @precondition(lambda self: self._on("device"))
+    @rule(data=st.data(), extra=st.lists(st.integers(1, 2), min_size=1, max_size=6))
+    def append(self, data: st.DataObject, extra: list[int]) -> None:
+        rid = data.draw(st.sampled_from(self._on("device")))
+        first = self.computed[rid]
+        if self.table.can_write(rid, first, first + len(extra)):
+            self.tokens[rid].extend(extra)
+            self._compute(rid, first, len(self.tokens[rid]))
+
+    @precondition(lambda self: self._on("device"))
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        parent = data.draw(st.sampled_from(self._on("device")))
+        n = len(self.tokens[parent])
+        child = f"r{self.next_id}"
+        self.next_id += 1
+        self.table.fork(parent, child, n)
+        self.tokens[child] = list(self.tokens[parent])
+        self.where[child] = "device"
+        self.computed[child] = n - 1
+        if self.table.can_write(child, n - 1, n):
+            self._compute(child, n - 1, n)  # the sibling recomputes the last prompt token: copy-on-write
         else:
-            table.free(req)
-        table.check_invariants()
-        assert table.num_free + table.num_used == table.num_blocks
-    for who in range(6):
-        table.free(f"r{who}")
-    assert table.num_free == table.num_blocks
+            self._drop(child)
+
+    @precondition(lambda self: self.where)
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        self._drop(data.draw(st.sampled_from(sorted(self.where))))
+
+    @precondition(lambda self: self._on("device"))
+    @rule(data=st.data())
+    def preempt_recompute(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(self._on("device")))
+        self.table.free(rid)
+        self.where[rid] = "none"
+
+    @precondition(lambda self: self._on("device"))
+    @rule(data=st.data())
+    def preempt_swap(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(self._on("device")))
+        if self.table.can_swap_out(rid):
+            self.table.swap_out(rid)
+            self._apply_ops()
+            self.where[rid] = "host"
+
+    @precondition(lambda self: self._on("host") or self._on("none"))
+    @rule(data=st.data())
+    def resume(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(self._on("host") + self._on("none")))
+        if self.where[rid] == "none":
+            self._admit(rid)
+        elif self.table.can_swap_in(rid):
+            self.table.swap_in(rid)
+            self._apply_ops()
+            self.where[rid] = "device"
+
+    @rule(usable=st.integers(1, 12))
+    def resize(self, usable: int) -> None:
+        try:
+            self.table.resize(usable)
+        except MemoryError:
+            return
+        self._apply_ops()
+
+    @rule()
+    def compact(self) -> None:
+        self.table.compact(max_moves=3)
+        self._apply_ops()
+
+    def _drop(self, rid: str) -> None:
+        self.table.free(rid)
+        for d in (self.tokens, self.computed, self.where):
+            d.pop(rid, None)
+
+    # ---- invariants
+
+    @invariant()
+    def bookkeeping_is_consistent(self) -> None:
+        self.table.check_invariants()
+        assert self.table.num_free + self.table.num_used == self.table.usable_blocks
+
+    @invariant()
+    def every_request_reads_its_own_tokens(self) -> None:
+        for rid in self._on("device"):
+            table = self.table.blocks_of(rid)
+            stored = [self.device[table[p // BS]][p % BS] for p in range(self.computed[rid])]
+            assert stored == self.tokens[rid][: self.computed[rid]], rid
+
+    @invariant()
+    def no_hash_points_at_other_tokens(self) -> None:
+        for h, block in self.table._cached.items():
+            assert tuple(self.device[block]) == self.block_tokens[h]
+
+    def teardown(self) -> None:
+        for rid in list(self.where):
+            self._drop(rid)
+        assert self.table.num_free == self.table.usable_blocks  # idle: all free
+        assert self.table.num_host_used == 0
+
+
+TestBlockTableMachine = BlockTableMachine.TestCase
+TestBlockTableMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -25,8 +25,8 @@ from proto.wire import (
 
 MESSAGES = [
     WorkerHello("host", 123, "cpu"),
-    Assignment(0, 2, "/models/x", "auto", 16, 2048, 128),
-    WorkerReady(1, 1000, 123456789),
+    Assignment(0, 2, "/models/x", "auto", 16, 2048, 128, 2, 1, "127.0.0.2:29500", "cuda:1", 60.0),
+    WorkerReady(1, 1000, 123456789, 64, 2.5e9),
     Shutdown("bye"),
     StepPlan(
         7,
@@ -35,6 +35,10 @@ MESSAGES = [
         {"a": 4, "b": 1},
         ["c"],
         ["d"],
+        [(1, 0)],
+        [(2, 5)],
+        [(0, 6)],
+        {"b": [(0, 7)]},
     ),
     StepResult(7, {"a": [5]}, {"a": [TokenLogprobs(-0.5, [(5, -0.5), (6, -1.5)])]}, 3.25),
 ]
@@ -57,6 +61,21 @@ def test_wrong_field_types_are_rejected() -> None:
         decode(msgpack.packb([WIRE_VERSION, 3, "rank", 1, 2]))  # WorkerReady.rank must be an int
     with pytest.raises(WireError):
         decode(msgpack.packb([WIRE_VERSION, 5, 1, {"a": ["x"]}, {}, 0.0]))  # tokens must be ints
+
+
+@pytest.mark.parametrize(
+    ("rank", "world", "tp", "pp", "init", "error"),
+    [
+        (0, 4, 2, 1, "h:1", "world_size 4 != tensor_parallel_size 2 x pipeline_parallel_size 1"),
+        (4, 4, 2, 2, "h:1", "rank 4 is outside a world of 4"),
+        (0, 2, 2, 1, "", "distributed_init must be host:port"),
+        (0, 0, 0, 1, "", "must be >= 1"),
+    ],
+)
+def test_inconsistent_assignment_is_rejected(rank: int, world: int, tp: int, pp: int, init: str, error: str) -> None:
+    bad = Assignment(rank, world, "/m", "auto", 16, 64, 8, tp, pp, init)
+    with pytest.raises(WireError, match=error):
+        decode(encode(bad))
 
 
 def test_oversized_message_is_rejected() -> None:

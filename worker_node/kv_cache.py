@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -53,3 +54,52 @@ def allocate_kv_cache(
     ]
     logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, block_size, budget / 2**30)
     return cache
+
+
+def allocate_host_cache(
+    config: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device, budget: int
+) -> KVCache:
+    """Swap space in host memory, same layout as the device cache (pinned when the device is a GPU)."""
+    num_blocks = budget // bytes_per_block(config, block_size, dtype)
+    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    pin = device.type == "cuda"
+    return [
+        (torch.empty(shape, dtype=dtype, pin_memory=pin), torch.empty(shape, dtype=dtype, pin_memory=pin))
+        for _ in range(config.num_layers)
+    ]
+
+
+def copy_blocks(src_cache: KVCache, dst_cache: KVCache, pairs: list[tuple[int, int]]) -> None:
+    """Copy block pairs[i][0] of src_cache into block pairs[i][1] of dst_cache, in order."""
+    if not pairs:
+        return
+    src = [p[0] for p in pairs]
+    dst = [p[1] for p in pairs]
+    if src_cache is dst_cache and set(src) & set(dst):  # a chain (a block copied, then its copy copied): in order
+        for (sk, sv), (dk, dv) in zip(src_cache, dst_cache):
+            for s, d in pairs:
+                dk[d].copy_(sk[s])
+                dv[d].copy_(sv[s])
+        return
+    device = dst_cache[0][0].device
+    src_i = torch.tensor(src, device=src_cache[0][0].device)
+    dst_i = torch.tensor(dst, device=device)
+    for (sk, sv), (dk, dv) in zip(src_cache, dst_cache):
+        dk.index_copy_(0, dst_i, sk.index_select(0, src_i).to(device, non_blocking=True))
+        dv.index_copy_(0, dst_i, sv.index_select(0, src_i).to(device, non_blocking=True))
+
+
+def measure_swap_bandwidth(device_cache: KVCache, host_cache: KVCache, block_bytes: int) -> float:
+    """Bytes per second of a device → host → device round trip of a few blocks (0 without swap space)."""
+    n = min(16, host_cache[0][0].shape[0], device_cache[0][0].shape[0]) if host_cache else 0
+    if n == 0:
+        return 0.0
+    pairs = [(i, i) for i in range(n)]
+    copy_blocks(device_cache, host_cache, pairs)  # warm-up
+    sync = torch.cuda.synchronize if device_cache[0][0].is_cuda else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    copy_blocks(device_cache, host_cache, pairs)
+    copy_blocks(host_cache, device_cache, pairs)
+    sync()
+    return 2 * n * block_bytes / max(time.perf_counter() - start, 1e-9)

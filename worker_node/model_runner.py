@@ -9,8 +9,10 @@ import torch
 
 from proto.wire import NewRequest, SamplingOptions, StepPlan, StepResult, TokenLogprobs
 from worker_node.attention import AttentionMetadata
-from worker_node.kv_cache import KVCache
+from worker_node.cuda_graphs import DecodeGraphs
+from worker_node.kv_cache import KVCache, copy_blocks
 from worker_node.models.llama import LlamaForCausalLM
+from worker_node.parallel import SINGLE, Comm
 from worker_node.sampler import sample
 
 
@@ -39,9 +41,21 @@ class _Batch:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: KVCache,
+        block_size: int,
+        device: torch.device,
+        host_cache: KVCache | None = None,
+        comm: Comm | None = None,
+    ) -> None:
         self.model = model
+        self.comm = comm or Comm(SINGLE)  # every rank runs every plan; only the output rank samples
+        self.dtype = next(model.parameters()).dtype
+        self.graphs: DecodeGraphs | None = None  # decode-only steps replay CUDA graphs when set (GPU)
         self.kv_cache = kv_cache
+        self.host_cache = host_cache or []
         self.block_size = block_size
         self.device = device
         self.states: dict[str, RequestState] = {}
@@ -59,19 +73,29 @@ class ModelRunner:
                     f"plan says {cached.num_computed_tokens}"
                 )
             state.block_ids.extend(cached.new_block_ids)
+        for req_id, changes in plan.block_updates.items():
+            if (held := self.states.get(req_id)) is not None:
+                for index, block in changes:
+                    held.block_ids[index] = block
+
+    def run_block_ops(self, plan: StepPlan) -> None:
+        """Swap out, copy (copy-on-write, compaction), swap in: before the forward pass reads any block."""
+        if (plan.swap_out or plan.swap_in) and not self.host_cache:
+            raise RuntimeError("the plan swaps but this worker has no swap space")
+        copy_blocks(self.kv_cache, self.host_cache, plan.swap_out)
+        copy_blocks(self.kv_cache, self.kv_cache, plan.block_copies)
+        copy_blocks(self.host_cache, self.kv_cache, plan.swap_in)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
         self.apply_diffs(plan)
+        self.run_block_ops(plan)
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprobs]] = {}
         if plan.num_scheduled_tokens:
             batch = self._prepare(plan)
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta)
-            logits = self.model.logits(hidden[batch.sample_rows])
-            outputs = [len(s.token_ids) - s.num_prompt_tokens for s in batch.samplers]
-            tokens, lps = sample(logits, [s.sampling for s in batch.samplers], outputs)
+            tokens, lps = self._run_and_sample(batch)
             for state, token, lp in zip(batch.samplers, tokens, lps):
                 state.token_ids.append(token)
                 sampled[state.req_id] = [token]
@@ -79,6 +103,28 @@ class ModelRunner:
                     logprobs[state.req_id] = [lp]
         elapsed = (time.perf_counter() - start) * 1e3
         return StepResult(plan.step_id, sampled, logprobs, elapsed)
+
+    def _run_and_sample(self, batch: _Batch) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """This rank's stage of the forward pass; the output rank samples and every rank learns the tokens."""
+        where = self.comm.where
+        hidden = None
+        if not where.is_first_stage:
+            shape = (batch.input_ids.shape[0], self.model.config.hidden_size)
+            hidden = self.comm.recv_from_previous_stage(shape, self.dtype)
+        if self.graphs is not None and self.graphs.fits(batch.meta, batch.input_ids.shape[0]):
+            hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta, hidden)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta, hidden)
+        if not where.is_last_stage:
+            self.comm.send_to_next_stage(hidden)
+        tokens: list[int] = []
+        lps: list[TokenLogprobs | None] = [None] * len(batch.samplers)
+        if where.is_last_stage and batch.samplers:
+            logits = self.model.logits(hidden[batch.sample_rows])  # a collective over the TP group
+            if logits is not None:
+                outputs = [len(s.token_ids) - s.num_prompt_tokens for s in batch.samplers]
+                tokens, lps = sample(logits, [s.sampling for s in batch.samplers], outputs)
+        return self.comm.share_sampled(tokens, len(batch.samplers)), lps
 
     def _prepare(self, plan: StepPlan) -> _Batch:
         work = [(self.states[r], n) for r, n in plan.num_scheduled_tokens.items()]

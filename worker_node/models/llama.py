@@ -1,4 +1,11 @@
-"""Llama-family decoder (Llama, Qwen2, Mistral) over a paged KV cache, with fused QKV and gate/up weights."""
+"""Llama-family decoder (Llama, Qwen2, Mistral) over a paged KV cache, with fused QKV and gate/up weights.
+
+Written against tensor and pipeline parallelism: QKV and gate/up are column-parallel (each TP rank holds its
+heads and its slice of the MLP), O and down are row-parallel followed by an all-reduce, the embedding and the
+LM head are vocab-parallel. A pipeline stage holds only its decoder layers (`layers[i]` is the checkpoint's
+layer `first_layer + i`); the first stage embeds, the last one normalises and computes logits. With one worker every
+collective is a no-op and the model is the plain one.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.backend import AttentionBackend
+from proto.parallel import kv_head_range, shard, vocab_shard
 from worker_node.attention import AttentionMetadata, paged_attention
 from worker_node.models.config import ModelConfig
+from worker_node.parallel import SINGLE, Comm, ParallelRank
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -70,19 +79,20 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    """This TP rank's query heads and the KV heads they read (split, or one replicated when T > Hkv)."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, where: ParallelRank, comm: Comm) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_heads,
-            config.num_kv_heads,
-            config.head_dim,
-        )
+        q0, q1 = shard(config.num_heads, where.tp_size, where.tp_rank)
+        kv0, kv1 = kv_head_range(config.num_kv_heads, where.tp_size, where.tp_rank)
+        self.num_heads, self.num_kv_heads, self.head_dim = q1 - q0, kv1 - kv0, config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)  # row-parallel
         self.scale = self.head_dim**-0.5
         self.backend = backend
+        self.comm = comm
 
     def forward(
         self,
@@ -97,28 +107,63 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, angles), apply_rope(k, angles)
         out = paged_attention(self.backend, q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.comm.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, where: ParallelRank, comm: Comm) -> None:
         super().__init__()
-        self.inter = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)
-        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False)
+        self.inter = config.intermediate_size // where.tp_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)  # column-parallel
+        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False)  # row-parallel
+        self.comm = comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.comm.all_reduce(self.down_proj(F.silu(gate) * up))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each TP rank holds ceil(V / T) vocab rows; tokens outside them embed to zero, the all-reduce fills in."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, where: ParallelRank, comm: Comm) -> None:
+        super().__init__()
+        self.start, end = vocab_shard(vocab_size, where.tp_size, where.tp_rank)
+        self.weight = nn.Parameter(torch.empty(end - self.start, hidden_size))
+        self.sharded = where.tp_size > 1
+        self.comm = comm
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.sharded:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return self.comm.all_reduce(x)
+
+
+class ParallelLMHead(nn.Module):
+    """Each TP rank scores its vocab rows; TP rank 0 gathers the full logits (the others get None)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, where: ParallelRank, comm: Comm) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        start, end = vocab_shard(vocab_size, where.tp_size, where.tp_rank)
+        self.weight = nn.Parameter(torch.empty(end - start, hidden_size))
+        self.comm = comm
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = self.comm.gather_to_first(F.linear(hidden, self.weight))
+        return None if logits is None else logits[:, : self.vocab_size].float()
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, where: ParallelRank, comm: Comm) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend)
+        self.self_attn = Attention(config, backend, where, comm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, where, comm)
 
     def forward(
         self,
@@ -132,14 +177,29 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
+    embed_tokens: VocabParallelEmbedding | None
+    norm: RMSNorm | None
+    lm_head: ParallelLMHead | None
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        max_positions: int,
+        where: ParallelRank = SINGLE,
+        comm: Comm | None = None,
+    ) -> None:
         super().__init__()
+        comm = comm or Comm(where)
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
+        self.where = where
+        h, v = config.hidden_size, config.vocab_size
+        self.embed_tokens = VocabParallelEmbedding(v, h, where, comm) if where.is_first_stage else None
+        self.first_layer, end = where.layout.layer_range(where.stage, config.num_layers)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend, where, comm) for _ in range(self.first_layer, end))
+        self.norm = RMSNorm(h, config.rms_norm_eps) if where.is_last_stage else None
+        self.lm_head = ParallelLMHead(v, h, where, comm) if where.is_last_stage else None
+        if config.tie_word_embeddings and self.lm_head is not None and self.embed_tokens is not None:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(config, max_positions)
 
@@ -147,14 +207,23 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # this stage's layers, in order
         meta: AttentionMetadata,
+        hidden: torch.Tensor | None = None,  # [T, hidden]: the previous stage's output (not on the first)
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        """This stage's part of the forward pass: normalised hidden states on the last stage, raw ones before."""
+        if hidden is None:
+            if self.embed_tokens is None:
+                raise RuntimeError("a stage after the first needs the previous stage's hidden states")
+            hidden = self.embed_tokens(input_ids)
+        x = hidden
         angles = self.rotary(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, angles, kv_cache, meta)
-        return self.norm(x)
+        return x if self.norm is None else self.norm(x)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits on the output rank; None on the other TP ranks of the last stage."""
+        if self.lm_head is None:
+            raise RuntimeError("only the last pipeline stage computes logits")
+        return self.lm_head(hidden)

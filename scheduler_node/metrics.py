@@ -1,0 +1,164 @@
+"""Prometheus metrics (`--metrics-port`) under vLLM's names, so existing dashboards work, plus minivllm's own.
+
+Counters and histograms are updated by the engine loop as things happen. Gauges (queues, KV usage,
+fragmentation) and the scheduler's counters (preemptions, prefix cache) are read at scrape time, on the event
+loop's thread, so the scrape never sees the scheduler half-way through a change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from scheduler_node.stats import snapshot
+
+if TYPE_CHECKING:
+    from scheduler_node.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)  # fmt: skip
+REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class Metrics:
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        counter, histogram = self._counter, self._histogram
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of the requests that started")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated")
+        self._success = Counter(
+            "vllm:request_success",
+            "Finished sequences, by finish reason",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Arrival to first token", TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between two tokens of a sequence", ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to the last token", REQUEST_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled", REQUEST_BUCKETS)
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens per engine step", TOKEN_BUCKETS)
+        self.schedule_time = histogram("minivllm:scheduler_step_seconds", "Scheduler.schedule() per step", STEP_BUCKETS)
+        self.step_time = histogram(
+            "minivllm:engine_step_seconds", "One engine step: schedule, run on the workers, stream out", STEP_BUCKETS
+        )
+        self.worker_losses = counter("minivllm:worker_losses", "Times a rank was lost (died or stalled)")
+        self.batch_utilization = 0.0  # tokens of the last step / max_num_batched_tokens
+        self.engine: Engine | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.registry.register(_LiveCollector(self))
+        ProcessCollector(registry=self.registry)  # process_open_fds, process_resident_memory_bytes, ...
+        self._server: Any = None
+
+    def _counter(self, name: str, doc: str) -> Any:
+        return Counter(name, doc, ["model_name"], registry=self.registry).labels(self.model_name)
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+        return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry).labels(self.model_name)
+
+    def finished(self, reason: str, e2e_s: float | None) -> None:
+        self._success.labels(self.model_name, reason).inc()
+        if e2e_s is not None:
+            self.e2e.observe(e2e_s)
+
+    def bind(self, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
+        """Read the live gauges from this engine, on this loop's thread."""
+        self.engine, self.loop = engine, loop
+
+    def serve(self, host: str, port: int) -> None:
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        logger.info("Prometheus metrics on http://%s:%d/metrics", host, port)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def live(self) -> dict[str, float]:
+        """The scrape-time values, computed on the event loop's thread ({} while the workers are joining)."""
+        loop, engine = self.loop, self.engine
+        if loop is None or engine is None or loop.is_closed():
+            return {}
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            return _read(engine, self)
+        if threading.current_thread() is threading.main_thread():
+            return {}  # no loop thread to ask
+        try:
+            return asyncio.run_coroutine_threadsafe(_aread(engine, self), loop).result(timeout=5)
+        except Exception as exc:  # a busy or stopping loop: the scrape goes on without these
+            logger.warning("metrics: live values unavailable: %s", exc)
+            return {}
+
+
+GAUGES = {
+    "vllm:num_requests_running": "Requests running on the workers",
+    "vllm:num_requests_waiting": "Requests waiting (new and preempted)",
+    "vllm:kv_cache_usage_perc": "Fraction of usable KV blocks in use (1 = full)",
+    "minivllm:kv_fragmentation": "Internal fragmentation of the KV cache: 1 - tokens stored / slots held",
+    "minivllm:batch_utilization": "Tokens in the last step / max_num_batched_tokens",
+    "minivllm:workers_ready": "Ranks ready",
+    "minivllm:asyncio_tasks": "Tasks alive on the scheduler's event loop",
+}
+COUNTERS = {
+    "vllm:num_preemptions": "Preemptions (recompute and swap; a lost worker preempts every running request)",
+    "vllm:prefix_cache_queries": "Prompt tokens looked up in the prefix cache",
+    "vllm:prefix_cache_hits": "Prompt tokens found in the prefix cache",
+}
+
+
+def _read(engine: Engine, metrics: Metrics) -> dict[str, float]:
+    s = snapshot(engine.scheduler)
+    return {
+        "vllm:num_requests_running": s.num_running,
+        "vllm:num_requests_waiting": s.num_waiting,
+        "vllm:kv_cache_usage_perc": s.kv_usage,
+        "minivllm:kv_fragmentation": s.fragmentation,
+        "minivllm:batch_utilization": metrics.batch_utilization,
+        "minivllm:workers_ready": len(engine.link.workers),
+        "minivllm:asyncio_tasks": len(asyncio.all_tasks()),
+        "vllm:num_preemptions": s.preemptions_recompute + s.preemptions_swap,
+        "vllm:prefix_cache_queries": s.prefix_cache_queries,
+        "vllm:prefix_cache_hits": s.prefix_cache_hits,
+    }
+
+
+async def _aread(engine: Engine, metrics: Metrics) -> dict[str, float]:
+    return _read(engine, metrics)
+
+
+class _LiveCollector(Collector):
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        values = self.metrics.live()
+        name = self.metrics.model_name
+        for key, doc in GAUGES.items():
+            gauge = GaugeMetricFamily(key, doc, labels=["model_name"])
+            if key in values:
+                gauge.add_metric([name], values[key])
+            yield gauge
+        for key, doc in COUNTERS.items():
+            counter = CounterMetricFamily(key, doc, labels=["model_name"])
+            if key in values:
+                counter.add_metric([name], values[key])
+            yield counter

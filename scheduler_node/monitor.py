@@ -1,0 +1,131 @@
+"""vllm-monitor: scrape the scheduler's Prometheus endpoint every --interval seconds and print live values.
+
+    vllm-monitor --metric vllm:num_requests_running --metric vllm:generation_tokens --interval 1
+
+A gauge prints its value; a counter its total and its rate since the previous scrape; a histogram its count,
+mean and the rate of new observations. Names are the series names (`vllm:generation_tokens` or
+`vllm:generation_tokens_total` both work).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from proto.cli_config import add_config_flag, parse_args
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """One series of one metric at one scrape: labels and the numbers that describe it."""
+
+    kind: str  # gauge, counter, histogram, summary, untyped
+    labels: str  # '{model_name="x"}' or ''
+    value: float  # gauge/counter value; histogram: the sum
+    count: float = 0.0  # histogram: observations
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vllm-monitor", description="Print live values of a minivllm server's metrics.")
+    add_config_flag(p)
+    p.add_argument("--metric", action="append", required=True, help="metric name (repeatable)")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between scrapes")
+    p.add_argument("--host", default="127.0.0.1", help="the scheduler's --metrics-host")
+    p.add_argument("--metrics-port", type=int, default=8000, help="the scheduler's --metrics-port")
+    p.add_argument("--url", default="", help="the full endpoint URL (overrides --host and --metrics-port)")
+    p.add_argument("--count", type=int, default=0, help="stop after this many scrapes (0: until Ctrl-C)")
+    return p
+
+
+def scrape(url: str, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return str(response.read().decode())
+
+
+def readings(text: str, names: list[str]) -> dict[str, dict[str, Reading]]:
+    """name -> labels -> Reading, for the asked names found in the exposition text."""
+    wanted = {_base(n): n for n in names}
+    out: dict[str, dict[str, Reading]] = {}
+    for family in text_string_to_metric_families(text):
+        name = wanted.get(_base(family.name))
+        if name is None:
+            continue
+        series = out.setdefault(name, {})
+        sums: dict[str, float] = {}
+        counts: dict[str, float] = {}
+        for sample in family.samples:
+            labels = _labels({k: v for k, v in sample.labels.items() if k not in ("le", "quantile")})
+            if family.type in ("histogram", "summary"):
+                if sample.name.endswith("_sum"):
+                    sums[labels] = sample.value
+                elif sample.name.endswith("_count"):
+                    counts[labels] = sample.value
+            elif not sample.name.endswith("_created"):
+                series[labels] = Reading(family.type, labels, sample.value)
+        for labels, count in counts.items():
+            series[labels] = Reading(family.type, labels, sums.get(labels, 0.0), count)
+    return out
+
+
+def describe(name: str, now: Reading, before: Reading | None, seconds: float) -> str:
+    if now.kind in ("histogram", "summary"):
+        mean = now.value / now.count if now.count else 0.0
+        text = f"{name}{now.labels} count={now.count:g} mean={mean:.6g}"
+        if before is not None and seconds > 0:
+            text += f" (+{(now.count - before.count) / seconds:.3g}/s)"
+        return text
+    text = f"{name}{now.labels} {now.value:.6g}"
+    if now.kind == "counter" and before is not None and seconds > 0:
+        text += f" (+{(now.value - before.value) / seconds:.3g}/s)"
+    return text
+
+
+def _base(name: str) -> str:
+    return name.removesuffix("_total")
+
+
+def _labels(labels: dict[str, str]) -> str:
+    return "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(build_parser(), argv)
+    url = args.url or f"http://{args.host}:{args.metrics_port}/metrics"
+    previous: dict[str, dict[str, Reading]] = {}
+    last = 0.0
+    scrapes = 0
+    try:
+        while True:
+            try:
+                text = scrape(url)
+            except (urllib.error.URLError, OSError) as exc:
+                print(f"{time.strftime('%H:%M:%S')} cannot scrape {url}: {exc}", file=sys.stderr, flush=True)
+            else:
+                now = time.monotonic()
+                current = readings(text, args.metric)
+                missing = [n for n in args.metric if n not in current]
+                if missing:
+                    print(f"error: no metric {', '.join(missing)} at {url}", file=sys.stderr)
+                    return 2
+                stamp = time.strftime("%H:%M:%S")
+                for name in args.metric:
+                    for labels, reading in current[name].items():
+                        before = previous.get(name, {}).get(labels)
+                        print(f"{stamp} {describe(name, reading, before, now - last)}", flush=True)
+                previous, last = current, now
+            scrapes += 1
+            if args.count and scrapes >= args.count:
+                return 0
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""What keeps the scheduler operable: its flags for liveness, overload, draining, metrics and security, the
+health reporter (SERVING only while every rank is up), and the rule for admitting a replacement worker."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import Callable
+
+from grpc_health.v1 import health
+
+from proto.wire import WorkerReady
+from proto.worker_flags import add_curve_flag
+from scheduler_node.engine import Engine
+from scheduler_node.server import set_serving
+from scheduler_node.worker_link import WorkerLink
+
+logger = logging.getLogger(__name__)
+
+TOKEN_ENV = "MINIVLLM_CONTROL_TOKEN"
+
+
+def add_operations_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=10.0,
+        help="seconds of silence after which a worker is declared lost (and after which a worker whose "
+        "scheduler went silent exits); heartbeats go both ways every quarter of it",
+    )
+    p.add_argument(
+        "--worker-rejoin-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait for a replacement of a lost worker before failing its requests with UNAVAILABLE",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT: seconds to let running requests finish before ending them (0: no limit; "
+        "a second signal ends them at once)",
+    )
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=0,
+        help="waiting sequences at most; beyond it new requests get RESOURCE_EXHAUSTED at once (0: unbounded)",
+    )
+    p.add_argument("--metrics-port", type=int, default=0, help="port of the Prometheus /metrics endpoint (0: off)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="bind address of the Prometheus endpoint")
+    p.add_argument("--tls-cert", default=None, metavar="PEM", help="serve gRPC over TLS with this certificate chain")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
+    p.add_argument(
+        "--control-token",
+        default=os.environ.get(TOKEN_ENV, ""),
+        help=f"Control RPCs need metadata 'authorization: Bearer TOKEN' (default: ${TOKEN_ENV}; empty: open)",
+    )
+    add_curve_flag(p)
+
+
+def check_operations_flags(args: argparse.Namespace) -> None:
+    """ValueError naming the flag that is out of range."""
+    for name in ("heartbeat_timeout", "worker_rejoin_timeout"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if args.drain_timeout < 0 or args.max_waiting_requests < 0:
+        raise ValueError("--drain-timeout and --max-waiting-requests must be >= 0")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+
+
+def rejoin_rule(num_blocks: int, num_host_blocks: int) -> Callable[[WorkerReady], str]:
+    """A replacement worker must hold at least the KV (and swap) blocks the scheduler already hands out."""
+
+    def admit(ready: WorkerReady) -> str:
+        if ready.num_kv_blocks < num_blocks:
+            return f"it has {ready.num_kv_blocks} KV blocks; the scheduler uses {num_blocks} (more --kv-cache-memory)"
+        if ready.num_host_blocks < num_host_blocks:
+            return f"it has {ready.num_host_blocks} swap blocks; the scheduler uses {num_host_blocks}"
+        return ""
+
+    return admit
+
+
+async def report_health(link: WorkerLink, engine: Engine, health_service: health.aio.HealthServicer) -> None:
+    """Keep grpc.health.v1 at SERVING exactly while every rank is ready and the engine takes requests."""
+    serving: bool | None = None
+    while True:
+        link.changed.clear()
+        now = link.all_ready and not engine.unavailable()
+        if now != serving:
+            await set_serving(health_service, now)
+            logger.info("health: %s", "SERVING" if now else "NOT_SERVING")
+            serving = now
+        await link.changed.wait()

@@ -1,0 +1,64 @@
+"""A snapshot of the scheduler's memory and queues, for Control.GetStats and the metrics endpoint."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler_node.scheduler import Scheduler
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    total_blocks: int
+    usable_blocks: int
+    used_blocks: int
+    free_blocks: int
+    cached_free_blocks: int
+    kv_usage: float
+    fragmentation: float  # 1 - tokens stored / slots held
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_hit_rate: float
+    preemptions_recompute: int
+    preemptions_swap: int
+    swap_blocks_used: int
+    swap_blocks_total: int
+    num_running: int
+    num_waiting: int
+    block_size: int
+    max_model_len: int
+
+
+def tokens_stored(s: Scheduler) -> int:
+    """Tokens whose KV sits in device blocks, each shared block counted once."""
+    bs = s.blocks.block_size
+    fill: dict[int, int] = {}
+    for req in s.requests.values():
+        for i, block in enumerate(s.blocks.blocks_of(req.req_id)):
+            fill[block] = max(fill.get(block, 0), min(bs, max(0, req.num_computed_tokens - i * bs)))
+    return sum(fill.values())
+
+
+def snapshot(s: Scheduler) -> SchedulerStats:
+    bt, c = s.blocks, s.counters
+    slots = bt.num_used * bt.block_size
+    return SchedulerStats(
+        total_blocks=bt.num_blocks,
+        usable_blocks=bt.usable_blocks,
+        used_blocks=bt.num_used,
+        free_blocks=bt.num_free,
+        cached_free_blocks=bt.num_cached_free,
+        kv_usage=bt.usage,
+        fragmentation=1 - tokens_stored(s) / slots if slots else 0.0,
+        prefix_cache_queries=c.prefix_cache_queries,
+        prefix_cache_hits=c.prefix_cache_hits,
+        prefix_cache_hit_rate=c.prefix_cache_hits / c.prefix_cache_queries if c.prefix_cache_queries else 0.0,
+        preemptions_recompute=c.preemptions_recompute,
+        preemptions_swap=c.preemptions_swap,
+        swap_blocks_used=bt.num_host_used,
+        swap_blocks_total=bt.num_host_blocks,
+        num_running=len(s.running),
+        num_waiting=len(s.waiting),
+        block_size=bt.block_size,
+        max_model_len=s.config.max_model_len,
+    )

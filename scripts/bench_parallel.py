@@ -1,0 +1,153 @@
+"""Tokens/s of one model served with tensor and pipeline parallelism: TP=1/2, PP=1/2 (and TP2 x PP2).
+
+    .venv/bin/python scripts/bench_parallel.py                          # SmolLM2-135M on CPU, gloo
+    .venv/bin/python scripts/bench_parallel.py --layouts 1x1,2x1 --num-requests 8
+    .venv/bin/python scripts/bench_parallel.py --device cuda --layouts 1x1,2x1,1x2,2x2   # on GPUs (NCCL)
+
+Each layout is a fresh world (real scheduler and worker processes) serving the same workload: prompts of
+32-256 random tokens, 32-128 greedy output tokens, all submitted at once. On CPU every layout gets the same
+cores in total (--threads-per-worker 0: cores / world size per worker), so the figure measures what splitting
+costs (all-reduces and stage hand-offs over loopback, lock-step ranks) rather than any speed-up: on a 2-core
+machine there is nothing to gain. Prints a table; --json writes the figures; --plot writes a PNG when
+matplotlib is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from proto import serving_pb2 as pb  # noqa: E402
+from proto import serving_pb2_grpc as pb_grpc  # noqa: E402
+from tests.servers import Cluster  # noqa: E402
+
+
+def workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(3, vocab) for _ in range(rng.randint(32, 256))], rng.randint(32, 128)) for _ in range(n)]
+
+
+def run_layout(model: Path, tp: int, pp: int, work: list[tuple[list[int], int]], args: argparse.Namespace) -> dict:
+    world = tp * pp
+    threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // world)
+    scheduler_args = ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp)]
+    scheduler_args += [
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+    ]
+    worker_args = ["--kv-cache-memory", args.kv_cache_memory, "--threads", str(threads), "--device", args.device]
+    cluster = Cluster(model, scheduler_args, worker_args, num_workers=world)
+    try:
+        cluster.wait_serving(300)
+        stub = pb_grpc.GenerationStub(cluster.channel)
+        counts = [0] * len(work)
+
+        def one(i: int) -> None:
+            prompt, out = work[i]
+            req = pb.GenerateRequest(
+                prompt_token_ids=pb.TokenIds(ids=prompt),
+                sampling=pb.SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True),
+            )
+            counts[i] = sum(len(r.token_ids) for r in stub.Generate(req, timeout=3600))
+
+        start = time.perf_counter()
+        pool = [threading.Thread(target=one, args=(i,)) for i in range(len(work))]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+        elapsed = time.perf_counter() - start
+    finally:
+        cluster.stop()
+    if counts != [o for _, o in work]:
+        raise RuntimeError(f"TP {tp} x PP {pp} returned the wrong number of tokens\n{cluster.logs()}")
+    tokens = sum(counts)
+    return {
+        "tp": tp,
+        "pp": pp,
+        "threads_per_worker": threads,
+        "tokens": tokens,
+        "seconds": elapsed,
+        "tok_s": tokens / elapsed,
+    }
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed; no plot", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.bar([f"TP{r['tp']} PP{r['pp']}" for r in rows], [r["tok_s"] for r in rows])
+    ax.set_ylabel("output tokens/s")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="default", help="HF folder, or 'default' (SmolLM2-135M-Instruct)")
+    p.add_argument("--layouts", default="1x1,2x1,1x2,2x2", help="comma-separated TPxPP")
+    p.add_argument("--num-requests", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--kv-cache-memory", default="1GiB", help="per worker")
+    p.add_argument("--threads-per-worker", type=int, default=0, help="0: cores / world size")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (each worker takes the GPU of its rank)")
+    p.add_argument("--json", type=Path, help="also write the figures here")
+    p.add_argument("--plot", type=Path, help="also write a bar chart here (PNG, needs matplotlib)")
+    args = p.parse_args()
+
+    from scheduler_node.model_path import resolve_model
+    from scheduler_node.tokenizer import ModelTokenizer
+
+    model = resolve_model(args.model)
+    work = workload(args.num_requests, args.seed, ModelTokenizer(model).vocab_size)
+    rows = []
+    for layout in args.layouts.split(","):
+        tp, pp = (int(x) for x in layout.lower().split("x"))
+        row = run_layout(model, tp, pp, work, args)
+        print(
+            f"TP {tp} x PP {pp}: {row['tokens']} tokens in {row['seconds']:.1f} s = {row['tok_s']:.1f} tok/s",
+            flush=True,
+        )
+        rows.append(row)
+    base = rows[0]["tok_s"]
+    print("\n| layout | workers x threads | tok/s | vs first |\n|---|---|---|---|")
+    for r in rows:
+        shape = f"{r['tp'] * r['pp']} x {r['threads_per_worker']}"
+        print(f"| TP{r['tp']} x PP{r['pp']} | {shape} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f}x |")
+    report = {
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, device {args.device}",
+        "model": model.name,
+        "requests": len(work),
+        "layouts": rows,
+    }
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

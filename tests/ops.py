@@ -1,0 +1,123 @@
+"""Helpers of the operations tests (control, faults, metrics, security): streams in threads, extra workers."""
+
+from __future__ import annotations
+
+import random
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from proto import serving_pb2 as pb
+from proto import serving_pb2_grpc as pb_grpc
+from tests.servers import Cluster
+
+VOCAB = 49152  # the tiny models share SmolLM2's tokenizer
+TINY_WORKER = ["--kv-cache-memory", "16MiB"]
+
+
+def prompt_ids(seed: int, n: int = 8) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+def greedy_ids(ids: list[int], max_tokens: int, request_id: str = "", **kw: object) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return pb.GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=pb.TokenIds(ids=ids),
+        sampling=sampling,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+@dataclass
+class StreamResult:
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    code: grpc.StatusCode | None = None  # set when the stream ended with an error
+    details: str = ""
+    ended_at: float = 0.0
+
+
+class Streams:
+    """Each request streamed on its own thread; results collected as they arrive."""
+
+    def __init__(self, stub: pb_grpc.GenerationStub, requests: list[pb.GenerateRequest], timeout: float = 120) -> None:
+        self.results = [StreamResult() for _ in requests]
+        self.threads = [
+            threading.Thread(target=self._run, args=(stub, r, self.results[i], timeout), daemon=True)
+            for i, r in enumerate(requests)
+        ]
+        for t in self.threads:
+            t.start()
+
+    @staticmethod
+    def _run(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest, out: StreamResult, timeout: float) -> None:
+        try:
+            for delta in stub.Generate(request, timeout=timeout):
+                out.tokens.extend(delta.token_ids)
+                if delta.finish_reason:
+                    out.finish_reason = delta.finish_reason
+        except grpc.RpcError as exc:
+            out.code, out.details = exc.code(), exc.details() or ""
+        out.ended_at = time.monotonic()
+
+    def wait_all_started(self, timeout: float = 60) -> None:
+        wait_for(lambda: all(r.tokens for r in self.results), timeout, "every stream has a first token")
+
+    def join(self, timeout: float = 120) -> list[StreamResult]:
+        deadline = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(max(0.1, deadline - time.monotonic()))
+        assert not any(t.is_alive() for t in self.threads), "a stream hangs"
+        return self.results
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not true after {timeout} s: {what}")
+        time.sleep(interval)
+
+
+def health_status(channel: grpc.Channel) -> int:
+    try:
+        return int(health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2).status)
+    except grpc.RpcError:
+        return -1
+
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def wait_idle(control: pb_grpc.ControlStub, timeout: float = 20.0, metadata: tuple = ()) -> pb.Stats:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = control.GetStats(pb.GetStatsRequest(), timeout=5, metadata=metadata)
+        idle = stats.num_running == 0 and stats.num_waiting == 0 and stats.free_blocks == stats.total_blocks
+        if idle or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
+def add_worker(cluster: Cluster, name: str, worker_args: list[str]) -> None:
+    """Start one more worker for the cluster's scheduler (a replacement), with the same flags as the first."""
+    argv = [sys.executable, "-m", "worker_node.worker", "--scheduler-address", f"127.0.0.1:{cluster.worker_port}",
+            "--threads", "1", "--log-level", "INFO", *worker_args]  # fmt: skip
+    cluster.workers.append(cluster._spawn(name, argv))
+
+
+def list_workers(cluster: Cluster, metadata: tuple = ()) -> list[pb.WorkerStatus]:
+    control = pb_grpc.ControlStub(cluster.channel)
+    return list(control.ListWorkers(pb.ListWorkersRequest(), timeout=5, metadata=metadata).workers)
+
+
+def rank0(cluster: Cluster, metadata: tuple = ()) -> pb.WorkerStatus:
+    return next(w for w in list_workers(cluster, metadata) if w.rank == 0 and w.state != "joining")

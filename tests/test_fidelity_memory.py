@@ -1,0 +1,82 @@
+"""Greedy fidelity to HF with the memory manager at work: prefix hits, n=3 forks, swap and elastic preemption."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from proto.wire import StepPlan
+from tests.harness import OfflineEngine, make_runner
+from tests.models import assert_teacher_forced, load_hf
+
+BLOCK = 16
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 49152) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_llama_dir: Path):  # type: ignore[no-untyped-def]
+    return load_hf(tiny_llama_dir)
+
+
+def test_prefix_hits_keep_fidelity(tiny_llama_dir: Path, hf) -> None:  # type: ignore[no-untyped-def]
+    rng = random.Random(1)
+    system = tokens(rng, 40)  # 2.5 blocks shared
+    engine = OfflineEngine(make_runner(tiny_llama_dir, 40, BLOCK), 40, max_num_batched_tokens=64)
+    first = engine.add(system + tokens(rng, 5), 6)
+    engine.run()
+    wave = [engine.add(system + tokens(rng, n), 8)[0] for n in (1, 9, 30)]
+    engine.run()
+    c = engine.scheduler.counters
+    assert c.prefix_cache_hits == 3 * 32, "the two full system-prompt blocks must be hits for the second wave"
+    for req in [first[0], *wave]:
+        assert_teacher_forced(hf, req.prompt_token_ids, req.output_token_ids)
+
+
+def test_n3_forks_share_blocks_and_keep_fidelity(tiny_llama_dir: Path, hf) -> None:  # type: ignore[no-untyped-def]
+    rng = random.Random(2)
+    engine = OfflineEngine(make_runner(tiny_llama_dir, 30, BLOCK), 30, max_num_batched_tokens=64)
+    groups = [engine.add(tokens(rng, n), 10, n=3) for n in (21, 32)]  # a partial and a full last prompt block
+    engine.run()
+    assert sum(len(p.block_copies) for p in engine.plans) >= 4, "copy-on-write of the shared last blocks"
+    for group in groups:
+        outs = {tuple(r.output_token_ids) for r in group}
+        assert len(outs) == 1, "greedy siblings must agree"
+        for req in group:
+            assert_teacher_forced(hf, req.prompt_token_ids, req.output_token_ids)
+    assert engine.scheduler.blocks.num_free == 30
+
+
+@pytest.mark.parametrize("mode", ["swap", "elastic"])
+def test_swap_and_elastic_preemption_keep_fidelity(tiny_llama_dir: Path, hf, mode: str) -> None:  # type: ignore[no-untyped-def]
+    rng = random.Random(3)
+    num_blocks = 10  # the batch needs ~16 at its peak
+    runner = make_runner(tiny_llama_dir, num_blocks, BLOCK, num_host_blocks=32)
+    engine = OfflineEngine(runner, num_blocks, num_host_blocks=32, max_num_batched_tokens=32, preemption_mode=mode)
+    reqs = [engine.add(tokens(rng, n), m)[0] for n, m in ((20, 30), (33, 25), (7, 40), (50, 12))]
+    engine.run()
+    assert engine.scheduler.counters.preemptions_swap > 0, "the test lost its point: nothing was swapped"
+    for req in reqs:
+        assert len(req.output_token_ids) == req.stop.max_tokens
+        assert_teacher_forced(hf, req.prompt_token_ids, req.output_token_ids)
+    assert engine.scheduler.blocks.num_host_used == 0
+
+
+def test_swapped_back_kv_is_bit_identical(tiny_llama_dir: Path) -> None:
+    runner = make_runner(tiny_llama_dir, 8, BLOCK, num_host_blocks=4)
+    for k, v in runner.kv_cache:
+        k.normal_()
+        v.normal_()
+    before = [(k[[2, 5]].clone(), v[[2, 5]].clone()) for k, v in runner.kv_cache]
+    runner.run_block_ops(StepPlan(1, swap_out=[(2, 0), (5, 3)]))
+    for k, v in runner.kv_cache:  # the device blocks get reused by someone else meanwhile
+        k[[2, 5]] = 0.0
+        v[[2, 5]] = 0.0
+    runner.run_block_ops(StepPlan(2, swap_in=[(0, 6), (3, 1)]))
+    for (k, v), (k0, v0) in zip(runner.kv_cache, before):
+        assert torch.equal(k[[6, 1]], k0) and torch.equal(v[[6, 1]], v0)

@@ -1,0 +1,194 @@
+"""Tensor and pipeline parallelism with real worker processes over gloo.
+
+Each world serves a mixed concurrent batch through gRPC (prompts inside, at and across block boundaries,
+chunked prefill) and must give the same greedy tokens as one in-process worker, each of them HF's argmax
+given the same prefix. The multi-host world puts its ranks on 127.0.0.2 and 127.0.0.3 by a topology file, then
+loses its scheduler and must exit instead of hanging.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from proto import serving_pb2 as pb
+from proto import serving_pb2_grpc as pb_grpc
+from scheduler_node.client import wait_ready
+from tests.harness import make_runner, run_offline
+from tests.models import assert_teacher_forced, build_tiny_model, load_hf
+from tests.servers import REPO, free_port
+
+PROMPT_LENGTHS = [1, 7, 16, 17, 40, 70]
+MAX_TOKENS = [14, 9, 12, 5, 16, 8]
+SCHEDULER_ARGS = ["--max-num-batched-tokens", "32", "--max-num-seqs", "8"]  # forces chunked prefill
+WORKER_ARGS = ["--threads", "1", "--kv-cache-memory", "4MiB", "--swap-space", "0", "--connect-timeout", "20"]
+
+
+class World:
+    """A scheduler and its workers as subprocesses; every worker gets its own extra arguments."""
+
+    def __init__(self, model: Path, scheduler_args: list[str], worker_args: list[list[str]], log_dir: Path) -> None:
+        self.port, self.worker_port = free_port(), free_port()
+        self.log_dir = log_dir
+        self.scheduler = self._spawn(
+            "scheduler",
+            ["scheduler_node.main", "--model", str(model), "--port", str(self.port)]
+            + ["--worker-port", str(self.worker_port), *SCHEDULER_ARGS, *scheduler_args],
+        )
+        address = f"127.0.0.1:{self.worker_port}"
+        self.workers = [
+            self._spawn(f"worker{i}", ["worker_node.worker", "--scheduler-address", address, *WORKER_ARGS, *extra])
+            for i, extra in enumerate(worker_args)
+        ]
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "w")
+        return subprocess.Popen([sys.executable, "-m", *argv], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.log_dir.glob("*.log")))
+
+    def wait_serving(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            dead = [p for p in [self.scheduler, *self.workers] if p.poll() is not None]
+            assert not dead, f"a process exited with {dead[0].returncode}\n{self.logs()}"
+            if wait_ready(self.channel, 1.0):
+                return
+        raise TimeoutError(f"not SERVING after {timeout} s\n{self.logs()}")
+
+    def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+        """All prompts at once (one thread each), greedy; the token ids of each."""
+        stub = pb_grpc.GenerationStub(self.channel)
+        outputs: list[list[int]] = [[] for _ in prompts]
+
+        def one(i: int) -> None:
+            request = pb.GenerateRequest(
+                prompt_token_ids=pb.TokenIds(ids=prompts[i]),
+                sampling=pb.SamplingParams(max_tokens=max_tokens[i], temperature=0.0, ignore_eos=True),
+            )
+            for delta in stub.Generate(request, timeout=120):
+                outputs[i].extend(delta.token_ids)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return outputs
+
+    def wait_all(self, timeout: float) -> list[int | None]:
+        codes: list[int | None] = []
+        deadline = time.monotonic() + timeout
+        for p in [self.scheduler, *self.workers]:
+            try:
+                codes.append(p.wait(max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+        return codes
+
+    def kill_all(self) -> None:
+        self.channel.close()
+        for p in [self.scheduler, *self.workers]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def workload(seed: int = 11, vocab: int = 49152) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+def check_outputs(folder: Path, prompts: list[list[int]], outputs: list[list[int]]) -> None:
+    """Same tokens as one worker, and each of them HF's greedy choice."""
+    runner = make_runner(folder, 64, 16)
+    single, _ = run_offline(runner, prompts, MAX_TOKENS, num_blocks=64, max_num_batched_tokens=32)
+    hf = load_hf(folder)
+    for i, (prompt, out, ref) in enumerate(zip(prompts, outputs, single)):
+        assert len(out) == MAX_TOKENS[i], (i, out)
+        assert_teacher_forced(hf, prompt, out)
+        assert out == ref.output_token_ids, f"prompt {i}: parallel {out} != one worker {ref.output_token_ids}"
+
+
+@pytest.fixture(scope="module")
+def tiny_one_kv_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """4 query heads sharing 1 KV head: with TP 2 each rank holds a replica of it."""
+    return build_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama-1kv"), smollm2_dir, num_kv_heads=1)
+
+
+@pytest.mark.parametrize(
+    ("kind", "tp", "pp"),
+    [("qwen2", 2, 1), ("llama", 1, 2)],  # qwen2: q/k/v biases sliced by head; llama: 1 layer per stage
+    ids=["tp2-qwen2", "pp2-llama"],
+)
+def test_parallel_matches_one_worker_and_hf(
+    kind: str, tp: int, pp: int, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    folder = request.getfixturevalue(f"tiny_{kind}_dir")
+    args = ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp)]
+    world = World(folder, args, [[] for _ in range(tp * pp)], tmp_path)
+    try:
+        world.wait_serving()
+        prompts = workload()
+        outputs = world.generate(prompts, MAX_TOKENS)
+        world.channel.close()
+        world.scheduler.terminate()
+        codes = world.wait_all(30)
+        assert codes == [0] * (1 + tp * pp), f"unclean exit {codes}\n{world.logs()}"
+    finally:
+        world.kill_all()
+    check_outputs(folder, prompts, outputs)
+
+
+def test_multi_host_world_by_topology_then_scheduler_killed(tiny_one_kv_dir: Path, tmp_path: Path) -> None:
+    topology = tmp_path / "two-hosts.yaml"
+    topology.write_text(
+        "device: cpu\ngroups:\n"
+        "  - {host: 127.0.0.2, interconnect: loopback, device_ids: [0, 1]}\n"
+        "  - {host: 127.0.0.3, interconnect: loopback, device_ids: [0, 1]}\n"
+    )
+    args = ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "--topology", str(topology)]
+    # The second host's workers start first: they must still get the ranks of stage 1.
+    hosts = ["127.0.0.3", "127.0.0.3", "127.0.0.2", "127.0.0.2"]
+    world = World(tiny_one_kv_dir, args, [["--local-address", h] for h in hosts], tmp_path)
+    try:
+        world.wait_serving()
+        prompts = workload(seed=12)
+        outputs = world.generate(prompts, MAX_TOKENS)
+        for i, host in enumerate(hosts):
+            ranks = (0, 1) if host == "127.0.0.2" else (2, 3)
+            log = world.log(f"worker{i}")
+            assert any(f"rank {r} of 4" in log for r in ranks), f"worker on {host} got a wrong rank\n{log}"
+            assert "joining the rendezvous at 127.0.0.2:" in log, log
+
+        streaming = threading.Thread(target=lambda: _ignore_errors(world.generate, [prompts[-1]], [400]))
+        streaming.start()
+        time.sleep(1.0)  # mid-generation: some ranks may sit in a collective when the scheduler dies
+        world.scheduler.kill()
+        codes = world.wait_all(45)
+        streaming.join(30)
+        assert None not in codes[1:], f"workers hung after the scheduler died: {codes}\n{world.logs()}"
+        for i in range(len(hosts)):
+            assert "Traceback" not in world.log(f"worker{i}"), world.logs()
+    finally:
+        world.kill_all()
+    check_outputs(tiny_one_kv_dir, prompts, outputs)
+
+
+def _ignore_errors(fn, *args) -> None:  # type: ignore[no-untyped-def]
+    try:
+        fn(*args)
+    except grpc.RpcError:
+        pass  # the scheduler is killed mid-stream on purpose

@@ -1,0 +1,169 @@
+"""torch.distributed for one worker: the rendezvous, its TP group, its PP neighbours, and the few collectives
+the model and the runner need (all-reduce, gather to TP rank 0, send/recv of hidden states, token broadcast).
+
+Process groups are built directly (gloo on CPU, NCCL on CUDA) instead of through torch's global default group:
+nothing is global, a worker joins only the groups it belongs to, and the gloo transport binds to the worker's
+own address (`--local-address`), which is what lets workers on different hosts (or loopback addresses) meet.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from proto.parallel import ParallelLayout
+
+logger = logging.getLogger(__name__)
+
+_PP_TAG = 7  # send/recv tag of hidden states between stages
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelRank:
+    """Where one worker sits in the layout: what a model shard needs to know to build itself."""
+
+    layout: ParallelLayout
+    rank: int = 0
+
+    @property
+    def tp_size(self) -> int:
+        return self.layout.tensor_parallel_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.layout.tp_rank_of(self.rank)
+
+    @property
+    def stage(self) -> int:
+        return self.layout.stage_of(self.rank)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.layout.pipeline_parallel_size - 1
+
+    @property
+    def is_output_rank(self) -> bool:
+        return self.rank == self.layout.output_rank
+
+
+SINGLE = ParallelRank(ParallelLayout(1, 1), 0)
+
+
+class Comm:
+    """The collectives of one worker. With a world of one every method is a no-op on local tensors."""
+
+    def __init__(self, where: ParallelRank, world: Any = None, tp: Any = None, device: torch.device | None = None):
+        self.where = where
+        self._world = world  # c10d backend over all ranks: PP send/recv and the token broadcast
+        self._tp = tp  # c10d backend over this stage's TP ranks (None when T == 1)
+        self._device = device or torch.device("cpu")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the TP group (after a row-parallel layer and the vocab-parallel embedding)."""
+        if self._tp is not None:
+            self._tp.allreduce([x]).wait()
+        return x
+
+    def gather_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Concatenate every TP rank's `x` along the last dim on TP rank 0; None on the others."""
+        if self._tp is None:
+            return x
+        x = x.contiguous()
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        first = self.where.tp_rank == 0
+        out = [[torch.empty_like(x) for _ in range(self.where.tp_size)]] if first else []
+        self._tp.gather(out, [x], opts).wait()
+        return torch.cat(out[0], dim=-1) if first else None
+
+    def send_to_next_stage(self, x: torch.Tensor) -> None:
+        if self._world is not None:
+            self._world.send([x.contiguous()], self.where.rank + self.where.tp_size, _PP_TAG).wait()
+
+    def recv_from_previous_stage(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        x = torch.empty(shape, dtype=dtype, device=self._device)
+        if self._world is not None:
+            self._world.recv([x], self.where.rank - self.where.tp_size, _PP_TAG).wait()
+        return x
+
+    def share_sampled(self, tokens: list[int], count: int) -> list[int]:
+        """The output rank's sampled tokens, on every rank (the first stage needs them as next inputs)."""
+        if self._world is None or count == 0:
+            return tokens
+        if self.where.is_output_rank:
+            t = torch.tensor(tokens, dtype=torch.int64, device=self._device)
+        else:
+            t = torch.empty(count, dtype=torch.int64, device=self._device)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = self.where.layout.output_rank
+        self._world.broadcast([t], opts).wait()
+        return t.tolist()
+
+    def close(self) -> None:
+        for group in (self._tp, self._world):
+            if group is not None and hasattr(group, "shutdown"):
+                try:
+                    group.shutdown()
+                except RuntimeError as exc:  # a peer already gone: nothing left to flush
+                    logger.debug("process group shutdown: %s", exc)
+        self._tp = self._world = None
+
+
+def connect(
+    where: ParallelRank,
+    init_address: str,
+    local_address: str,
+    device: torch.device,
+    timeout_s: float,
+) -> Comm:
+    """Meet the other ranks at `init_address` (rank 0 opens the store there) and build this rank's groups."""
+    layout = where.layout
+    if layout.world_size == 1:
+        return Comm(where, device=device)
+    host, _, port = init_address.rpartition(":")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    logger.info(
+        "rank %d of %d (stage %d, TP rank %d) joining the rendezvous at %s",
+        where.rank,
+        layout.world_size,
+        where.stage,
+        where.tp_rank,
+        init_address,
+    )
+    store = dist.TCPStore(
+        host, int(port), layout.world_size, is_master=where.rank == 0, timeout=timeout, wait_for_workers=False
+    )
+    world = _backend(dist.PrefixStore("world/", store), where.rank, layout.world_size, device, local_address, timeout)
+    tp = None
+    if where.tp_size > 1:
+        prefix = dist.PrefixStore(f"tp{where.stage}/", store)
+        tp = _backend(prefix, where.tp_rank, where.tp_size, device, local_address, timeout)
+    logger.info("rank %d joined a world of %d", where.rank, layout.world_size)
+    return Comm(where, world, tp, device)
+
+
+def _backend(
+    store: Any, rank: int, size: int, device: torch.device, local_address: str, timeout: datetime.timedelta
+) -> Any:
+    if device.type == "cuda":  # not exercised by the CPU test suite
+        nccl = dist.ProcessGroupNCCL  # type: ignore[attr-defined]
+        options = nccl.Options()
+        options._timeout = timeout
+        return nccl(store, rank, size, options)
+    gloo = dist.ProcessGroupGloo
+    options = gloo._Options()  # type: ignore[attr-defined]
+    if local_address:
+        options._devices = [gloo.create_device(hostname=local_address)]
+    else:
+        options._devices = [gloo.create_default_device()]
+    options._timeout = timeout
+    return gloo(store, rank, size, options)

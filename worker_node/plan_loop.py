@@ -1,0 +1,143 @@
+"""The worker's serving loop: this thread owns the ZMQ socket, a step thread runs the plans.
+
+Because the socket thread never blocks on the model, it answers heartbeats during long steps, notices a
+scheduler that went silent (and exits cleanly), and drops anything malformed without disturbing the step.
+A plan that fails on the worker is answered with a StepError instead of killing the process.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Callable
+
+import zmq
+
+from proto.wire import Heartbeat, Message, Shutdown, StepError, StepPlan, decode, encode
+
+logger = logging.getLogger(__name__)
+
+
+class _StepThread(threading.Thread):
+    """Runs plans one at a time, in arrival order; wakes the socket thread through a pipe after each."""
+
+    def __init__(
+        self, rank: int, execute: Callable[[StepPlan], Message], wake_fd: int, setup: Callable[[], None]
+    ) -> None:
+        super().__init__(name="step", daemon=True)  # a hung step must not keep the process from exiting
+        self.rank = rank
+        self.execute = execute
+        self.wake_fd = wake_fd
+        self.setup = setup
+        self.inbox: queue.Queue[StepPlan | None] = queue.Queue()
+        self.outbox: collections.deque[Message] = collections.deque()
+
+    def run(self) -> None:
+        self.setup()
+        while (plan := self.inbox.get()) is not None:
+            try:
+                reply = self.execute(plan)
+            except Exception as exc:  # a plan this worker cannot run: say so, stay alive
+                logger.exception("step %d failed", plan.step_id)
+                reply = StepError(plan.step_id, self.rank, f"{type(exc).__name__}: {exc}")
+            self.outbox.append(reply)
+            os.write(self.wake_fd, b"\0")
+
+
+class PlanLoop:
+    def __init__(
+        self,
+        sock: zmq.Socket,
+        rank: int,
+        execute: Callable[[StepPlan], Message],
+        initial_timeout: float,
+        setup: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.sock = sock
+        self.rank = rank
+        self.execute = execute
+        self.timeout = initial_timeout  # until the scheduler's first heartbeat says otherwise
+        self.setup = setup
+
+    def run(self) -> int:
+        """Serve plans until Shutdown (0) or until the scheduler is silent for its heartbeat timeout (0)."""
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_r, False)
+        steps = _StepThread(self.rank, self.execute, wake_w, self.setup)
+        steps.start()
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(wake_r, zmq.POLLIN)
+        last_heard = next_beat = time.monotonic()
+        seq = 0
+        try:
+            while True:
+                now = time.monotonic()
+                if now - last_heard > self.timeout:
+                    logger.error("no word from the scheduler for %.1f s; exiting", now - last_heard)
+                    return 0
+                if now >= next_beat:
+                    seq += 1
+                    self._send(Heartbeat(self.rank, seq, self.timeout))
+                    next_beat = now + self.timeout / 4
+                wait = max(0.0, min(next_beat, last_heard + self.timeout) - now)
+                events = dict(poller.poll(int(wait * 1000) + 1))
+                if wake_r in events:
+                    _drain_pipe(wake_r)
+                while steps.outbox:
+                    self._send(steps.outbox.popleft())
+                if self.sock in events:
+                    for message in self._recv_all():
+                        last_heard = time.monotonic()
+                        if isinstance(message, Shutdown):
+                            logger.info("shutting down: %s", message.reason)
+                            return 0
+                        if isinstance(message, Heartbeat):
+                            self.timeout = message.timeout_s
+                        elif isinstance(message, StepPlan):
+                            steps.inbox.put(message)
+                        elif message is not None:
+                            logger.warning("ignoring an unexpected %s", type(message).__name__)
+        finally:
+            steps.inbox.put(None)
+            steps.join(timeout=1.0)
+            if not steps.is_alive():  # a step still running may yet write to the pipe: leave it to the exit
+                os.close(wake_r)
+                os.close(wake_w)
+
+    def _recv_all(self) -> list[Message | None]:
+        """Every message waiting on the socket; None for each one that was dropped as malformed."""
+        out: list[Message | None] = []
+        while True:
+            try:
+                data = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            out.append(decode_or_none(data))
+
+    def _send(self, message: Message) -> None:
+        try:
+            self.sock.send(encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("the scheduler is not taking messages; dropped a %s", type(message).__name__)
+
+
+def decode_or_none(data: bytes) -> Message | None:
+    """The message, or None (logged) when it is malformed, oversized or of an unknown kind."""
+    try:
+        return decode(data)
+    except Exception as exc:  # WireError, or anything a hostile payload could provoke: never fatal
+        logger.warning("dropped a malformed message (%d bytes): %s", len(data), exc)
+        return None
+
+
+def _drain_pipe(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
