@@ -16,7 +16,11 @@ from proto.cli_config import add_config_flag, parse_args
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vllm-client", description="Stream a completion from a minivllm server.")
+    p = argparse.ArgumentParser(
+        prog="vllm-client",
+        description="Stream a completion from a minivllm server; `vllm-client stats` prints the server's "
+        "KV-cache and queue statistics instead.",
+    )
     add_config_flag(p)
     p.add_argument("prompt", nargs="?", help="the prompt text (read from stdin when omitted)")
     p.add_argument("--host", default="127.0.0.1", help="server address")
@@ -84,8 +88,28 @@ def wait_ready(channel: grpc.Channel, timeout: float) -> bool:
     return False
 
 
+def print_stats(channel: grpc.Channel, args: argparse.Namespace) -> int:
+    """`vllm-client stats`: the server's memory and queue figures (Control.GetStats)."""
+    token = getattr(args, "control_token", None)
+    metadata = [("authorization", f"Bearer {token}")] if token else None
+    try:
+        stats = pb_grpc.ControlStub(channel).GetStats(pb.GetStatsRequest(), timeout=args.timeout, metadata=metadata)
+    except grpc.RpcError as exc:
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    for field in stats.DESCRIPTOR.fields:
+        value = getattr(stats, field.name)
+        print(f"{field.name:24} {value:.4f}" if isinstance(value, float) else f"{field.name:24} {value}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(build_parser(), argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    stats_mode = bool(argv) and argv[0] == "stats"
+    args = parse_args(build_parser(), argv[1:] if stats_mode else argv)
+    if stats_mode:
+        with make_channel(args) as channel:
+            return print_stats(channel, args)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     try:
         channel = make_channel(args)
