@@ -229,16 +229,17 @@ class StepResult:
     sampled: dict[str, list[int]]  # only the requests that reached the end of their tokens this step
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     execute_ms: float = 0.0
+    idle_ms: float = 0.0  # the worker's wait between the end of its previous step and the start of this one
 
     KIND = Kind.RESULT
 
     def to_wire(self) -> list[Any]:
         lps = {r: [x.to_wire() for x in v] for r, v in self.logprobs.items()}
-        return [self.step_id, self.sampled, lps, self.execute_ms]
+        return [self.step_id, self.sampled, lps, self.execute_ms, self.idle_ms]
 
     @classmethod
     def from_wire(cls, v: Any) -> StepResult:
-        step, sampled, lps, ms = _fixed(v, 4, "result")
+        step, sampled, lps, ms, idle = _fixed(v, 5, "result")
         _check(sampled, dict, "sampled")
         for rid, toks in sampled.items():
             _check(rid, str, "sampled key")
@@ -247,7 +248,13 @@ class StepResult:
         logprobs = {
             _check(r, str, "logprobs key"): _list_of(x, TokenLogprobs.from_wire, "logprobs") for r, x in lps.items()
         }
-        return cls(_check(step, int, "step_id"), sampled, logprobs, float(_check(ms, (float, int), "ms")))
+        return cls(
+            _check(step, int, "step_id"),
+            sampled,
+            logprobs,
+            float(_check(ms, (float, int), "ms")),
+            float(_check(idle, (float, int), "idle_ms")),
+        )
 
 
 @dataclass(slots=True)

@@ -17,6 +17,7 @@ class SchedulerConfig:
     preemption_mode: str = "elastic"  # recompute | swap | elastic (the cheaper of the two per victim)
     compaction_interval: int = 0  # steps between compactions of live blocks (0: never)
     compaction_max_moves: int = 64  # blocks moved per compaction at most
+    watermark: float = 0.01  # fraction of blocks kept free when admitting, against admit-then-preempt thrash
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -29,5 +30,7 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.compaction_interval < 0 or self.compaction_max_moves < 1:
             raise ValueError("compaction_interval must be >= 0 and compaction_max_moves >= 1")

@@ -50,6 +50,7 @@ class Request:
     cache_salt: str = ""
     block_hashes: list[BlockHash] = field(default_factory=list)  # of every full block of tokens
     swapped: bool = False  # preempted with its KV on the workers' host memory
+    num_placeholders: int = 0  # tokens being sampled in steps whose results have not come back
     forks: list[Request] = field(default_factory=list)  # n > 1: siblings started once the prompt is computed
 
     @property

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from proto.wire import CachedRequest, StepPlan, StepResult, TokenLogprobs
@@ -59,6 +60,8 @@ class SchedulerCounters:
     preemptions_swap: int = 0
     compaction_moves: int = 0
     compaction_seconds: float = 0.0
+    steps: int = 0
+    worker_idle_ms: float = 0.0  # summed over steps: the gap the workers waited between steps
 
 
 class Scheduler:
@@ -69,8 +72,10 @@ class Scheduler:
         policy: Policy | None = None,
         num_host_blocks: int = 0,
         costs: PreemptionCosts | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        self.clock = clock
         self.policy = policy or Policy()
         self.blocks = BlockTable(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
         self.costs = costs or PreemptionCosts()
@@ -134,19 +139,21 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         self._step_id += 1
+        now = self.clock()
         self._maybe_compact()
         plan = StepPlan(self._step_id)
         budget = self.config.max_num_batched_tokens
+        self._displace_for_priority(now, budget)
         preempted = False
-        to_schedule = self.policy.order_running(self.running)
+        to_schedule = self.policy.order_running(self.running, now)
         while to_schedule and budget > 0:
             req = to_schedule.pop(0)
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(self._tokens_to_schedule(req), budget)
             if n <= 0:
                 continue
             first = req.num_computed_tokens
             while not self.blocks.can_write(req.req_id, first, first + n):
-                victim = self.policy.pick_victim(to_schedule) or req
+                victim = self.policy.pick_victim(to_schedule, now) or req
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
@@ -156,12 +163,44 @@ class Scheduler:
                 self._take(req, n, plan)
                 budget -= n
         if not preempted:
-            self._admit(budget, plan)
+            self._admit(budget, plan, now)
         self._attach_diffs(plan)
         return plan
 
-    def _admit(self, budget: int, plan: StepPlan) -> None:
-        for req in self.policy.order_waiting(self.waiting):
+    def _tokens_to_schedule(self, req: Request) -> int:
+        """Tokens to compute: up to the known ones plus the sampled ones still in flight (async
+        scheduling), never past max_tokens."""
+        if len(req.output_token_ids) + req.num_placeholders >= req.stop.max_tokens:
+            return 0
+        return req.num_tokens + req.num_placeholders - req.num_computed_tokens
+
+    def _displace_for_priority(self, now: float, budget: int) -> None:
+        """Before the step: while the best waiting request finds no seat or no blocks, it displaces the
+        least valued running request if it beats it by the policy's margin."""
+        head = min(self.waiting, key=lambda r: self.policy.sort_key(r, now), default=None)
+        while head is not None and not self._fits(head, budget):
+            victim = self.policy.pick_victim(self.running, now)
+            if victim is None or not self.policy.displaces(head, victim, now):
+                return
+            logger.info("%s displaces %s by priority", head.req_id, victim.req_id)
+            self._preempt(victim)
+
+    def _fits(self, req: Request, budget: int) -> bool:
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        if req.swapped:
+            need = self.blocks.blocks_for(req.num_computed_tokens + n)
+        else:
+            need = self.blocks.blocks_needed(req.req_id, req.num_computed_tokens, req.num_computed_tokens + n)
+        return need + self._watermark_blocks <= self.blocks.num_free
+
+    @property
+    def _watermark_blocks(self) -> int:
+        return int(self.config.watermark * self.blocks.usable_blocks)
+
+    def _admit(self, budget: int, plan: StepPlan, now: float) -> None:
+        for req in self.policy.order_waiting(self.waiting, now):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if not self._claim_blocks(req, budget):
@@ -169,7 +208,7 @@ class Scheduler:
             self.waiting.remove(req)
             self.running.append(req)
             req.status = Status.RUNNING
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(self._tokens_to_schedule(req), budget)
             self._take(req, n, plan)
             budget -= n
 
@@ -179,20 +218,20 @@ class Scheduler:
         if req.swapped:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             growth = bt.blocks_for(req.num_computed_tokens + n) - len(bt.host_blocks_of(req.req_id))
-            if not bt.can_swap_in(req.req_id, reserve=max(0, growth)):
+            if not bt.can_swap_in(req.req_id, reserve=max(0, growth) + self._watermark_blocks):
                 return False
             bt.swap_in(req.req_id)
             req.swapped = False
             return True
         if bt.blocks_of(req.req_id):  # a fork: it already shares its parent's prompt blocks
             first = req.num_computed_tokens
-            return bt.can_write(req.req_id, first, first + min(req.num_tokens - first, budget))
+            return bt.can_write(req.req_id, first, first + min(req.num_tokens - first, budget), self._watermark_blocks)
         hashes = req.update_block_hashes(bt.block_size)
         hits = bt.match_prefix(hashes[: (req.num_tokens - 1) // bt.block_size])  # the last token is recomputed
         hit_tokens = len(hits) * bt.block_size
         n = min(req.num_tokens - hit_tokens, budget)
         reused_free = sum(1 for b in hits if bt.is_free(b))
-        if bt.blocks_for(hit_tokens + n) - len(hits) + reused_free > bt.num_free:
+        if bt.blocks_for(hit_tokens + n) - len(hits) + reused_free + self._watermark_blocks > bt.num_free:
             return False
         if req.num_preemptions == 0 and not req.output_token_ids:  # new prompts only: resumptions would inflate it
             self.counters.prefix_cache_queries += req.num_tokens
@@ -213,6 +252,8 @@ class Scheduler:
             self._on_worker.add(req.req_id)
         plan.num_scheduled_tokens[req.req_id] = n
         req.num_computed_tokens += n
+        if req.num_computed_tokens == req.num_tokens + req.num_placeholders:
+            req.num_placeholders += 1  # this step samples a token the scheduler learns of later
 
     def _attach_diffs(self, plan: StepPlan) -> None:
         for cached in plan.cached_requests:
@@ -227,9 +268,12 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         mode = self._preemption_mode(req)
         tokens = req.num_computed_tokens
+        req.num_placeholders = 0  # in-flight tokens of a preempted request are dropped and sampled again
         if mode == "swap":
             blocks = self.blocks.swap_out(req.req_id)
             req.swapped = True
+            # positions past the known tokens held in-flight samples; at least the last token is recomputed
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
             self.counters.preemptions_swap += 1
         else:
             blocks = self.blocks.free(req.req_id)
@@ -277,6 +321,9 @@ class Scheduler:
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         """Register computed blocks for prefix caching, append sampled tokens, apply stop conditions."""
         self.costs.observe(result.execute_ms, plan.total_tokens)
+        if plan.num_scheduled_tokens:
+            self.counters.steps += 1
+            self.counters.worker_idle_ms += result.idle_ms
         for req_id in plan.num_scheduled_tokens:
             req = self.requests.get(req_id)
             if req is not None and req.status is Status.RUNNING:
@@ -287,6 +334,7 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None or req.status is not Status.RUNNING:
                 continue  # aborted or preempted while the step ran
+            req.num_placeholders -= len(token_ids)
             kept = req.append_tokens(token_ids)
             if req.forks:
                 self._start_forks(req)
@@ -324,6 +372,7 @@ class Scheduler:
         for req in self.requests.values():
             self._forget_on_worker(req, self._preempted_ids)
             req.num_computed_tokens = 0
+            req.num_placeholders = 0
             req.swapped = False
         old = self.blocks
         self.blocks = BlockTable(old.num_blocks, old.block_size, old.enable_prefix_caching, old.num_host_blocks)

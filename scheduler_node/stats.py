@@ -27,6 +27,7 @@ class SchedulerStats:
     num_waiting: int
     block_size: int
     max_model_len: int
+    mean_worker_idle_ms: float  # between consecutive steps, as the workers measured it
 
 
 def tokens_stored(s: Scheduler) -> int:
@@ -61,4 +62,5 @@ def snapshot(s: Scheduler) -> SchedulerStats:
         num_waiting=len(s.waiting),
         block_size=bt.block_size,
         max_model_len=s.config.max_model_len,
+        mean_worker_idle_ms=c.worker_idle_ms / c.steps if c.steps else 0.0,
     )

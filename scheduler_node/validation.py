@@ -34,7 +34,12 @@ class RequestSpec:
     cache_salt: str = ""
 
 
-def validate(request: pb.GenerateRequest, tokenizer: ModelTokenizer, max_model_len: int) -> RequestSpec:
+DEFAULT_PRIORITY = 50
+
+
+def validate(
+    request: pb.GenerateRequest, tokenizer: ModelTokenizer, max_model_len: int, priority_header: str | None = None
+) -> RequestSpec:
     if len(request.request_id) > MAX_ID_LENGTH:
         raise InvalidField("request_id", f"longer than {MAX_ID_LENGTH} characters")
     if len(request.cache_salt) > MAX_ID_LENGTH:
@@ -81,9 +86,20 @@ def validate(request: pb.GenerateRequest, tokenizer: ModelTokenizer, max_model_l
         stop=[x for x in s.stop if x],
         ignore_eos=s.ignore_eos,
         n=n,
-        priority=request.priority,
+        priority=_priority(request, priority_header),
         cache_salt=request.cache_salt,
     )
+
+
+def _priority(request: pb.GenerateRequest, header: str | None) -> int:
+    if request.HasField("priority"):
+        return request.priority
+    if header is None:
+        return DEFAULT_PRIORITY
+    try:
+        return int(header)
+    except ValueError:
+        raise InvalidField("priority", f"the x-priority header must be an integer, got {header!r}") from None
 
 
 def _input_field(request: pb.GenerateRequest) -> str:

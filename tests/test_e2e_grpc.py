@@ -220,3 +220,12 @@ def test_n_sequences_stream_with_their_index(stub) -> None:  # type: ignore[no-u
     deltas = collect(stub, request)
     finished = [d.index for d in deltas if d.finish_reason]
     assert sorted(finished) == [0, 1, 2]
+
+
+def test_priority_header_must_be_an_integer(stub) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(greedy("hi", 2), timeout=30, metadata=[("x-priority", "urgent")]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("priority:")
+    deltas = list(stub.Generate(greedy("hi", 2), timeout=30, metadata=[("x-priority", "90")]))
+    assert deltas[-1].finish_reason in ("length", "stop")

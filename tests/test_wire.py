@@ -40,7 +40,7 @@ MESSAGES = [
         [(0, 6)],
         {"b": [(0, 7)]},
     ),
-    StepResult(7, {"a": [5]}, {"a": [TokenLogprobs(-0.5, [(5, -0.5), (6, -1.5)])]}, 3.25),
+    StepResult(7, {"a": [5]}, {"a": [TokenLogprobs(-0.5, [(5, -0.5), (6, -1.5)])]}, 3.25, 0.5),
 ]
 
 
@@ -60,7 +60,7 @@ def test_wrong_field_types_are_rejected() -> None:
     with pytest.raises(WireError):
         decode(msgpack.packb([WIRE_VERSION, 3, "rank", 1, 2]))  # WorkerReady.rank must be an int
     with pytest.raises(WireError):
-        decode(msgpack.packb([WIRE_VERSION, 5, 1, {"a": ["x"]}, {}, 0.0]))  # tokens must be ints
+        decode(msgpack.packb([WIRE_VERSION, 5, 1, {"a": ["x"]}, {}, 0.0, 0.0]))  # tokens must be ints
 
 
 @pytest.mark.parametrize(

@@ -59,6 +59,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.states: dict[str, RequestState] = {}
+        self._last_step_end: float | None = None
 
     def apply_diffs(self, plan: StepPlan) -> None:
         for req_id in plan.finished_req_ids + plan.preempted_req_ids:
@@ -101,8 +102,10 @@ class ModelRunner:
                 sampled[state.req_id] = [token]
                 if lp is not None:
                     logprobs[state.req_id] = [lp]
-        elapsed = (time.perf_counter() - start) * 1e3
-        return StepResult(plan.step_id, sampled, logprobs, elapsed)
+        end = time.perf_counter()
+        idle = (start - self._last_step_end) * 1e3 if self._last_step_end is not None else 0.0
+        self._last_step_end = end
+        return StepResult(plan.step_id, sampled, logprobs, (end - start) * 1e3, idle)
 
     def _run_and_sample(self, batch: _Batch) -> tuple[list[int], list[TokenLogprobs | None]]:
         """This rank's stage of the forward pass; the output rank samples and every rank learns the tokens."""

@@ -1,0 +1,138 @@
+"""Policies: order, preemption for priority at the KV limit and the seat cap, hysteresis, no starvation."""
+
+from __future__ import annotations
+
+import pytest
+
+from proto.wire import SamplingOptions, StepPlan, StepResult
+from scheduler_node.config import SchedulerConfig
+from scheduler_node.policy import HybridPolicy, Policy, PriorityPolicy, make_policy
+from scheduler_node.request import Request, Status, StopConditions
+from scheduler_node.scheduler import Scheduler
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(policy: Policy, num_blocks: int = 64, seqs: int = 8, clock: Clock | None = None) -> Scheduler:
+    config = SchedulerConfig(block_size=8, max_num_batched_tokens=64, max_num_seqs=seqs, max_model_len=512)
+    return Scheduler(config, num_blocks, policy, clock=clock or Clock())
+
+
+def req(rid: str, priority: int, prompt: int = 8, max_tokens: int = 50, at: float = 0.0) -> Request:
+    r = Request(rid, list(range(100, 100 + prompt)), SamplingOptions(0.0), StopConditions(max_tokens), priority)
+    r.arrival_time = at
+    return r
+
+
+def step(s: Scheduler) -> StepPlan:
+    plan = s.schedule()
+    done = {r: [7] for r in plan.num_scheduled_tokens if s.requests[r].num_computed_tokens == s.requests[r].num_tokens}
+    s.update(plan, StepResult(plan.step_id, done))
+    return plan
+
+
+def test_higher_priority_is_admitted_first() -> None:
+    s = make(PriorityPolicy(), seqs=1)
+    s.add(req("batch", 30, at=0.0))
+    s.add(req("realtime", 90, at=1.0))
+    assert list(step(s).num_scheduled_tokens) == ["realtime"]
+
+
+def test_fcfs_ignores_priority() -> None:
+    s = make(Policy(), seqs=1)
+    s.add(req("batch", 30, at=0.0))
+    s.add(req("realtime", 90, at=1.0))
+    assert list(step(s).num_scheduled_tokens) == ["batch"]
+
+
+def test_priority_displaces_at_the_seat_cap() -> None:
+    s = make(PriorityPolicy(), seqs=2)
+    s.add(req("b1", 30))
+    s.add(req("b2", 40))
+    step(s)
+    s.add(req("rt", 90, at=1.0))
+    plan = step(s)
+    assert "rt" in plan.num_scheduled_tokens
+    assert s.requests["b1"].status is Status.PREEMPTED  # the least valued one
+    assert s.requests["b2"].status is Status.RUNNING
+
+
+def test_priority_displaces_at_the_kv_limit() -> None:
+    s = make(PriorityPolicy(), num_blocks=4, seqs=8)
+    s.add(req("batch", 30, prompt=24))  # 3 of 4 blocks
+    step(s)
+    s.add(req("rt", 90, prompt=16, at=1.0))  # needs 2
+    plan = step(s)
+    assert "rt" in plan.num_scheduled_tokens and s.requests["batch"].status is Status.PREEMPTED
+
+
+def test_hysteresis_no_displacement_within_the_margin_and_no_ping_pong() -> None:
+    s = make(PriorityPolicy(preemption_margin=5), seqs=1)
+    s.add(req("a", 50))
+    step(s)
+    s.add(req("b", 53, at=1.0))  # better, but not by the margin
+    for _ in range(10):
+        step(s)
+    assert s.num_preemptions == 0 and s.requests["a"].status is Status.RUNNING
+    s.add(req("c", 60, at=2.0))  # beats a by 10: one displacement, and nothing displaces c back
+    for _ in range(10):
+        step(s)
+    assert s.num_preemptions == 1
+
+
+def sustained_load(s: Scheduler, clock: Clock, steps: int) -> float | None:
+    """Keep two realtime requests waiting at every step (both seats stay busy); return when `low` starts."""
+    s.add(req("low", 20, max_tokens=4, at=0.0))
+    for i in range(steps):
+        clock.now = i * 0.5
+        while sum(1 for r in s.waiting if r.req_id != "low") < 2:
+            s.add(req(f"rt{clock.now}-{len(s.requests)}", 90, max_tokens=6, at=clock.now))
+        if "low" in step(s).num_scheduled_tokens:
+            return clock.now
+    return None
+
+
+def test_aging_bounds_starvation_under_sustained_high_priority_load() -> None:
+    clock = Clock()
+    aging = 1.0
+    s = make(HybridPolicy(aging_interval=aging, preemption_margin=5.0), seqs=2, clock=clock)
+    started_at = sustained_load(s, clock, 400)
+    # (P - p) x aging_interval plus twice one realtime request's service time (7 steps of 0.5 s): policy.py
+    bound = (90 - 20) * aging + 2 * 7 * 0.5
+    assert started_at is not None and started_at <= bound, (started_at, bound)
+
+
+def test_without_aging_the_low_request_starves() -> None:
+    clock = Clock()
+    assert sustained_load(make(PriorityPolicy(), seqs=2, clock=clock), clock, 400) is None
+
+
+def test_custom_policy_by_dotted_path() -> None:
+    policy = make_policy("deploy.custom_policy:ShortestJobFirst")
+    s = make(policy, seqs=1)
+    s.add(req("long", 50, max_tokens=200))
+    s.add(req("short", 50, max_tokens=3, at=1.0))
+    assert list(step(s).num_scheduled_tokens) == ["short"]
+
+
+@pytest.mark.parametrize("name", ["nope", "deploy.custom_policy:Missing", "no_such_module:X", "builtins:dict"])
+def test_bad_policy_names_are_clear_errors(name: str) -> None:
+    with pytest.raises(ValueError, match="policy"):
+        make_policy(name)
+
+
+def test_priority_comes_from_the_field_then_the_header_then_the_default() -> None:
+    from proto import serving_pb2 as pb
+    from scheduler_node.validation import DEFAULT_PRIORITY, InvalidField, _priority
+
+    assert _priority(pb.GenerateRequest(prompt="x", priority=0), "90") == 0  # an explicit 0 wins
+    assert _priority(pb.GenerateRequest(prompt="x"), "90") == 90
+    assert _priority(pb.GenerateRequest(prompt="x"), None) == DEFAULT_PRIORITY
+    with pytest.raises(InvalidField):
+        _priority(pb.GenerateRequest(prompt="x"), "high")
