@@ -6,6 +6,8 @@ position p of a sequence lives in slot `block_table[p // block_size] * block_siz
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -28,6 +30,35 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     return cache[block_table[:num_blocks].long()].flatten(0, 1)[:length]
 
 
+@dataclass(frozen=True, slots=True)
+class _DecodeLayout:
+    """Which cache blocks a decode batch reads, and whose they are: the same for every layer of a step."""
+
+    block_tables: torch.Tensor  # the inputs it was built from (held, so their identity stays theirs)
+    seq_lens: torch.Tensor
+    blocks: torch.Tensor  # [N] every held block, sequence by sequence
+    owner: torch.Tensor  # [N] the sequence each block belongs to
+    padding: torch.Tensor  # [N, block_size] slots past the sequence's end
+
+
+_last_layout: list[_DecodeLayout] = []  # one entry: the layout of the step in progress
+
+
+def _decode_layout(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> _DecodeLayout:
+    if _last_layout and _last_layout[0].block_tables is block_tables and _last_layout[0].seq_lens is seq_lens:
+        return _last_layout[0]
+    device = block_tables.device
+    lens = seq_lens.long()
+    num_blocks = (lens + block_size - 1) // block_size
+    columns = torch.arange(block_tables.shape[1], device=device)
+    held = columns[None, :] < num_blocks[:, None]
+    owner = torch.repeat_interleave(torch.arange(len(lens), device=device), num_blocks)
+    pos = columns.expand_as(held)[held][:, None] * block_size + torch.arange(block_size, device=device)[None, :]
+    layout = _DecodeLayout(block_tables, seq_lens, block_tables[held].long(), owner, pos >= lens[owner][:, None])
+    _last_layout[:] = [layout]
+    return layout
+
+
 def paged_decode_attention(
     q: torch.Tensor,  # [B, H, D], one query token per sequence
     k_cache: torch.Tensor,
@@ -41,18 +72,14 @@ def paged_decode_attention(
     batch, num_heads, head_dim = q.shape
     num_cache_blocks, block_size, num_kv_heads = k_cache.shape[:3]
     group = num_heads // num_kv_heads
-    lens = seq_lens.long()
-    num_blocks = (lens + block_size - 1) // block_size
-    held = torch.arange(block_tables.shape[1], device=q.device)[None, :] < num_blocks[:, None]
-    blocks = block_tables[held].long()  # every held block, sequence by sequence
-    owner = torch.repeat_interleave(torch.arange(batch, device=q.device), num_blocks)
-    index_in_seq = torch.arange(block_tables.shape[1], device=q.device).expand_as(held)[held]
-    keys = k_cache.view(num_cache_blocks, -1).index_select(0, blocks).view(-1, block_size, num_kv_heads, head_dim)
-    values = v_cache.view(num_cache_blocks, -1).index_select(0, blocks).view_as(keys)
+    layout = _decode_layout(block_tables, seq_lens, block_size)
+    owner = layout.owner
+    keys = k_cache.view(num_cache_blocks, -1).index_select(0, layout.blocks)
+    keys = keys.view(-1, block_size, num_kv_heads, head_dim)
+    values = v_cache.view(num_cache_blocks, -1).index_select(0, layout.blocks).view_as(keys)
     qb = q.view(batch, num_kv_heads, group, head_dim).float().index_select(0, owner)  # [N, Hkv, G, D]
     scores = torch.matmul(qb.transpose(0, 1), keys.float().permute(2, 0, 3, 1)) * scale  # [Hkv, N, G, bs]
-    pos = index_in_seq[:, None] * block_size + torch.arange(block_size, device=q.device)[None, :]
-    scores.masked_fill_((pos >= lens[owner][:, None])[None, :, None, :], float("-inf"))
+    scores.masked_fill_(layout.padding[None, :, None, :], float("-inf"))
     seq_max = torch.full((num_kv_heads, batch, group), float("-inf"), device=q.device)
     seq_max.scatter_reduce_(1, owner[None, :, None].expand(num_kv_heads, -1, group), scores.amax(-1), "amax")
     probs = torch.exp(scores - seq_max[:, owner, :, None])

@@ -65,7 +65,7 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--cuda-graph-sizes",
-        default="",
+        default=None,
         help="decode batch sizes to capture as CUDA graphs, e.g. 1,2,4,8,16,32 (batches pad up to the nearest); "
         "GPU with the triton backend and TP 1 only; empty: run eagerly (the default, and always on CPU)",
     )

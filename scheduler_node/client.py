@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -40,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-ca", default=None, metavar="PEM", help="connect with TLS, trusting this CA (implies --tls)")
     p.add_argument(
         "--tls-server-name", default=None, help="the name the server's certificate must carry (default: --host)"
+    )
+    p.add_argument(
+        "--control-token",
+        default=os.environ.get("MINIVLLM_CONTROL_TOKEN", ""),
+        help="bearer token for Control RPCs such as `stats` (default: $MINIVLLM_CONTROL_TOKEN)",
     )
     p.add_argument(
         "--wait-ready",

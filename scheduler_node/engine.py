@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import logging
@@ -11,7 +12,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from proto.wire import StepPlan, TokenLogprobs
+from proto.wire import StepPlan, StepResult, TokenLogprobs
 from scheduler_node.detokenizer import IncrementalDetokenizer
 from scheduler_node.metrics import Metrics
 from scheduler_node.request import Request, Status, StopConditions
@@ -71,6 +72,8 @@ class Engine:
         metrics: Metrics | None = None,
         rejoin_timeout: float = 60.0,
         max_waiting_requests: int = 0,
+        async_scheduling: bool = True,
+        scheduler_delay: float = 0.0,
     ) -> None:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
@@ -78,6 +81,11 @@ class Engine:
         self.metrics = metrics or Metrics("minivllm")
         self.rejoin_timeout = rejoin_timeout  # seconds a lost rank may take to come back
         self.max_waiting_requests = max_waiting_requests  # 0: unbounded
+        # Async scheduling: plan N+1 is built and sent while the workers run step N (they feed their own
+        # sampled tokens forward; the scheduler counts them as in flight and drops those of stopped requests).
+        self.plans_in_flight = 2 if async_scheduling else 1
+        self.scheduler_delay = scheduler_delay  # seconds to wait for more arrivals before a small batch
+        self._inflight: collections.deque[tuple[StepPlan, asyncio.Future[StepResult], float]] = collections.deque()
         self._sequences: dict[str, _Sequence] = {}
         self._by_request_id: dict[str, list[str]] = {}
         self._deadlines: dict[str, asyncio.TimerHandle] = {}
@@ -159,8 +167,9 @@ class Engine:
         try:
             while True:
                 if not self.link.all_ready:
+                    self._drop_inflight()
                     await self._recover()
-                elif not self.scheduler.has_work:
+                elif not self.scheduler.has_work and not self._inflight:
                     self._wake.clear()
                     await _first(self._wake.wait(), self.link.lost.wait())
                 else:
@@ -172,29 +181,63 @@ class Engine:
             raise
 
     async def _step(self) -> None:
-        start = time.perf_counter()
-        plan = self.scheduler.schedule()
-        schedule_s = time.perf_counter() - start
-        if not plan.num_scheduled_tokens and not self.scheduler.running and self.scheduler.waiting:
-            raise RuntimeError("waiting requests fit in no KV configuration")  # validation prevents it
-        self._note_scheduled(plan)
+        """Keep up to `plans_in_flight` plans on the workers, then consume the oldest result."""
+        await self._maybe_delay()
+        while len(self._inflight) < self.plans_in_flight and self.scheduler.has_work:
+            start = time.perf_counter()
+            plan = self.scheduler.schedule()
+            if not _has_work_for_workers(plan):
+                break  # every running request waits for an in-flight result
+            self.metrics.schedule_time.observe(time.perf_counter() - start)
+            self._note_scheduled(plan)
+            try:
+                future = self.link.submit(plan)
+            except WorkerLost as exc:
+                logger.error("step %d could not be sent: %s", plan.step_id, exc)
+                self._drop_inflight()
+                await self._recover()
+                return
+            self._inflight.append((plan, future, start))
+        if not self._inflight:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("waiting requests fit in no KV configuration")  # validation prevents it
+            self._wake.clear()
+            await _first(self._wake.wait(), self.link.lost.wait())
+            return
+        plan, future, start = self._inflight[0]
         try:
-            result = await self.link.step(plan)
+            result = await future
         except WorkerLost as exc:
             logger.error("step %d did not complete: %s", plan.step_id, exc)
+            self._drop_inflight()
             await self._recover()
             return
         except StepFailed as exc:
+            self._drop_inflight()
             self._fail_step(plan, str(exc))
             return
+        self._inflight.popleft()
         for out in self.scheduler.update(plan, result):
             self._on_output(out)
         if plan.num_scheduled_tokens:
             m = self.metrics
-            m.schedule_time.observe(schedule_s)
             m.step_time.observe(time.perf_counter() - start)
             m.iteration_tokens.observe(plan.total_tokens)
             m.batch_utilization = plan.total_tokens / self.scheduler.config.max_num_batched_tokens
+
+    def _drop_inflight(self) -> None:
+        for _, future, _ in self._inflight:
+            future.cancel()
+        self._inflight.clear()
+
+    async def _maybe_delay(self) -> None:
+        """--scheduler-delay: with nothing in flight and a small batch, give more requests a moment to arrive."""
+        s = self.scheduler
+        if not self.scheduler_delay or self._inflight or not s.waiting or len(s.running) >= s.config.max_num_seqs // 2:
+            return
+        waited = time.monotonic() - min(r.arrival_time for r in s.waiting)
+        if waited < self.scheduler_delay:
+            await asyncio.sleep(self.scheduler_delay - waited)
 
     async def _recover(self) -> None:
         """A rank is lost with its KV: requeue everything, wait for a replacement, resume by recompute.
@@ -324,6 +367,17 @@ class Engine:
             if req is not None:
                 self._emit(req, [], [], error=reason, code=code)
         self._wake.set()
+
+
+def _has_work_for_workers(plan: StepPlan) -> bool:
+    return bool(
+        plan.num_scheduled_tokens
+        or plan.finished_req_ids
+        or plan.preempted_req_ids
+        or plan.block_copies
+        or plan.swap_out
+        or plan.swap_in
+    )
 
 
 async def _first(*waits: Coroutine[Any, Any, Any]) -> None:

@@ -129,7 +129,41 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
         default=0,
         help="every N steps, move live KV blocks into the lowest free ones (0: never)",
     )
-    p.add_argument("--scheduling-policy", default="fcfs", choices=sorted(POLICIES), help="request order")
+    p.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        help=f"request order: {', '.join(sorted(POLICIES))}, or module:Class for your own Policy subclass",
+    )
+    p.add_argument(
+        "--aging-interval",
+        type=float,
+        default=10.0,
+        help="dynamic/hybrid: seconds of age worth one priority point (bounds starvation, see policy.py)",
+    )
+    p.add_argument(
+        "--preemption-margin",
+        type=float,
+        default=5.0,
+        help="priority points a waiting request must beat a running one by to displace it (hysteresis)",
+    )
+    p.add_argument(
+        "--watermark",
+        type=float,
+        default=0.01,
+        help="fraction of KV blocks kept free when admitting requests (avoids admit-then-preempt thrash)",
+    )
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="build and send plan N+1 while the workers run step N (--no-async-scheduling: one at a time)",
+    )
+    p.add_argument(
+        "--scheduler-delay",
+        type=float,
+        default=0.0,
+        help="seconds to wait for more arrivals before starting a small batch (0: never wait)",
+    )
     add_operations_flags(p)
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
 
@@ -196,15 +230,16 @@ def model_limit(folder: Path) -> int:
 
 async def serve(args: argparse.Namespace) -> int:
     config = SchedulerConfig(
-        args.block_size,
-        args.max_num_batched_tokens,
-        args.max_num_seqs,
-        args.max_model_len,
-        args.enable_prefix_caching,
-        args.preemption_mode,
-        args.compaction_interval,
+        block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching,
+        preemption_mode=args.preemption_mode,
+        compaction_interval=args.compaction_interval,
+        watermark=args.watermark,
     )
-    policy = make_policy(args.scheduling_policy)
+    policy = make_policy(args.scheduling_policy, args.aging_interval, args.preemption_margin)
     placement = resolve_parallel(args)
     layout = placement.layout
     folder = resolve_model(args.model)
@@ -270,7 +305,11 @@ async def serve(args: argparse.Namespace) -> int:
         gather.cancel()
         await _shutdown(server, link, "scheduler stopped before the workers joined")
         return 0
-    workers = gather.result()
+    try:
+        workers = gather.result()
+    except TimeoutError:
+        await _shutdown(server, link, "the world did not assemble in time")  # the joined workers leave too
+        raise
     num_blocks = min(w.num_kv_blocks for w in workers)
     num_host_blocks = min(w.num_host_blocks for w in workers)
     costs = PreemptionCosts(
@@ -281,7 +320,16 @@ async def serve(args: argparse.Namespace) -> int:
     scheduler = Scheduler(
         dataclasses.replace(config, max_model_len=max_len), num_blocks, policy, num_host_blocks, costs
     )
-    engine = Engine(scheduler, tokenizer, link, metrics, args.worker_rejoin_timeout, args.max_waiting_requests)
+    engine = Engine(
+        scheduler,
+        tokenizer,
+        link,
+        metrics,
+        args.worker_rejoin_timeout,
+        args.max_waiting_requests,
+        args.async_scheduling,
+        args.scheduler_delay,
+    )
     link.admit = rejoin_rule(num_blocks, num_host_blocks)
     metrics.bind(engine, loop)
     service.engine = engine

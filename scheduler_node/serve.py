@@ -113,8 +113,18 @@ def main(argv: list[str] | None = None) -> int:
             child.keep_alive()
         time.sleep(0.2)
     _stop([scheduler], args.drain_timeout + 15.0)  # it drains, then tells its workers to shut down
+    _let_exit([w.proc for w in workers], 10.0)  # they got Shutdown: a SIGTERM during their exit only adds noise
     _stop([w.proc for w in workers])
     return 0 if signals else code
+
+
+def _let_exit(procs: list[subprocess.Popen], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return
 
 
 class _Child:

@@ -47,7 +47,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, engine.unavailable() if engine else "workers are joining")
             return
         try:
-            spec = validate(request, self.tokenizer, engine.max_model_len)
+            header = dict(context.invocation_metadata() or ()).get("x-priority")
+            spec = validate(request, self.tokenizer, engine.max_model_len, header)
         except InvalidField as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return

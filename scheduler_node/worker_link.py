@@ -142,8 +142,12 @@ class WorkerLink:
         for job in (self._read_loop(), self._heartbeat_loop(), self._watch_disconnects()):
             self._tasks.append(loop.create_task(job))
         if not await self.wait_ready(timeout):
-            missing = [r for r, w in enumerate(self.ranks) if w is None or w.state != READY]
-            raise TimeoutError(f"workers for ranks {missing} did not join {self.address} within {timeout:.0f} s")
+            joining = sorted(w.rank for w in self._by_identity.values() if w.state == JOINING)
+            missing = [r for r, w in enumerate(self.ranks) if (w is None or w.state != READY) and r not in joining]
+            text = f"workers for ranks {missing} did not join {self.address} within {timeout:.0f} s"
+            if joining:  # they got their rank but never reported ready: loading, or at the rendezvous
+                text += f"; ranks {joining} joined but were not ready (loading, or waiting for the others)"
+            raise TimeoutError(text)
         return self.workers
 
     async def wait_ready(self, timeout: float | None) -> bool:

@@ -4,6 +4,10 @@
     .venv/bin/python scripts/bench_parallel.py --layouts 1x1,2x1 --num-requests 8
     .venv/bin/python scripts/bench_parallel.py --device cuda --layouts 1x1,2x1,1x2,2x2   # on GPUs (NCCL)
 
+SmolLM2-135M itself has 9 attention heads and 3 KV heads, which 2 ranks cannot split, so the default model is
+`smollm2-8heads`: SmolLM2-135M's shape (30 layers, hidden 576, MLP 1536, tied 49152 vocab) with 8 heads of 72
+and 4 KV heads, random weights (built once under /tmp; throughput does not depend on the weights).
+
 Each layout is a fresh world (real scheduler and worker processes) serving the same workload: prompts of
 32-256 random tokens, 32-128 greedy output tokens, all submitted at once. On CPU every layout gets the same
 cores in total (--threads-per-worker 0: cores / world size per worker), so the figure measures what splitting
@@ -36,6 +40,27 @@ from tests.servers import Cluster  # noqa: E402
 def workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     return [([rng.randrange(3, vocab) for _ in range(rng.randint(32, 256))], rng.randint(32, 128)) for _ in range(n)]
+
+
+def smollm2_8heads(tokenizer_dir: Path) -> Path:
+    """SmolLM2-135M's shape with 8 heads / 4 KV heads (splittable by 2 and 4), random weights, built once."""
+    folder = Path("/tmp/minivllm-bench-smollm2-8heads")
+    if (folder / "model.safetensors").is_file():
+        return folder
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = json.loads((tokenizer_dir / "config.json").read_text())
+    config.update(num_attention_heads=8, num_key_value_heads=4, head_dim=72)
+    config.pop("_model_name_or_path", None)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**config)).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, folder / name)
+    return folder
 
 
 def run_layout(model: Path, tp: int, pp: int, work: list[tuple[list[int], int]], args: argparse.Namespace) -> dict:
@@ -103,7 +128,11 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="default", help="HF folder, or 'default' (SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model",
+        default="smollm2-8heads",
+        help="HF folder, 'default' (SmolLM2-135M-Instruct: TP must divide 9 heads), or 'smollm2-8heads'",
+    )
     p.add_argument("--layouts", default="1x1,2x1,1x2,2x2", help="comma-separated TPxPP")
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
@@ -119,7 +148,7 @@ def main() -> int:
     from scheduler_node.model_path import resolve_model
     from scheduler_node.tokenizer import ModelTokenizer
 
-    model = resolve_model(args.model)
+    model = smollm2_8heads(resolve_model("default")) if args.model == "smollm2-8heads" else resolve_model(args.model)
     work = workload(args.num_requests, args.seed, ModelTokenizer(model).vocab_size)
     rows = []
     for layout in args.layouts.split(","):

@@ -33,8 +33,15 @@ def make_runner(
 
 
 class OfflineEngine:
-    def __init__(self, runner: ModelRunner, num_blocks: int, num_host_blocks: int = 0, **config: Any) -> None:
+    """`plans_in_flight=2` models async scheduling: plan N+1 is built before the result of step N is seen,
+    while the worker runs the plans in order, as the real worker does."""
+
+    def __init__(
+        self, runner: ModelRunner, num_blocks: int, num_host_blocks: int = 0, plans_in_flight: int = 1, **config: Any
+    ) -> None:
         self.runner = runner
+        self.plans_in_flight = plans_in_flight
+        self._pending: list[tuple[StepPlan, StepResult]] = []
         cfg = SchedulerConfig(block_size=runner.block_size, max_model_len=runner.model.config.max_model_len, **config)
         costs = PreemptionCosts(bytes_per_block=1, swap_bytes_per_s=1e12)  # elastic: swap when space allows
         self.scheduler = Scheduler(cfg, num_blocks, num_host_blocks=num_host_blocks, costs=costs)
@@ -59,15 +66,21 @@ class OfflineEngine:
         return seqs
 
     def step(self) -> None:
-        plan = decode(encode(self.scheduler.schedule()))
-        assert isinstance(plan, StepPlan)
-        result = decode(encode(self.runner.execute(plan)))
-        assert isinstance(result, StepResult)
-        self.scheduler.update(plan, result)
-        self.plans.append(plan)
+        while len(self._pending) < self.plans_in_flight and self.scheduler.has_work:
+            plan = decode(encode(self.scheduler.schedule()))
+            assert isinstance(plan, StepPlan)
+            if not (plan.num_scheduled_tokens or plan.finished_req_ids or plan.preempted_req_ids):
+                break
+            result = decode(encode(self.runner.execute(plan)))
+            assert isinstance(result, StepResult)
+            self._pending.append((plan, result))
+            self.plans.append(plan)
+        if self._pending:
+            plan, result = self._pending.pop(0)
+            self.scheduler.update(plan, result)
 
     def run(self, max_steps: int = 10_000) -> None:
-        while self.scheduler.has_work:
+        while self.scheduler.has_work or self._pending:
             assert len(self.plans) < max_steps, "the engine made no progress"
             self.step()
 

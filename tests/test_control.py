@@ -89,14 +89,15 @@ def test_list_workers_describes_every_rank(cluster: Cluster, control: pb_grpc.Co
 
 
 def test_full_waiting_queue_is_refused_at_once(cluster: Cluster, stub, control) -> None:  # type: ignore[no-untyped-def]
-    calls = [stub.Generate(greedy_ids(prompt_ids(i), 900), timeout=60) for i in range(MAX_SEQS + MAX_WAITING)]
+    def counts() -> tuple[int, int]:
+        s = control.GetStats(pb.GetStatsRequest(), timeout=5)
+        return s.num_running, s.num_waiting
+
+    calls = [stub.Generate(greedy_ids(prompt_ids(i), 900), timeout=60) for i in range(MAX_SEQS)]
     try:
-
-        def full() -> bool:
-            s = control.GetStats(pb.GetStatsRequest(), timeout=5)
-            return (s.num_running, s.num_waiting) == (MAX_SEQS, MAX_WAITING)
-
-        wait_for(full, 30, "running and waiting at their limits")
+        wait_for(lambda: counts() == (MAX_SEQS, 0), 30, "--max-num-seqs running")
+        calls += [stub.Generate(greedy_ids(prompt_ids(i), 900), timeout=60) for i in range(MAX_WAITING)]
+        wait_for(lambda: counts() == (MAX_SEQS, MAX_WAITING), 30, "running and waiting at their limits")
         start = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(greedy_ids(prompt_ids(99), 2), timeout=30))
@@ -183,7 +184,7 @@ async def _storm(address: str, n: int) -> Counter[str]:
                         if not early:
                             await call.read()
                         await stub.Abort(pb.AbortRequest(request_id=request.request_id), timeout=10)
-                    async for delta in call:
+                    while (delta := await call.read()) is not grpc.aio.EOF:  # read(): no mixing with async for
                         if delta.finish_reason:
                             outcomes[delta.finish_reason] += 1
                 except grpc.aio.AioRpcError as exc:

@@ -92,3 +92,9 @@ def test_vllm_monitor_prints_live_values(cluster: Cluster) -> None:
     missing = subprocess.run([*argv[:5], "--count", "1", "--metric", "vllm:nope"], cwd=REPO, capture_output=True,
                              text=True, timeout=30)  # fmt: skip
     assert missing.returncode == 2 and "vllm:nope" in missing.stderr
+
+
+def test_vllm_monitor_has_help_and_config() -> None:
+    out = subprocess.run([sys.executable, "-m", "scheduler_node.monitor", "--help"], cwd=REPO, capture_output=True,
+                         text=True)  # fmt: skip
+    assert out.returncode == 0 and "--config" in out.stdout and "--interval" in out.stdout

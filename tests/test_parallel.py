@@ -68,24 +68,31 @@ class World:
                 return
         raise TimeoutError(f"not SERVING after {timeout} s\n{self.logs()}")
 
-    def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-        """All prompts at once (one thread each), greedy; the token ids of each."""
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], cut_off: bool = False) -> list[list[int]]:
+        """All prompts at once (one thread each), greedy; the token ids of each (as far as they got when
+        `cut_off`: the server is killed on purpose)."""
         stub = pb_grpc.GenerationStub(self.channel)
         outputs: list[list[int]] = [[] for _ in prompts]
+        errors: list[grpc.RpcError] = []
 
         def one(i: int) -> None:
             request = pb.GenerateRequest(
                 prompt_token_ids=pb.TokenIds(ids=prompts[i]),
                 sampling=pb.SamplingParams(max_tokens=max_tokens[i], temperature=0.0, ignore_eos=True),
             )
-            for delta in stub.Generate(request, timeout=120):
-                outputs[i].extend(delta.token_ids)
+            try:
+                for delta in stub.Generate(request, timeout=120):
+                    outputs[i].extend(delta.token_ids)
+            except grpc.RpcError as exc:
+                errors.append(exc)
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        if errors and not cut_off:
+            raise errors[0]
         return outputs
 
     def wait_all(self, timeout: float) -> list[int | None]:
@@ -160,6 +167,7 @@ def test_multi_host_world_by_topology_then_scheduler_killed(tiny_one_kv_dir: Pat
         "  - {host: 127.0.0.3, interconnect: loopback, device_ids: [0, 1]}\n"
     )
     args = ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "--topology", str(topology)]
+    args += ["--heartbeat-timeout", "3"]  # the workers give up on a silent scheduler after this
     # The second host's workers start first: they must still get the ranks of stage 1.
     hosts = ["127.0.0.3", "127.0.0.3", "127.0.0.2", "127.0.0.2"]
     world = World(tiny_one_kv_dir, args, [["--local-address", h] for h in hosts], tmp_path)
@@ -173,13 +181,15 @@ def test_multi_host_world_by_topology_then_scheduler_killed(tiny_one_kv_dir: Pat
             assert any(f"rank {r} of 4" in log for r in ranks), f"worker on {host} got a wrong rank\n{log}"
             assert "joining the rendezvous at 127.0.0.2:" in log, log
 
-        streaming = threading.Thread(target=lambda: _ignore_errors(world.generate, [prompts[-1]], [400]))
+        streaming = threading.Thread(target=world.generate, args=([prompts[-1]], [400], True))
         streaming.start()
         time.sleep(1.0)  # mid-generation: some ranks may sit in a collective when the scheduler dies
         world.scheduler.kill()
+        killed = time.monotonic()
         codes = world.wait_all(45)
         streaming.join(30)
-        assert None not in codes[1:], f"workers hung after the scheduler died: {codes}\n{world.logs()}"
+        assert codes[1:] == [0] * len(hosts), f"workers did not exit cleanly: {codes}\n{world.logs()}"
+        assert time.monotonic() - killed < 30
         for i in range(len(hosts)):
             assert "Traceback" not in world.log(f"worker{i}"), world.logs()
     finally:
@@ -187,8 +197,17 @@ def test_multi_host_world_by_topology_then_scheduler_killed(tiny_one_kv_dir: Pat
     check_outputs(tiny_one_kv_dir, prompts, outputs)
 
 
-def _ignore_errors(fn, *args) -> None:  # type: ignore[no-untyped-def]
+def test_incomplete_world_times_out_naming_the_missing_rank(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """One worker of a TP 2 world: the scheduler gives up naming rank 1, and the worker waiting at the
+    rendezvous leaves at once instead of waiting out the distributed timeout."""
+    args = ["--tensor-parallel-size", "2", "--worker-join-timeout", "4"]
+    world = World(tiny_llama_dir, args, [[]], tmp_path)
     try:
-        fn(*args)
-    except grpc.RpcError:
-        pass  # the scheduler is killed mid-stream on purpose
+        codes = world.wait_all(40)
+        assert codes == [2, 0], f"{codes}\n{world.logs()}"
+        text = world.log("scheduler")
+        assert "ranks [1] did not join" in text and "ranks [0] joined but were not ready" in text, text
+        assert "Traceback" not in text, text
+        assert "left the torch.distributed rendezvous" in world.log("worker0"), world.log("worker0")
+    finally:
+        world.kill_all()

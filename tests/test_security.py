@@ -4,6 +4,7 @@ bytes on the ZMQ sockets crash neither the scheduler nor a worker. Real processe
 from __future__ import annotations
 
 import math
+import os
 import socket
 import subprocess
 import sys
@@ -41,6 +42,7 @@ from tests.ops import TINY_WORKER, VOCAB, greedy_ids, list_workers, prompt_ids, 
 from tests.servers import REPO, Cluster, free_port
 
 TOKEN = "s3cret-token"
+INT64 = st.integers(-(2**63), 2**63 - 1)
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
@@ -87,7 +89,7 @@ def test_tls_serves_and_plaintext_is_refused(tls_cluster: Cluster, tls_files: tu
     assert out.returncode == 0 and "[length: " in out.stderr, out.stderr
 
 
-def test_control_needs_the_token(tls_cluster: Cluster) -> None:
+def test_control_needs_the_token(tls_cluster: Cluster, tls_files: tuple[Path, Path]) -> None:
     control = pb_grpc.ControlStub(tls_cluster.channel)
     calls = [
         lambda md: control.GetStats(pb.GetStatsRequest(), timeout=5, metadata=md),
@@ -105,6 +107,13 @@ def test_control_needs_the_token(tls_cluster: Cluster) -> None:
     assert [w.state for w in list_workers(tls_cluster, good)] == ["ready"]
     stub = pb_grpc.GenerationStub(tls_cluster.channel)  # Generation stays open
     assert list(stub.Generate(greedy_ids(prompt_ids(2), 2), timeout=30))[-1].finish_reason == "length"
+    stats = [sys.executable, "-m", "scheduler_node.client", "stats", "--port", str(tls_cluster.port),
+             "--tls-ca", str(tls_files[0])]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "MINIVLLM_CONTROL_TOKEN"}
+    with_token = subprocess.run([*stats, "--control-token", TOKEN], cwd=REPO, capture_output=True, text=True, env=env)
+    assert with_token.returncode == 0 and "total_blocks" in with_token.stdout, with_token.stderr
+    without = subprocess.run(stats, cwd=REPO, capture_output=True, text=True, env=env)
+    assert without.returncode != 0 and "UNAUTHENTICATED" in without.stderr, without.stderr
 
 
 # ---- random bytes at the scheduler's worker socket
@@ -117,7 +126,7 @@ def _junk(kinds: tuple[Kind, ...] = tuple(Kind)) -> st.SearchStrategy[list[bytes
         st.builds(
             lambda k, f: msgpack.packb([WIRE_VERSION, k, *f]),
             st.sampled_from(kinds),
-            st.lists(st.one_of(st.integers(), st.text(max_size=8), st.none(), st.lists(st.integers())), max_size=12),
+            st.lists(st.one_of(INT64, st.text(max_size=8), st.none(), st.lists(INT64)), max_size=12),
         ),  # fmt: skip
         st.builds(lambda f: msgpack.packb(f), st.lists(st.integers(-1, 10), max_size=4)),
     )

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +23,10 @@ from proto.parallel import ParallelLayout
 logger = logging.getLogger(__name__)
 
 _PP_TAG = 7  # send/recv tag of hidden states between stages
+
+
+class RendezvousAborted(RuntimeError):
+    """The worker left the rendezvous before the world was complete (its scheduler stopped or vanished)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,11 +130,37 @@ def connect(
     local_address: str,
     device: torch.device,
     timeout_s: float,
+    give_up: Callable[[], str] = lambda: "",
 ) -> Comm:
-    """Meet the other ranks at `init_address` (rank 0 opens the store there) and build this rank's groups."""
-    layout = where.layout
-    if layout.world_size == 1:
+    """Meet the other ranks at `init_address` (rank 0 opens the store there) and build this rank's groups.
+
+    The world may take long to assemble (other hosts still loading), so the wait runs on a side thread while
+    this one asks `give_up` twice a second for a reason to stop waiting (the scheduler said Shutdown, or its
+    connection dropped): a worker whose scheduler is gone leaves instead of waiting out `timeout_s`.
+    """
+    if where.layout.world_size == 1:
         return Comm(where, device=device)
+    outcome: list[Comm | BaseException] = []
+
+    def join() -> None:
+        try:
+            outcome.append(_join(where, init_address, local_address, device, timeout_s))
+        except BaseException as exc:  # handed to the caller's thread
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=join, name="rendezvous", daemon=True)
+    waiter.start()
+    while waiter.is_alive():
+        waiter.join(0.5)
+        if waiter.is_alive() and (why := give_up()):
+            raise RendezvousAborted(why)
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
+
+
+def _join(where: ParallelRank, init_address: str, local_address: str, device: torch.device, timeout_s: float) -> Comm:
+    layout = where.layout
     host, _, port = init_address.rpartition(":")
     timeout = datetime.timedelta(seconds=timeout_s)
     logger.info(

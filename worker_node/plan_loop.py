@@ -22,6 +22,11 @@ from proto.wire import Heartbeat, Message, Shutdown, StepError, StepPlan, decode
 logger = logging.getLogger(__name__)
 
 
+# The scheduler declares a silent worker lost after its heartbeat timeout; a worker gives a silent scheduler
+# longer, so that a loaded machine makes the scheduler (the one that decides) act first.
+SILENCE_FACTOR = 2.0
+
+
 class _StepThread(threading.Thread):
     """Runs plans one at a time, in arrival order; wakes the socket thread through a pipe after each."""
 
@@ -64,7 +69,7 @@ class PlanLoop:
         self.setup = setup
 
     def run(self) -> int:
-        """Serve plans until Shutdown (0) or until the scheduler is silent for its heartbeat timeout (0)."""
+        """Serve plans until Shutdown (0) or until the scheduler is silent for twice its heartbeat timeout (0)."""
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_r, False)
         steps = _StepThread(self.rank, self.execute, wake_w, self.setup)
@@ -77,15 +82,12 @@ class PlanLoop:
         try:
             while True:
                 now = time.monotonic()
-                if now - last_heard > self.timeout:
-                    logger.error("no word from the scheduler for %.1f s; exiting", now - last_heard)
-                    return 0
                 if now >= next_beat:
                     seq += 1
                     self._send(Heartbeat(self.rank, seq, self.timeout))
                     next_beat = now + self.timeout / 4
-                wait = max(0.0, min(next_beat, last_heard + self.timeout) - now)
-                events = dict(poller.poll(int(wait * 1000) + 1))
+                give_up = last_heard + SILENCE_FACTOR * self.timeout
+                events = dict(poller.poll(int(max(0.0, min(next_beat, give_up) - now) * 1000) + 1))
                 if wake_r in events:
                     _drain_pipe(wake_r)
                 while steps.outbox:
@@ -98,10 +100,14 @@ class PlanLoop:
                             return 0
                         if isinstance(message, Heartbeat):
                             self.timeout = message.timeout_s
+                            next_beat = min(next_beat, last_heard + self.timeout / 4)
                         elif isinstance(message, StepPlan):
                             steps.inbox.put(message)
                         elif message is not None:
                             logger.warning("ignoring an unexpected %s", type(message).__name__)
+                elif not events and time.monotonic() > give_up:  # checked after the poll: nothing is queued
+                    logger.error("no word from the scheduler for %.1f s; exiting", time.monotonic() - last_heard)
+                    return 0
         finally:
             steps.inbox.put(None)
             steps.join(timeout=1.0)

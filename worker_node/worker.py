@@ -41,7 +41,7 @@ from worker_node.kv_cache import (
 from worker_node.model_runner import ModelRunner
 from worker_node.models.config import ModelConfig
 from worker_node.models.loader import load_model
-from worker_node.parallel import Comm, ParallelRank, connect
+from worker_node.parallel import Comm, ParallelRank, RendezvousAborted, connect
 from worker_node.plan_loop import PlanLoop, decode_or_none
 
 logger = logging.getLogger("vllm-worker")
@@ -93,13 +93,18 @@ class Worker:
         self._sock.connect(f"tcp://{source}{options.scheduler_address}")
         self.runner: ModelRunner | None = None
         self.comm: Comm | None = None
+        self._rendezvous_monitor: zmq.Socket | None = None
 
     def run(self) -> int:
         self._send(WorkerHello(socket.gethostname(), os.getpid(), str(self.device)))
         assignment = self._await_assignment()
         if not isinstance(assignment, Assignment):
             return 0 if isinstance(assignment, Shutdown) else 1
-        ready = self._load(assignment)
+        try:
+            ready = self._load(assignment)
+        except RendezvousAborted as exc:
+            logger.warning("left the torch.distributed rendezvous: %s", exc)
+            return 0
         self._send(ready)
         logger.info("rank %d ready with %d KV blocks", assignment.rank, ready.num_kv_blocks)
         runner = self.runner
@@ -139,7 +144,15 @@ class Worker:
         full = ModelConfig.from_folder(a.model)
         config = shard_config(full, where)  # what this rank's KV cache holds: its layers, its KV heads
         backend = select_attention_backend(self.options.attention_backend, self.device)
-        self.comm = connect(where, a.distributed_init, self.options.local_address, self.device, a.distributed_timeout_s)
+        try:
+            self.comm = connect(
+                where, a.distributed_init, self.options.local_address, self.device, a.distributed_timeout_s, self._gone
+            )
+        finally:
+            if self._rendezvous_monitor is not None:
+                self._sock.disable_monitor()
+                self._rendezvous_monitor.close(linger=0)
+                self._rendezvous_monitor = None
         model = load_model(a.model, backend, dtype, self.device, full.max_model_len, where, self.comm)
         budget = kv_cache_budget(self.device, self.options.kv_cache_memory, self.options.gpu_memory_utilization)
         cache = allocate_kv_cache(config, a.block_size, dtype, self.device, budget)
@@ -153,6 +166,15 @@ class Worker:
 
     def _send(self, message: Message) -> None:
         self._sock.send(encode(message))
+
+    def _gone(self) -> str:
+        """Why to stop waiting for the world (Shutdown from the scheduler, or its connection dropped), or ""."""
+        if self._rendezvous_monitor is None:  # events from now on: the connection is up (the assignment came)
+            self._rendezvous_monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        if self._rendezvous_monitor.poll(0):
+            return "the scheduler's connection dropped"
+        message = self._recv(0.0)  # before the Ready, only a Shutdown is expected
+        return message.reason if isinstance(message, Shutdown) else ""
 
     def _recv(self, timeout: float) -> Message | None:
         """The next message within `timeout` seconds; None on timeout or when it was malformed (dropped)."""
