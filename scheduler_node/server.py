@@ -90,6 +90,13 @@ class ControlService(pb_grpc.ControlServicer):
     def __init__(self, generation: GenerationService) -> None:
         self.generation = generation
 
+    async def _engine(self, context: grpc.aio.ServicerContext) -> Engine:
+        engine = self.generation.engine
+        if engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "workers are joining")
+            raise AssertionError("abort raises")
+        return engine
+
     async def ListWorkers(  # noqa: N802
         self, request: pb.ListWorkersRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListWorkersResponse:
@@ -115,10 +122,7 @@ class ControlService(pb_grpc.ControlServicer):
     async def Drain(  # noqa: N802
         self, request: pb.DrainRequest, context: grpc.aio.ServicerContext
     ) -> pb.DrainResponse:
-        engine = self.generation.engine
-        if engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "workers are joining")
-            raise AssertionError("abort raises")
+        engine = await self._engine(context)
         if not math.isfinite(request.timeout_s) or request.timeout_s < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s: must be >= 0, got {request.timeout_s}")
         timeout: float | None = request.timeout_s or None
@@ -131,10 +135,7 @@ class ControlService(pb_grpc.ControlServicer):
     async def GetStats(  # noqa: N802
         self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.Stats:
-        engine = self.generation.engine
-        if engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "workers are joining")
-            raise AssertionError("abort raises")
+        engine = await self._engine(context)
         stats = dataclasses.asdict(snapshot(engine.scheduler))
         stats["num_preemptions"] = stats["preemptions_recompute"] + stats["preemptions_swap"]
         return pb.Stats(**stats)
@@ -142,10 +143,7 @@ class ControlService(pb_grpc.ControlServicer):
     async def ResizeCache(  # noqa: N802
         self, request: pb.ResizeCacheRequest, context: grpc.aio.ServicerContext
     ) -> pb.ResizeCacheResponse:
-        engine = self.generation.engine
-        if engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "workers are joining")
-            raise AssertionError("abort raises")
+        engine = await self._engine(context)
         total = engine.scheduler.blocks.num_blocks
         if not 1 <= request.num_blocks <= total:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"num_blocks: must be in [1, {total}]")
