@@ -74,20 +74,20 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     layout = _decode_layout(block_tables, seq_lens, block_size)
     owner = layout.owner
-    keys = k_cache.view(num_cache_blocks, -1).index_select(0, layout.blocks)
-    keys = keys.view(-1, block_size, num_kv_heads, head_dim)
+    keys = (
+        k_cache.view(num_cache_blocks, -1).index_select(0, layout.blocks).view(-1, block_size, num_kv_heads, head_dim)
+    )
     values = v_cache.view(num_cache_blocks, -1).index_select(0, layout.blocks).view_as(keys)
     qb = q.view(batch, num_kv_heads, group, head_dim).float().index_select(0, owner)  # [N, Hkv, G, D]
-    scores = torch.matmul(qb.transpose(0, 1), keys.float().permute(2, 0, 3, 1)) * scale  # [Hkv, N, G, bs]
-    scores.masked_fill_(layout.padding[None, :, None, :], float("-inf"))
-    seq_max = torch.full((num_kv_heads, batch, group), float("-inf"), device=q.device)
-    seq_max.scatter_reduce_(1, owner[None, :, None].expand(num_kv_heads, -1, group), scores.amax(-1), "amax")
-    probs = torch.exp(scores - seq_max[:, owner, :, None])
-    denom = torch.zeros(num_kv_heads, batch, group, device=q.device).index_add_(1, owner, probs.sum(-1))
-    partial = torch.matmul(probs, values.float().permute(2, 0, 1, 3))  # [Hkv, N, G, D]
-    out = torch.zeros(num_kv_heads, batch, group, head_dim, device=q.device).index_add_(1, owner, partial)
-    out = out / denom[..., None]
-    return out.permute(1, 0, 2, 3).reshape(batch, num_heads, head_dim).to(q.dtype)
+    scores = torch.einsum("nshd,nhgd->nhgs", keys.float(), qb) * scale  # [N, Hkv, G, bs]
+    scores.masked_fill_(layout.padding[:, None, None, :], float("-inf"))
+    seq_max = torch.full((batch, num_kv_heads, group), float("-inf"), device=q.device)
+    seq_max.scatter_reduce_(0, owner[:, None, None].expand(-1, num_kv_heads, group), scores.amax(-1), "amax")
+    probs = torch.exp(scores - seq_max[owner][..., None])
+    denom = torch.zeros(batch, num_kv_heads, group, device=q.device).index_add_(0, owner, probs.sum(-1))
+    partial = torch.einsum("nhgs,nshd->nhgd", probs, values.float())  # [N, Hkv, G, D]
+    out = torch.zeros(batch, num_kv_heads, group, head_dim, device=q.device).index_add_(0, owner, partial)
+    return (out / denom[..., None]).reshape(batch, num_heads, head_dim).to(q.dtype)
 
 
 def paged_prefill_attention(

@@ -37,7 +37,13 @@ def workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
 def run_minivllm(model: Path, work: list[tuple[list[int], int]], args: argparse.Namespace) -> dict:
     cluster = Cluster(
         model,
-        ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)],
+        [
+            "--max-num-seqs",
+            str(args.max_num_seqs),
+            "--max-num-batched-tokens",
+            str(args.max_num_batched_tokens),
+            "--async-scheduling" if args.async_scheduling else "--no-async-scheduling",
+        ],
         ["--kv-cache-memory", args.kv_cache_memory, "--threads", str(args.threads)],
     )
     try:
@@ -60,10 +66,16 @@ def run_minivllm(model: Path, work: list[tuple[list[int], int]], args: argparse.
         for t in threads:
             t.join()
         elapsed = time.perf_counter() - start
+        stats = pb_grpc.ControlStub(cluster.channel).GetStats(pb.GetStatsRequest(), timeout=10)
     finally:
         cluster.stop()
     assert counts == [o for _, o in work], "minivllm returned the wrong number of tokens"
-    return {"tokens": sum(counts), "seconds": elapsed, "tok_s": sum(counts) / elapsed}
+    return {
+        "tokens": sum(counts),
+        "seconds": elapsed,
+        "tok_s": sum(counts) / elapsed,
+        "worker_idle_ms": stats.mean_worker_idle_ms,
+    }
 
 
 def run_hf(model: Path, work: list[tuple[list[int], int]], batch: int, threads: int) -> dict:
@@ -106,6 +118,9 @@ def main() -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--kv-cache-memory", default="4GiB")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads for both engines")
+    p.add_argument(
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=True, help="the engine's async mode"
+    )
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args()
 
@@ -115,7 +130,11 @@ def main() -> int:
     model = resolve_model(args.model)
     work = workload(args.num_requests, args.seed, ModelTokenizer(model).vocab_size)
     ours = run_minivllm(model, work, args)
-    print(f"minivllm: {ours['tokens']} tokens in {ours['seconds']:.1f} s = {ours['tok_s']:.1f} tok/s", flush=True)
+    print(
+        f"minivllm: {ours['tokens']} tokens in {ours['seconds']:.1f} s = {ours['tok_s']:.1f} tok/s, "
+        f"worker idle between steps {ours['worker_idle_ms']:.1f} ms",
+        flush=True,
+    )
     report = {
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
