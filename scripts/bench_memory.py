@@ -138,7 +138,8 @@ def pressure(model: Path, mode: str, num_blocks: int, host_blocks: int, n: int) 
         "mode": mode,
         "seconds": elapsed,
         "tok_s": generated / elapsed,
-        "recomputed_tokens": sum(p.total_tokens for p in engine.plans) - sum(r.num_tokens for r in reqs),
+        # every token but each request's last sampled one is computed once; the rest is recomputation
+        "recomputed_tokens": sum(p.total_tokens for p in engine.plans) - sum(r.num_tokens - 1 for r in reqs),
         "preemptions_recompute": c.preemptions_recompute,
         "preemptions_swap": c.preemptions_swap,
     }

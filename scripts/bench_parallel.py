@@ -25,16 +25,12 @@ import os
 import platform
 import random
 import sys
-import threading
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from proto import serving_pb2 as pb  # noqa: E402
-from proto import serving_pb2_grpc as pb_grpc  # noqa: E402
-from tests.servers import Cluster  # noqa: E402
+from tests.servers import Cluster, stream_workload  # noqa: E402
 
 
 def workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
@@ -77,24 +73,7 @@ def run_layout(model: Path, tp: int, pp: int, work: list[tuple[list[int], int]],
     cluster = Cluster(model, scheduler_args, worker_args, num_workers=world)
     try:
         cluster.wait_serving(300)
-        stub = pb_grpc.GenerationStub(cluster.channel)
-        counts = [0] * len(work)
-
-        def one(i: int) -> None:
-            prompt, out = work[i]
-            req = pb.GenerateRequest(
-                prompt_token_ids=pb.TokenIds(ids=prompt),
-                sampling=pb.SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True),
-            )
-            counts[i] = sum(len(r.token_ids) for r in stub.Generate(req, timeout=3600))
-
-        start = time.perf_counter()
-        pool = [threading.Thread(target=one, args=(i,)) for i in range(len(work))]
-        for t in pool:
-            t.start()
-        for t in pool:
-            t.join()
-        elapsed = time.perf_counter() - start
+        counts, elapsed = stream_workload(cluster.channel, work)
     finally:
         cluster.stop()
     if counts != [o for _, o in work]:

@@ -17,7 +17,6 @@ import os
 import platform
 import random
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ sys.path.insert(0, str(REPO))
 
 from proto import serving_pb2 as pb  # noqa: E402
 from proto import serving_pb2_grpc as pb_grpc  # noqa: E402
-from tests.servers import Cluster  # noqa: E402
+from tests.servers import Cluster, stream_workload  # noqa: E402
 
 
 def workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
@@ -48,24 +47,7 @@ def run_minivllm(model: Path, work: list[tuple[list[int], int]], args: argparse.
     )
     try:
         cluster.wait_serving()
-        stub = pb_grpc.GenerationStub(cluster.channel)
-        counts = [0] * len(work)
-
-        def one(i: int) -> None:
-            prompt, out = work[i]
-            req = pb.GenerateRequest(
-                prompt_token_ids=pb.TokenIds(ids=prompt),
-                sampling=pb.SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True),
-            )
-            counts[i] = sum(len(r.token_ids) for r in stub.Generate(req, timeout=3600))
-
-        start = time.perf_counter()
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(work))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        elapsed = time.perf_counter() - start
+        counts, elapsed = stream_workload(cluster.channel, work)
         stats = pb_grpc.ControlStub(cluster.channel).GetStats(pb.GetStatsRequest(), timeout=10)
     finally:
         cluster.stop()

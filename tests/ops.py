@@ -121,15 +121,3 @@ def list_workers(cluster: Cluster, metadata: tuple = ()) -> list[pb.WorkerStatus
 
 def rank0(cluster: Cluster, metadata: tuple = ()) -> pb.WorkerStatus:
     return next(w for w in list_workers(cluster, metadata) if w.rank == 0 and w.state != "joining")
-
-
-def assert_teacher_forced_fast(hf_model, prompt: list[int], output: list[int], tol: float = 1e-3) -> None:  # type: ignore[no-untyped-def]
-    """tests.models.assert_teacher_forced in one vectorized pass: every token is HF's greedy choice (within tol)."""
-    import torch
-
-    with torch.inference_mode():
-        logits = hf_model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1].float()
-        logp = logits.log_softmax(-1)
-        gaps = logp.max(-1).values - logp.gather(1, torch.tensor(output)[:, None])[:, 0]
-    bad = (gaps > tol).nonzero().flatten().tolist()
-    assert not bad, f"token {bad[0]} ({output[bad[0]]}) is {float(gaps[bad[0]]):.2e} below HF's best"

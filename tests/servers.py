@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -89,6 +90,12 @@ class Cluster:
             time.sleep(0.2)
         raise TimeoutError(f"server not SERVING after {timeout} s\n{self.logs()}")
 
+    def kill(self) -> None:
+        """Tear down without ceremony (tests that killed or replaced processes themselves)."""
+        for proc in [self.scheduler, *self.workers]:
+            if proc.poll() is None:
+                proc.kill()
+
     def stop(self, timeout: float = 20.0) -> list[int | None]:
         """SIGTERM the scheduler (it shuts the workers down); return every exit code."""
         self.channel.close()
@@ -102,3 +109,29 @@ class Cluster:
                 proc.wait()
                 codes.append(None)
         return codes
+
+
+def stream_workload(channel: grpc.Channel, work: list[tuple[list[int], int]]) -> tuple[list[int], float]:
+    """Send every (prompt ids, max_tokens) request at once, greedy with ignore_eos; return the tokens each
+    got and the wall time (benchmarks)."""
+    from proto import serving_pb2 as pb
+    from proto import serving_pb2_grpc as pb_grpc
+
+    stub = pb_grpc.GenerationStub(channel)
+    counts = [0] * len(work)
+
+    def one(i: int) -> None:
+        prompt, out = work[i]
+        req = pb.GenerateRequest(
+            prompt_token_ids=pb.TokenIds(ids=prompt),
+            sampling=pb.SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True),
+        )
+        counts[i] = sum(len(r.token_ids) for r in stub.Generate(req, timeout=3600))
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(work))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return counts, time.perf_counter() - start

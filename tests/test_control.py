@@ -51,9 +51,7 @@ def cluster(tiny_llama_dir: Path):  # type: ignore[no-untyped-def]
         c.wait_serving()
         yield c
     finally:
-        for proc in [c.scheduler, *c.workers]:
-            if proc.poll() is None:
-                proc.kill()
+        c.kill()
 
 
 @pytest.fixture(scope="module")
