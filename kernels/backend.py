@@ -1,4 +1,5 @@
-"""Choosing the attention implementation: Triton kernels on CUDA, the torch reference elsewhere.
+"""Choosing the attention implementation: Triton kernels on CUDA, the compiled CPU kernel on CPU, the torch
+reference wherever neither applies.
 
 Triton is imported only when its backend is chosen, so CPU-only installs never need it.
 """
@@ -15,7 +16,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAMES = ("auto", "triton", "torch")
+BACKEND_NAMES = ("auto", "triton", "native", "torch")
 
 WriteKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -64,6 +65,21 @@ def _torch_backend() -> AttentionBackend:
     )
 
 
+def _native_backend() -> AttentionBackend | None:
+    """The torch backend with decode attention swapped for the compiled CPU kernel; None if it cannot build."""
+    from kernels import cpu_attention, torch_attention
+
+    library = cpu_attention.load()
+    if library is None:
+        return None
+    return AttentionBackend(
+        "native",
+        torch_attention.write_kv,
+        cpu_attention.NativeDecodeAttention(library, torch_attention.paged_decode_attention),
+        torch_attention.paged_prefill_attention,
+    )
+
+
 def _triton_backend() -> AttentionBackend:
     from kernels import triton_attention
 
@@ -76,7 +92,8 @@ def _triton_backend() -> AttentionBackend:
 
 
 def select_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`auto`: Triton on CUDA (torch if triton is missing), torch elsewhere; `triton`/`torch`: as named.
+    """`auto`: Triton on CUDA (torch if triton is missing), native on CPU (torch if it cannot be built);
+    `triton`/`native`/`torch`: as named.
 
     `triton` on a CPU device runs the kernels in Triton's interpreter, so it needs `TRITON_INTERPRET=1`.
     """
@@ -84,6 +101,15 @@ def select_attention_backend(name: str, device: torch.device) -> AttentionBacken
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; expected one of {', '.join(BACKEND_NAMES)}")
     if name == "torch":
+        return _torch_backend()
+    if name == "native" or (name == "auto" and device.type == "cpu"):
+        if device.type != "cpu":
+            raise ValueError(f"attention backend 'native' runs on CPU devices only, got {device}")
+        native = _native_backend()
+        if native is not None:
+            return native
+        if name == "native":
+            raise ValueError("attention backend 'native' requested but the CPU kernel could not be built")
         return _torch_backend()
     if name == "auto":
         if device.type != "cuda":

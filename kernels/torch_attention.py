@@ -103,6 +103,7 @@ def paged_prefill_attention(
 ) -> torch.Tensor:
     """Causal attention of new tokens over their cached prefix plus themselves (chunked prefill, prefix hits)."""
     out = torch.empty_like(q)
+    group = q.shape[1] // k.shape[1]
     starts = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
     for i, seq_len in enumerate(lens):
@@ -117,14 +118,21 @@ def paged_prefill_attention(
         if prefix:
             rows = torch.arange(q_len, device=q.device)[:, None] + prefix
             mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
+        # Heads repeated rather than `enable_gqa`, and a batch dimension: that is what sends CPU SDPA to its
+        # flash kernel instead of the math fallback (2-3x faster on prefill chunks).
         attn = F.scaled_dot_product_attention(
-            q[lo:hi].transpose(0, 1),
-            keys.transpose(0, 1),
-            values.transpose(0, 1),
+            q[lo:hi].transpose(0, 1)[None],
+            _repeat_heads(keys, group)[None],
+            _repeat_heads(values, group)[None],
             attn_mask=mask,
             is_causal=not prefix,
             scale=scale,
-            enable_gqa=True,
         )
-        out[lo:hi] = attn.transpose(0, 1)
+        out[lo:hi] = attn[0].transpose(0, 1)
     return out
+
+
+def _repeat_heads(x: torch.Tensor, group: int) -> torch.Tensor:
+    """`[L, Hkv, D]` to `[Hkv * group, L, D]`, each kv head repeated for the query heads that share it."""
+    x = x.transpose(0, 1)
+    return x if group == 1 else x.repeat_interleave(group, dim=0)

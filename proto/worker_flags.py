@@ -44,9 +44,10 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--attention-backend",
-        choices=("auto", "triton", "torch"),
+        choices=("auto", "triton", "native", "torch"),
         default="auto",
-        help="auto: triton on CUDA, torch on CPU",
+        help="auto: triton on CUDA; on CPU native (a C kernel built once with the system compiler), torch if "
+        "it cannot be built",
     )
     p.add_argument(
         "--swap-space",

@@ -17,13 +17,34 @@ def test_unknown_name_is_rejected() -> None:
         select_attention_backend("flash", CPU)
 
 
-@pytest.mark.parametrize("name", ["auto", "torch"])
-def test_cpu_gets_the_torch_reference(name: str) -> None:
-    chosen = select_attention_backend(name, CPU)
+def test_cpu_gets_the_torch_reference_when_asked() -> None:
+    chosen = select_attention_backend("torch", CPU)
     assert chosen.name == "torch"
     assert chosen.write_kv is torch_attention.write_kv
     assert chosen.decode_attention is torch_attention.paged_decode_attention
     assert chosen.prefill_attention is torch_attention.paged_prefill_attention
+
+
+@pytest.mark.parametrize("name", ["auto", "native"])
+def test_cpu_gets_the_native_kernel(name: str) -> None:
+    chosen = select_attention_backend(name, CPU)
+    assert chosen.name == "native"
+    assert chosen.write_kv is torch_attention.write_kv
+    assert chosen.prefill_attention is torch_attention.paged_prefill_attention
+
+
+def test_auto_on_cpu_without_a_compiler_is_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernels import cpu_attention
+
+    monkeypatch.setattr(cpu_attention, "load", lambda: None)
+    assert select_attention_backend("auto", CPU).name == "torch"
+    with pytest.raises(ValueError, match="could not be built"):
+        select_attention_backend("native", CPU)
+
+
+def test_native_on_cuda_is_an_error() -> None:
+    with pytest.raises(ValueError, match="CPU devices only"):
+        select_attention_backend("native", CUDA)
 
 
 def test_torch_is_honoured_on_cuda() -> None:

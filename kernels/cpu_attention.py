@@ -1,0 +1,127 @@
+"""Paged decode attention compiled for this CPU (kernels/csrc/paged_attention_cpu.c), loaded with ctypes.
+
+Built once per source, compiler flags and CPU feature set into the minivllm cache folder, so a worker starts in
+milliseconds after the first build (about a second with gcc). Where no C compiler is found, `load()` returns
+None and the worker keeps the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kernels.backend import DecodeAttention
+from proto.model_cache import cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.c"
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared")
+
+_i64 = ctypes.c_int64
+_ptr = ctypes.c_void_p
+
+
+def _cpu_features() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            return next((line for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def _library_path(compiler: str) -> Path:
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), compiler.encode(), " ".join(CFLAGS).encode(), _cpu_features().encode()):
+        key.update(part)
+    return cache_dir() / "kernels" / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside the target and renamed into place: workers starting together never load a half-written file.
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        partial = Path(scratch) / target.name
+        subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", str(partial), "-lm"], check=True, capture_output=True)
+        os.replace(partial, target)
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library, building it first if needed; None when it cannot be built here."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler found; CPU decode attention uses the slower torch path")
+        return None
+    target = _library_path(compiler)
+    try:
+        if not target.exists():
+            _build(compiler, target)
+        library = ctypes.CDLL(str(target))
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", b"") or b""
+        logger.warning("could not build the CPU attention kernel (%s) %s", error, detail.decode(errors="replace"))
+        return None
+    library.paged_decode_attention_f32.restype = None
+    library.paged_decode_attention_f32.argtypes = [_ptr] * 6 + [_i64] * 6 + [ctypes.c_float, ctypes.c_int]
+    library.paged_attention_limits.restype = ctypes.c_int
+    library.paged_attention_limits.argtypes = [_i64] * 3
+    return library
+
+
+class NativeDecodeAttention:
+    """`paged_decode_attention` with the signature of `kernels.torch_attention.paged_decode_attention`.
+
+    Shapes or dtypes the kernel does not cover (anything but contiguous float32 on the CPU) go to `fallback`.
+    """
+
+    def __init__(self, library: ctypes.CDLL, fallback: DecodeAttention) -> None:
+        self._library = library
+        self._fallback = fallback
+
+    def _covers(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        tensors = (q, k_cache, v_cache)
+        if any(t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+            return False
+        return bool(self._library.paged_attention_limits(q.shape[1], q.shape[2], k_cache.shape[1]))
+
+    def __call__(
+        self,
+        q: torch.Tensor,  # [B, H, D]
+        k_cache: torch.Tensor,  # [N, block_size, Hkv, D]
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,  # [B, max_blocks] int32
+        seq_lens: torch.Tensor,  # [B] int32
+        scale: float,
+    ) -> torch.Tensor:
+        if not self._covers(q, k_cache, v_cache):
+            return self._fallback(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        block_tables = block_tables.to(torch.int32).contiguous()
+        seq_lens = seq_lens.to(torch.int32).contiguous()
+        out = torch.empty_like(q)
+        batch, num_heads, head_dim = q.shape
+        self._library.paged_decode_attention_f32(
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            block_tables.data_ptr(),
+            seq_lens.data_ptr(),
+            out.data_ptr(),
+            batch,
+            num_heads,
+            k_cache.shape[2],
+            head_dim,
+            k_cache.shape[1],
+            block_tables.shape[1],
+            scale,
+            torch.get_num_threads(),
+        )
+        return out

@@ -1,0 +1,58 @@
+"""The compiled CPU decode kernel against dense attention, and what it hands back to the torch path."""
+
+import pytest
+import torch
+
+from kernels import cpu_attention, torch_attention
+from tests.kernels.paged_inputs import dense_causal_attention, make_paged_batch, rel_err
+
+
+@pytest.fixture(scope="module")
+def native() -> cpu_attention.NativeDecodeAttention:
+    library = cpu_attention.load()
+    assert library is not None, "the C kernel must build on the test machines (gcc is part of the set-up)"
+    return cpu_attention.NativeDecodeAttention(library, torch_attention.paged_decode_attention)
+
+
+@pytest.mark.parametrize(("block_size", "head_dim"), [(16, 32), (32, 64), (8, 128)])
+@pytest.mark.parametrize(("num_kv_heads", "group"), [(2, 1), (2, 3), (1, 8), (3, 3)])
+def test_decode_matches_dense(
+    native: cpu_attention.NativeDecodeAttention, block_size: int, head_dim: int, num_kv_heads: int, group: int
+) -> None:
+    gen = torch.Generator().manual_seed(block_size + head_dim + 7 * group + num_kv_heads)
+    lens = [1, block_size - 1, block_size, block_size + 1, 5 * block_size + 3, 2]
+    batch = make_paged_batch(lens, lens, num_kv_heads, head_dim, block_size, torch.float32, gen)
+    q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=gen) * 3  # peaked softmaxes too
+    out = native(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, head_dim**-0.5)
+    for i, n in enumerate(lens):
+        want = dense_causal_attention(q[i : i + 1], batch.keys[i], batch.values[i], head_dim**-0.5, n - 1)
+        assert rel_err(out[i : i + 1], want) < 1e-5, f"sequence {i} of length {n}"
+
+
+def test_uncovered_inputs_go_to_the_fallback(native: cpu_attention.NativeDecodeAttention) -> None:
+    gen = torch.Generator().manual_seed(3)
+    batch = make_paged_batch([5, 20], [5, 20], 2, 16, 16, torch.float64, gen)
+    q = torch.randn(2, 4, 16, generator=gen, dtype=torch.float64)
+    calls = []
+    fallback = cpu_attention.NativeDecodeAttention(native._library, lambda *args: calls.append(args) or args[0])
+    fallback(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.25)
+    assert len(calls) == 1, "float64 is not the kernel's: the torch path must take it"
+    too_wide = torch.randn(2, 2 * 33, 16)  # 66 query heads: past the kernel's fixed buffers
+    fallback(too_wide, batch.k_cache.float(), batch.v_cache.float(), batch.block_tables, batch.seq_lens, 0.25)
+    assert len(calls) == 2
+
+
+def test_build_is_cached_per_source_and_cpu(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
+    assert cpu_attention.load() is not None
+    built = list((tmp_path / "kernels").glob("*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    assert cpu_attention.load() is not None
+    assert built[0].stat().st_mtime_ns == stamp, "a second load must reuse the built library"
+
+
+def test_no_compiler_means_no_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(cpu_attention.shutil, "which", lambda name: None)
+    assert cpu_attention.load() is None
