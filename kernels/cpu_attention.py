@@ -25,7 +25,10 @@ from proto.model_cache import cache_dir
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.c"
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared")
+# -ffast-math lets gcc vectorize the reductions and expf (libmvec), but only when compiling: at link time it
+# would add crtfastmath.o, which flushes subnormals to zero for the whole process the moment the library loads.
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
+LDFLAGS = ("-shared", "-fopenmp", "-lmvec", "-lm")
 
 _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
@@ -41,7 +44,7 @@ def _cpu_features() -> str:
 
 def _library_path(compiler: str) -> Path:
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), compiler.encode(), " ".join(CFLAGS).encode(), _cpu_features().encode()):
+    for part in (SOURCE.read_bytes(), compiler.encode(), " ".join(CFLAGS + LDFLAGS).encode(), _cpu_features().encode()):
         key.update(part)
     return cache_dir() / "kernels" / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
 
@@ -51,7 +54,9 @@ def _build(compiler: str, target: Path) -> None:
     # Built beside the target and renamed into place: workers starting together never load a half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         partial = Path(scratch) / target.name
-        subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", str(partial), "-lm"], check=True, capture_output=True)
+        obj = partial.with_suffix(".o")
+        subprocess.run([compiler, *CFLAGS, "-c", str(SOURCE), "-o", str(obj)], check=True, capture_output=True)
+        subprocess.run([compiler, str(obj), *LDFLAGS, "-o", str(partial)], check=True, capture_output=True)
         os.replace(partial, target)
 
 

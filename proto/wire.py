@@ -12,7 +12,9 @@ from typing import Any, Callable, TypeVar, Union
 
 import msgpack
 
-WIRE_VERSION = 1
+# 2: cached requests carry new_token_ids, and with P > 1 stages the workers take sampled tokens from the plan
+# instead of broadcasting them; a v1 process in such a world would wait on a broadcast that never comes.
+WIRE_VERSION = 2
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 T = TypeVar("T")
@@ -121,22 +123,26 @@ class NewRequest:
 
 @dataclass(slots=True)
 class CachedRequest:
-    """A request the worker already holds: only the blocks added since the last step."""
+    """A request the worker already holds: only the blocks and tokens added since the last step."""
 
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # Tokens sampled since the workers last saw this request. Only with P > 1 pipeline stages: there the output
+    # rank's samples reach the other ranks through the scheduler; with one stage every rank appends its own.
+    new_token_ids: list[int] = field(default_factory=list)
 
     def to_wire(self) -> list[Any]:
-        return [self.req_id, self.new_block_ids, self.num_computed_tokens]
+        return [self.req_id, self.new_block_ids, self.num_computed_tokens, self.new_token_ids]
 
     @classmethod
     def from_wire(cls, v: Any) -> CachedRequest:
-        rid, blocks, computed = _fixed(v, 3, "cached_request")
+        rid, blocks, computed, tokens = _fixed(v, 4, "cached_request")
         return cls(
             _check(rid, str, "req_id"),
             _int_list(blocks, "new_block_ids"),
             _check(computed, int, "num_computed_tokens"),
+            _int_list(tokens, "new_token_ids"),
         )
 
 

@@ -18,6 +18,9 @@ class SchedulerConfig:
     compaction_interval: int = 0  # steps between compactions of live blocks (0: never)
     compaction_max_moves: int = 64  # blocks moved per compaction at most
     watermark: float = 0.01  # fraction of blocks kept free when admitting, against admit-then-preempt thrash
+    # P > 1: up to P plans in flight, each on requests no other in-flight plan holds, so every stage has work;
+    # a request is scheduled again only once its result is back, and its plan carries the token it sampled.
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -32,5 +35,7 @@ class SchedulerConfig:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
         if self.compaction_interval < 0 or self.compaction_max_moves < 1:
             raise ValueError("compaction_interval must be >= 0 and compaction_max_moves >= 1")

@@ -81,9 +81,7 @@ class Engine:
         self.metrics = metrics or Metrics("minivllm")
         self.rejoin_timeout = rejoin_timeout  # seconds a lost rank may take to come back
         self.max_waiting_requests = max_waiting_requests  # 0: unbounded
-        # Async scheduling: plan N+1 is built and sent while the workers run step N (they feed their own
-        # sampled tokens forward; the scheduler counts them as in flight and drops those of stopped requests).
-        self.plans_in_flight = 2 if async_scheduling else 1
+        self.plans_in_flight = plans_in_flight(async_scheduling, scheduler.config.pipeline_parallel_size)
         self.scheduler_delay = scheduler_delay  # seconds to wait for more arrivals before a small batch
         self._inflight: collections.deque[tuple[StepPlan, asyncio.Future[StepResult], float]] = collections.deque()
         self._sequences: dict[str, _Sequence] = {}
@@ -367,6 +365,15 @@ class Engine:
             if req is not None:
                 self._emit(req, [], [], error=reason, code=code)
         self._wake.set()
+
+
+def plans_in_flight(async_scheduling: bool, pipeline_parallel_size: int) -> int:
+    """With one stage, async scheduling sends plan N+1 while the workers run step N (they feed their own sampled
+    tokens forward; the scheduler counts them as in flight and drops those of stopped requests). With P stages,
+    P plans on disjoint requests: stage s runs plan N+1 while stage s+1 runs plan N."""
+    if not async_scheduling:
+        return 1
+    return pipeline_parallel_size if pipeline_parallel_size > 1 else 2
 
 
 def _has_work_for_workers(plan: StepPlan) -> bool:

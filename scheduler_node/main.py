@@ -156,7 +156,8 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="build and send plan N+1 while the workers run step N (--no-async-scheduling: one at a time)",
+        help="build and send plan N+1 while the workers run step N; with P pipeline stages, keep P plans on "
+        "disjoint requests in flight (--no-async-scheduling: one at a time)",
     )
     p.add_argument(
         "--scheduler-delay",
@@ -238,6 +239,7 @@ async def serve(args: argparse.Namespace) -> int:
         preemption_mode=args.preemption_mode,
         compaction_interval=args.compaction_interval,
         watermark=args.watermark,
+        pipeline_parallel_size=args.pipeline_parallel_size,
     )
     policy = make_policy(args.scheduling_policy, args.aging_interval, args.preemption_margin)
     placement = resolve_parallel(args)

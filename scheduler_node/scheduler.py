@@ -4,6 +4,10 @@ Each request has `num_computed_tokens` and `num_tokens`; every step hands out to
 (`max_num_batched_tokens`, `max_num_seqs`) so that the first catches up with the second. When blocks run out,
 the policy's least valued running request is preempted (recompute, swap, or whichever is cheaper) and goes
 back to waiting.
+
+With P > 1 pipeline stages the engine keeps up to P plans in flight, each on requests that no other in-flight
+plan holds: a request comes back only once its result is applied, so the scheduler knows the token it sampled
+and hands it to every rank with the plan (only the output rank sampled it).
 """
 
 from __future__ import annotations
@@ -83,7 +87,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self._on_worker: set[str] = set()  # requests whose state the workers hold
+        self._on_worker: dict[str, int] = {}  # requests whose state the workers hold -> tokens the plans gave them
+        self._disjoint_plans = config.pipeline_parallel_size > 1
+        self._in_flight: set[str] = set()  # with disjoint plans: requests of plans whose results are not applied
         self._pending_new_blocks: dict[str, list[int]] = {}
         self._pending_updates: dict[str, list[tuple[int, int]]] = {}
         self._finished_ids: list[str] = []  # to tell the workers in the next plan
@@ -143,10 +149,11 @@ class Scheduler:
         self._maybe_compact()
         plan = StepPlan(self._step_id)
         budget = self.config.max_num_batched_tokens
+        seats = self._seats_per_plan()
         self._displace_for_priority(now, budget)
         preempted = False
-        to_schedule = self.policy.order_running(self.running, now)
-        while to_schedule and budget > 0:
+        to_schedule = [r for r in self.policy.order_running(self.running, now) if r.req_id not in self._in_flight]
+        while to_schedule and budget > 0 and len(plan.num_scheduled_tokens) < seats:
             req = to_schedule.pop(0)
             n = min(self._tokens_to_schedule(req), budget)
             if n <= 0:
@@ -163,9 +170,18 @@ class Scheduler:
                 self._take(req, n, plan)
                 budget -= n
         if not preempted:
-            self._admit(budget, plan, now)
+            self._admit(budget, seats, plan, now)
         self._attach_diffs(plan)
         return plan
+
+    def _seats_per_plan(self) -> int:
+        """Requests one plan may hold. With P stages, a 1/P share of what can run at once: a plan that took
+        every request would leave the next one empty and the stages back in lock-step, for good."""
+        p = self.config.pipeline_parallel_size
+        if p == 1:
+            return self.config.max_num_seqs
+        runnable = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
+        return max(1, -(-runnable // p))
 
     def _tokens_to_schedule(self, req: Request) -> int:
         """Tokens to compute: up to the known ones plus the sampled ones still in flight (async
@@ -177,7 +193,8 @@ class Scheduler:
     def _displace_for_priority(self, now: float, budget: int) -> None:
         """Before the step: while the best waiting request finds no seat or no blocks, it displaces the
         least valued running request if it beats it by the policy's margin."""
-        head = min(self.waiting, key=lambda r: self.policy.sort_key(r, now), default=None)
+        candidates = (r for r in self.waiting if r.req_id not in self._in_flight)
+        head = min(candidates, key=lambda r: self.policy.sort_key(r, now), default=None)
         while head is not None and not self._fits(head, budget):
             victim = self.policy.pick_victim(self.running, now)
             if victim is None or not self.policy.displaces(head, victim, now):
@@ -199,10 +216,12 @@ class Scheduler:
     def _watermark_blocks(self) -> int:
         return int(self.config.watermark * self.blocks.usable_blocks)
 
-    def _admit(self, budget: int, plan: StepPlan, now: float) -> None:
+    def _admit(self, budget: int, seats: int, plan: StepPlan, now: float) -> None:
         for req in self.policy.order_waiting(self.waiting, now):
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs or len(plan.num_scheduled_tokens) >= seats:
                 break
+            if req.req_id in self._in_flight:
+                continue  # preempted while its plan runs: it comes back once that result is applied
             if not self._claim_blocks(req, budget):
                 break  # strict order: a big request at the head is not overtaken forever
             self.waiting.remove(req)
@@ -246,14 +265,23 @@ class Scheduler:
         if req.req_id in self._on_worker:
             self._pending_new_blocks.setdefault(req.req_id, []).extend(added)
             self._pending_updates.setdefault(req.req_id, []).extend(replaced)
-            plan.cached_requests.append(CachedRequest(req.req_id, [], first))
+            plan.cached_requests.append(CachedRequest(req.req_id, [], first, self._tokens_workers_lack(req)))
         else:
             plan.new_requests.append(req.to_new_request(self.blocks.blocks_of(req.req_id)))
-            self._on_worker.add(req.req_id)
+        self._on_worker[req.req_id] = req.num_tokens
+        if self._disjoint_plans:
+            self._in_flight.add(req.req_id)
         plan.num_scheduled_tokens[req.req_id] = n
         req.num_computed_tokens += n
         if req.num_computed_tokens == req.num_tokens + req.num_placeholders:
             req.num_placeholders += 1  # this step samples a token the scheduler learns of later
+
+    def _tokens_workers_lack(self, req: Request) -> list[int]:
+        """With disjoint plans: the tokens sampled since the workers last saw `req` (only the output rank saw
+        them). With one stage every rank appends its own samples, which async scheduling does not know yet."""
+        if not self._disjoint_plans:
+            return []
+        return req.output_token_ids[self._on_worker[req.req_id] - len(req.prompt_token_ids) :]
 
     def _attach_diffs(self, plan: StepPlan) -> None:
         for cached in plan.cached_requests:
@@ -298,8 +326,7 @@ class Scheduler:
     def _forget_on_worker(self, req: Request, notice: list[str]) -> None:
         self._pending_new_blocks.pop(req.req_id, None)
         self._pending_updates.pop(req.req_id, None)
-        if req.req_id in self._on_worker:
-            self._on_worker.discard(req.req_id)
+        if self._on_worker.pop(req.req_id, None) is not None:
             notice.append(req.req_id)
 
     def _maybe_compact(self) -> None:
@@ -325,6 +352,7 @@ class Scheduler:
             self.counters.steps += 1
             self.counters.worker_idle_ms += result.idle_ms
         for req_id in plan.num_scheduled_tokens:
+            self._in_flight.discard(req_id)
             req = self.requests.get(req_id)
             if req is not None and req.status is Status.RUNNING:
                 full = req.num_computed_tokens // self.blocks.block_size
@@ -378,4 +406,5 @@ class Scheduler:
         self.blocks = BlockTable(old.num_blocks, old.block_size, old.enable_prefix_caching, old.num_host_blocks)
         self.blocks.resize(old.usable_blocks)
         self._pending_updates = {}
+        self._in_flight.clear()  # the engine dropped every plan in flight
         return len(running)

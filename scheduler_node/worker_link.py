@@ -239,6 +239,9 @@ class WorkerLink:
         if step is None or identity not in step.waiting:
             logger.debug("dropped a stale answer to step %d", msg.step_id)
             return
+        if step.future.cancelled():  # the engine dropped the plans in flight (a failed step, a recovery)
+            del self._steps[msg.step_id]
+            return
         if isinstance(msg, StepError):
             del self._steps[msg.step_id]
             step.future.set_exception(StepFailed(f"rank {msg.rank} could not run step {msg.step_id}: {msg.reason}"))

@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_parallel.py                          # SmolLM2-135M on CPU, gloo
     .venv/bin/python scripts/bench_parallel.py --layouts 1x1,2x1 --num-requests 8
+    .venv/bin/python scripts/bench_parallel.py --layouts 1x2,1x2/1      # PP 2 with P plans in flight vs one
     .venv/bin/python scripts/bench_parallel.py --device cuda --layouts 1x1,2x1,1x2,2x2   # on GPUs (NCCL)
 
 SmolLM2-135M itself has 9 attention heads and 3 KV heads, which 2 ranks cannot split, so the default model is
@@ -11,9 +12,10 @@ and 4 KV heads, random weights (built once under /tmp; throughput does not depen
 Each layout is a fresh world (real scheduler and worker processes) serving the same workload: prompts of
 32-256 random tokens, 32-128 greedy output tokens, all submitted at once. On CPU every layout gets the same
 cores in total (--threads-per-worker 0: cores / world size per worker), so the figure measures what splitting
-costs (all-reduces and stage hand-offs over loopback, lock-step ranks) rather than any speed-up: on a 2-core
-machine there is nothing to gain. Prints a table; --json writes the figures; --plot writes a PNG when
-matplotlib is installed.
+costs (all-reduces and stage hand-offs over loopback) rather than any speed-up: on a 2-core machine there is
+nothing to gain. A layout `TxP/1` runs with one plan in flight (--no-async-scheduling): pipeline stages take
+turns instead of working on P plans at once, which shows what the overlap buys. Prints a table; --json writes
+the figures; --plot writes a PNG when matplotlib is installed.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from scheduler_node.engine import plans_in_flight  # noqa: E402
 from tests.servers import Cluster, stream_workload  # noqa: E402
 
 
@@ -59,10 +62,22 @@ def smollm2_8heads(tokenizer_dir: Path) -> Path:
     return folder
 
 
-def run_layout(model: Path, tp: int, pp: int, work: list[tuple[list[int], int]], args: argparse.Namespace) -> dict:
+def parse_layout(text: str) -> tuple[int, int, bool]:
+    """'2x2' -> (2, 2, False); '1x2/1' -> (1, 2, True): one plan in flight."""
+    shape, _, plans = text.lower().partition("/")
+    if plans not in ("", "1"):
+        raise ValueError(f"layout {text!r}: only '/1' (one plan in flight) may follow TxP")
+    tp, pp = (int(x) for x in shape.split("x"))
+    return tp, pp, plans == "1"
+
+
+def run_layout(
+    model: Path, tp: int, pp: int, one_plan: bool, work: list[tuple[list[int], int]], args: argparse.Namespace
+) -> dict:
     world = tp * pp
     threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // world)
     scheduler_args = ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp)]
+    scheduler_args += ["--no-async-scheduling"] if one_plan else []
     scheduler_args += [
         "--max-num-seqs",
         str(args.max_num_seqs),
@@ -82,11 +97,16 @@ def run_layout(model: Path, tp: int, pp: int, work: list[tuple[list[int], int]],
     return {
         "tp": tp,
         "pp": pp,
+        "plans_in_flight": plans_in_flight(not one_plan, pp),
         "threads_per_worker": threads,
         "tokens": tokens,
         "seconds": elapsed,
         "tok_s": tokens / elapsed,
     }
+
+
+def label(row: dict) -> str:
+    return f"TP{row['tp']} x PP{row['pp']}" + (" /1" if row["plans_in_flight"] == 1 else "")
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -99,7 +119,7 @@ def plot(rows: list[dict], path: Path) -> None:
         print("matplotlib is not installed; no plot", file=sys.stderr)
         return
     fig, ax = plt.subplots(figsize=(5, 3))
-    ax.bar([f"TP{r['tp']} PP{r['pp']}" for r in rows], [r["tok_s"] for r in rows])
+    ax.bar([label(r) for r in rows], [r["tok_s"] for r in rows])
     ax.set_ylabel("output tokens/s")
     fig.tight_layout()
     fig.savefig(path)
@@ -112,7 +132,11 @@ def main() -> int:
         default="smollm2-8heads",
         help="HF folder, 'default' (SmolLM2-135M-Instruct: TP must divide 9 heads), or 'smollm2-8heads'",
     )
-    p.add_argument("--layouts", default="1x1,2x1,1x2,2x2", help="comma-separated TPxPP")
+    p.add_argument(
+        "--layouts",
+        default="1x1,2x1,1x2,1x2/1,2x2,2x2/1",
+        help="comma-separated TPxPP; TPxPP/1 keeps one plan in flight (stages take turns)",
+    )
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -131,18 +155,15 @@ def main() -> int:
     work = workload(args.num_requests, args.seed, ModelTokenizer(model).vocab_size)
     rows = []
     for layout in args.layouts.split(","):
-        tp, pp = (int(x) for x in layout.lower().split("x"))
-        row = run_layout(model, tp, pp, work, args)
-        print(
-            f"TP {tp} x PP {pp}: {row['tokens']} tokens in {row['seconds']:.1f} s = {row['tok_s']:.1f} tok/s",
-            flush=True,
-        )
+        tp, pp, one_plan = parse_layout(layout)
+        row = run_layout(model, tp, pp, one_plan, work, args)
+        print(f"{label(row)}: {row['tokens']} tokens in {row['seconds']:.1f} s = {row['tok_s']:.1f} tok/s", flush=True)
         rows.append(row)
     base = rows[0]["tok_s"]
-    print("\n| layout | workers x threads | tok/s | vs first |\n|---|---|---|---|")
+    print("\n| layout | workers x threads | plans in flight | tok/s | vs first |\n|---|---|---|---|---|")
     for r in rows:
         shape = f"{r['tp'] * r['pp']} x {r['threads_per_worker']}"
-        print(f"| TP{r['tp']} x PP{r['pp']} | {shape} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f}x |")
+        print(f"| {label(r)} | {shape} | {r['plans_in_flight']} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f}x |")
     report = {
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, device {args.device}",

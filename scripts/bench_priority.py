@@ -51,7 +51,10 @@ def run(model: Path, policy: str, args: argparse.Namespace, with_batch: bool) ->
     rng = random.Random(0)
     cluster = Cluster(
         model,
-        ["--scheduling-policy", policy, "--max-num-seqs", str(args.max_num_seqs), "--aging-interval", "2"],
+        [
+            *("--scheduling-policy", policy, "--max-num-seqs", str(args.max_num_seqs), "--aging-interval", "2"),
+            *("--max-num-batched-tokens", str(args.max_num_batched_tokens)),
+        ],
         ["--kv-cache-memory", "2GiB"],
     )
     try:
@@ -98,6 +101,12 @@ def main() -> int:
     p.add_argument("--model", default="default")
     p.add_argument("--policies", default="fcfs,priority,hybrid")
     p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="the step's token budget: it bounds how long a step runs, so how long a new arrival waits",
+    )
     p.add_argument("--batch-clients", type=int, default=16, help="closed-loop batch clients (> max-num-seqs)")
     p.add_argument("--batch-prompt", type=int, default=128)
     p.add_argument("--batch-tokens", type=int, default=48)

@@ -2,8 +2,10 @@
 
 Each world serves a mixed concurrent batch through gRPC (prompts inside, at and across block boundaries,
 chunked prefill) and must give the same greedy tokens as one in-process worker, each of them HF's argmax
-given the same prefix. The multi-host world puts its ranks on 127.0.0.2 and 127.0.0.3 by a topology file, then
-loses its scheduler and must exit instead of hanging.
+given the same prefix. Pipeline worlds run with P plans in flight on disjoint requests, their ranks taking the
+sampled tokens from the plans (tests/test_pipeline.py checks that the stages overlap). The multi-host world puts
+its ranks on 127.0.0.2 and 127.0.0.3 by a topology file, then loses its scheduler and must exit instead of
+hanging.
 """
 
 from __future__ import annotations

@@ -60,6 +60,7 @@ def test_plans_carry_diffs_only() -> None:
     assert not second.new_requests
     assert second.cached_requests[0].new_block_ids == [1]
     assert second.cached_requests[0].num_computed_tokens == 8
+    assert second.cached_requests[0].new_token_ids == []  # one stage: the workers append their own samples
 
 
 def test_max_num_seqs_caps_running_requests() -> None:

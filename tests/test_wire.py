@@ -31,8 +31,8 @@ MESSAGES = [
     StepPlan(
         7,
         [NewRequest("a", [1, 2, 3], [4], SamplingOptions(0.7, 0.9, 5, 42, 2), [3, 4], 0)],
-        [CachedRequest("b", [9], 17)],
-        {"a": 4, "b": 1},
+        [CachedRequest("b", [9], 17, [42]), CachedRequest("e", [], 3)],
+        {"a": 4, "b": 1, "e": 2},
         ["c"],
         ["d"],
         [(1, 0)],
@@ -61,6 +61,10 @@ def test_wrong_field_types_are_rejected() -> None:
         decode(msgpack.packb([WIRE_VERSION, 3, "rank", 1, 2]))  # WorkerReady.rank must be an int
     with pytest.raises(WireError):
         decode(msgpack.packb([WIRE_VERSION, 5, 1, {"a": ["x"]}, {}, 0.0, 0.0]))  # tokens must be ints
+    plan = StepPlan(1, cached_requests=[CachedRequest("b", [], 3, [1])]).to_wire()
+    plan[2][0][3] = [1.5]
+    with pytest.raises(WireError, match="new_token_ids"):
+        decode(msgpack.packb([WIRE_VERSION, 4, *plan]))  # a cached request's new tokens must be ints
 
 
 @pytest.mark.parametrize(

@@ -52,6 +52,9 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.comm = comm or Comm(SINGLE)  # every rank runs every plan; only the output rank samples
+        # With P > 1 stages the sampled tokens reach the other ranks in the next plan (the scheduler schedules
+        # a request again only once it has its token), so no stage waits for the last one at the end of a step.
+        self.tokens_from_plan = self.comm.where.layout.pipeline_parallel_size > 1
         self.dtype = next(model.parameters()).dtype
         self.graphs: DecodeGraphs | None = None  # decode-only steps replay CUDA graphs when set (GPU)
         self.kv_cache = kv_cache
@@ -74,6 +77,7 @@ class ModelRunner:
                     f"plan says {cached.num_computed_tokens}"
                 )
             state.block_ids.extend(cached.new_block_ids)
+            state.token_ids.extend(cached.new_token_ids)
         for req_id, changes in plan.block_updates.items():
             if (held := self.states.get(req_id)) is not None:
                 for index, block in changes:
@@ -98,7 +102,8 @@ class ModelRunner:
             batch = self._prepare(plan)
             tokens, lps = self._run_and_sample(batch)
             for state, token, lp in zip(batch.samplers, tokens, lps):
-                state.token_ids.append(token)
+                if not self.tokens_from_plan:
+                    state.token_ids.append(token)
                 sampled[state.req_id] = [token]
                 if lp is not None:
                     logprobs[state.req_id] = [lp]
@@ -108,7 +113,8 @@ class ModelRunner:
         return StepResult(plan.step_id, sampled, logprobs, (end - start) * 1e3, idle)
 
     def _run_and_sample(self, batch: _Batch) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """This rank's stage of the forward pass; the output rank samples and every rank learns the tokens."""
+        """This rank's stage of the forward pass; the output rank samples. With one stage every rank learns
+        the tokens now; with more, only the output rank has them (the others get them with the next plan)."""
         where = self.comm.where
         hidden = None
         if not where.is_first_stage:
@@ -127,6 +133,8 @@ class ModelRunner:
             if logits is not None:
                 outputs = [len(s.token_ids) - s.num_prompt_tokens for s in batch.samplers]
                 tokens, lps = sample(logits, [s.sampling for s in batch.samplers], outputs)
+        if self.tokens_from_plan:
+            return tokens, lps
         return self.comm.share_sampled(tokens, len(batch.samplers)), lps
 
     def _prepare(self, plan: StepPlan) -> _Batch:
@@ -143,6 +151,10 @@ class ModelRunner:
         for state, n in work:
             start = state.num_computed_tokens
             end = start + n
+            if end > len(state.token_ids):
+                raise RuntimeError(
+                    f"{state.req_id}: the plan computes {end} tokens, the worker holds {len(state.token_ids)}"
+                )
             ids.extend(state.token_ids[start:end])
             positions.extend(range(start, end))
             tables.append(state.block_ids)

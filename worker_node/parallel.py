@@ -1,6 +1,10 @@
 """torch.distributed for one worker: the rendezvous, its TP group, its PP neighbours, and the few collectives
 the model and the runner need (all-reduce, gather to TP rank 0, send/recv of hidden states, token broadcast).
 
+Pipeline stages hand hidden states on with blocking send/recv (gloo's send returns once the receiver posted its
+recv). With several plans in flight that cannot deadlock: every rank runs the plans in the same order, stage s
+only ever waits for stage s+1 to take plan N's states after finishing plan N-1, and stages share no collective.
+
 Process groups are built directly (gloo on CPU, NCCL on CUDA) instead of through torch's global default group:
 nothing is global, a worker joins only the groups it belongs to, and the gloo transport binds to the worker's
 own address (`--local-address`), which is what lets workers on different hosts (or loopback addresses) meet.
@@ -69,7 +73,7 @@ class Comm:
 
     def __init__(self, where: ParallelRank, world: Any = None, tp: Any = None, device: torch.device | None = None):
         self.where = where
-        self._world = world  # c10d backend over all ranks: PP send/recv and the token broadcast
+        self._world = world  # c10d backend over all ranks: PP send/recv, or (one stage) the token broadcast
         self._tp = tp  # c10d backend over this stage's TP ranks (None when T == 1)
         self._device = device or torch.device("cpu")
 
@@ -102,7 +106,8 @@ class Comm:
         return x
 
     def share_sampled(self, tokens: list[int], count: int) -> list[int]:
-        """The output rank's sampled tokens, on every rank (the first stage needs them as next inputs)."""
+        """The output rank's sampled tokens, on every rank (each TP rank embeds them next). One stage only:
+        across stages they travel in the next plan, so that no stage waits for the last one."""
         if self._world is None or count == 0:
             return tokens
         if self.where.is_output_rank:

@@ -10,6 +10,7 @@
  * Layouts are those of kernels/torch_attention.py: q [B, H, D], cache [num_blocks, block_size, Hkv, D],
  * block_tables [B, max_blocks] int32, seq_lens [B] int32, out [B, H, D]; all float32 and contiguous.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -41,7 +42,7 @@ static void attend(const Shape *s, const float *q, const float *k_cache, const f
     for (int64_t i = q0; i < q1; ++i) {
         for (int64_t d = 0; d < d_len; ++d) qs[i][d] = q[i * d_len + d] * s->scale;
         memset(acc[i], 0, sizeof(float) * d_len);
-        running_max[i] = -INFINITY;
+        running_max[i] = -FLT_MAX; /* built with -ffast-math: no infinities; expf(-FLT_MAX - m) is 0 */
         denom[i] = 0.0f;
     }
     for (int64_t start = 0; start < seq_len; start += s->block_size) {

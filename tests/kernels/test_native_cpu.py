@@ -56,3 +56,10 @@ def test_no_compiler_means_no_library(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setattr(cpu_attention.shutil, "which", lambda name: None)
     assert cpu_attention.load() is None
+
+
+def test_loading_keeps_the_process_floating_point_mode(native: cpu_attention.NativeDecodeAttention) -> None:
+    # A library linked with -ffast-math would flush subnormals to zero in every thread of the worker.
+    tiny = torch.tensor([1e-39], dtype=torch.float32)
+    assert float(tiny * 1.0) != 0.0
+    assert float(torch.tensor(1e-310, dtype=torch.float64) * 1.0) != 0.0
