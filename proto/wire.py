@@ -12,8 +12,9 @@ from typing import Any, Callable, TypeVar, Union
 
 import msgpack
 
-# 2: cached requests carry new_token_ids, and with P > 1 stages the workers take sampled tokens from the plan
-# instead of broadcasting them; a v1 process in such a world would wait on a broadcast that never comes.
+# 2: results say whether an Interrupt reached them (a new message); cached requests carry new_token_ids, and
+# with P > 1 stages the workers take sampled tokens from the plan instead of broadcasting them; a v1 process in
+# such a world would wait on a broadcast that never comes.
 WIRE_VERSION = 2
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -33,6 +34,7 @@ class Kind(IntEnum):
     SHUTDOWN = 6
     HEARTBEAT = 7
     STEP_ERROR = 8
+    INTERRUPT = 9
 
 
 def _check(value: Any, kind: type | tuple[type, ...], what: str) -> Any:
@@ -236,16 +238,18 @@ class StepResult:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     execute_ms: float = 0.0
     idle_ms: float = 0.0  # the worker's wait between the end of its previous step and the start of this one
+    # An Interrupt reached the step: its diffs and block operations were applied, its tokens not computed.
+    interrupted: bool = False
 
     KIND = Kind.RESULT
 
     def to_wire(self) -> list[Any]:
         lps = {r: [x.to_wire() for x in v] for r, v in self.logprobs.items()}
-        return [self.step_id, self.sampled, lps, self.execute_ms, self.idle_ms]
+        return [self.step_id, self.sampled, lps, self.execute_ms, self.idle_ms, self.interrupted]
 
     @classmethod
     def from_wire(cls, v: Any) -> StepResult:
-        step, sampled, lps, ms, idle = _fixed(v, 5, "result")
+        step, sampled, lps, ms, idle, interrupted = _fixed(v, 6, "result")
         _check(sampled, dict, "sampled")
         for rid, toks in sampled.items():
             _check(rid, str, "sampled key")
@@ -260,6 +264,7 @@ class StepResult:
             logprobs,
             float(_check(ms, (float, int), "ms")),
             float(_check(idle, (float, int), "idle_ms")),
+            _check(interrupted, bool, "interrupted"),
         )
 
 
@@ -437,9 +442,30 @@ class StepError:
         return cls(_check(step, int, "step_id"), _check(rank, int, "rank"), _check(reason, str, "reason"))
 
 
-Message = Union[WorkerHello, Assignment, WorkerReady, StepPlan, StepResult, Shutdown, Heartbeat, StepError]
+@dataclass(slots=True)
+class Interrupt:
+    """Scheduler to a lone worker: steps first..last, already sent, are not to compute their tokens (a request
+    that outranks them arrived). The step running stops at its next layer boundary; each of them still applies
+    its diffs and block operations and is answered with an `interrupted` StepResult."""
+
+    first_step_id: int
+    last_step_id: int
+
+    KIND = Kind.INTERRUPT
+
+    def to_wire(self) -> list[Any]:
+        return [self.first_step_id, self.last_step_id]
+
+    @classmethod
+    def from_wire(cls, v: Any) -> Interrupt:
+        first, last = _fixed(v, 2, "interrupt")
+        return cls(_check(first, int, "first_step_id"), _check(last, int, "last_step_id"))
+
+
+Message = Union[WorkerHello, Assignment, WorkerReady, StepPlan, StepResult, Shutdown, Heartbeat, StepError, Interrupt]
 _BY_KIND: dict[int, Any] = {
-    c.KIND: c for c in (WorkerHello, Assignment, WorkerReady, StepPlan, StepResult, Shutdown, Heartbeat, StepError)
+    c.KIND: c
+    for c in (WorkerHello, Assignment, WorkerReady, StepPlan, StepResult, Shutdown, Heartbeat, StepError, Interrupt)
 }
 
 

@@ -84,6 +84,7 @@ class Engine:
         self.plans_in_flight = plans_in_flight(async_scheduling, scheduler.config.pipeline_parallel_size)
         self.scheduler_delay = scheduler_delay  # seconds to wait for more arrivals before a small batch
         self._inflight: collections.deque[tuple[StepPlan, asyncio.Future[StepResult], float]] = collections.deque()
+        self._interrupting: set[int] = set()  # steps interrupted and not answered yet: no plan is built meanwhile
         self._sequences: dict[str, _Sequence] = {}
         self._by_request_id: dict[str, list[str]] = {}
         self._deadlines: dict[str, asyncio.TimerHandle] = {}
@@ -136,6 +137,7 @@ class Engine:
             self._sequences[req_id] = _Sequence(stream, index, detok)
             internal.append(req_id)
         self.scheduler.add(sequences[0], forks=sequences[1:])  # siblings share the prompt's blocks
+        self._maybe_interrupt(sequences[0])
         self._by_request_id[spec.request_id] = internal
         if deadline_s > 0:
             expire = asyncio.get_running_loop().call_later(deadline_s, self._expire, spec.request_id, deadline_s)
@@ -181,7 +183,7 @@ class Engine:
     async def _step(self) -> None:
         """Keep up to `plans_in_flight` plans on the workers, then consume the oldest result."""
         await self._maybe_delay()
-        while len(self._inflight) < self.plans_in_flight and self.scheduler.has_work:
+        while len(self._inflight) < self.plans_in_flight and self.scheduler.has_work and not self._interrupting:
             start = time.perf_counter()
             plan = self.scheduler.schedule()
             if not _has_work_for_workers(plan):
@@ -215,6 +217,7 @@ class Engine:
             self._fail_step(plan, str(exc))
             return
         self._inflight.popleft()
+        self._interrupting.discard(plan.step_id)
         for out in self.scheduler.update(plan, result):
             self._on_output(out)
         if plan.num_scheduled_tokens:
@@ -227,6 +230,18 @@ class Engine:
         for _, future, _ in self._inflight:
             future.cancel()
         self._inflight.clear()
+        self._interrupting.clear()
+
+    def _maybe_interrupt(self, req: Request) -> None:
+        """A request that outranks every request of the plans in flight has a lone worker skip their compute
+        (the running step stops at its next layer boundary), so its first token waits for no batch step.
+        Their requests are rolled back when the interrupted results arrive, and scheduled again."""
+        if self._interrupting or not self._inflight:
+            return
+        plans = [plan for plan, _, _ in self._inflight]
+        if self.scheduler.may_interrupt(req, plans) and self.link.interrupt(plans[0].step_id, plans[-1].step_id):
+            logger.info("%s interrupts steps %d..%d", req.req_id, plans[0].step_id, plans[-1].step_id)
+            self._interrupting = {plan.step_id for plan in plans}
 
     async def _maybe_delay(self) -> None:
         """--scheduler-delay: with nothing in flight and a small batch, give more requests a moment to arrive."""

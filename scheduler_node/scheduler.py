@@ -66,6 +66,15 @@ class SchedulerCounters:
     compaction_seconds: float = 0.0
     steps: int = 0
     worker_idle_ms: float = 0.0  # summed over steps: the gap the workers waited between steps
+    interrupted_steps: int = 0  # steps whose compute was skipped for a request that outranked them
+
+
+@dataclass(slots=True)
+class _SentPlan:
+    """What a plan in flight did to the scheduler's view, to apply or undo when its result comes back."""
+
+    ends: dict[str, int] = field(default_factory=dict)  # each request's computed tokens once the step ran
+    samplers: set[str] = field(default_factory=set)  # requests whose token this step samples
 
 
 class Scheduler:
@@ -94,6 +103,7 @@ class Scheduler:
         self._pending_updates: dict[str, list[tuple[int, int]]] = {}
         self._finished_ids: list[str] = []  # to tell the workers in the next plan
         self._preempted_ids: list[str] = []
+        self._sent: dict[int, _SentPlan] = {}
         self._step_id = 0
 
     @property
@@ -151,12 +161,13 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         seats = self._seats_per_plan()
         self._displace_for_priority(now, budget)
+        floor = self._prefill_floor(now)
         preempted = False
         to_schedule = [r for r in self.policy.order_running(self.running, now) if r.req_id not in self._in_flight]
         while to_schedule and budget > 0 and len(plan.num_scheduled_tokens) < seats:
             req = to_schedule.pop(0)
             n = min(self._tokens_to_schedule(req), budget)
-            if n <= 0:
+            if n <= 0 or (n > 1 and self.policy.effective_priority(req, now) < floor):
                 continue
             first = req.num_computed_tokens
             while not self.blocks.can_write(req.req_id, first, first + n):
@@ -170,7 +181,7 @@ class Scheduler:
                 self._take(req, n, plan)
                 budget -= n
         if not preempted:
-            self._admit(budget, seats, plan, now)
+            self._admit(budget, seats, floor, plan, now)
         self._attach_diffs(plan)
         return plan
 
@@ -216,10 +227,22 @@ class Scheduler:
     def _watermark_blocks(self) -> int:
         return int(self.config.watermark * self.blocks.usable_blocks)
 
-    def _admit(self, budget: int, seats: int, plan: StepPlan, now: float) -> None:
+    def _prefill_floor(self, now: float) -> float:
+        """Prefill below this effective priority waits a step: when a request that outranks others by the
+        policy's margin has prompt tokens to compute, their prefill chunks would only lengthen its step (and
+        its time to first token). Decodes always run. -inf when no such gap exists (always under fcfs)."""
+        pending = [r for r in self.waiting if r.req_id not in self._in_flight]
+        pending += [r for r in self.running if r.req_id not in self._in_flight and self._tokens_to_schedule(r) > 1]
+        if not pending or self.policy.preemption_margin <= 0:
+            return float("-inf")
+        return max(self.policy.effective_priority(r, now) for r in pending) - self.policy.preemption_margin
+
+    def _admit(self, budget: int, seats: int, floor: float, plan: StepPlan, now: float) -> None:
         for req in self.policy.order_waiting(self.waiting, now):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs or len(plan.num_scheduled_tokens) >= seats:
                 break
+            if self.policy.effective_priority(req, now) < floor:
+                break  # waiting is in policy order: the rest rank lower still
             if req.req_id in self._in_flight:
                 continue  # preempted while its plan runs: it comes back once that result is applied
             if not self._claim_blocks(req, budget):
@@ -273,8 +296,11 @@ class Scheduler:
             self._in_flight.add(req.req_id)
         plan.num_scheduled_tokens[req.req_id] = n
         req.num_computed_tokens += n
+        sent = self._sent.setdefault(plan.step_id, _SentPlan())
+        sent.ends[req.req_id] = req.num_computed_tokens
         if req.num_computed_tokens == req.num_tokens + req.num_placeholders:
             req.num_placeholders += 1  # this step samples a token the scheduler learns of later
+            sent.samplers.add(req.req_id)
 
     def _tokens_workers_lack(self, req: Request) -> list[int]:
         """With disjoint plans: the tokens sampled since the workers last saw `req` (only the output rank saw
@@ -347,6 +373,10 @@ class Scheduler:
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         """Register computed blocks for prefix caching, append sampled tokens, apply stop conditions."""
+        sent = self._sent.pop(plan.step_id, _SentPlan())
+        if result.interrupted:
+            self._undo(plan, sent)
+            return []
         self.costs.observe(result.execute_ms, plan.total_tokens)
         if plan.num_scheduled_tokens:
             self.counters.steps += 1
@@ -354,8 +384,10 @@ class Scheduler:
         for req_id in plan.num_scheduled_tokens:
             self._in_flight.discard(req_id)
             req = self.requests.get(req_id)
-            if req is not None and req.status is Status.RUNNING:
-                full = req.num_computed_tokens // self.blocks.block_size
+            if req is not None and req.status is Status.RUNNING and req_id in sent.ends:
+                # This step's own end, not num_computed_tokens: that counts plans still in flight, whose
+                # blocks are not written yet (and are never written if those plans are interrupted).
+                full = sent.ends[req_id] // self.blocks.block_size
                 self.blocks.register(req_id, req.update_block_hashes(self.blocks.block_size)[:full])
         outputs = []
         for req_id, token_ids in result.sampled.items():
@@ -373,6 +405,34 @@ class Scheduler:
             if req.finished:
                 self.finish(req_id, req.status)
         return outputs
+
+    def _undo(self, plan: StepPlan, sent: _SentPlan) -> None:
+        """The workers skipped this plan's compute: its requests are back where they were before it (the
+        blocks it allocated stay theirs; its diffs and block operations did run)."""
+        self.counters.interrupted_steps += 1
+        for req_id, n in plan.num_scheduled_tokens.items():
+            self._in_flight.discard(req_id)
+            req = self.requests.get(req_id)
+            if req is None or req.status is not Status.RUNNING:
+                continue  # finished or preempted since: nothing of this step is kept for it
+            req.num_computed_tokens -= n
+            if req_id in sent.samplers:
+                req.num_placeholders -= 1
+
+    def may_interrupt(self, req: Request, plans: list[StepPlan]) -> bool:
+        """May `req` have the workers skip these plans in flight? When it outranks every request in them by the
+        policy's margin (never under fcfs) and `can_undo` them."""
+        if not self.can_undo(plans):
+            return False
+        now = self.clock()
+        others = [self.requests[r] for p in plans for r in p.num_scheduled_tokens if r in self.requests]
+        return bool(others) and all(self.policy.displaces(req, other, now) for other in others)
+
+    @staticmethod
+    def can_undo(plans: list[StepPlan]) -> bool:
+        """Plans whose compute can be skipped: none preempts or swaps (a swapped-out request keeps its computed
+        tokens, which a skipped step would not have written)."""
+        return not any(p.swap_out or p.swap_in or p.preempted_req_ids for p in plans)
 
     def _start_forks(self, parent: Request) -> None:
         """The prompt is computed: each sibling shares its blocks and recomputes only the last prompt token,
@@ -407,4 +467,5 @@ class Scheduler:
         self.blocks.resize(old.usable_blocks)
         self._pending_updates = {}
         self._in_flight.clear()  # the engine dropped every plan in flight
+        self._sent.clear()
         return len(running)

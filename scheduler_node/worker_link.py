@@ -25,6 +25,7 @@ from proto.wire import (
     MAX_MESSAGE_BYTES,
     Assignment,
     Heartbeat,
+    Interrupt,
     Message,
     Shutdown,
     StepError,
@@ -233,6 +234,13 @@ class WorkerLink:
         output = workers[self.output_rank].identity
         self._steps[plan.step_id] = _Step({w.identity for w in workers}, output, future)
         return future
+
+    def interrupt(self, first_step_id: int, last_step_id: int) -> bool:
+        """Ask a lone worker to skip the compute of steps first..last (sent, not answered). False when the
+        world has several ranks: they could stop at different layers, and a half-run collective would hang."""
+        if self.world_size != 1 or not self.all_ready:
+            return False
+        return not self._send_bytes(self.workers[0].identity, encode(Interrupt(first_step_id, last_step_id)))
 
     def _on_result(self, identity: bytes, msg: StepResult | StepError) -> None:
         step = self._steps.get(msg.step_id)

@@ -56,6 +56,7 @@ def test_priority_displaces_at_the_seat_cap() -> None:
     s.add(req("b1", 30))
     s.add(req("b2", 40))
     step(s)
+    step(s)  # b1's prefill waited for b2's, which outranks it by the margin
     s.add(req("rt", 90, at=1.0))
     plan = step(s)
     assert "rt" in plan.num_scheduled_tokens

@@ -10,6 +10,7 @@ from proto.wire import (
     WIRE_VERSION,
     Assignment,
     CachedRequest,
+    Interrupt,
     NewRequest,
     SamplingOptions,
     Shutdown,
@@ -41,6 +42,8 @@ MESSAGES = [
         {"b": [(0, 7)]},
     ),
     StepResult(7, {"a": [5]}, {"a": [TokenLogprobs(-0.5, [(5, -0.5), (6, -1.5)])]}, 3.25, 0.5),
+    StepResult(8, {}, {}, 1.0, 0.0, interrupted=True),
+    Interrupt(7, 9),
 ]
 
 

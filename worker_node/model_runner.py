@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -11,7 +13,7 @@ from proto.wire import NewRequest, SamplingOptions, StepPlan, StepResult, TokenL
 from worker_node.attention import AttentionMetadata
 from worker_node.cuda_graphs import DecodeGraphs
 from worker_node.kv_cache import KVCache, copy_blocks
-from worker_node.models.llama import LlamaForCausalLM
+from worker_node.models.llama import LlamaForCausalLM, StepInterrupted
 from worker_node.parallel import SINGLE, Comm
 from worker_node.sampler import sample
 
@@ -38,6 +40,24 @@ class _Batch:
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # token index of each sequence that samples
     samplers: list[RequestState]
+    starts: list[tuple[RequestState, int]]  # computed tokens of each request before the step, to restore
+
+
+@dataclass(slots=True)
+class StepInterrupts:
+    """Step ids the scheduler interrupted: written by the socket thread, read by the step thread."""
+
+    _ranges: list[tuple[int, int]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, first_step_id: int, last_step_id: int) -> None:
+        with self._lock:
+            self._ranges.append((first_step_id, last_step_id))
+
+    def covers(self, step_id: int) -> bool:
+        with self._lock:
+            self._ranges = [r for r in self._ranges if r[1] >= step_id]  # plans run in order: older ones are done
+            return any(first <= step_id for first, _ in self._ranges)
 
 
 class ModelRunner:
@@ -63,15 +83,19 @@ class ModelRunner:
         self.device = device
         self.states: dict[str, RequestState] = {}
         self._last_step_end: float | None = None
+        # Only a lone worker stops mid-step: ranks of a bigger world could stop at different layers and leave a
+        # collective half-joined. The scheduler sends interrupts to lone workers only; this is the second lock.
+        self.interrupts = StepInterrupts()
+        self.interruptible = self.comm.where.layout.world_size == 1
 
-    def apply_diffs(self, plan: StepPlan) -> None:
+    def apply_diffs(self, plan: StepPlan, check_progress: bool = True) -> None:
         for req_id in plan.finished_req_ids + plan.preempted_req_ids:
             self.states.pop(req_id, None)
         for new in plan.new_requests:
             self.states[new.req_id] = RequestState.from_new(new)
         for cached in plan.cached_requests:
             state = self.states[cached.req_id]
-            if state.num_computed_tokens != cached.num_computed_tokens:
+            if check_progress and state.num_computed_tokens != cached.num_computed_tokens:
                 raise RuntimeError(
                     f"{cached.req_id}: worker has {state.num_computed_tokens} computed tokens, "
                     f"plan says {cached.num_computed_tokens}"
@@ -94,25 +118,38 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
-        self.apply_diffs(plan)
+        # An interrupted plan was built on steps before it that may not have run: their progress is not checked.
+        skip = self._interrupted(plan.step_id)
+        self.apply_diffs(plan, check_progress=not skip)
         self.run_block_ops(plan)
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprobs]] = {}
-        if plan.num_scheduled_tokens:
+        if plan.num_scheduled_tokens and not skip:
             batch = self._prepare(plan)
-            tokens, lps = self._run_and_sample(batch)
-            for state, token, lp in zip(batch.samplers, tokens, lps):
-                if not self.tokens_from_plan:
-                    state.token_ids.append(token)
-                sampled[state.req_id] = [token]
-                if lp is not None:
-                    logprobs[state.req_id] = [lp]
+            try:
+                tokens, lps = self._run_and_sample(batch, lambda: self._interrupted(plan.step_id))
+            except StepInterrupted:
+                for state, computed in batch.starts:
+                    state.num_computed_tokens = computed
+                skip = True
+            else:
+                for state, token, lp in zip(batch.samplers, tokens, lps):
+                    if not self.tokens_from_plan:
+                        state.token_ids.append(token)
+                    sampled[state.req_id] = [token]
+                    if lp is not None:
+                        logprobs[state.req_id] = [lp]
         end = time.perf_counter()
         idle = (start - self._last_step_end) * 1e3 if self._last_step_end is not None else 0.0
         self._last_step_end = end
-        return StepResult(plan.step_id, sampled, logprobs, (end - start) * 1e3, idle)
+        return StepResult(plan.step_id, sampled, logprobs, (end - start) * 1e3, idle, interrupted=skip)
 
-    def _run_and_sample(self, batch: _Batch) -> tuple[list[int], list[TokenLogprobs | None]]:
+    def _interrupted(self, step_id: int) -> bool:
+        return self.interruptible and self.interrupts.covers(step_id)
+
+    def _run_and_sample(
+        self, batch: _Batch, interrupted: Callable[[], bool] | None = None
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """This rank's stage of the forward pass; the output rank samples. With one stage every rank learns
         the tokens now; with more, only the output rank has them (the others get them with the next plan)."""
         where = self.comm.where
@@ -123,7 +160,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(batch.meta, batch.input_ids.shape[0]):
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta, hidden)
         else:
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta, hidden)
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta, hidden, interrupted)
         if not where.is_last_stage:
             self.comm.send_to_next_stage(hidden)
         tokens: list[int] = []
@@ -188,6 +225,7 @@ class ModelRunner:
             meta,
             torch.tensor(sample_rows, dtype=torch.int64, device=dev),
             samplers,
+            [(state, state.num_computed_tokens - n) for state, n in work],
         )
 
     @staticmethod

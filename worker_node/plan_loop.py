@@ -17,7 +17,7 @@ from typing import Callable
 
 import zmq
 
-from proto.wire import Heartbeat, Message, Shutdown, StepError, StepPlan, decode, encode
+from proto.wire import Heartbeat, Interrupt, Message, Shutdown, StepError, StepPlan, decode, encode
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +61,14 @@ class PlanLoop:
         execute: Callable[[StepPlan], Message],
         initial_timeout: float,
         setup: Callable[[], None] = lambda: None,
+        interrupt: Callable[[int, int], None] = lambda first, last: None,
     ) -> None:
         self.sock = sock
         self.rank = rank
         self.execute = execute
         self.timeout = initial_timeout  # until the scheduler's first heartbeat says otherwise
         self.setup = setup
+        self.interrupt = interrupt  # told at once, from this thread: the step thread may be mid-forward
 
     def run(self) -> int:
         """Serve plans until Shutdown (0) or until the scheduler is silent for twice its heartbeat timeout (0)."""
@@ -103,6 +105,8 @@ class PlanLoop:
                             next_beat = min(next_beat, last_heard + self.timeout / 4)
                         elif isinstance(message, StepPlan):
                             steps.inbox.put(message)
+                        elif isinstance(message, Interrupt):
+                            self.interrupt(message.first_step_id, message.last_step_id)
                         elif message is not None:
                             logger.warning("ignoring an unexpected %s", type(message).__name__)
                 elif not events and time.monotonic() > give_up:  # checked after the poll: nothing is queued

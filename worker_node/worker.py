@@ -109,7 +109,14 @@ class Worker:
         logger.info("rank %d ready with %d KV blocks", assignment.rank, ready.num_kv_blocks)
         runner = self.runner
         assert runner is not None
-        loop = PlanLoop(self._sock, assignment.rank, runner.execute, self.options.connect_timeout, self._thread_setup)
+        loop = PlanLoop(
+            self._sock,
+            assignment.rank,
+            runner.execute,
+            self.options.connect_timeout,
+            self._thread_setup,
+            runner.interrupts.add,
+        )
         return loop.run()
 
     def _await_assignment(self) -> Assignment | Shutdown | None:

@@ -10,6 +10,7 @@ collective is a no-op and the model is the plain one.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -176,6 +177,10 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class StepInterrupted(Exception):
+    """The forward pass stopped at a layer boundary because the scheduler interrupted its step."""
+
+
 class LlamaForCausalLM(nn.Module):
     embed_tokens: VocabParallelEmbedding | None
     norm: RMSNorm | None
@@ -210,6 +215,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # this stage's layers, in order
         meta: AttentionMetadata,
         hidden: torch.Tensor | None = None,  # [T, hidden]: the previous stage's output (not on the first)
+        interrupted: Callable[[], bool] | None = None,  # asked before each layer; True raises StepInterrupted
     ) -> torch.Tensor:
         """This stage's part of the forward pass: normalised hidden states on the last stage, raw ones before."""
         if hidden is None:
@@ -219,6 +225,8 @@ class LlamaForCausalLM(nn.Module):
         x = hidden
         angles = self.rotary(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
+            if interrupted is not None and interrupted():
+                raise StepInterrupted
             x = layer(x, angles, kv_cache, meta)
         return x if self.norm is None else self.norm(x)
 

@@ -1,0 +1,178 @@
+"""Interrupted steps: a lone worker skips the compute of plans in flight (before they start, or at a layer
+boundary mid-forward), the scheduler rolls their requests back, and greedy output stays HF's token for token."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from proto.wire import SamplingOptions, StepPlan, StepResult, decode, encode
+from scheduler_node.config import SchedulerConfig
+from scheduler_node.policy import Policy, PriorityPolicy
+from scheduler_node.request import Request, StopConditions
+from scheduler_node.scheduler import Scheduler
+from tests.harness import OfflineEngine, make_runner
+from tests.models import assert_teacher_forced, load_hf
+
+BLOCK = 16
+
+
+class InterruptingEngine(OfflineEngine):
+    """Runs each plan only when its result is needed, as a worker runs plans after they were sent, and now and
+    then interrupts every plan in flight: the oldest at a layer boundary or before it starts, the rest before."""
+
+    def __init__(self, *args, seed: int, rate: float, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.rng = random.Random(seed)
+        self.rate = rate
+        self.interrupting: set[int] = set()
+        self.mid_forward = 0
+        self.before_start = 0
+        self.queue: list[StepPlan] = []
+
+    def step(self) -> None:
+        while len(self.queue) < self.plans_in_flight and self.scheduler.has_work and not self.interrupting:
+            plan = decode(encode(self.scheduler.schedule()))
+            assert isinstance(plan, StepPlan)
+            if not (plan.num_scheduled_tokens or plan.finished_req_ids or plan.preempted_req_ids):
+                break
+            self.queue.append(plan)
+            self.plans.append(plan)
+        if not self.queue:
+            return
+        if not self.interrupting and self.rng.random() < self.rate and self.scheduler.can_undo(self.queue):
+            self._interrupt()
+        plan = self.queue.pop(0)
+        result = decode(encode(self.runner.execute(plan)))
+        assert isinstance(result, StepResult)
+        if result.interrupted:
+            assert not result.sampled
+        self.interrupting.discard(plan.step_id)
+        self.scheduler.update(plan, result)
+
+    def _interrupt(self) -> None:
+        first, last = self.queue[0].step_id, self.queue[-1].step_id
+        self.interrupting = {p.step_id for p in self.queue}
+        runner = self.runner
+        layers = runner.model.layers
+        if self.rng.random() < 0.5 and len(layers) > 1:
+            self.mid_forward += 1
+            hook = None
+
+            def stop_now(*_: object) -> None:
+                runner.interrupts.add(first, last)
+                assert hook is not None
+                hook.remove()
+
+            hook = layers[self.rng.randrange(len(layers) - 1)].register_forward_hook(stop_now)
+        else:
+            self.before_start += 1
+            runner.interrupts.add(first, last)
+
+
+def test_interrupted_steps_keep_greedy_output_identical_to_hf(tiny_llama_dir: Path) -> None:
+    runner = make_runner(tiny_llama_dir, 14, BLOCK)
+    engine = InterruptingEngine(
+        runner, 14, seed=3, rate=0.35, plans_in_flight=2, max_num_batched_tokens=24, preemption_mode="recompute"
+    )
+    rng = random.Random(11)
+    shared = [rng.randrange(3, 49152) for _ in range(2 * BLOCK)]  # a cached prefix: blocks registered per step
+    prompts = [shared + [rng.randrange(3, 49152) for _ in range(k)] for k in (1, 9, 20)]
+    prompts += [[rng.randrange(3, 49152) for _ in range(p)] for p in (5, 40, 17)]
+    reqs = [engine.add(p, m)[0] for p, m in zip(prompts, (12, 7, 20, 25, 9, 14))]
+    late = []
+    for _ in range(6):
+        engine.step()
+    late.append(engine.add(shared + [7, 8, 9], 10)[0])  # arrives while earlier prefills may be interrupted
+    engine.run()
+    assert engine.mid_forward > 0 and engine.before_start > 0, "both kinds of interruption must happen"
+    assert engine.scheduler.counters.interrupted_steps >= engine.mid_forward + engine.before_start
+    hf = load_hf(tiny_llama_dir)
+    for req in reqs + late:
+        assert len(req.output_token_ids) == req.stop.max_tokens
+        assert_teacher_forced(hf, req.prompt_token_ids, req.output_token_ids)
+    assert engine.scheduler.blocks.num_free == 14
+
+
+def _req(req_id: str, priority: int, prompt: int = 20, at: float = 0.0) -> Request:
+    start = 1000 * (1 + sum(map(ord, req_id)))  # prompts share no prefix
+    tokens = list(range(start, start + prompt))
+    r = Request(req_id, tokens, SamplingOptions(temperature=0.0), StopConditions(30), priority)
+    r.arrival_time = at
+    return r
+
+
+def _scheduler(policy: Policy) -> Scheduler:
+    config = SchedulerConfig(block_size=BLOCK, max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8)
+    return Scheduler(config, 64, policy=policy, clock=lambda: 5.0)
+
+
+def test_undo_puts_requests_back_where_they_were() -> None:
+    s = _scheduler(PriorityPolicy())
+    for i in range(3):
+        s.add(_req(f"b{i}", 30))
+    first = s.schedule()
+    s.update(first, StepResult(first.step_id, {r: [9] for r in first.num_scheduled_tokens}))
+    before = {r.req_id: (r.num_computed_tokens, r.num_placeholders) for r in s.running}
+    in_flight = [s.schedule(), s.schedule()]  # async: two decode steps sent, results unknown
+    assert all(len(p.num_scheduled_tokens) == 3 for p in in_flight)
+    rt = _req("rt", 90, at=4.0)
+    s.add(rt)
+    assert s.may_interrupt(rt, in_flight)
+    for plan in in_flight:
+        assert s.update(plan, StepResult(plan.step_id, {}, interrupted=True)) == []
+    assert {r.req_id: (r.num_computed_tokens, r.num_placeholders) for r in s.running} == before
+    assert s.counters.interrupted_steps == 2
+    plan = s.schedule()
+    assert plan.num_scheduled_tokens == {"b0": 1, "b1": 1, "b2": 1, "rt": 20}
+    assert [c.num_computed_tokens for c in plan.cached_requests] == [20, 20, 20]  # the workers' view agrees
+
+
+def test_only_a_request_that_outranks_every_one_in_flight_interrupts() -> None:
+    for policy, priority, expected in (
+        (Policy(), 90, False),
+        (PriorityPolicy(), 33, False),
+        (PriorityPolicy(), 90, True),
+    ):
+        s = _scheduler(policy)
+        s.add(_req("b", 30))
+        plan = s.schedule()
+        assert s.may_interrupt(_req("new", priority), [plan]) is expected
+
+
+def test_plans_that_preempt_or_swap_are_not_undone() -> None:
+    plan = StepPlan(1, preempted_req_ids=["x"])
+    assert not Scheduler.can_undo([plan])
+    assert not Scheduler.can_undo([StepPlan(2, swap_out=[(1, 2)])])
+    assert Scheduler.can_undo([StepPlan(3)])
+
+
+def test_higher_class_prefill_runs_without_lower_class_prefill() -> None:
+    s = _scheduler(PriorityPolicy())
+    s.add(_req("b0", 30))
+    first = s.schedule()
+    s.update(first, StepResult(first.step_id, {"b0": [9]}))
+    s.add(_req("b1", 30, prompt=40))
+    s.add(_req("rt", 90, prompt=8, at=1.0))
+    plan = s.schedule()
+    assert plan.num_scheduled_tokens == {"b0": 1, "rt": 8}  # b0 decodes; b1's prefill waits one step
+    s.update(plan, StepResult(plan.step_id, {"b0": [9], "rt": [9]}))
+    assert s.schedule().num_scheduled_tokens == {"b0": 1, "rt": 1, "b1": 40}
+
+
+def test_a_worker_interrupted_mid_forward_restores_its_progress(tiny_llama_dir: Path) -> None:
+    runner = make_runner(tiny_llama_dir, 8, BLOCK)
+    engine = OfflineEngine(runner, 8)
+    (req,) = engine.add(list(range(3, 30)), 4)
+    plan = decode(encode(engine.scheduler.schedule()))
+    assert isinstance(plan, StepPlan)
+    hook = runner.model.layers[0].register_forward_hook(lambda *_: runner.interrupts.add(plan.step_id, plan.step_id))
+    result = runner.execute(plan)
+    hook.remove()
+    assert result.interrupted and not result.sampled
+    assert [state.num_computed_tokens for state in runner.states.values()] == [0]
+    engine.scheduler.update(plan, result)
+    assert req.num_computed_tokens == 0 and req.num_placeholders == 0
+    engine.run()
+    assert len(req.output_token_ids) == 4
+    assert_teacher_forced(load_hf(tiny_llama_dir), req.prompt_token_ids, req.output_token_ids)
