@@ -69,13 +69,12 @@ def _native_backend() -> AttentionBackend | None:
     """The torch backend with decode attention swapped for the compiled CPU kernel; None if it cannot build."""
     from kernels import cpu_attention, torch_attention
 
-    library = cpu_attention.load()
-    if library is None:
+    if cpu_attention.load() is None:  # a probe build: the model's own shape is built on the first decode
         return None
     return AttentionBackend(
         "native",
         torch_attention.write_kv,
-        cpu_attention.NativeDecodeAttention(library, torch_attention.paged_decode_attention),
+        cpu_attention.NativeDecodeAttention(torch_attention.paged_decode_attention),
         torch_attention.paged_prefill_attention,
     )
 

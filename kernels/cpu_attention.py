@@ -1,13 +1,14 @@
 """Paged decode attention compiled for this CPU (kernels/csrc/paged_attention_cpu.c), loaded with ctypes.
 
-Built once per source, compiler flags and CPU feature set into the minivllm cache folder, so a worker starts in
-milliseconds after the first build (about a second with gcc). Where no C compiler is found, `load()` returns
-None and the worker keeps the torch path.
+Built once per source, compiler flags, head shape and CPU feature set into the minivllm cache folder, so a
+worker starts in milliseconds after the first build (about a second with gcc). Where no C compiler is found,
+`load()` returns None and the worker keeps the torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -30,6 +31,9 @@ SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.c"
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
 LDFLAGS = ("-shared", "-fopenmp", "-lmvec", "-lm")
 
+MAX_GROUP = 16  # query heads per kv head the kernel is built for, at most
+MAX_HEAD_DIM = 256
+
 _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
 
@@ -42,61 +46,70 @@ def _cpu_features() -> str:
         return platform.processor()
 
 
-def _library_path(compiler: str) -> Path:
+def _library_path(compiler: str, flags: tuple[str, ...]) -> Path:
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), compiler.encode(), " ".join(CFLAGS + LDFLAGS).encode(), _cpu_features().encode()):
+    for part in (SOURCE.read_bytes(), compiler.encode(), " ".join(flags + LDFLAGS).encode(), _cpu_features().encode()):
         key.update(part)
     return cache_dir() / "kernels" / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
 
 
-def _build(compiler: str, target: Path) -> None:
+def _build(compiler: str, flags: tuple[str, ...], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Built beside the target and renamed into place: workers starting together never load a half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         partial = Path(scratch) / target.name
         obj = partial.with_suffix(".o")
-        subprocess.run([compiler, *CFLAGS, "-c", str(SOURCE), "-o", str(obj)], check=True, capture_output=True)
+        subprocess.run([compiler, *flags, "-c", str(SOURCE), "-o", str(obj)], check=True, capture_output=True)
         subprocess.run([compiler, str(obj), *LDFLAGS, "-o", str(partial)], check=True, capture_output=True)
         os.replace(partial, target)
 
 
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel library, building it first if needed; None when it cannot be built here."""
+@functools.cache
+def load(head_dim: int = 64, group: int = 1) -> ctypes.CDLL | None:
+    """The kernel compiled for this head size and query heads per kv head, building it first if needed; None
+    when it cannot be built here (logged once)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         logger.warning("no C compiler found; CPU decode attention uses the slower torch path")
         return None
-    target = _library_path(compiler)
+    flags = (*CFLAGS, f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}")
+    target = _library_path(compiler, flags)
     try:
         if not target.exists():
-            _build(compiler, target)
+            _build(compiler, flags, target)
         library = ctypes.CDLL(str(target))
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", b"") or b""
         logger.warning("could not build the CPU attention kernel (%s) %s", error, detail.decode(errors="replace"))
         return None
     library.paged_decode_attention_f32.restype = None
-    library.paged_decode_attention_f32.argtypes = [_ptr] * 6 + [_i64] * 6 + [ctypes.c_float, ctypes.c_int]
+    library.paged_decode_attention_f32.argtypes = [_ptr] * 6 + [_i64] * 4 + [ctypes.c_float, ctypes.c_int]
     library.paged_attention_limits.restype = ctypes.c_int
-    library.paged_attention_limits.argtypes = [_i64] * 3
+    library.paged_attention_limits.argtypes = [_i64] * 2
     return library
 
 
 class NativeDecodeAttention:
     """`paged_decode_attention` with the signature of `kernels.torch_attention.paged_decode_attention`.
 
-    Shapes or dtypes the kernel does not cover (anything but contiguous float32 on the CPU) go to `fallback`.
+    Shapes or dtypes the kernel does not cover (anything but contiguous float32 on the CPU, more than 16 query
+    heads per kv head, heads wider than 256) go to `fallback`.
     """
 
-    def __init__(self, library: ctypes.CDLL, fallback: DecodeAttention) -> None:
-        self._library = library
+    def __init__(self, fallback: DecodeAttention) -> None:
         self._fallback = fallback
 
-    def _covers(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    def _library(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> ctypes.CDLL | None:
         tensors = (q, k_cache, v_cache)
         if any(t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
-            return False
-        return bool(self._library.paged_attention_limits(q.shape[1], q.shape[2], k_cache.shape[1]))
+            return None
+        group, head_dim = q.shape[1] // k_cache.shape[2], q.shape[2]
+        if group > MAX_GROUP or head_dim > MAX_HEAD_DIM:
+            return None
+        library = load(head_dim, group)
+        if library is None or not library.paged_attention_limits(k_cache.shape[2], k_cache.shape[1]):
+            return None
+        return library
 
     def __call__(
         self,
@@ -107,23 +120,21 @@ class NativeDecodeAttention:
         seq_lens: torch.Tensor,  # [B] int32
         scale: float,
     ) -> torch.Tensor:
-        if not self._covers(q, k_cache, v_cache):
+        library = self._library(q, k_cache, v_cache)
+        if library is None:
             return self._fallback(q, k_cache, v_cache, block_tables, seq_lens, scale)
         block_tables = block_tables.to(torch.int32).contiguous()
         seq_lens = seq_lens.to(torch.int32).contiguous()
         out = torch.empty_like(q)
-        batch, num_heads, head_dim = q.shape
-        self._library.paged_decode_attention_f32(
+        library.paged_decode_attention_f32(
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
             block_tables.data_ptr(),
             seq_lens.data_ptr(),
             out.data_ptr(),
-            batch,
-            num_heads,
+            q.shape[0],
             k_cache.shape[2],
-            head_dim,
             k_cache.shape[1],
             block_tables.shape[1],
             scale,

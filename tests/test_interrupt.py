@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from proto import serving_pb2_grpc as pb_grpc
 from proto.wire import SamplingOptions, StepPlan, StepResult, decode, encode
 from scheduler_node.config import SchedulerConfig
 from scheduler_node.policy import Policy, PriorityPolicy
@@ -13,6 +14,8 @@ from scheduler_node.request import Request, StopConditions
 from scheduler_node.scheduler import Scheduler
 from tests.harness import OfflineEngine, make_runner
 from tests.models import assert_teacher_forced, load_hf
+from tests.ops import TINY_WORKER, Streams, greedy_ids, prompt_ids
+from tests.servers import Cluster
 
 BLOCK = 16
 
@@ -176,3 +179,26 @@ def test_a_worker_interrupted_mid_forward_restores_its_progress(tiny_llama_dir: 
     engine.run()
     assert len(req.output_token_ids) == 4
     assert_teacher_forced(load_hf(tiny_llama_dir), req.prompt_token_ids, req.output_token_ids)
+
+
+def test_a_realtime_request_interrupts_a_real_worker(tiny_llama_dir: Path) -> None:
+    """Over ZMQ: the scheduler interrupts the plans in flight for a priority-90 arrival, the worker skips them,
+    and every request, interrupted or not, still gets HF's greedy tokens."""
+    args = ["--scheduling-policy", "priority", "--max-num-batched-tokens", "16"]
+    cluster = Cluster(tiny_llama_dir, args, TINY_WORKER)
+    try:
+        cluster.wait_serving()
+        stub = pb_grpc.GenerationStub(cluster.channel)
+        batch = Streams(stub, [greedy_ids(prompt_ids(i, 40), 80, priority=30) for i in range(6)])
+        batch.wait_all_started()
+        realtime = Streams(stub, [greedy_ids(prompt_ids(99, 8), 5, priority=90)]).join()
+        results = batch.join() + realtime
+    finally:
+        codes = cluster.stop()
+    assert codes == [0, 0], cluster.logs()
+    assert "interrupts steps" in (cluster.log_dir / "scheduler.log").read_text(), cluster.logs()
+    hf = load_hf(tiny_llama_dir)
+    prompts = [prompt_ids(i, 40) for i in range(6)] + [prompt_ids(99, 8)]
+    for prompt, result, wanted in zip(prompts, results, [80] * 6 + [5]):
+        assert result.finish_reason == "length" and len(result.tokens) == wanted
+        assert_teacher_forced(hf, prompt, result.tokens)

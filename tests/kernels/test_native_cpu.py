@@ -9,9 +9,8 @@ from tests.kernels.paged_inputs import dense_causal_attention, make_paged_batch,
 
 @pytest.fixture(scope="module")
 def native() -> cpu_attention.NativeDecodeAttention:
-    library = cpu_attention.load()
-    assert library is not None, "the C kernel must build on the test machines (gcc is part of the set-up)"
-    return cpu_attention.NativeDecodeAttention(library, torch_attention.paged_decode_attention)
+    assert cpu_attention.load() is not None, "the C kernel must build on the test machines (gcc is in the set-up)"
+    return cpu_attention.NativeDecodeAttention(torch_attention.paged_decode_attention)
 
 
 @pytest.mark.parametrize(("block_size", "head_dim"), [(16, 32), (32, 64), (8, 128)])
@@ -34,28 +33,35 @@ def test_uncovered_inputs_go_to_the_fallback(native: cpu_attention.NativeDecodeA
     batch = make_paged_batch([5, 20], [5, 20], 2, 16, 16, torch.float64, gen)
     q = torch.randn(2, 4, 16, generator=gen, dtype=torch.float64)
     calls = []
-    fallback = cpu_attention.NativeDecodeAttention(native._library, lambda *args: calls.append(args) or args[0])
+    fallback = cpu_attention.NativeDecodeAttention(lambda *args: calls.append(args) or args[0])
     fallback(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.25)
     assert len(calls) == 1, "float64 is not the kernel's: the torch path must take it"
-    too_wide = torch.randn(2, 2 * 33, 16)  # 66 query heads: past the kernel's fixed buffers
+    too_wide = torch.randn(2, 2 * 17, 16)  # 17 query heads per kv head: more than the kernel is built for
     fallback(too_wide, batch.k_cache.float(), batch.v_cache.float(), batch.block_tables, batch.seq_lens, 0.25)
     assert len(calls) == 2
 
 
-def test_build_is_cached_per_source_and_cpu(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_build_is_cached_per_source_shape_and_cpu(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
-    assert cpu_attention.load() is not None
+    cpu_attention.load.cache_clear()
+    assert cpu_attention.load(32, 2) is not None
     built = list((tmp_path / "kernels").glob("*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
-    assert cpu_attention.load() is not None
+    cpu_attention.load.cache_clear()
+    assert cpu_attention.load(32, 2) is not None
     assert built[0].stat().st_mtime_ns == stamp, "a second load must reuse the built library"
+    assert cpu_attention.load(32, 4) is not None
+    assert len(list((tmp_path / "kernels").glob("*.so"))) == 2, "another head shape is another build"
+    cpu_attention.load.cache_clear()
 
 
 def test_no_compiler_means_no_library(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setattr(cpu_attention.shutil, "which", lambda name: None)
+    cpu_attention.load.cache_clear()
     assert cpu_attention.load() is None
+    cpu_attention.load.cache_clear()
 
 
 def test_loading_keeps_the_process_floating_point_mode(native: cpu_attention.NativeDecodeAttention) -> None:
