@@ -28,6 +28,7 @@ class SchedulerStats:
     block_size: int
     max_model_len: int
     mean_worker_idle_ms: float  # between consecutive steps, as the workers measured it
+    interrupted_steps: int  # skipped for a request that outranked every request in them
 
 
 def tokens_stored(s: Scheduler) -> int:
@@ -63,4 +64,5 @@ def snapshot(s: Scheduler) -> SchedulerStats:
         block_size=bt.block_size,
         max_model_len=s.config.max_model_len,
         mean_worker_idle_ms=c.worker_idle_ms / c.steps if c.steps else 0.0,
+        interrupted_steps=c.interrupted_steps,
     )

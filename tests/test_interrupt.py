@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from proto.wire import SamplingOptions, StepPlan, StepResult, decode, encode
 from scheduler_node.config import SchedulerConfig
@@ -193,10 +194,12 @@ def test_a_realtime_request_interrupts_a_real_worker(tiny_llama_dir: Path) -> No
         batch.wait_all_started()
         realtime = Streams(stub, [greedy_ids(prompt_ids(99, 8), 5, priority=90)]).join()
         results = batch.join() + realtime
+        stats = pb_grpc.ControlStub(cluster.channel).GetStats(pb.GetStatsRequest(), timeout=10)
     finally:
         codes = cluster.stop()
     assert codes == [0, 0], cluster.logs()
     assert "interrupts steps" in (cluster.log_dir / "scheduler.log").read_text(), cluster.logs()
+    assert stats.interrupted_steps >= 1
     hf = load_hf(tiny_llama_dir)
     prompts = [prompt_ids(i, 40) for i in range(6)] + [prompt_ids(99, 8)]
     for prompt, result, wanted in zip(prompts, results, [80] * 6 + [5]):
