@@ -231,9 +231,11 @@ class Scheduler:
         """Prefill below this effective priority waits a step: when a request that outranks others by the
         policy's margin has prompt tokens to compute, their prefill chunks would only lengthen its step (and
         its time to first token). Decodes always run. -inf when no such gap exists (always under fcfs)."""
+        if self.policy.preemption_margin <= 0:
+            return float("-inf")
         pending = [r for r in self.waiting if r.req_id not in self._in_flight]
         pending += [r for r in self.running if r.req_id not in self._in_flight and self._tokens_to_schedule(r) > 1]
-        if not pending or self.policy.preemption_margin <= 0:
+        if not pending:
             return float("-inf")
         return max(self.policy.effective_priority(r, now) for r in pending) - self.policy.preemption_margin
 

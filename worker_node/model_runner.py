@@ -184,6 +184,7 @@ class ModelRunner:
         cu_q = [0]
         sample_rows: list[int] = []
         samplers: list[RequestState] = []
+        starts: list[tuple[RequestState, int]] = []
         num_decodes = 0
         for state, n in work:
             start = state.num_computed_tokens
@@ -192,6 +193,7 @@ class ModelRunner:
                 raise RuntimeError(
                     f"{state.req_id}: the plan computes {end} tokens, the worker holds {len(state.token_ids)}"
                 )
+            starts.append((state, start))
             ids.extend(state.token_ids[start:end])
             positions.extend(range(start, end))
             tables.append(state.block_ids)
@@ -225,7 +227,7 @@ class ModelRunner:
             meta,
             torch.tensor(sample_rows, dtype=torch.int64, device=dev),
             samplers,
-            [(state, state.num_computed_tokens - n) for state, n in work],
+            starts,
         )
 
     @staticmethod
