@@ -182,26 +182,39 @@ def test_a_worker_interrupted_mid_forward_restores_its_progress(tiny_llama_dir: 
     assert_teacher_forced(load_hf(tiny_llama_dir), req.prompt_token_ids, req.output_token_ids)
 
 
+BATCH_TOKENS = 400  # long enough that the batch is still decoding while realtime requests arrive, on a busy CI
+REALTIME_TRIES = 10
+
+
 def test_a_realtime_request_interrupts_a_real_worker(tiny_llama_dir: Path) -> None:
     """Over ZMQ: the scheduler interrupts the plans in flight for a priority-90 arrival, the worker skips them,
-    and every request, interrupted or not, still gets HF's greedy tokens."""
+    and every request, interrupted or not, still gets HF's greedy tokens.
+
+    The tiny model's steps take milliseconds, so an Interrupt can reach the worker after the steps it names have
+    finished (nothing is skipped then): realtime requests keep arriving until one step was actually skipped."""
     args = ["--scheduling-policy", "priority", "--max-num-batched-tokens", "16"]
     cluster = Cluster(tiny_llama_dir, args, TINY_WORKER)
+    control = pb_grpc.ControlStub(cluster.channel)
+    realtime_prompts: list[list[int]] = []
+    realtime = []
     try:
         cluster.wait_serving()
         stub = pb_grpc.GenerationStub(cluster.channel)
-        batch = Streams(stub, [greedy_ids(prompt_ids(i, 40), 80, priority=30) for i in range(6)])
+        batch = Streams(stub, [greedy_ids(prompt_ids(i, 40), BATCH_TOKENS, priority=30) for i in range(6)])
         batch.wait_all_started()
-        realtime = Streams(stub, [greedy_ids(prompt_ids(99, 8), 5, priority=90)]).join()
+        while len(realtime) < REALTIME_TRIES and not control.GetStats(pb.GetStatsRequest()).interrupted_steps:
+            assert not any(r.finish_reason for r in batch.results), "the batch must still run when realtime arrives"
+            realtime_prompts.append(prompt_ids(99 + len(realtime), 8))
+            realtime += Streams(stub, [greedy_ids(realtime_prompts[-1], 5, priority=90)]).join()
         results = batch.join() + realtime
-        stats = pb_grpc.ControlStub(cluster.channel).GetStats(pb.GetStatsRequest(), timeout=10)
+        stats = control.GetStats(pb.GetStatsRequest(), timeout=10)
     finally:
         codes = cluster.stop()
     assert codes == [0, 0], cluster.logs()
     assert "interrupts steps" in (cluster.log_dir / "scheduler.log").read_text(), cluster.logs()
-    assert stats.interrupted_steps >= 1
+    assert stats.interrupted_steps >= 1, f"no step skipped in {len(realtime)} realtime arrivals"
     hf = load_hf(tiny_llama_dir)
-    prompts = [prompt_ids(i, 40) for i in range(6)] + [prompt_ids(99, 8)]
-    for prompt, result, wanted in zip(prompts, results, [80] * 6 + [5]):
+    prompts = [prompt_ids(i, 40) for i in range(6)] + realtime_prompts
+    for prompt, result, wanted in zip(prompts, results, [BATCH_TOKENS] * 6 + [5] * len(realtime), strict=True):
         assert result.finish_reason == "length" and len(result.tokens) == wanted
         assert_teacher_forced(hf, prompt, result.tokens)
