@@ -7,8 +7,8 @@ The module only needs to be importable by the scheduler (on PYTHONPATH or instal
 
 from __future__ import annotations
 
-from scheduler_node.policy import Policy
-from scheduler_node.request import Request
+from scheduler_node.core.policy import Policy
+from scheduler_node.core.request import Request
 
 
 class ShortestJobFirst(Policy):

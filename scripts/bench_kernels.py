@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import torch_attention as ref  # noqa: E402
 from kernels.backend import select_attention_backend  # noqa: E402
 from proto.wire import SamplingOptions  # noqa: E402
-from scheduler_node.config import SchedulerConfig  # noqa: E402
-from scheduler_node.request import Request, StopConditions  # noqa: E402
-from scheduler_node.scheduler import Scheduler  # noqa: E402
+from scheduler_node.core.config import SchedulerConfig  # noqa: E402
+from scheduler_node.core.request import Request, StopConditions  # noqa: E402
+from scheduler_node.core.scheduler import Scheduler  # noqa: E402
 from worker_node.kv_cache import allocate_kv_cache, bytes_per_block  # noqa: E402
 from worker_node.model_runner import ModelRunner  # noqa: E402
 from worker_node.models.config import ModelConfig  # noqa: E402

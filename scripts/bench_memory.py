@@ -27,10 +27,10 @@ sys.path.insert(0, str(REPO))
 from proto import serving_pb2 as pb  # noqa: E402
 from proto import serving_pb2_grpc as pb_grpc  # noqa: E402
 from proto.wire import SamplingOptions, StepResult  # noqa: E402
-from scheduler_node.config import SchedulerConfig  # noqa: E402
-from scheduler_node.request import Request, StopConditions  # noqa: E402
-from scheduler_node.scheduler import Scheduler  # noqa: E402
-from scheduler_node.stats import snapshot  # noqa: E402
+from scheduler_node.core.config import SchedulerConfig  # noqa: E402
+from scheduler_node.core.request import Request, StopConditions  # noqa: E402
+from scheduler_node.core.scheduler import Scheduler  # noqa: E402
+from scheduler_node.core.stats import snapshot  # noqa: E402
 from tests.servers import Cluster  # noqa: E402
 
 
@@ -151,7 +151,7 @@ def main() -> int:
     p.add_argument("--skip", default="", help="comma-separated parts to skip: a,b,c")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    from scheduler_node.model_path import resolve_model
+    from scheduler_node.engine.model_path import resolve_model
 
     model = resolve_model(args.model)
     skip = set(args.skip.split(","))

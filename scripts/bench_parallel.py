@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from scheduler_node.engine import plans_in_flight  # noqa: E402
+from scheduler_node.engine.core import plans_in_flight  # noqa: E402
 from tests.servers import Cluster, stream_workload  # noqa: E402
 
 
@@ -148,8 +148,8 @@ def main() -> int:
     p.add_argument("--plot", type=Path, help="also write a bar chart here (PNG, needs matplotlib)")
     args = p.parse_args()
 
-    from scheduler_node.model_path import resolve_model
-    from scheduler_node.tokenizer import ModelTokenizer
+    from scheduler_node.engine.model_path import resolve_model
+    from scheduler_node.text.tokenizer import ModelTokenizer
 
     model = smollm2_8heads(resolve_model("default")) if args.model == "smollm2-8heads" else resolve_model(args.model)
     work = workload(args.num_requests, args.seed, ModelTokenizer(model).vocab_size)

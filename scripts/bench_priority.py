@@ -116,7 +116,7 @@ def main() -> int:
     p.add_argument("--realtime-gap", type=float, default=0.5, help="seconds between realtime requests")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    from scheduler_node.model_path import resolve_model
+    from scheduler_node.engine.model_path import resolve_model
 
     model = resolve_model(args.model)
     rows = [run(model, "priority", args, with_batch=False)]

@@ -106,8 +106,8 @@ def main() -> int:
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args()
 
-    from scheduler_node.model_path import resolve_model
-    from scheduler_node.tokenizer import ModelTokenizer
+    from scheduler_node.engine.model_path import resolve_model
+    from scheduler_node.text.tokenizer import ModelTokenizer
 
     model = resolve_model(args.model)
     work = workload(args.num_requests, args.seed, ModelTokenizer(model).vocab_size)

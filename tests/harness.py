@@ -15,9 +15,9 @@ import torch
 from kernels.backend import select_attention_backend
 from proto.parallel import ParallelLayout
 from proto.wire import SamplingOptions, StepPlan, StepResult, decode, encode
-from scheduler_node.config import SchedulerConfig
-from scheduler_node.request import Request, StopConditions
-from scheduler_node.scheduler import PreemptionCosts, Scheduler
+from scheduler_node.core.config import SchedulerConfig
+from scheduler_node.core.request import Request, StopConditions
+from scheduler_node.core.scheduler import PreemptionCosts, Scheduler
 from worker_node.kv_cache import allocate_host_cache, allocate_kv_cache, bytes_per_block
 from worker_node.model_runner import ModelRunner
 from worker_node.models.config import ModelConfig

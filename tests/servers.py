@@ -35,7 +35,7 @@ class Cluster:
             [
                 sys.executable,
                 "-m",
-                "scheduler_node.main",
+                "scheduler_node.cli.scheduler",
                 "--model",
                 str(model),
                 "--port",

@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from scheduler_node.block_table import BlockTable, hash_block
+from scheduler_node.core.block_table import BlockTable, hash_block
 
 BS = 4
 

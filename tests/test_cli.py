@@ -9,14 +9,15 @@ from pathlib import Path
 import pytest
 
 from proto.cli_config import parse_args
-from scheduler_node.main import build_parser as scheduler_parser
-from scheduler_node.serve import build_parser as serve_parser
+from scheduler_node.cli.scheduler import build_parser as scheduler_parser
+from scheduler_node.cli.serve import build_parser as serve_parser
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize(
-    "module", ["scheduler_node.main", "scheduler_node.serve", "scheduler_node.client", "worker_node.worker"]
+    "module",
+    ["scheduler_node.cli.scheduler", "scheduler_node.cli.serve", "scheduler_node.cli.client", "worker_node.worker"],
 )
 def test_help(module: str) -> None:
     out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True)
@@ -47,6 +48,9 @@ def test_unknown_config_key_is_an_error(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_scheduler_never_imports_torch() -> None:
-    code = "import sys, scheduler_node.main, scheduler_node.serve, scheduler_node.client; print('torch' in sys.modules)"
+    code = (
+        "import sys, scheduler_node.cli.scheduler, scheduler_node.cli.serve, scheduler_node.cli.client; "
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

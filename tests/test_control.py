@@ -21,7 +21,7 @@ import pytest
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from proto.cli_config import parse_args
-from scheduler_node.main import build_parser as scheduler_parser
+from scheduler_node.cli.scheduler import build_parser as scheduler_parser
 from tests.ops import (
     NOT_SERVING,
     SERVING,

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_node.detokenizer import IncrementalDetokenizer
-from scheduler_node.tokenizer import ModelTokenizer
+from scheduler_node.text.detokenizer import IncrementalDetokenizer
+from scheduler_node.text.tokenizer import ModelTokenizer
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ import zmq.asyncio
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from proto.wire import Assignment, Heartbeat, Shutdown, StepPlan, StepResult, WorkerHello, WorkerReady, decode, encode
-from scheduler_node.client import wait_ready
-from scheduler_node.worker_link import WorkerLink, WorkerLost
+from scheduler_node.cli.client import wait_ready
+from scheduler_node.engine.worker_link import WorkerLink, WorkerLost
 from tests.models import assert_teacher_forced, load_hf
 from tests.ops import (
     NOT_SERVING,
@@ -247,7 +247,7 @@ def test_vllm_serve_restarts_a_dead_worker(tiny_llama_dir: Path, tmp_path: Path)
         f"model: {tiny_llama_dir}\nkv-cache-memory: 16MiB\nthreads: 1\nlog-level: WARNING\n"
         f"heartbeat-timeout: {HEARTBEAT}\nworker-rejoin-timeout: 60\n"
     )
-    argv = [sys.executable, "-m", "scheduler_node.serve", "--config", str(config), "--port", str(port),
+    argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--config", str(config), "--port", str(port),
             "--worker-port", str(free_port())]  # fmt: skip
     serve = subprocess.Popen(argv, cwd=REPO)
     try:

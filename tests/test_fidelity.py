@@ -42,7 +42,7 @@ def test_greedy_matches_hf_under_chunking_and_preemption(kind: str, request: pyt
 
 
 def test_smollm2_greedy_matches_hf(smollm2_dir) -> None:  # type: ignore[no-untyped-def]
-    from scheduler_node.tokenizer import ModelTokenizer
+    from scheduler_node.text.tokenizer import ModelTokenizer
 
     tok = ModelTokenizer(smollm2_dir)
     texts = [

@@ -9,10 +9,10 @@ from pathlib import Path
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from proto.wire import SamplingOptions, StepPlan, StepResult, decode, encode
-from scheduler_node.config import SchedulerConfig
-from scheduler_node.policy import Policy, PriorityPolicy
-from scheduler_node.request import Request, StopConditions
-from scheduler_node.scheduler import Scheduler
+from scheduler_node.core.config import SchedulerConfig
+from scheduler_node.core.policy import Policy, PriorityPolicy
+from scheduler_node.core.request import Request, StopConditions
+from scheduler_node.core.scheduler import Scheduler
 from tests.harness import OfflineEngine, make_runner
 from tests.models import assert_teacher_forced, load_hf
 from tests.ops import TINY_WORKER, Streams, greedy_ids, prompt_ids

@@ -79,7 +79,7 @@ def test_named_series_are_present_and_move(cluster: Cluster) -> None:
 
 def test_vllm_monitor_prints_live_values(cluster: Cluster) -> None:
     url = cluster.metrics_url  # type: ignore[attr-defined]
-    argv = [sys.executable, "-m", "scheduler_node.monitor", "--url", url, "--interval", "0.1", "--count", "2",
+    argv = [sys.executable, "-m", "scheduler_node.cli.monitor", "--url", url, "--interval", "0.1", "--count", "2",
             "--metric", "vllm:num_requests_running", "--metric", "vllm:generation_tokens_total",
             "--metric", "vllm:e2e_request_latency_seconds"]  # fmt: skip
     out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=30)
@@ -95,6 +95,6 @@ def test_vllm_monitor_prints_live_values(cluster: Cluster) -> None:
 
 
 def test_vllm_monitor_has_help_and_config() -> None:
-    out = subprocess.run([sys.executable, "-m", "scheduler_node.monitor", "--help"], cwd=REPO, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "scheduler_node.cli.monitor", "--help"], cwd=REPO, capture_output=True,
                          text=True)  # fmt: skip
     assert out.returncode == 0 and "--config" in out.stdout and "--interval" in out.stdout

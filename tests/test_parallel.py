@@ -22,7 +22,7 @@ import pytest
 
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
-from scheduler_node.client import wait_ready
+from scheduler_node.cli.client import wait_ready
 from tests.harness import make_runner, run_offline
 from tests.models import assert_teacher_forced, build_tiny_model, load_hf
 from tests.servers import REPO, free_port
@@ -41,7 +41,7 @@ class World:
         self.log_dir = log_dir
         self.scheduler = self._spawn(
             "scheduler",
-            ["scheduler_node.main", "--model", str(model), "--port", str(self.port)]
+            ["scheduler_node.cli.scheduler", "--model", str(model), "--port", str(self.port)]
             + ["--worker-port", str(self.worker_port), *SCHEDULER_ARGS, *scheduler_args],
         )
         address = f"127.0.0.1:{self.worker_port}"

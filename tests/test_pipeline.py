@@ -7,10 +7,10 @@ import random
 from pathlib import Path
 
 from proto.wire import SamplingOptions, StepPlan, StepResult
-from scheduler_node.config import SchedulerConfig
-from scheduler_node.policy import Policy, PriorityPolicy
-from scheduler_node.request import Request, Status, StopConditions
-from scheduler_node.scheduler import Scheduler
+from scheduler_node.core.config import SchedulerConfig
+from scheduler_node.core.policy import Policy, PriorityPolicy
+from scheduler_node.core.request import Request, Status, StopConditions
+from scheduler_node.core.scheduler import Scheduler
 from tests.harness import OfflineEngine, StagePipeline
 from tests.models import assert_teacher_forced, load_hf
 

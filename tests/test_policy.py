@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from proto.wire import SamplingOptions, StepPlan, StepResult
-from scheduler_node.config import SchedulerConfig
-from scheduler_node.policy import HybridPolicy, Policy, PriorityPolicy, make_policy
-from scheduler_node.request import Request, Status, StopConditions
-from scheduler_node.scheduler import Scheduler
+from scheduler_node.core.config import SchedulerConfig
+from scheduler_node.core.policy import HybridPolicy, Policy, PriorityPolicy, make_policy
+from scheduler_node.core.request import Request, Status, StopConditions
+from scheduler_node.core.scheduler import Scheduler
 
 
 class Clock:
@@ -130,7 +130,7 @@ def test_bad_policy_names_are_clear_errors(name: str) -> None:
 
 def test_priority_comes_from_the_field_then_the_header_then_the_default() -> None:
     from proto import serving_pb2 as pb
-    from scheduler_node.validation import DEFAULT_PRIORITY, InvalidField, _priority
+    from scheduler_node.api.validation import DEFAULT_PRIORITY, InvalidField, _priority
 
     assert _priority(pb.GenerateRequest(prompt="x", priority=0), "90") == 0  # an explicit 0 wins
     assert _priority(pb.GenerateRequest(prompt="x"), "90") == 90

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from proto.wire import SamplingOptions, StepPlan, StepResult
-from scheduler_node.config import SchedulerConfig
-from scheduler_node.request import Request, Status, StopConditions
-from scheduler_node.scheduler import Scheduler
+from scheduler_node.core.config import SchedulerConfig
+from scheduler_node.core.request import Request, Status, StopConditions
+from scheduler_node.core.scheduler import Scheduler
 
 
 def make(num_blocks: int = 64, budget: int = 16, seqs: int = 8, host: int = 0, **config: object) -> Scheduler:
@@ -192,7 +192,7 @@ def test_swap_preemption_keeps_computed_tokens_and_swaps_back_in() -> None:
 
 
 def test_elastic_picks_the_cheaper_preemption() -> None:
-    from scheduler_node.scheduler import PreemptionCosts
+    from scheduler_node.core.scheduler import PreemptionCosts
 
     def victim_mode(costs: PreemptionCosts) -> str:
         s = make(num_blocks=3, budget=64, host=8, preemption_mode="elastic")

@@ -12,7 +12,7 @@ import grpc
 
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
-from scheduler_node.client import wait_ready
+from scheduler_node.cli.client import wait_ready
 from tests.servers import REPO, free_port
 
 
@@ -20,7 +20,7 @@ def test_serve_runs_and_stops_all_children_on_sigterm(tiny_llama_dir: Path, tmp_
     port, worker_port = free_port(), free_port()
     config = tmp_path / "serve.yaml"
     config.write_text(f"model: {tiny_llama_dir}\nkv-cache-memory: 16MiB\nthreads: 1\nlog-level: WARNING\n")
-    argv = [sys.executable, "-m", "scheduler_node.serve", "--config", str(config),
+    argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--config", str(config),
             "--port", str(port), "--worker-port", str(worker_port)]  # fmt: skip
     serve = subprocess.Popen(argv, cwd=REPO)
     try:

@@ -10,8 +10,8 @@ import pytest
 
 from proto.parallel import ParallelLayout, kv_head_range, vocab_shard
 from proto.wire import WorkerHello
-from scheduler_node.placement import RankAssigner, place
-from scheduler_node.topology import TopologyError, load_topology, parse_topology, single_island
+from scheduler_node.engine.placement import RankAssigner, place
+from scheduler_node.engine.topology import TopologyError, load_topology, parse_topology, single_island
 
 REPO = Path(__file__).resolve().parent.parent
 TOPOLOGIES = REPO / "deploy" / "topology"
@@ -155,7 +155,11 @@ def test_layout() -> None:
 
 def _scheduler(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "scheduler_node.main", *argv], cwd=REPO, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "scheduler_node.cli.scheduler", *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
@@ -175,7 +179,7 @@ def test_print_placement_and_its_failures() -> None:
 def test_serve_prints_the_placement_of_its_world() -> None:
     argv = ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "--print-placement"]
     out = subprocess.run(
-        [sys.executable, "-m", "scheduler_node.serve", *argv], cwd=REPO, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "scheduler_node.cli.serve", *argv], cwd=REPO, capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stderr
     assert "TP 2 x PP 2 = 4 rank(s)" in out.stdout and "output rank 2" in out.stdout

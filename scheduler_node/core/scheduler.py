@@ -18,10 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from proto.wire import CachedRequest, StepPlan, StepResult, TokenLogprobs
-from scheduler_node.block_table import BlockTable
-from scheduler_node.config import SchedulerConfig
-from scheduler_node.policy import Policy
-from scheduler_node.request import Request, Status
+from scheduler_node.core.block_table import BlockTable
+from scheduler_node.core.config import SchedulerConfig
+from scheduler_node.core.policy import Policy
+from scheduler_node.core.request import Request, Status
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from proto import serving_pb2 as pb
 from proto.wire import SamplingOptions
-from scheduler_node.tokenizer import ModelTokenizer
+from scheduler_node.text.tokenizer import ModelTokenizer
 
 MAX_N = 64
 MAX_LOGPROBS = 20

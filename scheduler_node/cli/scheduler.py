@@ -16,19 +16,20 @@ from proto.cli_config import add_config_flag, parse_args
 from proto.curve import ensure_keys
 from proto.parallel import ParallelLayout
 from proto.wire import Assignment
-from scheduler_node.config import PREEMPTION_MODES, SchedulerConfig
-from scheduler_node.engine import Engine
-from scheduler_node.metrics import Metrics
-from scheduler_node.model_path import DEFAULT, resolve_model
-from scheduler_node.operations import add_operations_flags, check_operations_flags, rejoin_rule, report_health
-from scheduler_node.placement import Placement, RankAssigner, place
-from scheduler_node.policy import POLICIES, make_policy
-from scheduler_node.scheduler import PreemptionCosts, Scheduler
-from scheduler_node.security import server_credentials
-from scheduler_node.server import GenerationService, build_server, set_serving
-from scheduler_node.tokenizer import ModelTokenizer
-from scheduler_node.topology import load_topology, single_island
-from scheduler_node.worker_link import WorkerLink
+from scheduler_node.api.grpc_server import GenerationService, build_server
+from scheduler_node.api.health import report_health, set_serving
+from scheduler_node.api.security import server_credentials
+from scheduler_node.cli.operations import add_operations_flags, check_operations_flags, rejoin_rule
+from scheduler_node.core.config import PREEMPTION_MODES, SchedulerConfig
+from scheduler_node.core.policy import POLICIES, make_policy
+from scheduler_node.core.scheduler import PreemptionCosts, Scheduler
+from scheduler_node.engine.core import Engine
+from scheduler_node.engine.metrics import Metrics
+from scheduler_node.engine.model_path import DEFAULT, resolve_model
+from scheduler_node.engine.placement import Placement, RankAssigner, place
+from scheduler_node.engine.topology import load_topology, single_island
+from scheduler_node.engine.worker_link import WorkerLink
+from scheduler_node.text.tokenizer import ModelTokenizer
 
 logger = logging.getLogger("vllm-scheduler")
 

@@ -17,10 +17,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from scheduler_node.stats import snapshot
+from scheduler_node.core.stats import snapshot
 
 if TYPE_CHECKING:
-    from scheduler_node.engine import Engine
+    from scheduler_node.engine.core import Engine
 
 logger = logging.getLogger(__name__)
 

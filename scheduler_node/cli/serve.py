@@ -13,8 +13,8 @@ import time
 from proto.cli_config import add_config_flag, parse_args
 from proto.curve import ensure_keys
 from proto.worker_flags import add_worker_flags, worker_argv
-from scheduler_node.main import add_scheduler_flags, resolve_parallel
-from scheduler_node.operations import TOKEN_ENV
+from scheduler_node.cli.operations import TOKEN_ENV
+from scheduler_node.cli.scheduler import add_scheduler_flags, resolve_parallel
 
 logger = logging.getLogger("vllm-serve")
 
@@ -79,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.zmq_curve_dir:
         ensure_keys(args.zmq_curve_dir)  # before the workers look for them
     # Children get their own session, so a terminal's Ctrl-C reaches only vllm-serve, which drains in order.
-    scheduler = subprocess.Popen([sys.executable, "-m", "scheduler_node.main", *argv], env=env, start_new_session=True)
+    scheduler = subprocess.Popen(
+        [sys.executable, "-m", "scheduler_node.cli.scheduler", *argv], env=env, start_new_session=True
+    )
     address = f"{args.worker_host}:{args.worker_port}"
     worker_cmd = [
         sys.executable,

@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proto.wire import StepPlan, StepResult, TokenLogprobs
-from scheduler_node.detokenizer import IncrementalDetokenizer
-from scheduler_node.metrics import Metrics
-from scheduler_node.request import Request, Status, StopConditions
-from scheduler_node.scheduler import RequestOutput, Scheduler
-from scheduler_node.tokenizer import ModelTokenizer
-from scheduler_node.validation import RequestSpec
-from scheduler_node.worker_link import StepFailed, WorkerLink, WorkerLost
+from scheduler_node.api.validation import RequestSpec
+from scheduler_node.core.request import Request, Status, StopConditions
+from scheduler_node.core.scheduler import RequestOutput, Scheduler
+from scheduler_node.engine.metrics import Metrics
+from scheduler_node.engine.worker_link import StepFailed, WorkerLink, WorkerLost
+from scheduler_node.text.detokenizer import IncrementalDetokenizer
+from scheduler_node.text.tokenizer import ModelTokenizer
 
 logger = logging.getLogger(__name__)
 

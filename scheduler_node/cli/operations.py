@@ -1,5 +1,5 @@
-"""What keeps the scheduler operable: its flags for liveness, overload, draining, metrics and security, the
-health reporter (SERVING only while every rank is up), and the rule for admitting a replacement worker."""
+"""The scheduler's operations flags (liveness, overload, draining, metrics, security) and the rule for admitting
+a replacement worker."""
 
 from __future__ import annotations
 
@@ -8,13 +8,8 @@ import logging
 import os
 from typing import Callable
 
-from grpc_health.v1 import health
-
 from proto.wire import WorkerReady
 from proto.worker_flags import add_curve_flag
-from scheduler_node.engine import Engine
-from scheduler_node.server import set_serving
-from scheduler_node.worker_link import WorkerLink
 
 logger = logging.getLogger(__name__)
 
@@ -82,16 +77,3 @@ def rejoin_rule(num_blocks: int, num_host_blocks: int) -> Callable[[WorkerReady]
         return ""
 
     return admit
-
-
-async def report_health(link: WorkerLink, engine: Engine, health_service: health.aio.HealthServicer) -> None:
-    """Keep grpc.health.v1 at SERVING exactly while every rank is ready and the engine takes requests."""
-    serving: bool | None = None
-    while True:
-        link.changed.clear()
-        now = link.all_ready and not engine.unavailable()
-        if now != serving:
-            await set_serving(health_service, now)
-            logger.info("health: %s", "SERVING" if now else "NOT_SERVING")
-            serving = now
-        await link.changed.wait()

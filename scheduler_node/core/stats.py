@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler_node.scheduler import Scheduler
+from scheduler_node.core.scheduler import Scheduler
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,18 +10,18 @@ import uuid
 from typing import AsyncIterator
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from proto.wire import MAX_MESSAGE_BYTES
-from scheduler_node.engine import Delta, Engine
-from scheduler_node.security import ControlAuth
-from scheduler_node.stats import snapshot
-from scheduler_node.tokenizer import ModelTokenizer
-from scheduler_node.validation import InvalidField, validate
-from scheduler_node.worker_link import WorkerLink
+from scheduler_node.api.security import ControlAuth
+from scheduler_node.api.validation import InvalidField, validate
+from scheduler_node.core.stats import snapshot
+from scheduler_node.engine.core import Delta, Engine
+from scheduler_node.engine.worker_link import WorkerLink
+from scheduler_node.text.tokenizer import ModelTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -199,9 +199,3 @@ def build_server(
     if port == 0:
         raise OSError(f"cannot bind gRPC to {address}")
     return server, health_service
-
-
-async def set_serving(health_service: health.aio.HealthServicer, serving: bool) -> None:
-    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    for name in ("", SERVICE_NAMES[0]):
-        await health_service.set(name, status)

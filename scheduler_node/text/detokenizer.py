@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler_node.tokenizer import ModelTokenizer
+from scheduler_node.text.tokenizer import ModelTokenizer
 
 _CONTEXT_TOKENS = 5  # prompt tokens decoded alongside, so a leading space or merge renders as in full text
 

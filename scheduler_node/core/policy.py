@@ -30,7 +30,7 @@ import importlib
 from collections.abc import Iterable
 from typing import Any
 
-from scheduler_node.request import Request
+from scheduler_node.core.request import Request
 
 
 class Policy:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from proto.parallel import ParallelLayout
 from proto.wire import WorkerHello
-from scheduler_node.topology import SPEED, Topology, TopologyError
+from scheduler_node.engine.topology import SPEED, Topology, TopologyError
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from proto.wire import NewRequest, SamplingOptions
-from scheduler_node.block_table import BlockHash, hash_block
+from scheduler_node.core.block_table import BlockHash, hash_block
 
 
 class Status(enum.Enum):
