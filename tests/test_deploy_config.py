@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
+import tomllib
 import yaml
 
 from proto.cli_config import config_keys, parse_args
