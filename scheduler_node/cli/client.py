@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="vllm-client",
         description="Stream a completion from a minivllm server; `vllm-client stats` prints the server's "
-        "KV-cache and queue statistics instead.",
+        "KV-cache and queue statistics instead; `vllm-client health` checks grpc.health.v1 (exit 0: SERVING).",
     )
     add_config_flag(p)
     p.add_argument("prompt", nargs="?", help="the prompt text (read from stdin when omitted)")
@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         metavar="SECONDS",
         help="first wait up to this long for the server to report SERVING (health check)",
+    )
+    p.add_argument(
+        "--health-service",
+        default="",
+        help="`vllm-client health`: the grpc.health.v1 service to check ('': the whole server, ready to serve; "
+        "minivllm.liveness: the scheduler answers)",
     )
     return p
 
@@ -109,13 +115,28 @@ def print_stats(channel: grpc.Channel, args: argparse.Namespace) -> int:
     return 0
 
 
+def print_health(channel: grpc.Channel, args: argparse.Namespace) -> int:
+    """`vllm-client health`: print the grpc.health.v1 status of --health-service; 0 when SERVING (a probe)."""
+    request = health_pb2.HealthCheckRequest(service=args.health_service)
+    try:
+        status = health_pb2_grpc.HealthStub(channel).Check(request, timeout=args.timeout).status
+    except grpc.RpcError as exc:
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    print(health_pb2.HealthCheckResponse.ServingStatus.Name(status))
+    return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+MODES = {"stats": print_stats, "health": print_health}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    stats_mode = bool(argv) and argv[0] == "stats"
-    args = parse_args(build_parser(), argv[1:] if stats_mode else argv)
-    if stats_mode:
+    mode = MODES.get(argv[0]) if argv else None
+    args = parse_args(build_parser(), argv[1:] if mode else argv)
+    if mode:
         with make_channel(args) as channel:
-            return print_stats(channel, args)
+            return mode(channel, args)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     try:
         channel = make_channel(args)
