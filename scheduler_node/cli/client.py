@@ -20,7 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="vllm-client",
         description="Stream a completion from a minivllm server; `vllm-client stats` prints the server's "
-        "KV-cache and queue statistics instead; `vllm-client health` checks grpc.health.v1 (exit 0: SERVING).",
+        "KV-cache and queue statistics instead; `vllm-client health` checks grpc.health.v1 (exit 0: SERVING); "
+        "`vllm-client drain` stops admitting and waits up to --timeout for running requests.",
     )
     add_config_flag(p)
     p.add_argument("prompt", nargs="?", help="the prompt text (read from stdin when omitted)")
@@ -102,10 +103,8 @@ def wait_ready(channel: grpc.Channel, timeout: float) -> bool:
 
 def print_stats(channel: grpc.Channel, args: argparse.Namespace) -> int:
     """`vllm-client stats`: the server's memory and queue figures (Control.GetStats)."""
-    token = getattr(args, "control_token", None)
-    metadata = [("authorization", f"Bearer {token}")] if token else None
     try:
-        stats = pb_grpc.ControlStub(channel).GetStats(pb.GetStatsRequest(), timeout=args.timeout, metadata=metadata)
+        stats = pb_grpc.ControlStub(channel).GetStats(pb.GetStatsRequest(), timeout=args.timeout, metadata=_auth(args))
     except grpc.RpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
@@ -127,7 +126,25 @@ def print_health(channel: grpc.Channel, args: argparse.Namespace) -> int:
     return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
-MODES = {"stats": print_stats, "health": print_health}
+def drain(channel: grpc.Channel, args: argparse.Namespace) -> int:
+    """`vllm-client drain`: stop admitting, wait up to --timeout for running requests (a preStop hook); 0 when
+    every one finished."""
+    request = pb.DrainRequest(timeout_s=args.timeout)
+    try:
+        reply = pb_grpc.ControlStub(channel).Drain(request, timeout=args.timeout + 5, metadata=_auth(args))
+    except grpc.RpcError as exc:
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    print("drained" if reply.drained else f"{reply.remaining} request(s) still running")
+    return 0 if reply.drained else 1
+
+
+def _auth(args: argparse.Namespace) -> list[tuple[str, str]] | None:
+    token = getattr(args, "control_token", None)
+    return [("authorization", f"Bearer {token}")] if token else None
+
+
+MODES = {"stats": print_stats, "health": print_health, "drain": drain}
 
 
 def main(argv: list[str] | None = None) -> int:
