@@ -127,7 +127,7 @@ def test_workers_claim_the_ranks_of_their_host() -> None:
 
 
 def test_a_dns_name_in_the_topology_matches_the_pod_whose_hostname_is_its_first_label() -> None:
-    """deploy/k8s: StatefulSet pods report `minivllm-worker-1` and are reached as `minivllm-worker-1.minivllm-worker`."""
+    """deploy/k8s: StatefulSet pods report `minivllm-worker-1`, reached as `minivllm-worker-1.minivllm-worker`."""
     groups = [
         {"host": f"minivllm-worker-{i}.minivllm-worker", "interconnect": "nvlink", "device_ids": [0, 1]} for i in (0, 1)
     ]
