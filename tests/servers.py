@@ -135,3 +135,13 @@ def stream_workload(channel: grpc.Channel, work: list[tuple[list[int], int]]) ->
     for t in threads:
         t.join()
     return counts, time.perf_counter() - start
+
+
+def child_pids(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    return [int(x) for x in out.stdout.split()]
+
+
+def alive(pid: int) -> bool:
+    state = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
+    return bool(state) and not state.startswith("Z")

@@ -22,7 +22,7 @@ from proto import serving_pb2_grpc as pb_grpc
 from scheduler_node.cli.client import wait_ready
 from tests.models import assert_teacher_forced, load_hf
 from tests.ops import Streams, greedy_ids, prompt_ids, wait_for
-from tests.servers import REPO, free_port
+from tests.servers import REPO, alive, child_pids, free_port
 
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[dev]' brings it)")
 
@@ -88,7 +88,7 @@ def test_ray_tp2_serves_the_tokens_of_vllm_serve_and_recovers_a_killed_actor(
         workers = served.workers()
         pids = [w.pid for w in workers]
         assert sorted(w.rank for w in workers) == [0, 1] and all(w.state == "ready" for w in workers)
-        assert _children(served.proc.pid) and not set(pids) & set(_children(served.proc.pid)), "not Ray actors"
+        assert child_pids(served.proc.pid) and not set(pids) & set(child_pids(served.proc.pid)), "not Ray actors"
 
         streams = Streams(pb_grpc.GenerationStub(served.channel), [greedy_ids(p, 120) for p in PROMPTS])
         streams.wait_all_started()
@@ -108,7 +108,7 @@ def test_ray_tp2_serves_the_tokens_of_vllm_serve_and_recovers_a_killed_actor(
         assert "'host': '127.0.0.2'" in log, "the topology names the node Ray placed the ranks on"
         new_pids = [w.pid for w in served.workers()]
         assert served.stop() == 0, served.log.read_text()[-4000:]
-        wait_for(lambda: not any(_alive(p) for p in new_pids), 20, "every actor's process is gone")
+        wait_for(lambda: not any(alive(p) for p in new_pids), 20, "every actor's process is gone")
     finally:
         served.kill()
     hf = load_hf(tiny_qwen2_dir)
@@ -117,13 +117,3 @@ def test_ray_tp2_serves_the_tokens_of_vllm_serve_and_recovers_a_killed_actor(
         assert_teacher_forced(hf, prompt, out)
     for prompt, r in zip(PROMPTS, results):
         assert_teacher_forced(hf, prompt, r.tokens)
-
-
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
-    return [int(x) for x in out.stdout.split()]
-
-
-def _alive(pid: int) -> bool:
-    state = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
-    return bool(state) and not state.startswith("Z")
