@@ -25,7 +25,7 @@ from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.request import RequestSpec
 from scheduler_node.engine.builder import EngineConfig, WorldPlan, check_model_split, free_port, make_engine
 from scheduler_node.engine.core import EngineCore, EngineOptions
-from scheduler_node.engine.local_workers import WorkerProcess, let_exit, stop_processes, worker_command
+from scheduler_node.engine.launchers import LocalLauncher
 from scheduler_node.engine.model_path import DEFAULT, resolve_model
 from scheduler_node.engine.placement import place
 from scheduler_node.engine.topology import single_island
@@ -98,7 +98,7 @@ class LLM:
         check_model_split(self.folder, self.config.layout)
         self.tokenizer = ModelTokenizer(self.folder)
         self._ids = itertools.count()
-        self._processes: list[WorkerProcess] = []
+        self._launcher: LocalLauncher | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._engine: EngineCore | None = None
         self._loop = asyncio.new_event_loop()
@@ -201,17 +201,16 @@ class LLM:
             workers = WorkerLink(address)
             workers.claim = world.claim
             workers.output_rank = layout.output_rank
-            argv = worker_command(address, _worker_flags(self.options))
-            self._processes = [WorkerProcess(argv) for _ in range(layout.world_size)]
+            self._launcher = LocalLauncher(layout.world_size)
+            self._launcher.start(address, _worker_flags(self.options))
             self._tasks.append(asyncio.get_running_loop().create_task(self._keep_alive()))
         capacity = await workers.start(world.assignment, join_timeout)
         self._engine = make_engine(self.config, self.folder, self.tokenizer, workers, capacity)
         self._tasks.append(asyncio.get_running_loop().create_task(self._engine.run()))
 
     async def _keep_alive(self) -> None:
-        while True:
-            for process in self._processes:
-                process.keep_alive()
+        while self._launcher is not None:
+            self._launcher.keep_alive()
             await asyncio.sleep(0.5)
 
     def close(self) -> None:
@@ -222,10 +221,9 @@ class LLM:
             self._call(self._stop())
             self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
-        procs = [p.proc for p in self._processes]
-        let_exit(procs, 10.0)  # they got Shutdown
-        stop_processes(procs)
-        self._processes = []
+        if self._launcher is not None:
+            self._launcher.stop(10.0)  # they got Shutdown
+            self._launcher = None
         self._loop.close()
 
     async def _stop(self) -> None:

@@ -1,4 +1,6 @@
-"""grpc.health.v1: SERVING exactly while every rank is ready and the engine takes requests."""
+"""grpc.health.v1: the server ("") is SERVING exactly while every rank is ready and the engine takes requests;
+`minivllm.liveness` is SERVING while the scheduler answers at all (waiting for workers, serving or draining), for
+liveness probes that must not restart a scheduler whose workers are away."""
 
 from __future__ import annotations
 
@@ -11,11 +13,14 @@ from scheduler_node.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
+LIVENESS = "minivllm.liveness"
+
 
 async def set_serving(health_service: health.aio.HealthServicer, serving: bool) -> None:
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ("", SERVICE_NAMES[0]):
         await health_service.set(name, status)
+    await health_service.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
 
 
 async def report_health(engine: EngineCore, health_service: health.aio.HealthServicer) -> None:

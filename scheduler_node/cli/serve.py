@@ -1,4 +1,5 @@
-"""vllm-serve: one scheduler plus its TP x PP local workers as child processes, stopped together on Ctrl-C/SIGTERM."""
+"""vllm-serve: one scheduler plus its TP x PP workers (child processes, or Ray actors with --launcher ray), stopped
+together on Ctrl-C/SIGTERM."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from proto.curve import ensure_keys
 from proto.worker_flags import add_worker_flags, worker_argv
 from scheduler_node.cli.operations import TOKEN_ENV
 from scheduler_node.cli.scheduler import add_scheduler_flags, resolve_parallel
-from scheduler_node.engine.local_workers import WorkerProcess, let_exit, stop_processes, worker_command
+from scheduler_node.engine.launchers import add_launcher_flags, make_launcher, terminate
 
 logger = logging.getLogger("vllm-serve")
 
@@ -24,11 +25,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="vllm-serve",
         description="Start vllm-scheduler and --tensor-parallel-size x --pipeline-parallel-size vllm-worker "
-        "processes on this host (scheduler and worker flags below); Ctrl-C or SIGTERM stops them all.",
+        "processes, on this host or as Ray actors (scheduler and worker flags below); Ctrl-C or SIGTERM stops "
+        "them all.",
     )
     add_config_flag(p)
     add_scheduler_flags(p)
     add_worker_flags(p)
+    add_launcher_flags(p)
     return p
 
 
@@ -58,8 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_placement:
         print(placement.describe())
         return 0
+    try:
+        launcher = make_launcher(args, placement.layout)
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
     env = dict(os.environ)
-    argv = scheduler_argv(args)
+    argv = scheduler_argv(args) + launcher.scheduler_flags()
     i = argv.index("--control-token")  # passed in the environment: a command line is visible to all local users
     env[TOKEN_ENV] = argv[i + 1]
     del argv[i : i + 2]
@@ -69,10 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     scheduler = subprocess.Popen(
         [sys.executable, "-m", "scheduler_node.cli.scheduler", *argv], env=env, start_new_session=True
     )
-    address = f"{args.worker_host}:{args.worker_port}"
-    flags = ["--log-level", args.log_level, *worker_argv(args)]
-    flags += ["--zmq-curve-dir", args.zmq_curve_dir] if args.zmq_curve_dir else []
-    workers = [WorkerProcess(worker_command(address, flags)) for _ in range(placement.layout.world_size)]
+    worker_flags = ["--log-level", args.log_level, *worker_argv(args)]
+    worker_flags += ["--zmq-curve-dir", args.zmq_curve_dir] if args.zmq_curve_dir else []
+    launcher.start(f"{args.worker_host}:{args.worker_port}", worker_flags)
     signals = 0
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -89,12 +96,10 @@ def main(argv: list[str] | None = None) -> int:
             code = scheduler.returncode or 1
             logger.error("the scheduler (pid %d) exited with %s; stopping the workers", scheduler.pid, code)
             break
-        for child in workers:
-            child.keep_alive()
+        launcher.keep_alive()
         time.sleep(0.2)
-    stop_processes([scheduler], args.drain_timeout + 15.0)  # it drains, then tells its workers to shut down
-    let_exit([w.proc for w in workers], 10.0)  # they got Shutdown: a SIGTERM during their exit only adds noise
-    stop_processes([w.proc for w in workers])
+    terminate([scheduler], args.drain_timeout + 15.0)  # it drains, then tells its workers to shut down
+    launcher.stop(10.0)
     return 0 if signals else code
 
 
