@@ -119,7 +119,12 @@ class NativeDecodeAttention:
         block_tables: torch.Tensor,  # [B, max_blocks] int32
         seq_lens: torch.Tensor,  # [B] int32
         scale: float,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
+        if window or softcap:
+            return self._fallback(q, k_cache, v_cache, block_tables, seq_lens, scale, window=window, softcap=softcap)
         library = self._library(q, k_cache, v_cache)
         if library is None:
             return self._fallback(q, k_cache, v_cache, block_tables, seq_lens, scale)
