@@ -9,18 +9,24 @@ MoE also runs as real worker processes behind the gRPC server.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 from scheduler_node.cli.scheduler import model_limit
 from tests.harness import make_runner, run_offline
 from tests.inprocess_tp import ThreadedTensorParallel
 from tests.models import assert_same_logprobs, assert_teacher_forced, build_tiny_model, load_hf
 from tests.test_parallel import World
+from worker_node.models.layers import RMSNorm, Rotary
+from worker_node.models.mixtral import SparseMoE
 
 LENGTHS = [5, 17, 40]
 MAX_TOKENS = [24, 12, 30]
@@ -87,6 +93,45 @@ def test_matches_hf_alone_and_tensor_parallel(name: str, tiny_dirs: Callable[[st
         assert_teacher_forced(hf, prompt, out)
         assert split[i] == out, f"prompt {i}: TP 2 {split[i]} != TP 1 {out}"
     assert_same_logprobs(hf, runner, prompts()[-1] + alone[-1])
+
+
+def _attention(model: nn.Module) -> list[nn.Module]:
+    return [layer.self_attn for layer in model.layers]
+
+
+def _without_renormalisation(self: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    top_weights, top_experts = torch.topk(torch.softmax(self.gate(x).float(), dim=-1), self.top_k, dim=-1)
+    return self.comm.all_reduce(self.experts(x, top_experts, top_weights))
+
+
+# Each feature of an architecture, taken away from our loaded model.
+WITHOUT: dict[str, Callable[[nn.Module, pytest.MonkeyPatch], object]] = {
+    "gemma2: attention soft-cap": lambda m, _: [setattr(a, "softcap", 0.0) for a in _attention(m)],
+    "gemma2: sliding window": lambda m, _: [setattr(a, "window", 0) for a in _attention(m)],
+    "gemma2: final soft-cap": lambda m, _: setattr(m.lm_head, "softcap", 0.0),
+    "gemma2: embedding scale": lambda m, _: setattr(m.embed_tokens, "scale", 1.0),
+    "gemma2: 1 + w norms": lambda m, _: [setattr(n, "offset", 0.0) for n in m.modules() if isinstance(n, RMSNorm)],
+    "gemma2: query_pre_attn_scalar": lambda m, _: [setattr(a, "scale", a.head_dim**-0.5) for a in _attention(m)],
+    "gemma2: tanh GELU": lambda m, _: [setattr(layer.mlp, "act", F.silu) for layer in m.layers],
+    "qwen3: q/k norms": lambda m, _: [setattr(a, "q_norm", None) for a in _attention(m)],
+    "phi3: sliding window": lambda m, _: [setattr(a, "window", 0) for a in _attention(m)],
+    "phi3: partial RoPE": lambda m, _: setattr(
+        m, "rotary", Rotary(dataclasses.replace(m.config, rotary_dim=m.config.head_dim), 1024)
+    ),
+    "mistral-window: sliding window": lambda m, _: [setattr(a, "window", 0) for a in _attention(m)],
+    "mixtral: top-2 routing": lambda m, _: [setattr(layer.block_sparse_moe, "top_k", 1) for layer in m.layers],
+    "mixtral: renormalised weights": lambda m, mp: mp.setattr(SparseMoE, "forward", _without_renormalisation),
+}
+
+
+@pytest.mark.parametrize("feature", list(WITHOUT))
+def test_each_feature_counts(feature: str, tiny_dirs: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check above can fail: without any one feature the log-probabilities are no longer HF's."""
+    folder = tiny_dirs(feature.split(":")[0])
+    runner = make_runner(folder, NUM_BLOCKS, BLOCK, BACKEND)
+    WITHOUT[feature](runner.model, monkeypatch)
+    with pytest.raises(AssertionError, match="log-probabilities differ"):
+        assert_same_logprobs(load_hf(folder), runner, prompts()[-1])
 
 
 def test_mistral_context_is_not_capped_at_its_window(tiny_dirs: Callable[[str], Path]) -> None:
