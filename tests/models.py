@@ -46,6 +46,16 @@ COMMON = dict(
 )
 
 
+# Tiny models built on demand by name: a kind of tests/models.py, with config overrides for named variants.
+TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3": ("qwen3", {}),
+    "gemma2": ("gemma2", {}),
+    "phi3": ("phi3", {}),
+    "mixtral": ("mixtral", {}),
+    "mistral-window": ("mistral", {"sliding_window": 16}),  # every test request generates past it
+}
+
+
 def build_tiny_model(kind: str, folder: Path, tokenizer_dir: Path, num_kv_heads: int = 2, **overrides: Any) -> Path:
     """A random `kind` model saved by HF itself (its own config.json and checkpoint layout)."""
     import transformers

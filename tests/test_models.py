@@ -1,7 +1,7 @@
 """Every supported architecture gives HF transformers' greedy tokens (teacher-forced, fp32) on a tiny random
 model that HF builds and saves itself, alone (TP 1) and split over two tensor-parallel ranks (TP 2).
 
-The tiny configs make each feature count (tests/models.py: TINY_KINDS): sliding windows shorter than the
+The tiny configs make each feature count (tests/models.py: TINY_KINDS, TINY_VARIANTS): sliding windows shorter than the
 prompts, soft-caps that bite, norm weights off their init. Prompts cross those windows and 16-token blocks, and
 a 16-token budget chunks the prefills. TP 2 runs two ranks in threads over gloo (tests/inprocess_tp.py); the
 MoE also runs as real worker processes behind the gRPC server.
@@ -23,7 +23,7 @@ from torch import nn
 from scheduler_node.cli.scheduler import model_limit
 from tests.harness import make_runner, run_offline
 from tests.inprocess_tp import ThreadedTensorParallel
-from tests.models import assert_same_logprobs, assert_teacher_forced, build_tiny_model, load_hf
+from tests.models import TINY_VARIANTS, assert_same_logprobs, assert_teacher_forced, load_hf
 from tests.test_parallel import World
 from worker_node.models.layers import RMSNorm, Rotary
 from worker_node.models.mixtral import SparseMoE
@@ -33,8 +33,6 @@ MAX_TOKENS = [24, 12, 30]
 NUM_BLOCKS = 24
 BLOCK = 16
 BUDGET = 16  # max_num_batched_tokens: chunked prefills mixed with decodes
-BACKEND = "auto"
-WINDOW = 16  # the windowed Mistral's: every request generates past it
 
 
 def prompts(seed: int = 3) -> list[list[int]]:
@@ -42,27 +40,7 @@ def prompts(seed: int = 3) -> list[list[int]]:
     return [[rng.randrange(3, 49152) for _ in range(n)] for n in LENGTHS]
 
 
-MODELS = {
-    "qwen3": {},
-    "gemma2": {},
-    "phi3": {},
-    "mixtral": {},
-    "mistral-window": {"sliding_window": WINDOW},
-}
-
-
-@pytest.fixture(scope="module")
-def tiny_dirs(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Callable[[str], Path]:
-    """The tiny model of a MODELS entry, built on first use."""
-    built: dict[str, Path] = {}
-
-    def folder(name: str) -> Path:
-        if name not in built:
-            kind = name.split("-")[0]
-            built[name] = build_tiny_model(kind, tmp_path_factory.mktemp(name), smollm2_dir, **MODELS[name])
-        return built[name]
-
-    return folder
+MODELS = list(TINY_VARIANTS)  # each new architecture, and Mistral with a window shorter than the requests
 
 
 def generate(runner: object) -> list[list[int]]:
@@ -77,12 +55,12 @@ def generate(runner: object) -> list[list[int]]:
     return [r.output_token_ids for r in requests]
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_matches_hf_alone_and_tensor_parallel(name: str, tiny_dirs: Callable[[str], Path]) -> None:
-    folder = tiny_dirs(name)
-    runner = make_runner(folder, NUM_BLOCKS, BLOCK, BACKEND)
+@pytest.mark.parametrize("name", MODELS)
+def test_matches_hf_alone_and_tensor_parallel(name: str, tiny_model_dir: Callable[[str], Path]) -> None:
+    folder = tiny_model_dir(name)
+    runner = make_runner(folder, NUM_BLOCKS, BLOCK)
     alone = generate(runner)
-    tp2 = ThreadedTensorParallel(folder, NUM_BLOCKS, BLOCK, tp=2, backend=BACKEND)
+    tp2 = ThreadedTensorParallel(folder, NUM_BLOCKS, BLOCK, tp=2)
     try:
         split = generate(tp2)
     finally:
@@ -125,27 +103,29 @@ WITHOUT: dict[str, Callable[[nn.Module, pytest.MonkeyPatch], object]] = {
 
 
 @pytest.mark.parametrize("feature", list(WITHOUT))
-def test_each_feature_counts(feature: str, tiny_dirs: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_feature_counts(
+    feature: str, tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The check above can fail: without any one feature the log-probabilities are no longer HF's."""
-    folder = tiny_dirs(feature.split(":")[0])
-    runner = make_runner(folder, NUM_BLOCKS, BLOCK, BACKEND)
+    folder = tiny_model_dir(feature.split(":")[0])
+    runner = make_runner(folder, NUM_BLOCKS, BLOCK)
     WITHOUT[feature](runner.model, monkeypatch)
     with pytest.raises(AssertionError, match="log-probabilities differ"):
         assert_same_logprobs(load_hf(folder), runner, prompts()[-1])
 
 
-def test_mistral_context_is_not_capped_at_its_window(tiny_dirs: Callable[[str], Path]) -> None:
-    folder = tiny_dirs("mistral-window")
+def test_mistral_context_is_not_capped_at_its_window(tiny_model_dir: Callable[[str], Path]) -> None:
+    folder = tiny_model_dir("mistral-window")
     config = json.loads((folder / "config.json").read_text())
-    assert config["sliding_window"] == WINDOW
+    assert config["sliding_window"] < max(n + m for n, m in zip(LENGTHS, MAX_TOKENS))
     assert model_limit(folder) == config["max_position_embeddings"]
 
 
-def test_moe_tensor_parallel_worker_processes(tiny_dirs: Callable[[str], Path], tmp_path: Path) -> None:
+def test_moe_tensor_parallel_worker_processes(tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
     """The MoE split over two real worker processes behind the gRPC server: each rank holds half of every
     expert's intermediate dim."""
-    folder = tiny_dirs("mixtral")
-    world = World(folder, ["--tensor-parallel-size", "2"], [["--attention-backend", BACKEND]] * 2, tmp_path)
+    folder = tiny_model_dir("mixtral")
+    world = World(folder, ["--tensor-parallel-size", "2"], [[], []], tmp_path)
     try:
         world.wait_serving()
         outputs = world.generate(prompts(), MAX_TOKENS)
