@@ -23,9 +23,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from workload import stream_workload  # noqa: E402
+
+from minivllm.cluster import Cluster  # noqa: E402
 from proto import serving_pb2 as pb  # noqa: E402
 from proto import serving_pb2_grpc as pb_grpc  # noqa: E402
-from tests.servers import Cluster, stream_workload  # noqa: E402
 
 
 def workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:

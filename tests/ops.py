@@ -12,9 +12,9 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from minivllm.cluster import Cluster
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
-from tests.servers import Cluster
 
 VOCAB = 49152  # the tiny models share SmolLM2's tokenizer
 TINY_WORKER = ["--kv-cache-memory", "16MiB"]

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from proto.checkpoints import PickleCheckpointError
 from scheduler_node.engine.model_path import resolve_model
-from tests.harness import make_runner
+from tests.engine import load_runner
 from worker_node.convert import main as vllm_convert
 from worker_node.default_model import find_gguf
 from worker_node.models.gguf import LINK_NAME
@@ -67,7 +67,7 @@ def test_pickle_checkpoints_are_refused_unopened(tmp_path: Path, tiny_llama_dir:
     with pytest.raises(PickleCheckpointError, match="never unpickles"):
         resolve_model(str(folder))  # the scheduler, before any worker is waited for
     with pytest.raises(PickleCheckpointError, match="pytorch_model.bin"):
-        make_runner(folder, 4, 16)  # and a worker given the folder anyway
+        load_runner(folder, 4, 16)  # and a worker given the folder anyway
     with pytest.raises(PickleCheckpointError, match="model.pt"):
         shutil.copy(folder / "pytorch_model.bin", tmp_path / "model.pt")
         resolve_model(str(tmp_path / "model.pt"))
@@ -99,8 +99,8 @@ def test_gguf_file_is_served_directly(smollm2_dir: Path, tmp_path: Path, monkeyp
     assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     assert (folder / "tokenizer.json").read_bytes() == (smollm2_dir / "tokenizer.json").read_bytes()
     assert resolve_model(str(find_gguf())) == folder, "prepared once per GGUF file"
-    direct = make_runner(folder, 4, 16).model.state_dict()
-    converted = make_runner(smollm2_dir, 4, 16).model.state_dict()
+    direct = load_runner(folder, 4, 16).model.state_dict()
+    converted = load_runner(smollm2_dir, 4, 16).model.state_dict()
     assert direct.keys() == converted.keys()
     for name, tensor in converted.items():
         assert torch.equal(direct[name], tensor), name

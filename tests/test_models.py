@@ -3,7 +3,7 @@ model that HF builds and saves itself, alone (TP 1) and split over two tensor-pa
 
 The tiny configs make each feature count (tests/models.py: TINY_KINDS, TINY_VARIANTS): sliding windows shorter than the
 prompts, soft-caps that bite, norm weights off their init. Prompts cross those windows and 16-token blocks, and
-a 16-token budget chunks the prefills. TP 2 runs two ranks in threads over gloo (tests/inprocess_tp.py); the
+a 16-token budget chunks the prefills. TP 2 runs two ranks in one process over gloo (tests/inprocess_tp.py); the
 MoE also runs as real worker processes behind the gRPC server.
 """
 
@@ -20,11 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scheduler_node.cli.scheduler import model_limit
-from tests.harness import make_runner, run_offline
-from tests.inprocess_tp import ThreadedTensorParallel
+from scheduler_node.engine.builder import model_limit
+from tests.engine import EngineRun, load_runner
+from tests.inprocess_tp import TensorParallelRanks
 from tests.models import TINY_VARIANTS, assert_same_logprobs, assert_teacher_forced, load_hf
 from tests.test_parallel import World
+from worker_node.inprocess import InProcessWorkers
+from worker_node.model_runner import ModelRunner
 from worker_node.models.layers import RMSNorm, Rotary
 from worker_node.models.mixtral import SparseMoE
 
@@ -43,26 +45,22 @@ def prompts(seed: int = 3) -> list[list[int]]:
 MODELS = list(TINY_VARIANTS)  # each new architecture, and Mistral with a window shorter than the requests
 
 
-def generate(runner: object) -> list[list[int]]:
-    requests, scheduler = run_offline(
-        runner,  # type: ignore[arg-type]
-        prompts(),
-        MAX_TOKENS,
-        num_blocks=NUM_BLOCKS,
-        max_num_batched_tokens=BUDGET,
-    )
-    assert scheduler.blocks.num_free == NUM_BLOCKS
-    return [r.output_token_ids for r in requests]
+def generate(folder: Path, runners: list[ModelRunner], transport: InProcessWorkers | None = None) -> list[list[int]]:
+    with EngineRun(runners, tokenizer_dir=folder, transport=transport, max_num_batched_tokens=BUDGET) as run:
+        submitted = [run.add(p, m) for p, m in zip(prompts(), MAX_TOKENS)]
+        run.run()
+        assert run.scheduler.blocks.num_free == NUM_BLOCKS
+    return [s.output for s in submitted]
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_matches_hf_alone_and_tensor_parallel(name: str, tiny_model_dir: Callable[[str], Path]) -> None:
     folder = tiny_model_dir(name)
-    runner = make_runner(folder, NUM_BLOCKS, BLOCK)
-    alone = generate(runner)
-    tp2 = ThreadedTensorParallel(folder, NUM_BLOCKS, BLOCK, tp=2)
+    runner = load_runner(folder, NUM_BLOCKS, BLOCK)
+    alone = generate(folder, [runner])
+    tp2 = TensorParallelRanks(folder, NUM_BLOCKS, BLOCK, tp=2)
     try:
-        split = generate(tp2)
+        split = generate(folder, tp2.runners, tp2.transport())
     finally:
         tp2.close()
     hf = load_hf(folder)
@@ -108,7 +106,7 @@ def test_each_feature_counts(
 ) -> None:
     """The check above can fail: without any one feature the log-probabilities are no longer HF's."""
     folder = tiny_model_dir(feature.split(":")[0])
-    runner = make_runner(folder, NUM_BLOCKS, BLOCK)
+    runner = load_runner(folder, NUM_BLOCKS, BLOCK)
     WITHOUT[feature](runner.model, monkeypatch)
     with pytest.raises(AssertionError, match="log-probabilities differ"):
         assert_same_logprobs(load_hf(folder), runner, prompts()[-1])

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import grpc
 
+from minivllm.cluster import REPO, free_port
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from scheduler_node.cli.client import wait_ready
-from tests.servers import REPO, free_port
 
 
 def test_serve_runs_and_stops_all_children_on_sigterm(tiny_llama_dir: Path, tmp_path: Path) -> None:

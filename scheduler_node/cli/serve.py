@@ -15,6 +15,7 @@ from proto.curve import ensure_keys
 from proto.worker_flags import add_worker_flags, worker_argv
 from scheduler_node.cli.operations import TOKEN_ENV
 from scheduler_node.cli.scheduler import add_scheduler_flags, resolve_parallel
+from scheduler_node.engine.local_workers import WorkerProcess, let_exit, stop_processes, worker_command
 
 logger = logging.getLogger("vllm-serve")
 
@@ -46,20 +47,6 @@ def scheduler_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def _stop(procs: list[subprocess.Popen], timeout: float = 15.0) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            logger.warning("pid %d did not stop in time; killing it", p.pid)
-            p.kill()
-            p.wait()
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(build_parser(), argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -83,18 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         [sys.executable, "-m", "scheduler_node.cli.scheduler", *argv], env=env, start_new_session=True
     )
     address = f"{args.worker_host}:{args.worker_port}"
-    worker_cmd = [
-        sys.executable,
-        "-m",
-        "worker_node.worker",
-        "--scheduler-address",
-        address,
-        "--log-level",
-        args.log_level,
-        *worker_argv(args),
-        *(["--zmq-curve-dir", args.zmq_curve_dir] if args.zmq_curve_dir else []),
-    ]
-    workers = [_Child(worker_cmd) for _ in range(placement.layout.world_size)]
+    flags = ["--log-level", args.log_level, *worker_argv(args)]
+    flags += ["--zmq-curve-dir", args.zmq_curve_dir] if args.zmq_curve_dir else []
+    workers = [WorkerProcess(worker_command(address, flags)) for _ in range(placement.layout.world_size)]
     signals = 0
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -114,51 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         for child in workers:
             child.keep_alive()
         time.sleep(0.2)
-    _stop([scheduler], args.drain_timeout + 15.0)  # it drains, then tells its workers to shut down
-    _let_exit([w.proc for w in workers], 10.0)  # they got Shutdown: a SIGTERM during their exit only adds noise
-    _stop([w.proc for w in workers])
+    stop_processes([scheduler], args.drain_timeout + 15.0)  # it drains, then tells its workers to shut down
+    let_exit([w.proc for w in workers], 10.0)  # they got Shutdown: a SIGTERM during their exit only adds noise
+    stop_processes([w.proc for w in workers])
     return 0 if signals else code
-
-
-def _let_exit(procs: list[subprocess.Popen], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            return
-
-
-class _Child:
-    """A worker process that is started again when it exits (a lost worker rejoins its rank), with a growing
-    pause when it keeps exiting right after its start."""
-
-    def __init__(self, argv: list[str]) -> None:
-        self.argv = argv
-        self.proc = self._start()
-        self.failures = 0
-        self.restart_at = 0.0
-
-    def _start(self) -> subprocess.Popen:
-        self.started = time.monotonic()
-        return subprocess.Popen(self.argv, start_new_session=True)
-
-    def keep_alive(self) -> None:
-        if self.proc.poll() is None:
-            return
-        now = time.monotonic()
-        if not self.restart_at:
-            self.failures = self.failures + 1 if now - self.started < 30 else 0
-            self.restart_at = now + (min(30.0, 2.0 ** (self.failures - 1)) if self.failures > 1 else 0.0)
-            logger.warning(
-                "worker pid %d exited with %s; a replacement starts in %.0f s",
-                self.proc.pid,
-                self.proc.returncode,
-                self.restart_at - now,
-            )
-        if now >= self.restart_at:
-            self.restart_at = 0.0
-            self.proc = self._start()
 
 
 if __name__ == "__main__":

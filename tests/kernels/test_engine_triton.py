@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("triton")
 
 from kernels.backend import AttentionBackend  # noqa: E402
-from tests.harness import make_runner, run_offline  # noqa: E402
+from tests.engine import generate, load_runner  # noqa: E402
 from tests.models import assert_teacher_forced, load_hf  # noqa: E402
 
 BLOCK = 16
@@ -56,7 +56,7 @@ def _spy(backend: AttentionBackend, seen: _Seen) -> AttentionBackend:
 
 
 def _run(folder: Path, backend: str, prompts: list[list[int]]) -> tuple[list[list[int]], _Seen]:
-    runner = make_runner(folder, NUM_BLOCKS, BLOCK, backend=backend)
+    runner = load_runner(folder, NUM_BLOCKS, BLOCK, backend=backend)
     seen = _Seen()
     first = runner.model.layers[0].self_attn
     assert first.backend.name == backend
@@ -72,10 +72,10 @@ def _run(folder: Path, backend: str, prompts: list[list[int]]) -> tuple[list[lis
         return execute(plan)
 
     runner.execute = execute_and_note  # type: ignore[method-assign]
-    requests, scheduler = run_offline(runner, prompts, MAX_TOKENS, num_blocks=NUM_BLOCKS, max_num_batched_tokens=BUDGET)
+    outputs, scheduler = generate(folder, runner, prompts, MAX_TOKENS, max_num_batched_tokens=BUDGET)
     assert scheduler.num_preemptions == 0
     assert scheduler.blocks.num_free == NUM_BLOCKS
-    return [r.output_token_ids for r in requests], seen
+    return outputs, seen
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma2"])  # gemma2: a sliding window (layer 0) and soft-caps
