@@ -13,7 +13,7 @@ from proto.wire import ExecutionMode, NewRequest, SamplingOptions, StepPlan, Ste
 from worker_node.attention import AttentionMetadata
 from worker_node.cuda_graphs import DecodeGraphs
 from worker_node.kv_cache import KVCache, copy_blocks
-from worker_node.models.llama import LlamaForCausalLM, StepInterrupted
+from worker_node.models.decoder import CausalLM, StepInterrupted
 from worker_node.parallel import SINGLE, Comm
 from worker_node.sampler import sample
 
@@ -63,7 +63,7 @@ class StepInterrupts:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_cache: KVCache,
         block_size: int,
         device: torch.device,

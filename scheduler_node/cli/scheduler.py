@@ -30,7 +30,12 @@ logger = logging.getLogger("vllm-scheduler")
 
 
 def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT, help="HF safetensors folder, or 'default' (SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model",
+        default=DEFAULT,
+        help="HF folder (safetensors, or a linked GGUF), a .gguf file, an HF hub id (org/name) already in the local "
+        "HF cache, or 'default' (SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
     p.add_argument("--port", type=int, default=50051, help="gRPC port")
     p.add_argument("--worker-host", default="127.0.0.1", help="bind address of the ZMQ socket workers join")

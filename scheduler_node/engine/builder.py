@@ -142,7 +142,4 @@ def resolve_max_model_len(requested: int, model_limit: int, num_blocks: int, blo
 
 def model_limit(folder: Path) -> int:
     c = json.loads((folder / "config.json").read_text())
-    limit = int(c.get("max_position_embeddings", 4096))
-    if c.get("use_sliding_window", c.get("model_type") == "mistral") and c.get("sliding_window"):
-        limit = min(limit, int(c["sliding_window"]))  # the workers do not implement sliding windows
-    return limit
+    return int(c.get("max_position_embeddings", 4096))
