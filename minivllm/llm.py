@@ -77,7 +77,9 @@ class LLM:
         world = tensor_parallel_size * pipeline_parallel_size
         if worker_backend == "inprocess" and world > 1:
             raise ValueError(f"worker_backend: 'inprocess' runs a world of one; this one has {world} ranks")
-        self.worker_backend = ("inprocess" if world == 1 else "processes") if worker_backend == "auto" else worker_backend
+        self.worker_backend = (
+            ("inprocess" if world == 1 else "processes") if worker_backend == "auto" else worker_backend
+        )
 
         memory = parse_size(kv_cache_memory) if isinstance(kv_cache_memory, str) else kv_cache_memory
         self.options = WorkerOptions(
