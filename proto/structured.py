@@ -15,14 +15,17 @@ from proto.wire import StructuredOutput
 
 # Any JSON object (OpenAI's response_format {"type": "json_object"}).
 _ANY_OBJECT = '{"type": "object"}'
+# JSON comes out in json.dumps's layout: ", " and ": " and no other whitespace, so a model cannot wander into
+# endless whitespace (a schema's own "x-guidance" options override this).
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def grammar_of(structured: StructuredOutput) -> str:
     """The llguidance grammar that accepts exactly the texts `structured` allows. ValueError: malformed JSON."""
     if structured.kind == "json":
-        return LLMatcher.grammar_from_json_schema(structured.spec)
+        return LLMatcher.grammar_from_json_schema(structured.spec, defaults=_JSON_LAYOUT)  # type: ignore[arg-type]
     if structured.kind == "json_object":
-        return LLMatcher.grammar_from_json_schema(_ANY_OBJECT)
+        return LLMatcher.grammar_from_json_schema(_ANY_OBJECT, defaults=_JSON_LAYOUT)  # type: ignore[arg-type]
     if structured.kind == "regex":
         return LLMatcher.grammar_from_regex(structured.spec)
     return LLMatcher.grammar_from_regex("|".join(_literal(c) for c in json.loads(structured.spec)))

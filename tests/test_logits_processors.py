@@ -111,7 +111,9 @@ def test_bad_words_and_min_tokens_match_hf() -> None:
     ours = Sampler(VOCAB, CPU)._process(x, reqs)
     hf = [
         NoBadWordsLogitsProcessor([[7], [4, 5, 8], [1, 5, 9]]),
-        LogitsProcessorList([NoBadWordsLogitsProcessor([[3, 4, 5, 6]]), MinNewTokensLengthLogitsProcessor(2, 2, [2, 11])]),
+        LogitsProcessorList(
+            [NoBadWordsLogitsProcessor([[3, 4, 5, 6]]), MinNewTokensLengthLogitsProcessor(2, 2, [2, 11])]
+        ),
         MinNewTokensLengthLogitsProcessor(1, 3, [2]),
     ]
     assert_same(ours, hf_rows(x, hf, [r.token_ids for r in reqs]))
