@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import torch
 
 from minivllm import LLM, SamplingParams, StructuredOutputsParams
 from proto.wire import SamplingOptions, StepPlan, StructuredOutput
@@ -230,3 +231,20 @@ def test_grammars_survive_interrupts(tiny_llama_dir: Path, reference: list[list[
         assert run.scheduler.counters.interrupted_steps > 0
     assert_valid(subs, constrained(1))
     assert [s.output for s in subs] == reference
+
+
+def test_a_finished_grammar_allows_exactly_the_requests_end_tokens(smollm2_dir: Path) -> None:
+    """Where the grammar may end, the request's own end tokens are allowed in place of the tokenizer's EOS: a
+    request with stop_token_ids ends on them, one that ignores eos and has none keeps EOS."""
+    from worker_node.structured import GrammarMasks, GrammarRow
+
+    tokenizer = ModelTokenizer(smollm2_dir)
+    masks = GrammarMasks(tokenizer.path, tokenizer.vocab_size)
+    done = tokenizer.encode("yes", add_special_tokens=False)
+    choice = StructuredOutput("choice", '["yes"]')
+    rows = [GrammarRow("a", choice, done, frozenset({2, 77})), GrammarRow("b", choice, done, frozenset())]
+    masks.start(rows)
+    allowed = masks.allowed(torch.device("cpu"))
+    eos = masks._llg_tokenizer().eos_token
+    assert sorted(allowed[0].nonzero().flatten().tolist()) == [2, 77]
+    assert allowed[1].nonzero().flatten().tolist() == [eos]
