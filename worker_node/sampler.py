@@ -147,10 +147,13 @@ def _banned(requests: Sequence[SamplingRequest]) -> list[tuple[int, int]]:
 
 def _revive(out: torch.Tensor, raw: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> None:
     """A constrained row that every processor together left without a token (a bad word or min_tokens ban on
-    the only tokens its grammar allows) samples from its grammar alone: the grammar is never broken."""
+    the only tokens its grammar allows) samples from its grammar alone: the grammar is never broken. A matcher in
+    error (it allows nothing) leaves its row unconstrained rather than sampling from nothing."""
     dead = torch.isneginf(out[rows]).all(dim=-1)
     if bool(dead.any()):
         out[rows[dead]] = raw[rows[dead]].masked_fill(~allowed[dead], lp.NEG_INF)
+        lost = rows[dead & ~allowed.any(dim=-1)]
+        out[lost] = raw[lost]
 
 
 def _warp(logits: torch.Tensor, options: list[SamplingOptions]) -> torch.Tensor:
