@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -102,7 +103,10 @@ def load_rank(
     if a.num_swap_blocks >= 0:  # the world's size: never more (its flag is the limit it may take)
         swap_blocks = min(swap_blocks, a.num_swap_blocks)
     host = allocate_host_cache(config, a.block_size, dtype, device, swap_blocks)
-    runner = ModelRunner(model, cache, a.block_size, device, host, comm, a.mode)
+    tokenizer = Path(a.model) / "tokenizer.json"
+    runner = ModelRunner(
+        model, cache, a.block_size, device, host, comm, a.mode, tokenizer if tokenizer.is_file() else None
+    )
     enable_decode_graphs(runner, options.cuda_graph_sizes, backend.name, full.max_model_len)
     bandwidth = measure_swap_bandwidth(cache, host, block_bytes)
     return runner, WorkerReady(a.rank, num_blocks, num_blocks * block_bytes, swap_blocks, bandwidth)
