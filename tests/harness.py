@@ -36,14 +36,15 @@ def make_runner(
     num_host_blocks: int = 0,
     where: ParallelRank = SINGLE,
     comm: Comm | None = None,
+    dtype: torch.dtype = torch.float32,  # the fidelity reference; bf16 tests ask for theirs
 ) -> ModelRunner:
     full = ModelConfig.from_folder(folder)
     config = shard_config(full, where)
     backend_impl = select_attention_backend(backend, CPU)
-    model = load_model(folder, backend_impl, torch.float32, CPU, full.max_model_len, where, comm)
-    block_bytes = bytes_per_block(config, block_size, torch.float32)
-    cache = allocate_kv_cache(config, block_size, torch.float32, CPU, num_blocks * block_bytes)
-    host = allocate_host_cache(config, block_size, torch.float32, CPU, num_host_blocks * block_bytes)
+    model = load_model(folder, backend_impl, dtype, CPU, full.max_model_len, where, comm)
+    block_bytes = bytes_per_block(config, block_size, dtype)
+    cache = allocate_kv_cache(config, block_size, dtype, CPU, num_blocks * block_bytes)
+    host = allocate_host_cache(config, block_size, dtype, CPU, num_host_blocks * block_bytes)
     return ModelRunner(model, cache, block_size, CPU, host if num_host_blocks else None, comm)
 
 

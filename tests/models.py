@@ -56,10 +56,10 @@ def build_tiny_model(kind: str, folder: Path, tokenizer_dir: Path, num_kv_heads:
     return folder
 
 
-def load_hf(folder: Path):  # type: ignore[no-untyped-def]
+def load_hf(folder: Path, dtype: torch.dtype = torch.float32):  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
 
 
 @torch.inference_mode()

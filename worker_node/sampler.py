@@ -1,4 +1,11 @@
-"""Sampling: greedy, temperature, top-k, top-p, and per-request seeds that survive batching and preemption."""
+"""Sampling: greedy, temperature, top-k, top-p, and per-request seeds that survive batching and preemption.
+
+Every row of the batch is handled by the same tensor operations: no loop over requests. A sampled row draws one
+uniform number and inverts its filtered distribution's CDF (one cumsum and one searchsorted for the whole
+batch). A seeded row's number comes from a hash of (seed, output position), so the same request draws the same
+token at the same position in any batch, on any worker, after any preemption; other rows take theirs from
+torch's generator.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +13,15 @@ import torch
 
 from proto.wire import SamplingOptions, TokenLogprobs
 
-_SEED_MIX = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
 
 
-def step_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
-    """The generator for one output position: the same (seed, position) draws the same noise in any batch."""
-    g = torch.Generator(device=device)
-    g.manual_seed((seed * _SEED_MIX + position) % (2**63))
-    return g
+def seeded_uniform(seed: int, position: int) -> float:
+    """A number in [0, 1) that depends only on (seed, position): splitmix64 of the two, 53 bits kept."""
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
 
 
 def sample(
@@ -21,19 +29,28 @@ def sample(
     options: list[SamplingOptions],
     positions: list[int],  # output index each row samples (for seeded rows)
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
-    greedy = logits.argmax(dim=-1)
-    tokens = greedy.clone()
+    tokens = logits.argmax(dim=-1)
     random_rows = [i for i, o in enumerate(options) if not o.greedy]
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
-        probs = _filtered_probs(logits[rows], [options[i] for i in random_rows])
-        for j, i in enumerate(random_rows):
-            seed = options[i].seed
-            g = step_generator(seed, positions[i], logits.device) if seed is not None else None
-            noise = torch.empty_like(probs[j]).exponential_(generator=g)
-            tokens[i] = (probs[j] / noise).argmax()  # Gumbel-max in exponential form: a draw from probs
+        chosen = [options[i] for i in random_rows]
+        probs = _filtered_probs(logits[rows], chosen)
+        drawn = torch.rand(len(random_rows), dtype=torch.float64).tolist()  # unseeded rows: torch's generator
+        uniforms = [
+            drawn[j] if o.seed is None else seeded_uniform(o.seed, positions[i])
+            for j, (i, o) in enumerate(zip(random_rows, chosen))
+        ]
+        tokens[rows] = _inverse_cdf(probs, torch.tensor(uniforms, dtype=torch.float64, device=logits.device))
     token_list = tokens.tolist()
     return token_list, _logprobs(logits, options, token_list)
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """The token of each row whose CDF interval holds that row's uniform (never one of probability 0)."""
+    cdf = probs.double().cumsum(dim=-1)  # float64: the last of 50k+ summands still moves the sum
+    targets = (uniforms * cdf[:, -1]).unsqueeze(1)
+    index = torch.searchsorted(cdf, targets, right=True).squeeze(1)
+    return index.clamp_(max=probs.shape[-1] - 1)
 
 
 def _filtered_probs(logits: torch.Tensor, options: list[SamplingOptions]) -> torch.Tensor:
@@ -63,12 +80,11 @@ def _logprobs(logits: torch.Tensor, options: list[SamplingOptions], tokens: list
         return out
     rows = torch.tensor(wanted, device=logits.device)
     logp = logits[rows].log_softmax(dim=-1)
+    picked = logp.gather(1, torch.tensor([[tokens[i]] for i in wanted], device=logits.device)).flatten().tolist()
     max_k = max(options[i].logprobs or 0 for i in wanted)
-    top_v, top_i = logp.topk(max_k, dim=-1) if max_k else (None, None)
+    top_v, top_i = logp.topk(max_k, dim=-1) if max_k else (logp[:, :0], logp[:, :0].long())
+    top_values, top_ids = top_v.tolist(), top_i.tolist()
     for j, i in enumerate(wanted):
         k = options[i].logprobs or 0
-        top = []
-        if k and top_v is not None and top_i is not None:
-            top = list(zip(top_i[j, :k].tolist(), top_v[j, :k].tolist()))
-        out[i] = TokenLogprobs(float(logp[j, tokens[i]]), top)
+        out[i] = TokenLogprobs(picked[j], list(zip(top_ids[j][:k], top_values[j][:k])))
     return out

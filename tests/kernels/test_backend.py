@@ -93,3 +93,25 @@ def test_backend_is_frozen() -> None:
     chosen = select_attention_backend("torch", CPU)
     with pytest.raises(dataclasses.FrozenInstanceError):
         chosen.name = "other"  # type: ignore[misc]
+
+
+def test_a_users_backend_is_loaded_from_module_and_class() -> None:
+    chosen = select_attention_backend("deploy.custom_attention:PaddedDecodeAttention", CPU)
+    assert chosen.name == "deploy.custom_attention:PaddedDecodeAttention"
+    assert chosen.decode_attention.__self__.__class__.__name__ == "PaddedDecodeAttention"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [  # the last two: a class that cannot be built without arguments, one without the three methods
+        ("no_such_module:Backend", "cannot load attention backend 'no_such_module:Backend'"),
+        ("deploy.custom_attention:Missing", "cannot load attention backend 'deploy.custom_attention:Missing'"),
+        ("deploy.custom_attention:torch_attention", "is not a class"),
+        ("kernels.backend:AttentionBackend", "cannot build attention backend 'kernels.backend:AttentionBackend'"),
+        ("collections:OrderedDict", "has no method write_kv, decode_attention, prefill_attention"),
+    ],
+)
+def test_a_broken_users_backend_is_named_in_the_error(name: str, message: str) -> None:
+    with pytest.raises(ValueError) as err:
+        select_attention_backend(name, CPU)
+    assert message in str(err.value)
