@@ -23,8 +23,15 @@ from kernels import torch_attention
 
 
 class PaddedDecodeAttention:
-    def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor, **kwargs: Any) -> None:
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        **kwargs: Any,
+    ) -> None:
         torch_attention.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def decode_attention(
@@ -55,9 +62,19 @@ class PaddedDecodeAttention:
         )
         return out.squeeze(2)
 
-    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                          seq_lens: torch.Tensor, scale: float, **kwargs: Any) -> torch.Tensor:
+    def prefill_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         return torch_attention.paged_prefill_attention(
             q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale
         )

@@ -76,7 +76,11 @@ def test_filters_are_never_crossed() -> None:
 
 def test_logprobs_of_the_sampled_token_and_the_top_ones() -> None:
     logits = _logits(3, seed=5)
-    options = [SamplingOptions(temperature=0.0, logprobs=2), SamplingOptions(seed=1), SamplingOptions(seed=2, logprobs=0)]
+    options = [
+        SamplingOptions(temperature=0.0, logprobs=2),
+        SamplingOptions(seed=1),
+        SamplingOptions(seed=2, logprobs=0),
+    ]
     tokens, lps = sample(logits, options, [0, 0, 0])
     logp = logits.log_softmax(-1)
     assert lps[1] is None
