@@ -107,11 +107,11 @@ def _user_backend(name: str) -> AttentionBackend:
         impl = cls()
     except Exception as exc:  # the user's constructor: whatever it raises, say whose it was
         raise ValueError(f"cannot build attention backend {name!r}: {exc}") from exc
-    ops = {op: getattr(impl, op, None) for op in ("write_kv", "decode_attention", "prefill_attention")}
-    missing = [op for op, fn in ops.items() if not callable(fn)]
+    ops = ("write_kv", "decode_attention", "prefill_attention")
+    missing = [op for op in ops if not callable(getattr(impl, op, None))]
     if missing:
         raise ValueError(f"attention backend {name!r} has no method {', '.join(missing)}")
-    return AttentionBackend(name, ops["write_kv"], ops["decode_attention"], ops["prefill_attention"])
+    return AttentionBackend(name, impl.write_kv, impl.decode_attention, impl.prefill_attention)
 
 
 def select_attention_backend(name: str, device: torch.device) -> AttentionBackend:

@@ -157,8 +157,8 @@ class ParallelLMHead(nn.Module):
         logits = F.linear(hidden, self.weight)
         if logits.dtype != torch.float32:
             logits = rescore_top_logits(logits, hidden, self.weight)
-        logits = self.comm.gather_to_first(logits)
-        return None if logits is None else logits[:, : self.vocab_size]
+        gathered = self.comm.gather_to_first(logits)
+        return None if gathered is None else gathered[:, : self.vocab_size]
 
 
 RESCORED_LOGITS = 8
