@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,3 +31,31 @@ def test_bench_throughput_smoke(tmp_path: Path) -> None:
         assert ("HF transformers", dtype, "generate") in rows
     assert all(r["tokens"] == report["output_tokens"] and r["tok_s"] > 0 for r in report["rows"])
     assert "| minivllm | bfloat16 | vllm-serve, gRPC |" in run.stdout
+
+
+def _gpu_check(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable, "WHL": str(tmp_path / "no-wheels")}
+    return subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--out", str(tmp_path / "out"), *flags],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_gpu_check_dry_run_imports_every_part(tmp_path: Path) -> None:
+    run = _gpu_check(tmp_path, "--dry-run", "--skip", "tp")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert report["dry_run"] is True
+    assert "kernels.triton_attention" in report["imports"] and "zmq" in report["imports"]
+    assert (Path(report["model"]) / "config.json").is_file(), "the default model converts without a hub"
+    assert report["parts"] == ["kernels", "engine"]
+
+
+def test_gpu_check_rejects_an_unknown_part(tmp_path: Path) -> None:
+    run = _gpu_check(tmp_path, "--dry-run", "--skip", "kernels,bogus")
+    assert run.returncode == 2
+    assert "--skip: unknown part(s) bogus" in run.stderr
