@@ -90,6 +90,39 @@ def paged_decode_attention(
     return (out / denom[..., None]).reshape(batch, num_heads, head_dim).to(q.dtype)
 
 
+@dataclass(frozen=True, slots=True)
+class _PrefillLayout:
+    """Each prefill sequence's query range and its causal mask over prefix + new tokens: the same for every
+    layer of a step, so built once (host lists, no device sync per layer)."""
+
+    cu_seqlens_q: torch.Tensor  # the inputs it was built from (held, so their identity stays theirs)
+    seq_lens: torch.Tensor
+    ranges: list[tuple[int, int, int]]  # (first query row, last query row + 1, cached prefix length)
+    masks: list[torch.Tensor | None]  # [q_len, seq_len] bool where a prefix is cached; None: plain causal
+
+
+_last_prefill: list[_PrefillLayout] = []  # one entry: the layout of the step in progress
+
+
+def _prefill_layout(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor) -> _PrefillLayout:
+    if _last_prefill and _last_prefill[0].cu_seqlens_q is cu_seqlens_q and _last_prefill[0].seq_lens is seq_lens:
+        return _last_prefill[0]
+    starts = cu_seqlens_q.tolist()
+    ranges, masks = [], []
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        lo, hi = starts[i], starts[i + 1]
+        prefix = seq_len - (hi - lo)
+        ranges.append((lo, hi, prefix))
+        mask = None
+        if prefix:
+            rows = torch.arange(hi - lo, device=seq_lens.device)[:, None] + prefix
+            mask = torch.arange(seq_len, device=seq_lens.device)[None, :] <= rows
+        masks.append(mask)
+    layout = _PrefillLayout(cu_seqlens_q, seq_lens, ranges, masks)
+    _last_prefill[:] = [layout]
+    return layout
+
+
 def paged_prefill_attention(
     q: torch.Tensor,  # [Tq, H, D], the new tokens of every sequence, concatenated
     k: torch.Tensor,  # [Tq, Hkv, D], their keys
@@ -104,20 +137,12 @@ def paged_prefill_attention(
     """Causal attention of new tokens over their cached prefix plus themselves (chunked prefill, prefix hits)."""
     out = torch.empty_like(q)
     group = q.shape[1] // k.shape[1]
-    starts = cu_seqlens_q.tolist()
-    lens = seq_lens.tolist()
-    for i, seq_len in enumerate(lens):
-        lo, hi = starts[i], starts[i + 1]
-        q_len = hi - lo
-        prefix = seq_len - q_len
+    layout = _prefill_layout(cu_seqlens_q, seq_lens)
+    for i, ((lo, hi, prefix), mask) in enumerate(zip(layout.ranges, layout.masks)):
         keys, values = k[lo:hi], v[lo:hi]
         if prefix:
             keys = torch.cat([gather_kv(k_cache, block_tables[i], prefix).to(k.dtype), keys])
             values = torch.cat([gather_kv(v_cache, block_tables[i], prefix).to(v.dtype), values])
-        mask = None
-        if prefix:
-            rows = torch.arange(q_len, device=q.device)[:, None] + prefix
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
         # Heads repeated rather than `enable_gqa`, and a batch dimension: that is what sends CPU SDPA to its
         # flash kernel instead of the math fallback (2-3x faster on prefill chunks).
         attn = F.scaled_dot_product_attention(
@@ -125,7 +150,7 @@ def paged_prefill_attention(
             _repeat_heads(keys, group)[None],
             _repeat_heads(values, group)[None],
             attn_mask=mask,
-            is_causal=not prefix,
+            is_causal=mask is None,
             scale=scale,
         )
         out[lo:hi] = attn[0].transpose(0, 1)

@@ -59,3 +59,18 @@ def test_gpu_check_rejects_an_unknown_part(tmp_path: Path) -> None:
     run = _gpu_check(tmp_path, "--dry-run", "--skip", "kernels,bogus")
     assert run.returncode == 2
     assert "--skip: unknown part(s) bogus" in run.stderr
+
+
+def test_bench_linear_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "linear.json"
+    run = subprocess.run(
+        [sys.executable, "scripts/bench_linear.py", "--smoke", "--threads", "1", "--json", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    table = json.loads(out.read_text())["table"]
+    assert [row["rows"] for row in table] == [1, 16]
+    assert all(row[d]["layer_ms"] > 0 and row[d]["head_ms"] > 0 for row in table for d in ("float32", "bfloat16"))
