@@ -13,16 +13,14 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _run_script(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
 @pytest.mark.slow
 def test_bench_throughput_smoke(tmp_path: Path) -> None:
     out = tmp_path / "throughput.json"
-    run = subprocess.run(
-        [sys.executable, "scripts/bench_throughput.py", "--smoke", "--threads", "1", "--json", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    run = _run_script("scripts/bench_throughput.py", "--smoke", "--threads", "1", "--json", str(out))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
     rows = {(r["engine"], r["dtype"], r["how"].split(",")[0]) for r in report["rows"]}
@@ -63,13 +61,7 @@ def test_gpu_check_rejects_an_unknown_part(tmp_path: Path) -> None:
 
 def test_bench_linear_smoke(tmp_path: Path) -> None:
     out = tmp_path / "linear.json"
-    run = subprocess.run(
-        [sys.executable, "scripts/bench_linear.py", "--smoke", "--threads", "1", "--json", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = _run_script("scripts/bench_linear.py", "--smoke", "--threads", "1", "--json", str(out))
     assert run.returncode == 0, run.stderr[-3000:]
     table = json.loads(out.read_text())["table"]
     assert [row["rows"] for row in table] == [1, 16]
