@@ -132,3 +132,14 @@ def test_the_example_users_backend_matches_hf(tiny_llama_dir) -> None:  # type: 
     for req, prompt in zip(requests, prompts):
         assert len(req.output_token_ids) > 0
         assert_teacher_forced(hf, prompt, req.output_token_ids)
+
+
+def test_the_worker_flag_takes_names_and_module_class(capsys: pytest.CaptureFixture[str]) -> None:
+    from worker_node.worker import build_parser
+
+    parser = build_parser()
+    for value in ("native", "deploy.custom_attention:PaddedDecodeAttention"):
+        assert parser.parse_args(["--attention-backend", value]).attention_backend == value
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--attention-backend", "flash"])
+    assert "expected one of auto, triton, native, torch or module:Class, got 'flash'" in capsys.readouterr().err
