@@ -59,10 +59,12 @@ def test_gpu_check_rejects_an_unknown_part(tmp_path: Path) -> None:
     assert "--skip: unknown part(s) bogus" in run.stderr
 
 
-def test_bench_linear_smoke(tmp_path: Path) -> None:
-    out = tmp_path / "linear.json"
-    run = _run_script("scripts/bench_linear.py", "--smoke", "--threads", "1", "--json", str(out))
+def test_bench_cpu_dtypes_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "cpu_dtypes.json"
+    run = _run_script("scripts/bench_cpu_dtypes.py", "--smoke", "--threads", "1", "--json", str(out))
     assert run.returncode == 0, run.stderr[-3000:]
-    table = json.loads(out.read_text())["table"]
-    assert [row["rows"] for row in table] == [1, 16]
-    assert all(row[d]["layer_ms"] > 0 and row[d]["head_ms"] > 0 for row in table for d in ("float32", "bfloat16"))
+    report = json.loads(out.read_text())
+    assert [row["rows"] for row in report["table"]] == [1, 16]
+    dtypes = ("float32", "bfloat16")
+    assert all(row[d]["layer_ms"] > 0 and row[d]["head_ms"] > 0 for row in report["table"] for d in dtypes)
+    assert all(row["float32_ms"] > 0 and row["bfloat16_ms"] > 0 for row in report["attention"])

@@ -1,9 +1,10 @@
-"""The linear layers of one decoder layer (fused QKV, O, fused gate/up, down) and the LM head, in float32 and
-bf16, for a range of row counts (tokens in a step): the figures behind the CPU dtype choice.
+"""The CPU operations behind the dtype choice, in float32 and bf16: the linear layers of one decoder layer
+(fused QKV, O, fused gate/up, down) and the LM head for a range of row counts (tokens in a step), and the native
+decode-attention kernel over a float32 and a bf16 cache.
 
-    .venv/bin/python scripts/bench_linear.py                  # SmolLM2-135M's shapes, 1 to 512 rows
-    .venv/bin/python scripts/bench_linear.py --threads 1 --rows 1,16,64
-    .venv/bin/python scripts/bench_linear.py --smoke          # what CI runs
+    .venv/bin/python scripts/bench_cpu_dtypes.py              # SmolLM2-135M's shapes, 1 to 512 rows
+    .venv/bin/python scripts/bench_cpu_dtypes.py --threads 1 --rows 1,16,64
+    .venv/bin/python scripts/bench_cpu_dtypes.py --smoke      # what CI runs
 
 Each figure is the fastest of --repeats runs (the machine is shared: the fastest is the least disturbed).
 """
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from kernels import cpu_attention, torch_attention  # noqa: E402
 from worker_node.models.config import ModelConfig  # noqa: E402
 
 
@@ -60,6 +62,19 @@ def measure(config: ModelConfig, rows: int, dtype: torch.dtype, repeats: int) ->
     return {"rows": rows, "layer_ms": layer_ms, "layer_GFLOPs": flops / layer_ms / 1e6, "head_ms": head_ms}
 
 
+def measure_decode(config: ModelConfig, batch: int, seq_len: int, dtype: torch.dtype, repeats: int) -> float:
+    """ms of one layer's decode attention for `batch` sequences of `seq_len` cached tokens, blocks shuffled."""
+    block_size, gen = 16, torch.Generator().manual_seed(1)
+    per_seq = -(-seq_len // block_size)
+    shape = (batch * per_seq, block_size, config.num_kv_heads, config.head_dim)
+    k_cache, v_cache = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    tables = torch.randperm(batch * per_seq, generator=gen).view(batch, per_seq).int()
+    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32)
+    q = torch.randn(batch, config.num_heads, config.head_dim, generator=gen).to(dtype)
+    native = cpu_attention.NativeDecodeAttention(torch_attention.paged_decode_attention)
+    return fastest_ms(lambda: native(q, k_cache, v_cache, tables, seq_lens, config.head_dim**-0.5), repeats)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default", help="HF folder whose shapes to use, or 'default' (SmolLM2-135M)")
@@ -88,8 +103,14 @@ def main() -> int:
             f"| {f32['layer_GFLOPs']:.0f} | {b16['layer_GFLOPs']:.0f} | {f32['head_ms']:.2f} | {b16['head_ms']:.2f} |",
             flush=True,
         )
+    print("\n| decode attention, one layer | fp32 cache ms | bf16 cache ms | fp32 / bf16 |\n|---|---|---|---|")
+    attention = []
+    for batch, seq_len in ((4, 400), (64, 400)) if not args.smoke else ((2, 40),):
+        f32, b16 = (measure_decode(config, batch, seq_len, d, args.repeats) for d in (torch.float32, torch.bfloat16))
+        attention.append({"batch": batch, "seq_len": seq_len, "float32_ms": f32, "bfloat16_ms": b16})
+        print(f"| {batch} x {seq_len} tokens | {f32:.3f} | {b16:.3f} | {f32 / b16:.2f}x |", flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"threads": args.threads, "table": table}, indent=2))
+        args.json.write_text(json.dumps({"threads": args.threads, "table": table, "attention": attention}, indent=2))
     return 0
 
 
