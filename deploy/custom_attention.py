@@ -4,8 +4,8 @@
 
 The worker loads `module:Class` (the module must be importable by the worker: on PYTHONPATH or installed),
 builds it without arguments and calls its three methods, which take the arguments of the functions of the same
-job in `kernels/torch_attention.py` (cache layout `[num_blocks, block_size, num_kv_heads, head_dim]`). Later
-versions may pass extra keyword arguments (a sliding window, a logit soft-cap): accept `**kwargs`.
+job in `kernels/torch_attention.py` (cache layout `[num_blocks, block_size, num_kv_heads, head_dim]`),
+including the keyword arguments `window` (a sliding window) and `softcap` (a score soft-cap), 0 when unused.
 
 This one keeps the reference's KV write and prefill, and replaces decode: every sequence's blocks are gathered
 into one `[batch, longest, ...]` tensor and a single `scaled_dot_product_attention` call masks the padding. It
@@ -13,8 +13,6 @@ is simple and exact; it pays for the copy and the padding, which the built-in ke
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +28,6 @@ class PaddedDecodeAttention:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
-        **kwargs: Any,
     ) -> None:
         torch_attention.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
@@ -42,8 +39,14 @@ class PaddedDecodeAttention:
         block_tables: torch.Tensor,  # [B, max_blocks] int32
         seq_lens: torch.Tensor,  # [B] int32, cached tokens including the query's own
         scale: float,
-        **kwargs: Any,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
+        if window or softcap:  # not this example's business: the reference handles them
+            return torch_attention.paged_decode_attention(
+                q, k_cache, v_cache, block_tables, seq_lens, scale, window=window, softcap=softcap
+            )
         batch, num_heads, head_dim = q.shape
         block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
         longest = int(seq_lens.max())
@@ -73,8 +76,10 @@ class PaddedDecodeAttention:
         cu_seqlens_q: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
-        **kwargs: Any,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         return torch_attention.paged_prefill_attention(
-            q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale
+            q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, window=window, softcap=softcap
         )

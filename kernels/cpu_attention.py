@@ -78,7 +78,9 @@ def load(head_dim: int = 64, group: int = 1, kv_dtype: torch.dtype = torch.float
         logger.warning("could not build the CPU attention kernel (%s) %s", error, detail.decode(errors="replace"))
         return None
     library.paged_decode_attention.restype = None
-    library.paged_decode_attention.argtypes = [_ptr] * 6 + [_i64] * 4 + [ctypes.c_float, ctypes.c_int]
+    library.paged_decode_attention.argtypes = (
+        [_ptr] * 6 + [_i64] * 4 + [ctypes.c_float, ctypes.c_int, _i64, ctypes.c_float]
+    )
     library.paged_attention_limits.restype = ctypes.c_int
     library.paged_attention_limits.argtypes = [_i64] * 2
     return library
@@ -90,7 +92,7 @@ class NativeDecodeAttention:
     The cache may be float32 or bfloat16 (read as it is, accumulated in float32); the queries go in as float32
     and the output comes back in the queries' dtype. Shapes or dtypes the kernel does not cover (caches of
     another dtype or not contiguous, not on the CPU, more than 16 query heads per kv head, heads wider than
-    256) go to `fallback`.
+    256) go to `fallback`; sliding windows and soft-caps run in the kernel.
     """
 
     def __init__(self, fallback: DecodeAttention) -> None:
@@ -120,10 +122,13 @@ class NativeDecodeAttention:
         block_tables: torch.Tensor,  # [B, max_blocks] int32
         seq_lens: torch.Tensor,  # [B] int32
         scale: float,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         library = self._library(q, k_cache, v_cache)
         if library is None:
-            return self._fallback(q, k_cache, v_cache, block_tables, seq_lens, scale)
+            return self._fallback(q, k_cache, v_cache, block_tables, seq_lens, scale, window=window, softcap=softcap)
         block_tables = block_tables.to(torch.int32).contiguous()
         seq_lens = seq_lens.to(torch.int32).contiguous()
         query = q.to(torch.float32).contiguous()  # [B, H, D] is small: widened once, not per block
@@ -141,5 +146,7 @@ class NativeDecodeAttention:
             block_tables.shape[1],
             scale,
             torch.get_num_threads(),
+            window,
+            softcap,
         )
         return out.to(q.dtype)

@@ -38,15 +38,24 @@ class _DecodeLayout:
     seq_lens: torch.Tensor
     blocks: torch.Tensor  # [N] every held block, sequence by sequence
     owner: torch.Tensor  # [N] the sequence each block belongs to
+    positions: torch.Tensor  # [N, block_size] the position of each slot in its sequence
+    owner_lens: torch.Tensor  # [N, 1] the length of each block's sequence
     padding: torch.Tensor  # [N, block_size] slots past the sequence's end
+
+    def hidden(self, window: int) -> torch.Tensor:
+        """[N, block_size] slots the query does not see: past the end, or (with a window) before it."""
+        if not window:
+            return self.padding
+        return self.padding | (self.positions < self.owner_lens - window)
 
 
 _last_layout: list[_DecodeLayout] = []  # one entry: the layout of the step in progress
 
 
 def _decode_layout(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> _DecodeLayout:
-    if _last_layout and _last_layout[0].block_tables is block_tables and _last_layout[0].seq_lens is seq_lens:
-        return _last_layout[0]
+    last = _last_layout[0] if _last_layout else None  # read once: another thread may replace it
+    if last is not None and last.block_tables is block_tables and last.seq_lens is seq_lens:
+        return last
     device = block_tables.device
     lens = seq_lens.long()
     num_blocks = (lens + block_size - 1) // block_size
@@ -54,9 +63,15 @@ def _decode_layout(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_siz
     held = columns[None, :] < num_blocks[:, None]
     owner = torch.repeat_interleave(torch.arange(len(lens), device=device), num_blocks)
     pos = columns.expand_as(held)[held][:, None] * block_size + torch.arange(block_size, device=device)[None, :]
-    layout = _DecodeLayout(block_tables, seq_lens, block_tables[held].long(), owner, pos >= lens[owner][:, None])
+    owner_lens = lens[owner][:, None]
+    layout = _DecodeLayout(block_tables, seq_lens, block_tables[held].long(), owner, pos, owner_lens, pos >= owner_lens)
     _last_layout[:] = [layout]
     return layout
+
+
+def soft_cap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    """Gemma 2's attention-score (and logit) soft-capping: smooth, and bounded by +-softcap."""
+    return torch.tanh(scores / softcap) * softcap
 
 
 def paged_decode_attention(
@@ -66,6 +81,9 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32, tokens in the cache including the query's own
     scale: float,
+    *,
+    window: int = 0,  # sliding window: the query sees its last `window` tokens (itself included); 0: all
+    softcap: float = 0.0,  # scores become softcap * tanh(scores / softcap); 0: none
 ) -> torch.Tensor:
     """Attention block by block: only the blocks a sequence holds are read (no padding to the longest one);
     per-block partial softmaxes are merged per sequence, as the split-KV kernel does per segment."""
@@ -80,9 +98,12 @@ def paged_decode_attention(
     values = v_cache.view(num_cache_blocks, -1).index_select(0, layout.blocks).view_as(keys)
     qb = q.view(batch, num_kv_heads, group, head_dim).float().index_select(0, owner)  # [N, Hkv, G, D]
     scores = torch.einsum("nshd,nhgd->nhgs", keys.float(), qb) * scale  # [N, Hkv, G, bs]
-    scores.masked_fill_(layout.padding[:, None, None, :], float("-inf"))
+    if softcap:
+        scores = soft_cap(scores, softcap)
+    scores.masked_fill_(layout.hidden(window)[:, None, None, :], float("-inf"))
     seq_max = torch.full((batch, num_kv_heads, group), float("-inf"), device=q.device)
     seq_max.scatter_reduce_(0, owner[:, None, None].expand(-1, num_kv_heads, group), scores.amax(-1), "amax")
+    # A block wholly outside the window scores -inf everywhere: its exp is 0 against its sequence's max.
     probs = torch.exp(scores - seq_max[owner][..., None])
     denom = torch.zeros(batch, num_kv_heads, group, device=q.device).index_add_(0, owner, probs.sum(-1))
     partial = torch.einsum("nhgs,nshd->nhgd", probs, values.float())  # [N, Hkv, G, D]
@@ -105,19 +126,16 @@ _last_prefill: list[_PrefillLayout] = []  # one entry: the layout of the step in
 
 
 def _prefill_layout(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor) -> _PrefillLayout:
-    if _last_prefill and _last_prefill[0].cu_seqlens_q is cu_seqlens_q and _last_prefill[0].seq_lens is seq_lens:
-        return _last_prefill[0]
+    last = _last_prefill[0] if _last_prefill else None  # read once: another thread may replace it
+    if last is not None and last.cu_seqlens_q is cu_seqlens_q and last.seq_lens is seq_lens:
+        return last
     starts = cu_seqlens_q.tolist()
     ranges, masks = [], []
     for i, seq_len in enumerate(seq_lens.tolist()):
         lo, hi = starts[i], starts[i + 1]
         prefix = seq_len - (hi - lo)
         ranges.append((lo, hi, prefix))
-        mask = None
-        if prefix:
-            rows = torch.arange(hi - lo, device=seq_lens.device)[:, None] + prefix
-            mask = torch.arange(seq_len, device=seq_lens.device)[None, :] <= rows
-        masks.append(mask)
+        masks.append(_visible(hi - lo, prefix, 0, seq_lens.device) if prefix else None)
     layout = _PrefillLayout(cu_seqlens_q, seq_lens, ranges, masks)
     _last_prefill[:] = [layout]
     return layout
@@ -133,6 +151,9 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,  # [S + 1] int32, offsets of each sequence's queries in q
     seq_lens: torch.Tensor,  # [S] int32, prefix + new tokens
     scale: float,
+    *,
+    window: int = 0,  # as for decode
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of new tokens over their cached prefix plus themselves (chunked prefill, prefix hits)."""
     out = torch.empty_like(q)
@@ -145,16 +166,37 @@ def paged_prefill_attention(
             values = torch.cat([gather_kv(v_cache, block_tables[i], prefix).to(v.dtype), values])
         # Heads repeated rather than `enable_gqa`, and a batch dimension: that is what sends CPU SDPA to its
         # flash kernel instead of the math fallback (2-3x faster on prefill chunks).
-        attn = F.scaled_dot_product_attention(
-            q[lo:hi].transpose(0, 1)[None],
-            _repeat_heads(keys, group)[None],
-            _repeat_heads(values, group)[None],
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scale,
-        )
+        queries = q[lo:hi].transpose(0, 1)[None]
+        keys, values = _repeat_heads(keys, group)[None], _repeat_heads(values, group)[None]
+        if window:  # windows differ between layers: not part of the step's layout
+            mask = _visible(hi - lo, prefix, window, q.device)
+        if softcap:
+            attn = _capped_attention(queries, keys, values, mask, scale, softcap)
+        else:
+            attn = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale
+            )
         out[lo:hi] = attn[0].transpose(0, 1)
     return out
+
+
+def _visible(q_len: int, prefix: int, window: int, device: torch.device) -> torch.Tensor:
+    """[q_len, prefix + q_len]: the keys each new token sees (causal, and inside the window if one is set)."""
+    rows = torch.arange(q_len, device=device)[:, None] + prefix
+    cols = torch.arange(prefix + q_len, device=device)[None, :]
+    visible = cols <= rows
+    return visible & (cols > rows - window) if window else visible
+
+
+def _capped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None, scale: float, softcap: float
+) -> torch.Tensor:
+    """Attention with soft-capped scores, which SDPA cannot apply: scores, cap, mask, softmax in float32."""
+    scores = soft_cap(torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale, softcap)
+    if visible is None:
+        visible = _visible(q.shape[-2], 0, 0, q.device)
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.matmul(probs, v.float()).to(q.dtype)
 
 
 def _repeat_heads(x: torch.Tensor, group: int) -> torch.Tensor:

@@ -26,16 +26,38 @@ def paged_offsets(table_row, cols, cmask, kv_head, stride_cb, stride_ct, stride_
     return block * stride_cb + (cols % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
 
 
+NO_WINDOW = 1 << 30  # the window the kernels get for "none": wider than any sequence
+
+
+def score_scales(scale: float, softcap: float) -> tuple[float, float]:
+    """(qk_scale, cap) for `online_softmax_step`: plain scores are q.k * scale * log2(e); soft-capped ones
+    softcap * tanh(q.k * scale / softcap), so the dot is scaled by scale / softcap and tanh's output by
+    softcap * log2(e)."""
+    if softcap:
+        return scale / softcap, softcap * LOG2E
+    return scale * LOG2E, 0.0
+
+
 @triton.jit
-def online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, mask, MASKED: tl.constexpr):
+def _tanh(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, cap, mask, MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
     """Fold keys `k` [N, D] and values `v` [N, D] into the running max/sum/output of queries `q` [M, D]."""
     # "ieee" keeps fp32 inputs off TF32; fp16/bf16 inputs ignore it.
     qk = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    if SOFTCAP:
+        qk = cap * _tanh(qk)
     if MASKED:
         qk = tl.where(mask, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    p = tl.exp2(qk - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
+    # A row that has seen no visible key yet (a sliding window starts inside this tile) keeps m = -inf: its
+    # exponentials are taken against 0 instead, so they come out 0, not NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(qk - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     return m_new, l_i, acc

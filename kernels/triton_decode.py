@@ -3,7 +3,8 @@
 Grid (batch, kv_heads, segments): each program takes one query token's GQA group (every query head that
 shares one KV head, so K/V are read once for the group) over one segment of the sequence, and writes a partial
 max, sum and unnormalised output; a second kernel merges the segments. With a single segment the first
-kernel writes the final output itself.
+kernel writes the final output itself. With a sliding window each segment starts at the window's first token
+(a segment wholly before it writes an empty partial); soft-capped scores pass through tanh.
 """
 
 # Triton spells compile-time constants (tl.constexpr arguments) in upper case.
@@ -16,11 +17,12 @@ import triton
 import triton.language as tl
 
 from kernels.triton_common import (
-    LOG2E,
+    NO_WINDOW,
     check_attention_inputs,
     multiprocessor_count,
     online_softmax_step,
     paged_offsets,
+    score_scales,
 )
 
 MAX_SEGMENTS = 64  # bounds the merge kernel's registers: it holds [segments, head_dim] partials at once
@@ -49,6 +51,8 @@ def _decode_split_kernel(
     stride_mb,
     stride_mh,
     qk_scale,
+    cap,
+    window,
     seg_tokens,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -56,6 +60,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     batch = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -65,6 +70,9 @@ def _decode_split_kernel(
     if start >= seq_len:
         return
     end = tl.minimum(start + seg_tokens, seq_len)
+    # A sliding window: the segment's tokens before it are skipped (a segment wholly before it writes an empty
+    # partial, which the merge weighs 0).
+    first = tl.maximum(start, seq_len - window)
 
     g = tl.arange(0, GROUP_PAD)
     heads = kv_head * GROUP + g
@@ -77,13 +85,13 @@ def _decode_split_kernel(
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     table_row = block_tables_ptr + batch * stride_bt
-    for n0 in range(start, end, BLOCK_N):
+    for n0 in range(first, end, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         cmask = cols < end
         off = paged_offsets(table_row, cols, cmask, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
         k = tl.load(k_cache_ptr + off[:, None] + dims[None, :], mask=cmask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + off[:, None] + dims[None, :], mask=cmask[:, None], other=0.0)
-        m_i, l_i, acc = online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, cmask[None, :], True)
+        m_i, l_i, acc = online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, cap, cmask[None, :], True, SOFTCAP)
 
     o_off = batch * stride_ob + heads[:, None] * stride_oh + dims[None, :]
     if DIRECT:
@@ -154,6 +162,8 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [B] int32, >= 1, tokens in the cache including the query's own
     scale: float,
     *,
+    window: int = 0,  # sliding window: the query sees its last `window` tokens (itself included); 0: all
+    softcap: float = 0.0,  # scores become softcap * tanh(scores / softcap); 0: none
     num_segments: int | None = None,
 ) -> torch.Tensor:
     """Split-KV decode. Segments are sized from the block table's width (no device sync, graph friendly)."""
@@ -192,7 +202,8 @@ def paged_decode_attention(
         *k_cache.stride()[:3],
         block_tables.stride(0),
         *part_strides,
-        scale * LOG2E,
+        *score_scales(scale, softcap),
+        window or NO_WINDOW,
         seg_tokens,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
@@ -200,6 +211,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         DIRECT=direct,
+        SOFTCAP=bool(softcap),
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -3,7 +3,8 @@
 Grid (query tiles of every sequence, query heads), flattened over variable-length sequences without a host
 sync: `cu_tiles` (built with device ops) maps a program to its sequence. Each program first sweeps the cached
 prefix through the block table, then the new tokens' own keys from `k`/`v`: tiles wholly below the diagonal
-without a mask, the diagonal tile(s) with the causal mask.
+without a mask, the diagonal tile(s) with the causal mask. A sliding window starts both sweeps where the tile's
+first query starts seeing, and masks per query what it no longer sees; soft-capped scores pass through tanh.
 """
 
 # Triton spells compile-time constants (tl.constexpr arguments) in upper case.
@@ -15,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import LOG2E, check_attention_inputs, online_softmax_step, paged_offsets
+from kernels.triton_common import NO_WINDOW, check_attention_inputs, online_softmax_step, paged_offsets, score_scales
 
 
 @triton.jit
@@ -44,12 +45,16 @@ def _prefill_kernel(
     stride_ot,
     stride_oh,
     qk_scale,
+    cap,
+    window,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SEQS_PAD: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     head = tl.program_id(1)
@@ -73,33 +78,45 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
+    # With a sliding window, query row r (at position prefix + r) sees keys after prefix + r - window: the tile's
+    # first row bounds where the sweeps start, and a mask takes off what its later rows must not see.
+    seen_after = prefix + rows - window  # [BLOCK_M], per row: the last position it does not see
     table_row = block_tables_ptr + seq * stride_bt
-    for n0 in range(0, prefix, BLOCK_N):
+    for n0 in range(tl.maximum(0, prefix + q_tile * BLOCK_M - window + 1), prefix, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         cmask = cols < prefix
         off = paged_offsets(table_row, cols, cmask, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
         k = tl.load(k_cache_ptr + off[:, None] + dims[None, :], mask=cmask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + off[:, None] + dims[None, :], mask=cmask[:, None], other=0.0)
-        m_i, l_i, acc = online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, cmask[None, :], True)
+        visible = cmask[None, :]
+        if WINDOWED:
+            visible = visible & (cols[None, :] > seen_after[:, None])
+        m_i, l_i, acc = online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, cap, visible, True, SOFTCAP)
 
     # BLOCK_M is a multiple of BLOCK_N, so no key tile straddles the diagonal start.
     diag = q_tile * BLOCK_M
     k_base = k_ptr + kv_head * stride_kh + dims[None, :]
     v_base = v_ptr + kv_head * stride_vh + dims[None, :]
-    for n0 in range(0, diag, BLOCK_N):
+    # New tokens below the diagonal: all visible without a window; with one, from the tile-aligned start of
+    # what the first row sees, masked.
+    for n0 in range(tl.maximum(0, diag - window + 1) // BLOCK_N * BLOCK_N, diag, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         k = tl.load(k_base + (q_start + cols)[:, None] * stride_kt)
         v = tl.load(v_base + (q_start + cols)[:, None] * stride_vt)
-        m_i, l_i, acc = online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, None, False)
+        visible = (prefix + cols)[None, :] > seen_after[:, None]
+        m_i, l_i, acc = online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, cap, visible, WINDOWED, SOFTCAP)
     for n0 in range(diag, tl.minimum(diag + BLOCK_M, q_len), BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         cmask = cols < q_len
         k = tl.load(k_base + (q_start + cols)[:, None] * stride_kt, mask=cmask[:, None], other=0.0)
         v = tl.load(v_base + (q_start + cols)[:, None] * stride_vt, mask=cmask[:, None], other=0.0)
-        causal = (cols[None, :] <= rows[:, None]) & cmask[None, :]
-        m_i, l_i, acc = online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, causal, True)
+        visible = (cols[None, :] <= rows[:, None]) & cmask[None, :]
+        if WINDOWED:
+            visible = visible & ((prefix + cols)[None, :] > seen_after[:, None])
+        m_i, l_i, acc = online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, cap, visible, True, SOFTCAP)
 
-    out = acc / l_i[:, None]
+    # Padding rows past q_len may see no key at all inside a window (sum 0); they are not stored, only not NaN.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_off = (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :]
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
@@ -123,6 +140,9 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,  # [S + 1] int32, offsets of each sequence's queries in q
     seq_lens: torch.Tensor,  # [S] int32, prefix + new tokens
     scale: float,
+    *,
+    window: int = 0,  # sliding window: each query sees its last `window` tokens (itself included); 0: all
+    softcap: float = 0.0,  # scores become softcap * tanh(scores / softcap); 0: none
 ) -> torch.Tensor:
     """Causal attention of new tokens over their cached prefix plus themselves (chunked prefill, prefixes)."""
     total_q, num_heads, head_dim = q.shape
@@ -161,13 +181,16 @@ def paged_prefill_attention(
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
-        scale * LOG2E,
+        *score_scales(scale, softcap),
+        window or NO_WINDOW,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         SEQS_PAD=triton.next_power_of_2(num_seqs),
+        WINDOWED=bool(window),
+        SOFTCAP=bool(softcap),
         num_warps=num_warps,
         num_stages=num_stages,
     )

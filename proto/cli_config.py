@@ -1,4 +1,9 @@
-"""`--config FILE.yaml` for every command: each flag has a key (`--max-num-seqs` ↔ `max_num_seqs`); flags win."""
+"""`--config FILE.yaml` for every command: each flag has a key (`--max-num-seqs` ↔ `max_num_seqs`); flags win.
+
+A repeatable flag (`--metric`, `--stop`) takes a list (or one value) in the file, and the command line adds to
+it rather than replacing it; a required flag may come from the file alone. `null` keeps the command's default
+(for `control-token`, that is `$MINIVLLM_CONTROL_TOKEN`).
+"""
 
 from __future__ import annotations
 
@@ -13,15 +18,39 @@ def add_config_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config",
         metavar="FILE.yaml",
-        help="YAML file of settings; keys are the long flag names (dashes or underscores); flags win",
+        help="YAML file of settings; keys are the long flag names (dashes or underscores); flags win, "
+        "repeatable flags add to the file's list",
     )
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
-    pre, _ = parser.parse_known_args(argv)
+    pre, _ = _parse_known_without_required(parser, argv)
     if getattr(pre, "config", None):
-        parser.set_defaults(**_load(parser, Path(pre.config)))
+        values = _load(parser, Path(pre.config))
+        parser.set_defaults(**values)
+        for action in parser._actions:
+            if action.dest in values:
+                action.required = False  # the file gave it
     return parser.parse_args(argv)
+
+
+def config_keys(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """Every key a config file for this parser may hold: the long flags' names with underscores."""
+    return {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
+
+
+def _parse_known_without_required(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None
+) -> tuple[argparse.Namespace, list[str]]:
+    """Find --config before argparse insists on flags that the file may provide."""
+    required = [a for a in parser._actions if a.required]
+    for action in required:
+        action.required = False
+    try:
+        return parser.parse_known_args(argv)
+    finally:
+        for action in required:
+            action.required = True
 
 
 def _load(parser: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
@@ -31,20 +60,25 @@ def _load(parser: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
         parser.error(f"cannot read config {path}: {exc}")
     if not isinstance(data, dict):
         parser.error(f"config {path} must be a mapping of flag names to values")
-    known = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
+    known = config_keys(parser)
     values: dict[str, Any] = {}
     for key, value in data.items():
         dest = str(key).replace("-", "_")
         action = known.get(dest)
         if action is None:
             parser.error(f"unknown key {key!r} in {path}; valid keys: {', '.join(sorted(known))}")
+        if value is None:
+            continue  # null: the command's own default
+        repeatable = isinstance(action, argparse._AppendAction)
+        if repeatable and not isinstance(value, list):
+            value = [value]
         convert = action.type
-        if callable(convert) and value is not None and not isinstance(value, bool):
+        if callable(convert) and not isinstance(value, bool):
             try:
-                value = convert(value) if not isinstance(value, list) else [convert(v) for v in value]
+                value = [convert(v) for v in value] if isinstance(value, list) else convert(value)
             except (TypeError, ValueError) as exc:
                 parser.error(f"{key} in {path}: {exc}")
-        if action.choices is not None and value not in action.choices:
+        if action.choices is not None and not all(v in action.choices for v in (value if repeatable else [value])):
             parser.error(f"{key} in {path}: {value!r} is not one of {list(action.choices)}")
         values[dest] = value
     return values

@@ -25,8 +25,12 @@ class CurveError(ValueError):
 
 
 def ensure_keys(folder: str | Path) -> Path:
-    """Create the folder's key pairs if missing (never overwrites); return the folder."""
+    """Create the folder's key pairs if missing (never overwrites); return the folder. A complete folder is left
+    untouched, so it may be read-only (a Kubernetes Secret)."""
     root = Path(folder)
+    complete = [root / f"{n}.key_secret" for n in (SERVER, CLIENT)] + [root / f"{SERVER}.key"]
+    if all(p.is_file() for p in complete) and any((root / AUTHORIZED).glob("*.key")):
+        return root
     root.mkdir(parents=True, exist_ok=True)
     os.chmod(root, 0o700)
     for name in (SERVER, CLIENT):

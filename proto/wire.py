@@ -15,7 +15,8 @@ import msgpack
 # 2: results say whether an Interrupt reached them (a new message); cached requests carry new_token_ids, and
 # with P > 1 stages the workers take sampled tokens from the plan instead of broadcasting them; a v1 process in
 # such a world would wait on a broadcast that never comes.
-WIRE_VERSION = 2
+# 3: the Assignment carries the execution mode and the world's KV size (a replacement worker allocates exactly it).
+WIRE_VERSION = 3
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 T = TypeVar("T")
@@ -204,6 +205,18 @@ class StepPlan:
     def total_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
 
+    @property
+    def has_work(self) -> bool:
+        """Anything for the workers to do or learn (an empty plan is not sent)."""
+        return bool(
+            self.num_scheduled_tokens
+            or self.finished_req_ids
+            or self.preempted_req_ids
+            or self.block_copies
+            or self.swap_out
+            or self.swap_in
+        )
+
 
 def _pairs(value: Any, what: str) -> list[tuple[int, int]]:
     out = []
@@ -268,6 +281,48 @@ class StepResult:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class ExecutionMode:
+    """How plans flow through a world, computed once from its shape (TP, PP) and async scheduling, and read by
+    the engine, the scheduler and every worker instead of each deriving it again."""
+
+    plans_in_flight: int = 1  # plans sent and not yet answered, at most
+    # Each plan in flight holds requests no other in-flight plan holds (P > 1 stages: stage s runs plan N+1
+    # while stage s+1 runs plan N); a request is scheduled again only once its result is applied.
+    disjoint_plans: bool = False
+    # The output rank's sampled tokens reach the other ranks in the next plan (no end-of-step broadcast). Else
+    # every rank appends the tokens itself, and a plan may be built before the previous one's tokens are known.
+    tokens_in_plan: bool = False
+    interruptible: bool = False  # a lone worker may skip plans in flight (ranks of a bigger world could stop
+    # at different layers and leave a collective half-joined)
+
+    @classmethod
+    def for_world(cls, tensor_parallel_size: int, pipeline_parallel_size: int, async_scheduling: bool) -> ExecutionMode:
+        stages = pipeline_parallel_size > 1
+        if not async_scheduling:
+            plans = 1
+        else:
+            plans = pipeline_parallel_size if stages else 2
+        lone = tensor_parallel_size * pipeline_parallel_size == 1
+        return cls(plans, stages, stages, lone)
+
+    def to_wire(self) -> list[Any]:
+        return [self.plans_in_flight, self.disjoint_plans, self.tokens_in_plan, self.interruptible]
+
+    @classmethod
+    def from_wire(cls, v: Any) -> ExecutionMode:
+        plans, disjoint, tokens, interruptible = _fixed(v, 4, "execution_mode")
+        mode = cls(
+            _check(plans, int, "plans_in_flight"),
+            _check(disjoint, bool, "disjoint_plans"),
+            _check(tokens, bool, "tokens_in_plan"),
+            _check(interruptible, bool, "interruptible"),
+        )
+        if mode.plans_in_flight < 1:
+            raise WireError(f"plans_in_flight must be >= 1, got {mode.plans_in_flight}")
+        return mode
+
+
 @dataclass(slots=True)
 class WorkerHello:
     """A worker introduces itself; the scheduler answers with an Assignment."""
@@ -308,6 +363,12 @@ class Assignment:
     distributed_init: str = ""  # "host:port" of the rendezvous; "" for a world of one
     device: str = ""  # the device the placement chose ("cuda:3", "cpu"); "" leaves it to the worker
     distributed_timeout_s: float = 300.0  # a collective or the rendezvous waiting longer than this fails
+    mode: ExecutionMode = field(default_factory=ExecutionMode)
+    # The world's KV size, fixed when its first world got ready: a replacement allocates exactly this many device
+    # and swap blocks, so it fits the scheduler's table. On the first join 0 (-1 for swap) lets the worker size
+    # itself from its memory flags.
+    num_kv_blocks: int = 0
+    num_swap_blocks: int = -1
 
     KIND = Kind.ASSIGNMENT
 
@@ -325,11 +386,16 @@ class Assignment:
             self.distributed_init,
             self.device,
             self.distributed_timeout_s,
+            self.mode.to_wire(),
+            self.num_kv_blocks,
+            self.num_swap_blocks,
         ]
 
     @classmethod
     def from_wire(cls, v: Any) -> Assignment:
-        rank, world, model, dtype, bs, mnbt, mns, tp, pp, init, device, timeout = _fixed(v, 12, "assignment")
+        rank, world, model, dtype, bs, mnbt, mns, tp, pp, init, device, timeout, mode, kv, swap = _fixed(
+            v, 15, "assignment"
+        )
         a = cls(
             _check(rank, int, "rank"),
             _check(world, int, "world_size"),
@@ -343,7 +409,12 @@ class Assignment:
             _check(init, str, "distributed_init"),
             _check(device, str, "device"),
             float(_check(timeout, (float, int), "distributed_timeout_s")),
+            ExecutionMode.from_wire(mode),
+            _check(kv, int, "num_kv_blocks"),
+            _check(swap, int, "num_swap_blocks"),
         )
+        if a.num_kv_blocks < 0 or a.num_swap_blocks < -1:
+            raise WireError("num_kv_blocks must be >= 0 and num_swap_blocks >= -1")
         if a.tensor_parallel_size < 1 or a.pipeline_parallel_size < 1:
             raise WireError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
         if a.tensor_parallel_size * a.pipeline_parallel_size != a.world_size:

@@ -13,8 +13,7 @@ The engine comparison runs the offline API `minivllm.LLM` (the engine core with 
 SmolLM2-135M in bf16: 64 requests of about 128 prompt tokens, 128 greedy output tokens each (eos ignored), with
 the torch backend run eagerly and with the Triton kernels replayed from CUDA graphs. Decode tokens/s is the
 time of the whole run less that of a run to the first token, over the tokens in between; each configuration
-runs once to compile, capture and warm up first. Without `minivllm.LLM` (not merged yet) the engine part
-reports that and the kernel part still runs.
+runs once to compile, capture and warm up first.
 """
 
 from __future__ import annotations

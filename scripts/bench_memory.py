@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import statistics
@@ -24,14 +25,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from workload import greedy_spec, run_to_idle  # noqa: E402
+
+from minivllm.cluster import Cluster  # noqa: E402
 from proto import serving_pb2 as pb  # noqa: E402
 from proto import serving_pb2_grpc as pb_grpc  # noqa: E402
-from proto.wire import SamplingOptions, StepResult  # noqa: E402
 from scheduler_node.core.config import SchedulerConfig  # noqa: E402
-from scheduler_node.core.request import Request, StopConditions  # noqa: E402
-from scheduler_node.core.scheduler import Scheduler  # noqa: E402
 from scheduler_node.core.stats import snapshot  # noqa: E402
-from tests.servers import Cluster  # noqa: E402
+from scheduler_node.engine.builder import EngineConfig, make_engine  # noqa: E402
+from scheduler_node.engine.stand_in import StandInWorkers  # noqa: E402
+from scheduler_node.text.tokenizer import ModelTokenizer  # noqa: E402
 
 
 def shared_prefix(model: Path, caching: bool, n: int, system_len: int) -> dict:
@@ -79,67 +82,67 @@ def shared_prefix(model: Path, caching: bool, n: int, system_len: int) -> dict:
     }
 
 
-def saturation(num_blocks: int, block_size: int, max_model_len: int, n: int) -> dict:
+def saturation(model: Path, num_blocks: int, block_size: int, max_model_len: int, n: int) -> dict:
+    """The engine core over stand-in workers (no model): how full the blocks are held at saturation."""
     rng = random.Random(1)
-    config = SchedulerConfig(
-        block_size=block_size,
-        max_num_batched_tokens=4096,
-        max_num_seqs=1024,
-        max_model_len=max_model_len,
-        preemption_mode="recompute",
+    config = EngineConfig(
+        scheduler=SchedulerConfig(
+            block_size=block_size,
+            max_num_batched_tokens=4096,
+            max_num_seqs=1024,
+            max_model_len=max_model_len,
+            preemption_mode="recompute",
+        )
     )
-    s = Scheduler(config, num_blocks)
-    for i in range(n):
-        prompt = [rng.randrange(3, 49152) for _ in range(rng.randint(32, 512))]
-        s.add(Request(f"r{i}", prompt, SamplingOptions(0.0), StopConditions(rng.randint(16, 256))))
+    workers = StandInWorkers(num_blocks)
+    engine = make_engine(config, model, ModelTokenizer(model), workers, workers.capacity)
     utilization, running = [], []
-    while s.has_work:
-        plan = s.schedule()
-        sampled = {
-            r: [7] for r in plan.num_scheduled_tokens if s.requests[r].num_computed_tokens == s.requests[r].num_tokens
-        }
-        s.update(plan, StepResult(plan.step_id, sampled))
-        stats = snapshot(s)
+
+    def observe(plan: object) -> None:
+        stats = snapshot(engine.scheduler)
         if stats.kv_usage >= 0.9:
             utilization.append(1 - stats.fragmentation)
             running.append(stats.num_running)
+
+    workers.on_plan = observe
+    specs = []
+    for i in range(n):
+        prompt = [rng.randrange(3, 49152) for _ in range(rng.randint(32, 512))]
+        specs.append(greedy_spec(f"r{i}", prompt, rng.randint(16, 256)))
+    asyncio.run(run_to_idle(engine, specs))
     static = num_blocks * block_size // max_model_len
     return {
         "kv_slot_utilization": statistics.mean(utilization),
         "mean_concurrent": statistics.mean(running),
         "static_max_len_concurrent": static,
         "concurrency_ratio": statistics.mean(running) / static,
-        "preemptions": s.num_preemptions,
+        "preemptions": engine.scheduler.num_preemptions,
     }
 
 
 def pressure(model: Path, mode: str, num_blocks: int, host_blocks: int, n: int) -> dict:
-    from tests.harness import OfflineEngine, make_runner
+    """The offline API with few KV blocks: throughput and recomputation per preemption mode."""
+    from minivllm import LLM, SamplingParams
 
     rng = random.Random(2)
-    runner = make_runner(model, num_blocks, 16, num_host_blocks=host_blocks)
-    engine = OfflineEngine(runner, num_blocks, host_blocks, max_num_batched_tokens=256, preemption_mode=mode)
-    from worker_node.kv_cache import measure_swap_bandwidth
-
-    engine.scheduler.costs.bytes_per_block = runner.kv_cache[0][0][0].numel() * 4 * 2 * len(runner.kv_cache)
-    engine.scheduler.costs.swap_bytes_per_s = measure_swap_bandwidth(
-        runner.kv_cache, runner.host_cache, engine.scheduler.costs.bytes_per_block
-    )
-    reqs = []
-    for _ in range(n):
-        prompt = [rng.randrange(3, 49152) for _ in range(rng.randint(64, 256))]
-        reqs += engine.add(prompt, rng.randint(64, 128))
-    start = time.perf_counter()
-    engine.run()
-    elapsed = time.perf_counter() - start
-    c = engine.scheduler.counters
-    generated = sum(len(r.output_token_ids) for r in reqs)
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(64, 256))] for _ in range(n)]
+    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=rng.randint(64, 128)) for _ in range(n)]
+    with LLM(str(model), num_kv_blocks=num_blocks, preemption_mode=mode, max_num_batched_tokens=256) as llm:
+        block_bytes = llm.engine.workers.capacity.bytes_per_block
+        if llm.engine.scheduler.blocks.num_host_blocks < host_blocks:
+            raise SystemExit(f"(c) needs {host_blocks * block_bytes / 2**30:.2f} GiB of swap space")
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        c = llm.engine.scheduler.counters
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    needed = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1 for o in outputs)
     return {
         "mode": mode,
         "seconds": elapsed,
         "tok_s": generated / elapsed,
         # every token but each request's last sampled one is computed once; the rest is recomputation
-        "recomputed_tokens": sum(p.total_tokens for p in engine.plans) - sum(r.num_tokens - 1 for r in reqs),
+        "recomputed_tokens": c.scheduled_tokens - needed,
         "preemptions_recompute": c.preemptions_recompute,
         "preemptions_swap": c.preemptions_swap,
     }
@@ -168,7 +171,7 @@ def main() -> int:
             )
         print(f"TTFT speed-up: {report['a']['ttft_speedup']:.1f}x\n", flush=True)
     if "b" not in skip:
-        b = saturation(num_blocks=2048, block_size=16, max_model_len=2048, n=256)
+        b = saturation(model, num_blocks=2048, block_size=16, max_model_len=2048, n=256)
         report["b"] = b
         print("(b) saturation: 2,048 blocks of 16 tokens, 256 requests (prompts 32-512, outputs 16-256)")
         print(

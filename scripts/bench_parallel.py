@@ -32,8 +32,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from scheduler_node.engine.core import plans_in_flight  # noqa: E402
-from tests.servers import Cluster, stream_workload  # noqa: E402
+from workload import stream_workload  # noqa: E402
+
+from minivllm.cluster import Cluster  # noqa: E402
+from proto.wire import ExecutionMode  # noqa: E402
 
 
 def workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
@@ -97,7 +99,7 @@ def run_layout(
     return {
         "tp": tp,
         "pp": pp,
-        "plans_in_flight": plans_in_flight(not one_plan, pp),
+        "plans_in_flight": ExecutionMode.for_world(tp, pp, not one_plan).plans_in_flight,
         "threads_per_worker": threads,
         "tokens": tokens,
         "seconds": elapsed,

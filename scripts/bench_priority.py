@@ -22,9 +22,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from minivllm.cluster import Cluster  # noqa: E402
 from proto import serving_pb2 as pb  # noqa: E402
 from proto import serving_pb2_grpc as pb_grpc  # noqa: E402
-from tests.servers import Cluster  # noqa: E402
 
 
 def timed(stub: pb_grpc.GenerationStub, ids: list[int], max_tokens: int, priority: int) -> tuple[float, float]:

@@ -1,5 +1,5 @@
 """Offline throughput: one workload, in one run, through minivllm (fp32 and bf16; real `vllm-serve` processes
-over gRPC, and in-process through `minivllm.LLM` where it exists), HF transformers `generate` (fp32 and bf16,
+over gRPC, and in-process through `minivllm.LLM`), HF transformers `generate` (fp32 and bf16,
 static padded batches, best of several batch sizes) and, when given, llama.cpp's `llama-server` (parallel
 slots = continuous batching, the same threads).
 
@@ -42,7 +42,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from proto import serving_pb2 as pb  # noqa: E402
 from proto import serving_pb2_grpc as pb_grpc  # noqa: E402
-from proto.worker_flags import parse_size  # noqa: E402
 
 Work = list[tuple[list[int], int]]  # (prompt token ids, output tokens) per request
 
@@ -130,25 +129,21 @@ def wait_until(ready: Callable[[], bool], proc: subprocess.Popen, log: Any, name
         time.sleep(0.3)
 
 
-def run_inprocess(model: Path, work: Work, dtype: str, args: argparse.Namespace) -> dict | None:
-    """In-process through the offline API `minivllm.LLM` (no gRPC, no sockets); None where it is missing.
+def run_inprocess(model: Path, work: Work, dtype: str, args: argparse.Namespace) -> dict:
+    """In-process through the offline API `minivllm.LLM`: the same engine core, workers without sockets."""
+    from minivllm import LLM, SamplingParams
 
-    Marked spot: `minivllm.LLM` is the lead's offline API, not on this branch yet; once it lands this row appears
-    by itself (the call follows the API announced for it: LLM(...).generate(prompts, SamplingParams))."""
-    try:
-        from minivllm import LLM, SamplingParams  # type: ignore[import-not-found]
-    except ImportError:
-        return None
     with LLM(
-        model=str(model),
+        str(model),
         dtype=dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory=parse_size(args.kv_cache_memory),
+        kv_cache_memory=args.kv_cache_memory,
+        threads=args.threads,
     ) as llm:
         params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for _, o in work]
         start = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p, _ in work], params, use_tqdm=False)
+        outs = llm.generate([p for p, _ in work], params, use_tqdm=False)
         elapsed = time.perf_counter() - start
     return figures([len(o.outputs[0].token_ids) for o in outs], elapsed, work)
 
@@ -277,11 +272,9 @@ def main() -> int:
         row.update(run_minivllm(model, work, dtype, args))
         rows.append(row)
         print(f"minivllm {dtype} over gRPC: {row['tok_s']:.1f} tok/s ({row['seconds']:.1f} s)", flush=True)
-        inproc = run_inprocess(model, work, dtype, args)
-        if inproc is None:
-            print(f"minivllm {dtype} in-process: skipped (minivllm.LLM is not on this branch)", flush=True)
-        else:
-            rows.append({"engine": "minivllm", "dtype": dtype, "how": "in-process, minivllm.LLM", **inproc})
+        rows.append({"engine": "minivllm", "dtype": dtype, "how": "in-process, minivllm.LLM"})
+        rows[-1].update(run_inprocess(model, work, dtype, args))
+        print(f"minivllm {dtype} in-process: {rows[-1]['tok_s']:.1f} tok/s ({rows[-1]['seconds']:.1f} s)", flush=True)
     if args.llama_server:
         llama = run_llama_server(args.llama_server, args.gguf, work, args)
         rows.append({"engine": "llama.cpp", "dtype": args.gguf.name, "how": f"llama-server, {args.llama_slots} slots"})

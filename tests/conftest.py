@@ -1,10 +1,11 @@
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.models import build_tiny_model
+from tests.models import TINY_VARIANTS, build_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -27,3 +28,17 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) 
 @pytest.fixture(scope="session")
 def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
     return build_tiny_model("mistral", tmp_path_factory.mktemp("tiny-mistral"), smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Callable[[str], Path]:
+    """The tiny model of a TINY_VARIANTS name, built on first use and shared by the whole session."""
+    built: dict[str, Path] = {}
+
+    def folder(name: str) -> Path:
+        if name not in built:
+            kind, overrides = TINY_VARIANTS[name]
+            built[name] = build_tiny_model(kind, tmp_path_factory.mktemp(name), smollm2_dir, **overrides)
+        return built[name]
+
+    return folder

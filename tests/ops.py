@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import subprocess
 import sys
 import threading
 import time
@@ -12,9 +13,9 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from minivllm.cluster import Cluster
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
-from tests.servers import Cluster
 
 VOCAB = 49152  # the tiny models share SmolLM2's tokenizer
 TINY_WORKER = ["--kv-cache-memory", "16MiB"]
@@ -121,3 +122,13 @@ def list_workers(cluster: Cluster, metadata: tuple = ()) -> list[pb.WorkerStatus
 
 def rank0(cluster: Cluster, metadata: tuple = ()) -> pb.WorkerStatus:
     return next(w for w in list_workers(cluster, metadata) if w.rank == 0 and w.state != "joining")
+
+
+def child_pids(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    return [int(x) for x in out.stdout.split()]
+
+
+def alive(pid: int) -> bool:
+    state = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
+    return bool(state) and not state.startswith("Z")

@@ -17,7 +17,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.mark.parametrize(
     "module",
-    ["scheduler_node.cli.scheduler", "scheduler_node.cli.serve", "scheduler_node.cli.client", "worker_node.worker"],
+    [
+        "scheduler_node.cli.scheduler",
+        "scheduler_node.cli.serve",
+        "scheduler_node.cli.client",
+        "worker_node.worker",
+        "worker_node.convert",
+    ],
 )
 def test_help(module: str) -> None:
     out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from minivllm.cluster import Cluster, free_port
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from proto.cli_config import parse_args
@@ -34,7 +35,6 @@ from tests.ops import (
     wait_for,
     wait_idle,
 )
-from tests.servers import Cluster, free_port
 
 MAX_SEQS, MAX_WAITING = 8, 16
 DRAIN_TIMEOUT = 1.0

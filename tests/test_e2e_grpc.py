@@ -11,10 +11,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from minivllm.cluster import Cluster
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from scheduler_node.text.tokenizer import ModelTokenizer
-from tests.servers import Cluster
 
 KV_MEMORY = "48MiB"  # ~68 blocks of 16 tokens on SmolLM2 in float32 (~136 in bf16): max_model_len ~1000 (2000)
 

@@ -16,11 +16,13 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from minivllm.cluster import REPO, Cluster, free_port
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
+from proto.transport import WorkerLost
 from proto.wire import Assignment, Heartbeat, Shutdown, StepPlan, StepResult, WorkerHello, WorkerReady, decode, encode
 from scheduler_node.cli.client import wait_ready
-from scheduler_node.engine.worker_link import WorkerLink, WorkerLost
+from scheduler_node.engine.worker_link import WorkerLink
 from tests.models import assert_teacher_forced, load_hf
 from tests.ops import (
     NOT_SERVING,
@@ -36,7 +38,6 @@ from tests.ops import (
     wait_for,
     wait_idle,
 )
-from tests.servers import REPO, Cluster, free_port
 
 HEARTBEAT = 3.0
 LONG = 300  # tokens per stream: the kill lands mid-stream
@@ -54,7 +55,7 @@ class FakeWorker:
         self.inbox: asyncio.Queue[object] = asyncio.Queue()
         self.tasks: list[asyncio.Task[None]] = []
 
-    async def join(self) -> Assignment | Shutdown:
+    async def join(self) -> Assignment:
         await self.sock.send(encode(WorkerHello("fake", 1, "cpu")))
         a = decode(await self.sock.recv())
         assert isinstance(a, Assignment)
@@ -86,27 +87,30 @@ class FakeWorker:
         self.sock.close()
 
 
-def test_link_detects_stall_and_disconnect_and_admits_replacements() -> None:
+def test_link_detects_stall_and_disconnect_and_sizes_replacements() -> None:
     asyncio.run(_link_scenario())
+
+
+async def _step(link: WorkerLink, step_id: int) -> StepResult:
+    return await link.submit(StepPlan(step_id))
 
 
 async def _link_scenario() -> None:
     port = free_port()
     link = WorkerLink(f"127.0.0.1:{port}", heartbeat_timeout=1.0)
-    link.admit = lambda ready: "too few blocks" if ready.num_kv_blocks < 100 else ""
     ctx = zmq.asyncio.Context()
     try:
-        gather = asyncio.ensure_future(link.gather(1, lambda r: Assignment(r, 1, "/m", "auto", 16, 64, 8), 10))
+        gather = asyncio.ensure_future(link.start(lambda r: Assignment(r, 1, "/m", "auto", 16, 64, 8), 10))
         first = FakeWorker(ctx, port)
-        await first.join()
-        assert [w.state for w in await gather] == ["ready"]
-        assert (await link.step(StepPlan(1))).sampled == {"r": [1]}
+        assert (await first.join()).num_kv_blocks == 0  # the first world sizes itself
+        assert (await gather).num_kv_blocks == 100
+        assert (await _step(link, 1)).sampled == {"r": [1]}
         junk = ctx.socket(zmq.DEALER)  # garbage and strangers' messages change nothing
         junk.connect(f"tcp://127.0.0.1:{port}")
         for frames in ([b"\x00"], [b"a", b"b", b"c"], [encode(StepResult(2, {}))], [encode(Heartbeat(0, 1, 1.0))]):
             await junk.send_multipart(frames)
         junk.close(linger=0)
-        assert (await link.step(StepPlan(2))).sampled == {"r": [2]}
+        assert (await _step(link, 2)).sampled == {"r": [2]}
         assert link.all_ready
 
         first.stall()  # connected but silent: only the heartbeat timeout can tell
@@ -115,25 +119,21 @@ async def _link_scenario() -> None:
         assert 0.9 < time.monotonic() - stalled_at < 2.5
         assert [w.state for w in link.status()] == ["lost"]
         with pytest.raises(WorkerLost):
-            await link.step(StepPlan(3))
+            await _step(link, 3)
         while not isinstance(decode(await asyncio.wait_for(first.sock.recv(), 2)), Shutdown):
             pass  # heartbeats sent before it was declared lost, then the order to leave
 
-        small = FakeWorker(ctx, port, blocks=50)  # too small to replace the rank: turned away
-        await small.join()
-        assert isinstance(await asyncio.wait_for(small.inbox.get(), 2), Shutdown)
-        assert not link.all_ready
-        second = FakeWorker(ctx, port)
-        await second.join()
+        small = FakeWorker(ctx, port, blocks=50)  # told the world's size, it can hold only 50: the world shrinks
+        assert (await small.join()).num_kv_blocks == 100
         assert await link.wait_ready(2)
-        assert (await link.step(StepPlan(4))).sampled == {"r": [4]}
+        assert link.capacity.num_kv_blocks == 50
+        assert (await _step(link, 4)).sampled == {"r": [4]}
 
-        second.close()  # the connection drops: found at once by the socket monitor, not after the timeout
+        small.close()  # the connection drops: found at once by the socket monitor, not after the timeout
         dropped_at = time.monotonic()
         await asyncio.wait_for(link.lost.wait(), 3)
         assert time.monotonic() - dropped_at < 0.8
-        for w in (first, small):
-            w.close()
+        first.close()
     finally:
         await link.close("test over")
         ctx.term()

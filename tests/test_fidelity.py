@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tests.harness import make_runner, run_offline
+from tests.engine import EngineRun, load_runner
 from tests.models import assert_teacher_forced, load_hf
 
 BLOCK = 16
@@ -25,20 +25,16 @@ def test_greedy_matches_hf_under_chunking_and_preemption(kind: str, request: pyt
     folder = request.getfixturevalue(f"tiny_{kind}_dir")
     prompts, max_tokens = mixed_prompts(7)
     num_blocks = 14  # the batch needs ~20 blocks at its peak: forces recompute preemption
-    runner = make_runner(folder, num_blocks, BLOCK)
-    requests, scheduler = run_offline(
-        runner,
-        prompts,
-        max_tokens,
-        num_blocks=num_blocks,
-        max_num_batched_tokens=24,  # forces chunked prefill
-    )
-    assert scheduler.num_preemptions > 0, "the test lost its point: no preemption happened"
-    assert scheduler.blocks.num_free == num_blocks
+    runner = load_runner(folder, num_blocks, BLOCK)
+    with EngineRun(runner, tokenizer_dir=folder, max_num_batched_tokens=24) as run:  # 24: chunked prefill
+        requests = [run.add(p, m) for p, m in zip(prompts, max_tokens)]
+        run.run()
+        assert run.scheduler.num_preemptions > 0, "the test lost its point: no preemption happened"
+        assert run.scheduler.blocks.num_free == num_blocks
     hf = load_hf(folder)
     for req, prompt, m in zip(requests, prompts, max_tokens):
-        assert len(req.output_token_ids) == m
-        assert_teacher_forced(hf, prompt, req.output_token_ids)
+        assert len(req.output) == m
+        assert_teacher_forced(hf, prompt, req.output)
 
 
 def test_smollm2_greedy_matches_hf(smollm2_dir) -> None:  # type: ignore[no-untyped-def]
@@ -51,8 +47,9 @@ def test_smollm2_greedy_matches_hf(smollm2_dir) -> None:  # type: ignore[no-unty
         "Once upon a time, in a land far away, there lived",
     ]
     prompts = [tok.encode(t) for t in texts]
-    runner = make_runner(smollm2_dir, 64, BLOCK)
-    requests, _ = run_offline(runner, prompts, [24, 24, 24], num_blocks=64, max_num_batched_tokens=16)
+    with EngineRun(load_runner(smollm2_dir, 64, BLOCK), tokenizer_dir=smollm2_dir, max_num_batched_tokens=16) as run:
+        requests = [run.add(p, 24) for p in prompts]
+        run.run()
     hf = load_hf(smollm2_dir)
     for req, prompt in zip(requests, prompts):
-        assert_teacher_forced(hf, prompt, req.output_token_ids)
+        assert_teacher_forced(hf, prompt, req.output)

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.harness import make_runner, run_offline
+from tests.engine import EngineRun, load_runner
 from tests.models import assert_teacher_forced, load_hf
 from tests.test_fidelity import BLOCK, mixed_prompts
-from worker_node.worker import pick_dtype
+from worker_node.loading import pick_dtype
 
 BF16_TOL = 0.05
 
@@ -22,14 +22,16 @@ def test_bf16_greedy_matches_hf_bf16_under_chunking_and_preemption(kind: str, re
     folder = request.getfixturevalue(f"tiny_{kind}_dir")
     prompts, max_tokens = mixed_prompts(11)
     num_blocks = 14
-    runner = make_runner(folder, num_blocks, BLOCK, dtype=torch.bfloat16)
+    runner = load_runner(folder, num_blocks, BLOCK, dtype="bfloat16")
     assert runner.kv_cache[0][0].dtype == torch.bfloat16
-    requests, scheduler = run_offline(runner, prompts, max_tokens, num_blocks=num_blocks, max_num_batched_tokens=24)
-    assert scheduler.num_preemptions > 0, "the test lost its point: no preemption happened"
+    with EngineRun(runner, tokenizer_dir=folder, max_num_batched_tokens=24) as run:
+        requests = [run.add(p, m) for p, m in zip(prompts, max_tokens)]
+        run.run()
+        assert run.scheduler.num_preemptions > 0, "the test lost its point: no preemption happened"
     hf = load_hf(folder, torch.bfloat16)
     for req, prompt, m in zip(requests, prompts, max_tokens):
-        assert len(req.output_token_ids) == m
-        assert_teacher_forced(hf, prompt, req.output_token_ids, tol=BF16_TOL)
+        assert len(req.output) == m
+        assert_teacher_forced(hf, prompt, req.output, tol=BF16_TOL)
 
 
 def test_smollm2_bf16_greedy_matches_hf_bf16(smollm2_dir) -> None:  # type: ignore[no-untyped-def]
@@ -43,11 +45,13 @@ def test_smollm2_bf16_greedy_matches_hf_bf16(smollm2_dir) -> None:  # type: igno
         "List three colours:",
     ]
     prompts = [tok.encode(t) for t in texts]
-    runner = make_runner(smollm2_dir, 64, BLOCK, dtype=torch.bfloat16)
-    requests, _ = run_offline(runner, prompts, [32] * len(prompts), num_blocks=64, max_num_batched_tokens=16)
+    runner = load_runner(smollm2_dir, 64, BLOCK, dtype="bfloat16")
+    with EngineRun(runner, tokenizer_dir=smollm2_dir, max_num_batched_tokens=16) as run:
+        requests = [run.add(p, 32) for p in prompts]
+        run.run()
     hf = load_hf(smollm2_dir, torch.bfloat16)
     for req, prompt in zip(requests, prompts):
-        assert_teacher_forced(hf, prompt, req.output_token_ids, tol=BF16_TOL)
+        assert_teacher_forced(hf, prompt, req.output, tol=BF16_TOL)
 
 
 @pytest.mark.parametrize(

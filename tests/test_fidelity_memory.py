@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from proto.wire import StepPlan
-from tests.harness import OfflineEngine, make_runner
+from tests.engine import EngineRun, load_runner
 from tests.models import assert_teacher_forced, load_hf
 
 BLOCK = 16
@@ -27,48 +27,50 @@ def hf(tiny_llama_dir: Path):  # type: ignore[no-untyped-def]
 def test_prefix_hits_keep_fidelity(tiny_llama_dir: Path, hf) -> None:  # type: ignore[no-untyped-def]
     rng = random.Random(1)
     system = tokens(rng, 40)  # 2.5 blocks shared
-    engine = OfflineEngine(make_runner(tiny_llama_dir, 40, BLOCK), 40, max_num_batched_tokens=64)
-    first = engine.add(system + tokens(rng, 5), 6)
-    engine.run()
-    wave = [engine.add(system + tokens(rng, n), 8)[0] for n in (1, 9, 30)]
-    engine.run()
-    c = engine.scheduler.counters
-    assert c.prefix_cache_hits == 3 * 32, "the two full system-prompt blocks must be hits for the second wave"
-    for req in [first[0], *wave]:
-        assert_teacher_forced(hf, req.prompt_token_ids, req.output_token_ids)
+    runner = load_runner(tiny_llama_dir, 40, BLOCK)
+    with EngineRun(runner, tokenizer_dir=tiny_llama_dir, max_num_batched_tokens=64) as run:
+        first = run.add(system + tokens(rng, 5), 6)
+        run.run()
+        wave = [run.add(system + tokens(rng, n), 8) for n in (1, 9, 30)]
+        run.run()
+        c = run.scheduler.counters
+        assert c.prefix_cache_hits == 3 * 32, "the two full system-prompt blocks must be hits for the second wave"
+    for req in [first, *wave]:
+        assert_teacher_forced(hf, req.prompt, req.output)
 
 
 def test_n3_forks_share_blocks_and_keep_fidelity(tiny_llama_dir: Path, hf) -> None:  # type: ignore[no-untyped-def]
     rng = random.Random(2)
-    engine = OfflineEngine(make_runner(tiny_llama_dir, 30, BLOCK), 30, max_num_batched_tokens=64)
-    groups = [engine.add(tokens(rng, n), 10, n=3) for n in (21, 32)]  # a partial and a full last prompt block
-    engine.run()
-    assert sum(len(p.block_copies) for p in engine.plans) >= 4, "copy-on-write of the shared last blocks"
+    runner = load_runner(tiny_llama_dir, 30, BLOCK)
+    with EngineRun(runner, tokenizer_dir=tiny_llama_dir, max_num_batched_tokens=64) as run:
+        groups = [run.add(tokens(rng, n), 10, n=3) for n in (21, 32)]  # a partial and a full last prompt block
+        run.run()
+        assert sum(len(p.block_copies) for p in run.plans) >= 4, "copy-on-write of the shared last blocks"
+        assert run.scheduler.blocks.num_free == 30
     for group in groups:
-        outs = {tuple(r.output_token_ids) for r in group}
+        outs = {tuple(c.token_ids) for c in group.completions}
         assert len(outs) == 1, "greedy siblings must agree"
-        for req in group:
-            assert_teacher_forced(hf, req.prompt_token_ids, req.output_token_ids)
-    assert engine.scheduler.blocks.num_free == 30
+        for c in group.completions:
+            assert_teacher_forced(hf, group.prompt, c.token_ids)
 
 
 @pytest.mark.parametrize("mode", ["swap", "elastic"])
 def test_swap_and_elastic_preemption_keep_fidelity(tiny_llama_dir: Path, hf, mode: str) -> None:  # type: ignore[no-untyped-def]
     rng = random.Random(3)
     num_blocks = 10  # the batch needs ~16 at its peak
-    runner = make_runner(tiny_llama_dir, num_blocks, BLOCK, num_host_blocks=32)
-    engine = OfflineEngine(runner, num_blocks, num_host_blocks=32, max_num_batched_tokens=32, preemption_mode=mode)
-    reqs = [engine.add(tokens(rng, n), m)[0] for n, m in ((20, 30), (33, 25), (7, 40), (50, 12))]
-    engine.run()
-    assert engine.scheduler.counters.preemptions_swap > 0, "the test lost its point: nothing was swapped"
+    runner = load_runner(tiny_llama_dir, num_blocks, BLOCK, num_host_blocks=32)
+    with EngineRun(runner, tokenizer_dir=tiny_llama_dir, max_num_batched_tokens=32, preemption_mode=mode) as run:
+        reqs = [run.add(tokens(rng, n), m) for n, m in ((20, 30), (33, 25), (7, 40), (50, 12))]
+        run.run()
+        assert run.scheduler.counters.preemptions_swap > 0, "the test lost its point: nothing was swapped"
+        assert run.scheduler.blocks.num_host_used == 0
     for req in reqs:
-        assert len(req.output_token_ids) == req.stop.max_tokens
-        assert_teacher_forced(hf, req.prompt_token_ids, req.output_token_ids)
-    assert engine.scheduler.blocks.num_host_used == 0
+        assert len(req.output) == req.max_tokens
+        assert_teacher_forced(hf, req.prompt, req.output)
 
 
 def test_swapped_back_kv_is_bit_identical(tiny_llama_dir: Path) -> None:
-    runner = make_runner(tiny_llama_dir, 8, BLOCK, num_host_blocks=4)
+    runner = load_runner(tiny_llama_dir, 8, BLOCK, num_host_blocks=4)
     for k, v in runner.kv_cache:
         k.normal_()
         v.normal_()

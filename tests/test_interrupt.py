@@ -3,61 +3,38 @@ boundary mid-forward), the scheduler rolls their requests back, and greedy outpu
 
 from __future__ import annotations
 
+import asyncio
 import random
 from pathlib import Path
 
+from minivllm.cluster import Cluster
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
-from proto.wire import SamplingOptions, StepPlan, StepResult, decode, encode
+from proto.wire import ExecutionMode, SamplingOptions, StepPlan, StepResult, decode, encode
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.policy import Policy, PriorityPolicy
 from scheduler_node.core.request import Request, StopConditions
 from scheduler_node.core.scheduler import Scheduler
-from tests.harness import OfflineEngine, make_runner
+from tests.engine import EngineRun, load_runner
 from tests.models import assert_teacher_forced, load_hf
 from tests.ops import TINY_WORKER, Streams, greedy_ids, prompt_ids
-from tests.servers import Cluster
+from worker_node.inprocess import InProcessWorkers
 
 BLOCK = 16
 
 
-class InterruptingEngine(OfflineEngine):
-    """Runs each plan only when its result is needed, as a worker runs plans after they were sent, and now and
-    then interrupts every plan in flight: the oldest at a layer boundary or before it starts, the rest before."""
+class InterruptingWorkers(InProcessWorkers):
+    """Asked to interrupt, it stops the running plan at a random layer boundary half the time (a forward hook),
+    else before it starts; the plans queued behind it are skipped before they start."""
 
-    def __init__(self, *args, seed: int, rate: float, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(*args, **kwargs)
-        self.rng = random.Random(seed)
-        self.rate = rate
-        self.interrupting: set[int] = set()
+    def __init__(self, rng: random.Random) -> None:
+        super().__init__()
+        self.rng = rng
         self.mid_forward = 0
         self.before_start = 0
-        self.queue: list[StepPlan] = []
 
-    def step(self) -> None:
-        while len(self.queue) < self.plans_in_flight and self.scheduler.has_work and not self.interrupting:
-            plan = decode(encode(self.scheduler.schedule()))
-            assert isinstance(plan, StepPlan)
-            if not (plan.num_scheduled_tokens or plan.finished_req_ids or plan.preempted_req_ids):
-                break
-            self.queue.append(plan)
-            self.plans.append(plan)
-        if not self.queue:
-            return
-        if not self.interrupting and self.rng.random() < self.rate and self.scheduler.can_undo(self.queue):
-            self._interrupt()
-        plan = self.queue.pop(0)
-        result = decode(encode(self.runner.execute(plan)))
-        assert isinstance(result, StepResult)
-        if result.interrupted:
-            assert not result.sampled
-        self.interrupting.discard(plan.step_id)
-        self.scheduler.update(plan, result)
-
-    def _interrupt(self) -> None:
-        first, last = self.queue[0].step_id, self.queue[-1].step_id
-        self.interrupting = {p.step_id for p in self.queue}
-        runner = self.runner
+    def interrupt(self, first: int, last: int) -> bool:
+        runner = self.runners[0]
         layers = runner.model.layers
         if self.rng.random() < 0.5 and len(layers) > 1:
             self.mid_forward += 1
@@ -72,30 +49,40 @@ class InterruptingEngine(OfflineEngine):
         else:
             self.before_start += 1
             runner.interrupts.add(first, last)
+        return True
 
 
 def test_interrupted_steps_keep_greedy_output_identical_to_hf(tiny_llama_dir: Path) -> None:
-    runner = make_runner(tiny_llama_dir, 14, BLOCK)
-    engine = InterruptingEngine(
-        runner, 14, seed=3, rate=0.35, plans_in_flight=2, max_num_batched_tokens=24, preemption_mode="recompute"
+    """Now and then, right after a plan is sent, the engine interrupts every plan in flight (as it does for a
+    request that outranks them); their requests are rolled back and scheduled again."""
+    rng = random.Random(3)
+    workers = InterruptingWorkers(rng)
+    runner = load_runner(tiny_llama_dir, 14, BLOCK)
+    run = EngineRun(
+        runner, tokenizer_dir=tiny_llama_dir, transport=workers, max_num_batched_tokens=24, preemption_mode="recompute"
     )
-    rng = random.Random(11)
-    shared = [rng.randrange(3, 49152) for _ in range(2 * BLOCK)]  # a cached prefix: blocks registered per step
-    prompts = [shared + [rng.randrange(3, 49152) for _ in range(k)] for k in (1, 9, 20)]
-    prompts += [[rng.randrange(3, 49152) for _ in range(p)] for p in (5, 40, 17)]
-    reqs = [engine.add(p, m)[0] for p, m in zip(prompts, (12, 7, 20, 25, 9, 14))]
-    late = []
-    for _ in range(6):
-        engine.step()
-    late.append(engine.add(shared + [7, 8, 9], 10)[0])  # arrives while earlier prefills may be interrupted
-    engine.run()
-    assert engine.mid_forward > 0 and engine.before_start > 0, "both kinds of interruption must happen"
-    assert engine.scheduler.counters.interrupted_steps >= engine.mid_forward + engine.before_start
+
+    def sent(plan: StepPlan) -> None:
+        run.plans.append(plan)
+        if rng.random() < 0.35:  # once the engine awaits: every plan in flight, this one included
+            asyncio.get_running_loop().call_soon(run.engine.interrupt_in_flight)
+
+    workers.on_plan = sent
+    with run:
+        shared = [rng.randrange(3, 49152) for _ in range(2 * BLOCK)]  # a cached prefix: blocks registered per step
+        prompts = [shared + [rng.randrange(3, 49152) for _ in range(k)] for k in (1, 9, 20)]
+        prompts += [[rng.randrange(3, 49152) for _ in range(p)] for p in (5, 40, 17)]
+        reqs = [run.add(p, m) for p, m in zip(prompts, (12, 7, 20, 25, 9, 14))]
+        run.run_plans(6)
+        reqs.append(run.add(shared + [7, 8, 9], 10))  # arrives while earlier prefills may be interrupted
+        run.run()
+        assert workers.mid_forward > 0 and workers.before_start > 0, "both kinds of interruption must be tried"
+        assert run.scheduler.counters.interrupted_steps > 0
+        assert run.scheduler.blocks.num_free == 14
     hf = load_hf(tiny_llama_dir)
-    for req in reqs + late:
-        assert len(req.output_token_ids) == req.stop.max_tokens
-        assert_teacher_forced(hf, req.prompt_token_ids, req.output_token_ids)
-    assert engine.scheduler.blocks.num_free == 14
+    for req in reqs:
+        assert len(req.output) == req.max_tokens
+        assert_teacher_forced(hf, req.prompt, req.output)
 
 
 def _req(req_id: str, priority: int, prompt: int = 20, at: float = 0.0) -> Request:
@@ -108,7 +95,7 @@ def _req(req_id: str, priority: int, prompt: int = 20, at: float = 0.0) -> Reque
 
 def _scheduler(policy: Policy) -> Scheduler:
     config = SchedulerConfig(block_size=BLOCK, max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8)
-    return Scheduler(config, 64, policy=policy, clock=lambda: 5.0)
+    return Scheduler(config, 64, policy=policy, mode=ExecutionMode.for_world(1, 1, True), clock=lambda: 5.0)
 
 
 def test_undo_puts_requests_back_where_they_were() -> None:
@@ -165,21 +152,25 @@ def test_higher_class_prefill_runs_without_lower_class_prefill() -> None:
 
 
 def test_a_worker_interrupted_mid_forward_restores_its_progress(tiny_llama_dir: Path) -> None:
-    runner = make_runner(tiny_llama_dir, 8, BLOCK)
-    engine = OfflineEngine(runner, 8)
-    (req,) = engine.add(list(range(3, 30)), 4)
-    plan = decode(encode(engine.scheduler.schedule()))
+    runner = load_runner(tiny_llama_dir, 8, BLOCK)
+    s = _scheduler(Policy())
+    prompt = list(range(3, 30))
+    s.add(Request("r", prompt, SamplingOptions(temperature=0.0), StopConditions(4)))
+    plan = decode(encode(s.schedule()))
     assert isinstance(plan, StepPlan)
     hook = runner.model.layers[0].register_forward_hook(lambda *_: runner.interrupts.add(plan.step_id, plan.step_id))
     result = runner.execute(plan)
     hook.remove()
     assert result.interrupted and not result.sampled
     assert [state.num_computed_tokens for state in runner.states.values()] == [0]
-    engine.scheduler.update(plan, result)
+    s.update(plan, result)
+    req = s.requests["r"]
     assert req.num_computed_tokens == 0 and req.num_placeholders == 0
-    engine.run()
-    assert len(req.output_token_ids) == 4
-    assert_teacher_forced(load_hf(tiny_llama_dir), req.prompt_token_ids, req.output_token_ids)
+    again = decode(encode(s.schedule()))  # the same prefill, not interrupted this time
+    assert isinstance(again, StepPlan) and again.num_scheduled_tokens == {"r": len(prompt)}
+    s.update(again, runner.execute(again))
+    assert len(req.output_token_ids) == 1
+    assert_teacher_forced(load_hf(tiny_llama_dir), prompt, req.output_token_ids)
 
 
 BATCH_TOKENS = 400  # long enough that the batch is still decoding while realtime requests arrive, on a busy CI

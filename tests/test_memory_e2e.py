@@ -10,9 +10,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from minivllm.cluster import REPO, Cluster
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
-from tests.servers import REPO, Cluster
 
 SYSTEM = "You are a careful assistant. " * 12  # ~70 tokens: several full blocks shared by every request
 

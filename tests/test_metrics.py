@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from minivllm.cluster import REPO, Cluster, free_port
 from proto import serving_pb2_grpc as pb_grpc
 from tests.ops import Streams, greedy_ids, prompt_ids, wait_for
-from tests.servers import REPO, Cluster, free_port
 
 COUNTERS = ["vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success", "vllm:num_preemptions",
             "vllm:prefix_cache_queries", "vllm:prefix_cache_hits"]  # fmt: skip

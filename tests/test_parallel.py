@@ -20,12 +20,12 @@ from pathlib import Path
 import grpc
 import pytest
 
+from minivllm.cluster import REPO, free_port
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from scheduler_node.cli.client import wait_ready
-from tests.harness import make_runner, run_offline
+from tests.engine import generate, load_runner
 from tests.models import assert_teacher_forced, build_tiny_model, load_hf
-from tests.servers import REPO, free_port
 
 PROMPT_LENGTHS = [1, 7, 16, 17, 40, 70]
 MAX_TOKENS = [14, 9, 12, 5, 16, 8]
@@ -124,13 +124,12 @@ def workload(seed: int = 11, vocab: int = 49152) -> list[list[int]]:
 
 def check_outputs(folder: Path, prompts: list[list[int]], outputs: list[list[int]]) -> None:
     """Same tokens as one worker, and each of them HF's greedy choice."""
-    runner = make_runner(folder, 64, 16)
-    single, _ = run_offline(runner, prompts, MAX_TOKENS, num_blocks=64, max_num_batched_tokens=32)
+    single, _ = generate(folder, load_runner(folder, 64, 16), prompts, MAX_TOKENS, max_num_batched_tokens=32)
     hf = load_hf(folder)
     for i, (prompt, out, ref) in enumerate(zip(prompts, outputs, single)):
         assert len(out) == MAX_TOKENS[i], (i, out)
         assert_teacher_forced(hf, prompt, out)
-        assert out == ref.output_token_ids, f"prompt {i}: parallel {out} != one worker {ref.output_token_ids}"
+        assert out == ref, f"prompt {i}: parallel {out} != one worker {ref}"
 
 
 @pytest.fixture(scope="module")

@@ -6,22 +6,21 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from proto.wire import SamplingOptions, StepPlan, StepResult
+from proto.wire import ExecutionMode, SamplingOptions, StepPlan, StepResult
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.policy import Policy, PriorityPolicy
 from scheduler_node.core.request import Request, Status, StopConditions
 from scheduler_node.core.scheduler import Scheduler
-from tests.harness import OfflineEngine, StagePipeline
+from tests.engine import EngineRun, Submitted
 from tests.models import assert_teacher_forced, load_hf
+from tests.stages import stage_runners
 
 BLOCK = 16
 
 
 def make(policy: Policy | None = None, seqs: int = 8, budget: int = 64) -> Scheduler:
-    config = SchedulerConfig(
-        block_size=8, max_num_batched_tokens=budget, max_num_seqs=seqs, max_model_len=512, pipeline_parallel_size=2
-    )
-    return Scheduler(config, 64, policy)
+    config = SchedulerConfig(block_size=8, max_num_batched_tokens=budget, max_num_seqs=seqs, max_model_len=512)
+    return Scheduler(config, 64, policy, ExecutionMode.for_world(1, 2, async_scheduling=True))
 
 
 def req(rid: str, prompt_len: int = 5, max_tokens: int = 4, priority: int = 0) -> Request:
@@ -84,36 +83,33 @@ def test_request_preempted_while_in_flight_comes_back_only_after_its_result() ->
     assert [n.req_id for n in fifth.new_requests] == ["b1"] and fifth.new_requests[0].output_token_ids == []
 
 
-def batch(engine: OfflineEngine, seed: int) -> list[Request]:
+def batch(run: EngineRun, seed: int) -> list[Submitted]:
     rng = random.Random(seed)
     shapes = ((5, 20), (17, 9), (40, 30), (3, 1), (33, 14), (16, 12))  # inside, at and across blocks; chunked
-    return [engine.add([rng.randrange(3, 49152) for _ in range(p)], m)[0] for p, m in shapes]
+    return [run.add([rng.randrange(3, 49152) for _ in range(p)], m) for p, m in shapes]
 
 
-def run_two_stages(folder: Path, num_blocks: int, hold: int = 0, **config: object) -> OfflineEngine:
-    stages = StagePipeline(folder, num_blocks, BLOCK, stages=2, hold=hold)
-    try:
-        engine = OfflineEngine(stages, num_blocks, plans_in_flight=2, max_num_batched_tokens=24, **config)
-        reqs = batch(engine, 3)
-        engine.run()
-    finally:
-        stages.close()
+def run_two_stages(folder: Path, num_blocks: int, hold: int = 0, **config: object) -> EngineRun:
+    runners = stage_runners(folder, num_blocks, BLOCK, stages=2, hold=hold)
+    with EngineRun(runners, tokenizer_dir=folder, max_num_batched_tokens=24, **config) as run:
+        reqs = batch(run, 3)
+        run.run()
+        assert run.scheduler.blocks.num_free == num_blocks
     hf = load_hf(folder)
     for r in reqs:
-        assert len(r.output_token_ids) == r.stop.max_tokens
-        assert_teacher_forced(hf, r.prompt_token_ids, r.output_token_ids)
-    assert engine.scheduler.blocks.num_free == num_blocks
-    return engine
+        assert len(r.output) == r.max_tokens
+        assert_teacher_forced(hf, r.prompt, r.output)
+    return run
 
 
 def test_two_stages_overlap_and_match_hf(tiny_llama_dir: Path) -> None:
     """hold=2: stage 1 finishes its first plan only after stage 0 computed the second one. Stages in lock-step
     (a token broadcast at the end of each step) or a second plan left empty would time out here."""
-    engine = run_two_stages(tiny_llama_dir, 40, hold=2)
-    first, second = engine.plans[:2]
+    run = run_two_stages(tiny_llama_dir, 40, hold=2)
+    first, second = run.plans[:2]
     assert scheduled(first) and scheduled(second) and not scheduled(first) & scheduled(second)
 
 
 def test_two_stages_match_hf_under_preemption(tiny_llama_dir: Path) -> None:
-    engine = run_two_stages(tiny_llama_dir, 8, preemption_mode="recompute")
-    assert engine.scheduler.num_preemptions > 0
+    run = run_two_stages(tiny_llama_dir, 8, preemption_mode="recompute")
+    assert run.scheduler.num_preemptions > 0

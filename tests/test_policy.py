@@ -24,8 +24,8 @@ def make(policy: Policy, num_blocks: int = 64, seqs: int = 8, clock: Clock | Non
     return Scheduler(config, num_blocks, policy, clock=clock or Clock())
 
 
-def req(rid: str, priority: int, prompt: int = 8, max_tokens: int = 50, at: float = 0.0) -> Request:
-    r = Request(rid, list(range(100, 100 + prompt)), SamplingOptions(0.0), StopConditions(max_tokens), priority)
+def req(rid: str, priority: int, prompt: int = 8, max_tokens: int = 50, at: float = 0.0, first: int = 100) -> Request:
+    r = Request(rid, list(range(first, first + prompt)), SamplingOptions(0.0), StopConditions(max_tokens), priority)
     r.arrival_time = at
     return r
 
@@ -68,9 +68,20 @@ def test_priority_displaces_at_the_kv_limit() -> None:
     s = make(PriorityPolicy(), num_blocks=4, seqs=8)
     s.add(req("batch", 30, prompt=24))  # 3 of 4 blocks
     step(s)
-    s.add(req("rt", 90, prompt=16, at=1.0))  # needs 2
+    s.add(req("rt", 90, prompt=16, at=1.0, first=500))  # needs 2
     plan = step(s)
     assert "rt" in plan.num_scheduled_tokens and s.requests["batch"].status is Status.PREEMPTED
+
+
+def test_no_displacement_when_the_prefix_cache_makes_room() -> None:
+    s = make(PriorityPolicy(), num_blocks=4, seqs=8)
+    s.add(req("batch", 30, prompt=20))  # 3 of 4 blocks (two full ones cached once computed), room to decode
+    step(s)
+    s.add(req("rt", 90, prompt=16, at=1.0))  # the batch request's first 16 tokens: one block hit, one new
+    plan = step(s)
+    assert "rt" in plan.num_scheduled_tokens
+    assert s.requests["batch"].status is Status.RUNNING, "it fitted through the cache: nobody is displaced"
+    assert s.counters.prefix_cache_hits == 8
 
 
 def test_hysteresis_no_displacement_within_the_margin_and_no_ping_pong() -> None:

@@ -211,14 +211,17 @@ def test_elastic_picks_the_cheaper_preemption() -> None:
 
 def test_resize_moves_live_blocks_below_the_limit() -> None:
     s = make(num_blocks=8, budget=64)
-    for i in range(3):
-        s.add(req(f"r{i}", 8, max_tokens=20))
+    for i in range(4):
+        s.add(req(f"r{i}", 4, max_tokens=3))  # one block each, room to decode in it
     s.update(first := s.schedule(), sample_all(first, s))
-    s.finish("r0", Status.FINISHED_ABORTED)  # frees a low block
-    high = max(b for r in ("r1", "r2") for b in s.blocks.blocks_of(r))
-    moved = s.resize(high)
-    assert moved >= 1
+    assert [s.blocks.blocks_of(f"r{i}") for i in range(4)] == [[0], [1], [2], [3]]
+    s.finish("r0", Status.FINISHED_ABORTED)  # frees the low blocks
+    s.finish("r1", Status.FINISHED_ABORTED)
+    moved = s.resize(3)
+    assert moved == 1
     plan = s.schedule()
-    assert plan.block_copies and plan.block_updates
-    assert all(b < high for r in ("r1", "r2") for b in s.blocks.blocks_of(r))
+    assert plan.block_copies == [(3, 0)]
+    assert plan.block_updates == {"r3": [(0, 0)]}  # only the request that moved: no empty entries
+    assert not plan.preempted_req_ids
+    assert all(b < 3 for r in ("r2", "r3") for b in s.blocks.blocks_of(r))
     s.blocks.check_invariants()

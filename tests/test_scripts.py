@@ -26,6 +26,7 @@ def test_bench_throughput_smoke(tmp_path: Path) -> None:
     rows = {(r["engine"], r["dtype"], r["how"].split(",")[0]) for r in report["rows"]}
     for dtype in ("float32", "bfloat16"):
         assert ("minivllm", dtype, "vllm-serve") in rows
+        assert ("minivllm", dtype, "in-process") in rows
         assert ("HF transformers", dtype, "generate") in rows
     assert all(r["tokens"] == report["output_tokens"] and r["tok_s"] > 0 for r in report["rows"])
     assert "| minivllm | bfloat16 | vllm-serve, gRPC |" in run.stdout

@@ -18,6 +18,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from minivllm.cluster import REPO, Cluster, free_port
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from proto.curve import AUTHORIZED, CLIENT, SERVER, configure_client, ensure_keys
@@ -39,7 +40,6 @@ from proto.wire import (
     encode,
 )
 from tests.ops import TINY_WORKER, VOCAB, greedy_ids, list_workers, prompt_ids, wait_idle
-from tests.servers import REPO, Cluster, free_port
 
 TOKEN = "s3cret-token"
 INT64 = st.integers(-(2**63), 2**63 - 1)
@@ -178,6 +178,16 @@ def _raw_tcp_garbage(port: int) -> None:
 @pytest.fixture(scope="module")
 def curve_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_keys(tmp_path_factory.mktemp("curve") / "keys")
+
+
+def test_a_complete_key_folder_is_left_untouched(tmp_path: Path) -> None:
+    """A Kubernetes Secret mount is read-only: the scheduler must use complete keys there without chmod or mkdir."""
+    keys = ensure_keys(tmp_path / "keys")
+    os.chmod(keys, 0o750)
+    before = {p: (p.stat().st_mode, p.read_bytes()) for p in keys.rglob("*") if p.is_file()}
+    assert ensure_keys(keys) == keys
+    assert keys.stat().st_mode & 0o777 == 0o750
+    assert {p: (p.stat().st_mode, p.read_bytes()) for p in keys.rglob("*") if p.is_file()} == before
 
 
 @pytest.fixture(scope="module")
@@ -328,6 +338,9 @@ def test_random_bytes_never_crash_a_worker(tiny_llama_dir: Path, tmp_path: Path)
         assert isinstance(result, StepResult) and result.step_id == 2 and len(result.sampled["r"]) == 1
         assert isinstance(recv_kind(Heartbeat, 5), Heartbeat)  # it heartbeats at a quarter of our timeout
         assert worker.poll() is None
+        time.sleep(4.5)  # silent past twice the timeout, but its connection (libzmq's heartbeats) is alive: it stays
+        assert worker.poll() is None, "a busy scheduler whose connection lives is not gone"
+        router.close(linger=0)  # now the scheduler is gone: silent and disconnected
         assert worker.wait(15) == 0, "a worker whose scheduler went silent must exit cleanly"
     finally:
         if worker.poll() is None:

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import grpc
 
+from minivllm.cluster import REPO, free_port
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from scheduler_node.cli.client import wait_ready
-from tests.servers import REPO, free_port
+from tests.ops import alive, child_pids
 
 
 def test_serve_runs_and_stops_all_children_on_sigterm(tiny_llama_dir: Path, tmp_path: Path) -> None:
@@ -30,24 +31,14 @@ def test_serve_runs_and_stops_all_children_on_sigterm(tiny_llama_dir: Path, tmp_
             request = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=5, temperature=0))
             deltas = list(stub.Generate(request, timeout=60))
             assert deltas[-1].usage.completion_tokens == 5
-        children = _children(serve.pid)
+        children = child_pids(serve.pid)
         assert len(children) == 2, children  # the scheduler and one worker
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(30) == 0
         deadline = time.monotonic() + 10
-        while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not [pid for pid in children if _alive(pid)], "children outlived vllm-serve"
+        assert not [pid for pid in children if alive(pid)], "children outlived vllm-serve"
     finally:
         if serve.poll() is None:
             serve.kill()
-
-
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
-    return [int(x) for x in out.stdout.split()]
-
-
-def _alive(pid: int) -> bool:
-    state = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
-    return bool(state) and not state.startswith("Z")

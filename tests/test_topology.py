@@ -126,6 +126,19 @@ def test_workers_claim_the_ranks_of_their_host() -> None:
     assert join("node-a", "10.0.0.1") is None  # node-a is full
 
 
+def test_a_dns_name_in_the_topology_matches_the_pod_whose_hostname_is_its_first_label() -> None:
+    """deploy/k8s: StatefulSet pods report `minivllm-worker-1`, reached as `minivllm-worker-1.minivllm-worker`."""
+    groups = [
+        {"host": f"minivllm-worker-{i}.minivllm-worker", "interconnect": "nvlink", "device_ids": [0, 1]} for i in (0, 1)
+    ]
+    assigner = RankAssigner(place(parse_topology({"device": "cuda", "groups": groups}), layout(2, 2)))
+    free = [0, 1, 2, 3]
+    assert assigner.claim(WorkerHello("minivllm-worker-1", 1, "cuda"), "10.1.0.7", free) == 2
+    assert assigner.claim(WorkerHello("minivllm-worker", 1, "cuda"), "10.1.0.9", free) is None  # not a prefix match
+    assert assigner.claim(WorkerHello("minivllm-worker-0", 1, "cuda"), "10.1.0.8", free) == 0
+    assert assigner.rendezvous_host == "minivllm-worker-0.minivllm-worker"
+
+
 def test_without_a_topology_gpus_are_numbered_per_host() -> None:
     assigner = RankAssigner(place(single_island(4), layout(2, 2), worker_chooses_device=True))
     free = [0, 1, 2, 3]

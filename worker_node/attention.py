@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -31,13 +32,27 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,  # the layer's sliding window: each query sees its last `window` tokens; 0: all of them
+    softcap: float = 0.0,  # scores become softcap * tanh(scores / softcap); 0: left as they are
 ) -> torch.Tensor:
     backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    # Passed only when set, so a backend written without these keywords still runs the models that need neither.
+    options: dict[str, Any] = {"window": window} if window else {}
+    if softcap:
+        options["softcap"] = softcap
     nd = meta.num_decode_tokens
     parts = []
     if nd:
         parts.append(
-            backend.decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
+            backend.decode_attention(
+                q[:nd],
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+                scale,
+                **options,
+            )
         )
     if nd < q.shape[0]:
         parts.append(
@@ -51,6 +66,7 @@ def paged_attention(
                 meta.prefill_cu_seqlens_q,
                 meta.prefill_seq_lens,
                 scale,
+                **options,
             )
         )
     return parts[0] if len(parts) == 1 else torch.cat(parts)

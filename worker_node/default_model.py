@@ -8,16 +8,11 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import shutil
 import sys
-import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from proto.model_cache import default_model_dir
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+from worker_node.models.gguf import convert
 
 logger = logging.getLogger(__name__)
 
@@ -41,38 +36,7 @@ def ensure_default_model() -> Path:
         return target
     gguf = find_gguf()
     logger.info("converting %s to safetensors in %s (one time, ~20 s)", gguf.name, target)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        _save_dequantized(model, tmp)
-        tokenizer.save_pretrained(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:  # another process won the race
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def _save_dequantized(model: PreTrainedModel, folder: Path) -> None:
-    """save_pretrained refuses GGUF-loaded models; the weights are plain fp32 once dequantized."""
-    from safetensors.torch import save_file
-
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.save_pretrained(folder)
-    model.generation_config.save_pretrained(folder)
+    return convert(gguf, target)
 
 
 if __name__ == "__main__":

@@ -41,26 +41,33 @@ def kv_cache_budget(device: torch.device, kv_cache_memory: int | None, gpu_memor
     return available_memory(device) // 4
 
 
+def kv_cache_limit(device: torch.device, kv_cache_memory: int | None, gpu_memory_utilization: float) -> int:
+    """The most KV memory a worker may take when the scheduler tells it the world's size: an explicit byte count,
+    else what the device can give (the GPU's share, or nine tenths of free RAM)."""
+    if kv_cache_memory or device.type == "cuda":
+        return kv_cache_budget(device, kv_cache_memory, gpu_memory_utilization)
+    return available_memory(device) * 9 // 10
+
+
 def allocate_kv_cache(
-    config: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device, budget: int
+    config: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device, num_blocks: int
 ) -> KVCache:
-    num_blocks = budget // bytes_per_block(config, block_size, dtype)
     if num_blocks < 1:
-        raise MemoryError(f"{budget} bytes of KV memory hold no block; raise --kv-cache-memory")
+        raise MemoryError("the KV memory holds no block; raise --kv-cache-memory")
     shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
     cache = [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(config.num_layers)
     ]
-    logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, block_size, budget / 2**30)
+    size = num_blocks * bytes_per_block(config, block_size, dtype)
+    logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, block_size, size / 2**30)
     return cache
 
 
 def allocate_host_cache(
-    config: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device, budget: int
+    config: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device, num_blocks: int
 ) -> KVCache:
     """Swap space in host memory, same layout as the device cache (pinned when the device is a GPU)."""
-    num_blocks = budget // bytes_per_block(config, block_size, dtype)
     shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
     pin = device.type == "cuda"
     return [

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from proto.wire import NewRequest, SamplingOptions, StepPlan, StepResult, TokenLogprobs
+from proto.wire import ExecutionMode, NewRequest, SamplingOptions, StepPlan, StepResult, TokenLogprobs
 from worker_node.attention import AttentionMetadata
 from worker_node.cuda_graphs import DecodeGraphs
 from worker_node.kv_cache import KVCache, copy_blocks
-from worker_node.models.llama import LlamaForCausalLM, StepInterrupted
+from worker_node.models.decoder import CausalLM, StepInterrupted
 from worker_node.parallel import SINGLE, Comm
 from worker_node.sampler import sample
 
@@ -63,18 +63,19 @@ class StepInterrupts:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_cache: KVCache,
         block_size: int,
         device: torch.device,
         host_cache: KVCache | None = None,
         comm: Comm | None = None,
+        mode: ExecutionMode | None = None,
     ) -> None:
         self.model = model
         self.comm = comm or Comm(SINGLE)  # every rank runs every plan; only the output rank samples
-        # With P > 1 stages the sampled tokens reach the other ranks in the next plan (the scheduler schedules
-        # a request again only once it has its token), so no stage waits for the last one at the end of a step.
-        self.tokens_from_plan = self.comm.where.layout.pipeline_parallel_size > 1
+        # With tokens in the plan (P > 1 stages) the sampled tokens reach the other ranks in the next plan (the
+        # scheduler schedules a request again only once it has its token), so no stage waits for the last one.
+        self.mode = mode or ExecutionMode()
         self.dtype = next(model.parameters()).dtype
         self.graphs: DecodeGraphs | None = None  # decode-only steps replay CUDA graphs when set (GPU)
         self.kv_cache = kv_cache
@@ -86,15 +87,22 @@ class ModelRunner:
         # Only a lone worker stops mid-step: ranks of a bigger world could stop at different layers and leave a
         # collective half-joined. The scheduler sends interrupts to lone workers only; this is the second lock.
         self.interrupts = StepInterrupts()
-        self.interruptible = self.comm.where.layout.world_size == 1
+        self.interruptible = self.mode.interruptible and self.comm.where.layout.world_size == 1
+        self.num_blocks = kv_cache[0][0].shape[0] if kv_cache else 0
+        self.num_host_blocks = self.host_cache[0][0].shape[0] if self.host_cache else 0
 
     def apply_diffs(self, plan: StepPlan, check_progress: bool = True) -> None:
+        """Update the requests this worker holds. Every block id is range-checked first: the decode kernel reads
+        the cache through them without bounds checks, so a bad plan must fail here (a StepError), not segfault."""
+        self._check_plan(plan)
         for req_id in plan.finished_req_ids + plan.preempted_req_ids:
             self.states.pop(req_id, None)
         for new in plan.new_requests:
             self.states[new.req_id] = RequestState.from_new(new)
         for cached in plan.cached_requests:
-            state = self.states[cached.req_id]
+            state = self.states.get(cached.req_id)
+            if state is None:
+                raise ValueError(f"{cached.req_id}: a cached request this worker does not hold")
             if check_progress and state.num_computed_tokens != cached.num_computed_tokens:
                 raise RuntimeError(
                     f"{cached.req_id}: worker has {state.num_computed_tokens} computed tokens, "
@@ -106,6 +114,20 @@ class ModelRunner:
             if (held := self.states.get(req_id)) is not None:
                 for index, block in changes:
                     held.block_ids[index] = block
+
+    def _check_plan(self, plan: StepPlan) -> None:
+        device_ids = [b for r in plan.new_requests for b in r.block_ids]
+        device_ids += [b for r in plan.cached_requests for b in r.new_block_ids]
+        device_ids += [b for changes in plan.block_updates.values() for _, b in changes]
+        device_ids += [b for pair in plan.block_copies for b in pair]
+        device_ids += [d for d, _ in plan.swap_out] + [d for _, d in plan.swap_in]
+        _check_range(device_ids, self.num_blocks, "block id")
+        _check_range([h for _, h in plan.swap_out] + [h for h, _ in plan.swap_in], self.num_host_blocks, "swap block")
+        for r in plan.new_requests:
+            _check_range([r.num_computed_tokens], len(r.prompt_token_ids) + len(r.output_token_ids) + 1, "computed")
+        for n in plan.num_scheduled_tokens.values():
+            if n < 1:
+                raise ValueError(f"num_scheduled_tokens must be >= 1, got {n}")
 
     def run_block_ops(self, plan: StepPlan) -> None:
         """Swap out, copy (copy-on-write, compaction), swap in: before the forward pass reads any block."""
@@ -134,7 +156,7 @@ class ModelRunner:
                 skip = True
             else:
                 for state, token, lp in zip(batch.samplers, tokens, lps):
-                    if not self.tokens_from_plan:
+                    if not self.mode.tokens_in_plan:
                         state.token_ids.append(token)
                     sampled[state.req_id] = [token]
                     if lp is not None:
@@ -170,11 +192,14 @@ class ModelRunner:
             if logits is not None:
                 outputs = [len(s.token_ids) - s.num_prompt_tokens for s in batch.samplers]
                 tokens, lps = sample(logits, [s.sampling for s in batch.samplers], outputs)
-        if self.tokens_from_plan:
+        if self.mode.tokens_in_plan:
             return tokens, lps
         return self.comm.share_sampled(tokens, len(batch.samplers)), lps
 
     def _prepare(self, plan: StepPlan) -> _Batch:
+        unknown = [r for r in plan.num_scheduled_tokens if r not in self.states]
+        if unknown:
+            raise ValueError(f"the plan schedules requests this worker does not hold: {unknown[:3]}")
         work = [(self.states[r], n) for r, n in plan.num_scheduled_tokens.items()]
         work.sort(key=lambda w: w[1] != 1)  # decodes (one query) first, then prefill chunks
         ids: list[int] = []
@@ -193,6 +218,8 @@ class ModelRunner:
                 raise RuntimeError(
                     f"{state.req_id}: the plan computes {end} tokens, the worker holds {len(state.token_ids)}"
                 )
+            if -(-end // self.block_size) > len(state.block_ids):
+                raise ValueError(f"{state.req_id}: {end} tokens need more than its {len(state.block_ids)} blocks")
             starts.append((state, start))
             ids.extend(state.token_ids[start:end])
             positions.extend(range(start, end))
@@ -234,3 +261,9 @@ class ModelRunner:
     def _block_table_tensor(tables: list[list[int]]) -> torch.Tensor:
         width = max(len(t) for t in tables)
         return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+
+
+def _check_range(values: list[int], limit: int, what: str) -> None:
+    bad = next((v for v in values if not 0 <= v < limit), None)
+    if bad is not None:
+        raise ValueError(f"{what} {bad} is outside [0, {limit})")

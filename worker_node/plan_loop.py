@@ -1,8 +1,11 @@
 """The worker's serving loop: this thread owns the ZMQ socket, a step thread runs the plans.
 
 Because the socket thread never blocks on the model, it answers heartbeats during long steps, notices a
-scheduler that went silent (and exits cleanly), and drops anything malformed without disturbing the step.
+scheduler that is gone (and exits cleanly), and drops anything malformed without disturbing the step.
 A plan that fails on the worker is answered with a StepError instead of killing the process.
+
+A scheduler is gone when it has been silent for twice its heartbeat timeout *and* the connection is down:
+libzmq's own heartbeats keep the connection up while the scheduler process lives, however busy its event loop.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import time
 from typing import Callable
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from proto.wire import Heartbeat, Interrupt, Message, Shutdown, StepError, StepPlan, decode, encode
 
@@ -27,19 +31,22 @@ logger = logging.getLogger(__name__)
 SILENCE_FACTOR = 2.0
 
 
-class _StepThread(threading.Thread):
-    """Runs plans one at a time, in arrival order; wakes the socket thread through a pipe after each."""
+class StepThread(threading.Thread):
+    """Runs plans one at a time, in arrival order, and hands each reply to `deliver` (from this thread)."""
 
     def __init__(
-        self, rank: int, execute: Callable[[StepPlan], Message], wake_fd: int, setup: Callable[[], None]
+        self,
+        rank: int,
+        execute: Callable[[StepPlan], Message],
+        deliver: Callable[[Message], None],
+        setup: Callable[[], None] = lambda: None,
     ) -> None:
-        super().__init__(name="step", daemon=True)  # a hung step must not keep the process from exiting
+        super().__init__(name=f"step-{rank}", daemon=True)  # a hung step must not keep the process from exiting
         self.rank = rank
         self.execute = execute
-        self.wake_fd = wake_fd
+        self.deliver = deliver
         self.setup = setup
         self.inbox: queue.Queue[StepPlan | None] = queue.Queue()
-        self.outbox: collections.deque[Message] = collections.deque()
 
     def run(self) -> None:
         self.setup()
@@ -49,8 +56,10 @@ class _StepThread(threading.Thread):
             except Exception as exc:  # a plan this worker cannot run: say so, stay alive
                 logger.exception("step %d failed", plan.step_id)
                 reply = StepError(plan.step_id, self.rank, f"{type(exc).__name__}: {exc}")
-            self.outbox.append(reply)
-            os.write(self.wake_fd, b"\0")
+            self.deliver(reply)
+
+    def stop(self) -> None:
+        self.inbox.put(None)
 
 
 class PlanLoop:
@@ -74,12 +83,21 @@ class PlanLoop:
         """Serve plans until Shutdown (0) or until the scheduler is silent for twice its heartbeat timeout (0)."""
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_r, False)
-        steps = _StepThread(self.rank, self.execute, wake_w, self.setup)
+        outbox: collections.deque[Message] = collections.deque()
+
+        def deliver(reply: Message) -> None:
+            outbox.append(reply)
+            os.write(wake_w, b"\0")
+
+        steps = StepThread(self.rank, self.execute, deliver, self.setup)
         steps.start()
+        monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(wake_r, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         last_heard = next_beat = time.monotonic()
+        connected = True  # the Assignment came over it
         seq = 0
         try:
             while True:
@@ -92,8 +110,10 @@ class PlanLoop:
                 events = dict(poller.poll(int(max(0.0, min(next_beat, give_up) - now) * 1000) + 1))
                 if wake_r in events:
                     _drain_pipe(wake_r)
-                while steps.outbox:
-                    self._send(steps.outbox.popleft())
+                while outbox:
+                    self._send(outbox.popleft())
+                if monitor in events:
+                    connected = _connection_events(monitor, connected)
                 if self.sock in events:
                     for message in self._recv_all():
                         last_heard = time.monotonic()
@@ -109,11 +129,13 @@ class PlanLoop:
                             self.interrupt(message.first_step_id, message.last_step_id)
                         elif message is not None:
                             logger.warning("ignoring an unexpected %s", type(message).__name__)
-                elif not events and time.monotonic() > give_up:  # checked after the poll: nothing is queued
+                elif not events and time.monotonic() > give_up and not connected:  # after the poll: nothing queued
                     logger.error("no word from the scheduler for %.1f s; exiting", time.monotonic() - last_heard)
                     return 0
         finally:
-            steps.inbox.put(None)
+            self.sock.disable_monitor()
+            monitor.close(linger=0)
+            steps.stop()
             steps.join(timeout=1.0)
             if not steps.is_alive():  # a step still running may yet write to the pipe: leave it to the exit
                 os.close(wake_r)
@@ -143,6 +165,18 @@ def decode_or_none(data: bytes) -> Message | None:
     except Exception as exc:  # WireError, or anything a hostile payload could provoke: never fatal
         logger.warning("dropped a malformed message (%d bytes): %s", len(data), exc)
         return None
+
+
+def _connection_events(monitor: zmq.Socket, connected: bool) -> bool:
+    """Read the socket monitor's pending events; whether the connection to the scheduler is up after them."""
+    while monitor.poll(0):
+        event = recv_monitor_message(monitor)["event"]
+        if event == zmq.EVENT_CONNECTED:
+            connected = True
+        elif event == zmq.EVENT_DISCONNECTED:
+            connected = False
+            logger.warning("the connection to the scheduler dropped")
+    return connected
 
 
 def _drain_pipe(fd: int) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import secrets
@@ -11,16 +10,13 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 import zmq
 
-from kernels.backend import select_attention_backend
-from kernels.cpu_features import has_fast_bf16
 from proto.cli_config import add_config_flag, parse_args
 from proto.curve import CurveError, configure_client
-from proto.parallel import ParallelLayout, kv_head_range
+from proto.parallel import ParallelLayout
 from proto.wire import (
     MAX_MESSAGE_BYTES,
     Assignment,
@@ -31,56 +27,17 @@ from proto.wire import (
     encode,
 )
 from proto.worker_flags import add_curve_flag, add_worker_flags
-from worker_node.cuda_graphs import enable_decode_graphs
-from worker_node.kv_cache import (
-    allocate_host_cache,
-    allocate_kv_cache,
-    bytes_per_block,
-    kv_cache_budget,
-    measure_swap_bandwidth,
-)
+from worker_node.loading import WorkerOptions, load_rank, pick_device
 from worker_node.model_runner import ModelRunner
-from worker_node.models.config import ModelConfig
-from worker_node.models.loader import load_model
 from worker_node.parallel import Comm, ParallelRank, RendezvousAborted, connect
 from worker_node.plan_loop import PlanLoop, decode_or_none
 
 logger = logging.getLogger("vllm-worker")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerOptions:
-    scheduler_address: str
-    device: str = "auto"
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
-    attention_backend: str = "auto"
-    connect_timeout: float = 60.0
-    threads: int = 0
-    swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks
-    zmq_curve_dir: str | None = None  # CURVE keys (proto/curve.py); None: plain TCP
-    local_address: str = ""  # this worker's IP: its ZMQ connection leaves from it, torch.distributed binds it
-    cuda_graph_sizes: str = ""  # decode batch sizes captured as CUDA graphs ("" : eager)
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto`: bfloat16 on GPUs and on CPUs with bf16 dot-product instructions (AVX-512 BF16, AMX), float32 on
-    other CPUs.
-
-    No float32 copy of the weights is kept for small steps: on a 2-core Zen 4 one decoder layer's linears ran
-    1.04x (1 row) to 2.5x (16-32 rows) faster in bf16 than in float32 with one thread, 1.5-3.2x with two, and
-    the LM head 1.5-3.7x (scripts/bench_cpu_dtypes.py, README)."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" or has_fast_bf16() else torch.float32
-    return DTYPES[name]
+# libzmq's own PINGs, answered by the scheduler's libzmq I/O thread: the connection stays up while the scheduler's
+# event loop is busy, and drops this long after the scheduler process stopped answering.
+ZMQ_HEARTBEAT_IVL_MS = 1000
+ZMQ_HEARTBEAT_TIMEOUT_MS = 10_000
 
 
 class Worker:
@@ -94,6 +51,8 @@ class Worker:
         # A stable identity: after a network blip the scheduler still knows who this is.
         identity = f"{socket.gethostname()[:64]}/{os.getpid()}/{secrets.token_hex(4)}"
         self._sock.setsockopt(zmq.ROUTING_ID, identity.encode())
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, ZMQ_HEARTBEAT_IVL_MS)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMQ_HEARTBEAT_TIMEOUT_MS)
         if options.zmq_curve_dir:
             configure_client(self._sock, options.zmq_curve_dir)
         source = f"{options.local_address}:0;" if options.local_address else ""
@@ -153,11 +112,7 @@ class Worker:
             self.device = torch.device(a.device)  # the scheduler's placement wins
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        dtype = pick_dtype(a.dtype, self.device)
         where = ParallelRank(ParallelLayout(a.tensor_parallel_size, a.pipeline_parallel_size), a.rank)
-        full = ModelConfig.from_folder(a.model)
-        config = shard_config(full, where)  # what this rank's KV cache holds: its layers, its KV heads
-        backend = select_attention_backend(self.options.attention_backend, self.device)
         try:
             self.comm = connect(
                 where, a.distributed_init, self.options.local_address, self.device, a.distributed_timeout_s, self._gone
@@ -167,16 +122,8 @@ class Worker:
                 self._sock.disable_monitor()
                 self._rendezvous_monitor.close(linger=0)
                 self._rendezvous_monitor = None
-        model = load_model(a.model, backend, dtype, self.device, full.max_model_len, where, self.comm)
-        budget = kv_cache_budget(self.device, self.options.kv_cache_memory, self.options.gpu_memory_utilization)
-        cache = allocate_kv_cache(config, a.block_size, dtype, self.device, budget)
-        block_bytes = bytes_per_block(config, a.block_size, dtype)
-        host = allocate_host_cache(config, a.block_size, dtype, self.device, int(self.options.swap_space * 2**30))
-        self.runner = ModelRunner(model, cache, a.block_size, self.device, host, self.comm)
-        enable_decode_graphs(self.runner, self.options.cuda_graph_sizes, backend.name, full.max_model_len)
-        num_blocks = cache[0][0].shape[0]
-        bandwidth = measure_swap_bandwidth(cache, host, block_bytes)
-        return WorkerReady(a.rank, num_blocks, num_blocks * block_bytes, host[0][0].shape[0], bandwidth)
+        self.runner, ready = load_rank(a, self.options, self.device, self.comm)
+        return ready
 
     def _send(self, message: Message) -> None:
         self._sock.send(encode(message))
@@ -252,13 +199,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         worker.close()
-
-
-def shard_config(config: ModelConfig, where: ParallelRank) -> ModelConfig:
-    """The model as one rank holds it: its stage's layers and its KV heads (what its KV cache is sized for)."""
-    start, end = where.layout.layer_range(where.stage, config.num_layers)
-    kv0, kv1 = kv_head_range(config.num_kv_heads, where.tp_size, where.tp_rank)
-    return dataclasses.replace(config, num_layers=end - start, num_kv_heads=kv1 - kv0)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,10 @@
  * are scattered. Batches too small to keep every thread busy are split by kv head instead. Softmax is online,
  * rescaled once per block (as the split-KV GPU kernel does per segment).
  *
+ * A sliding window (`window` > 0: the query sees its last `window` tokens) starts the walk at the window's first
+ * token, mid-block if need be, so the blocks before it are never read; a soft-cap (`softcap` > 0, Gemma 2) turns
+ * each score s into softcap * tanh(s / softcap) before the softmax.
+ *
  * Layouts are those of kernels/torch_attention.py: q [B, H, D], cache [num_blocks, block_size, Hkv, D],
  * block_tables [B, max_blocks] int32, seq_lens [B] int32, out [B, H, D]; all contiguous. q and out are float32;
  * the cache is float32, or bfloat16 when built with -DKV_BF16=1: each K/V element is widened to float32 as it is
@@ -49,8 +53,8 @@ int paged_attention_limits(int64_t num_kv_heads, int64_t block_size) {
 }
 
 typedef struct {
-    int64_t block_size, row_stride, block_stride;
-    float scale;
+    int64_t block_size, row_stride, block_stride, window;
+    float scale, softcap;
 } Shape;
 
 typedef struct {
@@ -62,9 +66,10 @@ static void prefetch_block(const kv_t *block, int64_t elements) {
     for (int64_t i = 0; i < elements; i += 64 / (int64_t)sizeof(kv_t)) __builtin_prefetch(block + i);
 }
 
-/* One kv head over one block of n tokens: scores, online softmax, then V into the registers' accumulator. */
+/* One kv head over n consecutive tokens of a block: scores, online softmax, then V into the registers'
+ * accumulator. */
 static inline void attend_block(HeadState *st, const kv_t *keys, const kv_t *values, int64_t n,
-                                int64_t row_stride) {
+                                int64_t row_stride, float softcap) {
     for (int64_t t = 0; t < n; ++t) {
         const kv_t *key = keys + t * row_stride;
         float k[HEAD_DIM];
@@ -74,6 +79,10 @@ static inline void attend_block(HeadState *st, const kv_t *keys, const kv_t *val
             for (int d = 0; d < HEAD_DIM; ++d) dot += st->q[g][d] * k[d];
             st->probs[g][t] = dot;
         }
+    }
+    if (softcap > 0.0f) { /* q carries the scale: these are the scaled scores */
+        for (int g = 0; g < GROUP; ++g)
+            for (int64_t t = 0; t < n; ++t) st->probs[g][t] = softcap * tanhf(st->probs[g][t] / softcap);
     }
     float acc[GROUP][HEAD_DIM];
     for (int g = 0; g < GROUP; ++g) {
@@ -114,9 +123,11 @@ static void attend(const Shape *s, const float *q, const kv_t *k_cache, const kv
             st->denom[g] = 0.0f;
         }
     }
-    for (int64_t start = 0; start < seq_len; start += s->block_size) {
-        const int64_t offset = (int64_t)blocks[start / s->block_size] * s->block_stride;
-        const int64_t n = seq_len - start < s->block_size ? seq_len - start : s->block_size;
+    const int64_t first = s->window > 0 && seq_len > s->window ? seq_len - s->window : 0; /* first token seen */
+    for (int64_t start = first - first % s->block_size; start < seq_len; start += s->block_size) {
+        const int64_t skip = start < first ? first - start : 0; /* rows of the window's first block before it */
+        const int64_t offset = (int64_t)blocks[start / s->block_size] * s->block_stride + skip * s->row_stride;
+        const int64_t n = (seq_len - start < s->block_size ? seq_len - start : s->block_size) - skip;
         if (start + s->block_size < seq_len) {
             const int64_t next = (int64_t)blocks[start / s->block_size + 1] * s->block_stride;
             prefetch_block(k_cache + next, s->block_stride);
@@ -124,7 +135,7 @@ static void attend(const Shape *s, const float *q, const kv_t *k_cache, const kv
         }
         for (int64_t h = h0; h < h1; ++h) {
             attend_block(&heads[h - h0], k_cache + offset + h * HEAD_DIM, v_cache + offset + h * HEAD_DIM, n,
-                         s->row_stride);
+                         s->row_stride, s->softcap);
         }
     }
     for (int64_t h = h0; h < h1; ++h) {
@@ -136,12 +147,12 @@ static void attend(const Shape *s, const float *q, const kv_t *k_cache, const kv
     }
 }
 
-void paged_decode_attention(const float *q, const kv_t *k_cache, const kv_t *v_cache,
-                                const int32_t *block_tables, const int32_t *seq_lens, float *out, int64_t batch,
-                                int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, float scale,
-                                int num_threads) {
+void paged_decode_attention(const float *q, const kv_t *k_cache, const kv_t *v_cache, const int32_t *block_tables,
+                            const int32_t *seq_lens, float *out, int64_t batch, int64_t num_kv_heads,
+                            int64_t block_size, int64_t max_blocks, float scale, int num_threads, int64_t window,
+                            float softcap) {
     const int64_t row_stride = num_kv_heads * HEAD_DIM;
-    const Shape s = {block_size, row_stride, block_size * row_stride, scale};
+    const Shape s = {block_size, row_stride, block_size * row_stride, window, scale, softcap};
     const int64_t heads_per_item = batch >= 2 * num_threads ? num_kv_heads : 1;
     const int64_t items_per_seq = num_kv_heads / heads_per_item;
     const int64_t seq_floats = num_kv_heads * GROUP * HEAD_DIM;

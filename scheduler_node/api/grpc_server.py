@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import math
@@ -19,7 +20,8 @@ from proto.wire import MAX_MESSAGE_BYTES
 from scheduler_node.api.security import ControlAuth
 from scheduler_node.api.validation import InvalidField, validate
 from scheduler_node.core.stats import snapshot
-from scheduler_node.engine.core import Delta, Engine
+from scheduler_node.engine.core import EngineCore
+from scheduler_node.engine.outputs import Delta
 from scheduler_node.engine.worker_link import WorkerLink
 from scheduler_node.text.tokenizer import ModelTokenizer
 
@@ -36,7 +38,7 @@ SERVICE_NAMES = (
 class GenerationService(pb_grpc.GenerationServicer):
     def __init__(self, tokenizer: ModelTokenizer) -> None:
         self.tokenizer = tokenizer
-        self.engine: Engine | None = None  # set once the workers have joined
+        self.engine: EngineCore | None = None  # set once the workers have joined
         self.link: WorkerLink | None = None
 
     async def Generate(  # noqa: N802 (gRPC method name)
@@ -48,7 +50,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             return
         try:
             header = dict(context.invocation_metadata() or ()).get("x-priority")
-            spec = validate(request, self.tokenizer, engine.max_model_len, header)
+            # Off the event loop: tokenizing a long prompt must not stall the streams of other requests.
+            spec = await asyncio.to_thread(validate, request, self.tokenizer, engine.max_model_len, header)
         except InvalidField as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return
@@ -57,7 +60,9 @@ class GenerationService(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, detail)
             return
         if engine.queue_full(spec.n):
-            detail = f"the waiting queue is full (--max-waiting-requests {engine.max_waiting_requests}); retry later"
+            detail = (
+                f"the waiting queue is full (--max-waiting-requests {engine.options.max_waiting_requests}); retry later"
+            )
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, detail)
             return
         if not spec.request_id:
@@ -90,7 +95,7 @@ class ControlService(pb_grpc.ControlServicer):
     def __init__(self, generation: GenerationService) -> None:
         self.generation = generation
 
-    async def _engine(self, context: grpc.aio.ServicerContext) -> Engine:
+    async def _engine(self, context: grpc.aio.ServicerContext) -> EngineCore:
         engine = self.generation.engine
         if engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "workers are joining")

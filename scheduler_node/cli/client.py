@@ -20,7 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="vllm-client",
         description="Stream a completion from a minivllm server; `vllm-client stats` prints the server's "
-        "KV-cache and queue statistics instead.",
+        "KV-cache and queue statistics instead; `vllm-client health` checks grpc.health.v1 (exit 0: SERVING); "
+        "`vllm-client drain` stops admitting and waits up to --timeout for running requests.",
     )
     add_config_flag(p)
     p.add_argument("prompt", nargs="?", help="the prompt text (read from stdin when omitted)")
@@ -53,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         metavar="SECONDS",
         help="first wait up to this long for the server to report SERVING (health check)",
+    )
+    p.add_argument(
+        "--health-service",
+        default="",
+        help="`vllm-client health`: the grpc.health.v1 service to check ('': the whole server, ready to serve; "
+        "minivllm.liveness: the scheduler answers)",
     )
     return p
 
@@ -96,10 +103,8 @@ def wait_ready(channel: grpc.Channel, timeout: float) -> bool:
 
 def print_stats(channel: grpc.Channel, args: argparse.Namespace) -> int:
     """`vllm-client stats`: the server's memory and queue figures (Control.GetStats)."""
-    token = getattr(args, "control_token", None)
-    metadata = [("authorization", f"Bearer {token}")] if token else None
     try:
-        stats = pb_grpc.ControlStub(channel).GetStats(pb.GetStatsRequest(), timeout=args.timeout, metadata=metadata)
+        stats = pb_grpc.ControlStub(channel).GetStats(pb.GetStatsRequest(), timeout=args.timeout, metadata=_auth(args))
     except grpc.RpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
@@ -109,13 +114,46 @@ def print_stats(channel: grpc.Channel, args: argparse.Namespace) -> int:
     return 0
 
 
+def print_health(channel: grpc.Channel, args: argparse.Namespace) -> int:
+    """`vllm-client health`: print the grpc.health.v1 status of --health-service; 0 when SERVING (a probe)."""
+    request = health_pb2.HealthCheckRequest(service=args.health_service)
+    try:
+        status = health_pb2_grpc.HealthStub(channel).Check(request, timeout=args.timeout).status
+    except grpc.RpcError as exc:
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    print(health_pb2.HealthCheckResponse.ServingStatus.Name(status))
+    return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def drain(channel: grpc.Channel, args: argparse.Namespace) -> int:
+    """`vllm-client drain`: stop admitting, wait up to --timeout for running requests (a preStop hook); 0 when
+    every one finished."""
+    request = pb.DrainRequest(timeout_s=args.timeout)
+    try:
+        reply = pb_grpc.ControlStub(channel).Drain(request, timeout=args.timeout + 5, metadata=_auth(args))
+    except grpc.RpcError as exc:
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    print("drained" if reply.drained else f"{reply.remaining} request(s) still running")
+    return 0 if reply.drained else 1
+
+
+def _auth(args: argparse.Namespace) -> list[tuple[str, str]] | None:
+    token = getattr(args, "control_token", None)
+    return [("authorization", f"Bearer {token}")] if token else None
+
+
+MODES = {"stats": print_stats, "health": print_health, "drain": drain}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    stats_mode = bool(argv) and argv[0] == "stats"
-    args = parse_args(build_parser(), argv[1:] if stats_mode else argv)
-    if stats_mode:
+    mode = MODES.get(argv[0]) if argv else None
+    args = parse_args(build_parser(), argv[1:] if mode else argv)
+    if mode:
         with make_channel(args) as channel:
-            return print_stats(channel, args)
+            return mode(channel, args)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     try:
         channel = make_channel(args)

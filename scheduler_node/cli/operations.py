@@ -1,14 +1,11 @@
-"""The scheduler's operations flags (liveness, overload, draining, metrics, security) and the rule for admitting
-a replacement worker."""
+"""The scheduler's operations flags: liveness, overload, draining, metrics, security."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
-from typing import Callable
 
-from proto.wire import WorkerReady
 from proto.worker_flags import add_curve_flag
 
 logger = logging.getLogger(__name__)
@@ -29,6 +26,13 @@ def add_operations_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         default=60.0,
         help="seconds to wait for a replacement of a lost worker before failing its requests with UNAVAILABLE",
+    )
+    p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a step may run on the workers, plus 20 ms per token it computes, before the ranks that owe "
+        "its answer are declared lost (a hung step; the usual recovery follows)",
     )
     p.add_argument(
         "--drain-timeout",
@@ -57,23 +61,10 @@ def add_operations_flags(p: argparse.ArgumentParser) -> None:
 
 def check_operations_flags(args: argparse.Namespace) -> None:
     """ValueError naming the flag that is out of range."""
-    for name in ("heartbeat_timeout", "worker_rejoin_timeout"):
+    for name in ("heartbeat_timeout", "worker_rejoin_timeout", "step_timeout"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     if args.drain_timeout < 0 or args.max_waiting_requests < 0:
         raise ValueError("--drain-timeout and --max-waiting-requests must be >= 0")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ValueError("--tls-cert and --tls-key go together")
-
-
-def rejoin_rule(num_blocks: int, num_host_blocks: int) -> Callable[[WorkerReady], str]:
-    """A replacement worker must hold at least the KV (and swap) blocks the scheduler already hands out."""
-
-    def admit(ready: WorkerReady) -> str:
-        if ready.num_kv_blocks < num_blocks:
-            return f"it has {ready.num_kv_blocks} KV blocks; the scheduler uses {num_blocks} (more --kv-cache-memory)"
-        if ready.num_host_blocks < num_host_blocks:
-            return f"it has {ready.num_host_blocks} swap blocks; the scheduler uses {num_host_blocks}"
-        return ""
-
-    return admit

@@ -4,29 +4,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
-import json
 import logging
 import signal
-import socket
 import sys
-from pathlib import Path
 
 from proto.cli_config import add_config_flag, parse_args
 from proto.curve import ensure_keys
 from proto.parallel import ParallelLayout
-from proto.wire import Assignment
 from scheduler_node.api.grpc_server import GenerationService, build_server
 from scheduler_node.api.health import report_health, set_serving
 from scheduler_node.api.security import server_credentials
-from scheduler_node.cli.operations import add_operations_flags, check_operations_flags, rejoin_rule
+from scheduler_node.cli.operations import add_operations_flags, check_operations_flags
 from scheduler_node.core.config import PREEMPTION_MODES, SchedulerConfig
-from scheduler_node.core.policy import POLICIES, make_policy
-from scheduler_node.core.scheduler import PreemptionCosts, Scheduler
-from scheduler_node.engine.core import Engine
+from scheduler_node.core.policy import POLICIES
+from scheduler_node.engine.builder import EngineConfig, WorldPlan, check_model_split, make_engine
+from scheduler_node.engine.core import EngineOptions
 from scheduler_node.engine.metrics import Metrics
 from scheduler_node.engine.model_path import DEFAULT, resolve_model
-from scheduler_node.engine.placement import Placement, RankAssigner, place
+from scheduler_node.engine.placement import Placement, place
 from scheduler_node.engine.topology import load_topology, single_island
 from scheduler_node.engine.worker_link import WorkerLink
 from scheduler_node.text.tokenizer import ModelTokenizer
@@ -35,7 +30,12 @@ logger = logging.getLogger("vllm-scheduler")
 
 
 def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT, help="HF safetensors folder, or 'default' (SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model",
+        default=DEFAULT,
+        help="HF folder (safetensors, or a linked GGUF), a .gguf file, an HF hub id (org/name) already in the local "
+        "HF cache, or 'default' (SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
     p.add_argument("--port", type=int, default=50051, help="gRPC port")
     p.add_argument("--worker-host", default="127.0.0.1", help="bind address of the ZMQ socket workers join")
@@ -91,6 +91,13 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
         help="seconds the rendezvous or any collective may wait for a peer rank before failing",
     )
     p.add_argument("--worker-join-timeout", type=float, default=600.0, help="seconds to wait for all workers")
+    p.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=0,
+        help="KV blocks every worker holds (0: as many as its --kv-cache-memory / --gpu-memory-utilization "
+        "allows; the smallest rank's count becomes the world's, and replacements are told to hold exactly it)",
+    )
     p.add_argument(
         "--dtype",
         default="auto",
@@ -195,63 +202,45 @@ def resolve_parallel(args: argparse.Namespace) -> Placement:
     return place(single_island(layout.world_size), layout, worker_chooses_device=True)
 
 
-def check_model_split(folder: Path, layout: ParallelLayout) -> None:
-    c = json.loads((folder / "config.json").read_text())
-    heads = int(c["num_attention_heads"])
-    layout.check_model(
-        heads, int(c.get("num_key_value_heads") or heads), int(c["intermediate_size"]), int(c["num_hidden_layers"])
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's settings from the command line (ValueError naming what is out of range)."""
+    return EngineConfig(
+        dtype=args.dtype,
+        scheduler=SchedulerConfig(
+            block_size=args.block_size,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+            enable_prefix_caching=args.enable_prefix_caching,
+            preemption_mode=args.preemption_mode,
+            compaction_interval=args.compaction_interval,
+            watermark=args.watermark,
+        ),
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        async_scheduling=args.async_scheduling,
+        scheduling_policy=args.scheduling_policy,
+        aging_interval=args.aging_interval,
+        preemption_margin=args.preemption_margin,
+        options=EngineOptions(
+            rejoin_timeout=args.worker_rejoin_timeout,
+            max_waiting_requests=args.max_waiting_requests,
+            scheduler_delay=args.scheduler_delay,
+            step_timeout=args.step_timeout,
+        ),
+        num_kv_blocks=args.num_kv_blocks,
+        distributed_timeout=args.distributed_timeout,
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
-
-
-def resolve_max_model_len(requested: int, model_limit: int, num_blocks: int, block_size: int) -> int:
-    capacity = num_blocks * block_size
-    if requested > capacity:
-        raise ValueError(
-            f"--max-model-len {requested} needs more KV than the workers have ({capacity} tokens); "
-            "give the workers more --kv-cache-memory or lower --max-model-len"
-        )
-    if requested:
-        return min(requested, model_limit)
-    if capacity < model_limit:
-        logger.warning("max_model_len capped at the KV capacity: %d tokens (model allows %d)", capacity, model_limit)
-    return min(model_limit, capacity)
-
-
-def model_limit(folder: Path) -> int:
-    c = json.loads((folder / "config.json").read_text())
-    limit = int(c.get("max_position_embeddings", 4096))
-    if c.get("use_sliding_window", c.get("model_type") == "mistral") and c.get("sliding_window"):
-        limit = min(limit, int(c["sliding_window"]))  # the workers do not implement sliding windows
-    return limit
 
 
 async def serve(args: argparse.Namespace) -> int:
-    config = SchedulerConfig(
-        block_size=args.block_size,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=args.enable_prefix_caching,
-        preemption_mode=args.preemption_mode,
-        compaction_interval=args.compaction_interval,
-        watermark=args.watermark,
-        pipeline_parallel_size=args.pipeline_parallel_size,
-    )
-    policy = make_policy(args.scheduling_policy, args.aging_interval, args.preemption_margin)
+    check_operations_flags(args)
+    config = engine_config(args)
     placement = resolve_parallel(args)
     layout = placement.layout
     folder = resolve_model(args.model)
     check_model_split(folder, layout)
-    assigner = RankAssigner(placement)
-    dist_port = args.distributed_port or free_port()
     tokenizer = ModelTokenizer(folder)
-    check_operations_flags(args)
     if args.zmq_curve_dir:
         ensure_keys(args.zmq_curve_dir)
     link = WorkerLink(f"{args.worker_host}:{args.worker_port}", args.heartbeat_timeout, args.zmq_curve_dir)
@@ -274,24 +263,8 @@ async def serve(args: argparse.Namespace) -> int:
     )
     if layout.world_size > 1:
         logger.info("%s", placement.describe())
-
-    def assignment(rank: int) -> Assignment:
-        return Assignment(
-            rank,
-            layout.world_size,
-            str(folder),
-            args.dtype,
-            config.block_size,
-            config.max_num_batched_tokens,
-            config.max_num_seqs,
-            layout.tensor_parallel_size,
-            layout.pipeline_parallel_size,
-            f"{assigner.rendezvous_host}:{dist_port}" if layout.world_size > 1 else "",
-            assigner.devices.get(rank, ""),
-            args.distributed_timeout,
-        )
-
-    link.claim = assigner.claim
+    world = WorldPlan(config, folder, placement, args.distributed_port)
+    link.claim = world.claim
     link.output_rank = layout.output_rank
 
     stop, hurry = asyncio.Event(), asyncio.Event()  # the first signal drains, a second ends the drain
@@ -302,7 +275,7 @@ async def serve(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
-    gather = asyncio.ensure_future(link.gather(layout.world_size, assignment, args.worker_join_timeout))
+    gather = asyncio.ensure_future(link.start(world.assignment, args.worker_join_timeout))
     stopper = asyncio.ensure_future(stop.wait())
     await asyncio.wait({gather, stopper}, return_when=asyncio.FIRST_COMPLETED)
     if not gather.done():
@@ -310,43 +283,23 @@ async def serve(args: argparse.Namespace) -> int:
         await _shutdown(server, link, "scheduler stopped before the workers joined")
         return 0
     try:
-        workers = gather.result()
+        capacity = gather.result()
     except TimeoutError:
         await _shutdown(server, link, "the world did not assemble in time")  # the joined workers leave too
         raise
-    num_blocks = min(w.num_kv_blocks for w in workers)
-    num_host_blocks = min(w.num_host_blocks for w in workers)
-    costs = PreemptionCosts(
-        bytes_per_block=max(w.kv_cache_bytes // max(w.num_kv_blocks, 1) for w in workers),
-        swap_bytes_per_s=min(w.swap_bytes_per_s for w in workers),
-    )
-    max_len = resolve_max_model_len(config.max_model_len, model_limit(folder), num_blocks, config.block_size)
-    scheduler = Scheduler(
-        dataclasses.replace(config, max_model_len=max_len), num_blocks, policy, num_host_blocks, costs
-    )
-    engine = Engine(
-        scheduler,
-        tokenizer,
-        link,
-        metrics,
-        args.worker_rejoin_timeout,
-        args.max_waiting_requests,
-        args.async_scheduling,
-        args.scheduler_delay,
-    )
-    link.admit = rejoin_rule(num_blocks, num_host_blocks)
-    metrics.bind(engine, loop)
+    engine = make_engine(config, folder, tokenizer, link, capacity, metrics)
+    metrics.bind(engine.live_metrics, loop)
     service.engine = engine
     engine_task = asyncio.ensure_future(engine.run())
-    health_task = asyncio.ensure_future(report_health(link, engine, health))
+    health_task = asyncio.ensure_future(report_health(engine, health))
     logger.info(
         "serving %s on %s:%d: %d KV blocks of %d tokens, max_model_len %d",
         folder.name,
         args.host,
         args.port,
-        num_blocks,
-        config.block_size,
-        max_len,
+        capacity.num_kv_blocks,
+        config.scheduler.block_size,
+        engine.max_model_len,
     )
     await asyncio.wait({engine_task, stopper}, return_when=asyncio.FIRST_COMPLETED)
     code = 0

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
-PREEMPTION_MODES = ("recompute", "swap", "elastic")
+
+class PreemptionMode(str, enum.Enum):
+    """What happens to a request preempted when KV blocks run out."""
+
+    RECOMPUTE = "recompute"  # drop its blocks; its tokens are computed again when it resumes
+    SWAP = "swap"  # move its blocks to the workers' host memory and back when it resumes
+    ELASTIC = "elastic"  # per victim, whichever of the two is cheaper by measured compute time and swap bandwidth
+
+
+PREEMPTION_MODES = tuple(m.value for m in PreemptionMode)
 
 
 @dataclass(frozen=True, slots=True)
@@ -14,13 +24,10 @@ class SchedulerConfig:
     max_num_seqs: int = 128  # running requests at once
     max_model_len: int = 0  # 0: from the model's config (and the KV capacity)
     enable_prefix_caching: bool = True
-    preemption_mode: str = "elastic"  # recompute | swap | elastic (the cheaper of the two per victim)
+    preemption_mode: PreemptionMode = PreemptionMode.ELASTIC
     compaction_interval: int = 0  # steps between compactions of live blocks (0: never)
     compaction_max_moves: int = 64  # blocks moved per compaction at most
     watermark: float = 0.01  # fraction of blocks kept free when admitting, against admit-then-preempt thrash
-    # P > 1: up to P plans in flight, each on requests no other in-flight plan holds, so every stage has work;
-    # a request is scheduled again only once its result is back, and its plan carries the token it sampled.
-    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -33,9 +40,8 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
-        if self.pipeline_parallel_size < 1:
-            raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
         if self.compaction_interval < 0 or self.compaction_max_moves < 1:
             raise ValueError("compaction_interval must be >= 0 and compaction_max_moves >= 1")

@@ -99,3 +99,18 @@ class Request:
             list(block_ids),
             self.num_computed_tokens,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    """A validated request as a door submits it to the engine (n sequences share its prompt)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+    max_tokens: int
+    stop: list[str]
+    ignore_eos: bool
+    n: int
+    priority: int
+    cache_salt: str = ""

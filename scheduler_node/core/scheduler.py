@@ -5,9 +5,11 @@ Each request has `num_computed_tokens` and `num_tokens`; every step hands out to
 the policy's least valued running request is preempted (recompute, swap, or whichever is cheaper) and goes
 back to waiting.
 
-With P > 1 pipeline stages the engine keeps up to P plans in flight, each on requests that no other in-flight
-plan holds: a request comes back only once its result is applied, so the scheduler knows the token it sampled
-and hands it to every rank with the plan (only the output rank sampled it).
+How plans flow (the execution mode) is decided once from the world: with P > 1 pipeline stages the engine keeps
+up to P plans in flight, each on requests that no other in-flight plan holds, and a request comes back only once
+its result is applied, so the scheduler knows the token it sampled and hands it to every rank with the plan. Two
+helpers keep the rest: the workers' view (what each plan must tell the workers) and the in-flight ledger (what
+each plan did, to apply or undo it).
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from proto.wire import CachedRequest, StepPlan, StepResult, TokenLogprobs
+from proto.wire import ExecutionMode, StepPlan, StepResult, TokenLogprobs
 from scheduler_node.core.block_table import BlockTable
-from scheduler_node.core.config import SchedulerConfig
+from scheduler_node.core.config import PreemptionMode, SchedulerConfig
+from scheduler_node.core.in_flight import InFlightLedger, SentPlan
 from scheduler_node.core.policy import Policy
 from scheduler_node.core.request import Request, Status
+from scheduler_node.core.worker_view import WorkerView
 
 logger = logging.getLogger(__name__)
 
@@ -67,14 +71,7 @@ class SchedulerCounters:
     steps: int = 0
     worker_idle_ms: float = 0.0  # summed over steps: the gap the workers waited between steps
     interrupted_steps: int = 0  # steps whose compute was skipped for a request that outranked them
-
-
-@dataclass(slots=True)
-class _SentPlan:
-    """What a plan in flight did to the scheduler's view, to apply or undo when its result comes back."""
-
-    ends: dict[str, int] = field(default_factory=dict)  # each request's computed tokens once the step ran
-    samplers: set[str] = field(default_factory=set)  # requests whose token this step samples
+    scheduled_tokens: int = 0  # tokens computed by the workers, recomputation included
 
 
 class Scheduler:
@@ -83,11 +80,13 @@ class Scheduler:
         config: SchedulerConfig,
         num_blocks: int,
         policy: Policy | None = None,
+        mode: ExecutionMode | None = None,
         num_host_blocks: int = 0,
         costs: PreemptionCosts | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        self.mode = mode or ExecutionMode()
         self.clock = clock
         self.policy = policy or Policy()
         self.blocks = BlockTable(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
@@ -96,14 +95,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self._on_worker: dict[str, int] = {}  # requests whose state the workers hold -> tokens the plans gave them
-        self._disjoint_plans = config.pipeline_parallel_size > 1
-        self._in_flight: set[str] = set()  # with disjoint plans: requests of plans whose results are not applied
-        self._pending_new_blocks: dict[str, list[int]] = {}
-        self._pending_updates: dict[str, list[tuple[int, int]]] = {}
-        self._finished_ids: list[str] = []  # to tell the workers in the next plan
-        self._preempted_ids: list[str] = []
-        self._sent: dict[int, _SentPlan] = {}
+        self.view = WorkerView(self.mode.tokens_in_plan)
+        self.in_flight = InFlightLedger(self.mode.disjoint_plans)
         self._step_id = 0
 
     @property
@@ -134,18 +127,18 @@ class Scheduler:
         if not req.finished:
             req.status = status
         self.blocks.free(req.req_id)
-        self._forget_on_worker(req, self._finished_ids)
+        self.view.forget(req.req_id, preempted=False)
         return req
 
     def resize(self, num_blocks: int) -> int:
         """Change the usable KV blocks at run time; returns how many live blocks move (on the next step)."""
-        return self._queue_updates(self.blocks.resize(num_blocks))
+        return self.view.replace_blocks(self.blocks.resize(num_blocks))
 
     @property
     def has_work(self) -> bool:
         ops = self.blocks.ops
         pending_ops = bool(ops.copy or ops.swap_out or ops.swap_in)
-        return bool(self.waiting or self.running or self._finished_ids or self._preempted_ids or pending_ops)
+        return bool(self.waiting or self.running or self.view.has_notices or pending_ops)
 
     @property
     def num_unfinished(self) -> int:
@@ -163,7 +156,7 @@ class Scheduler:
         self._displace_for_priority(now, budget)
         floor = self._prefill_floor(now)
         preempted = False
-        to_schedule = [r for r in self.policy.order_running(self.running, now) if r.req_id not in self._in_flight]
+        to_schedule = [r for r in self.policy.order_running(self.running, now) if not self.in_flight.held(r.req_id)]
         while to_schedule and budget > 0 and len(plan.num_scheduled_tokens) < seats:
             req = to_schedule.pop(0)
             n = min(self._tokens_to_schedule(req), budget)
@@ -182,17 +175,16 @@ class Scheduler:
                 budget -= n
         if not preempted:
             self._admit(budget, seats, floor, plan, now)
-        self._attach_diffs(plan)
+        self.view.finish_plan(plan, self.blocks.take_ops())
         return plan
 
     def _seats_per_plan(self) -> int:
-        """Requests one plan may hold. With P stages, a 1/P share of what can run at once: a plan that took
-        every request would leave the next one empty and the stages back in lock-step, for good."""
-        p = self.config.pipeline_parallel_size
-        if p == 1:
+        """Requests one plan may hold. With disjoint plans, a 1/N share of what can run at once for N plans in
+        flight: a plan that took every request would leave the next one empty and the stages in lock-step."""
+        if not self.mode.disjoint_plans:
             return self.config.max_num_seqs
         runnable = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
-        return max(1, -(-runnable // p))
+        return max(1, -(-runnable // self.mode.plans_in_flight))
 
     def _tokens_to_schedule(self, req: Request) -> int:
         """Tokens to compute: up to the known ones plus the sampled ones still in flight (async
@@ -204,7 +196,7 @@ class Scheduler:
     def _displace_for_priority(self, now: float, budget: int) -> None:
         """Before the step: while the best waiting request finds no seat or no blocks, it displaces the
         least valued running request if it beats it by the policy's margin."""
-        candidates = (r for r in self.waiting if r.req_id not in self._in_flight)
+        candidates = (r for r in self.waiting if not self.in_flight.held(r.req_id))
         head = min(candidates, key=lambda r: self.policy.sort_key(r, now), default=None)
         while head is not None and not self._fits(head, budget):
             victim = self.policy.pick_victim(self.running, now)
@@ -214,14 +206,30 @@ class Scheduler:
             self._preempt(victim)
 
     def _fits(self, req: Request, budget: int) -> bool:
+        """Would a waiting request get a seat and its blocks now (prefix-cache hits counted)?"""
         if len(self.running) >= self.config.max_num_seqs:
             return False
-        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        return self._blocks_to_start(req, budget)[0] + self._watermark_blocks <= self.blocks.num_free
+
+    def _blocks_to_start(self, req: Request, budget: int) -> tuple[int, list[int]]:
+        """Free blocks a waiting request takes to start its next chunk, and the cached blocks it would reuse.
+
+        The one fit check of admission and displacement: a swapped request brings its blocks back, a fork (n > 1)
+        writes into its shared prompt blocks, a new or recomputed one reuses its longest cached prefix (a cached
+        block on the free list counts against the free blocks, since taking it removes it from there)."""
+        bt = self.blocks
+        first = req.num_computed_tokens
         if req.swapped:
-            need = self.blocks.blocks_for(req.num_computed_tokens + n)
-        else:
-            need = self.blocks.blocks_needed(req.req_id, req.num_computed_tokens, req.num_computed_tokens + n)
-        return need + self._watermark_blocks <= self.blocks.num_free
+            n = min(req.num_tokens - first, budget)
+            return max(bt.blocks_for(first + n), len(bt.host_blocks_of(req.req_id))), []
+        if bt.blocks_of(req.req_id):
+            return bt.blocks_needed(req.req_id, first, first + min(req.num_tokens - first, budget)), []
+        hashes = req.update_block_hashes(bt.block_size)
+        hits = bt.match_prefix(hashes[: (req.num_tokens - 1) // bt.block_size])  # the last token is recomputed
+        hit_tokens = len(hits) * bt.block_size
+        n = min(req.num_tokens - hit_tokens, budget)
+        reused_free = sum(1 for b in hits if bt.is_free(b))
+        return bt.blocks_for(hit_tokens + n) - len(hits) + reused_free, hits
 
     @property
     def _watermark_blocks(self) -> int:
@@ -233,21 +241,30 @@ class Scheduler:
         its time to first token). Decodes always run. -inf when no such gap exists (always under fcfs)."""
         if self.policy.preemption_margin <= 0:
             return float("-inf")
-        pending = [r for r in self.waiting if r.req_id not in self._in_flight]
-        pending += [r for r in self.running if r.req_id not in self._in_flight and self._tokens_to_schedule(r) > 1]
+        held = self.in_flight.held
+        pending = [r for r in self.waiting if not held(r.req_id)]
+        pending += [r for r in self.running if not held(r.req_id) and self._tokens_to_schedule(r) > 1]
         if not pending:
             return float("-inf")
         return max(self.policy.effective_priority(r, now) for r in pending) - self.policy.preemption_margin
 
     def _admit(self, budget: int, seats: int, floor: float, plan: StepPlan, now: float) -> None:
-        for req in self.policy.order_waiting(self.waiting, now):
+        """Start waiting requests in policy order while budget, seats and blocks last. Forks (n > 1) that wait
+        while holding their parent's prompt blocks go first: left waiting, they would keep those blocks from a
+        request that needs the whole cache, which would then preempt itself over and over."""
+        ordered = self.policy.order_waiting(self.waiting, now)
+        holders = [r for r in ordered if not r.swapped and self.blocks.blocks_of(r.req_id)]
+        for req in holders + [r for r in ordered if r not in holders]:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs or len(plan.num_scheduled_tokens) >= seats:
                 break
-            if self.policy.effective_priority(req, now) < floor:
+            holds_blocks = req in holders
+            if self.policy.effective_priority(req, now) < floor and not holds_blocks:
                 break  # waiting is in policy order: the rest rank lower still
-            if req.req_id in self._in_flight:
+            if self.in_flight.held(req.req_id):
                 continue  # preempted while its plan runs: it comes back once that result is applied
             if not self._claim_blocks(req, budget):
+                if holds_blocks:
+                    continue
                 break  # strict order: a big request at the head is not overtaken forever
             self.waiting.remove(req)
             self.running.append(req)
@@ -255,77 +272,54 @@ class Scheduler:
             n = min(self._tokens_to_schedule(req), budget)
             self._take(req, n, plan)
             budget -= n
+        if holders and not self.running:
+            self._release_blocks(holders[-1])
+
+    def _release_blocks(self, req: Request) -> None:
+        """Nothing runs, and forks waiting on shared blocks cannot start (each needs a free block to copy the
+        shared last block, and they hold the whole cache): the least valued one lets go of its blocks and will
+        compute its prompt again (from the prefix cache where it can); the others then write in place."""
+        logger.info("%s releases its shared blocks: nothing runs and no fork can start", req.req_id)
+        self.blocks.free(req.req_id)
+        req.num_computed_tokens = 0
+        self.counters.preemptions_recompute += 1
 
     def _claim_blocks(self, req: Request, budget: int) -> bool:
-        """Bring back a swapped request's blocks, or look up a new one's prefix; False if it does not fit."""
+        """Take the blocks a waiting request needs to start (see `_blocks_to_start`); False if they are short."""
         bt = self.blocks
+        need, hits = self._blocks_to_start(req, budget)
+        if need + self._watermark_blocks > bt.num_free:
+            return False
         if req.swapped:
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            growth = bt.blocks_for(req.num_computed_tokens + n) - len(bt.host_blocks_of(req.req_id))
-            if not bt.can_swap_in(req.req_id, reserve=max(0, growth) + self._watermark_blocks):
-                return False
             bt.swap_in(req.req_id)
             req.swapped = False
-            return True
-        if bt.blocks_of(req.req_id):  # a fork: it already shares its parent's prompt blocks
-            first = req.num_computed_tokens
-            return bt.can_write(req.req_id, first, first + min(req.num_tokens - first, budget), self._watermark_blocks)
-        hashes = req.update_block_hashes(bt.block_size)
-        hits = bt.match_prefix(hashes[: (req.num_tokens - 1) // bt.block_size])  # the last token is recomputed
-        hit_tokens = len(hits) * bt.block_size
-        n = min(req.num_tokens - hit_tokens, budget)
-        reused_free = sum(1 for b in hits if bt.is_free(b))
-        if bt.blocks_for(hit_tokens + n) - len(hits) + reused_free + self._watermark_blocks > bt.num_free:
-            return False
-        if req.num_preemptions == 0 and not req.output_token_ids:  # new prompts only: resumptions would inflate it
-            self.counters.prefix_cache_queries += req.num_tokens
-            self.counters.prefix_cache_hits += hit_tokens
-        bt.acquire(req.req_id, hits)
-        req.num_computed_tokens = hit_tokens
+        elif not bt.blocks_of(req.req_id):
+            hit_tokens = len(hits) * bt.block_size
+            if req.num_preemptions == 0 and not req.output_token_ids:  # new prompts only: resumptions inflate it
+                self.counters.prefix_cache_queries += req.num_tokens
+                self.counters.prefix_cache_hits += hit_tokens
+            bt.acquire(req.req_id, hits)
+            req.num_computed_tokens = hit_tokens
         return True
 
     def _take(self, req: Request, n: int, plan: StepPlan) -> None:
         first = req.num_computed_tokens
         added, replaced = self.blocks.write(req.req_id, first, first + n)
-        if req.req_id in self._on_worker:
-            self._pending_new_blocks.setdefault(req.req_id, []).extend(added)
-            self._pending_updates.setdefault(req.req_id, []).extend(replaced)
-            plan.cached_requests.append(CachedRequest(req.req_id, [], first, self._tokens_workers_lack(req)))
-        else:
-            plan.new_requests.append(req.to_new_request(self.blocks.blocks_of(req.req_id)))
-        self._on_worker[req.req_id] = req.num_tokens
-        if self._disjoint_plans:
-            self._in_flight.add(req.req_id)
+        if replaced and self.view.holds(req.req_id):  # a new request's table goes out whole, replacements included
+            self.view.replace_blocks({req.req_id: replaced})
+        self.view.add_to_plan(req, plan, first, self.blocks.blocks_of(req.req_id), added)
         plan.num_scheduled_tokens[req.req_id] = n
         req.num_computed_tokens += n
-        sent = self._sent.setdefault(plan.step_id, _SentPlan())
-        sent.ends[req.req_id] = req.num_computed_tokens
-        if req.num_computed_tokens == req.num_tokens + req.num_placeholders:
+        samples = req.num_computed_tokens == req.num_tokens + req.num_placeholders
+        if samples:
             req.num_placeholders += 1  # this step samples a token the scheduler learns of later
-            sent.samplers.add(req.req_id)
-
-    def _tokens_workers_lack(self, req: Request) -> list[int]:
-        """With disjoint plans: the tokens sampled since the workers last saw `req` (only the output rank saw
-        them). With one stage every rank appends its own samples, which async scheduling does not know yet."""
-        if not self._disjoint_plans:
-            return []
-        return req.output_token_ids[self._on_worker[req.req_id] - len(req.prompt_token_ids) :]
-
-    def _attach_diffs(self, plan: StepPlan) -> None:
-        for cached in plan.cached_requests:
-            cached.new_block_ids = self._pending_new_blocks.pop(cached.req_id, [])
-        plan.block_updates = {r: u for r, u in self._pending_updates.items() if r in self._on_worker}
-        self._pending_updates = {}
-        ops = self.blocks.take_ops()
-        plan.swap_out, plan.block_copies, plan.swap_in = ops.swap_out, ops.copy, ops.swap_in
-        plan.finished_req_ids, self._finished_ids = self._finished_ids, []
-        plan.preempted_req_ids, self._preempted_ids = self._preempted_ids, []
+        self.in_flight.record(plan.step_id, req.req_id, req.num_computed_tokens, samples)
 
     def _preempt(self, req: Request) -> None:
         mode = self._preemption_mode(req)
         tokens = req.num_computed_tokens
         req.num_placeholders = 0  # in-flight tokens of a preempted request are dropped and sampled again
-        if mode == "swap":
+        if mode is PreemptionMode.SWAP:
             blocks = self.blocks.swap_out(req.req_id)
             req.swapped = True
             # positions past the known tokens held in-flight samples; at least the last token is recomputed
@@ -335,47 +329,36 @@ class Scheduler:
             blocks = self.blocks.free(req.req_id)
             req.num_computed_tokens = 0
             self.counters.preemptions_recompute += 1
-        self._forget_on_worker(req, self._preempted_ids)
-        logger.info("preempted %s by %s: %d tokens, %d blocks", req.req_id, mode, tokens, blocks)
+        self.view.forget(req.req_id, preempted=True)
+        logger.info("preempted %s by %s: %d tokens, %d blocks", req.req_id, mode.value, tokens, blocks)
         self.running.remove(req)
         req.status = Status.PREEMPTED
         req.num_preemptions += 1
         self.waiting.append(req)
 
-    def _preemption_mode(self, req: Request) -> str:
+    def _preemption_mode(self, req: Request) -> PreemptionMode:
         mode = self.config.preemption_mode
-        if mode == "recompute" or not self.blocks.can_swap_out(req.req_id):
-            return "recompute"  # swap space full: fall back
-        if mode == "swap":
-            return "swap"
+        if mode is PreemptionMode.RECOMPUTE or not self.blocks.can_swap_out(req.req_id):
+            return PreemptionMode.RECOMPUTE  # swap space full: fall back
+        if mode is PreemptionMode.SWAP:
+            return mode
         swap = self.costs.swap_ms(len(self.blocks.blocks_of(req.req_id)))
-        return "swap" if swap < self.costs.recompute_ms(req) else "recompute"
-
-    def _forget_on_worker(self, req: Request, notice: list[str]) -> None:
-        self._pending_new_blocks.pop(req.req_id, None)
-        self._pending_updates.pop(req.req_id, None)
-        if self._on_worker.pop(req.req_id, None) is not None:
-            notice.append(req.req_id)
+        return PreemptionMode.SWAP if swap < self.costs.recompute_ms(req) else PreemptionMode.RECOMPUTE
 
     def _maybe_compact(self) -> None:
         interval = self.config.compaction_interval
         if not interval or self._step_id % interval:
             return
         start = time.perf_counter()
-        moved = self._queue_updates(self.blocks.compact(max_moves=self.config.compaction_max_moves))
+        moved = self.view.replace_blocks(self.blocks.compact(max_moves=self.config.compaction_max_moves))
         self.counters.compaction_moves += moved
         self.counters.compaction_seconds += time.perf_counter() - start
-
-    def _queue_updates(self, updates: dict[str, list[tuple[int, int]]]) -> int:
-        for req_id, changes in updates.items():
-            self._pending_updates.setdefault(req_id, []).extend(changes)
-        return sum(len(c) for c in updates.values())
 
     # ---- results
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         """Register computed blocks for prefix caching, append sampled tokens, apply stop conditions."""
-        sent = self._sent.pop(plan.step_id, _SentPlan())
+        sent = self.in_flight.settle(plan.step_id, list(plan.num_scheduled_tokens))
         if result.interrupted:
             self._undo(plan, sent)
             return []
@@ -383,8 +366,8 @@ class Scheduler:
         if plan.num_scheduled_tokens:
             self.counters.steps += 1
             self.counters.worker_idle_ms += result.idle_ms
+            self.counters.scheduled_tokens += plan.total_tokens
         for req_id in plan.num_scheduled_tokens:
-            self._in_flight.discard(req_id)
             req = self.requests.get(req_id)
             if req is not None and req.status is Status.RUNNING and req_id in sent.ends:
                 # This step's own end, not num_computed_tokens: that counts plans still in flight, whose
@@ -408,12 +391,11 @@ class Scheduler:
                 self.finish(req_id, req.status)
         return outputs
 
-    def _undo(self, plan: StepPlan, sent: _SentPlan) -> None:
+    def _undo(self, plan: StepPlan, sent: SentPlan) -> None:
         """The workers skipped this plan's compute: its requests are back where they were before it (the
         blocks it allocated stay theirs; its diffs and block operations did run)."""
         self.counters.interrupted_steps += 1
         for req_id, n in plan.num_scheduled_tokens.items():
-            self._in_flight.discard(req_id)
             req = self.requests.get(req_id)
             if req is None or req.status is not Status.RUNNING:
                 continue  # finished or preempted since: nothing of this step is kept for it
@@ -423,8 +405,8 @@ class Scheduler:
 
     def may_interrupt(self, req: Request, plans: list[StepPlan]) -> bool:
         """May `req` have the workers skip these plans in flight? When it outranks every request in them by the
-        policy's margin (never under fcfs) and `can_undo` them."""
-        if not self.can_undo(plans):
+        policy's margin (never under fcfs) and `can_undo` them, in a world that can be interrupted."""
+        if not self.mode.interruptible or not self.can_undo(plans):
             return False
         now = self.clock()
         others = [self.requests[r] for p in plans for r in p.num_scheduled_tokens if r in self.requests]
@@ -460,14 +442,21 @@ class Scheduler:
             self.counters.preemptions_recompute += 1
             self.waiting.append(req)
         for req in self.requests.values():
-            self._forget_on_worker(req, self._preempted_ids)
             req.num_computed_tokens = 0
             req.num_placeholders = 0
             req.swapped = False
+        self.view.forget_all()
         old = self.blocks
         self.blocks = BlockTable(old.num_blocks, old.block_size, old.enable_prefix_caching, old.num_host_blocks)
         self.blocks.resize(old.usable_blocks)
-        self._pending_updates = {}
-        self._in_flight.clear()  # the engine dropped every plan in flight
-        self._sent.clear()
+        self.in_flight.clear()  # the engine dropped every plan in flight
         return len(running)
+
+    def fit_capacity(self, num_blocks: int, num_host_blocks: int) -> None:
+        """The world came back holding fewer blocks than before (a replacement could not allocate the world's
+        size): only that many are handed out from now on. Called on an empty table, right after `requeue_all`."""
+        self.blocks.resize(min(num_blocks, self.blocks.usable_blocks))
+        if num_host_blocks < self.blocks.num_host_blocks:
+            bt = self.blocks
+            self.blocks = BlockTable(bt.num_blocks, bt.block_size, bt.enable_prefix_caching, num_host_blocks)
+            self.blocks.resize(bt.usable_blocks)

@@ -1,4 +1,10 @@
-"""The engine loop: admit → schedule → send the plan → receive the result → stream deltas → free blocks."""
+"""The engine core: the one loop every door drives (gRPC, the offline API, tests, benchmarks).
+
+admit → schedule → send the plan → receive the result → stream deltas → free blocks. It keeps up to the execution
+mode's plans in flight, applies their results in order, interrupts and undoes plans for a request that outranks
+them, recovers from a lost rank, enforces request and step deadlines, and streams every sequence's output. It
+reaches the workers only through a transport (proto/transport.py): ZeroMQ to worker processes or in-process.
+"""
 
 from __future__ import annotations
 
@@ -9,83 +15,65 @@ import itertools
 import logging
 import time
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from proto.transport import StepFailed, WorkerLost, WorkerTransport
 from proto.wire import StepPlan, StepResult, TokenLogprobs
-from scheduler_node.api.validation import RequestSpec
-from scheduler_node.core.request import Request, Status, StopConditions
+from scheduler_node.core.request import Request, RequestSpec, Status, StopConditions
 from scheduler_node.core.scheduler import RequestOutput, Scheduler
+from scheduler_node.core.stats import snapshot
 from scheduler_node.engine.metrics import Metrics
-from scheduler_node.engine.worker_link import StepFailed, WorkerLink, WorkerLost
+from scheduler_node.engine.outputs import Delta, RequestStream, SequenceOutput
 from scheduler_node.text.detokenizer import IncrementalDetokenizer
 from scheduler_node.text.tokenizer import ModelTokenizer
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class Delta:
-    index: int
-    token_ids: list[int]
-    text: str
-    finish_reason: str = ""  # "" while running; stop | length | abort | error
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error: str = ""  # set with finish_reason "error": why the request failed
-    code: str = ""  # with finish_reason "error": the gRPC status name (UNAVAILABLE, DEADLINE_EXCEEDED, ...)
+@dataclass(frozen=True, slots=True)
+class EngineOptions:
+    rejoin_timeout: float = 60.0  # seconds a lost rank may take to come back before its requests fail
+    max_waiting_requests: int = 0  # waiting sequences at most (0: unbounded)
+    scheduler_delay: float = 0.0  # seconds to wait for more arrivals before a small batch
+    step_timeout: float = 60.0  # seconds a step may run (plus STEP_SECONDS_PER_TOKEN each) before its ranks are lost
+
+    def __post_init__(self) -> None:
+        if not self.rejoin_timeout > 0 or not self.step_timeout > 0:
+            raise ValueError("rejoin_timeout and step_timeout must be > 0")
+        if self.max_waiting_requests < 0 or self.scheduler_delay < 0:
+            raise ValueError("max_waiting_requests and scheduler_delay must be >= 0")
 
 
-class RequestStream:
-    """The deltas of one client request (all n sequences), in order."""
-
-    def __init__(self, request_id: str, n: int) -> None:
-        self.request_id = request_id
-        self.queue: asyncio.Queue[Delta] = asyncio.Queue()
-        self.unfinished = n
-
-    async def __aiter__(self):  # type: ignore[no-untyped-def]
-        while self.unfinished:
-            delta = await self.queue.get()
-            if delta.finish_reason:
-                self.unfinished -= 1
-            yield delta
+# A step's deadline grows with its work: a long prefill on a slow CPU may take this much per token.
+STEP_SECONDS_PER_TOKEN = 0.02
 
 
 @dataclass(slots=True)
-class _Sequence:
-    stream: RequestStream
-    index: int
-    detokenizer: IncrementalDetokenizer
-    arrival: float = field(default_factory=time.monotonic)
-    scheduled: bool = False
-    last_token_at: float = 0.0  # 0 until the first token
+class _InFlight:
+    plan: StepPlan
+    future: asyncio.Future[StepResult]
+    sent: float  # perf_counter when built
 
 
-class Engine:
+class EngineCore:
     def __init__(
         self,
         scheduler: Scheduler,
         tokenizer: ModelTokenizer,
-        link: WorkerLink,
+        workers: WorkerTransport,
+        options: EngineOptions | None = None,
         metrics: Metrics | None = None,
-        rejoin_timeout: float = 60.0,
-        max_waiting_requests: int = 0,
-        async_scheduling: bool = True,
-        scheduler_delay: float = 0.0,
     ) -> None:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
-        self.link = link
+        self.workers = workers
+        self.options = options or EngineOptions()
         self.metrics = metrics or Metrics("minivllm")
-        self.rejoin_timeout = rejoin_timeout  # seconds a lost rank may take to come back
-        self.max_waiting_requests = max_waiting_requests  # 0: unbounded
-        self.plans_in_flight = plans_in_flight(async_scheduling, scheduler.config.pipeline_parallel_size)
-        self.scheduler_delay = scheduler_delay  # seconds to wait for more arrivals before a small batch
-        self._inflight: collections.deque[tuple[StepPlan, asyncio.Future[StepResult], float]] = collections.deque()
+        self.mode = scheduler.mode
+        self._inflight: collections.deque[_InFlight] = collections.deque()
         self._interrupting: set[int] = set()  # steps interrupted and not answered yet: no plan is built meanwhile
-        self._sequences: dict[str, _Sequence] = {}
+        self._sequences: dict[str, SequenceOutput] = {}
         self._by_request_id: dict[str, list[str]] = {}
         self._deadlines: dict[str, asyncio.TimerHandle] = {}
         self._ids = itertools.count()
@@ -96,6 +84,8 @@ class Engine:
         self.draining = False  # no new requests; set by Drain and SIGTERM, never cleared
         self.gave_up = ""  # why requests are refused: a rank was lost and nobody rejoined in time
 
+    # ---- what the doors ask
+
     def unavailable(self) -> str:
         """Why a new request cannot be admitted now ("" when it can)."""
         if self.draining:
@@ -103,13 +93,17 @@ class Engine:
         return self.failed or self.gave_up
 
     def queue_full(self, n: int) -> bool:
-        """Would `n` more sequences overflow --max-waiting-requests?"""
-        limit = self.max_waiting_requests
+        """Would `n` more sequences overflow the waiting queue's bound?"""
+        limit = self.options.max_waiting_requests
         return bool(limit) and len(self.scheduler.waiting) + n > limit
 
     @property
     def max_model_len(self) -> int:
         return self.scheduler.config.max_model_len
+
+    @property
+    def num_live(self) -> int:
+        return len(self._by_request_id)
 
     def is_live(self, request_id: str) -> bool:
         return request_id in self._by_request_id
@@ -134,23 +128,17 @@ class Engine:
                 Request(req_id, spec.prompt_token_ids, sampling, stop, spec.priority, cache_salt=spec.cache_salt)
             )
             detok = IncrementalDetokenizer(self.tokenizer, spec.prompt_token_ids, spec.stop)
-            self._sequences[req_id] = _Sequence(stream, index, detok)
+            self._sequences[req_id] = SequenceOutput(stream, index, detok)
             internal.append(req_id)
         self.scheduler.add(sequences[0], forks=sequences[1:])  # siblings share the prompt's blocks
-        self._maybe_interrupt(sequences[0])
         self._by_request_id[spec.request_id] = internal
+        self._maybe_interrupt(sequences[0])
         if deadline_s > 0:
             expire = asyncio.get_running_loop().call_later(deadline_s, self._expire, spec.request_id, deadline_s)
             self._deadlines[spec.request_id] = expire
         self._idle.clear()
         self._wake.set()
         return stream
-
-    def resize_cache(self, num_blocks: int) -> int:
-        """Change the usable KV blocks; the block moves run on the workers before the next step."""
-        moved = self.scheduler.resize(num_blocks)
-        self._wake.set()
-        return moved
 
     def abort(self, request_id: str) -> bool:
         ids = self._by_request_id.get(request_id)
@@ -163,15 +151,65 @@ class Engine:
         self._wake.set()  # tell the workers to forget them
         return True
 
+    def resize_cache(self, num_blocks: int) -> int:
+        """Change the usable KV blocks; the block moves run on the workers before the next step."""
+        moved = self.scheduler.resize(num_blocks)
+        self._wake.set()
+        return moved
+
+    async def drain(self, timeout: float | None, hurry: asyncio.Event | None = None) -> int:
+        """Take no new requests; wait until every live one finished, `timeout` seconds passed, or `hurry` is
+        set. Returns how many are still live."""
+        if not self.draining:
+            self.draining = True
+            logger.info("draining: %d live request(s)", len(self._by_request_id))
+            self.workers.changed.set()  # health: NOT_SERVING
+        waits = [self._idle.wait()] + ([hurry.wait()] if hurry is not None else [])
+        try:
+            await asyncio.wait_for(_first(*waits), timeout)
+        except asyncio.TimeoutError:
+            pass
+        return len(self._by_request_id)
+
+    def live_metrics(self) -> dict[str, float]:
+        """The scrape-time gauges and scheduler counters (Metrics reads them on the event loop's thread)."""
+        s = snapshot(self.scheduler)
+        return {
+            "vllm:num_requests_running": s.num_running,
+            "vllm:num_requests_waiting": s.num_waiting,
+            "vllm:kv_cache_usage_perc": s.kv_usage,
+            "minivllm:kv_fragmentation": s.fragmentation,
+            "minivllm:batch_utilization": self.metrics.batch_utilization,
+            "minivllm:workers_ready": self.workers.num_ready,
+            "minivllm:asyncio_tasks": len(asyncio.all_tasks()),
+            "vllm:num_preemptions": s.preemptions_recompute + s.preemptions_swap,
+            "vllm:prefix_cache_queries": s.prefix_cache_queries,
+            "vllm:prefix_cache_hits": s.prefix_cache_hits,
+        }
+
+    async def wait_idle(self) -> None:
+        """Until no request is live."""
+        await self._idle.wait()
+
+    def end_all(self, reason: str, code: str) -> None:
+        """End every live request with an error (`code`: the gRPC status name) and free its blocks."""
+        for req_id in list(self._sequences):
+            req = self.scheduler.finish(req_id, Status.FINISHED_ERROR)
+            if req is not None:
+                self._emit(req, [], [], error=reason, code=code)
+        self._wake.set()
+
+    # ---- the loop
+
     async def run(self) -> None:
         try:
             while True:
-                if not self.link.all_ready:
+                if not self.workers.all_ready:
                     self._drop_inflight()
                     await self._recover()
                 elif not self.scheduler.has_work and not self._inflight:
                     self._wake.clear()
-                    await _first(self._wake.wait(), self.link.lost.wait())
+                    await _first(self._wake.wait(), self.workers.lost.wait())
                 else:
                     await self._step()
         except Exception as exc:
@@ -181,54 +219,82 @@ class Engine:
             raise
 
     async def _step(self) -> None:
-        """Keep up to `plans_in_flight` plans on the workers, then consume the oldest result."""
+        """Keep up to the mode's plans on the workers, then consume the oldest result."""
         await self._maybe_delay()
-        while len(self._inflight) < self.plans_in_flight and self.scheduler.has_work and not self._interrupting:
-            start = time.perf_counter()
-            plan = self.scheduler.schedule()
-            if not _has_work_for_workers(plan):
-                break  # every running request waits for an in-flight result
-            self.metrics.schedule_time.observe(time.perf_counter() - start)
-            self._note_scheduled(plan)
-            try:
-                future = self.link.submit(plan)
-            except WorkerLost as exc:
-                logger.error("step %d could not be sent: %s", plan.step_id, exc)
-                self._drop_inflight()
-                await self._recover()
-                return
-            self._inflight.append((plan, future, start))
+        self._fill_pipeline()
         if not self._inflight:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("waiting requests fit in no KV configuration")  # validation prevents it
             self._wake.clear()
-            await _first(self._wake.wait(), self.link.lost.wait())
+            await _first(self._wake.wait(), self.workers.lost.wait())
             return
-        plan, future, start = self._inflight[0]
+        head = self._inflight[0]
         try:
-            result = await future
+            result = await self._await_head(head)
         except WorkerLost as exc:
-            logger.error("step %d did not complete: %s", plan.step_id, exc)
+            logger.error("step %d did not complete: %s", head.plan.step_id, exc)
             self._drop_inflight()
             await self._recover()
             return
         except StepFailed as exc:
             self._drop_inflight()
-            self._fail_step(plan, str(exc))
+            self._fail_step(head.plan, str(exc))
             return
         self._inflight.popleft()
-        self._interrupting.discard(plan.step_id)
-        for out in self.scheduler.update(plan, result):
+        self._interrupting.discard(head.plan.step_id)
+        for out in self.scheduler.update(head.plan, result):
             self._on_output(out)
-        if plan.num_scheduled_tokens:
+        if head.plan.num_scheduled_tokens:
             m = self.metrics
-            m.step_time.observe(time.perf_counter() - start)
-            m.iteration_tokens.observe(plan.total_tokens)
-            m.batch_utilization = plan.total_tokens / self.scheduler.config.max_num_batched_tokens
+            m.step_time.observe(time.perf_counter() - head.sent)
+            m.iteration_tokens.observe(head.plan.total_tokens)
+            m.batch_utilization = head.plan.total_tokens / self.scheduler.config.max_num_batched_tokens
+
+    def _fill_pipeline(self) -> None:
+        while len(self._inflight) < self.mode.plans_in_flight and self.scheduler.has_work and not self._interrupting:
+            start = time.perf_counter()
+            plan = self.scheduler.schedule()
+            if not plan.has_work:
+                break  # every running request waits for an in-flight result
+            self.metrics.schedule_time.observe(time.perf_counter() - start)
+            self._note_scheduled(plan)
+            try:
+                future = self.workers.submit(plan)
+            except WorkerLost as exc:
+                logger.error("step %d could not be sent: %s", plan.step_id, exc)
+                return  # the loop sees the lost rank and recovers
+            self._inflight.append(_InFlight(plan, future, start))
+
+    async def _await_head(self, head: _InFlight) -> StepResult:
+        """The oldest plan's result. While it runs and there is room for another plan, requests that arrive are
+        scheduled at once (they do not wait for this step to end). Its deadline runs from now: the workers run
+        plans in order, so it is the one they work on. Past it, the ranks that owe an answer are lost (a hung
+        step, not a slow one)."""
+        timeout = self.options.step_timeout + STEP_SECONDS_PER_TOKEN * head.plan.total_tokens
+        deadline = time.monotonic() + timeout
+        while not head.future.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                reason = f"step {head.plan.step_id} ran past its {timeout:.0f} s deadline"
+                self.workers.declare_lost(reason)
+                raise WorkerLost(reason)
+            room = len(self._inflight) < self.mode.plans_in_flight and not self._interrupting
+            waits: set[asyncio.Future[Any]] = {head.future}
+            if room:
+                self._wake.clear()
+                waits.add(asyncio.ensure_future(self._wake.wait()))
+            try:
+                await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits - {head.future}:
+                    w.cancel()
+            if room and not head.future.done() and self._wake.is_set():
+                self._fill_pipeline()
+        return head.future.result()
 
     def _drop_inflight(self) -> None:
-        for _, future, _ in self._inflight:
-            future.cancel()
+        for entry in self._inflight:
+            entry.future.cancel()
         self._inflight.clear()
         self._interrupting.clear()
 
@@ -238,28 +304,41 @@ class Engine:
         Their requests are rolled back when the interrupted results arrive, and scheduled again."""
         if self._interrupting or not self._inflight:
             return
-        plans = [plan for plan, _, _ in self._inflight]
-        if self.scheduler.may_interrupt(req, plans) and self.link.interrupt(plans[0].step_id, plans[-1].step_id):
+        plans = [entry.plan for entry in self._inflight]
+        if self.scheduler.may_interrupt(req, plans) and self.interrupt_in_flight():
             logger.info("%s interrupts steps %d..%d", req.req_id, plans[0].step_id, plans[-1].step_id)
-            self._interrupting = {plan.step_id for plan in plans}
+
+    def interrupt_in_flight(self) -> bool:
+        """Have the workers skip every plan in flight (rolled back when their results say so); False when the
+        world cannot be interrupted or a plan cannot be undone."""
+        plans = [entry.plan for entry in self._inflight]
+        if self._interrupting or not plans or not self.mode.interruptible or not self.scheduler.can_undo(plans):
+            return False
+        if not self.workers.interrupt(plans[0].step_id, plans[-1].step_id):
+            return False
+        self._interrupting = {plan.step_id for plan in plans}
+        return True
 
     async def _maybe_delay(self) -> None:
         """--scheduler-delay: with nothing in flight and a small batch, give more requests a moment to arrive."""
-        s = self.scheduler
-        if not self.scheduler_delay or self._inflight or not s.waiting or len(s.running) >= s.config.max_num_seqs // 2:
+        s, delay = self.scheduler, self.options.scheduler_delay
+        if not delay or self._inflight or not s.waiting or len(s.running) >= s.config.max_num_seqs // 2:
             return
         waited = time.monotonic() - min(r.arrival_time for r in s.waiting)
-        if waited < self.scheduler_delay:
-            await asyncio.sleep(self.scheduler_delay - waited)
+        if waited < delay:
+            await asyncio.sleep(delay - waited)
+
+    # ---- failures
 
     async def _recover(self) -> None:
         """A rank is lost with its KV: requeue everything, wait for a replacement, resume by recompute.
 
         If none joins within the rejoin timeout, every live request ends with UNAVAILABLE and new ones are
         refused until the ranks are complete again."""
-        reason = self.link.lost_reason or "a rank is not ready"
+        reason = self.workers.lost_reason or "a rank is not ready"
         self.metrics.worker_losses.inc()
         running = self.scheduler.requeue_all()
+        timeout = self.options.rejoin_timeout
         if self.draining:
             self.end_all(f"{reason} while draining", "UNAVAILABLE")
         else:
@@ -267,19 +346,36 @@ class Engine:
                 "%s: %d running request(s) back to waiting; waiting up to %g s for a replacement worker",
                 reason,
                 running,
-                self.rejoin_timeout,
+                timeout,
             )
-            if await self.link.wait_ready(self.rejoin_timeout):
+            if await self.workers.wait_ready(timeout):
+                self._fit_capacity()
                 logger.info("every rank is ready; resuming %d request(s) by recompute", self.scheduler.num_unfinished)
                 return
-        self.gave_up = f"{reason}, and no worker rejoined within {self.rejoin_timeout:g} s"
+        self.gave_up = f"{reason}, and no worker rejoined within {timeout:g} s"
         logger.error("%s: failing %d live request(s)", self.gave_up, len(self._by_request_id))
         self.end_all(self.gave_up, "UNAVAILABLE")
-        await self.link.wait_ready(None)
+        await self.workers.wait_ready(None)
         self.scheduler.requeue_all()  # start from a clean slate: no notices for the old workers
+        self._fit_capacity()
         self.gave_up = ""
-        self.link.changed.set()  # health: SERVING again
+        self.workers.changed.set()  # health: SERVING again
         logger.info("every rank is ready again; serving")
+
+    def _fit_capacity(self) -> None:
+        """A replacement that could not hold the world's KV size shrank the world: the scheduler follows, and
+        requests that no longer fit at all end (they would wait forever)."""
+        capacity = self.workers.capacity
+        blocks = self.scheduler.blocks
+        if capacity.num_kv_blocks >= blocks.usable_blocks and capacity.num_swap_blocks >= blocks.num_host_blocks:
+            return
+        self.scheduler.fit_capacity(capacity.num_kv_blocks, capacity.num_swap_blocks)
+        limit = capacity.num_kv_blocks * blocks.block_size
+        for req in list(self.scheduler.waiting):
+            if req.num_tokens + 1 > limit:
+                for r in [req, *req.forks]:
+                    self.scheduler.finish(r.req_id, Status.FINISHED_ERROR)
+                    self._emit(r, [], [], error=f"the KV cache shrank to {limit} tokens", code="UNAVAILABLE")
 
     def _fail_step(self, plan: StepPlan, reason: str) -> None:
         """A worker could not run the plan: its requests fail, the rest are recomputed (worker state is suspect)."""
@@ -290,14 +386,6 @@ class Engine:
                 self._emit(req, [], [], error=reason, code="INTERNAL")
         self.scheduler.requeue_all()
 
-    def _note_scheduled(self, plan: StepPlan) -> None:
-        now = time.monotonic()
-        for req_id in plan.num_scheduled_tokens:
-            seq = self._sequences.get(req_id)
-            if seq is not None and not seq.scheduled:
-                seq.scheduled = True
-                self.metrics.queue_time.observe(now - seq.arrival)
-
     def _expire(self, request_id: str, deadline_s: float) -> None:
         self._deadlines.pop(request_id, None)
         for req_id in list(self._by_request_id.get(request_id, [])):
@@ -307,19 +395,15 @@ class Engine:
                 self._emit(req, [], [], error=error, code="DEADLINE_EXCEEDED")
         self._wake.set()  # tell the workers to forget them
 
-    async def drain(self, timeout: float | None, hurry: asyncio.Event | None = None) -> int:
-        """Take no new requests; wait until every live one finished, `timeout` seconds passed, or `hurry` is
-        set. Returns how many are still live."""
-        if not self.draining:
-            self.draining = True
-            logger.info("draining: %d live request(s)", len(self._by_request_id))
-            self.link.changed.set()  # health: NOT_SERVING
-        waits = [self._idle.wait()] + ([hurry.wait()] if hurry is not None else [])
-        try:
-            await asyncio.wait_for(_first(*waits), timeout)
-        except asyncio.TimeoutError:
-            pass
-        return len(self._by_request_id)
+    # ---- outputs
+
+    def _note_scheduled(self, plan: StepPlan) -> None:
+        now = time.monotonic()
+        for req_id in plan.num_scheduled_tokens:
+            seq = self._sequences.get(req_id)
+            if seq is not None and not seq.scheduled:
+                seq.scheduled = True
+                self.metrics.queue_time.observe(now - seq.arrival)
 
     def _on_output(self, out: RequestOutput) -> None:
         seq = self._sequences.get(out.request.req_id)
@@ -361,7 +445,7 @@ class Engine:
             if not self._by_request_id:
                 self._idle.set()
 
-    def _observe_tokens(self, seq: _Sequence, req: Request, n: int) -> None:
+    def _observe_tokens(self, seq: SequenceOutput, req: Request, n: int) -> None:
         m, now = self.metrics, time.monotonic()
         m.generation_tokens.inc(n)
         if not seq.last_token_at:
@@ -372,34 +456,6 @@ class Engine:
             for _ in range(n):
                 m.itl.observe((now - seq.last_token_at) / n)
         seq.last_token_at = now
-
-    def end_all(self, reason: str, code: str) -> None:
-        """End every live request with an error (`code`: the gRPC status name) and free its blocks."""
-        for req_id in list(self._sequences):
-            req = self.scheduler.finish(req_id, Status.FINISHED_ERROR)
-            if req is not None:
-                self._emit(req, [], [], error=reason, code=code)
-        self._wake.set()
-
-
-def plans_in_flight(async_scheduling: bool, pipeline_parallel_size: int) -> int:
-    """With one stage, async scheduling sends plan N+1 while the workers run step N (they feed their own sampled
-    tokens forward; the scheduler counts them as in flight and drops those of stopped requests). With P stages,
-    P plans on disjoint requests: stage s runs plan N+1 while stage s+1 runs plan N."""
-    if not async_scheduling:
-        return 1
-    return pipeline_parallel_size if pipeline_parallel_size > 1 else 2
-
-
-def _has_work_for_workers(plan: StepPlan) -> bool:
-    return bool(
-        plan.num_scheduled_tokens
-        or plan.finished_req_ids
-        or plan.preempted_req_ids
-        or plan.block_copies
-        or plan.swap_out
-        or plan.swap_in
-    )
 
 
 async def _first(*waits: Coroutine[Any, Any, Any]) -> None:

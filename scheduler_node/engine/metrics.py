@@ -10,17 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from scheduler_node.core.stats import snapshot
-
-if TYPE_CHECKING:
-    from scheduler_node.engine.core import Engine
+LiveValues = Callable[[], dict[str, float]]  # the gauges and scheduler counters, read on the event loop's thread
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +55,7 @@ class Metrics:
         )
         self.worker_losses = counter("minivllm:worker_losses", "Times a rank was lost (died or stalled)")
         self.batch_utilization = 0.0  # tokens of the last step / max_num_batched_tokens
-        self.engine: Engine | None = None
+        self.read: LiveValues | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.registry.register(_LiveCollector(self))
         ProcessCollector(registry=self.registry)  # process_open_fds, process_resident_memory_bytes, ...
@@ -75,9 +72,9 @@ class Metrics:
         if e2e_s is not None:
             self.e2e.observe(e2e_s)
 
-    def bind(self, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
-        """Read the live gauges from this engine, on this loop's thread."""
-        self.engine, self.loop = engine, loop
+    def bind(self, read: LiveValues, loop: asyncio.AbstractEventLoop) -> None:
+        """Read the live gauges with `read`, on this loop's thread."""
+        self.read, self.loop = read, loop
 
     def serve(self, host: str, port: int) -> None:
         self._server, _ = start_http_server(port, addr=host, registry=self.registry)
@@ -91,19 +88,19 @@ class Metrics:
 
     def live(self) -> dict[str, float]:
         """The scrape-time values, computed on the event loop's thread ({} while the workers are joining)."""
-        loop, engine = self.loop, self.engine
-        if loop is None or engine is None or loop.is_closed():
+        loop, read = self.loop, self.read
+        if loop is None or read is None or loop.is_closed():
             return {}
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
             running = None
         if running is loop:
-            return _read(engine, self)
+            return read()
         if threading.current_thread() is threading.main_thread():
             return {}  # no loop thread to ask
         try:
-            return asyncio.run_coroutine_threadsafe(_aread(engine, self), loop).result(timeout=5)
+            return asyncio.run_coroutine_threadsafe(_call(read), loop).result(timeout=5)
         except Exception as exc:  # a busy or stopping loop: the scrape goes on without these
             logger.warning("metrics: live values unavailable: %s", exc)
             return {}
@@ -125,24 +122,8 @@ COUNTERS = {
 }
 
 
-def _read(engine: Engine, metrics: Metrics) -> dict[str, float]:
-    s = snapshot(engine.scheduler)
-    return {
-        "vllm:num_requests_running": s.num_running,
-        "vllm:num_requests_waiting": s.num_waiting,
-        "vllm:kv_cache_usage_perc": s.kv_usage,
-        "minivllm:kv_fragmentation": s.fragmentation,
-        "minivllm:batch_utilization": metrics.batch_utilization,
-        "minivllm:workers_ready": len(engine.link.workers),
-        "minivllm:asyncio_tasks": len(asyncio.all_tasks()),
-        "vllm:num_preemptions": s.preemptions_recompute + s.preemptions_swap,
-        "vllm:prefix_cache_queries": s.prefix_cache_queries,
-        "vllm:prefix_cache_hits": s.prefix_cache_hits,
-    }
-
-
-async def _aread(engine: Engine, metrics: Metrics) -> dict[str, float]:
-    return _read(engine, metrics)
+async def _call(read: LiveValues) -> dict[str, float]:
+    return read()
 
 
 class _LiveCollector(Collector):

@@ -130,6 +130,14 @@ def _no_island_message(topology: Topology, free: dict[int, list[int]], t: int, s
     )
 
 
+def _same_host(topology_host: str | None, hostname: str, address: str) -> bool:
+    """A worker is on a topology host named by its address, its hostname, or a DNS name whose first label is its
+    hostname (a Kubernetes StatefulSet pod `worker-0` is reached as `worker-0.<headless service>`)."""
+    if topology_host is None or topology_host in (hostname, address):
+        return True
+    return "." in topology_host and topology_host.split(".", 1)[0] == hostname
+
+
 @dataclass(slots=True)
 class RankAssigner:
     """Hands each joining worker the lowest free rank whose host it matches (by hostname or address)."""
@@ -142,7 +150,7 @@ class RankAssigner:
     def claim(self, hello: WorkerHello, address: str, free: Sequence[int]) -> int | None:
         for rank in sorted(free):
             r = self.placement.ranks[rank]
-            if r.host not in (None, hello.host, address):
+            if not _same_host(r.host, hello.host, address):
                 continue
             self.addresses[rank] = address
             self._hosts[rank] = f"{hello.host}/{address}"

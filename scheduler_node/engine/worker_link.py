@@ -1,16 +1,25 @@
-"""The scheduler's side of the ZMQ wire: worker handshake and rejoin, heartbeats, plans out, results back.
+"""The ZeroMQ transport (proto/transport.py): worker handshake and rejoin, heartbeats, plans out, results back.
 
 One reader task owns the receive side and routes every message: Hello and Ready to the rank registry,
 heartbeats to the liveness clock, results to the step waiting for them; anything malformed is dropped and
-logged. A rank is lost when its connection drops (the socket monitor, confirmed by a probe) or when it is
-silent for `heartbeat_timeout` (a stalled process); the steps in flight then fail with WorkerLost, and the
-rank is free for a replacement worker to say Hello. With more than one rank, losing one restarts them all:
-a torch.distributed world cannot take a new member.
+logged. A rank is lost when its connection drops (the socket monitor, confirmed by a probe), when it is silent
+for `heartbeat_timeout` (a stalled process), or when the engine finds a step of it past its deadline (a hung step
+thread whose socket thread still heartbeats); the steps in flight then fail with WorkerLost, and the rank is free
+for a replacement worker to say Hello. With more than one rank, losing one restarts them all: a
+torch.distributed world cannot take a new member.
+
+The world's KV size is fixed once every rank of the first world is ready (the smallest rank's); a replacement is
+told to allocate exactly that many blocks, so it fits the scheduler's table. One that truly cannot shrinks the
+world's capacity instead of being turned away; the engine then shrinks the scheduler to it.
+
+libzmq's own heartbeats (ZMTP PING/PONG) run on its I/O thread, so a worker's connection stays alive while this
+process is busy; the application heartbeats below detect a stalled worker process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -21,6 +30,7 @@ import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from proto.curve import configure_server
+from proto.transport import StepFailed, WorkerLost, WorldCapacity
 from proto.wire import (
     MAX_MESSAGE_BYTES,
     Assignment,
@@ -42,12 +52,7 @@ logger = logging.getLogger(__name__)
 JOINING, READY, LOST = "joining", "ready", "lost"
 
 
-class WorkerLost(RuntimeError):
-    """A worker disconnected or stopped answering; the KV it held is gone."""
-
-
-class StepFailed(RuntimeError):
-    """A worker could not execute a plan (it answered StepError); it keeps running."""
+ZMQ_HEARTBEAT_IVL_MS = 1000  # libzmq PINGs a quiet connection this often; a dead peer is dropped after the timeout
 
 
 @dataclass(slots=True)
@@ -76,6 +81,8 @@ class _Step:
 
 
 class WorkerLink:
+    """The transport to worker processes over one ZMQ ROUTER socket."""
+
     def __init__(self, address: str, heartbeat_timeout: float = 10.0, curve_dir: str | None = None) -> None:
         if heartbeat_timeout <= 0:
             raise ValueError(f"--heartbeat-timeout must be > 0, got {heartbeat_timeout}")
@@ -86,6 +93,8 @@ class WorkerLink:
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone worker raises instead of dropping
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, ZMQ_HEARTBEAT_IVL_MS)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout * 1000))
         self._auth: AsyncioAuthenticator | None = None
         if curve_dir:
             authorized = configure_server(self._sock, curve_dir)
@@ -102,7 +111,7 @@ class WorkerLink:
         # Which free rank a joining worker gets: (hello, its address, the free ranks) -> one of them, or None to
         # turn it away. The default takes the lowest; a placement can match hosts and devices instead.
         self.claim: Callable[[WorkerHello, str, Sequence[int]], int | None] = lambda hello, address, free: free[0]
-        self.admit: Callable[[WorkerReady], str] = lambda ready: ""  # a reason to turn a worker away, or ""
+        self._capacity: WorldCapacity | None = None  # fixed once the first world is ready
         self._steps: dict[int, _Step] = {}
         self._all_ready = asyncio.Event()
         self.lost = asyncio.Event()  # set while a rank is lost, until every rank is ready again
@@ -123,6 +132,16 @@ class WorkerLink:
     def all_ready(self) -> bool:
         return self._all_ready.is_set()
 
+    @property
+    def num_ready(self) -> int:
+        return len(self.workers)
+
+    @property
+    def capacity(self) -> WorldCapacity:
+        if self._capacity is None:
+            raise RuntimeError("the world has not assembled yet")
+        return self._capacity
+
     def status(self) -> list[WorkerInfo]:
         """Every rank's latest worker (ready or lost) and every worker still joining, by rank."""
         known = [w for w in self.ranks if w is not None]
@@ -131,10 +150,9 @@ class WorkerLink:
 
     # ---- joining
 
-    async def gather(
-        self, world_size: int, assignment: Callable[[int], Assignment], timeout: float
-    ) -> list[WorkerInfo]:
-        """Wait until `world_size` workers said hello, got their rank and reported their KV capacity."""
+    async def start(self, assignment: Callable[[int], Assignment], timeout: float) -> WorldCapacity:
+        """Wait until the world's workers said hello, got their rank and reported their KV capacity."""
+        world_size = assignment(0).world_size
         self.world_size = world_size
         self.ranks = [None] * world_size
         self._assignment = assignment
@@ -149,7 +167,7 @@ class WorkerLink:
             if joining:  # they got their rank but never reported ready: loading, or at the rendezvous
                 text += f"; ranks {joining} joined but were not ready (loading, or waiting for the others)"
             raise TimeoutError(text)
-        return self.workers
+        return self.capacity
 
     async def wait_ready(self, timeout: float | None) -> bool:
         """Wait until every rank is ready; False when `timeout` seconds passed first (None: no limit)."""
@@ -170,6 +188,10 @@ class WorkerLink:
             self._send(identity, Shutdown(f"all {self.world_size} ranks of {self.address} are taken"))
             return
         a = self._assignment(rank)
+        if self._capacity is not None:  # a replacement: it holds exactly what the world holds
+            a = dataclasses.replace(
+                a, num_kv_blocks=self._capacity.num_kv_blocks, num_swap_blocks=self._capacity.num_swap_blocks
+            )
         tp = max(1, a.tensor_parallel_size)
         info = WorkerInfo(rank, identity, msg.host, msg.pid, msg.device, tp_rank=rank % tp, pp_stage=rank // tp)
         self._by_identity[identity] = info
@@ -186,13 +208,6 @@ class WorkerLink:
         info.num_host_blocks = msg.num_host_blocks
         info.swap_bytes_per_s = msg.swap_bytes_per_s
         info.kv_cache_bytes = msg.kv_cache_bytes
-        reason = self.admit(msg)
-        if reason:
-            logger.error("turning away rank %d (pid %d): %s", info.rank, info.pid, reason)
-            del self._by_identity[identity]
-            self._send(identity, Shutdown(reason))
-            self.changed.set()
-            return
         info.state = READY
         info.last_seen = time.monotonic()
         self.ranks[info.rank] = info
@@ -205,6 +220,7 @@ class WorkerLink:
 
     def _update_state(self) -> None:
         if self.world_size and len(self.workers) == self.world_size:
+            self._settle_capacity()
             self._all_ready.set()
             self.lost.clear()
             self.lost_reason = ""
@@ -212,11 +228,29 @@ class WorkerLink:
             self._all_ready.clear()
         self.changed.set()
 
-    # ---- steps
+    def _settle_capacity(self) -> None:
+        """The world is complete: fix its capacity (first time), or shrink it to a replacement that holds less."""
+        ready = self.workers
+        new = WorldCapacity(
+            num_kv_blocks=min(w.num_kv_blocks for w in ready),
+            num_swap_blocks=min(w.num_host_blocks for w in ready),
+            bytes_per_block=max(w.kv_cache_bytes // max(w.num_kv_blocks, 1) for w in ready),
+            swap_bytes_per_s=min(w.swap_bytes_per_s for w in ready),
+        )
+        old = self._capacity
+        if old is not None and (new.num_kv_blocks, new.num_swap_blocks) != (old.num_kv_blocks, old.num_swap_blocks):
+            logger.warning(
+                "a replacement could not hold the world's KV size: %d KV blocks and %d swap blocks from now on "
+                "(were %d and %d)",
+                new.num_kv_blocks,
+                new.num_swap_blocks,
+                old.num_kv_blocks,
+                old.num_swap_blocks,
+            )
+        if old is None or new != old:
+            self._capacity = new
 
-    async def step(self, plan: StepPlan) -> StepResult:
-        """Send the plan to every rank and return the output rank's result."""
-        return await self.submit(plan)
+    # ---- steps
 
     def submit(self, plan: StepPlan) -> asyncio.Future[StepResult]:
         """Send the plan to every rank; the future completes with the output rank's result once every rank
@@ -242,12 +276,20 @@ class WorkerLink:
             return False
         return not self._send_bytes(self.workers[0].identity, encode(Interrupt(first_step_id, last_step_id)))
 
+    def declare_lost(self, reason: str) -> None:
+        """Lose the ranks that owe an answer to the oldest step in flight (all ready ranks if none is in flight)."""
+        owing = next(iter(self._steps.values())).waiting if self._steps else {w.identity for w in self.workers}
+        for identity in list(owing):
+            info = self._by_identity.get(identity)
+            if info is not None and info.state == READY:
+                self._lose(info, reason)
+
     def _on_result(self, identity: bytes, msg: StepResult | StepError) -> None:
         step = self._steps.get(msg.step_id)
         if step is None or identity not in step.waiting:
             logger.debug("dropped a stale answer to step %d", msg.step_id)
             return
-        if step.future.cancelled():  # the engine dropped the plans in flight (a failed step, a recovery)
+        if step.future.done():  # the engine dropped the plans in flight (a failed step, a recovery)
             del self._steps[msg.step_id]
             return
         if isinstance(msg, StepError):
@@ -278,7 +320,8 @@ class WorkerLink:
         self.lost.set()
         error = WorkerLost(self.lost_reason)
         for step in self._steps.values():
-            step.future.set_exception(error)
+            if not step.future.done():  # the engine may have cancelled it already (a failed step before)
+                step.future.set_exception(error)
         self._steps.clear()
         self._update_state()
 
@@ -370,7 +413,10 @@ class WorkerLink:
         elif isinstance(msg, (StepResult, StepError)):
             if info is not None and info.state == READY:
                 self._on_result(identity, msg)
-        elif not isinstance(msg, Heartbeat):
+        elif isinstance(msg, Heartbeat):
+            if info is None:  # a worker this scheduler does not know (declared lost, or of a previous scheduler)
+                self._send(identity, Shutdown("unknown to this scheduler; start again to join"))
+        else:
             logger.warning("ignoring an unexpected %s", type(msg).__name__)
 
     def _send(self, identity: bytes, message: Message) -> None:
@@ -395,6 +441,7 @@ class WorkerLink:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for step in self._steps.values():
             step.future.cancel()
+        self._steps.clear()
         if self._auth is not None:
             self._auth.stop()
         self._monitor.close(linger=0)

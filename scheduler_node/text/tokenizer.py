@@ -29,6 +29,8 @@ class ModelTokenizer:
         if template is None and template_file.is_file():
             template = template_file.read_text()
         self._template = _compile(template) if isinstance(template, str) else None
+        # The longest text one token stands for: text longer than max_model_len times this cannot fit.
+        self.max_token_chars = max(1, max(len(t) for t in self.tokenizer.get_vocab(with_added_tokens=True)))
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True).ids

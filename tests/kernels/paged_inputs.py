@@ -61,15 +61,26 @@ def make_paged_batch(
 
 
 def dense_causal_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, first_pos: int
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    first_pos: int,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """float64 softmax attention of queries at positions first_pos.. over contiguous keys/values (GQA)."""
+    """float64 softmax attention of queries at positions first_pos.. over contiguous keys/values (GQA); with
+    `window`, a query at position p sees keys p - window + 1 .. p; with `softcap`, scores are soft-capped."""
     group = q.shape[1] // keys.shape[1]
     k = keys.double().repeat_interleave(group, dim=1)
     v = values.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     rows = torch.arange(q.shape[0])[:, None] + first_pos
-    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > rows, float("-inf"))
+    cols = torch.arange(k.shape[0])[None, :]
+    hidden = (cols > rows) | (cols <= rows - window) if window else cols > rows
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
 
 

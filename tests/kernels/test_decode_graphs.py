@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from tests.harness import make_runner, run_offline  # noqa: E402
+from tests.engine import generate, load_runner  # noqa: E402
 from tests.models import assert_teacher_forced, load_hf  # noqa: E402
 from worker_node.cuda_graphs import DecodeGraphs, parse_sizes  # noqa: E402
 
@@ -22,21 +22,21 @@ MAX_TOKENS = [5, 4, 6]
 def test_padded_decode_buffers_give_the_same_tokens(tiny_llama_dir: Path) -> None:
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in LENGTHS]
-    plain, _ = run_offline(make_runner(tiny_llama_dir, 12, 16, "triton"), prompts, MAX_TOKENS, num_blocks=12)
+    plain, _ = generate(tiny_llama_dir, load_runner(tiny_llama_dir, 12, 16, "triton"), prompts, MAX_TOKENS)
 
-    runner = make_runner(tiny_llama_dir, 12, 16, "triton")
+    runner = load_runner(tiny_llama_dir, 12, 16, "triton")
     graphs = DecodeGraphs(runner.model, runner.kv_cache, [2, 4], 6, 64, runner.dtype, runner.device, False, False)
     used: list[int] = []
     run = graphs.run
     graphs.run = lambda ids, *rest: used.append(ids.shape[0]) or run(ids, *rest)  # type: ignore[method-assign]
     runner.graphs = graphs
-    padded, _ = run_offline(runner, prompts, MAX_TOKENS, num_blocks=12)
+    padded, _ = generate(tiny_llama_dir, runner, prompts, MAX_TOKENS)
 
     assert 3 in used and 1 in used, used  # batches of 3 (padded to 4) and of 1 (padded to 2) took the path
     hf = load_hf(tiny_llama_dir)
     for prompt, a, b in zip(prompts, plain, padded):
-        assert b.output_token_ids == a.output_token_ids
-        assert_teacher_forced(hf, prompt, b.output_token_ids)
+        assert b == a
+        assert_teacher_forced(hf, prompt, b)
 
 
 def test_parse_sizes() -> None:

@@ -3,6 +3,7 @@
 The kernels run in Triton's interpreter (TRITON_INTERPRET=1, conftest), so the batch is tiny: three prompts
 whose prefills are chunked by a 16-token budget, each later chunk attending to its paged prefix across a
 16-token block boundary, in steps that also carry other requests' decodes (and split-KV decode segments).
+The tiny Gemma 2 brings a sliding window shorter than the prompts and soft-capped attention scores.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 pytest.importorskip("triton")
 
 from kernels.backend import AttentionBackend  # noqa: E402
-from tests.harness import make_runner, run_offline  # noqa: E402
+from tests.engine import generate, load_runner  # noqa: E402
 from tests.models import assert_teacher_forced, load_hf  # noqa: E402
 
 BLOCK = 16
@@ -38,24 +39,24 @@ class _Seen:
 
 
 def _spy(backend: AttentionBackend, seen: _Seen) -> AttentionBackend:
-    def decode(q: torch.Tensor, *args: object) -> torch.Tensor:
+    def decode(q: torch.Tensor, *args: object, **options: object) -> torch.Tensor:
         seen.decode_calls += 1
-        return backend.decode_attention(q, *args)  # type: ignore[arg-type]
+        return backend.decode_attention(q, *args, **options)  # type: ignore[arg-type]
 
-    def prefill(q, k, v, k_cache, v_cache, tables, cu_q, seq_lens, scale):  # type: ignore[no-untyped-def]
+    def prefill(q, k, v, k_cache, v_cache, tables, cu_q, seq_lens, scale, **options):  # type: ignore[no-untyped-def]
         q_lens = (cu_q[1:] - cu_q[:-1]).long()
         prefix = seq_lens.long() - q_lens
         if bool((prefix > 0).any()):
             seen.prefill_over_prefix += 1
         if bool(((prefix > 0) & (prefix // BLOCK != (seq_lens.long() - 1) // BLOCK)).any()):
             seen.prefix_across_block += 1
-        return backend.prefill_attention(q, k, v, k_cache, v_cache, tables, cu_q, seq_lens, scale)
+        return backend.prefill_attention(q, k, v, k_cache, v_cache, tables, cu_q, seq_lens, scale, **options)
 
     return dataclasses.replace(backend, decode_attention=decode, prefill_attention=prefill)
 
 
 def _run(folder: Path, backend: str, prompts: list[list[int]]) -> tuple[list[list[int]], _Seen]:
-    runner = make_runner(folder, NUM_BLOCKS, BLOCK, backend=backend)
+    runner = load_runner(folder, NUM_BLOCKS, BLOCK, backend=backend)
     seen = _Seen()
     first = runner.model.layers[0].self_attn
     assert first.backend.name == backend
@@ -71,26 +72,32 @@ def _run(folder: Path, backend: str, prompts: list[list[int]]) -> tuple[list[lis
         return execute(plan)
 
     runner.execute = execute_and_note  # type: ignore[method-assign]
-    requests, scheduler = run_offline(runner, prompts, MAX_TOKENS, num_blocks=NUM_BLOCKS, max_num_batched_tokens=BUDGET)
+    outputs, scheduler = generate(folder, runner, prompts, MAX_TOKENS, max_num_batched_tokens=BUDGET)
     assert scheduler.num_preemptions == 0
     assert scheduler.blocks.num_free == NUM_BLOCKS
-    return [r.output_token_ids for r in requests], seen
+    return outputs, seen
 
 
-def test_engine_on_triton_matches_torch_and_hf(tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])  # gemma2: a sliding window (layer 0) and soft-caps
+def test_engine_on_triton_matches_torch_and_hf(kind: str, request: pytest.FixtureRequest) -> None:
+    folder = (
+        request.getfixturevalue("tiny_llama_dir")
+        if kind == "llama"
+        else request.getfixturevalue("tiny_model_dir")(kind)
+    )
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in LENGTHS]
 
-    triton_out, seen = _run(tiny_llama_dir, "triton", prompts)
+    triton_out, seen = _run(folder, "triton", prompts)
     assert seen.prefill_over_prefix > 0, "no prefill chunk attended to a cached prefix"
     assert seen.prefix_across_block > 0, "no prefill chunk crossed a block boundary over its prefix"
     assert seen.mixed_steps > 0, "no step mixed decodes with prefill chunks"
     assert seen.decode_calls > 0
     assert [len(t) for t in triton_out] == MAX_TOKENS
 
-    torch_out, _ = _run(tiny_llama_dir, "torch", prompts)
+    torch_out, _ = _run(folder, "torch", prompts)
     assert triton_out == torch_out
 
-    hf = load_hf(tiny_llama_dir)
+    hf = load_hf(folder)
     for prompt, output in zip(prompts, triton_out):
         assert_teacher_forced(hf, prompt, output)

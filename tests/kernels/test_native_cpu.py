@@ -51,12 +51,29 @@ def test_bf16_cache_is_read_in_float32(native: cpu_attention.NativeDecodeAttenti
         assert rel_err(out[i : i + 1], want) < 1e-5, f"sequence {i} of length {n}"
 
 
+@pytest.mark.parametrize(("window", "softcap"), [(5, 0.0), (21, 0.0), (16, 0.0), (0, 2.0), (21, 2.0)])
+def test_window_and_softcap_match_dense(
+    native: cpu_attention.NativeDecodeAttention, window: int, softcap: float
+) -> None:
+    """A window starting mid-block, on a block boundary (16), past the shorter sequences; soft-capped scores."""
+    gen = torch.Generator().manual_seed(window)
+    lens = [1, 5, 6, 16, 17, 21, 22, 70]
+    batch = make_paged_batch(lens, lens, 2, 32, 16, torch.float32, gen)
+    q = torch.randn(len(lens), 6, 32, generator=gen) * 3  # scores large enough to be capped
+    out = native(
+        q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.3, window=window, softcap=softcap
+    )
+    for i, n in enumerate(lens):
+        want = dense_causal_attention(q[i : i + 1], batch.keys[i], batch.values[i], 0.3, n - 1, window, softcap)
+        assert rel_err(out[i : i + 1], want) < 1e-5, f"sequence {i} of length {n}"
+
+
 def test_uncovered_inputs_go_to_the_fallback(native: cpu_attention.NativeDecodeAttention) -> None:
     gen = torch.Generator().manual_seed(3)
     batch = make_paged_batch([5, 20], [5, 20], 2, 16, 16, torch.float64, gen)
     q = torch.randn(2, 4, 16, generator=gen, dtype=torch.float64)
     calls = []
-    fallback = cpu_attention.NativeDecodeAttention(lambda *args: calls.append(args) or args[0])
+    fallback = cpu_attention.NativeDecodeAttention(lambda *args, **options: calls.append(args) or args[0])
     fallback(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.25)
     assert len(calls) == 1, "a float64 cache is not the kernel's: the torch path must take it"
     fallback(q.float(), batch.k_cache.half(), batch.v_cache.half(), batch.block_tables, batch.seq_lens, 0.25)

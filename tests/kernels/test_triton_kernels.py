@@ -156,3 +156,30 @@ def test_strided_q_and_odd_kv_head_count(poisoned_outputs: None) -> None:
     for segments in (1, 2):
         out = tri.paged_decode_attention(*decode_args, num_segments=segments)
         assert rel_err(out, ref.paged_decode_attention(*decode_args)) < 1e-5
+
+
+# window, softcap, forced decode segments: a window inside one key tile, one across tiles and blocks (whole
+# segments before it), a soft-cap alone, both
+WINDOW_CASES = [(5, 0.0, 4), (20, 0.0, 3), (0, 2.0, 2), (37, 2.0, None)]
+
+
+@pytest.mark.parametrize(("window", "softcap", "segments"), WINDOW_CASES)
+def test_decode_with_window_and_softcap(
+    poisoned_outputs: None, window: int, softcap: float, segments: int | None
+) -> None:
+    gen = torch.Generator().manual_seed(window)
+    lens = [1, 6, 21, 70]
+    batch = make_paged_batch(lens, lens, 2, 32, 16, torch.float32, gen)
+    q = torch.randn(len(lens), 4, 32, generator=gen) * 3  # scores large enough to be capped
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, SCALE)
+    out = tri.paged_decode_attention(*args, window=window, softcap=softcap, num_segments=segments)
+    assert rel_err(out, ref.paged_decode_attention(*args, window=window, softcap=softcap)) < 1e-5
+
+
+@pytest.mark.parametrize(("window", "softcap", "_"), WINDOW_CASES)
+def test_prefill_with_window_and_softcap(poisoned_outputs: None, window: int, softcap: float, _: object) -> None:
+    # 45 new tokens: two query tiles, the second's window starting inside the first's keys
+    q, *rest = _prefill_args(16, 2, 32, [(0, 45), (30, 20), (5, 1)], torch.float32)
+    args = (q * 3, *rest)
+    out = tri.paged_prefill_attention(*args, window=window, softcap=softcap)
+    assert rel_err(out, ref.paged_prefill_attention(*args, window=window, softcap=softcap)) < 1e-5

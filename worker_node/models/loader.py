@@ -1,7 +1,9 @@
-"""Load an HF safetensors folder into our Llama-family model, fusing q/k/v and gate/up as we go.
+"""Load a checkpoint (safetensors shards, or a GGUF file dequantised at load) into the model its config names.
 
-With tensor or pipeline parallelism each worker reads only the tensors of its stage and keeps only its slice
-of each: its heads of q/k/v and o, its part of gate/up and down, its vocab rows.
+Checkpoint names are HF's. Our models fuse q/k/v and gate/up (read from separate tensors, or from checkpoints
+that store them fused, as Phi-3's do) and stack each MoE layer's experts. With tensor or pipeline parallelism
+each worker reads only the tensors of its stage and keeps only its slice of each: its heads of q/k/v and o,
+its part of gate/up and down (of every expert), its vocab rows.
 """
 
 from __future__ import annotations
@@ -9,32 +11,36 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
 
 from kernels.backend import AttentionBackend
+from proto.checkpoints import GGUF, weight_files
 from proto.parallel import kv_head_range, shard, vocab_shard
 from worker_node.models.config import ModelConfig
-from worker_node.models.llama import LlamaForCausalLM
+from worker_node.models.decoder import CausalLM
+from worker_node.models.registry import model_class
 from worker_node.parallel import SINGLE, Comm, ParallelRank
 
 logger = logging.getLogger(__name__)
 
-_FUSED = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-}
+_ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 
 
-class Checkpoint:
-    """The tensors of a safetensors folder, read one at a time on demand (a pipeline stage reads its own)."""
+class Checkpoint(Protocol):
+    def __contains__(self, name: str) -> bool: ...
 
-    def __init__(self, folder: Path) -> None:
-        files = sorted(folder.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors in {folder}")
+    def __getitem__(self, name: str) -> torch.Tensor: ...
+
+    def close(self) -> None: ...
+
+
+class SafetensorsCheckpoint:
+    """The tensors of safetensors shards, read one at a time on demand (a pipeline stage reads its own)."""
+
+    def __init__(self, files: list[Path]) -> None:
         self._stack = contextlib.ExitStack()
         self._where: dict[str, Any] = {}
         for file in files:
@@ -46,10 +52,39 @@ class Checkpoint:
         return name in self._where
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise KeyError(f"weight {name} is missing from the checkpoint")
         return self._where[name].get_tensor(name)
 
     def close(self) -> None:
         self._stack.close()
+
+
+class TensorDict:
+    """Tensors already in memory under HF names (a dequantised GGUF file)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._tensors = tensors
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._tensors:
+            raise KeyError(f"weight {name} is missing from the checkpoint")
+        return self._tensors[name]
+
+    def close(self) -> None:
+        self._tensors.clear()
+
+
+def open_checkpoint(folder: Path) -> Checkpoint:
+    kind, files = weight_files(folder)
+    if kind == GGUF:
+        from worker_node.models.gguf import read_tensors
+
+        return TensorDict(read_tensors(files[0], folder))
+    return SafetensorsCheckpoint(files)
 
 
 def load_model(
@@ -60,20 +95,19 @@ def load_model(
     max_positions: int,
     where: ParallelRank = SINGLE,
     comm: Comm | None = None,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     folder = Path(folder)
     config = ModelConfig.from_folder(folder)
     where.layout.check_model(config.num_heads, config.num_kv_heads, config.intermediate_size, config.num_layers)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend, max_positions, where, comm)
-    hf = Checkpoint(folder)
+        model = model_class(config.architecture)(config, backend, max_positions, where, comm)
+    hf = open_checkpoint(folder)
     try:
         state = {name: _hf_tensor(hf, name, config, where, model.first_layer) for name in model.state_dict()}
     finally:
         hf.close()
     model.load_state_dict(state, assign=True, strict=True)
-    if config.tie_word_embeddings and model.lm_head is not None and model.embed_tokens is not None:
-        model.lm_head.weight = model.embed_tokens.weight
+    model.tie_weights()
     model.rotary = model.rotary.__class__(config, max_positions)  # buffers were created on meta
     model.to(device=device, dtype=dtype)
     model.rotary.to(dtype=torch.float32)
@@ -81,7 +115,7 @@ def load_model(
     logger.info(
         "loaded %s (%s, %d of %d layers, TP rank %d of %d) in %s",
         folder.name,
-        config.model_type,
+        config.architecture,
         len(model.layers),
         config.num_layers,
         where.tp_rank,
@@ -103,28 +137,69 @@ def _hf_tensor(
     hf_name = name if name.startswith("lm_head") else f"model.{name}"
     if name in ("lm_head.weight", "embed_tokens.weight"):
         return _vocab_rows(hf[hf_name], config, where)
-    for fused, parts in _FUSED.items():
-        if fused in hf_name:
-            return torch.cat([_column_part(hf[hf_name.replace(fused, p)], p, config, where) for p in parts])
-    if hf_name not in hf:
-        raise KeyError(f"weight {hf_name} is missing from the checkpoint")
+    if ".qkv_proj." in hf_name:
+        return _fused(hf, hf_name, "qkv_proj", ("q_proj", "k_proj", "v_proj"), config, where)
+    if hf_name.endswith("mlp.gate_up_proj.weight"):
+        return _fused(hf, hf_name, "gate_up_proj", ("gate_proj", "up_proj"), config, where)
+    if ".experts." in hf_name:
+        return _experts(hf, hf_name, config, where)
     tensor = hf[hf_name]
-    if where.tp_size > 1 and hf_name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+    if hf_name.endswith(_ROW_PARALLEL):
         inputs = config.num_heads * config.head_dim if "o_proj" in hf_name else config.intermediate_size
-        start, end = shard(inputs, where.tp_size, where.tp_rank)  # row-parallel: a slice of the inputs
-        return tensor[:, start:end].clone()  # a copy, so the full tensor is freed
+        return _row_part(tensor, inputs, where)
     return tensor
 
 
+def _fused(
+    hf: Checkpoint, hf_name: str, fused: str, parts: tuple[str, ...], config: ModelConfig, where: ParallelRank
+) -> torch.Tensor:
+    """q/k/v (or gate/up) of this rank, one after the other: from separate tensors, or cut from a fused one."""
+    names = [hf_name.replace(fused, part) for part in parts]
+    if names[0] in hf:
+        tensors = [hf[n] for n in names]
+    else:
+        q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        sizes = [q, kv, kv] if fused == "qkv_proj" else [config.intermediate_size] * 2
+        tensors = list(hf[hf_name].split(sizes))
+    return torch.cat([_column_part(t, part, config, where) for t, part in zip(tensors, parts)])
+
+
+def _experts(hf: Checkpoint, hf_name: str, config: ModelConfig, where: ParallelRank) -> torch.Tensor:
+    """One stacked tensor of every expert's weights, from HF's per-expert w1 (gate), w3 (up), w2 (down)."""
+    prefix, stacked = hf_name.rsplit(".", 1)
+    experts = range(config.num_experts)
+    if stacked == "gate_up_proj":
+        return torch.stack(
+            [
+                torch.cat(
+                    [
+                        _column_part(hf[f"{prefix}.{e}.w1.weight"], "gate", config, where),
+                        _column_part(hf[f"{prefix}.{e}.w3.weight"], "up", config, where),
+                    ]
+                )
+                for e in experts
+            ]
+        )
+    return torch.stack([_row_part(hf[f"{prefix}.{e}.w2.weight"], config.intermediate_size, where) for e in experts])
+
+
+def _row_part(tensor: torch.Tensor, inputs: int, where: ParallelRank) -> torch.Tensor:
+    """Row-parallel: a slice of the inputs (columns)."""
+    if where.tp_size == 1:
+        return tensor
+    start, end = shard(inputs, where.tp_size, where.tp_rank)
+    return tensor[:, start:end].clone()  # a copy, so the full tensor is freed
+
+
 def _column_part(tensor: torch.Tensor, part: str, config: ModelConfig, where: ParallelRank) -> torch.Tensor:
-    """Column-parallel: this rank's output rows of q, k, v (by head) or gate, up (by MLP column)."""
+    """Column-parallel: this rank's output rows of q, k, v (by head) or gate, up (by MLP column); biases too."""
     if where.tp_size == 1:
         return tensor
     d = config.head_dim
-    if part.endswith("q_proj"):
+    if part == "q_proj":
         start, end = shard(config.num_heads, where.tp_size, where.tp_rank)
         return tensor[start * d : end * d]
-    if part.endswith(("k_proj", "v_proj")):
+    if part in ("k_proj", "v_proj"):
         start, end = kv_head_range(config.num_kv_heads, where.tp_size, where.tp_rank)
         return tensor[start * d : end * d]
     start, end = shard(config.intermediate_size, where.tp_size, where.tp_rank)

@@ -1,18 +1,25 @@
-"""Start a real scheduler and workers as subprocesses on free loopback ports, and stop them afterwards."""
+"""A scheduler and its workers as processes on free loopback ports, for benchmarks and tests.
+
+cluster = Cluster(model_folder, ["--max-num-seqs", "64"], ["--threads", "2"])
+cluster.wait_serving()
+stub = GenerationStub(cluster.channel)
+...
+cluster.stop()
+"""
 
 from __future__ import annotations
 
 import socket
 import subprocess
 import sys
-import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parent.parent  # the processes run from the checkout
 
 
 def free_port() -> int:
@@ -23,8 +30,8 @@ def free_port() -> int:
 
 class Cluster:
     def __init__(
-        self, model: Path, scheduler_args: list[str] = (), worker_args: list[str] = (), num_workers: int = 1
-    ) -> None:  # type: ignore[assignment]
+        self, model: Path, scheduler_args: Sequence[str] = (), worker_args: Sequence[str] = (), num_workers: int = 1
+    ) -> None:
         self.port = free_port()
         self.worker_port = free_port()
         self.address = f"127.0.0.1:{self.port}"
@@ -100,7 +107,7 @@ class Cluster:
         """SIGTERM the scheduler (it shuts the workers down); return every exit code."""
         self.channel.close()
         self.scheduler.terminate()
-        codes = []
+        codes: list[int | None] = []
         for proc in [self.scheduler, *self.workers]:
             try:
                 codes.append(proc.wait(timeout))
@@ -109,29 +116,3 @@ class Cluster:
                 proc.wait()
                 codes.append(None)
         return codes
-
-
-def stream_workload(channel: grpc.Channel, work: list[tuple[list[int], int]]) -> tuple[list[int], float]:
-    """Send every (prompt ids, max_tokens) request at once, greedy with ignore_eos; return the tokens each
-    got and the wall time (benchmarks)."""
-    from proto import serving_pb2 as pb
-    from proto import serving_pb2_grpc as pb_grpc
-
-    stub = pb_grpc.GenerationStub(channel)
-    counts = [0] * len(work)
-
-    def one(i: int) -> None:
-        prompt, out = work[i]
-        req = pb.GenerateRequest(
-            prompt_token_ids=pb.TokenIds(ids=prompt),
-            sampling=pb.SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True),
-        )
-        counts[i] = sum(len(r.token_ids) for r in stub.Generate(req, timeout=3600))
-
-    start = time.perf_counter()
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(work))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return counts, time.perf_counter() - start

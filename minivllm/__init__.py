@@ -1,0 +1,14 @@
+"""minivllm's public Python API: offline inference in the shape vLLM users know.
+
+from minivllm import LLM, SamplingParams
+
+with LLM() as llm:  # the default model, SmolLM2-135M-Instruct
+    outputs = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16))
+    print(outputs[0].outputs[0].text)
+"""
+
+from minivllm.llm import LLM
+from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]

@@ -1,0 +1,329 @@
+"""LLM: the offline API. The same engine core as the servers, run on a private event loop in a thread.
+
+A world of one runs its worker in this process (no sockets); a TP/PP world starts its workers as child processes
+that join over ZeroMQ on loopback, as `vllm-serve` does, and are stopped by `close()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Sequence
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from tqdm import tqdm
+
+from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.sampling_params import SamplingParams
+from proto.worker_flags import parse_size
+from scheduler_node.api.validation import build_spec, prompt_from_ids, prompt_from_messages, prompt_from_text
+from scheduler_node.core.config import SchedulerConfig
+from scheduler_node.core.request import RequestSpec
+from scheduler_node.engine.builder import EngineConfig, WorldPlan, check_model_split, free_port, make_engine
+from scheduler_node.engine.core import EngineCore, EngineOptions
+from scheduler_node.engine.launchers import LocalLauncher
+from scheduler_node.engine.model_path import DEFAULT, resolve_model
+from scheduler_node.engine.placement import place
+from scheduler_node.engine.topology import single_island
+from scheduler_node.engine.worker_link import WorkerLink
+from scheduler_node.text.tokenizer import ModelTokenizer
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+# inprocess: the worker runs in this process (a world of one); processes: one vllm-worker process per rank, over
+# ZeroMQ on loopback (any world); auto: inprocess for a world of one, else processes.
+WORKER_BACKENDS = ("auto", "inprocess", "processes")
+Prompt = str | Sequence[int]
+Message = dict[str, str]
+
+
+class LLM:
+    """Generate completions for batches of prompts. Close it (or use `with`) to stop its workers."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        dtype: str = "auto",
+        device: str = "auto",
+        kv_cache_memory: int | str | None = None,
+        num_kv_blocks: int = 0,
+        swap_space: float = 4.0,
+        attention_backend: str = "auto",
+        cuda_graph_sizes: str = "",
+        threads: int = 0,
+        block_size: int = 16,
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int = 0,
+        enable_prefix_caching: bool = True,
+        preemption_mode: str = "elastic",
+        scheduling_policy: str = "fcfs",
+        async_scheduling: bool = True,
+        worker_backend: str = "auto",
+        worker_join_timeout: float = 600.0,
+    ) -> None:
+        from worker_node.loading import WorkerOptions  # torch: only where the workers live
+
+        if worker_backend not in WORKER_BACKENDS:
+            raise ValueError(f"worker_backend: must be one of {WORKER_BACKENDS}, got {worker_backend!r}")
+        world = tensor_parallel_size * pipeline_parallel_size
+        if worker_backend == "inprocess" and world > 1:
+            raise ValueError(f"worker_backend: 'inprocess' runs a world of one; this one has {world} ranks")
+        self.worker_backend = (
+            ("inprocess" if world == 1 else "processes") if worker_backend == "auto" else worker_backend
+        )
+
+        memory = parse_size(kv_cache_memory) if isinstance(kv_cache_memory, str) else kv_cache_memory
+        self.options = WorkerOptions(
+            device=device,
+            kv_cache_memory=memory,
+            attention_backend=attention_backend,
+            swap_space=swap_space,
+            threads=threads,
+            cuda_graph_sizes=cuda_graph_sizes,
+        )
+        self.config = EngineConfig(
+            dtype=dtype,
+            scheduler=SchedulerConfig(
+                block_size=block_size,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
+                enable_prefix_caching=enable_prefix_caching,
+                preemption_mode=preemption_mode,  # type: ignore[arg-type]
+            ),
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            async_scheduling=async_scheduling,
+            scheduling_policy=scheduling_policy,
+            options=EngineOptions(rejoin_timeout=60.0),
+            num_kv_blocks=num_kv_blocks,
+        )
+        self.folder = resolve_model(model or DEFAULT)
+        check_model_split(self.folder, self.config.layout)
+        self.tokenizer = ModelTokenizer(self.folder)
+        self._ids = itertools.count()
+        self._launcher: LocalLauncher | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._engine: EngineCore | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="minivllm-engine", daemon=True)
+        self._thread.start()
+        try:
+            self._call(self._start(worker_join_timeout))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def engine(self) -> EngineCore:
+        if self._engine is None:
+            raise RuntimeError("the LLM is closed")
+        return self._engine
+
+    # ---- generating
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """One output per prompt (a string or a list of token ids), in input order. ValueError names a bad field."""
+        batch: list[Any] = [prompts] if isinstance(prompts, str) or _is_ids(prompts) else list(prompts)
+        max_len = self.engine.max_model_len
+        ids = [
+            prompt_from_text(p, self.tokenizer, max_len, f"prompts[{i}]")
+            if isinstance(p, str)
+            else prompt_from_ids(p, self.tokenizer, max_len, f"prompts[{i}]")
+            for i, p in enumerate(batch)
+        ]
+        texts = [p if isinstance(p, str) else None for p in batch]
+        return self._run(ids, texts, sampling_params, use_tqdm, priority)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Completions of one conversation (a list of {"role", "content"}) or of several, through the model's chat
+        template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        max_len = self.engine.max_model_len
+        ids = [
+            prompt_from_messages(list(c), self.tokenizer, max_len, f"messages[{i}]")  # type: ignore[arg-type]
+            for i, c in enumerate(conversations)
+        ]
+        return self._run(ids, [None] * len(ids), sampling_params, use_tqdm, None)
+
+    def _run(
+        self,
+        ids: list[list[int]],
+        texts: list[str | None],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+        priority: Sequence[int] | None,
+    ) -> list[RequestOutput]:
+        params = _per_prompt(sampling_params or SamplingParams(), len(ids), "sampling_params")
+        priorities = _per_prompt(priority, len(ids), "priority") if priority is not None else [50] * len(ids)
+        specs = [
+            build_spec(p, sp.fields(), self.engine.max_model_len, request_id=f"llm-{next(self._ids)}", priority=pr)
+            for p, sp, pr in zip(ids, params, priorities)
+        ]
+        return self._call(self._generate(specs, texts, use_tqdm))
+
+    async def _generate(self, specs: list[RequestSpec], texts: list[str | None], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        progress = _Progress(len(specs), use_tqdm)
+        try:
+            streams = [engine.submit(spec) for spec in specs]
+            return list(
+                await asyncio.gather(
+                    *(_collect(s, spec, text, progress) for s, spec, text in zip(streams, specs, texts))
+                )
+            )
+        except BaseException:
+            for spec in specs:
+                engine.abort(spec.request_id)
+            raise
+        finally:
+            progress.close()
+
+    # ---- lifetime
+
+    async def _start(self, join_timeout: float) -> None:
+        layout = self.config.layout
+        placement = place(single_island(layout.world_size), layout, worker_chooses_device=True)
+        world = WorldPlan(self.config, self.folder, placement)
+        if self.worker_backend == "inprocess":
+            from worker_node.inprocess import InProcessWorkers
+
+            workers: Any = InProcessWorkers(self.options)
+        else:
+            address = f"127.0.0.1:{free_port()}"
+            workers = WorkerLink(address)
+            workers.claim = world.claim
+            workers.output_rank = layout.output_rank
+            self._launcher = LocalLauncher(layout.world_size)
+            self._launcher.start(address, _worker_flags(self.options))
+            self._tasks.append(asyncio.get_running_loop().create_task(self._keep_alive()))
+        capacity = await workers.start(world.assignment, join_timeout)
+        self._engine = make_engine(self.config, self.folder, self.tokenizer, workers, capacity)
+        self._tasks.append(asyncio.get_running_loop().create_task(self._engine.run()))
+
+    async def _keep_alive(self) -> None:
+        while self._launcher is not None:
+            self._launcher.keep_alive()
+            await asyncio.sleep(0.5)
+
+    def close(self) -> None:
+        """Stop the engine and every worker process; idempotent."""
+        if self._loop.is_closed():
+            return
+        if self._loop.is_running():
+            self._call(self._stop())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        if self._launcher is not None:
+            self._launcher.stop(10.0)  # they got Shutdown
+            self._launcher = None
+        self._loop.close()
+
+    async def _stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if self._engine is not None:
+            await self._engine.workers.close("the LLM was closed")
+            self._engine = None
+        others = asyncio.all_tasks() - {asyncio.current_task()}
+        for task in others:  # whatever the engine left waiting (a drained stream's reader, a wake-up)
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_loop", None) is not None and not self._loop.is_closed():
+            self.close()
+
+    def _call(self, coro: Awaitable[T]) -> T:
+        future: Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
+        return future.result()
+
+
+class _Progress:
+    """A tqdm bar of finished requests with input and output tokens per second."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.bar = tqdm(total=total, desc="Processed prompts", unit="req", disable=not enabled, dynamic_ncols=True)
+        self.start = time.perf_counter()
+        self.input_tokens = 0
+        self.output_tokens = 0
+
+    def done(self, input_tokens: int, output_tokens: int) -> None:
+        self.input_tokens += input_tokens
+        self.output_tokens += output_tokens
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(
+            f"input: {self.input_tokens / elapsed:.1f} toks/s, output: {self.output_tokens / elapsed:.1f} toks/s"
+        )
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+async def _collect(stream: Any, spec: RequestSpec, text: str | None, progress: _Progress) -> RequestOutput:
+    completions = [
+        CompletionOutput(i, "", [], "", [] if spec.sampling.logprobs is not None else None) for i in range(spec.n)
+    ]
+    async for delta in stream:
+        c = completions[delta.index]
+        if delta.finish_reason == "error":
+            raise RuntimeError(f"request {spec.request_id} failed ({delta.code}): {delta.error}")
+        c.token_ids.extend(delta.token_ids)
+        c.text += delta.text
+        if c.logprobs is not None:
+            c.logprobs.extend(delta.logprobs)
+        if delta.finish_reason:
+            c.finish_reason = delta.finish_reason
+    progress.done(len(spec.prompt_token_ids), sum(len(c.token_ids) for c in completions))
+    return RequestOutput(spec.request_id, text, spec.prompt_token_ids, completions)
+
+
+def _is_ids(prompts: Any) -> bool:
+    return isinstance(prompts, Sequence) and bool(prompts) and all(isinstance(t, int) for t in prompts)
+
+
+def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        if len(value) != count:
+            raise ValueError(f"{name}: {len(value)} given for {count} prompts")
+        return list(value)
+    return [value] * count
+
+
+def _worker_flags(options: Any) -> list[str]:
+    flags = ["--device", options.device, "--attention-backend", options.attention_backend]
+    flags += ["--swap-space", str(options.swap_space), "--threads", str(options.threads)]
+    if options.kv_cache_memory:
+        flags += ["--kv-cache-memory", str(options.kv_cache_memory)]
+    if options.cuda_graph_sizes:
+        flags += ["--cuda-graph-sizes", options.cuda_graph_sizes]
+    return flags

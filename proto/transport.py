@@ -1,0 +1,76 @@
+"""The interface the engine core drives its workers through, whatever carries the plans.
+
+Two transports implement it: ZeroMQ to worker processes (`scheduler_node/engine/worker_link.py`) and workers in
+the same process (`worker_node/inprocess.py`, for the offline API, tests and benchmarks). The engine core knows
+only this interface, so the scheduler side stays free of torch while every door runs the same loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from proto.wire import Assignment, StepPlan, StepResult
+
+
+class WorkerLost(RuntimeError):
+    """A rank disconnected, stopped answering or overran its step deadline; the KV it held is gone."""
+
+
+class StepFailed(RuntimeError):
+    """A rank could not execute a plan (it answered StepError); it keeps running."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorldCapacity:
+    """What the assembled world holds, the same on every rank: the scheduler's block table is sized from it."""
+
+    num_kv_blocks: int
+    num_swap_blocks: int
+    bytes_per_block: int  # of one device block on one rank (what swapping it moves)
+    swap_bytes_per_s: float  # the slowest rank's measured device <-> host bandwidth (0: unknown)
+
+
+class WorkerTransport(Protocol):
+    """Plans out to every rank, the output rank's results back, in the order the plans were sent."""
+
+    lost: asyncio.Event  # set while a rank is lost, cleared once every rank is ready again
+    changed: asyncio.Event  # set on every change of a rank's state (health reporting clears it)
+
+    @property
+    def all_ready(self) -> bool: ...
+
+    @property
+    def lost_reason(self) -> str: ...
+
+    @property
+    def capacity(self) -> WorldCapacity: ...
+
+    @property
+    def num_ready(self) -> int: ...
+
+    async def start(self, assignment: Callable[[int], Assignment], timeout: float) -> WorldCapacity:
+        """Assemble the world (each rank gets `assignment(rank)`); its capacity, or TimeoutError naming who is
+        missing. A later replacement of a lost rank is told to hold exactly this capacity."""
+        ...
+
+    def submit(self, plan: StepPlan) -> asyncio.Future[StepResult]:
+        """Send the plan to every rank. The future completes with the output rank's result once every rank
+        answered, or fails with WorkerLost or StepFailed. Raises WorkerLost when a rank is not ready."""
+        ...
+
+    def interrupt(self, first_step_id: int, last_step_id: int) -> bool:
+        """Ask the workers to skip the compute of these plans in flight; False when this world cannot."""
+        ...
+
+    def declare_lost(self, reason: str) -> None:
+        """Treat the ranks that owe an answer as lost (a step overran its deadline): the normal recovery follows."""
+        ...
+
+    async def wait_ready(self, timeout: float | None) -> bool:
+        """Wait until every rank is ready; False when `timeout` seconds passed first (None: no limit)."""
+        ...
+
+    async def close(self, reason: str) -> None: ...

@@ -1,0 +1,145 @@
+"""Assembling an engine core: the world's assignments, the scheduler sized to the world, the engine on top.
+
+The same steps for every door: vllm-scheduler (workers over ZeroMQ) and the offline `LLM` (in-process, or worker
+processes for TP/PP worlds). The transport assembles the world; `make_engine` sizes the scheduler from what it holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from proto.parallel import ParallelLayout
+from proto.transport import WorkerTransport, WorldCapacity
+from proto.wire import Assignment, ExecutionMode
+from scheduler_node.core.config import SchedulerConfig
+from scheduler_node.core.policy import make_policy
+from scheduler_node.core.scheduler import PreemptionCosts, Scheduler
+from scheduler_node.engine.core import EngineCore, EngineOptions
+from scheduler_node.engine.metrics import Metrics
+from scheduler_node.engine.placement import Placement, RankAssigner
+from scheduler_node.text.tokenizer import ModelTokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How an engine core and its world are built: the flags of vllm-scheduler, the arguments of `LLM`."""
+
+    dtype: str = "auto"
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    async_scheduling: bool = True
+    scheduling_policy: str = "fcfs"
+    aging_interval: float = 10.0
+    preemption_margin: float = 5.0
+    options: EngineOptions = field(default_factory=EngineOptions)
+    num_kv_blocks: int = 0  # 0: as the workers' memory allows; else every rank holds exactly this many
+    num_swap_blocks: int = -1  # -1: as the workers' --swap-space allows; else at most this many
+    distributed_timeout: float = 300.0
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return ParallelLayout(self.tensor_parallel_size, self.pipeline_parallel_size)
+
+    @property
+    def mode(self) -> ExecutionMode:
+        return ExecutionMode.for_world(self.tensor_parallel_size, self.pipeline_parallel_size, self.async_scheduling)
+
+
+class WorldPlan:
+    """What each rank of the world is told when it joins, and which joining worker becomes which rank (the
+    transport adds the world's KV size when a lost rank is replaced)."""
+
+    def __init__(self, config: EngineConfig, folder: Path, placement: Placement, distributed_port: int = 0) -> None:
+        self.config = config
+        self.folder = folder
+        self.layout = placement.layout
+        self.assigner = RankAssigner(placement)
+        port = distributed_port or free_port()
+        self.rendezvous = f"{self.assigner.rendezvous_host}:{port}" if self.layout.world_size > 1 else ""
+        self.claim = self.assigner.claim
+
+    def assignment(self, rank: int) -> Assignment:
+        c, s, layout = self.config, self.config.scheduler, self.layout
+        return Assignment(
+            rank,
+            layout.world_size,
+            str(self.folder),
+            c.dtype,
+            s.block_size,
+            s.max_num_batched_tokens,
+            s.max_num_seqs,
+            layout.tensor_parallel_size,
+            layout.pipeline_parallel_size,
+            self.rendezvous,
+            self.assigner.devices.get(rank, ""),
+            c.distributed_timeout,
+            c.mode,
+            c.num_kv_blocks,
+            c.num_swap_blocks,
+        )
+
+
+def make_engine(
+    config: EngineConfig,
+    folder: Path,
+    tokenizer: ModelTokenizer,
+    workers: WorkerTransport,
+    capacity: WorldCapacity,
+    metrics: Metrics | None = None,
+) -> EngineCore:
+    """The scheduler sized to the assembled world, and the engine core over it."""
+    s = config.scheduler
+    max_len = resolve_max_model_len(s.max_model_len, model_limit(folder), capacity.num_kv_blocks, s.block_size)
+    policy = make_policy(config.scheduling_policy, config.aging_interval, config.preemption_margin)
+    costs = PreemptionCosts(bytes_per_block=capacity.bytes_per_block, swap_bytes_per_s=capacity.swap_bytes_per_s)
+    scheduler = Scheduler(
+        dataclasses.replace(s, max_model_len=max_len),
+        capacity.num_kv_blocks,
+        policy,
+        config.mode,
+        capacity.num_swap_blocks,
+        costs,
+    )
+    return EngineCore(scheduler, tokenizer, workers, config.options, metrics or Metrics(folder.name))
+
+
+def check_model_split(folder: Path, layout: ParallelLayout) -> None:
+    """ValueError when the model's heads, MLP or layers do not split over this layout."""
+    c = json.loads((folder / "config.json").read_text())
+    heads = int(c["num_attention_heads"])
+    layout.check_model(
+        heads, int(c.get("num_key_value_heads") or heads), int(c["intermediate_size"]), int(c["num_hidden_layers"])
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def resolve_max_model_len(requested: int, model_limit: int, num_blocks: int, block_size: int) -> int:
+    capacity = num_blocks * block_size
+    if requested > capacity:
+        raise ValueError(
+            f"--max-model-len {requested} needs more KV than the workers have ({capacity} tokens); "
+            "give the workers more --kv-cache-memory or lower --max-model-len"
+        )
+    if requested:
+        return min(requested, model_limit)
+    if capacity < model_limit:
+        logger.warning("max_model_len capped at the KV capacity: %d tokens (model allows %d)", capacity, model_limit)
+    return min(model_limit, capacity)
+
+
+def model_limit(folder: Path) -> int:
+    c = json.loads((folder / "config.json").read_text())
+    return int(c.get("max_position_embeddings", 4096))

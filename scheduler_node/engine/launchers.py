@@ -1,0 +1,133 @@
+"""How vllm-serve starts its workers and keeps them alive: `local` child processes on this host (the default), or
+`ray` actors in a placement group that follows the topology (scheduler_node/engine/ray_launcher.py, imported only
+for `--launcher ray`). Either starts a dead worker again, so a lost rank is rejoined."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import subprocess
+import sys
+import time
+from typing import Protocol
+
+from proto.parallel import ParallelLayout
+
+logger = logging.getLogger(__name__)
+
+LAUNCHERS = ("local", "ray")
+
+
+class Launcher(Protocol):
+    def scheduler_flags(self) -> list[str]:
+        """Flags the scheduler needs from this launcher (e.g. the topology it placed the ranks by)."""
+        ...
+
+    def start(self, scheduler_address: str, worker_flags: list[str]) -> None:
+        """Start one vllm-worker per rank with these flags, connecting to the scheduler at HOST:PORT."""
+        ...
+
+    def keep_alive(self) -> None:
+        """Start again the workers that died (called every fraction of a second)."""
+        ...
+
+    def stop(self, grace: float) -> None:
+        """The scheduler told the workers to shut down: give them `grace` seconds, then end what is left."""
+        ...
+
+
+def add_launcher_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--launcher",
+        choices=LAUNCHERS,
+        default="local",
+        help="local: the workers are child processes of vllm-serve on this host; ray: Ray actors in a placement "
+        "group of the Ray cluster at --ray-address, each TP group packed on one node",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        help="--launcher ray: the Ray cluster to join (HOST:PORT of its GCS, or 'auto'); default: $RAY_ADDRESS, "
+        "else a new local Ray instance on this host",
+    )
+
+
+def make_launcher(args: argparse.Namespace, layout: ParallelLayout) -> Launcher:
+    if args.launcher == "ray":
+        from scheduler_node.engine.ray_launcher import RayLauncher  # ray only when asked for
+
+        return RayLauncher(args, layout)
+    return LocalLauncher(layout.world_size)
+
+
+class Restarts:
+    """When to start a dead worker again: at once, then after a growing pause while it keeps exiting right after
+    its start (up to 30 s)."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.failures = 0
+        self.restart_at = 0.0
+
+    def due(self, what: str) -> bool:
+        """`what` was found dead: is it time to start its replacement?"""
+        now = time.monotonic()
+        if not self.restart_at:
+            self.failures = self.failures + 1 if now - self.started < 30 else 0
+            self.restart_at = now + (min(30.0, 2.0 ** (self.failures - 1)) if self.failures > 1 else 0.0)
+            logger.warning("%s; a replacement starts in %.0f s", what, self.restart_at - now)
+        if now < self.restart_at:
+            return False
+        self.restart_at = 0.0
+        self.started = now
+        return True
+
+
+class LocalLauncher:
+    """Each rank a child process of vllm-serve, in its own session (a terminal's Ctrl-C reaches only vllm-serve)."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.argv: list[str] = []
+        self.procs: list[subprocess.Popen] = []
+        self.restarts = [Restarts() for _ in range(world_size)]
+
+    def scheduler_flags(self) -> list[str]:
+        return []
+
+    def start(self, scheduler_address: str, worker_flags: list[str]) -> None:
+        self.argv = [sys.executable, "-m", "worker_node.worker", "--scheduler-address", scheduler_address]
+        self.argv += worker_flags
+        self.procs = [self._spawn() for _ in range(self.world_size)]
+
+    def _spawn(self) -> subprocess.Popen:
+        return subprocess.Popen(self.argv, start_new_session=True)
+
+    def keep_alive(self) -> None:
+        for i, proc in enumerate(self.procs):
+            if proc.poll() is not None and self.restarts[i].due(f"worker pid {proc.pid} exited with {proc.returncode}"):
+                self.procs[i] = self._spawn()
+
+    def stop(self, grace: float) -> None:
+        deadline = time.monotonic() + grace
+        for p in self.procs:  # they got Shutdown: a SIGTERM during their exit only adds noise
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break
+        terminate(self.procs)
+
+
+def terminate(procs: list[subprocess.Popen], timeout: float = 15.0) -> None:
+    """SIGTERM what still runs, SIGKILL what is still there after `timeout` seconds."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning("pid %d did not stop in time; killing it", p.pid)
+            p.kill()
+            p.wait()

@@ -1,0 +1,210 @@
+"""Tests drive the engine core, the same class every door uses, over in-process workers (no sockets).
+
+`load_runner` builds one rank as a worker does (worker_node/loading.py) with a pinned KV size; `EngineRun` puts an
+EngineCore over InProcessWorkers holding such runners and runs it on its own event loop until every request added
+so far has finished. Plans and results go through the msgpack wire, as behind a socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from proto.wire import Assignment, ExecutionMode, SamplingOptions, StepPlan, TokenLogprobs
+from scheduler_node.core.config import SchedulerConfig
+from scheduler_node.core.request import RequestSpec
+from scheduler_node.core.scheduler import PreemptionCosts, Scheduler
+from scheduler_node.engine.core import EngineCore, EngineOptions
+from scheduler_node.text.tokenizer import ModelTokenizer
+from worker_node.inprocess import InProcessWorkers
+from worker_node.loading import WorkerOptions, load_rank
+from worker_node.model_runner import ModelRunner
+from worker_node.parallel import SINGLE, Comm, ParallelRank
+
+CPU = torch.device("cpu")
+
+
+def load_runner(
+    folder: Path,
+    num_blocks: int,
+    block_size: int = 16,
+    backend: str = "auto",
+    num_host_blocks: int = 0,
+    mode: ExecutionMode | None = None,
+    where: ParallelRank = SINGLE,
+    comm: Comm | None = None,
+    dtype: str = "float32",
+) -> ModelRunner:
+    """One rank of `folder`'s model on the CPU, holding exactly `num_blocks` KV blocks (and the execution mode of
+    its world with async scheduling, unless `mode` says otherwise)."""
+    layout = where.layout
+    assignment = Assignment(
+        rank=where.rank,
+        world_size=layout.world_size,
+        model=str(folder),
+        dtype=dtype,
+        block_size=block_size,
+        max_num_batched_tokens=2048,
+        max_num_seqs=128,
+        tensor_parallel_size=layout.tensor_parallel_size,
+        pipeline_parallel_size=layout.pipeline_parallel_size,
+        device="cpu",
+        mode=mode or ExecutionMode.for_world(layout.tensor_parallel_size, layout.pipeline_parallel_size, True),
+        num_kv_blocks=num_blocks,
+        num_swap_blocks=num_host_blocks,
+    )
+    runner, _ = load_rank(assignment, WorkerOptions(attention_backend=backend), CPU, comm or Comm(where))
+    return runner
+
+
+@dataclass(slots=True)
+class Completion:
+    """One sequence's output, as the engine streamed it."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    error: str = ""
+
+
+@dataclass(slots=True)
+class Submitted:
+    prompt: list[int]
+    max_tokens: int
+    completions: list[Completion]
+    stream: Any = None
+
+    @property
+    def output(self) -> list[int]:
+        """The first completion's tokens."""
+        return self.completions[0].token_ids
+
+
+class EngineRun:
+    """An EngineCore over in-process runners, run to completion on demand (`run`)."""
+
+    def __init__(
+        self,
+        runners: ModelRunner | list[ModelRunner],
+        *,
+        tokenizer_dir: Path,
+        async_scheduling: bool = True,
+        options: EngineOptions | None = None,
+        transport: InProcessWorkers | None = None,
+        **config: Any,
+    ) -> None:
+        runners = runners if isinstance(runners, list) else [runners]
+        first = runners[0]
+        self.mode = first.mode if async_scheduling else dataclasses.replace(first.mode, plans_in_flight=1)
+        cfg = SchedulerConfig(block_size=first.block_size, max_model_len=first.model.config.max_model_len, **config)
+        costs = PreemptionCosts(bytes_per_block=1, swap_bytes_per_s=1e12)  # elastic: swap when space allows
+        scheduler = Scheduler(cfg, first.num_blocks, mode=self.mode, num_host_blocks=first.num_host_blocks, costs=costs)
+        self.workers = transport or InProcessWorkers(runners=runners, output_rank=len(runners) - 1)
+        self.workers.runners = runners
+        self.plans: list[StepPlan] = []
+        self.workers.on_plan = self.plans.append
+        self.engine = EngineCore(scheduler, ModelTokenizer(tokenizer_dir), self.workers, options or EngineOptions())
+        self.scheduler = scheduler
+        self.submitted: list[Submitted] = []
+        self._ids = itertools.count()
+        self._loop = asyncio.new_event_loop()
+        self._task: asyncio.Task[None] | None = None
+
+    def add(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        n: int = 1,
+        sampling: SamplingOptions | None = None,
+        ignore_eos: bool = True,
+        stop: list[str] | None = None,
+        priority: int = 50,
+    ) -> Submitted:
+        spec = RequestSpec(
+            request_id=f"r{next(self._ids)}",
+            prompt_token_ids=list(prompt),
+            sampling=sampling or SamplingOptions(temperature=0.0),
+            max_tokens=max_tokens,
+            stop=stop or [],
+            ignore_eos=ignore_eos,
+            n=n,
+            priority=priority,
+        )
+        entry = Submitted(list(prompt), max_tokens, [Completion() for _ in range(n)])
+        self._loop.run_until_complete(self._submit(spec, entry))
+        self.submitted.append(entry)
+        return entry
+
+    async def _submit(self, spec: RequestSpec, entry: Submitted) -> None:
+        if self._task is None:
+            await self.workers.start(_built_already, 60.0)
+            self._task = asyncio.get_running_loop().create_task(self.engine.run())
+        entry.stream = self.engine.submit(spec)
+
+    def run(self, timeout: float = 300.0) -> None:
+        """Until every request added so far has finished; collects their outputs."""
+        self._loop.run_until_complete(asyncio.wait_for(self._until_idle(), timeout))
+        for entry in self.submitted:
+            while not entry.stream.queue.empty():
+                delta = entry.stream.queue.get_nowait()
+                c = entry.completions[delta.index]
+                c.token_ids += delta.token_ids
+                c.text += delta.text
+                c.logprobs += delta.logprobs
+                c.finish_reason = delta.finish_reason or c.finish_reason
+                c.error = delta.error or c.error
+
+    def run_plans(self, count: int, timeout: float = 120.0) -> None:
+        """Until the engine has sent `count` plans in all (requests may still be running)."""
+
+        async def sent() -> None:
+            while len(self.plans) < count:
+                assert self._task is not None and not self._task.done()
+                await asyncio.sleep(0.001)
+
+        self._loop.run_until_complete(asyncio.wait_for(sent(), timeout))
+
+    async def _until_idle(self) -> None:
+        assert self._task is not None
+        idle = asyncio.ensure_future(self.engine.wait_idle())
+        await asyncio.wait({idle, self._task}, return_when=asyncio.FIRST_COMPLETED)
+        if self._task.done():
+            idle.cancel()
+            self._task.result()  # the engine failed: raise its error
+
+    def close(self) -> None:
+        async def stop() -> None:
+            if self._task is not None:
+                self._task.cancel()
+                await asyncio.gather(self._task, return_exceptions=True)
+            await self.workers.close("test over")
+
+        self._loop.run_until_complete(stop())
+        self._loop.close()
+
+    def __enter__(self) -> EngineRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def generate(
+    folder: Path, runner: ModelRunner, prompts: list[list[int]], max_tokens: list[int], **config: Any
+) -> tuple[list[list[int]], Scheduler]:
+    """Greedy outputs of these prompts (no eos), and the scheduler that ran them."""
+    with EngineRun(runner, tokenizer_dir=folder, **config) as run:
+        submitted = [run.add(p, m) for p, m in zip(prompts, max_tokens)]
+        run.run()
+    return [s.output for s in submitted], run.scheduler
+
+
+def _built_already(rank: int) -> Assignment:
+    raise AssertionError("the runners are built already")

@@ -1,0 +1,183 @@
+"""The in-process transport (proto/transport.py): the engine core drives workers that live in this process.
+
+Each rank's runner gets its own step thread that runs plans in order, as a worker process does, so plans stay in
+flight while the event loop builds the next one. Plans and results still go through the msgpack wire: what runs
+here is what runs behind a socket, and neither side can alias the other's objects. Used by the offline API (a
+world of one), by tests and by benchmarks; TP/PP worlds of the offline API use worker processes instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import torch
+
+from proto.transport import StepFailed, WorkerLost, WorldCapacity
+from proto.wire import Assignment, Message, StepError, StepPlan, StepResult, decode, encode
+from worker_node.loading import WorkerOptions, load_rank, pick_device
+from worker_node.model_runner import ModelRunner
+from worker_node.parallel import SINGLE, Comm
+from worker_node.plan_loop import StepThread
+
+logger = logging.getLogger(__name__)
+
+
+class InProcessWorkers:
+    """Ranks in this process. Built from worker options (it loads the one rank of a world of one when the engine
+    starts it), or from runners built elsewhere (tests: pipeline stages wired together in one process)."""
+
+    def __init__(
+        self,
+        options: WorkerOptions | None = None,
+        runners: list[ModelRunner] | None = None,
+        output_rank: int = 0,
+    ) -> None:
+        self.options = options or WorkerOptions()
+        self.runners = list(runners or [])
+        self.output_rank = output_rank
+        self.lost = asyncio.Event()
+        self.changed = asyncio.Event()
+        self._capacity: WorldCapacity | None = None
+        self._threads: list[StepThread] = []
+        self._pending: dict[int, tuple[set[int], asyncio.Future[StepResult]]] = {}  # step -> ranks owing, future
+        self._results: dict[int, StepResult] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.on_plan: Callable[[StepPlan], None] | None = None  # sees every plan as the ranks get it (tests)
+        self.most_in_flight = 0  # plans sent and not answered, at most (observability: does the engine overlap?)
+
+    # ---- the transport interface
+
+    @property
+    def all_ready(self) -> bool:
+        return bool(self._threads) and not self.lost.is_set()
+
+    @property
+    def lost_reason(self) -> str:
+        return "an in-process rank was declared lost" if self.lost.is_set() else ""
+
+    @property
+    def num_ready(self) -> int:
+        return len(self._threads) if self.all_ready else 0
+
+    @property
+    def capacity(self) -> WorldCapacity:
+        if self._capacity is None:
+            raise RuntimeError("the in-process world has not started")
+        return self._capacity
+
+    async def start(self, assignment: Callable[[int], Assignment], timeout: float) -> WorldCapacity:
+        self._loop = asyncio.get_running_loop()
+        if not self.runners:
+            a = assignment(0)
+            if a.world_size != 1:
+                raise ValueError(f"in-process workers run a world of one; this one has {a.world_size} ranks")
+            device = pick_device(a.device or self.options.device)
+            runner, ready = await asyncio.to_thread(load_rank, a, self.options, device, Comm(SINGLE))
+            self.runners = [runner]
+            self._capacity = WorldCapacity(
+                ready.num_kv_blocks,
+                ready.num_host_blocks,
+                ready.kv_cache_bytes // max(1, ready.num_kv_blocks),
+                ready.swap_bytes_per_s,
+            )
+        else:
+            self._capacity = _capacity_of(self.runners)
+        for rank, runner in enumerate(self.runners):
+            thread = StepThread(rank, runner.execute, self._deliver_from(rank), self._thread_setup)
+            thread.start()
+            self._threads.append(thread)
+        self.changed.set()
+        return self._capacity
+
+    def submit(self, plan: StepPlan) -> asyncio.Future[StepResult]:
+        if not self.all_ready or self._loop is None:
+            raise WorkerLost(self.lost_reason or "the in-process workers are not running")
+        data = encode(plan)
+        future: asyncio.Future[StepResult] = self._loop.create_future()
+        self._pending[plan.step_id] = (set(range(len(self._threads))), future)
+        self.most_in_flight = max(self.most_in_flight, len(self._pending))
+        for thread in self._threads:
+            copy = decode(data)  # each rank its own, as each worker decodes its own
+            assert isinstance(copy, StepPlan)
+            if self.on_plan is not None and thread.rank == self.output_rank:
+                self.on_plan(copy)
+            thread.inbox.put(copy)
+        return future
+
+    def interrupt(self, first_step_id: int, last_step_id: int) -> bool:
+        if len(self.runners) != 1 or not self.runners[0].interruptible:
+            return False
+        self.runners[0].interrupts.add(first_step_id, last_step_id)
+        return True
+
+    def declare_lost(self, reason: str) -> None:
+        logger.error("in-process workers lost: %s", reason)
+        self.lost.set()
+        self.changed.set()
+        for _, future in self._pending.values():
+            if not future.done():
+                future.set_exception(WorkerLost(reason))
+        self._pending.clear()
+
+    async def wait_ready(self, timeout: float | None) -> bool:
+        return self.all_ready  # nothing rejoins in-process: a lost world stays lost
+
+    async def close(self, reason: str = "closing") -> None:
+        for thread in self._threads:
+            thread.stop()
+        for thread in self._threads:
+            await asyncio.to_thread(thread.join, 5.0)
+        for _, future in self._pending.values():
+            future.cancel()
+        self._pending.clear()
+        self._threads.clear()
+
+    # ---- the step threads' side
+
+    def _thread_setup(self) -> None:
+        if self.options.threads:
+            torch.set_num_threads(self.options.threads)
+
+    def _deliver_from(self, rank: int) -> Callable[[Message], None]:
+        def deliver(reply: Message) -> None:
+            data = encode(reply)
+            loop = self._loop
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(self._on_reply, rank, data)
+
+        return deliver
+
+    def _on_reply(self, rank: int, data: bytes) -> None:
+        reply = decode(data)
+        assert isinstance(reply, (StepResult, StepError))
+        entry = self._pending.get(reply.step_id)
+        if entry is None:
+            return  # dropped with a recovery
+        owing, future = entry
+        if future.done():
+            del self._pending[reply.step_id]
+            return
+        if isinstance(reply, StepError):
+            del self._pending[reply.step_id]
+            future.set_exception(StepFailed(f"rank {reply.rank} could not run step {reply.step_id}: {reply.reason}"))
+            return
+        if rank == self.output_rank:
+            self._results[reply.step_id] = reply
+        owing.discard(rank)
+        if not owing:
+            del self._pending[reply.step_id]
+            future.set_result(self._results.pop(reply.step_id))
+
+
+def _capacity_of(runners: list[ModelRunner]) -> WorldCapacity:
+    """The capacity of runners built elsewhere (tests), whose swap bandwidth nobody measured."""
+    blocks = min(r.num_blocks for r in runners)
+    block_bytes = max(sum(k[0].nbytes + v[0].nbytes for k, v in r.kv_cache) for r in runners)
+    return WorldCapacity(
+        num_kv_blocks=blocks,
+        num_swap_blocks=min(r.num_host_blocks for r in runners),
+        bytes_per_block=block_bytes,
+        swap_bytes_per_s=1e12,  # host "swap" in the same process is a memory copy: swap is the cheap preemption
+    )

@@ -1,0 +1,105 @@
+"""The decoder every supported architecture shares: embed, decoder layers over a paged KV cache, norm, LM head.
+
+A family supplies its decoder layer (and, where it differs, its norm and embedding scale). Written against
+tensor and pipeline parallelism: a pipeline stage holds only its decoder layers (`layers[i]` is the
+checkpoint's layer `first_layer + i`); the first stage embeds, the last one normalises and computes logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from kernels.backend import AttentionBackend
+from worker_node.attention import AttentionMetadata
+from worker_node.models.config import ModelConfig
+from worker_node.models.layers import ParallelLMHead, RMSNorm, RopeAngles, Rotary, VocabParallelEmbedding
+from worker_node.parallel import SINGLE, Comm, ParallelRank
+
+KVPair = tuple[torch.Tensor, torch.Tensor]
+
+
+class StepInterrupted(Exception):
+    """The forward pass stopped at a layer boundary because the scheduler interrupted its step."""
+
+
+class DecoderLayer(nn.Module):
+    """The interface of a family's layer: hidden states in, hidden states out (residuals inside)."""
+
+    def forward(self, x: torch.Tensor, angles: RopeAngles, kv_cache: KVPair, meta: AttentionMetadata) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class CausalLM(nn.Module):
+    embed_tokens: VocabParallelEmbedding | None
+    norm: RMSNorm | None
+    lm_head: ParallelLMHead | None
+    norm_offset = 0.0  # Gemma's norms scale by 1 + weight
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        max_positions: int,
+        where: ParallelRank = SINGLE,
+        comm: Comm | None = None,
+    ) -> None:
+        super().__init__()
+        comm = comm or Comm(where)
+        self.config = config
+        self.where = where
+        h, v = config.hidden_size, config.vocab_size
+        embed_scale = self.embedding_scale(config)
+        self.embed_tokens = VocabParallelEmbedding(v, h, where, comm, embed_scale) if where.is_first_stage else None
+        self.first_layer, end = where.layout.layer_range(where.stage, config.num_layers)
+        self.layers = nn.ModuleList(
+            self.make_layer(config, i, backend, where, comm) for i in range(self.first_layer, end)
+        )
+        self.norm = RMSNorm(h, config.rms_norm_eps, self.norm_offset) if where.is_last_stage else None
+        self.lm_head = ParallelLMHead(v, h, where, comm, config.final_logit_softcap) if where.is_last_stage else None
+        self.tie_weights()
+        self.rotary = Rotary(config, max_positions)
+
+    def make_layer(
+        self, config: ModelConfig, layer: int, backend: AttentionBackend, where: ParallelRank, comm: Comm
+    ) -> DecoderLayer:
+        """Layer `layer` of the checkpoint (its index decides per-layer options such as a sliding window)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def embedding_scale(config: ModelConfig) -> float:
+        return 1.0
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings and self.lm_head is not None and self.embed_tokens is not None:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[KVPair],  # this stage's layers, in order
+        meta: AttentionMetadata,
+        hidden: torch.Tensor | None = None,  # [T, hidden]: the previous stage's output (not on the first)
+        interrupted: Callable[[], bool] | None = None,  # asked before each layer; True raises StepInterrupted
+    ) -> torch.Tensor:
+        """This stage's part of the forward pass: normalised hidden states on the last stage, raw ones before."""
+        if hidden is None:
+            if self.embed_tokens is None:
+                raise RuntimeError("a stage after the first needs the previous stage's hidden states")
+            hidden = self.embed_tokens(input_ids)
+        x = hidden
+        angles = self.rotary(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            if interrupted is not None and interrupted():
+                raise StepInterrupted
+            x = layer(x, angles, kv_cache, meta)
+        return x if self.norm is None else self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits on the output rank; None on the other TP ranks of the last stage."""
+        if self.lm_head is None:
+            raise RuntimeError("only the last pipeline stage computes logits")
+        return self.lm_head(hidden)

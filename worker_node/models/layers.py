@@ -1,0 +1,223 @@
+"""Building blocks shared by every decoder, written against tensor parallelism.
+
+QKV and gate/up are column-parallel (each TP rank holds its heads and its slice of the MLP), O and down are
+row-parallel followed by an all-reduce, the embedding and the LM head are vocab-parallel. With one worker every
+collective is a no-op and each block is the plain one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.backend import AttentionBackend
+from proto.parallel import kv_head_range, shard, vocab_shard
+from worker_node.attention import AttentionMetadata, paged_attention
+from worker_node.models.config import ModelConfig
+from worker_node.parallel import Comm, ParallelRank
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+}
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    dim = config.rotary_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling:  # llama3: long wavelengths scaled down, short kept, a smooth ramp between
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        medium = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = torch.where(medium, scaled, inv_freq)
+    return inv_freq
+
+
+RopeAngles = tuple[torch.Tensor, torch.Tensor]
+
+
+class Rotary(nn.Module):
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(config))
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeAngles:
+        """cos/sin of every token's position, looked up once per step and shared by all layers."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, angles: RopeAngles) -> torch.Tensor:
+    """Rotate the first `rotary_dim` dims of each head (all of them unless the RoPE is partial)."""
+    cos, sin = angles
+    width = cos.shape[-1]
+    if width == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rotated, kept = x[..., :width], x[..., width:]
+    return torch.cat([rotated * cos + _rotate_half(rotated) * sin, kept], dim=-1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight. Gemma stores `weight - 1` (`offset=1`) and normalises in float32, as HF does."""
+
+    def __init__(self, size: int, eps: float, offset: float = 0.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.offset:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (normed * (self.offset + self.weight.float())).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """This TP rank's query heads and the KV heads they read (split, or one replicated when T > Hkv).
+
+    `qk_norm`: an RMSNorm over each head's query and key before RoPE (Qwen3)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: int,
+        backend: AttentionBackend,
+        where: ParallelRank,
+        comm: Comm,
+        qk_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        q0, q1 = shard(config.num_heads, where.tp_size, where.tp_rank)
+        kv0, kv1 = kv_head_range(config.num_kv_heads, where.tp_size, where.tp_rank)
+        self.num_heads, self.num_kv_heads, self.head_dim = q1 - q0, kv1 - kv0, config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)  # row-parallel
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.scale = config.attention_scale or self.head_dim**-0.5
+        self.window = config.layer_windows[layer]
+        self.softcap = config.attn_logit_softcap
+        self.backend = backend
+        self.comm = comm
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        angles: RopeAngles,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, angles), apply_rope(k, angles)
+        out = paged_attention(
+            self.backend, q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window, self.softcap
+        )
+        return self.comm.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
+
+
+class MLP(nn.Module):
+    """Gated MLP: down(act(gate(x)) * up(x)), gate/up fused and column-parallel, down row-parallel."""
+
+    def __init__(self, config: ModelConfig, where: ParallelRank, comm: Comm) -> None:
+        super().__init__()
+        self.inter = config.intermediate_size // where.tp_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)  # column-parallel
+        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False)  # row-parallel
+        self.act = ACTIVATIONS[config.hidden_act]
+        self.comm = comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.comm.all_reduce(self.down_proj(self.act(gate) * up))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each TP rank holds ceil(V / T) vocab rows; tokens outside them embed to zero, the all-reduce fills in.
+
+    `scale` multiplies the embeddings (Gemma: sqrt(hidden), rounded to the model's dtype as HF does)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, where: ParallelRank, comm: Comm, scale: float = 1.0):
+        super().__init__()
+        self.start, end = vocab_shard(vocab_size, where.tp_size, where.tp_rank)
+        self.weight = nn.Parameter(torch.empty(end - self.start, hidden_size))
+        self.sharded = where.tp_size > 1
+        self.scale = scale
+        self.comm = comm
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.sharded:
+            x = F.embedding(ids, self.weight)
+        else:
+            local = ids - self.start
+            outside = (local < 0) | (local >= self.weight.shape[0])
+            x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+            x = self.comm.all_reduce(x)
+        return x if self.scale == 1.0 else x * torch.tensor(self.scale, dtype=x.dtype)
+
+
+class ParallelLMHead(nn.Module):
+    """Each TP rank scores its vocab rows; TP rank 0 gathers the full logits (the others get None).
+
+    `softcap`: logits become cap * tanh(logits / cap) (Gemma 2's final soft-capping); 0 leaves them."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, where: ParallelRank, comm: Comm, softcap: float = 0.0):
+        super().__init__()
+        self.vocab_size = vocab_size
+        start, end = vocab_shard(vocab_size, where.tp_size, where.tp_rank)
+        self.weight = nn.Parameter(torch.empty(end - start, hidden_size))
+        self.softcap = softcap
+        self.comm = comm
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        local = F.linear(hidden, self.weight)
+        if local.dtype != torch.float32:
+            local = rescore_top_logits(local, hidden, self.weight)
+        logits = self.comm.gather_to_first(local)
+        if logits is None:
+            return None
+        logits = logits[:, : self.vocab_size].float()
+        return logits if not self.softcap else torch.tanh(logits / self.softcap) * self.softcap
+
+
+RESCORED_LOGITS = 8
+
+
+def rescore_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Float32 logits whose top candidates are recomputed in float32 from the same bf16/fp16 operands.
+
+    A bf16 logit is rounded to a step of 1/16 to 1/8 at the magnitudes of a model's best tokens (8 to 32), so
+    near-ties would resolve by token id instead of by score; the top few of each row (each TP rank's own vocab
+    rows, whose union holds the global top) are cheap to score exactly, the rest keep their rounded values.
+    """
+    top = logits.topk(min(RESCORED_LOGITS, logits.shape[-1]), dim=-1).indices  # [B, k]
+    exact = torch.einsum("bd,bkd->bk", hidden.float(), weight[top].float())
+    return logits.float().scatter_(1, top, exact)
