@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.backend import DecodeAttention
 from kernels.cpu_features import cpu_flags_line
+from kernels.interface import DecodeAttention
 from proto.model_cache import cache_dir
 
 logger = logging.getLogger(__name__)
