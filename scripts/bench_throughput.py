@@ -26,7 +26,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -39,6 +38,7 @@ sys.path.insert(0, str(REPO))
 
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+from workload import send_all, stream_workload  # noqa: E402
 
 from proto import serving_pb2 as pb  # noqa: E402
 from proto import serving_pb2_grpc as pb_grpc  # noqa: E402
@@ -60,22 +60,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def send_all(work: Work, one: Callable[[list[int], int], int]) -> tuple[list[int], float]:
-    """Every request at once, each on its own thread; the tokens each got and the wall time."""
-    counts = [0] * len(work)
-
-    def run(i: int) -> None:
-        counts[i] = one(*work[i])
-
-    start = time.perf_counter()
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(work))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return counts, time.perf_counter() - start
-
-
 def figures(counts: list[int], elapsed: float, work: Work, **extra: Any) -> dict:
     if counts != [o for _, o in work]:
         raise RuntimeError(f"wrong token counts: got {sum(counts)}, asked for {sum(o for _, o in work)}")
@@ -94,14 +78,7 @@ def run_minivllm(model: Path, work: Work, dtype: str, args: argparse.Namespace) 
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
         wait_until(lambda: _serving(channel), server, log, "vllm-serve")
-        stub = pb_grpc.GenerationStub(channel)
-
-        def one(prompt: list[int], max_tokens: int) -> int:
-            sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
-            return sum(len(r.token_ids) for r in stub.Generate(request, timeout=3600))
-
-        counts, elapsed = send_all(work, one)
+        counts, elapsed = stream_workload(channel, work)
         stats = pb_grpc.ControlStub(channel).GetStats(pb.GetStatsRequest(), timeout=10)
     finally:
         channel.close()
