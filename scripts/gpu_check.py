@@ -102,7 +102,9 @@ def kernels_part(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def engine_part(args: argparse.Namespace) -> dict[str, Any]:
-    return {"rows": bench_kernels.bench_engine(kernel_args(args), "cuda")}
+    free, total = torch.cuda.mem_get_info()
+    print(f"device memory: {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB", flush=True)
+    return {"rows": bench_kernels.bench_engine(kernel_args(args), "cuda"), "free_GiB_at_start": free / 2**30}
 
 
 def tp_part(args: argparse.Namespace) -> dict[str, Any]:
