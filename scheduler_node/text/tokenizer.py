@@ -32,11 +32,15 @@ class ModelTokenizer:
         # The longest text one token stands for: text longer than max_model_len times this cannot fit.
         self.max_token_chars = max(1, max(len(t) for t in self.tokenizer.get_vocab(with_added_tokens=True)))
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens included (logprobs name every token)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     @property
     def has_chat_template(self) -> bool:

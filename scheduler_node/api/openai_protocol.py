@@ -1,0 +1,185 @@
+"""The OpenAI API's request bodies as pydantic models: types are checked here (strictly, unknown fields refused,
+as OpenAI does); ranges and limits are checked by api/validation.py, the same checks every door runs.
+
+Fields OpenAI defines that this server does not implement are accepted only at their neutral value (a
+`frequency_penalty` of 0, no `tools`), so a client that sets them learns so instead of getting other output.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic_core import PydanticCustomError
+
+from scheduler_node.api.validation import InvalidField, SamplingFields
+
+
+def _stop_strings(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return value
+    raise PydanticCustomError("stop_type", "must be a string or a list of strings")
+
+
+def _prompts(value: Any) -> list[str | list[int]]:
+    """A completion's prompt(s): a string, a list of strings, token ids, or a list of token-id lists."""
+
+    def ids(v: Any) -> bool:
+        return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+    if isinstance(value, str):
+        return [value]
+    if ids(value):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(p, str) or ids(p) for p in value):
+        return value
+    raise PydanticCustomError(
+        "prompt_type", "must be a string, a list of strings, a list of token ids, or a list of lists of token ids"
+    )
+
+
+def _content(value: Any) -> str:
+    """A message's content: a string, or a list of text parts (joined); images and audio are not supported."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for part in value:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise PydanticCustomError(
+                    "content_part", "only parts of type 'text' with a string 'text' are supported"
+                )
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise PydanticCustomError("content_type", "must be a string or a list of text parts")
+
+
+def _neutral_only(*allowed: Any) -> BeforeValidator:
+    """A field this server does not implement: accepted only at one of its neutral values."""
+
+    def check(value: Any) -> Any:
+        if value not in allowed:
+            shown = " or ".join(json.dumps(a) for a in allowed if a is not None)
+            raise PydanticCustomError("unsupported", "not supported by this server; leave it out or send {shown}",
+                                      {"shown": shown})  # fmt: skip
+        return value
+
+    return BeforeValidator(check)
+
+
+StopStrings = Annotated[list[str], BeforeValidator(_stop_strings)]
+Prompts = Annotated[list[str | list[int]], BeforeValidator(_prompts)]
+Content = Annotated[str, BeforeValidator(_content)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ChatMessage(BaseModel):
+    """One message; fields a client echoes back from an earlier answer (refusal, tool_calls: null) are ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    role: str
+    content: Content = ""
+    name: str | None = None
+
+
+class _GenerationRequest(_Strict):
+    """What chat and completions share: OpenAI's sampling fields and vLLM's extensions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    seed: int | None = None
+    stop: StopStrings = Field(default_factory=list)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and not used (OpenAI's abuse monitoring)
+    frequency_penalty: Annotated[Any, _neutral_only(None, 0)] = None
+    presence_penalty: Annotated[Any, _neutral_only(None, 0)] = None
+    logit_bias: Annotated[Any, _neutral_only(None, {})] = None
+    # vLLM's extensions
+    top_k: int | None = None
+    ignore_eos: bool = False
+    priority: int | None = None  # higher runs first, as in the gRPC API (vLLM's is the other way round)
+    cache_salt: str = ""
+
+    def sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise InvalidField("stream_options", "only allowed when stream is true")
+        return SamplingFields(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            n=self.n,
+            logprobs=logprobs,
+            seed=self.seed,
+            stop=self.stop,
+            ignore_eos=self.ignore_eos,
+        )
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: Annotated[Any, _neutral_only(None, [])] = None
+    tool_choice: Annotated[Any, _neutral_only(None, "none")] = None
+    response_format: Annotated[Any, _neutral_only(None, {"type": "text"})] = None
+
+    def fields(self) -> tuple[SamplingFields, dict[str, str]]:
+        """The sampling fields, and the names this request gave them (for errors) where they differ from ours."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidField("top_logprobs", "needs logprobs: true")
+        renames = {"logprobs": "top_logprobs"}
+        max_tokens = self.max_tokens
+        if self.max_completion_tokens is not None:  # OpenAI's newer name wins
+            max_tokens = self.max_completion_tokens
+            renames["max_tokens"] = "max_completion_tokens"
+        return self.sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None), renames
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: Prompts
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: Annotated[Any, _neutral_only(False)] = False
+    best_of: int | None = None  # only equal to n (one sample per sequence)
+    suffix: Annotated[Any, _neutral_only(None, "")] = None
+
+    def fields(self) -> tuple[SamplingFields, dict[str, str]]:
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise InvalidField("best_of", f"must equal n ({self.n or 1}): every sampled sequence is returned")
+        return self.sampling(self.max_tokens, self.logprobs), {}
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
