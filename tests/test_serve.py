@@ -19,6 +19,13 @@ from scheduler_node.cli.client import wait_ready
 from scheduler_node.cli.serve import build_parser
 from tests.ops import alive, child_pids
 
+KEY = "sk-serve-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def command_line(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
 
 def test_serve_turns_the_openai_api_on_at_8000() -> None:
     assert build_parser().parse_args([]).openai_port == 8000
@@ -27,7 +34,9 @@ def test_serve_turns_the_openai_api_on_at_8000() -> None:
 def test_serve_runs_and_stops_all_children_on_sigterm(tiny_llama_dir: Path, tmp_path: Path) -> None:
     port, worker_port, http_port = free_port(), free_port(), free_port()
     config = tmp_path / "serve.yaml"
-    config.write_text(f"model: {tiny_llama_dir}\nkv-cache-memory: 16MiB\nthreads: 1\nlog-level: WARNING\n")
+    config.write_text(
+        f"model: {tiny_llama_dir}\nkv-cache-memory: 16MiB\nthreads: 1\nlog-level: WARNING\napi-key: {KEY}\n"
+    )
     argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--config", str(config),
             "--port", str(port), "--worker-port", str(worker_port), "--openai-port", str(http_port)]  # fmt: skip
     serve = subprocess.Popen(argv, cwd=REPO)
@@ -42,15 +51,17 @@ def test_serve_runs_and_stops_all_children_on_sigterm(tiny_llama_dir: Path, tmp_
         assert httpx.get(url + "/health").status_code == 200
         children = child_pids(serve.pid)
         assert len(children) == 2, children  # the scheduler and one worker
+        assert not [pid for pid in children if KEY in command_line(pid)], "the API key is on a command line"
+        assert httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 401
         body = {"prompt": "hi", "max_tokens": 1000, "ignore_eos": True, "stream": True}  # outlasts the checks
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as live:
+        with httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH, timeout=60) as live:
             chunks = live.iter_lines()
             assert next(chunks).startswith("data: ")
             serve.send_signal(signal.SIGTERM)  # the scheduler drains: the live stream goes on, new work is refused
             deadline = time.monotonic() + 10
             while httpx.get(url + "/health").status_code == 200 and time.monotonic() < deadline:
                 time.sleep(0.05)
-            refused = httpx.post(url + "/v1/completions", json={"prompt": "late", "max_tokens": 2})
+            refused = httpx.post(url + "/v1/completions", json={"prompt": "late", "max_tokens": 2}, headers=AUTH)
             assert refused.status_code == 503 and "draining" in refused.json()["error"]["message"]
             assert [line for line in chunks if line][-1] == "data: [DONE]"
         assert serve.wait(30) == 0
