@@ -18,6 +18,7 @@ from minivllm.cluster import REPO, Cluster, free_port
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from scheduler_node.api.openai_server import MAX_BODY_BYTES
+from scheduler_node.cli.monitor import readings
 from scheduler_node.text.tokenizer import ModelTokenizer
 from tests.ops import wait_for
 
@@ -25,11 +26,13 @@ KEY = "sk-test-key"
 MODEL = "tiny"
 MAX_WAITING = 32
 CHAT = [{"role": "user", "content": "Tell me about the sea."}]
+METRICS_PORT = free_port()
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir: Path):  # type: ignore[no-untyped-def]
-    scheduler = ["--served-model-name", MODEL, "--api-key", KEY, "--max-waiting-requests", str(MAX_WAITING)]
+    scheduler = ["--served-model-name", MODEL, "--api-key", KEY, "--max-waiting-requests", str(MAX_WAITING),
+                 "--metrics-port", str(METRICS_PORT)]  # fmt: skip
     c = Cluster(tiny_llama_dir, scheduler, ["--kv-cache-memory", "16MiB"], http=True)
     try:
         c.wait_serving()
@@ -66,11 +69,18 @@ def wait_all_free(cluster: Cluster) -> pb.Stats:
     return stats(cluster)
 
 
+def families(scrape: str) -> set[str]:
+    return {line.split()[2] for line in scrape.splitlines() if line.startswith("# TYPE")}
+
+
 def test_models_health_metrics_and_tokenize(cluster: Cluster, client: openai.OpenAI, tokenizer) -> None:  # type: ignore[no-untyped-def]
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(root(cluster) + "/health").status_code == 200  # open without the key (probes)
     scrape = httpx.get(root(cluster) + "/metrics").text
     assert 'vllm:num_requests_running{model_name="tiny"}' in scrape
+    own_port = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics").text
+    assert families(scrape) == families(own_port) and len(families(scrape)) > 20  # one registry, two doors
+    assert readings(scrape, ["vllm:kv_cache_usage_perc"])["vllm:kv_cache_usage_perc"]  # what vllm-monitor reads
     auth = {"Authorization": f"Bearer {KEY}"}
     text = "Hello there, world"
     got = httpx.post(root(cluster) + "/tokenize", json={"prompt": text}, headers=auth).json()
