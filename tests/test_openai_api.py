@@ -187,6 +187,7 @@ def test_error_statuses_and_shapes(cluster: Cluster, client: openai.OpenAI) -> N
         (dict(max_completion_tokens=10**6), "max_completion_tokens"),
         (dict(max_tokens=0), "max_tokens"),
         (dict(n=0), "n"),
+        (dict(seed=2**70), "seed"),  # wider than the wire's int64
         (dict(top_logprobs=2), "top_logprobs"),  # without logprobs: true
         (dict(logprobs=True, top_logprobs=50), "top_logprobs"),
         (dict(messages=[]), "messages"),
@@ -209,6 +210,7 @@ def test_error_statuses_and_shapes(cluster: Cluster, client: openai.OpenAI) -> N
     anonymous = openai.OpenAI(base_url=cluster.base_url, api_key="wrong", max_retries=0)
     assert bad_status(lambda: anonymous.models.list(), openai.AuthenticationError).code == "invalid_api_key"
     assert httpx.post(cluster.base_url + "/completions", json={"prompt": "x"}).status_code == 401  # no key
+    assert httpx.post(cluster.base_url + "/completions", content=b"{").status_code == 401  # before the body
     err = bad_status(lambda: chat(model=MODEL, messages=CHAT, n=MAX_WAITING + 1), openai.RateLimitError)
     assert "--max-waiting-requests" in err.message
     assert (

@@ -8,9 +8,7 @@ from http import HTTPStatus
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 # status -> OpenAI's error type and code
 KINDS: dict[int, tuple[str, str | None]] = {
@@ -89,35 +87,3 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     if exc.status_code == 404:
         message = f"no route {request.method} {request.url.path}"
     return OpenAIError(exc.status_code, message).response(exc.headers)
-
-
-class BodyLimit:
-    """413 for a request body over `max_bytes`: at once when Content-Length says so, else (chunked) as soon as
-    the bytes read pass it."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = Headers(scope=scope).get("content-length", "")
-        if length.isdigit() and int(length) > self.max_bytes:
-            await self._too_large().response()(scope, receive, send)
-            return
-        total = 0
-
-        async def limited() -> Message:
-            nonlocal total
-            message = await receive()
-            total += len(message.get("body", b""))
-            if total > self.max_bytes:
-                raise HTTPException(413, self._too_large().message)  # FastAPI lets it through to _http_error
-            return message
-
-        await self.app(scope, limited, send)
-
-    def _too_large(self) -> OpenAIError:
-        return OpenAIError(413, f"the request body is larger than {self.max_bytes} bytes")

@@ -74,6 +74,9 @@ def _neutral_only(*allowed: Any) -> BeforeValidator:
     return BeforeValidator(check)
 
 
+# Integers as wide as the gRPC contract's (int32; seeds int64): the wire to the workers carries no bigger ones.
+Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 StopStrings = Annotated[list[str], BeforeValidator(_stop_strings)]
 Prompts = Annotated[list[str | list[int]], BeforeValidator(_prompts)]
 Content = Annotated[str, BeforeValidator(_content)]
@@ -101,11 +104,11 @@ class _GenerationRequest(_Strict):
     """What chat and completions share: OpenAI's sampling fields and vLLM's extensions."""
 
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Int32 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int | None = None
-    seed: int | None = None
+    n: Int32 | None = None
+    seed: Int64 | None = None
     stop: StopStrings = Field(default_factory=list)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -114,9 +117,9 @@ class _GenerationRequest(_Strict):
     presence_penalty: Annotated[Any, _neutral_only(None, 0)] = None
     logit_bias: Annotated[Any, _neutral_only(None, {})] = None
     # vLLM's extensions
-    top_k: int | None = None
+    top_k: Int32 | None = None
     ignore_eos: bool = False
-    priority: int | None = None  # higher runs first, as in the gRPC API (vLLM's is the other way round)
+    priority: Int32 | None = None  # higher runs first, as in the gRPC API (vLLM's is the other way round)
     cache_salt: str = ""
 
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingFields:
@@ -137,9 +140,9 @@ class _GenerationRequest(_Strict):
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int32 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int32 | None = None
     tools: Annotated[Any, _neutral_only(None, [])] = None
     tool_choice: Annotated[Any, _neutral_only(None, "none")] = None
     response_format: Annotated[Any, _neutral_only(None, {"type": "text"})] = None
@@ -158,10 +161,10 @@ class ChatCompletionRequest(_GenerationRequest):
 
 class CompletionRequest(_GenerationRequest):
     prompt: Prompts
-    max_tokens: int | None = 16  # OpenAI's default for completions
-    logprobs: int | None = None
+    max_tokens: Int32 | None = 16  # OpenAI's default for completions
+    logprobs: Int32 | None = None
     echo: Annotated[Any, _neutral_only(False)] = False
-    best_of: int | None = None  # only equal to n (one sample per sequence)
+    best_of: Int32 | None = None  # only equal to n (one sample per sequence)
     suffix: Annotated[Any, _neutral_only(None, "")] = None
 
     def fields(self) -> tuple[SamplingFields, dict[str, str]]:

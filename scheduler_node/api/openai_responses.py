@@ -73,7 +73,7 @@ class Shape:
     def sse(self, choice: dict[str, Any] | None = None, usage: Usage | None = None) -> str:
         """One server-sent event: a chunk with one choice, or the closing usage chunk (no choices)."""
         body = self.envelope(self.chunk_name, [choice] if choice is not None else [], usage)
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
     def answer(self, choices: list[Choice], usage: Usage) -> dict[str, Any]:
         return self.envelope(self.object_name, [self.full_choice(c) for c in choices], usage)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,8 +18,6 @@ from scheduler_node.api.openai_responses import Choice, Shape, Usage
 from scheduler_node.core.request import RequestSpec
 from scheduler_node.engine.core import EngineCore
 from scheduler_node.engine.outputs import Delta, RequestStream
-
-logger = logging.getLogger(__name__)
 
 DONE = "data: [DONE]\n\n"
 

@@ -3,15 +3,14 @@ driving the same EngineCore as the gRPC door (no extra hop, no second engine).
 
 POST /v1/chat/completions, /v1/completions (streamed as server-sent events with `stream: true`), GET /v1/models;
 vLLM's POST /tokenize and /detokenize; GET /health (200 exactly while gRPC health is SERVING) and /metrics (the
-registry `--metrics-port` serves). With an API key, /v1/*, /tokenize and /detokenize need `Authorization: Bearer
-KEY`; /health and /metrics stay open for probes and Prometheus.
+registry `--metrics-port` serves). With an API key every path but /health and /metrics (probes, Prometheus) needs
+`Authorization: Bearer KEY`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import socket
 import uuid
@@ -20,11 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
-from fastapi import Depends, FastAPI, Request, Response
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from scheduler_node.api.openai_errors import BodyLimit, OpenAIError, install_handlers
+from scheduler_node.api.openai_errors import OpenAIError, install_handlers
+from scheduler_node.api.openai_guards import ApiKeyAuth, BodyLimit
 from scheduler_node.api.openai_inputs import chat_specs, completion_specs, template_messages
 from scheduler_node.api.openai_protocol import (
     ChatCompletionRequest,
@@ -84,14 +84,6 @@ class OpenAIDoor:
             message = f"the model `{model}` does not exist; this server serves `{self.config.model_name}`"
             raise OpenAIError(404, message, "model", "model_not_found")
 
-    def authorize(self, request: Request) -> None:
-        key = self.config.api_key
-        if not key:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-            raise OpenAIError(401, "a valid API key is required: send the header 'Authorization: Bearer KEY'")
-
     async def generate(
         self, body: ChatCompletionRequest | CompletionRequest, request: Request, shape: type[Shape], prefix: str
     ) -> Response:
@@ -120,18 +112,19 @@ class OpenAIDoor:
 def build_app(door: OpenAIDoor) -> FastAPI:
     app = FastAPI(title="minivllm", summary="OpenAI-compatible API")
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+    if door.config.api_key:
+        app.add_middleware(ApiKeyAuth, key=door.config.api_key)  # added last: runs first
     install_handlers(app)
-    auth = [Depends(door.authorize)]
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await door.generate(body, request, ChatShape, "chatcmpl")
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await door.generate(body, request, CompletionShape, "cmpl")
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         engine = door.engine
         card = {"id": door.config.model_name, "object": "model", "created": 0, "owned_by": "minivllm"}
@@ -139,7 +132,7 @@ def build_app(door: OpenAIDoor) -> FastAPI:
             card["max_model_len"] = engine.max_model_len
         return {"object": "list", "data": [card]}
 
-    @app.post("/tokenize", dependencies=auth)
+    @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         door.check_model(body.model)
         engine = door.ready_engine()
@@ -150,7 +143,7 @@ def build_app(door: OpenAIDoor) -> FastAPI:
         strs = [door.tokenizer.token_text(t) for t in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
 
-    @app.post("/detokenize", dependencies=auth)
+    @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
         door.check_model(body.model)
         engine = door.ready_engine()

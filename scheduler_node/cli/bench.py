@@ -103,7 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY:MS",
         help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:2000 (milliseconds; repeatable)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seeds the prompts, lengths and arrival times (rate i of a sweep: seed + i)")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seeds the prompts, lengths and arrival times (rate i of a sweep: seed + i)"
+    )
     p.add_argument("--json", default=None, metavar="FILE", help="write settings, summaries and per-request timings")
     p.add_argument("--plot", default=None, metavar="DIR", help="write latency_vs_rate.png and itl_cdf.png here")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="tqdm progress bars")
