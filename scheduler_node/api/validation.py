@@ -203,10 +203,14 @@ def validate(
         fields,
         max_model_len,
         request_id=request.request_id,
-        priority=priority_from(request.priority if request.HasField("priority") else None, priority_header),
+        priority=_priority(request, priority_header),
         cache_salt=request.cache_salt,
         prefix="sampling.",
     )
+
+
+def _priority(request: pb.GenerateRequest, header: str | None) -> int:
+    return priority_from(request.priority if request.HasField("priority") else None, header)
 
 
 def _prompt_ids(request: pb.GenerateRequest, tokenizer: ModelTokenizer, max_model_len: int) -> list[int]:
