@@ -14,9 +14,16 @@ from pathlib import Path
 import pytest
 
 from minivllm.cluster import REPO, Cluster
-from scheduler_node.bench.backends import RequestResult
+from scheduler_node.bench.backends import OpenAIBackend, RequestResult, SendOptions
 from scheduler_node.bench.results import parse_slos, percentile, summarize
-from scheduler_node.bench.workload import Lengths, arrival_times, jsonl_requests, prefix_requests, random_requests
+from scheduler_node.bench.workload import (
+    BenchRequest,
+    Lengths,
+    arrival_times,
+    jsonl_requests,
+    prefix_requests,
+    random_requests,
+)
 from scheduler_node.cli import bench
 from scheduler_node.text.tokenizer import ModelTokenizer
 
@@ -68,6 +75,17 @@ def test_random_prefix_and_jsonl_workloads(tiny_llama_dir: Path, tmp_path: Path)
     path.write_text('{"prompt": "ok"}\n{"text": 1}\n')
     with pytest.raises(ValueError, match="prompts.jsonl:2"):
         jsonl_requests(path, 2, Lengths(5), seed=0)
+
+
+def test_openai_bodies_carry_ids_text_or_messages() -> None:
+    request = BenchRequest(4, prompt_ids=[5, 6], text="five six")
+    backend = OpenAIBackend("http://x/v1", model="m")
+    body = backend.body(request, SendOptions())
+    assert (body["prompt"], body["max_tokens"], body["ignore_eos"], body["stream_options"]) == (
+        [5, 6], 4, True, {"include_usage": True})  # fmt: skip
+    assert OpenAIBackend("http://x/v1", "m", send_text=True).body(request, SendOptions())["prompt"] == "five six"
+    chat = backend.body(request, SendOptions(endpoint="chat", ignore_eos=False))
+    assert chat["messages"] == [{"role": "user", "content": "five six"}] and "ignore_eos" not in chat
 
 
 def test_summary_figures_and_goodput() -> None:
