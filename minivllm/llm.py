@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
+from proto.wire import TokenLogprobs
 from proto.worker_flags import parse_size
 from scheduler_node.api.validation import build_spec, prompt_from_ids, prompt_from_messages, prompt_from_text
 from scheduler_node.core.config import SchedulerConfig
@@ -35,6 +36,9 @@ from scheduler_node.text.tokenizer import ModelTokenizer
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+# inprocess: the worker runs in this process (a world of one); processes: one vllm-worker process per rank, over
+# ZeroMQ on loopback (any world); auto: inprocess for a world of one, else processes.
+WORKER_BACKENDS = ("auto", "inprocess", "processes")
 Prompt = str | Sequence[int]
 Message = dict[str, str]
 
@@ -64,9 +68,19 @@ class LLM:
         preemption_mode: str = "elastic",
         scheduling_policy: str = "fcfs",
         async_scheduling: bool = True,
+        worker_backend: str = "auto",
         worker_join_timeout: float = 600.0,
     ) -> None:
         from worker_node.loading import WorkerOptions  # torch: only where the workers live
+
+        if worker_backend not in WORKER_BACKENDS:
+            raise ValueError(f"worker_backend: must be one of {WORKER_BACKENDS}, got {worker_backend!r}")
+        world = tensor_parallel_size * pipeline_parallel_size
+        if worker_backend == "inprocess" and world > 1:
+            raise ValueError(f"worker_backend: 'inprocess' runs a world of one; this one has {world} ranks")
+        self.worker_backend = (
+            ("inprocess" if world == 1 else "processes") if worker_backend == "auto" else worker_backend
+        )
 
         memory = parse_size(kv_cache_memory) if isinstance(kv_cache_memory, str) else kv_cache_memory
         self.options = WorkerOptions(
@@ -164,7 +178,14 @@ class LLM:
         params = _per_prompt(sampling_params or SamplingParams(), len(ids), "sampling_params")
         priorities = _per_prompt(priority, len(ids), "priority") if priority is not None else [50] * len(ids)
         specs = [
-            build_spec(p, sp.fields(), self.engine.max_model_len, request_id=f"llm-{next(self._ids)}", priority=pr)
+            build_spec(
+                p,
+                sp.fields(),
+                self.engine.max_model_len,
+                tokenizer=self.tokenizer,
+                request_id=f"llm-{next(self._ids)}",
+                priority=pr,
+            )
             for p, sp, pr in zip(ids, params, priorities)
         ]
         return self._call(self._generate(specs, texts, use_tqdm))
@@ -192,7 +213,7 @@ class LLM:
         layout = self.config.layout
         placement = place(single_island(layout.world_size), layout, worker_chooses_device=True)
         world = WorldPlan(self.config, self.folder, placement)
-        if layout.world_size == 1:
+        if self.worker_backend == "inprocess":
             from worker_node.inprocess import InProcessWorkers
 
             workers: Any = InProcessWorkers(self.options)
@@ -280,10 +301,13 @@ async def _collect(stream: Any, spec: RequestSpec, text: str | None, progress: _
     completions = [
         CompletionOutput(i, "", [], "", [] if spec.sampling.logprobs is not None else None) for i in range(spec.n)
     ]
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     async for delta in stream:
         c = completions[delta.index]
         if delta.finish_reason == "error":
             raise RuntimeError(f"request {spec.request_id} failed ({delta.code}): {delta.error}")
+        if spec.sampling.prompt_logprobs is not None and delta.index == 0 and prompt_logprobs is None:
+            prompt_logprobs = [None, *delta.prompt_logprobs] if delta.token_ids else None
         c.token_ids.extend(delta.token_ids)
         c.text += delta.text
         if c.logprobs is not None:
@@ -291,7 +315,7 @@ async def _collect(stream: Any, spec: RequestSpec, text: str | None, progress: _
         if delta.finish_reason:
             c.finish_reason = delta.finish_reason
     progress.done(len(spec.prompt_token_ids), sum(len(c.token_ids) for c in completions))
-    return RequestOutput(spec.request_id, text, spec.prompt_token_ids, completions)
+    return RequestOutput(spec.request_id, text, spec.prompt_token_ids, completions, prompt_logprobs=prompt_logprobs)
 
 
 def _is_ids(prompts: Any) -> bool:

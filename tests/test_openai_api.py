@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -173,6 +174,35 @@ def test_logprobs_in_both_shapes(client: openai.OpenAI) -> None:
     assert client.completions.create(model=MODEL, prompt="The sea", max_tokens=2).choices[0].logprobs is None
 
 
+def test_sampling_extensions_and_structured_output(client: openai.OpenAI, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    sea = tokenizer.encode(" sea")[0]
+    biased = client.completions.create(model=MODEL, prompt="The", max_tokens=4, temperature=0, logprobs=0,
+                                       logit_bias={str(sea): 100})  # fmt: skip
+    assert biased.choices[0].logprobs.tokens == [tokenizer.token_text(sea)] * 4
+    picked = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=1.0, seed=3,
+                                            extra_body={"structured_outputs": {"choice": ["yes", "no"]}})  # fmt: skip
+    assert picked.choices[0].message.content in ("yes", "no")
+    digits = client.completions.create(model=MODEL, prompt="Code:", max_tokens=8, temperature=1.0, seed=4,
+                                       extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})  # fmt: skip
+    assert re.fullmatch("[0-9]{3}", digits.choices[0].text)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}  # fmt: skip
+    answer = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=16, temperature=1.0, seed=5,
+        response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema}},
+    )  # fmt: skip
+    assert isinstance(json.loads(answer.choices[0].message.content)["ok"], bool)
+    ids = tokenizer.encode("The sea is deep")
+    scored = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0,
+                                       extra_body={"prompt_logprobs": 2, "min_tokens": 1})  # fmt: skip
+    prompt_logprobs = scored.choices[0].model_extra["prompt_logprobs"]
+    assert prompt_logprobs[0] is None and len(prompt_logprobs) == len(ids)
+    for token, entry in zip(ids[1:], prompt_logprobs[1:]):
+        assert str(token) in entry and entry[str(token)]["decoded_token"] == tokenizer.token_text(token)
+        ranked = sorted((e for e in entry.values() if e["rank"]), key=lambda e: e["rank"])
+        assert [e["rank"] for e in ranked] == [1, 2] and ranked[0]["logprob"] >= ranked[1]["logprob"]
+
+
 def bad_status(call, status: type[openai.APIStatusError]) -> openai.APIStatusError:  # type: ignore[no-untyped-def]
     with pytest.raises(status) as err:
         call()
@@ -196,7 +226,19 @@ def test_error_statuses_and_shapes(cluster: Cluster, client: openai.OpenAI) -> N
             "messages[0].content",
         ),  # fmt: skip
         (dict(stream_options={"include_usage": True}), "stream_options"),  # without stream
-        (dict(frequency_penalty=0.5), "frequency_penalty"),
+        (dict(frequency_penalty=3), "frequency_penalty"),
+        (dict(logit_bias={"abc": 1}), "logit_bias.abc"),
+        (
+            dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}),
+            "response_format",
+        ),  # fmt: skip
+        (
+            dict(response_format={"type": "json_object"}, extra_body={"structured_outputs": {"regex": "a"}}),
+            "structured_outputs",
+        ),  # fmt: skip
+        (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+        (dict(extra_body={"min_p": 2}), "min_p"),
+        (dict(extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}}), "structured_outputs"),
         (dict(extra_body={"top_k": -5}), "top_k"),
         (dict(extra_body={"temprature": 0.5}), "temprature"),
         (dict(extra_body={"max_tokens": "ten"}), "max_tokens"),

@@ -52,6 +52,8 @@ def param_of(loc: tuple[str | int, ...]) -> str:
     """A pydantic error location in the body as OpenAI names params: messages[0].content."""
     name = ""
     for part in loc:
+        if part == "[key]":  # pydantic's marker for a mapping's key: the key itself is already named
+            continue
         name += f"[{part}]" if isinstance(part, int) else (f".{part}" if name else part)
     return name
 

@@ -28,16 +28,15 @@ def chat_specs(
     fields, renames = req.fields()
     with _renamed(renames):
         ids = prompt_from_messages(template_messages(req.messages), tokenizer, max_model_len)
-        spec = build_spec(
-            ids, fields, max_model_len, request_id=request_id, priority=priority, cache_salt=req.cache_salt
-        )
+        spec = build_spec(ids, fields, max_model_len, tokenizer=tokenizer, request_id=request_id,
+                          priority=priority, cache_salt=req.cache_salt)  # fmt: skip
     return [spec]
 
 
 def completion_specs(
     req: CompletionRequest, tokenizer: ModelTokenizer, max_model_len: int, request_id: str, priority: int
 ) -> list[RequestSpec]:
-    fields, _ = req.fields()
+    fields, renames = req.fields()
     prompts = req.prompt
     if len(prompts) * (fields.n or 1) > MAX_N:
         raise InvalidField("prompt", f"{len(prompts)} prompts x n={fields.n or 1} exceeds {MAX_N} sequences")
@@ -49,9 +48,9 @@ def completion_specs(
         else:
             ids = prompt_from_ids(prompt, tokenizer, max_model_len, name)
         one_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-        specs.append(
-            build_spec(ids, fields, max_model_len, request_id=one_id, priority=priority, cache_salt=req.cache_salt)
-        )
+        with _renamed(renames):
+            specs.append(build_spec(ids, fields, max_model_len, tokenizer=tokenizer, request_id=one_id,
+                                    priority=priority, cache_salt=req.cache_salt))  # fmt: skip
     return specs
 
 
@@ -62,10 +61,11 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
 
 @contextlib.contextmanager
 def _renamed(renames: dict[str, str]) -> Iterator[None]:
-    """InvalidField under the name the client used for the field."""
+    """InvalidField under the name the client used for the field (`structured.json` → `response_format`)."""
     try:
         yield
     except InvalidField as exc:
-        if exc.field not in renames:
+        base = exc.field.split(".")[0]
+        if base not in renames:
             raise
-        raise InvalidField(renames[exc.field], str(exc)[len(exc.field) + 2 :]) from None
+        raise InvalidField(renames[base], str(exc)[len(exc.field) + 2 :]) from None

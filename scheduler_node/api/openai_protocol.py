@@ -1,19 +1,19 @@
 """The OpenAI API's request bodies as pydantic models: types are checked here (strictly, unknown fields refused,
 as OpenAI does); ranges and limits are checked by api/validation.py, the same checks every door runs.
 
-Fields OpenAI defines that this server does not implement are accepted only at their neutral value (a
-`frequency_penalty` of 0, no `tools`), so a client that sets them learns so instead of getting other output.
+Fields OpenAI defines that this server does not implement are accepted only at their neutral value (no `tools`,
+no `echo`), so a client that sets them learns so instead of getting other output.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict
 from pydantic_core import PydanticCustomError
 
-from scheduler_node.api.validation import InvalidField, SamplingFields
+from scheduler_node.api.validation import InvalidField, SamplingFields, StructuredFields
 
 
 def _stop_strings(value: Any) -> list[str]:
@@ -100,6 +100,41 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
+class JsonSchemaFormat(_Strict):
+    name: str = ""
+    description: str = ""
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's structured output: text (no constraint), any JSON object, or JSON under a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def fields(self) -> StructuredFields | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredFields(json_object=True)
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise InvalidField("response_format.json_schema.schema", "required with type json_schema")
+        return StructuredFields(json=self.json_schema.schema_)
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's structured_outputs: exactly one of a JSON schema, a regex, a choice of strings, or any JSON object."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool = False
+
+    def fields(self) -> StructuredFields:
+        return StructuredFields(json=self.json_, regex=self.regex, choice=self.choice, json_object=self.json_object)
+
+
 class _GenerationRequest(_Strict):
     """What chat and completions share: OpenAI's sampling fields and vLLM's extensions."""
 
@@ -113,11 +148,20 @@ class _GenerationRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and not used (OpenAI's abuse monitoring)
-    frequency_penalty: Annotated[Any, _neutral_only(None, 0)] = None
-    presence_penalty: Annotated[Any, _neutral_only(None, 0)] = None
-    logit_bias: Annotated[Any, _neutral_only(None, {})] = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    # token id -> bias; JSON object keys are strings, so keys are converted ("42" -> 42)
+    logit_bias: dict[Annotated[int, Strict(False)], float] | None = None
+    response_format: ResponseFormat | None = None
     # vLLM's extensions
     top_k: Int32 | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: Int32 | None = None
+    stop_token_ids: list[Int32] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: Int32 | None = None
+    structured_outputs: StructuredOutputs | None = None
     ignore_eos: bool = False
     priority: Int32 | None = None  # higher runs first, as in the gRPC API (vLLM's is the other way round)
     cache_salt: str = ""
@@ -135,7 +179,28 @@ class _GenerationRequest(_Strict):
             seed=self.seed,
             stop=self.stop,
             ignore_eos=self.ignore_eos,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            min_tokens=self.min_tokens,
+            stop_token_ids=self.stop_token_ids or (),
+            logit_bias=self.logit_bias or {},
+            bad_words=self.bad_words or (),
+            prompt_logprobs=self.prompt_logprobs,
+            structured=self.structured(),
         )
+
+    def structured(self) -> StructuredFields | None:
+        if self.response_format is not None and self.structured_outputs is not None:
+            raise InvalidField("structured_outputs", "send response_format or structured_outputs, not both")
+        if self.structured_outputs is not None:
+            return self.structured_outputs.fields()
+        return None if self.response_format is None else self.response_format.fields()
+
+    def renames(self) -> dict[str, str]:
+        """Our field names → this request's (errors name what the client sent)."""
+        return {"structured": "structured_outputs" if self.structured_outputs is not None else "response_format"}
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -145,13 +210,12 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: Int32 | None = None
     tools: Annotated[Any, _neutral_only(None, [])] = None
     tool_choice: Annotated[Any, _neutral_only(None, "none")] = None
-    response_format: Annotated[Any, _neutral_only(None, {"type": "text"})] = None
 
     def fields(self) -> tuple[SamplingFields, dict[str, str]]:
         """The sampling fields, and the names this request gave them (for errors) where they differ from ours."""
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidField("top_logprobs", "needs logprobs: true")
-        renames = {"logprobs": "top_logprobs"}
+        renames = {**self.renames(), "logprobs": "top_logprobs"}
         max_tokens = self.max_tokens
         if self.max_completion_tokens is not None:  # OpenAI's newer name wins
             max_tokens = self.max_completion_tokens
@@ -170,7 +234,7 @@ class CompletionRequest(_GenerationRequest):
     def fields(self) -> tuple[SamplingFields, dict[str, str]]:
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise InvalidField("best_of", f"must equal n ({self.n or 1}): every sampled sequence is returned")
-        return self.sampling(self.max_tokens, self.logprobs), {}
+        return self.sampling(self.max_tokens, self.logprobs), self.renames()
 
 
 class TokenizeRequest(_Strict):

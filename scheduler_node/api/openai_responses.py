@@ -20,11 +20,13 @@ class Choice:
     """One returned sequence as it grows (prompt i's sequence j is choice i * n + j)."""
 
     index: int
+    prompt_ids: list[int]
     text: list[str] = field(default_factory=list)
     num_chars: int = 0  # of the text streamed so far (completions' text_offset)
     finish_reason: str | None = None
     logprobs: Any = None  # in the answer's shape, accumulated (non-streaming)
     started: bool = False  # chat: the role was sent
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's shape, when asked
 
 
 @dataclass(slots=True)
@@ -51,11 +53,14 @@ class Shape:
     object_name = ""
     chunk_name = ""
 
-    def __init__(self, response_id: str, model: str, tokenizer: ModelTokenizer, want_logprobs: bool) -> None:
+    def __init__(
+        self, response_id: str, model: str, tokenizer: ModelTokenizer, want_logprobs: bool, want_prompt_logprobs: bool
+    ) -> None:
         self.response_id = response_id
         self.model = model
         self.tokenizer = tokenizer
         self.want_logprobs = want_logprobs
+        self.want_prompt_logprobs = want_prompt_logprobs
         self.created = int(time.time())
 
     def envelope(self, name: str, choices: list[dict[str, Any]], usage: Usage | None) -> dict[str, Any]:
@@ -77,6 +82,31 @@ class Shape:
 
     def answer(self, choices: list[Choice], usage: Usage) -> dict[str, Any]:
         return self.envelope(self.object_name, [self.full_choice(c) for c in choices], usage)
+
+    def prompt_logprobs(self, prompt_ids: list[int], logprobs: list[TokenLogprobs]) -> list[dict[str, Any] | None]:
+        """vLLM's prompt_logprobs: None for the first prompt token, then per token {id: {logprob, rank,
+        decoded_token}} for the token itself (rank None when outside the top) and the top alternatives."""
+        out: list[dict[str, Any] | None] = [None]
+        for token, lp in zip(prompt_ids[1:], logprobs):
+            ranks = {t: rank for rank, (t, _) in enumerate(lp.top, 1)}
+            entry = {str(token): self._ranked(token, lp.logprob, ranks.get(token))}
+            for t, p in lp.top:
+                entry.setdefault(str(t), self._ranked(t, p, ranks[t]))
+            out.append(entry)
+        return out
+
+    def _ranked(self, token: int, logprob: float, rank: int | None) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": self.tokenizer.token_text(token)}
+
+    def news(self, delta: Delta) -> bool:
+        """Does a chunk for this delta tell the client anything?"""
+        return bool(delta.text or delta.finish_reason or (self.want_prompt_logprobs and delta.prompt_logprobs))
+
+    def with_prompt_logprobs(self, choice: Choice, body: dict[str, Any], delta: Delta | None = None) -> dict[str, Any]:
+        """prompt_logprobs in an answer's choice (always, when asked) or a chunk's (the one that brings them)."""
+        if self.want_prompt_logprobs and (delta is None or delta.prompt_logprobs):
+            body["prompt_logprobs"] = choice.prompt_logprobs
+        return body
 
     def add(self, choice: Choice, delta: Delta) -> None:
         """Accumulate a delta into a non-streamed answer."""
@@ -106,19 +136,20 @@ class ChatShape(Shape):
     chunk_name = "chat.completion.chunk"
 
     def stream_choice(self, choice: Choice, delta: Delta) -> dict[str, Any] | None:
-        if not (delta.text or delta.finish_reason or not choice.started):
+        if choice.started and not self.news(delta):
             return None
         message: dict[str, Any] = {"content": delta.text}
         if not choice.started:
             message["role"] = "assistant"
             choice.started = True
         logprobs = self.logprobs(choice, delta) if self.want_logprobs and delta.logprobs else None
-        return {
+        body = {
             "index": choice.index,
             "delta": message,
             "logprobs": logprobs,
             "finish_reason": delta.finish_reason or None,
         }
+        return self.with_prompt_logprobs(choice, body, delta)
 
     def full_choice(self, choice: Choice) -> dict[str, Any]:
         return {
@@ -127,6 +158,12 @@ class ChatShape(Shape):
             "logprobs": choice.logprobs if self.want_logprobs else None,
             "finish_reason": choice.finish_reason,
         }
+
+    def answer(self, choices: list[Choice], usage: Usage) -> dict[str, Any]:
+        body = super().answer(choices, usage)
+        if self.want_prompt_logprobs:  # vLLM puts a chat's beside the choices (a chat has one prompt)
+            body["prompt_logprobs"] = choices[0].prompt_logprobs
+        return body
 
     def logprobs(self, choice: Choice, delta: Delta) -> dict[str, list[dict[str, Any]]]:
         return {
@@ -152,24 +189,26 @@ class CompletionShape(Shape):
     chunk_name = "text_completion"
 
     def stream_choice(self, choice: Choice, delta: Delta) -> dict[str, Any] | None:
-        if not (delta.text or delta.finish_reason):
+        if not self.news(delta):
             return None
         logprobs = self.logprobs(choice, delta) if self.want_logprobs and delta.logprobs else None
         choice.num_chars += len(delta.text)
-        return {
+        body = {
             "index": choice.index,
             "text": delta.text,
             "logprobs": logprobs,
             "finish_reason": delta.finish_reason or None,
         }
+        return self.with_prompt_logprobs(choice, body, delta)
 
     def full_choice(self, choice: Choice) -> dict[str, Any]:
-        return {
+        body = {
             "index": choice.index,
             "text": "".join(choice.text),
             "logprobs": choice.logprobs if self.want_logprobs else None,
             "finish_reason": choice.finish_reason,
         }
+        return self.with_prompt_logprobs(choice, body)
 
     def logprobs(self, choice: Choice, delta: Delta) -> dict[str, list[Any]]:
         texts = [self.tokenizer.token_text(t) for t in delta.token_ids]

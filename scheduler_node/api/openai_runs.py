@@ -32,7 +32,7 @@ class Run:
 
     def __post_init__(self) -> None:
         self.n = self.specs[0].n
-        self.choices = [Choice(i) for i in range(len(self.specs) * self.n)]
+        self.choices = [Choice(i, self.specs[i // self.n].prompt_token_ids) for i in range(len(self.specs) * self.n)]
         self._counted: set[int] = set()  # prompts whose tokens are in usage
 
     def start(self) -> None:
@@ -50,6 +50,10 @@ class Run:
             if delta.finish_reason:
                 self.usage.add(delta, prompt not in self._counted)
                 self._counted.add(prompt)
+            if delta.prompt_logprobs:  # the prompt's, once: every sequence of it shares them
+                shared = self.shape.prompt_logprobs(self.specs[prompt].prompt_token_ids, delta.prompt_logprobs)
+                for j in range(self.n):
+                    self.choices[prompt * self.n + j].prompt_logprobs = shared
             yield self.choices[prompt * self.n + delta.index], delta
 
     async def events(self, include_usage: bool) -> AsyncIterator[str]:

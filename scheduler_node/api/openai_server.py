@@ -101,8 +101,9 @@ class OpenAIDoor:
         if engine.queue_full(sum(spec.n for spec in specs)):
             limit = engine.options.max_waiting_requests
             raise OpenAIError(429, f"the waiting queue is full (--max-waiting-requests {limit}); retry later")
-        logprobs = specs[0].sampling.logprobs is not None
-        run = Run(engine, specs, shape(request_id, self.config.model_name, self.tokenizer, logprobs))
+        sampling = specs[0].sampling
+        want = sampling.logprobs is not None, sampling.prompt_logprobs is not None
+        run = Run(engine, specs, shape(request_id, self.config.model_name, self.tokenizer, *want))
         run.start()
         if body.stream:
             return RunResponse(run, body.stream_options is not None and body.stream_options.include_usage)

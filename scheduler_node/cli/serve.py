@@ -17,7 +17,8 @@ from proto.worker_flags import add_worker_flags, worker_argv
 from scheduler_node.cli.openai_flags import API_KEY_ENV, SERVE_OPENAI_PORT
 from scheduler_node.cli.operations import TOKEN_ENV
 from scheduler_node.cli.scheduler import add_scheduler_flags, resolve_parallel
-from scheduler_node.engine.launchers import add_launcher_flags, make_launcher, terminate
+from scheduler_node.engine.launchers import add_launcher_flags, make_launcher
+from scheduler_node.engine.processes import terminate
 
 logger = logging.getLogger("vllm-serve")
 

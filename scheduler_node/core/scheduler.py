@@ -225,7 +225,10 @@ class Scheduler:
         if bt.blocks_of(req.req_id):
             return bt.blocks_needed(req.req_id, first, first + min(req.num_tokens - first, budget)), []
         hashes = req.update_block_hashes(bt.block_size)
-        hits = bt.match_prefix(hashes[: (req.num_tokens - 1) // bt.block_size])  # the last token is recomputed
+        cacheable = (req.num_tokens - 1) // bt.block_size  # the last token is recomputed
+        if req.sampling.prompt_logprobs is not None and not req.prompt_logprobs_done:
+            cacheable = 0  # a cached prefix has no logits: the prompt is computed in full to score every token
+        hits = bt.match_prefix(hashes[:cacheable])
         hit_tokens = len(hits) * bt.block_size
         n = min(req.num_tokens - hit_tokens, budget)
         reused_free = sum(1 for b in hits if bt.is_free(b))
@@ -249,14 +252,22 @@ class Scheduler:
         return max(self.policy.effective_priority(r, now) for r in pending) - self.policy.preemption_margin
 
     def _admit(self, budget: int, seats: int, floor: float, plan: StepPlan, now: float) -> None:
-        for req in self.policy.order_waiting(self.waiting, now):
+        """Start waiting requests in policy order while budget, seats and blocks last. Forks (n > 1) that wait
+        while holding their parent's prompt blocks go first: left waiting, they would keep those blocks from a
+        request that needs the whole cache, which would then preempt itself over and over."""
+        ordered = self.policy.order_waiting(self.waiting, now)
+        holders = [r for r in ordered if not r.swapped and self.blocks.blocks_of(r.req_id)]
+        for req in holders + [r for r in ordered if r not in holders]:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs or len(plan.num_scheduled_tokens) >= seats:
                 break
-            if self.policy.effective_priority(req, now) < floor:
+            holds_blocks = req in holders
+            if self.policy.effective_priority(req, now) < floor and not holds_blocks:
                 break  # waiting is in policy order: the rest rank lower still
             if self.in_flight.held(req.req_id):
                 continue  # preempted while its plan runs: it comes back once that result is applied
             if not self._claim_blocks(req, budget):
+                if holds_blocks:
+                    continue
                 break  # strict order: a big request at the head is not overtaken forever
             self.waiting.remove(req)
             self.running.append(req)
@@ -264,6 +275,17 @@ class Scheduler:
             n = min(self._tokens_to_schedule(req), budget)
             self._take(req, n, plan)
             budget -= n
+        if holders and not self.running:
+            self._release_blocks(holders[-1])
+
+    def _release_blocks(self, req: Request) -> None:
+        """Nothing runs, and forks waiting on shared blocks cannot start (each needs a free block to copy the
+        shared last block, and they hold the whole cache): the least valued one lets go of its blocks and will
+        compute its prompt again (from the prefix cache where it can); the others then write in place."""
+        logger.info("%s releases its shared blocks: nothing runs and no fork can start", req.req_id)
+        self.blocks.free(req.req_id)
+        req.num_computed_tokens = 0
+        self.counters.preemptions_recompute += 1
 
     def _claim_blocks(self, req: Request, budget: int) -> bool:
         """Take the blocks a waiting request needs to start (see `_blocks_to_start`); False if they are short."""
@@ -355,6 +377,9 @@ class Scheduler:
                 # blocks are not written yet (and are never written if those plans are interrupted).
                 full = sent.ends[req_id] // self.blocks.block_size
                 self.blocks.register(req_id, req.update_block_hashes(self.blocks.block_size)[:full])
+        for req_id, (first, logprobs) in result.prompt_logprobs.items():
+            if (req := self.requests.get(req_id)) is not None:  # kept even if preempted since: positions are checked
+                req.add_prompt_logprobs(first, logprobs)
         outputs = []
         for req_id, token_ids in result.sampled.items():
             req = self.requests.get(req_id)
