@@ -19,7 +19,7 @@ from worker_node import logits_processors as lp
 from worker_node.structured import GrammarMasks, GrammarRow
 from worker_node.token_counts import TokenCounts
 
-_SEED_MIX = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
 
 
 class SamplingRequest(Protocol):
@@ -31,11 +31,12 @@ class SamplingRequest(Protocol):
     sampling: SamplingOptions
 
 
-def step_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
-    """The generator for one output position: the same (seed, position) draws the same noise in any batch."""
-    g = torch.Generator(device=device)
-    g.manual_seed((seed * _SEED_MIX + position) % (2**63))
-    return g
+def seeded_uniform(seed: int, position: int) -> float:
+    """A number in [0, 1) that depends only on (seed, position): splitmix64 of the two, 53 bits kept."""
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
 
 
 class Sampler:
@@ -172,16 +173,15 @@ def _warp(logits: torch.Tensor, options: list[SamplingOptions]) -> torch.Tensor:
 
 
 def _draw(probs: torch.Tensor, seeds: list[int | None], positions: list[int]) -> torch.Tensor:
-    """A token from each row of `probs` by Gumbel-max in exponential form; seeded rows draw their noise from
-    their (seed, output position) generator, so the same seed samples the same token in any batch."""
-    noise = torch.empty_like(probs)
-    unseeded = [j for j, seed in enumerate(seeds) if seed is None]
-    if unseeded:
-        noise[unseeded] = torch.empty(len(unseeded), probs.shape[-1], device=probs.device).exponential_()
-    for j, seed in enumerate(seeds):
-        if seed is not None:
-            noise[j].exponential_(generator=step_generator(seed, positions[j], probs.device))
-    return (probs / noise).argmax(dim=-1)
+    """A token from each row of `probs`, for the whole batch at once: each row draws one uniform number and
+    inverts its distribution's CDF. A seeded row's number is a hash of (seed, output position), so the same
+    request draws the same token at the same position in any batch, on any worker, after any preemption."""
+    drawn = torch.rand(len(seeds), dtype=torch.float64).tolist()  # unseeded rows: torch's generator
+    uniforms = [u if seed is None else seeded_uniform(seed, pos) for u, seed, pos in zip(drawn, seeds, positions)]
+    cdf = probs.double().cumsum(dim=-1)  # float64: the last of 50k+ summands still moves the sum
+    targets = (torch.tensor(uniforms, dtype=torch.float64, device=probs.device) * cdf[:, -1]).unsqueeze(1)
+    index = torch.searchsorted(cdf, targets, right=True).squeeze(1)
+    return index.clamp_(max=probs.shape[-1] - 1)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprobs]:
