@@ -10,6 +10,7 @@ cluster.stop()
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +20,10 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from proto import serving_pb2 as pb
+from proto import serving_pb2_grpc as pb_grpc
+from scheduler_node.cli.client import wait_ready
 
 REPO = Path(__file__).resolve().parent.parent  # the processes run from the checkout
 
@@ -126,3 +131,43 @@ class Cluster:
                 proc.wait()
                 codes.append(None)
         return codes
+
+
+class ServeProcess:
+    """`vllm-serve` on free loopback ports, its log in a file; everything else at its defaults."""
+
+    def __init__(self, model: Path, log_dir: Path, *extra: str) -> None:
+        self.port = free_port()
+        self.log = log_dir / "serve.log"
+        argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--model", str(model), "--port", str(self.port),
+                "--worker-port", str(free_port()), "--openai-port", "0", *extra]  # fmt: skip
+        self.proc = subprocess.Popen(argv, cwd=REPO, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = pb_grpc.GenerationStub(self.channel)
+        self.control = pb_grpc.ControlStub(self.channel)
+
+    def wait_serving(self, timeout: float = 300.0) -> None:
+        if not wait_ready(self.channel, timeout):
+            raise TimeoutError(f"vllm-serve not SERVING after {timeout} s\n{self.tail()}")
+
+    def workers(self) -> list[pb.WorkerStatus]:
+        return list(self.control.ListWorkers(pb.ListWorkersRequest(), timeout=10).workers)
+
+    def ready_pids(self) -> list[int]:
+        return [w.pid for w in self.workers() if w.state == "ready"]
+
+    def stats(self) -> pb.Stats:
+        return self.control.GetStats(pb.GetStatsRequest(), timeout=10)
+
+    def tail(self, chars: int = 6000) -> str:
+        return self.log.read_text()[-chars:]
+
+    def stop(self) -> int | None:
+        self.channel.close()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            return None

@@ -44,7 +44,8 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
         "--kv-cache-memory",
         type=parse_size,
         default=None,
-        help="bytes for the KV cache, e.g. 4GiB (default: a quarter of free RAM on CPU; "
+        help="bytes for the KV cache, e.g. 4GiB (default: a quarter of free RAM on CPU, split between the ranks of "
+        "the world on this host; "
         "--gpu-memory-utilization on GPU)",
     )
     p.add_argument(

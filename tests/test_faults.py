@@ -341,3 +341,46 @@ async def _hung_step() -> None:
     finally:
         await link.close("test over")
         ctx.destroy(linger=0)  # closes what a failed assertion left open (term() would wait for it)
+
+
+def test_a_rank_that_dies_while_joining_a_world_of_two_sends_the_other_away() -> None:
+    """torch.distributed cannot take a new member into a formed world: when one rank of two dies while loading (the
+    OOM killer, say), its replacement alone would wait at a rendezvous the other already passed. The other rank is
+    told to leave so the supervisor starts both again."""
+    asyncio.run(asyncio.wait_for(_dies_while_joining(), 30))
+
+
+async def _dies_while_joining() -> None:
+    port = free_port()
+    link = WorkerLink(f"127.0.0.1:{port}", heartbeat_timeout=5.0)
+    ctx = zmq.asyncio.Context()
+    try:
+        start = asyncio.ensure_future(
+            link.start(
+                lambda r: Assignment(
+                    r, 2, "/m", "auto", 16, 64, 8, tensor_parallel_size=2, distributed_init="127.0.0.1:1"
+                ),
+                20,
+            )
+        )
+        ready = FakeWorker(ctx, port)
+        await ready.join()
+        loading = ctx.socket(zmq.DEALER)
+        loading.connect(f"tcp://127.0.0.1:{port}")
+        await loading.send(encode(WorkerHello("fake", 2, "cpu")))
+        assert isinstance(decode(await loading.recv()), Assignment)
+        loading.close(linger=0)  # killed while loading its shard
+        while not isinstance(message := await asyncio.wait_for(ready.inbox.get(), 5), Shutdown):
+            pass
+        assert "every rank restarts" in message.reason
+        assert not start.done() and not link.all_ready
+        first, second = FakeWorker(ctx, port), FakeWorker(ctx, port)  # both start again and the world forms
+        await asyncio.gather(first.join(), second.join())
+        await asyncio.wait_for(start, 5)
+        assert sorted(w.rank for w in link.workers) == [0, 1]
+        for w in (ready, first, second):
+            w.close()
+    finally:
+        start.cancel()
+        await link.close("test over")
+        ctx.destroy(linger=0)

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
+from minivllm.cluster import REPO
 from tests.models import assert_teacher_forced, load_hf
 from tests.ops import alive, child_pids
 
@@ -134,3 +137,16 @@ def test_close_leaves_no_process_behind(tiny_llama_dir: Path) -> None:
     assert not [pid for pid in workers if alive(pid)], "a worker process outlived close()"
     with pytest.raises(RuntimeError):
         llm.generate(["after close"], use_tqdm=False)
+
+
+def test_the_readme_example_runs_as_written(smollm2_dir: Path) -> None:
+    """The README's "Offline inference" block, run as a user would paste it (default model, default flags)."""
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("### Offline inference") :]
+    code = section[section.index("```python\n") + len("```python\n") : section.index("```\n", 10)]
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("'The capital of France is' -> '") and lines[0].endswith(("length", "stop"))
+    assert lines[1].startswith("'def fibonacci(n):' -> '")
+    assert len(lines) >= 3 and lines[2].strip(), "the chat answer"

@@ -31,14 +31,17 @@ def available_memory(device: torch.device) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
-def kv_cache_budget(device: torch.device, kv_cache_memory: int | None, gpu_memory_utilization: float) -> int:
-    """An explicit byte count wins; else a fraction of free memory (GPU) or a quarter of free RAM (CPU)."""
+def kv_cache_budget(
+    device: torch.device, kv_cache_memory: int | None, gpu_memory_utilization: float, ranks_on_host: int = 1
+) -> int:
+    """An explicit byte count wins; else a fraction of free memory (GPU), or a quarter of free RAM (CPU) shared
+    by the `ranks_on_host` ranks of the world that size themselves from the same RAM at the same moment."""
     if kv_cache_memory:
         return kv_cache_memory
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return max(0, int(free - (1 - gpu_memory_utilization) * total))
-    return available_memory(device) // 4
+    return available_memory(device) // 4 // max(1, ranks_on_host)
 
 
 def kv_cache_limit(device: torch.device, kv_cache_memory: int | None, gpu_memory_utilization: float) -> int:

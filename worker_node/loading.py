@@ -102,7 +102,7 @@ def load_rank(
     backend = select_attention_backend(options.attention_backend, device)
     model = load_model(a.model, backend, dtype, device, full.max_model_len, where, comm)
     block_bytes = bytes_per_block(config, a.block_size, dtype)
-    budget = kv_cache_budget(device, options.kv_cache_memory, options.gpu_memory_utilization)
+    budget = kv_cache_budget(device, options.kv_cache_memory, options.gpu_memory_utilization, comm.ranks_on_host)
     limit = kv_cache_limit(device, options.kv_cache_memory, options.gpu_memory_utilization)
     num_blocks = kv_blocks_to_allocate(a.num_kv_blocks, block_bytes, budget, limit)
     cache = allocate_kv_cache(config, a.block_size, dtype, device, num_blocks)

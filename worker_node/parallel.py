@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,18 @@ _PP_TAG = 7  # send/recv tag of hidden states between stages
 
 class RendezvousAborted(RuntimeError):
     """The worker left the rendezvous before the world was complete (its scheduler stopped or vanished)."""
+
+
+class WorldBroken(RuntimeError):
+    """A collective failed: a peer rank is gone or the transport between them broke. A torch.distributed world
+    cannot heal, so the rank leaves (and the scheduler restarts every rank) instead of answering a StepError."""
+
+
+def _wait(work: Any) -> None:
+    try:
+        work.wait()
+    except RuntimeError as exc:  # gloo raises plain RuntimeErrors ("Connection closed by peer"); NCCL, DistErrors
+        raise WorldBroken(str(exc)) from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,8 +84,16 @@ SINGLE = ParallelRank(ParallelLayout(1, 1), 0)
 class Comm:
     """The collectives of one worker. With a world of one every method is a no-op on local tensors."""
 
-    def __init__(self, where: ParallelRank, world: Any = None, tp: Any = None, device: torch.device | None = None):
+    def __init__(
+        self,
+        where: ParallelRank,
+        world: Any = None,
+        tp: Any = None,
+        device: torch.device | None = None,
+        ranks_on_host: int = 1,
+    ):
         self.where = where
+        self.ranks_on_host = ranks_on_host  # ranks of this world on this host, this one included (they share RAM)
         self._world = world  # c10d backend over all ranks: PP send/recv, or (one stage) the token broadcast
         self._tp = tp  # c10d backend over this stage's TP ranks (None when T == 1)
         self._device = device or torch.device("cpu")
@@ -80,7 +101,7 @@ class Comm:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the TP group (after a row-parallel layer and the vocab-parallel embedding)."""
         if self._tp is not None:
-            self._tp.allreduce([x]).wait()
+            _wait(self._tp.allreduce([x]))
         return x
 
     def gather_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -92,17 +113,17 @@ class Comm:
         opts.rootRank = 0
         first = self.where.tp_rank == 0
         out = [[torch.empty_like(x) for _ in range(self.where.tp_size)]] if first else []
-        self._tp.gather(out, [x], opts).wait()
+        _wait(self._tp.gather(out, [x], opts))
         return torch.cat(out[0], dim=-1) if first else None
 
     def send_to_next_stage(self, x: torch.Tensor) -> None:
         if self._world is not None:
-            self._world.send([x.contiguous()], self.where.rank + self.where.tp_size, _PP_TAG).wait()
+            _wait(self._world.send([x.contiguous()], self.where.rank + self.where.tp_size, _PP_TAG))
 
     def recv_from_previous_stage(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         x = torch.empty(shape, dtype=dtype, device=self._device)
         if self._world is not None:
-            self._world.recv([x], self.where.rank - self.where.tp_size, _PP_TAG).wait()
+            _wait(self._world.recv([x], self.where.rank - self.where.tp_size, _PP_TAG))
         return x
 
     def share_sampled(self, tokens: list[int], count: int) -> list[int]:
@@ -116,7 +137,7 @@ class Comm:
             t = torch.empty(count, dtype=torch.int64, device=self._device)
         opts = dist.BroadcastOptions()
         opts.rootRank = self.where.layout.output_rank
-        self._world.broadcast([t], opts).wait()
+        _wait(self._world.broadcast([t], opts))
         return t.tolist()
 
     def close(self) -> None:
@@ -185,7 +206,14 @@ def _join(where: ParallelRank, init_address: str, local_address: str, device: to
         prefix = dist.PrefixStore(f"tp{where.stage}/", store)
         tp = _backend(prefix, where.tp_rank, where.tp_size, device, local_address, timeout)
     logger.info("rank %d joined a world of %d", where.rank, layout.world_size)
-    return Comm(where, world, tp, device)
+    return Comm(where, world, tp, device, _ranks_on_host(store, where.rank, layout.world_size))
+
+
+def _ranks_on_host(store: Any, rank: int, world_size: int) -> int:
+    """How many ranks of the world run on this host (each says its host name through the rendezvous store)."""
+    host = socket.gethostname()
+    store.set(f"host/{rank}", host)
+    return sum(store.get(f"host/{r}").decode() == host for r in range(world_size))
 
 
 def _backend(

@@ -2,7 +2,9 @@
 
 Because the socket thread never blocks on the model, it answers heartbeats during long steps, notices a
 scheduler that is gone (and exits cleanly), and drops anything malformed without disturbing the step.
-A plan that fails on the worker is answered with a StepError instead of killing the process.
+A plan that fails on the worker is answered with a StepError instead of killing the process — unless a collective
+failed (WorldBroken): then the process exits with EXIT_WORLD_BROKEN, the scheduler sees the rank lost, and every
+rank of the world restarts (an answer would leave the world half-broken and the request failed).
 
 A scheduler is gone when it has been silent for twice its heartbeat timeout *and* the connection is down:
 libzmq's own heartbeats keep the connection up while the scheduler process lives, however busy its event loop.
@@ -22,6 +24,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from proto.wire import Heartbeat, Interrupt, Message, Shutdown, StepError, StepPlan, decode, encode
+from worker_node.parallel import WorldBroken
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +32,7 @@ logger = logging.getLogger(__name__)
 # The scheduler declares a silent worker lost after its heartbeat timeout; a worker gives a silent scheduler
 # longer, so that a loaded machine makes the scheduler (the one that decides) act first.
 SILENCE_FACTOR = 2.0
+EXIT_WORLD_BROKEN = 3  # the exit status of a worker whose torch.distributed world broke under a step
 
 
 class StepThread(threading.Thread):
@@ -53,6 +57,10 @@ class StepThread(threading.Thread):
         while (plan := self.inbox.get()) is not None:
             try:
                 reply = self.execute(plan)
+            except WorldBroken as exc:
+                logger.critical("step %d: a collective failed (%s); leaving so the world restarts", plan.step_id, exc)
+                logging.shutdown()
+                os._exit(EXIT_WORLD_BROKEN)
             except Exception as exc:  # a plan this worker cannot run: say so, stay alive
                 logger.exception("step %d failed", plan.step_id)
                 reply = StepError(plan.step_id, self.rank, f"{type(exc).__name__}: {exc}")

@@ -310,12 +310,8 @@ class WorkerLink:
         if info.state == LOST:
             return
         logger.error("rank %d (pid %d on %s) lost: %s", info.rank, info.pid, info.host, reason)
-        lost = [info] + ([w for w in self.workers if w is not info] if self.world_size > 1 else [])
-        for w in lost:
-            w.state = LOST
-            self._by_identity.pop(w.identity, None)
-            why = reason if w is info else f"rank {info.rank} was lost; every rank restarts"
-            self._send(w.identity, Shutdown(f"declared lost: {why}"))  # reaches a stalled worker when it wakes
+        self._dismiss(info, reason)
+        self._disband(f"rank {info.rank} was lost")
         self.lost_reason = f"rank {info.rank} lost: {reason}"
         self.lost.set()
         error = WorkerLost(self.lost_reason)
@@ -324,6 +320,19 @@ class WorkerLink:
                 step.future.set_exception(error)
         self._steps.clear()
         self._update_state()
+
+    def _dismiss(self, info: WorkerInfo, why: str) -> None:
+        info.state = LOST
+        self._by_identity.pop(info.identity, None)
+        self._send(info.identity, Shutdown(f"declared lost: {why}"))  # reaches a stalled worker when it wakes
+
+    def _disband(self, why: str) -> None:
+        """A torch.distributed world cannot take a new member: when one rank of a world of several is gone, every
+        other rank — ready, loading or at the rendezvous — leaves too, and the supervisor starts them all again
+        (a replacement alone would wait at a rendezvous the others already passed)."""
+        if self.world_size > 1:
+            for w in list(self._by_identity.values()):
+                self._dismiss(w, f"{why}; every rank restarts")
 
     async def _heartbeat_loop(self) -> None:
         interval = self.heartbeat_timeout / 4
@@ -351,6 +360,7 @@ class WorkerLink:
                     )
                     del self._by_identity[w.identity]
                     self._send(w.identity, Shutdown(f"not ready within {self.join_timeout:g} s"))
+                    self._disband(f"rank {w.rank} was not ready in time")
                     self.changed.set()
 
     async def _watch_disconnects(self) -> None:
@@ -377,7 +387,8 @@ class WorkerLink:
             else:  # it died while loading: its rank is free again
                 logger.error("worker pid %d left while joining as rank %d", w.pid, w.rank)
                 del self._by_identity[w.identity]
-                self.changed.set()
+                self._disband(f"rank {w.rank} left while joining")
+                self._update_state()
         return found
 
     # ---- the socket
