@@ -36,14 +36,18 @@ SERVICE_NAMES = (
 
 
 class GenerationService(pb_grpc.GenerationServicer):
-    def __init__(self, tokenizer: ModelTokenizer) -> None:
+    def __init__(self, tokenizer: ModelTokenizer, served_model_name: str) -> None:
         self.tokenizer = tokenizer
+        self.served_model_name = served_model_name  # a request naming another model is NOT_FOUND
         self.engine: EngineCore | None = None  # set once the workers have joined
         self.link: WorkerLink | None = None
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        if request.model and request.model != self.served_model_name:
+            detail = f"model: {request.model!r} is not served here (this server serves {self.served_model_name!r})"
+            await context.abort(grpc.StatusCode.NOT_FOUND, detail)
         engine = self.engine
         if engine is None or engine.unavailable():
             await context.abort(grpc.StatusCode.UNAVAILABLE, engine.unavailable() if engine else "workers are joining")
@@ -182,12 +186,17 @@ def _response(request_id: str, d: Delta) -> pb.GenerateResponse:
 
 
 def build_server(
-    service: GenerationService,
+    service: pb_grpc.GenerationServicer,
     address: str,
     credentials: grpc.ServerCredentials | None = None,
     control_token: str = "",
+    control: pb_grpc.ControlServicer | None = None,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
-    """The gRPC server; TLS with `credentials`, and Control RPCs need the bearer `control_token` when set."""
+    """The gRPC server; TLS with `credentials`, and Control RPCs need the bearer `control_token` when set.
+    `control` defaults to the scheduler's Control over `service` (vllm-router brings its own)."""
+    if control is None:
+        assert isinstance(service, GenerationService)
+        control = ControlService(service)
     server = grpc.aio.server(
         interceptors=[ControlAuth(control_token)] if control_token else [],
         options=[
@@ -196,7 +205,7 @@ def build_server(
         ],
     )
     pb_grpc.add_GenerationServicer_to_server(service, server)
-    pb_grpc.add_ControlServicer_to_server(ControlService(service), server)
+    pb_grpc.add_ControlServicer_to_server(control, server)
     health_service = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
     reflection.enable_server_reflection(SERVICE_NAMES, server)

@@ -20,7 +20,7 @@ from scheduler_node.core.policy import POLICIES
 from scheduler_node.engine.builder import EngineConfig, WorldPlan, check_model_split, make_engine
 from scheduler_node.engine.core import EngineOptions
 from scheduler_node.engine.metrics import Metrics
-from scheduler_node.engine.model_path import DEFAULT, resolve_model
+from scheduler_node.engine.model_path import DEFAULT, resolve_model, served_name
 from scheduler_node.engine.placement import Placement, place
 from scheduler_node.engine.topology import load_topology, single_island
 from scheduler_node.engine.worker_link import WorkerLink
@@ -35,6 +35,12 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
         default=DEFAULT,
         help="HF folder (safetensors, or a linked GGUF), a .gguf file, an HF hub id (org/name) already in the local "
         "HF cache, or 'default' (SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name requests may give in `model` (another name is NOT_FOUND) and the metrics' model_name "
+        "label (default: a hub id as given, else the model folder's name)",
     )
     p.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
     p.add_argument("--port", type=int, default=50051, help="gRPC port")
@@ -243,11 +249,11 @@ async def serve(args: argparse.Namespace) -> int:
     if args.zmq_curve_dir:
         ensure_keys(args.zmq_curve_dir)
     link = WorkerLink(f"{args.worker_host}:{args.worker_port}", args.heartbeat_timeout, args.zmq_curve_dir)
-    service = GenerationService(tokenizer)
+    service = GenerationService(tokenizer, args.served_model_name or served_name(args.model))
     service.link = link
     credentials = server_credentials(args.tls_cert, args.tls_key) if args.tls_cert else None
     server, health = build_server(service, f"{args.host}:{args.port}", credentials, args.control_token)
-    metrics = Metrics(folder.name)
+    metrics = Metrics(service.served_model_name)
     if args.metrics_port:
         metrics.serve(args.metrics_host, args.metrics_port)
     await server.start()

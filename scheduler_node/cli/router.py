@@ -1,0 +1,181 @@
+"""vllm-router: one gRPC address in front of several schedulers (replicas of one model, or different models)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from proto.cli_config import add_config_flag, parse_args
+from scheduler_node.api.grpc_server import build_server
+from scheduler_node.api.health import set_serving
+from scheduler_node.api.security import server_credentials
+from scheduler_node.cli.operations import TOKEN_ENV
+from scheduler_node.router.control import RouterControl
+from scheduler_node.router.grpc_door import RouterGeneration
+from scheduler_node.router.metrics import RouterMetrics
+from scheduler_node.router.probe import Prober, report_health
+from scheduler_node.router.replica import ReplicaPool, parse_replica
+from scheduler_node.router.routing import Router
+from scheduler_node.router.strategies import STRATEGIES
+from scheduler_node.router.upstream import Forwarder, open_links
+
+logger = logging.getLogger("vllm-router")
+
+
+def add_routing_flags(p: argparse.ArgumentParser) -> None:
+    """How requests are spread over the replicas (shared with vllm-serve --data-parallel-size)."""
+    p.add_argument(
+        "--routing-strategy",
+        default="least_loaded",
+        help=f"{', '.join(STRATEGIES)}, or module:function for your own (see scheduler_node/router/routing.py "
+        "and deploy/custom_route.py)",
+    )
+    p.add_argument(
+        "--routing-prefix-chars",
+        type=int,
+        default=256,
+        help="prefix: characters of the prompt (a quarter as many token ids) whose hash picks the replica; keep "
+        "it shorter than the prompts' shared part (the system prompt)",
+    )
+    p.add_argument(
+        "--routing-load-factor",
+        type=float,
+        default=1.25,
+        help="prefix: a replica takes a request only while its open streams stay within this multiple of its "
+        "weighted share of all open streams; else the ring's next replica does",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="vllm-router",
+        description="Route minivllm.v1.Generation requests over several vllm-scheduler replicas by the request's "
+        "model and a strategy, with health checks and one retry before the first token.",
+    )
+    add_config_flag(p)
+    p.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
+    p.add_argument("--port", type=int, default=50050, help="gRPC port")
+    p.add_argument(
+        "--replica",
+        type=parse_replica,
+        action="append",
+        default=[],
+        metavar="HOST:PORT,model=NAME[,weight=W]",
+        help="a scheduler to route to, the model name it serves (its --served-model-name) and its weight "
+        "(default 1); repeatable. In a config file: a list of {address, model, weight}",
+    )
+    p.add_argument("--default-model", default="", help="the model of requests that name none (default: the first)")
+    add_routing_flags(p)
+    p.add_argument(
+        "--probe-interval",
+        type=float,
+        default=0.5,
+        help="seconds between two health checks (and GetStats) of each replica",
+    )
+    p.add_argument(
+        "--probe-timeout",
+        type=float,
+        default=1.0,
+        help="seconds a replica has to answer a health check, GetStats or Abort before it counts as down",
+    )
+    p.add_argument(
+        "--replica-control-token",
+        default=os.environ.get(TOKEN_ENV, ""),
+        help=f"the replicas' --control-token, for GetStats (default: ${TOKEN_ENV})",
+    )
+    p.add_argument(
+        "--control-token",
+        default=os.environ.get(TOKEN_ENV, ""),
+        help=f"the router's Control RPCs need metadata 'authorization: Bearer TOKEN' (default: ${TOKEN_ENV}; "
+        "empty: open)",
+    )
+    p.add_argument("--tls-cert", default=None, metavar="PEM", help="serve gRPC over TLS with this certificate chain")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
+    p.add_argument("--metrics-port", type=int, default=0, help="port of the Prometheus /metrics endpoint (0: off)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="bind address of the Prometheus endpoint")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT: seconds to let open streams finish (0: no limit; a second signal stops at once)",
+    )
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    return p
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """ValueError naming the flag that is out of range."""
+    for name in ("probe_interval", "probe_timeout"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if not args.drain_timeout >= 0:
+        raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+
+
+async def serve(args: argparse.Namespace) -> int:
+    check_flags(args)
+    pool = ReplicaPool(args.replica)
+    metrics = RouterMetrics()
+    router = Router(
+        pool, args.routing_strategy, args.default_model, args.routing_prefix_chars, args.routing_load_factor, metrics
+    )
+    links = open_links(pool)
+    generation = RouterGeneration(Forwarder(router, links, metrics), args.probe_timeout)
+    control = RouterControl(generation, args.replica_control_token)
+    credentials = server_credentials(args.tls_cert, args.tls_key) if args.tls_cert else None
+    server, health = build_server(generation, f"{args.host}:{args.port}", credentials, args.control_token, control)
+    if args.metrics_port:
+        metrics.serve(args.metrics_host, args.metrics_port)
+    await server.start()
+    await set_serving(health, False)
+    prober = Prober(pool, links, metrics, args.probe_interval, args.probe_timeout, args.replica_control_token)
+    tasks: list[asyncio.Future] = [
+        asyncio.ensure_future(prober.run()),
+        asyncio.ensure_future(report_health(pool, health, lambda: generation.draining)),
+    ]
+    logger.info(
+        "routing on %s:%d by %s: %s",
+        args.host,
+        args.port,
+        router.strategy_name,
+        ", ".join(f"{r.model}@{r.address}" + (f" x{r.weight:g}" if r.weight != 1 else "") for r in pool.replicas),
+    )
+    stop, hurry = asyncio.Event(), asyncio.Event()  # the first signal drains, a second ends the drain
+
+    def on_signal() -> None:
+        (hurry if stop.is_set() else stop).set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    await stop.wait()
+    tasks += [asyncio.ensure_future(generation.drain(args.drain_timeout or None)), asyncio.ensure_future(hurry.wait())]
+    await asyncio.wait(tasks[-2:], return_when=asyncio.FIRST_COMPLETED)
+    logger.info("shutting down with %d stream(s) open", len(generation.live))
+    for task in tasks:
+        task.cancel()
+    await server.stop(grace=1.0)
+    for link in links.values():
+        await link.channel.close()
+    metrics.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(build_parser(), argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return asyncio.run(serve(args))
+    except (ValueError, OSError) as exc:
+        logger.error("%s", exc)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
