@@ -1,10 +1,12 @@
-"""A scheduler and its workers as processes on free loopback ports, for benchmarks and tests.
+"""A scheduler and its workers as processes on free loopback ports, for benchmarks and tests; a router in front of
+several such clusters.
 
 cluster = Cluster(model_folder, ["--max-num-seqs", "64"], ["--threads", "2"])
 cluster.wait_serving()
 stub = GenerationStub(cluster.channel)
 ...
 cluster.stop()
+router = RouterProcess([f"{cluster.address},model={name}" for cluster, name in ...], ["--routing-strategy", "prefix"])
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grpc
@@ -30,9 +32,14 @@ def free_port() -> int:
 
 class Cluster:
     def __init__(
-        self, model: Path, scheduler_args: Sequence[str] = (), worker_args: Sequence[str] = (), num_workers: int = 1
+        self,
+        model: Path,
+        scheduler_args: Sequence[str] = (),
+        worker_args: Sequence[str] = (),
+        num_workers: int = 1,
+        port: int = 0,
     ) -> None:
-        self.port = free_port()
+        self.port = port or free_port()  # a given port: a scheduler that replaces one at the same address
         self.worker_port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log_dir = Path(subprocess.check_output(["mktemp", "-d"], text=True).strip())
@@ -82,20 +89,7 @@ class Cluster:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(self.log_dir.glob("*.log")))
 
     def wait_serving(self, timeout: float = 120.0) -> None:
-        stub = health_pb2_grpc.HealthStub(self.channel)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for proc in [self.scheduler, *self.workers]:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"a process exited with {proc.returncode}\n{self.logs()}")
-            try:
-                status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
-                if status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"server not SERVING after {timeout} s\n{self.logs()}")
+        wait_serving(self.channel, [self.scheduler, *self.workers], timeout, self.logs)
 
     def kill(self) -> None:
         """Tear down without ceremony (tests that killed or replaced processes themselves)."""
@@ -116,3 +110,55 @@ class Cluster:
                 proc.wait()
                 codes.append(None)
         return codes
+
+
+class RouterProcess:
+    """A vllm-router on a free loopback port in front of `replicas` (HOST:PORT,model=NAME each)."""
+
+    def __init__(self, replicas: Sequence[str], router_args: Sequence[str] = ()) -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log = Path(subprocess.check_output(["mktemp"], text=True).strip())
+        argv = [sys.executable, "-m", "scheduler_node.cli.router", "--port", str(self.port), "--log-level", "INFO"]
+        for replica in replicas:
+            argv += ["--replica", replica]
+        with open(self.log, "w") as log:
+            self.process = subprocess.Popen([*argv, *router_args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        self.channel = grpc.insecure_channel(self.address)
+
+    def logs(self) -> str:
+        return f"--- router\n{self.log.read_text()[-4000:]}"
+
+    def wait_serving(self, timeout: float = 120.0) -> None:
+        wait_serving(self.channel, [self.process], timeout, self.logs)
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        """SIGTERM (it drains its open streams); the exit code."""
+        self.channel.close()
+        self.process.terminate()
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            return None
+
+
+def wait_serving(
+    channel: grpc.Channel, processes: Sequence[subprocess.Popen], timeout: float, logs: Callable[[], str]
+) -> None:
+    """Until grpc.health.v1 says SERVING; RuntimeError when one of `processes` exits first."""
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for proc in processes:
+            if proc.poll() is not None:
+                raise RuntimeError(f"a process exited with {proc.returncode}\n{logs()}")
+        try:
+            status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
+            if status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"server not SERVING after {timeout} s\n{logs()}")

@@ -1,0 +1,215 @@
+"""vllm-router in front of real schedulers: two replicas of a tiny Llama (`llama`) and one tiny Qwen2 (`qwen`).
+
+Routing by model, greedy outputs through the router equal to a replica's own, NOT_FOUND for other models at the
+router and at a scheduler, Abort fanned out, Control (ListReplicas, summed GetStats), health per model, metrics,
+and `kill -9` of one replica under load (the last test: it kills a replica of the shared fleet).
+"""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from minivllm.cluster import Cluster, RouterProcess, free_port
+from proto import serving_pb2 as pb
+from proto import serving_pb2_grpc as pb_grpc
+from tests.ops import NOT_SERVING, SERVING, TINY_WORKER, Streams, greedy_ids, health_status, prompt_ids, wait_for
+
+LLAMA = ["--served-model-name", "llama", "--max-num-seqs", "2"]  # 2: further requests wait (kill test)
+QWEN = ["--served-model-name", "qwen"]
+PROBE = ["--probe-interval", "0.2", "--probe-timeout", "1"]
+
+
+@dataclass
+class Fleet:
+    llamas: list[Cluster]
+    qwen: Cluster
+    router: RouterProcess
+    metrics_url: str
+    llama_dir: Path
+    spawned: list[Cluster]  # everything to kill at the end, replacements too
+
+    @property
+    def stub(self) -> pb_grpc.GenerationStub:
+        return pb_grpc.GenerationStub(self.router.channel)
+
+    @property
+    def control(self) -> pb_grpc.ControlStub:
+        return pb_grpc.ControlStub(self.router.channel)
+
+    def replicas(self) -> dict[str, pb.ReplicaStatus]:
+        return {r.address: r for r in self.control.ListReplicas(pb.ListReplicasRequest(), timeout=5).replicas}
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_llama_dir: Path, tiny_qwen2_dir: Path) -> Iterator[Fleet]:
+    llamas = [Cluster(tiny_llama_dir, LLAMA, TINY_WORKER) for _ in range(2)]
+    qwen = Cluster(tiny_qwen2_dir, QWEN, TINY_WORKER)
+    metrics_port = free_port()
+    replicas = [f"{c.address},model=llama" for c in llamas] + [f"{qwen.address},model=qwen"]
+    router = RouterProcess(replicas, ["--routing-strategy", "round_robin", "--metrics-port", str(metrics_port), *PROBE])
+    fleet = Fleet(llamas, qwen, router, f"http://127.0.0.1:{metrics_port}/metrics", tiny_llama_dir, [*llamas, qwen])
+    try:
+        for c in fleet.spawned:
+            c.wait_serving()
+        router.wait_serving(30)
+        wait_for(lambda: all(r.state == "serving" for r in fleet.replicas().values()), 10, "every replica serving")
+        yield fleet
+    finally:
+        router.stop()
+        for c in fleet.spawned:
+            c.kill()
+
+
+def tokens(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest) -> list[int]:
+    return [t for delta in stub.Generate(request, timeout=60) for t in delta.token_ids]
+
+
+def test_routing_by_model_gives_each_models_own_greedy_tokens(fleet: Fleet) -> None:
+    direct = {
+        "llama": pb_grpc.GenerationStub(fleet.llamas[0].channel),
+        "qwen": pb_grpc.GenerationStub(fleet.qwen.channel),
+    }
+    for seed in range(3):
+        expected = {model: tokens(stub, greedy_ids(prompt_ids(seed), 12)) for model, stub in direct.items()}
+        assert expected["llama"] != expected["qwen"]  # two different models: the test can tell them apart
+        for model in ("llama", "qwen"):
+            for _ in range(2):  # round robin: both llama replicas answer
+                assert tokens(fleet.stub, greedy_ids(prompt_ids(seed), 12, model=model)) == expected[model], model
+        assert tokens(fleet.stub, greedy_ids(prompt_ids(seed), 12)) == expected["llama"]  # the default model
+    text = pb.GenerateRequest(prompt="The capital of France", sampling=pb.SamplingParams(max_tokens=8, temperature=0))
+    routed = "".join(d.text for d in fleet.stub.Generate(text, timeout=60))
+    assert routed == "".join(d.text for d in direct["llama"].Generate(text, timeout=60))
+
+
+def test_other_models_are_not_found_at_the_router_and_at_a_scheduler(fleet: Fleet) -> None:
+    with pytest.raises(grpc.RpcError) as exc:
+        tokens(fleet.stub, greedy_ids(prompt_ids(0), 4, model="gpt-5"))
+    assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "'gpt-5' is not served here; models: llama, qwen" in exc.value.details()
+    with pytest.raises(grpc.RpcError) as exc:
+        tokens(pb_grpc.GenerationStub(fleet.qwen.channel), greedy_ids(prompt_ids(0), 4, model="llama"))
+    assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "this server serves 'qwen'" in exc.value.details()
+    assert tokens(pb_grpc.GenerationStub(fleet.qwen.channel), greedy_ids(prompt_ids(0), 4, model="qwen"))
+
+
+def test_abort_is_fanned_out_to_the_replica_that_runs_the_request(fleet: Fleet) -> None:
+    request = greedy_ids(prompt_ids(7), 1000, request_id="abort-me", model="qwen")
+    streams = Streams(fleet.stub, [request])
+    streams.wait_all_started()
+    with pytest.raises(grpc.RpcError) as exc:
+        tokens(fleet.stub, greedy_ids(prompt_ids(8), 4, request_id="abort-me", model="llama"))
+    assert exc.value.code() == grpc.StatusCode.ALREADY_EXISTS  # ids are unique across the replicas
+    assert fleet.stub.Abort(pb.AbortRequest(request_id="abort-me"), timeout=10).found
+    (result,) = streams.join(30)
+    assert result.finish_reason == "abort" and 0 < len(result.tokens) < 1000
+    assert not fleet.stub.Abort(pb.AbortRequest(request_id="abort-me"), timeout=10).found
+
+
+def test_control_lists_the_replicas_and_sums_their_stats(fleet: Fleet) -> None:
+    for seed in range(4):
+        tokens(fleet.stub, greedy_ids(prompt_ids(100 + seed), 4, model="llama"))
+    replicas = fleet.replicas()
+    assert {a: (r.model, r.state) for a, r in replicas.items()} == {
+        fleet.llamas[0].address: ("llama", "serving"),
+        fleet.llamas[1].address: ("llama", "serving"),
+        fleet.qwen.address: ("qwen", "serving"),
+    }
+    assert all(replicas[c.address].requests >= 2 and replicas[c.address].ttft_ewma_s > 0 for c in fleet.llamas)
+    direct = [pb_grpc.ControlStub(c.channel).GetStats(pb.GetStatsRequest(), timeout=5) for c in fleet.llamas]
+    summed = fleet.control.GetStats(pb.GetStatsRequest(model="llama"), timeout=5)
+    assert summed.total_blocks == sum(s.total_blocks for s in direct)
+    assert summed.prefix_cache_queries == sum(s.prefix_cache_queries for s in direct)
+    every = fleet.control.GetStats(pb.GetStatsRequest(), timeout=5)
+    qwen = pb_grpc.ControlStub(fleet.qwen.channel).GetStats(pb.GetStatsRequest(), timeout=5)
+    assert every.total_blocks == summed.total_blocks + qwen.total_blocks
+    for call, request, code in [
+        (fleet.control.GetStats, pb.GetStatsRequest(model="gpt-5"), grpc.StatusCode.NOT_FOUND),
+        (fleet.control.ListWorkers, pb.ListWorkersRequest(), grpc.StatusCode.UNIMPLEMENTED),
+    ]:
+        with pytest.raises(grpc.RpcError) as exc:
+            call(request, timeout=5)
+        assert exc.value.code() == code
+
+
+def test_health_needs_a_serving_replica_of_every_model(fleet: Fleet) -> None:
+    ghost = f"127.0.0.1:{free_port()},model=ghost"  # nothing listens there
+    replicas = [f"{c.address},model=llama" for c in fleet.llamas] + [ghost]
+    router = RouterProcess(replicas, PROBE)
+    try:
+        wait_for(lambda: health_status(router.channel) == NOT_SERVING, 30, "the router answers NOT_SERVING")
+        control = pb_grpc.ControlStub(router.channel)
+        wait_for(
+            lambda: (
+                [r.state for r in control.ListReplicas(pb.ListReplicasRequest(), timeout=5).replicas]
+                == ["serving", "serving", "down"]
+            ),
+            10,
+            "the llamas serving, the ghost down",
+        )
+        assert health_status(router.channel) == NOT_SERVING
+        assert tokens(pb_grpc.GenerationStub(router.channel), greedy_ids(prompt_ids(0), 4))  # llama still routes
+        with pytest.raises(grpc.RpcError) as exc:
+            tokens(pb_grpc.GenerationStub(router.channel), greedy_ids(prompt_ids(0), 4, model="ghost"))
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "model 'ghost': no replica is serving" in exc.value.details()
+    finally:
+        assert router.stop() == 0
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """A sample's value from the Prometheus text, 0 when absent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    return 0.0
+
+
+def test_kill_9_of_a_replica_under_load(fleet: Fleet) -> None:
+    """Requests waiting on the killed replica (no token yet) finish on the other with the right tokens; those it
+    was running end with UNAVAILABLE naming it; nothing hangs; the replica leaves, and returns once restarted."""
+    victim, survivor = fleet.llamas
+    max_tokens = 300
+    prompts = [prompt_ids(200 + i) for i in range(8)]
+    expected = [r.tokens for r in Streams(pb_grpc.GenerationStub(survivor.channel),
+                                          [greedy_ids(p, max_tokens) for p in prompts]).join(120)]  # fmt: skip
+    retries_before = metric(fleet.metrics_url, "minivllm:router_retries_total", model="llama")
+    streams = Streams(fleet.stub, [greedy_ids(p, max_tokens, model="llama") for p in prompts], timeout=120)
+    # Round robin: 4 on each replica, 2 running and 2 waiting on each (--max-num-seqs 2).
+    wait_for(lambda: sum(bool(r.tokens) for r in streams.results) >= 4, 60, "both replicas stream")
+    victim.scheduler.kill()
+    started = [bool(r.tokens) for r in streams.results]
+    results = streams.join(120)
+    for i, (r, had_tokens) in enumerate(zip(results, started)):
+        if r.code is None:
+            assert r.finish_reason == "length" and r.tokens == expected[i], i  # no duplicate or lost token
+        else:
+            assert had_tokens, f"request {i} had no token yet, so it should have been retried: {r.details}"
+            assert r.code == grpc.StatusCode.UNAVAILABLE and victim.address in r.details, (r.code, r.details)
+    assert any(r.code == grpc.StatusCode.UNAVAILABLE for r in results), "the victim ran none of them"
+    assert all(r.code is None for r, had in zip(results, started) if not had)
+    assert metric(fleet.metrics_url, "minivllm:router_retries_total", model="llama") > retries_before
+    wait_for(lambda: fleet.replicas()[victim.address].state in ("down", "not_serving"), 5, "the victim leaves")
+    assert health_status(fleet.router.channel) == SERVING  # a llama replica is left
+    assert metric(fleet.metrics_url, "minivllm:router_replica_healthy", replica=victim.address) == 0
+    assert tokens(fleet.stub, greedy_ids(prompts[0], 8, model="llama")) == expected[0][:8]
+
+    victim.kill()  # its worker, too
+    fleet.llamas[0] = Cluster(fleet.llama_dir, LLAMA, TINY_WORKER, port=victim.port)  # the same address again
+    fleet.spawned.append(fleet.llamas[0])
+    fleet.llamas[0].wait_serving()
+    wait_for(lambda: fleet.replicas()[victim.address].state == "serving", 10, "the replica comes back")
+    before = fleet.replicas()[victim.address].requests
+    for seed in range(4):
+        tokens(fleet.stub, greedy_ids(prompt_ids(seed), 4, model="llama"))
+    assert fleet.replicas()[victim.address].requests > before
