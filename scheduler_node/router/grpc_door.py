@@ -51,6 +51,7 @@ class RouterGeneration(pb_grpc.GenerationServicer):
                 yield response
         except UpstreamError as exc:
             model = route_request.model or self.forwarder.router.default_model
+            model = model if model in self.pool.models else "(unknown)"  # labels only from the config
             self.forwarder.metrics.errors.labels(model, exc.code.name).inc()
             await context.abort(exc.code, exc.details)
         finally:

@@ -43,7 +43,11 @@ class Prober:
 
     async def _watch(self, replica: Replica) -> None:
         while True:
-            await self.probe(replica)
+            try:
+                await self.probe(replica)
+            except Exception as exc:  # whatever went wrong, keep probing this replica (and the others)
+                logger.exception("probing %s failed", replica.address)
+                self.pool.set_state(replica, DOWN, repr(exc))
             self.metrics.healthy.labels(replica.model, replica.address).set(1 if replica.state == SERVING else 0)
             await asyncio.sleep(self.interval)
 
