@@ -1,8 +1,9 @@
 """vllm-router in front of real schedulers: two replicas of a tiny Llama (`llama`) and one tiny Qwen2 (`qwen`).
 
 Routing by model, greedy outputs through the router equal to a replica's own, NOT_FOUND for other models at the
-router and at a scheduler, Abort fanned out, Control (ListReplicas, summed GetStats), health per model, metrics,
-and `kill -9` of one replica under load (the last test: it kills a replica of the shared fleet).
+router and at a scheduler, Abort fanned out, Control (ListReplicas, summed GetStats, Drain), health per model,
+metrics, TLS and the Control token, and `kill -9` of one replica under load (the last test: it kills a replica
+of the shared fleet).
 """
 
 from __future__ import annotations
@@ -129,6 +130,10 @@ def test_control_lists_the_replicas_and_sums_their_stats(fleet: Fleet) -> None:
     every = fleet.control.GetStats(pb.GetStatsRequest(), timeout=5)
     qwen = pb_grpc.ControlStub(fleet.qwen.channel).GetStats(pb.GetStatsRequest(), timeout=5)
     assert every.total_blocks == summed.total_blocks + qwen.total_blocks
+    for c in fleet.llamas:
+        assert metric(fleet.metrics_url, "minivllm:router_requests_total", replica=c.address) >= 2
+        assert metric(fleet.metrics_url, "minivllm:router_replica_healthy", replica=c.address) == 1
+    assert metric(fleet.metrics_url, "minivllm:router_decisions_total", strategy="round_robin", decision="next") >= 4
     for call, request, code in [
         (fleet.control.GetStats, pb.GetStatsRequest(model="gpt-5"), grpc.StatusCode.NOT_FOUND),
         (fleet.control.ListWorkers, pb.ListWorkersRequest(), grpc.StatusCode.UNIMPLEMENTED),
@@ -154,11 +159,45 @@ def test_health_needs_a_serving_replica_of_every_model(fleet: Fleet) -> None:
             "the llamas serving, the ghost down",
         )
         assert health_status(router.channel) == NOT_SERVING
-        assert tokens(pb_grpc.GenerationStub(router.channel), greedy_ids(prompt_ids(0), 4))  # llama still routes
+        stub = pb_grpc.GenerationStub(router.channel)
+        assert tokens(stub, greedy_ids(prompt_ids(0), 4))  # llama still routes
         with pytest.raises(grpc.RpcError) as exc:
-            tokens(pb_grpc.GenerationStub(router.channel), greedy_ids(prompt_ids(0), 4, model="ghost"))
+            tokens(stub, greedy_ids(prompt_ids(0), 4, model="ghost"))
         assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "model 'ghost': no replica is serving" in exc.value.details()
+        # Drain: the open stream finishes, new requests are refused, and the answer says so.
+        streams = Streams(stub, [greedy_ids(prompt_ids(1), 200)])
+        streams.wait_all_started()
+        drained = control.Drain(pb.DrainRequest(timeout_s=60), timeout=90)
+        assert (drained.drained, drained.remaining) == (True, 0)
+        (result,) = streams.join(10)
+        assert result.finish_reason == "length" and len(result.tokens) == 200
+        with pytest.raises(grpc.RpcError) as exc:
+            tokens(stub, greedy_ids(prompt_ids(0), 4))
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in exc.value.details()
+    finally:
+        assert router.stop() == 0
+
+
+def test_router_serves_tls_and_guards_control_with_a_token(fleet: Fleet, tls_files: tuple[Path, Path]) -> None:
+    cert, key = tls_files
+    args = ["--tls-cert", str(cert), "--tls-key", str(key), "--control-token", "s3cret", *PROBE]
+    router = RouterProcess([f"{fleet.llamas[1].address},model=llama"], args)
+    router.channel.close()
+    router.channel = grpc.secure_channel(router.address, grpc.ssl_channel_credentials(cert.read_bytes()))
+    try:
+        router.wait_serving(30)
+        assert tokens(pb_grpc.GenerationStub(router.channel), greedy_ids(prompt_ids(0), 4))
+        with grpc.insecure_channel(router.address) as plain:
+            assert health_status(plain) == -1  # a plaintext client gets no answer
+        control = pb_grpc.ControlStub(router.channel)
+        with pytest.raises(grpc.RpcError) as exc:
+            control.ListReplicas(pb.ListReplicasRequest(), timeout=5)
+        assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        listed = control.ListReplicas(
+            pb.ListReplicasRequest(), timeout=5, metadata=[("authorization", "Bearer s3cret")]
+        )
+        assert [r.address for r in listed.replicas] == [fleet.llamas[1].address]
     finally:
         assert router.stop() == 0
 
