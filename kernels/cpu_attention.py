@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.backend import DecodeAttention
+from kernels.interface import DecodeAttention
 from proto.model_cache import cache_dir
 
 logger = logging.getLogger(__name__)

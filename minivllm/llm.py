@@ -35,6 +35,9 @@ from scheduler_node.text.tokenizer import ModelTokenizer
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+# inprocess: the worker runs in this process (a world of one); processes: one vllm-worker process per rank, over
+# ZeroMQ on loopback (any world); auto: inprocess for a world of one, else processes.
+WORKER_BACKENDS = ("auto", "inprocess", "processes")
 Prompt = str | Sequence[int]
 Message = dict[str, str]
 
@@ -64,9 +67,19 @@ class LLM:
         preemption_mode: str = "elastic",
         scheduling_policy: str = "fcfs",
         async_scheduling: bool = True,
+        worker_backend: str = "auto",
         worker_join_timeout: float = 600.0,
     ) -> None:
         from worker_node.loading import WorkerOptions  # torch: only where the workers live
+
+        if worker_backend not in WORKER_BACKENDS:
+            raise ValueError(f"worker_backend: must be one of {WORKER_BACKENDS}, got {worker_backend!r}")
+        world = tensor_parallel_size * pipeline_parallel_size
+        if worker_backend == "inprocess" and world > 1:
+            raise ValueError(f"worker_backend: 'inprocess' runs a world of one; this one has {world} ranks")
+        self.worker_backend = (
+            ("inprocess" if world == 1 else "processes") if worker_backend == "auto" else worker_backend
+        )
 
         memory = parse_size(kv_cache_memory) if isinstance(kv_cache_memory, str) else kv_cache_memory
         self.options = WorkerOptions(
@@ -192,7 +205,7 @@ class LLM:
         layout = self.config.layout
         placement = place(single_island(layout.world_size), layout, worker_chooses_device=True)
         world = WorldPlan(self.config, self.folder, placement)
-        if layout.world_size == 1:
+        if self.worker_backend == "inprocess":
             from worker_node.inprocess import InProcessWorkers
 
             workers: Any = InProcessWorkers(self.options)

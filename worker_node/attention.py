@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from kernels.backend import AttentionBackend
+from kernels.interface import AttentionBackend
 
 
 @dataclass(slots=True)

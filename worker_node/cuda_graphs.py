@@ -16,15 +16,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
 from worker_node.attention import AttentionMetadata
 from worker_node.kv_cache import KVCache
-
-if TYPE_CHECKING:
-    from worker_node.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -139,30 +135,3 @@ class DecodeGraphs:
             self.graphs[size].replay()
             return self.outputs[size][:n]
         return self.model(*self._args(size))[:n]  # capture=False: the same padded buffers, eagerly
-
-
-def enable_decode_graphs(runner: ModelRunner, sizes_text: str, backend_name: str, max_model_len: int) -> None:
-    """Capture decode graphs for `runner` when asked and safe (CUDA, Triton, TP 1); else leave it eager."""
-    sizes = parse_sizes(sizes_text)
-    if not sizes or runner.device.type != "cuda":
-        return
-    where = runner.comm.where
-    if where.tp_size > 1 or backend_name != "triton":
-        logger.warning(
-            "CUDA graphs need TP 1 and the triton backend (TP %d, %s): running eagerly", where.tp_size, backend_name
-        )
-        return
-    num_blocks = runner.kv_cache[0][0].shape[0]
-    max_blocks = min(num_blocks, -(-max_model_len // runner.block_size))
-    config = runner.model.config
-    runner.graphs = DecodeGraphs(
-        runner.model,
-        runner.kv_cache,
-        sizes,
-        max_blocks,
-        config.hidden_size,
-        runner.dtype,
-        runner.device,
-        takes_hidden=not where.is_first_stage,
-    )
-    runner.graphs.capture()

@@ -14,7 +14,7 @@ import torch
 
 from kernels.backend import select_attention_backend
 from proto.wire import Assignment, WorkerReady
-from worker_node.cuda_graphs import enable_decode_graphs
+from worker_node.cuda_graphs import DecodeGraphs, parse_sizes
 from worker_node.kv_cache import (
     allocate_host_cache,
     allocate_kv_cache,
@@ -106,3 +106,30 @@ def load_rank(
     enable_decode_graphs(runner, options.cuda_graph_sizes, backend.name, full.max_model_len)
     bandwidth = measure_swap_bandwidth(cache, host, block_bytes)
     return runner, WorkerReady(a.rank, num_blocks, num_blocks * block_bytes, swap_blocks, bandwidth)
+
+
+def enable_decode_graphs(runner: ModelRunner, sizes_text: str, backend_name: str, max_model_len: int) -> None:
+    """Capture decode graphs for `runner` when asked and safe (CUDA, Triton, TP 1); else leave it eager."""
+    sizes = parse_sizes(sizes_text)
+    if not sizes or runner.device.type != "cuda":
+        return
+    where = runner.comm.where
+    if where.tp_size > 1 or backend_name != "triton":
+        logger.warning(
+            "CUDA graphs need TP 1 and the triton backend (TP %d, %s): running eagerly", where.tp_size, backend_name
+        )
+        return
+    num_blocks = runner.kv_cache[0][0].shape[0]
+    max_blocks = min(num_blocks, -(-max_model_len // runner.block_size))
+    config = runner.model.config
+    runner.graphs = DecodeGraphs(
+        runner.model,
+        runner.kv_cache,
+        sizes,
+        max_blocks,
+        config.hidden_size,
+        runner.dtype,
+        runner.device,
+        takes_hidden=not where.is_first_stage,
+    )
+    runner.graphs.capture()

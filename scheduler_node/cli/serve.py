@@ -19,8 +19,9 @@ from scheduler_node.cli.operations import TOKEN_ENV
 from scheduler_node.cli.router import add_routing_flags
 from scheduler_node.cli.scheduler import add_scheduler_flags, resolve_parallel
 from scheduler_node.engine.data_parallel import ReplicaPlan, plan_replicas
-from scheduler_node.engine.launchers import add_launcher_flags, make_launcher, terminate
+from scheduler_node.engine.launchers import add_launcher_flags, make_launcher
 from scheduler_node.engine.model_path import served_name
+from scheduler_node.engine.processes import terminate
 from scheduler_node.engine.topology import load_topology
 
 logger = logging.getLogger("vllm-serve")

@@ -249,14 +249,22 @@ class Scheduler:
         return max(self.policy.effective_priority(r, now) for r in pending) - self.policy.preemption_margin
 
     def _admit(self, budget: int, seats: int, floor: float, plan: StepPlan, now: float) -> None:
-        for req in self.policy.order_waiting(self.waiting, now):
+        """Start waiting requests in policy order while budget, seats and blocks last. Forks (n > 1) that wait
+        while holding their parent's prompt blocks go first: left waiting, they would keep those blocks from a
+        request that needs the whole cache, which would then preempt itself over and over."""
+        ordered = self.policy.order_waiting(self.waiting, now)
+        holders = [r for r in ordered if not r.swapped and self.blocks.blocks_of(r.req_id)]
+        for req in holders + [r for r in ordered if r not in holders]:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs or len(plan.num_scheduled_tokens) >= seats:
                 break
-            if self.policy.effective_priority(req, now) < floor:
+            holds_blocks = req in holders
+            if self.policy.effective_priority(req, now) < floor and not holds_blocks:
                 break  # waiting is in policy order: the rest rank lower still
             if self.in_flight.held(req.req_id):
                 continue  # preempted while its plan runs: it comes back once that result is applied
             if not self._claim_blocks(req, budget):
+                if holds_blocks:
+                    continue
                 break  # strict order: a big request at the head is not overtaken forever
             self.waiting.remove(req)
             self.running.append(req)
@@ -264,6 +272,17 @@ class Scheduler:
             n = min(self._tokens_to_schedule(req), budget)
             self._take(req, n, plan)
             budget -= n
+        if holders and not self.running:
+            self._release_blocks(holders[-1])
+
+    def _release_blocks(self, req: Request) -> None:
+        """Nothing runs, and forks waiting on shared blocks cannot start (each needs a free block to copy the
+        shared last block, and they hold the whole cache): the least valued one lets go of its blocks and will
+        compute its prompt again (from the prefix cache where it can); the others then write in place."""
+        logger.info("%s releases its shared blocks: nothing runs and no fork can start", req.req_id)
+        self.blocks.free(req.req_id)
+        req.num_computed_tokens = 0
+        self.counters.preemptions_recompute += 1
 
     def _claim_blocks(self, req: Request, budget: int) -> bool:
         """Take the blocks a waiting request needs to start (see `_blocks_to_start`); False if they are short."""

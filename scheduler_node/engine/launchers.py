@@ -13,6 +13,7 @@ import time
 from typing import Protocol
 
 from proto.parallel import ParallelLayout
+from scheduler_node.engine.processes import Restarts, terminate
 
 logger = logging.getLogger(__name__)
 
@@ -62,29 +63,6 @@ def make_launcher(args: argparse.Namespace, layout: ParallelLayout, env: dict[st
     return LocalLauncher(layout.world_size, env)
 
 
-class Restarts:
-    """When to start a dead worker again: at once, then after a growing pause while it keeps exiting right after
-    its start (up to 30 s)."""
-
-    def __init__(self) -> None:
-        self.started = time.monotonic()
-        self.failures = 0
-        self.restart_at = 0.0
-
-    def due(self, what: str) -> bool:
-        """`what` was found dead: is it time to start its replacement?"""
-        now = time.monotonic()
-        if not self.restart_at:
-            self.failures = self.failures + 1 if now - self.started < 30 else 0
-            self.restart_at = now + (min(30.0, 2.0 ** (self.failures - 1)) if self.failures > 1 else 0.0)
-            logger.warning("%s; a replacement starts in %.0f s", what, self.restart_at - now)
-        if now < self.restart_at:
-            return False
-        self.restart_at = 0.0
-        self.started = now
-        return True
-
-
 class LocalLauncher:
     """Each rank a child process of vllm-serve, in its own session (a terminal's Ctrl-C reaches only vllm-serve)."""
 
@@ -119,18 +97,3 @@ class LocalLauncher:
             except subprocess.TimeoutExpired:
                 break
         terminate(self.procs)
-
-
-def terminate(procs: list[subprocess.Popen], timeout: float = 15.0) -> None:
-    """SIGTERM what still runs, SIGKILL what is still there after `timeout` seconds."""
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            logger.warning("pid %d did not stop in time; killing it", p.pid)
-            p.kill()
-            p.wait()

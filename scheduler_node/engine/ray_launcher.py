@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from proto.parallel import ParallelLayout
-from scheduler_node.engine.launchers import Restarts
+from scheduler_node.engine.processes import Restarts
 
 logger = logging.getLogger(__name__)
 

@@ -25,10 +25,18 @@ class _Held:
 
 
 class StandInWorkers:
-    def __init__(self, num_kv_blocks: int, num_swap_blocks: int = 0, token: int = 7, tokens_in_plan: bool = False):
+    def __init__(
+        self,
+        num_kv_blocks: int,
+        num_swap_blocks: int = 0,
+        token: int = 7,
+        tokens_in_plan: bool = False,
+        block_size: int = 16,
+    ) -> None:
         self._capacity = WorldCapacity(num_kv_blocks, num_swap_blocks, 1, 1e12)
         self.token = token
         self.tokens_in_plan = tokens_in_plan
+        self.block_size = block_size
         self.lost = asyncio.Event()
         self.changed = asyncio.Event()
         self.held: dict[str, _Held] = {}
@@ -67,7 +75,9 @@ class StandInWorkers:
             future.set_exception(StepFailed(f"stand-in could not run step {plan.step_id}: {exc}"))
         return future
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, skip: bool = False) -> StepResult:
+        """Apply the plan's diffs, then compute it unless `skip` (an interrupted plan: diffs only, as a worker
+        does; its progress is not checked, since the plans before it may have been skipped too)."""
         for req_id in plan.finished_req_ids + plan.preempted_req_ids:
             self.held.pop(req_id, None)
         for new in plan.new_requests:
@@ -78,7 +88,7 @@ class StandInWorkers:
             held = self.held.get(cached.req_id)
             if held is None:
                 raise ValueError(f"{cached.req_id}: not held")
-            if held.num_computed != cached.num_computed_tokens:
+            if not skip and held.num_computed != cached.num_computed_tokens:
                 raise ValueError(
                     f"{cached.req_id}: holds {held.num_computed} computed, plan says {cached.num_computed_tokens}"
                 )
@@ -86,6 +96,8 @@ class StandInWorkers:
             held.num_blocks += len(cached.new_block_ids)
             held.num_tokens += len(cached.new_token_ids)
         sampled: dict[str, list[int]] = {}
+        if skip:
+            return StepResult(plan.step_id, sampled, interrupted=True)
         for req_id, n in plan.num_scheduled_tokens.items():
             held = self.held.get(req_id)
             if held is None:
@@ -93,6 +105,8 @@ class StandInWorkers:
             held.num_computed += n
             if held.num_computed > held.num_tokens:
                 raise ValueError(f"{req_id}: computes {held.num_computed} of {held.num_tokens} tokens")
+            if held.num_computed > held.num_blocks * self.block_size:
+                raise ValueError(f"{req_id}: {held.num_computed} tokens in {held.num_blocks} blocks")
             if held.num_computed == held.num_tokens:
                 sampled[req_id] = [self.token]
                 if not self.tokens_in_plan:

@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.backend import AttentionBackend  # noqa: E402
+from kernels.interface import AttentionBackend  # noqa: E402
 from tests.engine import generate, load_runner  # noqa: E402
 from tests.models import assert_teacher_forced, load_hf  # noqa: E402
 

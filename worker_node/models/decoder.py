@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kernels.backend import AttentionBackend
+from kernels.interface import AttentionBackend
 from worker_node.attention import AttentionMetadata
 from worker_node.models.config import ModelConfig
 from worker_node.models.layers import ParallelLMHead, RMSNorm, RopeAngles, Rotary, VocabParallelEmbedding

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from kernels.backend import AttentionBackend
+from kernels.interface import AttentionBackend
 from worker_node.attention import AttentionMetadata
 from worker_node.models.config import ModelConfig
 from worker_node.models.decoder import CausalLM, DecoderLayer, KVPair

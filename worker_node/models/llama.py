@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.backend import AttentionBackend
+from kernels.interface import AttentionBackend
 from worker_node.attention import AttentionMetadata
 from worker_node.models.config import ModelConfig
 from worker_node.models.decoder import CausalLM, DecoderLayer, KVPair

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 from safetensors import safe_open
 
-from kernels.backend import AttentionBackend
+from kernels.interface import AttentionBackend
 from proto.checkpoints import GGUF, weight_files
 from proto.parallel import kv_head_range, shard, vocab_shard
 from worker_node.models.config import ModelConfig

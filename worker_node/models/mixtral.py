@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.backend import AttentionBackend
+from kernels.interface import AttentionBackend
 from worker_node.attention import AttentionMetadata
 from worker_node.models.config import ModelConfig
 from worker_node.models.decoder import CausalLM, DecoderLayer, KVPair
