@@ -114,8 +114,11 @@ def drive(channel: grpc.Channel, prompts: list[str], workload: Workload) -> list
     return ttfts
 
 
-def measure(setup: str, strategy: str, replicas: list[Cluster], workload: Workload, seed: int) -> dict:
-    router = RouterProcess([f"{c.address},model={NAME}" for c in replicas], ["--routing-strategy", strategy])
+def measure(
+    setup: str, strategy: str, replicas: list[Cluster], workload: Workload, seed: int, load_factor: float = 1.25
+) -> dict:
+    flags = ["--routing-strategy", strategy, "--routing-load-factor", str(load_factor)]
+    router = RouterProcess([f"{c.address},model={NAME}" for c in replicas], flags)
     try:
         router.wait_serving(60)
         channels = [c.channel for c in replicas]
@@ -130,7 +133,7 @@ def measure(setup: str, strategy: str, replicas: list[Cluster], workload: Worklo
     ordered = sorted(ttfts)
     return {
         "setup": setup,
-        "strategy": strategy,
+        "strategy": strategy if strategy != "prefix" else f"prefix, load factor {load_factor:g}",
         "requests": len(ttfts),
         "hit_rate": hits / queries if queries else 0.0,
         "ttft_mean": statistics.mean(ttfts),
@@ -169,14 +172,20 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default", help="HF folder or 'default' (SmolLM2-135M-Instruct)")
     p.add_argument("--smoke", action="store_true", help="a small workload (CI): 8 system prompts x 4 users")
-    p.add_argument("--system-prompts", type=int, default=16)
-    p.add_argument("--users", type=int, default=8, help="requests per system prompt")
-    p.add_argument("--system-words", type=int, default=160, help="words of each system prompt")
+    p.add_argument("--system-prompts", type=int, default=32)
+    p.add_argument("--users", type=int, default=5, help="requests per system prompt")
+    p.add_argument("--system-words", type=int, default=100, help="words of each system prompt")
     p.add_argument("--user-words", type=int, default=12)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--clients", type=int, default=8, help="closed-loop clients")
     p.add_argument(
         "--cache-share", type=float, default=0.6, help="a replica's KV blocks / the blocks of all system prompts"
+    )
+    p.add_argument(
+        "--load-factors",
+        type=lambda text: [float(x) for x in text.split(",")],
+        default=[1.25],
+        help="prefix: one run per --routing-load-factor (comma-separated)",
     )
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path, help="also write bar charts here (PNG, needs matplotlib)")
@@ -199,8 +208,9 @@ def main() -> int:
             c.wait_serving()
         warm_up([*pair, single], workload)
         rows = [measure("1 replica, 2x KV", "round_robin", [single], workload, seed=1)]
-        for seed, strategy in enumerate(("round_robin", "least_loaded", "prefix"), start=2):
-            rows.append(measure("2 replicas", strategy, pair, workload, seed))
+        runs = [("round_robin", 1.25), ("least_loaded", 1.25)] + [("prefix", f) for f in args.load_factors]
+        for seed, (strategy, factor) in enumerate(runs, start=2):
+            rows.append(measure("2 replicas", strategy, pair, workload, seed, factor))
     finally:
         for c in [*pair, single]:
             c.stop()

@@ -17,6 +17,17 @@ from scheduler_node.cli.client import wait_ready
 from tests.ops import Streams, alive, child_pids, greedy_ids, prompt_ids, wait_for
 
 
+def assert_stops_with_its_children(serve: subprocess.Popen, sig: int, expected_children: int) -> None:
+    children = child_pids(serve.pid)
+    assert len(children) == expected_children, children
+    serve.send_signal(sig)
+    assert serve.wait(60) == 0
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in children if alive(pid)], "children outlived vllm-serve"
+
+
 def test_serve_runs_and_stops_all_children_on_sigterm(tiny_llama_dir: Path, tmp_path: Path) -> None:
     port, worker_port = free_port(), free_port()
     config = tmp_path / "serve.yaml"
@@ -31,14 +42,7 @@ def test_serve_runs_and_stops_all_children_on_sigterm(tiny_llama_dir: Path, tmp_
             request = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=5, temperature=0))
             deltas = list(stub.Generate(request, timeout=60))
             assert deltas[-1].usage.completion_tokens == 5
-        children = child_pids(serve.pid)
-        assert len(children) == 2, children  # the scheduler and one worker
-        serve.send_signal(signal.SIGTERM)
-        assert serve.wait(30) == 0
-        deadline = time.monotonic() + 10
-        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [pid for pid in children if alive(pid)], "children outlived vllm-serve"
+        assert_stops_with_its_children(serve, signal.SIGTERM, 2)  # the scheduler and one worker
     finally:
         if serve.poll() is None:
             serve.kill()
@@ -65,14 +69,7 @@ def test_serve_data_parallel_replicas_behind_a_router_balance_and_stop_on_ctrl_c
             assert all(r.finish_reason == "length" and len(r.tokens) == 16 for r in results)
             counts = [r.requests for r in replicas()]
             assert sum(counts) == 40 and all(abs(c - 20) <= 0.2 * 20 for c in counts), counts  # within 20 %
-        children = child_pids(serve.pid)
-        assert len(children) == 5, children  # the router, two schedulers, a worker each
-        serve.send_signal(signal.SIGINT)
-        assert serve.wait(60) == 0
-        deadline = time.monotonic() + 10
-        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [pid for pid in children if alive(pid)], "children outlived vllm-serve"
+        assert_stops_with_its_children(serve, signal.SIGINT, 5)  # the router, two schedulers, a worker each
     finally:
         if serve.poll() is None:
             serve.kill()

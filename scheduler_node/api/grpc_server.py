@@ -132,13 +132,7 @@ class ControlService(pb_grpc.ControlServicer):
         self, request: pb.DrainRequest, context: grpc.aio.ServicerContext
     ) -> pb.DrainResponse:
         engine = await self._engine(context)
-        if not math.isfinite(request.timeout_s) or request.timeout_s < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s: must be >= 0, got {request.timeout_s}")
-        timeout: float | None = request.timeout_s or None
-        left = context.time_remaining()
-        if left is not None:  # answer before the caller's own deadline cuts the call
-            timeout = min(timeout or left, max(0.0, left - 0.25))
-        remaining = await engine.drain(timeout)
+        remaining = await engine.drain(await drain_timeout(request, context))
         return pb.DrainResponse(drained=remaining == 0, remaining=remaining)
 
     async def GetStats(  # noqa: N802
@@ -167,6 +161,17 @@ class ControlService(pb_grpc.ControlServicer):
             blocks_moved=moved,
             seconds=time.perf_counter() - start,
         )
+
+
+async def drain_timeout(request: pb.DrainRequest, context: grpc.aio.ServicerContext) -> float | None:
+    """How long a Drain may wait: its timeout_s (0: no limit), cut to answer before the caller's own deadline."""
+    if not math.isfinite(request.timeout_s) or request.timeout_s < 0:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s: must be >= 0, got {request.timeout_s}")
+    timeout: float | None = request.timeout_s or None
+    left = context.time_remaining()
+    if left is not None:
+        timeout = min(timeout or left, max(0.0, left - 0.25))
+    return timeout
 
 
 def _response(request_id: str, d: Delta) -> pb.GenerateResponse:

@@ -6,14 +6,13 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 
 from proto.cli_config import add_config_flag, parse_args
 from scheduler_node.api.grpc_server import build_server
 from scheduler_node.api.health import set_serving
 from scheduler_node.api.security import server_credentials
-from scheduler_node.cli.operations import TOKEN_ENV
+from scheduler_node.cli.operations import TOKEN_ENV, stop_signals
 from scheduler_node.router.control import RouterControl
 from scheduler_node.router.grpc_door import RouterGeneration
 from scheduler_node.router.metrics import RouterMetrics
@@ -146,14 +145,7 @@ async def serve(args: argparse.Namespace) -> int:
         router.strategy_name,
         ", ".join(f"{r.model}@{r.address}" + (f" x{r.weight:g}" if r.weight != 1 else "") for r in pool.replicas),
     )
-    stop, hurry = asyncio.Event(), asyncio.Event()  # the first signal drains, a second ends the drain
-
-    def on_signal() -> None:
-        (hurry if stop.is_set() else stop).set()
-
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
+    stop, hurry = stop_signals()  # the first signal drains, a second ends the drain
     await stop.wait()
     tasks += [asyncio.ensure_future(generation.drain(args.drain_timeout or None)), asyncio.ensure_future(hurry.wait())]
     await asyncio.wait(tasks[-2:], return_when=asyncio.FIRST_COMPLETED)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
 
 from proto.cli_config import add_config_flag, parse_args
@@ -14,7 +13,7 @@ from proto.parallel import ParallelLayout
 from scheduler_node.api.grpc_server import GenerationService, build_server
 from scheduler_node.api.health import report_health, set_serving
 from scheduler_node.api.security import server_credentials
-from scheduler_node.cli.operations import add_operations_flags, check_operations_flags
+from scheduler_node.cli.operations import add_operations_flags, check_operations_flags, stop_signals
 from scheduler_node.core.config import PREEMPTION_MODES, SchedulerConfig
 from scheduler_node.core.policy import POLICIES
 from scheduler_node.engine.builder import EngineConfig, WorldPlan, check_model_split, make_engine
@@ -272,14 +271,7 @@ async def serve(args: argparse.Namespace) -> int:
     link.claim = world.claim
     link.output_rank = layout.output_rank
 
-    stop, hurry = asyncio.Event(), asyncio.Event()  # the first signal drains, a second ends the drain
-
-    def on_signal() -> None:
-        (hurry if stop.is_set() else stop).set()
-
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
+    stop, hurry = stop_signals()  # the first signal drains, a second ends the drain
     gather = asyncio.ensure_future(link.start(world.assignment, args.worker_join_timeout))
     stopper = asyncio.ensure_future(stop.wait())
     await asyncio.wait({gather, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -293,7 +285,7 @@ async def serve(args: argparse.Namespace) -> int:
         await _shutdown(server, link, "the world did not assemble in time")  # the joined workers leave too
         raise
     engine = make_engine(config, folder, tokenizer, link, capacity, metrics)
-    metrics.bind(engine.live_metrics, loop)
+    metrics.bind(engine.live_metrics, asyncio.get_running_loop())
     service.engine = engine
     engine_task = asyncio.ensure_future(engine.run())
     health_task = asyncio.ensure_future(report_health(engine, health))

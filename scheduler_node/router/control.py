@@ -5,13 +5,13 @@ ResizeCache belong to one scheduler: ask the replica, whose address ListReplicas
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Sequence
 
 import grpc
 
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
+from scheduler_node.api.grpc_server import drain_timeout
 from scheduler_node.router.grpc_door import RouterGeneration
 from scheduler_node.router.replica import DOWN
 
@@ -85,13 +85,7 @@ class RouterControl(pb_grpc.ControlServicer):
     async def Drain(  # noqa: N802
         self, request: pb.DrainRequest, context: grpc.aio.ServicerContext
     ) -> pb.DrainResponse:
-        if not math.isfinite(request.timeout_s) or request.timeout_s < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s: must be >= 0, got {request.timeout_s}")
-        timeout: float | None = request.timeout_s or None
-        left = context.time_remaining()
-        if left is not None:  # answer before the caller's own deadline cuts the call
-            timeout = min(timeout or left, max(0.0, left - 0.25))
-        remaining = await self.generation.drain(timeout)
+        remaining = await self.generation.drain(await drain_timeout(request, context))
         return pb.DrainResponse(drained=remaining == 0, remaining=remaining)
 
     async def ListWorkers(  # noqa: N802

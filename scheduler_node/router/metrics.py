@@ -3,15 +3,12 @@ strategy, retries, request errors by status, and each replica's health and open 
 
 from __future__ import annotations
 
-import logging
-from typing import Any
+from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector, start_http_server
-
-logger = logging.getLogger(__name__)
+from scheduler_node.engine.metrics import Exporter
 
 
-class RouterMetrics:
+class RouterMetrics(Exporter):
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -40,17 +37,6 @@ class RouterMetrics:
             registry=r,
         )  # fmt: skip
         ProcessCollector(registry=r)
-        self._server: Any = None
 
     def decided(self, strategy: str, decision: str) -> None:
         self.decisions.labels(strategy, decision).inc()
-
-    def serve(self, host: str, port: int) -> None:
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
-        logger.info("Prometheus metrics on http://%s:%d/metrics", host, port)
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
