@@ -32,6 +32,7 @@ import grpc  # noqa: E402
 from minivllm.cluster import Cluster, RouterProcess  # noqa: E402
 from proto import serving_pb2 as pb  # noqa: E402
 from proto import serving_pb2_grpc as pb_grpc  # noqa: E402
+from scheduler_node.router.strategies import DEFAULT_LOAD_FACTOR  # noqa: E402
 from scheduler_node.text.tokenizer import ModelTokenizer  # noqa: E402
 
 WORDS = (
@@ -115,7 +116,7 @@ def drive(channel: grpc.Channel, prompts: list[str], workload: Workload) -> list
 
 
 def measure(
-    setup: str, strategy: str, replicas: list[Cluster], workload: Workload, seed: int, load_factor: float = 1.25
+    setup: str, strategy: str, replicas: list[Cluster], workload: Workload, seed: int, load_factor: float
 ) -> dict:
     flags = ["--routing-strategy", strategy, "--routing-load-factor", str(load_factor)]
     router = RouterProcess([f"{c.address},model={NAME}" for c in replicas], flags)
@@ -184,8 +185,8 @@ def main() -> int:
     p.add_argument(
         "--load-factors",
         type=lambda text: [float(x) for x in text.split(",")],
-        default=[1.25],
-        help="prefix: one run per --routing-load-factor (comma-separated)",
+        default=[DEFAULT_LOAD_FACTOR],
+        help="prefix: one run per --routing-load-factor (comma-separated; default: the router's)",
     )
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path, help="also write bar charts here (PNG, needs matplotlib)")
@@ -207,8 +208,10 @@ def main() -> int:
         for c in [*pair, single]:
             c.wait_serving()
         warm_up([*pair, single], workload)
-        rows = [measure("1 replica, 2x KV", "round_robin", [single], workload, seed=1)]
-        runs = [("round_robin", 1.25), ("least_loaded", 1.25)] + [("prefix", f) for f in args.load_factors]
+        rows = [measure("1 replica, 2x KV", "round_robin", [single], workload, 1, DEFAULT_LOAD_FACTOR)]
+        runs = [("round_robin", DEFAULT_LOAD_FACTOR), ("least_loaded", DEFAULT_LOAD_FACTOR)] + [
+            ("prefix", f) for f in args.load_factors
+        ]
         for seed, (strategy, factor) in enumerate(runs, start=2):
             rows.append(measure("2 replicas", strategy, pair, workload, seed, factor))
     finally:

@@ -17,12 +17,20 @@ from scheduler_node.router.control import RouterControl
 from scheduler_node.router.grpc_door import RouterGeneration
 from scheduler_node.router.metrics import RouterMetrics
 from scheduler_node.router.probe import Prober, report_health
-from scheduler_node.router.replica import ReplicaPool, parse_replica
+from scheduler_node.router.replica import ReplicaPool, ReplicaSpec, parse_replica
 from scheduler_node.router.routing import Router
-from scheduler_node.router.strategies import STRATEGIES
+from scheduler_node.router.strategies import DEFAULT_LOAD_FACTOR, STRATEGIES
 from scheduler_node.router.upstream import Forwarder, open_links
 
 logger = logging.getLogger("vllm-router")
+
+
+def replica_flag(value: str | dict) -> ReplicaSpec:
+    """--replica's type: argparse shows an ArgumentTypeError's words (a ValueError's it hides)."""
+    try:
+        return parse_replica(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_routing_flags(p: argparse.ArgumentParser) -> None:
@@ -43,7 +51,7 @@ def add_routing_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--routing-load-factor",
         type=float,
-        default=1.25,
+        default=DEFAULT_LOAD_FACTOR,
         help="prefix: a replica takes a request only while its open streams stay within this multiple of its "
         "weighted share of all open streams; else the ring's next replica does",
     )
@@ -60,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=50050, help="gRPC port")
     p.add_argument(
         "--replica",
-        type=parse_replica,
+        type=replica_flag,
         action="append",
         default=[],
         metavar="HOST:PORT,model=NAME[,weight=W]",

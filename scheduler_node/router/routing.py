@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from scheduler_node.router.metrics import RouterMetrics
 from scheduler_node.router.replica import Replica, ReplicaPool
 from scheduler_node.router.request import RouteRequest
-from scheduler_node.router.strategies import LeastLoaded, Pick, Strategy, make_strategy
+from scheduler_node.router.strategies import DEFAULT_LOAD_FACTOR, LeastLoaded, Pick, Strategy, make_strategy
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class Router:
         strategy: str,
         default_model: str = "",
         prefix_chars: int = 256,
-        prefix_load_factor: float = 1.25,
+        prefix_load_factor: float = DEFAULT_LOAD_FACTOR,
         metrics: RouterMetrics | None = None,
     ) -> None:
         self.pool = pool
