@@ -8,6 +8,8 @@ of the shared fleet).
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,7 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from minivllm.cluster import Cluster, RouterProcess, free_port
+from minivllm.cluster import REPO, Cluster, RouterProcess, free_port
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from tests.ops import NOT_SERVING, SERVING, TINY_WORKER, Streams, greedy_ids, health_status, prompt_ids, wait_for
@@ -84,8 +86,12 @@ def test_routing_by_model_gives_each_models_own_greedy_tokens(fleet: Fleet) -> N
                 assert tokens(fleet.stub, greedy_ids(prompt_ids(seed), 12, model=model)) == expected[model], model
         assert tokens(fleet.stub, greedy_ids(prompt_ids(seed), 12)) == expected["llama"]  # the default model
     text = pb.GenerateRequest(prompt="The capital of France", sampling=pb.SamplingParams(max_tokens=8, temperature=0))
-    routed = "".join(d.text for d in fleet.stub.Generate(text, timeout=60))
-    assert routed == "".join(d.text for d in direct["llama"].Generate(text, timeout=60))
+    for model in ("llama", "qwen"):
+        expected_text = "".join(d.text for d in direct[model].Generate(text, timeout=60))
+        client = [sys.executable, "-m", "scheduler_node.cli.client", "--port", str(fleet.router.port), "--model",
+                  model, "--max-tokens", "8", "--temperature", "0", "The capital of France"]  # fmt: skip
+        out = subprocess.run(client, cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and out.stdout.startswith(expected_text), (out.stdout, out.stderr)
 
 
 def test_other_models_are_not_found_at_the_router_and_at_a_scheduler(fleet: Fleet) -> None:
