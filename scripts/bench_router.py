@@ -42,6 +42,7 @@ WORDS = (
     "way could people my than first water been call who oil its now find long down day did get come made may part"
 ).split()
 NAME = "m"  # the served model name of every replica
+SMOKE = {"system_prompts": 32, "users": 4, "clients": 4, "cache_share": 0.7}
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default", help="HF folder or 'default' (SmolLM2-135M-Instruct)")
-    p.add_argument("--smoke", action="store_true", help="a small workload (CI): 8 system prompts x 4 users")
+    p.add_argument("--smoke", action="store_true", help="a small workload (CI): 32 system prompts x 4 users, 4 clients")
     p.add_argument("--system-prompts", type=int, default=32)
     p.add_argument("--users", type=int, default=5, help="requests per system prompt")
     p.add_argument("--system-words", type=int, default=100, help="words of each system prompt")
@@ -191,8 +192,9 @@ def main() -> int:
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path, help="also write bar charts here (PNG, needs matplotlib)")
     args = p.parse_args()
-    if args.smoke:
-        args.system_prompts, args.users, args.clients = 8, 4, 4
+    if args.smoke:  # its own defaults; flags still win
+        p.set_defaults(**SMOKE)
+        args = p.parse_args()
     from scheduler_node.engine.model_path import resolve_model
 
     model = resolve_model(args.model)

@@ -21,6 +21,6 @@ def test_prefix_routing_keeps_the_hit_rate_of_one_cache(tiny_llama_dir: Path, tm
     round_robin = rows["2 replicas", "round_robin"]["hit_rate"]
     prefix = rows["2 replicas", "prefix, load factor 1.5"]
     assert prefix["hit_rate"] >= round_robin + 0.1, rows
-    assert prefix["hit_rate"] >= 0.75 * single, rows
-    assert sum(prefix["per_replica"]) == prefix["requests"] == 32 and min(prefix["per_replica"]) > 0
+    assert prefix["hit_rate"] >= 0.65 * single, rows
+    assert sum(prefix["per_replica"]) == prefix["requests"] == 128 and min(prefix["per_replica"]) > 0
     assert "| 2 replicas | prefix, load factor 1.5 |" in done.stdout
