@@ -1,11 +1,12 @@
 """Choosing the attention implementation: Triton kernels on CUDA, the compiled CPU kernel on CPU, the torch
-reference wherever neither applies.
+reference wherever neither applies, or a user's own as `module:Class`.
 
 Triton is imported only when its backend is chosen, so CPU-only installs never need it.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 import os
@@ -13,10 +14,11 @@ import os
 import torch
 
 from kernels.interface import AttentionBackend
+from proto.worker_flags import ATTENTION_BACKENDS
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAMES = ("auto", "triton", "native", "torch")
+BACKEND_NAMES = ATTENTION_BACKENDS  # the built-in names; anything with a colon is a user's module:Class
 
 
 def triton_available() -> bool:
@@ -63,15 +65,40 @@ def _triton_backend() -> AttentionBackend:
     )
 
 
+def _user_backend(name: str) -> AttentionBackend:
+    """`module:Class`: an instance of the user's class (built without arguments) whose `write_kv`,
+    `decode_attention` and `prefill_attention` take the arguments of `kernels.torch_attention`'s functions."""
+    module_name, _, class_name = name.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ValueError(f"cannot load attention backend {name!r}: {exc}") from exc
+    if not isinstance(cls, type):
+        raise ValueError(f"attention backend {name!r} is not a class")
+    try:
+        impl = cls()
+    except Exception as exc:  # the user's constructor: whatever it raises, say whose it was
+        raise ValueError(f"cannot build attention backend {name!r}: {exc}") from exc
+    ops = ("write_kv", "decode_attention", "prefill_attention")
+    missing = [op for op in ops if not callable(getattr(impl, op, None))]
+    if missing:
+        raise ValueError(f"attention backend {name!r} has no method {', '.join(missing)}")
+    return AttentionBackend(name, impl.write_kv, impl.decode_attention, impl.prefill_attention)
+
+
 def select_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     """`auto`: Triton on CUDA (torch if triton is missing), native on CPU (torch if it cannot be built);
-    `triton`/`native`/`torch`: as named.
+    `triton`/`native`/`torch`: as named; `module:Class`: the user's backend (see `_user_backend`).
 
     `triton` on a CPU device runs the kernels in Triton's interpreter, so it needs `TRITON_INTERPRET=1`.
     """
     device = torch.device(device)
+    if ":" in name:
+        return _user_backend(name)
     if name not in BACKEND_NAMES:
-        raise ValueError(f"unknown attention backend {name!r}; expected one of {', '.join(BACKEND_NAMES)}")
+        raise ValueError(
+            f"unknown attention backend {name!r}; expected one of {', '.join(BACKEND_NAMES)} or module:Class"
+        )
     if name == "torch":
         return _torch_backend()
     if name == "native" or (name == "auto" and device.type == "cpu"):

@@ -1,6 +1,6 @@
 """Paged decode attention compiled for this CPU (kernels/csrc/paged_attention_cpu.c), loaded with ctypes.
 
-Built once per source, compiler flags, head shape and CPU feature set into the minivllm cache folder, so a
+Built once per source, compiler flags, head shape, cache dtype and CPU feature set into the minivllm cache folder, so a
 worker starts in milliseconds after the first build (about a second with gcc). Where no C compiler is found,
 `load()` returns None and the worker keeps the torch path.
 """
@@ -12,7 +12,6 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.cpu_features import cpu_flags_line
 from kernels.interface import DecodeAttention
 from proto.model_cache import cache_dir
 
@@ -38,17 +38,9 @@ _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
 
 
-def _cpu_features() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
-            return next((line for line in info if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return platform.processor()
-
-
 def _library_path(compiler: str, flags: tuple[str, ...]) -> Path:
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), compiler.encode(), " ".join(flags + LDFLAGS).encode(), _cpu_features().encode()):
+    for part in (SOURCE.read_bytes(), compiler.encode(), " ".join(flags + LDFLAGS).encode(), cpu_flags_line().encode()):
         key.update(part)
     return cache_dir() / "kernels" / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
 
@@ -64,15 +56,18 @@ def _build(compiler: str, flags: tuple[str, ...], target: Path) -> None:
         os.replace(partial, target)
 
 
+KV_DTYPES = (torch.float32, torch.bfloat16)  # the cache dtypes the kernel reads (a build for each)
+
+
 @functools.cache
-def load(head_dim: int = 64, group: int = 1) -> ctypes.CDLL | None:
-    """The kernel compiled for this head size and query heads per kv head, building it first if needed; None
-    when it cannot be built here (logged once)."""
+def load(head_dim: int = 64, group: int = 1, kv_dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
+    """The kernel compiled for this head size, query heads per kv head and cache dtype (float32 or bfloat16),
+    building it first if needed; None when it cannot be built here (logged once)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         logger.warning("no C compiler found; CPU decode attention uses the slower torch path")
         return None
-    flags = (*CFLAGS, f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}")
+    flags = (*CFLAGS, f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}", f"-DKV_BF16={int(kv_dtype == torch.bfloat16)}")
     target = _library_path(compiler, flags)
     try:
         if not target.exists():
@@ -82,8 +77,8 @@ def load(head_dim: int = 64, group: int = 1) -> ctypes.CDLL | None:
         detail = getattr(error, "stderr", b"") or b""
         logger.warning("could not build the CPU attention kernel (%s) %s", error, detail.decode(errors="replace"))
         return None
-    library.paged_decode_attention_f32.restype = None
-    library.paged_decode_attention_f32.argtypes = (
+    library.paged_decode_attention.restype = None
+    library.paged_decode_attention.argtypes = (
         [_ptr] * 6 + [_i64] * 4 + [ctypes.c_float, ctypes.c_int, _i64, ctypes.c_float]
     )
     library.paged_attention_limits.restype = ctypes.c_int
@@ -94,21 +89,27 @@ def load(head_dim: int = 64, group: int = 1) -> ctypes.CDLL | None:
 class NativeDecodeAttention:
     """`paged_decode_attention` with the signature of `kernels.torch_attention.paged_decode_attention`.
 
-    Shapes or dtypes the kernel does not cover (anything but contiguous float32 on the CPU, more than 16 query
-    heads per kv head, heads wider than 256) go to `fallback`; sliding windows and soft-caps run in the kernel.
+    The cache may be float32 or bfloat16 (read as it is, accumulated in float32); the queries go in as float32
+    and the output comes back in the queries' dtype. Shapes or dtypes the kernel does not cover (caches of
+    another dtype or not contiguous, not on the CPU, more than 16 query heads per kv head, heads wider than
+    256) go to `fallback`; sliding windows and soft-caps run in the kernel.
     """
 
     def __init__(self, fallback: DecodeAttention) -> None:
         self._fallback = fallback
 
     def _library(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> ctypes.CDLL | None:
-        tensors = (q, k_cache, v_cache)
-        if any(t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+        caches = (k_cache, v_cache)
+        if q.device.type != "cpu" or not q.is_floating_point():
+            return None
+        if any(t.device.type != "cpu" or t.dtype not in KV_DTYPES or not t.is_contiguous() for t in caches):
+            return None
+        if k_cache.dtype != v_cache.dtype:
             return None
         group, head_dim = q.shape[1] // k_cache.shape[2], q.shape[2]
         if group > MAX_GROUP or head_dim > MAX_HEAD_DIM:
             return None
-        library = load(head_dim, group)
+        library = load(head_dim, group, k_cache.dtype)
         if library is None or not library.paged_attention_limits(k_cache.shape[2], k_cache.shape[1]):
             return None
         return library
@@ -130,9 +131,10 @@ class NativeDecodeAttention:
             return self._fallback(q, k_cache, v_cache, block_tables, seq_lens, scale, window=window, softcap=softcap)
         block_tables = block_tables.to(torch.int32).contiguous()
         seq_lens = seq_lens.to(torch.int32).contiguous()
-        out = torch.empty_like(q)
-        library.paged_decode_attention_f32(
-            q.data_ptr(),
+        query = q.to(torch.float32).contiguous()  # [B, H, D] is small: widened once, not per block
+        out = torch.empty_like(query)
+        library.paged_decode_attention(
+            query.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
             block_tables.data_ptr(),
@@ -147,4 +149,4 @@ class NativeDecodeAttention:
             window,
             softcap,
         )
-        return out
+        return out.to(q.dtype)

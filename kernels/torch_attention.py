@@ -111,6 +111,36 @@ def paged_decode_attention(
     return (out / denom[..., None]).reshape(batch, num_heads, head_dim).to(q.dtype)
 
 
+@dataclass(frozen=True, slots=True)
+class _PrefillLayout:
+    """Each prefill sequence's query range and its causal mask over prefix + new tokens: the same for every
+    layer of a step, so built once (host lists, no device sync per layer)."""
+
+    cu_seqlens_q: torch.Tensor  # the inputs it was built from (held, so their identity stays theirs)
+    seq_lens: torch.Tensor
+    ranges: list[tuple[int, int, int]]  # (first query row, last query row + 1, cached prefix length)
+    masks: list[torch.Tensor | None]  # [q_len, seq_len] bool where a prefix is cached; None: plain causal
+
+
+_last_prefill: list[_PrefillLayout] = []  # one entry: the layout of the step in progress
+
+
+def _prefill_layout(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor) -> _PrefillLayout:
+    last = _last_prefill[0] if _last_prefill else None  # read once: another thread may replace it
+    if last is not None and last.cu_seqlens_q is cu_seqlens_q and last.seq_lens is seq_lens:
+        return last
+    starts = cu_seqlens_q.tolist()
+    ranges, masks = [], []
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        lo, hi = starts[i], starts[i + 1]
+        prefix = seq_len - (hi - lo)
+        ranges.append((lo, hi, prefix))
+        masks.append(_visible(hi - lo, prefix, 0, seq_lens.device) if prefix else None)
+    layout = _PrefillLayout(cu_seqlens_q, seq_lens, ranges, masks)
+    _last_prefill[:] = [layout]
+    return layout
+
+
 def paged_prefill_attention(
     q: torch.Tensor,  # [Tq, H, D], the new tokens of every sequence, concatenated
     k: torch.Tensor,  # [Tq, Hkv, D], their keys
@@ -128,12 +158,8 @@ def paged_prefill_attention(
     """Causal attention of new tokens over their cached prefix plus themselves (chunked prefill, prefix hits)."""
     out = torch.empty_like(q)
     group = q.shape[1] // k.shape[1]
-    starts = cu_seqlens_q.tolist()
-    lens = seq_lens.tolist()
-    for i, seq_len in enumerate(lens):
-        lo, hi = starts[i], starts[i + 1]
-        q_len = hi - lo
-        prefix = seq_len - q_len
+    layout = _prefill_layout(cu_seqlens_q, seq_lens)
+    for i, ((lo, hi, prefix), mask) in enumerate(zip(layout.ranges, layout.masks)):
         keys, values = k[lo:hi], v[lo:hi]
         if prefix:
             keys = torch.cat([gather_kv(k_cache, block_tables[i], prefix).to(k.dtype), keys])
@@ -142,12 +168,13 @@ def paged_prefill_attention(
         # flash kernel instead of the math fallback (2-3x faster on prefill chunks).
         queries = q[lo:hi].transpose(0, 1)[None]
         keys, values = _repeat_heads(keys, group)[None], _repeat_heads(values, group)[None]
-        visible = _visible(q_len, prefix, window, q.device) if prefix or window else None
+        if window:  # windows differ between layers: not part of the step's layout
+            mask = _visible(hi - lo, prefix, window, q.device)
         if softcap:
-            attn = _capped_attention(queries, keys, values, visible, scale, softcap)
+            attn = _capped_attention(queries, keys, values, mask, scale, softcap)
         else:
             attn = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=visible, is_causal=visible is None, scale=scale
+                queries, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale
             )
         out[lo:hi] = attn[0].transpose(0, 1)
     return out

@@ -9,6 +9,6 @@ with LLM() as llm:  # the default model, SmolLM2-135M-Instruct
 
 from minivllm.llm import LLM
 from minivllm.outputs import CompletionOutput, RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
+from proto.wire import TokenLogprobs
 from proto.worker_flags import parse_size
 from scheduler_node.api.validation import build_spec, prompt_from_ids, prompt_from_messages, prompt_from_text
 from scheduler_node.core.config import SchedulerConfig
@@ -177,7 +178,14 @@ class LLM:
         params = _per_prompt(sampling_params or SamplingParams(), len(ids), "sampling_params")
         priorities = _per_prompt(priority, len(ids), "priority") if priority is not None else [50] * len(ids)
         specs = [
-            build_spec(p, sp.fields(), self.engine.max_model_len, request_id=f"llm-{next(self._ids)}", priority=pr)
+            build_spec(
+                p,
+                sp.fields(),
+                self.engine.max_model_len,
+                tokenizer=self.tokenizer,
+                request_id=f"llm-{next(self._ids)}",
+                priority=pr,
+            )
             for p, sp, pr in zip(ids, params, priorities)
         ]
         return self._call(self._generate(specs, texts, use_tqdm))
@@ -293,10 +301,13 @@ async def _collect(stream: Any, spec: RequestSpec, text: str | None, progress: _
     completions = [
         CompletionOutput(i, "", [], "", [] if spec.sampling.logprobs is not None else None) for i in range(spec.n)
     ]
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     async for delta in stream:
         c = completions[delta.index]
         if delta.finish_reason == "error":
             raise RuntimeError(f"request {spec.request_id} failed ({delta.code}): {delta.error}")
+        if spec.sampling.prompt_logprobs is not None and delta.index == 0 and prompt_logprobs is None:
+            prompt_logprobs = [None, *delta.prompt_logprobs] if delta.token_ids else None
         c.token_ids.extend(delta.token_ids)
         c.text += delta.text
         if c.logprobs is not None:
@@ -304,7 +315,7 @@ async def _collect(stream: Any, spec: RequestSpec, text: str | None, progress: _
         if delta.finish_reason:
             c.finish_reason = delta.finish_reason
     progress.done(len(spec.prompt_token_ids), sum(len(c.token_ids) for c in completions))
-    return RequestOutput(spec.request_id, text, spec.prompt_token_ids, completions)
+    return RequestOutput(spec.request_id, text, spec.prompt_token_ids, completions, prompt_logprobs=prompt_logprobs)
 
 
 def _is_ids(prompts: Any) -> bool:

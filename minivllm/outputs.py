@@ -27,3 +27,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
+    # With SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing comes before it).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -16,7 +16,10 @@ import msgpack
 # with P > 1 stages the workers take sampled tokens from the plan instead of broadcasting them; a v1 process in
 # such a world would wait on a broadcast that never comes.
 # 3: the Assignment carries the execution mode and the world's KV size (a replacement worker allocates exactly it).
-WIRE_VERSION = 3
+# 4: SamplingOptions carries penalties, min_p, logit_bias, bad words, min_tokens with the tokens that end the
+# sequence, prompt_logprobs and structured output; results carry prompt logprobs. A v3 worker would misread the
+# longer sampling record.
+WIRE_VERSION = 4
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 T = TypeVar("T")
@@ -61,6 +64,29 @@ def _optional(value: Any, kind: type, what: str) -> Any:
     return None if value is None else _check(value, kind, what)
 
 
+STRUCTURED_KINDS = ("json", "regex", "choice", "json_object")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A constraint on the output text: a JSON schema, a regex, a choice of strings, or any JSON object.
+
+    `spec` is the schema's JSON text, the regex, the JSON list of choices, or "" for json_object."""
+
+    kind: str
+    spec: str
+
+    def to_wire(self) -> list[Any]:
+        return [self.kind, self.spec]
+
+    @classmethod
+    def from_wire(cls, v: Any) -> StructuredOutput:
+        kind, spec = _fixed(v, 2, "structured")
+        if kind not in STRUCTURED_KINDS:
+            raise WireError(f"structured kind {kind!r} is not one of {STRUCTURED_KINDS}")
+        return cls(kind, _check(spec, str, "structured spec"))
+
+
 @dataclass(slots=True)
 class SamplingOptions:
     """What a worker needs to sample; stop conditions and max_tokens stay with the scheduler."""
@@ -70,24 +96,73 @@ class SamplingOptions:
     top_k: int = -1
     seed: int | None = None
     logprobs: int | None = None  # top alternatives to return besides the sampled token
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # on tokens of the prompt and the output (HF, vLLM)
+    frequency_penalty: float = 0.0  # times each token's count in the output
+    presence_penalty: float = 0.0  # once for each token present in the output
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    bad_words: list[list[int]] = field(default_factory=list)  # token sequences whose last token is banned after
+    # the others
+    min_tokens: int = 0  # the tokens in stop_token_ids are banned until this many tokens are out
+    # Every token that ends this sequence (eos unless ignored, and the request's stop_token_ids), filled in by the
+    # engine: banned before min_tokens, and the ones a grammar allows where it may end.
+    stop_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: int | None = None  # each prompt token's logprob, plus this many top alternatives
+    structured: StructuredOutput | None = None
 
     def to_wire(self) -> list[Any]:
-        return [self.temperature, self.top_p, self.top_k, self.seed, self.logprobs]
+        return [
+            self.temperature,
+            self.top_p,
+            self.top_k,
+            self.seed,
+            self.logprobs,
+            self.min_p,
+            self.repetition_penalty,
+            self.frequency_penalty,
+            self.presence_penalty,
+            [[t, b] for t, b in self.logit_bias.items()],
+            self.bad_words,
+            self.min_tokens,
+            self.stop_token_ids,
+            self.prompt_logprobs,
+            None if self.structured is None else self.structured.to_wire(),
+        ]
 
     @classmethod
     def from_wire(cls, v: Any) -> SamplingOptions:
-        t, p, k, seed, lp = _fixed(v, 5, "sampling")
+        t, p, k, seed, lp, min_p, rep, freq, pres, bias, bad, min_tokens, stops, plp, structured = _fixed(
+            v, 15, "sampling"
+        )
         return cls(
-            float(_check(t, (float, int), "temperature")),
-            float(_check(p, (float, int), "top_p")),
+            _float(t, "temperature"),
+            _float(p, "top_p"),
             _check(k, int, "top_k"),
             _optional(seed, int, "seed"),
             _optional(lp, int, "logprobs"),
+            _float(min_p, "min_p"),
+            _float(rep, "repetition_penalty"),
+            _float(freq, "frequency_penalty"),
+            _float(pres, "presence_penalty"),
+            {_check(tok, int, "logit_bias token"): _float(b, "logit_bias") for tok, b in _pairs_of(bias, "logit_bias")},
+            _list_of(bad, lambda w: _int_list(w, "bad_words"), "bad_words"),
+            _check(min_tokens, int, "min_tokens"),
+            _int_list(stops, "stop_token_ids"),
+            _optional(plp, int, "prompt_logprobs"),
+            None if structured is None else StructuredOutput.from_wire(structured),
         )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _float(value: Any, what: str) -> float:
+    return float(_check(value, (float, int), what))
+
+
+def _pairs_of(value: Any, what: str) -> list[list[Any]]:
+    return [_fixed(pair, 2, what) for pair in _check(value, list, what)]
 
 
 @dataclass(slots=True)
@@ -253,16 +328,20 @@ class StepResult:
     idle_ms: float = 0.0  # the worker's wait between the end of its previous step and the start of this one
     # An Interrupt reached the step: its diffs and block operations were applied, its tokens not computed.
     interrupted: bool = False
+    # Requests that asked for prompt logprobs: the position of the first prompt token this step scored, and the
+    # logprobs of that token and the ones after it (a chunk of the prompt).
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
     KIND = Kind.RESULT
 
     def to_wire(self) -> list[Any]:
         lps = {r: [x.to_wire() for x in v] for r, v in self.logprobs.items()}
-        return [self.step_id, self.sampled, lps, self.execute_ms, self.idle_ms, self.interrupted]
+        prompt = {r: [first, [x.to_wire() for x in v]] for r, (first, v) in self.prompt_logprobs.items()}
+        return [self.step_id, self.sampled, lps, self.execute_ms, self.idle_ms, self.interrupted, prompt]
 
     @classmethod
     def from_wire(cls, v: Any) -> StepResult:
-        step, sampled, lps, ms, idle, interrupted = _fixed(v, 6, "result")
+        step, sampled, lps, ms, idle, interrupted, prompt = _fixed(v, 7, "result")
         _check(sampled, dict, "sampled")
         for rid, toks in sampled.items():
             _check(rid, str, "sampled key")
@@ -278,7 +357,16 @@ class StepResult:
             float(_check(ms, (float, int), "ms")),
             float(_check(idle, (float, int), "idle_ms")),
             _check(interrupted, bool, "interrupted"),
+            {
+                _check(r, str, "prompt_logprobs key"): _prompt_chunk(x)
+                for r, x in _check(prompt, dict, "prompt").items()
+            },
         )
+
+
+def _prompt_chunk(value: Any) -> tuple[int, list[TokenLogprobs]]:
+    first, lps = _fixed(value, 2, "prompt_logprobs")
+    return _check(first, int, "prompt_logprobs position"), _list_of(lps, TokenLogprobs.from_wire, "prompt_logprobs")
 
 
 @dataclass(frozen=True, slots=True)

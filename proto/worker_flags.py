@@ -27,6 +27,17 @@ def parse_size(text: str) -> int:
     return int(float(lowered))
 
 
+ATTENTION_BACKENDS = ("auto", "triton", "native", "torch")
+
+
+def _attention_backend(text: str) -> str:
+    """A built-in backend name or `module:Class` (loaded by the worker, which may run elsewhere)."""
+    module, _, cls = text.partition(":")
+    if text in ATTENTION_BACKENDS or (module and cls.isidentifier()):
+        return text
+    raise argparse.ArgumentTypeError(f"expected one of {', '.join(ATTENTION_BACKENDS)} or module:Class, got {text!r}")
+
+
 def add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (cuda if present, else cpu), cpu, cuda, cuda:N")
     p.add_argument(
@@ -44,10 +55,10 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--attention-backend",
-        choices=("auto", "triton", "native", "torch"),
+        type=_attention_backend,
         default="auto",
         help="auto: triton on CUDA; on CPU native (a C kernel built once with the system compiler), torch if "
-        "it cannot be built",
+        "it cannot be built; or module:Class, your own backend (example: deploy/custom_attention.py)",
     )
     p.add_argument(
         "--swap-space",

@@ -9,10 +9,11 @@ end-to-end engine decode tokens/s with the Triton vs the torch attention backend
 Decode attention is memory-bound, so it is judged by the bytes of K/V it reads per second against what a
 plain device-to-device copy achieves on the same GPU (bar: 70%). Prefill is judged in TFLOP/s.
 
-The engine comparison runs the scheduler and the model runner in-process (no sockets) on SmolLM2-135M in
-bf16: 64 requests of 128 random prompt tokens, 128 greedy output tokens each (eos ignored). Decode tokens/s
-counts only steps that are all decodes; `runner ms` is the model runner's own time per such step. Each backend
-runs the workload once to compile and warm up, then once timed.
+The engine comparison runs the offline API `minivllm.LLM` (the engine core with in-process workers) on
+SmolLM2-135M in bf16: 64 requests of about 128 prompt tokens, 128 greedy output tokens each (eos ignored), with
+the torch backend run eagerly and with the Triton kernels replayed from CUDA graphs. Decode tokens/s is the
+time of the whole run less that of a run to the first token, over the tokens in between; each configuration
+runs once to compile, capture and warm up first.
 """
 
 from __future__ import annotations
@@ -33,26 +34,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import torch_attention as ref  # noqa: E402
-from kernels.backend import select_attention_backend  # noqa: E402
-from proto.wire import SamplingOptions  # noqa: E402
-from scheduler_node.core.config import SchedulerConfig  # noqa: E402
-from scheduler_node.core.request import Request, StopConditions  # noqa: E402
-from scheduler_node.core.scheduler import Scheduler  # noqa: E402
-from worker_node.kv_cache import allocate_kv_cache, bytes_per_block  # noqa: E402
-from worker_node.model_runner import ModelRunner  # noqa: E402
-from worker_node.models.config import ModelConfig  # noqa: E402
-from worker_node.models.loader import load_model  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 # (block_size, head_dim, GQA group) covering every supported value at least once
 CHECK_SHAPES = [(16, 128, 1), (32, 64, 2), (64, 128, 4), (16, 64, 8), (32, 128, 8)]
 BANDWIDTH_BAR = 0.70
-ENGINE_BACKENDS = ("torch", "triton")
-ENGINE_DTYPE = torch.bfloat16
 
 
-def parse_args() -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp16", help="dtype of the speed runs")
     parser.add_argument("--num-kv-heads", type=int, default=8, help="KV heads of the speed runs")
@@ -71,7 +61,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--engine-batched-tokens", type=int, default=2048, help="max_num_batched_tokens of the engine runs"
     )
-    return parser.parse_args()
+    parser.add_argument("--engine-dtype", default="bfloat16", help="dtype of the engine runs")
+    parser.add_argument("--engine-kv-memory", default="16GiB", help="KV cache of the engine runs (a fixed size)")
+    parser.add_argument(
+        "--cuda-graph-sizes", default="1,2,4,8,16,32,64", help="decode batch sizes captured for the Triton run"
+    )
+    return parser
 
 
 def paged_cache(
@@ -195,89 +190,69 @@ def sweep(tri: ModuleType, args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def engine_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
+WORDS = (
+    "the cat sat on a warm mat while rain fell over quiet hills and rivers ran to the sea where ships carry "
+    "grain salt iron wool stories songs and letters between distant towns under bright cold stars"
+).split()
+
+
+def engine_prompts(args: argparse.Namespace) -> list[str]:
+    """Text prompts of about `--engine-prompt-len` tokens (common words, about a token each), distinct per request."""
     rng = random.Random(0)
-    return [[rng.randrange(3, vocab_size) for _ in range(args.engine_prompt_len)] for _ in range(args.engine_requests)]
+    return [
+        f"{i}: " + " ".join(rng.choice(WORDS) for _ in range(args.engine_prompt_len))
+        for i in range(args.engine_requests)
+    ]
 
 
-def make_engine_runner(
-    folder: Path, backend: str, device: torch.device, dtype: torch.dtype, num_blocks: int, block_size: int
-) -> ModelRunner:
-    """What a worker builds at start-up (like tests/harness.make_runner), on `device` in `dtype`."""
-    config = ModelConfig.from_folder(folder)
-    model = load_model(folder, select_attention_backend(backend, device), dtype, device, config.max_model_len)
-    budget = num_blocks * bytes_per_block(config, block_size, dtype)
-    return ModelRunner(model, allocate_kv_cache(config, block_size, dtype, device, budget), block_size, device)
+def engine_run(llm_kwargs: dict[str, Any], prompts: list[str], output_len: int) -> tuple[dict, list[list[int]]]:
+    """Decode tokens/s of `minivllm.LLM(**llm_kwargs)` on greedy requests with eos ignored: the time of a run
+    to `output_len` tokens less the time of a run to 1 token (prefill and first token) over the tokens between,
+    each the best of two after a warm-up of both (the kernels compile and the CUDA graphs capture there)."""
+    from minivllm import LLM, SamplingParams
+
+    def timed(llm: Any, max_tokens: int) -> tuple[float, list[list[int]]]:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outs]
+
+    with LLM(**llm_kwargs) as llm:
+        timed(llm, output_len)  # warm-up of both shapes: kernels compile, graphs capture, allocations settle
+        timed(llm, 1)
+        first_s = min(timed(llm, 1)[0] for _ in range(2))
+        runs = [timed(llm, output_len) for _ in range(2)]
+        total_s, outputs = min(runs, key=lambda run: run[0])
+    if any(len(o) != output_len for o in outputs):
+        raise RuntimeError(f"asked for {output_len} tokens each, got {sorted({len(o) for o in outputs})}")
+    decode_tokens = len(prompts) * (output_len - 1)
+    decode_s = max(total_s - first_s, 1e-9)
+    stats = {"total s": total_s, "first-token s": first_s, "decode tok/s": decode_tokens / decode_s}
+    return stats, outputs
 
 
-def drive_engine(
-    runner: ModelRunner, prompts: list[list[int]], output_len: int, num_blocks: int, max_num_batched_tokens: int
-) -> tuple[dict, list[list[int]]]:
-    """Run every request to its last token through a fresh scheduler; time the steps that are all decodes."""
-    config = SchedulerConfig(
-        block_size=runner.block_size,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_num_seqs=len(prompts),
-        max_model_len=runner.model.config.max_model_len,
-    )
-    scheduler = Scheduler(config, num_blocks)
-    greedy = SamplingOptions(temperature=0.0)
-    requests = [Request(f"r{i}", p, greedy, StopConditions(output_len)) for i, p in enumerate(prompts)]
-    for req in requests:
-        scheduler.add(req)
-    decode_s = runner_ms = 0.0
-    decode_steps = decode_tokens = 0
-    start = time.perf_counter()
-    while scheduler.has_work:
-        step_start = time.perf_counter()
-        plan = scheduler.schedule()
-        result = runner.execute(plan)  # returns host ints: the step's GPU work is done when it returns
-        scheduler.update(result)
-        counts = plan.num_scheduled_tokens.values()
-        if counts and all(n == 1 for n in counts):
-            decode_s += time.perf_counter() - step_start
-            runner_ms += result.execute_ms
-            decode_steps += 1
-            decode_tokens += len(result.sampled)
-    stats = {
-        "total s": time.perf_counter() - start,
-        "decode steps": decode_steps,
-        "decode tok/s": decode_tokens / decode_s if decode_s else float("nan"),
-        "ms/step": 1e3 * decode_s / max(decode_steps, 1),
-        "runner ms": runner_ms / max(decode_steps, 1),
-        "preemptions": scheduler.num_preemptions,
-    }
-    return stats, [r.output_token_ids for r in requests]
+def engine_configs(args: argparse.Namespace, device: str) -> list[tuple[str, dict[str, Any]]]:
+    """The torch backend run eagerly, then the Triton kernels replayed from CUDA graphs (GPU only)."""
+    model = str(args.model) if args.model else None
+    common = dict(model=model, device=device, dtype=args.engine_dtype, max_num_seqs=args.engine_requests)
+    common["kv_cache_memory"] = args.engine_kv_memory
+    common["max_num_batched_tokens"] = args.engine_batched_tokens
+    torch_run = dict(common, attention_backend="torch", cuda_graph_sizes="")
+    triton_run = dict(common, attention_backend="triton", cuda_graph_sizes=args.cuda_graph_sizes)
+    return [("torch", torch_run), ("triton + CUDA graphs", triton_run)]
 
 
-def bench_engine(args: argparse.Namespace, device: torch.device, dtype: torch.dtype = ENGINE_DTYPE) -> list[dict]:
-    """Decode tokens/s of the whole engine with each attention backend on the same greedy batch."""
-    folder = args.model
-    if folder is None:
-        from worker_node.default_model import ensure_default_model
-
-        folder = ensure_default_model()
-    block_size = args.block_size
-    per_request = -(-(args.engine_prompt_len + args.engine_output_len) // block_size)
-    num_blocks = args.engine_requests * per_request  # every request fits at once: no preemption
-    prompts = engine_prompts(args, ModelConfig.from_folder(folder).vocab_size)
-    rows, outputs = [], {}
-    for backend in ENGINE_BACKENDS:
-        runner = make_engine_runner(folder, backend, device, dtype, num_blocks, block_size)
-        run = (runner, prompts, args.engine_output_len, num_blocks, args.engine_batched_tokens)
-        drive_engine(*run)  # compiles the kernels for every shape the timed run meets
-        stats, outputs[backend] = drive_engine(*run)
-        rows.append({"backend": backend, **stats})
-        del runner
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    reference = outputs[ENGINE_BACKENDS[0]]
-    for row in rows:  # bf16 rounding differs between backends, so greedy paths may part after a while
-        got = outputs[row["backend"]]
-        row["same as torch"] = f"{sum(a == b for a, b in zip(got, reference))}/{len(reference)}"
-    base = rows[0]["decode tok/s"]
-    for row in rows:
-        row["speed-up"] = row["decode tok/s"] / base
+def bench_engine(args: argparse.Namespace, device: str = "cuda") -> list[dict]:
+    """Decode tokens/s of the whole engine (through `minivllm.LLM`) with each attention backend."""
+    prompts = engine_prompts(args)
+    rows, outputs = [], []
+    for label, kwargs in engine_configs(args, device):
+        stats, got = engine_run(kwargs, prompts, args.engine_output_len)
+        rows.append({"backend": label, **stats})
+        outputs.append(got)
+    for row, got in zip(rows, outputs):  # bf16 rounding differs between backends: greedy paths may part late
+        row["same as torch"] = f"{sum(a == b for a, b in zip(got, outputs[0]))}/{len(prompts)}"
+        row["speed-up"] = row["decode tok/s"] / rows[0]["decode tok/s"]
     return rows
 
 
@@ -318,7 +293,7 @@ def kernel_benchmarks(tri: ModuleType, args: argparse.Namespace, results: dict[s
 
 
 def main() -> int:
-    args = parse_args()
+    args = build_parser().parse_args()
     if args.skip_engine and args.engine_only:
         print("bench_kernels: --skip-engine and --engine-only leave nothing to run", file=sys.stderr)
         return 2
@@ -340,9 +315,9 @@ def main() -> int:
         ok = kernel_benchmarks(tri, args, results)
         torch.cuda.empty_cache()
     if not args.skip_engine:
-        results["engine"] = bench_engine(args, torch.device("cuda"))
+        results["engine"] = bench_engine(args)
         shape = f"{args.engine_requests} x ({args.engine_prompt_len} prompt + {args.engine_output_len} output)"
-        print_table(f"engine decode, {shape} tokens, bf16", results["engine"])
+        print_table(f"engine decode, {shape} tokens, {args.engine_dtype}", results["engine"])
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0 if ok else 1

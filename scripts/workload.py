@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -15,27 +16,34 @@ from scheduler_node.core.request import RequestSpec
 from scheduler_node.engine.core import EngineCore
 
 
-def stream_workload(channel: grpc.Channel, work: list[tuple[list[int], int]]) -> tuple[list[int], float]:
-    """Send every (prompt ids, max_tokens) request at once, greedy with ignore_eos; return the tokens each
-    got and the wall time (benchmarks)."""
-    stub = pb_grpc.GenerationStub(channel)
+def send_all(work: list[tuple[list[int], int]], one: Callable[[list[int], int], int]) -> tuple[list[int], float]:
+    """Every (prompt ids, max_tokens) request at once, each on its own thread through `one`, which returns the
+    tokens it got; the counts and the wall time."""
     counts = [0] * len(work)
 
-    def one(i: int) -> None:
-        prompt, out = work[i]
-        req = pb.GenerateRequest(
-            prompt_token_ids=pb.TokenIds(ids=prompt),
-            sampling=pb.SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True),
-        )
-        counts[i] = sum(len(r.token_ids) for r in stub.Generate(req, timeout=3600))
+    def run(i: int) -> None:
+        counts[i] = one(*work[i])
 
     start = time.perf_counter()
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(work))]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(work))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     return counts, time.perf_counter() - start
+
+
+def stream_workload(channel: grpc.Channel, work: list[tuple[list[int], int]]) -> tuple[list[int], float]:
+    """Send every (prompt ids, max_tokens) request at once, greedy with ignore_eos; return the tokens each
+    got and the wall time (benchmarks)."""
+    stub = pb_grpc.GenerationStub(channel)
+
+    def one(prompt: list[int], max_tokens: int) -> int:
+        sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
+        return sum(len(r.token_ids) for r in stub.Generate(req, timeout=3600))
+
+    return send_all(work, one)
 
 
 def greedy_spec(request_id: str, prompt: list[int], max_tokens: int) -> RequestSpec:

@@ -72,6 +72,7 @@ class Completion:
     finish_reason: str = ""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     error: str = ""
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -126,6 +127,7 @@ class EngineRun:
         ignore_eos: bool = True,
         stop: list[str] | None = None,
         priority: int = 50,
+        stop_token_ids: list[int] | None = None,
     ) -> Submitted:
         spec = RequestSpec(
             request_id=f"r{next(self._ids)}",
@@ -136,6 +138,7 @@ class EngineRun:
             ignore_eos=ignore_eos,
             n=n,
             priority=priority,
+            stop_token_ids=stop_token_ids or [],
         )
         entry = Submitted(list(prompt), max_tokens, [Completion() for _ in range(n)])
         self._loop.run_until_complete(self._submit(spec, entry))
@@ -158,6 +161,7 @@ class EngineRun:
                 c.token_ids += delta.token_ids
                 c.text += delta.text
                 c.logprobs += delta.logprobs
+                c.prompt_logprobs += delta.prompt_logprobs
                 c.finish_reason = delta.finish_reason or c.finish_reason
                 c.error = delta.error or c.error
 

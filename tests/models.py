@@ -82,16 +82,27 @@ def build_tiny_model(kind: str, folder: Path, tokenizer_dir: Path, num_kv_heads:
     return folder
 
 
-def load_hf(folder: Path):  # type: ignore[no-untyped-def]
+def load_hf(folder: Path, dtype: torch.dtype = torch.float32):  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+
+
+def _hf_logits(hf_model, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """HF's logits; a bf16/fp16 model's last hidden states are scored in float32, as our LM head scores its
+    top candidates: logits rounded to bf16 move in steps of 1/16 at 8-16, coarser than the bf16 tolerance."""
+    if hf_model.dtype == torch.float32:
+        return hf_model(ids).logits
+    hidden = hf_model.model(ids).last_hidden_state
+    head = hf_model.get_output_embeddings()
+    bias = None if head.bias is None else head.bias.float()
+    return torch.nn.functional.linear(hidden.float(), head.weight.float(), bias)
 
 
 @torch.inference_mode()
 def assert_teacher_forced(hf_model, prompt: list[int], output: list[int], tol: float = 1e-3) -> None:  # type: ignore[no-untyped-def]
     """Every generated token must be HF's greedy choice given the same prefix (within tol in logprob)."""
-    logp = hf_model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
+    logp = _hf_logits(hf_model, torch.tensor([prompt + output]))[0, len(prompt) - 1 : -1].float().log_softmax(-1)
     gaps = logp.max(-1).values - logp.gather(1, torch.tensor(output)[:, None])[:, 0]
     bad = (gaps > tol).nonzero().flatten().tolist()
     assert not bad, f"token {bad[0]} ({output[bad[0]]}) is {float(gaps[bad[0]]):.2e} below HF's best"

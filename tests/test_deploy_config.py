@@ -124,4 +124,7 @@ def _other_value(action: argparse.Action, value: Any) -> tuple[list[str], Any]:
         return [flag, str((value or 0) + 0.5)], (value or 0) + 0.5
     if action.type is parse_size:
         return [flag, "3MiB"], 3 * 2**20
+    if action.dest == "attention_backend":  # a built-in name or module:Class, checked when parsed
+        other = "deploy.custom_attention:PaddedDecodeAttention"
+        return [flag, other], other
     return [flag, "from-the-command-line"], "from-the-command-line"

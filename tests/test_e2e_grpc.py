@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from scheduler_node.text.tokenizer import ModelTokenizer
 
-KV_MEMORY = "48MiB"  # ~68 blocks of 16 tokens on SmolLM2: max_model_len becomes ~1000 tokens
+KV_MEMORY = "48MiB"  # ~68 blocks of 16 tokens on SmolLM2 in float32 (~136 in bf16): max_model_len ~1000 (2000)
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +179,20 @@ def _bad_requests(max_model_len: int) -> list[tuple[pb.GenerateRequest, str]]:
         (with_sampling(top_k=-2), "sampling.top_k"),
         (with_sampling(n=0), "sampling.n"),
         (with_sampling(logprobs=-1), "sampling.logprobs"),
+        (with_sampling(min_p=1.5), "sampling.min_p"),
+        (with_sampling(repetition_penalty=0.0), "sampling.repetition_penalty"),
+        (with_sampling(frequency_penalty=2.5), "sampling.frequency_penalty"),
+        (with_sampling(presence_penalty=float("nan")), "sampling.presence_penalty"),
+        (with_sampling(max_tokens=4, min_tokens=5), "sampling.min_tokens"),
+        (with_sampling(stop_token_ids=[10**6]), "sampling.stop_token_ids"),
+        (with_sampling(logit_bias={10**6: 1.0}), "sampling.logit_bias"),
+        (with_sampling(logit_bias={5: 500.0}), "sampling.logit_bias"),
+        (with_sampling(bad_words=["  "]), "sampling.bad_words"),
+        (with_sampling(prompt_logprobs=21), "sampling.prompt_logprobs"),
+        (with_sampling(json='{"type": "objectx"}'), "sampling.structured.json"),
+        (with_sampling(json="{not json"), "sampling.structured.json"),
+        (with_sampling(regex="(ab"), "sampling.structured.regex"),
+        (with_sampling(choice=pb.Choices()), "sampling.structured.choice"),
     ]
 
 
@@ -210,6 +225,25 @@ def test_logprobs_and_seeded_sampling(stub) -> None:  # type: ignore[no-untyped-
     for lp in lps:
         assert len(lp.top) == 3 and lp.logprob <= 0
         assert abs(lp.top[0].logprob - lp.logprob) < 1e-4  # greedy: the sampled token is the best one
+
+
+def test_structured_output_and_prompt_logprobs(stub, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """A JSON schema and a choice over gRPC; prompt logprobs arrive once, on the first message."""
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    sampling = pb.SamplingParams(max_tokens=16, temperature=1.0, seed=1, json=json.dumps(schema), prompt_logprobs=1)
+    deltas = collect(stub, pb.GenerateRequest(prompt="Answer in JSON:", sampling=sampling))
+    assert json.loads("".join(d.text for d in deltas)) in ({"ok": True}, {"ok": False})
+    assert [len(d.prompt_logprobs) for d in deltas if d.prompt_logprobs] == [
+        len(tokenizer.encode("Answer in JSON:")) - 1
+    ]
+    choice = pb.SamplingParams(max_tokens=8, temperature=1.0, seed=2, choice=pb.Choices(choices=["cat", "dog"]))
+    deltas = collect(stub, pb.GenerateRequest(prompt="A pet:", sampling=choice))
+    assert "".join(d.text for d in deltas) in ("cat", "dog") and deltas[-1].finish_reason == "stop"
 
 
 def test_n_sequences_stream_with_their_index(stub) -> None:  # type: ignore[no-untyped-def]

@@ -136,12 +136,13 @@ async def _link_scenario() -> None:
         first.close()
     finally:
         await link.close("test over")
-        ctx.term()
+        ctx.destroy(linger=0)  # closes what a failed assertion left open (term() would wait for it)
 
 
 @pytest.fixture(scope="module")
 def rejoin_cluster(tiny_llama_dir: Path):  # type: ignore[no-untyped-def]
     args = ["--heartbeat-timeout", str(HEARTBEAT), "--worker-rejoin-timeout", "60", "--max-num-batched-tokens", "256"]
+    args += ["--dtype", "float32"]  # compared with HF at 1e-3: `auto` is bf16 on CPUs with AVX-512 BF16
     c = Cluster(tiny_llama_dir, args, TINY_WORKER)
     try:
         c.wait_serving()
@@ -269,3 +270,74 @@ def test_vllm_serve_restarts_a_dead_worker(tiny_llama_dir: Path, tmp_path: Path)
     finally:
         if serve.poll() is None:
             serve.kill()
+
+
+def test_losing_a_rank_after_the_engine_cancelled_its_steps_keeps_the_link_alive() -> None:
+    """Async scheduling drops the plans in flight after a failed step (their futures are cancelled); a rank lost
+    afterwards must not trip over those futures: the liveness task lives on, and the link reports not ready."""
+    asyncio.run(asyncio.wait_for(_cancelled_then_lost(), 30))
+
+
+async def _cancelled_then_lost() -> None:
+    port = free_port()
+    link = WorkerLink(f"127.0.0.1:{port}", heartbeat_timeout=1.0)
+    ctx = zmq.asyncio.Context()
+    try:
+        start = asyncio.ensure_future(link.start(lambda r: Assignment(r, 1, "/m", "auto", 16, 64, 8), 10))
+        worker = FakeWorker(ctx, port)
+        await worker.join()
+        await start
+        worker.stall()  # it stops answering, so the next plan stays in flight
+        link.submit(StepPlan(1)).cancel()  # what the engine does to the plans in flight after a StepFailed
+        await asyncio.wait_for(link.lost.wait(), 3)
+        assert not link.all_ready
+        with pytest.raises(WorkerLost):
+            link.submit(StepPlan(2))
+        assert all(not task.done() for task in link._tasks), "a liveness task died"
+        replacement = FakeWorker(ctx, port)
+        await replacement.join()
+        assert await link.wait_ready(3)
+        assert (await _step(link, 3)).sampled == {"r": [3]}
+        worker.close()
+        replacement.close()
+    finally:
+        await link.close("test over")
+        ctx.destroy(linger=0)  # closes what a failed assertion left open (term() would wait for it)
+
+
+class SilentStep(FakeWorker):
+    """Heartbeats on time, never answers a plan: a step thread that hangs while the socket thread lives."""
+
+    async def _read(self) -> None:
+        while True:
+            message = decode(await self.sock.recv())
+            if not isinstance(message, (StepPlan, Heartbeat)):
+                await self.inbox.put(message)
+
+
+def test_a_step_past_its_deadline_loses_the_rank() -> None:
+    asyncio.run(asyncio.wait_for(_hung_step(), 30))
+
+
+async def _hung_step() -> None:
+    port = free_port()
+    link = WorkerLink(f"127.0.0.1:{port}", heartbeat_timeout=1.0)
+    ctx = zmq.asyncio.Context()
+    try:
+        start = asyncio.ensure_future(link.start(lambda r: Assignment(r, 1, "/m", "auto", 16, 64, 8), 10))
+        worker = SilentStep(ctx, port)
+        await worker.join()
+        await start
+        future = link.submit(StepPlan(1))
+        await asyncio.sleep(2.5)  # past the heartbeat timeout: its heartbeats keep it alive
+        assert link.all_ready and not future.done()
+        link.declare_lost("step 1 ran past its deadline")  # what the engine does at the step's deadline
+        with pytest.raises(WorkerLost, match="deadline"):
+            await future
+        assert not link.all_ready
+        while not isinstance(await asyncio.wait_for(worker.inbox.get(), 2), Shutdown):
+            pass
+        worker.close()
+    finally:
+        await link.close("test over")
+        ctx.destroy(linger=0)  # closes what a failed assertion left open (term() would wait for it)

@@ -183,7 +183,7 @@ def test_a_realtime_request_interrupts_a_real_worker(tiny_llama_dir: Path) -> No
 
     The tiny model's steps take milliseconds, so an Interrupt can reach the worker after the steps it names have
     finished (nothing is skipped then): realtime requests keep arriving until one step was actually skipped."""
-    args = ["--scheduling-policy", "priority", "--max-num-batched-tokens", "16"]
+    args = ["--scheduling-policy", "priority", "--max-num-batched-tokens", "16", "--dtype", "float32"]  # HF at 1e-3
     cluster = Cluster(tiny_llama_dir, args, TINY_WORKER)
     control = pb_grpc.ControlStub(cluster.channel)
     realtime_prompts: list[list[int]] = []

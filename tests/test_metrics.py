@@ -27,8 +27,9 @@ GAUGES = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cac
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir: Path):  # type: ignore[no-untyped-def]
     port = free_port()
-    # 32 blocks of 16 tokens: four 150-token requests do not fit at once, so some are preempted
-    c = Cluster(tiny_llama_dir, ["--metrics-port", str(port), "--max-num-batched-tokens", "64"],
+    # 32 blocks of 16 tokens in float32 (`auto` would be bf16 on some CPUs: twice the blocks): four 150-token
+    # requests do not fit at once, so some are preempted
+    c = Cluster(tiny_llama_dir, ["--metrics-port", str(port), "--max-num-batched-tokens", "64", "--dtype", "float32"],
                 ["--kv-cache-memory", "256KiB"])  # fmt: skip
     c.metrics_url = f"http://127.0.0.1:{port}/metrics"  # type: ignore[attr-defined]
     try:

@@ -16,6 +16,7 @@ from proto.wire import (
     Shutdown,
     StepPlan,
     StepResult,
+    StructuredOutput,
     TokenLogprobs,
     WireError,
     WorkerHello,
@@ -43,7 +44,37 @@ MESSAGES = [
     ),
     StepResult(7, {"a": [5]}, {"a": [TokenLogprobs(-0.5, [(5, -0.5), (6, -1.5)])]}, 3.25, 0.5),
     StepResult(8, {}, {}, 1.0, 0.0, interrupted=True),
+    StepResult(9, {}, {}, 1.0, 0.0, prompt_logprobs={"a": (3, [TokenLogprobs(-2.0, [(7, -0.1)])])}),
     Interrupt(7, 9),
+    StepPlan(
+        10,
+        [
+            NewRequest(
+                "f",
+                [1, 2],
+                [],
+                SamplingOptions(
+                    0.5,
+                    0.8,
+                    3,
+                    None,
+                    None,
+                    min_p=0.1,
+                    repetition_penalty=1.2,
+                    frequency_penalty=-0.5,
+                    presence_penalty=1.5,
+                    logit_bias={5: -100.0, 9: 2.5},
+                    bad_words=[[4], [6, 7]],
+                    min_tokens=3,
+                    stop_token_ids=[2, 11],
+                    prompt_logprobs=2,
+                    structured=StructuredOutput("json", '{"type": "object"}'),
+                ),
+                [0],
+                0,
+            )
+        ],
+    ),
 ]
 
 
@@ -83,6 +114,21 @@ def test_inconsistent_assignment_is_rejected(rank: int, world: int, tp: int, pp:
     bad = Assignment(rank, world, "/m", "auto", 16, 64, 8, tp, pp, init)
     with pytest.raises(WireError, match=error):
         decode(encode(bad))
+
+
+def test_malformed_sampling_options_are_rejected() -> None:
+    good = SamplingOptions(structured=StructuredOutput("regex", "a+")).to_wire()
+    for index, value, error in [
+        (9, [[1.5, 2.0]], "logit_bias token"),
+        (10, [[1, "x"]], "bad_words"),
+        (14, ["grammar", "x"], "structured kind"),
+    ]:
+        bad = list(good)
+        bad[index] = value
+        plan = StepPlan(1, [NewRequest("a", [1], [], SamplingOptions(), [0], 0)]).to_wire()
+        plan[1][0][3] = bad
+        with pytest.raises(WireError, match=error):
+            decode(msgpack.packb([WIRE_VERSION, 4, *plan]))
 
 
 def test_oversized_message_is_rejected() -> None:

@@ -6,6 +6,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -15,7 +16,10 @@ from worker_node.cuda_graphs import DecodeGraphs
 from worker_node.kv_cache import KVCache, copy_blocks
 from worker_node.models.decoder import CausalLM, StepInterrupted
 from worker_node.parallel import SINGLE, Comm
-from worker_node.sampler import sample
+from worker_node.sampler import Sampler, token_logprobs
+
+# Prompt rows scored at once for prompt_logprobs: bounds the [rows, vocab] logits a long prefill chunk would need.
+PROMPT_LOGITS_ROWS = 256
 
 
 @dataclass(slots=True)
@@ -26,11 +30,13 @@ class RequestState:
     sampling: SamplingOptions
     block_ids: list[int]
     num_computed_tokens: int
+    resumed: bool = False  # came back with output tokens: its prompt logprobs were delivered already
 
     @classmethod
     def from_new(cls, r: NewRequest) -> RequestState:
         tokens = r.prompt_token_ids + r.output_token_ids
-        return cls(r.req_id, tokens, len(r.prompt_token_ids), r.sampling, r.block_ids, r.num_computed_tokens)
+        resumed = bool(r.output_token_ids)
+        return cls(r.req_id, tokens, len(r.prompt_token_ids), r.sampling, r.block_ids, r.num_computed_tokens, resumed)
 
 
 @dataclass(slots=True)
@@ -41,6 +47,8 @@ class _Batch:
     sample_rows: torch.Tensor  # token index of each sequence that samples
     samplers: list[RequestState]
     starts: list[tuple[RequestState, int]]  # computed tokens of each request before the step, to restore
+    # prompt_logprobs: (request, first token row, rows, position of the first prompt token they score)
+    prompt_rows: list[tuple[RequestState, int, int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -70,6 +78,7 @@ class ModelRunner:
         host_cache: KVCache | None = None,
         comm: Comm | None = None,
         mode: ExecutionMode | None = None,
+        tokenizer_file: Path | None = None,  # the model's tokenizer.json: structured output needs it
     ) -> None:
         self.model = model
         self.comm = comm or Comm(SINGLE)  # every rank runs every plan; only the output rank samples
@@ -83,6 +92,9 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.states: dict[str, RequestState] = {}
+        self.sampler = Sampler(model.config.vocab_size, device, tokenizer_file)
+        where = self.comm.where
+        self.samples_here = where.is_last_stage and where.tp_rank == 0  # the rank that gets the logits
         self._last_step_end: float | None = None
         # Only a lone worker stops mid-step: ranks of a bigger world could stop at different layers and leave a
         # collective half-joined. The scheduler sends interrupts to lone workers only; this is the second lock.
@@ -97,7 +109,9 @@ class ModelRunner:
         self._check_plan(plan)
         for req_id in plan.finished_req_ids + plan.preempted_req_ids:
             self.states.pop(req_id, None)
+            self.sampler.forget(req_id)
         for new in plan.new_requests:
+            self.sampler.forget(new.req_id)  # penalty counts and grammar start over from its tokens
             self.states[new.req_id] = RequestState.from_new(new)
         for cached in plan.cached_requests:
             state = self.states.get(cached.req_id)
@@ -146,11 +160,15 @@ class ModelRunner:
         self.run_block_ops(plan)
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprobs]] = {}
+        prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = {}
         if plan.num_scheduled_tokens and not skip:
             batch = self._prepare(plan)
+            if self.samples_here:
+                self.sampler.start(batch.samplers)  # grammar masks while the forward pass runs
             try:
-                tokens, lps = self._run_and_sample(batch, lambda: self._interrupted(plan.step_id))
+                tokens, lps, prompt_logprobs = self._run_and_sample(batch, lambda: self._interrupted(plan.step_id))
             except StepInterrupted:
+                self.sampler.cancel()
                 for state, computed in batch.starts:
                     state.num_computed_tokens = computed
                 skip = True
@@ -164,14 +182,22 @@ class ModelRunner:
         end = time.perf_counter()
         idle = (start - self._last_step_end) * 1e3 if self._last_step_end is not None else 0.0
         self._last_step_end = end
-        return StepResult(plan.step_id, sampled, logprobs, (end - start) * 1e3, idle, interrupted=skip)
+        return StepResult(
+            plan.step_id,
+            sampled,
+            logprobs,
+            (end - start) * 1e3,
+            idle,
+            interrupted=skip,
+            prompt_logprobs=prompt_logprobs,
+        )
 
     def _interrupted(self, step_id: int) -> bool:
         return self.interruptible and self.interrupts.covers(step_id)
 
     def _run_and_sample(
         self, batch: _Batch, interrupted: Callable[[], bool] | None = None
-    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+    ) -> tuple[list[int], list[TokenLogprobs | None], dict[str, tuple[int, list[TokenLogprobs]]]]:
         """This rank's stage of the forward pass; the output rank samples. With one stage every rank learns
         the tokens now; with more, only the output rank has them (the others get them with the next plan)."""
         where = self.comm.where
@@ -187,14 +213,35 @@ class ModelRunner:
             self.comm.send_to_next_stage(hidden)
         tokens: list[int] = []
         lps: list[TokenLogprobs | None] = [None] * len(batch.samplers)
+        prompt: dict[str, tuple[int, list[TokenLogprobs]]] = {}
         if where.is_last_stage and batch.samplers:
             logits = self.model.logits(hidden[batch.sample_rows])  # a collective over the TP group
             if logits is not None:
-                outputs = [len(s.token_ids) - s.num_prompt_tokens for s in batch.samplers]
-                tokens, lps = sample(logits, [s.sampling for s in batch.samplers], outputs)
+                tokens, lps = self.sampler.sample(logits, batch.samplers)
+        if where.is_last_stage and batch.prompt_rows:
+            prompt = self._prompt_logprobs(hidden, batch.prompt_rows)
         if self.mode.tokens_in_plan:
-            return tokens, lps
-        return self.comm.share_sampled(tokens, len(batch.samplers)), lps
+            return tokens, lps, prompt
+        return self.comm.share_sampled(tokens, len(batch.samplers)), lps, prompt
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, rows: list[tuple[RequestState, int, int, int]]
+    ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        """The logprob of each prompt token after the first, from the logits of the row before it: only for the
+        requests that asked (the LM head otherwise runs on sampling rows only), in bounded slices of rows."""
+        out: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+        for state, first_row, count, first in rows:
+            k = state.sampling.prompt_logprobs or 0
+            chunk: list[TokenLogprobs] = []
+            for offset in range(0, count, PROMPT_LOGITS_ROWS):
+                n = min(PROMPT_LOGITS_ROWS, count - offset)
+                logits = self.model.logits(hidden[first_row + offset : first_row + offset + n])  # TP collective
+                if logits is not None:
+                    targets = state.token_ids[first + offset : first + offset + n]
+                    chunk += token_logprobs(logits, targets, [k] * n)
+            if chunk:
+                out[state.req_id] = (first, chunk)
+        return out
 
     def _prepare(self, plan: StepPlan) -> _Batch:
         unknown = [r for r in plan.num_scheduled_tokens if r not in self.states]
@@ -210,6 +257,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         samplers: list[RequestState] = []
         starts: list[tuple[RequestState, int]] = []
+        prompt_rows: list[tuple[RequestState, int, int, int]] = []
         num_decodes = 0
         for state, n in work:
             start = state.num_computed_tokens
@@ -221,6 +269,9 @@ class ModelRunner:
             if -(-end // self.block_size) > len(state.block_ids):
                 raise ValueError(f"{state.req_id}: {end} tokens need more than its {len(state.block_ids)} blocks")
             starts.append((state, start))
+            scored = min(end, state.num_prompt_tokens - 1) - start  # prompt rows whose next token is the prompt's
+            if scored > 0 and state.sampling.prompt_logprobs is not None and not state.resumed:
+                prompt_rows.append((state, len(ids), scored, start + 1))
             ids.extend(state.token_ids[start:end])
             positions.extend(range(start, end))
             tables.append(state.block_ids)
@@ -255,6 +306,7 @@ class ModelRunner:
             torch.tensor(sample_rows, dtype=torch.int64, device=dev),
             samplers,
             starts,
+            prompt_rows,
         )
 
     @staticmethod

@@ -1,74 +1,203 @@
-"""Sampling: greedy, temperature, top-k, top-p, and per-request seeds that survive batching and preemption."""
+"""Sampling: the logits processors of every request of a step, vectorised over the batch with per-request
+parameters mixed freely, then greedy or seeded sampling that survives batching and preemption.
+
+Order (HF's, see worker_node/logits_processors.py): logit bias, repetition penalty, frequency and presence
+penalties, bad words, min_tokens, the grammar's mask; greedy rows take the argmax of that; sampled rows go on
+through temperature, top-k, top-p, min-p. Returned logprobs are the model's own (before any processing).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from proto.wire import SamplingOptions, TokenLogprobs
+from worker_node import logits_processors as lp
+from worker_node.structured import GrammarMasks, GrammarRow
+from worker_node.token_counts import TokenCounts
 
-_SEED_MIX = 0x9E3779B97F4A7C15
-
-
-def step_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
-    """The generator for one output position: the same (seed, position) draws the same noise in any batch."""
-    g = torch.Generator(device=device)
-    g.manual_seed((seed * _SEED_MIX + position) % (2**63))
-    return g
+_MASK64 = (1 << 64) - 1
 
 
-def sample(
-    logits: torch.Tensor,  # [B, V] float32
-    options: list[SamplingOptions],
-    positions: list[int],  # output index each row samples (for seeded rows)
-) -> tuple[list[int], list[TokenLogprobs | None]]:
-    greedy = logits.argmax(dim=-1)
-    tokens = greedy.clone()
-    random_rows = [i for i, o in enumerate(options) if not o.greedy]
-    if random_rows:
-        rows = torch.tensor(random_rows, device=logits.device)
-        probs = _filtered_probs(logits[rows], [options[i] for i in random_rows])
-        for j, i in enumerate(random_rows):
-            seed = options[i].seed
-            g = step_generator(seed, positions[i], logits.device) if seed is not None else None
-            noise = torch.empty_like(probs[j]).exponential_(generator=g)
-            tokens[i] = (probs[j] / noise).argmax()  # Gumbel-max in exponential form: a draw from probs
-    token_list = tokens.tolist()
-    return token_list, _logprobs(logits, options, token_list)
+class SamplingRequest(Protocol):
+    """What the sampler reads of a request the worker holds."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + output so far
+    num_prompt_tokens: int
+    sampling: SamplingOptions
 
 
-def _filtered_probs(logits: torch.Tensor, options: list[SamplingOptions]) -> torch.Tensor:
-    temps = torch.tensor([o.temperature for o in options], device=logits.device).unsqueeze(1)
-    logits = logits / temps
-    top_ks = [o.top_k for o in options]
-    if any(k > 0 for k in top_ks):
-        vocab = logits.shape[-1]
-        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=logits.device)
-        kth = logits.sort(dim=-1, descending=True).values.gather(1, (ks - 1).unsqueeze(1))
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    top_ps = [o.top_p for o in options]
-    if any(p < 1.0 for p in top_ps):
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token
-        ps = torch.tensor(top_ps, device=logits.device).unsqueeze(1)
-        sorted_probs = sorted_probs.masked_fill(before >= ps, 0.0)  # the top token always stays
-        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
-    return probs
+def seeded_uniform(seed: int, position: int) -> float:
+    """A number in [0, 1) that depends only on (seed, position): splitmix64 of the two, 53 bits kept."""
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
 
 
-def _logprobs(logits: torch.Tensor, options: list[SamplingOptions], tokens: list[int]) -> list[TokenLogprobs | None]:
-    wanted = [i for i, o in enumerate(options) if o.logprobs is not None]
-    out: list[TokenLogprobs | None] = [None] * len(options)
-    if not wanted:
+class Sampler:
+    """Samples the next token of each request; keeps what spans steps (token counts, grammar matchers)."""
+
+    def __init__(self, vocab_size: int, device: torch.device, tokenizer_file: Path | None = None) -> None:
+        self.counts = TokenCounts(vocab_size, device)
+        self.grammars = GrammarMasks(tokenizer_file, vocab_size) if tokenizer_file is not None else None
+
+    def forget(self, req_id: str) -> None:
+        self.counts.release(req_id)
+        if self.grammars is not None:
+            self.grammars.forget(req_id)
+
+    def start(self, requests: Sequence[SamplingRequest]) -> None:
+        """Begin the grammar masks of the requests this step samples, while the forward pass runs."""
+        rows = [_grammar_row(r) for r in requests if r.sampling.structured is not None]
+        if rows and self.grammars is None:
+            raise ValueError("structured output needs the model's tokenizer.json on the worker")
+        if self.grammars is not None:
+            self.grammars.start(rows)
+
+    def cancel(self) -> None:
+        """The step stops before sampling (interrupted): let its masks finish, unused."""
+        if self.grammars is not None:
+            self.grammars.wait()
+
+    def sample(
+        self, logits: torch.Tensor, requests: Sequence[SamplingRequest]
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """One token per row of `logits` ([B, V] float32, row i for requests[i]); `start` was called with them."""
+        options = [r.sampling for r in requests]
+        processed = self._process(logits, requests)
+        tokens = processed.argmax(dim=-1)
+        random_rows = [i for i, o in enumerate(options) if not o.greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            probs = _warp(processed[rows], [options[i] for i in random_rows]).softmax(dim=-1)
+            outputs = [len(requests[i].token_ids) - requests[i].num_prompt_tokens for i in random_rows]
+            tokens[rows] = _draw(probs, [options[i].seed for i in random_rows], outputs)
+        token_list = tokens.tolist()
+        wanted = [i for i, o in enumerate(options) if o.logprobs is not None]
+        out: list[TokenLogprobs | None] = [None] * len(options)
+        if wanted:
+            lps = token_logprobs(
+                logits[wanted], [token_list[i] for i in wanted], [options[i].logprobs or 0 for i in wanted]
+            )
+            for i, value in zip(wanted, lps):
+                out[i] = value
+        return token_list, out
+
+    def _process(self, logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
+        """The processors every row goes through, greedy or not (a new tensor: `logits` stays the model's)."""
+        options = [r.sampling for r in requests]
+        out = logits.clone()
+        bias = [(i, t, b) for i, o in enumerate(options) for t, b in o.logit_bias.items()]
+        lp.add_bias(out, [i for i, _, _ in bias], [t for _, t, _ in bias], [b for _, _, b in bias])
+        out = self._penalties(out, requests)
+        banned = _banned(requests)
+        lp.ban(out, [i for i, _ in banned], [t for _, t in banned])
+        if self.grammars is not None and any(o.structured is not None for o in options):
+            constrained = [i for i, o in enumerate(options) if o.structured is not None]
+            allowed = self.grammars.allowed(out.device)
+            rows = torch.tensor(constrained, device=out.device)
+            out[rows] = out[rows].masked_fill(~allowed, lp.NEG_INF)
+            _revive(out, logits, rows, allowed)
         return out
-    rows = torch.tensor(wanted, device=logits.device)
-    logp = logits[rows].log_softmax(dim=-1)
-    max_k = max(options[i].logprobs or 0 for i in wanted)
-    top_v, top_i = logp.topk(max_k, dim=-1) if max_k else (None, None)
-    for j, i in enumerate(wanted):
-        k = options[i].logprobs or 0
-        top = []
-        if k and top_v is not None and top_i is not None:
-            top = list(zip(top_i[j, :k].tolist(), top_v[j, :k].tolist()))
-        out[i] = TokenLogprobs(float(logp[j, tokens[i]]), top)
-    return out
+
+    def _penalties(self, logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
+        penalised = [i for i, r in enumerate(requests) if _penalises(r.sampling)]
+        if not penalised:
+            return logits
+        chosen = [requests[i] for i in penalised]
+        slots = self.counts.rows([(r.req_id, r.token_ids, r.num_prompt_tokens) for r in chosen])
+        counts = self.counts.output[slots]
+        rows = torch.tensor(penalised, device=logits.device)
+        part = logits[rows]
+        options = [r.sampling for r in chosen]
+        if any(o.repetition_penalty != 1.0 for o in options):
+            seen = self.counts.prompt[slots] | (counts > 0)
+            part = lp.repetition_penalty(part, seen, _column([o.repetition_penalty for o in options], part))
+        if any(o.frequency_penalty or o.presence_penalty for o in options):
+            frequency = _column([o.frequency_penalty for o in options], part)
+            part = lp.frequency_presence_penalty(
+                part, counts, frequency, _column([o.presence_penalty for o in options], part)
+            )
+        logits[rows] = part
+        return logits
+
+
+def _penalises(o: SamplingOptions) -> bool:
+    return o.repetition_penalty != 1.0 or o.frequency_penalty != 0.0 or o.presence_penalty != 0.0
+
+
+def _banned(requests: Sequence[SamplingRequest]) -> list[tuple[int, int]]:
+    """(row, token) pairs banned this step: a bad word's last token where the tokens before it end the sequence
+    (HF NoBadWords, over prompt and output), and the end tokens before min_tokens (HF MinNewTokensLength)."""
+    banned = []
+    for i, r in enumerate(requests):
+        o = r.sampling
+        for word in o.bad_words:
+            prefix = len(word) - 1
+            if prefix <= len(r.token_ids) and (prefix == 0 or r.token_ids[-prefix:] == word[:-1]):
+                banned.append((i, word[-1]))
+        if len(r.token_ids) - r.num_prompt_tokens < o.min_tokens:
+            banned += [(i, t) for t in o.stop_token_ids]
+    return banned
+
+
+def _revive(out: torch.Tensor, raw: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> None:
+    """A constrained row that every processor together left without a token (a bad word or min_tokens ban on
+    the only tokens its grammar allows) samples from its grammar alone: the grammar is never broken. A matcher in
+    error (it allows nothing) leaves its row unconstrained rather than sampling from nothing."""
+    dead = torch.isneginf(out[rows]).all(dim=-1)
+    if bool(dead.any()):
+        out[rows[dead]] = raw[rows[dead]].masked_fill(~allowed[dead], lp.NEG_INF)
+        lost = rows[dead & ~allowed.any(dim=-1)]
+        out[lost] = raw[lost]
+
+
+def _warp(logits: torch.Tensor, options: list[SamplingOptions]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p, each on the rows that use it."""
+    logits = lp.temperature(logits, [o.temperature for o in options])
+    for active, warp, value in (
+        (lambda o: o.top_k > 0, lp.top_k, lambda o: o.top_k),
+        (lambda o: o.top_p < 1.0, lp.top_p, lambda o: o.top_p),
+        (lambda o: o.min_p > 0.0, lp.min_p, lambda o: o.min_p),
+    ):
+        rows = [i for i, o in enumerate(options) if active(o)]
+        if rows:
+            index = torch.tensor(rows, device=logits.device)
+            logits[index] = warp(logits[index], [value(options[i]) for i in rows])
+    return logits
+
+
+def _draw(probs: torch.Tensor, seeds: list[int | None], positions: list[int]) -> torch.Tensor:
+    """A token from each row of `probs`, for the whole batch at once: each row draws one uniform number and
+    inverts its distribution's CDF. A seeded row's number is a hash of (seed, output position), so the same
+    request draws the same token at the same position in any batch, on any worker, after any preemption."""
+    drawn = torch.rand(len(seeds), dtype=torch.float64).tolist()  # unseeded rows: torch's generator
+    uniforms = [u if seed is None else seeded_uniform(seed, pos) for u, seed, pos in zip(drawn, seeds, positions)]
+    cdf = probs.double().cumsum(dim=-1)  # float64: the last of 50k+ summands still moves the sum
+    targets = (torch.tensor(uniforms, dtype=torch.float64, device=probs.device) * cdf[:, -1]).unsqueeze(1)
+    index = torch.searchsorted(cdf, targets, right=True).squeeze(1)
+    return index.clamp_(max=probs.shape[-1] - 1)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprobs]:
+    """Each row's logprob of its token, and its ks[row] most likely tokens (best first)."""
+    logp = logits.log_softmax(dim=-1)
+    chosen = logp.gather(1, torch.tensor(tokens, device=logits.device).unsqueeze(1)).squeeze(1).tolist()
+    top_v, top_i = logp.topk(max(ks), dim=-1)
+    values, ids = top_v.tolist(), top_i.tolist()
+    return [TokenLogprobs(chosen[j], list(zip(ids[j][:k], values[j][:k]))) for j, k in enumerate(ks)]
+
+
+def _grammar_row(r: SamplingRequest) -> GrammarRow:
+    assert r.sampling.structured is not None
+    output = r.token_ids[r.num_prompt_tokens :]
+    return GrammarRow(r.req_id, r.sampling.structured, output, frozenset(r.sampling.stop_token_ids))
+
+
+def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)

@@ -16,7 +16,12 @@
  * each score s into softcap * tanh(s / softcap) before the softmax.
  *
  * Layouts are those of kernels/torch_attention.py: q [B, H, D], cache [num_blocks, block_size, Hkv, D],
- * block_tables [B, max_blocks] int32, seq_lens [B] int32, out [B, H, D]; all float32 and contiguous.
+ * block_tables [B, max_blocks] int32, seq_lens [B] int32, out [B, H, D]; all contiguous. q and out are float32;
+ * the cache is float32, or bfloat16 when built with -DKV_BF16=1: each K/V element is widened to float32 as it is
+ * read (a shift, vectorized with the loop), so a bf16 cache halves the memory traffic and every product, the
+ * softmax and the accumulator stay in float32. AVX-512 BF16's dot-product instruction is not used: the loop is
+ * bound by the loads (one widening shift per element hides behind them), and it would round the probabilities
+ * to bf16 before they weight V. The bf16 cache's gain is measured by scripts/bench_cpu_dtypes.py (README).
  */
 #include <float.h>
 #include <math.h>
@@ -25,6 +30,20 @@
 
 #if !defined(HEAD_DIM) || !defined(GROUP)
 #error "compile with -DHEAD_DIM=<head dim> -DGROUP=<query heads per kv head>"
+#endif
+
+#if KV_BF16
+typedef uint16_t kv_t; /* bfloat16: the upper half of a float32 */
+static inline float kv_load(const kv_t *p, int64_t i) {
+    union {
+        uint32_t bits;
+        float value;
+    } x = {(uint32_t)p[i] << 16};
+    return x.value;
+}
+#else
+typedef float kv_t;
+static inline float kv_load(const kv_t *p, int64_t i) { return p[i]; }
 #endif
 #define MAX_KV_HEADS 16
 #define MAX_BLOCK_SIZE 64
@@ -43,19 +62,21 @@ typedef struct {
     float running_max[GROUP], denom[GROUP];
 } HeadState;
 
-static void prefetch_block(const float *block, int64_t floats) {
-    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(block + i);
+static void prefetch_block(const kv_t *block, int64_t elements) {
+    for (int64_t i = 0; i < elements; i += 64 / (int64_t)sizeof(kv_t)) __builtin_prefetch(block + i);
 }
 
 /* One kv head over n consecutive tokens of a block: scores, online softmax, then V into the registers'
  * accumulator. */
-static inline void attend_block(HeadState *st, const float *keys, const float *values, int64_t n,
+static inline void attend_block(HeadState *st, const kv_t *keys, const kv_t *values, int64_t n,
                                 int64_t row_stride, float softcap) {
     for (int64_t t = 0; t < n; ++t) {
-        const float *key = keys + t * row_stride;
+        const kv_t *key = keys + t * row_stride;
+        float k[HEAD_DIM];
+        for (int d = 0; d < HEAD_DIM; ++d) k[d] = kv_load(key, d);
         for (int g = 0; g < GROUP; ++g) {
             float dot = 0.0f;
-            for (int d = 0; d < HEAD_DIM; ++d) dot += st->q[g][d] * key[d];
+            for (int d = 0; d < HEAD_DIM; ++d) dot += st->q[g][d] * k[d];
             st->probs[g][t] = dot;
         }
     }
@@ -78,17 +99,19 @@ static inline void attend_block(HeadState *st, const float *keys, const float *v
         for (int d = 0; d < HEAD_DIM; ++d) acc[g][d] = st->acc[g][d] * correction;
     }
     for (int64_t t = 0; t < n; ++t) {
-        const float *value = values + t * row_stride;
+        const kv_t *value = values + t * row_stride;
+        float v[HEAD_DIM];
+        for (int d = 0; d < HEAD_DIM; ++d) v[d] = kv_load(value, d);
         for (int g = 0; g < GROUP; ++g) {
             const float p = st->probs[g][t];
-            for (int d = 0; d < HEAD_DIM; ++d) acc[g][d] += p * value[d];
+            for (int d = 0; d < HEAD_DIM; ++d) acc[g][d] += p * v[d];
         }
     }
     memcpy(st->acc, acc, sizeof(acc));
 }
 
 /* Kv heads [h0, h1) of one sequence; q and out point at the sequence's first query head. */
-static void attend(const Shape *s, const float *q, const float *k_cache, const float *v_cache,
+static void attend(const Shape *s, const float *q, const kv_t *k_cache, const kv_t *v_cache,
                    const int32_t *blocks, int64_t seq_len, int64_t h0, int64_t h1, float *out) {
     HeadState heads[MAX_KV_HEADS];
     for (int64_t h = h0; h < h1; ++h) {
@@ -124,10 +147,10 @@ static void attend(const Shape *s, const float *q, const float *k_cache, const f
     }
 }
 
-void paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
-                                const int32_t *block_tables, const int32_t *seq_lens, float *out, int64_t batch,
-                                int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, float scale,
-                                int num_threads, int64_t window, float softcap) {
+void paged_decode_attention(const float *q, const kv_t *k_cache, const kv_t *v_cache, const int32_t *block_tables,
+                            const int32_t *seq_lens, float *out, int64_t batch, int64_t num_kv_heads,
+                            int64_t block_size, int64_t max_blocks, float scale, int num_threads, int64_t window,
+                            float softcap) {
     const int64_t row_stride = num_kv_heads * HEAD_DIM;
     const Shape s = {block_size, row_stride, block_size * row_stride, window, scale, softcap};
     const int64_t heads_per_item = batch >= 2 * num_threads ? num_kv_heads : 1;

@@ -184,6 +184,8 @@ def _response(request_id: str, d: Delta) -> pb.GenerateResponse:
     )
     for lp in d.logprobs:
         resp.logprobs.add(logprob=lp.logprob, top=[pb.TokenLogprob(token_id=t, logprob=p) for t, p in lp.top])
+    for lp in d.prompt_logprobs:
+        resp.prompt_logprobs.add(logprob=lp.logprob, top=[pb.TokenLogprob(token_id=t, logprob=p) for t, p in lp.top])
     if d.finish_reason:
         resp.usage.prompt_tokens = d.prompt_tokens
         resp.usage.completion_tokens = d.completion_tokens

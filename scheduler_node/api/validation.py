@@ -8,12 +8,15 @@ token can fit, so a huge prompt is refused at once instead of costing seconds of
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from proto import serving_pb2 as pb
-from proto.wire import SamplingOptions
+from proto.structured import grammar_error
+from proto.wire import SamplingOptions, StructuredOutput
 from scheduler_node.core.request import RequestSpec
 from scheduler_node.text.tokenizer import ModelTokenizer
 
@@ -24,6 +27,14 @@ MAX_STOP_CHARS = 256
 MAX_ID_LENGTH = 256
 MAX_MESSAGES = 1024
 DEFAULT_PRIORITY = 50
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 1024  # entries
+MAX_BIAS = 100.0  # |bias| at most (OpenAI's range)
+MAX_PENALTY = 2.0  # |frequency_penalty|, |presence_penalty| at most (OpenAI's range)
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_CHARS = 256
+MAX_CHOICES = 256
+MAX_GRAMMAR_CHARS = 64 * 1024  # a schema's JSON text, a regex, or the choices together
 
 
 class InvalidField(ValueError):
@@ -45,6 +56,27 @@ class SamplingFields:
     seed: int | None = None
     stop: Sequence[str] = field(default_factory=tuple)
     ignore_eos: bool = False
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: Sequence[int] = field(default_factory=tuple)
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    bad_words: Sequence[str] = field(default_factory=tuple)
+    prompt_logprobs: int | None = None
+    structured: StructuredFields | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredFields:
+    """A constraint on the output text as a door received it; exactly one field is set. The OpenAI door's
+    response_format maps to `json` (json_schema) or `json_object`."""
+
+    json: str | Mapping[str, Any] | None = None  # a JSON schema: its text, or parsed
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    json_object: bool = False
 
 
 def max_prompt_chars(tokenizer: ModelTokenizer, max_model_len: int) -> int:
@@ -109,6 +141,7 @@ def build_spec(
     s: SamplingFields,
     max_model_len: int,
     *,
+    tokenizer: ModelTokenizer,  # token ids are checked against its vocabulary, bad words and grammars use it
     request_id: str = "",
     priority: int = DEFAULT_PRIORITY,
     cache_salt: str = "",
@@ -146,17 +179,149 @@ def build_spec(
         raise InvalidField(prefix + "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(s.stop)}")
     if any(len(x) > MAX_STOP_CHARS for x in s.stop):
         raise InvalidField(prefix + "stop", f"a stop string is longer than {MAX_STOP_CHARS} characters")
+    vocab = tokenizer.vocab_size
+    sampling = SamplingOptions(
+        temperature,
+        top_p,
+        top_k,
+        s.seed,
+        s.logprobs,
+        min_p=_in_range(s.min_p, 0.0, 0.0, 1.0, prefix + "min_p"),
+        repetition_penalty=_repetition_penalty(s.repetition_penalty, prefix),
+        frequency_penalty=_in_range(s.frequency_penalty, 0.0, -MAX_PENALTY, MAX_PENALTY, prefix + "frequency_penalty"),
+        presence_penalty=_in_range(s.presence_penalty, 0.0, -MAX_PENALTY, MAX_PENALTY, prefix + "presence_penalty"),
+        logit_bias=_logit_bias(s.logit_bias, vocab, prefix + "logit_bias"),
+        bad_words=_bad_words(s.bad_words, tokenizer, prefix + "bad_words"),
+        min_tokens=_min_tokens(s.min_tokens, max_tokens, prefix),
+        prompt_logprobs=_prompt_logprobs(s.prompt_logprobs, prefix),
+        structured=None if s.structured is None else _structured(s.structured, tokenizer, prefix + "structured"),
+    )
     return RequestSpec(
         request_id=request_id,
         prompt_token_ids=prompt_ids,
-        sampling=SamplingOptions(temperature, top_p, top_k, s.seed, s.logprobs),
+        sampling=sampling,
         max_tokens=max_tokens,
         stop=[x for x in s.stop if x],
         ignore_eos=s.ignore_eos,
         n=n,
         priority=priority,
         cache_salt=cache_salt,
+        stop_token_ids=_token_ids(s.stop_token_ids, vocab, MAX_STOP_TOKEN_IDS, prefix + "stop_token_ids"),
     )
+
+
+def _in_range(value: float | None, default: float, low: float, high: float, name: str) -> float:
+    value = default if value is None else value
+    if not low <= value <= high:  # NaN fails too
+        raise InvalidField(name, f"must be in [{low:g}, {high:g}], got {value}")
+    return float(value)
+
+
+def _repetition_penalty(value: float | None, prefix: str) -> float:
+    value = 1.0 if value is None else value
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidField(prefix + "repetition_penalty", f"must be a finite number > 0 (1: off), got {value}")
+    return float(value)
+
+
+def _min_tokens(value: int | None, max_tokens: int, prefix: str) -> int:
+    value = 0 if value is None else value
+    if not 0 <= value <= max_tokens:
+        raise InvalidField(prefix + "min_tokens", f"must be in [0, max_tokens = {max_tokens}], got {value}")
+    return value
+
+
+def _prompt_logprobs(value: int | None, prefix: str) -> int | None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise InvalidField(prefix + "prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {value}")
+    return value
+
+
+def _token_ids(ids: Sequence[int], vocab: int, limit: int, name: str) -> list[int]:
+    if len(ids) > limit:
+        raise InvalidField(name, f"at most {limit} token ids, got {len(ids)}")
+    bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidField(name, f"token id {bad!r} is outside [0, {vocab})")
+    return sorted(set(ids))
+
+
+def _logit_bias(bias: Mapping[int, float], vocab: int, name: str) -> dict[int, float]:
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidField(name, f"at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+    out: dict[int, float] = {}
+    for token, value in bias.items():
+        token = _bias_token(token, vocab, name)
+        if not isinstance(value, (int, float)) or not -MAX_BIAS <= value <= MAX_BIAS:
+            raise InvalidField(name, f"token {token}: bias must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {value!r}")
+        out[token] = float(value)
+    return out
+
+
+def _bias_token(token: Any, vocab: int, name: str) -> int:
+    """A logit_bias key: a token id, or its decimal text (JSON object keys are strings)."""
+    if isinstance(token, str) and token.strip().lstrip("-").isdigit():
+        token = int(token)
+    if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
+        raise InvalidField(name, f"token id {token!r} is outside [0, {vocab})")
+    return token
+
+
+def _bad_words(words: Sequence[str], tokenizer: ModelTokenizer, name: str) -> list[list[int]]:
+    """Each word's token sequences, alone and after a space, as vLLM bans them (mid-text words carry the space)."""
+    if len(words) > MAX_BAD_WORDS:
+        raise InvalidField(name, f"at most {MAX_BAD_WORDS} words, got {len(words)}")
+    sequences: list[list[int]] = []
+    for word in words:
+        if not isinstance(word, str) or not word.strip() or len(word) > MAX_BAD_WORD_CHARS:
+            raise InvalidField(name, f"each word must be non-blank text of at most {MAX_BAD_WORD_CHARS} characters")
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return sequences
+
+
+def _structured(fields: StructuredFields, tokenizer: ModelTokenizer, name: str) -> StructuredOutput:
+    given = [k for k in ("json", "regex", "choice") if getattr(fields, k) is not None]
+    given += ["json_object"] if fields.json_object else []
+    if len(given) != 1:
+        raise InvalidField(name, f"exactly one of json, regex, choice or json_object, got {given or 'none'}")
+    kind = given[0]
+    structured = StructuredOutput(kind, _structured_spec(fields, kind, f"{name}.{kind}"))
+    error = grammar_error(structured, tokenizer.grammar_tokenizer)
+    if error:
+        raise InvalidField(f"{name}.{kind}", error.strip().splitlines()[0])
+    return structured
+
+
+def _structured_spec(fields: StructuredFields, kind: str, name: str) -> str:
+    if kind == "json_object":
+        return ""
+    if kind == "regex":
+        spec = fields.regex or ""
+    elif kind == "choice":
+        choices = list(fields.choice or [])
+        if not choices or len(choices) > MAX_CHOICES or not all(isinstance(c, str) and c for c in choices):
+            raise InvalidField(name, f"must be 1 to {MAX_CHOICES} non-empty strings")
+        spec = json.dumps(choices)
+    else:
+        spec = _schema_text(fields.json, name)
+    if not spec:
+        raise InvalidField(name, "must not be empty")
+    if len(spec) > MAX_GRAMMAR_CHARS:
+        raise InvalidField(name, f"longer than {MAX_GRAMMAR_CHARS} characters")
+    return spec
+
+
+def _schema_text(schema: str | Mapping[str, Any] | None, name: str) -> str:
+    try:
+        parsed = json.loads(schema) if isinstance(schema, str) else schema
+    except ValueError as exc:
+        raise InvalidField(name, f"not JSON: {exc}") from None
+    if not isinstance(parsed, Mapping):
+        raise InvalidField(name, "a JSON schema must be a JSON object")
+    return json.dumps(parsed)
 
 
 # ---- the gRPC door
@@ -181,6 +346,16 @@ def validate(
         seed=given("seed"),
         stop=list(s.stop),
         ignore_eos=s.ignore_eos,
+        min_p=given("min_p"),
+        repetition_penalty=given("repetition_penalty"),
+        frequency_penalty=given("frequency_penalty"),
+        presence_penalty=given("presence_penalty"),
+        min_tokens=given("min_tokens"),
+        stop_token_ids=list(s.stop_token_ids),
+        logit_bias=dict(s.logit_bias),
+        bad_words=list(s.bad_words),
+        prompt_logprobs=given("prompt_logprobs"),
+        structured=_structured_fields(s),
     )
     if len(request.request_id) > MAX_ID_LENGTH:  # before any tokenizer work
         raise InvalidField("request_id", f"longer than {MAX_ID_LENGTH} characters")
@@ -188,11 +363,25 @@ def validate(
         _prompt_ids(request, tokenizer, max_model_len),
         fields,
         max_model_len,
+        tokenizer=tokenizer,
         request_id=request.request_id,
         priority=_priority(request, priority_header),
         cache_salt=request.cache_salt,
         prefix="sampling.",
     )
+
+
+def _structured_fields(s: pb.SamplingParams) -> StructuredFields | None:
+    which = s.WhichOneof("structured")
+    if which == "json":
+        return StructuredFields(json=s.json)
+    if which == "regex":
+        return StructuredFields(regex=s.regex)
+    if which == "choice":
+        return StructuredFields(choice=list(s.choice.choices))
+    if which == "json_object" and s.json_object:
+        return StructuredFields(json_object=True)
+    return None
 
 
 def _priority(request: pb.GenerateRequest, header: str | None) -> int:

@@ -107,7 +107,8 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
-        help="model dtype on the workers (auto: bfloat16 on GPU, float32 on CPU)",
+        help="model dtype on the workers (auto: bfloat16 on GPU and on CPUs with AVX-512 BF16 or AMX, float32 on "
+        "other CPUs)",
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (8, 16, 32, 64, 128)")
     p.add_argument(

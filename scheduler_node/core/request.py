@@ -7,7 +7,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from proto.wire import NewRequest, SamplingOptions
+from proto.wire import NewRequest, SamplingOptions, TokenLogprobs
 from scheduler_node.core.block_table import BlockHash, hash_block
 
 
@@ -29,6 +29,15 @@ class Status(enum.Enum):
 class StopConditions:
     max_tokens: int
     eos_token_ids: frozenset[int] = frozenset()  # empty when ignore_eos
+    stop_token_ids: frozenset[int] = frozenset()  # the request's own, besides eos
+    min_tokens: int = 0  # a stop token ends the output only after this many tokens
+
+    def ends(self, token: int, num_output_tokens: int) -> bool:
+        """Does `token`, the output's `num_output_tokens`-th, end it? (The worker bans stop tokens before
+        min_tokens; this keeps the rule where a token gets here anyway.)"""
+        if num_output_tokens <= self.min_tokens:
+            return False
+        return token in self.eos_token_ids or token in self.stop_token_ids
 
 
 _arrivals = itertools.count()
@@ -52,6 +61,9 @@ class Request:
     swapped: bool = False  # preempted with its KV on the workers' host memory
     num_placeholders: int = 0  # tokens being sampled in steps whose results have not come back
     forks: list[Request] = field(default_factory=list)  # n > 1: siblings started once the prompt is computed
+    # With prompt_logprobs: entry i is prompt token i + 1's (the first token has none), gathered chunk by chunk.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    stopped_by_token: bool = False  # ended by eos or a stop token (its text is not part of the output)
 
     @property
     def num_tokens(self) -> int:
@@ -82,13 +94,25 @@ class Request:
         for token in token_ids:
             self.output_token_ids.append(token)
             kept.append(token)
-            if token in self.stop.eos_token_ids:
+            if self.stop.ends(token, len(self.output_token_ids)):
                 self.status = Status.FINISHED_STOPPED
+                self.stopped_by_token = True
                 break
             if len(self.output_token_ids) >= self.stop.max_tokens:
                 self.status = Status.FINISHED_LENGTH
                 break
         return kept
+
+    def add_prompt_logprobs(self, first: int, logprobs: list[TokenLogprobs]) -> None:
+        """A chunk's prompt logprobs, from prompt position `first` on. A recomputed chunk (after preemption) brings
+        positions already held: only the new ones are kept."""
+        held = len(self.prompt_logprobs) + 1  # the next position wanted
+        if first <= held < first + len(logprobs):
+            self.prompt_logprobs.extend(logprobs[held - first :])
+
+    @property
+    def prompt_logprobs_done(self) -> bool:
+        return len(self.prompt_logprobs) == len(self.prompt_token_ids) - 1
 
     def to_new_request(self, block_ids: list[int]) -> NewRequest:
         return NewRequest(
@@ -114,3 +138,4 @@ class RequestSpec:
     n: int
     priority: int
     cache_salt: str = ""
+    stop_token_ids: list[int] = field(default_factory=list)  # besides eos: tokens that end the output

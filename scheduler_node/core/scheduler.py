@@ -225,7 +225,10 @@ class Scheduler:
         if bt.blocks_of(req.req_id):
             return bt.blocks_needed(req.req_id, first, first + min(req.num_tokens - first, budget)), []
         hashes = req.update_block_hashes(bt.block_size)
-        hits = bt.match_prefix(hashes[: (req.num_tokens - 1) // bt.block_size])  # the last token is recomputed
+        cacheable = (req.num_tokens - 1) // bt.block_size  # the last token is recomputed
+        if req.sampling.prompt_logprobs is not None and not req.prompt_logprobs_done:
+            cacheable = 0  # a cached prefix has no logits: the prompt is computed in full to score every token
+        hits = bt.match_prefix(hashes[:cacheable])
         hit_tokens = len(hits) * bt.block_size
         n = min(req.num_tokens - hit_tokens, budget)
         reused_free = sum(1 for b in hits if bt.is_free(b))
@@ -374,6 +377,9 @@ class Scheduler:
                 # blocks are not written yet (and are never written if those plans are interrupted).
                 full = sent.ends[req_id] // self.blocks.block_size
                 self.blocks.register(req_id, req.update_block_hashes(self.blocks.block_size)[:full])
+        for req_id, (first, logprobs) in result.prompt_logprobs.items():
+            if (req := self.requests.get(req_id)) is not None:  # kept even if preempted since: positions are checked
+                req.add_prompt_logprobs(first, logprobs)
         outputs = []
         for req_id, token_ids in result.sampled.items():
             req = self.requests.get(req_id)

@@ -116,18 +116,20 @@ class EngineCore:
             raise RuntimeError(self.failed)
         stream = RequestStream(spec.request_id, spec.n)
         eos = frozenset() if spec.ignore_eos else self.tokenizer.eos_token_ids
+        stop = StopConditions(spec.max_tokens, eos, frozenset(spec.stop_token_ids), spec.sampling.min_tokens)
+        # The worker bans the tokens that end the output until min_tokens, and lets a grammar end only with them.
+        ending = dataclasses.replace(spec.sampling, stop_token_ids=sorted(eos | stop.stop_token_ids))
         internal = []
         sequences: list[Request] = []
         for index in range(spec.n):
             req_id = f"{spec.request_id}#{next(self._ids)}"
-            sampling = spec.sampling
+            sampling = ending
             if spec.n > 1 and sampling.seed is not None:
                 sampling = dataclasses.replace(sampling, seed=sampling.seed + index)
-            stop = StopConditions(spec.max_tokens, eos)
             sequences.append(
                 Request(req_id, spec.prompt_token_ids, sampling, stop, spec.priority, cache_salt=spec.cache_salt)
             )
-            detok = IncrementalDetokenizer(self.tokenizer, spec.prompt_token_ids, spec.stop)
+            detok = IncrementalDetokenizer(self.tokenizer, spec.prompt_token_ids, spec.stop, spec.sampling.min_tokens)
             self._sequences[req_id] = SequenceOutput(stream, index, detok)
             internal.append(req_id)
         self.scheduler.add(sequences[0], forks=sequences[1:])  # siblings share the prompt's blocks
@@ -409,7 +411,8 @@ class EngineCore:
         seq = self._sequences.get(out.request.req_id)
         if seq is None:
             return
-        seq.detokenizer.add(out.new_token_ids)
+        text_ids = out.new_token_ids[:-1] if out.request.stopped_by_token else out.new_token_ids
+        seq.detokenizer.add(text_ids)  # the token that stopped the output is not part of its text
         if seq.detokenizer.stopped and not out.request.finished:
             self.scheduler.finish(out.request.req_id, Status.FINISHED_STOPPED)
         self._emit(out.request, out.new_token_ids, out.logprobs)
@@ -422,6 +425,9 @@ class EngineCore:
             self._observe_tokens(seq, req, len(token_ids))
         finished = req.finished
         delta = Delta(seq.index, token_ids, seq.detokenizer.delta(final=finished), logprobs=logprobs)
+        if token_ids and seq.index == 0 and req.sampling.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+            delta.prompt_logprobs = list(req.prompt_logprobs)  # complete once the first token is sampled
+            seq.prompt_logprobs_sent = True
         if finished:
             delta.finish_reason = req.status.value
             delta.prompt_tokens = len(req.prompt_token_ids)

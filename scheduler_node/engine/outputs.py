@@ -20,6 +20,7 @@ class Delta:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # with the first tokens, when asked
     error: str = ""  # set with finish_reason "error": why the request failed
     code: str = ""  # with finish_reason "error": the gRPC status name (UNAVAILABLE, DEADLINE_EXCEEDED, ...)
 
@@ -50,3 +51,4 @@ class SequenceOutput:
     arrival: float = field(default_factory=time.monotonic)
     scheduled: bool = False
     last_token_at: float = 0.0  # 0 until the first token
+    prompt_logprobs_sent: bool = False

@@ -8,8 +8,10 @@ _CONTEXT_TOKENS = 5  # prompt tokens decoded alongside, so a leading space or me
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: ModelTokenizer, prompt_ids: list[int], stop: list[str]) -> None:
+    def __init__(self, tokenizer: ModelTokenizer, prompt_ids: list[int], stop: list[str], min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
+        self.min_tokens = min_tokens  # stop strings in the text of the first min_tokens tokens do not stop it
+        self.num_tokens = 0
         self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -24,6 +26,7 @@ class IncrementalDetokenizer:
         if self.stopped:
             return
         self.ids.extend(token_ids)
+        self.num_tokens += len(token_ids)
         prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
         full = self.tokenizer.decode(self.ids[self.prefix_offset :])
         if full.endswith("\ufffd") or len(full) <= len(prefix):
@@ -32,7 +35,7 @@ class IncrementalDetokenizer:
         self.text += full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         cuts = [c for c in (self.text.find(s, searched_from) for s in self.stop) if c != -1]
-        if cuts:
+        if cuts and self.num_tokens > self.min_tokens:
             self.text = self.text[: min(cuts)]
             self.stopped = True
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from llguidance import LLTokenizer
 from tokenizers import Tokenizer
 
 
@@ -17,6 +19,7 @@ class ModelTokenizer:
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"{folder} has no tokenizer.json")
+        self.path = path
         self.tokenizer = Tokenizer.from_file(str(path))
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         config = _read_json(folder / "tokenizer_config.json")
@@ -32,8 +35,13 @@ class ModelTokenizer:
         # The longest text one token stands for: text longer than max_model_len times this cannot fit.
         self.max_token_chars = max(1, max(len(t) for t in self.tokenizer.get_vocab(with_added_tokens=True)))
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @functools.cached_property
+    def grammar_tokenizer(self) -> LLTokenizer:
+        """The vocabulary as the grammar engine sees it (built on first use: about half a second)."""
+        return LLTokenizer(str(self.path))
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -93,3 +93,53 @@ def test_backend_is_frozen() -> None:
     chosen = select_attention_backend("torch", CPU)
     with pytest.raises(dataclasses.FrozenInstanceError):
         chosen.name = "other"  # type: ignore[misc]
+
+
+def test_a_users_backend_is_loaded_from_module_and_class() -> None:
+    chosen = select_attention_backend("deploy.custom_attention:PaddedDecodeAttention", CPU)
+    assert chosen.name == "deploy.custom_attention:PaddedDecodeAttention"
+    assert chosen.decode_attention.__self__.__class__.__name__ == "PaddedDecodeAttention"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [  # the last two: a class that cannot be built without arguments, one without the three methods
+        ("no_such_module:Backend", "cannot load attention backend 'no_such_module:Backend'"),
+        ("deploy.custom_attention:Missing", "cannot load attention backend 'deploy.custom_attention:Missing'"),
+        ("deploy.custom_attention:torch_attention", "is not a class"),
+        ("kernels.backend:AttentionBackend", "cannot build attention backend 'kernels.backend:AttentionBackend'"),
+        ("collections:OrderedDict", "has no method write_kv, decode_attention, prefill_attention"),
+    ],
+)
+def test_a_broken_users_backend_is_named_in_the_error(name: str, message: str) -> None:
+    with pytest.raises(ValueError) as err:
+        select_attention_backend(name, CPU)
+    assert message in str(err.value)
+
+
+def test_the_example_users_backend_matches_hf(tiny_llama_dir) -> None:  # type: ignore[no-untyped-def]
+    """deploy/custom_attention.py through the model runner: greedy tokens are HF's at float32 precision."""
+    import random
+
+    from tests.engine import generate, load_runner
+    from tests.models import assert_teacher_forced, load_hf
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (3, 17, 40)]
+    runner = load_runner(tiny_llama_dir, 24, 16, backend="deploy.custom_attention:PaddedDecodeAttention")
+    outputs, _ = generate(tiny_llama_dir, runner, prompts, [12, 20, 9], max_num_batched_tokens=32)
+    hf = load_hf(tiny_llama_dir)
+    for output, prompt, wanted in zip(outputs, prompts, [12, 20, 9]):
+        assert len(output) == wanted
+        assert_teacher_forced(hf, prompt, output)
+
+
+def test_the_worker_flag_takes_names_and_module_class(capsys: pytest.CaptureFixture[str]) -> None:
+    from worker_node.worker import build_parser
+
+    parser = build_parser()
+    for value in ("native", "deploy.custom_attention:PaddedDecodeAttention"):
+        assert parser.parse_args(["--attention-backend", value]).attention_backend == value
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--attention-backend", "flash"])
+    assert "expected one of auto, triton, native, torch or module:Class, got 'flash'" in capsys.readouterr().err

@@ -13,18 +13,41 @@ def native() -> cpu_attention.NativeDecodeAttention:
     return cpu_attention.NativeDecodeAttention(torch_attention.paged_decode_attention)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("block_size", "head_dim"), [(16, 32), (32, 64), (8, 128)])
 @pytest.mark.parametrize(("num_kv_heads", "group"), [(2, 1), (2, 3), (1, 8), (3, 3)])
 def test_decode_matches_dense(
-    native: cpu_attention.NativeDecodeAttention, block_size: int, head_dim: int, num_kv_heads: int, group: int
+    native: cpu_attention.NativeDecodeAttention,
+    block_size: int,
+    head_dim: int,
+    num_kv_heads: int,
+    group: int,
+    dtype: torch.dtype,
 ) -> None:
     gen = torch.Generator().manual_seed(block_size + head_dim + 7 * group + num_kv_heads)
     lens = [1, block_size - 1, block_size, block_size + 1, 5 * block_size + 3, 2]
-    batch = make_paged_batch(lens, lens, num_kv_heads, head_dim, block_size, torch.float32, gen)
-    q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=gen) * 3  # peaked softmaxes too
+    batch = make_paged_batch(lens, lens, num_kv_heads, head_dim, block_size, dtype, gen)
+    q = (torch.randn(len(lens), num_kv_heads * group, head_dim, generator=gen) * 3).to(dtype)  # peaked too
     out = native(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, head_dim**-0.5)
+    assert out.dtype == dtype
+    # The oracle sees the same bf16 values in float64: the kernel's only loss is float32 arithmetic, plus the
+    # rounding of its output to bf16.
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
     for i, n in enumerate(lens):
         want = dense_causal_attention(q[i : i + 1], batch.keys[i], batch.values[i], head_dim**-0.5, n - 1)
+        assert rel_err(out[i : i + 1], want) < tol, f"sequence {i} of length {n}"
+
+
+def test_bf16_cache_is_read_in_float32(native: cpu_attention.NativeDecodeAttention) -> None:
+    """float32 queries over a bf16 cache: no rounding anywhere but the cache's own, so float32 accuracy."""
+    gen = torch.Generator().manual_seed(11)
+    lens = [3, 40, 17]
+    batch = make_paged_batch(lens, lens, 3, 64, 16, torch.bfloat16, gen)
+    q = torch.randn(len(lens), 9, 64, generator=gen) * 3
+    out = native(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125)
+    assert out.dtype == torch.float32
+    for i, n in enumerate(lens):
+        want = dense_causal_attention(q[i : i + 1], batch.keys[i], batch.values[i], 0.125, n - 1)
         assert rel_err(out[i : i + 1], want) < 1e-5, f"sequence {i} of length {n}"
 
 
@@ -52,10 +75,12 @@ def test_uncovered_inputs_go_to_the_fallback(native: cpu_attention.NativeDecodeA
     calls = []
     fallback = cpu_attention.NativeDecodeAttention(lambda *args, **options: calls.append(args) or args[0])
     fallback(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.25)
-    assert len(calls) == 1, "float64 is not the kernel's: the torch path must take it"
+    assert len(calls) == 1, "a float64 cache is not the kernel's: the torch path must take it"
+    fallback(q.float(), batch.k_cache.half(), batch.v_cache.half(), batch.block_tables, batch.seq_lens, 0.25)
+    assert len(calls) == 2, "neither is float16"
     too_wide = torch.randn(2, 2 * 17, 16)  # 17 query heads per kv head: more than the kernel is built for
     fallback(too_wide, batch.k_cache.float(), batch.v_cache.float(), batch.block_tables, batch.seq_lens, 0.25)
-    assert len(calls) == 2
+    assert len(calls) == 3
 
 
 def test_build_is_cached_per_source_shape_and_cpu(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -70,6 +95,8 @@ def test_build_is_cached_per_source_shape_and_cpu(tmp_path, monkeypatch: pytest.
     assert built[0].stat().st_mtime_ns == stamp, "a second load must reuse the built library"
     assert cpu_attention.load(32, 4) is not None
     assert len(list((tmp_path / "kernels").glob("*.so"))) == 2, "another head shape is another build"
+    assert cpu_attention.load(32, 4, torch.bfloat16) is not None
+    assert len(list((tmp_path / "kernels").glob("*.so"))) == 3, "a bf16 cache is another build"
     cpu_attention.load.cache_clear()
 
 

@@ -198,8 +198,26 @@ class ParallelLMHead(nn.Module):
         self.comm = comm
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = self.comm.gather_to_first(F.linear(hidden, self.weight))
+        local = F.linear(hidden, self.weight)
+        if local.dtype != torch.float32:
+            local = rescore_top_logits(local, hidden, self.weight)
+        logits = self.comm.gather_to_first(local)
         if logits is None:
             return None
         logits = logits[:, : self.vocab_size].float()
         return logits if not self.softcap else torch.tanh(logits / self.softcap) * self.softcap
+
+
+RESCORED_LOGITS = 8
+
+
+def rescore_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Float32 logits whose top candidates are recomputed in float32 from the same bf16/fp16 operands.
+
+    A bf16 logit is rounded to a step of 1/16 to 1/8 at the magnitudes of a model's best tokens (8 to 32), so
+    near-ties would resolve by token id instead of by score; the top few of each row (each TP rank's own vocab
+    rows, whose union holds the global top) are cheap to score exactly, the rest keep their rounded values.
+    """
+    top = logits.topk(min(RESCORED_LOGITS, logits.shape[-1]), dim=-1).indices  # [B, k]
+    exact = torch.einsum("bd,bkd->bk", hidden.float(), weight[top].float())
+    return logits.float().scatter_(1, top, exact)

@@ -1,0 +1,71 @@
+"""The benchmark and GPU-check scripts run as CI runs them: quick modes that exercise every code path on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _run_script(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_bench_throughput_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "throughput.json"
+    run = _run_script("scripts/bench_throughput.py", "--smoke", "--threads", "1", "--json", str(out))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = {(r["engine"], r["dtype"], r["how"].split(",")[0]) for r in report["rows"]}
+    for dtype in ("float32", "bfloat16"):
+        assert ("minivllm", dtype, "vllm-serve") in rows
+        assert ("minivllm", dtype, "in-process") in rows
+        assert ("HF transformers", dtype, "generate") in rows
+    assert all(r["tokens"] == report["output_tokens"] and r["tok_s"] > 0 for r in report["rows"])
+    assert "| minivllm | bfloat16 | vllm-serve, gRPC |" in run.stdout
+
+
+def _gpu_check(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable, "WHL": str(tmp_path / "no-wheels")}
+    return subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--out", str(tmp_path / "out"), *flags],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_gpu_check_dry_run_imports_every_part(tmp_path: Path) -> None:
+    run = _gpu_check(tmp_path, "--dry-run", "--skip", "tp")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert report["dry_run"] is True
+    assert "kernels.triton_attention" in report["imports"] and "zmq" in report["imports"]
+    assert (Path(report["model"]) / "config.json").is_file(), "the default model converts without a hub"
+    assert report["parts"] == ["kernels", "engine"]
+
+
+def test_gpu_check_rejects_an_unknown_part(tmp_path: Path) -> None:
+    run = _gpu_check(tmp_path, "--dry-run", "--skip", "kernels,bogus")
+    assert run.returncode == 2
+    assert "--skip: unknown part(s) bogus" in run.stderr
+
+
+def test_bench_cpu_dtypes_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "cpu_dtypes.json"
+    run = _run_script("scripts/bench_cpu_dtypes.py", "--smoke", "--threads", "1", "--json", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [row["rows"] for row in report["table"]] == [1, 16]
+    dtypes = ("float32", "bfloat16")
+    assert all(row[d]["layer_ms"] > 0 and row[d]["head_ms"] > 0 for row in report["table"] for d in dtypes)
+    assert all(row["float32_ms"] > 0 and row["bfloat16_ms"] > 0 for row in report["attention"])

@@ -1,0 +1,65 @@
+"""Per-request token counts for the penalties, kept on the device and updated incrementally.
+
+A request that asks for a penalty gets a row: which tokens its prompt holds (set once) and how often each token
+occurs in its output (one scatter-add of the tokens appended since the last step, for all requests at once). A
+step gathers the rows of its batch in one indexing operation: nothing is recounted from the token lists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class TokenCounts:
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self._rows: dict[str, int] = {}
+        self._counted: dict[str, int] = {}  # output tokens already added to each row
+        self._free: list[int] = []
+        self.prompt = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+        self.output = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)
+
+    def rows(self, requests: Sequence[tuple[str, list[int], int]]) -> torch.Tensor:
+        """The rows of these (req_id, token_ids, num_prompt_tokens), brought up to date with their tokens."""
+        slots, tokens, added = [], [], []
+        for req_id, token_ids, num_prompt in requests:
+            row = self._rows.get(req_id)
+            if row is None:
+                row = self._take(req_id)
+                self.prompt[row, torch.tensor(token_ids[:num_prompt], dtype=torch.int64, device=self.device)] = True
+            new = token_ids[num_prompt + self._counted[req_id] :]
+            self._counted[req_id] += len(new)
+            tokens += new
+            added += [row] * len(new)
+            slots.append(row)
+        if tokens:
+            index = (torch.tensor(added, device=self.device), torch.tensor(tokens, device=self.device))
+            self.output.index_put_(index, torch.ones(len(tokens), dtype=torch.int32, device=self.device), True)
+        return torch.tensor(slots, dtype=torch.int64, device=self.device)
+
+    def release(self, req_id: str) -> None:
+        row = self._rows.pop(req_id, None)
+        if row is not None:
+            del self._counted[req_id]
+            self._free.append(row)
+
+    def _take(self, req_id: str) -> int:
+        if not self._free:
+            self._grow()
+        row = self._free.pop()
+        self.prompt[row] = False
+        self.output[row] = 0
+        self._rows[req_id] = row
+        self._counted[req_id] = 0
+        return row
+
+    def _grow(self) -> None:
+        """Double the rows (at least 8): requests with penalties come and go, the table keeps its peak size."""
+        old = self.prompt.shape[0]
+        new = max(8, 2 * old)
+        self.prompt = torch.cat([self.prompt, self.prompt.new_zeros(new - old, self.vocab_size)])
+        self.output = torch.cat([self.output, self.output.new_zeros(new - old, self.vocab_size)])
+        self._free.extend(range(new - 1, old - 1, -1))
