@@ -1,9 +1,10 @@
 """A scheduler and its workers as processes on free loopback ports, for benchmarks and tests; a router in front of
 several such clusters.
 
-cluster = Cluster(model_folder, ["--max-num-seqs", "64"], ["--threads", "2"])
+cluster = Cluster(model_folder, ["--max-num-seqs", "64"], ["--threads", "2"], http=True)
 cluster.wait_serving()
-stub = GenerationStub(cluster.channel)
+stub = GenerationStub(cluster.channel)          # gRPC
+openai.OpenAI(base_url=cluster.base_url, ...)   # and the OpenAI API
 ...
 cluster.stop()
 router = RouterProcess([f"{cluster.address},model={name}" for cluster, name in ...], ["--routing-strategy", "prefix"])
@@ -38,10 +39,13 @@ class Cluster:
         worker_args: Sequence[str] = (),
         num_workers: int = 1,
         port: int = 0,
+        http: bool = False,
     ) -> None:
         self.port = port or free_port()  # a given port: a scheduler that replaces one at the same address
         self.worker_port = free_port()
         self.address = f"127.0.0.1:{self.port}"
+        self.http_port = free_port() if http else 0  # the OpenAI API, at self.base_url
+        self.base_url = f"http://127.0.0.1:{self.http_port}/v1" if http else ""
         self.log_dir = Path(subprocess.check_output(["mktemp", "-d"], text=True).strip())
         common = ["--log-level", "INFO"]
         self.scheduler = self._spawn(
@@ -58,6 +62,8 @@ class Cluster:
                 str(self.worker_port),
                 "--num-workers",
                 str(num_workers),
+                "--openai-port",
+                str(self.http_port),
                 *common,
                 *scheduler_args,
             ],
@@ -113,13 +119,17 @@ class Cluster:
 
 
 class RouterProcess:
-    """A vllm-router on a free loopback port in front of `replicas` (HOST:PORT,model=NAME each)."""
+    """A vllm-router on a free loopback port in front of `replicas` (HOST:PORT,model=NAME each); with `http`, its
+    OpenAI API at self.base_url."""
 
-    def __init__(self, replicas: Sequence[str], router_args: Sequence[str] = ()) -> None:
+    def __init__(self, replicas: Sequence[str], router_args: Sequence[str] = (), http: bool = False) -> None:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
+        self.http_port = free_port() if http else 0
+        self.base_url = f"http://127.0.0.1:{self.http_port}/v1" if http else ""
         self.log = Path(subprocess.check_output(["mktemp"], text=True).strip())
-        argv = [sys.executable, "-m", "scheduler_node.cli.router", "--port", str(self.port), "--log-level", "INFO"]
+        argv = [sys.executable, "-m", "scheduler_node.cli.router", "--port", str(self.port), "--log-level", "INFO",
+                "--openai-port", str(self.http_port)]  # fmt: skip
         for replica in replicas:
             argv += ["--replica", replica]
         with open(self.log, "w") as log:

@@ -1,9 +1,11 @@
-"""vllm-router in front of real schedulers: two replicas of a tiny Llama (`llama`) and one tiny Qwen2 (`qwen`).
+"""vllm-router in front of real schedulers: two replicas of a tiny Llama (`llama`) and one tiny Qwen2 (`qwen`);
+one test puts two SmolLM2 replicas beside the Qwen2.
 
-Routing by model, greedy outputs through the router equal to a replica's own, NOT_FOUND for other models at the
-router and at a scheduler, Abort fanned out, Control (ListReplicas, summed GetStats, Drain), health per model,
-metrics, TLS and the Control token, and `kill -9` of one replica under load (the last test: it kills a replica
-of the shared fleet).
+Routing by model, greedy outputs through the router equal to a replica's own (gRPC, and the OpenAI API with the
+official client), NOT_FOUND for other models at the router and at a scheduler, Abort fanned out, Control
+(ListReplicas, summed GetStats, Drain), health per model, metrics, TLS and the Control token, retry before the
+first token over HTTP, and `kill -9` of one replica under load (the last test: it kills a replica of the shared
+fleet).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 
 from minivllm.cluster import REPO, Cluster, RouterProcess, free_port
@@ -51,11 +54,13 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def fleet(tiny_llama_dir: Path, tiny_qwen2_dir: Path) -> Iterator[Fleet]:
-    llamas = [Cluster(tiny_llama_dir, LLAMA, TINY_WORKER) for _ in range(2)]
-    qwen = Cluster(tiny_qwen2_dir, QWEN, TINY_WORKER)
+    llamas = [Cluster(tiny_llama_dir, LLAMA, TINY_WORKER, http=True) for _ in range(2)]
+    qwen = Cluster(tiny_qwen2_dir, QWEN, TINY_WORKER, http=True)
     metrics_port = free_port()
-    replicas = [f"{c.address},model=llama" for c in llamas] + [f"{qwen.address},model=qwen"]
-    router = RouterProcess(replicas, ["--routing-strategy", "round_robin", "--metrics-port", str(metrics_port), *PROBE])
+    replicas = [f"{c.address},model=llama,http={http_address(c)}" for c in llamas]
+    replicas.append(f"{qwen.address},model=qwen,http={http_address(qwen)}")
+    args = ["--routing-strategy", "round_robin", "--metrics-port", str(metrics_port), *PROBE]
+    router = RouterProcess(replicas, args, http=True)
     fleet = Fleet(llamas, qwen, router, f"http://127.0.0.1:{metrics_port}/metrics", tiny_llama_dir, [*llamas, qwen])
     try:
         for c in fleet.spawned:
@@ -67,6 +72,14 @@ def fleet(tiny_llama_dir: Path, tiny_qwen2_dir: Path) -> Iterator[Fleet]:
         router.stop()
         for c in fleet.spawned:
             c.kill()
+
+
+def http_address(cluster: Cluster) -> str:
+    return f"127.0.0.1:{cluster.http_port}"
+
+
+def openai_client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=60)
 
 
 def tokens(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest) -> list[int]:
@@ -206,6 +219,102 @@ def test_router_serves_tls_and_guards_control_with_a_token(fleet: Fleet, tls_fil
         assert [r.address for r in listed.replicas] == [fleet.llamas[1].address]
     finally:
         assert router.stop() == 0
+
+
+def test_the_openai_api_through_the_router_routes_by_model_and_streams_through(fleet: Fleet) -> None:
+    """The official client against the router's HTTP door: /v1/models lists both models, each model's greedy text
+    equals its replica's own door's, streamed chunks arrive while the replica still runs the request (no
+    buffering), and errors keep the door's shape and words."""
+    client = openai_client(fleet.router.base_url)
+    assert sorted(m.id for m in client.models.list().data) == ["llama", "qwen"]
+    direct = {"llama": fleet.llamas[0], "qwen": fleet.qwen}
+    chat = [{"role": "user", "content": "Tell me about the sea."}]
+    answers = {}
+    for model, cluster in direct.items():
+        own = openai_client(cluster.base_url).chat.completions.create(
+            model=model, messages=chat, max_tokens=12, temperature=0
+        )  # fmt: skip
+        for _ in range(2):  # round robin: both llama replicas answer
+            routed = client.chat.completions.create(model=model, messages=chat, max_tokens=12, temperature=0)
+            assert routed.choices[0].message.content == own.choices[0].message.content, model
+            assert routed.model == model and routed.usage.completion_tokens == own.usage.completion_tokens
+        answers[model] = own.choices[0].message.content
+        text = client.completions.create(model=model, prompt="The sea is", max_tokens=6, temperature=0)
+        own_text = openai_client(cluster.base_url).completions.create(
+            model=model, prompt="The sea is", max_tokens=6, temperature=0
+        )  # fmt: skip
+        assert text.choices[0].text == own_text.choices[0].text
+    assert answers["llama"] != answers["qwen"]  # two different models: the test can tell them apart
+    stream = client.completions.create(model="qwen", prompt="The sea is", max_tokens=200, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+    pieces = [next(iter(stream)).choices[0].text]
+    assert fleet.replicas()[fleet.qwen.address].in_flight == 1  # the first chunk came before the end of the stream
+    pieces += [chunk.choices[0].text for chunk in stream if chunk.choices]
+    assert len(pieces) > 100  # one chunk per token (or nearly), not one buffered answer
+    with pytest.raises(openai.NotFoundError) as not_found:
+        client.completions.create(model="gpt-5", prompt="hi", max_tokens=2)
+    assert not_found.value.code == "model_not_found" and "'gpt-5' is not served here" in not_found.value.message
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="llama", prompt="hi", max_tokens=2, temperature=-1)
+    assert "temperature" in bad.value.message  # the replica's door checks the ranges, in its own words
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="llama", messages=[{"content": "no role"}], max_tokens=2)  # type: ignore[list-item]
+    assert bad.value.param == "messages[0].role"  # the router checks the body with the door's models
+
+
+def test_an_http_request_that_cannot_reach_its_replica_is_retried_on_another(fleet: Fleet) -> None:
+    """Retry before the first token over HTTP: one replica's HTTP port has nothing behind it (its gRPC side is
+    healthy, so it stays in the ring); every request still completes on the other, once retried."""
+    dead = f"127.0.0.1:{free_port()}"
+    replicas = [f"{fleet.llamas[0].address},model=llama,http={dead}",
+                f"{fleet.llamas[1].address},model=llama,http={http_address(fleet.llamas[1])}"]  # fmt: skip
+    router = RouterProcess(replicas, ["--routing-strategy", "round_robin", *PROBE], http=True)
+    try:
+        router.wait_serving(30)
+        client = openai_client(router.base_url)
+        expected = openai_client(fleet.llamas[1].base_url).completions.create(
+            model="llama", prompt="The sea is", max_tokens=8, temperature=0
+        )  # fmt: skip
+        for stream in (False, True, False, True):
+            wait_for(lambda: health_status(router.channel) == SERVING, 10, "the router serving")
+            answer = client.completions.create(model="llama", prompt="The sea is", max_tokens=8, temperature=0,
+                                               stream=stream)  # fmt: skip
+            text = "".join(c.choices[0].text for c in answer if c.choices) if stream else answer.choices[0].text
+            assert text == expected.choices[0].text, stream
+        retries = metric(router.base_url.replace("/v1", "/metrics"), "minivllm:router_retries_total", model="llama")
+        assert retries >= 1
+    finally:
+        assert router.stop() == 0
+
+
+def test_two_smollm2_replicas_and_a_tiny_model_behind_one_router(fleet: Fleet, smollm2_dir: Path) -> None:
+    """The issue's fleet with the real model: greedy tokens through the router equal a SmolLM2 replica's own
+    (each replica answers in turn), and the tiny model beside it keeps its own."""
+    smol = [Cluster(smollm2_dir, ["--served-model-name", "smollm2"], ["--kv-cache-memory", "48MiB"]) for _ in range(2)]
+    fleet.spawned += smol
+    router = RouterProcess([*(f"{c.address},model=smollm2" for c in smol), f"{fleet.qwen.address},model=qwen"],
+                           ["--routing-strategy", "round_robin", *PROBE])  # fmt: skip
+    try:
+        for c in smol:
+            c.wait_serving()
+        router.wait_serving(30)
+        stub = pb_grpc.GenerationStub(router.channel)
+        for seed in range(2):
+            text = pb.GenerateRequest(prompt=f"Question {seed}: what is the capital of France? Answer:",
+                                      sampling=pb.SamplingParams(max_tokens=8, temperature=0))  # fmt: skip
+            expected = [d.text for d in pb_grpc.GenerationStub(smol[0].channel).Generate(text, timeout=60)]
+            for _ in range(2):  # round robin: both SmolLM2 replicas answer
+                text.model = "smollm2"
+                assert [d.text for d in stub.Generate(text, timeout=60)] == expected
+            own = tokens(pb_grpc.GenerationStub(fleet.qwen.channel), greedy_ids(prompt_ids(seed), 8))
+            assert tokens(stub, greedy_ids(prompt_ids(seed), 8, model="qwen")) == own
+        requests = {r.address: r.requests for r in pb_grpc.ControlStub(router.channel).ListReplicas(
+            pb.ListReplicasRequest(), timeout=5).replicas}  # fmt: skip
+        assert [requests[c.address] for c in smol] == [2, 2]
+    finally:
+        assert router.stop() == 0
+        for c in smol:
+            c.stop()
 
 
 def metric(url: str, name: str, **labels: str) -> float:

@@ -44,12 +44,14 @@ def system_prompt(i: int) -> str:
 def test_replica_specs_from_the_command_line_and_from_a_config_mapping() -> None:
     assert parse_replica("10.0.0.1:50051,model=llama,weight=2") == ReplicaSpec("10.0.0.1:50051", "llama", 2.0)
     assert parse_replica({"address": "h:1", "model": "qwen"}) == ReplicaSpec("h:1", "qwen", 1.0)
+    assert parse_replica("h:1,model=q,http=h:8000").http == "h:8000"
     for bad, words in [
         ("h:1", "address and model are required"),
         ("h,model=x", "HOST:PORT"),
         ("h:1,model=x,weight=0", "weight must be > 0"),
         ("h:1,model=x,weight=heavy", "weight must be a number"),
         ("h:1,model=x,colour=red", "unknown keys ['colour']"),
+        ("h:1,model=x,http=8000", "http must be HOST:PORT"),
         ("h:1,llama", "expected key=value"),
     ]:
         with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):

@@ -1,4 +1,5 @@
-"""vllm-router: one gRPC address in front of several schedulers (replicas of one model, or different models)."""
+"""vllm-router: one gRPC address (and with --openai-port one OpenAI API) in front of several schedulers (replicas
+of one model, or different models)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ import sys
 from proto.cli_config import add_config_flag, parse_args
 from scheduler_node.api.grpc_server import build_server
 from scheduler_node.api.health import set_serving
+from scheduler_node.api.openai_server import OpenAIServer
 from scheduler_node.api.security import server_credentials
+from scheduler_node.cli.openai_flags import API_KEY_ENV, add_api_key_flag
 from scheduler_node.cli.operations import TOKEN_ENV, stop_signals
 from scheduler_node.router.control import RouterControl
 from scheduler_node.router.grpc_door import RouterGeneration
+from scheduler_node.router.http_door import RouterHttp, build_router_app
 from scheduler_node.router.metrics import RouterMetrics
 from scheduler_node.router.probe import Prober, report_health
 from scheduler_node.router.replica import ReplicaPool, ReplicaSpec, parse_replica
@@ -60,8 +64,9 @@ def add_routing_flags(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="vllm-router",
-        description="Route minivllm.v1.Generation requests over several vllm-scheduler replicas by the request's "
-        "model and a strategy, with health checks and one retry before the first token.",
+        description="Route minivllm.v1.Generation requests (and with --openai-port OpenAI API requests) over "
+        "several vllm-scheduler replicas by the request's model and a strategy, with health checks and one retry "
+        "before the first token.",
     )
     add_config_flag(p)
     p.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
@@ -71,9 +76,23 @@ def build_parser() -> argparse.ArgumentParser:
         type=replica_flag,
         action="append",
         default=[],
-        metavar="HOST:PORT,model=NAME[,weight=W]",
-        help="a scheduler to route to, the model name it serves (its --served-model-name) and its weight "
-        "(default 1); repeatable. In a config file: a list of {address, model, weight}",
+        metavar="HOST:PORT,model=NAME[,weight=W][,http=HOST:PORT]",
+        help="a scheduler to route to (its gRPC address), the model name it serves (its --served-model-name), its "
+        "weight (default 1) and its OpenAI API (its --openai-port, for the router's --openai-port); repeatable. In "
+        "a config file: a list of {address, model, weight, http}",
+    )
+    p.add_argument(
+        "--openai-port",
+        type=int,
+        default=0,
+        help="port of the OpenAI-compatible HTTP API on --host, forwarded to the replicas' own (http= in "
+        "--replica; 0: off)",
+    )
+    add_api_key_flag(p)
+    p.add_argument(
+        "--replica-api-key",
+        default=os.environ.get(API_KEY_ENV, ""),
+        help=f"the replicas' --api-key, sent with every HTTP request forwarded to them (default: ${API_KEY_ENV})",
     )
     p.add_argument("--default-model", default="", help="the model of requests that name none (default: the first)")
     add_routing_flags(p)
@@ -121,6 +140,8 @@ def check_flags(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     if not args.drain_timeout >= 0:
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    if not 0 <= args.openai_port < 65536:
+        raise ValueError(f"--openai-port must be in [0, 65535], got {args.openai_port}")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ValueError("--tls-cert and --tls-key go together")
 
@@ -137,9 +158,14 @@ async def serve(args: argparse.Namespace) -> int:
     control = RouterControl(generation, args.replica_control_token)
     credentials = server_credentials(args.tls_cert, args.tls_key) if args.tls_cert else None
     server, health = build_server(generation, f"{args.host}:{args.port}", credentials, args.control_token, control)
+    door = RouterHttp(generation, args.replica_api_key, args.probe_timeout)
+    app = build_router_app(door, args.api_key)
+    http = OpenAIServer(app, args.host, args.openai_port) if args.openai_port else None  # binds now
     if args.metrics_port:
         metrics.serve(args.metrics_host, args.metrics_port)
     await server.start()
+    if http is not None:
+        http.start()
     await set_serving(health, False)
     prober = Prober(pool, links, metrics, args.probe_interval, args.probe_timeout, args.replica_control_token)
     tasks: list[asyncio.Future] = [
@@ -160,7 +186,10 @@ async def serve(args: argparse.Namespace) -> int:
     logger.info("shutting down with %d stream(s) open", len(generation.live))
     for task in tasks:
         task.cancel()
+    if http is not None:
+        await http.stop()
     await server.stop(grace=1.0)
+    await door.close()
     for link in links.values():
         await link.channel.close()
     metrics.close()

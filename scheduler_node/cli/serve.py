@@ -15,9 +15,11 @@ from proto.cli_config import add_config_flag, parse_args
 from proto.curve import ensure_keys
 from proto.parallel import ParallelLayout
 from proto.worker_flags import add_worker_flags, worker_argv
+from scheduler_node.cli.openai_flags import API_KEY_ENV, SERVE_OPENAI_PORT
 from scheduler_node.cli.operations import TOKEN_ENV
 from scheduler_node.cli.router import add_routing_flags
 from scheduler_node.cli.scheduler import add_scheduler_flags, resolve_parallel
+from scheduler_node.engine.builder import free_port
 from scheduler_node.engine.data_parallel import ReplicaPlan, plan_replicas
 from scheduler_node.engine.launchers import add_launcher_flags, make_launcher
 from scheduler_node.engine.model_path import served_name
@@ -36,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_flag(p)
     add_scheduler_flags(p)
+    p.set_defaults(openai_port=SERVE_OPENAI_PORT)
     add_worker_flags(p)
     add_launcher_flags(p)
     p.add_argument(
@@ -74,7 +77,10 @@ def replica_plans(args: argparse.Namespace) -> list[ReplicaPlan]:
     layout = ParallelLayout(args.tensor_parallel_size, args.pipeline_parallel_size)
     topology = load_topology(args.topology) if args.topology else None
     gpus = args.device != "cpu"
-    return plan_replicas(args.data_parallel_size, layout, args.worker_port, topology, args.allow_cross_island, gpus)
+    plans = plan_replicas(args.data_parallel_size, layout, args.worker_port, topology, args.allow_cross_island, gpus)
+    for plan in plans:
+        plan.http_port = free_port() if args.openai_port else 0
+    return plans
 
 
 def replica_argv(args: argparse.Namespace, plan: ReplicaPlan, count: int) -> list[str]:
@@ -83,6 +89,7 @@ def replica_argv(args: argparse.Namespace, plan: ReplicaPlan, count: int) -> lis
         return scheduler_argv(args)
     mine = argparse.Namespace(**vars(args))
     mine.host, mine.port, mine.worker_port = "127.0.0.1", plan.port, plan.worker_port
+    mine.openai_port = plan.http_port
     mine.topology = str(plan.topology_file) if plan.topology_file else None
     mine.tls_cert = mine.tls_key = None
     mine.metrics_port = args.metrics_port + 1 + plan.index if args.metrics_port else 0
@@ -96,9 +103,11 @@ def router_argv(args: argparse.Namespace, plans: list[ReplicaPlan]) -> list[str]
     argv += ["--routing-strategy", args.routing_strategy, "--routing-prefix-chars", str(args.routing_prefix_chars)]
     argv += ["--routing-load-factor", str(args.routing_load_factor), "--drain-timeout", str(args.drain_timeout)]
     argv += ["--metrics-port", str(args.metrics_port), "--metrics-host", args.metrics_host]
+    argv += ["--openai-port", str(args.openai_port)]  # its --api-key and the replicas' come in the environment
     argv += ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key] if args.tls_cert else []
     for plan in plans:
-        argv += ["--replica", f"{plan.address},model={name}"]
+        http = f",http=127.0.0.1:{plan.http_port}" if plan.http_port else ""
+        argv += ["--replica", f"{plan.address},model={name}{http}"]
     return argv
 
 
@@ -120,13 +129,14 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("%s", exc)
         return 2
     env = dict(os.environ)
-    env[TOKEN_ENV] = args.control_token  # in the environment: a command line is visible to all local users
+    env[TOKEN_ENV] = args.control_token  # secrets go in the environment: a command line is visible to all local users
+    env[API_KEY_ENV] = args.api_key
     if args.zmq_curve_dir:
         ensure_keys(args.zmq_curve_dir)  # before the workers look for them
     # Children get their own session, so a terminal's Ctrl-C reaches only vllm-serve, which drains in order.
     schedulers = []
     for plan, launcher in zip(plans, launchers):
-        flags = _without_token(replica_argv(args, plan, len(plans))) + launcher.scheduler_flags()
+        flags = _without_secrets(replica_argv(args, plan, len(plans))) + launcher.scheduler_flags()
         schedulers.append(_spawn("scheduler_node.cli.scheduler", flags, env))
     worker_flags = ["--log-level", args.log_level, *worker_argv(args)]
     worker_flags += ["--zmq-curve-dir", args.zmq_curve_dir] if args.zmq_curve_dir else []
@@ -165,9 +175,12 @@ def _spawn(module: str, argv: list[str], env: dict[str, str]) -> subprocess.Pope
     return subprocess.Popen([sys.executable, "-m", module, *argv], env=env, start_new_session=True)
 
 
-def _without_token(argv: list[str]) -> list[str]:
-    i = argv.index("--control-token")
-    return argv[:i] + argv[i + 2 :]
+def _without_secrets(argv: list[str]) -> list[str]:
+    """The flags without the control token and the API key (the children read them from the environment)."""
+    for flag in ("--control-token", "--api-key"):
+        i = argv.index(flag)
+        argv = argv[:i] + argv[i + 2 :]
+    return argv
 
 
 if __name__ == "__main__":

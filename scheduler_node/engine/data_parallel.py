@@ -32,6 +32,7 @@ class ReplicaPlan:
     worker_port: int
     topology_file: Path | None = None  # its own devices, when the user gave a topology
     worker_env: dict[str, str] = field(default_factory=dict)  # what its workers see (their GPU slice)
+    http_port: int = 0  # its OpenAI API on loopback, behind the router's (0: off)
 
     @property
     def address(self) -> str:

@@ -1,12 +1,14 @@
 """The router's gRPC door: the same minivllm.v1.Generation service as a scheduler's (Generate routed and streamed
-through, Abort fanned out to every replica), with the request's `model` choosing the replicas."""
+through, Abort fanned out to every replica), with the request's `model` choosing the replicas. It also keeps the
+router's open requests (of both doors) for a drain."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 
@@ -43,21 +45,32 @@ class RouterGeneration(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, detail)
         headers = [(k, v) for k, v in context.invocation_metadata() or () if isinstance(v, str)]
         route_request = from_grpc(request, dict(headers))
-        self.live.add(request.request_id)
+        with self.tracked(request.request_id):
+            try:
+                timeout = context.time_remaining()
+                metadata = forwarded_metadata(headers)
+                async for response in self.forwarder.generate(request, route_request, timeout, metadata):
+                    yield response
+            except UpstreamError as exc:
+                self.count_error(route_request.model, exc.code.name)
+                await context.abort(exc.code, exc.details)
+
+    @contextlib.contextmanager
+    def tracked(self, request_id: str) -> Iterator[None]:
+        """A request open through the router (either door) while in this block: a drain waits for it."""
+        self.live.add(request_id)
         self.idle.clear()
         try:
-            timeout = context.time_remaining()
-            async for response in self.forwarder.generate(request, route_request, timeout, forwarded_metadata(headers)):
-                yield response
-        except UpstreamError as exc:
-            model = route_request.model or self.forwarder.router.default_model
-            model = model if model in self.pool.models else "(unknown)"  # labels only from the config
-            self.forwarder.metrics.errors.labels(model, exc.code.name).inc()
-            await context.abort(exc.code, exc.details)
+            yield
         finally:
-            self.live.discard(request.request_id)
+            self.live.discard(request_id)
             if not self.live:
                 self.idle.set()
+
+    def count_error(self, model: str, code: str) -> None:
+        model = model or self.forwarder.router.default_model
+        model = model if model in self.pool.models else "(unknown)"  # labels only from the config
+        self.forwarder.metrics.errors.labels(model, code).inc()
 
     async def Abort(  # noqa: N802
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext

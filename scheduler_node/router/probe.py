@@ -71,7 +71,7 @@ class Prober:
                     why = f"replica {replica.address} refused GetStats ({exc.details()}); set --replica-control-token"
                     logger.warning("%s; least_loaded counts only the router's own streams on it", why)
             return
-        replica.load = Load(stats.num_running, stats.num_waiting, stats.kv_usage)
+        replica.load = Load(stats.num_running, stats.num_waiting, stats.kv_usage, stats.max_model_len)
 
 
 async def report_health(

@@ -24,11 +24,13 @@ class ReplicaSpec:
     address: str  # HOST:PORT of the scheduler's gRPC server
     model: str  # the name it serves (its --served-model-name)
     weight: float = 1.0  # its share relative to the other replicas of its model (capacity)
+    http: str = ""  # HOST:PORT of its OpenAI HTTP API (its --openai-port), where the router's HTTP door forwards
 
     def __post_init__(self) -> None:
-        host, _, port = self.address.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"replica address must be HOST:PORT, got {self.address!r}")
+        for key, address in (("address", self.address), ("http", self.http)):
+            host, _, port = address.rpartition(":")
+            if (address or key == "address") and (not host or not port.isdigit() or not 0 < int(port) < 65536):
+                raise ValueError(f"replica {key} must be HOST:PORT, got {address!r}")
         if not self.model:
             raise ValueError(f"replica {self.address}: model must not be empty")
         if not self.weight > 0:
@@ -36,7 +38,8 @@ class ReplicaSpec:
 
 
 def parse_replica(value: str | Mapping[str, Any]) -> ReplicaSpec:
-    """`HOST:PORT,model=NAME[,weight=W]` (the command line) or a mapping {address, model, weight} (a config file)."""
+    """`HOST:PORT,model=NAME[,weight=W][,http=HOST:PORT]` (the command line) or a mapping {address, model, weight,
+    http} (a config file)."""
     if isinstance(value, Mapping):
         fields = {str(k): v for k, v in value.items()}
     else:
@@ -47,16 +50,17 @@ def parse_replica(value: str | Mapping[str, Any]) -> ReplicaSpec:
             if not sep:
                 raise ValueError(f"replica {value!r}: expected key=value after the address, got {pair!r}")
             fields[key.strip()] = v.strip()
-    unknown = set(fields) - {"address", "model", "weight"}
+    unknown = set(fields) - {"address", "model", "weight", "http"}
     if unknown:
-        raise ValueError(f"replica {value!r}: unknown keys {sorted(unknown)}; expected address, model, weight")
+        raise ValueError(f"replica {value!r}: unknown keys {sorted(unknown)}; expected address, model, weight, http")
     if "address" not in fields or "model" not in fields:
         raise ValueError(f"replica {value!r}: address and model are required")
     try:
         weight = float(fields.get("weight", 1.0))
     except (TypeError, ValueError):
         raise ValueError(f"replica {value!r}: weight must be a number, got {fields['weight']!r}") from None
-    return ReplicaSpec(str(fields["address"]).strip(), str(fields["model"]).strip(), weight)
+    http = str(fields.get("http") or "").strip()
+    return ReplicaSpec(str(fields["address"]).strip(), str(fields["model"]).strip(), weight, http)
 
 
 @dataclass(slots=True)
@@ -66,6 +70,7 @@ class Load:
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
+    max_model_len: int = 0
 
 
 @dataclass(slots=True, eq=False)

@@ -98,24 +98,38 @@ class Forwarder:
                 return
             except grpc.aio.AioRpcError as exc:
                 code, details = exc.code(), exc.details() or ""
-                if code == grpc.StatusCode.UNAVAILABLE:
-                    self.router.pool.set_state(replica, NOT_SERVING, f"a stream failed: {details}")
-                    if not started and not failed:
-                        failed.append(replica)
-                        self.metrics.retries.labels(replica.model).inc()
-                        logger.info("request %s: retrying on another replica: %s", request.request_id, details)
-                        continue
+                if code == grpc.StatusCode.UNAVAILABLE and self.unavailable(replica, details, started, failed):
+                    logger.info("request %s: retrying on another replica: %s", request.request_id, details)
+                    continue
                 raise UpstreamError(code, f"replica {replica.address} ({replica.model}): {details}") from None
+
+    def unavailable(self, replica: Replica, details: str, started: bool, failed: list[Replica]) -> bool:
+        """A request failed on `replica` with UNAVAILABLE: it leaves the serving set until a probe says otherwise.
+        True (and `replica` joins `failed`) when the request may go once more to another replica: nothing of it
+        reached the client yet and it was not retried before."""
+        self.router.pool.set_state(replica, NOT_SERVING, f"a request failed: {details}")
+        if started or failed:
+            return False
+        failed.append(replica)
+        self.metrics.retries.labels(replica.model).inc()
+        return True
+
+    def opened(self, replica: Replica) -> None:
+        """A request goes to `replica` now (counted until closed(), so least_loaded sees it at once)."""
+        self.metrics.requests.labels(replica.model, replica.address).inc()
+        replica.requests += 1
+        replica.in_flight += 1
+        self.metrics.in_flight.labels(replica.model, replica.address).set(replica.in_flight)
+
+    def closed(self, replica: Replica) -> None:
+        replica.in_flight -= 1
+        self.metrics.in_flight.labels(replica.model, replica.address).set(replica.in_flight)
 
     async def _stream(
         self, replica: Replica, request: pb.GenerateRequest, timeout: float | None, metadata: Sequence[tuple[str, str]]
     ) -> AsyncIterator[pb.GenerateResponse]:
         """One attempt on one replica, measuring its time to first token and per output token."""
-        labels = (replica.model, replica.address)
-        self.metrics.requests.labels(*labels).inc()
-        replica.requests += 1
-        replica.in_flight += 1
-        self.metrics.in_flight.labels(*labels).set(replica.in_flight)
+        self.opened(replica)
         call = self.links[replica.address].generation.Generate(request, timeout=timeout, metadata=metadata)
         sent = time.monotonic()
         first = last = 0.0
@@ -131,8 +145,7 @@ class Forwarder:
                 yield response
         finally:
             call.cancel()  # the client went away: the replica aborts the request (no-op once the call ended)
-            replica.in_flight -= 1
-            self.metrics.in_flight.labels(*labels).set(replica.in_flight)
+            self.closed(replica)
             if tokens > 1:
                 replica.observe_tpot((last - first) / (tokens - 1))
 
