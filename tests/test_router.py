@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import httpx
 import openai
 import pytest
 
@@ -260,6 +261,16 @@ def test_the_openai_api_through_the_router_routes_by_model_and_streams_through(f
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(model="llama", messages=[{"content": "no role"}], max_tokens=2)  # type: ignore[list-item]
     assert bad.value.param == "messages[0].role"  # the router checks the body with the door's models
+    root = fleet.router.base_url.removesuffix("/v1")
+    assert httpx.get(root + "/health").status_code == 200
+    assert "minivllm:router_requests_total" in httpx.get(root + "/metrics").text
+    for model, cluster in direct.items():
+        body = {"model": model, "prompt": "The sea is"}
+        own = httpx.post(cluster.base_url.removesuffix("/v1") + "/tokenize", json=body).json()
+        assert httpx.post(root + "/tokenize", json=body).json() == own
+        ids = {"model": model, "tokens": own["tokens"]}
+        back = httpx.post(cluster.base_url.removesuffix("/v1") + "/detokenize", json=ids).json()
+        assert "The sea is" in back["prompt"] and httpx.post(root + "/detokenize", json=ids).json() == back
 
 
 def test_an_http_request_that_cannot_reach_its_replica_is_retried_on_another(fleet: Fleet) -> None:
@@ -285,6 +296,31 @@ def test_an_http_request_that_cannot_reach_its_replica_is_retried_on_another(fle
         assert retries >= 1
     finally:
         assert router.stop() == 0
+
+
+def test_an_http_stream_whose_replica_dies_ends_with_an_error_naming_it(fleet: Fleet) -> None:
+    """After the first chunk a request is not sent again (the client has tokens): the stream ends with an error
+    event naming the replica, which the official client raises; nothing hangs."""
+    doomed = Cluster(fleet.llama_dir, LLAMA, TINY_WORKER, http=True)
+    fleet.spawned.append(doomed)
+    router = RouterProcess([f"{doomed.address},model=llama,http={http_address(doomed)}"], PROBE, http=True)
+    try:
+        doomed.wait_serving()
+        router.wait_serving(30)
+        stream = openai_client(router.base_url).completions.create(
+            model="llama", prompt="The sea is", max_tokens=1000, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        chunks = iter(stream)
+        assert next(chunks).choices
+        doomed.scheduler.kill()
+        with pytest.raises(openai.APIError) as exc:
+            for _ in chunks:
+                pass
+        assert http_address(doomed) in exc.value.message and "failed mid-stream" in exc.value.message
+    finally:
+        assert router.stop() == 0
+        doomed.kill()
 
 
 def test_two_smollm2_replicas_and_a_tiny_model_behind_one_router(fleet: Fleet, smollm2_dir: Path) -> None:
