@@ -113,13 +113,12 @@ class RouterHttp:
                 self.generation.count_error(replica.model, "UNAVAILABLE")
                 raise OpenAIError(503, f"replica {replica.spec.http} ({replica.model}): {details}") from None
             if answer.status == 503:
-                whole = data + await answer.content.read()
                 answer.release()
                 self.forwarder.closed(replica)
-                if self.forwarder.unavailable(replica, _error_message(whole), False, failed):
-                    logger.info("HTTP %s: retrying on another replica: %s", path, _error_message(whole))
+                if self.forwarder.unavailable(replica, _error_message(data), False, failed):
+                    logger.info("HTTP %s: retrying on another replica: %s", path, _error_message(data))
                     continue
-                return replica, answer, whole
+                return replica, answer, data
             stack.callback(self.forwarder.closed, replica)
             return replica, answer, data
 
@@ -128,12 +127,13 @@ class RouterHttp:
     ) -> tuple[aiohttp.ClientResponse, bytes]:
         sent = time.monotonic()
         answer = await self.session().post(f"http://{replica.spec.http}{path}", json=payload, headers=headers)
+        streamed = answer.status == 200 and not whole  # an error's body is read whole, whatever was asked
         try:
-            data = await (answer.content.read() if whole else answer.content.readany())
+            data = await (answer.content.readany() if streamed else answer.content.read())
         except BaseException:
             answer.close()
             raise
-        if answer.status == 200 and not whole:
+        if streamed:
             replica.observe_ttft(time.monotonic() - sent)  # a stream's first chunk: the role or the first token
         return answer, data
 
@@ -152,8 +152,10 @@ class RouterHttp:
             self.generation.count_error(replica.model, "UNAVAILABLE")
             yield f"data: {json.dumps(OpenAIError(503, details).body())}\n\n".encode()
         finally:
-            # A client that went away leaves `ended` False: closing the connection makes the replica abort.
-            answer.release() if ended else answer.close()
+            if ended:
+                answer.release()  # the connection goes back to the pool
+            else:
+                answer.close()  # the client went away (or the replica did): closing makes the replica abort
             stack.close()
 
     def _route(self, route_request: RouteRequest, failed: list[Replica]) -> Replica:
