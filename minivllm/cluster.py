@@ -1,4 +1,5 @@
-"""A scheduler and its workers as processes on free loopback ports, for benchmarks and tests.
+"""A scheduler and its workers as processes on free loopback ports, for benchmarks and tests; a router in front of
+several such clusters.
 
 cluster = Cluster(model_folder, ["--max-num-seqs", "64"], ["--threads", "2"], http=True)
 cluster.wait_serving()
@@ -6,6 +7,7 @@ stub = GenerationStub(cluster.channel)          # gRPC
 openai.OpenAI(base_url=cluster.base_url, ...)   # and the OpenAI API
 ...
 cluster.stop()
+router = RouterProcess([f"{cluster.address},model={name}" for cluster, name in ...], ["--routing-strategy", "prefix"])
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grpc
@@ -41,9 +43,10 @@ class Cluster:
         scheduler_args: Sequence[str] = (),
         worker_args: Sequence[str] = (),
         num_workers: int = 1,
+        port: int = 0,
         http: bool = False,
     ) -> None:
-        self.port = free_port()
+        self.port = port or free_port()  # a given port: a scheduler that replaces one at the same address
         self.worker_port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.http_port = free_port() if http else 0  # the OpenAI API, at self.base_url
@@ -97,20 +100,7 @@ class Cluster:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(self.log_dir.glob("*.log")))
 
     def wait_serving(self, timeout: float = 120.0) -> None:
-        stub = health_pb2_grpc.HealthStub(self.channel)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for proc in [self.scheduler, *self.workers]:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"a process exited with {proc.returncode}\n{self.logs()}")
-            try:
-                status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
-                if status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"server not SERVING after {timeout} s\n{self.logs()}")
+        wait_serving(self.channel, [self.scheduler, *self.workers], timeout, self.logs)
 
     def kill(self) -> None:
         """Tear down without ceremony (tests that killed or replaced processes themselves)."""
@@ -171,3 +161,59 @@ class ServeProcess:
             self.proc.kill()
             self.proc.wait()
             return None
+
+
+class RouterProcess:
+    """A vllm-router on a free loopback port in front of `replicas` (HOST:PORT,model=NAME each); with `http`, its
+    OpenAI API at self.base_url."""
+
+    def __init__(self, replicas: Sequence[str], router_args: Sequence[str] = (), http: bool = False) -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.http_port = free_port() if http else 0
+        self.base_url = f"http://127.0.0.1:{self.http_port}/v1" if http else ""
+        self.log = Path(subprocess.check_output(["mktemp"], text=True).strip())
+        argv = [sys.executable, "-m", "scheduler_node.cli.router", "--port", str(self.port), "--log-level", "INFO",
+                "--openai-port", str(self.http_port)]  # fmt: skip
+        for replica in replicas:
+            argv += ["--replica", replica]
+        with open(self.log, "w") as log:
+            self.process = subprocess.Popen([*argv, *router_args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        self.channel = grpc.insecure_channel(self.address)
+
+    def logs(self) -> str:
+        return f"--- router\n{self.log.read_text()[-4000:]}"
+
+    def wait_serving(self, timeout: float = 120.0) -> None:
+        wait_serving(self.channel, [self.process], timeout, self.logs)
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        """SIGTERM (it drains its open streams); the exit code."""
+        self.channel.close()
+        self.process.terminate()
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            return None
+
+
+def wait_serving(
+    channel: grpc.Channel, processes: Sequence[subprocess.Popen], timeout: float, logs: Callable[[], str]
+) -> None:
+    """Until grpc.health.v1 says SERVING; RuntimeError when one of `processes` exits first."""
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for proc in processes:
+            if proc.poll() is not None:
+                raise RuntimeError(f"a process exited with {proc.returncode}\n{logs()}")
+        try:
+            status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
+            if status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"server not SERVING after {timeout} s\n{logs()}")

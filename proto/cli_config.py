@@ -76,7 +76,7 @@ def _load(parser: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
         if callable(convert) and not isinstance(value, bool):
             try:
                 value = [convert(v) for v in value] if isinstance(value, list) else convert(value)
-            except (TypeError, ValueError) as exc:
+            except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
                 parser.error(f"{key} in {path}: {exc}")
         if action.choices is not None and not all(v in action.choices for v in (value if repeatable else [value])):
             parser.error(f"{key} in {path}: {value!r} is not one of {list(action.choices)}")

@@ -76,7 +76,7 @@ class Choices(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "messages", "sampling", "priority", "cache_salt", "deadline_s")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "messages", "sampling", "priority", "cache_salt", "deadline_s", "model")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,7 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: TokenIds
@@ -93,7 +94,8 @@ class GenerateRequest(_message.Message):
     priority: int
     cache_salt: str
     deadline_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+    model: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., deadline_s: _Optional[float] = ..., model: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -164,8 +166,10 @@ class AbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class Stats(_message.Message):
     __slots__ = ("total_blocks", "used_blocks", "free_blocks", "kv_usage", "num_running", "num_waiting", "num_preemptions", "block_size", "max_model_len", "cached_free_blocks", "fragmentation", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "preemptions_recompute", "preemptions_swap", "swap_blocks_used", "swap_blocks_total", "usable_blocks", "mean_worker_idle_ms", "interrupted_steps")
@@ -274,3 +278,39 @@ class ResizeCacheResponse(_message.Message):
     blocks_moved: int
     seconds: float
     def __init__(self, usable_blocks: _Optional[int] = ..., blocks_moved: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class ListReplicasRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReplicaStatus(_message.Message):
+    __slots__ = ("address", "model", "state", "weight", "num_running", "num_waiting", "kv_usage", "in_flight", "requests", "ttft_ewma_s", "tpot_ewma_s")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_EWMA_S_FIELD_NUMBER: _ClassVar[int]
+    TPOT_EWMA_S_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    model: str
+    state: str
+    weight: float
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    in_flight: int
+    requests: int
+    ttft_ewma_s: float
+    tpot_ewma_s: float
+    def __init__(self, address: _Optional[str] = ..., model: _Optional[str] = ..., state: _Optional[str] = ..., weight: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., in_flight: _Optional[int] = ..., requests: _Optional[int] = ..., ttft_ewma_s: _Optional[float] = ..., tpot_ewma_s: _Optional[float] = ...) -> None: ...
+
+class ListReplicasResponse(_message.Message):
+    __slots__ = ("replicas",)
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
+    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...

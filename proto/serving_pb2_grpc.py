@@ -172,6 +172,11 @@ class ControlStub:
                 request_serializer=serving__pb2.ResizeCacheRequest.SerializeToString,
                 response_deserializer=serving__pb2.ResizeCacheResponse.FromString,
                 _registered_method=True)
+        self.ListReplicas = channel.unary_unary(
+                '/minivllm.v1.Control/ListReplicas',
+                request_serializer=serving__pb2.ListReplicasRequest.SerializeToString,
+                response_deserializer=serving__pb2.ListReplicasResponse.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -204,6 +209,13 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListReplicas(self, request, context):
+        """vllm-router: the schedulers it fronts, their state and load.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -226,6 +238,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.ResizeCache,
                     request_deserializer=serving__pb2.ResizeCacheRequest.FromString,
                     response_serializer=serving__pb2.ResizeCacheResponse.SerializeToString,
+            ),
+            'ListReplicas': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListReplicas,
+                    request_deserializer=serving__pb2.ListReplicasRequest.FromString,
+                    response_serializer=serving__pb2.ListReplicasResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -337,6 +354,33 @@ class Control:
             '/minivllm.v1.Control/ResizeCache',
             serving__pb2.ResizeCacheRequest.SerializeToString,
             serving__pb2.ResizeCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListReplicas(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/minivllm.v1.Control/ListReplicas',
+            serving__pb2.ListReplicasRequest.SerializeToString,
+            serving__pb2.ListReplicasResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
         "scheduler_node.cli.scheduler",
         "scheduler_node.cli.serve",
         "scheduler_node.cli.client",
+        "scheduler_node.cli.router",
         "worker_node.worker",
         "worker_node.convert",
     ],
@@ -55,8 +56,24 @@ def test_unknown_config_key_is_an_error(tmp_path: Path, capsys: pytest.CaptureFi
 
 def test_scheduler_never_imports_torch() -> None:
     code = (
-        "import sys, scheduler_node.cli.scheduler, scheduler_node.cli.serve, scheduler_node.cli.client; "
+        "import sys, scheduler_node.cli.scheduler, scheduler_node.cli.serve, scheduler_node.cli.client, "
+        "scheduler_node.cli.router; "
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        ([], "no replicas: give at least one --replica"),
+        (["--replica", "127.0.0.1:1"], "address and model are required"),
+        (["--replica", "127.0.0.1:1,model=m", "--routing-strategy", "fastest"], "--routing-strategy must be one of"),
+        (["--replica", "127.0.0.1:1,model=m", "--probe-interval", "0"], "--probe-interval must be > 0"),
+    ],
+)
+def test_router_names_what_is_wrong_with_its_flags(argv: list[str], words: str) -> None:
+    command = [sys.executable, "-m", "scheduler_node.cli.router", "--port", "0", *argv]
+    out = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and words in out.stderr, out.stderr

@@ -50,18 +50,6 @@ FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 
 
 @pytest.fixture(scope="module")
-def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    folder = tmp_path_factory.mktemp("tls")
-    cert, key = folder / "cert.pem", folder / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-         "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    return cert, key
-
-
-@pytest.fixture(scope="module")
 def tls_cluster(tiny_llama_dir: Path, tls_files: tuple[Path, Path]):  # type: ignore[no-untyped-def]
     cert, key = tls_files
     args = ["--tls-cert", str(cert), "--tls-key", str(key), "--control-token", TOKEN]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -11,13 +12,26 @@ from pathlib import Path
 
 import grpc
 import httpx
+import openai
 
 from minivllm.cluster import REPO, free_port
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from scheduler_node.cli.client import wait_ready
 from scheduler_node.cli.serve import build_parser
-from tests.ops import alive, child_pids
+from tests.ops import Streams, alive, child_pids, greedy_ids, prompt_ids, wait_for
+
+
+def assert_stops_with_its_children(serve: subprocess.Popen, sig: int, expected_children: int) -> None:
+    children = child_pids(serve.pid)
+    assert len(children) == expected_children, children
+    serve.send_signal(sig)
+    assert serve.wait(60) == 0
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in children if alive(pid)], "children outlived vllm-serve"
+
 
 KEY = "sk-serve-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -69,6 +83,40 @@ def test_serve_runs_and_stops_all_children_on_sigterm(tiny_llama_dir: Path, tmp_
         while any(alive(pid) for pid in children) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not [pid for pid in children if alive(pid)], "children outlived vllm-serve"
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+
+
+def test_serve_data_parallel_replicas_behind_a_router_balance_and_stop_on_ctrl_c(tiny_llama_dir: Path) -> None:
+    port, worker_port, http_port = free_port(), free_port(), free_port()
+    argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--model", str(tiny_llama_dir), "--data-parallel-size",
+            "2", "--routing-strategy", "least_loaded", "--kv-cache-memory", "16MiB", "--threads", "1", "--log-level",
+            "WARNING", "--port", str(port), "--worker-port", str(worker_port),
+            "--openai-port", str(http_port)]  # fmt: skip
+    serve = subprocess.Popen(argv, cwd=REPO, env={**os.environ, "MINIVLLM_API_KEY": KEY})
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            assert wait_ready(channel, 120), "the router never became SERVING"
+            control = pb_grpc.ControlStub(channel)
+
+            def replicas() -> list[pb.ReplicaStatus]:
+                return list(control.ListReplicas(pb.ListReplicasRequest(), timeout=5).replicas)
+
+            wait_for(lambda: [r.state for r in replicas()] == ["serving", "serving"], 120, "both replicas serving")
+            assert {r.model for r in replicas()} == {tiny_llama_dir.name}
+            requests = [greedy_ids(prompt_ids(i), 16) for i in range(40)]
+            results = Streams(pb_grpc.GenerationStub(channel), requests).join(120)
+            assert all(r.finish_reason == "length" and len(r.tokens) == 16 for r in results)
+            counts = [r.requests for r in replicas()]
+            assert sum(counts) == 40 and all(abs(c - 20) <= 0.2 * 20 for c in counts), counts  # within 20 %
+        # The OpenAI API is the router's too: it lists the model and forwards to a replica with the replicas' key.
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key=KEY, max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == [tiny_llama_dir.name]
+        answer = client.completions.create(model=tiny_llama_dir.name, prompt="hi", max_tokens=5, temperature=0)
+        assert answer.usage.completion_tokens == 5
+        assert httpx.get(f"http://127.0.0.1:{http_port}/v1/models").status_code == 401  # the router checks the key
+        assert_stops_with_its_children(serve, signal.SIGINT, 5)  # the router, two schedulers, a worker each
     finally:
         if serve.poll() is None:
             serve.kill()

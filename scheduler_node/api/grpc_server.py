@@ -36,14 +36,18 @@ SERVICE_NAMES = (
 
 
 class GenerationService(pb_grpc.GenerationServicer):
-    def __init__(self, tokenizer: ModelTokenizer) -> None:
+    def __init__(self, tokenizer: ModelTokenizer, served_model_name: str) -> None:
         self.tokenizer = tokenizer
+        self.served_model_name = served_model_name  # a request naming another model is NOT_FOUND
         self.engine: EngineCore | None = None  # set once the workers have joined
         self.link: WorkerLink | None = None
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        if request.model and request.model != self.served_model_name:
+            detail = f"model: {request.model!r} is not served here (this server serves {self.served_model_name!r})"
+            await context.abort(grpc.StatusCode.NOT_FOUND, detail)
         engine = self.engine
         if engine is None or engine.unavailable():
             await context.abort(grpc.StatusCode.UNAVAILABLE, engine.unavailable() if engine else "workers are joining")
@@ -128,13 +132,7 @@ class ControlService(pb_grpc.ControlServicer):
         self, request: pb.DrainRequest, context: grpc.aio.ServicerContext
     ) -> pb.DrainResponse:
         engine = await self._engine(context)
-        if not math.isfinite(request.timeout_s) or request.timeout_s < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s: must be >= 0, got {request.timeout_s}")
-        timeout: float | None = request.timeout_s or None
-        left = context.time_remaining()
-        if left is not None:  # answer before the caller's own deadline cuts the call
-            timeout = min(timeout or left, max(0.0, left - 0.25))
-        remaining = await engine.drain(timeout)
+        remaining = await engine.drain(await drain_timeout(request, context))
         return pb.DrainResponse(drained=remaining == 0, remaining=remaining)
 
     async def GetStats(  # noqa: N802
@@ -165,6 +163,17 @@ class ControlService(pb_grpc.ControlServicer):
         )
 
 
+async def drain_timeout(request: pb.DrainRequest, context: grpc.aio.ServicerContext) -> float | None:
+    """How long a Drain may wait: its timeout_s (0: no limit), cut to answer before the caller's own deadline."""
+    if not math.isfinite(request.timeout_s) or request.timeout_s < 0:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s: must be >= 0, got {request.timeout_s}")
+    timeout: float | None = request.timeout_s or None
+    left = context.time_remaining()
+    if left is not None:
+        timeout = min(timeout or left, max(0.0, left - 0.25))
+    return timeout
+
+
 def _response(request_id: str, d: Delta) -> pb.GenerateResponse:
     resp = pb.GenerateResponse(
         request_id=request_id,
@@ -184,12 +193,17 @@ def _response(request_id: str, d: Delta) -> pb.GenerateResponse:
 
 
 def build_server(
-    service: GenerationService,
+    service: pb_grpc.GenerationServicer,
     address: str,
     credentials: grpc.ServerCredentials | None = None,
     control_token: str = "",
+    control: pb_grpc.ControlServicer | None = None,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
-    """The gRPC server; TLS with `credentials`, and Control RPCs need the bearer `control_token` when set."""
+    """The gRPC server; TLS with `credentials`, and Control RPCs need the bearer `control_token` when set.
+    `control` defaults to the scheduler's Control over `service` (vllm-router brings its own)."""
+    if control is None:
+        assert isinstance(service, GenerationService)
+        control = ControlService(service)
     server = grpc.aio.server(
         interceptors=[ControlAuth(control_token)] if control_token else [],
         options=[
@@ -198,7 +212,7 @@ def build_server(
         ],
     )
     pb_grpc.add_GenerationServicer_to_server(service, server)
-    pb_grpc.add_ControlServicer_to_server(ControlService(service), server)
+    pb_grpc.add_ControlServicer_to_server(control, server)
     health_service = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
     reflection.enable_server_reflection(SERVICE_NAMES, server)

@@ -128,10 +128,7 @@ def build_app(door: OpenAIDoor) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         engine = door.engine
-        card = {"id": door.config.model_name, "object": "model", "created": 0, "owned_by": "minivllm"}
-        if engine is not None:
-            card["max_model_len"] = engine.max_model_len
-        return {"object": "list", "data": [card]}
+        return model_list([model_card(door.config.model_name, engine.max_model_len if engine else None)])
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -166,6 +163,18 @@ def build_app(door: OpenAIDoor) -> FastAPI:
     return app
 
 
+def model_card(name: str, max_model_len: int | None = None) -> dict[str, Any]:
+    """One entry of GET /v1/models (vllm-router lists one per model it fronts)."""
+    card: dict[str, Any] = {"id": name, "object": "model", "created": 0, "owned_by": "minivllm"}
+    if max_model_len is not None:
+        card["max_model_len"] = max_model_len
+    return card
+
+
+def model_list(cards: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"object": "list", "data": cards}
+
+
 def _tokenize(body: TokenizeRequest, tokenizer: ModelTokenizer, max_model_len: int) -> list[int]:
     if body.messages is not None and body.prompt is None:
         return prompt_from_messages(template_messages(body.messages), tokenizer, max_model_len)
@@ -183,16 +192,16 @@ class _LoopServer(uvicorn.Server):
 
 
 class OpenAIServer:
-    """uvicorn serving the door on the running event loop; the socket is bound in start() (OSError if taken)."""
+    """uvicorn serving an app (the door's, or vllm-router's) on the running event loop; the socket is bound here
+    (OSError if taken), served from start()."""
 
-    def __init__(self, door: OpenAIDoor) -> None:
-        config = door.config
-        self._socket = socket.create_server((config.host, config.port), family=_family(config.host), backlog=2048)
-        uv = uvicorn.Config(build_app(door), lifespan="off", log_config=None, access_log=False,
+    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+        self._socket = socket.create_server((host, port), family=_family(host), backlog=2048)
+        uv = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False,
                             timeout_graceful_shutdown=2)  # fmt: skip
         self._server = _LoopServer(uv)
         self._task: asyncio.Task[None] | None = None
-        self.address = f"{config.host}:{self._socket.getsockname()[1]}"
+        self.address = f"{host}:{self._socket.getsockname()[1]}"
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._server.serve(sockets=[self._socket]))

@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="server address")
     p.add_argument("--port", type=int, default=50051, help="server gRPC port")
     p.add_argument("--chat", action="store_true", help="send the prompt as one user message (chat template)")
+    p.add_argument("--model", default="", help="the model to ask for (a vllm-router routes by it; '': the default)")
     p.add_argument("--max-tokens", type=int, default=None, help="tokens to generate (default: to the context end)")
     p.add_argument("--temperature", type=float, default=None, help="0 for greedy (server default 1.0)")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
@@ -70,7 +71,7 @@ def build_request(args: argparse.Namespace, prompt: str) -> pb.GenerateRequest:
         value = getattr(args, name)
         if value is not None:
             setattr(sampling, name, value)
-    request = pb.GenerateRequest(request_id=args.request_id, sampling=sampling)
+    request = pb.GenerateRequest(request_id=args.request_id, sampling=sampling, model=args.model)
     if args.chat:
         request.messages.messages.add(role="user", content=prompt)
     else:

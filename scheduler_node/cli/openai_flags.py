@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 
 from scheduler_node.api.openai_server import OpenAIConfig
 
@@ -23,8 +22,14 @@ def add_openai_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--served-model-name",
         default="",
-        help="the model name /v1/models lists and requests' `model` must match (default: the model folder's name)",
+        help="the model name requests give in `model` (gRPC: another name is NOT_FOUND; HTTP: 404), /v1/models lists "
+        "and the metrics' model_name label (default: a hub id as given, else the model folder's name)",
     )
+    add_api_key_flag(p)
+
+
+def add_api_key_flag(p: argparse.ArgumentParser) -> None:
+    """--api-key (vllm-scheduler, vllm-serve, vllm-router)."""
     p.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV, ""),
@@ -33,10 +38,10 @@ def add_openai_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def openai_config(args: argparse.Namespace, folder: Path) -> OpenAIConfig | None:
+def openai_config(args: argparse.Namespace, served_model_name: str) -> OpenAIConfig | None:
     """The door's settings, or None when --openai-port is 0; ValueError naming a flag out of range."""
     if not 0 <= args.openai_port < 65536:
         raise ValueError(f"--openai-port must be in [0, 65535], got {args.openai_port}")
     if not args.openai_port:
         return None
-    return OpenAIConfig(args.host, args.openai_port, args.served_model_name or folder.name, args.api_key)
+    return OpenAIConfig(args.host, args.openai_port, served_model_name, args.api_key)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
+import signal
 
 from proto.worker_flags import add_curve_flag
 
@@ -68,3 +70,16 @@ def check_operations_flags(args: argparse.Namespace) -> None:
         raise ValueError("--drain-timeout and --max-waiting-requests must be >= 0")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ValueError("--tls-cert and --tls-key go together")
+
+
+def stop_signals() -> tuple[asyncio.Event, asyncio.Event]:
+    """(stop, hurry) on the running loop: the first SIGINT/SIGTERM sets `stop` (drain), a second `hurry` (end it)."""
+    stop, hurry = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:
+        (hurry if stop.is_set() else stop).set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    return stop, hurry

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
 
 from proto.cli_config import add_config_flag, parse_args
@@ -13,16 +12,16 @@ from proto.curve import ensure_keys
 from proto.parallel import ParallelLayout
 from scheduler_node.api.grpc_server import GenerationService, build_server
 from scheduler_node.api.health import report_health, set_serving
-from scheduler_node.api.openai_server import OpenAIDoor, OpenAIServer
+from scheduler_node.api.openai_server import OpenAIDoor, OpenAIServer, build_app
 from scheduler_node.api.security import server_credentials
 from scheduler_node.cli.openai_flags import add_openai_flags, openai_config
-from scheduler_node.cli.operations import add_operations_flags, check_operations_flags
+from scheduler_node.cli.operations import add_operations_flags, check_operations_flags, stop_signals
 from scheduler_node.core.config import PREEMPTION_MODES, SchedulerConfig
 from scheduler_node.core.policy import POLICIES
 from scheduler_node.engine.builder import EngineConfig, WorldPlan, check_model_split, make_engine
 from scheduler_node.engine.core import EngineOptions
 from scheduler_node.engine.metrics import Metrics
-from scheduler_node.engine.model_path import DEFAULT, resolve_model
+from scheduler_node.engine.model_path import DEFAULT, resolve_model, served_name
 from scheduler_node.engine.placement import Placement, place
 from scheduler_node.engine.topology import load_topology, single_island
 from scheduler_node.engine.worker_link import WorkerLink
@@ -248,14 +247,14 @@ async def serve(args: argparse.Namespace) -> int:
     if args.zmq_curve_dir:
         ensure_keys(args.zmq_curve_dir)
     link = WorkerLink(f"{args.worker_host}:{args.worker_port}", args.heartbeat_timeout, args.zmq_curve_dir)
-    service = GenerationService(tokenizer)
+    service = GenerationService(tokenizer, args.served_model_name or served_name(args.model))
     service.link = link
     credentials = server_credentials(args.tls_cert, args.tls_key) if args.tls_cert else None
     server, health = build_server(service, f"{args.host}:{args.port}", credentials, args.control_token)
-    metrics = Metrics(args.served_model_name or folder.name)
-    http_config = openai_config(args, folder)
+    metrics = Metrics(service.served_model_name)
+    http_config = openai_config(args, service.served_model_name)
     door = OpenAIDoor(http_config, tokenizer, metrics) if http_config else None
-    http = OpenAIServer(door) if door else None  # binds now: a taken port fails the start
+    http = OpenAIServer(build_app(door), door.config.host, door.config.port) if door else None  # binds now
     if args.metrics_port:
         metrics.serve(args.metrics_host, args.metrics_port)
     await server.start()
@@ -276,14 +275,7 @@ async def serve(args: argparse.Namespace) -> int:
     link.claim = world.claim
     link.output_rank = layout.output_rank
 
-    stop, hurry = asyncio.Event(), asyncio.Event()  # the first signal drains, a second ends the drain
-
-    def on_signal() -> None:
-        (hurry if stop.is_set() else stop).set()
-
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
+    stop, hurry = stop_signals()  # the first signal drains, a second ends the drain
     gather = asyncio.ensure_future(link.start(world.assignment, args.worker_join_timeout))
     stopper = asyncio.ensure_future(stop.wait())
     await asyncio.wait({gather, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -297,7 +289,7 @@ async def serve(args: argparse.Namespace) -> int:
         await _shutdown(server, link, "the world did not assemble in time", http)  # the joined workers leave too
         raise
     engine = make_engine(config, folder, tokenizer, link, capacity, metrics)
-    metrics.bind(engine.live_metrics, loop)
+    metrics.bind(engine.live_metrics, asyncio.get_running_loop())
     service.engine = engine
     if door is not None:
         door.engine = engine

@@ -1,5 +1,5 @@
-"""vllm-serve: one scheduler plus its TP x PP workers (child processes, or Ray actors with --launcher ray), stopped
-together on Ctrl-C/SIGTERM."""
+"""vllm-serve: one scheduler plus its TP x PP workers (child processes, or Ray actors with --launcher ray), or with
+--data-parallel-size N, N such replicas behind a vllm-router; all stopped together on Ctrl-C/SIGTERM."""
 
 from __future__ import annotations
 
@@ -13,12 +13,18 @@ import time
 
 from proto.cli_config import add_config_flag, parse_args
 from proto.curve import ensure_keys
+from proto.parallel import ParallelLayout
 from proto.worker_flags import add_worker_flags, worker_argv
 from scheduler_node.cli.openai_flags import API_KEY_ENV, SERVE_OPENAI_PORT
 from scheduler_node.cli.operations import TOKEN_ENV
+from scheduler_node.cli.router import add_routing_flags
 from scheduler_node.cli.scheduler import add_scheduler_flags, resolve_parallel
+from scheduler_node.engine.builder import free_port
+from scheduler_node.engine.data_parallel import ReplicaPlan, plan_replicas
 from scheduler_node.engine.launchers import add_launcher_flags, make_launcher
+from scheduler_node.engine.model_path import served_name
 from scheduler_node.engine.processes import terminate
+from scheduler_node.engine.topology import load_topology
 
 logger = logging.getLogger("vllm-serve")
 
@@ -35,6 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(openai_port=SERVE_OPENAI_PORT)
     add_worker_flags(p)
     add_launcher_flags(p)
+    p.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="replicas of the model, each its own scheduler and TP x PP world on devices of its own, behind a "
+        "vllm-router at --host:--port (the replicas listen on loopback)",
+    )
+    add_routing_flags(p)
     return p
 
 
@@ -53,58 +67,120 @@ def scheduler_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
+def replica_plans(args: argparse.Namespace) -> list[ReplicaPlan]:
+    """One plan per replica: the world of a single replica at --port (no router), or N on loopback behind one."""
+    if args.data_parallel_size == 1:
+        placement = resolve_parallel(args)
+        return [ReplicaPlan(0, placement, args.port, args.worker_port)]
+    if args.launcher == "ray":
+        raise ValueError("--data-parallel-size > 1 runs its replicas with --launcher local (ray: one world only)")
+    layout = ParallelLayout(args.tensor_parallel_size, args.pipeline_parallel_size)
+    topology = load_topology(args.topology) if args.topology else None
+    gpus = args.device != "cpu"
+    plans = plan_replicas(args.data_parallel_size, layout, args.worker_port, topology, args.allow_cross_island, gpus)
+    for plan in plans:
+        plan.http_port = free_port() if args.openai_port else 0
+    return plans
+
+
+def replica_argv(args: argparse.Namespace, plan: ReplicaPlan, count: int) -> list[str]:
+    """The scheduler flags of one replica: with data parallelism, on loopback behind the router (which does TLS)."""
+    if count == 1:
+        return scheduler_argv(args)
+    mine = argparse.Namespace(**vars(args))
+    mine.host, mine.port, mine.worker_port = "127.0.0.1", plan.port, plan.worker_port
+    mine.openai_port = plan.http_port
+    mine.topology = str(plan.topology_file) if plan.topology_file else None
+    mine.tls_cert = mine.tls_key = None
+    mine.metrics_port = args.metrics_port + 1 + plan.index if args.metrics_port else 0
+    mine.served_model_name = args.served_model_name or served_name(args.model)
+    return scheduler_argv(mine)
+
+
+def router_argv(args: argparse.Namespace, plans: list[ReplicaPlan]) -> list[str]:
+    name = args.served_model_name or served_name(args.model)
+    argv = ["--host", args.host, "--port", str(args.port), "--log-level", args.log_level]
+    argv += ["--routing-strategy", args.routing_strategy, "--routing-prefix-chars", str(args.routing_prefix_chars)]
+    argv += ["--routing-load-factor", str(args.routing_load_factor), "--drain-timeout", str(args.drain_timeout)]
+    argv += ["--metrics-port", str(args.metrics_port), "--metrics-host", args.metrics_host]
+    argv += ["--openai-port", str(args.openai_port)]  # its --api-key and the replicas' come in the environment
+    argv += ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key] if args.tls_cert else []
+    for plan in plans:
+        http = f",http=127.0.0.1:{plan.http_port}" if plan.http_port else ""
+        argv += ["--replica", f"{plan.address},model={name}{http}"]
+    return argv
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(build_parser(), argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        placement = resolve_parallel(args)
+        plans = replica_plans(args)
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
     if args.print_placement:
-        print(placement.describe())
+        print("\n\n".join(f"replica {p.index} at {p.address}:\n{p.placement.describe()}" if len(plans) > 1
+                          else p.placement.describe() for p in plans))  # fmt: skip
         return 0
     try:
-        launcher = make_launcher(args, placement.layout)
+        launchers = [make_launcher(args, p.placement.layout, p.worker_env) for p in plans]
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
     env = dict(os.environ)
-    argv = scheduler_argv(args) + launcher.scheduler_flags()
-    for flag, var in (("--control-token", TOKEN_ENV), ("--api-key", API_KEY_ENV)):
-        i = argv.index(flag)  # secrets go in the environment: a command line is visible to all local users
-        env[var] = argv[i + 1]
-        del argv[i : i + 2]
+    env[TOKEN_ENV] = args.control_token  # secrets go in the environment: a command line is visible to all local users
+    env[API_KEY_ENV] = args.api_key
     if args.zmq_curve_dir:
         ensure_keys(args.zmq_curve_dir)  # before the workers look for them
     # Children get their own session, so a terminal's Ctrl-C reaches only vllm-serve, which drains in order.
-    scheduler = subprocess.Popen(
-        [sys.executable, "-m", "scheduler_node.cli.scheduler", *argv], env=env, start_new_session=True
-    )
+    schedulers = []
+    for plan, launcher in zip(plans, launchers):
+        flags = _without_secrets(replica_argv(args, plan, len(plans))) + launcher.scheduler_flags()
+        schedulers.append(_spawn("scheduler_node.cli.scheduler", flags, env))
     worker_flags = ["--log-level", args.log_level, *worker_argv(args)]
     worker_flags += ["--zmq-curve-dir", args.zmq_curve_dir] if args.zmq_curve_dir else []
-    launcher.start(f"{args.worker_host}:{args.worker_port}", worker_flags)
+    for plan, launcher in zip(plans, launchers):
+        launcher.start(f"{args.worker_host}:{plan.worker_port}", worker_flags)
+    routers = [_spawn("scheduler_node.cli.router", router_argv(args, plans), env)] if len(plans) > 1 else []
     signals = 0
 
     def on_signal(signum: int, _frame: object) -> None:
         nonlocal signals
         signals += 1
-        if signals > 1 and scheduler.poll() is None:
-            scheduler.send_signal(signal.SIGTERM)  # a second signal: the scheduler ends its drain at once
+        if signals > 1:  # a second signal: the router and the schedulers end their drains at once
+            for proc in [*routers, *schedulers]:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     code = 0
-    while not signals:
-        if scheduler.poll() is not None:
-            code = scheduler.returncode or 1
-            logger.error("the scheduler (pid %d) exited with %s; stopping the workers", scheduler.pid, code)
-            break
-        launcher.keep_alive()
+    while not signals and not code:
+        for proc in [*routers, *schedulers]:
+            if proc.poll() is not None:
+                code = proc.returncode or 1
+                logger.error("pid %d exited with %s; stopping the others", proc.pid, code)
+        for launcher in launchers:
+            launcher.keep_alive()
         time.sleep(0.2)
-    terminate([scheduler], args.drain_timeout + 15.0)  # it drains, then tells its workers to shut down
-    launcher.stop(10.0)
+    terminate(routers, args.drain_timeout + 15.0)  # the router drains its streams first
+    terminate(schedulers, args.drain_timeout + 15.0)  # each drains, then tells its workers to shut down
+    for launcher in launchers:
+        launcher.stop(10.0)
     return 0 if signals else code
+
+
+def _spawn(module: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", module, *argv], env=env, start_new_session=True)
+
+
+def _without_secrets(argv: list[str]) -> list[str]:
+    """The flags without the control token and the API key (the children read them from the environment)."""
+    for flag in ("--control-token", "--api-key"):
+        i = argv.index(flag)
+        argv = argv[:i] + argv[i + 2 :]
+    return argv
 
 
 if __name__ == "__main__":

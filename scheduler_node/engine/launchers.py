@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -53,19 +54,21 @@ def add_launcher_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def make_launcher(args: argparse.Namespace, layout: ParallelLayout) -> Launcher:
+def make_launcher(args: argparse.Namespace, layout: ParallelLayout, env: dict[str, str] | None = None) -> Launcher:
+    """`env`: added to the local workers' environment (a data-parallel replica's GPU slice)."""
     if args.launcher == "ray":
         from scheduler_node.engine.ray_launcher import RayLauncher  # ray only when asked for
 
         return RayLauncher(args, layout)
-    return LocalLauncher(layout.world_size)
+    return LocalLauncher(layout.world_size, env)
 
 
 class LocalLauncher:
     """Each rank a child process of vllm-serve, in its own session (a terminal's Ctrl-C reaches only vllm-serve)."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, env: dict[str, str] | None = None) -> None:
         self.world_size = world_size
+        self.env = {**os.environ, **env} if env else None
         self.argv: list[str] = []
         self.procs: list[subprocess.Popen] = []
         self.restarts = [Restarts() for _ in range(world_size)]
@@ -79,7 +82,7 @@ class LocalLauncher:
         self.procs = [self._spawn() for _ in range(self.world_size)]
 
     def _spawn(self) -> subprocess.Popen:
-        return subprocess.Popen(self.argv, start_new_session=True)
+        return subprocess.Popen(self.argv, start_new_session=True, env=self.env)
 
     def keep_alive(self) -> None:
         for i, proc in enumerate(self.procs):

@@ -31,7 +31,24 @@ TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
-class Metrics:
+class Exporter:
+    """A registry served at `/metrics` over HTTP (`--metrics-port`) until `close`."""
+
+    registry: CollectorRegistry
+    _server: Any = None
+
+    def serve(self, host: str, port: int) -> None:
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        logger.info("Prometheus metrics on http://%s:%d/metrics", host, port)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class Metrics(Exporter):
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
@@ -59,7 +76,6 @@ class Metrics:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.registry.register(_LiveCollector(self))
         ProcessCollector(registry=self.registry)  # process_open_fds, process_resident_memory_bytes, ...
-        self._server: Any = None
 
     def _counter(self, name: str, doc: str) -> Any:
         return Counter(name, doc, ["model_name"], registry=self.registry).labels(self.model_name)
@@ -75,16 +91,6 @@ class Metrics:
     def bind(self, read: LiveValues, loop: asyncio.AbstractEventLoop) -> None:
         """Read the live gauges with `read`, on this loop's thread."""
         self.read, self.loop = read, loop
-
-    def serve(self, host: str, port: int) -> None:
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
-        logger.info("Prometheus metrics on http://%s:%d/metrics", host, port)
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
 
     def live(self) -> dict[str, float]:
         """The scrape-time values, computed on the event loop's thread ({} while the workers are joining)."""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from proto.architectures import architecture_of
 from proto.checkpoints import PICKLE_SUFFIXES, pickle_refusal, weight_files
-from proto.model_cache import cache_dir, default_model_dir
+from proto.model_cache import DEFAULT_MODEL_NAME, cache_dir, default_model_dir
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,17 @@ def resolve_model(model: str, hub_cache: Path | None = None) -> Path:
     else:
         raise FileNotFoundError(f"--model {model}: no such file or folder, and not an HF hub id (org/name)")
     return _checked(folder, model)
+
+
+def served_name(model: str) -> str:
+    """The name `--model` is served under unless --served-model-name says otherwise: a hub id as given, else the
+    folder's name (a GGUF file's stem)."""
+    if model == DEFAULT:
+        return DEFAULT_MODEL_NAME
+    path = Path(model).expanduser()
+    if not path.exists() and _HUB_ID.match(model):
+        return model
+    return path.stem if path.suffix == ".gguf" else path.resolve().name
 
 
 def _checked(folder: Path, model: str) -> Path:

@@ -1,0 +1,260 @@
+"""The router's OpenAI HTTP door (`vllm-router --openai-port`): the API of a scheduler's door (api/openai_server.py)
+in front of the replicas' own HTTP doors (their --openai-port, `http=HOST:PORT` in --replica).
+
+A body is checked with the door's own request models (the same 400s in the same words), routed by its `model`
+like a gRPC request (the same strategies, prefix keys and metrics), and sent on with `model` set to the chosen
+replica's. The answer comes back as the replica sends it, chunk by chunk for a stream (no buffering). A request
+that fails before any byte of its answer reached the client (the replica cannot be reached, answers 503, or drops
+the connection first) goes once more to another replica of its model; a stream that breaks later ends with an
+error event naming the replica, never a second copy of tokens the client already has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import aiohttp
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from scheduler_node.api.openai_errors import OpenAIError, install_handlers
+from scheduler_node.api.openai_guards import ApiKeyAuth, BodyLimit
+from scheduler_node.api.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from scheduler_node.api.openai_server import MAX_BODY_BYTES, model_card, model_list
+from scheduler_node.router.grpc_door import RouterGeneration
+from scheduler_node.router.replica import Replica
+from scheduler_node.router.request import RouteRequest
+from scheduler_node.router.routing import RouteError
+from scheduler_node.router.upstream import FORWARDED_HEADERS
+
+logger = logging.getLogger(__name__)
+
+UPSTREAM_ERRORS = (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError)
+PRIVATE_HEADERS = ("authorization",)  # never shown to a routing function
+
+
+class RouterHttp:
+    """Forwards OpenAI requests; `replica_api_key` is what the replicas' doors expect."""
+
+    def __init__(self, generation: RouterGeneration, replica_api_key: str, connect_timeout: float) -> None:
+        self.generation = generation
+        self.forwarder = generation.forwarder
+        self.router = generation.forwarder.router
+        self.pool = generation.pool
+        self.auth = {"Authorization": f"Bearer {replica_api_key}"} if replica_api_key else {}
+        self.connect_timeout = connect_timeout
+        self._session: aiohttp.ClientSession | None = None  # made on the serving loop, at the first request
+
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout)
+            self._session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def forward(self, request: Request, route_request: RouteRequest, stream: bool) -> Response:
+        """Send the request's body to a replica of its model; its answer, streamed through when `stream`."""
+        if self.generation.draining:
+            raise OpenAIError(503, "the router is draining; retry on another")
+        payload = json.loads(await request.body())
+        headers = {**self.auth, **{k: v for k, v in request.headers.items() if k in FORWARDED_HEADERS}}
+        stack = contextlib.ExitStack()  # closed when the answer has been passed on (a stream: at its end)
+        stack.enter_context(self.generation.tracked(f"http-{uuid.uuid4().hex}"))
+        try:
+            replica, answer, data = await self._send(request.url.path, payload, headers, route_request, stream, stack)
+        except BaseException:
+            stack.close()
+            raise
+        if not stream or answer.status != 200:
+            answer.release()
+            stack.close()
+            return Response(data, answer.status, media_type=answer.content_type)
+        return StreamingResponse(self._relay(replica, answer, data, stack), media_type=answer.content_type)
+
+    async def _send(
+        self,
+        path: str,
+        payload: dict[str, Any],
+        headers: Mapping[str, str],
+        route_request: RouteRequest,
+        stream: bool,
+        stack: contextlib.ExitStack,
+    ) -> tuple[Replica, aiohttp.ClientResponse, bytes]:
+        """The replica that answered, its response and the answer's first chunk (a stream) or whole body."""
+        failed: list[Replica] = []
+        while True:
+            replica = self._route(route_request, failed)
+            payload["model"] = replica.model
+            self.forwarder.opened(replica)
+            try:
+                answer, data = await self._attempt(replica, path, payload, headers, whole=not stream)
+            except UPSTREAM_ERRORS as exc:
+                self.forwarder.closed(replica)
+                details = _describe(exc)
+                if self.forwarder.unavailable(replica, details, False, failed):
+                    logger.info("HTTP %s: retrying on another replica: %s", path, details)
+                    continue
+                self.generation.count_error(replica.model, "UNAVAILABLE")
+                raise OpenAIError(503, f"replica {replica.spec.http} ({replica.model}): {details}") from None
+            if answer.status == 503:
+                answer.release()
+                self.forwarder.closed(replica)
+                if self.forwarder.unavailable(replica, _error_message(data), False, failed):
+                    logger.info("HTTP %s: retrying on another replica: %s", path, _error_message(data))
+                    continue
+                return replica, answer, data
+            stack.callback(self.forwarder.closed, replica)
+            return replica, answer, data
+
+    async def _attempt(
+        self, replica: Replica, path: str, payload: dict[str, Any], headers: Mapping[str, str], whole: bool
+    ) -> tuple[aiohttp.ClientResponse, bytes]:
+        sent = time.monotonic()
+        answer = await self.session().post(f"http://{replica.spec.http}{path}", json=payload, headers=headers)
+        streamed = answer.status == 200 and not whole  # an error's body is read whole, whatever was asked
+        try:
+            data = await (answer.content.readany() if streamed else answer.content.read())
+        except BaseException:
+            answer.close()
+            raise
+        if streamed:
+            replica.observe_ttft(time.monotonic() - sent)  # a stream's first chunk: the role or the first token
+        return answer, data
+
+    async def _relay(
+        self, replica: Replica, answer: aiohttp.ClientResponse, first: bytes, stack: contextlib.ExitStack
+    ) -> AsyncIterator[bytes]:
+        ended = False
+        try:
+            yield first
+            while chunk := await answer.content.readany():
+                yield chunk
+            ended = True
+        except UPSTREAM_ERRORS as exc:
+            details = f"replica {replica.spec.http} ({replica.model}) failed mid-stream: {_describe(exc)}"
+            self.forwarder.unavailable(replica, details, True, [])
+            self.generation.count_error(replica.model, "UNAVAILABLE")
+            yield f"data: {json.dumps(OpenAIError(503, details).body())}\n\n".encode()
+        finally:
+            if ended:
+                answer.release()  # the connection goes back to the pool
+            else:
+                answer.close()  # the client went away (or the replica did): closing makes the replica abort
+            stack.close()
+
+    def _route(self, route_request: RouteRequest, failed: list[Replica]) -> Replica:
+        model = route_request.model or self.router.default_model
+        if model in self.pool.models and not any(r.spec.http for r in self.pool.of_model(model)):
+            raise OpenAIError(503, f"model {model!r}: no replica has an HTTP API (http=HOST:PORT in --replica)")
+        without_http = [r for r in self.pool.replicas if not r.spec.http]
+        try:
+            return self.router.route(route_request, [*failed, *without_http]).replica
+        except RouteError as exc:
+            if exc.code == "NOT_FOUND":
+                raise OpenAIError(404, str(exc), "model", "model_not_found") from None
+            self.generation.count_error(route_request.model, exc.code)
+            raise OpenAIError(503, str(exc)) from None
+
+
+def build_router_app(door: RouterHttp, api_key: str) -> FastAPI:
+    app = FastAPI(title="minivllm router", summary="OpenAI-compatible API over several schedulers")
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+    if api_key:
+        app.add_middleware(ApiKeyAuth, key=api_key)  # added last: runs first
+    install_handlers(app)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        messages = [(m.role, m.content) for m in body.messages]
+        route = _route_request(request, body.model, body, messages=messages)
+        return await door.forward(request, route, body.stream)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        first = body.prompt[0] if body.prompt else ""
+        text, ids = (first, []) if isinstance(first, str) else ("", first)
+        route = _route_request(request, body.model, body, prompt=text, prompt_token_ids=ids)
+        return await door.forward(request, route, body.stream)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request) -> Response:
+        messages = [(m.role, m.content) for m in body.messages or ()]
+        route = _route_request(request, body.model, None, prompt=body.prompt or "", messages=messages)
+        return await door.forward(request, route, False)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
+        return await door.forward(request, _route_request(request, body.model, None), False)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        lengths = {m: max((r.load.max_model_len for r in door.pool.of_model(m)), default=0) for m in door.pool.models}
+        return model_list([model_card(m, lengths[m] or None) for m in door.pool.models])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if door.generation.draining:
+            raise OpenAIError(503, "the router is draining")
+        missing = [m for m in door.pool.models if not door.pool.serving(m)]
+        if missing:
+            raise OpenAIError(503, f"no replica is serving {', '.join(missing)}")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(door.forwarder.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _route_request(
+    request: Request,
+    model: str | None,
+    body: ChatCompletionRequest | CompletionRequest | None,
+    prompt: str = "",
+    prompt_token_ids: list[int] | tuple[()] = (),
+    messages: list[tuple[str, str]] | tuple[()] = (),
+) -> RouteRequest:
+    """What routing sees of an HTTP request: the same fields a gRPC request gives (so the prefix keys agree)."""
+    headers = {k: v for k, v in request.headers.items() if k not in PRIVATE_HEADERS}
+    max_tokens = body.max_tokens if body is not None else None
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        max_tokens = body.max_completion_tokens  # OpenAI's newer name wins, as at the door
+    return RouteRequest(
+        model=model or "",
+        prompt=prompt,
+        prompt_token_ids=prompt_token_ids,
+        messages=messages,
+        max_tokens=max_tokens,
+        priority=body.priority if body is not None else None,
+        cache_salt=body.cache_salt if body is not None else "",
+        metadata=headers,
+    )
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
+def _error_message(body: bytes) -> str:
+    """The message of an OpenAI error body (or the body itself when it is not one)."""
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body.decode(errors="replace")[:200]

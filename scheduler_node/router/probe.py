@@ -1,0 +1,90 @@
+"""Each replica probed every interval: grpc.health.v1 says whether it serves (unreachable: down), then its
+Control.GetStats gives the load `least_loaded` reads. A dead replica leaves the routing within one interval plus
+the probe's timeout (or at once, when a stream to it fails); it comes back on its first SERVING answer."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2
+
+from proto import serving_pb2 as pb
+from scheduler_node.api.health import set_serving
+from scheduler_node.router.metrics import RouterMetrics
+from scheduler_node.router.replica import DOWN, NOT_SERVING, SERVING, Load, Replica, ReplicaPool
+from scheduler_node.router.upstream import Link
+
+logger = logging.getLogger(__name__)
+
+
+class Prober:
+    def __init__(
+        self,
+        pool: ReplicaPool,
+        links: dict[str, Link],
+        metrics: RouterMetrics,
+        interval: float,
+        timeout: float,
+        control_token: str = "",
+    ) -> None:
+        self.pool = pool
+        self.links = links
+        self.metrics = metrics
+        self.interval = interval
+        self.timeout = timeout
+        self.metadata = [("authorization", f"Bearer {control_token}")] if control_token else []
+        self._stats_refused: set[str] = set()  # replicas whose GetStats said no (logged once)
+
+    async def run(self) -> None:
+        await asyncio.gather(*(self._watch(r) for r in self.pool.replicas))
+
+    async def _watch(self, replica: Replica) -> None:
+        while True:
+            try:
+                await self.probe(replica)
+            except Exception as exc:  # whatever went wrong, keep probing this replica (and the others)
+                logger.exception("probing %s failed", replica.address)
+                self.pool.set_state(replica, DOWN, repr(exc))
+            self.metrics.healthy.labels(replica.model, replica.address).set(1 if replica.state == SERVING else 0)
+            await asyncio.sleep(self.interval)
+
+    async def probe(self, replica: Replica) -> None:
+        link = self.links[replica.address]
+        try:
+            answer = await link.health.Check(health_pb2.HealthCheckRequest(), timeout=self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            self.pool.set_state(replica, DOWN, f"{exc.code().name}: {exc.details()}")
+            return
+        if answer.status != health_pb2.HealthCheckResponse.SERVING:
+            self.pool.set_state(replica, NOT_SERVING, health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status))
+            return
+        self.pool.set_state(replica, SERVING)
+        try:
+            stats = await link.control.GetStats(pb.GetStatsRequest(), timeout=self.timeout, metadata=self.metadata)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                if replica.address not in self._stats_refused:
+                    self._stats_refused.add(replica.address)
+                    why = f"replica {replica.address} refused GetStats ({exc.details()}); set --replica-control-token"
+                    logger.warning("%s; least_loaded counts only the router's own streams on it", why)
+            return
+        replica.load = Load(stats.num_running, stats.num_waiting, stats.kv_usage, stats.max_model_len)
+
+
+async def report_health(
+    pool: ReplicaPool, health_service: health.aio.HealthServicer, draining: Callable[[], bool]
+) -> None:
+    """The router is SERVING while every model it routes has a serving replica and it is not draining (a drain
+    sets `pool.changed` too)."""
+    serving: bool | None = None
+    while True:
+        pool.changed.clear()
+        now = pool.every_model_served and not draining()
+        if now != serving:
+            await set_serving(health_service, now)
+            logger.info("health: %s", "SERVING" if now else "NOT_SERVING")
+            serving = now
+        await pool.changed.wait()

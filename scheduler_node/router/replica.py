@@ -1,0 +1,151 @@
+"""The schedulers a router fronts: what the config names (ReplicaSpec) and what the router knows of each (Replica).
+
+A replica is one vllm-scheduler (with its own TP x PP world) serving one model under a name. Its state comes from
+probes (grpc.health.v1) and from the streams the router sends it; its load from its Control.GetStats (polled) and
+from the streams the router has open on it now (exact between two polls).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+STARTING, SERVING, NOT_SERVING, DOWN = "starting", "serving", "not_serving", "down"
+EWMA_ALPHA = 0.3  # weight of the newest latency sample: a replica's slowdown shows within a few requests
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSpec:
+    address: str  # HOST:PORT of the scheduler's gRPC server
+    model: str  # the name it serves (its --served-model-name)
+    weight: float = 1.0  # its share relative to the other replicas of its model (capacity)
+    http: str = ""  # HOST:PORT of its OpenAI HTTP API (its --openai-port), where the router's HTTP door forwards
+
+    def __post_init__(self) -> None:
+        for key, address in (("address", self.address), ("http", self.http)):
+            host, _, port = address.rpartition(":")
+            if (address or key == "address") and (not host or not port.isdigit() or not 0 < int(port) < 65536):
+                raise ValueError(f"replica {key} must be HOST:PORT, got {address!r}")
+        if not self.model:
+            raise ValueError(f"replica {self.address}: model must not be empty")
+        if not self.weight > 0:
+            raise ValueError(f"replica {self.address}: weight must be > 0, got {self.weight}")
+
+
+def parse_replica(value: str | Mapping[str, Any]) -> ReplicaSpec:
+    """`HOST:PORT,model=NAME[,weight=W][,http=HOST:PORT]` (the command line) or a mapping {address, model, weight,
+    http} (a config file)."""
+    if isinstance(value, Mapping):
+        fields = {str(k): v for k, v in value.items()}
+    else:
+        address, *pairs = str(value).split(",")
+        fields = {"address": address}
+        for pair in pairs:
+            key, sep, v = pair.partition("=")
+            if not sep:
+                raise ValueError(f"replica {value!r}: expected key=value after the address, got {pair!r}")
+            fields[key.strip()] = v.strip()
+    unknown = set(fields) - {"address", "model", "weight", "http"}
+    if unknown:
+        raise ValueError(f"replica {value!r}: unknown keys {sorted(unknown)}; expected address, model, weight, http")
+    if "address" not in fields or "model" not in fields:
+        raise ValueError(f"replica {value!r}: address and model are required")
+    try:
+        weight = float(fields.get("weight", 1.0))
+    except (TypeError, ValueError):
+        raise ValueError(f"replica {value!r}: weight must be a number, got {fields['weight']!r}") from None
+    http = str(fields.get("http") or "").strip()
+    return ReplicaSpec(str(fields["address"]).strip(), str(fields["model"]).strip(), weight, http)
+
+
+@dataclass(slots=True)
+class Load:
+    """What the replica's last Control.GetStats said (zeros until the first answer)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    max_model_len: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class Replica:
+    """The router's view of one scheduler. Strategies and user routing functions read it; the prober and the
+    forwarding code write it."""
+
+    spec: ReplicaSpec
+    state: str = STARTING
+    load: Load = field(default_factory=Load)
+    in_flight: int = 0  # streams the router has open on it now
+    requests: int = 0  # streams the router ever opened on it (retries included)
+    ttft_ewma: float | None = None  # seconds, measured by the router (None until a first token came back)
+    tpot_ewma: float | None = None
+
+    @property
+    def address(self) -> str:
+        return self.spec.address
+
+    @property
+    def model(self) -> str:
+        return self.spec.model
+
+    @property
+    def weight(self) -> float:
+        return self.spec.weight
+
+    @property
+    def queue(self) -> int:
+        """Requests ahead of a new one: the polled queue, or the router's own open streams when those are more
+        (the poll lags a burst; the replica may have clients besides the router)."""
+        return max(self.in_flight, self.load.num_running + self.load.num_waiting)
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft_ewma = _ewma(self.ttft_ewma, seconds)
+
+    def observe_tpot(self, seconds: float) -> None:
+        self.tpot_ewma = _ewma(self.tpot_ewma, seconds)
+
+
+def _ewma(current: float | None, sample: float) -> float:
+    return sample if current is None else EWMA_ALPHA * sample + (1 - EWMA_ALPHA) * current
+
+
+class ReplicaPool:
+    """Every replica, grouped by model in config order; `changed` is set whenever a replica's state changes."""
+
+    def __init__(self, specs: Iterable[ReplicaSpec]) -> None:
+        self.replicas = [Replica(spec) for spec in specs]
+        if not self.replicas:
+            raise ValueError("no replicas: give at least one --replica HOST:PORT,model=NAME")
+        seen: set[str] = set()
+        for r in self.replicas:
+            if r.address in seen:
+                raise ValueError(f"replica {r.address} is listed twice")
+            seen.add(r.address)
+        self.models = list(dict.fromkeys(r.model for r in self.replicas))
+        self.changed = asyncio.Event()
+
+    def of_model(self, model: str) -> list[Replica]:
+        return [r for r in self.replicas if r.model == model]
+
+    def serving(self, model: str | None = None) -> list[Replica]:
+        """The replicas that take requests (of `model`, or of every model)."""
+        return [r for r in self.replicas if r.state == SERVING and (model is None or r.model == model)]
+
+    def set_state(self, replica: Replica, state: str, why: str = "") -> None:
+        if replica.state == state:
+            return
+        log = logger.info if state == SERVING else logger.warning
+        because = f" ({why})" if why else ""
+        log("replica %s (%s): %s -> %s%s", replica.address, replica.model, replica.state, state, because)
+        replica.state = state
+        self.changed.set()
+
+    @property
+    def every_model_served(self) -> bool:
+        return all(self.serving(model) for model in self.models)

@@ -1,0 +1,170 @@
+"""The router's side of each replica: one gRPC channel per scheduler, and the forwarding of a Generate stream with
+one retry.
+
+A stream is passed on message by message as the replica sends it (no buffering). A stream that fails with
+UNAVAILABLE before its first message (the replica died, is draining, or lost its workers) is sent once more to
+another replica of that model; after the first message it ends with the replica's status, since sending it again
+would repeat tokens the client already has.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2_grpc
+
+from proto import serving_pb2 as pb
+from proto import serving_pb2_grpc as pb_grpc
+from proto.wire import MAX_MESSAGE_BYTES
+from scheduler_node.router.metrics import RouterMetrics
+from scheduler_node.router.replica import NOT_SERVING, Replica, ReplicaPool
+from scheduler_node.router.request import RouteRequest
+from scheduler_node.router.routing import RouteError, Router
+
+logger = logging.getLogger(__name__)
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # A replica that comes back is reconnected within about a probe interval (gRPC's default backoff grows to 2 min).
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+FORWARDED_HEADERS = ("x-priority",)
+
+
+@dataclass(slots=True)
+class Link:
+    channel: grpc.aio.Channel
+    generation: pb_grpc.GenerationStub
+    control: pb_grpc.ControlStub
+    health: health_pb2_grpc.HealthStub
+
+
+def open_links(pool: ReplicaPool) -> dict[str, Link]:
+    links = {}
+    for r in pool.replicas:
+        channel = grpc.aio.insecure_channel(r.address, options=CHANNEL_OPTIONS)
+        links[r.address] = Link(
+            channel, pb_grpc.GenerationStub(channel), pb_grpc.ControlStub(channel), health_pb2_grpc.HealthStub(channel)
+        )
+    return links
+
+
+class UpstreamError(Exception):
+    """How a forwarded request ended when it did not end well: the status to give the client."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class Forwarder:
+    def __init__(self, router: Router, links: dict[str, Link], metrics: RouterMetrics) -> None:
+        self.router = router
+        self.links = links
+        self.metrics = metrics
+
+    async def generate(
+        self,
+        request: pb.GenerateRequest,
+        route_request: RouteRequest,
+        timeout: float | None,
+        metadata: Sequence[tuple[str, str]] = (),
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """The replica's responses to `request` as they come; UpstreamError with the status it ended with."""
+        arrived, deadline_s = time.monotonic(), request.deadline_s
+        failed: list[Replica] = []
+        while True:
+            try:
+                route = self.router.route(route_request, failed)
+            except RouteError as exc:
+                earlier = f" (it failed on {failed[0].address} before its first token)" if failed else ""
+                raise UpstreamError(grpc.StatusCode[exc.code], f"{exc}{earlier}") from None
+            replica = route.replica
+            left = _time_left(request, timeout, deadline_s, arrived)
+            request.model = route.model
+            started = False
+            try:
+                async for response in self._stream(replica, request, left, metadata):
+                    started = True
+                    yield response
+                return
+            except grpc.aio.AioRpcError as exc:
+                code, details = exc.code(), exc.details() or ""
+                if code == grpc.StatusCode.UNAVAILABLE and self.unavailable(replica, details, started, failed):
+                    logger.info("request %s: retrying on another replica: %s", request.request_id, details)
+                    continue
+                raise UpstreamError(code, f"replica {replica.address} ({replica.model}): {details}") from None
+
+    def unavailable(self, replica: Replica, details: str, started: bool, failed: list[Replica]) -> bool:
+        """A request failed on `replica` with UNAVAILABLE: it leaves the serving set until a probe says otherwise.
+        True (and `replica` joins `failed`) when the request may go once more to another replica: nothing of it
+        reached the client yet and it was not retried before."""
+        self.router.pool.set_state(replica, NOT_SERVING, f"a request failed: {details}")
+        if started or failed:
+            return False
+        failed.append(replica)
+        self.metrics.retries.labels(replica.model).inc()
+        return True
+
+    def opened(self, replica: Replica) -> None:
+        """A request goes to `replica` now (counted until closed(), so least_loaded sees it at once)."""
+        self.metrics.requests.labels(replica.model, replica.address).inc()
+        replica.requests += 1
+        replica.in_flight += 1
+        self.metrics.in_flight.labels(replica.model, replica.address).set(replica.in_flight)
+
+    def closed(self, replica: Replica) -> None:
+        replica.in_flight -= 1
+        self.metrics.in_flight.labels(replica.model, replica.address).set(replica.in_flight)
+
+    async def _stream(
+        self, replica: Replica, request: pb.GenerateRequest, timeout: float | None, metadata: Sequence[tuple[str, str]]
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """One attempt on one replica, measuring its time to first token and per output token."""
+        self.opened(replica)
+        call = self.links[replica.address].generation.Generate(request, timeout=timeout, metadata=metadata)
+        sent = time.monotonic()
+        first = last = 0.0
+        tokens = 0  # of sequence 0: with n > 1 the sequences advance together
+        try:
+            async for response in call:
+                last = time.monotonic()
+                if not first:
+                    first = last
+                    replica.observe_ttft(first - sent)
+                if response.index == 0:
+                    tokens += len(response.token_ids)
+                yield response
+        finally:
+            call.cancel()  # the client went away: the replica aborts the request (no-op once the call ended)
+            self.closed(replica)
+            if tokens > 1:
+                replica.observe_tpot((last - first) / (tokens - 1))
+
+
+def forwarded_metadata(metadata: Sequence[tuple[str, str | bytes]]) -> list[tuple[str, str]]:
+    """The client's headers the replica reads (the priority header)."""
+    return [(k, v) for k, v in metadata if k in FORWARDED_HEADERS and isinstance(v, str)]
+
+
+def _time_left(request: pb.GenerateRequest, timeout: float | None, deadline_s: float, arrived: float) -> float | None:
+    """What is left of the client's gRPC deadline (returned) and of the request's `deadline_s` (set in `request`):
+    both count from the arrival at the router, so a retry gets only the rest."""
+    elapsed = time.monotonic() - arrived
+    if deadline_s > 0:
+        if deadline_s <= elapsed:
+            raise UpstreamError(grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline_s {deadline_s:g} passed before a retry")
+        request.deadline_s = deadline_s - elapsed
+    if timeout is None:
+        return None
+    if timeout <= elapsed:
+        raise UpstreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before a retry")
+    return timeout - elapsed
