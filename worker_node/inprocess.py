@@ -174,7 +174,7 @@ class InProcessWorkers:
 def _capacity_of(runners: list[ModelRunner]) -> WorldCapacity:
     """The capacity of runners built elsewhere (tests), whose swap bandwidth nobody measured."""
     blocks = min(r.num_blocks for r in runners)
-    block_bytes = max(sum(k[0].nbytes + v[0].nbytes for k, v in r.kv_cache) for r in runners)
+    block_bytes = max(sum(t[0].nbytes for layer in r.kv_cache for t in layer.tensors()) for r in runners)
     return WorldCapacity(
         num_kv_blocks=blocks,
         num_swap_blocks=min(r.num_host_blocks for r in runners),
