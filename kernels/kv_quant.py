@@ -43,13 +43,18 @@ def is_quantized(dtype: torch.dtype) -> bool:
 
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows `x [..., D]` as (values [..., D] of `dtype`, float32 scales [...]), one scale per row."""
+    scales = x.float().abs().amax(-1).clamp_min(MIN_ABSMAX) / QMAX[dtype]
+    return quantize_with(x, scales, dtype), scales
+
+
+def quantize_with(x: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `x [..., D]` as `dtype` values at the given `scales [...]`; what lies beyond a scale's range
+    saturates at +-QMAX."""
     qmax = QMAX[dtype]
-    x = x.float()
-    scales = x.abs().amax(-1).clamp_min(MIN_ABSMAX) / qmax
-    y = x / scales[..., None]
+    y = (x.float() / scales[..., None]).clamp(-qmax, qmax)
     if dtype == torch.int8:  # floor(y + 0.5): the Triton kernel rounds the same way, so both write equal bytes
-        return torch.floor(y + 0.5).clamp(-qmax, qmax).to(dtype), scales
-    return y.clamp(-qmax, qmax).to(dtype), scales
+        return torch.floor(y + 0.5).to(dtype)
+    return y.to(dtype)
 
 
 def dequantize(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -100,10 +100,20 @@ def _hf_logits(hf_model, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[no-
 
 
 @torch.inference_mode()
+def hf_logprobs(hf_model, prompt: list[int], output: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """HF's float32 log-probabilities `[len(output), vocab]` of each generated position, given the same prefix."""
+    return _hf_logits(hf_model, torch.tensor([prompt + output]))[0, len(prompt) - 1 : -1].float().log_softmax(-1)
+
+
+def teacher_forced_gaps(hf_model, prompt: list[int], output: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Per generated token: HF's best logprob minus the token's own, given the same prefix (0: HF's greedy choice)."""
+    logp = hf_logprobs(hf_model, prompt, output)
+    return logp.max(-1).values - logp.gather(1, torch.tensor(output)[:, None])[:, 0]
+
+
 def assert_teacher_forced(hf_model, prompt: list[int], output: list[int], tol: float = 1e-3) -> None:  # type: ignore[no-untyped-def]
     """Every generated token must be HF's greedy choice given the same prefix (within tol in logprob)."""
-    logp = _hf_logits(hf_model, torch.tensor([prompt + output]))[0, len(prompt) - 1 : -1].float().log_softmax(-1)
-    gaps = logp.max(-1).values - logp.gather(1, torch.tensor(output)[:, None])[:, 0]
+    gaps = teacher_forced_gaps(hf_model, prompt, output)
     bad = (gaps > tol).nonzero().flatten().tolist()
     assert not bad, f"token {bad[0]} ({output[bad[0]]}) is {float(gaps[bad[0]]):.2e} below HF's best"
 
