@@ -41,6 +41,12 @@ def is_quantized(dtype: torch.dtype) -> bool:
     return dtype in QMAX
 
 
+def format_name(dtype: torch.dtype) -> str:
+    """How memory stats name a cache of `dtype`: its --kv-cache-dtype name, or the model dtype's name."""
+    names = {stored: name for name, stored in FORMATS.items()}
+    return names.get(dtype, str(dtype).removeprefix("torch."))
+
+
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows `x [..., D]` as (values [..., D] of `dtype`, float32 scales [...]), one scale per row."""
     scales = x.float().abs().amax(-1).clamp_min(MIN_ABSMAX) / QMAX[dtype]

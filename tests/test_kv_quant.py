@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.kv_quant import SCALE_DTYPE
+from kernels.kv_quant import FORMATS, SCALE_DTYPE
+from minivllm.llm import LLM
 from scheduler_node.text.tokenizer import ModelTokenizer
 from tests.engine import load_runner
 from tests.kv_agreement import Agreement, quantized_agreement
@@ -80,3 +81,21 @@ def test_agreement_adds_up() -> None:
     total = Agreement(10, 9, 0.5, 0.01) + Agreement(30, 30, 0.0, 0.05)
     assert (total.tokens, total.agreeing, total.worst_gap) == (40, 39, 0.5)
     assert total.rate == pytest.approx(39 / 40) and total.mean_logprob_error == pytest.approx(0.04)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_auto_sizing_counts_the_smaller_blocks(tiny_llama_dir: Path, kv_cache_dtype: str) -> None:
+    """The same memory budget holds as many more blocks as each is smaller, and the memory stats say so in bytes."""
+    budget = 2**20
+    device = {}
+    for fmt in ("auto", kv_cache_dtype):
+        with LLM(str(tiny_llama_dir), dtype="float32", kv_cache_memory=budget, kv_cache_dtype=fmt) as llm:
+            device[fmt] = next(p for p in llm.engine.kv_pools() if p.tier == "device")
+    full, compact = device["auto"], device[kv_cache_dtype]
+    assert (full.format, compact.format) == ("float32", kv_cache_dtype)
+    config = ModelConfig.from_folder(tiny_llama_dir)
+    assert compact.bytes_per_block == bytes_per_block(config, 16, FORMATS[kv_cache_dtype])
+    for pool in (full, compact):
+        assert budget - pool.bytes_per_block < pool.allocated_bytes <= budget  # the budget, filled
+    assert compact.total_blocks == budget // compact.bytes_per_block
+    assert compact.total_blocks / full.total_blocks == pytest.approx(64 / 20, rel=0.05)

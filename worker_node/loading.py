@@ -15,7 +15,7 @@ import torch
 
 from kernels.backend import check_reads_quantized, select_attention_backend
 from kernels.cpu_features import has_fast_bf16
-from kernels.kv_quant import cache_dtype, is_quantized
+from kernels.kv_quant import cache_dtype, format_name, is_quantized
 from proto.wire import Assignment, WorkerReady
 from worker_node.cuda_graphs import DecodeGraphs, parse_sizes
 from worker_node.kv_cache import (
@@ -121,7 +121,8 @@ def load_rank(
     )
     enable_decode_graphs(runner, options.cuda_graph_sizes, backend.name, full.max_model_len)
     bandwidth = measure_swap_bandwidth(cache, host, block_bytes)
-    return runner, WorkerReady(a.rank, num_blocks, num_blocks * block_bytes, swap_blocks, bandwidth)
+    ready = WorkerReady(a.rank, num_blocks, num_blocks * block_bytes, swap_blocks, bandwidth, format_name(kv_dtype))
+    return runner, ready
 
 
 def enable_decode_graphs(runner: ModelRunner, sizes_text: str, backend_name: str, max_model_len: int) -> None:
