@@ -63,10 +63,13 @@ def test_n3_streams_every_index(cluster: Cluster) -> None:
 
 def test_resize_cache_shrinks_and_grows(cluster: Cluster) -> None:
     control = pb_grpc.ControlStub(cluster.channel)
-    total = stats(cluster).total_blocks
+    before = stats(cluster)
+    total = before.total_blocks
     resp = control.ResizeCache(pb.ResizeCacheRequest(num_blocks=total // 2), timeout=10)
     assert resp.usable_blocks == total // 2
-    assert stats(cluster).usable_blocks == total // 2
+    after = stats(cluster)
+    assert after.usable_blocks == total // 2
+    assert list(after.memory) == list(before.memory), "a shrink gives no worker memory back (README says so)"
     assert generate(pb_grpc.GenerationStub(cluster.channel), "still serving")[-1].finish_reason == "length"
     with pytest.raises(grpc.RpcError) as err:
         control.ResizeCache(pb.ResizeCacheRequest(num_blocks=total + 1), timeout=10)
