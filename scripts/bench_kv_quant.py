@@ -3,7 +3,7 @@
 (a) capacity: KV blocks per GiB for SmolLM2-135M's shape (block 16) in float32, bfloat16, int8 and fp8 e4m3,
     with one scale per token and KV head (what the cache stores) and, beside it, what per-block scales would give;
 (b) fidelity: float32 models over int8 / fp8 caches, each greedy token scored by HF's float32 model on the same
-    prefix (tests/kv_agreement.py): top-1 agreement, the worst logprob gap, the mean |logprob error| of the chosen
+    prefix (minivllm/kv_agreement.py): top-1 agreement, the worst logprob gap, the mean |logprob error| of the chosen
     tokens; on the tiny random model of every architecture and on SmolLM2. Yardsticks: a float32 cache (must agree
     everywhere), and a bfloat16 model with its bfloat16 cache (the default on GPUs and bf16 CPUs);
 (c) scale granularity: the same with one scale per block and KV head instead, for a block that is written over
@@ -46,8 +46,8 @@ from kernels.kv_quant import (  # noqa: E402
     quantize,
     quantize_with,
 )
-from tests.kv_agreement import Agreement, quantized_agreement  # noqa: E402
-from tests.models import TINY_KINDS, build_tiny_model  # noqa: E402
+from minivllm.kv_agreement import Agreement, quantized_agreement  # noqa: E402
+from minivllm.tiny_models import TINY_KINDS, build_tiny_model  # noqa: E402
 from worker_node.kv_cache import bytes_per_block  # noqa: E402
 from worker_node.models.config import ModelConfig  # noqa: E402
 

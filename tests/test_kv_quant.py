@@ -1,5 +1,5 @@
 """A quantized KV cache (--kv-cache-dtype int8 | fp8_e4m3) end to end: its greedy tokens against HF's float32
-model on the same prefix (tests/kv_agreement.py), on the tiny model of every architecture and on SmolLM2; the
+model on the same prefix (minivllm/kv_agreement.py), on the tiny model of every architecture and on SmolLM2; the
 capacity it buys; the doors that set it."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from kernels.kv_quant import FORMATS, SCALE_DTYPE
+from minivllm.kv_agreement import Agreement, quantized_agreement
 from minivllm.llm import LLM
+from minivllm.tiny_models import TINY_VARIANTS
 from scheduler_node.text.tokenizer import ModelTokenizer
 from tests.engine import load_runner
-from tests.kv_agreement import Agreement, quantized_agreement
-from tests.models import TINY_VARIANTS
 from worker_node.kv_cache import bytes_per_block
 from worker_node.models.config import ModelConfig
 
