@@ -5,7 +5,9 @@
 The worker loads `module:Class` (the module must be importable by the worker: on PYTHONPATH or installed),
 builds it without arguments and calls its three methods, which take the arguments of the functions of the same
 job in `kernels/torch_attention.py` (cache layout `[num_blocks, block_size, num_kv_heads, head_dim]`),
-including the keyword arguments `window` (a sliding window) and `softcap` (a score soft-cap), 0 when unused.
+including the keyword arguments `window` (a sliding window) and `softcap` (a score soft-cap), 0 when unused, and
+`k_scales`/`v_scales`, a quantized cache's scales (`--kv-cache-dtype int8|fp8_e4m3`, kernels/kv_quant.py), passed
+only when the cache is quantized: a backend without them runs full-precision caches only.
 
 This one keeps the reference's KV write and prefill, and replaces decode: every sequence's blocks are gathered
 into one `[batch, longest, ...]` tensor and a single `scaled_dot_product_attention` call masks the padding. It
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import torch_attention
+from kernels.kv_quant import dequantize
 
 
 class PaddedDecodeAttention:
@@ -28,8 +31,11 @@ class PaddedDecodeAttention:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        *,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> None:
-        torch_attention.write_kv(key, value, k_cache, v_cache, slot_mapping)
+        torch_attention.write_kv(key, value, k_cache, v_cache, slot_mapping, k_scales=k_scales, v_scales=v_scales)
 
     def decode_attention(
         self,
@@ -42,10 +48,21 @@ class PaddedDecodeAttention:
         *,
         window: int = 0,
         softcap: float = 0.0,
+        k_scales: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] float32, when quantized
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if window or softcap:  # not this example's business: the reference handles them
             return torch_attention.paged_decode_attention(
-                q, k_cache, v_cache, block_tables, seq_lens, scale, window=window, softcap=softcap
+                q,
+                k_cache,
+                v_cache,
+                block_tables,
+                seq_lens,
+                scale,
+                window=window,
+                softcap=softcap,
+                k_scales=k_scales,
+                v_scales=v_scales,
             )
         batch, num_heads, head_dim = q.shape
         block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -54,6 +71,9 @@ class PaddedDecodeAttention:
         blocks = block_tables[:, :width].long()  # [B, width]: padding entries point at some block, masked below
         keys = k_cache[blocks].flatten(1, 2)[:, :longest]  # [B, longest, Hkv, D]
         values = v_cache[blocks].flatten(1, 2)[:, :longest]
+        if k_scales is not None and v_scales is not None:  # quantized: each token's row times its scale
+            keys = dequantize(keys, k_scales[blocks].flatten(1, 2)[:, :longest])
+            values = dequantize(values, v_scales[blocks].flatten(1, 2)[:, :longest])
         valid = torch.arange(longest, device=q.device)[None, :] < seq_lens[:, None]  # [B, longest]
         group = num_heads // num_kv_heads
         out = F.scaled_dot_product_attention(
@@ -79,7 +99,21 @@ class PaddedDecodeAttention:
         *,
         window: int = 0,
         softcap: float = 0.0,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return torch_attention.paged_prefill_attention(
-            q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, window=window, softcap=softcap
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            block_tables,
+            cu_seqlens_q,
+            seq_lens,
+            scale,
+            window=window,
+            softcap=softcap,
+            k_scales=k_scales,
+            v_scales=v_scales,
         )

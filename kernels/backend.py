@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -127,3 +129,38 @@ def select_attention_backend(name: str, device: torch.device) -> AttentionBacken
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"attention backend 'triton' supports CUDA devices only, got {device}")
     return _triton_backend()
+
+
+def _takes_scales(op: Callable[..., object]) -> bool:
+    """Whether `op` accepts the keyword arguments `k_scales` and `v_scales` (by name, or through **kwargs)."""
+    try:
+        params = inspect.signature(op).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: let its first call say
+        return True
+    names = {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    return any(p.kind == p.VAR_KEYWORD for p in params) or {"k_scales", "v_scales"} <= names
+
+
+def check_reads_quantized(backend: AttentionBackend, kv_dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse, before any memory is taken, a quantized KV cache (`kv_dtype` int8 or float8_e4m3fn) that `backend`
+    cannot read: a user's backend whose operations take no scales, or fp8 in Triton on a GPU older than sm_89
+    (the first with e4m3 conversions)."""
+    ops: dict[str, Callable[..., object]] = {
+        "write_kv": backend.write_kv,
+        "decode_attention": backend.decode_attention,
+        "prefill_attention": backend.prefill_attention,
+    }
+    blind = [name for name, op in ops.items() if not _takes_scales(op)]
+    if blind:
+        raise ValueError(
+            f"attention backend {backend.name!r} cannot read a quantized KV cache: {', '.join(blind)} take no "
+            "k_scales/v_scales keywords (see kernels/interface.py); use --kv-cache-dtype auto"
+        )
+    device = torch.device(device)
+    if backend.name == "triton" and kv_dtype == torch.float8_e4m3fn and device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 9):
+            raise ValueError(
+                f"--kv-cache-dtype fp8_e4m3 with the triton backend needs a GPU of compute capability 8.9 or newer, "
+                f"this one is {capability[0]}.{capability[1]}; use int8"
+            )

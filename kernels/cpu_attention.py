@@ -1,6 +1,6 @@
 """Paged decode attention compiled for this CPU (kernels/csrc/paged_attention_cpu.c), loaded with ctypes.
 
-Built once per source, compiler flags, head shape, cache dtype and CPU feature set into the minivllm cache folder, so a
+Built once per source, compiler flags, head shape, cache format and CPU feature set into the minivllm cache folder, so a
 worker starts in milliseconds after the first build (about a second with gcc). Where no C compiler is found,
 `load()` returns None and the worker keeps the torch path.
 """
@@ -21,6 +21,7 @@ import torch
 
 from kernels.cpu_features import cpu_flags_line
 from kernels.interface import DecodeAttention
+from kernels.kv_quant import SCALE_DTYPE, is_quantized
 from proto.model_cache import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -56,18 +57,20 @@ def _build(compiler: str, flags: tuple[str, ...], target: Path) -> None:
         os.replace(partial, target)
 
 
-KV_DTYPES = (torch.float32, torch.bfloat16)  # the cache dtypes the kernel reads (a build for each)
+# The cache dtypes the kernel reads, each its own build (-DKV_FORMAT, the values of the C source's KV_* names).
+KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}
 
 
 @functools.cache
 def load(head_dim: int = 64, group: int = 1, kv_dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
-    """The kernel compiled for this head size, query heads per kv head and cache dtype (float32 or bfloat16),
-    building it first if needed; None when it cannot be built here (logged once)."""
+    """The kernel compiled for this head size, query heads per kv head and cache dtype (float32, bfloat16, or
+    int8 / float8_e4m3fn with scales), building it first if needed; None when it cannot be built here (logged
+    once)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         logger.warning("no C compiler found; CPU decode attention uses the slower torch path")
         return None
-    flags = (*CFLAGS, f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}", f"-DKV_BF16={int(kv_dtype == torch.bfloat16)}")
+    flags = (*CFLAGS, f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}", f"-DKV_FORMAT={KV_FORMATS[kv_dtype]}")
     target = _library_path(compiler, flags)
     try:
         if not target.exists():
@@ -79,7 +82,7 @@ def load(head_dim: int = 64, group: int = 1, kv_dtype: torch.dtype = torch.float
         return None
     library.paged_decode_attention.restype = None
     library.paged_decode_attention.argtypes = (
-        [_ptr] * 6 + [_i64] * 4 + [ctypes.c_float, ctypes.c_int, _i64, ctypes.c_float]
+        [_ptr] * 8 + [_i64] * 4 + [ctypes.c_float, ctypes.c_int, _i64, ctypes.c_float]
     )
     library.paged_attention_limits.restype = ctypes.c_int
     library.paged_attention_limits.argtypes = [_i64] * 2
@@ -89,22 +92,27 @@ def load(head_dim: int = 64, group: int = 1, kv_dtype: torch.dtype = torch.float
 class NativeDecodeAttention:
     """`paged_decode_attention` with the signature of `kernels.torch_attention.paged_decode_attention`.
 
-    The cache may be float32 or bfloat16 (read as it is, accumulated in float32); the queries go in as float32
-    and the output comes back in the queries' dtype. Shapes or dtypes the kernel does not cover (caches of
-    another dtype or not contiguous, not on the CPU, more than 16 query heads per kv head, heads wider than
-    256) go to `fallback`; sliding windows and soft-caps run in the kernel.
+    The cache may be float32 or bfloat16 (read as it is, accumulated in float32), or int8 / float8_e4m3fn with
+    its float32 scales; the queries go in as float32 and the output comes back in the queries' dtype. Shapes or
+    dtypes the kernel does not cover (caches of another dtype or not contiguous, not on the CPU, more than 16
+    query heads per kv head, heads wider than 256) go to `fallback`; sliding windows and soft-caps run in the
+    kernel.
     """
 
     def __init__(self, fallback: DecodeAttention) -> None:
         self._fallback = fallback
 
-    def _library(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> ctypes.CDLL | None:
+    def _library(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scales: tuple[torch.Tensor, ...]
+    ) -> ctypes.CDLL | None:
         caches = (k_cache, v_cache)
         if q.device.type != "cpu" or not q.is_floating_point():
             return None
-        if any(t.device.type != "cpu" or t.dtype not in KV_DTYPES or not t.is_contiguous() for t in caches):
+        if any(t.device.type != "cpu" or t.dtype not in KV_FORMATS or not t.is_contiguous() for t in caches):
             return None
-        if k_cache.dtype != v_cache.dtype:
+        if k_cache.dtype != v_cache.dtype or len(scales) != 2 * is_quantized(k_cache.dtype):
+            return None
+        if any(t.dtype != SCALE_DTYPE or t.shape != k_cache.shape[:3] or not t.is_contiguous() for t in scales):
             return None
         group, head_dim = q.shape[1] // k_cache.shape[2], q.shape[2]
         if group > MAX_GROUP or head_dim > MAX_HEAD_DIM:
@@ -125,18 +133,26 @@ class NativeDecodeAttention:
         *,
         window: int = 0,
         softcap: float = 0.0,
+        k_scales: torch.Tensor | None = None,  # [N, block_size, Hkv] float32: a quantized cache's scales
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        library = self._library(q, k_cache, v_cache)
+        scales = tuple(t for t in (k_scales, v_scales) if t is not None)
+        library = self._library(q, k_cache, v_cache, scales)
         if library is None:
-            return self._fallback(q, k_cache, v_cache, block_tables, seq_lens, scale, window=window, softcap=softcap)
+            options = {"k_scales": k_scales, "v_scales": v_scales} if scales else {}
+            return self._fallback(
+                q, k_cache, v_cache, block_tables, seq_lens, scale, window=window, softcap=softcap, **options
+            )
         block_tables = block_tables.to(torch.int32).contiguous()
         seq_lens = seq_lens.to(torch.int32).contiguous()
         query = q.to(torch.float32).contiguous()  # [B, H, D] is small: widened once, not per block
         out = torch.empty_like(query)
+        scale_pointers: list[int | None] = [t.data_ptr() for t in scales] or [None, None]  # NULL: full precision
         library.paged_decode_attention(
             query.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
+            *scale_pointers,
             block_tables.data_ptr(),
             seq_lens.data_ptr(),
             out.data_ptr(),

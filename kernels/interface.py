@@ -1,21 +1,41 @@
 """What an attention backend is: three operations over the paged KV cache (the signatures of
-`kernels.torch_attention`), implemented by the torch reference, the C CPU kernel and the Triton kernels."""
+`kernels.torch_attention`), implemented by the torch reference, the C CPU kernel and the Triton kernels.
+
+A quantized cache (int8 or fp8 values, kernels/kv_quant.py) comes with its scales as the keyword arguments
+`k_scales` and `v_scales` (`[num_blocks, block_size, Hkv]` float32), passed only when the cache is quantized: a
+backend written without them still runs every full-precision cache, and one that cannot read a quantized cache
+is refused when the worker starts (`kernels.backend.check_reads_quantized`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-WriteKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+class WriteKV(Protocol):
+    """`kernels.torch_attention.write_kv`'s signature: the new tokens' keys and values into their slots (and, for a
+    quantized cache, each token's scales into the same slots of `k_scales`/`v_scales`)."""
+
+    def __call__(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        *,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
+    ) -> None: ...
 
 
 class DecodeAttention(Protocol):
     """`kernels.torch_attention.paged_decode_attention`'s signature. `window` (a sliding window: each query sees
     its last `window` tokens, itself included) and `softcap` (scores become softcap * tanh(scores / softcap))
-    are optional: 0 means none."""
+    are optional: 0 means none. `k_scales`/`v_scales`: a quantized cache's scales; None for full precision."""
 
     def __call__(
         self,
@@ -28,11 +48,14 @@ class DecodeAttention(Protocol):
         *,
         window: int = 0,
         softcap: float = 0.0,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
 class PrefillAttention(Protocol):
-    """`kernels.torch_attention.paged_prefill_attention`'s signature; `window` and `softcap` as for decode."""
+    """`kernels.torch_attention.paged_prefill_attention`'s signature; the keywords as for decode. The new tokens'
+    own keys and values (`k`, `v`) are full precision; only the cached prefix is read from the (quantized) cache."""
 
     def __call__(
         self,
@@ -48,6 +71,8 @@ class PrefillAttention(Protocol):
         *,
         window: int = 0,
         softcap: float = 0.0,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 

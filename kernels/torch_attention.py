@@ -1,7 +1,8 @@
 """Paged attention in plain torch: the reference for the Triton kernels and the CPU worker's fast path.
 
 Cache layout (shared by every backend): `[num_blocks, block_size, num_kv_heads, head_dim]`; a token at
-position p of a sequence lives in slot `block_table[p // block_size] * block_size + p % block_size`.
+position p of a sequence lives in slot `block_table[p // block_size] * block_size + p % block_size`. A quantized
+cache (int8 or fp8 values) has its scales `[num_blocks, block_size, num_kv_heads]` beside it (kernels/kv_quant.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.kv_quant import as_bytes, dequantize, is_quantized, quantize
+
 
 def write_kv(
     key: torch.Tensor,  # [T, Hkv, D]
@@ -18,16 +21,44 @@ def write_kv(
     k_cache: torch.Tensor,  # [N, block_size, Hkv, D]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64, flat slot of each token
+    *,
+    k_scales: torch.Tensor | None = None,  # [N, block_size, Hkv] float32: a quantized cache's scales
+    v_scales: torch.Tensor | None = None,
 ) -> None:
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    _write_rows(key, k_cache, k_scales, slot_mapping)
+    _write_rows(value, v_cache, v_scales, slot_mapping)
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` cached tokens of one sequence as `[length, Hkv, D]`."""
+def _write_rows(rows: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor) -> None:
+    flat = as_bytes(cache).view(-1, *cache.shape[2:])
+    if not is_quantized(cache.dtype):
+        flat.index_copy_(0, slots, rows.to(cache.dtype))
+        return
+    if scales is None:
+        raise ValueError(f"a {cache.dtype} KV cache is quantized: write_kv needs its scales")
+    values, row_scales = quantize(rows, cache.dtype)
+    flat.index_copy_(0, slots, as_bytes(values))
+    scales.view(-1, scales.shape[2]).index_copy_(0, slots, row_scales)
+
+
+def gather_kv(
+    cache: torch.Tensor, block_table: torch.Tensor, length: int, scales: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The first `length` cached tokens of one sequence as `[length, Hkv, D]`; dequantized to float32 when the
+    cache's `scales` are given."""
     num_blocks = -(-length // cache.shape[1])
-    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:length]
+    blocks = block_table[:num_blocks].long()
+    rows = cache[blocks].flatten(0, 1)[:length]
+    return rows if scales is None else dequantize(rows, scales[blocks].flatten(0, 1)[:length])
+
+
+def _read_blocks(cache: torch.Tensor, scales: torch.Tensor | None, blocks: torch.Tensor) -> torch.Tensor:
+    """Cache blocks `blocks` as float32 `[n, block_size, Hkv, D]` (dequantized when `scales` are given)."""
+    num_cache_blocks = cache.shape[0]
+    rows = cache.view(num_cache_blocks, -1).index_select(0, blocks).view(-1, *cache.shape[1:])
+    if scales is None:
+        return rows.float()
+    return dequantize(rows, scales.view(num_cache_blocks, -1).index_select(0, blocks).view(-1, *scales.shape[1:]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,20 +115,20 @@ def paged_decode_attention(
     *,
     window: int = 0,  # sliding window: the query sees its last `window` tokens (itself included); 0: all
     softcap: float = 0.0,  # scores become softcap * tanh(scores / softcap); 0: none
+    k_scales: torch.Tensor | None = None,  # [N, block_size, Hkv] float32: a quantized cache's scales
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention block by block: only the blocks a sequence holds are read (no padding to the longest one);
     per-block partial softmaxes are merged per sequence, as the split-KV kernel does per segment."""
     batch, num_heads, head_dim = q.shape
-    num_cache_blocks, block_size, num_kv_heads = k_cache.shape[:3]
+    block_size, num_kv_heads = k_cache.shape[1:3]
     group = num_heads // num_kv_heads
     layout = _decode_layout(block_tables, seq_lens, block_size)
     owner = layout.owner
-    keys = (
-        k_cache.view(num_cache_blocks, -1).index_select(0, layout.blocks).view(-1, block_size, num_kv_heads, head_dim)
-    )
-    values = v_cache.view(num_cache_blocks, -1).index_select(0, layout.blocks).view_as(keys)
+    keys = _read_blocks(k_cache, k_scales, layout.blocks)  # [N, bs, Hkv, D] float32
+    values = _read_blocks(v_cache, v_scales, layout.blocks)
     qb = q.view(batch, num_kv_heads, group, head_dim).float().index_select(0, owner)  # [N, Hkv, G, D]
-    scores = torch.einsum("nshd,nhgd->nhgs", keys.float(), qb) * scale  # [N, Hkv, G, bs]
+    scores = torch.einsum("nshd,nhgd->nhgs", keys, qb) * scale  # [N, Hkv, G, bs]
     if softcap:
         scores = soft_cap(scores, softcap)
     scores.masked_fill_(layout.hidden(window)[:, None, None, :], float("-inf"))
@@ -106,7 +137,7 @@ def paged_decode_attention(
     # A block wholly outside the window scores -inf everywhere: its exp is 0 against its sequence's max.
     probs = torch.exp(scores - seq_max[owner][..., None])
     denom = torch.zeros(batch, num_kv_heads, group, device=q.device).index_add_(0, owner, probs.sum(-1))
-    partial = torch.einsum("nhgs,nshd->nhgd", probs, values.float())  # [N, Hkv, G, D]
+    partial = torch.einsum("nhgs,nshd->nhgd", probs, values)  # [N, Hkv, G, D]
     out = torch.zeros(batch, num_kv_heads, group, head_dim, device=q.device).index_add_(0, owner, partial)
     return (out / denom[..., None]).reshape(batch, num_heads, head_dim).to(q.dtype)
 
@@ -154,6 +185,8 @@ def paged_prefill_attention(
     *,
     window: int = 0,  # as for decode
     softcap: float = 0.0,
+    k_scales: torch.Tensor | None = None,  # as for decode: the cached prefix's scales
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of new tokens over their cached prefix plus themselves (chunked prefill, prefix hits)."""
     out = torch.empty_like(q)
@@ -162,8 +195,8 @@ def paged_prefill_attention(
     for i, ((lo, hi, prefix), mask) in enumerate(zip(layout.ranges, layout.masks)):
         keys, values = k[lo:hi], v[lo:hi]
         if prefix:
-            keys = torch.cat([gather_kv(k_cache, block_tables[i], prefix).to(k.dtype), keys])
-            values = torch.cat([gather_kv(v_cache, block_tables[i], prefix).to(v.dtype), values])
+            keys = torch.cat([gather_kv(k_cache, block_tables[i], prefix, k_scales).to(k.dtype), keys])
+            values = torch.cat([gather_kv(v_cache, block_tables[i], prefix, v_scales).to(v.dtype), values])
         # Heads repeated rather than `enable_gqa`, and a batch dimension: that is what sends CPU SDPA to its
         # flash kernel instead of the math fallback (2-3x faster on prefill chunks).
         queries = q[lo:hi].transpose(0, 1)[None]

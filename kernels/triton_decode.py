@@ -4,7 +4,8 @@ Grid (batch, kv_heads, segments): each program takes one query token's GQA group
 shares one KV head, so K/V are read once for the group) over one segment of the sequence, and writes a partial
 max, sum and unnormalised output; a second kernel merges the segments. With a single segment the first
 kernel writes the final output itself. With a sliding window each segment starts at the window's first token
-(a segment wholly before it writes an empty partial); soft-capped scores pass through tanh.
+(a segment wholly before it writes an empty partial); soft-capped scores pass through tanh. A quantized cache's
+per-token scales are read beside its values (kernels/triton_common.py).
 """
 
 # Triton spells compile-time constants (tl.constexpr arguments) in upper case.
@@ -19,9 +20,10 @@ import triton.language as tl
 from kernels.triton_common import (
     NO_WINDOW,
     check_attention_inputs,
+    load_paged_kv,
     multiprocessor_count,
     online_softmax_step,
-    paged_offsets,
+    scale_strides,
     score_scales,
 )
 
@@ -34,6 +36,8 @@ def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scales_ptr,
+    v_scales_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     o_ptr,
@@ -44,6 +48,9 @@ def _decode_split_kernel(
     stride_cb,
     stride_ct,
     stride_ch,
+    stride_sb,
+    stride_st,
+    stride_sh,
     stride_bt,
     stride_ob,
     stride_oh,
@@ -61,6 +68,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     batch = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -88,10 +96,28 @@ def _decode_split_kernel(
     for n0 in range(first, end, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         cmask = cols < end
-        off = paged_offsets(table_row, cols, cmask, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
-        k = tl.load(k_cache_ptr + off[:, None] + dims[None, :], mask=cmask[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + off[:, None] + dims[None, :], mask=cmask[:, None], other=0.0)
-        m_i, l_i, acc = online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, cap, cmask[None, :], True, SOFTCAP)
+        k, v, k_scale, v_scale = load_paged_kv(
+            k_cache_ptr,
+            v_cache_ptr,
+            k_scales_ptr,
+            v_scales_ptr,
+            table_row,
+            cols,
+            cmask,
+            kv_head,
+            dims,
+            stride_cb,
+            stride_ct,
+            stride_ch,
+            stride_sb,
+            stride_st,
+            stride_sh,
+            BLOCK_SIZE,
+            QUANT,
+        )
+        m_i, l_i, acc = online_softmax_step(
+            q, k, v, k_scale, v_scale, m_i, l_i, acc, qk_scale, cap, cmask[None, :], True, SOFTCAP, QUANT
+        )
 
     o_off = batch * stride_ob + heads[:, None] * stride_oh + dims[None, :]
     if DIRECT:
@@ -164,12 +190,14 @@ def paged_decode_attention(
     *,
     window: int = 0,  # sliding window: the query sees its last `window` tokens (itself included); 0: all
     softcap: float = 0.0,  # scores become softcap * tanh(scores / softcap); 0: none
+    k_scales: torch.Tensor | None = None,  # [N, block_size, Hkv] float32: a quantized cache's scales
+    v_scales: torch.Tensor | None = None,
     num_segments: int | None = None,
 ) -> torch.Tensor:
     """Split-KV decode. Segments are sized from the block table's width (no device sync, graph friendly)."""
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = check_attention_inputs(q, k_cache, v_cache)
+    group = check_attention_inputs(q, k_cache, v_cache, k_scales, v_scales)
     out = torch.empty_like(q)
     if batch == 0:
         return out
@@ -192,6 +220,8 @@ def paged_decode_attention(
         q,
         k_cache,
         v_cache,
+        k_cache if k_scales is None else k_scales,  # full precision: a placeholder the kernel never reads
+        v_cache if v_scales is None else v_scales,
         block_tables,
         seq_lens,
         o_part,
@@ -200,6 +230,7 @@ def paged_decode_attention(
         q.stride(0),
         q.stride(1),
         *k_cache.stride()[:3],
+        *scale_strides(k_cache, k_scales),
         block_tables.stride(0),
         *part_strides,
         *score_scales(scale, softcap),
@@ -212,6 +243,7 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         DIRECT=direct,
         SOFTCAP=bool(softcap),
+        QUANT=k_scales is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -4,7 +4,8 @@ Grid (query tiles of every sequence, query heads), flattened over variable-lengt
 sync: `cu_tiles` (built with device ops) maps a program to its sequence. Each program first sweeps the cached
 prefix through the block table, then the new tokens' own keys from `k`/`v`: tiles wholly below the diagonal
 without a mask, the diagonal tile(s) with the causal mask. A sliding window starts both sweeps where the tile's
-first query starts seeing, and masks per query what it no longer sees; soft-capped scores pass through tanh.
+first query starts seeing, and masks per query what it no longer sees; soft-capped scores pass through tanh. A
+quantized cache's prefix is read with its per-token scales; the new tokens' own K/V are full precision.
 """
 
 # Triton spells compile-time constants (tl.constexpr arguments) in upper case.
@@ -16,7 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import NO_WINDOW, check_attention_inputs, online_softmax_step, paged_offsets, score_scales
+from kernels.triton_common import (
+    NO_WINDOW,
+    check_attention_inputs,
+    load_paged_kv,
+    online_softmax_step,
+    scale_strides,
+    score_scales,
+)
 
 
 @triton.jit
@@ -26,6 +34,8 @@ def _prefill_kernel(
     v_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scales_ptr,
+    v_scales_ptr,
     block_tables_ptr,
     cu_seqlens_q_ptr,
     seq_lens_ptr,
@@ -41,6 +51,9 @@ def _prefill_kernel(
     stride_cb,
     stride_ct,
     stride_ch,
+    stride_sb,
+    stride_st,
+    stride_sh,
     stride_bt,
     stride_ot,
     stride_oh,
@@ -55,6 +68,7 @@ def _prefill_kernel(
     SEQS_PAD: tl.constexpr,
     WINDOWED: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     head = tl.program_id(1)
@@ -85,16 +99,36 @@ def _prefill_kernel(
     for n0 in range(tl.maximum(0, prefix + q_tile * BLOCK_M - window + 1), prefix, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         cmask = cols < prefix
-        off = paged_offsets(table_row, cols, cmask, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
-        k = tl.load(k_cache_ptr + off[:, None] + dims[None, :], mask=cmask[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + off[:, None] + dims[None, :], mask=cmask[:, None], other=0.0)
+        k, v, k_scale, v_scale = load_paged_kv(
+            k_cache_ptr,
+            v_cache_ptr,
+            k_scales_ptr,
+            v_scales_ptr,
+            table_row,
+            cols,
+            cmask,
+            kv_head,
+            dims,
+            stride_cb,
+            stride_ct,
+            stride_ch,
+            stride_sb,
+            stride_st,
+            stride_sh,
+            BLOCK_SIZE,
+            QUANT,
+        )
         visible = cmask[None, :]
         if WINDOWED:
             visible = visible & (cols[None, :] > seen_after[:, None])
-        m_i, l_i, acc = online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, cap, visible, True, SOFTCAP)
+        m_i, l_i, acc = online_softmax_step(
+            q, k, v, k_scale, v_scale, m_i, l_i, acc, qk_scale, cap, visible, True, SOFTCAP, QUANT
+        )
 
-    # BLOCK_M is a multiple of BLOCK_N, so no key tile straddles the diagonal start.
+    # BLOCK_M is a multiple of BLOCK_N, so no key tile straddles the diagonal start. The new tokens' own keys and
+    # values are full precision: no scales (`unscaled` is never read).
     diag = q_tile * BLOCK_M
+    unscaled = tl.zeros([BLOCK_N], tl.float32)
     k_base = k_ptr + kv_head * stride_kh + dims[None, :]
     v_base = v_ptr + kv_head * stride_vh + dims[None, :]
     # New tokens below the diagonal: all visible without a window; with one, from the tile-aligned start of
@@ -104,7 +138,9 @@ def _prefill_kernel(
         k = tl.load(k_base + (q_start + cols)[:, None] * stride_kt)
         v = tl.load(v_base + (q_start + cols)[:, None] * stride_vt)
         visible = (prefix + cols)[None, :] > seen_after[:, None]
-        m_i, l_i, acc = online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, cap, visible, WINDOWED, SOFTCAP)
+        m_i, l_i, acc = online_softmax_step(
+            q, k, v, unscaled, unscaled, m_i, l_i, acc, qk_scale, cap, visible, WINDOWED, SOFTCAP, False
+        )
     for n0 in range(diag, tl.minimum(diag + BLOCK_M, q_len), BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         cmask = cols < q_len
@@ -113,7 +149,9 @@ def _prefill_kernel(
         visible = (cols[None, :] <= rows[:, None]) & cmask[None, :]
         if WINDOWED:
             visible = visible & ((prefix + cols)[None, :] > seen_after[:, None])
-        m_i, l_i, acc = online_softmax_step(q, k, v, m_i, l_i, acc, qk_scale, cap, visible, True, SOFTCAP)
+        m_i, l_i, acc = online_softmax_step(
+            q, k, v, unscaled, unscaled, m_i, l_i, acc, qk_scale, cap, visible, True, SOFTCAP, False
+        )
 
     # Padding rows past q_len may see no key at all inside a window (sum 0); they are not stored, only not NaN.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -143,11 +181,13 @@ def paged_prefill_attention(
     *,
     window: int = 0,  # sliding window: each query sees its last `window` tokens (itself included); 0: all
     softcap: float = 0.0,  # scores become softcap * tanh(scores / softcap); 0: none
+    k_scales: torch.Tensor | None = None,  # [N, block_size, Hkv] float32: a quantized cache's scales
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of new tokens over their cached prefix plus themselves (chunked prefill, prefixes)."""
     total_q, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
-    group = check_attention_inputs(q, k_cache, v_cache)
+    group = check_attention_inputs(q, k_cache, v_cache, k_scales, v_scales)
     if k.stride(-1) != 1 or v.stride(-1) != 1 or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError("k and v must match q's dtype and be contiguous along head_dim")
     out = torch.empty_like(q)
@@ -165,6 +205,8 @@ def paged_prefill_attention(
         v,
         k_cache,
         v_cache,
+        k_cache if k_scales is None else k_scales,  # full precision: a placeholder the kernel never reads
+        v_cache if v_scales is None else v_scales,
         block_tables,
         cu_seqlens_q,
         seq_lens,
@@ -178,6 +220,7 @@ def paged_prefill_attention(
         v.stride(0),
         v.stride(1),
         *k_cache.stride()[:3],
+        *scale_strides(k_cache, k_scales),
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -191,6 +234,7 @@ def paged_prefill_attention(
         SEQS_PAD=triton.next_power_of_2(num_seqs),
         WINDOWED=bool(window),
         SOFTCAP=bool(softcap),
+        QUANT=k_scales is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from proto.wire import TokenLogprobs
-from proto.worker_flags import parse_size
+from proto.worker_flags import KV_CACHE_DTYPES, parse_size
 from scheduler_node.api.validation import build_spec, prompt_from_ids, prompt_from_messages, prompt_from_text
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.request import RequestSpec
@@ -58,6 +58,7 @@ class LLM:
         num_kv_blocks: int = 0,
         swap_space: float = 4.0,
         attention_backend: str = "auto",
+        kv_cache_dtype: str = "auto",
         cuda_graph_sizes: str = "",
         threads: int = 0,
         block_size: int = 16,
@@ -75,6 +76,8 @@ class LLM:
 
         if worker_backend not in WORKER_BACKENDS:
             raise ValueError(f"worker_backend: must be one of {WORKER_BACKENDS}, got {worker_backend!r}")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
         world = tensor_parallel_size * pipeline_parallel_size
         if worker_backend == "inprocess" and world > 1:
             raise ValueError(f"worker_backend: 'inprocess' runs a world of one; this one has {world} ranks")
@@ -90,6 +93,7 @@ class LLM:
             swap_space=swap_space,
             threads=threads,
             cuda_graph_sizes=cuda_graph_sizes,
+            kv_cache_dtype=kv_cache_dtype,
         )
         self.config = EngineConfig(
             dtype=dtype,
@@ -337,4 +341,6 @@ def _worker_flags(options: Any) -> list[str]:
         flags += ["--kv-cache-memory", str(options.kv_cache_memory)]
     if options.cuda_graph_sizes:
         flags += ["--cuda-graph-sizes", options.cuda_graph_sizes]
+    if options.kv_cache_dtype != "auto":
+        flags += ["--kv-cache-dtype", options.kv_cache_dtype]
     return flags

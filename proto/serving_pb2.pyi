@@ -172,7 +172,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("total_blocks", "used_blocks", "free_blocks", "kv_usage", "num_running", "num_waiting", "num_preemptions", "block_size", "max_model_len", "cached_free_blocks", "fragmentation", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "preemptions_recompute", "preemptions_swap", "swap_blocks_used", "swap_blocks_total", "usable_blocks", "mean_worker_idle_ms", "interrupted_steps")
+    __slots__ = ("total_blocks", "used_blocks", "free_blocks", "kv_usage", "num_running", "num_waiting", "num_preemptions", "block_size", "max_model_len", "cached_free_blocks", "fragmentation", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "preemptions_recompute", "preemptions_swap", "swap_blocks_used", "swap_blocks_total", "usable_blocks", "mean_worker_idle_ms", "interrupted_steps", "memory")
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +194,7 @@ class Stats(_message.Message):
     USABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MEAN_WORKER_IDLE_MS_FIELD_NUMBER: _ClassVar[int]
     INTERRUPTED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     total_blocks: int
     used_blocks: int
     free_blocks: int
@@ -215,7 +216,28 @@ class Stats(_message.Message):
     usable_blocks: int
     mean_worker_idle_ms: float
     interrupted_steps: int
-    def __init__(self, total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., cached_free_blocks: _Optional[int] = ..., fragmentation: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., preemptions_recompute: _Optional[int] = ..., preemptions_swap: _Optional[int] = ..., swap_blocks_used: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., usable_blocks: _Optional[int] = ..., mean_worker_idle_ms: _Optional[float] = ..., interrupted_steps: _Optional[int] = ...) -> None: ...
+    memory: _containers.RepeatedCompositeFieldContainer[KvPool]
+    def __init__(self, total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., cached_free_blocks: _Optional[int] = ..., fragmentation: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., preemptions_recompute: _Optional[int] = ..., preemptions_swap: _Optional[int] = ..., swap_blocks_used: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., usable_blocks: _Optional[int] = ..., mean_worker_idle_ms: _Optional[float] = ..., interrupted_steps: _Optional[int] = ..., memory: _Optional[_Iterable[_Union[KvPool, _Mapping]]] = ...) -> None: ...
+
+class KvPool(_message.Message):
+    __slots__ = ("tier", "format", "bytes_per_block", "total_blocks", "used_blocks", "allocated_bytes", "used_bytes", "hits")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    format: str
+    bytes_per_block: int
+    total_blocks: int
+    used_blocks: int
+    allocated_bytes: int
+    used_bytes: int
+    hits: int
+    def __init__(self, tier: _Optional[str] = ..., format: _Optional[str] = ..., bytes_per_block: _Optional[int] = ..., total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., allocated_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., hits: _Optional[int] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()

@@ -204,6 +204,7 @@ class ControlServicer:
 
     def ResizeCache(self, request, context):
         """Shrink or grow the usable KV block count at run time; live blocks above the limit are compacted below it.
+        Limits the KV blocks the scheduler hands out; the workers' KV tensors keep their size (no memory is freed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

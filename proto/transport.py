@@ -31,6 +31,8 @@ class WorldCapacity:
     num_swap_blocks: int
     bytes_per_block: int  # of one device block on one rank (what swapping it moves)
     swap_bytes_per_s: float  # the slowest rank's measured device <-> host bandwidth (0: unknown)
+    world_bytes_per_block: int = 0  # of one device block summed over every rank (memory stats)
+    kv_format: str = ""  # what the KV is stored as (kernels/kv_quant.py: format_name); "" when nobody said
 
 
 class WorkerTransport(Protocol):

@@ -526,21 +526,26 @@ class WorkerReady:
     kv_cache_bytes: int
     num_host_blocks: int = 0  # swap space, in blocks
     swap_bytes_per_s: float = 0.0  # measured device ⇄ host copy bandwidth (0: unknown)
+    kv_format: str = ""  # what its KV is stored as: bfloat16, int8, fp8_e4m3, ...
 
     KIND = Kind.READY
 
     def to_wire(self) -> list[Any]:
-        return [self.rank, self.num_kv_blocks, self.kv_cache_bytes, self.num_host_blocks, self.swap_bytes_per_s]
+        return [
+            self.rank, self.num_kv_blocks, self.kv_cache_bytes, self.num_host_blocks, self.swap_bytes_per_s,
+            self.kv_format,
+        ]  # fmt: skip
 
     @classmethod
     def from_wire(cls, v: Any) -> WorkerReady:
-        rank, blocks, size, host, bw = _fixed(v, 5, "ready")
+        rank, blocks, size, host, bw, kv_format = _fixed(v, 6, "ready")
         return cls(
             _check(rank, int, "rank"),
             _check(blocks, int, "num_kv_blocks"),
             _check(size, int, "bytes"),
             _check(host, int, "num_host_blocks"),
             float(_check(bw, (float, int), "swap_bytes_per_s")),
+            _check(kv_format, str, "kv_format"),
         )
 
 

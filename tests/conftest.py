@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.models import TINY_VARIANTS, build_tiny_model
+from minivllm.tiny_models import TINY_VARIANTS, build_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -40,6 +40,7 @@ def load_runner(
     where: ParallelRank = SINGLE,
     comm: Comm | None = None,
     dtype: str = "float32",
+    kv_cache_dtype: str = "auto",
 ) -> ModelRunner:
     """One rank of `folder`'s model on the CPU, holding exactly `num_blocks` KV blocks (and the execution mode of
     its world with async scheduling, unless `mode` says otherwise)."""
@@ -59,7 +60,8 @@ def load_runner(
         num_kv_blocks=num_blocks,
         num_swap_blocks=num_host_blocks,
     )
-    runner, _ = load_rank(assignment, WorkerOptions(attention_backend=backend), CPU, comm or Comm(where))
+    options = WorkerOptions(attention_backend=backend, kv_cache_dtype=kv_cache_dtype)
+    runner, _ = load_rank(assignment, options, CPU, comm or Comm(where))
     return runner
 
 

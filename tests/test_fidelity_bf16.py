@@ -23,7 +23,7 @@ def test_bf16_greedy_matches_hf_bf16_under_chunking_and_preemption(kind: str, re
     prompts, max_tokens = mixed_prompts(11)
     num_blocks = 14
     runner = load_runner(folder, num_blocks, BLOCK, dtype="bfloat16")
-    assert runner.kv_cache[0][0].dtype == torch.bfloat16
+    assert runner.kv_cache[0].k.dtype == torch.bfloat16
     with EngineRun(runner, tokenizer_dir=folder, max_num_batched_tokens=24) as run:
         requests = [run.add(p, m) for p, m in zip(prompts, max_tokens)]
         run.run()

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels.kv_quant import as_bytes
 from proto.wire import StepPlan
 from tests.engine import EngineRun, load_runner
 from tests.models import assert_teacher_forced, load_hf
@@ -69,16 +70,18 @@ def test_swap_and_elastic_preemption_keep_fidelity(tiny_llama_dir: Path, hf, mod
         assert_teacher_forced(hf, req.prompt, req.output)
 
 
-def test_swapped_back_kv_is_bit_identical(tiny_llama_dir: Path) -> None:
-    runner = load_runner(tiny_llama_dir, 8, BLOCK, num_host_blocks=4)
-    for k, v in runner.kv_cache:
-        k.normal_()
-        v.normal_()
-    before = [(k[[2, 5]].clone(), v[[2, 5]].clone()) for k, v in runner.kv_cache]
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8_e4m3"])
+def test_swapped_back_kv_is_bit_identical(tiny_llama_dir: Path, kv_cache_dtype: str) -> None:
+    """Swap moves every tensor of a block: keys and values, and a quantized cache's scales."""
+    runner = load_runner(tiny_llama_dir, 8, BLOCK, num_host_blocks=4, kv_cache_dtype=kv_cache_dtype)
+    tensors = [as_bytes(t) for layer in runner.kv_cache for t in layer.tensors()]
+    assert len(tensors) == (2 if kv_cache_dtype == "auto" else 4) * len(runner.kv_cache)
+    for t in tensors:
+        t.copy_(torch.randint(1, 127, t.shape))  # non-zero bytes of every dtype (0x7f would be a float8 NaN)
+    before = [t[[2, 5]].clone() for t in tensors]
     runner.run_block_ops(StepPlan(1, swap_out=[(2, 0), (5, 3)]))
-    for k, v in runner.kv_cache:  # the device blocks get reused by someone else meanwhile
-        k[[2, 5]] = 0.0
-        v[[2, 5]] = 0.0
+    for t in tensors:  # the device blocks get reused by someone else meanwhile
+        t[[2, 5]] = 0
     runner.run_block_ops(StepPlan(2, swap_in=[(0, 6), (3, 1)]))
-    for (k, v), (k0, v0) in zip(runner.kv_cache, before):
-        assert torch.equal(k[[6, 1]], k0) and torch.equal(v[[6, 1]], v0)
+    for t, t0 in zip(tensors, before):
+        assert torch.equal(t[[6, 1]], t0)

@@ -63,10 +63,13 @@ def test_n3_streams_every_index(cluster: Cluster) -> None:
 
 def test_resize_cache_shrinks_and_grows(cluster: Cluster) -> None:
     control = pb_grpc.ControlStub(cluster.channel)
-    total = stats(cluster).total_blocks
+    before = stats(cluster)
+    total = before.total_blocks
     resp = control.ResizeCache(pb.ResizeCacheRequest(num_blocks=total // 2), timeout=10)
     assert resp.usable_blocks == total // 2
-    assert stats(cluster).usable_blocks == total // 2
+    after = stats(cluster)
+    assert after.usable_blocks == total // 2
+    assert list(after.memory) == list(before.memory), "a shrink gives no worker memory back (README says so)"
     assert generate(pb_grpc.GenerationStub(cluster.channel), "still serving")[-1].finish_reason == "length"
     with pytest.raises(grpc.RpcError) as err:
         control.ResizeCache(pb.ResizeCacheRequest(num_blocks=total + 1), timeout=10)
@@ -86,3 +89,22 @@ def test_client_stats_prints_every_field(cluster: Cluster) -> None:
     assert out.returncode == 0, out.stderr
     for name in ("total_blocks", "kv_usage", "fragmentation", "prefix_cache_hit_rate", "preemptions_swap"):
         assert name in out.stdout
+    device = next(p for p in stats(cluster).memory if p.tier == "device")
+    assert f"used {device.used_bytes} of {device.allocated_bytes} bytes" in out.stdout
+
+
+def test_memory_is_reported_in_bytes_per_tier_and_format(cluster: Cluster) -> None:
+    generate(pb_grpc.GenerationStub(cluster.channel), SYSTEM + "fill some blocks")
+    s = stats(cluster)
+    pools = {p.tier: p for p in s.memory}
+    assert set(pools) == {"device", "swap"}
+    device, swap = pools["device"], pools["swap"]
+    assert device.format == swap.format and device.format in ("float32", "bfloat16")
+    assert device.bytes_per_block == swap.bytes_per_block > 0
+    assert (device.total_blocks, device.used_blocks) == (s.total_blocks, s.used_blocks)
+    assert (swap.total_blocks, swap.used_blocks) == (s.swap_blocks_total, s.swap_blocks_used)
+    for pool, budget in ((device, 8 * 2**20), (swap, int(0.01 * 2**30))):
+        assert pool.allocated_bytes == pool.total_blocks * pool.bytes_per_block
+        assert budget - pool.bytes_per_block < pool.allocated_bytes <= budget  # what the worker was told to hold
+        assert pool.used_bytes == pool.used_blocks * pool.bytes_per_block
+    assert device.hits == s.prefix_cache_hits and swap.hits == 0

@@ -20,6 +20,8 @@ COUNTERS = ["vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_succes
 HISTOGRAMS = ["vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
               "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds", "vllm:iteration_tokens_total",
               "minivllm:scheduler_step_seconds", "minivllm:engine_step_seconds"]  # fmt: skip
+ALLOCATED_BYTES = "minivllm:kv_cache_allocated_bytes{format=float32,tier=device}"
+USED_BYTES = "minivllm:kv_cache_used_bytes{format=float32,tier=device}"
 GAUGES = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
           "minivllm:kv_fragmentation", "minivllm:batch_utilization"]  # fmt: skip
 
@@ -62,6 +64,7 @@ def test_named_series_are_present_and_move(cluster: Cluster) -> None:
     busy: list[dict[str, float]] = []
     wait_for(lambda: busy.append(scrape(url)) or busy[-1]["vllm:num_requests_running"] > 0, 30, "running > 0")
     assert busy[-1]["vllm:kv_cache_usage_perc"] > 0 and 0 <= busy[-1]["minivllm:kv_fragmentation"] < 1
+    assert 0 < busy[-1][USED_BYTES] <= busy[-1][ALLOCATED_BYTES] <= 256 * 1024  # --kv-cache-memory
     for r in streams.join():
         assert r.finish_reason == "length", r.details
     for _ in range(2):
@@ -76,6 +79,9 @@ def test_named_series_are_present_and_move(cluster: Cluster) -> None:
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 4 * 150 + 2 * 3
     assert after["minivllm:batch_utilization"] > 0
     assert after["minivllm:workers_ready"] == 1 and after["process_open_fds"] > 0
+    hits, queries = after["vllm:prefix_cache_hits_total"], after["vllm:prefix_cache_queries_total"]
+    assert after["minivllm:cache_hit_rate{tier=device}"] == pytest.approx(hits / queries) and hits > 0
+    assert after[USED_BYTES] == 0 and after[ALLOCATED_BYTES] == busy[-1][ALLOCATED_BYTES]
 
 
 def test_vllm_monitor_prints_live_values(cluster: Cluster) -> None:
@@ -93,6 +99,21 @@ def test_vllm_monitor_prints_live_values(cluster: Cluster) -> None:
     missing = subprocess.run([*argv[:5], "--count", "1", "--metric", "vllm:nope"], cwd=REPO, capture_output=True,
                              text=True, timeout=30)  # fmt: skip
     assert missing.returncode == 2 and "vllm:nope" in missing.stderr
+
+
+def test_vllm_monitor_short_names(cluster: Cluster) -> None:
+    """`--metric cache_hit_rate` and `--metric memory_usage`, as the seed asks: per tier (and format)."""
+    url = cluster.metrics_url  # type: ignore[attr-defined]
+    argv = [sys.executable, "-m", "scheduler_node.cli.monitor", "--url", url, "--count", "1",
+            "--metric", "cache_hit_rate", "--metric", "memory_usage"]  # fmt: skip
+    out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert any('minivllm:cache_hit_rate{model_name="' in line and 'tier="device"' in line for line in lines), lines
+    for series in ("kv_cache_used_bytes", "kv_cache_allocated_bytes"):
+        pools = [line for line in lines if f"minivllm:{series}" in line]
+        assert {'tier="device"' in line for line in pools} == {True, False}, lines  # device and swap
+        assert all('format="float32"' in line and line.endswith(" GiB)") for line in pools), lines
 
 
 def test_vllm_monitor_has_help_and_config() -> None:

@@ -20,10 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.tiny_models import TINY_VARIANTS
 from scheduler_node.engine.builder import model_limit
 from tests.engine import EngineRun, load_runner
 from tests.inprocess_tp import TensorParallelRanks
-from tests.models import TINY_VARIANTS, assert_same_logprobs, assert_teacher_forced, load_hf
+from tests.models import assert_same_logprobs, assert_teacher_forced, load_hf
 from tests.test_parallel import World
 from worker_node.inprocess import InProcessWorkers
 from worker_node.model_runner import ModelRunner

@@ -19,13 +19,17 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
 from minivllm.cluster import REPO, free_port
+from minivllm.tiny_models import build_tiny_model
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from scheduler_node.cli.client import wait_ready
 from tests.engine import generate, load_runner
-from tests.models import assert_teacher_forced, build_tiny_model, load_hf
+from tests.models import assert_teacher_forced, load_hf
+from worker_node.kv_cache import bytes_per_block
+from worker_node.models.config import ModelConfig
 
 PROMPT_LENGTHS = [1, 7, 16, 17, 40, 70]
 MAX_TOKENS = [14, 9, 12, 5, 16, 8]
@@ -153,6 +157,7 @@ def test_parallel_matches_one_worker_and_hf(
         world.wait_serving()
         prompts = workload()
         outputs = world.generate(prompts, MAX_TOKENS)
+        stats = pb_grpc.ControlStub(world.channel).GetStats(pb.GetStatsRequest(), timeout=10)
         world.channel.close()
         world.scheduler.terminate()
         codes = world.wait_all(30)
@@ -160,6 +165,9 @@ def test_parallel_matches_one_worker_and_hf(
     finally:
         world.kill_all()
     check_outputs(folder, prompts, outputs)
+    device = next(pool for pool in stats.memory if pool.tier == "device")
+    whole = bytes_per_block(ModelConfig.from_folder(folder), stats.block_size, getattr(torch, device.format))
+    assert device.bytes_per_block == whole, "memory stats sum every rank's shard of a block"
 
 
 def test_multi_host_world_by_topology_then_scheduler_killed(tiny_one_kv_dir: Path, tmp_path: Path) -> None:

@@ -69,3 +69,19 @@ def test_bench_cpu_dtypes_smoke(tmp_path: Path) -> None:
     dtypes = ("float32", "bfloat16")
     assert all(row[d]["layer_ms"] > 0 and row[d]["head_ms"] > 0 for row in report["table"] for d in dtypes)
     assert all(row["float32_ms"] > 0 and row["bfloat16_ms"] > 0 for row in report["attention"])
+
+
+@pytest.mark.slow
+def test_bench_kv_quant_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "kv_quant.json"
+    run = _run_script("scripts/bench_kv_quant.py", "--smoke", "--threads", "1", "--json", str(out))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    capacity = {r["cache"]: r for r in report["capacity"]}
+    assert capacity["int8"]["blocks_per_gib"] > capacity["bfloat16"]["blocks_per_gib"] * 1.8
+    float32 = next(r for r in report["fidelity"] if r["cache"] == "float32" and r["model"] == "tiny llama")
+    assert float32["rate"] == 1.0  # the yardstick: a full-precision cache agrees everywhere
+    caches = {(r["cache"], r["scales"]) for r in report["granularity"] if r["model"] == "all models"}
+    assert ("int8", "per block, re-quantized") in caches and ("fp8_e4m3", "per token") in caches
+    assert all(ms > 0 for row in report["decode"] for ms in row["ms"].values())
+    assert "| tiny llama | int8 |" in run.stdout

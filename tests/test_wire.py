@@ -28,7 +28,7 @@ from proto.wire import (
 MESSAGES = [
     WorkerHello("host", 123, "cpu"),
     Assignment(0, 2, "/models/x", "auto", 16, 2048, 128, 2, 1, "127.0.0.2:29500", "cuda:1", 60.0),
-    WorkerReady(1, 1000, 123456789, 64, 2.5e9),
+    WorkerReady(1, 1000, 123456789, 64, 2.5e9, "int8"),
     Shutdown("bye"),
     StepPlan(
         7,

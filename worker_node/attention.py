@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from kernels.interface import AttentionBackend
+from worker_node.kv_cache import LayerKV
 
 
 @dataclass(slots=True)
@@ -28,16 +29,17 @@ def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: LayerKV,
     meta: AttentionMetadata,
     scale: float,
     window: int = 0,  # the layer's sliding window: each query sees its last `window` tokens; 0: all of them
     softcap: float = 0.0,  # scores become softcap * tanh(scores / softcap); 0: left as they are
 ) -> torch.Tensor:
-    backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    # The scales go only to a quantized cache's backend, so one written without them still reads full precision.
+    scales = cache.scale_options()
+    backend.write_kv(k, v, cache.k, cache.v, meta.slot_mapping, **scales)
     # Passed only when set, so a backend written without these keywords still runs the models that need neither.
-    options: dict[str, Any] = {"window": window} if window else {}
+    options: dict[str, Any] = {"window": window, **scales} if window else dict(scales)
     if softcap:
         options["softcap"] = softcap
     nd = meta.num_decode_tokens
@@ -46,8 +48,8 @@ def paged_attention(
         parts.append(
             backend.decode_attention(
                 q[:nd],
-                k_cache,
-                v_cache,
+                cache.k,
+                cache.v,
                 meta.decode_block_tables,
                 meta.decode_seq_lens,
                 scale,
@@ -60,8 +62,8 @@ def paged_attention(
                 q[nd:],
                 k[nd:],
                 v[nd:],
-                k_cache,
-                v_cache,
+                cache.k,
+                cache.v,
                 meta.prefill_block_tables,
                 meta.prefill_cu_seqlens_q,
                 meta.prefill_seq_lens,

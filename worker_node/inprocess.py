@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from kernels.kv_quant import format_name
 from proto.transport import StepFailed, WorkerLost, WorldCapacity
 from proto.wire import Assignment, Message, StepError, StepPlan, StepResult, decode, encode
 from worker_node.loading import WorkerOptions, load_rank, pick_device
@@ -76,12 +77,11 @@ class InProcessWorkers:
             device = pick_device(a.device or self.options.device)
             runner, ready = await asyncio.to_thread(load_rank, a, self.options, device, Comm(SINGLE))
             self.runners = [runner]
+            block_bytes = ready.kv_cache_bytes // max(1, ready.num_kv_blocks)
             self._capacity = WorldCapacity(
-                ready.num_kv_blocks,
-                ready.num_host_blocks,
-                ready.kv_cache_bytes // max(1, ready.num_kv_blocks),
-                ready.swap_bytes_per_s,
-            )
+                ready.num_kv_blocks, ready.num_host_blocks, block_bytes, ready.swap_bytes_per_s, block_bytes,
+                ready.kv_format,
+            )  # fmt: skip
         else:
             self._capacity = _capacity_of(self.runners)
         for rank, runner in enumerate(self.runners):
@@ -174,10 +174,12 @@ class InProcessWorkers:
 def _capacity_of(runners: list[ModelRunner]) -> WorldCapacity:
     """The capacity of runners built elsewhere (tests), whose swap bandwidth nobody measured."""
     blocks = min(r.num_blocks for r in runners)
-    block_bytes = max(sum(k[0].nbytes + v[0].nbytes for k, v in r.kv_cache) for r in runners)
+    per_rank = [sum(t[0].nbytes for layer in r.kv_cache for t in layer.tensors()) for r in runners]
     return WorldCapacity(
         num_kv_blocks=blocks,
         num_swap_blocks=min(r.num_host_blocks for r in runners),
-        bytes_per_block=block_bytes,
+        bytes_per_block=max(per_rank),
         swap_bytes_per_s=1e12,  # host "swap" in the same process is a memory copy: swap is the cheap preemption
+        world_bytes_per_block=sum(per_rank),
+        kv_format=format_name(runners[0].kv_cache[0].k.dtype),
     )

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
-from kernels.backend import select_attention_backend
+from kernels.backend import check_reads_quantized, select_attention_backend
 from kernels.cpu_features import has_fast_bf16
+from kernels.kv_quant import cache_dtype, format_name, is_quantized
 from proto.wire import Assignment, WorkerReady
 from worker_node.cuda_graphs import DecodeGraphs, parse_sizes
 from worker_node.kv_cache import (
@@ -50,6 +51,7 @@ class WorkerOptions:
     zmq_curve_dir: str | None = None  # CURVE keys (proto/curve.py); None: plain TCP
     local_address: str = ""  # this worker's IP: its ZMQ connection leaves from it, torch.distributed binds it
     cuda_graph_sizes: str = ""  # decode batch sizes captured as CUDA graphs ("" : eager)
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype), int8 or fp8_e4m3 (kernels/kv_quant.py)
 
 
 def pick_device(name: str) -> torch.device:
@@ -100,23 +102,27 @@ def load_rank(
     full = ModelConfig.from_folder(a.model)
     config = shard_config(full, where)  # what this rank's KV cache holds: its layers, its KV heads
     backend = select_attention_backend(options.attention_backend, device)
+    kv_dtype = cache_dtype(options.kv_cache_dtype, dtype)
+    if is_quantized(kv_dtype):
+        check_reads_quantized(backend, kv_dtype, device)
     model = load_model(a.model, backend, dtype, device, full.max_model_len, where, comm)
-    block_bytes = bytes_per_block(config, a.block_size, dtype)
+    block_bytes = bytes_per_block(config, a.block_size, kv_dtype)
     budget = kv_cache_budget(device, options.kv_cache_memory, options.gpu_memory_utilization, comm.ranks_on_host)
     limit = kv_cache_limit(device, options.kv_cache_memory, options.gpu_memory_utilization)
     num_blocks = kv_blocks_to_allocate(a.num_kv_blocks, block_bytes, budget, limit)
-    cache = allocate_kv_cache(config, a.block_size, dtype, device, num_blocks)
+    cache = allocate_kv_cache(config, a.block_size, kv_dtype, device, num_blocks)
     swap_blocks = int(options.swap_space * 2**30) // block_bytes
     if a.num_swap_blocks >= 0:  # the world's size: never more (its flag is the limit it may take)
         swap_blocks = min(swap_blocks, a.num_swap_blocks)
-    host = allocate_host_cache(config, a.block_size, dtype, device, swap_blocks)
+    host = allocate_host_cache(config, a.block_size, kv_dtype, device, swap_blocks)
     tokenizer = Path(a.model) / "tokenizer.json"
     runner = ModelRunner(
         model, cache, a.block_size, device, host, comm, a.mode, tokenizer if tokenizer.is_file() else None
     )
     enable_decode_graphs(runner, options.cuda_graph_sizes, backend.name, full.max_model_len)
     bandwidth = measure_swap_bandwidth(cache, host, block_bytes)
-    return runner, WorkerReady(a.rank, num_blocks, num_blocks * block_bytes, swap_blocks, bandwidth)
+    ready = WorkerReady(a.rank, num_blocks, num_blocks * block_bytes, swap_blocks, bandwidth, format_name(kv_dtype))
+    return runner, ready
 
 
 def enable_decode_graphs(runner: ModelRunner, sizes_text: str, backend_name: str, max_model_len: int) -> None:
@@ -130,7 +136,7 @@ def enable_decode_graphs(runner: ModelRunner, sizes_text: str, backend_name: str
             "CUDA graphs need TP 1 and the triton backend (TP %d, %s): running eagerly", where.tp_size, backend_name
         )
         return
-    num_blocks = runner.kv_cache[0][0].shape[0]
+    num_blocks = runner.num_blocks
     max_blocks = min(num_blocks, -(-max_model_len // runner.block_size))
     config = runner.model.config
     runner.graphs = DecodeGraphs(

@@ -100,8 +100,8 @@ class ModelRunner:
         # collective half-joined. The scheduler sends interrupts to lone workers only; this is the second lock.
         self.interrupts = StepInterrupts()
         self.interruptible = self.mode.interruptible and self.comm.where.layout.world_size == 1
-        self.num_blocks = kv_cache[0][0].shape[0] if kv_cache else 0
-        self.num_host_blocks = self.host_cache[0][0].shape[0] if self.host_cache else 0
+        self.num_blocks = kv_cache[0].num_blocks if kv_cache else 0
+        self.num_host_blocks = self.host_cache[0].num_blocks if self.host_cache else 0
 
     def apply_diffs(self, plan: StepPlan, check_progress: bool = True) -> None:
         """Update the requests this worker holds. Every block id is range-checked first: the decode kernel reads

@@ -185,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         args.zmq_curve_dir,
         local_address=args.local_address or "",
         cuda_graph_sizes=args.cuda_graph_sizes or "",
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     signal.signal(signal.SIGTERM, _exit_cleanly)
     try:

@@ -16,12 +16,15 @@
  * each score s into softcap * tanh(s / softcap) before the softmax.
  *
  * Layouts are those of kernels/torch_attention.py: q [B, H, D], cache [num_blocks, block_size, Hkv, D],
- * block_tables [B, max_blocks] int32, seq_lens [B] int32, out [B, H, D]; all contiguous. q and out are float32;
- * the cache is float32, or bfloat16 when built with -DKV_BF16=1: each K/V element is widened to float32 as it is
- * read (a shift, vectorized with the loop), so a bf16 cache halves the memory traffic and every product, the
- * softmax and the accumulator stay in float32. AVX-512 BF16's dot-product instruction is not used: the loop is
- * bound by the loads (one widening shift per element hides behind them), and it would round the probabilities
- * to bf16 before they weight V. The bf16 cache's gain is measured by scripts/bench_cpu_dtypes.py (README).
+ * block_tables [B, max_blocks] int32, seq_lens [B] int32, out [B, H, D]; all contiguous. q and out are float32.
+ * The cache's format is chosen when building (-DKV_FORMAT): float32; bfloat16, each K/V element widened to
+ * float32 as it is read (a shift, vectorized with the loop), so a bf16 cache halves the memory traffic and every
+ * product, the softmax and the accumulator stay in float32 (AVX-512 BF16's dot-product instruction is not used:
+ * the loop is bound by the loads, and it would round the probabilities to bf16 before they weight V; the gain is
+ * measured by scripts/bench_cpu_dtypes.py, README); or int8 / fp8 e4m3 with one float32 scale per token and kv
+ * head (kernels/kv_quant.py; scales [num_blocks, block_size, Hkv]). A quantized element is widened exactly
+ * (int8 by conversion, e4m3 by moving its exponent and mantissa bits into a float32's), and the scales never
+ * touch the D-wide rows: a key's scale multiplies its score, a value's scale the probability that weighs it.
  */
 #include <float.h>
 #include <math.h>
@@ -32,14 +35,38 @@
 #error "compile with -DHEAD_DIM=<head dim> -DGROUP=<query heads per kv head>"
 #endif
 
-#if KV_BF16
+#define KV_FLOAT32 0
+#define KV_BFLOAT16 1
+#define KV_INT8 2
+#define KV_FP8_E4M3 3
+#ifndef KV_FORMAT
+#define KV_FORMAT KV_FLOAT32
+#endif
+#define QUANTIZED (KV_FORMAT == KV_INT8 || KV_FORMAT == KV_FP8_E4M3)
+
+typedef union {
+    uint32_t bits;
+    float value;
+} f32_bits;
+
+#if KV_FORMAT == KV_BFLOAT16
 typedef uint16_t kv_t; /* bfloat16: the upper half of a float32 */
 static inline float kv_load(const kv_t *p, int64_t i) {
-    union {
-        uint32_t bits;
-        float value;
-    } x = {(uint32_t)p[i] << 16};
+    const f32_bits x = {(uint32_t)p[i] << 16};
     return x.value;
+}
+#elif KV_FORMAT == KV_INT8
+typedef int8_t kv_t;
+static inline float kv_load(const kv_t *p, int64_t i) { return (float)p[i]; }
+#elif KV_FORMAT == KV_FP8_E4M3
+typedef uint8_t kv_t; /* e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities */
+static inline float kv_load(const kv_t *p, int64_t i) {
+    const uint32_t magnitude = p[i] & 0x7F;
+    /* A normal value's exponent and mantissa, shifted into a float32's and rebiased (7 -> 127); a subnormal one
+     * (exponent 0) is its mantissa times 2^-9. The cache never holds the NaN pattern (writes saturate at 448). */
+    const f32_bits normal = {(magnitude << 20) + (120u << 23)};
+    const float value = magnitude >= 8 ? normal.value : (float)magnitude * 0x1p-9f;
+    return p[i] & 0x80 ? -value : value;
 }
 #else
 typedef float kv_t;
@@ -53,7 +80,7 @@ int paged_attention_limits(int64_t num_kv_heads, int64_t block_size) {
 }
 
 typedef struct {
-    int64_t block_size, row_stride, block_stride, window;
+    int64_t block_size, row_stride, block_stride, num_kv_heads, window;
     float scale, softcap;
 } Shape;
 
@@ -62,14 +89,16 @@ typedef struct {
     float running_max[GROUP], denom[GROUP];
 } HeadState;
 
-static void prefetch_block(const kv_t *block, int64_t elements) {
-    for (int64_t i = 0; i < elements; i += 64 / (int64_t)sizeof(kv_t)) __builtin_prefetch(block + i);
+static void prefetch(const void *start, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)start + i);
 }
 
 /* One kv head over n consecutive tokens of a block: scores, online softmax, then V into the registers'
- * accumulator. */
-static inline void attend_block(HeadState *st, const kv_t *keys, const kv_t *values, int64_t n,
-                                int64_t row_stride, float softcap) {
+ * accumulator. For a quantized cache, k_scales/v_scales point at the first token's scales (stride num_kv_heads);
+ * otherwise they are unused. */
+static inline void attend_block(HeadState *st, const kv_t *keys, const kv_t *values, const float *k_scales,
+                                const float *v_scales, int64_t n, int64_t row_stride, int64_t scale_stride,
+                                float softcap) {
     for (int64_t t = 0; t < n; ++t) {
         const kv_t *key = keys + t * row_stride;
         float k[HEAD_DIM];
@@ -77,6 +106,9 @@ static inline void attend_block(HeadState *st, const kv_t *keys, const kv_t *val
         for (int g = 0; g < GROUP; ++g) {
             float dot = 0.0f;
             for (int d = 0; d < HEAD_DIM; ++d) dot += st->q[g][d] * k[d];
+#if QUANTIZED
+            dot *= k_scales[t * scale_stride];
+#endif
             st->probs[g][t] = dot;
         }
     }
@@ -102,8 +134,13 @@ static inline void attend_block(HeadState *st, const kv_t *keys, const kv_t *val
         const kv_t *value = values + t * row_stride;
         float v[HEAD_DIM];
         for (int d = 0; d < HEAD_DIM; ++d) v[d] = kv_load(value, d);
+#if QUANTIZED
+        const float v_scale = v_scales[t * scale_stride];
+#else
+        const float v_scale = 1.0f;
+#endif
         for (int g = 0; g < GROUP; ++g) {
-            const float p = st->probs[g][t];
+            const float p = st->probs[g][t] * v_scale;
             for (int d = 0; d < HEAD_DIM; ++d) acc[g][d] += p * v[d];
         }
     }
@@ -111,8 +148,9 @@ static inline void attend_block(HeadState *st, const kv_t *keys, const kv_t *val
 }
 
 /* Kv heads [h0, h1) of one sequence; q and out point at the sequence's first query head. */
-static void attend(const Shape *s, const float *q, const kv_t *k_cache, const kv_t *v_cache,
-                   const int32_t *blocks, int64_t seq_len, int64_t h0, int64_t h1, float *out) {
+static void attend(const Shape *s, const float *q, const kv_t *k_cache, const kv_t *v_cache, const float *k_scales,
+                   const float *v_scales, const int32_t *blocks, int64_t seq_len, int64_t h0, int64_t h1,
+                   float *out) {
     HeadState heads[MAX_KV_HEADS];
     for (int64_t h = h0; h < h1; ++h) {
         HeadState *st = &heads[h - h0];
@@ -126,16 +164,25 @@ static void attend(const Shape *s, const float *q, const kv_t *k_cache, const kv
     const int64_t first = s->window > 0 && seq_len > s->window ? seq_len - s->window : 0; /* first token seen */
     for (int64_t start = first - first % s->block_size; start < seq_len; start += s->block_size) {
         const int64_t skip = start < first ? first - start : 0; /* rows of the window's first block before it */
-        const int64_t offset = (int64_t)blocks[start / s->block_size] * s->block_stride + skip * s->row_stride;
+        const int64_t row = (int64_t)blocks[start / s->block_size] * s->block_size + skip; /* its first slot */
+        const int64_t offset = row * s->row_stride;
         const int64_t n = (seq_len - start < s->block_size ? seq_len - start : s->block_size) - skip;
         if (start + s->block_size < seq_len) {
-            const int64_t next = (int64_t)blocks[start / s->block_size + 1] * s->block_stride;
-            prefetch_block(k_cache + next, s->block_stride);
-            prefetch_block(v_cache + next, s->block_stride);
+            const int64_t next = blocks[start / s->block_size + 1];
+            prefetch(k_cache + next * s->block_stride, s->block_stride * (int64_t)sizeof(kv_t));
+            prefetch(v_cache + next * s->block_stride, s->block_stride * (int64_t)sizeof(kv_t));
+#if QUANTIZED
+            const int64_t scales = s->block_size * s->num_kv_heads;
+            prefetch(k_scales + next * scales, scales * (int64_t)sizeof(float));
+            prefetch(v_scales + next * scales, scales * (int64_t)sizeof(float));
+#endif
         }
         for (int64_t h = h0; h < h1; ++h) {
-            attend_block(&heads[h - h0], k_cache + offset + h * HEAD_DIM, v_cache + offset + h * HEAD_DIM, n,
-                         s->row_stride, s->softcap);
+            /* At full precision the scale pointers are NULL and never read. */
+            const int64_t scale_offset = QUANTIZED ? row * s->num_kv_heads + h : 0;
+            attend_block(&heads[h - h0], k_cache + offset + h * HEAD_DIM, v_cache + offset + h * HEAD_DIM,
+                         QUANTIZED ? k_scales + scale_offset : NULL, QUANTIZED ? v_scales + scale_offset : NULL, n,
+                         s->row_stride, s->num_kv_heads, s->softcap);
         }
     }
     for (int64_t h = h0; h < h1; ++h) {
@@ -147,19 +194,19 @@ static void attend(const Shape *s, const float *q, const kv_t *k_cache, const kv
     }
 }
 
-void paged_decode_attention(const float *q, const kv_t *k_cache, const kv_t *v_cache, const int32_t *block_tables,
-                            const int32_t *seq_lens, float *out, int64_t batch, int64_t num_kv_heads,
-                            int64_t block_size, int64_t max_blocks, float scale, int num_threads, int64_t window,
-                            float softcap) {
+void paged_decode_attention(const float *q, const kv_t *k_cache, const kv_t *v_cache, const float *k_scales,
+                            const float *v_scales, const int32_t *block_tables, const int32_t *seq_lens, float *out,
+                            int64_t batch, int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, float scale,
+                            int num_threads, int64_t window, float softcap) {
     const int64_t row_stride = num_kv_heads * HEAD_DIM;
-    const Shape s = {block_size, row_stride, block_size * row_stride, window, scale, softcap};
+    const Shape s = {block_size, row_stride, block_size * row_stride, num_kv_heads, window, scale, softcap};
     const int64_t heads_per_item = batch >= 2 * num_threads ? num_kv_heads : 1;
     const int64_t items_per_seq = num_kv_heads / heads_per_item;
     const int64_t seq_floats = num_kv_heads * GROUP * HEAD_DIM;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
     for (int64_t w = 0; w < batch * items_per_seq; ++w) {
         const int64_t b = w / items_per_seq, h0 = (w % items_per_seq) * heads_per_item;
-        attend(&s, q + b * seq_floats, k_cache, v_cache, block_tables + b * max_blocks, seq_lens[b], h0,
-               h0 + heads_per_item, out + b * seq_floats);
+        attend(&s, q + b * seq_floats, k_cache, v_cache, k_scales, v_scales, block_tables + b * max_blocks,
+               seq_lens[b], h0, h0 + heads_per_item, out + b * seq_floats);
     }
 }

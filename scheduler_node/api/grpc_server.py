@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
+from proto.memory_stats import KvPool
 from proto.wire import MAX_MESSAGE_BYTES
 from scheduler_node.api.security import ControlAuth
 from scheduler_node.api.validation import InvalidField, validate
@@ -141,7 +142,7 @@ class ControlService(pb_grpc.ControlServicer):
         engine = await self._engine(context)
         stats = dataclasses.asdict(snapshot(engine.scheduler))
         stats["num_preemptions"] = stats["preemptions_recompute"] + stats["preemptions_swap"]
-        return pb.Stats(**stats)
+        return pb.Stats(**stats, memory=[_pool_message(p) for p in engine.kv_pools()])
 
     async def ResizeCache(  # noqa: N802
         self, request: pb.ResizeCacheRequest, context: grpc.aio.ServicerContext
@@ -220,3 +221,16 @@ def build_server(
     if port == 0:
         raise OSError(f"cannot bind gRPC to {address}")
     return server, health_service
+
+
+def _pool_message(p: KvPool) -> pb.KvPool:
+    return pb.KvPool(
+        tier=p.tier,
+        format=p.format,
+        bytes_per_block=p.bytes_per_block,
+        total_blocks=p.total_blocks,
+        used_blocks=p.used_blocks,
+        allocated_bytes=p.allocated_bytes,
+        used_bytes=p.used_bytes,
+        hits=p.hits,
+    )

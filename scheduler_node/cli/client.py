@@ -110,9 +110,21 @@ def print_stats(channel: grpc.Channel, args: argparse.Namespace) -> int:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     for field in stats.DESCRIPTOR.fields:
+        if field.name == "memory":
+            continue
         value = getattr(stats, field.name)
         print(f"{field.name:24} {value:.4f}" if isinstance(value, float) else f"{field.name:24} {value}")
+    for pool in stats.memory:
+        print(
+            f"memory {pool.tier:6} {pool.format:9} used {pool.used_bytes} of {pool.allocated_bytes} bytes "
+            f"({_gib(pool.used_bytes)} of {_gib(pool.allocated_bytes)} GiB; {pool.used_blocks} of {pool.total_blocks} "
+            f"blocks of {pool.bytes_per_block} bytes); prefix-cache hits {pool.hits} tokens"
+        )
     return 0
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3f}"
 
 
 def print_health(channel: grpc.Channel, args: argparse.Namespace) -> int:

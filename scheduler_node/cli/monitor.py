@@ -4,7 +4,9 @@
 
 A gauge prints its value; a counter its total and its rate since the previous scrape; a histogram its count,
 mean and the rate of new observations. Names are the series names (`vllm:generation_tokens` or
-`vllm:generation_tokens_total` both work).
+`vllm:generation_tokens_total` both work), or one of the short names of ALIASES:
+
+    vllm-monitor --metric cache_hit_rate --metric memory_usage
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proto.cli_config import add_config_flag, parse_args
 
+# short name -> the series it prints
+ALIASES = {
+    "cache_hit_rate": ["minivllm:cache_hit_rate"],  # per tier: prompt tokens found / looked up, since start
+    "memory_usage": ["minivllm:kv_cache_used_bytes", "minivllm:kv_cache_allocated_bytes"],  # per tier and format
+}
+
 
 @dataclass(frozen=True, slots=True)
 class Reading:
@@ -34,7 +42,12 @@ class Reading:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-monitor", description="Print live values of a minivllm server's metrics.")
     add_config_flag(p)
-    p.add_argument("--metric", action="append", required=True, help="metric name (repeatable)")
+    p.add_argument(
+        "--metric",
+        action="append",
+        required=True,
+        help=f"metric name (repeatable), or one of {', '.join(ALIASES)}: what they stand for is printed",
+    )
     p.add_argument("--interval", type=float, default=1.0, help="seconds between scrapes")
     p.add_argument("--host", default="127.0.0.1", help="the scheduler's --metrics-host")
     p.add_argument("--metrics-port", type=int, default=8000, help="the scheduler's --metrics-port")
@@ -81,9 +94,16 @@ def describe(name: str, now: Reading, before: Reading | None, seconds: float) ->
             text += f" (+{(now.count - before.count) / seconds:.3g}/s)"
         return text
     text = f"{name}{now.labels} {now.value:.6g}"
+    if name.endswith("_bytes"):
+        text += f" ({now.value / 2**30:.3f} GiB)"
     if now.kind == "counter" and before is not None and seconds > 0:
         text += f" (+{(now.value - before.value) / seconds:.3g}/s)"
     return text
+
+
+def expand(names: list[str]) -> list[str]:
+    """The series names asked for, aliases replaced by what they stand for."""
+    return [series for name in names for series in ALIASES.get(name, [name])]
 
 
 def _base(name: str) -> str:
@@ -97,6 +117,7 @@ def _labels(labels: dict[str, str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(build_parser(), argv)
     url = args.url or f"http://{args.host}:{args.metrics_port}/metrics"
+    metrics = expand(args.metric)
     previous: dict[str, dict[str, Reading]] = {}
     last = 0.0
     scrapes = 0
@@ -108,13 +129,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{time.strftime('%H:%M:%S')} cannot scrape {url}: {exc}", file=sys.stderr, flush=True)
             else:
                 now = time.monotonic()
-                current = readings(text, args.metric)
-                missing = [n for n in args.metric if n not in current]
+                current = readings(text, metrics)
+                missing = [n for n in metrics if n not in current]
                 if missing:
                     print(f"error: no metric {', '.join(missing)} at {url}", file=sys.stderr)
                     return 2
                 stamp = time.strftime("%H:%M:%S")
-                for name in args.metric:
+                for name in metrics:
                     for labels, reading in current[name].items():
                         before = previous.get(name, {}).get(labels)
                         print(f"{stamp} {describe(name, reading, before, now - last)}", flush=True)

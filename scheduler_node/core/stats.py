@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from proto.memory_stats import DEVICE, SWAP, KvPool
+from proto.transport import WorldCapacity
 from scheduler_node.core.scheduler import Scheduler
 
 
@@ -66,3 +68,24 @@ def snapshot(s: Scheduler) -> SchedulerStats:
         mean_worker_idle_ms=c.worker_idle_ms / c.steps if c.steps else 0.0,
         interrupted_steps=c.interrupted_steps,
     )
+
+
+def kv_pools(s: Scheduler, capacity: WorldCapacity) -> list[KvPool]:
+    """The KV memory in bytes: the workers' device cache (every block they allocated, also beyond a ResizeCache
+    limit) and the swap space, both in the world's one KV format."""
+    bt = s.blocks
+    kv_format = capacity.kv_format or "unknown"
+    per_block = capacity.world_bytes_per_block or capacity.bytes_per_block
+    return [
+        KvPool(DEVICE, kv_format, per_block, bt.num_blocks, bt.num_used, s.counters.prefix_cache_hits),
+        KvPool(SWAP, kv_format, per_block, bt.num_host_blocks, bt.num_host_used),
+    ]
+
+
+def hit_rates(pools: list[KvPool], queries: int) -> list[tuple[str, float]]:
+    """(tier, prompt tokens found in it / prompt tokens looked up) for every tier that caches prefixes."""
+    hits: dict[str, int] = {}
+    for p in pools:
+        if p.tier != SWAP:  # swap holds preempted requests' blocks, never looked up by a new request
+            hits[p.tier] = hits.get(p.tier, 0) + p.hits
+    return [(tier, n / queries if queries else 0.0) for tier, n in hits.items()]

@@ -18,12 +18,13 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from proto.memory_stats import KvPool
 from proto.transport import StepFailed, WorkerLost, WorkerTransport
 from proto.wire import StepPlan, StepResult, TokenLogprobs
 from scheduler_node.core.request import Request, RequestSpec, Status, StopConditions
 from scheduler_node.core.scheduler import RequestOutput, Scheduler
-from scheduler_node.core.stats import snapshot
-from scheduler_node.engine.metrics import Metrics
+from scheduler_node.core.stats import hit_rates, kv_pools, snapshot
+from scheduler_node.engine.metrics import LiveSample, Metrics
 from scheduler_node.engine.outputs import Delta, RequestStream, SequenceOutput
 from scheduler_node.text.detokenizer import IncrementalDetokenizer
 from scheduler_node.text.tokenizer import ModelTokenizer
@@ -173,9 +174,14 @@ class EngineCore:
             pass
         return len(self._by_request_id)
 
-    def live_metrics(self) -> dict[str, float]:
+    def kv_pools(self) -> list[KvPool]:
+        """The KV memory in bytes, per tier and format."""
+        return kv_pools(self.scheduler, self.workers.capacity)
+
+    def live_metrics(self) -> LiveSample:
         """The scrape-time gauges and scheduler counters (Metrics reads them on the event loop's thread)."""
         s = snapshot(self.scheduler)
+        pools = self.kv_pools()
         return {
             "vllm:num_requests_running": s.num_running,
             "vllm:num_requests_waiting": s.num_waiting,
@@ -187,6 +193,9 @@ class EngineCore:
             "vllm:num_preemptions": s.preemptions_recompute + s.preemptions_swap,
             "vllm:prefix_cache_queries": s.prefix_cache_queries,
             "vllm:prefix_cache_hits": s.prefix_cache_hits,
+            "minivllm:kv_cache_allocated_bytes": {(p.tier, p.format): p.allocated_bytes for p in pools},
+            "minivllm:kv_cache_used_bytes": {(p.tier, p.format): p.used_bytes for p in pools},
+            "minivllm:cache_hit_rate": {(tier,): rate for tier, rate in hit_rates(pools, s.prefix_cache_queries)},
         }
 
     async def wait_idle(self) -> None:

@@ -17,7 +17,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-LiveValues = Callable[[], dict[str, float]]  # the gauges and scheduler counters, read on the event loop's thread
+# A scrape's live values: name -> value, or (for LABELLED_GAUGES) name -> label values -> value
+LiveSample = dict[str, float | dict[tuple[str, ...], float]]
+LiveValues = Callable[[], LiveSample]  # the gauges and scheduler counters, read on the event loop's thread
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +94,7 @@ class Metrics(Exporter):
         """Read the live gauges with `read`, on this loop's thread."""
         self.read, self.loop = read, loop
 
-    def live(self) -> dict[str, float]:
+    def live(self) -> LiveSample:
         """The scrape-time values, computed on the event loop's thread ({} while the workers are joining)."""
         loop, read = self.loop, self.read
         if loop is None or read is None or loop.is_closed():
@@ -121,6 +123,14 @@ GAUGES = {
     "minivllm:workers_ready": "Ranks ready",
     "minivllm:asyncio_tasks": "Tasks alive on the scheduler's event loop",
 }
+LABELLED_GAUGES = {  # name -> (help, label names beside model_name)
+    "minivllm:kv_cache_allocated_bytes": (
+        "KV bytes the workers hold (all ranks), by tier and format",
+        ("tier", "format"),
+    ),
+    "minivllm:kv_cache_used_bytes": ("KV bytes in use (all ranks), by tier and format", ("tier", "format")),
+    "minivllm:cache_hit_rate": ("Prompt tokens found in a tier's prefix cache / prompt tokens looked up", ("tier",)),
+}
 COUNTERS = {
     "vllm:num_preemptions": "Preemptions (recompute and swap; a lost worker preempts every running request)",
     "vllm:prefix_cache_queries": "Prompt tokens looked up in the prefix cache",
@@ -128,7 +138,7 @@ COUNTERS = {
 }
 
 
-async def _call(read: LiveValues) -> dict[str, float]:
+async def _call(read: LiveValues) -> LiveSample:
     return read()
 
 
@@ -141,11 +151,20 @@ class _LiveCollector(Collector):
         name = self.metrics.model_name
         for key, doc in GAUGES.items():
             gauge = GaugeMetricFamily(key, doc, labels=["model_name"])
-            if key in values:
-                gauge.add_metric([name], values[key])
+            value = values.get(key)
+            if isinstance(value, (int, float)):
+                gauge.add_metric([name], value)
+            yield gauge
+        for key, (doc, labels) in LABELLED_GAUGES.items():
+            gauge = GaugeMetricFamily(key, doc, labels=["model_name", *labels])
+            series = values.get(key)
+            if isinstance(series, dict):
+                for label_values, value in series.items():
+                    gauge.add_metric([name, *label_values], value)
             yield gauge
         for key, doc in COUNTERS.items():
             counter = CounterMetricFamily(key, doc, labels=["model_name"])
-            if key in values:
-                counter.add_metric([name], values[key])
+            value = values.get(key)
+            if isinstance(value, (int, float)):
+                counter.add_metric([name], value)
             yield counter

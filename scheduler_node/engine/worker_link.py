@@ -66,6 +66,7 @@ class WorkerInfo:
     num_host_blocks: int = 0
     swap_bytes_per_s: float = 0.0
     kv_cache_bytes: int = 0
+    kv_format: str = ""
     tp_rank: int = 0
     pp_stage: int = 0
     state: str = JOINING  # joining | ready | lost
@@ -208,6 +209,7 @@ class WorkerLink:
         info.num_host_blocks = msg.num_host_blocks
         info.swap_bytes_per_s = msg.swap_bytes_per_s
         info.kv_cache_bytes = msg.kv_cache_bytes
+        info.kv_format = msg.kv_format
         info.state = READY
         info.last_seen = time.monotonic()
         self.ranks[info.rank] = info
@@ -236,6 +238,8 @@ class WorkerLink:
             num_swap_blocks=min(w.num_host_blocks for w in ready),
             bytes_per_block=max(w.kv_cache_bytes // max(w.num_kv_blocks, 1) for w in ready),
             swap_bytes_per_s=min(w.swap_bytes_per_s for w in ready),
+            world_bytes_per_block=sum(w.kv_cache_bytes // max(w.num_kv_blocks, 1) for w in ready),
+            kv_format=ready[0].kv_format,
         )
         old = self._capacity
         if old is not None and (new.num_kv_blocks, new.num_swap_blocks) != (old.num_kv_blocks, old.num_swap_blocks):

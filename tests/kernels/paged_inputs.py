@@ -86,3 +86,33 @@ def dense_causal_attention(
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+@dataclass
+class QuantizedBatch:
+    """A PagedBatch's caches quantized, and what an exact kernel must see: each sequence's cached tokens as the
+    dequantized cache holds them, then its new tokens at full precision."""
+
+    k_cache: torch.Tensor  # int8 or float8_e4m3fn values
+    v_cache: torch.Tensor
+    k_scales: torch.Tensor  # [num_blocks, block_size, Hkv] float32
+    v_scales: torch.Tensor
+    keys: list[torch.Tensor]  # per sequence, [seq_len, Hkv, D] float32
+    values: list[torch.Tensor]
+
+    def scales(self) -> dict[str, torch.Tensor]:
+        return {"k_scales": self.k_scales, "v_scales": self.v_scales}
+
+
+def quantize_batch(batch: PagedBatch, cached_lens: list[int], dtype: torch.dtype) -> QuantizedBatch:
+    from kernels.kv_quant import dequantize, quantize
+    from kernels.torch_attention import gather_kv
+
+    (k_cache, k_scales), (v_cache, v_scales) = quantize(batch.k_cache, dtype), quantize(batch.v_cache, dtype)
+    seen_k, seen_v = dequantize(k_cache, k_scales), dequantize(v_cache, v_scales)
+    keys, values = [], []
+    for i, cached in enumerate(cached_lens):
+        table = batch.block_tables[i]
+        keys.append(torch.cat([gather_kv(seen_k, table, cached), batch.keys[i][cached:].float()]))
+        values.append(torch.cat([gather_kv(seen_v, table, cached), batch.values[i][cached:].float()]))
+    return QuantizedBatch(k_cache, v_cache, k_scales, v_scales, keys, values)

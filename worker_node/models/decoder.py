@@ -14,11 +14,10 @@ from torch import nn
 
 from kernels.interface import AttentionBackend
 from worker_node.attention import AttentionMetadata
+from worker_node.kv_cache import LayerKV
 from worker_node.models.config import ModelConfig
 from worker_node.models.layers import ParallelLMHead, RMSNorm, RopeAngles, Rotary, VocabParallelEmbedding
 from worker_node.parallel import SINGLE, Comm, ParallelRank
-
-KVPair = tuple[torch.Tensor, torch.Tensor]
 
 
 class StepInterrupted(Exception):
@@ -28,7 +27,7 @@ class StepInterrupted(Exception):
 class DecoderLayer(nn.Module):
     """The interface of a family's layer: hidden states in, hidden states out (residuals inside)."""
 
-    def forward(self, x: torch.Tensor, angles: RopeAngles, kv_cache: KVPair, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, angles: RopeAngles, kv_cache: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -80,7 +79,7 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[KVPair],  # this stage's layers, in order
+        kv_caches: list[LayerKV],  # this stage's layers, in order
         meta: AttentionMetadata,
         hidden: torch.Tensor | None = None,  # [T, hidden]: the previous stage's output (not on the first)
         interrupted: Callable[[], bool] | None = None,  # asked before each layer; True raises StepInterrupted

@@ -12,8 +12,9 @@ import torch
 
 from kernels.interface import AttentionBackend
 from worker_node.attention import AttentionMetadata
+from worker_node.kv_cache import LayerKV
 from worker_node.models.config import ModelConfig
-from worker_node.models.decoder import CausalLM, DecoderLayer, KVPair
+from worker_node.models.decoder import CausalLM, DecoderLayer
 from worker_node.models.layers import MLP, Attention, RMSNorm, RopeAngles
 from worker_node.parallel import Comm, ParallelRank
 
@@ -33,7 +34,7 @@ class Gemma2DecoderLayer(DecoderLayer):
         self.mlp = MLP(config, where, comm)
         self.post_feedforward_layernorm = RMSNorm(h, eps, NORM_OFFSET)
 
-    def forward(self, x: torch.Tensor, angles: RopeAngles, kv_cache: KVPair, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, angles: RopeAngles, kv_cache: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), angles, kv_cache, meta))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 

@@ -18,6 +18,7 @@ from torch import nn
 from kernels.interface import AttentionBackend
 from proto.parallel import kv_head_range, shard, vocab_shard
 from worker_node.attention import AttentionMetadata, paged_attention
+from worker_node.kv_cache import LayerKV
 from worker_node.models.config import ModelConfig
 from worker_node.parallel import Comm, ParallelRank
 
@@ -128,7 +129,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         angles: RopeAngles,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: LayerKV,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -138,9 +139,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, angles), apply_rope(k, angles)
-        out = paged_attention(
-            self.backend, q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window, self.softcap
-        )
+        out = paged_attention(self.backend, q, k, v, kv_cache, meta, self.scale, self.window, self.softcap)
         return self.comm.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 

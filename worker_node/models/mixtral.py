@@ -15,8 +15,9 @@ from torch import nn
 
 from kernels.interface import AttentionBackend
 from worker_node.attention import AttentionMetadata
+from worker_node.kv_cache import LayerKV
 from worker_node.models.config import ModelConfig
-from worker_node.models.decoder import CausalLM, DecoderLayer, KVPair
+from worker_node.models.decoder import CausalLM, DecoderLayer
 from worker_node.models.layers import ACTIVATIONS, Attention, RMSNorm, RopeAngles
 from worker_node.parallel import Comm, ParallelRank
 
@@ -78,7 +79,7 @@ class MixtralDecoderLayer(DecoderLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.block_sparse_moe = SparseMoE(config, where, comm)
 
-    def forward(self, x: torch.Tensor, angles: RopeAngles, kv_cache: KVPair, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, angles: RopeAngles, kv_cache: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), angles, kv_cache, meta)
         return x + self.block_sparse_moe(self.post_attention_layernorm(x))
 

@@ -1,0 +1,83 @@
+"""Tiny random models of every supported architecture, built on the fly with HF transformers and sharing SmolLM2's
+tokenizer: what the tests check fidelity on, and what scripts/bench_kv_quant.py measures beside SmolLM2."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+# Per kind: the HF classes and what the tiny config sets beyond COMMON, chosen so that every feature of the
+# architecture changes the output (windows shorter than the test prompts, soft-caps that bite, scales that
+# differ from the default).
+TINY_KINDS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("Llama", {"rope_theta": 10000.0}),
+    "qwen2": ("Qwen2", {"rope_theta": 1000000.0}),
+    "mistral": ("Mistral", {"sliding_window": 4096}),
+    "qwen3": ("Qwen3", {"head_dim": 32}),  # wider heads than hidden / heads, as Qwen3's own configs
+    "phi3": ("Phi3", {"sliding_window": 12, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}),
+    "gemma2": (
+        "Gemma2",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 8,  # layer 0 slides, layer 1 is global
+            "attn_logit_softcapping": 3.0,
+            "final_logit_softcapping": 15.0,
+        },  # untied: with tied, sqrt(hidden)-scaled embeddings each token would mostly predict itself
+    ),
+    "mixtral": ("Mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+}
+
+COMMON = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=1024,
+    eos_token_id=2,
+    bos_token_id=1,
+    tie_word_embeddings=False,
+)
+
+
+# Tiny models built on demand by name: a kind of tests/models.py, with config overrides for named variants.
+TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3": ("qwen3", {}),
+    "gemma2": ("gemma2", {}),
+    "phi3": ("phi3", {}),
+    "mixtral": ("mixtral", {}),
+    "mistral-window": ("mistral", {"sliding_window": 16}),  # every test request generates past it
+}
+
+
+def build_tiny_model(kind: str, folder: Path, tokenizer_dir: Path, num_kv_heads: int = 2, **overrides: Any) -> Path:
+    """A random `kind` model saved by HF itself (its own config.json and checkpoint layout)."""
+    import transformers
+
+    prefix, extra = TINY_KINDS[kind]
+    config_class = getattr(transformers, f"{prefix}Config")
+    model_class = getattr(transformers, f"{prefix}ForCausalLM")
+    # num_kv_heads 1: fewer KV heads than tensor-parallel ranks
+    config = config_class(**{**COMMON, "num_key_value_heads": num_kv_heads, **extra, **overrides})
+    torch.manual_seed(1234)
+    model = model_class(config)
+    with torch.no_grad():  # a larger spread than the default init, so argmax ties are rare
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.15)
+            elif kind == "qwen2" and name.endswith("bias"):  # random qkv biases: a loader dropping them fails
+                p.normal_(0, 0.5)
+            elif kind not in ("llama", "qwen2", "mistral"):  # norm weights off their init, so each one counts
+                p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, folder / name)
+    return folder
