@@ -14,6 +14,9 @@ WORKER_FLAGS = (
     "threads",
     "local_address",
     "cuda_graph_sizes",
+    "kv_offload_ram",
+    "kv_offload_disk",
+    "kv_offload_disk_size",
 )
 
 
@@ -80,6 +83,34 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="decode batch sizes to capture as CUDA graphs, e.g. 1,2,4,8,16,32 (batches pad up to the nearest); "
         "GPU with the triton backend and TP 1 only; empty: run eagerly (the default, and always on CPU)",
+    )
+
+    add_kv_offload_flags(p)
+
+
+def add_kv_offload_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--kv-offload-ram",
+        type=float,
+        default=0.0,
+        metavar="GIB",
+        help="GiB of host RAM per worker that keeps prefix blocks evicted from the device KV cache; a later "
+        "request with that prefix loads them back instead of recomputing them (0: no RAM tier)",
+    )
+    p.add_argument(
+        "--kv-offload-disk",
+        default=None,
+        metavar="DIR",
+        help="folder for the disk KV tier (blocks evicted from the RAM tier, or from the device without one); "
+        "one file per rank that survives a restart, with a checksum per block and the model, dtype and layout "
+        "in its header (a file that does not match is ignored and started afresh)",
+    )
+    p.add_argument(
+        "--kv-offload-disk-size",
+        type=float,
+        default=4.0,
+        metavar="GIB",
+        help="GiB of the disk KV tier's file per worker (with --kv-offload-disk)",
     )
 
 

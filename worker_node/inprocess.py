@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from proto.transport import StepFailed, WorkerLost, WorldCapacity
-from proto.wire import Assignment, Message, StepError, StepPlan, StepResult, decode, encode
+from proto.transport import StepFailed, WorkerLost, WorldCapacity, tier_capacity
+from proto.wire import Assignment, Message, StepError, StepPlan, StepResult, WorkerReady, decode, encode
 from worker_node.loading import WorkerOptions, load_rank, pick_device
 from worker_node.model_runner import ModelRunner
 from worker_node.parallel import SINGLE, Comm
@@ -81,6 +81,7 @@ class InProcessWorkers:
                 ready.num_host_blocks,
                 ready.kv_cache_bytes // max(1, ready.num_kv_blocks),
                 ready.swap_bytes_per_s,
+                **tier_capacity([ready]),
             )
         else:
             self._capacity = _capacity_of(self.runners)
@@ -175,9 +176,11 @@ def _capacity_of(runners: list[ModelRunner]) -> WorldCapacity:
     """The capacity of runners built elsewhere (tests), whose swap bandwidth nobody measured."""
     blocks = min(r.num_blocks for r in runners)
     block_bytes = max(sum(k[0].nbytes + v[0].nbytes for k, v in r.kv_cache) for r in runners)
+    tiers = [r.offload.report(WorkerReady(r.comm.where.rank, 0, 0)) for r in runners if r.offload is not None]
     return WorldCapacity(
         num_kv_blocks=blocks,
         num_swap_blocks=min(r.num_host_blocks for r in runners),
         bytes_per_block=block_bytes,
         swap_bytes_per_s=1e12,  # host "swap" in the same process is a memory copy: swap is the cheap preemption
+        **(tier_capacity(tiers) if len(tiers) == len(runners) else {}),
     )

@@ -176,7 +176,8 @@ class EngineCore:
     def live_metrics(self) -> dict[str, float]:
         """The scrape-time gauges and scheduler counters (Metrics reads them on the event loop's thread)."""
         s = snapshot(self.scheduler)
-        return {
+        tiers = self.scheduler.tiers.snapshot().as_metrics() if self.scheduler.tiers is not None else {}
+        return tiers | {
             "vllm:num_requests_running": s.num_running,
             "vllm:num_requests_waiting": s.num_waiting,
             "vllm:kv_cache_usage_perc": s.kv_usage,

@@ -30,7 +30,7 @@ import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from proto.curve import configure_server
-from proto.transport import StepFailed, WorkerLost, WorldCapacity
+from proto.transport import StepFailed, WorkerLost, WorldCapacity, tier_capacity
 from proto.wire import (
     MAX_MESSAGE_BYTES,
     Assignment,
@@ -66,6 +66,7 @@ class WorkerInfo:
     num_host_blocks: int = 0
     swap_bytes_per_s: float = 0.0
     kv_cache_bytes: int = 0
+    tiers: WorkerReady | None = None  # its Ready: the KV offload tiers' sizes and warm disk blocks
     tp_rank: int = 0
     pp_stage: int = 0
     state: str = JOINING  # joining | ready | lost
@@ -208,6 +209,7 @@ class WorkerLink:
         info.num_host_blocks = msg.num_host_blocks
         info.swap_bytes_per_s = msg.swap_bytes_per_s
         info.kv_cache_bytes = msg.kv_cache_bytes
+        info.tiers = msg
         info.state = READY
         info.last_seen = time.monotonic()
         self.ranks[info.rank] = info
@@ -236,6 +238,7 @@ class WorkerLink:
             num_swap_blocks=min(w.num_host_blocks for w in ready),
             bytes_per_block=max(w.kv_cache_bytes // max(w.num_kv_blocks, 1) for w in ready),
             swap_bytes_per_s=min(w.swap_bytes_per_s for w in ready),
+            **tier_capacity([w.tiers for w in ready if w.tiers is not None]),
         )
         old = self._capacity
         if old is not None and (new.num_kv_blocks, new.num_swap_blocks) != (old.num_kv_blocks, old.num_swap_blocks):
