@@ -148,3 +148,25 @@ def test_a_disk_tier_of_another_layout_is_ignored(tiny_llama_dir: Path, hf, tmp_
     req, stats = _restart_and_ask(tiny_llama_dir, tmp_path, prefix + tokens(rng, 3))
     assert stats.hits_disk == 0 and stats.disk_blocks_used == 0, "nothing adopted or loaded: the tier started afresh"
     assert_teacher_forced(hf, req.prompt, req.output)
+
+
+def test_the_offload_benchmark_smoke(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """scripts/bench_kv_offload.py --smoke: every run gives the same greedy tokens; the tiers serve the returning
+    prefixes (RAM, disk, and a warm disk from the first request), recompute never touches a tier. The timings are
+    measured, not asserted (README)."""
+    import json
+    import subprocess
+    import sys
+
+    from minivllm.cluster import REPO
+
+    out_json = tmp_path / "out.json"
+    out = subprocess.run([sys.executable, "scripts/bench_kv_offload.py", "--smoke", "--model", str(tiny_llama_dir),
+                          "--threads", "1", "--json", str(out_json)], cwd=REPO, capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "| warm restart (disk) |" in out.stdout
+    rows = {r["run"]: r for r in json.loads(out_json.read_text())["rows"]}
+    assert rows["recompute"]["hits_ram"] + rows["recompute"]["hits_disk"] == 0
+    assert rows["ram"]["hits_ram"] > 0 and rows["disk"]["hits_disk"] > 0
+    assert rows["warm restart (disk)"]["hits_disk"] > 0
