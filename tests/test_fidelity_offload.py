@@ -170,3 +170,30 @@ def test_the_offload_benchmark_smoke(tiny_llama_dir: Path, tmp_path: Path) -> No
     assert rows["recompute"]["hits_ram"] + rows["recompute"]["hits_disk"] == 0
     assert rows["ram"]["hits_ram"] > 0 and rows["disk"]["hits_disk"] > 0
     assert rows["warm restart (disk)"]["hits_disk"] > 0
+
+
+def test_tensor_parallel_ranks_keep_their_own_shards(tiny_llama_dir: Path, hf, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """TP 2: each rank offloads its half of the KV heads to its own RAM tier and disk file; a prefix that comes
+    back through both tiers still matches HF."""
+    from tests.inprocess_tp import TensorParallelRanks
+
+    rng = random.Random(11)
+    prefix = tokens(rng, PREFIX)
+    half = gib(tiny_llama_dir, 2) / 2  # each rank's block is half the size: two blocks' worth of RAM each
+    ranks = TensorParallelRanks(
+        tiny_llama_dir, DEVICE_BLOCKS, BLOCK, kv_offload_ram=half, kv_offload_disk=str(tmp_path),
+        kv_offload_disk_size=gib(tiny_llama_dir, 64, HASH_BYTES + SUM_BYTES),
+    )  # fmt: skip
+    try:
+        with EngineRun(ranks.runners, tokenizer_dir=tiny_llama_dir, transport=ranks.transport(),
+                       max_num_batched_tokens=64) as run:  # fmt: skip
+            done = evict_then_return(run, rng, prefix)
+            tiers = run.scheduler.tiers
+            assert tiers is not None
+            stats = tiers.snapshot()
+    finally:
+        ranks.close()
+    assert stats.hits_ram + stats.hits_disk == 3 and stats.hits_disk >= 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.kvtier", "rank1.kvtier"]
+    for req in done:
+        assert_teacher_forced(hf, req.prompt, req.output)
