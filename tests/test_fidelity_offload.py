@@ -197,3 +197,25 @@ def test_tensor_parallel_ranks_keep_their_own_shards(tiny_llama_dir: Path, hf, t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.kvtier", "rank1.kvtier"]
     for req in done:
         assert_teacher_forced(hf, req.prompt, req.output)
+
+
+def test_pipeline_stages_keep_their_own_layers(tiny_llama_dir: Path, hf, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """PP 2 with two plans in flight: each stage offloads its own layers' KV; a prefix that comes back through
+    RAM and disk still matches HF."""
+    from tests.stages import stage_runners
+
+    rng = random.Random(12)
+    prefix = tokens(rng, PREFIX)
+    runners = stage_runners(
+        tiny_llama_dir, DEVICE_BLOCKS, BLOCK, stages=2, kv_offload_ram=gib(tiny_llama_dir, 2) / 2,
+        kv_offload_disk=str(tmp_path), kv_offload_disk_size=gib(tiny_llama_dir, 64, HASH_BYTES + SUM_BYTES),
+    )  # fmt: skip
+    with EngineRun(runners, tokenizer_dir=tiny_llama_dir, max_num_batched_tokens=64) as run:
+        done = evict_then_return(run, rng, prefix)
+        tiers = run.scheduler.tiers
+        assert tiers is not None
+        stats = tiers.snapshot()
+    assert stats.hits_ram + stats.hits_disk == 3 and stats.hits_disk >= 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.kvtier", "rank1.kvtier"]
+    for req in done:
+        assert_teacher_forced(hf, req.prompt, req.output)

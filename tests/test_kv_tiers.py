@@ -156,3 +156,10 @@ def test_salts_never_cross_in_the_tiers() -> None:
     _run(s, "evict2", list(range(700, 741)))
     same = _run(s, "c", shared + [5, 6], salt="tenant-a")
     assert len([m for m in same[0].tier_moves if m.dst_tier == 0]) == 3
+
+
+def test_tier_metrics_are_declared() -> None:
+    from scheduler_node.engine.metrics import COUNTERS, GAUGES
+
+    values = KVTiers(ram_slots=1, disk_slots=1).snapshot().as_metrics()
+    assert values and set(values) <= set(GAUGES) | set(COUNTERS)
