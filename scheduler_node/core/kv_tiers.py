@@ -205,12 +205,12 @@ class KVTierStats:
     blocks_offloaded: int = 0  # device -> a tier
     blocks_demoted: int = 0  # RAM -> disk
     bytes_moved: int = 0
-    load_ms: float = 0.0  # the workers' time spent moving tier blocks (loads, offloads, demotions)
-    load_steps: int = 0  # steps that moved tier blocks
+    move_ms: float = 0.0  # the workers' time spent moving tier blocks (loads, offloads, demotions)
+    move_steps: int = 0  # steps that moved tier blocks
 
     @property
     def mean_move_ms(self) -> float:
-        return self.load_ms / self.load_steps if self.load_steps else 0.0
+        return self.move_ms / self.move_steps if self.move_steps else 0.0
 
     def as_metrics(self) -> dict[str, float]:
         """The values the metrics endpoint exports (names in scheduler_node/engine/metrics.py)."""
@@ -319,8 +319,8 @@ class KVTiers:
     def observe(self, move_ms: float) -> None:
         """A step's measured time moving tier blocks (the workers' report)."""
         if move_ms > 0:
-            self.stats.load_ms += move_ms
-            self.stats.load_steps += 1
+            self.stats.move_ms += move_ms
+            self.stats.move_steps += 1
 
     def snapshot(self) -> KVTierStats:
         used = {t.tier: t.num_used for t in self.tiers}
