@@ -109,12 +109,15 @@ def main() -> int:
         f"{w.prefixes} prefixes of {w.prefix_len} tokens (+{w.question_len}), device pool {w.device_blocks} blocks "
         f"of 16 tokens: the prefixes need {w.prefixes * w.prefix_len / (16 * w.device_blocks):.1f}x the pool"
     )
-    print("| run | mean TTFT of returning prefixes (s) | vs recompute | RAM hits | disk hits | GiB moved |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| run | mean TTFT of returning prefixes (s) | vs recompute | RAM hits | disk hits | GiB moved "
+        "| ms/step moving |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['run']} | {r['mean_ttft_s']:.3f} | {base / r['mean_ttft_s']:.2f}x | {r['hits_ram']} "
-            f"| {r['hits_disk']} | {r['gib_moved']:.3f} |"
+            f"| {r['hits_disk']} | {r['gib_moved']:.3f} | {r['mean_move_ms']:.1f} |"
         )
     print(f"same greedy tokens in every run: {same}")
     if args.json:
