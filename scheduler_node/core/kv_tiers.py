@@ -328,6 +328,15 @@ class KVTiers:
         self.stats.disk_blocks_used = used.get(Tier.DISK, 0)
         return KVTierStats(**{f: getattr(self.stats, f) for f in KVTierStats.__slots__})  # type: ignore[attr-defined]
 
+    def check_invariants(self) -> None:
+        """Raise AssertionError when a tier's slots and its policy disagree (tests and debugging)."""
+        for t in self.tiers:
+            slots = list(t._slot_of.values())
+            if len(set(slots)) != len(slots) or sorted(slots + t._free) != list(range(t.num_slots)):
+                raise AssertionError(f"{t.tier.name} tier slots leaked or double-booked")
+            if len(t.policy) != len(slots) or any(k not in t.policy for k in t._slot_of):
+                raise AssertionError(f"{t.tier.name} tier policy and slots disagree")
+
     def _emit(self, move: TierMove) -> None:
         self._moves.append(move)
         self.stats.bytes_moved += self.bytes_per_block
