@@ -8,9 +8,10 @@ import pytest
 
 from proto.wire import SamplingOptions, StepPlan, StepResult, TierMove, WireError, decode, encode
 from scheduler_node.core.config import SchedulerConfig
-from scheduler_node.core.kv_tiers import ArcPolicy, KVTiers, LruPolicy, Tier
+from scheduler_node.core.kv_tiers import KVTiers, Tier
 from scheduler_node.core.request import Request, StopConditions
 from scheduler_node.core.scheduler import Scheduler
+from scheduler_node.core.tier_policy import ArcPolicy, LruPolicy
 
 NONE: set[bytes] = set()
 

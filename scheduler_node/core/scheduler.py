@@ -20,10 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from proto.wire import ExecutionMode, StepPlan, StepResult, TokenLogprobs
-from scheduler_node.core.block_table import BlockTable
+from scheduler_node.core.block_table import BlockHash, BlockTable
 from scheduler_node.core.config import PreemptionMode, SchedulerConfig
 from scheduler_node.core.in_flight import InFlightLedger, SentPlan
-from scheduler_node.core.kv_tiers import BlockHash, KVTiers
+from scheduler_node.core.kv_tiers import KVTiers
 from scheduler_node.core.policy import Policy
 from scheduler_node.core.request import Request, Status
 from scheduler_node.core.worker_view import WorkerView
