@@ -57,6 +57,10 @@ class LLM:
         kv_cache_memory: int | str | None = None,
         num_kv_blocks: int = 0,
         swap_space: float = 4.0,
+        kv_offload_ram: float = 0.0,
+        kv_offload_disk: str = "",
+        kv_offload_disk_size: float = 4.0,
+        kv_offload_policy: str = "arc",
         attention_backend: str = "auto",
         kv_cache_dtype: str = "auto",
         cuda_graph_sizes: str = "",
@@ -92,6 +96,9 @@ class LLM:
             attention_backend=attention_backend,
             swap_space=swap_space,
             threads=threads,
+            kv_offload_ram=kv_offload_ram,
+            kv_offload_disk=kv_offload_disk,
+            kv_offload_disk_size=kv_offload_disk_size,
             cuda_graph_sizes=cuda_graph_sizes,
             kv_cache_dtype=kv_cache_dtype,
         )
@@ -104,6 +111,7 @@ class LLM:
                 max_model_len=max_model_len,
                 enable_prefix_caching=enable_prefix_caching,
                 preemption_mode=preemption_mode,  # type: ignore[arg-type]
+                kv_offload_policy=kv_offload_policy,
             ),
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
@@ -343,4 +351,13 @@ def _worker_flags(options: Any) -> list[str]:
         flags += ["--cuda-graph-sizes", options.cuda_graph_sizes]
     if options.kv_cache_dtype != "auto":
         flags += ["--kv-cache-dtype", options.kv_cache_dtype]
+
+    flags += [
+        "--kv-offload-ram",
+        str(options.kv_offload_ram),
+        "--kv-offload-disk-size",
+        str(options.kv_offload_disk_size),
+    ]
+    if options.kv_offload_disk:
+        flags += ["--kv-offload-disk", options.kv_offload_disk]
     return flags

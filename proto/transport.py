@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
-from proto.wire import Assignment, StepPlan, StepResult
+from proto.wire import Assignment, StepPlan, StepResult, WorkerReady
 
 
 class WorkerLost(RuntimeError):
@@ -33,6 +33,23 @@ class WorldCapacity:
     swap_bytes_per_s: float  # the slowest rank's measured device <-> host bandwidth (0: unknown)
     world_bytes_per_block: int = 0  # of one device block summed over every rank (memory stats)
     kv_format: str = ""  # what the KV is stored as (kernels/kv_quant.py: format_name); "" when nobody said
+
+    ram_tier_blocks: int = 0  # KV offload tiers: slots every rank holds
+    disk_tier_blocks: int = 0
+    disk_tier_entries: tuple[tuple[int, bytes], ...] = ()  # (slot, hash) intact on every rank's disk at start
+
+
+def tier_capacity(readies: list[WorkerReady]) -> dict[str, Any]:
+    """The KV offload tiers every rank holds: the smallest slot counts, and the disk blocks every rank found
+    intact in the same slot (each rank keeps its own shard of a block: a block is whole only if all have it)."""
+    if not readies:
+        return {}
+    common = set(readies[0].disk_tier_blocks).intersection(*(r.disk_tier_blocks for r in readies[1:]))
+    return {
+        "ram_tier_blocks": min(r.num_ram_tier_blocks for r in readies),
+        "disk_tier_blocks": min(r.num_disk_tier_blocks for r in readies),
+        "disk_tier_entries": tuple(sorted(common)),
+    }
 
 
 class WorkerTransport(Protocol):

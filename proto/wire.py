@@ -19,7 +19,9 @@ import msgpack
 # 4: SamplingOptions carries penalties, min_p, logit_bias, bad words, min_tokens with the tokens that end the
 # sequence, prompt_logprobs and structured output; results carry prompt logprobs. A v3 worker would misread the
 # longer sampling record.
-WIRE_VERSION = 4
+# 5: plans carry KV offload tier moves, results the time spent on them, Ready the tiers' sizes and the blocks a
+# warm disk tier holds (scheduler_node/core/kv_tiers.py, worker_node/kv_offload.py).
+WIRE_VERSION = 6
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 T = TypeVar("T")
@@ -224,6 +226,37 @@ class CachedRequest:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class TierMove:
+    """One KV block copied between tiers (0 device, 1 host RAM, 2 disk) before a step's forward pass: an
+    offload, a demotion to disk, or a load back into a device block. `block_hash` keys the block on disk."""
+
+    src_tier: int
+    src: int
+    dst_tier: int
+    dst: int
+    block_hash: bytes
+
+    def to_wire(self) -> list[Any]:
+        return [self.src_tier, self.src, self.dst_tier, self.dst, self.block_hash]
+
+    @classmethod
+    def from_wire(cls, v: Any) -> TierMove:
+        st, s, dt, d, h = _fixed(v, 5, "tier_move")
+        move = cls(
+            _check(st, int, "src_tier"),
+            _check(s, int, "src"),
+            _check(dt, int, "dst_tier"),
+            _check(d, int, "dst"),
+            _check(h, bytes, "block_hash"),
+        )
+        if not (0 <= move.src_tier <= 2 and 0 <= move.dst_tier <= 2) or move.src_tier == move.dst_tier:
+            raise WireError(f"tier_move: tiers must be two different ones of 0, 1, 2, got {st} -> {dt}")
+        if len(move.block_hash) > 64:
+            raise WireError("tier_move: block_hash longer than 64 bytes")
+        return move
+
+
 @dataclass(slots=True)
 class StepPlan:
     step_id: int
@@ -238,6 +271,8 @@ class StepPlan:
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     # Blocks replaced in tables the workers hold (copy-on-write, compaction): req_id -> [(index, block)].
     block_updates: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    # KV offload tier moves, run in this order before the swaps and copies (scheduler_node/core/kv_tiers.py).
+    tier_moves: list[TierMove] = field(default_factory=list)
 
     KIND = Kind.PLAN
 
@@ -253,11 +288,12 @@ class StepPlan:
             [list(p) for p in self.block_copies],
             [list(p) for p in self.swap_in],
             {r: [list(p) for p in u] for r, u in self.block_updates.items()},
+            [m.to_wire() for m in self.tier_moves],
         ]
 
     @classmethod
     def from_wire(cls, v: Any) -> StepPlan:
-        step, new, cached, sched, finished, preempted, out, copies, into, updates = _fixed(v, 10, "plan")
+        step, new, cached, sched, finished, preempted, out, copies, into, updates, moves = _fixed(v, 11, "plan")
         _check(sched, dict, "num_scheduled_tokens")
         for rid, n in sched.items():
             _check(rid, str, "num_scheduled_tokens key")
@@ -274,6 +310,7 @@ class StepPlan:
             _pairs(copies, "block_copies"),
             _pairs(into, "swap_in"),
             {_check(r, str, "block_updates key"): _pairs(u, "block_updates") for r, u in updates.items()},
+            _list_of(moves, TierMove.from_wire, "tier_moves"),
         )
 
     @property
@@ -290,6 +327,7 @@ class StepPlan:
             or self.block_copies
             or self.swap_out
             or self.swap_in
+            or self.tier_moves
         )
 
 
@@ -331,17 +369,18 @@ class StepResult:
     # Requests that asked for prompt logprobs: the position of the first prompt token this step scored, and the
     # logprobs of that token and the ones after it (a chunk of the prompt).
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    tier_ms: float = 0.0  # time spent on the plan's KV tier moves (included in execute_ms)
 
     KIND = Kind.RESULT
 
     def to_wire(self) -> list[Any]:
         lps = {r: [x.to_wire() for x in v] for r, v in self.logprobs.items()}
         prompt = {r: [first, [x.to_wire() for x in v]] for r, (first, v) in self.prompt_logprobs.items()}
-        return [self.step_id, self.sampled, lps, self.execute_ms, self.idle_ms, self.interrupted, prompt]
+        return [self.step_id, self.sampled, lps, self.execute_ms, self.idle_ms, self.interrupted, prompt, self.tier_ms]
 
     @classmethod
     def from_wire(cls, v: Any) -> StepResult:
-        step, sampled, lps, ms, idle, interrupted, prompt = _fixed(v, 7, "result")
+        step, sampled, lps, ms, idle, interrupted, prompt, tier_ms = _fixed(v, 8, "result")
         _check(sampled, dict, "sampled")
         for rid, toks in sampled.items():
             _check(rid, str, "sampled key")
@@ -361,6 +400,7 @@ class StepResult:
                 _check(r, str, "prompt_logprobs key"): _prompt_chunk(x)
                 for r, x in _check(prompt, dict, "prompt").items()
             },
+            float(_check(tier_ms, (float, int), "tier_ms")),
         )
 
 
@@ -527,18 +567,28 @@ class WorkerReady:
     num_host_blocks: int = 0  # swap space, in blocks
     swap_bytes_per_s: float = 0.0  # measured device ⇄ host copy bandwidth (0: unknown)
     kv_format: str = ""  # what its KV is stored as: bfloat16, int8, fp8_e4m3, ...
+    num_ram_tier_blocks: int = 0  # KV offload tiers (--kv-offload-ram, --kv-offload-disk-size), in blocks
+    num_disk_tier_blocks: int = 0
+    disk_tier_blocks: list[tuple[int, bytes]] = field(default_factory=list)  # (slot, block hash) found intact
 
     KIND = Kind.READY
 
     def to_wire(self) -> list[Any]:
         return [
-            self.rank, self.num_kv_blocks, self.kv_cache_bytes, self.num_host_blocks, self.swap_bytes_per_s,
+            self.rank,
+            self.num_kv_blocks,
+            self.kv_cache_bytes,
+            self.num_host_blocks,
+            self.swap_bytes_per_s,
             self.kv_format,
-        ]  # fmt: skip
+            self.num_ram_tier_blocks,
+            self.num_disk_tier_blocks,
+            [[slot, h] for slot, h in self.disk_tier_blocks],
+        ]
 
     @classmethod
     def from_wire(cls, v: Any) -> WorkerReady:
-        rank, blocks, size, host, bw, kv_format = _fixed(v, 6, "ready")
+        rank, blocks, size, host, bw, kv_format, ram, disk, found = _fixed(v, 9, "ready")
         return cls(
             _check(rank, int, "rank"),
             _check(blocks, int, "num_kv_blocks"),
@@ -546,6 +596,12 @@ class WorkerReady:
             _check(host, int, "num_host_blocks"),
             float(_check(bw, (float, int), "swap_bytes_per_s")),
             _check(kv_format, str, "kv_format"),
+            _check(ram, int, "num_ram_tier_blocks"),
+            _check(disk, int, "num_disk_tier_blocks"),
+            [
+                (_check(slot, int, "disk_tier_blocks slot"), _check(h, bytes, "disk_tier_blocks hash"))
+                for slot, h in _pairs_of(found, "disk_tier_blocks")
+            ],
         )
 
 

@@ -15,6 +15,9 @@ WORKER_FLAGS = (
     "local_address",
     "cuda_graph_sizes",
     "kv_cache_dtype",
+    "kv_offload_ram",
+    "kv_offload_disk",
+    "kv_offload_disk_size",
 )
 
 
@@ -91,6 +94,34 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
         help="how the KV cache stores keys and values: auto (the model's dtype, the default), or int8 / fp8_e4m3 "
         "with one float32 scale per token and KV head (about 1.9x the blocks of a bf16 cache, 3.8x of fp32, "
         "at head_dim 64; fp8 with triton needs compute capability 8.9+)",
+    )
+
+    add_kv_offload_flags(p)
+
+
+def add_kv_offload_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--kv-offload-ram",
+        type=float,
+        default=0.0,
+        metavar="GIB",
+        help="GiB of host RAM per worker that keeps prefix blocks evicted from the device KV cache; a later "
+        "request with that prefix loads them back instead of recomputing them (0: no RAM tier)",
+    )
+    p.add_argument(
+        "--kv-offload-disk",
+        default=None,
+        metavar="DIR",
+        help="folder for the disk KV tier (blocks evicted from the RAM tier, or from the device without one); "
+        "one file per rank that survives a restart, with a checksum per block and the model, dtype and layout "
+        "in its header (a file that does not match is ignored and started afresh)",
+    )
+    p.add_argument(
+        "--kv-offload-disk-size",
+        type=float,
+        default=4.0,
+        metavar="GIB",
+        help="GiB of the disk KV tier's file per worker (with --kv-offload-disk)",
     )
 
 

@@ -16,8 +16,10 @@ from typing import Any
 
 import torch
 
-from proto.wire import Assignment, ExecutionMode, SamplingOptions, StepPlan, TokenLogprobs
+from proto.transport import tier_capacity
+from proto.wire import Assignment, ExecutionMode, SamplingOptions, StepPlan, TokenLogprobs, WorkerReady
 from scheduler_node.core.config import SchedulerConfig
+from scheduler_node.core.kv_tiers import KVTiers
 from scheduler_node.core.request import RequestSpec
 from scheduler_node.core.scheduler import PreemptionCosts, Scheduler
 from scheduler_node.engine.core import EngineCore, EngineOptions
@@ -41,9 +43,10 @@ def load_runner(
     comm: Comm | None = None,
     dtype: str = "float32",
     kv_cache_dtype: str = "auto",
+    **worker: Any,
 ) -> ModelRunner:
     """One rank of `folder`'s model on the CPU, holding exactly `num_blocks` KV blocks (and the execution mode of
-    its world with async scheduling, unless `mode` says otherwise)."""
+    its world with async scheduling, unless `mode` says otherwise). `worker`: more WorkerOptions (offload tiers)."""
     layout = where.layout
     assignment = Assignment(
         rank=where.rank,
@@ -60,7 +63,7 @@ def load_runner(
         num_kv_blocks=num_blocks,
         num_swap_blocks=num_host_blocks,
     )
-    options = WorkerOptions(attention_backend=backend, kv_cache_dtype=kv_cache_dtype)
+    options = WorkerOptions(attention_backend=backend, kv_cache_dtype=kv_cache_dtype, **worker)
     runner, _ = load_rank(assignment, options, CPU, comm or Comm(where))
     return runner
 
@@ -108,7 +111,14 @@ class EngineRun:
         self.mode = first.mode if async_scheduling else dataclasses.replace(first.mode, plans_in_flight=1)
         cfg = SchedulerConfig(block_size=first.block_size, max_model_len=first.model.config.max_model_len, **config)
         costs = PreemptionCosts(bytes_per_block=1, swap_bytes_per_s=1e12)  # elastic: swap when space allows
-        scheduler = Scheduler(cfg, first.num_blocks, mode=self.mode, num_host_blocks=first.num_host_blocks, costs=costs)
+        scheduler = Scheduler(
+            cfg,
+            first.num_blocks,
+            mode=self.mode,
+            num_host_blocks=first.num_host_blocks,
+            costs=costs,
+            tiers=_tiers_of(runners, cfg.kv_offload_policy),
+        )
         self.workers = transport or InProcessWorkers(runners=runners, output_rank=len(runners) - 1)
         self.workers.runners = runners
         self.plans: list[StepPlan] = []
@@ -210,6 +220,17 @@ def generate(
         submitted = [run.add(p, m) for p, m in zip(prompts, max_tokens)]
         run.run()
     return [s.output for s in submitted], run.scheduler
+
+
+def _tiers_of(runners: list[ModelRunner], policy: str) -> KVTiers | None:
+    """The scheduler's tier index for runners built with offload tiers, as make_engine builds it."""
+    offloads = [r.offload for r in runners if r.offload is not None]
+    if len(offloads) != len(runners):
+        return None
+    cap = tier_capacity([o.report(WorkerReady(0, 0, 0)) for o in offloads])
+    tiers = KVTiers(cap["ram_tier_blocks"], cap["disk_tier_blocks"], policy)
+    tiers.adopt_disk(cap["disk_tier_entries"])
+    return tiers
 
 
 def _built_already(rank: int) -> Assignment:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -17,14 +18,17 @@ from worker_node.parallel import ParallelRank, connect
 
 
 class TensorParallelRanks:
-    def __init__(self, folder: Path, num_blocks: int, block_size: int, tp: int = 2) -> None:
+    def __init__(self, folder: Path, num_blocks: int, block_size: int, tp: int = 2, **worker: Any) -> None:
+        """`worker`: more WorkerOptions for every rank (offload tiers)."""
         layout = ParallelLayout(tp, 1)
         ranks = [ParallelRank(layout, r) for r in range(tp)]
         address = f"127.0.0.1:{free_port()}"
         with ThreadPoolExecutor(tp) as pool:  # the rendezvous completes only when every rank has joined
             joins = [pool.submit(connect, w, address, "127.0.0.1", torch.device("cpu"), 30.0) for w in ranks]
             self.comms = [j.result(timeout=60) for j in joins]
-        self.runners = [load_runner(folder, num_blocks, block_size, where=w, comm=c) for w, c in zip(ranks, self.comms)]
+        self.runners = [
+            load_runner(folder, num_blocks, block_size, where=w, comm=c, **worker) for w, c in zip(ranks, self.comms)
+        ]
 
     def transport(self) -> InProcessWorkers:
         return InProcessWorkers(runners=self.runners, output_rank=0)  # TP rank 0 of the only stage samples

@@ -5,6 +5,7 @@ from __future__ import annotations
 import queue
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -68,8 +69,11 @@ class StageComm(Comm):
         raise AssertionError("with several stages the sampled tokens travel in the next plan, not a broadcast")
 
 
-def stage_runners(folder: Path, num_blocks: int, block_size: int, stages: int = 2, hold: int = 0) -> list[ModelRunner]:
-    """P stage runners of one pipeline; `hold` goes to the first hand-off (see HandOff)."""
+def stage_runners(
+    folder: Path, num_blocks: int, block_size: int, stages: int = 2, hold: int = 0, **worker: Any
+) -> list[ModelRunner]:
+    """P stage runners of one pipeline; `hold` goes to the first hand-off (see HandOff); `worker`: more
+    WorkerOptions for every stage (offload tiers)."""
     layout = ParallelLayout(1, stages)
     mode = ExecutionMode.for_world(1, stages, async_scheduling=True)
     hand_offs = [HandOff(hold if s == 0 else 0) for s in range(stages - 1)]
@@ -77,5 +81,5 @@ def stage_runners(folder: Path, num_blocks: int, block_size: int, stages: int = 
     for s in range(stages):
         where = ParallelRank(layout, s)
         comm = StageComm(where, hand_offs[s - 1] if s else None, hand_offs[s] if s < stages - 1 else None)
-        runners.append(load_runner(folder, num_blocks, block_size, mode=mode, where=where, comm=comm))
+        runners.append(load_runner(folder, num_blocks, block_size, mode=mode, where=where, comm=comm, **worker))
     return runners

@@ -12,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from proto.wire import ExecutionMode, SamplingOptions, StepPlan
 from scheduler_node.core.config import SchedulerConfig
+from scheduler_node.core.kv_tiers import KVTiers
 from scheduler_node.core.policy import PriorityPolicy
 from scheduler_node.core.request import Request, Status, StopConditions
 from scheduler_node.core.scheduler import PreemptionCosts, Scheduler
@@ -34,8 +35,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         num_blocks=st.integers(6, 16),
         budget=st.sampled_from([6, 16, 64]),
         seats=st.integers(2, 6),
+        tiers=st.sampled_from([(0, 0), (3, 0), (0, 4), (2, 5)]),  # KV offload slots: (RAM, disk)
     )
-    def setup(self, mode: str, preemption: str, num_blocks: int, budget: int, seats: int) -> None:
+    def setup(
+        self, mode: str, preemption: str, num_blocks: int, budget: int, seats: int, tiers: tuple[int, int]
+    ) -> None:
         self.mode = MODES[mode]
         config = SchedulerConfig(
             block_size=BLOCK,
@@ -46,7 +50,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             watermark=0.0,
         )
         costs = PreemptionCosts(ms_per_token=1.0, bytes_per_block=1, swap_bytes_per_s=1e6)  # elastic: mostly swap
-        self.s = Scheduler(config, num_blocks, PriorityPolicy(preemption_margin=5), self.mode, 8, costs)
+        policy = PriorityPolicy(preemption_margin=5)
+        self.s = Scheduler(config, num_blocks, policy, self.mode, 8, costs, tiers=KVTiers(*tiers, policy="arc"))
         self.workers = StandInWorkers(num_blocks, 8, tokens_in_plan=self.mode.tokens_in_plan, block_size=BLOCK)
         self.in_flight: list[tuple[StepPlan, bool]] = []  # (plan, interrupted), oldest first
         self.groups: dict[str, list[str]] = {}  # a request's sequences (n > 1)
@@ -133,6 +138,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     @invariant()
     def block_table_is_consistent(self) -> None:
         self.s.blocks.check_invariants()
+        if self.s.tiers is not None:
+            self.s.tiers.check_invariants()
 
     def teardown(self) -> None:
         """Run until idle (no new arrivals): everything finishes and every block comes back."""

@@ -15,8 +15,8 @@ from collections.abc import Callable
 import torch
 
 from kernels.kv_quant import format_name
-from proto.transport import StepFailed, WorkerLost, WorldCapacity
-from proto.wire import Assignment, Message, StepError, StepPlan, StepResult, decode, encode
+from proto.transport import StepFailed, WorkerLost, WorldCapacity, tier_capacity
+from proto.wire import Assignment, Message, StepError, StepPlan, StepResult, WorkerReady, decode, encode
 from worker_node.loading import WorkerOptions, load_rank, pick_device
 from worker_node.model_runner import ModelRunner
 from worker_node.parallel import SINGLE, Comm
@@ -80,7 +80,7 @@ class InProcessWorkers:
             block_bytes = ready.kv_cache_bytes // max(1, ready.num_kv_blocks)
             self._capacity = WorldCapacity(
                 ready.num_kv_blocks, ready.num_host_blocks, block_bytes, ready.swap_bytes_per_s, block_bytes,
-                ready.kv_format,
+                ready.kv_format, **tier_capacity([ready]),
             )  # fmt: skip
         else:
             self._capacity = _capacity_of(self.runners)
@@ -175,6 +175,7 @@ def _capacity_of(runners: list[ModelRunner]) -> WorldCapacity:
     """The capacity of runners built elsewhere (tests), whose swap bandwidth nobody measured."""
     blocks = min(r.num_blocks for r in runners)
     per_rank = [sum(t[0].nbytes for layer in r.kv_cache for t in layer.tensors()) for r in runners]
+    tiers = [r.offload.report(WorkerReady(r.comm.where.rank, 0, 0)) for r in runners if r.offload is not None]
     return WorldCapacity(
         num_kv_blocks=blocks,
         num_swap_blocks=min(r.num_host_blocks for r in runners),
@@ -182,4 +183,5 @@ def _capacity_of(runners: list[ModelRunner]) -> WorldCapacity:
         swap_bytes_per_s=1e12,  # host "swap" in the same process is a memory copy: swap is the cheap preemption
         world_bytes_per_block=sum(per_rank),
         kv_format=format_name(runners[0].kv_cache[0].k.dtype),
+        **(tier_capacity(tiers) if len(tiers) == len(runners) else {}),
     )

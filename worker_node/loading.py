@@ -26,6 +26,7 @@ from worker_node.kv_cache import (
     kv_cache_limit,
     measure_swap_bandwidth,
 )
+from worker_node.kv_offload import DiskLayout, DiskTier, KVOffload, model_fingerprint
 from worker_node.model_runner import ModelRunner
 from worker_node.models.config import ModelConfig
 from worker_node.models.loader import load_model
@@ -52,6 +53,9 @@ class WorkerOptions:
     local_address: str = ""  # this worker's IP: its ZMQ connection leaves from it, torch.distributed binds it
     cuda_graph_sizes: str = ""  # decode batch sizes captured as CUDA graphs ("" : eager)
     kv_cache_dtype: str = "auto"  # auto (the model's dtype), int8 or fp8_e4m3 (kernels/kv_quant.py)
+    kv_offload_ram: float = 0.0  # GiB of host RAM for evicted prefix blocks (the RAM offload tier)
+    kv_offload_disk: str = ""  # folder of the disk offload tier ("" : none)
+    kv_offload_disk_size: float = 0.0  # GiB of that folder's file
 
 
 def pick_device(name: str) -> torch.device:
@@ -116,13 +120,48 @@ def load_rank(
         swap_blocks = min(swap_blocks, a.num_swap_blocks)
     host = allocate_host_cache(config, a.block_size, kv_dtype, device, swap_blocks)
     tokenizer = Path(a.model) / "tokenizer.json"
+    offload = build_offload(options, a, config, kv_dtype, device, block_bytes)
     runner = ModelRunner(
-        model, cache, a.block_size, device, host, comm, a.mode, tokenizer if tokenizer.is_file() else None
+        model, cache, a.block_size, device, host, comm, a.mode, tokenizer if tokenizer.is_file() else None, offload
     )
     enable_decode_graphs(runner, options.cuda_graph_sizes, backend.name, full.max_model_len)
     bandwidth = measure_swap_bandwidth(cache, host, block_bytes)
     ready = WorkerReady(a.rank, num_blocks, num_blocks * block_bytes, swap_blocks, bandwidth, format_name(kv_dtype))
-    return runner, ready
+    return runner, offload.report(ready) if offload is not None else ready
+
+
+def build_offload(
+    options: WorkerOptions,
+    a: Assignment,
+    config: ModelConfig,
+    kv_dtype: torch.dtype,
+    device: torch.device,
+    block_bytes: int,
+) -> KVOffload | None:
+    """This rank's KV offload tiers as its flags size them (None without any), in the KV cache's own format."""
+    ram_slots = int(options.kv_offload_ram * 2**30) // block_bytes
+    disk = None
+    if options.kv_offload_disk:
+        layout = DiskLayout(
+            model_fingerprint(a.model),
+            format_name(kv_dtype),
+            a.block_size,
+            config.num_layers,
+            config.num_kv_heads,
+            config.head_dim,
+            a.rank,
+            a.tensor_parallel_size,
+            a.pipeline_parallel_size,
+            num_slots=0,
+            payload_bytes=block_bytes,
+        )
+        slots = int(options.kv_offload_disk_size * 2**30) // layout.record_bytes
+        if slots > 0:
+            layout = dataclasses.replace(layout, num_slots=slots)
+            disk = DiskTier(Path(options.kv_offload_disk) / f"rank{a.rank}.kvtier", layout)
+    if not ram_slots and disk is None:
+        return None
+    return KVOffload(allocate_host_cache(config, a.block_size, kv_dtype, device, ram_slots) if ram_slots else [], disk)
 
 
 def enable_decode_graphs(runner: ModelRunner, sizes_text: str, backend_name: str, max_model_len: int) -> None:

@@ -14,6 +14,7 @@ from proto.wire import ExecutionMode, NewRequest, SamplingOptions, StepPlan, Ste
 from worker_node.attention import AttentionMetadata
 from worker_node.cuda_graphs import DecodeGraphs
 from worker_node.kv_cache import KVCache, copy_blocks
+from worker_node.kv_offload import KVOffload
 from worker_node.models.decoder import CausalLM, StepInterrupted
 from worker_node.parallel import SINGLE, Comm
 from worker_node.sampler import Sampler, token_logprobs
@@ -79,6 +80,7 @@ class ModelRunner:
         comm: Comm | None = None,
         mode: ExecutionMode | None = None,
         tokenizer_file: Path | None = None,  # the model's tokenizer.json: structured output needs it
+        offload: KVOffload | None = None,  # KV offload tiers (host RAM, disk): the plans' tier moves
     ) -> None:
         self.model = model
         self.comm = comm or Comm(SINGLE)  # every rank runs every plan; only the output rank samples
@@ -102,6 +104,7 @@ class ModelRunner:
         self.interruptible = self.mode.interruptible and self.comm.where.layout.world_size == 1
         self.num_blocks = kv_cache[0].num_blocks if kv_cache else 0
         self.num_host_blocks = self.host_cache[0].num_blocks if self.host_cache else 0
+        self.offload = offload
 
     def apply_diffs(self, plan: StepPlan, check_progress: bool = True) -> None:
         """Update the requests this worker holds. Every block id is range-checked first: the decode kernel reads
@@ -137,19 +140,27 @@ class ModelRunner:
         device_ids += [d for d, _ in plan.swap_out] + [d for _, d in plan.swap_in]
         _check_range(device_ids, self.num_blocks, "block id")
         _check_range([h for _, h in plan.swap_out] + [h for h, _ in plan.swap_in], self.num_host_blocks, "swap block")
+        if plan.tier_moves:
+            if self.offload is None:
+                raise ValueError("the plan moves KV tier blocks but this worker has no offload tiers")
+            self.offload.check(plan.tier_moves, self.num_blocks)
         for r in plan.new_requests:
             _check_range([r.num_computed_tokens], len(r.prompt_token_ids) + len(r.output_token_ids) + 1, "computed")
         for n in plan.num_scheduled_tokens.values():
             if n < 1:
                 raise ValueError(f"num_scheduled_tokens must be >= 1, got {n}")
 
-    def run_block_ops(self, plan: StepPlan) -> None:
-        """Swap out, copy (copy-on-write, compaction), swap in: before the forward pass reads any block."""
+    def run_block_ops(self, plan: StepPlan) -> float:
+        """Swap out, KV tier moves, copy (copy-on-write, compaction), swap in: before the forward pass reads any
+        block. Tier moves follow the swap-out (a load may fill a block the swap-out reads) and precede the copies
+        and swap-in (an offload reads a block they may overwrite). Returns the milliseconds the tier moves took."""
         if (plan.swap_out or plan.swap_in) and not self.host_cache:
             raise RuntimeError("the plan swaps but this worker has no swap space")
         copy_blocks(self.kv_cache, self.host_cache, plan.swap_out)
+        tier_ms = self.offload.run(plan.tier_moves, self.kv_cache) if self.offload is not None else 0.0
         copy_blocks(self.kv_cache, self.kv_cache, plan.block_copies)
         copy_blocks(self.host_cache, self.kv_cache, plan.swap_in)
+        return tier_ms
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -157,7 +168,7 @@ class ModelRunner:
         # An interrupted plan was built on steps before it that may not have run: their progress is not checked.
         skip = self._interrupted(plan.step_id)
         self.apply_diffs(plan, check_progress=not skip)
-        self.run_block_ops(plan)
+        tier_ms = self.run_block_ops(plan)
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprobs]] = {}
         prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = {}
@@ -190,6 +201,7 @@ class ModelRunner:
             idle,
             interrupted=skip,
             prompt_logprobs=prompt_logprobs,
+            tier_ms=tier_ms,
         )
 
     def _interrupted(self, step_id: int) -> bool:

@@ -186,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         local_address=args.local_address or "",
         cuda_graph_sizes=args.cuda_graph_sizes or "",
         kv_cache_dtype=args.kv_cache_dtype,
+        kv_offload_ram=args.kv_offload_ram,
+        kv_offload_disk=args.kv_offload_disk or "",
+        kv_offload_disk_size=args.kv_offload_disk_size,
     )
     signal.signal(signal.SIGTERM, _exit_cleanly)
     try:

@@ -134,6 +134,13 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
         "(per victim, whichever is cheaper by measured compute time and swap bandwidth)",
     )
     p.add_argument(
+        "--kv-offload-policy",
+        choices=["arc", "lru"],
+        default="arc",
+        help="replacement in the workers' KV offload tiers (--kv-offload-ram, --kv-offload-disk): arc (adaptive: "
+        "recency and frequency, scan-resistant) or lru",
+    )
+    p.add_argument(
         "--compaction-interval",
         type=int,
         default=0,
@@ -220,6 +227,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             preemption_mode=args.preemption_mode,
             compaction_interval=args.compaction_interval,
             watermark=args.watermark,
+            kv_offload_policy=args.kv_offload_policy,
         ),
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,

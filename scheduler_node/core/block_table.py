@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 BlockHash = bytes
@@ -51,6 +51,9 @@ class BlockTable:
         self._host_free = list(range(num_host_blocks - 1, -1, -1))
         self._host_tables: dict[str, list[int]] = {}
         self.ops = BlockOps()  # collected for the next plan
+        # Called with (hash, block) when a cached block is handed out for new content: the KV offload tiers keep
+        # it (scheduler_node/core/kv_tiers.py). The plan's tier moves run before its copies and forward pass.
+        self.on_evict: Callable[[BlockHash, int], None] | None = None
 
     # ---- reading
 
@@ -260,9 +263,17 @@ class BlockTable:
 
     def _pop_free(self) -> int:
         block, _ = self._free.popitem(last=False)
+        h = self._hash_of[block]
+        if h is not None and self.on_evict is not None and not self._copied_into(block):
+            self.on_evict(h, block)
         self._evict(block)
         self._ref_counts[block] = 1
         return block
+
+    def _copied_into(self, block: int) -> bool:
+        """A copy of this plan writes the block (compaction moved a cached block there): its content exists only
+        after the copies run, later than the tier moves would read it."""
+        return any(dst == block for _, dst in self.ops.copy)
 
     def _evict(self, block: int) -> None:
         h = self._hash_of[block]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from scheduler_node.core.tier_policy import KV_OFFLOAD_POLICIES
+
 
 class PreemptionMode(str, enum.Enum):
     """What happens to a request preempted when KV blocks run out."""
@@ -28,6 +30,7 @@ class SchedulerConfig:
     compaction_interval: int = 0  # steps between compactions of live blocks (0: never)
     compaction_max_moves: int = 64  # blocks moved per compaction at most
     watermark: float = 0.01  # fraction of blocks kept free when admitting, against admit-then-preempt thrash
+    kv_offload_policy: str = "arc"  # replacement in the KV offload tiers (scheduler_node/core/kv_tiers.py)
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -43,5 +46,7 @@ class SchedulerConfig:
         object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.kv_offload_policy not in KV_OFFLOAD_POLICIES:
+            raise ValueError(f"kv_offload_policy must be one of {KV_OFFLOAD_POLICIES}, got {self.kv_offload_policy!r}")
         if self.compaction_interval < 0 or self.compaction_max_moves < 1:
             raise ValueError("compaction_interval must be >= 0 and compaction_max_moves >= 1")

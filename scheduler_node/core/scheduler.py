@@ -20,9 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from proto.wire import ExecutionMode, StepPlan, StepResult, TokenLogprobs
-from scheduler_node.core.block_table import BlockTable
+from scheduler_node.core.block_table import BlockHash, BlockTable
 from scheduler_node.core.config import PreemptionMode, SchedulerConfig
 from scheduler_node.core.in_flight import InFlightLedger, SentPlan
+from scheduler_node.core.kv_tiers import KVTiers
 from scheduler_node.core.policy import Policy
 from scheduler_node.core.request import Request, Status
 from scheduler_node.core.worker_view import WorkerView
@@ -84,12 +85,15 @@ class Scheduler:
         num_host_blocks: int = 0,
         costs: PreemptionCosts | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tiers: KVTiers | None = None,
     ) -> None:
         self.config = config
         self.mode = mode or ExecutionMode()
         self.clock = clock
         self.policy = policy or Policy()
         self.blocks = BlockTable(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
+        self.tiers = tiers if tiers is not None and tiers.enabled and config.enable_prefix_caching else None
+        self._attach_tiers()
         self.costs = costs or PreemptionCosts()
         self.counters = SchedulerCounters()
         self.requests: dict[str, Request] = {}
@@ -176,7 +180,14 @@ class Scheduler:
         if not preempted:
             self._admit(budget, seats, floor, plan, now)
         self.view.finish_plan(plan, self.blocks.take_ops())
+        if self.tiers is not None:
+            plan.tier_moves = self.tiers.take_moves()
         return plan
+
+    def _attach_tiers(self) -> None:
+        """Cached blocks the device pool hands out again go to the offload tiers (when there are any)."""
+        if self.tiers is not None:
+            self.blocks.on_evict = self.tiers.offload
 
     def _seats_per_plan(self) -> int:
         """Requests one plan may hold. With disjoint plans, a 1/N share of what can run at once for N plans in
@@ -211,8 +222,9 @@ class Scheduler:
             return False
         return self._blocks_to_start(req, budget)[0] + self._watermark_blocks <= self.blocks.num_free
 
-    def _blocks_to_start(self, req: Request, budget: int) -> tuple[int, list[int]]:
-        """Free blocks a waiting request takes to start its next chunk, and the cached blocks it would reuse.
+    def _blocks_to_start(self, req: Request, budget: int) -> tuple[int, list[int], int]:
+        """Free blocks a waiting request takes to start its next chunk, the cached blocks it would reuse, and how
+        many blocks after those it would load from the offload tiers (into new blocks) instead of computing.
 
         The one fit check of admission and displacement: a swapped request brings its blocks back, a fork (n > 1)
         writes into its shared prompt blocks, a new or recomputed one reuses its longest cached prefix (a cached
@@ -221,18 +233,19 @@ class Scheduler:
         first = req.num_computed_tokens
         if req.swapped:
             n = min(req.num_tokens - first, budget)
-            return max(bt.blocks_for(first + n), len(bt.host_blocks_of(req.req_id))), []
+            return max(bt.blocks_for(first + n), len(bt.host_blocks_of(req.req_id))), [], 0
         if bt.blocks_of(req.req_id):
-            return bt.blocks_needed(req.req_id, first, first + min(req.num_tokens - first, budget)), []
+            return bt.blocks_needed(req.req_id, first, first + min(req.num_tokens - first, budget)), [], 0
         hashes = req.update_block_hashes(bt.block_size)
         cacheable = (req.num_tokens - 1) // bt.block_size  # the last token is recomputed
         if req.sampling.prompt_logprobs is not None and not req.prompt_logprobs_done:
             cacheable = 0  # a cached prefix has no logits: the prompt is computed in full to score every token
         hits = bt.match_prefix(hashes[:cacheable])
-        hit_tokens = len(hits) * bt.block_size
+        loads = self.tiers.match(hashes[len(hits) : cacheable]) if self.tiers is not None else 0
+        hit_tokens = (len(hits) + loads) * bt.block_size
         n = min(req.num_tokens - hit_tokens, budget)
         reused_free = sum(1 for b in hits if bt.is_free(b))
-        return bt.blocks_for(hit_tokens + n) - len(hits) + reused_free, hits
+        return bt.blocks_for(hit_tokens + n) - len(hits) + reused_free, hits, loads
 
     @property
     def _watermark_blocks(self) -> int:
@@ -290,20 +303,36 @@ class Scheduler:
     def _claim_blocks(self, req: Request, budget: int) -> bool:
         """Take the blocks a waiting request needs to start (see `_blocks_to_start`); False if they are short."""
         bt = self.blocks
-        need, hits = self._blocks_to_start(req, budget)
+        need, hits, loads = self._blocks_to_start(req, budget)
         if need + self._watermark_blocks > bt.num_free:
             return False
         if req.swapped:
             bt.swap_in(req.req_id)
             req.swapped = False
         elif not bt.blocks_of(req.req_id):
-            hit_tokens = len(hits) * bt.block_size
+            hit_tokens = (len(hits) + loads) * bt.block_size
             if req.num_preemptions == 0 and not req.output_token_ids:  # new prompts only: resumptions inflate it
                 self.counters.prefix_cache_queries += req.num_tokens
                 self.counters.prefix_cache_hits += hit_tokens
             bt.acquire(req.req_id, hits)
+            if loads:
+                hashes = req.update_block_hashes(bt.block_size)
+                self._load_from_tiers(req, hashes[len(hits) : len(hits) + loads])
+                bt.register(req.req_id, hashes[: len(hits) + loads])
             req.num_computed_tokens = hit_tokens
         return True
+
+    def _load_from_tiers(self, req: Request, keys: list[BlockHash]) -> None:
+        """New blocks after the request's cached prefix, filled from the offload tiers by the plan's tier moves
+        (like a swap-in) instead of being computed. Taking the blocks may offload others; none of these keys
+        is displaced by that, so each is still where the lookup found it."""
+        assert self.tiers is not None
+        bt = self.blocks
+        first = len(bt.blocks_of(req.req_id)) * bt.block_size
+        with self.tiers.protecting(keys):
+            added, _ = bt.write(req.req_id, first, first + len(keys) * bt.block_size)
+        for key, block in zip(keys, added):
+            self.tiers.load(key, block)
 
     def _take(self, req: Request, n: int, plan: StepPlan) -> None:
         first = req.num_computed_tokens
@@ -366,6 +395,8 @@ class Scheduler:
             self._undo(plan, sent)
             return []
         self.costs.observe(result.execute_ms, plan.total_tokens)
+        if self.tiers is not None:
+            self.tiers.observe(result.tier_ms)
         if plan.num_scheduled_tokens:
             self.counters.steps += 1
             self.counters.worker_idle_ms += result.idle_ms
@@ -455,6 +486,9 @@ class Scheduler:
         old = self.blocks
         self.blocks = BlockTable(old.num_blocks, old.block_size, old.enable_prefix_caching, old.num_host_blocks)
         self.blocks.resize(old.usable_blocks)
+        if self.tiers is not None:
+            self.tiers.clear()  # the replacement's tiers hold nothing the index could vouch for
+        self._attach_tiers()
         self.in_flight.clear()  # the engine dropped every plan in flight
         return len(running)
 
@@ -466,3 +500,4 @@ class Scheduler:
             bt = self.blocks
             self.blocks = BlockTable(bt.num_blocks, bt.block_size, bt.enable_prefix_caching, num_host_blocks)
             self.blocks.resize(bt.usable_blocks)
+            self._attach_tiers()

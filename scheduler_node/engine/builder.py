@@ -17,6 +17,7 @@ from proto.parallel import ParallelLayout
 from proto.transport import WorkerTransport, WorldCapacity
 from proto.wire import Assignment, ExecutionMode
 from scheduler_node.core.config import SchedulerConfig
+from scheduler_node.core.kv_tiers import KVTiers
 from scheduler_node.core.policy import make_policy
 from scheduler_node.core.scheduler import PreemptionCosts, Scheduler
 from scheduler_node.engine.core import EngineCore, EngineOptions
@@ -100,6 +101,8 @@ def make_engine(
     max_len = resolve_max_model_len(s.max_model_len, model_limit(folder), capacity.num_kv_blocks, s.block_size)
     policy = make_policy(config.scheduling_policy, config.aging_interval, config.preemption_margin)
     costs = PreemptionCosts(bytes_per_block=capacity.bytes_per_block, swap_bytes_per_s=capacity.swap_bytes_per_s)
+    tiers = KVTiers(capacity.ram_tier_blocks, capacity.disk_tier_blocks, s.kv_offload_policy, capacity.bytes_per_block)
+    tiers.adopt_disk(capacity.disk_tier_entries)
     scheduler = Scheduler(
         dataclasses.replace(s, max_model_len=max_len),
         capacity.num_kv_blocks,
@@ -107,6 +110,7 @@ def make_engine(
         config.mode,
         capacity.num_swap_blocks,
         costs,
+        tiers=tiers,
     )
     return EngineCore(scheduler, tokenizer, workers, config.options, metrics or Metrics(folder.name))
 

@@ -182,7 +182,10 @@ class EngineCore:
         """The scrape-time gauges and scheduler counters (Metrics reads them on the event loop's thread)."""
         s = snapshot(self.scheduler)
         pools = self.kv_pools()
-        return {
+        tiers: LiveSample = {}
+        if self.scheduler.tiers is not None:
+            tiers.update(self.scheduler.tiers.snapshot().as_metrics())
+        return tiers | {
             "vllm:num_requests_running": s.num_running,
             "vllm:num_requests_waiting": s.num_waiting,
             "vllm:kv_cache_usage_perc": s.kv_usage,

@@ -122,6 +122,9 @@ GAUGES = {
     "minivllm:batch_utilization": "Tokens in the last step / max_num_batched_tokens",
     "minivllm:workers_ready": "Ranks ready",
     "minivllm:asyncio_tasks": "Tasks alive on the scheduler's event loop",
+    "minivllm:kv_tier_ram_blocks_used": "KV blocks held by the host-RAM offload tier",
+    "minivllm:kv_tier_disk_blocks_used": "KV blocks held by the disk offload tier",
+    "minivllm:kv_tier_mean_move_ms": "Mean time per step the workers spent moving KV tier blocks",
 }
 LABELLED_GAUGES = {  # name -> (help, label names beside model_name)
     "minivllm:kv_cache_allocated_bytes": (
@@ -135,6 +138,9 @@ COUNTERS = {
     "vllm:num_preemptions": "Preemptions (recompute and swap; a lost worker preempts every running request)",
     "vllm:prefix_cache_queries": "Prompt tokens looked up in the prefix cache",
     "vllm:prefix_cache_hits": "Prompt tokens found in the prefix cache",
+    "minivllm:kv_tier_ram_hits": "KV blocks loaded back from the host-RAM offload tier instead of recomputed",
+    "minivllm:kv_tier_disk_hits": "KV blocks loaded back from the disk offload tier instead of recomputed",
+    "minivllm:kv_tier_bytes_moved": "Bytes of KV (one rank's shards) moved between the device and the offload tiers",
 }
 
 

@@ -30,7 +30,7 @@ import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from proto.curve import configure_server
-from proto.transport import StepFailed, WorkerLost, WorldCapacity
+from proto.transport import StepFailed, WorkerLost, WorldCapacity, tier_capacity
 from proto.wire import (
     MAX_MESSAGE_BYTES,
     Assignment,
@@ -67,6 +67,7 @@ class WorkerInfo:
     swap_bytes_per_s: float = 0.0
     kv_cache_bytes: int = 0
     kv_format: str = ""
+    tiers: WorkerReady | None = None  # its Ready: the KV offload tiers' sizes and warm disk blocks
     tp_rank: int = 0
     pp_stage: int = 0
     state: str = JOINING  # joining | ready | lost
@@ -210,6 +211,7 @@ class WorkerLink:
         info.swap_bytes_per_s = msg.swap_bytes_per_s
         info.kv_cache_bytes = msg.kv_cache_bytes
         info.kv_format = msg.kv_format
+        info.tiers = msg
         info.state = READY
         info.last_seen = time.monotonic()
         self.ranks[info.rank] = info
@@ -240,6 +242,7 @@ class WorkerLink:
             swap_bytes_per_s=min(w.swap_bytes_per_s for w in ready),
             world_bytes_per_block=sum(w.kv_cache_bytes // max(w.num_kv_blocks, 1) for w in ready),
             kv_format=ready[0].kv_format,
+            **tier_capacity([w.tiers for w in ready if w.tiers is not None]),
         )
         old = self._capacity
         if old is not None and (new.num_kv_blocks, new.num_swap_blocks) != (old.num_kv_blocks, old.num_swap_blocks):
