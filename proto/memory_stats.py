@@ -1,6 +1,6 @@
 """KV memory in bytes, per tier and format: what Control.GetStats (`Stats.memory`), `vllm-client stats` and the
 metrics endpoint report. A pool is one format on one tier; the device tier and the swap space are reported
-today, and a tier that keeps KV elsewhere (host RAM, disk) adds its own pools with the same fields."""
+the offload tiers (host RAM, disk) when they are on."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 DEVICE = "device"  # the workers' KV cache
 SWAP = "swap"  # host memory holding the blocks of swapped-out requests
+RAM = "ram"  # the KV offload tier in host RAM (prefix blocks evicted from the device)
+DISK = "disk"  # the KV offload tier on disk
 
 
 @dataclass(frozen=True, slots=True)

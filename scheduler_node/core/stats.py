@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from proto.memory_stats import DEVICE, SWAP, KvPool
+from proto.memory_stats import DEVICE, DISK, RAM, SWAP, KvPool
 from proto.transport import WorldCapacity
 from scheduler_node.core.scheduler import Scheduler
 
@@ -72,14 +72,21 @@ def snapshot(s: Scheduler) -> SchedulerStats:
 
 def kv_pools(s: Scheduler, capacity: WorldCapacity) -> list[KvPool]:
     """The KV memory in bytes: the workers' device cache (every block they allocated, also beyond a ResizeCache
-    limit) and the swap space, both in the world's one KV format."""
+    limit), the swap space and the offload tiers that are on, all in the world's one KV format."""
     bt = s.blocks
     kv_format = capacity.kv_format or "unknown"
     per_block = capacity.world_bytes_per_block or capacity.bytes_per_block
-    return [
+    pools = [
         KvPool(DEVICE, kv_format, per_block, bt.num_blocks, bt.num_used, s.counters.prefix_cache_hits),
         KvPool(SWAP, kv_format, per_block, bt.num_host_blocks, bt.num_host_used),
     ]
+    if s.tiers is not None:  # hits: the prompt tokens of the blocks loaded back instead of recomputed
+        t = s.tiers.snapshot()
+        for tier, total, used, hits in ((RAM, t.ram_blocks_total, t.ram_blocks_used, t.hits_ram),
+                                        (DISK, t.disk_blocks_total, t.disk_blocks_used, t.hits_disk)):  # fmt: skip
+            if total:
+                pools.append(KvPool(tier, kv_format, per_block, total, used, hits * bt.block_size))
+    return pools
 
 
 def hit_rates(pools: list[KvPool], queries: int) -> list[tuple[str, float]]:
