@@ -5,6 +5,7 @@ end-to-end engine decode tokens/s with the Triton vs the torch attention backend
     python scripts/bench_kernels.py --sweep          # also try other decode/prefill tile configs
     python scripts/bench_kernels.py --skip-engine    # kernels only
     python scripts/bench_kernels.py --engine-only    # the end-to-end engine comparison only
+    python scripts/bench_kernels.py --smoke          # seconds, CPU or GPU: every part at tiny sizes (CI)
 
 Decode attention is memory-bound, so it is judged by the bytes of K/V it reads per second against what a
 plain device-to-device copy achieves on the same GPU (bar: 70%). Prefill is judged in TFLOP/s.
@@ -14,6 +15,13 @@ SmolLM2-135M in bf16: 64 requests of about 128 prompt tokens, 128 greedy output 
 the torch backend run eagerly and with the Triton kernels replayed from CUDA graphs. Decode tokens/s is the
 time of the whole run less that of a run to the first token, over the tokens in between; each configuration
 runs once to compile, capture and warm up first.
+
+`--smoke` runs every part the machine can reach at tiny sizes, so CI (CPU only) notices when the code drifts
+from the APIs it calls: the kernel checks at one small shape, and the engine comparison on 2 short requests
+with every backend the device has. Without CUDA the Triton kernels run in Triton's interpreter
+(`TRITON_INTERPRET=1`; no bf16 there: the interpreter's `tl.dot` multiplies raw bf16 bit patterns), the engine
+compares the torch reference, the native C decode kernel and Triton in fp32, and the speed runs (CUDA events)
+are skipped with a note. The figures of a smoke run mean nothing; the table's rows and agreement columns do.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import random
 import sys
 import time
@@ -39,6 +48,9 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 # (block_size, head_dim, GQA group) covering every supported value at least once
 CHECK_SHAPES = [(16, 128, 1), (32, 64, 2), (64, 128, 4), (16, 64, 8), (32, 128, 8)]
+SMOKE_CHECK_SHAPES = [(16, 64, 2)]
+# the longest cached sequence and the longest new chunk of the checks: past many blocks, and past a few
+LONG_LENS, SMOKE_LONG_LENS = (700, 300), (100, 24)
 BANDWIDTH_BAR = 0.70
 
 
@@ -66,22 +78,34 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--cuda-graph-sizes", default="1,2,4,8,16,32,64", help="decode batch sizes captured for the Triton run"
     )
+    parser.add_argument("--engine-runs", type=int, default=2, help="timed runs per shape; the best one counts")
+    parser.add_argument(
+        "--smoke", action="store_true", help="every part the device reaches, at tiny sizes, in seconds (CI; CPU too)"
+    )
     return parser
 
 
+def apply_smoke(args: argparse.Namespace, device: str) -> None:
+    """Tiny engine sizes (fp32 on CPU, where Triton's interpreter cannot multiply bf16)."""
+    args.engine_requests, args.engine_prompt_len, args.engine_output_len, args.engine_runs = 2, 8, 4, 1
+    args.engine_batched_tokens, args.engine_kv_memory, args.cuda_graph_sizes = 64, "64MiB", "1,2"
+    if device == "cpu":
+        args.engine_dtype = "float32"
+
+
 def paged_cache(
-    lens: list[int], kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+    lens: list[int], kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, device: str = "cuda"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random K/V caches and block tables scattering each sequence over shuffled blocks."""
     per_seq = [-(-n // block_size) for n in lens]
     num_blocks = sum(per_seq)
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device="cuda", dtype=dtype)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=device, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
-    order = torch.randperm(num_blocks, device="cuda", dtype=torch.int32)
-    tables = torch.zeros(len(lens), max(per_seq), dtype=torch.int32, device="cuda")
+    order = torch.randperm(num_blocks, device=device, dtype=torch.int32)
+    tables = torch.zeros(len(lens), max(per_seq), dtype=torch.int32, device=device)
     for i, start in enumerate(itertools.accumulate([0] + per_seq[:-1])):
         tables[i, : per_seq[i]] = order[start : start + per_seq[i]]
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     return k_cache, v_cache, tables, seq_lens
 
 
@@ -89,26 +113,34 @@ def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
     return float((out.float() - want.float()).norm() / want.float().norm())
 
 
-def check_correctness(tri: ModuleType) -> list[dict]:
+def check_correctness(
+    tri: ModuleType,
+    shapes: list[tuple[int, int, int]] = CHECK_SHAPES,
+    dtypes: dict[str, torch.dtype] = DTYPES,
+    long_lens: tuple[int, int] = LONG_LENS,
+    device: str = "cuda",
+) -> list[dict]:
+    """Each Triton kernel against the torch reference on every (block size, head dim, group) x dtype."""
     rows = []
-    for (block_size, head_dim, group), (dname, dtype) in itertools.product(CHECK_SHAPES, DTYPES.items()):
+    long_cached, long_new = long_lens
+    for (block_size, head_dim, group), (dname, dtype) in itertools.product(shapes, dtypes.items()):
         kv_heads, scale = 2, head_dim**-0.5
-        lens = [1, block_size + 1, 5 * block_size - 3, 700]
-        k_cache, v_cache, tables, seq_lens = paged_cache(lens, kv_heads, head_dim, block_size, dtype)
+        lens = [1, block_size + 1, 5 * block_size - 3, long_cached]
+        k_cache, v_cache, tables, seq_lens = paged_cache(lens, kv_heads, head_dim, block_size, dtype, device)
         errs = {}
-        q = torch.randn(len(lens), kv_heads * group, head_dim, device="cuda", dtype=dtype)
+        q = torch.randn(len(lens), kv_heads * group, head_dim, device=device, dtype=dtype)
         args = (q, k_cache, v_cache, tables, seq_lens, scale)
         want = ref.paged_decode_attention(*args)
         for segments in (1, 4, None):
             errs[f"decode[seg={segments}]"] = rel_err(tri.paged_decode_attention(*args, num_segments=segments), want)
-        new = [1, 9, block_size, 300]
-        cu = torch.tensor([0] + new, device="cuda").cumsum(0).int()
-        qp = torch.randn(sum(new), kv_heads * group, head_dim, device="cuda", dtype=dtype)
-        kp = torch.randn(sum(new), kv_heads, head_dim, device="cuda", dtype=dtype)
+        new = [1, 9, block_size, long_new]
+        cu = torch.tensor([0] + new, device=device).cumsum(0).int()
+        qp = torch.randn(sum(new), kv_heads * group, head_dim, device=device, dtype=dtype)
+        kp = torch.randn(sum(new), kv_heads, head_dim, device=device, dtype=dtype)
         vp = torch.randn_like(kp)
         pargs = (qp, kp, vp, k_cache, v_cache, tables, cu, seq_lens, scale)
         errs["prefill"] = rel_err(tri.paged_prefill_attention(*pargs), ref.paged_prefill_attention(*pargs))
-        slots = torch.randperm(k_cache.shape[0] * block_size, device="cuda")[: sum(new)]
+        slots = torch.randperm(k_cache.shape[0] * block_size, device=device)[: sum(new)]
         want_k, want_v, got_k, got_v = (c.clone() for c in (k_cache, v_cache, k_cache, v_cache))
         ref.write_kv(kp, vp, want_k, want_v, slots)
         tri.write_kv(kp, vp, got_k, got_v, slots)
@@ -205,10 +237,12 @@ def engine_prompts(args: argparse.Namespace) -> list[str]:
     ]
 
 
-def engine_run(llm_kwargs: dict[str, Any], prompts: list[str], output_len: int) -> tuple[dict, list[list[int]]]:
+def engine_run(
+    llm_kwargs: dict[str, Any], prompts: list[str], output_len: int, runs: int = 2
+) -> tuple[dict, list[list[int]]]:
     """Decode tokens/s of `minivllm.LLM(**llm_kwargs)` on greedy requests with eos ignored: the time of a run
     to `output_len` tokens less the time of a run to 1 token (prefill and first token) over the tokens between,
-    each the best of two after a warm-up of both (the kernels compile and the CUDA graphs capture there)."""
+    each the best of `runs` after a warm-up of both (the kernels compile and the CUDA graphs capture there)."""
     from minivllm import LLM, SamplingParams
 
     def timed(llm: Any, max_tokens: int) -> tuple[float, list[list[int]]]:
@@ -220,9 +254,8 @@ def engine_run(llm_kwargs: dict[str, Any], prompts: list[str], output_len: int) 
     with LLM(**llm_kwargs) as llm:
         timed(llm, output_len)  # warm-up of both shapes: kernels compile, graphs capture, allocations settle
         timed(llm, 1)
-        first_s = min(timed(llm, 1)[0] for _ in range(2))
-        runs = [timed(llm, output_len) for _ in range(2)]
-        total_s, outputs = min(runs, key=lambda run: run[0])
+        first_s = min(timed(llm, 1)[0] for _ in range(runs))
+        total_s, outputs = min((timed(llm, output_len) for _ in range(runs)), key=lambda run: run[0])
     if any(len(o) != output_len for o in outputs):
         raise RuntimeError(f"asked for {output_len} tokens each, got {sorted({len(o) for o in outputs})}")
     decode_tokens = len(prompts) * (output_len - 1)
@@ -231,13 +264,36 @@ def engine_run(llm_kwargs: dict[str, Any], prompts: list[str], output_len: int) 
     return stats, outputs
 
 
+def cpu_backends() -> tuple[list[tuple[str, str]], list[str]]:
+    """(label, attention backend) of each backend a CPU engine can run here beyond the torch reference, and a
+    note for each it cannot."""
+    from kernels import cpu_attention
+    from kernels.backend import interpreter_enabled, triton_available
+
+    backends, missing = [], []
+    if cpu_attention.load() is not None:
+        backends.append(("native", "native"))
+    else:
+        missing.append("engine with the native CPU decode kernel: it could not be built (no C compiler?)")
+    if triton_available() and interpreter_enabled():
+        backends.append(("triton (interpreter)", "triton"))
+    else:
+        missing.append("engine with Triton on CPU: needs the triton package and TRITON_INTERPRET=1")
+    return backends, missing
+
+
 def engine_configs(args: argparse.Namespace, device: str) -> list[tuple[str, dict[str, Any]]]:
-    """The torch backend run eagerly, then the Triton kernels replayed from CUDA graphs (GPU only)."""
+    """The torch backend run eagerly first; then on CUDA the Triton kernels replayed from CUDA graphs, on CPU
+    each other backend `cpu_backends` finds (the native C decode kernel, Triton in its interpreter)."""
     model = str(args.model) if args.model else None
     common = dict(model=model, device=device, dtype=args.engine_dtype, max_num_seqs=args.engine_requests)
     common["kv_cache_memory"] = args.engine_kv_memory
     common["max_num_batched_tokens"] = args.engine_batched_tokens
     torch_run = dict(common, attention_backend="torch", cuda_graph_sizes="")
+    if device != "cuda":
+        return [("torch", torch_run)] + [
+            (label, dict(torch_run, attention_backend=b)) for label, b in cpu_backends()[0]
+        ]
     triton_run = dict(common, attention_backend="triton", cuda_graph_sizes=args.cuda_graph_sizes)
     return [("torch", torch_run), ("triton + CUDA graphs", triton_run)]
 
@@ -247,7 +303,7 @@ def bench_engine(args: argparse.Namespace, device: str = "cuda") -> list[dict]:
     prompts = engine_prompts(args)
     rows, outputs = [], []
     for label, kwargs in engine_configs(args, device):
-        stats, got = engine_run(kwargs, prompts, args.engine_output_len)
+        stats, got = engine_run(kwargs, prompts, args.engine_output_len, args.engine_runs)
         rows.append({"backend": label, **stats})
         outputs.append(got)
     for row, got in zip(rows, outputs):  # bf16 rounding differs between backends: greedy paths may part late
@@ -268,14 +324,27 @@ def print_table(title: str, rows: list[dict]) -> None:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
 
 
-def kernel_benchmarks(tri: ModuleType, args: argparse.Namespace, results: dict[str, Any]) -> bool:
-    """Correctness, decode bandwidth, prefill FLOP/s (and the sweep); False if a correctness check failed."""
+def correctness_plan(
+    smoke: bool, device: str
+) -> tuple[list[tuple[int, int, int]], dict[str, torch.dtype], tuple[int, int]]:
+    """Shapes, dtypes and longest lengths of the correctness checks: one small shape in a smoke run, and no bf16
+    in Triton's interpreter (its `tl.dot` multiplies raw bf16 bit patterns)."""
+    if not smoke:
+        return CHECK_SHAPES, DTYPES, LONG_LENS
+    dtypes = {name: dtype for name, dtype in DTYPES.items() if device == "cuda" or dtype != torch.bfloat16}
+    return SMOKE_CHECK_SHAPES, dtypes, SMOKE_LONG_LENS
+
+
+def kernel_benchmarks(tri: ModuleType, args: argparse.Namespace, results: dict[str, Any], device: str = "cuda") -> bool:
+    """Correctness, then on CUDA decode bandwidth, prefill FLOP/s (and the sweep); False if a check failed."""
     ok = True
     if not args.skip_correctness:
-        checks = check_correctness(tri)
-        print_table("correctness vs torch reference", checks)
+        checks = check_correctness(tri, *correctness_plan(args.smoke, device), device=device)
+        print_table(f"correctness vs torch reference ({device})", checks)
         ok = all(row["ok"] for row in checks)
         results["correctness"] = checks
+    if device != "cuda":
+        return ok
     copy_bw = copy_bandwidth() / 1e9
     decode = [bench_decode(tri, args, b, n) for b, n in [(1, 32768), (8, 8192), (64, 4096), (256, 1024)]]
     for row in decode:
@@ -292,32 +361,59 @@ def kernel_benchmarks(tri: ModuleType, args: argparse.Namespace, results: dict[s
     return ok
 
 
+def triton_kernels(device: str) -> ModuleType | str:
+    """The Triton kernels module, or why it cannot run here."""
+    from kernels.backend import interpreter_enabled
+
+    if device == "cpu" and not interpreter_enabled():
+        return "the Triton kernels run on CPU only in Triton's interpreter (TRITON_INTERPRET=1)"
+    try:
+        from kernels import triton_attention
+    except ImportError as exc:
+        return f"cannot import the Triton kernels ({exc}); pip install triton"
+    return triton_attention
+
+
+def skipped_on(device: str, args: argparse.Namespace, tri: ModuleType | str) -> list[str]:
+    """A note for each part of the run this device cannot reach (CPU: a smoke run reaches what it can)."""
+    if device == "cuda":
+        return []
+    notes = [] if args.engine_only else ["decode/prefill speed runs and the sweep: they time CUDA events"]
+    if isinstance(tri, str) and not args.engine_only and not args.skip_correctness:
+        notes.append(f"kernel correctness: {tri}")
+    return notes + ([] if args.skip_engine else cpu_backends()[1])
+
+
 def main() -> int:
     args = build_parser().parse_args()
     if args.skip_engine and args.engine_only:
         print("bench_kernels: --skip-engine and --engine-only leave nothing to run", file=sys.stderr)
         return 2
-    if not torch.cuda.is_available():
-        print(
-            "bench_kernels: no CUDA device; the Triton kernels need a GPU (use the tests for CPU).",
-            file=sys.stderr,
-        )
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.smoke:
+        print("bench_kernels: no CUDA device; --smoke runs what a CPU reaches, at tiny sizes", file=sys.stderr)
         return 2
-    try:
-        from kernels import triton_attention as tri
-    except ImportError as exc:
-        print(f"bench_kernels: cannot import the Triton kernels ({exc}); pip install triton", file=sys.stderr)
+    if args.smoke:
+        apply_smoke(args, device)
+    if device == "cpu":  # Triton's interpreter, set before any kernel module decorates its kernels
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    tri = triton_kernels(device)
+    if isinstance(tri, str) and device == "cuda":
+        print(f"bench_kernels: {tri}", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    results: dict[str, Any] = {"device": torch.cuda.get_device_name()}
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+    results["skipped"] = skipped_on(device, args, tri)
     ok = True
-    if not args.engine_only:
-        ok = kernel_benchmarks(tri, args, results)
+    if not args.engine_only and not isinstance(tri, str):
+        ok = kernel_benchmarks(tri, args, results, device)
         torch.cuda.empty_cache()
     if not args.skip_engine:
-        results["engine"] = bench_engine(args)
+        results["engine"] = bench_engine(args, device)
         shape = f"{args.engine_requests} x ({args.engine_prompt_len} prompt + {args.engine_output_len} output)"
-        print_table(f"engine decode, {shape} tokens, {args.engine_dtype}", results["engine"])
+        print_table(f"engine decode on {device}, {shape} tokens, {args.engine_dtype}", results["engine"])
+    for note in results["skipped"]:
+        print(f"skipped on {device}: {note}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0 if ok else 1

@@ -4,6 +4,7 @@
     .venv/bin/python scripts/bench_parallel.py --layouts 1x1,2x1 --num-requests 8
     .venv/bin/python scripts/bench_parallel.py --layouts 1x2,1x2/1      # PP 2 with P plans in flight vs one
     .venv/bin/python scripts/bench_parallel.py --device cuda --layouts 1x1,2x1,1x2,2x2   # on GPUs (NCCL)
+    .venv/bin/python scripts/bench_parallel.py --smoke --model DIR      # CI: TP1 vs TP2 on a tiny model
 
 SmolLM2-135M itself has 9 attention heads and 3 KV heads, which 2 ranks cannot split, so the default model is
 `smollm2-8heads`: SmolLM2-135M's shape (30 layers, hidden 576, MLP 1536, tied 49152 vocab) with 8 heads of 72
@@ -16,6 +17,10 @@ costs (all-reduces and stage hand-offs over loopback) rather than any speed-up: 
 nothing to gain. A layout `TxP/1` runs with one plan in flight (--no-async-scheduling): pipeline stages take
 turns instead of working on P plans at once, which shows what the overlap buys. Prints a table; --json writes
 the figures; --plot writes a PNG when matplotlib is installed.
+
+`--smoke` checks the script in seconds (CI): TP1 and TP2 worlds serving 4 requests of 8-24 prompt and 4-8 output
+tokens, 64 MiB of KV and one thread per worker (a PP world runs the same code here, and each world costs its
+processes' start-up). Its figures mean nothing; that every world served every token does.
 """
 
 from __future__ import annotations
@@ -37,10 +42,29 @@ from workload import stream_workload  # noqa: E402
 from minivllm.cluster import Cluster  # noqa: E402
 from proto.wire import ExecutionMode  # noqa: E402
 
+# (shortest, longest) prompt and output tokens of a request
+PROMPT_LENS, OUTPUT_LENS = (32, 256), (32, 128)
+SMOKE_PROMPT_LENS, SMOKE_OUTPUT_LENS = (8, 24), (4, 8)
 
-def workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
+
+def workload(
+    n: int,
+    seed: int,
+    vocab: int,
+    prompt_lens: tuple[int, int] = PROMPT_LENS,
+    output_lens: tuple[int, int] = OUTPUT_LENS,
+) -> list[tuple[list[int], int]]:
+    """`n` (random prompt ids, max_tokens) requests of lengths drawn uniformly from the given ranges."""
     rng = random.Random(seed)
-    return [([rng.randrange(3, vocab) for _ in range(rng.randint(32, 256))], rng.randint(32, 128)) for _ in range(n)]
+    return [
+        ([rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_lens))], rng.randint(*output_lens))
+        for _ in range(n)
+    ]
+
+
+def apply_smoke(args: argparse.Namespace) -> None:
+    """TP1 vs TP2 on a few short requests, small KV, one thread per worker."""
+    args.layouts, args.num_requests, args.kv_cache_memory, args.threads_per_worker = "1x1,2x1", 4, "64MiB", 1
 
 
 def smollm2_8heads(tokenizer_dir: Path) -> Path:
@@ -139,22 +163,26 @@ def main() -> int:
         default="1x1,2x1,1x2,1x2/1,2x2,2x2/1",
         help="comma-separated TPxPP; TPxPP/1 keeps one plan in flight (stages take turns)",
     )
-    p.add_argument("--num-requests", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--num-requests", type=int, default=16, help="requests of the workload, all sent at once")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload's prompts and lengths")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="the scheduler's --max-num-seqs")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="the scheduler's --max-num-batched-tokens")
     p.add_argument("--kv-cache-memory", default="1GiB", help="per worker")
     p.add_argument("--threads-per-worker", type=int, default=0, help="0: cores / world size")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (each worker takes the GPU of its rank)")
     p.add_argument("--json", type=Path, help="also write the figures here")
     p.add_argument("--plot", type=Path, help="also write a bar chart here (PNG, needs matplotlib)")
+    p.add_argument("--smoke", action="store_true", help="TP1 vs TP2 on 4 short requests, in seconds (CI)")
     args = p.parse_args()
+    if args.smoke:
+        apply_smoke(args)
 
     from scheduler_node.engine.model_path import resolve_model
     from scheduler_node.text.tokenizer import ModelTokenizer
 
     model = smollm2_8heads(resolve_model("default")) if args.model == "smollm2-8heads" else resolve_model(args.model)
-    work = workload(args.num_requests, args.seed, ModelTokenizer(model).vocab_size)
+    lens = (SMOKE_PROMPT_LENS, SMOKE_OUTPUT_LENS) if args.smoke else (PROMPT_LENS, OUTPUT_LENS)
+    work = workload(args.num_requests, args.seed, ModelTokenizer(model).vocab_size, *lens)
     rows = []
     for layout in args.layouts.split(","):
         tp, pp, one_plan = parse_layout(layout)

@@ -196,7 +196,7 @@ def dry_run(args: argparse.Namespace, report: dict[str, Any]) -> None:
     report["parts"] = [p for p in ("kernels", "engine", "tp") if p not in args.skip.split(",")]
     tiny = kernel_args(args)
     tiny.engine_requests, tiny.engine_prompt_len, tiny.engine_output_len = 2, 8, 3
-    tiny.engine_dtype, tiny.cuda_graph_sizes = "float32", ""
+    tiny.engine_dtype, tiny.cuda_graph_sizes, tiny.engine_kv_memory = "float32", "", "64MiB"  # not 16 GiB of RAM
     _, kwargs = bench_kernels.engine_configs(tiny, "cpu")[0]
     stats, outputs = bench_kernels.engine_run(kwargs, bench_kernels.engine_prompts(tiny), tiny.engine_output_len)
     report["engine_dry_run"] = {**stats, "outputs": outputs}
