@@ -1,10 +1,11 @@
 """Stand-in workers: the transport (proto/transport.py) without a model, for measuring and checking the engine.
 
-They keep each request's progress as a worker does (from the plans' diffs) and answer every plan at once: each
-request that reaches the end of its tokens samples one token (`token`), none else. The scheduler, the block table
-and the engine loop run for real; only the forward pass is free. A plan that disagrees with what the workers hold
-(wrong progress, unknown request, a block the world does not have) fails like a real worker's StepError, so the
-stand-in also checks that the scheduler's view of the workers stays true.
+They keep each request's progress as a worker does (from the plans' diffs) and run every plan the moment it is
+sent: each request that reaches the end of its tokens samples one token (`token`), none else. The answer arrives on
+the event loop's next turn, as a real transport's does, so the engine yields to the doors' stream readers between
+steps. The scheduler, the block table and the engine loop run for real; only the forward pass is free. A plan that
+disagrees with what the workers hold (wrong progress, unknown request, a block the world does not have) fails like
+a real worker's StepError, so the stand-in also checks that the scheduler's view of the workers stays true.
 """
 
 from __future__ import annotations
@@ -65,14 +66,16 @@ class StandInWorkers:
     def submit(self, plan: StepPlan) -> asyncio.Future[StepResult]:
         if self.lost.is_set():
             raise WorkerLost(self.lost_reason)
-        future: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[StepResult] = loop.create_future()
         self.plans += 1
         if self.on_plan is not None:
             self.on_plan(plan)
         try:
-            future.set_result(self.execute(plan))
+            outcome: StepResult | Exception = self.execute(plan)
         except ValueError as exc:
-            future.set_exception(StepFailed(f"stand-in could not run step {plan.step_id}: {exc}"))
+            outcome = StepFailed(f"stand-in could not run step {plan.step_id}: {exc}")
+        loop.call_soon(_settle, future, outcome)
         return future
 
     def execute(self, plan: StepPlan, skip: bool = False) -> StepResult:
@@ -119,7 +122,7 @@ class StandInWorkers:
             raise ValueError(f"block {bad} is outside the world's {self._capacity.num_kv_blocks}")
 
     def interrupt(self, first_step_id: int, last_step_id: int) -> bool:
-        return False  # every plan is answered the moment it is sent: there is nothing in flight to skip
+        return False  # every plan ran the moment it was sent: there is nothing in flight to skip
 
     def declare_lost(self, reason: str) -> None:
         self.lost.set()
@@ -129,3 +132,12 @@ class StandInWorkers:
 
     async def close(self, reason: str = "") -> None:
         return None
+
+
+def _settle(future: asyncio.Future[StepResult], outcome: StepResult | Exception) -> None:
+    if future.cancelled():
+        return  # the engine dropped the plan (a lost rank, a failed step)
+    if isinstance(outcome, Exception):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
