@@ -18,6 +18,7 @@ from scheduler_node.core.scheduler import Scheduler
 from tests.engine import EngineRun, load_runner
 from tests.models import assert_teacher_forced, load_hf
 from tests.ops import TINY_WORKER, Streams, greedy_ids, prompt_ids
+from tests.plans import by_handle, scheduled
 from worker_node.inprocess import InProcessWorkers
 
 BLOCK = 16
@@ -103,7 +104,7 @@ def test_undo_puts_requests_back_where_they_were() -> None:
     for i in range(3):
         s.add(_req(f"b{i}", 30))
     first = s.schedule()
-    s.update(first, StepResult(first.step_id, {r: [9] for r in first.num_scheduled_tokens}))
+    s.update(first, StepResult(first.step_id, {h: [9] for h in first.num_scheduled_tokens}))
     before = {r.req_id: (r.num_computed_tokens, r.num_placeholders) for r in s.running}
     in_flight = [s.schedule(), s.schedule()]  # async: two decode steps sent, results unknown
     assert all(len(p.num_scheduled_tokens) == 3 for p in in_flight)
@@ -115,7 +116,7 @@ def test_undo_puts_requests_back_where_they_were() -> None:
     assert {r.req_id: (r.num_computed_tokens, r.num_placeholders) for r in s.running} == before
     assert s.counters.interrupted_steps == 2
     plan = s.schedule()
-    assert plan.num_scheduled_tokens == {"b0": 1, "b1": 1, "b2": 1, "rt": 20}
+    assert scheduled(s, plan) == {"b0": 1, "b1": 1, "b2": 1, "rt": 20}
     assert [c.num_computed_tokens for c in plan.cached_requests] == [20, 20, 20]  # the workers' view agrees
 
 
@@ -132,7 +133,7 @@ def test_only_a_request_that_outranks_every_one_in_flight_interrupts() -> None:
 
 
 def test_plans_that_preempt_or_swap_are_not_undone() -> None:
-    plan = StepPlan(1, preempted_req_ids=["x"])
+    plan = StepPlan(1, preempted=[7])
     assert not Scheduler.can_undo([plan])
     assert not Scheduler.can_undo([StepPlan(2, swap_out=[(1, 2)])])
     assert Scheduler.can_undo([StepPlan(3)])
@@ -142,13 +143,13 @@ def test_higher_class_prefill_runs_without_lower_class_prefill() -> None:
     s = _scheduler(PriorityPolicy())
     s.add(_req("b0", 30))
     first = s.schedule()
-    s.update(first, StepResult(first.step_id, {"b0": [9]}))
+    s.update(first, StepResult(first.step_id, by_handle(s, {"b0": [9]})))
     s.add(_req("b1", 30, prompt=40))
     s.add(_req("rt", 90, prompt=8, at=1.0))
     plan = s.schedule()
-    assert plan.num_scheduled_tokens == {"b0": 1, "rt": 8}  # b0 decodes; b1's prefill waits one step
-    s.update(plan, StepResult(plan.step_id, {"b0": [9], "rt": [9]}))
-    assert s.schedule().num_scheduled_tokens == {"b0": 1, "rt": 1, "b1": 40}
+    assert scheduled(s, plan) == {"b0": 1, "rt": 8}  # b0 decodes; b1's prefill waits one step
+    s.update(plan, StepResult(plan.step_id, by_handle(s, {"b0": [9], "rt": [9]})))
+    assert scheduled(s, s.schedule()) == {"b0": 1, "rt": 1, "b1": 40}
 
 
 def test_a_worker_interrupted_mid_forward_restores_its_progress(tiny_llama_dir: Path) -> None:
@@ -167,7 +168,7 @@ def test_a_worker_interrupted_mid_forward_restores_its_progress(tiny_llama_dir: 
     req = s.requests["r"]
     assert req.num_computed_tokens == 0 and req.num_placeholders == 0
     again = decode(encode(s.schedule()))  # the same prefill, not interrupted this time
-    assert isinstance(again, StepPlan) and again.num_scheduled_tokens == {"r": len(prompt)}
+    assert isinstance(again, StepPlan) and scheduled(s, again) == {"r": len(prompt)}
     s.update(again, runner.execute(again))
     assert len(req.output_token_ids) == 1
     assert_teacher_forced(load_hf(tiny_llama_dir), prompt, req.output_token_ids)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from proto.wire import SamplingOptions, StepPlan, StepResult
+from proto.wire import SamplingOptions, StepResult
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.policy import HybridPolicy, Policy, PriorityPolicy, make_policy
 from scheduler_node.core.request import Request, Status, StopConditions
 from scheduler_node.core.scheduler import Scheduler
+from tests.plans import scheduled
 
 
 class Clock:
@@ -30,25 +31,27 @@ def req(rid: str, priority: int, prompt: int = 8, max_tokens: int = 50, at: floa
     return r
 
 
-def step(s: Scheduler) -> StepPlan:
+def step(s: Scheduler) -> dict[str, int]:
+    """One step; what it scheduled, by request id."""
     plan = s.schedule()
-    done = {r: [7] for r in plan.num_scheduled_tokens if s.requests[r].num_computed_tokens == s.requests[r].num_tokens}
+    names = scheduled(s, plan)
+    done = {r.handle: [7] for r in map(s.requests.__getitem__, names) if r.num_computed_tokens == r.num_tokens}
     s.update(plan, StepResult(plan.step_id, done))
-    return plan
+    return names
 
 
 def test_higher_priority_is_admitted_first() -> None:
     s = make(PriorityPolicy(), seqs=1)
     s.add(req("batch", 30, at=0.0))
     s.add(req("realtime", 90, at=1.0))
-    assert list(step(s).num_scheduled_tokens) == ["realtime"]
+    assert list(step(s)) == ["realtime"]
 
 
 def test_fcfs_ignores_priority() -> None:
     s = make(Policy(), seqs=1)
     s.add(req("batch", 30, at=0.0))
     s.add(req("realtime", 90, at=1.0))
-    assert list(step(s).num_scheduled_tokens) == ["batch"]
+    assert list(step(s)) == ["batch"]
 
 
 def test_priority_displaces_at_the_seat_cap() -> None:
@@ -59,7 +62,7 @@ def test_priority_displaces_at_the_seat_cap() -> None:
     step(s)  # b1's prefill waited for b2's, which outranks it by the margin
     s.add(req("rt", 90, at=1.0))
     plan = step(s)
-    assert "rt" in plan.num_scheduled_tokens
+    assert "rt" in plan
     assert s.requests["b1"].status is Status.PREEMPTED  # the least valued one
     assert s.requests["b2"].status is Status.RUNNING
 
@@ -70,7 +73,7 @@ def test_priority_displaces_at_the_kv_limit() -> None:
     step(s)
     s.add(req("rt", 90, prompt=16, at=1.0, first=500))  # needs 2
     plan = step(s)
-    assert "rt" in plan.num_scheduled_tokens and s.requests["batch"].status is Status.PREEMPTED
+    assert "rt" in plan and s.requests["batch"].status is Status.PREEMPTED
 
 
 def test_no_displacement_when_the_prefix_cache_makes_room() -> None:
@@ -79,7 +82,7 @@ def test_no_displacement_when_the_prefix_cache_makes_room() -> None:
     step(s)
     s.add(req("rt", 90, prompt=16, at=1.0))  # the batch request's first 16 tokens: one block hit, one new
     plan = step(s)
-    assert "rt" in plan.num_scheduled_tokens
+    assert "rt" in plan
     assert s.requests["batch"].status is Status.RUNNING, "it fitted through the cache: nobody is displaced"
     assert s.counters.prefix_cache_hits == 8
 
@@ -105,7 +108,7 @@ def sustained_load(s: Scheduler, clock: Clock, steps: int) -> float | None:
         clock.now = i * 0.5
         while sum(1 for r in s.waiting if r.req_id != "low") < 2:
             s.add(req(f"rt{clock.now}-{len(s.requests)}", 90, max_tokens=6, at=clock.now))
-        if "low" in step(s).num_scheduled_tokens:
+        if "low" in step(s):
             return clock.now
     return None
 
@@ -130,7 +133,7 @@ def test_custom_policy_by_dotted_path() -> None:
     s = make(policy, seqs=1)
     s.add(req("long", 50, max_tokens=200))
     s.add(req("short", 50, max_tokens=3, at=1.0))
-    assert list(step(s).num_scheduled_tokens) == ["short"]
+    assert list(step(s)) == ["short"]
 
 
 @pytest.mark.parametrize("name", ["nope", "deploy.custom_policy:Missing", "no_such_module:X", "builtins:dict"])
