@@ -3,10 +3,11 @@
 The engine runs as a server runs it (async scheduling, prefix caching on, block size 16, one stream reader per
 request) over `StandInWorkers`, which answer one token per sampling request. A probe times the engine's own calls
 on these instances, without changing them: `Scheduler.schedule`, `encode(plan)` (as the ZeroMQ link encodes it),
-`Scheduler.update`, and the engine's output path (`EngineCore._on_output`: detokenizer, stop strings, metrics,
-stream queues). Steps count once every running request decodes; each row gives the means over `--steps` of them,
-the p99 of the scheduler's sum, and the plan's bytes per decoding request. A last table times the admission of
-256 new requests at once.
+`Scheduler.update`, and the engine's output path (from the end of `update` to the next `schedule`: detokenizer,
+stop strings, metrics, stream queues), in the thread's CPU time (other processes on a shared machine do not count;
+the collector's pauses do). Steps count once every running request decodes; each row gives the means over
+`--steps` of them, the p99 of the scheduler's sum, and the plan's bytes per decoding request. A last table times
+the admission of 256 new requests at once.
 
     .venv/bin/python scripts/bench_scheduler.py [--json out.json] [--smoke]
 """
@@ -62,51 +63,51 @@ class Step:
 
 @dataclass(slots=True)
 class Probe:
-    """Times the engine's calls on one engine instance (its scheduler, its output path, its stand-in's plans)."""
+    """Times the engine's calls on one engine instance (its scheduler, its output path, its stand-in's plans) in
+    this thread's CPU time, so that other processes on a shared machine do not count."""
 
     steps: dict[int, Step] = field(default_factory=dict)
-    current: Step | None = None  # the step whose result the engine is applying
+    applied: Step | None = None  # the step whose result was applied last, its output path still running
+    applied_at: float = 0.0
 
     def attach(self, engine: EngineCore, workers: StandInWorkers) -> None:
         scheduler = engine.scheduler
-        schedule, update, on_output = scheduler.schedule, scheduler.update, engine._on_output
+        schedule, update = scheduler.schedule, scheduler.update
+        clock = time.thread_time
 
         def timed_schedule() -> StepPlan:
-            start = time.perf_counter()
+            start = clock()
+            if self.applied is not None:  # nothing yields between the outputs of a result and the next schedule()
+                self.applied.output_s = start - self.applied_at
+                self.applied = None
             plan = schedule()
-            elapsed = time.perf_counter() - start
+            elapsed = clock() - start
             tokens = plan.total_tokens
             self.steps[plan.step_id] = Step(len(plan.num_scheduled_tokens), tokens, len(plan.new_requests), elapsed)
             return plan
 
         def timed_update(plan: StepPlan, result: StepResult) -> list[RequestOutput]:
-            start = time.perf_counter()
+            start = clock()
             outputs = update(plan, result)
-            self.current = self.steps.get(plan.step_id)
-            if self.current is not None:
-                self.current.update_s = time.perf_counter() - start
+            self.applied_at = clock()
+            self.applied = self.steps.get(plan.step_id)
+            if self.applied is not None:
+                self.applied.update_s = self.applied_at - start
             return outputs
 
-        def timed_output(out: RequestOutput) -> None:
-            start = time.perf_counter()
-            on_output(out)
-            if self.current is not None:
-                self.current.output_s += time.perf_counter() - start
-
         def wire(plan: StepPlan) -> None:
-            start = time.perf_counter()
+            start = clock()
             data = encode(plan)
-            encoded = time.perf_counter()
+            encoded = clock()
             decode(data)
             step = self.steps.get(plan.step_id)
             if step is not None:
                 step.encode_s = encoded - start
-                step.decode_s = time.perf_counter() - encoded
+                step.decode_s = clock() - encoded
                 step.plan_bytes = len(data)
 
         scheduler.schedule = timed_schedule  # type: ignore[method-assign]
         scheduler.update = timed_update  # type: ignore[method-assign]
-        engine._on_output = timed_output  # type: ignore[method-assign]
         workers.on_plan = wire
 
     def decode_steps(self, num_seqs: int) -> list[Step]:
@@ -120,14 +121,14 @@ def budget(num_seqs: int) -> int:
 
 
 def make_engine(
-    num_seqs: int, max_len: int, policy: str, tokenizer: ModelTokenizer
+    num_seqs: int, max_len: int, policy: str, tokenizer: ModelTokenizer, budget: int
 ) -> tuple[EngineCore, StandInWorkers]:
     """An engine with the server's defaults where they matter (async scheduling, prefix caching, block 16) over
     stand-in workers that hold every request's whole context."""
     blocks = num_seqs * -(-max_len // BLOCK) + 64
     config = SchedulerConfig(
         block_size=BLOCK,
-        max_num_batched_tokens=budget(num_seqs),
+        max_num_batched_tokens=budget,
         max_num_seqs=num_seqs,
         max_model_len=max_len,
     )
@@ -171,9 +172,11 @@ async def drive(engine: EngineCore, batch: list[RequestSpec]) -> None:
 
 def measure(num_seqs: int, context: int, policy: str, args: argparse.Namespace, tokenizer: ModelTokenizer) -> dict:
     """`num_seqs` requests whose context is `context` tokens when the measured decode steps start."""
-    prefill_steps = -(-num_seqs * context // budget(num_seqs))  # the first requests decode while the last ones prefill
-    max_tokens = prefill_steps + args.warmup + args.steps + 8
-    engine, workers = make_engine(num_seqs, context + max_tokens + 1, policy, tokenizer)
+    # The first requests decode while the last ones prefill (under `priority` the lower classes' prefill waits for
+    # the higher ones'): every request runs long enough to share `--warmup` + `--steps` decode steps with the rest.
+    prefill_steps = -(-num_seqs * context // budget(num_seqs))
+    max_tokens = 2 * prefill_steps + args.warmup + args.steps + 16
+    engine, workers = make_engine(num_seqs, context + max_tokens + 1, policy, tokenizer, budget(num_seqs))
     probe = Probe()
     probe.attach(engine, workers)
     asyncio.run(drive(engine, specs(num_seqs, context, max_tokens, num_seqs + context, tokenizer.vocab_size)))
@@ -199,17 +202,17 @@ def measure(num_seqs: int, context: int, policy: str, args: argparse.Namespace, 
 
 def measure_admission(count: int, prompt_len: int, tokenizer: ModelTokenizer) -> dict:
     """`count` new requests arrive at once into an idle engine: the step that admits them all."""
-    engine, workers = make_engine(count, prompt_len + 2, "fcfs", tokenizer)
+    engine, workers = make_engine(count, prompt_len + 2, "fcfs", tokenizer, count * prompt_len)
     probe = Probe()
     probe.attach(engine, workers)
     batch = specs(count, prompt_len, 1, count * 7, tokenizer.vocab_size)
 
     async def run() -> float:
-        """Seconds the doors spent in submit()."""
+        """CPU seconds the doors spent in submit()."""
         loop = asyncio.ensure_future(engine.run())
-        start = time.perf_counter()
+        start = time.thread_time()
         readers = [asyncio.ensure_future(_drain(engine.submit(spec))) for spec in batch]
-        submitted = time.perf_counter() - start
+        submitted = time.thread_time() - start
         await asyncio.gather(*readers)
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)
@@ -295,16 +298,12 @@ def main(argv: list[str] | None = None) -> int:
     for policy in args.policies.split(","):
         for num_seqs, context in grid(args):
             rows.append(measure(num_seqs, context, policy, args, tokenizer))
-            print(_row_line(rows[-1]), file=sys.stderr, flush=True)
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     admission = measure_admission(args.admit, 200, tokenizer)
     print_tables(rows, admission)
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "admission": admission}, indent=2))
     return 0
-
-
-def _row_line(r: dict) -> str:
-    return f"{r['policy']} {r['seqs']} x {r['context']}: sum {r['sum_ms']:.3f} ms (p99 {r['sum_p99_ms']:.3f})"
 
 
 if __name__ == "__main__":
