@@ -33,7 +33,7 @@ from scheduler_node.core.config import SchedulerConfig  # noqa: E402
 from scheduler_node.core.policy import make_policy  # noqa: E402
 from scheduler_node.core.request import RequestSpec  # noqa: E402
 from scheduler_node.core.scheduler import RequestOutput, Scheduler  # noqa: E402
-from scheduler_node.engine.core import EngineCore  # noqa: E402
+from scheduler_node.engine.core import EngineCore, EngineOptions  # noqa: E402
 from scheduler_node.engine.model_path import resolve_model  # noqa: E402
 from scheduler_node.engine.stand_in import StandInWorkers  # noqa: E402
 from scheduler_node.text.tokenizer import ModelTokenizer  # noqa: E402
@@ -121,10 +121,10 @@ def budget(num_seqs: int) -> int:
 
 
 def make_engine(
-    num_seqs: int, max_len: int, policy: str, tokenizer: ModelTokenizer, budget: int
+    num_seqs: int, max_len: int, policy: str, tokenizer: ModelTokenizer, budget: int, schedule_gc: bool = True
 ) -> tuple[EngineCore, StandInWorkers]:
-    """An engine with the server's defaults where they matter (async scheduling, prefix caching, block 16) over
-    stand-in workers that hold every request's whole context."""
+    """An engine with the server's defaults where they matter (async scheduling, prefix caching, block 16, the
+    collector's schedule) over stand-in workers that hold every request's whole context."""
     blocks = num_seqs * -(-max_len // BLOCK) + 64
     config = SchedulerConfig(
         block_size=BLOCK,
@@ -135,7 +135,7 @@ def make_engine(
     mode = ExecutionMode.for_world(1, 1, async_scheduling=True)
     scheduler = Scheduler(config, blocks, make_policy(policy), mode)
     workers = StandInWorkers(blocks, token=tokenizer.tokenizer.token_to_id("a") or 65, block_size=BLOCK)
-    return EngineCore(scheduler, tokenizer, workers), workers
+    return EngineCore(scheduler, tokenizer, workers, EngineOptions(schedule_gc=schedule_gc)), workers
 
 
 def specs(count: int, prompt_len: int, max_tokens: int, seed: int, vocab: int) -> list[RequestSpec]:
@@ -176,7 +176,9 @@ def measure(num_seqs: int, context: int, policy: str, args: argparse.Namespace, 
     # the higher ones'): every request runs long enough to share `--warmup` + `--steps` decode steps with the rest.
     prefill_steps = -(-num_seqs * context // budget(num_seqs))
     max_tokens = 2 * prefill_steps + args.warmup + args.steps + 16
-    engine, workers = make_engine(num_seqs, context + max_tokens + 1, policy, tokenizer, budget(num_seqs))
+    engine, workers = make_engine(
+        num_seqs, context + max_tokens + 1, policy, tokenizer, budget(num_seqs), not args.default_gc
+    )
     probe = Probe()
     probe.attach(engine, workers)
     asyncio.run(drive(engine, specs(num_seqs, context, max_tokens, num_seqs + context, tokenizer.vocab_size)))
@@ -287,6 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=20, help="decode steps run before measuring")
     p.add_argument("--admit", type=int, default=256, help="new requests admitted at once (the admission table)")
     p.add_argument("--model", default="default", help="the model whose tokenizer the engine uses (no weights)")
+    p.add_argument(
+        "--default-gc",
+        action="store_true",
+        help="leave the interpreter's collector as it is (no engine/collector.py schedule), to compare",
+    )
     p.add_argument("--json", type=Path, help="write the rows here")
     p.add_argument("--smoke", action="store_true", help="a few small rows (CI)")
     args = p.parse_args(argv)

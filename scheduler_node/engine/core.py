@@ -24,6 +24,7 @@ from proto.wire import StepPlan, StepResult, TokenLogprobs
 from scheduler_node.core.request import Request, RequestSpec, Status, StopConditions
 from scheduler_node.core.scheduler import RequestOutput, Scheduler
 from scheduler_node.core.stats import snapshot
+from scheduler_node.engine.collector import CollectorSchedule
 from scheduler_node.engine.metrics import Metrics
 from scheduler_node.engine.outputs import Delta, RequestStream, SequenceOutput
 from scheduler_node.text.detokenizer import IncrementalDetokenizer
@@ -38,6 +39,8 @@ class EngineOptions:
     max_waiting_requests: int = 0  # waiting sequences at most (0: unbounded)
     scheduler_delay: float = 0.0  # seconds to wait for more arrivals before a small batch
     step_timeout: float = 60.0  # seconds a step may run (plus STEP_SECONDS_PER_TOKEN each) before its ranks are lost
+    # Keep the garbage collector's pauses out of the steps (engine/collector.py); a server process sets it.
+    schedule_gc: bool = False
 
     def __post_init__(self) -> None:
         if not self.rejoin_timeout > 0 or not self.step_timeout > 0:
@@ -85,6 +88,8 @@ class EngineCore:
         self.failed: str = ""  # set when the engine stopped for good
         self.draining = False  # no new requests; set by Drain and SIGTERM, never cleared
         self.gave_up = ""  # why requests are refused: a rank was lost and nobody rejoined in time
+        self.collector = CollectorSchedule() if self.options.schedule_gc else None
+        self._collected_at_idle = True  # nothing ran since the last idle collection
 
     # ---- what the doors ask
 
@@ -206,12 +211,15 @@ class EngineCore:
     # ---- the loop
 
     async def run(self) -> None:
+        if self.collector is not None:
+            self.collector.start()
         try:
             while True:
                 if not self.workers.all_ready:
                     self._drop_inflight()
                     await self._recover()
                 elif not self.scheduler.has_work and not self._inflight:
+                    self._collect_at_idle()
                     self._wake.clear()
                     await _first(self._wake.wait(), self.workers.lost.wait())
                 else:
@@ -253,6 +261,11 @@ class EngineCore:
             m.iteration_tokens.observe(head.tokens)
             m.batch_utilization = head.tokens / self.scheduler.config.max_num_batched_tokens
 
+    def _collect_at_idle(self) -> None:
+        if self.collector is not None and not self._collected_at_idle and not self._sequences:
+            self.collector.idle()
+            self._collected_at_idle = True
+
     def _fill_pipeline(self) -> None:
         while len(self._inflight) < self.mode.plans_in_flight and self.scheduler.has_work and not self._interrupting:
             start = time.perf_counter()
@@ -267,6 +280,10 @@ class EngineCore:
                 logger.error("step %d could not be sent: %s", plan.step_id, exc)
                 return  # the loop sees the lost rank and recovers
             self._inflight.append(_InFlight(plan, future, start, plan.total_tokens))
+            if plan.new_requests:
+                self._collected_at_idle = False
+                if self.collector is not None:
+                    self.collector.admitted()  # once the plan is on its way
 
     async def _await_head(self, head: _InFlight) -> StepResult:
         """The oldest plan's result. While it runs and there is room for another plan, requests that arrive are
