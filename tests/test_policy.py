@@ -6,7 +6,7 @@ import pytest
 
 from proto.wire import SamplingOptions, StepResult
 from scheduler_node.core.config import SchedulerConfig
-from scheduler_node.core.policy import HybridPolicy, Policy, PriorityPolicy, make_policy
+from scheduler_node.core.policy import DynamicPolicy, HybridPolicy, Policy, PriorityPolicy, make_policy
 from scheduler_node.core.request import Request, Status, StopConditions
 from scheduler_node.core.scheduler import Scheduler
 from tests.plans import scheduled
@@ -54,8 +54,9 @@ def test_fcfs_ignores_priority() -> None:
     assert list(step(s)) == ["batch"]
 
 
-def test_priority_displaces_at_the_seat_cap() -> None:
-    s = make(PriorityPolicy(), seqs=2)
+@pytest.mark.parametrize("policy", [PriorityPolicy, HybridPolicy, DynamicPolicy])
+def test_priority_displaces_at_the_seat_cap(policy: type[Policy]) -> None:
+    s = make(policy(), seqs=2)
     s.add(req("b1", 30))
     s.add(req("b2", 40))
     step(s)
@@ -120,6 +121,42 @@ def test_aging_bounds_starvation_under_sustained_high_priority_load() -> None:
     started_at = sustained_load(s, clock, 400)
     # (P - p) x aging_interval plus twice one realtime request's service time (7 steps of 0.5 s): policy.py
     bound = (90 - 20) * aging + 2 * 7 * 0.5
+    assert started_at is not None and started_at <= bound, (started_at, bound)
+
+
+def test_dynamic_orders_by_class_then_by_tokens_left() -> None:
+    s = make(DynamicPolicy(), seqs=1)
+    s.add(req("batch-short", 30, max_tokens=2))
+    s.add(req("long", 50, max_tokens=320, at=1.0))  # 5 points of tokens left: still above the batch class
+    s.add(req("short", 50, max_tokens=3, at=2.0))
+    assert list(step(s)) == ["short"]  # the class first, then few tokens left
+    while s.requests.get("short") is not None:
+        step(s)
+    assert list(step(s)) == ["long"]
+    for _ in range(5):
+        step(s)
+    assert s.requests["batch-short"].status is Status.WAITING
+
+
+def test_dynamic_tokens_left_do_not_outweigh_the_margin() -> None:
+    """A long request of the same class does not displace a short one, nor a short one a long one: the term is
+    a few points, less than the margin between classes."""
+    s = make(DynamicPolicy(preemption_margin=5.0), seqs=1)
+    s.add(req("long", 50, max_tokens=200))
+    step(s)
+    s.add(req("short", 50, max_tokens=2, at=0.0))
+    for _ in range(5):
+        step(s)
+    assert s.num_preemptions == 0 and s.requests["long"].status is Status.RUNNING
+
+
+def test_dynamic_aging_bounds_starvation_under_sustained_high_priority_load() -> None:
+    clock = Clock()
+    aging = 1.0
+    s = make(DynamicPolicy(aging_interval=aging, preemption_margin=5.0), seqs=2, clock=clock)
+    started_at = sustained_load(s, clock, 400)
+    # policy.py: (P - p + max_tokens / short_job_tokens) x aging_interval + 2 S, with `low`'s 4 tokens
+    bound = (90 - 20 + 4 / DynamicPolicy.short_job_tokens) * aging + 2 * 7 * 0.5
     assert started_at is not None and started_at <= bound, (started_at, bound)
 
 

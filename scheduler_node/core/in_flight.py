@@ -20,12 +20,16 @@ class SentPlan:
     tokens: list[int] = field(default_factory=list)  # each one's tokens computed by this step
     ends: list[int] = field(default_factory=list)  # each one's computed tokens once the step ran
     samples: list[bool] = field(default_factory=list)  # does this step sample its next token?
+    # Each one's preemptions when sent: a request preempted since (and maybe started again) is another run of it,
+    # which this plan's progress is not part of.
+    runs: list[int] = field(default_factory=list)
 
     def add(self, req: Request, tokens: int, samples: bool) -> None:
         self.requests.append(req)
         self.tokens.append(tokens)
         self.ends.append(req.num_computed_tokens)
         self.samples.append(samples)
+        self.runs.append(req.num_preemptions)
 
     @property
     def total_tokens(self) -> int:

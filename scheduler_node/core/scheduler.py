@@ -478,17 +478,17 @@ class Scheduler:
         if not bt.enable_prefix_caching:
             return
         bs = bt.block_size
-        for req, n, end in zip(sent.requests, sent.tokens, sent.ends):
+        for req, n, end, run in zip(sent.requests, sent.tokens, sent.ends, sent.runs):
             first_block, full = (end - n) // bs, end // bs
-            if full > first_block and req.status is Status.RUNNING:
+            if full > first_block and req.status is Status.RUNNING and req.num_preemptions == run:
                 bt.register(req.req_id, req.update_block_hashes(bs), first_block, full)
 
     def _undo(self, sent: SentPlan) -> None:
         """The workers skipped this plan's compute: its requests are back where they were before it (the
         blocks it allocated stay theirs; its diffs and block operations did run)."""
         self.counters.interrupted_steps += 1
-        for req, n, samples in zip(sent.requests, sent.tokens, sent.samples):
-            if req.status is not Status.RUNNING:
+        for req, n, samples, run in zip(sent.requests, sent.tokens, sent.samples, sent.runs):
+            if req.status is not Status.RUNNING or req.num_preemptions != run:
                 continue  # finished or preempted since: nothing of this step is kept for it
             req.num_computed_tokens -= n
             if samples:
@@ -512,9 +512,11 @@ class Scheduler:
 
     @staticmethod
     def can_undo(plans: list[StepPlan]) -> bool:
-        """Plans whose compute can be skipped: none preempts or swaps (a swapped-out request keeps its computed
-        tokens, which a skipped step would not have written)."""
-        return not any(p.swap_out or p.swap_in or p.preempted for p in plans)
+        """Plans whose compute can be skipped: none swaps out (a swapped-out request keeps its computed tokens,
+        which a skipped step before it would not have written). A skipped plan still swaps in (its block work
+        runs), and a request it preempted recomputes from scratch, so plans that resume a displaced request stay
+        interruptible: a realtime request arriving as one resumes does not wait for it."""
+        return not any(p.swap_out for p in plans)
 
     def requests_in(self, plan: StepPlan) -> list[Request]:
         """The live requests a plan computes."""
