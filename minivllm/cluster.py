@@ -1,8 +1,9 @@
 """A scheduler and its workers as processes on free loopback ports, for benchmarks and tests.
 
-cluster = Cluster(model_folder, ["--max-num-seqs", "64"], ["--threads", "2"])
+cluster = Cluster(model_folder, ["--max-num-seqs", "64"], ["--threads", "2"], http=True)
 cluster.wait_serving()
-stub = GenerationStub(cluster.channel)
+stub = GenerationStub(cluster.channel)          # gRPC
+openai.OpenAI(base_url=cluster.base_url, ...)   # and the OpenAI API
 ...
 cluster.stop()
 """
@@ -30,11 +31,18 @@ def free_port() -> int:
 
 class Cluster:
     def __init__(
-        self, model: Path, scheduler_args: Sequence[str] = (), worker_args: Sequence[str] = (), num_workers: int = 1
+        self,
+        model: Path,
+        scheduler_args: Sequence[str] = (),
+        worker_args: Sequence[str] = (),
+        num_workers: int = 1,
+        http: bool = False,
     ) -> None:
         self.port = free_port()
         self.worker_port = free_port()
         self.address = f"127.0.0.1:{self.port}"
+        self.http_port = free_port() if http else 0  # the OpenAI API, at self.base_url
+        self.base_url = f"http://127.0.0.1:{self.http_port}/v1" if http else ""
         self.log_dir = Path(subprocess.check_output(["mktemp", "-d"], text=True).strip())
         common = ["--log-level", "INFO"]
         self.scheduler = self._spawn(
@@ -51,6 +59,8 @@ class Cluster:
                 str(self.worker_port),
                 "--num-workers",
                 str(num_workers),
+                "--openai-port",
+                str(self.http_port),
                 *common,
                 *scheduler_args,
             ],

@@ -72,7 +72,7 @@ def run_minivllm(model: Path, work: Work, dtype: str, args: argparse.Namespace) 
     argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--model", str(model), "--dtype", dtype]
     argv += ["--port", str(port), "--worker-port", str(worker_port), "--max-num-seqs", str(args.max_num_seqs)]
     argv += ["--max-num-batched-tokens", str(args.max_num_batched_tokens), "--kv-cache-memory", args.kv_cache_memory]
-    argv += ["--threads", str(args.threads), "--log-level", "WARNING"]
+    argv += ["--threads", str(args.threads), "--log-level", "WARNING", "--openai-port", "0"]  # gRPC only
     log = tempfile.TemporaryFile()
     server = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")

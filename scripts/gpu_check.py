@@ -118,7 +118,7 @@ def tp_part(args: argparse.Namespace) -> dict[str, Any]:
 
     port, worker_port = _free_port(), _free_port()
     argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--tensor-parallel-size", "2", "--device", "cuda"]
-    argv += ["--dtype", "bfloat16", "--port", str(port), "--worker-port", str(worker_port)]
+    argv += ["--dtype", "bfloat16", "--port", str(port), "--worker-port", str(worker_port), "--openai-port", "0"]
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     server = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     start = time.perf_counter()

@@ -148,7 +148,7 @@ def test_service_ports_probes_and_secrets_match_the_scheduler_flags(overlay: tup
         assert number == getattr(args, PORT_FLAGS[port_name]), f"{name}: containerPort {port_name} != its flag"
     for p in service["spec"]["ports"]:
         assert p["targetPort"] in ports and p["port"] == ports[p["targetPort"]], f"{name}: Service port {p}"
-    binds = {"grpc": args.host, "metrics": args.metrics_host, "workers": args.worker_host}
+    binds = {"grpc": args.host, "http": args.host, "metrics": args.metrics_host, "workers": args.worker_host}
     exposed = {p["targetPort"] for p in service["spec"]["ports"]}
     for port_name in exposed & binds.keys():
         assert binds[port_name] in ("0.0.0.0", "::"), f"{name}: {port_name} is behind a Service but bound locally"
@@ -269,8 +269,5 @@ def test_the_openai_component_adds_a_port_the_scheduler_knows(tmp_path: Path) ->
     world = World(render(K8S / "overlays" / "cpu", tmp=tmp_path, components=(K8S / "components" / "openai",)))
     container = pod_spec(world.one("Deployment"))["containers"][0]
     assert any(p["name"] == "http" for p in world.one("Service", "minivllm-scheduler")["spec"]["ports"])
-    scheduler_flags = importlib.import_module(COMMANDS["vllm-scheduler"]).build_parser()._option_string_actions
-    if "--openai-port" not in scheduler_flags:
-        pytest.xfail("vllm-scheduler has no --openai-port yet; the component waits for it")
     test_service_ports_probes_and_secrets_match_the_scheduler_flags(("cpu+openai", world), tmp_path)
     assert container["ports"]

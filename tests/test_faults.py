@@ -249,7 +249,7 @@ def test_vllm_serve_restarts_a_dead_worker(tiny_llama_dir: Path, tmp_path: Path)
         f"heartbeat-timeout: {HEARTBEAT}\nworker-rejoin-timeout: 60\n"
     )
     argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--config", str(config), "--port", str(port),
-            "--worker-port", str(free_port())]  # fmt: skip
+            "--worker-port", str(free_port()), "--openai-port", "0"]  # fmt: skip
     serve = subprocess.Popen(argv, cwd=REPO)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:

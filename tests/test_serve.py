@@ -1,4 +1,5 @@
-"""vllm-serve starts a scheduler and its workers, serves, and stops them all cleanly on SIGTERM."""
+"""vllm-serve starts a scheduler and its workers, serves gRPC and the OpenAI API, drains on SIGTERM (HTTP answers
+503 meanwhile while the live stream finishes) and stops them all cleanly."""
 
 from __future__ import annotations
 
@@ -9,21 +10,37 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx
 
 from minivllm.cluster import REPO, free_port
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from scheduler_node.cli.client import wait_ready
+from scheduler_node.cli.serve import build_parser
 from tests.ops import alive, child_pids
+
+KEY = "sk-serve-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def command_line(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def test_serve_turns_the_openai_api_on_at_8000() -> None:
+    assert build_parser().parse_args([]).openai_port == 8000
 
 
 def test_serve_runs_and_stops_all_children_on_sigterm(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    port, worker_port = free_port(), free_port()
+    port, worker_port, http_port = free_port(), free_port(), free_port()
     config = tmp_path / "serve.yaml"
-    config.write_text(f"model: {tiny_llama_dir}\nkv-cache-memory: 16MiB\nthreads: 1\nlog-level: WARNING\n")
+    config.write_text(
+        f"model: {tiny_llama_dir}\nkv-cache-memory: 16MiB\nthreads: 1\nlog-level: WARNING\napi-key: {KEY}\n"
+    )
     argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--config", str(config),
-            "--port", str(port), "--worker-port", str(worker_port)]  # fmt: skip
+            "--port", str(port), "--worker-port", str(worker_port), "--openai-port", str(http_port)]  # fmt: skip
     serve = subprocess.Popen(argv, cwd=REPO)
+    url = f"http://127.0.0.1:{http_port}"
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             assert wait_ready(channel, 120), "vllm-serve never became SERVING"
@@ -31,9 +48,22 @@ def test_serve_runs_and_stops_all_children_on_sigterm(tiny_llama_dir: Path, tmp_
             request = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=5, temperature=0))
             deltas = list(stub.Generate(request, timeout=60))
             assert deltas[-1].usage.completion_tokens == 5
+        assert httpx.get(url + "/health").status_code == 200
         children = child_pids(serve.pid)
         assert len(children) == 2, children  # the scheduler and one worker
-        serve.send_signal(signal.SIGTERM)
+        assert not [pid for pid in children if KEY in command_line(pid)], "the API key is on a command line"
+        assert httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 401
+        body = {"prompt": "hi", "max_tokens": 1000, "ignore_eos": True, "stream": True}  # outlasts the checks
+        with httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH, timeout=60) as live:
+            chunks = live.iter_lines()
+            assert next(chunks).startswith("data: ")
+            serve.send_signal(signal.SIGTERM)  # the scheduler drains: the live stream goes on, new work is refused
+            deadline = time.monotonic() + 10
+            while httpx.get(url + "/health").status_code == 200 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            refused = httpx.post(url + "/v1/completions", json={"prompt": "late", "max_tokens": 2}, headers=AUTH)
+            assert refused.status_code == 503 and "draining" in refused.json()["error"]["message"]
+            assert [line for line in chunks if line][-1] == "data: [DONE]"
         assert serve.wait(30) == 0
         deadline = time.monotonic() + 10
         while any(alive(pid) for pid in children) and time.monotonic() < deadline:

@@ -84,7 +84,9 @@ def max_prompt_chars(tokenizer: ModelTokenizer, max_model_len: int) -> int:
     return max_model_len * tokenizer.max_token_chars
 
 
-def prompt_from_text(text: str, tokenizer: ModelTokenizer, max_model_len: int, name: str = "prompt") -> list[int]:
+def prompt_from_text(
+    text: str, tokenizer: ModelTokenizer, max_model_len: int, name: str = "prompt", add_special_tokens: bool = True
+) -> list[int]:
     if not text:
         raise InvalidField(name, "must not be empty")
     limit = max_prompt_chars(tokenizer, max_model_len)
@@ -92,7 +94,7 @@ def prompt_from_text(text: str, tokenizer: ModelTokenizer, max_model_len: int, n
         raise InvalidField(
             name, f"{len(text)} characters cannot fit in max_model_len {max_model_len} (at most {limit})"
         )
-    return _fits(tokenizer.encode(text), max_model_len, name)
+    return _fits(tokenizer.encode(text, add_special_tokens), max_model_len, name)
 
 
 def prompt_from_ids(ids: Sequence[int], tokenizer: ModelTokenizer, max_model_len: int, name: str) -> list[int]:
@@ -324,6 +326,18 @@ def _schema_text(schema: str | Mapping[str, Any] | None, name: str) -> str:
     return json.dumps(parsed)
 
 
+def priority_from(given: int | None, header: str | None) -> int:
+    """The request's own priority, else the x-priority header's, else the default."""
+    if given is not None:
+        return given
+    if header is None:
+        return DEFAULT_PRIORITY
+    try:
+        return int(header)
+    except ValueError:
+        raise InvalidField("priority", f"the x-priority header must be an integer, got {header!r}") from None
+
+
 # ---- the gRPC door
 
 
@@ -385,14 +399,7 @@ def _structured_fields(s: pb.SamplingParams) -> StructuredFields | None:
 
 
 def _priority(request: pb.GenerateRequest, header: str | None) -> int:
-    if request.HasField("priority"):
-        return request.priority
-    if header is None:
-        return DEFAULT_PRIORITY
-    try:
-        return int(header)
-    except ValueError:
-        raise InvalidField("priority", f"the x-priority header must be an integer, got {header!r}") from None
+    return priority_from(request.priority if request.HasField("priority") else None, header)
 
 
 def _prompt_ids(request: pb.GenerateRequest, tokenizer: ModelTokenizer, max_model_len: int) -> list[int]:

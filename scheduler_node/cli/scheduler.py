@@ -13,7 +13,9 @@ from proto.curve import ensure_keys
 from proto.parallel import ParallelLayout
 from scheduler_node.api.grpc_server import GenerationService, build_server
 from scheduler_node.api.health import report_health, set_serving
+from scheduler_node.api.openai_server import OpenAIDoor, OpenAIServer
 from scheduler_node.api.security import server_credentials
+from scheduler_node.cli.openai_flags import add_openai_flags, openai_config
 from scheduler_node.cli.operations import add_operations_flags, check_operations_flags
 from scheduler_node.core.config import PREEMPTION_MODES, SchedulerConfig
 from scheduler_node.core.policy import POLICIES
@@ -36,7 +38,7 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
         help="HF folder (safetensors, or a linked GGUF), a .gguf file, an HF hub id (org/name) already in the local "
         "HF cache, or 'default' (SmolLM2-135M-Instruct)",
     )
-    p.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
+    p.add_argument("--host", default="127.0.0.1", help="bind address of gRPC and the HTTP API")
     p.add_argument("--port", type=int, default=50051, help="gRPC port")
     p.add_argument("--worker-host", default="127.0.0.1", help="bind address of the ZMQ socket workers join")
     p.add_argument("--worker-port", type=int, default=50061, help="port of the ZMQ socket workers join")
@@ -175,13 +177,15 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
         help="seconds to wait for more arrivals before starting a small batch (0: never wait)",
     )
     add_operations_flags(p)
+    add_openai_flags(p)
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="vllm-scheduler",
-        description="The central scheduler: gRPC Generate/Abort for clients, step plans over ZMQ to "
+        description="The central scheduler: gRPC Generate/Abort (and with --openai-port the OpenAI HTTP API) for "
+        "clients, step plans over ZMQ to "
         "vllm-worker processes that join at --worker-host:--worker-port.",
     )
     add_config_flag(p)
@@ -249,10 +253,15 @@ async def serve(args: argparse.Namespace) -> int:
     service.link = link
     credentials = server_credentials(args.tls_cert, args.tls_key) if args.tls_cert else None
     server, health = build_server(service, f"{args.host}:{args.port}", credentials, args.control_token)
-    metrics = Metrics(folder.name)
+    metrics = Metrics(args.served_model_name or folder.name)
+    http_config = openai_config(args, folder)
+    door = OpenAIDoor(http_config, tokenizer, metrics) if http_config else None
+    http = OpenAIServer(door) if door else None  # binds now: a taken port fails the start
     if args.metrics_port:
         metrics.serve(args.metrics_host, args.metrics_port)
     await server.start()
+    if http is not None:
+        http.start()
     await set_serving(health, False)
     logger.info(
         "gRPC on %s:%d; waiting for %d worker(s) on %s:%d",
@@ -281,16 +290,18 @@ async def serve(args: argparse.Namespace) -> int:
     await asyncio.wait({gather, stopper}, return_when=asyncio.FIRST_COMPLETED)
     if not gather.done():
         gather.cancel()
-        await _shutdown(server, link, "scheduler stopped before the workers joined")
+        await _shutdown(server, link, "scheduler stopped before the workers joined", http)
         return 0
     try:
         capacity = gather.result()
     except TimeoutError:
-        await _shutdown(server, link, "the world did not assemble in time")  # the joined workers leave too
+        await _shutdown(server, link, "the world did not assemble in time", http)  # the joined workers leave too
         raise
     engine = make_engine(config, folder, tokenizer, link, capacity, metrics)
     metrics.bind(engine.live_metrics, loop)
     service.engine = engine
+    if door is not None:
+        door.engine = engine
     engine_task = asyncio.ensure_future(engine.run())
     health_task = asyncio.ensure_future(report_health(engine, health))
     logger.info(
@@ -316,12 +327,14 @@ async def serve(args: argparse.Namespace) -> int:
     health_task.cancel()
     await set_serving(health, False)
     engine_task.cancel()
-    await _shutdown(server, link, "scheduler shutting down")
+    await _shutdown(server, link, "scheduler shutting down", http)
     metrics.close()
     return code
 
 
-async def _shutdown(server, link: WorkerLink, reason: str) -> None:  # type: ignore[no-untyped-def]
+async def _shutdown(server, link: WorkerLink, reason: str, http: OpenAIServer | None) -> None:  # type: ignore[no-untyped-def]
+    if http is not None:
+        await http.stop()
     await server.stop(grace=2.0)
     await link.close(reason)
 

@@ -14,6 +14,7 @@ import time
 from proto.cli_config import add_config_flag, parse_args
 from proto.curve import ensure_keys
 from proto.worker_flags import add_worker_flags, worker_argv
+from scheduler_node.cli.openai_flags import API_KEY_ENV, SERVE_OPENAI_PORT
 from scheduler_node.cli.operations import TOKEN_ENV
 from scheduler_node.cli.scheduler import add_scheduler_flags, resolve_parallel
 from scheduler_node.engine.launchers import add_launcher_flags, make_launcher
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_flag(p)
     add_scheduler_flags(p)
+    p.set_defaults(openai_port=SERVE_OPENAI_PORT)
     add_worker_flags(p)
     add_launcher_flags(p)
     return p
@@ -69,9 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     env = dict(os.environ)
     argv = scheduler_argv(args) + launcher.scheduler_flags()
-    i = argv.index("--control-token")  # passed in the environment: a command line is visible to all local users
-    env[TOKEN_ENV] = argv[i + 1]
-    del argv[i : i + 2]
+    for flag, var in (("--control-token", TOKEN_ENV), ("--api-key", API_KEY_ENV)):
+        i = argv.index(flag)  # secrets go in the environment: a command line is visible to all local users
+        env[var] = argv[i + 1]
+        del argv[i : i + 2]
     if args.zmq_curve_dir:
         ensure_keys(args.zmq_curve_dir)  # before the workers look for them
     # Children get their own session, so a terminal's Ctrl-C reaches only vllm-serve, which drains in order.

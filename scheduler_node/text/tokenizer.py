@@ -46,6 +46,10 @@ class ModelTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens included (logprobs name every token)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     @property
     def has_chat_template(self) -> bool:
         return self._template is not None

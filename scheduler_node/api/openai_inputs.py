@@ -1,0 +1,71 @@
+"""OpenAI request bodies → the engine's RequestSpecs, through the door-neutral checks of api/validation.py.
+
+Runs off the event loop (it tokenizes). Errors name the field as the client sent it: `top_logprobs`, not the
+engine's `logprobs`; `prompt[2]` for the third of several prompts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from scheduler_node.api.openai_protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from scheduler_node.api.validation import (
+    MAX_N,
+    InvalidField,
+    build_spec,
+    prompt_from_ids,
+    prompt_from_messages,
+    prompt_from_text,
+)
+from scheduler_node.core.request import RequestSpec
+from scheduler_node.text.tokenizer import ModelTokenizer
+
+
+def chat_specs(
+    req: ChatCompletionRequest, tokenizer: ModelTokenizer, max_model_len: int, request_id: str, priority: int
+) -> list[RequestSpec]:
+    fields, renames = req.fields()
+    with _renamed(renames):
+        ids = prompt_from_messages(template_messages(req.messages), tokenizer, max_model_len)
+        spec = build_spec(ids, fields, max_model_len, tokenizer=tokenizer, request_id=request_id,
+                          priority=priority, cache_salt=req.cache_salt)  # fmt: skip
+    return [spec]
+
+
+def completion_specs(
+    req: CompletionRequest, tokenizer: ModelTokenizer, max_model_len: int, request_id: str, priority: int
+) -> list[RequestSpec]:
+    fields, renames = req.fields()
+    prompts = req.prompt
+    if len(prompts) * (fields.n or 1) > MAX_N:
+        raise InvalidField("prompt", f"{len(prompts)} prompts x n={fields.n or 1} exceeds {MAX_N} sequences")
+    specs = []
+    for i, prompt in enumerate(prompts):
+        name = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if isinstance(prompt, str):
+            ids = prompt_from_text(prompt, tokenizer, max_model_len, name)
+        else:
+            ids = prompt_from_ids(prompt, tokenizer, max_model_len, name)
+        one_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+        with _renamed(renames):
+            specs.append(build_spec(ids, fields, max_model_len, tokenizer=tokenizer, request_id=one_id,
+                                    priority=priority, cache_salt=req.cache_salt))  # fmt: skip
+    return specs
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """The messages as the chat template reads them."""
+    return [{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})} for m in messages]
+
+
+@contextlib.contextmanager
+def _renamed(renames: dict[str, str]) -> Iterator[None]:
+    """InvalidField under the name the client used for the field (`structured.json` → `response_format`)."""
+    try:
+        yield
+    except InvalidField as exc:
+        base = exc.field.split(".")[0]
+        if base not in renames:
+            raise
+        raise InvalidField(renames[base], str(exc)[len(exc.field) + 2 :]) from None

@@ -1,0 +1,252 @@
+"""The OpenAI API's request bodies as pydantic models: types are checked here (strictly, unknown fields refused,
+as OpenAI does); ranges and limits are checked by api/validation.py, the same checks every door runs.
+
+Fields OpenAI defines that this server does not implement are accepted only at their neutral value (no `tools`,
+no `echo`), so a client that sets them learns so instead of getting other output.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict
+from pydantic_core import PydanticCustomError
+
+from scheduler_node.api.validation import InvalidField, SamplingFields, StructuredFields
+
+
+def _stop_strings(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return value
+    raise PydanticCustomError("stop_type", "must be a string or a list of strings")
+
+
+def _prompts(value: Any) -> list[str | list[int]]:
+    """A completion's prompt(s): a string, a list of strings, token ids, or a list of token-id lists."""
+
+    def ids(v: Any) -> bool:
+        return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+    if isinstance(value, str):
+        return [value]
+    if ids(value):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(p, str) or ids(p) for p in value):
+        return value
+    raise PydanticCustomError(
+        "prompt_type", "must be a string, a list of strings, a list of token ids, or a list of lists of token ids"
+    )
+
+
+def _content(value: Any) -> str:
+    """A message's content: a string, or a list of text parts (joined); images and audio are not supported."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for part in value:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise PydanticCustomError(
+                    "content_part", "only parts of type 'text' with a string 'text' are supported"
+                )
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise PydanticCustomError("content_type", "must be a string or a list of text parts")
+
+
+def _neutral_only(*allowed: Any) -> BeforeValidator:
+    """A field this server does not implement: accepted only at one of its neutral values."""
+
+    def check(value: Any) -> Any:
+        if value not in allowed:
+            shown = " or ".join(json.dumps(a) for a in allowed if a is not None)
+            raise PydanticCustomError("unsupported", "not supported by this server; leave it out or send {shown}",
+                                      {"shown": shown})  # fmt: skip
+        return value
+
+    return BeforeValidator(check)
+
+
+# Integers as wide as the gRPC contract's (int32; seeds int64): the wire to the workers carries no bigger ones.
+Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+StopStrings = Annotated[list[str], BeforeValidator(_stop_strings)]
+Prompts = Annotated[list[str | list[int]], BeforeValidator(_prompts)]
+Content = Annotated[str, BeforeValidator(_content)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ChatMessage(BaseModel):
+    """One message; fields a client echoes back from an earlier answer (refusal, tool_calls: null) are ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    role: str
+    content: Content = ""
+    name: str | None = None
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = ""
+    description: str = ""
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's structured output: text (no constraint), any JSON object, or JSON under a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def fields(self) -> StructuredFields | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredFields(json_object=True)
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise InvalidField("response_format.json_schema.schema", "required with type json_schema")
+        return StructuredFields(json=self.json_schema.schema_)
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's structured_outputs: exactly one of a JSON schema, a regex, a choice of strings, or any JSON object."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool = False
+
+    def fields(self) -> StructuredFields:
+        return StructuredFields(json=self.json_, regex=self.regex, choice=self.choice, json_object=self.json_object)
+
+
+class _GenerationRequest(_Strict):
+    """What chat and completions share: OpenAI's sampling fields and vLLM's extensions."""
+
+    model: str | None = None
+    max_tokens: Int32 | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: Int32 | None = None
+    seed: Int64 | None = None
+    stop: StopStrings = Field(default_factory=list)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and not used (OpenAI's abuse monitoring)
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    # token id -> bias; JSON object keys are strings, so keys are converted ("42" -> 42)
+    logit_bias: dict[Annotated[int, Strict(False)], float] | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's extensions
+    top_k: Int32 | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: Int32 | None = None
+    stop_token_ids: list[Int32] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: Int32 | None = None
+    structured_outputs: StructuredOutputs | None = None
+    ignore_eos: bool = False
+    priority: Int32 | None = None  # higher runs first, as in the gRPC API (vLLM's is the other way round)
+    cache_salt: str = ""
+
+    def sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise InvalidField("stream_options", "only allowed when stream is true")
+        return SamplingFields(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            n=self.n,
+            logprobs=logprobs,
+            seed=self.seed,
+            stop=self.stop,
+            ignore_eos=self.ignore_eos,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            min_tokens=self.min_tokens,
+            stop_token_ids=self.stop_token_ids or (),
+            logit_bias=self.logit_bias or {},
+            bad_words=self.bad_words or (),
+            prompt_logprobs=self.prompt_logprobs,
+            structured=self.structured(),
+        )
+
+    def structured(self) -> StructuredFields | None:
+        if self.response_format is not None and self.structured_outputs is not None:
+            raise InvalidField("structured_outputs", "send response_format or structured_outputs, not both")
+        if self.structured_outputs is not None:
+            return self.structured_outputs.fields()
+        return None if self.response_format is None else self.response_format.fields()
+
+    def renames(self) -> dict[str, str]:
+        """Our field names → this request's (errors name what the client sent)."""
+        return {"structured": "structured_outputs" if self.structured_outputs is not None else "response_format"}
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: Int32 | None = None
+    logprobs: bool = False
+    top_logprobs: Int32 | None = None
+    tools: Annotated[Any, _neutral_only(None, [])] = None
+    tool_choice: Annotated[Any, _neutral_only(None, "none")] = None
+
+    def fields(self) -> tuple[SamplingFields, dict[str, str]]:
+        """The sampling fields, and the names this request gave them (for errors) where they differ from ours."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidField("top_logprobs", "needs logprobs: true")
+        renames = {**self.renames(), "logprobs": "top_logprobs"}
+        max_tokens = self.max_tokens
+        if self.max_completion_tokens is not None:  # OpenAI's newer name wins
+            max_tokens = self.max_completion_tokens
+            renames["max_tokens"] = "max_completion_tokens"
+        return self.sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None), renames
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: Prompts
+    max_tokens: Int32 | None = 16  # OpenAI's default for completions
+    logprobs: Int32 | None = None
+    echo: Annotated[Any, _neutral_only(False)] = False
+    best_of: Int32 | None = None  # only equal to n (one sample per sequence)
+    suffix: Annotated[Any, _neutral_only(None, "")] = None
+
+    def fields(self) -> tuple[SamplingFields, dict[str, str]]:
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise InvalidField("best_of", f"must equal n ({self.n or 1}): every sampled sequence is returned")
+        return self.sampling(self.max_tokens, self.logprobs), self.renames()
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,152 @@
+"""One HTTP request on the engine: its prompts submitted (n sequences each), their deltas merged in arrival order,
+streamed as server-sent events or collected into one answer. Whatever way it ends — finished, failed, or the
+client gone — every request it submitted is aborted unless finished, so its blocks return."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from scheduler_node.api.openai_errors import OpenAIError, engine_error
+from scheduler_node.api.openai_responses import Choice, Shape, Usage
+from scheduler_node.core.request import RequestSpec
+from scheduler_node.engine.core import EngineCore
+from scheduler_node.engine.outputs import Delta, RequestStream
+
+DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class Run:
+    engine: EngineCore
+    specs: list[RequestSpec]
+    shape: Shape
+    streams: list[RequestStream] = field(default_factory=list)
+    usage: Usage = field(default_factory=Usage)
+
+    def __post_init__(self) -> None:
+        self.n = self.specs[0].n
+        self.choices = [Choice(i, self.specs[i // self.n].prompt_token_ids) for i in range(len(self.specs) * self.n)]
+        self._counted: set[int] = set()  # prompts whose tokens are in usage
+
+    def start(self) -> None:
+        self.streams = [self.engine.submit(spec) for spec in self.specs]
+
+    def abort(self) -> None:
+        for spec in self.specs:
+            self.engine.abort(spec.request_id)  # False, and nothing done, for a finished one
+
+    async def deltas(self) -> AsyncIterator[tuple[Choice, Delta]]:
+        """Every sequence's deltas with the choice they belong to; raises OpenAIError when the engine failed one."""
+        async for prompt, delta in _merged(self.streams):
+            if delta.finish_reason == "error":
+                raise engine_error(delta.code, delta.error)
+            if delta.finish_reason:
+                self.usage.add(delta, prompt not in self._counted)
+                self._counted.add(prompt)
+            if delta.prompt_logprobs:  # the prompt's, once: every sequence of it shares them
+                shared = self.shape.prompt_logprobs(self.specs[prompt].prompt_token_ids, delta.prompt_logprobs)
+                for j in range(self.n):
+                    self.choices[prompt * self.n + j].prompt_logprobs = shared
+            yield self.choices[prompt * self.n + delta.index], delta
+
+    async def events(self, include_usage: bool) -> AsyncIterator[str]:
+        """The answer as server-sent events, ending with `data: [DONE]`; an engine failure mid-stream is an
+        error event (the status line is long gone)."""
+        try:
+            async for choice, delta in self.deltas():
+                chunk = self.shape.stream_choice(choice, delta)
+                if chunk is not None:
+                    yield self.shape.sse(chunk)
+            if include_usage:
+                yield self.shape.sse(usage=self.usage)
+        except OpenAIError as exc:
+            yield f"data: {json.dumps(exc.body())}\n\n"
+        yield DONE
+
+    async def answer(self, receive: Receive) -> dict[str, Any]:
+        """The whole answer; OpenAIError(499) when the client disconnects first."""
+        try:
+            finished = await until_done_or_gone(self._collect(), receive)
+        finally:
+            self.abort()
+        if not finished:
+            raise OpenAIError(499, "the client closed the connection")  # nobody reads it
+        return self.shape.answer(self.choices, self.usage)
+
+    async def _collect(self) -> None:
+        async for choice, delta in self.deltas():
+            self.shape.add(choice, delta)
+
+
+class RunResponse(StreamingResponse):
+    """A streamed run that ends when the client disconnects (not at the next token it would have been sent),
+    and aborts what is unfinished however it ends."""
+
+    def __init__(self, run: Run, include_usage: bool) -> None:
+        super().__init__(
+            run.events(include_usage), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+        self.run = run
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await until_done_or_gone(self.stream_response(send), receive)
+        except OSError:  # the client went away between two chunks
+            pass
+        finally:
+            self.run.abort()
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Delta]]:
+    """(prompt index, delta) from every stream as they come."""
+    if len(streams) == 1:
+        async for delta in streams[0]:
+            yield 0, delta
+        return
+    queue: asyncio.Queue[tuple[int, Delta] | None] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        async for delta in stream:
+            queue.put_nowait((i, delta))
+        queue.put_nowait(None)
+
+    pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(pumps)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            else:
+                yield item
+    finally:
+        for task in pumps:
+            task.cancel()
+
+
+async def until_done_or_gone(work: Awaitable[None], receive: Receive) -> bool:
+    """Run `work` until it finishes (True) or the client disconnects (False: `work` is cancelled). The request's
+    body was read before: the only message left to receive is the disconnect."""
+
+    async def gone() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        return False
+    task.result()  # raises what it raised
+    return True

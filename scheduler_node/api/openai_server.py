@@ -1,0 +1,209 @@
+"""The OpenAI-compatible HTTP door (`--openai-port`): FastAPI served by uvicorn on the scheduler's own event loop,
+driving the same EngineCore as the gRPC door (no extra hop, no second engine).
+
+POST /v1/chat/completions, /v1/completions (streamed as server-sent events with `stream: true`), GET /v1/models;
+vLLM's POST /tokenize and /detokenize; GET /health (200 exactly while gRPC health is SERVING) and /metrics (the
+registry `--metrics-port` serves). With an API key every path but /health and /metrics (probes, Prometheus) needs
+`Authorization: Bearer KEY`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from scheduler_node.api.openai_errors import OpenAIError, install_handlers
+from scheduler_node.api.openai_guards import ApiKeyAuth, BodyLimit
+from scheduler_node.api.openai_inputs import chat_specs, completion_specs, template_messages
+from scheduler_node.api.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from scheduler_node.api.openai_responses import ChatShape, CompletionShape, Shape
+from scheduler_node.api.openai_runs import Run, RunResponse
+from scheduler_node.api.validation import (
+    InvalidField,
+    priority_from,
+    prompt_from_ids,
+    prompt_from_messages,
+    prompt_from_text,
+)
+from scheduler_node.core.request import RequestSpec
+from scheduler_node.engine.core import EngineCore
+from scheduler_node.engine.metrics import Metrics
+from scheduler_node.text.tokenizer import ModelTokenizer
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 8 * 1024 * 1024  # a prompt of max_model_len tokens fits many times over
+
+MakeSpecs = Callable[[Any, ModelTokenizer, int, str, int], list[RequestSpec]]
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAIConfig:
+    host: str
+    port: int
+    model_name: str  # what /v1/models lists and `model` must name
+    api_key: str = ""  # "": no authentication
+
+
+class OpenAIDoor:
+    """The door's state; `engine` is set once the workers have joined (until then: 503)."""
+
+    def __init__(self, config: OpenAIConfig, tokenizer: ModelTokenizer, metrics: Metrics) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.engine: EngineCore | None = None
+
+    def ready_engine(self) -> EngineCore:
+        engine = self.engine
+        if engine is None:
+            raise OpenAIError(503, "the workers are joining; retry later")
+        reason = engine.unavailable() or ("" if engine.workers.all_ready else "a worker is not ready")
+        if reason:
+            raise OpenAIError(503, reason)
+        return engine
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.model_name:
+            message = f"the model `{model}` does not exist; this server serves `{self.config.model_name}`"
+            raise OpenAIError(404, message, "model", "model_not_found")
+
+    async def generate(
+        self, body: ChatCompletionRequest | CompletionRequest, request: Request, shape: type[Shape], prefix: str
+    ) -> Response:
+        self.check_model(body.model)
+        engine = self.ready_engine()
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        make: MakeSpecs = chat_specs if isinstance(body, ChatCompletionRequest) else completion_specs
+        try:
+            priority = priority_from(body.priority, request.headers.get("x-priority"))
+            # Off the event loop: tokenizing a long prompt must not stall other requests' streams.
+            specs = await asyncio.to_thread(make, body, self.tokenizer, engine.max_model_len, request_id, priority)
+        except InvalidField as exc:
+            raise OpenAIError(400, str(exc), exc.field) from None
+        engine = self.ready_engine()  # it may have started draining meanwhile
+        if engine.queue_full(sum(spec.n for spec in specs)):
+            limit = engine.options.max_waiting_requests
+            raise OpenAIError(429, f"the waiting queue is full (--max-waiting-requests {limit}); retry later")
+        sampling = specs[0].sampling
+        want = sampling.logprobs is not None, sampling.prompt_logprobs is not None
+        run = Run(engine, specs, shape(request_id, self.config.model_name, self.tokenizer, *want))
+        run.start()
+        if body.stream:
+            return RunResponse(run, body.stream_options is not None and body.stream_options.include_usage)
+        return JSONResponse(await run.answer(request.receive))
+
+
+def build_app(door: OpenAIDoor) -> FastAPI:
+    app = FastAPI(title="minivllm", summary="OpenAI-compatible API")
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+    if door.config.api_key:
+        app.add_middleware(ApiKeyAuth, key=door.config.api_key)  # added last: runs first
+    install_handlers(app)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await door.generate(body, request, ChatShape, "chatcmpl")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await door.generate(body, request, CompletionShape, "cmpl")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        engine = door.engine
+        card = {"id": door.config.model_name, "object": "model", "created": 0, "owned_by": "minivllm"}
+        if engine is not None:
+            card["max_model_len"] = engine.max_model_len
+        return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        door.check_model(body.model)
+        engine = door.ready_engine()
+        try:
+            ids = await asyncio.to_thread(_tokenize, body, door.tokenizer, engine.max_model_len)
+        except InvalidField as exc:
+            raise OpenAIError(400, str(exc), exc.field) from None
+        strs = [door.tokenizer.token_text(t) for t in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        door.check_model(body.model)
+        engine = door.ready_engine()
+        try:
+            ids = prompt_from_ids(body.tokens, door.tokenizer, engine.max_model_len + 1, "tokens")
+        except InvalidField as exc:
+            raise OpenAIError(400, str(exc), exc.field) from None
+        return {"prompt": door.tokenizer.decode(ids)}
+
+    @app.get("/health")
+    async def health() -> Response:
+        door.ready_engine()  # 503 naming why not
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(door.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _tokenize(body: TokenizeRequest, tokenizer: ModelTokenizer, max_model_len: int) -> list[int]:
+    if body.messages is not None and body.prompt is None:
+        return prompt_from_messages(template_messages(body.messages), tokenizer, max_model_len)
+    if body.messages is None and body.prompt is not None:
+        return prompt_from_text(body.prompt, tokenizer, max_model_len, "prompt", body.add_special_tokens)
+    raise InvalidField("prompt", "send exactly one of prompt or messages")
+
+
+class _LoopServer(uvicorn.Server):
+    """uvicorn without its own signal handlers: SIGTERM/SIGINT belong to the scheduler, which drains first."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[no-untyped-def]
+        yield
+
+
+class OpenAIServer:
+    """uvicorn serving the door on the running event loop; the socket is bound in start() (OSError if taken)."""
+
+    def __init__(self, door: OpenAIDoor) -> None:
+        config = door.config
+        self._socket = socket.create_server((config.host, config.port), family=_family(config.host), backlog=2048)
+        uv = uvicorn.Config(build_app(door), lifespan="off", log_config=None, access_log=False,
+                            timeout_graceful_shutdown=2)  # fmt: skip
+        self._server = _LoopServer(uv)
+        self._task: asyncio.Task[None] | None = None
+        self.address = f"{config.host}:{self._socket.getsockname()[1]}"
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[self._socket]))
+        logger.info("OpenAI API on http://%s/v1", self.address)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._server.should_exit = True
+            await self._task
+        self._socket.close()
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
