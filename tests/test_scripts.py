@@ -69,3 +69,25 @@ def test_bench_cpu_dtypes_smoke(tmp_path: Path) -> None:
     dtypes = ("float32", "bfloat16")
     assert all(row[d]["layer_ms"] > 0 and row[d]["head_ms"] > 0 for row in report["table"] for d in dtypes)
     assert all(row["float32_ms"] > 0 and row["bfloat16_ms"] > 0 for row in report["attention"])
+
+
+def test_bench_scheduler_smoke(tmp_path: Path, smollm2_dir: Path) -> None:
+    out = tmp_path / "scheduler.json"
+    run = _run_script("scripts/bench_scheduler.py", "--smoke", "--model", str(smollm2_dir), "--json", str(out))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    cells = {(r["policy"], r["seqs"], r["context"]) for r in report["rows"]}
+    assert cells == {(p, n, c) for p in ("fcfs", "priority") for n, c in ((8, 40), (32, 40), (8, 100))}
+    for r in report["rows"]:
+        assert r["steps"] == 10 and r["sum_ms"] > 0 and r["output_ms"] > 0
+        assert r["plan_bytes_per_seq"] <= 24, r  # the compact plan: handle, computed tokens, scheduled tokens
+    assert report["admission"]["requests"] == 16
+    assert "| fcfs | 32 | 40 |" in run.stdout and "| new requests |" in run.stdout
+
+
+def test_bench_wire_smoke() -> None:
+    run = _run_script("scripts/bench_wire.py", "--smoke")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line.split("|") for line in run.stdout.splitlines()[2:]}
+    assert set(rows) == {"msgspec Structs, integer handles", "hand-written, uuid ids", "hand-written, short ids"}
+    assert float(rows["msgspec Structs, integer handles"][7]) <= 24
