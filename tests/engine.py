@@ -8,12 +8,12 @@ so far has finished. Plans and results go through the msgpack wire, as behind a 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 from proto.transport import tier_capacity
@@ -108,7 +108,7 @@ class EngineRun:
     ) -> None:
         runners = runners if isinstance(runners, list) else [runners]
         first = runners[0]
-        self.mode = first.mode if async_scheduling else dataclasses.replace(first.mode, plans_in_flight=1)
+        self.mode = first.mode if async_scheduling else msgspec.structs.replace(first.mode, plans_in_flight=1)
         cfg = SchedulerConfig(block_size=first.block_size, max_model_len=first.model.config.max_model_len, **config)
         costs = PreemptionCosts(bytes_per_block=1, swap_bytes_per_s=1e12)  # elastic: swap when space allows
         scheduler = Scheduler(
@@ -167,8 +167,7 @@ class EngineRun:
         """Until every request added so far has finished; collects their outputs."""
         self._loop.run_until_complete(asyncio.wait_for(self._until_idle(), timeout))
         for entry in self.submitted:
-            while not entry.stream.queue.empty():
-                delta = entry.stream.queue.get_nowait()
+            for delta in entry.stream.take_ready():
                 c = entry.completions[delta.index]
                 c.token_ids += delta.token_ids
                 c.text += delta.text

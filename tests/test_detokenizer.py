@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -45,3 +46,20 @@ def test_held_back_text_is_released_when_no_stop_matches(tok: ModelTokenizer) ->
     deltas, detok = stream(tok, "one two three", ["zzz-not-there"])
     assert not detok.stopped
     assert "".join(deltas) == "one two three"
+
+
+def test_streamed_text_is_the_decoded_text_for_any_tokens(tok: ModelTokenizer) -> None:
+    """Random tokens (special ones, partial characters, a cut mid-character at the end): the deltas add up to the
+    tokenizer's own decoding of the whole output after the prompt's context."""
+    rng = random.Random(7)
+    context = tok.encode("Prompt:")
+    split = tok.encode("Grüße 🎉🚀 日本語", add_special_tokens=False)
+    cases = [split[:k] for k in range(1, len(split) + 1)]  # every cut, mid-character ones included
+    cases += [[rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 24))] for _ in range(50)]
+    for ids in cases:
+        detok = IncrementalDetokenizer(tok, context, [])
+        text = ""
+        for i, token in enumerate(ids):
+            detok.add([token])
+            text += detok.delta(final=i == len(ids) - 1)
+        assert text == tok.decode(context + ids)[len(tok.decode(context)) :], ids

@@ -69,7 +69,7 @@ class FakeWorker:
         while True:
             message = decode(await self.sock.recv())
             if isinstance(message, StepPlan):
-                await self.sock.send(encode(StepResult(message.step_id, {"r": [message.step_id]})))
+                await self.sock.send(encode(StepResult(message.step_id, {0: [message.step_id]})))
             elif not isinstance(message, Heartbeat):
                 await self.inbox.put(message)
 
@@ -104,13 +104,13 @@ async def _link_scenario() -> None:
         first = FakeWorker(ctx, port)
         assert (await first.join()).num_kv_blocks == 0  # the first world sizes itself
         assert (await gather).num_kv_blocks == 100
-        assert (await _step(link, 1)).sampled == {"r": [1]}
+        assert (await _step(link, 1)).sampled == {0: [1]}
         junk = ctx.socket(zmq.DEALER)  # garbage and strangers' messages change nothing
         junk.connect(f"tcp://127.0.0.1:{port}")
         for frames in ([b"\x00"], [b"a", b"b", b"c"], [encode(StepResult(2, {}))], [encode(Heartbeat(0, 1, 1.0))]):
             await junk.send_multipart(frames)
         junk.close(linger=0)
-        assert (await _step(link, 2)).sampled == {"r": [2]}
+        assert (await _step(link, 2)).sampled == {0: [2]}
         assert link.all_ready
 
         first.stall()  # connected but silent: only the heartbeat timeout can tell
@@ -127,7 +127,7 @@ async def _link_scenario() -> None:
         assert (await small.join()).num_kv_blocks == 100
         assert await link.wait_ready(2)
         assert link.capacity.num_kv_blocks == 50
-        assert (await _step(link, 4)).sampled == {"r": [4]}
+        assert (await _step(link, 4)).sampled == {0: [4]}
 
         small.close()  # the connection drops: found at once by the socket monitor, not after the timeout
         dropped_at = time.monotonic()
@@ -297,7 +297,7 @@ async def _cancelled_then_lost() -> None:
         replacement = FakeWorker(ctx, port)
         await replacement.join()
         assert await link.wait_ready(3)
-        assert (await _step(link, 3)).sampled == {"r": [3]}
+        assert (await _step(link, 3)).sampled == {0: [3]}
         worker.close()
         replacement.close()
     finally:

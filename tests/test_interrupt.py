@@ -7,17 +7,21 @@ import asyncio
 import random
 from pathlib import Path
 
+import pytest
+
 from minivllm.cluster import Cluster
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from proto.wire import ExecutionMode, SamplingOptions, StepPlan, StepResult, decode, encode
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.policy import Policy, PriorityPolicy
-from scheduler_node.core.request import Request, StopConditions
+from scheduler_node.core.request import Request, Status, StopConditions
 from scheduler_node.core.scheduler import Scheduler
+from scheduler_node.engine.stand_in import StandInWorkers
 from tests.engine import EngineRun, load_runner
 from tests.models import assert_teacher_forced, load_hf
 from tests.ops import TINY_WORKER, Streams, greedy_ids, prompt_ids
+from tests.plans import by_handle, scheduled
 from worker_node.inprocess import InProcessWorkers
 
 BLOCK = 16
@@ -103,7 +107,7 @@ def test_undo_puts_requests_back_where_they_were() -> None:
     for i in range(3):
         s.add(_req(f"b{i}", 30))
     first = s.schedule()
-    s.update(first, StepResult(first.step_id, {r: [9] for r in first.num_scheduled_tokens}))
+    s.update(first, StepResult(first.step_id, {h: [9] for h in first.num_scheduled_tokens}))
     before = {r.req_id: (r.num_computed_tokens, r.num_placeholders) for r in s.running}
     in_flight = [s.schedule(), s.schedule()]  # async: two decode steps sent, results unknown
     assert all(len(p.num_scheduled_tokens) == 3 for p in in_flight)
@@ -115,7 +119,7 @@ def test_undo_puts_requests_back_where_they_were() -> None:
     assert {r.req_id: (r.num_computed_tokens, r.num_placeholders) for r in s.running} == before
     assert s.counters.interrupted_steps == 2
     plan = s.schedule()
-    assert plan.num_scheduled_tokens == {"b0": 1, "b1": 1, "b2": 1, "rt": 20}
+    assert scheduled(s, plan) == {"b0": 1, "b1": 1, "b2": 1, "rt": 20}
     assert [c.num_computed_tokens for c in plan.cached_requests] == [20, 20, 20]  # the workers' view agrees
 
 
@@ -131,24 +135,69 @@ def test_only_a_request_that_outranks_every_one_in_flight_interrupts() -> None:
         assert s.may_interrupt(_req("new", priority), [plan]) is expected
 
 
-def test_plans_that_preempt_or_swap_are_not_undone() -> None:
-    plan = StepPlan(1, preempted_req_ids=["x"])
-    assert not Scheduler.can_undo([plan])
+def test_plans_that_swap_out_are_not_undone() -> None:
     assert not Scheduler.can_undo([StepPlan(2, swap_out=[(1, 2)])])
-    assert Scheduler.can_undo([StepPlan(3)])
+    assert Scheduler.can_undo([StepPlan(1, preempted=[7]), StepPlan(3, swap_in=[(0, 1)])])
+
+
+@pytest.mark.parametrize("preemption_mode", ["swap", "recompute"])
+def test_a_realtime_request_interrupts_the_resumption_of_the_one_it_displaced(preemption_mode: str) -> None:
+    """Realtime requests back to back at the seat cap: the next one arrives while the batch request the last one
+    displaced resumes (swapped back in, or recomputed), and skips that step instead of waiting for it. Stand-in
+    workers check the scheduler's view of what they hold at every step, interrupted ones included."""
+    config = SchedulerConfig(
+        block_size=BLOCK, max_model_len=256, max_num_batched_tokens=64, max_num_seqs=1, preemption_mode=preemption_mode
+    )
+    s = Scheduler(config, 16, PriorityPolicy(), ExecutionMode.for_world(1, 1, True), num_host_blocks=16)
+    workers = StandInWorkers(16, 16, block_size=BLOCK)
+    in_flight: list[StepPlan] = []
+
+    def send() -> None:
+        in_flight.append(s.schedule())
+
+    def answer(skip: bool = False) -> None:
+        plan = in_flight.pop(0)
+        s.update(plan, workers.execute(plan, skip=skip))
+
+    s.add(_req("b", 30))
+    send()
+    answer()
+    s.add(_req("rt1", 90, prompt=8))
+    send()  # rt1 displaces b
+    assert s.requests["b"].status is Status.PREEMPTED
+    while "rt1" in s.requests:
+        send()
+        answer()
+    send()  # b resumes
+    resumption = in_flight[-1]
+    assert scheduled(s, resumption).keys() == {"b"} and (resumption.swap_in or resumption.new_requests)
+    rt2 = _req("rt2", 90, prompt=8)
+    s.add(rt2)
+    assert s.may_interrupt(rt2, in_flight) and s.can_undo(in_flight)
+    while in_flight:
+        answer(skip=True)
+    assert s.counters.interrupted_steps >= 1
+    send()
+    assert "rt2" in scheduled(s, in_flight[-1])
+    while s.has_work:
+        send()
+        answer()
+    while in_flight:
+        answer()
+    assert not s.requests and s.blocks.num_free == 16
 
 
 def test_higher_class_prefill_runs_without_lower_class_prefill() -> None:
     s = _scheduler(PriorityPolicy())
     s.add(_req("b0", 30))
     first = s.schedule()
-    s.update(first, StepResult(first.step_id, {"b0": [9]}))
+    s.update(first, StepResult(first.step_id, by_handle(s, {"b0": [9]})))
     s.add(_req("b1", 30, prompt=40))
     s.add(_req("rt", 90, prompt=8, at=1.0))
     plan = s.schedule()
-    assert plan.num_scheduled_tokens == {"b0": 1, "rt": 8}  # b0 decodes; b1's prefill waits one step
-    s.update(plan, StepResult(plan.step_id, {"b0": [9], "rt": [9]}))
-    assert s.schedule().num_scheduled_tokens == {"b0": 1, "rt": 1, "b1": 40}
+    assert scheduled(s, plan) == {"b0": 1, "rt": 8}  # b0 decodes; b1's prefill waits one step
+    s.update(plan, StepResult(plan.step_id, by_handle(s, {"b0": [9], "rt": [9]})))
+    assert scheduled(s, s.schedule()) == {"b0": 1, "rt": 1, "b1": 40}
 
 
 def test_a_worker_interrupted_mid_forward_restores_its_progress(tiny_llama_dir: Path) -> None:
@@ -167,7 +216,7 @@ def test_a_worker_interrupted_mid_forward_restores_its_progress(tiny_llama_dir: 
     req = s.requests["r"]
     assert req.num_computed_tokens == 0 and req.num_placeholders == 0
     again = decode(encode(s.schedule()))  # the same prefill, not interrupted this time
-    assert isinstance(again, StepPlan) and again.num_scheduled_tokens == {"r": len(prompt)}
+    assert isinstance(again, StepPlan) and scheduled(s, again) == {"r": len(prompt)}
     s.update(again, runner.execute(again))
     assert len(req.output_token_ids) == 1
     assert_teacher_forced(load_hf(tiny_llama_dir), prompt, req.output_token_ids)

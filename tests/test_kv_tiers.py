@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
-
+import msgspec
 import pytest
 
 from proto.wire import SamplingOptions, StepPlan, StepResult, TierMove, WireError, decode, encode
@@ -106,7 +105,7 @@ def test_tier_moves_round_trip_and_are_checked() -> None:
     plan = StepPlan(3, tier_moves=[TierMove(0, 4, 1, 2, k(5)), TierMove(2, 1, 0, 7, k(6))])
     back = decode(encode(plan))
     assert isinstance(back, StepPlan) and back.tier_moves == plan.tier_moves and back.has_work
-    bad = dataclasses.replace(plan, tier_moves=[TierMove(1, 0, 1, 2, k(1))])
+    bad = msgspec.structs.replace(plan, tier_moves=[TierMove(1, 0, 1, 2, k(1))])
     with pytest.raises(WireError, match="tiers"):
         decode(encode(bad))
 
@@ -123,7 +122,9 @@ def _run(s: Scheduler, rid: str, prompt: list[int], salt: str = "") -> list[Step
         plan = s.schedule()
         plans.append(plan)
         done = {
-            r: [1] for r in plan.num_scheduled_tokens if s.requests[r].num_computed_tokens == s.requests[r].num_tokens
+            h: [1]
+            for h in plan.num_scheduled_tokens
+            if (r := s.request_of(h)) is not None and r.num_computed_tokens == r.num_tokens
         }
         s.update(plan, StepResult(plan.step_id, done))
     return plans
@@ -139,7 +140,7 @@ def test_a_prefix_evicted_from_the_device_is_loaded_back_not_recomputed() -> Non
     plans = _run(s, "b", shared + [3, 4])
     loads = [m for m in plans[0].tier_moves if m.dst_tier == 0]
     assert len(loads) == 3 and all(m.src_tier == int(Tier.RAM) for m in loads)
-    assert plans[0].num_scheduled_tokens == {"b": 2}, "only the suffix is computed"
+    assert plans[0].num_scheduled_tokens == {plans[0].new_requests[0].handle: 2}, "only the suffix is computed"
     assert plans[0].new_requests[0].num_computed_tokens == 24
     assert [m.dst for m in loads] == plans[0].new_requests[0].block_ids[:3]
     s.blocks.check_invariants()
@@ -153,7 +154,7 @@ def test_salts_never_cross_in_the_tiers() -> None:
     _run(s, "evict", list(range(500, 541)))
     other = _run(s, "b", shared + [3, 4], salt="tenant-b")
     assert not [m for m in other[0].tier_moves if m.dst_tier == 0], "another salt must not load tenant-a's blocks"
-    assert other[0].num_scheduled_tokens == {"b": 26}
+    assert other[0].num_scheduled_tokens == {other[0].new_requests[0].handle: 26}
     _run(s, "evict2", list(range(700, 741)))
     same = _run(s, "c", shared + [5, 6], salt="tenant-a")
     assert len([m for m in same[0].tier_moves if m.dst_tier == 0]) == 3

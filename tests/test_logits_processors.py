@@ -104,9 +104,9 @@ def test_bad_words_and_min_tokens_match_hf() -> None:
     NoBadWords and MinNewTokensLength, over prompt and output as HF sees input_ids."""
     x = logits(3, 6)
     reqs = [
-        Req("a", [9, 4, 5], 2, SamplingOptions(bad_words=[[7], [4, 5, 8], [1, 5, 9]])),  # [4, 5] ends the tokens
-        Req("b", [4, 5], 2, SamplingOptions(bad_words=[[3, 4, 5, 6]], min_tokens=2, stop_token_ids=[2, 11])),
-        Req("c", [6, 6, 1, 2], 1, SamplingOptions(min_tokens=3, stop_token_ids=[2])),  # 3 out: free to stop
+        Req(0, [9, 4, 5], 2, SamplingOptions(bad_words=[[7], [4, 5, 8], [1, 5, 9]])),  # [4, 5] ends the tokens
+        Req(1, [4, 5], 2, SamplingOptions(bad_words=[[3, 4, 5, 6]], min_tokens=2, stop_token_ids=[2, 11])),
+        Req(2, [6, 6, 1, 2], 1, SamplingOptions(min_tokens=3, stop_token_ids=[2])),  # 3 out: free to stop
     ]
     ours = Sampler(VOCAB, CPU)._process(x, reqs)
     hf = [
@@ -123,7 +123,7 @@ def test_bad_words_and_min_tokens_match_hf() -> None:
 
 @dataclass
 class Req:
-    req_id: str
+    handle: int
     token_ids: list[int]
     num_prompt_tokens: int
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
@@ -133,8 +133,8 @@ def test_frequency_and_presence_penalties_follow_openai() -> None:
     """logit - frequency x count - presence x [count > 0], over output tokens only (no HF counterpart)."""
     x = logits(2, 7)
     reqs = [
-        Req("a", [5, 6, 9, 9, 9, 6], 2, SamplingOptions(frequency_penalty=0.5, presence_penalty=1.5)),
-        Req("b", [1, 2], 2, SamplingOptions(frequency_penalty=-1.0)),
+        Req(0, [5, 6, 9, 9, 9, 6], 2, SamplingOptions(frequency_penalty=0.5, presence_penalty=1.5)),
+        Req(1, [1, 2], 2, SamplingOptions(frequency_penalty=-1.0)),
     ]
     ours = Sampler(VOCAB, CPU)._process(x, reqs)
     expected = x.clone()
@@ -147,12 +147,12 @@ def test_frequency_and_presence_penalties_follow_openai() -> None:
 def test_penalty_counts_follow_tokens_incrementally() -> None:
     """The worker's counts grow with each step's new tokens and start over for a request that comes back."""
     sampler = Sampler(VOCAB, CPU)
-    req = Req("a", [5, 6, 9], 2, SamplingOptions(frequency_penalty=1.0))
+    req = Req(0, [5, 6, 9], 2, SamplingOptions(frequency_penalty=1.0))
     x = logits(1, 8)
     assert float(x[0, 9] - sampler._process(x, [req])[0, 9]) == pytest.approx(1.0)
     req.token_ids += [9, 9]
     assert float(x[0, 9] - sampler._process(x, [req])[0, 9]) == pytest.approx(3.0)
-    sampler.forget("a")
+    sampler.forget(0)
     req.token_ids = [5, 6, 9]
     assert float(x[0, 9] - sampler._process(x, [req])[0, 9]) == pytest.approx(1.0)
 
@@ -189,7 +189,7 @@ def hf_chain(o: SamplingOptions, num_prompt: int) -> LogitsProcessorList:
 
 def test_mixed_batch_chain_matches_hf_row_by_row() -> None:
     x = logits(len(CHAIN), 9)
-    reqs = [Req(f"r{i}", [7, 4, 3, 1, 4], 3, o) for i, o in enumerate(CHAIN)]
+    reqs = [Req(i, [7, 4, 3, 1, 4], 3, o) for i, o in enumerate(CHAIN)]
     sampler = Sampler(VOCAB, CPU)
     ours = _warp(sampler._process(x, reqs), CHAIN)
     theirs = hf_rows(x, [hf_chain(o, 3) for o in CHAIN], [r.token_ids for r in reqs])
@@ -205,7 +205,7 @@ def test_seeded_draws_follow_the_filtered_distribution() -> None:
     counts: Counter[int] = Counter()
     draws = 3000
     for seed in range(draws):
-        req = Req("a", [1, 2], 2, SamplingOptions(temperature=0.8, top_k=6, seed=seed))
+        req = Req(0, [1, 2], 2, SamplingOptions(temperature=0.8, top_k=6, seed=seed))
         sampler.start([req])
         counts[sampler.sample(x, [req])[0][0]] += 1
     assert set(counts) <= set(probs.nonzero().flatten().tolist())
@@ -215,8 +215,8 @@ def test_seeded_draws_follow_the_filtered_distribution() -> None:
 
 def test_seeded_sampling_ignores_the_rest_of_the_batch() -> None:
     x = logits(4, 11)
-    alone = Req("a", [1, 2, 3], 2, SamplingOptions(temperature=1.0, top_p=0.9, seed=42))
-    others = [Req(f"o{i}", [1, 2], 2, o) for i, o in enumerate(CHAIN[:3])]
+    alone = Req(0, [1, 2, 3], 2, SamplingOptions(temperature=1.0, top_p=0.9, seed=42))
+    others = [Req(10 + i, [1, 2], 2, o) for i, o in enumerate(CHAIN[:3])]
     sampler = Sampler(VOCAB, CPU)
     sampler.start([alone])
     token_alone = sampler.sample(x[:1], [alone])[0][0]

@@ -13,6 +13,8 @@ from scheduler_node.core.request import Request, Status, StopConditions
 from scheduler_node.core.scheduler import Scheduler
 from tests.engine import EngineRun, Submitted
 from tests.models import assert_teacher_forced, load_hf
+from tests.plans import by_handle, handle, named
+from tests.plans import scheduled as scheduled_ids
 from tests.stages import stage_runners
 
 BLOCK = 16
@@ -28,8 +30,15 @@ def req(rid: str, prompt_len: int = 5, max_tokens: int = 4, priority: int = 0) -
     return Request(rid, tokens, SamplingOptions(0.0), StopConditions(max_tokens), priority)
 
 
-def scheduled(plan: StepPlan) -> set[str]:
-    return set(plan.num_scheduled_tokens)
+def scheduled(s: Scheduler, plan: StepPlan) -> set[str]:
+    return set(scheduled_ids(s, plan))
+
+
+def new_tokens(s: Scheduler, plan: StepPlan) -> dict[str, list[int]]:
+    return {
+        r: list(c.new_token_ids)
+        for r, c in zip(named(s, [c.handle for c in plan.cached_requests]), plan.cached_requests)
+    }
 
 
 def test_plans_in_flight_hold_disjoint_requests_and_carry_the_sampled_tokens() -> None:
@@ -37,17 +46,17 @@ def test_plans_in_flight_hold_disjoint_requests_and_carry_the_sampled_tokens() -
     for i in range(4):
         s.add(req(f"r{i}"))
     first, second = s.schedule(), s.schedule()
-    assert scheduled(first) == {"r0", "r1"} and scheduled(second) == {"r2", "r3"}  # half of them each
+    assert scheduled(s, first) == {"r0", "r1"} and scheduled(s, second) == {"r2", "r3"}  # half of them each
     assert not s.schedule().num_scheduled_tokens  # every request is in flight
-    s.update(first, StepResult(first.step_id, {"r0": [7], "r1": [8]}))
+    s.update(first, StepResult(first.step_id, by_handle(s, {"r0": [7], "r1": [8]})))
     third = s.schedule()
-    assert scheduled(third) == {"r0", "r1"}
-    assert {c.req_id: c.new_token_ids for c in third.cached_requests} == {"r0": [7], "r1": [8]}
-    s.update(second, StepResult(second.step_id, {"r2": [5], "r3": [6]}))
+    assert scheduled(s, third) == {"r0", "r1"}
+    assert new_tokens(s, third) == {"r0": [7], "r1": [8]}
+    s.update(second, StepResult(second.step_id, by_handle(s, {"r2": [5], "r3": [6]})))
     fourth = s.schedule()
-    assert {c.req_id: c.new_token_ids for c in fourth.cached_requests} == {"r2": [5], "r3": [6]}
-    s.update(third, StepResult(third.step_id, {"r0": [9], "r1": [9]}))
-    assert [c.new_token_ids for c in s.schedule().cached_requests] == [[9], [9]]  # only what the workers lack
+    assert new_tokens(s, fourth) == {"r2": [5], "r3": [6]}
+    s.update(third, StepResult(third.step_id, by_handle(s, {"r0": [9], "r1": [9]})))
+    assert [list(c.new_token_ids) for c in s.schedule().cached_requests] == [[9], [9]]  # only what the workers lack
 
 
 def test_requests_finished_or_aborted_while_other_plans_are_in_flight() -> None:
@@ -55,12 +64,13 @@ def test_requests_finished_or_aborted_while_other_plans_are_in_flight() -> None:
     s.add(req("done", max_tokens=1))
     s.add(req("gone"))
     first, second = s.schedule(), s.schedule()
-    assert scheduled(first) == {"done"} and scheduled(second) == {"gone"}
+    assert scheduled(s, first) == {"done"} and scheduled(s, second) == {"gone"}
+    done, gone = handle(s, "done"), handle(s, "gone")
     assert s.finish("gone", Status.FINISHED_ABORTED) is not None  # aborted while its plan runs
-    s.update(first, StepResult(first.step_id, {"done": [7]}))  # max_tokens reached
+    s.update(first, StepResult(first.step_id, {done: [7]}))  # max_tokens reached
     third = s.schedule()
-    assert sorted(third.finished_req_ids) == ["done", "gone"] and not third.num_scheduled_tokens
-    assert s.update(second, StepResult(second.step_id, {"gone": [8]})) == []  # its late token is dropped
+    assert sorted(third.finished) == sorted([done, gone]) and not third.num_scheduled_tokens
+    assert s.update(second, StepResult(second.step_id, {gone: [8]})) == []  # its late token is dropped
     assert not s.has_work and not s.requests and s.blocks.num_free == 64
 
 
@@ -69,18 +79,18 @@ def test_request_preempted_while_in_flight_comes_back_only_after_its_result() ->
     s.add(req("b1", priority=30))
     s.add(req("b2", priority=40))
     first, second = s.schedule(), s.schedule()
-    assert scheduled(first) == {"b2"} and scheduled(second) == {"b1"}
+    assert scheduled(s, first) == {"b2"} and scheduled(s, second) == {"b1"}
     s.add(req("rt", priority=90))
     third = s.schedule()  # rt takes the seat of b1, whose plan is still running
-    assert third.preempted_req_ids == ["b1"] and scheduled(third) == {"rt"}
-    s.update(first, StepResult(first.step_id, {"b2": [7]}))
+    assert named(s, third.preempted) == ["b1"] and scheduled(s, third) == {"rt"}
+    s.update(first, StepResult(first.step_id, by_handle(s, {"b2": [7]})))
     s.finish("b2", Status.FINISHED_ABORTED)  # a seat is free, but b1's step has not come back
-    assert "b1" not in scheduled(s.schedule())
-    s.update(second, StepResult(second.step_id, {"b1": [8]}))  # sampled before the preemption: dropped
+    assert "b1" not in scheduled(s, s.schedule())
+    s.update(second, StepResult(second.step_id, by_handle(s, {"b1": [8]})))  # sampled before the preemption: dropped
     b1 = s.requests["b1"]
     assert b1.output_token_ids == [] and b1.num_placeholders == 0 and b1.status is Status.PREEMPTED
     fifth = s.schedule()
-    assert [n.req_id for n in fifth.new_requests] == ["b1"] and fifth.new_requests[0].output_token_ids == []
+    assert named(s, [n.handle for n in fifth.new_requests]) == ["b1"] and fifth.new_requests[0].output_token_ids == []
 
 
 def batch(run: EngineRun, seed: int) -> list[Submitted]:
@@ -106,8 +116,8 @@ def test_two_stages_overlap_and_match_hf(tiny_llama_dir: Path) -> None:
     """hold=2: stage 1 finishes its first plan only after stage 0 computed the second one. Stages in lock-step
     (a token broadcast at the end of each step) or a second plan left empty would time out here."""
     run = run_two_stages(tiny_llama_dir, 40, hold=2)
-    first, second = run.plans[:2]
-    assert scheduled(first) and scheduled(second) and not scheduled(first) & scheduled(second)
+    first, second = (set(plan.num_scheduled_tokens) for plan in run.plans[:2])
+    assert first and second and not first & second
 
 
 def test_two_stages_match_hf_under_preemption(tiny_llama_dir: Path) -> None:

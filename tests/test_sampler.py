@@ -15,7 +15,7 @@ VOCAB = 64
 
 @dataclass
 class _Request:
-    req_id: str
+    handle: int
     token_ids: list[int]
     num_prompt_tokens: int
     sampling: SamplingOptions
@@ -25,7 +25,7 @@ def sample(
     logits: torch.Tensor, options: list[SamplingOptions], positions: list[int]
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """One token per row; row i samples output position positions[i] (one prompt token, then that many outputs)."""
-    requests = [_Request(f"r{i}", [0] * (1 + p), 1, o) for i, (o, p) in enumerate(zip(options, positions))]
+    requests = [_Request(i, [0] * (1 + p), 1, o) for i, (o, p) in enumerate(zip(options, positions))]
     return Sampler(VOCAB, torch.device("cpu")).sample(logits, requests)
 
 

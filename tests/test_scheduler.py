@@ -6,6 +6,7 @@ from proto.wire import SamplingOptions, StepPlan, StepResult
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.request import Request, Status, StopConditions
 from scheduler_node.core.scheduler import Scheduler
+from tests.plans import handle, named, scheduled
 
 
 def make(num_blocks: int = 64, budget: int = 16, seqs: int = 8, host: int = 0, **config: object) -> Scheduler:
@@ -26,7 +27,9 @@ def req(rid: str, prompt_len: int, max_tokens: int = 4, eos: frozenset[int] = fr
 def sample_all(plan: StepPlan, s: Scheduler, token: int = 99) -> StepResult:
     """What a worker would return: one token for each request that reached its end this step."""
     done = {
-        r: [token] for r in plan.num_scheduled_tokens if s.requests[r].num_computed_tokens == s.requests[r].num_tokens
+        h: [token]
+        for h in plan.num_scheduled_tokens
+        if (r := s.request_of(h)) and r.num_computed_tokens == r.num_tokens
     }
     return StepResult(plan.step_id, done)
 
@@ -36,18 +39,18 @@ def test_long_prompt_is_chunked_and_decodes_share_the_budget() -> None:
     s.add(req("long", 40))
     s.add(req("short", 3))
     plan = s.schedule()
-    assert plan.num_scheduled_tokens == {"long": 16}  # FCFS: the budget goes to the head
+    assert scheduled(s, plan) == {"long": 16}  # FCFS: the budget goes to the head
     s.update(plan, sample_all(plan, s))
     plan = s.schedule()
-    assert plan.num_scheduled_tokens == {"long": 16}
+    assert scheduled(s, plan) == {"long": 16}
     s.update(plan, sample_all(plan, s))
     plan = s.schedule()
-    assert plan.num_scheduled_tokens == {"long": 8, "short": 3}  # the tail of long, then short fits
-    assert [c.req_id for c in plan.cached_requests] == ["long"]
-    assert [n.req_id for n in plan.new_requests] == ["short"]
+    assert scheduled(s, plan) == {"long": 8, "short": 3}  # the tail of long, then short fits
+    assert named(s, [c.handle for c in plan.cached_requests]) == ["long"]
+    assert named(s, [n.handle for n in plan.new_requests]) == ["short"]
     s.update(plan, sample_all(plan, s))
     plan = s.schedule()
-    assert plan.num_scheduled_tokens == {"long": 1, "short": 1}  # both decode
+    assert scheduled(s, plan) == {"long": 1, "short": 1}  # both decode
 
 
 def test_plans_carry_diffs_only() -> None:
@@ -58,9 +61,9 @@ def test_plans_carry_diffs_only() -> None:
     s.update(first, sample_all(first, s))
     second = s.schedule()  # token 9 needs a second block
     assert not second.new_requests
-    assert second.cached_requests[0].new_block_ids == [1]
+    assert second.cached_requests[0].new_block_ids == (1,)
     assert second.cached_requests[0].num_computed_tokens == 8
-    assert second.cached_requests[0].new_token_ids == []  # one stage: the workers append their own samples
+    assert second.cached_requests[0].new_token_ids == ()  # one stage: the workers append their own samples
 
 
 def test_max_num_seqs_caps_running_requests() -> None:
@@ -68,7 +71,7 @@ def test_max_num_seqs_caps_running_requests() -> None:
     for i in range(4):
         s.add(req(f"r{i}", 2))
     plan = s.schedule()
-    assert set(plan.num_scheduled_tokens) == {"r0", "r1"}
+    assert set(scheduled(s, plan)) == {"r0", "r1"}
     assert len(s.waiting) == 2
 
 
@@ -79,16 +82,17 @@ def test_recompute_preemption_when_blocks_run_out_and_resume_in_full() -> None:
     plan = s.schedule()
     s.update(plan, sample_all(plan, s))
     plan = s.schedule()  # old needs block 3 of 3; new needs a 4th: the newest is preempted
-    assert plan.num_scheduled_tokens == {"old": 1}
+    assert scheduled(s, plan) == {"old": 1}
     assert s.requests["new"].status is Status.PREEMPTED
     assert s.requests["new"].num_computed_tokens == 0
-    assert plan.preempted_req_ids == ["new"]
+    assert named(s, plan.preempted) == ["new"]
+    old = handle(s, "old")
     s.finish("old", Status.FINISHED_ABORTED)
     plan = s.schedule()
     (resumed,) = plan.new_requests
-    assert resumed.req_id == "new" and resumed.output_token_ids == [99]  # prompt and output recomputed
-    assert plan.num_scheduled_tokens == {"new": 9}
-    assert plan.finished_req_ids == ["old"]
+    assert named(s, [resumed.handle]) == ["new"] and resumed.output_token_ids == [99]  # prompt and output recomputed
+    assert scheduled(s, plan) == {"new": 9}
+    assert plan.finished == [old]
 
 
 def test_stop_conditions_and_blocks_return_at_idle() -> None:
@@ -107,9 +111,10 @@ def test_abort_frees_blocks_and_tells_the_worker() -> None:
     s.add(req("a", 10))
     s.schedule()
     assert s.blocks.num_used > 0
+    a = handle(s, "a")
     assert s.finish("a", Status.FINISHED_ABORTED).status is Status.FINISHED_ABORTED
     assert s.blocks.num_free == s.blocks.num_blocks
-    assert s.schedule().finished_req_ids == ["a"]
+    assert s.schedule().finished == [a]
     assert s.finish("a", Status.FINISHED_ABORTED) is None
 
 
@@ -131,7 +136,7 @@ def test_prefix_hit_skips_cached_blocks_but_recomputes_the_last_token() -> None:
     plan = s.schedule()
     (new,) = plan.new_requests
     assert new.num_computed_tokens == 16  # the third block holds the last token: recomputed
-    assert plan.num_scheduled_tokens == {"second": 8}
+    assert scheduled(s, plan) == {"second": 8}
     assert (s.counters.prefix_cache_queries, s.counters.prefix_cache_hits) == (48, 16)
 
 
@@ -158,10 +163,10 @@ def test_forks_share_the_prompt_and_copy_the_last_block_on_write() -> None:
     parent, child = req("p", 12, max_tokens=3), req("c", 12, max_tokens=3)
     s.add(parent, forks=[child])
     plan = s.schedule()
-    assert plan.num_scheduled_tokens == {"p": 12}  # the sibling waits for the prompt
+    assert scheduled(s, plan) == {"p": 12}  # the sibling waits for the prompt
     s.update(plan, sample_all(plan, s))
     plan = s.schedule()
-    assert plan.num_scheduled_tokens == {"p": 1, "c": 1}  # the child recomputes only the last prompt token
+    assert scheduled(s, plan) == {"p": 1, "c": 1}  # the child recomputes only the last prompt token
     (new,) = plan.new_requests
     assert new.num_computed_tokens == 11
     assert new.block_ids[0] == s.blocks.blocks_of("p")[0]  # the full first block is shared
@@ -185,7 +190,7 @@ def test_swap_preemption_keeps_computed_tokens_and_swaps_back_in() -> None:
     plan = s.schedule()
     assert len(plan.swap_in) == 1
     (resumed,) = plan.new_requests
-    assert resumed.num_computed_tokens == 8 and plan.num_scheduled_tokens == {"new": 1}  # no recompute
+    assert resumed.num_computed_tokens == 8 and scheduled(s, plan) == {"new": 1}  # no recompute
     s.update(plan, sample_all(plan, s))
     run_to_idle(s)
     assert s.blocks.num_host_used == 0
@@ -221,7 +226,7 @@ def test_resize_moves_live_blocks_below_the_limit() -> None:
     assert moved == 1
     plan = s.schedule()
     assert plan.block_copies == [(3, 0)]
-    assert plan.block_updates == {"r3": [(0, 0)]}  # only the request that moved: no empty entries
-    assert not plan.preempted_req_ids
+    assert plan.block_updates == {handle(s, "r3"): [(0, 0)]}  # only the request that moved: no empty entries
+    assert not plan.preempted
     assert all(b < 3 for r in ("r2", "r3") for b in s.blocks.blocks_of(r))
     s.blocks.check_invariants()

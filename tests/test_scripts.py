@@ -85,3 +85,25 @@ def test_bench_kv_quant_smoke(tmp_path: Path) -> None:
     assert ("int8", "per block, re-quantized") in caches and ("fp8_e4m3", "per token") in caches
     assert all(ms > 0 for row in report["decode"] for ms in row["ms"].values())
     assert "| tiny llama | int8 |" in run.stdout
+
+
+def test_bench_scheduler_smoke(tmp_path: Path, smollm2_dir: Path) -> None:
+    out = tmp_path / "scheduler.json"
+    run = _run_script("scripts/bench_scheduler.py", "--smoke", "--model", str(smollm2_dir), "--json", str(out))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    cells = {(r["policy"], r["seqs"], r["context"]) for r in report["rows"]}
+    assert cells == {(p, n, c) for p in ("fcfs", "priority") for n, c in ((8, 40), (32, 40), (8, 100))}
+    for r in report["rows"]:
+        assert r["steps"] == 10 and r["sum_ms"] > 0 and r["output_ms"] > 0
+        assert r["plan_bytes_per_seq"] <= 24, r  # the compact plan: handle, computed tokens, scheduled tokens
+    assert report["admission"]["requests"] == 16
+    assert "| fcfs | 32 | 40 |" in run.stdout and "| new requests |" in run.stdout
+
+
+def test_bench_wire_smoke() -> None:
+    run = _run_script("scripts/bench_wire.py", "--smoke")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line.split("|") for line in run.stdout.splitlines()[2:]}
+    assert set(rows) == {"msgspec Structs, integer handles", "hand-written, uuid ids", "hand-written, short ids"}
+    assert float(rows["msgspec Structs, integer handles"][7]) <= 24

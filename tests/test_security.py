@@ -112,7 +112,7 @@ def _junk(kinds: tuple[Kind, ...] = tuple(Kind)) -> st.SearchStrategy[list[bytes
     wire = st.one_of(
         st.binary(max_size=300),
         st.builds(
-            lambda k, f: msgpack.packb([WIRE_VERSION, k, *f]),
+            lambda k, f: msgpack.packb([WIRE_VERSION, [k, *f]]),
             st.sampled_from(kinds),
             st.lists(st.one_of(INT64, st.text(max_size=8), st.none(), st.lists(INT64)), max_size=12),
         ),  # fmt: skip
@@ -137,7 +137,7 @@ def test_random_bytes_on_the_worker_socket_never_hurt_the_scheduler(tls_cluster:
     try:
         fuzz()
         # valid messages from a stranger: a Hello is turned away, results and heartbeats are ignored
-        for message in [StepResult(1, {"x": [1]}), StepError(1, 0, "no"), Heartbeat(0, 1, 5.0), WorkerReady(0, 9, 9)]:
+        for message in [StepResult(1, {9: [1]}), StepError(1, 0, "no"), Heartbeat(0, 1, 5.0), WorkerReady(0, 9, 9)]:
             sock.send(encode(message))
         sock.send(encode(WorkerHello("intruder", 1, "cpu")))
         assert sock.poll(5000), "no answer to an extra worker's Hello"
@@ -315,15 +315,15 @@ def test_random_bytes_never_crash_a_worker(tiny_llama_dir: Path, tmp_path: Path)
         router.send_multipart([identity, encode(Heartbeat(0, 1, 2.0))])  # from now on: silence > 2 s = gone
         fuzz()  # while serving
         router.send_multipart([identity, encode(Heartbeat(0, 2, 2.0))])
-        plan = StepPlan(1, cached_requests=[CachedRequest("nobody", [], 0)], num_scheduled_tokens={"nobody": 1})
+        plan = StepPlan(1, cached_requests=[CachedRequest(77, 0, 1)])  # a handle the worker does not hold
         router.send_multipart([identity, encode(plan)])
         error = recv_kind(StepError)
         assert isinstance(error, StepError) and error.step_id == 1
         ids = prompt_ids(9)
-        new = NewRequest("r", ids, [], SamplingOptions(temperature=0.0), [0], 0)
-        router.send_multipart([identity, encode(StepPlan(2, [new], num_scheduled_tokens={"r": len(ids)}))])
+        new = NewRequest(3, ids, [], SamplingOptions(temperature=0.0), [0], 0, len(ids))
+        router.send_multipart([identity, encode(StepPlan(2, [new]))])
         result = recv_kind(StepResult)
-        assert isinstance(result, StepResult) and result.step_id == 2 and len(result.sampled["r"]) == 1
+        assert isinstance(result, StepResult) and result.step_id == 2 and len(result.sampled[3]) == 1
         assert isinstance(recv_kind(Heartbeat, 5), Heartbeat)  # it heartbeats at a quarter of our timeout
         assert worker.poll() is None
         time.sleep(4.5)  # silent past twice the timeout, but its connection (libzmq's heartbeats) is alive: it stays

@@ -70,21 +70,22 @@ def test_out_of_range_blocks_are_a_step_error_not_a_crash(tiny_llama_dir: Path, 
         bad = ready.num_kv_blocks + 10**6
         # 19 of 20 tokens "cached" in a bad first block, the 20th written to block 0: decode attention would read the
         # bad block (the C kernel reads it without bounds checks)
-        decode_step = NewRequest("r", prompt, [], SamplingOptions(temperature=0.0), [bad, 0], 19)
-        scheduler.send(StepPlan(1, [decode_step], num_scheduled_tokens={"r": 1}))
+        decode_step = NewRequest(1, prompt, [], SamplingOptions(temperature=0.0), [bad, 0], 19, 1)
+        scheduler.send(StepPlan(1, [decode_step]))
         error = scheduler.recv(StepError)
         assert isinstance(error, StepError) and error.step_id == 1 and "block id" in error.reason, error
         for step, blocks in ((2, [-1]), (3, [0, 1])):
-            negative = StepPlan(step, [NewRequest(f"n{step}", prompt, [], SamplingOptions(0.0), blocks, 0)])
-            negative.num_scheduled_tokens = {f"n{step}": 20 if step == 3 else 1}
+            negative = StepPlan(
+                step, [NewRequest(step, prompt, [], SamplingOptions(0.0), blocks, 0, 20 if step == 3 else 1)]
+            )
             if step == 3:  # swap pairs are checked as well
                 negative.swap_in = [(10**6, 0)]
             scheduler.send(negative)
             assert isinstance(scheduler.recv(StepError), StepError)
-        good = NewRequest("ok", prompt, [], SamplingOptions(temperature=0.0), [0, 1], 0)
-        scheduler.send(StepPlan(4, [good], num_scheduled_tokens={"ok": len(prompt)}))
+        good = NewRequest(4, prompt, [], SamplingOptions(temperature=0.0), [0, 1], 0, len(prompt))
+        scheduler.send(StepPlan(4, [good]))
         result = scheduler.recv(StepResult)
-        assert isinstance(result, StepResult) and len(result.sampled["ok"]) == 1
+        assert isinstance(result, StepResult) and len(result.sampled[4]) == 1
         assert worker.poll() is None
     finally:
         worker.kill()

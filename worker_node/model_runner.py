@@ -25,7 +25,7 @@ PROMPT_LOGITS_ROWS = 256
 
 @dataclass(slots=True)
 class RequestState:
-    req_id: str
+    handle: int  # the request's id on the wire
     token_ids: list[int]
     num_prompt_tokens: int
     sampling: SamplingOptions
@@ -37,7 +37,7 @@ class RequestState:
     def from_new(cls, r: NewRequest) -> RequestState:
         tokens = r.prompt_token_ids + r.output_token_ids
         resumed = bool(r.output_token_ids)
-        return cls(r.req_id, tokens, len(r.prompt_token_ids), r.sampling, r.block_ids, r.num_computed_tokens, resumed)
+        return cls(r.handle, tokens, len(r.prompt_token_ids), r.sampling, r.block_ids, r.num_computed_tokens, resumed)
 
 
 @dataclass(slots=True)
@@ -93,7 +93,7 @@ class ModelRunner:
         self.host_cache = host_cache or []
         self.block_size = block_size
         self.device = device
-        self.states: dict[str, RequestState] = {}
+        self.states: dict[int, RequestState] = {}  # by handle
         self.sampler = Sampler(model.config.vocab_size, device, tokenizer_file)
         where = self.comm.where
         self.samples_here = where.is_last_stage and where.tp_rank == 0  # the rank that gets the logits
@@ -110,25 +110,25 @@ class ModelRunner:
         """Update the requests this worker holds. Every block id is range-checked first: the decode kernel reads
         the cache through them without bounds checks, so a bad plan must fail here (a StepError), not segfault."""
         self._check_plan(plan)
-        for req_id in plan.finished_req_ids + plan.preempted_req_ids:
-            self.states.pop(req_id, None)
-            self.sampler.forget(req_id)
+        for handle in plan.finished + plan.preempted:
+            self.states.pop(handle, None)
+            self.sampler.forget(handle)
         for new in plan.new_requests:
-            self.sampler.forget(new.req_id)  # penalty counts and grammar start over from its tokens
-            self.states[new.req_id] = RequestState.from_new(new)
+            self.sampler.forget(new.handle)  # penalty counts and grammar start over from its tokens
+            self.states[new.handle] = RequestState.from_new(new)
         for cached in plan.cached_requests:
-            state = self.states.get(cached.req_id)
+            state = self.states.get(cached.handle)
             if state is None:
-                raise ValueError(f"{cached.req_id}: a cached request this worker does not hold")
+                raise ValueError(f"request {cached.handle}: a cached request this worker does not hold")
             if check_progress and state.num_computed_tokens != cached.num_computed_tokens:
                 raise RuntimeError(
-                    f"{cached.req_id}: worker has {state.num_computed_tokens} computed tokens, "
+                    f"request {cached.handle}: worker has {state.num_computed_tokens} computed tokens, "
                     f"plan says {cached.num_computed_tokens}"
                 )
             state.block_ids.extend(cached.new_block_ids)
             state.token_ids.extend(cached.new_token_ids)
-        for req_id, changes in plan.block_updates.items():
-            if (held := self.states.get(req_id)) is not None:
+        for handle, changes in plan.block_updates.items():
+            if (held := self.states.get(handle)) is not None:
                 for index, block in changes:
                     held.block_ids[index] = block
 
@@ -146,9 +146,6 @@ class ModelRunner:
             self.offload.check(plan.tier_moves, self.num_blocks)
         for r in plan.new_requests:
             _check_range([r.num_computed_tokens], len(r.prompt_token_ids) + len(r.output_token_ids) + 1, "computed")
-        for n in plan.num_scheduled_tokens.values():
-            if n < 1:
-                raise ValueError(f"num_scheduled_tokens must be >= 1, got {n}")
 
     def run_block_ops(self, plan: StepPlan) -> float:
         """Swap out, KV tier moves, copy (copy-on-write, compaction), swap in: before the forward pass reads any
@@ -169,10 +166,10 @@ class ModelRunner:
         skip = self._interrupted(plan.step_id)
         self.apply_diffs(plan, check_progress=not skip)
         tier_ms = self.run_block_ops(plan)
-        sampled: dict[str, list[int]] = {}
-        logprobs: dict[str, list[TokenLogprobs]] = {}
-        prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = {}
-        if plan.num_scheduled_tokens and not skip:
+        sampled: dict[int, list[int]] = {}
+        logprobs: dict[int, list[TokenLogprobs]] = {}
+        prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = {}
+        if plan.num_requests and not skip:
             batch = self._prepare(plan)
             if self.samples_here:
                 self.sampler.start(batch.samplers)  # grammar masks while the forward pass runs
@@ -187,9 +184,9 @@ class ModelRunner:
                 for state, token, lp in zip(batch.samplers, tokens, lps):
                     if not self.mode.tokens_in_plan:
                         state.token_ids.append(token)
-                    sampled[state.req_id] = [token]
+                    sampled[state.handle] = [token]
                     if lp is not None:
-                        logprobs[state.req_id] = [lp]
+                        logprobs[state.handle] = [lp]
         end = time.perf_counter()
         idle = (start - self._last_step_end) * 1e3 if self._last_step_end is not None else 0.0
         self._last_step_end = end
@@ -209,7 +206,7 @@ class ModelRunner:
 
     def _run_and_sample(
         self, batch: _Batch, interrupted: Callable[[], bool] | None = None
-    ) -> tuple[list[int], list[TokenLogprobs | None], dict[str, tuple[int, list[TokenLogprobs]]]]:
+    ) -> tuple[list[int], list[TokenLogprobs | None], dict[int, tuple[int, list[TokenLogprobs]]]]:
         """This rank's stage of the forward pass; the output rank samples. With one stage every rank learns
         the tokens now; with more, only the output rank has them (the others get them with the next plan)."""
         where = self.comm.where
@@ -225,7 +222,7 @@ class ModelRunner:
             self.comm.send_to_next_stage(hidden)
         tokens: list[int] = []
         lps: list[TokenLogprobs | None] = [None] * len(batch.samplers)
-        prompt: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+        prompt: dict[int, tuple[int, list[TokenLogprobs]]] = {}
         if where.is_last_stage and batch.samplers:
             logits = self.model.logits(hidden[batch.sample_rows])  # a collective over the TP group
             if logits is not None:
@@ -238,10 +235,10 @@ class ModelRunner:
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, rows: list[tuple[RequestState, int, int, int]]
-    ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+    ) -> dict[int, tuple[int, list[TokenLogprobs]]]:
         """The logprob of each prompt token after the first, from the logits of the row before it: only for the
         requests that asked (the LM head otherwise runs on sampling rows only), in bounded slices of rows."""
-        out: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+        out: dict[int, tuple[int, list[TokenLogprobs]]] = {}
         for state, first_row, count, first in rows:
             k = state.sampling.prompt_logprobs or 0
             chunk: list[TokenLogprobs] = []
@@ -252,13 +249,11 @@ class ModelRunner:
                     targets = state.token_ids[first + offset : first + offset + n]
                     chunk += token_logprobs(logits, targets, [k] * n)
             if chunk:
-                out[state.req_id] = (first, chunk)
+                out[state.handle] = (first, chunk)
         return out
 
     def _prepare(self, plan: StepPlan) -> _Batch:
-        unknown = [r for r in plan.num_scheduled_tokens if r not in self.states]
-        if unknown:
-            raise ValueError(f"the plan schedules requests this worker does not hold: {unknown[:3]}")
+        # every scheduled request is new or held (apply_diffs checked)
         work = [(self.states[r], n) for r, n in plan.num_scheduled_tokens.items()]
         work.sort(key=lambda w: w[1] != 1)  # decodes (one query) first, then prefill chunks
         ids: list[int] = []
@@ -276,10 +271,12 @@ class ModelRunner:
             end = start + n
             if end > len(state.token_ids):
                 raise RuntimeError(
-                    f"{state.req_id}: the plan computes {end} tokens, the worker holds {len(state.token_ids)}"
+                    f"request {state.handle}: the plan computes {end} tokens, the worker holds {len(state.token_ids)}"
                 )
             if -(-end // self.block_size) > len(state.block_ids):
-                raise ValueError(f"{state.req_id}: {end} tokens need more than its {len(state.block_ids)} blocks")
+                raise ValueError(
+                    f"request {state.handle}: {end} tokens need more than its {len(state.block_ids)} blocks"
+                )
             starts.append((state, start))
             scored = min(end, state.num_prompt_tokens - 1) - start  # prompt rows whose next token is the prompt's
             if scored > 0 and state.sampling.prompt_logprobs is not None and not state.resumed:

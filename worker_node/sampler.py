@@ -25,7 +25,7 @@ _MASK64 = (1 << 64) - 1
 class SamplingRequest(Protocol):
     """What the sampler reads of a request the worker holds."""
 
-    req_id: str
+    handle: int  # the request's id on the wire
     token_ids: list[int]  # prompt + output so far
     num_prompt_tokens: int
     sampling: SamplingOptions
@@ -46,10 +46,10 @@ class Sampler:
         self.counts = TokenCounts(vocab_size, device)
         self.grammars = GrammarMasks(tokenizer_file, vocab_size) if tokenizer_file is not None else None
 
-    def forget(self, req_id: str) -> None:
-        self.counts.release(req_id)
+    def forget(self, handle: int) -> None:
+        self.counts.release(handle)
         if self.grammars is not None:
-            self.grammars.forget(req_id)
+            self.grammars.forget(handle)
 
     def start(self, requests: Sequence[SamplingRequest]) -> None:
         """Begin the grammar masks of the requests this step samples, while the forward pass runs."""
@@ -110,7 +110,7 @@ class Sampler:
         if not penalised:
             return logits
         chosen = [requests[i] for i in penalised]
-        slots = self.counts.rows([(r.req_id, r.token_ids, r.num_prompt_tokens) for r in chosen])
+        slots = self.counts.rows([(r.handle, r.token_ids, r.num_prompt_tokens) for r in chosen])
         counts = self.counts.output[slots]
         rows = torch.tensor(penalised, device=logits.device)
         part = logits[rows]
@@ -196,7 +196,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> li
 def _grammar_row(r: SamplingRequest) -> GrammarRow:
     assert r.sampling.structured is not None
     output = r.token_ids[r.num_prompt_tokens :]
-    return GrammarRow(r.req_id, r.sampling.structured, output, frozenset(r.sampling.stop_token_ids))
+    return GrammarRow(r.handle, r.sampling.structured, output, frozenset(r.sampling.stop_token_ids))
 
 
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:

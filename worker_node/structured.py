@@ -40,7 +40,7 @@ class _Matcher:
 class GrammarRow:
     """One constrained request of a step: its output so far and what ends it."""
 
-    req_id: str
+    handle: int  # the request's id on the wire
     structured: StructuredOutput
     output_token_ids: list[int]
     ends: frozenset[int]
@@ -51,7 +51,7 @@ class GrammarMasks:
         self.tokenizer_file = tokenizer_file
         self.vocab_size = vocab_size
         self._tokenizer: llguidance.LLTokenizer | None = None  # built on first use (about half a second)
-        self._matchers: dict[str, _Matcher] = {}
+        self._matchers: dict[int, _Matcher] = {}  # by request handle
         self._parallel = llguidance.LLExecutor()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self._pending: Future[torch.Tensor] | None = None
@@ -74,9 +74,9 @@ class GrammarMasks:
             self._pending.result()
             self._pending = None
 
-    def forget(self, req_id: str) -> None:
+    def forget(self, handle: int) -> None:
         self.wait()
-        self._matchers.pop(req_id, None)
+        self._matchers.pop(handle, None)
 
     def _masks(self, rows: list[GrammarRow]) -> torch.Tensor:
         tokenizer = self._llg_tokenizer()
@@ -90,16 +90,18 @@ class GrammarMasks:
         return allowed
 
     def _advance(self, row: GrammarRow, tokenizer: llguidance.LLTokenizer) -> llguidance.LLMatcher:
-        state = self._matchers.get(row.req_id)
+        state = self._matchers.get(row.handle)
         if state is None:
             state = _Matcher(llguidance.LLMatcher(tokenizer, grammar_of(row.structured)), row.ends)
-            self._matchers[row.req_id] = state
+            self._matchers[row.handle] = state
         for token in row.output_token_ids[state.consumed :]:
             if not state.matcher.is_stopped():  # a stopped matcher takes only EOS: its request is ending
                 if token in state.ends and state.matcher.validate_tokens([token]) == 0:
                     token = tokenizer.eos_token  # one of the request's own end tokens ended it
                 if not state.matcher.consume_token(token):
-                    logger.warning("%s: the grammar refused token %d: %s", row.req_id, token, state.matcher.get_error())
+                    logger.warning(
+                        "request %d: the grammar refused token %d: %s", row.handle, token, state.matcher.get_error()
+                    )
         state.consumed = len(row.output_token_ids)
         return state.matcher
 

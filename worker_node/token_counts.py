@@ -16,22 +16,22 @@ class TokenCounts:
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = device
-        self._rows: dict[str, int] = {}
-        self._counted: dict[str, int] = {}  # output tokens already added to each row
+        self._rows: dict[int, int] = {}  # by request handle
+        self._counted: dict[int, int] = {}  # output tokens already added to each row
         self._free: list[int] = []
         self.prompt = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
         self.output = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)
 
-    def rows(self, requests: Sequence[tuple[str, list[int], int]]) -> torch.Tensor:
-        """The rows of these (req_id, token_ids, num_prompt_tokens), brought up to date with their tokens."""
+    def rows(self, requests: Sequence[tuple[int, list[int], int]]) -> torch.Tensor:
+        """The rows of these (handle, token_ids, num_prompt_tokens), brought up to date with their tokens."""
         slots, tokens, added = [], [], []
-        for req_id, token_ids, num_prompt in requests:
-            row = self._rows.get(req_id)
+        for handle, token_ids, num_prompt in requests:
+            row = self._rows.get(handle)
             if row is None:
-                row = self._take(req_id)
+                row = self._take(handle)
                 self.prompt[row, torch.tensor(token_ids[:num_prompt], dtype=torch.int64, device=self.device)] = True
-            new = token_ids[num_prompt + self._counted[req_id] :]
-            self._counted[req_id] += len(new)
+            new = token_ids[num_prompt + self._counted[handle] :]
+            self._counted[handle] += len(new)
             tokens += new
             added += [row] * len(new)
             slots.append(row)
@@ -40,20 +40,20 @@ class TokenCounts:
             self.output.index_put_(index, torch.ones(len(tokens), dtype=torch.int32, device=self.device), True)
         return torch.tensor(slots, dtype=torch.int64, device=self.device)
 
-    def release(self, req_id: str) -> None:
-        row = self._rows.pop(req_id, None)
+    def release(self, handle: int) -> None:
+        row = self._rows.pop(handle, None)
         if row is not None:
-            del self._counted[req_id]
+            del self._counted[handle]
             self._free.append(row)
 
-    def _take(self, req_id: str) -> int:
+    def _take(self, handle: int) -> int:
         if not self._free:
             self._grow()
         row = self._free.pop()
         self.prompt[row] = False
         self.output[row] = 0
-        self._rows[req_id] = row
-        self._counted[req_id] = 0
+        self._rows[handle] = row
+        self._counted[handle] = 0
         return row
 
     def _grow(self) -> None:

@@ -240,6 +240,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             max_waiting_requests=args.max_waiting_requests,
             scheduler_delay=args.scheduler_delay,
             step_timeout=args.step_timeout,
+            schedule_gc=True,
         ),
         num_kv_blocks=args.num_kv_blocks,
         distributed_timeout=args.distributed_timeout,

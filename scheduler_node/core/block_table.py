@@ -13,6 +13,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 BlockHash = bytes
 
@@ -21,6 +22,16 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], salt: str = "
     """The chained hash of one full block; the salt seeds the chain so tenants can opt out of sharing."""
     seed = parent if parent is not None else hashlib.blake2b(salt.encode(), digest_size=16).digest()
     return hashlib.blake2b(seed + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
+class Written(NamedTuple):
+    """What making positions writable changed in a request's table."""
+
+    added: list[int]  # blocks appended
+    replaced: list[tuple[int, int]]  # (index, block): shared blocks copied before the write
+
+
+_UNCHANGED = Written([], [])  # never mutated: callers only read it
 
 
 @dataclass(slots=True)
@@ -106,25 +117,36 @@ class BlockTable:
     def can_write(self, req_id: str, first: int, end: int, reserve: int = 0) -> bool:
         return self.blocks_needed(req_id, first, end) + reserve <= len(self._free)
 
-    def write(self, req_id: str, first: int, end: int) -> tuple[list[int], list[tuple[int, int]]]:
-        """Make positions [first, end) writable: copy shared blocks, append new ones.
+    def write(self, req_id: str, first: int, end: int) -> Written | None:
+        """Make positions [first, end) writable if the free blocks allow: copy shared blocks, append new ones.
 
-        Returns the appended blocks and the (index, block) replacements made by copy-on-write."""
-        if not self.can_write(req_id, first, end):
-            raise MemoryError(f"{req_id} needs {self.blocks_needed(req_id, first, end)} blocks, {self.num_free} free")
-        table = self._tables.setdefault(req_id, [])
+        Returns the appended blocks and the (index, block) replacements made by copy-on-write, or None (and changes
+        nothing) when blocks are short. The one capacity check of a step: a decode that stays in its last block
+        touches one entry."""
+        held = self._tables.get(req_id)
+        table = held if held is not None else []
+        bs, refs = self.block_size, self._ref_counts
+        last = (end + bs - 1) // bs  # blocks that hold positions up to end
+        if last <= len(table) and last - first // bs == 1 and refs[table[last - 1]] == 1:
+            return _UNCHANGED  # within its own last block (a decode, mostly)
+        new = last - len(table) if last > len(table) else 0
+        shared = [i for i in range(first // bs, min(len(table), last)) if refs[table[i]] > 1]
+        if new + len(shared) > len(self._free):
+            return None
+        if not new and not shared:
+            return _UNCHANGED
+        if held is None:
+            self._tables[req_id] = table
         replaced = []
-        for i in range(first // self.block_size, min(len(table), self.blocks_for(end))):
-            src = table[i]
-            if self._ref_counts[src] > 1:
-                dst = self._pop_free()
-                self._ref_counts[src] -= 1
-                table[i] = dst
-                self.ops.copy.append((src, dst))
-                replaced.append((i, dst))
-        added = [self._pop_free() for _ in range(self.blocks_for(end) - len(table))]
+        for i in shared:
+            src, dst = table[i], self._pop_free()
+            refs[src] -= 1
+            table[i] = dst
+            self.ops.copy.append((src, dst))
+            replaced.append((i, dst))
+        added = [self._pop_free() for _ in range(new)]
         table.extend(added)
-        return added, replaced
+        return Written(added, replaced)
 
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:
         """The child shares the parent's blocks that hold its first `num_tokens` tokens."""
@@ -164,11 +186,15 @@ class BlockTable:
             self._ref_counts[block] += 1
         self._tables[req_id] = list(blocks)
 
-    def register(self, req_id: str, hashes: Sequence[BlockHash]) -> None:
-        """Record the hashes of the request's full, computed blocks (the first len(hashes) blocks)."""
+    def register(self, req_id: str, hashes: Sequence[BlockHash], first: int = 0, end: int | None = None) -> None:
+        """Record the hashes of the request's blocks [first, end) (default: up to len(hashes)), now full and
+        computed; hashes[i] is block i's. The scheduler passes the blocks a step filled, so a decode registers one
+        block in block_size steps, whatever its context length."""
         if not self.enable_prefix_caching:
             return
-        for block, h in zip(self._tables.get(req_id, []), hashes):
+        table = self._tables.get(req_id, [])
+        for i in range(first, min(len(table), len(hashes) if end is None else end)):
+            block, h = table[i], hashes[i]
             if self._hash_of[block] is None and h not in self._cached:
                 self._hash_of[block] = h
                 self._cached[h] = block

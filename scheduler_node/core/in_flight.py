@@ -1,47 +1,68 @@
 """The in-flight ledger: what each plan sent and not yet answered did to the scheduler's view.
 
-When a result comes back, its plan's entry says which requests it computed up to where (blocks full by then get
-registered for prefix caching) and which of them sampled; when the workers skipped a plan (an interrupt), the same
-entry says how to roll its requests back. With disjoint plans (P > 1 stages) it also knows which requests are held
-by a plan in flight, so none is scheduled twice before its token is known.
+When a result comes back, its plan's entry says which requests it computed, how many tokens and up to where (the
+blocks they filled get registered for prefix caching), and which of them sampled; when the workers skipped a plan
+(an interrupt), the same entry says how to roll its requests back. With disjoint plans (P > 1 stages) it also knows
+which requests are held by a plan in flight, so none is scheduled twice before its token is known. Entries are
+columns appended to as the plan is built: no per-request object.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from scheduler_node.core.request import Request
+
 
 @dataclass(slots=True)
 class SentPlan:
-    ends: dict[str, int] = field(default_factory=dict)  # each request's computed tokens once the step ran
-    samplers: set[str] = field(default_factory=set)  # requests whose next token this step samples
+    requests: list[Request] = field(default_factory=list)  # in the order they were scheduled
+    tokens: list[int] = field(default_factory=list)  # each one's tokens computed by this step
+    ends: list[int] = field(default_factory=list)  # each one's computed tokens once the step ran
+    samples: list[bool] = field(default_factory=list)  # does this step sample its next token?
+    # Each one's preemptions when sent: a request preempted since (and maybe started again) is another run of it,
+    # which this plan's progress is not part of.
+    runs: list[int] = field(default_factory=list)
+
+    def add(self, req: Request, tokens: int, samples: bool) -> None:
+        self.requests.append(req)
+        self.tokens.append(tokens)
+        self.ends.append(req.num_computed_tokens)
+        self.samples.append(samples)
+        self.runs.append(req.num_preemptions)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.tokens)
 
 
 class InFlightLedger:
     def __init__(self, disjoint_plans: bool) -> None:
         self.disjoint_plans = disjoint_plans
         self._plans: dict[int, SentPlan] = {}
-        self._held: set[str] = set()  # with disjoint plans: requests of plans whose results are not applied
+        self._held: set[int] = set()  # with disjoint plans: handles of requests in plans whose results are not applied
 
-    def record(self, step_id: int, req_id: str, end: int, samples: bool) -> None:
-        sent = self._plans.get(step_id)
-        if sent is None:
-            sent = self._plans[step_id] = SentPlan()
-        sent.ends[req_id] = end
-        if samples:
-            sent.samplers.add(req_id)
+    def record(self, step_id: int, sent: SentPlan) -> None:
+        """A plan that computes something goes out; with disjoint plans its requests are held until it is back."""
+        self._plans[step_id] = sent
         if self.disjoint_plans:
-            self._held.add(req_id)
+            self._held.update(r.handle for r in sent.requests)
 
-    def held(self, req_id: str) -> bool:
-        """Is `req_id` in a plan in flight that must come back before it is scheduled again?"""
-        return req_id in self._held
+    def requests_of(self, step_id: int) -> list[Request]:
+        """The requests a plan in flight computes."""
+        sent = self._plans.get(step_id)
+        return sent.requests if sent is not None else []
 
-    def settle(self, step_id: int, req_ids: list[str]) -> SentPlan:
+    def held(self, handle: int) -> bool:
+        """Is the request in a plan in flight that must come back before it is scheduled again?"""
+        return handle in self._held
+
+    def settle(self, step_id: int) -> SentPlan:
         """The plan's result (or interruption) arrived: its entry, and its requests are free to schedule."""
-        for req_id in req_ids:
-            self._held.discard(req_id)
-        return self._plans.pop(step_id, None) or SentPlan()
+        sent = self._plans.pop(step_id, None) or SentPlan()
+        if self._held:
+            self._held.difference_update(r.handle for r in sent.requests)
+        return sent
 
     def clear(self) -> None:
         """Every plan in flight was dropped (a rank was lost)."""

@@ -7,8 +7,8 @@ running one when it beats it by `preemption_margin` (hysteresis: two requests ca
 Policies:
 - `fcfs`: arrival order; never preempts for priority.
 - `priority`: the request's static `priority` (realtime 80-100, default 50, batch 20-40).
-- `dynamic`: one point per `aging_interval` seconds of age, minus one point per `short_job_tokens` tokens still
-  to generate: short jobs first, and nobody waits forever.
+- `dynamic`: hybrid's points (static priority plus one point per `aging_interval` seconds of age), minus one
+  point per `short_job_tokens` tokens still to generate: within a class short jobs first, and nobody waits forever.
 - `hybrid`: static priority plus one point per `aging_interval` seconds of age.
 
 Starvation bound (hybrid): aging adds points at the same rate to every request, so a request of priority p
@@ -17,8 +17,14 @@ load that keeps requests of priority at most P waiting, each served within S sec
 waited more than S), it outranks them all after (P - p) x aging_interval + S seconds and starts when the
 next seat frees: within (P - p) x aging_interval + 2 S, or earlier, by displacing a running request once it
 leads it by the margin. A backlog of priority-P requests that arrived before it keeps its lead and is served
-first. `dynamic` ages the same way, with the remaining-token term in place of P - p. tests/test_policy.py
-checks the bound.
+first. `dynamic` ages the same way; its remaining-token term can only add the waiting request's own
+max_tokens / short_job_tokens points to the lead it must make up (the others' term only lowers them), so its
+bound is (P - p + max_tokens / short_job_tokens) x aging_interval + 2 S. tests/test_policy.py checks both.
+
+Stable orders: under fcfs and priority the order of two requests never changes (it depends on neither age nor
+progress), so the scheduler keeps its queues in that order as requests arrive and start, and no step sorts them.
+A subclass that overrides how requests rank (`effective_priority`, `sort_key`, `order_running`, `order_waiting`
+or `pick_victim`) is sorted every step, unless it says `stable_order = True`.
 
 Write your own: subclass `Policy`, override `effective_priority` (or the three methods), and load it with
 `--scheduling-policy my_module:MyPolicy` (see deploy/custom_policy.py).
@@ -37,6 +43,13 @@ class Policy:
     """First come, first served. The base class of every policy."""
 
     name = "fcfs"
+    stable_order = True  # see the module's docstring
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        ranks = ("effective_priority", "sort_key", "order_running", "order_waiting", "pick_victim")
+        if "stable_order" not in cls.__dict__ and any(name in cls.__dict__ for name in ranks):
+            cls.stable_order = False
 
     def __init__(self, aging_interval: float = 10.0, preemption_margin: float = 5.0) -> None:
         if aging_interval <= 0:
@@ -72,6 +85,7 @@ class Policy:
 
 class PriorityPolicy(Policy):
     name = "priority"
+    stable_order = True
 
     def effective_priority(self, req: Request, now: float) -> float:
         return float(req.priority)
@@ -83,7 +97,7 @@ class DynamicPolicy(Policy):
 
     def effective_priority(self, req: Request, now: float) -> float:
         remaining = req.stop.max_tokens - len(req.output_token_ids)
-        return self._age_points(req, now) - remaining / self.short_job_tokens
+        return req.priority + self._age_points(req, now) - remaining / self.short_job_tokens
 
 
 class HybridPolicy(Policy):

@@ -22,7 +22,10 @@ class Status(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.name.startswith("FINISHED")
+        return self not in _LIVE  # identity tests: asked for every request at every step
+
+
+_LIVE = (Status.WAITING, Status.RUNNING, Status.PREEMPTED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,10 +63,11 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)  # of every full block of tokens
     swapped: bool = False  # preempted with its KV on the workers' host memory
     num_placeholders: int = 0  # tokens being sampled in steps whose results have not come back
-    forks: list[Request] = field(default_factory=list)  # n > 1: siblings started once the prompt is computed
+    forks: tuple[Request, ...] = ()  # n > 1: siblings started once the prompt is computed
     # With prompt_logprobs: entry i is prompt token i + 1's (the first token has none), gathered chunk by chunk.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     stopped_by_token: bool = False  # ended by eos or a stop token (its text is not part of the output)
+    handle: int = -1  # the request's id on the wire, assigned by the scheduler when the request is added
 
     @property
     def num_tokens(self) -> int:
@@ -75,33 +79,38 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.status.finished
+        return self.status not in _LIVE
 
     def update_block_hashes(self, block_size: int) -> list[BlockHash]:
-        """Hash every block that is now full of tokens (computed or not); return all the hashes."""
-        full = self.num_tokens // block_size
-        if len(self.block_hashes) < full:
-            tokens = self.all_token_ids
-            for i in range(len(self.block_hashes), full):
-                parent = self.block_hashes[-1] if self.block_hashes else None
-                chunk = tokens[i * block_size : (i + 1) * block_size]
-                self.block_hashes.append(hash_block(parent, chunk, self.cache_salt))
-        return self.block_hashes
+        """Hash the blocks that filled with tokens (computed or not) since the last call; return all the hashes."""
+        hashes = self.block_hashes
+        for i in range(len(hashes), self.num_tokens // block_size):
+            chunk = self.token_slice(i * block_size, (i + 1) * block_size)
+            hashes.append(hash_block(hashes[-1] if hashes else None, chunk, self.cache_salt))
+        return hashes
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without joining the two."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
     def append_tokens(self, token_ids: list[int]) -> list[int]:
         """Append sampled tokens up to the first stop; return the ones kept and set the status when done."""
-        kept: list[int] = []
-        for token in token_ids:
-            self.output_token_ids.append(token)
-            kept.append(token)
-            if self.stop.ends(token, len(self.output_token_ids)):
+        output, stop = self.output_token_ids, self.stop
+        for i, token in enumerate(token_ids):
+            output.append(token)
+            if stop.ends(token, len(output)):
                 self.status = Status.FINISHED_STOPPED
                 self.stopped_by_token = True
-                break
-            if len(self.output_token_ids) >= self.stop.max_tokens:
+                return token_ids[: i + 1]
+            if len(output) >= stop.max_tokens:
                 self.status = Status.FINISHED_LENGTH
-                break
-        return kept
+                return token_ids[: i + 1]
+        return token_ids
 
     def add_prompt_logprobs(self, first: int, logprobs: list[TokenLogprobs]) -> None:
         """A chunk's prompt logprobs, from prompt position `first` on. A recomputed chunk (after preemption) brings
@@ -114,14 +123,15 @@ class Request:
     def prompt_logprobs_done(self) -> bool:
         return len(self.prompt_logprobs) == len(self.prompt_token_ids) - 1
 
-    def to_new_request(self, block_ids: list[int]) -> NewRequest:
+    def to_new_request(self, block_ids: list[int], num_scheduled_tokens: int) -> NewRequest:
         return NewRequest(
-            self.req_id,
+            self.handle,
             list(self.prompt_token_ids),
             list(self.output_token_ids),
             self.sampling,
             list(block_ids),
             self.num_computed_tokens,
+            num_scheduled_tokens,
         )
 
 

@@ -14,13 +14,15 @@ each plan did, to apply or undo it).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from proto.wire import ExecutionMode, StepPlan, StepResult, TokenLogprobs
-from scheduler_node.core.block_table import BlockHash, BlockTable
+from scheduler_node.core.block_table import BlockHash, BlockTable, Written
 from scheduler_node.core.config import PreemptionMode, SchedulerConfig
 from scheduler_node.core.in_flight import InFlightLedger, SentPlan
 from scheduler_node.core.kv_tiers import KVTiers
@@ -97,8 +99,14 @@ class Scheduler:
         self.costs = costs or PreemptionCosts()
         self.counters = SchedulerCounters()
         self.requests: dict[str, Request] = {}
+        self._by_handle: dict[int, Request] = {}
+        self._handles = itertools.count()  # never reused: a late result of a plan in flight names no one else
+        # Kept in the policy's order when it is stable (the order of two requests never changes), else in arrival.
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        # Running requests that may have more than one token to compute (admitted, or rolled back by an
+        # interrupt): the only ones whose prefill can set the floor. Dropped once they caught up.
+        self._catching_up: set[Request] = set()
         self.view = WorkerView(self.mode.tokens_in_plan)
         self.in_flight = InFlightLedger(self.mode.disjoint_plans)
         self._step_id = 0
@@ -114,29 +122,58 @@ class Scheduler:
         for r in [req, *(forks or [])]:
             if r.req_id in self.requests:
                 raise KeyError(f"request {r.req_id!r} is already live")
-        req.forks = list(forks or [])
+        req.forks = tuple(forks or ())
         for r in [req, *req.forks]:
+            r.handle = next(self._handles)
             self.requests[r.req_id] = r
-        self.waiting.append(req)
+            self._by_handle[r.handle] = r
+        self._enqueue(req)
 
     def finish(self, req_id: str, status: Status) -> Request | None:
         """End a live request (abort, stop string, error) and free its blocks at once."""
         req = self.requests.pop(req_id, None)
         if req is None:
             return None
-        if req in self.running:
+        del self._by_handle[req.handle]
+        if req.status is Status.RUNNING or req.finished:  # finished by its own tokens: still in running
             self.running.remove(req)
+            self._catching_up.discard(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         if not req.finished:
             req.status = status
         self.blocks.free(req.req_id)
-        self.view.forget(req.req_id, preempted=False)
+        self.view.forget(req, preempted=False)
         return req
+
+    def request_of(self, handle: int) -> Request | None:
+        """The live request a plan or a result names by this handle."""
+        return self._by_handle.get(handle)
 
     def resize(self, num_blocks: int) -> int:
         """Change the usable KV blocks at run time; returns how many live blocks move (on the next step)."""
-        return self.view.replace_blocks(self.blocks.resize(num_blocks))
+        return self.view.replace_blocks(self._by_handles(self.blocks.resize(num_blocks)))
+
+    def _by_handles(self, updates: dict[str, list[tuple[int, int]]]) -> dict[int, list[tuple[int, int]]]:
+        return {self.requests[req_id].handle: changes for req_id, changes in updates.items()}
+
+    def _enqueue(self, req: Request) -> None:
+        """Into waiting: in its place under a stable policy order (so no step sorts the queue), else at the end."""
+        if self.policy.stable_order:
+            now = self.clock()
+            bisect.insort(self.waiting, req, key=lambda r: self.policy.sort_key(r, now))
+        else:
+            self.waiting.append(req)
+
+    def _start_running(self, req: Request) -> None:
+        self.waiting.remove(req)
+        if self.policy.stable_order:
+            now = self.clock()
+            bisect.insort(self.running, req, key=lambda r: self.policy.sort_key(r, now))
+        else:
+            self.running.append(req)
+        req.status = Status.RUNNING
+        self._catching_up.add(req)
 
     @property
     def has_work(self) -> bool:
@@ -155,30 +192,36 @@ class Scheduler:
         now = self.clock()
         self._maybe_compact()
         plan = StepPlan(self._step_id)
+        sent = SentPlan()
         budget = self.config.max_num_batched_tokens
         seats = self._seats_per_plan()
         self._displace_for_priority(now, budget)
         floor = self._prefill_floor(now)
         preempted = False
-        to_schedule = [r for r in self.policy.order_running(self.running, now) if not self.in_flight.held(r.req_id)]
-        while to_schedule and budget > 0 and len(plan.num_scheduled_tokens) < seats:
-            req = to_schedule.pop(0)
+        order = list(self.running) if self.policy.stable_order else self.policy.order_running(self.running, now)
+        held = self.in_flight.held if self.mode.disjoint_plans else None
+        for i, req in enumerate(order):
+            if budget <= 0 or len(sent.requests) >= seats:
+                break
+            if req.status is not Status.RUNNING or (held is not None and held(req.handle)):
+                continue  # preempted for a request before it in this step, or in a plan in flight
             n = min(self._tokens_to_schedule(req), budget)
             if n <= 0 or (n > 1 and self.policy.effective_priority(req, now) < floor):
                 continue
             first = req.num_computed_tokens
-            while not self.blocks.can_write(req.req_id, first, first + n):
-                victim = self.policy.pick_victim(to_schedule, now) or req
+            while (written := self.blocks.write(req.req_id, first, first + n)) is None:
+                victim = self._pick_victim([r for r in order[i + 1 :] if self._schedulable(r, held)], now) or req
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
                     break
-                to_schedule.remove(victim)
             else:
-                self._take(req, n, plan)
+                self._take(req, n, plan, sent, written)
                 budget -= n
         if not preempted:
-            self._admit(budget, seats, floor, plan, now)
+            self._admit(budget, seats, floor, plan, sent, now)
+        if sent.requests:
+            self.in_flight.record(plan.step_id, sent)
         self.view.finish_plan(plan, self.blocks.take_ops())
         if self.tiers is not None:
             plan.tier_moves = self.tiers.take_moves()
@@ -189,6 +232,16 @@ class Scheduler:
         if self.tiers is not None:
             self.blocks.on_evict = self.tiers.offload
 
+    @staticmethod
+    def _schedulable(req: Request, held: Callable[[int], bool] | None) -> bool:
+        return req.status is Status.RUNNING and not (held is not None and held(req.handle))
+
+    def _pick_victim(self, candidates: list[Request], now: float) -> Request | None:
+        """The policy's least valued of these (under a stable order they are in it: the last one)."""
+        if self.policy.stable_order:
+            return candidates[-1] if candidates else None
+        return self.policy.pick_victim(candidates, now)
+
     def _seats_per_plan(self) -> int:
         """Requests one plan may hold. With disjoint plans, a 1/N share of what can run at once for N plans in
         flight: a plan that took every request would leave the next one empty and the stages in lock-step."""
@@ -197,20 +250,28 @@ class Scheduler:
         runnable = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
         return max(1, -(-runnable // self.mode.plans_in_flight))
 
-    def _tokens_to_schedule(self, req: Request) -> int:
+    @staticmethod
+    def _tokens_to_schedule(req: Request) -> int:
         """Tokens to compute: up to the known ones plus the sampled ones still in flight (async
         scheduling), never past max_tokens."""
-        if len(req.output_token_ids) + req.num_placeholders >= req.stop.max_tokens:
+        num_output = len(req.output_token_ids)
+        if num_output + req.num_placeholders >= req.stop.max_tokens:
             return 0
-        return req.num_tokens + req.num_placeholders - req.num_computed_tokens
+        return len(req.prompt_token_ids) + num_output + req.num_placeholders - req.num_computed_tokens
+
+    def _waiting_head(self, now: float) -> Request | None:
+        """The waiting request the policy ranks first, leaving out those held by a plan in flight."""
+        candidates = (r for r in self.waiting if not self.in_flight.held(r.handle))
+        if self.policy.stable_order:
+            return next(candidates, None)  # waiting is in the policy's order
+        return min(candidates, key=lambda r: self.policy.sort_key(r, now), default=None)
 
     def _displace_for_priority(self, now: float, budget: int) -> None:
         """Before the step: while the best waiting request finds no seat or no blocks, it displaces the
         least valued running request if it beats it by the policy's margin."""
-        candidates = (r for r in self.waiting if not self.in_flight.held(r.req_id))
-        head = min(candidates, key=lambda r: self.policy.sort_key(r, now), default=None)
+        head = self._waiting_head(now)
         while head is not None and not self._fits(head, budget):
-            victim = self.policy.pick_victim(self.running, now)
+            victim = self._pick_victim(self.running, now)
             if victim is None or not self.policy.displaces(head, victim, now):
                 return
             logger.info("%s displaces %s by priority", head.req_id, victim.req_id)
@@ -258,38 +319,54 @@ class Scheduler:
         if self.policy.preemption_margin <= 0:
             return float("-inf")
         held = self.in_flight.held
-        pending = [r for r in self.waiting if not held(r.req_id)]
-        pending += [r for r in self.running if not held(r.req_id) and self._tokens_to_schedule(r) > 1]
+        if self.policy.stable_order:
+            head = self._waiting_head(now)  # the waiting request of the highest effective priority
+            pending = [head] if head is not None else []
+        else:
+            pending = [r for r in self.waiting if not held(r.handle)]
+        for req in list(self._catching_up):
+            if req.status is not Status.RUNNING or self._tokens_to_schedule(req) <= 1:
+                self._catching_up.discard(req)  # caught up: only an interrupt's rollback brings it back
+            elif not held(req.handle):
+                pending.append(req)
         if not pending:
             return float("-inf")
         return max(self.policy.effective_priority(r, now) for r in pending) - self.policy.preemption_margin
 
-    def _admit(self, budget: int, seats: int, floor: float, plan: StepPlan, now: float) -> None:
+    def _admit(self, budget: int, seats: int, floor: float, plan: StepPlan, sent: SentPlan, now: float) -> None:
         """Start waiting requests in policy order while budget, seats and blocks last. Forks (n > 1) that wait
         while holding their parent's prompt blocks go first: left waiting, they would keep those blocks from a
         request that needs the whole cache, which would then preempt itself over and over."""
-        ordered = self.policy.order_waiting(self.waiting, now)
+        if not self._room(budget, seats, sent):
+            return  # nothing can start: the queue is not even looked at (something runs, so no fork must let go)
+        ordered = list(self.waiting) if self.policy.stable_order else self.policy.order_waiting(self.waiting, now)
         holders = [r for r in ordered if not r.swapped and self.blocks.blocks_of(r.req_id)]
-        for req in holders + [r for r in ordered if r not in holders]:
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs or len(plan.num_scheduled_tokens) >= seats:
+        holding = set(holders)
+        for req in holders + [r for r in ordered if r not in holding]:
+            if not self._room(budget, seats, sent):
                 break
-            holds_blocks = req in holders
+            holds_blocks = req in holding
             if self.policy.effective_priority(req, now) < floor and not holds_blocks:
                 break  # waiting is in policy order: the rest rank lower still
-            if self.in_flight.held(req.req_id):
+            if self.in_flight.held(req.handle):
                 continue  # preempted while its plan runs: it comes back once that result is applied
             if not self._claim_blocks(req, budget):
                 if holds_blocks:
                     continue
                 break  # strict order: a big request at the head is not overtaken forever
-            self.waiting.remove(req)
-            self.running.append(req)
-            req.status = Status.RUNNING
+            self._start_running(req)
             n = min(self._tokens_to_schedule(req), budget)
-            self._take(req, n, plan)
+            written = self.blocks.write(req.req_id, req.num_computed_tokens, req.num_computed_tokens + n)
+            if written is None:
+                raise RuntimeError(f"{req.req_id}: its blocks were claimed, yet they do not fit")
+            self._take(req, n, plan, sent, written)
             budget -= n
         if holders and not self.running:
             self._release_blocks(holders[-1])
+
+    def _room(self, budget: int, seats: int, sent: SentPlan) -> bool:
+        """Can one more request start in this plan?"""
+        return budget > 0 and len(self.running) < self.config.max_num_seqs and len(sent.requests) < seats
 
     def _release_blocks(self, req: Request) -> None:
         """Nothing runs, and forks waiting on shared blocks cannot start (each needs a free block to copy the
@@ -309,6 +386,8 @@ class Scheduler:
         if req.swapped:
             bt.swap_in(req.req_id)
             req.swapped = False
+            # Its computed blocks are back (the swap-in runs before this step reads them) under new block ids.
+            bt.register(req.req_id, req.update_block_hashes(bt.block_size), 0, req.num_computed_tokens // bt.block_size)
         elif not bt.blocks_of(req.req_id):
             hit_tokens = (len(hits) + loads) * bt.block_size
             if req.num_preemptions == 0 and not req.output_token_ids:  # new prompts only: resumptions inflate it
@@ -330,22 +409,20 @@ class Scheduler:
         bt = self.blocks
         first = len(bt.blocks_of(req.req_id)) * bt.block_size
         with self.tiers.protecting(keys):
-            added, _ = bt.write(req.req_id, first, first + len(keys) * bt.block_size)
-        for key, block in zip(keys, added):
+            written = bt.write(req.req_id, first, first + len(keys) * bt.block_size)
+        assert written is not None, "the fit check counted these blocks"
+        for key, block in zip(keys, written.added):
             self.tiers.load(key, block)
 
-    def _take(self, req: Request, n: int, plan: StepPlan) -> None:
+    def _take(self, req: Request, n: int, plan: StepPlan, sent: SentPlan, written: Written) -> None:
+        """`req` computes `n` tokens in this plan; its blocks are `written` already."""
         first = req.num_computed_tokens
-        added, replaced = self.blocks.write(req.req_id, first, first + n)
-        if replaced and self.view.holds(req.req_id):  # a new request's table goes out whole, replacements included
-            self.view.replace_blocks({req.req_id: replaced})
-        self.view.add_to_plan(req, plan, first, self.blocks.blocks_of(req.req_id), added)
-        plan.num_scheduled_tokens[req.req_id] = n
-        req.num_computed_tokens += n
-        samples = req.num_computed_tokens == req.num_tokens + req.num_placeholders
+        self.view.add_to_plan(req, plan, first, n, self.blocks, written)
+        req.num_computed_tokens = first + n
+        samples = first + n == len(req.prompt_token_ids) + len(req.output_token_ids) + req.num_placeholders
         if samples:
             req.num_placeholders += 1  # this step samples a token the scheduler learns of later
-        self.in_flight.record(plan.step_id, req.req_id, req.num_computed_tokens, samples)
+        sent.add(req, n, samples)
 
     def _preempt(self, req: Request) -> None:
         mode = self._preemption_mode(req)
@@ -361,12 +438,13 @@ class Scheduler:
             blocks = self.blocks.free(req.req_id)
             req.num_computed_tokens = 0
             self.counters.preemptions_recompute += 1
-        self.view.forget(req.req_id, preempted=True)
+        self.view.forget(req, preempted=True)
         logger.info("preempted %s by %s: %d tokens, %d blocks", req.req_id, mode.value, tokens, blocks)
         self.running.remove(req)
+        self._catching_up.discard(req)
         req.status = Status.PREEMPTED
         req.num_preemptions += 1
-        self.waiting.append(req)
+        self._enqueue(req)
 
     def _preemption_mode(self, req: Request) -> PreemptionMode:
         mode = self.config.preemption_mode
@@ -382,63 +460,72 @@ class Scheduler:
         if not interval or self._step_id % interval:
             return
         start = time.perf_counter()
-        moved = self.view.replace_blocks(self.blocks.compact(max_moves=self.config.compaction_max_moves))
+        moved = self.view.replace_blocks(self._by_handles(self.blocks.compact(self.config.compaction_max_moves)))
         self.counters.compaction_moves += moved
         self.counters.compaction_seconds += time.perf_counter() - start
 
     # ---- results
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
-        """Register computed blocks for prefix caching, append sampled tokens, apply stop conditions."""
-        sent = self.in_flight.settle(plan.step_id, list(plan.num_scheduled_tokens))
+        """Register the blocks the step filled for prefix caching, append sampled tokens, apply stop conditions."""
+        sent = self.in_flight.settle(plan.step_id)
         if result.interrupted:
-            self._undo(plan, sent)
+            self._undo(sent)
             return []
-        self.costs.observe(result.execute_ms, plan.total_tokens)
+        tokens = sent.total_tokens
+        self.costs.observe(result.execute_ms, tokens)
         if self.tiers is not None:
             self.tiers.observe(result.tier_ms)
-        if plan.num_scheduled_tokens:
+        if sent.requests:
             self.counters.steps += 1
             self.counters.worker_idle_ms += result.idle_ms
-            self.counters.scheduled_tokens += plan.total_tokens
-        for req_id in plan.num_scheduled_tokens:
-            req = self.requests.get(req_id)
-            if req is not None and req.status is Status.RUNNING and req_id in sent.ends:
-                # This step's own end, not num_computed_tokens: that counts plans still in flight, whose
-                # blocks are not written yet (and are never written if those plans are interrupted).
-                full = sent.ends[req_id] // self.blocks.block_size
-                self.blocks.register(req_id, req.update_block_hashes(self.blocks.block_size)[:full])
-        for req_id, (first, logprobs) in result.prompt_logprobs.items():
-            if (req := self.requests.get(req_id)) is not None:  # kept even if preempted since: positions are checked
+            self.counters.scheduled_tokens += tokens
+        self._register_filled_blocks(sent)
+        for handle, (first, logprobs) in result.prompt_logprobs.items():
+            if (req := self._by_handle.get(handle)) is not None:  # kept even if preempted since: positions checked
                 req.add_prompt_logprobs(first, logprobs)
         outputs = []
-        for req_id, token_ids in result.sampled.items():
-            req = self.requests.get(req_id)
-            if req is None or req.status is not Status.RUNNING:
+        all_logprobs, max_len, running = result.logprobs, self.config.max_model_len, Status.RUNNING
+        for handle, token_ids in result.sampled.items():
+            req = self._by_handle.get(handle)
+            if req is None or req.status is not running:
                 continue  # aborted or preempted while the step ran
             req.num_placeholders -= len(token_ids)
             kept = req.append_tokens(token_ids)
             if req.forks:
                 self._start_forks(req)
-            logprobs = result.logprobs.get(req_id, [])[: len(kept)]
+            logprobs = all_logprobs[handle][: len(kept)] if handle in all_logprobs else []
             outputs.append(RequestOutput(req, kept, logprobs))
-            if req.num_tokens >= self.config.max_model_len and not req.finished:
+            if req.status is running and len(req.prompt_token_ids) + len(req.output_token_ids) >= max_len:
                 req.status = Status.FINISHED_LENGTH
-            if req.finished:
-                self.finish(req_id, req.status)
+            if req.status is not running:  # it finished
+                self.finish(req.req_id, req.status)
         return outputs
 
-    def _undo(self, plan: StepPlan, sent: SentPlan) -> None:
+    def _register_filled_blocks(self, sent: SentPlan) -> None:
+        """The blocks each request's step filled (one in block_size decode steps) get their hashes. This step's
+        own end counts, not num_computed_tokens: that counts plans still in flight, whose blocks are not written
+        yet (and are never written if those plans are interrupted)."""
+        bt = self.blocks
+        if not bt.enable_prefix_caching:
+            return
+        bs = bt.block_size
+        for req, n, end, run in zip(sent.requests, sent.tokens, sent.ends, sent.runs):
+            first_block, full = (end - n) // bs, end // bs
+            if full > first_block and req.status is Status.RUNNING and req.num_preemptions == run:
+                bt.register(req.req_id, req.update_block_hashes(bs), first_block, full)
+
+    def _undo(self, sent: SentPlan) -> None:
         """The workers skipped this plan's compute: its requests are back where they were before it (the
         blocks it allocated stay theirs; its diffs and block operations did run)."""
         self.counters.interrupted_steps += 1
-        for req_id, n in plan.num_scheduled_tokens.items():
-            req = self.requests.get(req_id)
-            if req is None or req.status is not Status.RUNNING:
+        for req, n, samples, run in zip(sent.requests, sent.tokens, sent.samples, sent.runs):
+            if req.status is not Status.RUNNING or req.num_preemptions != run:
                 continue  # finished or preempted since: nothing of this step is kept for it
             req.num_computed_tokens -= n
-            if req_id in sent.samplers:
+            if samples:
                 req.num_placeholders -= 1
+            self._catching_up.add(req)
 
     def may_interrupt(self, req: Request, plans: list[StepPlan]) -> bool:
         """May `req` have the workers skip these plans in flight? When it outranks every request in them by the
@@ -446,14 +533,26 @@ class Scheduler:
         if not self.mode.interruptible or not self.can_undo(plans):
             return False
         now = self.clock()
-        others = [self.requests[r] for p in plans for r in p.num_scheduled_tokens if r in self.requests]
-        return bool(others) and all(self.policy.displaces(req, other, now) for other in others)
+        outranks_some = False
+        for plan in plans:
+            for other in self.in_flight.requests_of(plan.step_id):
+                if self._by_handle.get(other.handle) is other:  # still live
+                    if not self.policy.displaces(req, other, now):
+                        return False
+                    outranks_some = True
+        return outranks_some
 
     @staticmethod
     def can_undo(plans: list[StepPlan]) -> bool:
-        """Plans whose compute can be skipped: none preempts or swaps (a swapped-out request keeps its computed
-        tokens, which a skipped step would not have written)."""
-        return not any(p.swap_out or p.swap_in or p.preempted_req_ids for p in plans)
+        """Plans whose compute can be skipped: none swaps out (a swapped-out request keeps its computed tokens,
+        which a skipped step before it would not have written). A skipped plan still swaps in (its block work
+        runs), and a request it preempted recomputes from scratch, so plans that resume a displaced request stay
+        interruptible: a realtime request arriving as one resumes does not wait for it."""
+        return not any(p.swap_out for p in plans)
+
+    def requests_in(self, plan: StepPlan) -> list[Request]:
+        """The live requests a plan computes."""
+        return [r for h in plan.num_scheduled_tokens if (r := self._by_handle.get(h)) is not None]
 
     def _start_forks(self, parent: Request) -> None:
         """The prompt is computed: each sibling shares its blocks and recomputes only the last prompt token,
@@ -462,8 +561,8 @@ class Scheduler:
         for child in parent.forks:
             self.blocks.fork(parent.req_id, child.req_id, prompt_len)
             child.num_computed_tokens = prompt_len - 1
-            self.waiting.append(child)
-        parent.forks = []
+            self._enqueue(child)
+        parent.forks = ()
 
     # ---- worker failure
 
@@ -471,13 +570,13 @@ class Scheduler:
         """The workers' KV is gone (a rank was lost): every running request goes back to waiting, to be
         recomputed, swapped and forked ones drop their blocks too, and the prefix cache starts empty (the
         replacement worker's cache holds nothing). Returns how many requests were running."""
-        running = list(self.running)
+        running, self.running = self.running, []
+        self._catching_up.clear()
         for req in running:
-            self.running.remove(req)
             req.status = Status.PREEMPTED
             req.num_preemptions += 1
             self.counters.preemptions_recompute += 1
-            self.waiting.append(req)
+            self._enqueue(req)
         for req in self.requests.values():
             req.num_computed_tokens = 0
             req.num_placeholders = 0

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import itertools
 import logging
 import time
@@ -18,12 +17,15 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from proto.memory_stats import KvPool
 from proto.transport import StepFailed, WorkerLost, WorkerTransport
 from proto.wire import StepPlan, StepResult, TokenLogprobs
 from scheduler_node.core.request import Request, RequestSpec, Status, StopConditions
 from scheduler_node.core.scheduler import RequestOutput, Scheduler
 from scheduler_node.core.stats import hit_rates, kv_pools, snapshot
+from scheduler_node.engine.collector import CollectorSchedule
 from scheduler_node.engine.metrics import LiveSample, Metrics
 from scheduler_node.engine.outputs import Delta, RequestStream, SequenceOutput
 from scheduler_node.text.detokenizer import IncrementalDetokenizer
@@ -38,6 +40,8 @@ class EngineOptions:
     max_waiting_requests: int = 0  # waiting sequences at most (0: unbounded)
     scheduler_delay: float = 0.0  # seconds to wait for more arrivals before a small batch
     step_timeout: float = 60.0  # seconds a step may run (plus STEP_SECONDS_PER_TOKEN each) before its ranks are lost
+    # Keep the garbage collector's pauses out of the steps (engine/collector.py); a server process sets it.
+    schedule_gc: bool = False
 
     def __post_init__(self) -> None:
         if not self.rejoin_timeout > 0 or not self.step_timeout > 0:
@@ -55,6 +59,7 @@ class _InFlight:
     plan: StepPlan
     future: asyncio.Future[StepResult]
     sent: float  # perf_counter when built
+    tokens: int  # the plan's scheduled tokens
 
 
 class EngineCore:
@@ -84,6 +89,8 @@ class EngineCore:
         self.failed: str = ""  # set when the engine stopped for good
         self.draining = False  # no new requests; set by Drain and SIGTERM, never cleared
         self.gave_up = ""  # why requests are refused: a rank was lost and nobody rejoined in time
+        self.collector = CollectorSchedule() if self.options.schedule_gc else None
+        self._collected_at_idle = True  # nothing ran since the last idle collection
 
     # ---- what the doors ask
 
@@ -119,14 +126,14 @@ class EngineCore:
         eos = frozenset() if spec.ignore_eos else self.tokenizer.eos_token_ids
         stop = StopConditions(spec.max_tokens, eos, frozenset(spec.stop_token_ids), spec.sampling.min_tokens)
         # The worker bans the tokens that end the output until min_tokens, and lets a grammar end only with them.
-        ending = dataclasses.replace(spec.sampling, stop_token_ids=sorted(eos | stop.stop_token_ids))
+        ending = msgspec.structs.replace(spec.sampling, stop_token_ids=sorted(eos | stop.stop_token_ids))
         internal = []
         sequences: list[Request] = []
         for index in range(spec.n):
             req_id = f"{spec.request_id}#{next(self._ids)}"
             sampling = ending
             if spec.n > 1 and sampling.seed is not None:
-                sampling = dataclasses.replace(sampling, seed=sampling.seed + index)
+                sampling = msgspec.structs.replace(sampling, seed=sampling.seed + index)
             sequences.append(
                 Request(req_id, spec.prompt_token_ids, sampling, stop, spec.priority, cache_salt=spec.cache_salt)
             )
@@ -216,12 +223,15 @@ class EngineCore:
     # ---- the loop
 
     async def run(self) -> None:
+        if self.collector is not None:
+            self.collector.start()
         try:
             while True:
                 if not self.workers.all_ready:
                     self._drop_inflight()
                     await self._recover()
                 elif not self.scheduler.has_work and not self._inflight:
+                    self._collect_at_idle()
                     self._wake.clear()
                     await _first(self._wake.wait(), self.workers.lost.wait())
                 else:
@@ -256,13 +266,17 @@ class EngineCore:
             return
         self._inflight.popleft()
         self._interrupting.discard(head.plan.step_id)
-        for out in self.scheduler.update(head.plan, result):
-            self._on_output(out)
-        if head.plan.num_scheduled_tokens:
+        self._on_outputs(self.scheduler.update(head.plan, result))
+        if head.tokens:
             m = self.metrics
             m.step_time.observe(time.perf_counter() - head.sent)
-            m.iteration_tokens.observe(head.plan.total_tokens)
-            m.batch_utilization = head.plan.total_tokens / self.scheduler.config.max_num_batched_tokens
+            m.iteration_tokens.observe(head.tokens)
+            m.batch_utilization = head.tokens / self.scheduler.config.max_num_batched_tokens
+
+    def _collect_at_idle(self) -> None:
+        if self.collector is not None and not self._collected_at_idle and not self._sequences:
+            self.collector.idle()
+            self._collected_at_idle = True
 
     def _fill_pipeline(self) -> None:
         while len(self._inflight) < self.mode.plans_in_flight and self.scheduler.has_work and not self._interrupting:
@@ -277,14 +291,18 @@ class EngineCore:
             except WorkerLost as exc:
                 logger.error("step %d could not be sent: %s", plan.step_id, exc)
                 return  # the loop sees the lost rank and recovers
-            self._inflight.append(_InFlight(plan, future, start))
+            self._inflight.append(_InFlight(plan, future, start, plan.total_tokens))
+            if plan.new_requests:
+                self._collected_at_idle = False
+                if self.collector is not None:
+                    self.collector.admitted()  # once the plan is on its way
 
     async def _await_head(self, head: _InFlight) -> StepResult:
         """The oldest plan's result. While it runs and there is room for another plan, requests that arrive are
         scheduled at once (they do not wait for this step to end). Its deadline runs from now: the workers run
         plans in order, so it is the one they work on. Past it, the ranks that owe an answer are lost (a hung
         step, not a slow one)."""
-        timeout = self.options.step_timeout + STEP_SECONDS_PER_TOKEN * head.plan.total_tokens
+        timeout = self.options.step_timeout + STEP_SECONDS_PER_TOKEN * head.tokens
         deadline = time.monotonic() + timeout
         while not head.future.done():
             left = deadline - time.monotonic()
@@ -393,10 +411,10 @@ class EngineCore:
 
     def _fail_step(self, plan: StepPlan, reason: str) -> None:
         """A worker could not run the plan: its requests fail, the rest are recomputed (worker state is suspect)."""
-        logger.error("%s; failing the %d request(s) of that step", reason, len(plan.num_scheduled_tokens))
-        for req_id in plan.num_scheduled_tokens:
-            req = self.scheduler.finish(req_id, Status.FINISHED_ERROR)
-            if req is not None and req_id in self._sequences:
+        failed = self.scheduler.requests_in(plan)
+        logger.error("%s; failing the %d request(s) of that step", reason, len(failed))
+        for req in failed:
+            if self.scheduler.finish(req.req_id, Status.FINISHED_ERROR) is not None and req.req_id in self._sequences:
                 self._emit(req, [], [], error=reason, code="INTERNAL")
         self.scheduler.requeue_all()
 
@@ -413,28 +431,41 @@ class EngineCore:
 
     def _note_scheduled(self, plan: StepPlan) -> None:
         now = time.monotonic()
-        for req_id in plan.num_scheduled_tokens:
-            seq = self._sequences.get(req_id)
+        for new in plan.new_requests:  # a request is scheduled for the first time as a new one
+            req = self.scheduler.request_of(new.handle)
+            seq = self._sequences.get(req.req_id) if req is not None else None
             if seq is not None and not seq.scheduled:
                 seq.scheduled = True
                 self.metrics.queue_time.observe(now - seq.arrival)
 
-    def _on_output(self, out: RequestOutput) -> None:
-        seq = self._sequences.get(out.request.req_id)
-        if seq is None:
-            return
-        text_ids = out.new_token_ids[:-1] if out.request.stopped_by_token else out.new_token_ids
-        seq.detokenizer.add(text_ids)  # the token that stopped the output is not part of its text
-        if seq.detokenizer.stopped and not out.request.finished:
-            self.scheduler.finish(out.request.req_id, Status.FINISHED_STOPPED)
-        self._emit(out.request, out.new_token_ids, out.logprobs)
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        """Stream each sequence's new tokens (one clock reading for the step); count them once."""
+        now, tokens = time.monotonic(), 0
+        for out in outputs:
+            seq = self._sequences.get(out.request.req_id)
+            if seq is None:
+                continue
+            text_ids = out.new_token_ids[:-1] if out.request.stopped_by_token else out.new_token_ids
+            seq.detokenizer.add(text_ids)  # the token that stopped the output is not part of its text
+            if seq.detokenizer.stopped and not out.request.finished:
+                self.scheduler.finish(out.request.req_id, Status.FINISHED_STOPPED)
+            self._emit(out.request, out.new_token_ids, out.logprobs, now=now)
+            tokens += len(out.new_token_ids)
+        if tokens:
+            self.metrics.generation_tokens.inc(tokens)
 
     def _emit(
-        self, req: Request, token_ids: list[int], logprobs: list[TokenLogprobs], error: str = "", code: str = ""
+        self,
+        req: Request,
+        token_ids: list[int],
+        logprobs: list[TokenLogprobs],
+        error: str = "",
+        code: str = "",
+        now: float = 0.0,
     ) -> None:
         seq = self._sequences[req.req_id]
         if token_ids:
-            self._observe_tokens(seq, req, len(token_ids))
+            self._observe_tokens(seq, req, len(token_ids), now)
         finished = req.finished
         delta = Delta(seq.index, token_ids, seq.detokenizer.delta(final=finished), logprobs=logprobs)
         if token_ids and seq.index == 0 and req.sampling.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
@@ -449,7 +480,7 @@ class EngineCore:
             self.metrics.finished(req.status.value, None if error else time.monotonic() - seq.arrival)
             self._forget(req.req_id, seq.stream.request_id)
         if delta.token_ids or delta.text or finished:
-            seq.stream.queue.put_nowait(delta)
+            seq.stream.put(delta)
 
     def _forget(self, req_id: str, request_id: str) -> None:
         del self._sequences[req_id]
@@ -463,9 +494,8 @@ class EngineCore:
             if not self._by_request_id:
                 self._idle.set()
 
-    def _observe_tokens(self, seq: SequenceOutput, req: Request, n: int) -> None:
-        m, now = self.metrics, time.monotonic()
-        m.generation_tokens.inc(n)
+    def _observe_tokens(self, seq: SequenceOutput, req: Request, n: int, now: float) -> None:
+        m = self.metrics
         if not seq.last_token_at:
             m.ttft.observe(now - seq.arrival)
             if seq.index == 0:

@@ -8,14 +8,17 @@ loop's thread, so the scrape never sees the scheduler half-way through a change.
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 # A scrape's live values: name -> value, or (for LABELLED_GAUGES) name -> label values -> value
 LiveSample = dict[str, float | dict[tuple[str, ...], float]]
@@ -64,7 +67,11 @@ class Metrics(Exporter):
             registry=self.registry,
         )
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Arrival to first token", TTFT_BUCKETS)
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between two tokens of a sequence", ITL_BUCKETS)
+        # Observed for every token of every sequence: counts under the GIL, not prometheus_client's locked values.
+        self.itl = LoopHistogram(
+            "vllm:inter_token_latency_seconds", "Time between two tokens of a sequence", ITL_BUCKETS, model_name
+        )
+        self.registry.register(self.itl)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to the last token", REQUEST_BUCKETS)
         self.queue_time = histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled", REQUEST_BUCKETS)
         self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens per engine step", TOKEN_BUCKETS)
@@ -142,6 +149,29 @@ COUNTERS = {
     "minivllm:kv_tier_disk_hits": "KV blocks loaded back from the disk offload tier instead of recomputed",
     "minivllm:kv_tier_bytes_moved": "Bytes of KV (one rank's shards) moved between the device and the offload tiers",
 }
+
+
+class LoopHistogram(Collector):
+    """A histogram written by the event loop's thread only, read by scrapes as prometheus_client's are: one bisect
+    and two additions per observation, about a fifth of a locked Histogram's cost."""
+
+    def __init__(self, name: str, doc: str, buckets: tuple[float, ...], model_name: str) -> None:
+        self.name, self.doc, self.model_name = name, doc, model_name
+        self.bounds = list(buckets)
+        self.counts = [0] * (len(buckets) + 1)  # the last one: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # bucket i holds values <= bounds[i]
+        self.sum += value
+
+    def collect(self) -> Iterator[Metric]:
+        counts, total = list(self.counts), self.sum  # a copy: the loop goes on writing
+        family = HistogramMetricFamily(self.name, self.doc, labels=["model_name"])
+        cumulative = list(itertools.accumulate(counts))
+        buckets = [(floatToGoString(b), c) for b, c in zip(self.bounds, cumulative)] + [("+Inf", cumulative[-1])]
+        family.add_metric([self.model_name], buckets, total)
+        yield family
 
 
 async def _call(read: LiveValues) -> LiveSample:

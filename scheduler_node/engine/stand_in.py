@@ -1,16 +1,17 @@
 """Stand-in workers: the transport (proto/transport.py) without a model, for measuring and checking the engine.
 
-They keep each request's progress as a worker does (from the plans' diffs) and answer every plan at once: each
-request that reaches the end of its tokens samples one token (`token`), none else. The scheduler, the block table
-and the engine loop run for real; only the forward pass is free. A plan that disagrees with what the workers hold
-(wrong progress, unknown request, a block the world does not have) fails like a real worker's StepError, so the
-stand-in also checks that the scheduler's view of the workers stays true.
+They keep each request's progress as a worker does (from the plans' diffs) and run every plan the moment it is
+sent: each request that reaches the end of its tokens samples one token (`token`), none else. The answer arrives on
+the event loop's next turn, as a real transport's does, so the engine yields to the doors' stream readers between
+steps. The scheduler, the block table and the engine loop run for real; only the forward pass is free. A plan that
+disagrees with what the workers hold (wrong progress, unknown request, a block the world does not have) fails like
+a real worker's StepError, so the stand-in also checks that the scheduler's view of the workers stays true.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from proto.transport import StepFailed, WorkerLost, WorldCapacity
@@ -39,7 +40,7 @@ class StandInWorkers:
         self.block_size = block_size
         self.lost = asyncio.Event()
         self.changed = asyncio.Event()
-        self.held: dict[str, _Held] = {}
+        self.held: dict[int, _Held] = {}  # by handle
         self.plans = 0
         self.on_plan: Callable[[StepPlan], None] | None = None
 
@@ -65,61 +66,62 @@ class StandInWorkers:
     def submit(self, plan: StepPlan) -> asyncio.Future[StepResult]:
         if self.lost.is_set():
             raise WorkerLost(self.lost_reason)
-        future: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[StepResult] = loop.create_future()
         self.plans += 1
         if self.on_plan is not None:
             self.on_plan(plan)
         try:
-            future.set_result(self.execute(plan))
+            outcome: StepResult | Exception = self.execute(plan)
         except ValueError as exc:
-            future.set_exception(StepFailed(f"stand-in could not run step {plan.step_id}: {exc}"))
+            outcome = StepFailed(f"stand-in could not run step {plan.step_id}: {exc}")
+        loop.call_soon(_settle, future, outcome)
         return future
 
     def execute(self, plan: StepPlan, skip: bool = False) -> StepResult:
         """Apply the plan's diffs, then compute it unless `skip` (an interrupted plan: diffs only, as a worker
         does; its progress is not checked, since the plans before it may have been skipped too)."""
-        for req_id in plan.finished_req_ids + plan.preempted_req_ids:
-            self.held.pop(req_id, None)
+        for handle in plan.finished + plan.preempted:
+            self.held.pop(handle, None)
         for new in plan.new_requests:
             self._check_blocks(new.block_ids)
             tokens = len(new.prompt_token_ids) + len(new.output_token_ids)
-            self.held[new.req_id] = _Held(tokens, new.num_computed_tokens, len(new.block_ids))
+            self.held[new.handle] = _Held(tokens, new.num_computed_tokens, len(new.block_ids))
         for cached in plan.cached_requests:
-            held = self.held.get(cached.req_id)
+            held = self.held.get(cached.handle)
             if held is None:
-                raise ValueError(f"{cached.req_id}: not held")
+                raise ValueError(f"request {cached.handle}: not held")
             if not skip and held.num_computed != cached.num_computed_tokens:
                 raise ValueError(
-                    f"{cached.req_id}: holds {held.num_computed} computed, plan says {cached.num_computed_tokens}"
+                    f"request {cached.handle}: holds {held.num_computed} computed, "
+                    f"plan says {cached.num_computed_tokens}"
                 )
             self._check_blocks(cached.new_block_ids)
             held.num_blocks += len(cached.new_block_ids)
             held.num_tokens += len(cached.new_token_ids)
-        sampled: dict[str, list[int]] = {}
+        sampled: dict[int, list[int]] = {}
         if skip:
             return StepResult(plan.step_id, sampled, interrupted=True)
-        for req_id, n in plan.num_scheduled_tokens.items():
-            held = self.held.get(req_id)
-            if held is None:
-                raise ValueError(f"{req_id}: scheduled but not held")
+        for handle, n in plan.num_scheduled_tokens.items():
+            held = self.held[handle]  # every scheduled request came new or cached above
             held.num_computed += n
             if held.num_computed > held.num_tokens:
-                raise ValueError(f"{req_id}: computes {held.num_computed} of {held.num_tokens} tokens")
+                raise ValueError(f"request {handle}: computes {held.num_computed} of {held.num_tokens} tokens")
             if held.num_computed > held.num_blocks * self.block_size:
-                raise ValueError(f"{req_id}: {held.num_computed} tokens in {held.num_blocks} blocks")
+                raise ValueError(f"request {handle}: {held.num_computed} tokens in {held.num_blocks} blocks")
             if held.num_computed == held.num_tokens:
-                sampled[req_id] = [self.token]
+                sampled[handle] = [self.token]
                 if not self.tokens_in_plan:
                     held.num_tokens += 1
         return StepResult(plan.step_id, sampled)
 
-    def _check_blocks(self, blocks: list[int]) -> None:
+    def _check_blocks(self, blocks: Sequence[int]) -> None:
         bad = next((b for b in blocks if not 0 <= b < self._capacity.num_kv_blocks), None)
         if bad is not None:
             raise ValueError(f"block {bad} is outside the world's {self._capacity.num_kv_blocks}")
 
     def interrupt(self, first_step_id: int, last_step_id: int) -> bool:
-        return False  # every plan is answered the moment it is sent: there is nothing in flight to skip
+        return False  # every plan ran the moment it was sent: there is nothing in flight to skip
 
     def declare_lost(self, reason: str) -> None:
         self.lost.set()
@@ -129,3 +131,12 @@ class StandInWorkers:
 
     async def close(self, reason: str = "") -> None:
         return None
+
+
+def _settle(future: asyncio.Future[StepResult], outcome: StepResult | Exception) -> None:
+    if future.cancelled():
+        return  # the engine dropped the plan (a lost rank, a failed step)
+    if isinstance(outcome, Exception):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)

@@ -19,12 +19,12 @@ process is busy; the application heartbeats below detect a stalled worker proces
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import msgspec
 import zmq
 import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
@@ -191,7 +191,7 @@ class WorkerLink:
             return
         a = self._assignment(rank)
         if self._capacity is not None:  # a replacement: it holds exactly what the world holds
-            a = dataclasses.replace(
+            a = msgspec.structs.replace(
                 a, num_kv_blocks=self._capacity.num_kv_blocks, num_swap_blocks=self._capacity.num_swap_blocks
             )
         tp = max(1, a.tensor_parallel_size)
