@@ -39,6 +39,7 @@ def _torch_backend() -> AttentionBackend:
         torch_attention.write_kv,
         torch_attention.paged_decode_attention,
         torch_attention.paged_prefill_attention,
+        plan_decode=torch_attention.decode_layout,
     )
 
 

@@ -10,7 +10,7 @@ is refused when the worker starts (`kernels.backend.check_reads_quantized`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -76,11 +76,21 @@ class PrefillAttention(Protocol):
     ) -> torch.Tensor: ...
 
 
+class PlanDecode(Protocol):
+    """Work a decode backend does once per step instead of once per layer (the torch reference: which blocks each
+    sequence holds); the runner keeps its result in the step's metadata and passes it to every layer's
+    `decode_attention` as `plan=`."""
+
+    def __call__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> Any: ...
+
+
 @dataclass(frozen=True, slots=True)
 class AttentionBackend:
-    """The three attention operations; signatures are those of `kernels.torch_attention`."""
+    """The three attention operations; signatures are those of `kernels.torch_attention`. With `plan_decode`,
+    `decode_attention` also takes its result as the keyword `plan`."""
 
     name: str
     write_kv: WriteKV
     decode_attention: DecodeAttention
     prefill_attention: PrefillAttention
+    plan_decode: PlanDecode | None = None

@@ -80,13 +80,9 @@ class _DecodeLayout:
         return self.padding | (self.positions < self.owner_lens - window)
 
 
-_last_layout: list[_DecodeLayout] = []  # one entry: the layout of the step in progress
-
-
-def _decode_layout(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> _DecodeLayout:
-    last = _last_layout[0] if _last_layout else None  # read once: another thread may replace it
-    if last is not None and last.block_tables is block_tables and last.seq_lens is seq_lens:
-        return last
+def decode_layout(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> _DecodeLayout:
+    """Which blocks each sequence holds and where each slot sits in it: the same for every layer of a step, so
+    the runner computes it once per step (the backend's `plan_decode`) and every layer reads it."""
     device = block_tables.device
     lens = seq_lens.long()
     num_blocks = (lens + block_size - 1) // block_size
@@ -95,9 +91,7 @@ def _decode_layout(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_siz
     owner = torch.repeat_interleave(torch.arange(len(lens), device=device), num_blocks)
     pos = columns.expand_as(held)[held][:, None] * block_size + torch.arange(block_size, device=device)[None, :]
     owner_lens = lens[owner][:, None]
-    layout = _DecodeLayout(block_tables, seq_lens, block_tables[held].long(), owner, pos, owner_lens, pos >= owner_lens)
-    _last_layout[:] = [layout]
-    return layout
+    return _DecodeLayout(block_tables, seq_lens, block_tables[held].long(), owner, pos, owner_lens, pos >= owner_lens)
 
 
 def soft_cap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
@@ -117,13 +111,14 @@ def paged_decode_attention(
     softcap: float = 0.0,  # scores become softcap * tanh(scores / softcap); 0: none
     k_scales: torch.Tensor | None = None,  # [N, block_size, Hkv] float32: a quantized cache's scales
     v_scales: torch.Tensor | None = None,
+    plan: _DecodeLayout | None = None,  # decode_layout of these tables, computed once for the step
 ) -> torch.Tensor:
     """Attention block by block: only the blocks a sequence holds are read (no padding to the longest one);
     per-block partial softmaxes are merged per sequence, as the split-KV kernel does per segment."""
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
     group = num_heads // num_kv_heads
-    layout = _decode_layout(block_tables, seq_lens, block_size)
+    layout = plan if plan is not None else decode_layout(block_tables, seq_lens, block_size)
     owner = layout.owner
     keys = _read_blocks(k_cache, k_scales, layout.blocks)  # [N, bs, Hkv, D] float32
     values = _read_blocks(v_cache, v_scales, layout.blocks)

@@ -22,6 +22,7 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [S, max_blocks] int32
     prefill_cu_seqlens_q: torch.Tensor  # [S + 1] int32
     prefill_seq_lens: torch.Tensor  # [S] int32
+    decode_plan: Any = None  # the backend's plan_decode of the decode tables, once per step (None: it has none)
 
 
 def paged_attention(
@@ -54,6 +55,7 @@ def paged_attention(
                 meta.decode_seq_lens,
                 scale,
                 **options,
+                **({"plan": meta.decode_plan} if meta.decode_plan is not None else {}),
             )
         )
     if nd < q.shape[0]:

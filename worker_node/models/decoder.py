@@ -49,6 +49,7 @@ class CausalLM(nn.Module):
         comm = comm or Comm(where)
         self.config = config
         self.where = where
+        self.plan_decode = backend.plan_decode
         h, v = config.hidden_size, config.vocab_size
         embed_scale = self.embedding_scale(config)
         self.embed_tokens = VocabParallelEmbedding(v, h, where, comm, embed_scale) if where.is_first_stage else None
@@ -91,6 +92,9 @@ class CausalLM(nn.Module):
             hidden = self.embed_tokens(input_ids)
         x = hidden
         angles = self.rotary(positions, x.dtype)
+        if self.plan_decode is not None and meta.num_decode_tokens and meta.decode_plan is None and kv_caches:
+            block_size = kv_caches[0].k.shape[1]  # once per step, for every layer
+            meta.decode_plan = self.plan_decode(meta.decode_block_tables, meta.decode_seq_lens, block_size)
         for layer, kv_cache in zip(self.layers, kv_caches):
             if interrupted is not None and interrupted():
                 raise StepInterrupted
