@@ -164,3 +164,13 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=120, stateful_step_count=50, deadline=None)
+
+
+def test_two_sequences_that_each_need_the_whole_cache_do_not_take_turns_forever() -> None:
+    """Found by the machine above: three stages (plans in flight hold disjoint requests), recompute, 6 blocks, and
+    one request with n = 3 whose sequences each need all 6 blocks. A sequence that needed a block while the other
+    ran in a plan in flight preempted itself; the other then did the same; neither ever finished."""
+    machine = SchedulerMachine()
+    machine.setup(mode="three stages", preemption="recompute", num_blocks=6, budget=6, seats=2, tiers=(0, 0))
+    machine.arrive(length=9, max_tokens=9, n=3, priority=30, shared=True)
+    machine.teardown()  # runs to idle and asserts that nothing is left

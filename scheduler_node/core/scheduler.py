@@ -210,7 +210,13 @@ class Scheduler:
                 continue
             first = req.num_computed_tokens
             while (written := self.blocks.write(req.req_id, first, first + n)) is None:
-                victim = self._pick_victim([r for r in order[i + 1 :] if self._schedulable(r, held)], now) or req
+                later = order[i + 1 :]  # the less valued ones
+                victim = self._pick_victim([r for r in later if self._schedulable(r, held)], now)
+                if victim is None and held is not None and any(self._running_in_flight(r, held) for r in later):
+                    # Those it could displace are in plans in flight: it waits for their results instead of
+                    # preempting itself (two big requests doing that to each other would take turns forever).
+                    break
+                victim = victim or req
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
@@ -231,6 +237,10 @@ class Scheduler:
         """Cached blocks the device pool hands out again go to the offload tiers (when there are any)."""
         if self.tiers is not None:
             self.blocks.on_evict = self.tiers.offload
+
+    @staticmethod
+    def _running_in_flight(req: Request, held: Callable[[int], bool]) -> bool:
+        return req.status is Status.RUNNING and held(req.handle)
 
     @staticmethod
     def _schedulable(req: Request, held: Callable[[int], bool] | None) -> bool:
