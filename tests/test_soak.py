@@ -1,5 +1,5 @@
 """scripts/soak.py --smoke: vllm-serve at its defaults under Poisson arrivals for about a minute, its worker killed
-once; every request is accounted for (none lost, none short, none failed) and every block is free at idle."""
+(at least) once; every request is accounted for (none lost, none short, none failed) and every block is free at idle."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def test_soak_smoke(tiny_llama_dir: Path, tmp_path: Path) -> None:
                           str(out)], cwd=REPO, capture_output=True, text=True, timeout=500)  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     r = json.loads(out.read_text())
-    assert r["kills"] == 1 and r["sent"] >= 30, r
+    assert r["kills"] >= 1 and r["sent"] >= 30, r
     assert (r["lost"], r["short"], r["failed"]) == (0, 0, {}), r
     assert r["completed"] + r["cancelled_by_client"] == r["sent"], r
     assert r["idle"]["free_blocks"] == r["idle"]["total_blocks"], r
