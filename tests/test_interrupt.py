@@ -17,7 +17,7 @@ from scheduler_node.core.request import Request, StopConditions
 from scheduler_node.core.scheduler import Scheduler
 from tests.engine import EngineRun, load_runner
 from tests.models import assert_teacher_forced, load_hf
-from tests.ops import TINY_WORKER, Streams, greedy_ids, prompt_ids
+from tests.ops import TINY_WORKER, StreamResult, Streams, greedy_ids, prompt_ids
 from worker_node.inprocess import InProcessWorkers
 
 BLOCK = 16
@@ -187,7 +187,7 @@ def test_a_realtime_request_interrupts_a_real_worker(tiny_llama_dir: Path) -> No
     cluster = Cluster(tiny_llama_dir, args, TINY_WORKER)
     control = pb_grpc.ControlStub(cluster.channel)
     realtime_prompts: list[list[int]] = []
-    realtime = []
+    realtime: list[StreamResult] = []
     try:
         cluster.wait_serving()
         stub = pb_grpc.GenerationStub(cluster.channel)
