@@ -106,9 +106,11 @@ def main() -> int:
     print("\n| decode attention, one layer | fp32 cache ms | bf16 cache ms | fp32 / bf16 |\n|---|---|---|---|")
     attention = []
     for batch, seq_len in ((4, 400), (64, 400)) if not args.smoke else ((2, 40),):
-        f32, b16 = (measure_decode(config, batch, seq_len, d, args.repeats) for d in (torch.float32, torch.bfloat16))
-        attention.append({"batch": batch, "seq_len": seq_len, "float32_ms": f32, "bfloat16_ms": b16})
-        print(f"| {batch} x {seq_len} tokens | {f32:.3f} | {b16:.3f} | {f32 / b16:.2f}x |", flush=True)
+        f32_ms, b16_ms = (
+            measure_decode(config, batch, seq_len, d, args.repeats) for d in (torch.float32, torch.bfloat16)
+        )
+        attention.append({"batch": batch, "seq_len": seq_len, "float32_ms": f32_ms, "bfloat16_ms": b16_ms})
+        print(f"| {batch} x {seq_len} tokens | {f32_ms:.3f} | {b16_ms:.3f} | {f32_ms / b16_ms:.2f}x |", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"threads": args.threads, "table": table, "attention": attention}, indent=2))
     return 0

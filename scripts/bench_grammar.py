@@ -27,8 +27,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
+
+if TYPE_CHECKING:  # imported where used: each engine is optional until it is measured
+    import llguidance
+    import xgrammar
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -86,44 +91,48 @@ WORKLOAD: list[tuple[str, str, str]] = [
 ]
 
 
+Grammar = TypeVar("Grammar")
+Matcher = TypeVar("Matcher")
+
+
 @dataclass
-class Engine:
+class Engine(Generic[Grammar, Matcher]):
     name: str
-    compile: Callable[[str, str], object]  # (kind, spec) -> compiled grammar
-    matcher: Callable[[object], object]
-    fill: Callable[[list[object], np.ndarray], None]  # masks of these matchers into rows 0..n-1
-    accept: Callable[[object, int], bool]
-    reset: Callable[[object], None]
+    compile: Callable[[str, str], Grammar]  # (kind, spec) -> compiled grammar
+    matcher: Callable[[Grammar], Matcher]
+    fill: Callable[[list[Matcher], np.ndarray], None]  # masks of these matchers into rows 0..n-1
+    accept: Callable[[Matcher, int], bool]
+    reset: Callable[[Matcher], object]
 
 
-def llguidance_engine(folder: Path, vocab: int) -> Engine:
+def llguidance_engine(folder: Path, vocab: int) -> Engine[str, llguidance.LLMatcher]:
     import llguidance
     import llguidance.numpy
 
     tokenizer = llguidance.LLTokenizer(str(folder / "tokenizer.json"), n_vocab=vocab, eos_token=EOS)
     executor = llguidance.LLExecutor()
 
-    def compile_(kind: str, spec: str) -> object:
+    def compile_(kind: str, spec: str) -> str:
         grammar = grammar_of(StructuredOutput(kind, spec))  # the grammar the worker enforces
         error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
         if error:
             raise ValueError(error)
         return grammar
 
-    def fill(matchers: list[object], bitmask: np.ndarray) -> None:
+    def fill(matchers: list[llguidance.LLMatcher], bitmask: np.ndarray) -> None:
         llguidance.numpy.fill_next_token_bitmask_par(executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
 
     return Engine(
         "llguidance",
         compile_,
-        lambda grammar: llguidance.LLMatcher(tokenizer, grammar),  # type: ignore[arg-type]
+        lambda grammar: llguidance.LLMatcher(tokenizer, grammar),
         fill,
-        lambda m, t: m.consume_token(t),  # type: ignore[attr-defined]
-        lambda m: m.reset(),  # type: ignore[attr-defined]
+        lambda m, t: m.consume_token(t),
+        lambda m: m.reset(),
     )
 
 
-def xgrammar_engine(folder: Path, vocab: int) -> Engine:
+def xgrammar_engine(folder: Path, vocab: int) -> Engine[xgrammar.CompiledGrammar, xgrammar.GrammarMatcher]:
     import torch
     import xgrammar
     from transformers import AutoTokenizer
@@ -134,23 +143,23 @@ def xgrammar_engine(folder: Path, vocab: int) -> Engine:
     compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
     batch = xgrammar.BatchGrammarMatcher()
 
-    def compile_(kind: str, spec: str) -> object:
+    def compile_(kind: str, spec: str) -> xgrammar.CompiledGrammar:
         if kind == "json":
             return compiler.compile_json_schema(spec)
         if kind == "regex":
             return compiler.compile_regex(spec)
         return compiler.compile_regex("|".join(_escape(c) for c in json.loads(spec)))
 
-    def fill(matchers: list[object], bitmask: np.ndarray) -> None:
+    def fill(matchers: list[xgrammar.GrammarMatcher], bitmask: np.ndarray) -> None:
         batch.batch_fill_next_token_bitmask(matchers, torch.from_numpy(bitmask))
 
     return Engine(
         "xgrammar",
         compile_,
-        lambda grammar: xgrammar.GrammarMatcher(grammar),  # type: ignore[arg-type]
+        lambda grammar: xgrammar.GrammarMatcher(grammar),
         fill,
-        lambda m, t: m.accept_token(t),  # type: ignore[attr-defined]
-        lambda m: m.reset(),  # type: ignore[attr-defined]
+        lambda m, t: m.accept_token(t),
+        lambda m: m.reset(),
     )
 
 
@@ -158,7 +167,7 @@ def _escape(text: str) -> str:
     return "".join("\\" + c if c in r"\.^$|?*+()[]{}/-" else c for c in text)
 
 
-def measure(engine: Engine, paths: list[list[int]], batch: int, steps: int) -> dict:
+def measure(engine: Engine[Any, Any], paths: list[list[int]], batch: int, steps: int) -> dict:
     compile_s = []
     grammars = []
     for kind, spec, _ in WORKLOAD:

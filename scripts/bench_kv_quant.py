@@ -27,6 +27,7 @@ import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -140,9 +141,9 @@ SCHEMES = {  # scale granularity -> the attention backend that writes it
 # ---- (a) capacity
 
 
-def capacity(config: ModelConfig) -> list[dict]:
+def capacity(config: ModelConfig) -> list[dict[str, Any]]:
     """Blocks per GiB for each cache format; int8/fp8 also with one scale per block and head instead of per token."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16), *FORMATS.items()):
         rows.append({"cache": name, "bytes_per_block": bytes_per_block(config, BLOCK, dtype)})
     per_block_scales = 2 * config.num_layers * config.num_kv_heads * (BLOCK * config.head_dim + SCALE_BYTES)
@@ -232,10 +233,10 @@ def decode_ms(config: ModelConfig, batch: int, seq_len: int, cache: str, repeats
     per_seq = -(-seq_len // BLOCK)
     shape = (batch * per_seq, BLOCK, config.num_kv_heads, config.head_dim)
     k, v = (torch.randn(shape, generator=gen) for _ in range(2))
-    options = {}
+    k_scales: torch.Tensor | None = None
+    v_scales: torch.Tensor | None = None
     if cache in FORMATS:
         (k, k_scales), (v, v_scales) = quantize(k, FORMATS[cache]), quantize(v, FORMATS[cache])
-        options = {"k_scales": k_scales, "v_scales": v_scales}
     else:
         k, v = k.to(getattr(torch, cache)), v.to(getattr(torch, cache))
     tables = torch.randperm(batch * per_seq, generator=gen).view(batch, per_seq).int()
@@ -243,7 +244,7 @@ def decode_ms(config: ModelConfig, batch: int, seq_len: int, cache: str, repeats
     q = torch.randn(batch, config.num_heads, config.head_dim, generator=gen)
     native = cpu_attention.NativeDecodeAttention(torch_attention.paged_decode_attention)
     scale = config.head_dim**-0.5
-    return fastest_ms(lambda: native(q, k, v, tables, seq_lens, scale, **options), repeats)
+    return fastest_ms(lambda: native(q, k, v, tables, seq_lens, scale, k_scales=k_scales, v_scales=v_scales), repeats)
 
 
 def main() -> int:

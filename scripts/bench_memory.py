@@ -30,7 +30,7 @@ from workload import greedy_spec, run_to_idle  # noqa: E402
 from minivllm.cluster import Cluster  # noqa: E402
 from proto import serving_pb2 as pb  # noqa: E402
 from proto import serving_pb2_grpc as pb_grpc  # noqa: E402
-from scheduler_node.core.config import SchedulerConfig  # noqa: E402
+from scheduler_node.core.config import PreemptionMode, SchedulerConfig  # noqa: E402
 from scheduler_node.core.stats import snapshot  # noqa: E402
 from scheduler_node.engine.builder import EngineConfig, make_engine  # noqa: E402
 from scheduler_node.engine.stand_in import StandInWorkers  # noqa: E402
@@ -91,7 +91,7 @@ def saturation(model: Path, num_blocks: int, block_size: int, max_model_len: int
             max_num_batched_tokens=4096,
             max_num_seqs=1024,
             max_model_len=max_model_len,
-            preemption_mode="recompute",
+            preemption_mode=PreemptionMode.RECOMPUTE,
         )
     )
     workers = StandInWorkers(num_blocks)

@@ -163,7 +163,8 @@ async def drive(engine: EngineCore, batch: list[RequestSpec]) -> None:
 
     loop = asyncio.ensure_future(engine.run())
     readers = [asyncio.ensure_future(_drain(engine.submit(spec))) for spec in batch]
-    await asyncio.wait({loop, asyncio.ensure_future(asyncio.gather(*readers))}, return_when=asyncio.FIRST_COMPLETED)
+    streams: asyncio.Future[Any] = asyncio.ensure_future(asyncio.gather(*readers))
+    await asyncio.wait({loop, streams}, return_when=asyncio.FIRST_COMPLETED)
     loop.cancel()
     await asyncio.gather(loop, return_exceptions=True)
     if not all(r.done() and not r.cancelled() for r in readers):

@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import bench_kernels  # noqa: E402
 import torch  # noqa: E402
 
+MODULES: tuple[str, ...]
 MODULES = ("grpc", "grpc_health.v1.health_pb2", "zmq", "msgpack", "safetensors", "tokenizers", "transformers", "gguf")
 MODULES += ("prometheus_client", "yaml", "jinja2", "proto.serving_pb2_grpc", "scheduler_node.cli.serve")
 MODULES += ("worker_node.worker", "kernels.triton_attention")

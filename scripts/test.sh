@@ -5,5 +5,5 @@ EXTRAS=dev,triton
 . "$(dirname "$0")/setup_env.sh"
 ruff check .
 ruff format --check .
-mypy scheduler_node proto kernels worker_node
+mypy scheduler_node proto kernels worker_node minivllm tests scripts
 python -m pytest -q "$@"

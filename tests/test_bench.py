@@ -147,7 +147,7 @@ def test_both_doors_run_the_same_workload(cluster: Cluster, tiny_llama_dir: Path
     dataset = tmp_path / "chat.jsonl"
     dataset.write_text('{"messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 5}\n{"prompt": "Say"}\n')
     common = ["--tokenizer", str(tiny_llama_dir), "--num-prompts", "4", "--output-len", "4", "--no-progress"]
-    runs = {}
+    runs: dict[tuple[str, str], list[tuple[int, int]]] = {}
     for door in (["--backend", "grpc", "--grpc-address", cluster.address], ["--base-url", cluster.base_url]):
         for workload in (["--dataset", "prefix", "--prefix-len", "8", "--input-len", "4"],
                          ["--dataset", "jsonl", "--dataset-path", str(dataset), "--endpoint", "chat"]):  # fmt: skip
@@ -155,8 +155,8 @@ def test_both_doors_run_the_same_workload(cluster: Cluster, tiny_llama_dir: Path
             assert bench.main([*door, *workload, *common, "--json", str(out)]) == 0
             run = json.loads(out.read_text())["runs"][0]
             runs[door[1], workload[1]] = [(r["prompt_len"], r["output_len"]) for r in run["requests"]]
-    for workload in ("prefix", "jsonl"):
-        assert runs["grpc", workload] == runs[cluster.base_url, workload], workload
+    for kind in ("prefix", "jsonl"):
+        assert runs["grpc", kind] == runs[cluster.base_url, kind], kind
     assert [out for _, out in runs["grpc", "jsonl"]] == [5, 4, 5, 4]
 
 

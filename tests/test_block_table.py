@@ -51,7 +51,9 @@ def test_shared_block_is_copied_before_it_is_written() -> None:
     table = BlockTable(num_blocks=8, block_size=BS)
     table.write("parent", 0, 6)
     table.fork("parent", "child", 6)
-    added, replaced = table.write("child", 5, 7)  # position 5 sits in the shared second block
+    written = table.write("child", 5, 7)  # position 5 sits in the shared second block
+    assert written is not None, "two free blocks are enough"
+    added, replaced = written
     assert added == [] and [i for i, _ in replaced] == [1]
     assert table.take_ops().copy == [(table.blocks_of("parent")[1], table.blocks_of("child")[1])]
     assert table.blocks_of("child")[0] == table.blocks_of("parent")[0]  # the full first block stays shared

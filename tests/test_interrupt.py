@@ -13,14 +13,14 @@ from minivllm.cluster import Cluster
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from proto.wire import ExecutionMode, SamplingOptions, StepPlan, StepResult, decode, encode
-from scheduler_node.core.config import SchedulerConfig
+from scheduler_node.core.config import PreemptionMode, SchedulerConfig
 from scheduler_node.core.policy import Policy, PriorityPolicy
 from scheduler_node.core.request import Request, Status, StopConditions
 from scheduler_node.core.scheduler import Scheduler
 from scheduler_node.engine.stand_in import StandInWorkers
 from tests.engine import EngineRun, load_runner
 from tests.models import assert_teacher_forced, load_hf
-from tests.ops import TINY_WORKER, Streams, greedy_ids, prompt_ids
+from tests.ops import TINY_WORKER, StreamResult, Streams, greedy_ids, prompt_ids
 from tests.plans import by_handle, scheduled
 from worker_node.inprocess import InProcessWorkers
 
@@ -146,7 +146,11 @@ def test_a_realtime_request_interrupts_the_resumption_of_the_one_it_displaced(pr
     displaced resumes (swapped back in, or recomputed), and skips that step instead of waiting for it. Stand-in
     workers check the scheduler's view of what they hold at every step, interrupted ones included."""
     config = SchedulerConfig(
-        block_size=BLOCK, max_model_len=256, max_num_batched_tokens=64, max_num_seqs=1, preemption_mode=preemption_mode
+        block_size=BLOCK,
+        max_model_len=256,
+        max_num_batched_tokens=64,
+        max_num_seqs=1,
+        preemption_mode=PreemptionMode(preemption_mode),
     )
     s = Scheduler(config, 16, PriorityPolicy(), ExecutionMode.for_world(1, 1, True), num_host_blocks=16)
     workers = StandInWorkers(16, 16, block_size=BLOCK)
@@ -236,7 +240,7 @@ def test_a_realtime_request_interrupts_a_real_worker(tiny_llama_dir: Path) -> No
     cluster = Cluster(tiny_llama_dir, args, TINY_WORKER)
     control = pb_grpc.ControlStub(cluster.channel)
     realtime_prompts: list[list[int]] = []
-    realtime = []
+    realtime: list[StreamResult] = []
     try:
         cluster.wait_serving()
         stub = pb_grpc.GenerationStub(cluster.channel)

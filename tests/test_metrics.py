@@ -62,7 +62,12 @@ def test_named_series_are_present_and_move(cluster: Cluster) -> None:
     shared = prompt_ids(1, 40)  # two full blocks: the second request finds them in the prefix cache
     streams = Streams(stub, [greedy_ids(prompt_ids(10 + i), 150) for i in range(4)])
     busy: list[dict[str, float]] = []
-    wait_for(lambda: busy.append(scrape(url)) or busy[-1]["vllm:num_requests_running"] > 0, 30, "running > 0")
+
+    def running() -> bool:
+        busy.append(scrape(url))
+        return busy[-1]["vllm:num_requests_running"] > 0
+
+    wait_for(running, 30, "running > 0")
     assert busy[-1]["vllm:kv_cache_usage_perc"] > 0 and 0 <= busy[-1]["minivllm:kv_fragmentation"] < 1
     assert 0 < busy[-1][USED_BYTES] <= busy[-1][ALLOCATED_BYTES] <= 256 * 1024  # --kv-cache-memory
     for r in streams.join():

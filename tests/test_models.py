@@ -12,13 +12,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from minivllm.tiny_models import TINY_VARIANTS
 from scheduler_node.engine.builder import model_limit
@@ -28,7 +27,8 @@ from tests.models import assert_same_logprobs, assert_teacher_forced, load_hf
 from tests.test_parallel import World
 from worker_node.inprocess import InProcessWorkers
 from worker_node.model_runner import ModelRunner
-from worker_node.models.layers import RMSNorm, Rotary
+from worker_node.models.decoder import CausalLM
+from worker_node.models.layers import Attention, RMSNorm, Rotary
 from worker_node.models.mixtral import SparseMoE
 
 LENGTHS = [5, 17, 40]
@@ -72,8 +72,22 @@ def test_matches_hf_alone_and_tensor_parallel(name: str, tiny_model_dir: Callabl
     assert_same_logprobs(hf, runner, prompts()[-1] + alone[-1])
 
 
-def _attention(model: nn.Module) -> list[nn.Module]:
-    return [layer.self_attn for layer in model.layers]
+def _attention(model: CausalLM) -> list[Attention]:
+    attention = []
+    for layer in model.layers:
+        assert isinstance(layer.self_attn, Attention), f"{type(layer).__name__} keeps its Attention in self_attn"
+        attention.append(layer.self_attn)
+    return attention
+
+
+def _set_each(objects: Iterable[object], name: str, value: object) -> None:
+    for target in objects:
+        setattr(target, name, value)
+
+
+def _unscaled_queries(model: CausalLM, _: pytest.MonkeyPatch) -> None:
+    for attention in _attention(model):
+        attention.scale = attention.head_dim**-0.5
 
 
 def _without_renormalisation(self: SparseMoE, x: torch.Tensor) -> torch.Tensor:
@@ -82,21 +96,21 @@ def _without_renormalisation(self: SparseMoE, x: torch.Tensor) -> torch.Tensor:
 
 
 # Each feature of an architecture, taken away from our loaded model.
-WITHOUT: dict[str, Callable[[nn.Module, pytest.MonkeyPatch], object]] = {
-    "gemma2: attention soft-cap": lambda m, _: [setattr(a, "softcap", 0.0) for a in _attention(m)],
-    "gemma2: sliding window": lambda m, _: [setattr(a, "window", 0) for a in _attention(m)],
+WITHOUT: dict[str, Callable[[CausalLM, pytest.MonkeyPatch], object]] = {
+    "gemma2: attention soft-cap": lambda m, _: _set_each(_attention(m), "softcap", 0.0),
+    "gemma2: sliding window": lambda m, _: _set_each(_attention(m), "window", 0),
     "gemma2: final soft-cap": lambda m, _: setattr(m.lm_head, "softcap", 0.0),
     "gemma2: embedding scale": lambda m, _: setattr(m.embed_tokens, "scale", 1.0),
-    "gemma2: 1 + w norms": lambda m, _: [setattr(n, "offset", 0.0) for n in m.modules() if isinstance(n, RMSNorm)],
-    "gemma2: query_pre_attn_scalar": lambda m, _: [setattr(a, "scale", a.head_dim**-0.5) for a in _attention(m)],
-    "gemma2: tanh GELU": lambda m, _: [setattr(layer.mlp, "act", F.silu) for layer in m.layers],
-    "qwen3: q/k norms": lambda m, _: [setattr(a, "q_norm", None) for a in _attention(m)],
-    "phi3: sliding window": lambda m, _: [setattr(a, "window", 0) for a in _attention(m)],
+    "gemma2: 1 + w norms": lambda m, _: _set_each((n for n in m.modules() if isinstance(n, RMSNorm)), "offset", 0.0),
+    "gemma2: query_pre_attn_scalar": _unscaled_queries,
+    "gemma2: tanh GELU": lambda m, _: _set_each((layer.mlp for layer in m.layers), "act", F.silu),
+    "qwen3: q/k norms": lambda m, _: _set_each(_attention(m), "q_norm", None),
+    "phi3: sliding window": lambda m, _: _set_each(_attention(m), "window", 0),
     "phi3: partial RoPE": lambda m, _: setattr(
         m, "rotary", Rotary(dataclasses.replace(m.config, rotary_dim=m.config.head_dim), 1024)
     ),
-    "mistral-window: sliding window": lambda m, _: [setattr(a, "window", 0) for a in _attention(m)],
-    "mixtral: top-2 routing": lambda m, _: [setattr(layer.block_sparse_moe, "top_k", 1) for layer in m.layers],
+    "mistral-window: sliding window": lambda m, _: _set_each(_attention(m), "window", 0),
+    "mixtral: top-2 routing": lambda m, _: _set_each((layer.block_sparse_moe for layer in m.layers), "top_k", 1),
     "mixtral: renormalised weights": lambda m, mp: mp.setattr(SparseMoE, "forward", _without_renormalisation),
 }
 

@@ -10,10 +10,12 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from minivllm.cluster import REPO, Cluster, free_port
 from proto import serving_pb2 as pb
@@ -26,7 +28,7 @@ from tests.ops import wait_for
 KEY = "sk-test-key"
 MODEL = "tiny"
 MAX_WAITING = 32
-CHAT = [{"role": "user", "content": "Tell me about the sea."}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me about the sea."}]
 METRICS_PORT = free_port()
 
 
@@ -100,9 +102,12 @@ def test_greedy_chat_equals_grpc_token_for_token(cluster: Cluster, client: opena
     answer = client.chat.completions.create(
         model=MODEL, messages=CHAT, max_tokens=24, temperature=0, logprobs=True, extra_body={"ignore_eos": True}
     )
-    content = answer.choices[0].logprobs.content
+    logprobs = answer.choices[0].logprobs
+    assert logprobs is not None and logprobs.content is not None, "logprobs=True asks for each token's"
+    content = logprobs.content
     assert [c.token for c in content] == [tokenizer.token_text(t) for t in grpc_ids]
     assert answer.choices[0].message.content == "".join(d.text for d in deltas)
+    assert answer.usage is not None, "a chat completion reports its usage"
     assert answer.usage.prompt_tokens == len(tokenizer.apply_chat_template(CHAT))
     assert answer.usage.completion_tokens == 24 and answer.choices[0].finish_reason == "length"
 
@@ -127,6 +132,7 @@ def test_async_completions_n_prompts_and_token_ids(cluster: Cluster, tokenizer) 
             extra_body={"ignore_eos": True},
         )  # fmt: skip
         assert [c.index for c in many.choices] == [0, 1, 2, 3]
+        assert many.usage is not None, "a completion reports its usage"
         assert many.usage.prompt_tokens == len(ids) + len(tokenizer.encode("a b c"))  # once per prompt, not per n
         assert many.usage.completion_tokens == 4 * 6
         by_ids = await client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
@@ -159,13 +165,18 @@ def test_logprobs_in_both_shapes(client: openai.OpenAI) -> None:
     chat = client.chat.completions.create(
         model=MODEL, messages=CHAT, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3
     )
-    for token in chat.choices[0].logprobs.content:
+    chat_logprobs = chat.choices[0].logprobs
+    assert chat_logprobs is not None and chat_logprobs.content is not None, "logprobs=True asks for each token's"
+    for token in chat_logprobs.content:
         assert len(token.top_logprobs) == 3
         assert token.top_logprobs[0].token == token.token  # greedy: the sampled token is the most likely
         assert token.logprob == pytest.approx(token.top_logprobs[0].logprob)
         assert token.top_logprobs[0].logprob >= token.top_logprobs[1].logprob >= token.top_logprobs[2].logprob
     done = client.completions.create(model=MODEL, prompt="The sea is", max_tokens=5, temperature=0, logprobs=2)
     lp = done.choices[0].logprobs
+    assert lp is not None, "logprobs=2 asks for them"
+    assert lp.tokens is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    assert lp.text_offset is not None
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
     assert all(
         len(top) <= 2 and max(top.values()) == pytest.approx(p) for top, p in zip(lp.top_logprobs, lp.token_logprobs)
@@ -178,7 +189,9 @@ def test_sampling_extensions_and_structured_output(client: openai.OpenAI, tokeni
     sea = tokenizer.encode(" sea")[0]
     biased = client.completions.create(model=MODEL, prompt="The", max_tokens=4, temperature=0, logprobs=0,
                                        logit_bias={str(sea): 100})  # fmt: skip
-    assert biased.choices[0].logprobs.tokens == [tokenizer.token_text(sea)] * 4
+    biased_logprobs = biased.choices[0].logprobs
+    assert biased_logprobs is not None, "logprobs=0 still asks for the sampled tokens"
+    assert biased_logprobs.tokens == [tokenizer.token_text(sea)] * 4
     picked = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=1.0, seed=3,
                                             extra_body={"structured_outputs": {"choice": ["yes", "no"]}})  # fmt: skip
     assert picked.choices[0].message.content in ("yes", "no")
@@ -191,11 +204,15 @@ def test_sampling_extensions_and_structured_output(client: openai.OpenAI, tokeni
         model=MODEL, messages=CHAT, max_tokens=16, temperature=1.0, seed=5,
         response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema}},
     )  # fmt: skip
-    assert isinstance(json.loads(answer.choices[0].message.content)["ok"], bool)
+    verdict = answer.choices[0].message.content
+    assert verdict is not None, "a json_schema answer has content"
+    assert isinstance(json.loads(verdict)["ok"], bool)
     ids = tokenizer.encode("The sea is deep")
     scored = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0,
                                        extra_body={"prompt_logprobs": 2, "min_tokens": 1})  # fmt: skip
-    prompt_logprobs = scored.choices[0].model_extra["prompt_logprobs"]
+    extra = scored.choices[0].model_extra
+    assert extra is not None, "prompt_logprobs is an extension field: it arrives in model_extra"
+    prompt_logprobs = extra["prompt_logprobs"]
     assert prompt_logprobs[0] is None and len(prompt_logprobs) == len(ids)
     for token, entry in zip(ids[1:], prompt_logprobs[1:]):
         assert str(token) in entry and entry[str(token)]["decoded_token"] == tokenizer.token_text(token)
@@ -211,7 +228,8 @@ def bad_status(call, status: type[openai.APIStatusError]) -> openai.APIStatusErr
 
 def test_error_statuses_and_shapes(cluster: Cluster, client: openai.OpenAI) -> None:
     chat = client.chat.completions.create
-    for kwargs, param in [
+    # deliberately invalid requests (Any: past the client's types), each with the field the door must name
+    invalid: list[tuple[dict[str, Any], str]] = [
         (dict(top_p=1.5), "top_p"),
         (dict(temperature=-1), "temperature"),
         (dict(max_completion_tokens=10**6), "max_completion_tokens"),
@@ -242,7 +260,8 @@ def test_error_statuses_and_shapes(cluster: Cluster, client: openai.OpenAI) -> N
         (dict(extra_body={"top_k": -5}), "top_k"),
         (dict(extra_body={"temprature": 0.5}), "temprature"),
         (dict(extra_body={"max_tokens": "ten"}), "max_tokens"),
-    ]:
+    ]
+    for kwargs, param in invalid:
         args = {"model": MODEL, "messages": CHAT, **kwargs}
         err = bad_status(lambda: chat(**args), openai.BadRequestError)  # noqa: B023
         assert (err.param, err.type) == (param, "invalid_request_error"), (kwargs, err.message)
@@ -266,7 +285,8 @@ def test_error_statuses_and_shapes(cluster: Cluster, client: openai.OpenAI) -> N
     assert huge.status_code == 413 and huge.json()["error"]["code"] == "request_too_large"
     priority = httpx.post(cluster.base_url + "/completions", json={"prompt": "x"}, headers={**auth, "x-priority": "hi"})
     assert priority.status_code == 400 and priority.json()["error"]["param"] == "priority"
-    assert client.completions.create(model=MODEL, prompt="still serving", max_tokens=2).usage.completion_tokens > 0
+    still = client.completions.create(model=MODEL, prompt="still serving", max_tokens=2)
+    assert still.usage is not None and still.usage.completion_tokens > 0
 
 
 def test_clients_that_drop_mid_stream_free_every_block(cluster: Cluster) -> None:

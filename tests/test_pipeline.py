@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 from proto.wire import ExecutionMode, SamplingOptions, StepPlan, StepResult
 from scheduler_node.core.config import SchedulerConfig
@@ -99,7 +100,7 @@ def batch(run: EngineRun, seed: int) -> list[Submitted]:
     return [run.add([rng.randrange(3, 49152) for _ in range(p)], m) for p, m in shapes]
 
 
-def run_two_stages(folder: Path, num_blocks: int, hold: int = 0, **config: object) -> EngineRun:
+def run_two_stages(folder: Path, num_blocks: int, hold: int = 0, **config: Any) -> EngineRun:
     runners = stage_runners(folder, num_blocks, BLOCK, stages=2, hold=hold)
     with EngineRun(runners, tokenizer_dir=folder, max_num_batched_tokens=24, **config) as run:
         reqs = batch(run, 3)

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -68,7 +69,7 @@ class Serve:
 
 
 @pytest.fixture(scope="module")
-def ray_address() -> str:
+def ray_address() -> Iterator[str]:
     context = ray.init(_node_ip_address="127.0.0.2", num_cpus=2, include_dashboard=False, configure_logging=False)
     yield context.address_info["gcs_address"]
     ray.shutdown()

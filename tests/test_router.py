@@ -21,6 +21,7 @@ import grpc
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from minivllm.cluster import REPO, Cluster, RouterProcess, free_port
 from proto import serving_pb2 as pb
@@ -229,7 +230,7 @@ def test_the_openai_api_through_the_router_routes_by_model_and_streams_through(f
     client = openai_client(fleet.router.base_url)
     assert sorted(m.id for m in client.models.list().data) == ["llama", "qwen"]
     direct = {"llama": fleet.llamas[0], "qwen": fleet.qwen}
-    chat = [{"role": "user", "content": "Tell me about the sea."}]
+    chat: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me about the sea."}]
     answers = {}
     for model, cluster in direct.items():
         own = openai_client(cluster.base_url).chat.completions.create(
@@ -238,6 +239,7 @@ def test_the_openai_api_through_the_router_routes_by_model_and_streams_through(f
         for _ in range(2):  # round robin: both llama replicas answer
             routed = client.chat.completions.create(model=model, messages=chat, max_tokens=12, temperature=0)
             assert routed.choices[0].message.content == own.choices[0].message.content, model
+            assert routed.usage is not None and own.usage is not None, "a chat completion reports its usage"
             assert routed.model == model and routed.usage.completion_tokens == own.usage.completion_tokens
         answers[model] = own.choices[0].message.content
         text = client.completions.create(model=model, prompt="The sea is", max_tokens=6, temperature=0)
@@ -255,9 +257,9 @@ def test_the_openai_api_through_the_router_routes_by_model_and_streams_through(f
     with pytest.raises(openai.NotFoundError) as not_found:
         client.completions.create(model="gpt-5", prompt="hi", max_tokens=2)
     assert not_found.value.code == "model_not_found" and "'gpt-5' is not served here" in not_found.value.message
-    for stream in (False, True):
+    for streamed in (False, True):
         with pytest.raises(openai.BadRequestError) as bad:
-            client.completions.create(model="llama", prompt="hi", max_tokens=2, temperature=-1, stream=stream)
+            client.completions.create(model="llama", prompt="hi", max_tokens=2, temperature=-1, stream=streamed)
         assert bad.value.param == "temperature"  # the replica's door checks the ranges, in its own words
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(model="llama", messages=[{"content": "no role"}], max_tokens=2)  # type: ignore[list-item]
@@ -284,15 +286,18 @@ def test_an_http_request_that_cannot_reach_its_replica_is_retried_on_another(fle
     try:
         router.wait_serving(30)
         client = openai_client(router.base_url)
-        expected = openai_client(fleet.llamas[1].base_url).completions.create(
+        reference = openai_client(fleet.llamas[1].base_url).completions.create(
             model="llama", prompt="The sea is", max_tokens=8, temperature=0
         )  # fmt: skip
         for stream in (False, True, False, True):
             wait_for(lambda: health_status(router.channel) == SERVING, 10, "the router serving")
             answer = client.completions.create(model="llama", prompt="The sea is", max_tokens=8, temperature=0,
                                                stream=stream)  # fmt: skip
-            text = "".join(c.choices[0].text for c in answer if c.choices) if stream else answer.choices[0].text
-            assert text == expected.choices[0].text, stream
+            if isinstance(answer, openai.Stream):
+                text = "".join(c.choices[0].text for c in answer if c.choices)
+            else:
+                text = answer.choices[0].text
+            assert text == reference.choices[0].text, stream
         retries = metric(router.base_url.replace("/v1", "/metrics"), "minivllm:router_retries_total", model="llama")
         assert retries >= 1
     finally:

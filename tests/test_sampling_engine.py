@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -58,9 +58,9 @@ def hf_scores(hf, ids: list[int], output: list[int], processors: LogitsProcessor
     """HF's logits at each output position after `processors` ran on that prefix (teacher-forced)."""
     logits = hf(torch.tensor([ids + output])).logits[0, len(ids) - 1 : -1].float()
     tokens = ids + output
-    return torch.stack(
-        [processors(torch.tensor([tokens[: len(ids) + i]]), logits[i : i + 1])[0] for i in range(len(output))]
-    )
+    # transformers annotates input_ids as torch.LongTensor, a class torch.tensor's annotations never return
+    prefixes = [cast(torch.LongTensor, torch.tensor([tokens[: len(ids) + i]])) for i in range(len(output))]
+    return torch.stack([processors(prefix, logits[i : i + 1])[0] for i, prefix in enumerate(prefixes)])
 
 
 def assert_hf_argmax(hf, ids: list[int], output: list[int], processors: LogitsProcessorList, tol: float = 1e-3) -> None:  # type: ignore[no-untyped-def]

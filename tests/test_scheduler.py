@@ -112,7 +112,7 @@ def test_abort_frees_blocks_and_tells_the_worker() -> None:
     s.schedule()
     assert s.blocks.num_used > 0
     a = handle(s, "a")
-    assert s.finish("a", Status.FINISHED_ABORTED).status is Status.FINISHED_ABORTED
+    assert (aborted := s.finish("a", Status.FINISHED_ABORTED)) is not None and aborted.status is Status.FINISHED_ABORTED
     assert s.blocks.num_free == s.blocks.num_blocks
     assert s.schedule().finished == [a]
     assert s.finish("a", Status.FINISHED_ABORTED) is None

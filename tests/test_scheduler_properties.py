@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from proto.wire import ExecutionMode, SamplingOptions, StepPlan
-from scheduler_node.core.config import SchedulerConfig
+from scheduler_node.core.config import PreemptionMode, SchedulerConfig
 from scheduler_node.core.kv_tiers import KVTiers
 from scheduler_node.core.policy import PriorityPolicy
 from scheduler_node.core.request import Request, Status, StopConditions
@@ -46,7 +46,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_num_batched_tokens=budget,
             max_num_seqs=seats,
             max_model_len=num_blocks * BLOCK,
-            preemption_mode=preemption,
+            preemption_mode=PreemptionMode(preemption),
             watermark=0.0,
         )
         costs = PreemptionCosts(ms_per_token=1.0, bytes_per_block=1, swap_bytes_per_s=1e6)  # elastic: mostly swap
@@ -124,7 +124,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def plans_in_flight_hold_disjoint_requests(self) -> None:
         if not self.mode.disjoint_plans:
             return
-        seen: set[str] = set()
+        seen: set[int] = set()  # request handles
         for plan, _ in self.in_flight:
             assert not seen & set(plan.num_scheduled_tokens), "a request is in two plans in flight"
             seen |= set(plan.num_scheduled_tokens)

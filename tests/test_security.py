@@ -28,6 +28,7 @@ from proto.wire import (
     CachedRequest,
     Heartbeat,
     Kind,
+    Message,
     NewRequest,
     SamplingOptions,
     Shutdown,
@@ -137,7 +138,13 @@ def test_random_bytes_on_the_worker_socket_never_hurt_the_scheduler(tls_cluster:
     try:
         fuzz()
         # valid messages from a stranger: a Hello is turned away, results and heartbeats are ignored
-        for message in [StepResult(1, {9: [1]}), StepError(1, 0, "no"), Heartbeat(0, 1, 5.0), WorkerReady(0, 9, 9)]:
+        stranger: list[Message] = [
+            StepResult(1, {9: [1]}),
+            StepError(1, 0, "no"),
+            Heartbeat(0, 1, 5.0),
+            WorkerReady(0, 9, 9),
+        ]
+        for message in stranger:
             sock.send(encode(message))
         sock.send(encode(WorkerHello("intruder", 1, "cpu")))
         assert sock.poll(5000), "no answer to an extra worker's Hello"

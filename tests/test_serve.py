@@ -114,7 +114,7 @@ def test_serve_data_parallel_replicas_behind_a_router_balance_and_stop_on_ctrl_c
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key=KEY, max_retries=0, timeout=60)
         assert [m.id for m in client.models.list().data] == [tiny_llama_dir.name]
         answer = client.completions.create(model=tiny_llama_dir.name, prompt="hi", max_tokens=5, temperature=0)
-        assert answer.usage.completion_tokens == 5
+        assert answer.usage is not None and answer.usage.completion_tokens == 5
         assert httpx.get(f"http://127.0.0.1:{http_port}/v1/models").status_code == 401  # the router checks the key
         assert_stops_with_its_children(serve, signal.SIGINT, 5)  # the router, two schedulers, a worker each
     finally:

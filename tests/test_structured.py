@@ -242,7 +242,7 @@ def test_a_finished_grammar_allows_exactly_the_requests_end_tokens(smollm2_dir: 
     masks = GrammarMasks(tokenizer.path, tokenizer.vocab_size)
     done = tokenizer.encode("yes", add_special_tokens=False)
     choice = StructuredOutput("choice", '["yes"]')
-    rows = [GrammarRow("a", choice, done, frozenset({2, 77})), GrammarRow("b", choice, done, frozenset())]
+    rows = [GrammarRow(1, choice, done, frozenset({2, 77})), GrammarRow(2, choice, done, frozenset())]
     masks.start(rows)
     allowed = masks.allowed(torch.device("cpu"))
     eos = masks._llg_tokenizer().eos_token

@@ -61,7 +61,7 @@ def launches(cache: str) -> dict[str, tuple[Any, dict[str, Any]]]:
 
 
 def main() -> int:
-    results = {}
+    results: dict[str, str | bool] = {}
     for cache in CACHES:
         for name, (kernel, constants) in launches(cache).items():
             try:

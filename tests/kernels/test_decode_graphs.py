@@ -8,18 +8,20 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
 from tests.engine import generate, load_runner  # noqa: E402
 from tests.models import assert_teacher_forced, load_hf  # noqa: E402
+from worker_node.attention import AttentionMetadata  # noqa: E402
 from worker_node.cuda_graphs import DecodeGraphs, parse_sizes  # noqa: E402
 
 LENGTHS = [3, 18, 9]
 MAX_TOKENS = [5, 4, 6]
 
 
-def test_padded_decode_buffers_give_the_same_tokens(tiny_llama_dir: Path) -> None:
+def test_padded_decode_buffers_give_the_same_tokens(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in LENGTHS]
     plain, _ = generate(tiny_llama_dir, load_runner(tiny_llama_dir, 12, 16, "triton"), prompts, MAX_TOKENS)
@@ -28,7 +30,14 @@ def test_padded_decode_buffers_give_the_same_tokens(tiny_llama_dir: Path) -> Non
     graphs = DecodeGraphs(runner.model, runner.kv_cache, [2, 4], 6, 64, runner.dtype, runner.device, False, False)
     used: list[int] = []
     run = graphs.run
-    graphs.run = lambda ids, *rest: used.append(ids.shape[0]) or run(ids, *rest)  # type: ignore[method-assign]
+
+    def run_and_note(
+        ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, hidden: torch.Tensor | None
+    ) -> torch.Tensor:
+        used.append(ids.shape[0])
+        return run(ids, positions, meta, hidden)
+
+    monkeypatch.setattr(graphs, "run", run_and_note)
     runner.graphs = graphs
     padded, _ = generate(tiny_llama_dir, runner, prompts, MAX_TOKENS)
 

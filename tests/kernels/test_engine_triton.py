@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ pytest.importorskip("triton")
 from kernels.interface import AttentionBackend  # noqa: E402
 from tests.engine import generate, load_runner  # noqa: E402
 from tests.models import assert_teacher_forced, load_hf  # noqa: E402
+from worker_node.models.layers import Attention  # noqa: E402
 
 BLOCK = 16
 NUM_BLOCKS = 12  # the batch peaks at 7 blocks: no preemption, this test is about the kernels
@@ -43,14 +45,27 @@ def _spy(backend: AttentionBackend, seen: _Seen) -> AttentionBackend:
         seen.decode_calls += 1
         return backend.decode_attention(q, *args, **options)  # type: ignore[arg-type]
 
-    def prefill(q, k, v, k_cache, v_cache, tables, cu_q, seq_lens, scale, **options):  # type: ignore[no-untyped-def]
-        q_lens = (cu_q[1:] - cu_q[:-1]).long()
+    def prefill(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        **options: Any,
+    ) -> torch.Tensor:
+        q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
         prefix = seq_lens.long() - q_lens
         if bool((prefix > 0).any()):
             seen.prefill_over_prefix += 1
         if bool(((prefix > 0) & (prefix // BLOCK != (seq_lens.long() - 1) // BLOCK)).any()):
             seen.prefix_across_block += 1
-        return backend.prefill_attention(q, k, v, k_cache, v_cache, tables, cu_q, seq_lens, scale, **options)
+        return backend.prefill_attention(
+            q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, **options
+        )
 
     return dataclasses.replace(backend, decode_attention=decode, prefill_attention=prefill)
 
@@ -59,6 +74,7 @@ def _run(folder: Path, backend: str, prompts: list[list[int]]) -> tuple[list[lis
     runner = load_runner(folder, NUM_BLOCKS, BLOCK, backend=backend)
     seen = _Seen()
     first = runner.model.layers[0].self_attn
+    assert isinstance(first, Attention), "every family keeps its layer's Attention in self_attn"
     assert first.backend.name == backend
     spy = _spy(first.backend, seen)
     first.backend = spy  # one layer is enough to see the shapes; the others run unwatched

@@ -72,8 +72,13 @@ def test_uncovered_inputs_go_to_the_fallback(native: cpu_attention.NativeDecodeA
     gen = torch.Generator().manual_seed(3)
     batch = make_paged_batch([5, 20], [5, 20], 2, 16, 16, torch.float64, gen)
     q = torch.randn(2, 4, 16, generator=gen, dtype=torch.float64)
-    calls = []
-    fallback = cpu_attention.NativeDecodeAttention(lambda *args, **options: calls.append(args) or args[0])
+    calls: list[torch.Tensor] = []
+
+    def torch_path(q: torch.Tensor, *args: object, **options: object) -> torch.Tensor:
+        calls.append(q)
+        return q
+
+    fallback = cpu_attention.NativeDecodeAttention(torch_path)
     fallback(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.25)
     assert len(calls) == 1, "a float64 cache is not the kernel's: the torch path must take it"
     fallback(q.float(), batch.k_cache.half(), batch.v_cache.half(), batch.block_tables, batch.seq_lens, 0.25)
