@@ -159,7 +159,7 @@ class StepPlan(Message, tag=int(Kind.PLAN)):
     swap_in: list[BlockPair] = []  # (host block, device block)
     # Blocks replaced in tables the workers hold (copy-on-write, compaction): handle -> [(index, block)].
     block_updates: dict[Handle, list[BlockPair]] = {}
-    # KV offload tier moves, run in this order before the swaps and copies (scheduler_node/core/kv_tiers.py).
+    # KV offload tier moves, in this order, after the swap-out and before copies and swap-in (core/kv_tiers.py).
     tier_moves: list[TierMove] = []
 
     def check(self) -> None:
