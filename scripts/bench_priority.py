@@ -131,7 +131,17 @@ def main() -> int:
         help="send each realtime request the moment the previous one finished (no --realtime-gap)",
     )
     p.add_argument("--json", type=Path, help="write the rows here")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CI: priority and fcfs, 3 batch clients over 2 seats, 3 back-to-back realtime requests, a few tokens "
+        "each (checks the script runs end to end; its figures mean nothing)",
+    )
     args = p.parse_args()
+    if args.smoke:
+        args.policies, args.max_num_seqs, args.batch_clients, args.realtime = "priority,fcfs", 2, 3, 3
+        args.batch_prompt, args.batch_tokens, args.realtime_prompt, args.realtime_tokens = 16, 6, 8, 3
+        args.back_to_back = True
     from scheduler_node.engine.model_path import resolve_model
 
     model = resolve_model(args.model)

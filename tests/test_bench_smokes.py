@@ -65,3 +65,14 @@ def test_bench_parallel_smoke_serves_every_token_with_tp1_and_tp2(tiny_llama_dir
     assert len(tokens) == 1 and 16 <= tokens.pop() <= 32, rows
     assert all(r["tok_s"] > 0 for r in rows)
     assert "| TP1 x PP1 | 1 x 1 |" in stdout and "| TP2 x PP1 | 2 x 1 |" in stdout
+
+
+@pytest.mark.slow
+def test_bench_priority_smoke_runs_every_row_back_to_back(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    stdout, rows = _smoke("bench_priority.py", tiny_llama_dir, tmp_path / "priority.json")
+    assert [(r["policy"], r["loaded"]) for r in rows] == [("priority", False), ("priority", True), ("fcfs", True)]
+    for r in rows:
+        assert r["rt_ttft_p50"] > 0 and r["rt_e2e_p99"] >= r["rt_ttft_p99"] > 0
+        assert r["batch_failed"] == 0
+    assert all(r["batch_done"] > 0 for r in rows if r["loaded"]), "the batch load ran"
+    assert "| priority | batch |" in stdout and "| fcfs | batch |" in stdout
