@@ -17,8 +17,8 @@ import pytest
 from minivllm.cluster import REPO
 
 
-def _smoke(script: str, model: Path, out: Path) -> tuple[str, dict[str, Any]]:
-    """Run `scripts/<script> --smoke` on `model` with no GPU visible; its stdout and its JSON report."""
+def _smoke(script: str, model: Path, out: Path) -> tuple[str, Any]:
+    """Run `scripts/<script> --smoke` on `model` with no GPU visible; its stdout and its JSON report (as written)."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     run = subprocess.run(
         [sys.executable, f"scripts/{script}", "--smoke", "--model", str(model), "--json", str(out)],
