@@ -42,10 +42,15 @@ class EngineOptions:
     step_timeout: float = 60.0  # seconds a step may run (plus STEP_SECONDS_PER_TOKEN each) before its ranks are lost
     # Keep the garbage collector's pauses out of the steps (engine/collector.py); a server process sets it.
     schedule_gc: bool = False
+    # With schedule_gc: seconds the engine stays idle before the idle full collection runs. At once, its tens of
+    # milliseconds would be the wait of a client's next request whenever it sends one after another.
+    idle_collection_delay_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.rejoin_timeout > 0 or not self.step_timeout > 0:
             raise ValueError("rejoin_timeout and step_timeout must be > 0")
+        if self.idle_collection_delay_s < 0:
+            raise ValueError("idle_collection_delay_s must be >= 0")
         if self.max_waiting_requests < 0 or self.scheduler_delay < 0:
             raise ValueError("max_waiting_requests and scheduler_delay must be >= 0")
 
@@ -231,9 +236,7 @@ class EngineCore:
                     self._drop_inflight()
                     await self._recover()
                 elif not self.scheduler.has_work and not self._inflight:
-                    self._collect_at_idle()
-                    self._wake.clear()
-                    await _first(self._wake.wait(), self.workers.lost.wait())
+                    await self._wait_idle()
                 else:
                     await self._step()
         except Exception as exc:
@@ -250,7 +253,7 @@ class EngineCore:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("waiting requests fit in no KV configuration")  # validation prevents it
             self._wake.clear()
-            await _first(self._wake.wait(), self.workers.lost.wait())
+            await self._woken()
             return
         head = self._inflight[0]
         try:
@@ -273,10 +276,20 @@ class EngineCore:
             m.iteration_tokens.observe(head.tokens)
             m.batch_utilization = head.tokens / self.scheduler.config.max_num_batched_tokens
 
-    def _collect_at_idle(self) -> None:
+    async def _wait_idle(self) -> None:
+        """Nothing to do: wait for work (or a lost rank). Once idle for `idle_collection_delay_s`, the collector's
+        idle collection runs (once per idle period)."""
+        self._wake.clear()
         if self.collector is not None and not self._collected_at_idle and not self._sequences:
+            if await self._woken(self.options.idle_collection_delay_s):
+                return  # work came first: the collection waits for the next idle period
             self.collector.idle()
             self._collected_at_idle = True
+        await self._woken()
+
+    async def _woken(self, timeout: float | None = None) -> bool:
+        """Wait until work arrives or a rank is lost, at most `timeout` seconds; False if the time ran out."""
+        return await _first(self._wake.wait(), self.workers.lost.wait(), timeout=timeout)
 
     def _fill_pipeline(self) -> None:
         while len(self._inflight) < self.mode.plans_in_flight and self.scheduler.has_work and not self._interrupting:
@@ -506,11 +519,12 @@ class EngineCore:
         seq.last_token_at = now
 
 
-async def _first(*waits: Coroutine[Any, Any, Any]) -> None:
-    """Wait until the first of these finishes; cancel the others."""
+async def _first(*waits: Coroutine[Any, Any, Any], timeout: float | None = None) -> bool:
+    """Wait until the first of these finishes (True) or `timeout` seconds pass (False); cancel the others."""
     tasks = [asyncio.ensure_future(w) for w in waits]
     try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        return bool(done)
     finally:
         for task in tasks:
             task.cancel()
