@@ -453,16 +453,17 @@ class EngineCore:
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         """Stream each sequence's new tokens (one clock reading for the step); count them once."""
-        now, tokens = time.monotonic(), 0
+        now, tokens, sequences = time.monotonic(), 0, self._sequences
         for out in outputs:
-            seq = self._sequences.get(out.request.req_id)
+            req = out.request
+            seq = sequences.get(req.req_id)
             if seq is None:
                 continue
-            text_ids = out.new_token_ids[:-1] if out.request.stopped_by_token else out.new_token_ids
+            text_ids = out.new_token_ids[:-1] if req.stopped_by_token else out.new_token_ids
             seq.detokenizer.add(text_ids)  # the token that stopped the output is not part of its text
-            if seq.detokenizer.stopped and not out.request.finished:
-                self.scheduler.finish(out.request.req_id, Status.FINISHED_STOPPED)
-            self._emit(out.request, out.new_token_ids, out.logprobs, now=now)
+            if seq.detokenizer.stopped and not req.finished:
+                self.scheduler.finish(req.req_id, Status.FINISHED_STOPPED)
+            self._emit(req, out.new_token_ids, out.logprobs, now=now, seq=seq)
             tokens += len(out.new_token_ids)
         if tokens:
             self.metrics.generation_tokens.inc(tokens)
@@ -475,8 +476,10 @@ class EngineCore:
         error: str = "",
         code: str = "",
         now: float = 0.0,
+        seq: SequenceOutput | None = None,
     ) -> None:
-        seq = self._sequences[req.req_id]
+        """Stream what one step (or an ending) brought a sequence; `seq` is its output side, when looked up."""
+        seq = seq or self._sequences[req.req_id]
         if token_ids:
             self._observe_tokens(seq, req, len(token_ids), now)
         finished = req.finished

@@ -38,7 +38,10 @@ class IncrementalDetokenizer:
         if piece is None:  # an incomplete UTF-8 sequence: wait for the next token
             self._pending += token_ids
             return
-        self._last, self._pending = self._pending + token_ids, []
+        if self._pending:
+            self._last, self._pending = self._pending + token_ids, []
+        else:
+            self._last = token_ids
         if not self.stop:
             self._unsent += piece
             return
