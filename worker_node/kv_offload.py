@@ -8,7 +8,9 @@ The disk file (DIR/rank{r}.kvtier) survives a restart. Its header records what i
 the model's fingerprint, dtype, block size, this rank's layers and KV heads, the layout, the slot count); a file
 whose header differs is ignored and started afresh, never loaded. Each slot holds the block's hash, a checksum
 over hash and payload, and the payload: a slot whose checksum fails at start is left out of the index (the
-block is recomputed), and one that fails when loaded fails the step instead of feeding the model bad KV.
+block is recomputed). A load that fails later (a slot corrupted, truncated or unreadable since start) is reported
+instead of feeding the model bad KV: the worker leaves the requests that read that block out of the step and the
+scheduler forgets the block and has them compute it (scheduler_node/core/scheduler.py, `_recompute_failed_loads`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -70,6 +72,10 @@ class DiskLayout:
         return (MAGIC + text).ljust(HEADER_BYTES, b"\0")
 
 
+class DiskBlockUnreadable(RuntimeError):
+    """A disk tier slot does not hold an intact copy of the block asked for (or could not be read)."""
+
+
 def _checksum(block_hash: bytes, payload: bytes) -> bytes:
     return hashlib.blake2b(block_hash + payload, digest_size=SUM_BYTES).digest()
 
@@ -118,13 +124,17 @@ class DiskTier:
         os.pwrite(self._fd, block_hash + _checksum(block_hash, payload) + payload, self._offset(slot))
 
     def read(self, slot: int, block_hash: bytes) -> bytes:
-        record = os.pread(self._fd, self.layout.record_bytes, self._offset(slot))
+        try:
+            record = os.pread(self._fd, self.layout.record_bytes, self._offset(slot))
+        except OSError as exc:
+            raise DiskBlockUnreadable(f"disk KV tier slot {slot} could not be read: {exc}") from exc
         payload = record[HASH_BYTES + SUM_BYTES :]
         if (
-            record[:HASH_BYTES] != block_hash
+            len(record) < self.layout.record_bytes
+            or record[:HASH_BYTES] != block_hash
             or _checksum(block_hash, payload) != record[HASH_BYTES : HASH_BYTES + SUM_BYTES]
         ):
-            raise RuntimeError(f"disk KV tier slot {slot} does not hold an intact copy of the block asked for")
+            raise DiskBlockUnreadable(f"disk KV tier slot {slot} does not hold an intact copy of the block asked for")
         return payload
 
     def close(self) -> None:
@@ -144,6 +154,15 @@ def _fill_block(cache: KVCache, index: int, payload: bytes) -> None:
             n = t[index].numel() * t.element_size()
             t[index].copy_(flat[offset : offset + n].view(t.dtype).view(t[index].shape))
             offset += n
+
+
+@dataclass(slots=True)
+class TierRun:
+    """What running a plan's tier moves did: the milliseconds taken, and the loads that failed (their device
+    blocks hold no valid KV)."""
+
+    ms: float = 0.0
+    failed: list[TierMove] = field(default_factory=list)
 
 
 class KVOffload:
@@ -172,11 +191,13 @@ class KVOffload:
             if DISK in (m.src_tier, m.dst_tier) and len(m.block_hash) != HASH_BYTES:
                 raise ValueError(f"a disk tier move needs a {HASH_BYTES}-byte block hash")
 
-    def run(self, moves: list[TierMove], device: KVCache) -> float:
-        """Run the moves in order (runs between the same two tiers batched); returns the milliseconds taken."""
+    def run(self, moves: list[TierMove], device: KVCache) -> TierRun:
+        """Run the moves in order (runs between the same two tiers batched). A disk block that fails its check is
+        skipped and reported, the rest still run."""
         if not moves:
-            return 0.0
+            return TierRun()
         start = time.perf_counter()
+        failed: list[TierMove] = []
         caches = {DEVICE: device, RAM: self.ram}
         i = 0
         while i < len(moves):
@@ -193,11 +214,15 @@ class KVOffload:
             else:
                 assert self.disk is not None
                 for m in run:
-                    _fill_block(caches[dst], m.dst, self.disk.read(m.src, m.block_hash))
+                    try:
+                        _fill_block(caches[dst], m.dst, self.disk.read(m.src, m.block_hash))
+                    except DiskBlockUnreadable as exc:
+                        logger.warning("%s: the block is recomputed instead", exc)
+                        failed.append(m)
             i = j
         if device and device[0].k.is_cuda:
             torch.cuda.synchronize(device[0].k.device)
-        return (time.perf_counter() - start) * 1e3
+        return TierRun((time.perf_counter() - start) * 1e3, failed)
 
     def close(self) -> None:
         if self.disk is not None:

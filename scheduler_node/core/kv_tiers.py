@@ -67,6 +67,13 @@ class TierIndex:
         self._slot_of[key] = slot
         return slot, displaced
 
+    def forget(self, key: BlockHash) -> None:
+        """Drop `key` (its copy here turned out not to be valid); its slot is free again."""
+        slot = self._slot_of.pop(key, None)
+        if slot is not None:
+            self.policy.remove(key)
+            self._free.append(slot)
+
     def adopt(self, key: BlockHash, slot: int) -> None:
         """A block found in this slot at start (a warm disk tier)."""
         if key in self._slot_of or slot not in self._free or not self.policy.insert(key, set())[0]:
@@ -85,6 +92,7 @@ class KVTierStats:
     disk_blocks_used: int = 0
     hits_ram: int = 0  # blocks loaded back from RAM instead of being recomputed
     hits_disk: int = 0
+    failed_loads: int = 0  # loads a worker could not do (the disk copy failed its check): recomputed instead
     blocks_offloaded: int = 0  # device -> a tier
     blocks_demoted: int = 0  # RAM -> disk
     bytes_moved: int = 0
@@ -104,6 +112,7 @@ class KVTierStats:
             "minivllm:kv_tier_ram_hits": self.hits_ram,
             "minivllm:kv_tier_disk_hits": self.hits_disk,
             "minivllm:kv_tier_bytes_moved": self.bytes_moved,
+            "minivllm:kv_tier_failed_loads": self.failed_loads,
         }
 
 
@@ -194,6 +203,13 @@ class KVTiers:
             self.stats.hits_ram += 1
         else:
             self.stats.hits_disk += 1
+
+    def forget_failed(self, keys: Iterable[BlockHash]) -> None:
+        """Loads the workers could not do: those blocks are not offered again (they are recomputed)."""
+        for key in keys:
+            self.stats.failed_loads += 1
+            for tier in self.tiers:
+                tier.forget(key)
 
     def take_moves(self) -> list[TierMove]:
         moves, self._moves = self._moves, []
