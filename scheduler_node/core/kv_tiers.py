@@ -135,7 +135,8 @@ class KVTiers:
         self.clear()
 
     def clear(self) -> None:
-        """Forget every entry (a lost rank's replacement holds none of them); the counters stay."""
+        """Forget every entry (a rank was lost: until the world is back, nothing the workers hold is known); the
+        counters stay."""
         sizes = ((Tier.RAM, self.ram_slots), (Tier.DISK, self.disk_slots))
         self.tiers = [TierIndex(tier, n, self.policy) for tier, n in sizes if n > 0]
         self._moves = []
@@ -145,7 +146,7 @@ class KVTiers:
         return bool(self.tiers)
 
     def adopt_disk(self, entries: Iterable[tuple[int, BlockHash]]) -> None:
-        """Blocks every rank found intact on its disk at start (warm start)."""
+        """Blocks every rank found intact on its disk at start: a warm start, or a world back after a lost rank."""
         for tier in self.tiers:
             if tier.tier is Tier.DISK:
                 for slot, key in entries:

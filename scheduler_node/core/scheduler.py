@@ -617,7 +617,7 @@ class Scheduler:
         self.blocks = BlockTable(old.num_blocks, old.block_size, old.enable_prefix_caching, old.num_host_blocks)
         self.blocks.resize(old.usable_blocks)
         if self.tiers is not None:
-            self.tiers.clear()  # the replacement's tiers hold nothing the index could vouch for
+            self.tiers.clear()  # until the world is back: then its disk blocks are adopted again (engine core)
         self._attach_tiers()
         self.in_flight.clear()  # the engine dropped every plan in flight
         return len(running)
