@@ -158,10 +158,11 @@ def _fill_block(cache: KVCache, index: int, payload: bytes) -> None:
 
 @dataclass(slots=True)
 class TierRun:
-    """What running a plan's tier moves did: the milliseconds taken, and the loads that failed (their device
-    blocks hold no valid KV)."""
+    """What running a plan's tier moves did: the milliseconds taken (of which loading blocks back into the device
+    cache), and the loads that failed (their device blocks hold no valid KV)."""
 
     ms: float = 0.0
+    load_ms: float = 0.0
     failed: list[TierMove] = field(default_factory=list)
 
 
@@ -194,35 +195,45 @@ class KVOffload:
     def run(self, moves: list[TierMove], device: KVCache) -> TierRun:
         """Run the moves in order (runs between the same two tiers batched). A disk block that fails its check is
         skipped and reported, the rest still run."""
+        out = TierRun()
         if not moves:
-            return TierRun()
+            return out
         start = time.perf_counter()
-        failed: list[TierMove] = []
-        caches = {DEVICE: device, RAM: self.ram}
         i = 0
         while i < len(moves):
             j = i
             while j < len(moves) and (moves[j].src_tier, moves[j].dst_tier) == (moves[i].src_tier, moves[i].dst_tier):
                 j += 1
-            run, src, dst = moves[i:j], moves[i].src_tier, moves[i].dst_tier
-            if DISK not in (src, dst):
-                copy_blocks(caches[src], caches[dst], [(m.src, m.dst) for m in run])
-            elif dst == DISK:
-                assert self.disk is not None
-                for m in run:
-                    self.disk.write(m.dst, m.block_hash, _block_bytes(caches[src], m.src))
-            else:
-                assert self.disk is not None
-                for m in run:
-                    try:
-                        _fill_block(caches[dst], m.dst, self.disk.read(m.src, m.block_hash))
-                    except DiskBlockUnreadable as exc:
-                        logger.warning("%s: the block is recomputed instead", exc)
-                        failed.append(m)
+            run_start = time.perf_counter()
+            out.failed += self._run_between(moves[i:j], device)
+            if moves[i].dst_tier == DEVICE:
+                out.load_ms += (time.perf_counter() - run_start) * 1e3
             i = j
         if device and device[0].k.is_cuda:
             torch.cuda.synchronize(device[0].k.device)
-        return TierRun((time.perf_counter() - start) * 1e3, failed)
+        out.ms = (time.perf_counter() - start) * 1e3
+        return out
+
+    def _run_between(self, run: list[TierMove], device: KVCache) -> list[TierMove]:
+        """Moves that all go between the same two tiers; returns the disk loads that failed their check."""
+        caches = {DEVICE: device, RAM: self.ram}
+        src, dst = run[0].src_tier, run[0].dst_tier
+        if DISK not in (src, dst):
+            copy_blocks(caches[src], caches[dst], [(m.src, m.dst) for m in run])
+            return []
+        assert self.disk is not None
+        if dst == DISK:
+            for m in run:
+                self.disk.write(m.dst, m.block_hash, _block_bytes(caches[src], m.src))
+            return []
+        failed = []
+        for m in run:
+            try:
+                _fill_block(caches[dst], m.dst, self.disk.read(m.src, m.block_hash))
+            except DiskBlockUnreadable as exc:
+                logger.warning("%s: the block is recomputed instead", exc)
+                failed.append(m)
+        return failed
 
     def close(self) -> None:
         if self.disk is not None:

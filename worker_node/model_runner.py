@@ -207,6 +207,7 @@ class ModelRunner:
             interrupted=skip,
             prompt_logprobs=prompt_logprobs,
             tier_ms=tiers.ms,
+            tier_load_ms=tiers.load_ms,
             failed_loads=[m.block_hash for m in failed_loads],
             load_skipped=load_skipped,
         )

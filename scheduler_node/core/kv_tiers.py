@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from proto.wire import TierMove
+from proto.wire import StepResult, TierMove
 from scheduler_node.core.block_table import BlockHash
 from scheduler_node.core.tier_policy import make_tier_policy
 
@@ -98,6 +98,9 @@ class KVTierStats:
     bytes_moved: int = 0
     move_ms: float = 0.0  # the workers' time spent moving tier blocks (loads, offloads, demotions)
     move_steps: int = 0  # steps that moved tier blocks
+    load_ms: float = 0.0  # of move_ms, loading blocks back into the device cache (on the way of a request's compute)
+    load_step_ms: float = 0.0  # the whole execution time of the steps that loaded blocks
+    load_steps: int = 0
 
     @property
     def mean_move_ms(self) -> float:
@@ -216,11 +219,15 @@ class KVTiers:
         moves, self._moves = self._moves, []
         return moves
 
-    def observe(self, move_ms: float) -> None:
-        """A step's measured time moving tier blocks (the workers' report)."""
-        if move_ms > 0:
-            self.stats.move_ms += move_ms
+    def observe(self, result: StepResult) -> None:
+        """A step's measured time moving tier blocks and loading them back (the workers' report)."""
+        if result.tier_ms > 0:
+            self.stats.move_ms += result.tier_ms
             self.stats.move_steps += 1
+        if result.tier_load_ms > 0:
+            self.stats.load_ms += result.tier_load_ms
+            self.stats.load_step_ms += result.execute_ms
+            self.stats.load_steps += 1
 
     def snapshot(self) -> KVTierStats:
         used = {t.tier: t.num_used for t in self.tiers}

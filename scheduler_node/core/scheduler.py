@@ -487,7 +487,7 @@ class Scheduler:
         tokens = sent.total_tokens
         self.costs.observe(result.execute_ms, tokens)
         if self.tiers is not None:
-            self.tiers.observe(result.tier_ms)
+            self.tiers.observe(result)
         if sent.requests:
             self.counters.steps += 1
             self.counters.worker_idle_ms += result.idle_ms
