@@ -92,7 +92,7 @@ class KVTierStats:
     disk_blocks_used: int = 0
     hits_ram: int = 0  # blocks loaded back from RAM instead of being recomputed
     hits_disk: int = 0
-    failed_loads: int = 0  # loads a worker could not do (the disk copy failed its check): recomputed instead
+    failed_loads: int = 0  # loads a worker could not do (the disk copy failed its check; counted in the hits too)
     blocks_offloaded: int = 0  # device -> a tier
     blocks_demoted: int = 0  # RAM -> disk
     bytes_moved: int = 0
