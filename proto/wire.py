@@ -33,7 +33,10 @@ from msgspec import Meta
 # refused by its version.
 # 6: plans carry KV offload tier moves, results the time spent on them, Ready the KV format, the tiers' sizes and
 # the blocks a warm disk tier holds (scheduler_node/core/kv_tiers.py, worker_node/kv_offload.py).
-WIRE_VERSION = 6
+# 7: results name the tier loads that failed (a disk block corrupted since start) and the requests left out of
+# the step for reading them, which the scheduler has recomputed (a v6 scheduler would use the bad KV); and the
+# time the tier loads took.
+WIRE_VERSION = 7
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 Count = Annotated[int, Meta(ge=0)]
@@ -215,6 +218,11 @@ class StepResult(Message, tag=int(Kind.RESULT)):
     # logprobs of that token and the ones after it (a chunk of the prompt).
     prompt_logprobs: dict[Handle, tuple[int, list[TokenLogprobs]]] = {}
     tier_ms: float = 0.0  # time spent on the plan's KV tier moves (included in execute_ms)
+    tier_load_ms: float = 0.0  # of which loading blocks back into the device cache
+    # Tier loads some rank could not do (the block's hash; its disk copy failed its check), and the requests of
+    # this step that read those blocks and were therefore not computed: the scheduler has them recompute.
+    failed_loads: list[Annotated[bytes, Meta(max_length=64)]] = []
+    load_skipped: list[Handle] = []
 
 
 class ExecutionMode(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True, gc=False):

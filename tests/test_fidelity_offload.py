@@ -135,6 +135,87 @@ def test_a_corrupted_disk_block_is_recomputed_not_loaded(tiny_llama_dir: Path, h
     assert_teacher_forced(hf, req.prompt, req.output)
 
 
+def _damage(disk_file: Path, slot_offset: int, how: str) -> None:
+    """Flip one byte of a record's payload, or cut the file short at the record (what a full disk or a stray
+    truncation leaves)."""
+    with disk_file.open("r+b") as f:
+        if how == "truncate":
+            f.truncate(slot_offset)
+            return
+        f.seek(slot_offset + HASH_BYTES + SUM_BYTES + 100)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _damaged_while_running(folder: Path, disk: Path, run: EngineRun, how: str, rank: int = 0) -> tuple:  # type: ignore[type-arg]
+    """Put a prefix on disk, damage its second block in `rank`'s file (the index still holds it), then ask for
+    the prefix twice at once (one request loads it, the other finds the loaded blocks in the device cache)."""
+    rng = random.Random(12)
+    prefix = tokens(rng, PREFIX)
+    first = hash_block(None, prefix[:BLOCK])
+    second = hash_block(first, prefix[BLOCK : 2 * BLOCK])
+    per_block = bytes_per_block(ModelConfig.from_folder(folder), BLOCK, torch.float32) // len(run.workers.runners)
+    record = HASH_BYTES + SUM_BYTES + per_block
+    disk_file = disk / f"rank{rank}.kvtier"
+    done = [run.add(prefix + tokens(rng, 5), 6)]
+    run.run()
+    for _ in range(3):  # unrelated prompts that take the whole device pool: the prefix goes to disk
+        done.append(run.add(tokens(rng, 64), 4))
+        run.run()
+    tiers = run.scheduler.tiers
+    assert tiers is not None and tiers.match([first, second]) == 2, "the prefix is on disk and indexed"
+    _damage(disk_file, HEADER_BYTES + _slot_of(disk_file, record, second) * record, how)
+    done += [run.add(prefix + tokens(rng, 7), 8), run.add(prefix + tokens(rng, 6), 5)]
+    run.run()
+    run.scheduler.blocks.check_invariants()
+    tiers.check_invariants()
+    return done, tiers.snapshot(), tiers.match([first, second])
+
+
+def _assert_recomputed(hf, done: list, stats, offered: int, how: str) -> None:  # type: ignore[no-untyped-def,type-arg]
+    assert stats.failed_loads >= 1 and stats.hits_disk >= 1
+    if how == "corrupt":
+        assert stats.failed_loads == 1 and offered == 1, "the first block still comes from disk, the second not"
+    for req in done:
+        assert req.completions[0].error == "" and len(req.output) == req.max_tokens
+        assert_teacher_forced(hf, req.prompt, req.output)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize("how", ["corrupt", "truncate"])
+def test_a_disk_block_damaged_after_start_is_recomputed(
+    tiny_llama_dir: Path, hf, tmp_path: Path, how: str, async_scheduling: bool
+) -> None:  # type: ignore[no-untyped-def]
+    """The tier index knows the block is on disk; its copy fails the check only when loaded: the requests that
+    read it still complete (those blocks computed instead), the failure is counted, the block is not offered
+    again."""
+    r = runner(tiny_llama_dir, 0, tmp_path)
+    engine = {"tokenizer_dir": tiny_llama_dir, "max_num_batched_tokens": 64, "async_scheduling": async_scheduling}
+    with EngineRun(r, **engine) as run:  # type: ignore[arg-type]
+        done, stats, offered = _damaged_while_running(tiny_llama_dir, tmp_path, run, how)
+    _assert_recomputed(hf, done, stats, offered, how)
+
+
+def test_a_block_damaged_on_one_tensor_parallel_rank_is_recomputed_by_all(
+    tiny_llama_dir: Path, hf, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """Only rank 1's copy fails: both ranks leave the same requests out (their collectives need equal batches)."""
+    from tests.inprocess_tp import TensorParallelRanks
+
+    ranks = TensorParallelRanks(
+        tiny_llama_dir, DEVICE_BLOCKS, BLOCK, kv_offload_disk=str(tmp_path),
+        kv_offload_disk_size=gib(tiny_llama_dir, 64, HASH_BYTES + SUM_BYTES),
+    )  # fmt: skip
+    try:
+        with EngineRun(ranks.runners, tokenizer_dir=tiny_llama_dir, transport=ranks.transport(),
+                       max_num_batched_tokens=64) as run:  # fmt: skip
+            done, stats, offered = _damaged_while_running(tiny_llama_dir, tmp_path, run, "corrupt", rank=1)
+    finally:
+        ranks.close()
+    _assert_recomputed(hf, done, stats, offered, "corrupt")
+
+
 def test_a_disk_tier_of_another_layout_is_ignored(tiny_llama_dir: Path, hf, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     rng = random.Random(10)
     prefix = tokens(rng, PREFIX)

@@ -6,9 +6,10 @@ import msgspec
 import pytest
 
 from proto.wire import SamplingOptions, StepPlan, StepResult, TierMove, WireError, decode, encode
+from scheduler_node.core.block_table import hash_block
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.kv_tiers import KVTiers, Tier
-from scheduler_node.core.request import Request, StopConditions
+from scheduler_node.core.request import Request, Status, StopConditions
 from scheduler_node.core.scheduler import Scheduler
 from scheduler_node.core.tier_policy import ArcPolicy, LruPolicy
 
@@ -144,6 +145,37 @@ def test_a_prefix_evicted_from_the_device_is_loaded_back_not_recomputed() -> Non
     assert plans[0].new_requests[0].num_computed_tokens == 24
     assert [m.dst for m in loads] == plans[0].new_requests[0].block_ids[:3]
     s.blocks.check_invariants()
+
+
+def test_a_load_the_workers_could_not_do_is_forgotten_and_its_readers_recompute() -> None:
+    """The workers report the second block's load failed and both requests that read it left out: the block is in
+    neither the tier index nor the device cache any more, both go back to waiting with nothing computed, and when
+    one runs again only the first block comes from the cache."""
+    tiers = KVTiers(ram_slots=8, disk_slots=0)
+    s = _scheduler(tiers)
+    shared = list(range(100, 124))  # 3 full blocks
+    _run(s, "a", shared + [1, 2])
+    _run(s, "evict", list(range(500, 541)))
+    first = hash_block(None, shared[:8])
+    second = hash_block(first, shared[8:16])
+    hashes = [first, second, hash_block(second, shared[16:24])]
+    for rid, tail in (("b", [3, 4]), ("c", [5, 6])):
+        s.add(Request(rid, shared + tail, SamplingOptions(0.0), StopConditions(1, frozenset())))
+    plan = s.schedule()
+    b, c = s.requests["b"], s.requests["c"]
+    assert len([m for m in plan.tier_moves if m.dst_tier == 0]) == 3 and plan.num_scheduled_tokens == {
+        b.handle: 2,
+        c.handle: 2,
+    }, "b loads the prefix, c finds it in the device cache"
+    s.update(plan, StepResult(plan.step_id, {}, failed_loads=[hashes[1]], load_skipped=[b.handle, c.handle]))
+    assert tiers.stats.failed_loads == 1 and tiers.match(hashes) == 1
+    assert len(s.blocks.match_prefix(hashes)) == 1, "the failed block is not in the device cache"
+    assert [(r.status, r.num_computed_tokens) for r in (b, c)] == [(Status.PREEMPTED, 0)] * 2
+    s.blocks.check_invariants()
+    tiers.check_invariants()
+    again = s.schedule()
+    assert again.num_scheduled_tokens[b.handle] == 18, "b computes from the failed block on"
+    assert not [m for m in again.tier_moves if m.dst_tier == 0]
 
 
 def test_salts_never_cross_in_the_tiers() -> None:

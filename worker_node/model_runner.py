@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-from proto.wire import ExecutionMode, NewRequest, SamplingOptions, StepPlan, StepResult, TokenLogprobs
+from proto.wire import ExecutionMode, NewRequest, SamplingOptions, StepPlan, StepResult, TierMove, TokenLogprobs
 from worker_node.attention import AttentionMetadata
 from worker_node.cuda_graphs import DecodeGraphs
 from worker_node.kv_cache import KVCache, copy_blocks
-from worker_node.kv_offload import KVOffload
+from worker_node.kv_offload import DEVICE, DISK, KVOffload, TierRun
 from worker_node.models.decoder import CausalLM, StepInterrupted
 from worker_node.parallel import SINGLE, Comm
 from worker_node.sampler import Sampler, token_logprobs
@@ -105,6 +105,9 @@ class ModelRunner:
         self.num_blocks = kv_cache[0].num_blocks if kv_cache else 0
         self.num_host_blocks = self.host_cache[0].num_blocks if self.host_cache else 0
         self.offload = offload
+        # Requests that read a tier block whose load failed: never computed again (their KV is not valid); the
+        # scheduler has them recompute and tells this worker to forget them.
+        self._load_failed: set[int] = set()
 
     def apply_diffs(self, plan: StepPlan, check_progress: bool = True) -> None:
         """Update the requests this worker holds. Every block id is range-checked first: the decode kernel reads
@@ -112,6 +115,7 @@ class ModelRunner:
         self._check_plan(plan)
         for handle in plan.finished + plan.preempted:
             self.states.pop(handle, None)
+            self._load_failed.discard(handle)
             self.sampler.forget(handle)
         for new in plan.new_requests:
             self.sampler.forget(new.handle)  # penalty counts and grammar start over from its tokens
@@ -120,7 +124,8 @@ class ModelRunner:
             state = self.states.get(cached.handle)
             if state is None:
                 raise ValueError(f"request {cached.handle}: a cached request this worker does not hold")
-            if check_progress and state.num_computed_tokens != cached.num_computed_tokens:
+            progress_known = check_progress and cached.handle not in self._load_failed
+            if progress_known and state.num_computed_tokens != cached.num_computed_tokens:
                 raise RuntimeError(
                     f"request {cached.handle}: worker has {state.num_computed_tokens} computed tokens, "
                     f"plan says {cached.num_computed_tokens}"
@@ -147,17 +152,17 @@ class ModelRunner:
         for r in plan.new_requests:
             _check_range([r.num_computed_tokens], len(r.prompt_token_ids) + len(r.output_token_ids) + 1, "computed")
 
-    def run_block_ops(self, plan: StepPlan) -> float:
+    def run_block_ops(self, plan: StepPlan) -> TierRun:
         """Swap out, KV tier moves, copy (copy-on-write, compaction), swap in: before the forward pass reads any
         block. Tier moves follow the swap-out (a load may fill a block the swap-out reads) and precede the copies
-        and swap-in (an offload reads a block they may overwrite). Returns the milliseconds the tier moves took."""
+        and swap-in (an offload reads a block they may overwrite). Returns what the tier moves did."""
         if (plan.swap_out or plan.swap_in) and not self.host_cache:
             raise RuntimeError("the plan swaps but this worker has no swap space")
         copy_blocks(self.kv_cache, self.host_cache, plan.swap_out)
-        tier_ms = self.offload.run(plan.tier_moves, self.kv_cache) if self.offload is not None else 0.0
+        tiers = self.offload.run(plan.tier_moves, self.kv_cache) if self.offload is not None else TierRun()
         copy_blocks(self.kv_cache, self.kv_cache, plan.block_copies)
         copy_blocks(self.host_cache, self.kv_cache, plan.swap_in)
-        return tier_ms
+        return tiers
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -165,12 +170,15 @@ class ModelRunner:
         # An interrupted plan was built on steps before it that may not have run: their progress is not checked.
         skip = self._interrupted(plan.step_id)
         self.apply_diffs(plan, check_progress=not skip)
-        tier_ms = self.run_block_ops(plan)
+        tiers = self.run_block_ops(plan)
+        failed_loads = self._failed_anywhere(plan, tiers.failed)
+        load_skipped = self._leave_out(failed_loads)
+        scheduled = {h: n for h, n in plan.num_scheduled_tokens.items() if h not in self._load_failed}
         sampled: dict[int, list[int]] = {}
         logprobs: dict[int, list[TokenLogprobs]] = {}
         prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = {}
-        if plan.num_requests and not skip:
-            batch = self._prepare(plan)
+        if scheduled and not skip:
+            batch = self._prepare(scheduled)
             if self.samples_here:
                 self.sampler.start(batch.samplers)  # grammar masks while the forward pass runs
             try:
@@ -198,8 +206,30 @@ class ModelRunner:
             idle,
             interrupted=skip,
             prompt_logprobs=prompt_logprobs,
-            tier_ms=tier_ms,
+            tier_ms=tiers.ms,
+            tier_load_ms=tiers.load_ms,
+            failed_loads=[m.block_hash for m in failed_loads],
+            load_skipped=load_skipped,
         )
+
+    def _failed_anywhere(self, plan: StepPlan, failed_here: list[TierMove]) -> list[TierMove]:
+        """The plan's disk loads that failed on any rank: every rank must leave out the same requests (the
+        collectives and the stages' hand-offs need equal batches). Only plans that load from disk ask."""
+        loads = [m for m in plan.tier_moves if m.src_tier == DISK and m.dst_tier == DEVICE]
+        if not loads or self.comm.where.layout.world_size == 1:
+            return failed_here
+        anywhere = self.comm.any_rank([m in failed_here for m in loads])
+        return [m for m, failed in zip(loads, anywhere) if failed]
+
+    def _leave_out(self, failed: list[TierMove]) -> list[int]:
+        """The held requests whose blocks include one a failed load should have filled: left out of this step
+        and of every later one until the scheduler forgets them."""
+        if not failed:
+            return []
+        bad = {m.dst for m in failed}
+        out = [h for h, s in self.states.items() if h not in self._load_failed and not bad.isdisjoint(s.block_ids)]
+        self._load_failed.update(out)
+        return out
 
     def _interrupted(self, step_id: int) -> bool:
         return self.interruptible and self.interrupts.covers(step_id)
@@ -252,9 +282,10 @@ class ModelRunner:
                 out[state.handle] = (first, chunk)
         return out
 
-    def _prepare(self, plan: StepPlan) -> _Batch:
-        # every scheduled request is new or held (apply_diffs checked)
-        work = [(self.states[r], n) for r, n in plan.num_scheduled_tokens.items()]
+    def _prepare(self, scheduled: dict[int, int]) -> _Batch:
+        """The batch of the requests computed this step (handle -> tokens); each is new or held (apply_diffs
+        checked)."""
+        work = [(self.states[r], n) for r, n in scheduled.items()]
         work.sort(key=lambda w: w[1] != 1)  # decodes (one query) first, then prefill chunks
         ids: list[int] = []
         positions: list[int] = []

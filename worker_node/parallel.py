@@ -140,6 +140,14 @@ class Comm:
         _wait(self._world.broadcast([t], opts))
         return t.tolist()
 
+    def any_rank(self, flags: list[bool]) -> list[bool]:
+        """Each flag, set if it is set on any rank of the world (a sum over every rank)."""
+        if self._world is None or not flags:
+            return flags
+        t = torch.tensor(flags, dtype=torch.int32, device=self._device)
+        _wait(self._world.allreduce([t]))
+        return [bool(v) for v in t.tolist()]
+
     def close(self) -> None:
         for group in (self._tp, self._world):
             if group is not None and hasattr(group, "shutdown"):

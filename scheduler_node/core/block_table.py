@@ -199,6 +199,14 @@ class BlockTable:
                 self._hash_of[block] = h
                 self._cached[h] = block
 
+    def uncache(self, h: BlockHash) -> int | None:
+        """Forget that a block holds `h` (its content turned out not to be valid): no later prefix matches it.
+        Returns that block, or None when none held it."""
+        block = self._cached.get(h)
+        if block is not None:
+            self._evict(block)
+        return block
+
     # ---- swap
 
     def can_swap_out(self, req_id: str) -> bool:

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from proto.wire import TierMove
+from proto.wire import StepResult, TierMove
 from scheduler_node.core.block_table import BlockHash
 from scheduler_node.core.tier_policy import make_tier_policy
 
@@ -67,6 +67,13 @@ class TierIndex:
         self._slot_of[key] = slot
         return slot, displaced
 
+    def forget(self, key: BlockHash) -> None:
+        """Drop `key` (its copy here turned out not to be valid); its slot is free again."""
+        slot = self._slot_of.pop(key, None)
+        if slot is not None:
+            self.policy.remove(key)
+            self._free.append(slot)
+
     def adopt(self, key: BlockHash, slot: int) -> None:
         """A block found in this slot at start (a warm disk tier)."""
         if key in self._slot_of or slot not in self._free or not self.policy.insert(key, set())[0]:
@@ -85,11 +92,15 @@ class KVTierStats:
     disk_blocks_used: int = 0
     hits_ram: int = 0  # blocks loaded back from RAM instead of being recomputed
     hits_disk: int = 0
+    failed_loads: int = 0  # loads a worker could not do (the disk copy failed its check; counted in the hits too)
     blocks_offloaded: int = 0  # device -> a tier
     blocks_demoted: int = 0  # RAM -> disk
     bytes_moved: int = 0
     move_ms: float = 0.0  # the workers' time spent moving tier blocks (loads, offloads, demotions)
     move_steps: int = 0  # steps that moved tier blocks
+    load_ms: float = 0.0  # of move_ms, loading blocks back into the device cache (on the way of a request's compute)
+    load_step_ms: float = 0.0  # the whole execution time of the steps that loaded blocks
+    load_steps: int = 0
 
     @property
     def mean_move_ms(self) -> float:
@@ -104,6 +115,7 @@ class KVTierStats:
             "minivllm:kv_tier_ram_hits": self.hits_ram,
             "minivllm:kv_tier_disk_hits": self.hits_disk,
             "minivllm:kv_tier_bytes_moved": self.bytes_moved,
+            "minivllm:kv_tier_failed_loads": self.failed_loads,
         }
 
 
@@ -126,7 +138,8 @@ class KVTiers:
         self.clear()
 
     def clear(self) -> None:
-        """Forget every entry (a lost rank's replacement holds none of them); the counters stay."""
+        """Forget every entry (a rank was lost: until the world is back, nothing the workers hold is known); the
+        counters stay."""
         sizes = ((Tier.RAM, self.ram_slots), (Tier.DISK, self.disk_slots))
         self.tiers = [TierIndex(tier, n, self.policy) for tier, n in sizes if n > 0]
         self._moves = []
@@ -136,7 +149,7 @@ class KVTiers:
         return bool(self.tiers)
 
     def adopt_disk(self, entries: Iterable[tuple[int, BlockHash]]) -> None:
-        """Blocks every rank found intact on its disk at start (warm start)."""
+        """Blocks every rank found intact on its disk at start: a warm start, or a world back after a lost rank."""
         for tier in self.tiers:
             if tier.tier is Tier.DISK:
                 for slot, key in entries:
@@ -195,15 +208,26 @@ class KVTiers:
         else:
             self.stats.hits_disk += 1
 
+    def forget_failed(self, keys: Iterable[BlockHash]) -> None:
+        """Loads the workers could not do: those blocks are not offered again (they are recomputed)."""
+        for key in keys:
+            self.stats.failed_loads += 1
+            for tier in self.tiers:
+                tier.forget(key)
+
     def take_moves(self) -> list[TierMove]:
         moves, self._moves = self._moves, []
         return moves
 
-    def observe(self, move_ms: float) -> None:
-        """A step's measured time moving tier blocks (the workers' report)."""
-        if move_ms > 0:
-            self.stats.move_ms += move_ms
+    def observe(self, result: StepResult) -> None:
+        """A step's measured time moving tier blocks and loading them back (the workers' report)."""
+        if result.tier_ms > 0:
+            self.stats.move_ms += result.tier_ms
             self.stats.move_steps += 1
+        if result.tier_load_ms > 0:
+            self.stats.load_ms += result.tier_load_ms
+            self.stats.load_step_ms += result.execute_ms
+            self.stats.load_steps += 1
 
     def snapshot(self) -> KVTierStats:
         used = {t.tier: t.num_used for t in self.tiers}

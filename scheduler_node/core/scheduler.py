@@ -439,8 +439,8 @@ class Scheduler:
             req.num_placeholders += 1  # this step samples a token the scheduler learns of later
         sent.add(req, n, samples)
 
-    def _preempt(self, req: Request) -> None:
-        mode = self._preemption_mode(req)
+    def _preempt(self, req: Request, mode: PreemptionMode | None = None) -> None:
+        mode = mode or self._preemption_mode(req)
         tokens = req.num_computed_tokens
         req.num_placeholders = 0  # in-flight tokens of a preempted request are dropped and sampled again
         if mode is PreemptionMode.SWAP:
@@ -484,13 +484,15 @@ class Scheduler:
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         """Register the blocks the step filled for prefix caching, append sampled tokens, apply stop conditions."""
         sent = self.in_flight.settle(plan.step_id)
+        if result.failed_loads:
+            self._recompute_failed_loads(result)
         if result.interrupted:
             self._undo(sent)
             return []
         tokens = sent.total_tokens
         self.costs.observe(result.execute_ms, tokens)
         if self.tiers is not None:
-            self.tiers.observe(result.tier_ms)
+            self.tiers.observe(result)
         if sent.requests:
             self.counters.steps += 1
             self.counters.worker_idle_ms += result.idle_ms
@@ -518,6 +520,25 @@ class Scheduler:
             if req.status is not running:  # it finished
                 self.finish(req.req_id, req.status)
         return outputs
+
+    def _recompute_failed_loads(self, result: StepResult) -> None:
+        """Tier blocks the workers could not load (a disk copy corrupted since start): no tier or prefix match
+        offers them again, and every request that reads them (those the workers left out of the step, and any
+        later one that found them in the device cache) computes them instead: preempted by recompute, it comes
+        back with its cached prefix and recomputes from the first failed block on."""
+        assert self.tiers is not None, "only plans with tier moves can fail a load"
+        logger.warning("%d KV tier block(s) failed to load: recomputing them", len(result.failed_loads))
+        self.tiers.forget_failed(result.failed_loads)
+        bad = {b for h in result.failed_loads if (b := self.blocks.uncache(h)) is not None}
+        readers = [r for h in result.load_skipped if (r := self._by_handle.get(h)) is not None]
+        readers += [r for r in self.running if not bad.isdisjoint(self.blocks.blocks_of(r.req_id))]
+        for req in dict.fromkeys(readers):
+            if req.status is Status.RUNNING:
+                self._preempt(req, PreemptionMode.RECOMPUTE)
+            elif req.swapped:  # swapped out since, with the bad block: its copy is dropped too
+                self.blocks.free(req.req_id)
+                req.swapped = False
+                req.num_computed_tokens = 0
 
     def _register_filled_blocks(self, sent: SentPlan) -> None:
         """The blocks each request's step filled (one in block_size decode steps) get their hashes. This step's
@@ -603,7 +624,7 @@ class Scheduler:
         self.blocks = BlockTable(old.num_blocks, old.block_size, old.enable_prefix_caching, old.num_host_blocks)
         self.blocks.resize(old.usable_blocks)
         if self.tiers is not None:
-            self.tiers.clear()  # the replacement's tiers hold nothing the index could vouch for
+            self.tiers.clear()  # until the world is back: then its disk blocks are adopted again (engine core)
         self._attach_tiers()
         self.in_flight.clear()  # the engine dropped every plan in flight
         return len(running)

@@ -394,7 +394,7 @@ class EngineCore:
                 timeout,
             )
             if await self.workers.wait_ready(timeout):
-                self._fit_capacity()
+                self._world_back()
                 logger.info("every rank is ready; resuming %d request(s) by recompute", self.scheduler.num_unfinished)
                 return
         self.gave_up = f"{reason}, and no worker rejoined within {timeout:g} s"
@@ -402,10 +402,18 @@ class EngineCore:
         self.end_all(self.gave_up, "UNAVAILABLE")
         await self.workers.wait_ready(None)
         self.scheduler.requeue_all()  # start from a clean slate: no notices for the old workers
-        self._fit_capacity()
+        self._world_back()
         self.gave_up = ""
         self.workers.changed.set()  # health: SERVING again
         logger.info("every rank is ready again; serving")
+
+    def _world_back(self) -> None:
+        """Every rank is ready again: the scheduler fits the world's capacity, and its disk tier index takes
+        back the blocks every restarted rank found intact in its file (the RAM tier died with the workers). A
+        block whose copy changed since is caught by its check when loaded, and recomputed."""
+        self._fit_capacity()
+        if self.scheduler.tiers is not None:
+            self.scheduler.tiers.adopt_disk(self.workers.capacity.disk_tier_entries)
 
     def _fit_capacity(self) -> None:
         """A replacement that could not hold the world's KV size shrank the world: the scheduler follows, and

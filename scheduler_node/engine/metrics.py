@@ -147,6 +147,7 @@ COUNTERS = {
     "vllm:prefix_cache_hits": "Prompt tokens found in the prefix cache",
     "minivllm:kv_tier_ram_hits": "KV blocks loaded back from the host-RAM offload tier instead of recomputed",
     "minivllm:kv_tier_disk_hits": "KV blocks loaded back from the disk offload tier instead of recomputed",
+    "minivllm:kv_tier_failed_loads": "KV tier blocks that failed their check when loaded and were recomputed",
     "minivllm:kv_tier_bytes_moved": "Bytes of KV (one rank's shards) moved between the device and the offload tiers",
 }
 
