@@ -110,6 +110,11 @@ class EngineCore:
         return self.scheduler.config.max_model_len
 
     @property
+    def has_compact_pool(self) -> bool:
+        """The workers keep compact KV blocks: requests may ask for `kv_precision="compact"`."""
+        return self.scheduler.blocks.num_compact_blocks > 0
+
+    @property
     def num_live(self) -> int:
         return len(self._by_request_id)
 
@@ -135,7 +140,15 @@ class EngineCore:
             if spec.n > 1 and sampling.seed is not None:
                 sampling = msgspec.structs.replace(sampling, seed=sampling.seed + index)
             sequences.append(
-                Request(req_id, spec.prompt_token_ids, sampling, stop, spec.priority, cache_salt=spec.cache_salt)
+                Request(
+                    req_id,
+                    spec.prompt_token_ids,
+                    sampling,
+                    stop,
+                    spec.priority,
+                    cache_salt=spec.cache_salt,
+                    kv_precision=spec.kv_precision,
+                )
             )
             detok = IncrementalDetokenizer(self.tokenizer, spec.prompt_token_ids, spec.stop, spec.sampling.min_tokens)
             self._sequences[req_id] = SequenceOutput(stream, index, detok)
