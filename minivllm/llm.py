@@ -21,9 +21,9 @@ from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from proto.wire import TokenLogprobs
 from proto.worker_flags import KV_CACHE_DTYPES, parse_size
-from scheduler_node.core.kv_precision import CompactKV
 from scheduler_node.api.validation import build_spec, prompt_from_ids, prompt_from_messages, prompt_from_text
 from scheduler_node.core.config import SchedulerConfig
+from scheduler_node.core.kv_precision import CompactKV
 from scheduler_node.core.request import RequestSpec
 from scheduler_node.engine.builder import EngineConfig, WorldPlan, check_model_split, free_port, make_engine
 from scheduler_node.engine.core import EngineCore, EngineOptions

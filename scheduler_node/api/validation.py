@@ -224,9 +224,7 @@ def check_kv_precision(value: str, has_compact_pool: bool) -> str:
     if precision not in KV_PRECISIONS:
         raise InvalidField("kv_precision", f"must be one of {', '.join(KV_PRECISIONS)}, got {value!r}")
     if precision == "compact" and not has_compact_pool:
-        raise InvalidField(
-            "kv_precision", "compact needs an engine with a compact KV pool (--kv-compact-fraction > 0)"
-        )
+        raise InvalidField("kv_precision", "compact needs an engine with a compact KV pool (--kv-compact-fraction > 0)")
     return precision
 
 
