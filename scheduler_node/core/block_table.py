@@ -128,7 +128,7 @@ class BlockTable:
         return self.num_host_blocks - len(self._host_free)
 
     def is_free(self, block: int) -> bool:
-        return block in self._free
+        return block in (self._compact_free if block >= self.num_blocks else self._free)
 
     def blocks_of(self, req_id: str) -> list[int]:
         return self._tables.get(req_id, [])
