@@ -33,6 +33,9 @@ from msgspec import Meta
 # refused by its version.
 # 6: plans carry KV offload tier moves, results the time spent on them, Ready the KV format, the tiers' sizes and
 # the blocks a warm disk tier holds (scheduler_node/core/kv_tiers.py, worker_node/kv_offload.py).
+# 7: per-request KV precision: the Assignment carries the compact pool's share, format and (for a replacement) size,
+# Ready the compact pool's blocks, bytes and format, plans the first compact block id (core/kv_precision.py). A v6
+# worker would read compact block ids as full ones.
 WIRE_VERSION = 7
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
