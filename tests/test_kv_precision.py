@@ -10,8 +10,9 @@ import pytest
 
 from minivllm import LLM, SamplingParams
 from proto.transport import WorldCapacity
-from proto.wire import SamplingOptions, StepResult
+from proto.wire import SamplingOptions, StepPlan, StepResult
 from scheduler_node.api.validation import InvalidField
+from scheduler_node.core.block_table import BlockTable
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.kv_precision import BlockFormat, CompactKV, choose_format
 from scheduler_node.core.request import Request, Status, StopConditions
@@ -177,3 +178,24 @@ def test_compact_needs_a_compact_pool(tiny_llama_dir: Path) -> None:
             llm.generate([[5, 6, 7]], SamplingParams(kv_precision="compact"), use_tqdm=False)
         assert err.value.field == "kv_precision"
         assert not llm.engine.has_compact_pool
+
+
+def test_compact_requests_are_never_swapped() -> None:
+    table = BlockTable(8, BLOCK, num_host_blocks=8, num_compact_blocks=8)
+    table.acquire("c", [], BlockFormat.COMPACT)
+    table.acquire("f", [], BlockFormat.FULL)
+    assert table.write("c", 0, BLOCK) is not None and table.write("f", 0, BLOCK) is not None
+    assert table.can_swap_out("f") and not table.can_swap_out("c")
+
+
+def test_a_worker_refuses_blocks_of_the_wrong_pool(mixed_llm: LLM) -> None:
+    runner = mixed_llm.engine.workers.runners[0]  # type: ignore[attr-defined]
+    base = runner.num_blocks
+    bad = [
+        (StepPlan(1, block_copies=[(0, base)], compact_block_base=base), "crosses KV formats"),
+        (StepPlan(1, swap_in=[(0, base)], compact_block_base=base), "full blocks only"),
+        (StepPlan(1, block_copies=[(base, base + runner.num_compact_blocks)], compact_block_base=base), "compact"),
+    ]
+    for plan, words in bad:
+        with pytest.raises(ValueError, match=words):
+            runner.apply_diffs(plan)
