@@ -199,3 +199,12 @@ def test_a_worker_refuses_blocks_of_the_wrong_pool(mixed_llm: LLM) -> None:
     for plan, words in bad:
         with pytest.raises(ValueError, match=words):
             runner.apply_diffs(plan)
+
+
+def test_a_world_that_comes_back_smaller_shrinks_the_compact_pool() -> None:
+    s = _scheduler(under_pressure=True, num_full=8, num_compact=8)
+    s.requeue_all()
+    s.fit_capacity(8, 0, 5)
+    assert (s.blocks.num_blocks, s.blocks.num_compact_blocks, s.blocks.num_compact_free) == (8, 5, 5)
+    s.fit_capacity(8, 0, 9)  # a world never grows back: the table stays as small as its smallest rank
+    assert s.blocks.num_compact_blocks == 5

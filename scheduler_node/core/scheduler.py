@@ -624,14 +624,19 @@ class Scheduler:
         self.in_flight.clear()  # the engine dropped every plan in flight
         return len(running)
 
-    def fit_capacity(self, num_blocks: int, num_host_blocks: int) -> None:
+    def fit_capacity(self, num_blocks: int, num_host_blocks: int, num_compact_blocks: int | None = None) -> None:
         """The world came back holding fewer blocks than before (a replacement could not allocate the world's
         size): only that many are handed out from now on. Called on an empty table, right after `requeue_all`."""
         self.blocks.resize(min(num_blocks, self.blocks.usable_blocks))
-        if num_host_blocks < self.blocks.num_host_blocks:
+        compact = self.blocks.num_compact_blocks if num_compact_blocks is None else num_compact_blocks
+        if num_host_blocks < self.blocks.num_host_blocks or compact < self.blocks.num_compact_blocks:
             bt = self.blocks
             self.blocks = BlockTable(
-                bt.num_blocks, bt.block_size, bt.enable_prefix_caching, num_host_blocks, bt.num_compact_blocks
+                bt.num_blocks,
+                bt.block_size,
+                bt.enable_prefix_caching,
+                min(num_host_blocks, bt.num_host_blocks),
+                min(compact, bt.num_compact_blocks),
             )
             self.blocks.resize(bt.usable_blocks)
             self._attach_tiers()

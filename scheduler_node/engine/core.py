@@ -412,9 +412,14 @@ class EngineCore:
         requests that no longer fit at all end (they would wait forever)."""
         capacity = self.workers.capacity
         blocks = self.scheduler.blocks
-        if capacity.num_kv_blocks >= blocks.usable_blocks and capacity.num_swap_blocks >= blocks.num_host_blocks:
+        compact = capacity.num_compact_blocks
+        if (
+            capacity.num_kv_blocks >= blocks.usable_blocks
+            and capacity.num_swap_blocks >= blocks.num_host_blocks
+            and compact >= blocks.num_compact_blocks
+        ):
             return
-        self.scheduler.fit_capacity(capacity.num_kv_blocks, capacity.num_swap_blocks)
+        self.scheduler.fit_capacity(capacity.num_kv_blocks, capacity.num_swap_blocks, compact)
         limit = capacity.num_kv_blocks * blocks.block_size
         for req in list(self.scheduler.waiting):
             if req.num_tokens + 1 > limit:
