@@ -203,7 +203,7 @@ class LLM:
                 request_id=f"llm-{next(self._ids)}",
                 priority=pr,
                 kv_precision=sp.kv_precision,
-                has_compact_pool=self.engine.has_compact_pool,
+                compact_tokens=self.engine.compact_tokens,
             )
             for p, sp, pr in zip(ids, params, priorities)
         ]

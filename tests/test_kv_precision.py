@@ -11,13 +11,14 @@ import pytest
 from minivllm import LLM, SamplingParams
 from proto.transport import WorldCapacity
 from proto.wire import SamplingOptions, StepPlan, StepResult
-from scheduler_node.api.validation import InvalidField
+from scheduler_node.api.validation import InvalidField, SamplingFields, build_spec
 from scheduler_node.core.block_table import BlockTable
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.kv_precision import BlockFormat, CompactKV, choose_format
 from scheduler_node.core.request import Request, Status, StopConditions
 from scheduler_node.core.scheduler import Scheduler
 from scheduler_node.core.stats import kv_pools
+from scheduler_node.text.tokenizer import ModelTokenizer
 from tests.models import assert_teacher_forced, load_hf
 
 BLOCK = 8
@@ -177,7 +178,7 @@ def test_compact_needs_a_compact_pool(tiny_llama_dir: Path) -> None:
         with pytest.raises(InvalidField, match="kv-compact-fraction") as err:
             llm.generate([[5, 6, 7]], SamplingParams(kv_precision="compact"), use_tqdm=False)
         assert err.value.field == "kv_precision"
-        assert not llm.engine.has_compact_pool
+        assert llm.engine.compact_tokens == 0
 
 
 def test_compact_requests_are_never_swapped() -> None:
@@ -208,3 +209,32 @@ def test_a_world_that_comes_back_smaller_shrinks_the_compact_pool() -> None:
     assert (s.blocks.num_blocks, s.blocks.num_compact_blocks, s.blocks.num_compact_free) == (8, 5, 5)
     s.fit_capacity(8, 0, 9)  # a world never grows back: the table stays as small as its smallest rank
     assert s.blocks.num_compact_blocks == 5
+
+
+def test_a_compact_request_fits_the_compact_pool_or_is_refused(tiny_llama_dir: Path) -> None:
+    tokenizer = ModelTokenizer(tiny_llama_dir)
+    spec = build_spec([5] * 50, SamplingFields(), 1024, tokenizer=tokenizer, kv_precision="compact", compact_tokens=64)
+    assert (spec.kv_precision, spec.max_tokens) == ("compact", 14), "max_tokens defaults to what the pool holds"
+    too_long = {"tokenizer": tokenizer, "kv_precision": "compact", "compact_tokens": 48}
+    with pytest.raises(InvalidField, match="fills the compact KV pool") as err:
+        build_spec([5] * 50, SamplingFields(), 1024, **too_long)  # type: ignore[arg-type]
+    assert err.value.field == "kv_precision"
+    with pytest.raises(InvalidField) as err:
+        build_spec([5] * 50, SamplingFields(max_tokens=20), 1024, tokenizer=tokenizer, kv_precision="compact",
+                   compact_tokens=64)  # fmt: skip
+    assert err.value.field == "max_tokens"
+    auto = build_spec([5] * 50, SamplingFields(), 1024, tokenizer=tokenizer, compact_tokens=64)
+    assert (auto.kv_precision, auto.max_tokens) == ("auto", 974)
+
+
+def test_auto_requests_that_could_never_finish_in_the_compact_pool_keep_full_blocks() -> None:
+    s = _scheduler(under_pressure=True, num_full=8, num_compact=3)
+    for name in ("a", "b", "c", "d"):
+        _add(s, name)  # 15 prompt tokens + 4 = 3 blocks at most: d fits the compact pool
+    prompt = [hash(("long", i)) % 1000 + 3 for i in range(2 * BLOCK - 1)]
+    long = Request("long", prompt, SamplingOptions(0.0), StopConditions(20))  # 35 tokens: 5 blocks at most
+    s.add(long)
+    s.schedule()
+    formats = _formats(s)
+    assert formats["d"] == {BlockFormat.COMPACT}
+    assert formats["long"] == {BlockFormat.FULL}, "the full pool is tight, but the compact one could never hold it"

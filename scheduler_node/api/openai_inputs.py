@@ -28,14 +28,14 @@ def chat_specs(
     max_model_len: int,
     request_id: str,
     priority: int,
-    has_compact_pool: bool = False,
+    compact_tokens: int = 0,
 ) -> list[RequestSpec]:
     fields, renames = req.fields()
     with _renamed(renames):
         ids = prompt_from_messages(template_messages(req.messages), tokenizer, max_model_len)
         spec = build_spec(ids, fields, max_model_len, tokenizer=tokenizer, request_id=request_id,
                           priority=priority, cache_salt=req.cache_salt, kv_precision=req.kv_precision,
-                          has_compact_pool=has_compact_pool)  # fmt: skip
+                          compact_tokens=compact_tokens)  # fmt: skip
     return [spec]
 
 
@@ -45,7 +45,7 @@ def completion_specs(
     max_model_len: int,
     request_id: str,
     priority: int,
-    has_compact_pool: bool = False,
+    compact_tokens: int = 0,
 ) -> list[RequestSpec]:
     fields, renames = req.fields()
     prompts = req.prompt
@@ -62,7 +62,7 @@ def completion_specs(
         with _renamed(renames):
             specs.append(build_spec(ids, fields, max_model_len, tokenizer=tokenizer, request_id=one_id,
                                     priority=priority, cache_salt=req.cache_salt, kv_precision=req.kv_precision,
-                                    has_compact_pool=has_compact_pool))  # fmt: skip
+                                    compact_tokens=compact_tokens))  # fmt: skip
     return specs
 
 

@@ -150,15 +150,18 @@ def build_spec(
     cache_salt: str = "",
     prefix: str = "",
     kv_precision: str = "",
-    has_compact_pool: bool = False,
+    compact_tokens: int = 0,
 ) -> RequestSpec:
     """The request the engine runs; InvalidField names the first wrong field (`prefix` + its name).
-    `has_compact_pool`: the engine keeps compact KV blocks, so `kv_precision="compact"` can be served."""
+    `compact_tokens`: the tokens the engine's compact KV pool holds (0: it has none), the longest a request with
+    `kv_precision="compact"` may grow."""
     if len(request_id) > MAX_ID_LENGTH:
         raise InvalidField("request_id", f"longer than {MAX_ID_LENGTH} characters")
     if len(cache_salt) > MAX_ID_LENGTH:
         raise InvalidField("cache_salt", f"longer than {MAX_ID_LENGTH} characters")
-    precision = check_kv_precision(kv_precision, has_compact_pool)
+    precision = check_kv_precision(kv_precision, compact_tokens, len(prompt_ids))
+    if precision == "compact":
+        max_model_len = min(max_model_len, compact_tokens)
     room = max_model_len - len(prompt_ids)
     max_tokens = room if s.max_tokens is None else s.max_tokens
     if max_tokens < 1:
@@ -218,13 +221,17 @@ def build_spec(
     )
 
 
-def check_kv_precision(value: str, has_compact_pool: bool) -> str:
-    """A request's KV precision ("" means auto); compact only on an engine that keeps compact blocks."""
+def check_kv_precision(value: str, compact_tokens: int, prompt_tokens: int) -> str:
+    """A request's KV precision ("" means auto); compact only on an engine whose compact pool holds its prompt."""
     precision = value or "auto"
     if precision not in KV_PRECISIONS:
         raise InvalidField("kv_precision", f"must be one of {', '.join(KV_PRECISIONS)}, got {value!r}")
-    if precision == "compact" and not has_compact_pool:
+    if precision == "compact" and not compact_tokens:
         raise InvalidField("kv_precision", "compact needs an engine with a compact KV pool (--kv-compact-fraction > 0)")
+    if precision == "compact" and prompt_tokens >= compact_tokens:
+        raise InvalidField(
+            "kv_precision", f"compact: the prompt ({prompt_tokens} tokens) fills the compact KV pool ({compact_tokens})"
+        )
     return precision
 
 
@@ -362,7 +369,7 @@ def validate(
     tokenizer: ModelTokenizer,
     max_model_len: int,
     priority_header: str | None = None,
-    has_compact_pool: bool = False,
+    compact_tokens: int = 0,  # what the engine's compact KV pool holds (0: none)
 ) -> RequestSpec:
     """A gRPC GenerateRequest → RequestSpec (sampling fields are named `sampling.<field>`)."""
     s = request.sampling
@@ -403,7 +410,7 @@ def validate(
         cache_salt=request.cache_salt,
         prefix="sampling.",
         kv_precision=request.kv_precision,
-        has_compact_pool=has_compact_pool,
+        compact_tokens=compact_tokens,
     )
 
 

@@ -75,6 +75,11 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_tokens_at_most(self) -> int:
+        """Its prompt and every token it may generate."""
+        return len(self.prompt_token_ids) + self.stop.max_tokens
+
+    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 

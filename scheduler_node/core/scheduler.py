@@ -332,6 +332,8 @@ class Scheduler:
             return bt.blocks_for(hit_tokens + n) - len(hits) + reused_free, hits, loads, fmt
 
         def left(fmt: BlockFormat) -> int:
+            if fmt is BlockFormat.COMPACT and bt.blocks_for(req.num_tokens_at_most) > bt.num_compact_blocks:
+                return -1  # it could never finish there (it would be preempted, come back compact, and again)
             return bt.num_free_of(fmt) - self._watermark(fmt) - start(fmt)[0]
 
         fmt = choose_format(

@@ -110,9 +110,11 @@ class EngineCore:
         return self.scheduler.config.max_model_len
 
     @property
-    def has_compact_pool(self) -> bool:
-        """The workers keep compact KV blocks: requests may ask for `kv_precision="compact"`."""
-        return self.scheduler.blocks.num_compact_blocks > 0
+    def compact_tokens(self) -> int:
+        """Tokens the workers' compact KV pool holds (0: none), the longest a `kv_precision="compact"` request
+        may grow."""
+        blocks = self.scheduler.blocks
+        return blocks.num_compact_blocks * blocks.block_size
 
     @property
     def num_live(self) -> int:
