@@ -2,15 +2,17 @@
 
 An engine may keep two device pools: `full` blocks (the model's dtype, or what --kv-cache-dtype says) and
 `compact` blocks (--kv-compact-dtype: int8 or fp8 e4m3 with per-token scales, about half a bf16 block). Both live
-in one block-id space: ids [0, F) are full, [F, F + C) compact (core/block_table.py), so a plan's block ids say
-which pool they address and need no field of their own.
+in one block-id space: ids [0, F) are full, [F, F + C) compact (core/block_table.py), so a request's block ids
+say which pool they address; the plan carries F once (`StepPlan.compact_block_base`), since the world's F is known
+only once every worker has sized its pools.
 
 A request asks for `auto`, `full` or `compact` (`kv_precision`). `full` and `compact` always get what they ask
-(a `compact` request on an engine without a compact pool is refused at submission). `auto` gets full blocks,
-except under --kv-compact-under-pressure when the full pool is *tight*: its free blocks, once the request took
-what it needs, would be fewer than `tight_fraction` of its usable blocks. Then an `auto` request whose static
-priority is below `full_priority` gets compact blocks (when the compact pool has room for it); one at or above
-keeps full precision. The choice is made each time a request starts from nothing (admission, or resumption after
+(a `compact` request on an engine without a compact pool, or longer than it, is refused at submission). `auto` gets
+full blocks, except under --kv-compact-under-pressure when the full pool is *tight*: its free blocks, once the
+request took what it needs, would be fewer than `tight_fraction` of its usable blocks. Then an `auto` request whose
+static priority is below `full_priority` gets compact blocks when the compact pool has room for it now and could
+hold it whole (else it would be preempted there, come back compact, and again); one at or above keeps full
+precision. The choice is made each time a request starts from nothing (admission, or resumption after
 a recompute preemption); a request's blocks always share one format.
 """
 
