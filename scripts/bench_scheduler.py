@@ -241,6 +241,11 @@ async def _drain(stream: Any) -> None:
         pass
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """Of a row's runs, the one whose scheduler sum is the median (every figure from that one run)."""
+    return sorted(runs, key=lambda r: r["sum_ms"])[(len(runs) - 1) // 2] | {"runs": len(runs)}
+
+
 def _mean_ms(values: Any) -> float:
     return statistics.mean(values) * 1e3
 
@@ -295,18 +300,28 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="leave the interpreter's collector as it is (no engine/collector.py schedule), to compare",
     )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="measure every row this many times, round robin, and report each row's run of median sum",
+    )
     p.add_argument("--json", type=Path, help="write the rows here")
     p.add_argument("--smoke", action="store_true", help="a few small rows (CI)")
     args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error("--repeat must be >= 1")
     if args.smoke:
         args.seqs, args.contexts, args.context_seqs = "8,32", "40,100", 8
         args.steps, args.warmup, args.admit = 10, 2, 16
     tokenizer = ModelTokenizer(resolve_model(args.model))
-    rows = []
-    for policy in args.policies.split(","):
-        for num_seqs, context in grid(args):
-            rows.append(measure(num_seqs, context, policy, args, tokenizer))
-            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    cells = [(policy, n, c) for policy in args.policies.split(",") for n, c in grid(args)]
+    runs: dict[tuple[str, int, int], list[dict]] = {cell: [] for cell in cells}
+    for _ in range(args.repeat):  # round robin: a noisy minute on a shared machine hits one run of each row
+        for policy, num_seqs, context in cells:
+            runs[policy, num_seqs, context].append(measure(num_seqs, context, policy, args, tokenizer))
+            print(json.dumps(runs[policy, num_seqs, context][-1]), file=sys.stderr, flush=True)
+    rows = [_median_run(runs[cell]) for cell in cells]
     admission = measure_admission(args.admit, 200, tokenizer)
     print_tables(rows, admission)
     if args.json:

@@ -34,13 +34,10 @@ class StopConditions:
     eos_token_ids: frozenset[int] = frozenset()  # empty when ignore_eos
     stop_token_ids: frozenset[int] = frozenset()  # the request's own, besides eos
     min_tokens: int = 0  # a stop token ends the output only after this many tokens
+    ending: frozenset[int] = field(init=False)  # eos and the request's own: one lookup per sampled token
 
-    def ends(self, token: int, num_output_tokens: int) -> bool:
-        """Does `token`, the output's `num_output_tokens`-th, end it? (The worker bans stop tokens before
-        min_tokens; this keeps the rule where a token gets here anyway.)"""
-        if num_output_tokens <= self.min_tokens:
-            return False
-        return token in self.eos_token_ids or token in self.stop_token_ids
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ending", self.eos_token_ids | self.stop_token_ids)
 
 
 _arrivals = itertools.count()
@@ -109,7 +106,9 @@ class Request:
         output, stop = self.output_token_ids, self.stop
         for i, token in enumerate(token_ids):
             output.append(token)
-            if stop.ends(token, len(output)):
+            # A stop token ends the output only past min_tokens (the worker bans them before; the rule holds here
+            # for a token that gets through anyway).
+            if token in stop.ending and len(output) > stop.min_tokens:
                 self.status = Status.FINISHED_STOPPED
                 self.stopped_by_token = True
                 return token_ids[: i + 1]

@@ -206,12 +206,16 @@ class Scheduler:
         preempted = False
         order = list(self.running) if self.policy.stable_order else self.policy.order_running(self.running, now)
         held = self.in_flight.held if self.mode.disjoint_plans else None
+        # The loop runs once per running request per step: what it calls is looked up once, here.
+        running, tokens_to_schedule, take = Status.RUNNING, self._tokens_to_schedule, self._take
+        scheduled = sent.requests
         for i, req in enumerate(order):
-            if budget <= 0 or len(sent.requests) >= seats:
+            if budget <= 0 or len(scheduled) >= seats:
                 break
-            if req.status is not Status.RUNNING or (held is not None and held(req.handle)):
+            if req.status is not running or (held is not None and held(req.handle)):
                 continue  # preempted for a request before it in this step, or in a plan in flight
-            n = min(self._tokens_to_schedule(req), budget)
+            todo = tokens_to_schedule(req)
+            n = todo if todo <= budget else budget
             if n <= 0 or (n > 1 and self.policy.effective_priority(req, now) < floor):
                 continue
             first = req.num_computed_tokens
@@ -228,7 +232,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                self._take(req, n, plan, sent, written)
+                take(req, n, n == todo, plan, sent, written)
                 budget -= n
         if not preempted:
             self._admit(budget, seats, floor, plan, sent, now)
@@ -388,11 +392,12 @@ class Scheduler:
                     continue
                 break  # strict order: a big request at the head is not overtaken forever
             self._start_running(req)
-            n = min(self._tokens_to_schedule(req), budget)
+            todo = self._tokens_to_schedule(req)
+            n = min(todo, budget)
             written = self.blocks.write(req.req_id, req.num_computed_tokens, req.num_computed_tokens + n)
             if written is None:
                 raise RuntimeError(f"{req.req_id}: its blocks were claimed, yet they do not fit")
-            self._take(req, n, plan, sent, written)
+            self._take(req, n, n == todo, plan, sent, written)
             budget -= n
         if holders and not self.running:
             self._release_blocks(holders[-1])
@@ -447,12 +452,12 @@ class Scheduler:
         for key, block in zip(keys, written.added):
             self.tiers.load(key, block)
 
-    def _take(self, req: Request, n: int, plan: StepPlan, sent: SentPlan, written: Written) -> None:
-        """`req` computes `n` tokens in this plan; its blocks are `written` already."""
+    def _take(self, req: Request, n: int, samples: bool, plan: StepPlan, sent: SentPlan, written: Written) -> None:
+        """`req` computes `n` tokens in this plan, its last ones if `samples` (the step then samples its next
+        token); its blocks are `written` already."""
         first = req.num_computed_tokens
         self.view.add_to_plan(req, plan, first, n, self.blocks, written)
         req.num_computed_tokens = first + n
-        samples = first + n == len(req.prompt_token_ids) + len(req.output_token_ids) + req.num_placeholders
         if samples:
             req.num_placeholders += 1  # this step samples a token the scheduler learns of later
         sent.add(req, n, samples)
@@ -518,16 +523,18 @@ class Scheduler:
             if (req := self._by_handle.get(handle)) is not None:  # kept even if preempted since: positions checked
                 req.add_prompt_logprobs(first, logprobs)
         outputs = []
+        # Once per sampling request per step: what the loop calls is looked up once, here.
         all_logprobs, max_len, running = result.logprobs, self.config.max_model_len, Status.RUNNING
+        live = self._by_handle
         for handle, token_ids in result.sampled.items():
-            req = self._by_handle.get(handle)
+            req = live.get(handle)
             if req is None or req.status is not running:
                 continue  # aborted or preempted while the step ran
             req.num_placeholders -= len(token_ids)
             kept = req.append_tokens(token_ids)
             if req.forks:
                 self._start_forks(req)
-            logprobs = all_logprobs[handle][: len(kept)] if handle in all_logprobs else []
+            logprobs = all_logprobs[handle][: len(kept)] if all_logprobs and handle in all_logprobs else []
             outputs.append(RequestOutput(req, kept, logprobs))
             if req.status is running and len(req.prompt_token_ids) + len(req.output_token_ids) >= max_len:
                 req.status = Status.FINISHED_LENGTH

@@ -11,8 +11,9 @@ in the middle of whatever step is running. So, as vLLM does after its start-up:
 - the young generation's threshold is raised, so young collections run every few steps instead of several
   times a step (the engine's temporaries die by reference count: a rarer collection finds no more of them alive);
 - frozen objects are never collected, so a cycle of garbage among them would stay: everything is unfrozen and
-  collected when the engine goes idle, and at most every `full_interval_s` seconds under a load that never
-  lets it idle (one pause in thousands of steps).
+  collected when the engine has been idle a while (the engine waits `EngineOptions.idle_collection_delay_s`
+  first: a full collection takes tens of milliseconds, which a request arriving just then would wait), and at
+  most every `full_interval_s` seconds under a load that never lets it idle (one pause in thousands of steps).
 
 Off by default: it changes the process's collector, which a server owns and a library user's process does not.
 """

@@ -42,10 +42,15 @@ class EngineOptions:
     step_timeout: float = 60.0  # seconds a step may run (plus STEP_SECONDS_PER_TOKEN each) before its ranks are lost
     # Keep the garbage collector's pauses out of the steps (engine/collector.py); a server process sets it.
     schedule_gc: bool = False
+    # With schedule_gc: seconds the engine stays idle before the idle full collection runs. At once, its tens of
+    # milliseconds would be the wait of a client's next request whenever it sends one after another.
+    idle_collection_delay_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.rejoin_timeout > 0 or not self.step_timeout > 0:
             raise ValueError("rejoin_timeout and step_timeout must be > 0")
+        if self.idle_collection_delay_s < 0:
+            raise ValueError("idle_collection_delay_s must be >= 0")
         if self.max_waiting_requests < 0 or self.scheduler_delay < 0:
             raise ValueError("max_waiting_requests and scheduler_delay must be >= 0")
 
@@ -246,9 +251,7 @@ class EngineCore:
                     self._drop_inflight()
                     await self._recover()
                 elif not self.scheduler.has_work and not self._inflight:
-                    self._collect_at_idle()
-                    self._wake.clear()
-                    await _first(self._wake.wait(), self.workers.lost.wait())
+                    await self._wait_idle()
                 else:
                     await self._step()
         except Exception as exc:
@@ -265,7 +268,7 @@ class EngineCore:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("waiting requests fit in no KV configuration")  # validation prevents it
             self._wake.clear()
-            await _first(self._wake.wait(), self.workers.lost.wait())
+            await self._woken()
             return
         head = self._inflight[0]
         try:
@@ -288,10 +291,20 @@ class EngineCore:
             m.iteration_tokens.observe(head.tokens)
             m.batch_utilization = head.tokens / self.scheduler.config.max_num_batched_tokens
 
-    def _collect_at_idle(self) -> None:
+    async def _wait_idle(self) -> None:
+        """Nothing to do: wait for work (or a lost rank). Once idle for `idle_collection_delay_s`, the collector's
+        idle collection runs (once per idle period)."""
+        self._wake.clear()
         if self.collector is not None and not self._collected_at_idle and not self._sequences:
+            if await self._woken(self.options.idle_collection_delay_s):
+                return  # work came first: the collection waits for the next idle period
             self.collector.idle()
             self._collected_at_idle = True
+        await self._woken()
+
+    async def _woken(self, timeout: float | None = None) -> bool:
+        """Wait until work arrives or a rank is lost, at most `timeout` seconds; False if the time ran out."""
+        return await _first(self._wake.wait(), self.workers.lost.wait(), timeout=timeout)
 
     def _fill_pipeline(self) -> None:
         while len(self._inflight) < self.mode.plans_in_flight and self.scheduler.has_work and not self._interrupting:
@@ -460,16 +473,17 @@ class EngineCore:
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         """Stream each sequence's new tokens (one clock reading for the step); count them once."""
-        now, tokens = time.monotonic(), 0
+        now, tokens, sequences = time.monotonic(), 0, self._sequences
         for out in outputs:
-            seq = self._sequences.get(out.request.req_id)
+            req = out.request
+            seq = sequences.get(req.req_id)
             if seq is None:
                 continue
-            text_ids = out.new_token_ids[:-1] if out.request.stopped_by_token else out.new_token_ids
+            text_ids = out.new_token_ids[:-1] if req.stopped_by_token else out.new_token_ids
             seq.detokenizer.add(text_ids)  # the token that stopped the output is not part of its text
-            if seq.detokenizer.stopped and not out.request.finished:
-                self.scheduler.finish(out.request.req_id, Status.FINISHED_STOPPED)
-            self._emit(out.request, out.new_token_ids, out.logprobs, now=now)
+            if seq.detokenizer.stopped and not req.finished:
+                self.scheduler.finish(req.req_id, Status.FINISHED_STOPPED)
+            self._emit(req, out.new_token_ids, out.logprobs, now=now, seq=seq)
             tokens += len(out.new_token_ids)
         if tokens:
             self.metrics.generation_tokens.inc(tokens)
@@ -482,8 +496,10 @@ class EngineCore:
         error: str = "",
         code: str = "",
         now: float = 0.0,
+        seq: SequenceOutput | None = None,
     ) -> None:
-        seq = self._sequences[req.req_id]
+        """Stream what one step (or an ending) brought a sequence; `seq` is its output side, when looked up."""
+        seq = seq or self._sequences[req.req_id]
         if token_ids:
             self._observe_tokens(seq, req, len(token_ids), now)
         finished = req.finished
@@ -526,11 +542,12 @@ class EngineCore:
         seq.last_token_at = now
 
 
-async def _first(*waits: Coroutine[Any, Any, Any]) -> None:
-    """Wait until the first of these finishes; cancel the others."""
+async def _first(*waits: Coroutine[Any, Any, Any], timeout: float | None = None) -> bool:
+    """Wait until the first of these finishes (True) or `timeout` seconds pass (False); cancel the others."""
     tasks = [asyncio.ensure_future(w) for w in waits]
     try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        return bool(done)
     finally:
         for task in tasks:
             task.cancel()

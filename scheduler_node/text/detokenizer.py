@@ -24,8 +24,9 @@ class IncrementalDetokenizer:
         self._pending: list[int] = []  # tokens whose text has not come out yet (an incomplete character)
         self.stop = [s for s in stop if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1  # chars that might start a stop string
-        self.text = ""  # the output text so far, cut at a stop string
-        self.emitted = 0  # characters already streamed
+        # Text not streamed yet: what could still become a stop string, and what is new. Only this tail is kept:
+        # growing the whole text would copy it at every token (quadratic in the output's length).
+        self._unsent = ""
         self.stopped = False
 
     def add(self, token_ids: list[int]) -> None:
@@ -37,24 +38,32 @@ class IncrementalDetokenizer:
         if piece is None:  # an incomplete UTF-8 sequence: wait for the next token
             self._pending += token_ids
             return
-        self._last, self._pending = self._pending + token_ids, []
+        if self._pending:
+            self._last, self._pending = self._pending + token_ids, []
+        else:
+            self._last = token_ids
         if not self.stop:
-            self.text += piece
+            self._unsent += piece
             return
-        searched_from = max(0, len(self.text) - self.hold)
-        self.text += piece
-        cuts = [c for c in (self.text.find(s, searched_from) for s in self.stop) if c != -1]
+        # A stop string may begin in the held-back tail (the last `hold` characters are never streamed early).
+        searched_from = max(0, len(self._unsent) - self.hold)
+        self._unsent += piece
+        cuts = [c for c in (self._unsent.find(s, searched_from) for s in self.stop) if c != -1]
         if cuts and self.num_tokens > self.min_tokens:
-            self.text = self.text[: min(cuts)]
+            self._unsent = self._unsent[: min(cuts)]
             self.stopped = True
 
     def delta(self, final: bool) -> str:
         """Text not yet streamed; while running, hold back what could still become a stop string."""
         if final and not self.stopped and self._pending:  # ends mid-character: what there is, as the tokenizer has it
             decode = self.tokenizer.decode
-            self.text += decode(self._last + self._pending)[len(decode(self._last)) :]
+            self._unsent += decode(self._last + self._pending)[len(decode(self._last)) :]
             self._pending = []
-        end = len(self.text) if final or self.stopped else max(self.emitted, len(self.text) - self.hold)
-        out = self.text[self.emitted : end]
-        self.emitted = end
+        if final or self.stopped:
+            out, self._unsent = self._unsent, ""
+            return out
+        ready = len(self._unsent) - self.hold
+        if ready <= 0:
+            return ""
+        out, self._unsent = self._unsent[:ready], self._unsent[ready:]
         return out
