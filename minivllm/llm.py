@@ -23,6 +23,7 @@ from proto.wire import TokenLogprobs
 from proto.worker_flags import KV_CACHE_DTYPES, parse_size
 from scheduler_node.api.validation import build_spec, prompt_from_ids, prompt_from_messages, prompt_from_text
 from scheduler_node.core.config import SchedulerConfig
+from scheduler_node.core.kv_precision import CompactKV
 from scheduler_node.core.request import RequestSpec
 from scheduler_node.engine.builder import EngineConfig, WorldPlan, check_model_split, free_port, make_engine
 from scheduler_node.engine.core import EngineCore, EngineOptions
@@ -63,6 +64,9 @@ class LLM:
         kv_offload_policy: str = "arc",
         attention_backend: str = "auto",
         kv_cache_dtype: str = "auto",
+        kv_compact_under_pressure: bool = False,
+        kv_compact_fraction: float | None = None,
+        kv_compact_dtype: str = "int8",
         cuda_graph_sizes: str = "",
         threads: int = 0,
         block_size: int = 16,
@@ -119,6 +123,7 @@ class LLM:
             scheduling_policy=scheduling_policy,
             options=EngineOptions(rejoin_timeout=60.0),
             num_kv_blocks=num_kv_blocks,
+            kv_compact=CompactKV.from_flags(kv_compact_under_pressure, kv_compact_fraction, kv_compact_dtype),
         )
         self.folder = resolve_model(model or DEFAULT)
         check_model_split(self.folder, self.config.layout)
@@ -197,6 +202,8 @@ class LLM:
                 tokenizer=self.tokenizer,
                 request_id=f"llm-{next(self._ids)}",
                 priority=pr,
+                kv_precision=sp.kv_precision,
+                compact_tokens=self.engine.compact_tokens,
             )
             for p, sp, pr in zip(ids, params, priorities)
         ]

@@ -44,6 +44,7 @@ class SamplingParams:
     logprobs: int | None = None  # also return this many top alternatives per token (0: only the sampled one's)
     prompt_logprobs: int | None = None  # each prompt token's logprob, plus this many top alternatives
     structured_outputs: StructuredOutputsParams | None = None
+    kv_precision: str = "auto"  # auto, full or compact: the format of the request's KV blocks (LLM kv_compact_*)
 
     def fields(self) -> SamplingFields:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

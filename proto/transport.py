@@ -38,6 +38,10 @@ class WorldCapacity:
     disk_tier_blocks: int = 0
     disk_tier_entries: tuple[tuple[int, bytes], ...] = ()  # (slot, hash) intact on every rank's disk at start
 
+    num_compact_blocks: int = 0  # the compact pool every rank holds (per-request KV precision); 0: none
+    compact_world_bytes_per_block: int = 0  # of one compact block summed over every rank
+    compact_format: str = ""
+
 
 def tier_capacity(readies: list[WorkerReady]) -> dict[str, Any]:
     """The KV offload tiers every rank holds: the smallest slot counts, and the disk blocks every rank found
@@ -49,6 +53,17 @@ def tier_capacity(readies: list[WorkerReady]) -> dict[str, Any]:
         "ram_tier_blocks": min(r.num_ram_tier_blocks for r in readies),
         "disk_tier_blocks": min(r.num_disk_tier_blocks for r in readies),
         "disk_tier_entries": tuple(sorted(common)),
+    }
+
+
+def compact_capacity(readies: list[WorkerReady]) -> dict[str, Any]:
+    """The compact KV pool every rank holds: the smallest block count, and one block's bytes over the world."""
+    if not readies or not all(r.num_compact_blocks for r in readies):
+        return {}
+    return {
+        "num_compact_blocks": min(r.num_compact_blocks for r in readies),
+        "compact_world_bytes_per_block": sum(r.compact_cache_bytes // r.num_compact_blocks for r in readies),
+        "compact_format": readies[0].compact_format,
     }
 
 

@@ -36,7 +36,10 @@ from msgspec import Meta
 # 7: results name the tier loads that failed (a disk block corrupted since start) and the requests left out of
 # the step for reading them, which the scheduler has recomputed (a v6 scheduler would use the bad KV); and the
 # time the tier loads took.
-WIRE_VERSION = 7
+# 8: per-request KV precision: the Assignment carries the compact pool's share, format and (for a replacement) size,
+# Ready the compact pool's blocks, bytes and format, plans the first compact block id (core/kv_precision.py). A v6
+# worker would read compact block ids as full ones (a v7 one, too).
+WIRE_VERSION = 8
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 Count = Annotated[int, Meta(ge=0)]
@@ -164,6 +167,9 @@ class StepPlan(Message, tag=int(Kind.PLAN)):
     block_updates: dict[Handle, list[BlockPair]] = {}
     # KV offload tier moves, in this order, after the swap-out and before copies and swap-in (core/kv_tiers.py).
     tier_moves: list[TierMove] = []
+    # Per-request KV precision (core/kv_precision.py): block ids from here on are the compact pool's (id - base
+    # there); 0: the world keeps no compact pool.
+    compact_block_base: Count = 0
 
     def check(self) -> None:
         for i, m in enumerate(self.tier_moves):
@@ -284,6 +290,11 @@ class Assignment(Message, tag=int(Kind.ASSIGNMENT)):
     # itself from its memory flags.
     num_kv_blocks: Count = 0
     num_swap_blocks: Annotated[int, Meta(ge=-1)] = -1
+    # Per-request KV precision: this share of the KV memory holds compact blocks of kv_compact_dtype (0: none);
+    # a replacement holds exactly num_compact_blocks of them (0 on the first join).
+    kv_compact_fraction: Annotated[float, Meta(ge=0, lt=1)] = 0.0
+    kv_compact_dtype: str = "int8"
+    num_compact_blocks: Count = 0
 
     def check(self) -> None:
         """The world's shape must hold together."""
@@ -305,6 +316,9 @@ class WorkerReady(Message, tag=int(Kind.READY)):
     num_host_blocks: int = 0  # swap space, in blocks
     swap_bytes_per_s: float = 0.0  # measured device ⇄ host copy bandwidth (0: unknown)
     kv_format: str = ""  # what its KV is stored as: bfloat16, int8, fp8_e4m3, ...
+    num_compact_blocks: Count = 0  # the compact pool (per-request KV precision), in blocks
+    compact_cache_bytes: Count = 0
+    compact_format: str = ""
     num_ram_tier_blocks: Count = 0  # KV offload tiers (--kv-offload-ram, --kv-offload-disk-size), in blocks
     num_disk_tier_blocks: Count = 0
     disk_tier_blocks: list[tuple[int, Annotated[bytes, Meta(max_length=64)]]] = []  # (slot, hash) found intact

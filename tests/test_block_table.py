@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from scheduler_node.core.block_table import BlockTable, hash_block
+from scheduler_node.core.kv_precision import BlockFormat
 
 BS = 4
 
@@ -65,14 +66,20 @@ def test_bad_size_is_rejected() -> None:
         BlockTable(0, 16)
 
 
+Slot = tuple[BlockFormat, int] | None  # what a worker's slot holds: a token, written in its request's format
+
+
 class BlockTableMachine(RuleBasedStateMachine):
-    """Random allocate / append / fork / free / preempt (recompute, swap) / resume / resize / compact."""
+    """Random allocate / append / fork / free / preempt (recompute, swap) / resume / resize / compact, over two
+    block formats (full and compact, per-request KV precision): each request gets one at admission, and a
+    request resumed after a recompute preemption may get the other."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.table = BlockTable(num_blocks=12, block_size=BS, num_host_blocks=6)
-        self.device: dict[int, list[int | None]] = {b: [None] * BS for b in range(12)}
-        self.host: dict[int, list[int | None]] = {b: [None] * BS for b in range(6)}
+        self.table = BlockTable(num_blocks=12, block_size=BS, num_host_blocks=6, num_compact_blocks=8)
+        self.device: dict[int, list[Slot]] = {b: [None] * BS for b in range(20)}
+        self.host: dict[int, list[Slot]] = {b: [None] * BS for b in range(6)}
+        self.format: dict[str, BlockFormat] = {}
         self.tokens: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
         self.where: dict[str, str] = {}  # device | host | none (preempted by recompute)
@@ -100,21 +107,23 @@ class BlockTableMachine(RuleBasedStateMachine):
         self.table.write(rid, first, end)
         self._apply_ops()  # copy-on-write happens before the forward pass writes
         table = self.table.blocks_of(rid)
+        fmt = self.table.format_of(rid)
         for p in range(first, end):
-            self.device[table[p // BS]][p % BS] = self.tokens[rid][p]
+            self.device[table[p // BS]][p % BS] = (fmt, self.tokens[rid][p])
         self.computed[rid] = end
         hashes = self._hashes(self.tokens[rid])[: end // BS]
         self.table.register(rid, hashes)
         for i, h in enumerate(hashes):
             self.block_tokens.setdefault(h, tuple(self.tokens[rid][i * BS : (i + 1) * BS]))
 
-    def _admit(self, rid: str) -> bool:
+    def _admit(self, rid: str, fmt: BlockFormat) -> bool:
         tokens = self.tokens[rid]
-        hits = self.table.match_prefix(self._hashes(tokens)[: (len(tokens) - 1) // BS])
+        hits = self.table.match_prefix(self._hashes(tokens)[: (len(tokens) - 1) // BS], fmt)
         reused_free = sum(1 for b in hits if self.table.is_free(b))
-        if self.table.blocks_for(len(tokens)) - len(hits) + reused_free > self.table.num_free:
+        if self.table.blocks_for(len(tokens)) - len(hits) + reused_free > self.table.num_free_of(fmt):
             return False
-        self.table.acquire(rid, hits)
+        self.table.acquire(rid, hits, fmt)
+        self.format[rid] = fmt
         self._compute(rid, len(hits) * BS, len(tokens))
         self.where[rid] = "device"
         return True
@@ -124,12 +133,12 @@ class BlockTableMachine(RuleBasedStateMachine):
 
     # ---- rules
 
-    @rule(prompt=st.lists(st.integers(1, 2), min_size=1, max_size=14))
-    def new_request(self, prompt: list[int]) -> None:
+    @rule(prompt=st.lists(st.integers(1, 2), min_size=1, max_size=14), fmt=st.sampled_from(BlockFormat))
+    def new_request(self, prompt: list[int], fmt: BlockFormat) -> None:
         rid = f"r{self.next_id}"
         self.next_id += 1
         self.tokens[rid] = list(prompt)
-        if not self._admit(rid):
+        if not self._admit(rid, fmt):
             del self.tokens[rid]
 
     @precondition(lambda self: self._on("device"))
@@ -149,6 +158,7 @@ class BlockTableMachine(RuleBasedStateMachine):
         child = f"r{self.next_id}"
         self.next_id += 1
         self.table.fork(parent, child, n)
+        self.format[child] = self.format[parent]
         self.tokens[child] = list(self.tokens[parent])
         self.where[child] = "device"
         self.computed[child] = n - 1
@@ -179,11 +189,11 @@ class BlockTableMachine(RuleBasedStateMachine):
             self.where[rid] = "host"
 
     @precondition(lambda self: self._on("host") or self._on("none"))
-    @rule(data=st.data())
-    def resume(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), fmt=st.sampled_from(BlockFormat))
+    def resume(self, data: st.DataObject, fmt: BlockFormat) -> None:
         rid = data.draw(st.sampled_from(self._on("host") + self._on("none")))
-        if self.where[rid] == "none":
-            self._admit(rid)
+        if self.where[rid] == "none":  # recomputed: in whichever format it gets now
+            self._admit(rid, fmt)
         elif self.table.can_swap_in(rid):
             self.table.swap_in(rid)
             self._apply_ops()
@@ -204,32 +214,40 @@ class BlockTableMachine(RuleBasedStateMachine):
 
     def _drop(self, rid: str) -> None:
         self.table.free(rid)
-        for d in (self.tokens, self.computed, self.where):
+        for d in (self.tokens, self.computed, self.where, self.format):
             d.pop(rid, None)
 
     # ---- invariants
 
     @invariant()
     def bookkeeping_is_consistent(self) -> None:
-        self.table.check_invariants()
+        self.table.check_invariants()  # ref counts = holders; no request holds a block of the other format
         assert self.table.num_free + self.table.num_used == self.table.usable_blocks
-
-    @invariant()
-    def every_request_reads_its_own_tokens(self) -> None:
+        assert self.table.num_compact_free + self.table.num_compact_used == self.table.num_compact_blocks
+        held = {fmt: set() for fmt in BlockFormat}  # type: ignore[var-annotated]
         for rid in self._on("device"):
-            table = self.table.blocks_of(rid)
-            stored = [self.device[table[p // BS]][p % BS] for p in range(self.computed[rid])]
-            assert stored == self.tokens[rid][: self.computed[rid]], rid
+            held[self.format[rid]].update(self.table.blocks_of(rid))
+        assert not held[BlockFormat.FULL] & held[BlockFormat.COMPACT], "a block is shared across formats"
+        assert len(held[BlockFormat.COMPACT]) == self.table.num_compact_used, "compact blocks leaked or lost"
 
     @invariant()
-    def no_hash_points_at_other_tokens(self) -> None:
-        for h, block in self.table._cached.items():
-            assert tuple(self.device[block]) == self.block_tokens[h]
+    def every_request_reads_its_own_tokens_in_its_own_format(self) -> None:
+        for rid in self._on("device"):
+            table, fmt = self.table.blocks_of(rid), self.format[rid]
+            stored = [self.device[table[p // BS]][p % BS] for p in range(self.computed[rid])]
+            assert stored == [(fmt, t) for t in self.tokens[rid][: self.computed[rid]]], rid
+
+    @invariant()
+    def no_hash_points_at_other_tokens_or_another_format(self) -> None:
+        for fmt, cached in ((BlockFormat.FULL, self.table._cached), (BlockFormat.COMPACT, self.table._compact_cached)):
+            for h, block in cached.items():
+                assert self.device[block] == [(fmt, t) for t in self.block_tokens[h]]
 
     def teardown(self) -> None:
         for rid in list(self.where):
             self._drop(rid)
         assert self.table.num_free == self.table.usable_blocks  # idle: all free
+        assert self.table.num_compact_free == self.table.num_compact_blocks
         assert self.table.num_host_used == 0
 
 

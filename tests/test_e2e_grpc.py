@@ -170,6 +170,8 @@ def _bad_requests(max_model_len: int) -> list[tuple[pb.GenerateRequest, str]]:
         (pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[7] * max_model_len)), "prompt_token_ids"),
         (pb.GenerateRequest(prompt="word " * max_model_len), "prompt"),
         (pb.GenerateRequest(messages=pb.ChatMessages()), "messages"),
+        (pb.GenerateRequest(prompt="hello", kv_precision="bogus"), "kv_precision"),
+        (pb.GenerateRequest(prompt="hello", kv_precision="compact"), "kv_precision"),  # no compact pool here
         (with_sampling(max_tokens=0), "sampling.max_tokens"),
         (with_sampling(max_tokens=max_model_len), "sampling.max_tokens"),
         (with_sampling(temperature=-0.5), "sampling.temperature"),

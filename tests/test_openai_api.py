@@ -258,6 +258,8 @@ def test_error_statuses_and_shapes(cluster: Cluster, client: openai.OpenAI) -> N
         (dict(extra_body={"min_p": 2}), "min_p"),
         (dict(extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}}), "structured_outputs"),
         (dict(extra_body={"top_k": -5}), "top_k"),
+        (dict(extra_body={"kv_precision": "bogus"}), "kv_precision"),
+        (dict(extra_body={"kv_precision": "compact"}), "kv_precision"),  # this server keeps no compact pool
         (dict(extra_body={"temprature": 0.5}), "temprature"),
         (dict(extra_body={"max_tokens": "ten"}), "max_tokens"),
     ]

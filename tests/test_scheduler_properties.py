@@ -12,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from proto.wire import ExecutionMode, SamplingOptions, StepPlan
 from scheduler_node.core.config import PreemptionMode, SchedulerConfig
+from scheduler_node.core.kv_precision import BlockFormat, CompactKV
 from scheduler_node.core.kv_tiers import KVTiers
 from scheduler_node.core.policy import PriorityPolicy
 from scheduler_node.core.request import Request, Status, StopConditions
@@ -36,9 +37,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         budget=st.sampled_from([6, 16, 64]),
         seats=st.integers(2, 6),
         tiers=st.sampled_from([(0, 0), (3, 0), (0, 4), (2, 5)]),  # KV offload slots: (RAM, disk)
+        compact=st.sampled_from([(0, False), (6, False), (6, True), (12, True)]),  # (compact blocks, under pressure)
     )
     def setup(
-        self, mode: str, preemption: str, num_blocks: int, budget: int, seats: int, tiers: tuple[int, int]
+        self,
+        mode: str,
+        preemption: str,
+        num_blocks: int,
+        budget: int,
+        seats: int,
+        tiers: tuple[int, int],
+        compact: tuple[int, bool] = (0, False),
     ) -> None:
         self.mode = MODES[mode]
         config = SchedulerConfig(
@@ -51,8 +60,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         )
         costs = PreemptionCosts(ms_per_token=1.0, bytes_per_block=1, swap_bytes_per_s=1e6)  # elastic: mostly swap
         policy = PriorityPolicy(preemption_margin=5)
-        self.s = Scheduler(config, num_blocks, policy, self.mode, 8, costs, tiers=KVTiers(*tiers, policy="arc"))
-        self.workers = StandInWorkers(num_blocks, 8, tokens_in_plan=self.mode.tokens_in_plan, block_size=BLOCK)
+        num_compact, under_pressure = compact
+        precision = CompactKV(0.5 if num_compact else 0.0, under_pressure=under_pressure, full_priority=90)
+        tiers_ = KVTiers(*tiers, policy="arc")
+        self.s = Scheduler(
+            config, num_blocks, policy, self.mode, 8, costs, tiers=tiers_, num_compact_blocks=num_compact,
+            precision=precision,
+        )  # fmt: skip
+        # The stand-in checks block ids against one range: the full blocks and the compact ones after them.
+        total = num_blocks + num_compact
+        self.workers = StandInWorkers(total, 8, tokens_in_plan=self.mode.tokens_in_plan, block_size=BLOCK)
         self.in_flight: list[tuple[StepPlan, bool]] = []  # (plan, interrupted), oldest first
         self.groups: dict[str, list[str]] = {}  # a request's sequences (n > 1)
         self.ids = itertools.count()
@@ -65,13 +82,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_tokens=st.integers(1, 12),
         n=st.sampled_from([1, 1, 1, 2, 3]),
         priority=st.sampled_from([30, 50, 90]),
+        precision=st.sampled_from(["auto", "auto", "full", "compact"]),
     )
-    def arrive(self, length: int, shared: bool, max_tokens: int, n: int, priority: int) -> None:
+    def arrive(
+        self, length: int, shared: bool, max_tokens: int, n: int, priority: int, precision: str = "auto"
+    ) -> None:
         rid = f"r{next(self.ids)}"
         prompt = (SHARED if shared else []) + [7 + i for i in range(length)]
+        if precision == "compact" and self.s.blocks.num_compact_blocks:
+            prompt = prompt[: self.s.blocks.num_compact_blocks * BLOCK - max_tokens]
+        elif precision == "compact":
+            precision = "auto"  # refused at the door without a compact pool
         prompt = prompt[: self.s.config.max_model_len - max_tokens]
         seqs = [
-            Request(f"{rid}#{i}", prompt, SamplingOptions(0.0), StopConditions(max_tokens), priority) for i in range(n)
+            Request(
+                f"{rid}#{i}", prompt, SamplingOptions(0.0), StopConditions(max_tokens), priority, kv_precision=precision
+            )
+            for i in range(n)
         ]
         self.s.add(seqs[0], forks=seqs[1:])
         self.groups[rid] = [r.req_id for r in seqs]
@@ -136,6 +163,19 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert len(req.output_token_ids) <= req.stop.max_tokens
 
     @invariant()
+    def each_request_holds_blocks_of_the_format_it_asked(self) -> None:
+        bt = self.s.blocks
+        for req in self.s.requests.values():
+            formats = {bt.block_format(b) for b in bt.blocks_of(req.req_id)}
+            assert len(formats) <= 1, f"{req.req_id} holds blocks of two formats"
+            wanted = {"full": BlockFormat.FULL, "compact": BlockFormat.COMPACT}.get(req.kv_precision)
+            assert wanted is None or formats <= {wanted}, f"{req.req_id} asked {req.kv_precision}, holds {formats}"
+            if not (self.s.precision.under_pressure and req.kv_precision == "auto"):
+                assert req.kv_precision == "compact" or formats <= {BlockFormat.FULL}, req.req_id
+            if req.priority >= self.s.precision.full_priority and req.kv_precision == "auto":
+                assert formats <= {BlockFormat.FULL}, f"{req.req_id}: high priority auto got compact blocks"
+
+    @invariant()
     def block_table_is_consistent(self) -> None:
         self.s.blocks.check_invariants()
         if self.s.tiers is not None:
@@ -157,6 +197,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.result_arrives()
         assert not self.s.requests and not self.s.waiting and not self.s.running, "requests left at idle"
         assert self.s.blocks.num_free == self.s.blocks.usable_blocks, "blocks held at idle"
+        assert self.s.blocks.num_compact_free == self.s.blocks.num_compact_blocks, "compact blocks held at idle"
         assert self.s.blocks.num_host_used == 0, "swap blocks held at idle"
         assert not self.workers.held, "the workers still hold requests at idle"
         self.s.blocks.check_invariants()

@@ -108,3 +108,23 @@ def test_bench_wire_smoke() -> None:
     rows = {line.split("|")[1].strip(): line.split("|") for line in run.stdout.splitlines()[2:]}
     assert set(rows) == {"msgspec Structs, integer handles", "hand-written, uuid ids", "hand-written, short ids"}
     assert float(rows["msgspec Structs, integer handles"][7]) <= 24
+
+
+def test_bench_kv_precision_smoke(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    out = tmp_path / "kv_precision.json"
+    argv = ["scripts/bench_kv_precision.py", "--smoke", "--model", str(tiny_llama_dir), "--threads", "1"]
+    run = _run_script(*argv, "--json", str(out))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = {r["row"]: r for r in report["rows"]}
+    off, on = rows["capacity: mode off"], rows["capacity: mode on"]
+    assert off["compact_blocks"] == 0 and on["compact_blocks"] > 0
+    # the same bytes: the mode gives half to compact blocks, which int8 makes ~3.8x smaller than float32 ones
+    assert on["full_blocks"] + on["compact_blocks"] > off["full_blocks"] * 2
+    assert on["most_running"] > off["most_running"], "the mode must hold more requests at once"
+    assert all(r["output_tokens"] == r["requests"] * 8 for r in report["rows"]), "every request ran to the end"
+    assert all(
+        rows[f"split: {x}"]["most_running"] == rows[f"split: {x}"]["requests"]
+        for x in ("all full", "all compact", "half and half")
+    )
+    assert "| capacity: mode on |" in run.stdout and "requests held at once" in run.stdout

@@ -23,6 +23,10 @@ class AttentionMetadata:
     prefill_cu_seqlens_q: torch.Tensor  # [S + 1] int32
     prefill_seq_lens: torch.Tensor  # [S] int32
     decode_plan: Any = None  # the backend's plan_decode of the decode tables, once per step (None: it has none)
+    # Per-request KV precision: the tokens from num_full_tokens on are sequences of the compact pool, described by
+    # `compact` (block ids there are the compact pool's own); None when the step reads the full pool only.
+    compact: AttentionMetadata | None = None
+    num_full_tokens: int = 0
 
 
 def paged_attention(
@@ -35,6 +39,30 @@ def paged_attention(
     scale: float,
     window: int = 0,  # the layer's sliding window: each query sees its last `window` tokens; 0: all of them
     softcap: float = 0.0,  # scores become softcap * tanh(scores / softcap); 0: left as they are
+) -> torch.Tensor:
+    """Write the new tokens' K/V and attend. A batch that mixes KV formats is split by format: each part runs the
+    backend on its own pool (the step's tokens are laid out full-pool sequences first)."""
+    if meta.compact is None:
+        return _attend(backend, q, k, v, cache, meta, scale, window, softcap)
+    if cache.compact is None:
+        raise RuntimeError("the step reads compact KV blocks but this worker has no compact pool")
+    t = meta.num_full_tokens
+    compact = _attend(backend, q[t:], k[t:], v[t:], cache.compact, meta.compact, scale, window, softcap)
+    if not t:
+        return compact
+    return torch.cat([_attend(backend, q[:t], k[:t], v[:t], cache, meta, scale, window, softcap), compact])
+
+
+def _attend(
+    backend: AttentionBackend,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: LayerKV,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int,
+    softcap: float,
 ) -> torch.Tensor:
     # The scales go only to a quantized cache's backend, so one written without them still reads full precision.
     scales = cache.scale_options()

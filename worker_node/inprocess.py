@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from kernels.kv_quant import format_name
-from proto.transport import StepFailed, WorkerLost, WorldCapacity, tier_capacity
+from proto.transport import StepFailed, WorkerLost, WorldCapacity, compact_capacity, tier_capacity
 from proto.wire import Assignment, Message, StepError, StepPlan, StepResult, WorkerReady, decode, encode
 from worker_node.loading import WorkerOptions, load_rank, pick_device
 from worker_node.model_runner import ModelRunner
@@ -80,7 +80,7 @@ class InProcessWorkers:
             block_bytes = ready.kv_cache_bytes // max(1, ready.num_kv_blocks)
             self._capacity = WorldCapacity(
                 ready.num_kv_blocks, ready.num_host_blocks, block_bytes, ready.swap_bytes_per_s, block_bytes,
-                ready.kv_format, **tier_capacity([ready]),
+                ready.kv_format, **tier_capacity([ready]), **compact_capacity([ready]),
             )  # fmt: skip
         else:
             self._capacity = _capacity_of(self.runners)

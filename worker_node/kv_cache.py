@@ -3,10 +3,14 @@
 Each layer's cache is a `LayerKV`: keys and values `[N, block_size, Hkv, D]` in the model's dtype, or quantized
 (int8 / fp8 e4m3, `--kv-cache-dtype`) with float32 scales `[N, block_size, Hkv]` beside them
 (kernels/kv_quant.py). Every block-wise move (swap, copy-on-write) moves the scales with the values.
+
+With per-request KV precision (scheduler_node/core/kv_precision.py) a layer also holds a compact pool
+(`LayerKV.compact`, quantized): the plan's block ids from `compact_block_base` on address it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -28,6 +32,7 @@ class LayerKV:
     v: torch.Tensor
     k_scales: torch.Tensor | None = None  # [N, block_size, Hkv] float32
     v_scales: torch.Tensor | None = None
+    compact: LayerKV | None = None  # the same layer's compact pool (per-request KV precision); None without one
 
     @property
     def num_blocks(self) -> int:
@@ -111,6 +116,11 @@ def allocate_kv_cache(
     size = num_blocks * bytes_per_block(config, block_size, dtype)
     logger.info("KV cache: %d blocks of %d tokens, %s (%.2f GiB)", num_blocks, block_size, dtype, size / 2**30)
     return cache
+
+
+def attach_compact(cache: KVCache, compact: KVCache) -> KVCache:
+    """Each layer of `cache` with the same layer of the compact pool beside it."""
+    return [dataclasses.replace(layer, compact=c) for layer, c in zip(cache, compact, strict=True)]
 
 
 def allocate_host_cache(

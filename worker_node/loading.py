@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import torch
 
 from kernels.backend import check_reads_quantized, select_attention_backend
@@ -21,6 +22,7 @@ from worker_node.cuda_graphs import DecodeGraphs, parse_sizes
 from worker_node.kv_cache import (
     allocate_host_cache,
     allocate_kv_cache,
+    attach_compact,
     bytes_per_block,
     kv_cache_budget,
     kv_cache_limit,
@@ -109,12 +111,22 @@ def load_rank(
     kv_dtype = cache_dtype(options.kv_cache_dtype, dtype)
     if is_quantized(kv_dtype):
         check_reads_quantized(backend, kv_dtype, device)
+    compact_dtype = cache_dtype(a.kv_compact_dtype, dtype) if a.kv_compact_fraction > 0 else None
+    if compact_dtype is not None:
+        check_reads_quantized(backend, compact_dtype, device)
     model = load_model(a.model, backend, dtype, device, full.max_model_len, where, comm)
     block_bytes = bytes_per_block(config, a.block_size, kv_dtype)
     budget = kv_cache_budget(device, options.kv_cache_memory, options.gpu_memory_utilization, comm.ranks_on_host)
     limit = kv_cache_limit(device, options.kv_cache_memory, options.gpu_memory_utilization)
-    num_blocks = kv_blocks_to_allocate(a.num_kv_blocks, block_bytes, budget, limit)
+    compact_budget = int(budget * a.kv_compact_fraction)  # the compact pool's share (per-request KV precision)
+    num_blocks = kv_blocks_to_allocate(a.num_kv_blocks, block_bytes, budget - compact_budget, limit)
     cache = allocate_kv_cache(config, a.block_size, kv_dtype, device, num_blocks)
+    compact_blocks, compact_bytes = 0, 0
+    if compact_dtype is not None:
+        compact_bytes = bytes_per_block(config, a.block_size, compact_dtype)
+        room = limit - num_blocks * block_bytes
+        compact_blocks = kv_blocks_to_allocate(a.num_compact_blocks, compact_bytes, compact_budget, room)
+        cache = attach_compact(cache, allocate_kv_cache(config, a.block_size, compact_dtype, device, compact_blocks))
     swap_blocks = int(options.swap_space * 2**30) // block_bytes
     if a.num_swap_blocks >= 0:  # the world's size: never more (its flag is the limit it may take)
         swap_blocks = min(swap_blocks, a.num_swap_blocks)
@@ -127,6 +139,13 @@ def load_rank(
     enable_decode_graphs(runner, options.cuda_graph_sizes, backend.name, full.max_model_len)
     bandwidth = measure_swap_bandwidth(cache, host, block_bytes)
     ready = WorkerReady(a.rank, num_blocks, num_blocks * block_bytes, swap_blocks, bandwidth, format_name(kv_dtype))
+    if compact_dtype is not None:
+        ready = msgspec.structs.replace(
+            ready,
+            num_compact_blocks=compact_blocks,
+            compact_cache_bytes=compact_blocks * compact_bytes,
+            compact_format=format_name(compact_dtype),
+        )
     return runner, offload.report(ready) if offload is not None else ready
 
 

@@ -103,6 +103,9 @@ class ModelRunner:
         self.interrupts = StepInterrupts()
         self.interruptible = self.mode.interruptible and self.comm.where.layout.world_size == 1
         self.num_blocks = kv_cache[0].num_blocks if kv_cache else 0
+        # Per-request KV precision: each layer's compact pool (plan block ids from compact_block_base on).
+        self.compact_cache: KVCache = [layer.compact for layer in kv_cache if layer.compact is not None]
+        self.num_compact_blocks = self.compact_cache[0].num_blocks if self.compact_cache else 0
         self.num_host_blocks = self.host_cache[0].num_blocks if self.host_cache else 0
         self.offload = offload
         # Requests that read a tier block whose load failed: never computed again (their KV is not valid); the
@@ -142,13 +145,25 @@ class ModelRunner:
         device_ids += [b for r in plan.cached_requests for b in r.new_block_ids]
         device_ids += [b for changes in plan.block_updates.values() for _, b in changes]
         device_ids += [b for pair in plan.block_copies for b in pair]
-        device_ids += [d for d, _ in plan.swap_out] + [d for _, d in plan.swap_in]
-        _check_range(device_ids, self.num_blocks, "block id")
+        base = plan.compact_block_base
+        if base and not self.compact_cache:
+            raise ValueError("the plan addresses compact KV blocks but this worker has no compact pool")
+        full_limit = min(base, self.num_blocks) if base else self.num_blocks
+        if base:  # ids from the base on are the compact pool's
+            compact = [b - base for b in device_ids if b >= base]
+            _check_range(compact, self.num_compact_blocks, f"compact block id (from {base})")
+            device_ids = [b for b in device_ids if b < base]
+            crossing = next(((s, d) for s, d in plan.block_copies if (s >= base) != (d >= base)), None)
+            if crossing is not None:
+                raise ValueError(f"block copy {crossing} crosses KV formats")
+        _check_range(device_ids, full_limit, "block id")
+        swapped = [d for d, _ in plan.swap_out] + [d for _, d in plan.swap_in]
+        _check_range(swapped, full_limit, "swapped block id (full blocks only)")
         _check_range([h for _, h in plan.swap_out] + [h for h, _ in plan.swap_in], self.num_host_blocks, "swap block")
         if plan.tier_moves:
             if self.offload is None:
                 raise ValueError("the plan moves KV tier blocks but this worker has no offload tiers")
-            self.offload.check(plan.tier_moves, self.num_blocks)
+            self.offload.check(plan.tier_moves, full_limit)
         for r in plan.new_requests:
             _check_range([r.num_computed_tokens], len(r.prompt_token_ids) + len(r.output_token_ids) + 1, "computed")
 
@@ -160,7 +175,13 @@ class ModelRunner:
             raise RuntimeError("the plan swaps but this worker has no swap space")
         copy_blocks(self.kv_cache, self.host_cache, plan.swap_out)
         tiers = self.offload.run(plan.tier_moves, self.kv_cache) if self.offload is not None else TierRun()
-        copy_blocks(self.kv_cache, self.kv_cache, plan.block_copies)
+        base = plan.compact_block_base
+        if base:  # copy-on-write stays within a pool
+            copy_blocks(self.kv_cache, self.kv_cache, [(s, d) for s, d in plan.block_copies if s < base])
+            compact = [(s - base, d - base) for s, d in plan.block_copies if s >= base]
+            copy_blocks(self.compact_cache, self.compact_cache, compact)
+        else:
+            copy_blocks(self.kv_cache, self.kv_cache, plan.block_copies)
         copy_blocks(self.host_cache, self.kv_cache, plan.swap_in)
         return tiers
 
@@ -178,7 +199,7 @@ class ModelRunner:
         logprobs: dict[int, list[TokenLogprobs]] = {}
         prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = {}
         if scheduled and not skip:
-            batch = self._prepare(scheduled)
+            batch = self._prepare(scheduled, plan.compact_block_base)
             if self.samples_here:
                 self.sampler.start(batch.samplers)  # grammar masks while the forward pass runs
             try:
@@ -244,8 +265,9 @@ class ModelRunner:
         if not where.is_first_stage:
             shape = (batch.input_ids.shape[0], self.model.config.hidden_size)
             hidden = self.comm.recv_from_previous_stage(shape, self.dtype)
-        if self.graphs is not None and self.graphs.fits(batch.meta, batch.input_ids.shape[0]):
-            hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta, hidden)
+        graphs = self.graphs if batch.meta.compact is None else None  # graphs read the full pool only
+        if graphs is not None and graphs.fits(batch.meta, batch.input_ids.shape[0]):
+            hidden = graphs.run(batch.input_ids, batch.positions, batch.meta, hidden)
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta, hidden, interrupted)
         if not where.is_last_stage:
@@ -282,22 +304,23 @@ class ModelRunner:
                 out[state.handle] = (first, chunk)
         return out
 
-    def _prepare(self, scheduled: dict[int, int]) -> _Batch:
+    def _prepare(self, scheduled: dict[int, int], compact_base: int) -> _Batch:
         """The batch of the requests computed this step (handle -> tokens); each is new or held (apply_diffs
-        checked)."""
+        checked). Blocks from `compact_base` on are the compact pool's (0: no compact pool)."""
         work = [(self.states[r], n) for r, n in scheduled.items()]
-        work.sort(key=lambda w: w[1] != 1)  # decodes (one query) first, then prefill chunks
+        # Full-pool sequences, then compact ones (per-request KV precision: attention runs once per pool); in each,
+        # decodes (one query) first, then prefill chunks.
+        work.sort(key=lambda w: (bool(compact_base) and w[0].block_ids[0] >= compact_base, w[1] != 1))
         ids: list[int] = []
         positions: list[int] = []
         tables: list[list[int]] = []
         seq_lens: list[int] = []
-        cu_q = [0]
         sample_rows: list[int] = []
         samplers: list[RequestState] = []
         starts: list[tuple[RequestState, int]] = []
         prompt_rows: list[tuple[RequestState, int, int, int]] = []
-        num_decodes = 0
-        for state, n in work:
+        num_full = len(work)
+        for i, (state, n) in enumerate(work):
             start = state.num_computed_tokens
             end = start + n
             if end > len(state.token_ids):
@@ -314,31 +337,26 @@ class ModelRunner:
                 prompt_rows.append((state, len(ids), scored, start + 1))
             ids.extend(state.token_ids[start:end])
             positions.extend(range(start, end))
-            tables.append(state.block_ids)
-            seq_lens.append(end)
-            if n == 1:
-                num_decodes += 1
+            if compact_base and state.block_ids[0] >= compact_base:
+                num_full = min(num_full, i)
+                tables.append([b - compact_base for b in state.block_ids])  # the compact pool's own ids
             else:
-                cu_q.append(cu_q[-1] + n)
+                tables.append(state.block_ids)
+            seq_lens.append(end)
             state.num_computed_tokens = end
             if end == len(state.token_ids):
                 sample_rows.append(len(ids) - 1)
                 samplers.append(state)
-        dev = self.device
+        counts = [n for _, n in work]
         pos = torch.tensor(positions, dtype=torch.int64)
-        blocks = self._block_table_tensor(tables)
-        bs = self.block_size
-        owner = torch.repeat_interleave(torch.arange(len(work)), torch.tensor([n for _, n in work]))
-        slots = blocks[owner, pos // bs].long() * bs + pos % bs
-        meta = AttentionMetadata(
-            slot_mapping=slots.to(dev),
-            num_decode_tokens=num_decodes,
-            decode_block_tables=blocks[:num_decodes].to(dev),
-            decode_seq_lens=torch.tensor(seq_lens[:num_decodes], dtype=torch.int32, device=dev),
-            prefill_block_tables=blocks[num_decodes:].to(dev),
-            prefill_cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=dev),
-            prefill_seq_lens=torch.tensor(seq_lens[num_decodes:], dtype=torch.int32, device=dev),
-        )
+        full_tokens = sum(counts[:num_full])
+        meta = self._attention_meta(tables[:num_full], seq_lens[:num_full], counts[:num_full], pos[:full_tokens])
+        if num_full < len(work):
+            meta.compact = self._attention_meta(
+                tables[num_full:], seq_lens[num_full:], counts[num_full:], pos[full_tokens:]
+            )
+            meta.num_full_tokens = full_tokens
+        dev = self.device
         return _Batch(
             torch.tensor(ids, dtype=torch.int64, device=dev),
             pos.to(dev),
@@ -349,10 +367,34 @@ class ModelRunner:
             prompt_rows,
         )
 
+    def _attention_meta(
+        self, tables: list[list[int]], seq_lens: list[int], counts: list[int], pos: torch.Tensor
+    ) -> AttentionMetadata:
+        """The attention metadata of sequences of one pool, decodes first: their tables, lengths and the tokens
+        each computes (`counts`, at positions `pos`)."""
+        dev = self.device
+        num_decodes = sum(1 for n in counts if n == 1)
+        blocks = self._block_table_tensor(tables)
+        bs = self.block_size
+        owner = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.int64))
+        slots = blocks[owner, pos // bs].long() * bs + pos % bs
+        cu_q = [0]
+        for n in counts[num_decodes:]:
+            cu_q.append(cu_q[-1] + n)
+        return AttentionMetadata(
+            slot_mapping=slots.to(dev),
+            num_decode_tokens=num_decodes,
+            decode_block_tables=blocks[:num_decodes].to(dev),
+            decode_seq_lens=torch.tensor(seq_lens[:num_decodes], dtype=torch.int32, device=dev),
+            prefill_block_tables=blocks[num_decodes:].to(dev),
+            prefill_cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=dev),
+            prefill_seq_lens=torch.tensor(seq_lens[num_decodes:], dtype=torch.int32, device=dev),
+        )
+
     @staticmethod
     def _block_table_tensor(tables: list[list[int]]) -> torch.Tensor:
-        width = max(len(t) for t in tables)
-        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        width = max((len(t) for t in tables), default=1)
+        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).view(-1, width)
 
 
 def _check_range(values: list[int], limit: int, what: str) -> None:

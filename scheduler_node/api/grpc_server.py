@@ -56,7 +56,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         try:
             header = dict(context.invocation_metadata() or ()).get("x-priority")
             # Off the event loop: tokenizing a long prompt must not stall the streams of other requests.
-            spec = await asyncio.to_thread(validate, request, self.tokenizer, engine.max_model_len, header)
+            spec = await asyncio.to_thread(
+                validate, request, self.tokenizer, engine.max_model_len, header, engine.compact_tokens
+            )
         except InvalidField as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return

@@ -23,18 +23,29 @@ from scheduler_node.text.tokenizer import ModelTokenizer
 
 
 def chat_specs(
-    req: ChatCompletionRequest, tokenizer: ModelTokenizer, max_model_len: int, request_id: str, priority: int
+    req: ChatCompletionRequest,
+    tokenizer: ModelTokenizer,
+    max_model_len: int,
+    request_id: str,
+    priority: int,
+    compact_tokens: int = 0,
 ) -> list[RequestSpec]:
     fields, renames = req.fields()
     with _renamed(renames):
         ids = prompt_from_messages(template_messages(req.messages), tokenizer, max_model_len)
         spec = build_spec(ids, fields, max_model_len, tokenizer=tokenizer, request_id=request_id,
-                          priority=priority, cache_salt=req.cache_salt)  # fmt: skip
+                          priority=priority, cache_salt=req.cache_salt, kv_precision=req.kv_precision,
+                          compact_tokens=compact_tokens)  # fmt: skip
     return [spec]
 
 
 def completion_specs(
-    req: CompletionRequest, tokenizer: ModelTokenizer, max_model_len: int, request_id: str, priority: int
+    req: CompletionRequest,
+    tokenizer: ModelTokenizer,
+    max_model_len: int,
+    request_id: str,
+    priority: int,
+    compact_tokens: int = 0,
 ) -> list[RequestSpec]:
     fields, renames = req.fields()
     prompts = req.prompt
@@ -50,7 +61,8 @@ def completion_specs(
         one_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
         with _renamed(renames):
             specs.append(build_spec(ids, fields, max_model_len, tokenizer=tokenizer, request_id=one_id,
-                                    priority=priority, cache_salt=req.cache_salt))  # fmt: skip
+                                    priority=priority, cache_salt=req.cache_salt, kv_precision=req.kv_precision,
+                                    compact_tokens=compact_tokens))  # fmt: skip
     return specs
 
 

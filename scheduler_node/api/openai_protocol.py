@@ -165,6 +165,7 @@ class _GenerationRequest(_Strict):
     ignore_eos: bool = False
     priority: Int32 | None = None  # higher runs first, as in the gRPC API (vLLM's is the other way round)
     cache_salt: str = ""
+    kv_precision: str = ""  # auto (empty), full or compact: the format of the request's KV blocks
 
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingFields:
         if self.stream_options is not None and not self.stream:

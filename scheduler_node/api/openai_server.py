@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 * 1024 * 1024  # a prompt of max_model_len tokens fits many times over
 
-MakeSpecs = Callable[[Any, ModelTokenizer, int, str, int], list[RequestSpec]]
+MakeSpecs = Callable[[Any, ModelTokenizer, int, str, int, int], list[RequestSpec]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +94,9 @@ class OpenAIDoor:
         try:
             priority = priority_from(body.priority, request.headers.get("x-priority"))
             # Off the event loop: tokenizing a long prompt must not stall other requests' streams.
-            specs = await asyncio.to_thread(make, body, self.tokenizer, engine.max_model_len, request_id, priority)
+            specs = await asyncio.to_thread(
+                make, body, self.tokenizer, engine.max_model_len, request_id, priority, engine.compact_tokens
+            )
         except InvalidField as exc:
             raise OpenAIError(400, str(exc), exc.field) from None
         engine = self.ready_engine()  # it may have started draining meanwhile

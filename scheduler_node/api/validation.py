@@ -17,6 +17,7 @@ from typing import Any
 from proto import serving_pb2 as pb
 from proto.structured import grammar_error
 from proto.wire import SamplingOptions, StructuredOutput
+from scheduler_node.core.kv_precision import KV_PRECISIONS
 from scheduler_node.core.request import RequestSpec
 from scheduler_node.text.tokenizer import ModelTokenizer
 
@@ -148,12 +149,19 @@ def build_spec(
     priority: int = DEFAULT_PRIORITY,
     cache_salt: str = "",
     prefix: str = "",
+    kv_precision: str = "",
+    compact_tokens: int = 0,
 ) -> RequestSpec:
-    """The request the engine runs; InvalidField names the first wrong field (`prefix` + its name)."""
+    """The request the engine runs; InvalidField names the first wrong field (`prefix` + its name).
+    `compact_tokens`: the tokens the engine's compact KV pool holds (0: it has none), the longest a request with
+    `kv_precision="compact"` may grow."""
     if len(request_id) > MAX_ID_LENGTH:
         raise InvalidField("request_id", f"longer than {MAX_ID_LENGTH} characters")
     if len(cache_salt) > MAX_ID_LENGTH:
         raise InvalidField("cache_salt", f"longer than {MAX_ID_LENGTH} characters")
+    precision = check_kv_precision(kv_precision, compact_tokens, len(prompt_ids))
+    if precision == "compact":
+        max_model_len = min(max_model_len, compact_tokens)
     room = max_model_len - len(prompt_ids)
     max_tokens = room if s.max_tokens is None else s.max_tokens
     if max_tokens < 1:
@@ -209,7 +217,22 @@ def build_spec(
         priority=priority,
         cache_salt=cache_salt,
         stop_token_ids=_token_ids(s.stop_token_ids, vocab, MAX_STOP_TOKEN_IDS, prefix + "stop_token_ids"),
+        kv_precision=precision,
     )
+
+
+def check_kv_precision(value: str, compact_tokens: int, prompt_tokens: int) -> str:
+    """A request's KV precision ("" means auto); compact only on an engine whose compact pool holds its prompt."""
+    precision = value or "auto"
+    if precision not in KV_PRECISIONS:
+        raise InvalidField("kv_precision", f"must be one of {', '.join(KV_PRECISIONS)}, got {value!r}")
+    if precision == "compact" and not compact_tokens:
+        raise InvalidField("kv_precision", "compact needs an engine with a compact KV pool (--kv-compact-fraction > 0)")
+    if precision == "compact" and prompt_tokens >= compact_tokens:
+        raise InvalidField(
+            "kv_precision", f"compact: the prompt ({prompt_tokens} tokens) fills the compact KV pool ({compact_tokens})"
+        )
+    return precision
 
 
 def _in_range(value: float | None, default: float, low: float, high: float, name: str) -> float:
@@ -342,7 +365,11 @@ def priority_from(given: int | None, header: str | None) -> int:
 
 
 def validate(
-    request: pb.GenerateRequest, tokenizer: ModelTokenizer, max_model_len: int, priority_header: str | None = None
+    request: pb.GenerateRequest,
+    tokenizer: ModelTokenizer,
+    max_model_len: int,
+    priority_header: str | None = None,
+    compact_tokens: int = 0,  # what the engine's compact KV pool holds (0: none)
 ) -> RequestSpec:
     """A gRPC GenerateRequest → RequestSpec (sampling fields are named `sampling.<field>`)."""
     s = request.sampling
@@ -382,6 +409,8 @@ def validate(
         priority=_priority(request, priority_header),
         cache_salt=request.cache_salt,
         prefix="sampling.",
+        kv_precision=request.kv_precision,
+        compact_tokens=compact_tokens,
     )
 
 

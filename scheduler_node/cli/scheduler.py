@@ -17,6 +17,7 @@ from scheduler_node.api.security import server_credentials
 from scheduler_node.cli.openai_flags import add_openai_flags, openai_config
 from scheduler_node.cli.operations import add_operations_flags, check_operations_flags, stop_signals
 from scheduler_node.core.config import PREEMPTION_MODES, SchedulerConfig
+from scheduler_node.core.kv_precision import COMPACT_DTYPES, CompactKV
 from scheduler_node.core.policy import POLICIES
 from scheduler_node.engine.builder import EngineConfig, WorldPlan, check_model_split, make_engine
 from scheduler_node.engine.core import EngineOptions
@@ -140,6 +141,7 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
         help="replacement in the workers' KV offload tiers (--kv-offload-ram, --kv-offload-disk): arc (adaptive: "
         "recency and frequency, scan-resistant) or lru",
     )
+    add_kv_precision_flags(p)
     p.add_argument(
         "--compaction-interval",
         type=int,
@@ -214,6 +216,47 @@ def resolve_parallel(args: argparse.Namespace) -> Placement:
     return place(single_island(layout.world_size), layout, worker_chooses_device=True)
 
 
+def add_kv_precision_flags(p: argparse.ArgumentParser) -> None:
+    """Per-request KV precision (scheduler_node/core/kv_precision.py): the compact pool and the memory-sensitive
+    mode."""
+    p.add_argument(
+        "--kv-compact-under-pressure",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="memory-sensitive mode: when the full-precision KV pool is tight (its free blocks, once a request took "
+        "its own, below --kv-compact-tight-fraction of it), requests with kv_precision auto below "
+        "--kv-compact-full-priority get compact (quantized) blocks; kv_precision full/compact always get theirs",
+    )
+    p.add_argument(
+        "--kv-compact-fraction",
+        type=float,
+        default=None,
+        help="share of each worker's KV memory that holds compact blocks, the rest full ones (default: 0.5 with "
+        "--kv-compact-under-pressure, else 0: no compact pool, and kv_precision compact is refused)",
+    )
+    p.add_argument(
+        "--kv-compact-dtype",
+        choices=COMPACT_DTYPES,
+        default="int8",
+        help="how compact blocks store keys and values (one float32 scale per token and KV head; fp8 with triton "
+        "needs compute capability 8.9+)",
+    )
+    p.add_argument(
+        "--kv-compact-tight-fraction",
+        type=float,
+        default=0.25,
+        help="with --kv-compact-under-pressure: the full pool is tight when a request would leave fewer free "
+        "blocks than this share of it",
+    )
+    p.add_argument(
+        "--kv-compact-full-priority",
+        type=int,
+        default=80,
+        help="with --kv-compact-under-pressure: auto requests of this priority or more keep full blocks when the "
+        "pool is tight (realtime is 80-100, the default 50)",
+    )
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine's settings from the command line (ValueError naming what is out of range)."""
     return EngineConfig(
@@ -244,6 +287,13 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         ),
         num_kv_blocks=args.num_kv_blocks,
         distributed_timeout=args.distributed_timeout,
+        kv_compact=CompactKV.from_flags(
+            args.kv_compact_under_pressure,
+            args.kv_compact_fraction,
+            args.kv_compact_dtype,
+            args.kv_compact_tight_fraction,
+            args.kv_compact_full_priority,
+        ),
     )
 
 

@@ -4,6 +4,13 @@ Every request holds a list of device blocks. A full block whose KV is computed g
 parent's hash and its token ids), so a later request with the same prefix reuses it. A freed block keeps its
 hash in an LRU free queue until it is handed out again (lazy free). A block held by more than one request is
 copied before it is written. Swap space on the workers' host memory has its own pool of host blocks.
+
+Two formats (per-request KV precision, core/kv_precision.py): ids [0, num_blocks) are full blocks, ids
+[num_blocks, num_blocks + num_compact_blocks) compact ones. Each pool has its own free list and its own prefix
+cache, so a request holds blocks of one format only, copy-on-write copies within a pool, and a prefix hit never
+crosses formats (the hashes stay format-neutral; the cache a hash is looked up in is the format's). Compact blocks
+are never swapped (their requests are preempted by recompute) nor offloaded to the tiers (which hold full blocks),
+and resizing or compaction moves full blocks only.
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+from scheduler_node.core.kv_precision import BlockFormat
 
 BlockHash = bytes
 
@@ -45,18 +54,30 @@ class BlockOps:
 
 class BlockTable:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_host_blocks: int = 0
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_host_blocks: int = 0,
+        num_compact_blocks: int = 0,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        self.num_blocks = num_blocks
+        if num_compact_blocks < 0:
+            raise ValueError(f"num_compact_blocks must be >= 0, got {num_compact_blocks}")
+        self.num_blocks = num_blocks  # full blocks; the compact ones follow them
+        self.num_compact_blocks = num_compact_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.usable_blocks = num_blocks  # ResizeCache limit: blocks at or above it are never handed out
-        self._ref_counts = [0] * num_blocks
-        self._hash_of: list[BlockHash | None] = [None] * num_blocks
+        total = num_blocks + num_compact_blocks
+        self._ref_counts = [0] * total
+        self._hash_of: list[BlockHash | None] = [None] * total
         self._cached: dict[BlockHash, int] = {}
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # LRU first
+        self._compact_cached: dict[BlockHash, int] = {}
+        self._compact_free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks, total))
+        self._compact_reqs: set[str] = set()  # requests whose blocks are compact (the others' are full)
         self._tables: dict[str, list[int]] = {}
         self.num_host_blocks = num_host_blocks
         self._host_free = list(range(num_host_blocks - 1, -1, -1))
@@ -85,11 +106,29 @@ class BlockTable:
         return sum(1 for b in self._free if self._hash_of[b] is not None)
 
     @property
+    def num_compact_free(self) -> int:
+        return len(self._compact_free)
+
+    @property
+    def num_compact_used(self) -> int:
+        return self.num_compact_blocks - len(self._compact_free)
+
+    def num_free_of(self, fmt: BlockFormat) -> int:
+        return len(self._compact_free) if fmt is BlockFormat.COMPACT else len(self._free)
+
+    def format_of(self, req_id: str) -> BlockFormat:
+        """The format of the blocks a request holds (or will hold once it acquires them)."""
+        return BlockFormat.COMPACT if req_id in self._compact_reqs else BlockFormat.FULL
+
+    def block_format(self, block: int) -> BlockFormat:
+        return BlockFormat.COMPACT if block >= self.num_blocks else BlockFormat.FULL
+
+    @property
     def num_host_used(self) -> int:
         return self.num_host_blocks - len(self._host_free)
 
     def is_free(self, block: int) -> bool:
-        return block in self._free
+        return block in (self._compact_free if block >= self.num_blocks else self._free)
 
     def blocks_of(self, req_id: str) -> list[int]:
         return self._tables.get(req_id, [])
@@ -115,7 +154,7 @@ class BlockTable:
         return new + shared
 
     def can_write(self, req_id: str, first: int, end: int, reserve: int = 0) -> bool:
-        return self.blocks_needed(req_id, first, end) + reserve <= len(self._free)
+        return self.blocks_needed(req_id, first, end) + reserve <= self.num_free_of(self.format_of(req_id))
 
     def write(self, req_id: str, first: int, end: int) -> Written | None:
         """Make positions [first, end) writable if the free blocks allow: copy shared blocks, append new ones.
@@ -131,20 +170,21 @@ class BlockTable:
             return _UNCHANGED  # within its own last block (a decode, mostly)
         new = last - len(table) if last > len(table) else 0
         shared = [i for i in range(first // bs, min(len(table), last)) if refs[table[i]] > 1]
-        if new + len(shared) > len(self._free):
+        compact = req_id in self._compact_reqs
+        if new + len(shared) > len(self._compact_free if compact else self._free):
             return None
         if not new and not shared:
             return _UNCHANGED
         if held is None:
             self._tables[req_id] = table
         replaced = []
-        for i in shared:
-            src, dst = table[i], self._pop_free()
+        for i in shared:  # the copy stays in the request's pool: a copy never converts between formats
+            src, dst = table[i], self._pop_free(compact)
             refs[src] -= 1
             table[i] = dst
             self.ops.copy.append((src, dst))
             replaced.append((i, dst))
-        added = [self._pop_free() for _ in range(new)]
+        added = [self._pop_free(compact) for _ in range(new)]
         table.extend(added)
         return Written(added, replaced)
 
@@ -154,6 +194,8 @@ class BlockTable:
         for block in shared:
             self._ref_counts[block] += 1
         self._tables[child_id] = list(shared)
+        if parent_id in self._compact_reqs:
+            self._compact_reqs.add(child_id)
 
     def free(self, req_id: str) -> int:
         """Release every block the request holds (device and host); return how many device blocks."""
@@ -161,30 +203,39 @@ class BlockTable:
         for block in reversed(blocks):  # the tail goes back first, so it is evicted before the shared head
             self._release(block)
         self._host_free.extend(self._host_tables.pop(req_id, []))
+        self._compact_reqs.discard(req_id)
         return len(blocks)
 
     # ---- prefix caching
 
-    def match_prefix(self, hashes: Sequence[BlockHash]) -> list[int]:
-        """The cached blocks holding the longest prefix of these block hashes."""
+    def match_prefix(self, hashes: Sequence[BlockHash], fmt: BlockFormat = BlockFormat.FULL) -> list[int]:
+        """The cached blocks of this format holding the longest prefix of these block hashes."""
         if not self.enable_prefix_caching:
             return []
+        cached = self._compact_cached if fmt is BlockFormat.COMPACT else self._cached
         blocks = []
         for h in hashes:
-            block = self._cached.get(h)
+            block = cached.get(h)
             if block is None:
                 break
             blocks.append(block)
         return blocks
 
-    def acquire(self, req_id: str, blocks: list[int]) -> None:
-        """Give a request that holds nothing yet these cached blocks (prefix hit)."""
+    def acquire(self, req_id: str, blocks: list[int], fmt: BlockFormat = BlockFormat.FULL) -> None:
+        """Give a request that holds nothing yet these cached blocks (prefix hit) of format `fmt`: every block it
+        gets from now on is of that format."""
         assert req_id not in self._tables
+        compact = fmt is BlockFormat.COMPACT
+        free = self._compact_free if compact else self._free
         for block in blocks:
+            if (block >= self.num_blocks) != compact:
+                raise ValueError(f"block {block} is not a {fmt.name.lower()} block")
             if self._ref_counts[block] == 0:
-                del self._free[block]
+                del free[block]
             self._ref_counts[block] += 1
         self._tables[req_id] = list(blocks)
+        if compact:
+            self._compact_reqs.add(req_id)
 
     def register(self, req_id: str, hashes: Sequence[BlockHash], first: int = 0, end: int | None = None) -> None:
         """Record the hashes of the request's blocks [first, end) (default: up to len(hashes)), now full and
@@ -193,15 +244,17 @@ class BlockTable:
         if not self.enable_prefix_caching:
             return
         table = self._tables.get(req_id, [])
+        cached = self._compact_cached if req_id in self._compact_reqs else self._cached
         for i in range(first, min(len(table), len(hashes) if end is None else end)):
             block, h = table[i], hashes[i]
-            if self._hash_of[block] is None and h not in self._cached:
+            if self._hash_of[block] is None and h not in cached:
                 self._hash_of[block] = h
-                self._cached[h] = block
+                cached[h] = block
 
     def uncache(self, h: BlockHash) -> int | None:
         """Forget that a block holds `h` (its content turned out not to be valid): no later prefix matches it.
-        Returns that block, or None when none held it."""
+        Returns that block, or None when none held it. Only loads from the offload tiers fail, and those fill full
+        blocks: a compact block of the same hash was computed here, and stays."""
         block = self._cached.get(h)
         if block is not None:
             self._evict(block)
@@ -210,7 +263,8 @@ class BlockTable:
     # ---- swap
 
     def can_swap_out(self, req_id: str) -> bool:
-        return len(self._tables.get(req_id, [])) <= len(self._host_free)
+        """Host blocks are full blocks: a compact request is never swapped (it is recomputed)."""
+        return req_id not in self._compact_reqs and len(self._tables.get(req_id, [])) <= len(self._host_free)
 
     def swap_out(self, req_id: str) -> int:
         blocks = self._tables.pop(req_id)
@@ -295,11 +349,11 @@ class BlockTable:
 
     # ---- internals
 
-    def _pop_free(self) -> int:
-        block, _ = self._free.popitem(last=False)
+    def _pop_free(self, compact: bool = False) -> int:
+        block, _ = (self._compact_free if compact else self._free).popitem(last=False)
         h = self._hash_of[block]
-        if h is not None and self.on_evict is not None and not self._copied_into(block):
-            self.on_evict(h, block)
+        if h is not None and not compact and self.on_evict is not None and not self._copied_into(block):
+            self.on_evict(h, block)  # the tiers keep full blocks only
         self._evict(block)
         self._ref_counts[block] = 1
         return block
@@ -313,34 +367,46 @@ class BlockTable:
         h = self._hash_of[block]
         if h is not None:
             self._hash_of[block] = None
-            if self._cached.get(h) == block:
-                del self._cached[h]
+            cached = self._compact_cached if block >= self.num_blocks else self._cached
+            if cached.get(h) == block:
+                del cached[h]
 
     def _release(self, block: int) -> None:
         self._ref_counts[block] -= 1
         if self._ref_counts[block] == 0:
-            if block < self.usable_blocks:
+            if block >= self.num_blocks:
+                self._compact_free[block] = None
+            elif block < self.usable_blocks:
                 self._free[block] = None
             else:  # above a shrunk limit: forget its content, never hand it out
                 self._evict(block)
 
     def check_invariants(self) -> None:
         """Raise AssertionError when the bookkeeping is inconsistent (tests and debugging)."""
-        holders = [0] * self.num_blocks
-        for blocks in self._tables.values():
+        holders = [0] * (self.num_blocks + self.num_compact_blocks)
+        for req_id, blocks in self._tables.items():
+            fmt = self.format_of(req_id)
             for block in blocks:
                 holders[block] += 1
+                if self.block_format(block) is not fmt:
+                    raise AssertionError(f"{req_id} ({fmt.name}) holds block {block} of the other format")
         if holders != self._ref_counts:
             raise AssertionError("ref counts differ from holders")
-        for block in range(self.num_blocks):
-            is_free = block in self._free
-            if block < self.usable_blocks and is_free == (self._ref_counts[block] > 0):
+        for block in range(self.num_blocks + self.num_compact_blocks):
+            compact = block >= self.num_blocks
+            is_free = block in (self._compact_free if compact else self._free)
+            if (compact or block < self.usable_blocks) and is_free == (self._ref_counts[block] > 0):
                 raise AssertionError(f"block {block} is both free and held, or neither")
-            if block >= self.usable_blocks and (is_free or self._ref_counts[block]):
+            if not compact and block >= self.usable_blocks and (is_free or self._ref_counts[block]):
                 raise AssertionError(f"block {block} is above the usable limit but in use")
-        for h, block in self._cached.items():
-            if self._hash_of[block] != h:
-                raise AssertionError(f"hash points at block {block}, which holds other tokens")
+        if any(b >= self.num_blocks for b in self._free) or any(b < self.num_blocks for b in self._compact_free):
+            raise AssertionError("a block is on the other format's free list")
+        for cached, compact in ((self._cached, False), (self._compact_cached, True)):
+            for h, block in cached.items():
+                if self._hash_of[block] != h:
+                    raise AssertionError(f"hash points at block {block}, which holds other tokens")
+                if (block >= self.num_blocks) != compact:
+                    raise AssertionError(f"block {block} is cached in the other format's prefix cache")
         host_held = [b for t in self._host_tables.values() for b in t]
         if sorted(host_held + self._host_free) != list(range(self.num_host_blocks)):
             raise AssertionError("host blocks leaked or double-booked")

@@ -65,10 +65,16 @@ class Request:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     stopped_by_token: bool = False  # ended by eos or a stop token (its text is not part of the output)
     handle: int = -1  # the request's id on the wire, assigned by the scheduler when the request is added
+    kv_precision: str = "auto"  # auto | full | compact: the format of its KV blocks (core/kv_precision.py)
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_at_most(self) -> int:
+        """Its prompt and every token it may generate."""
+        return len(self.prompt_token_ids) + self.stop.max_tokens
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -148,3 +154,4 @@ class RequestSpec:
     priority: int
     cache_salt: str = ""
     stop_token_ids: list[int] = field(default_factory=list)  # besides eos: tokens that end the output
+    kv_precision: str = "auto"  # auto | full | compact (core/kv_precision.py)

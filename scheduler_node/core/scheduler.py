@@ -25,6 +25,7 @@ from proto.wire import ExecutionMode, StepPlan, StepResult, TokenLogprobs
 from scheduler_node.core.block_table import BlockHash, BlockTable, Written
 from scheduler_node.core.config import PreemptionMode, SchedulerConfig
 from scheduler_node.core.in_flight import InFlightLedger, SentPlan
+from scheduler_node.core.kv_precision import BlockFormat, CompactKV, choose_format
 from scheduler_node.core.kv_tiers import KVTiers
 from scheduler_node.core.policy import Policy
 from scheduler_node.core.request import Request, Status
@@ -88,12 +89,17 @@ class Scheduler:
         costs: PreemptionCosts | None = None,
         clock: Callable[[], float] = time.monotonic,
         tiers: KVTiers | None = None,
+        num_compact_blocks: int = 0,
+        precision: CompactKV | None = None,
     ) -> None:
         self.config = config
         self.mode = mode or ExecutionMode()
         self.clock = clock
         self.policy = policy or Policy()
-        self.blocks = BlockTable(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
+        self.blocks = BlockTable(
+            num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks, num_compact_blocks
+        )
+        self.precision = precision or CompactKV()
         self.tiers = tiers if tiers is not None and tiers.enabled and config.enable_prefix_caching else None
         self._attach_tiers()
         self.costs = costs or PreemptionCosts()
@@ -233,6 +239,7 @@ class Scheduler:
         if sent.requests:
             self.in_flight.record(plan.step_id, sent)
         self.view.finish_plan(plan, self.blocks.take_ops())
+        plan.compact_block_base = self.blocks.num_blocks if self.blocks.num_compact_blocks else 0
         if self.tiers is not None:
             plan.tier_moves = self.tiers.take_moves()
         return plan
@@ -295,11 +302,13 @@ class Scheduler:
         """Would a waiting request get a seat and its blocks now (prefix-cache hits counted)?"""
         if len(self.running) >= self.config.max_num_seqs:
             return False
-        return self._blocks_to_start(req, budget)[0] + self._watermark_blocks <= self.blocks.num_free
+        need, _, _, fmt = self._blocks_to_start(req, budget)
+        return need + self._watermark(fmt) <= self.blocks.num_free_of(fmt)
 
-    def _blocks_to_start(self, req: Request, budget: int) -> tuple[int, list[int], int]:
-        """Free blocks a waiting request takes to start its next chunk, the cached blocks it would reuse, and how
-        many blocks after those it would load from the offload tiers (into new blocks) instead of computing.
+    def _blocks_to_start(self, req: Request, budget: int) -> tuple[int, list[int], int, BlockFormat]:
+        """Free blocks a waiting request takes to start its next chunk, the cached blocks it would reuse, how
+        many blocks after those it would load from the offload tiers (into new blocks) instead of computing, and
+        the format of its blocks (one that holds blocks keeps theirs; a new one's is chosen: core/kv_precision.py).
 
         The one fit check of admission and displacement: a swapped request brings its blocks back, a fork (n > 1)
         writes into its shared prompt blocks, a new or recomputed one reuses its longest cached prefix (a cached
@@ -308,23 +317,37 @@ class Scheduler:
         first = req.num_computed_tokens
         if req.swapped:
             n = min(req.num_tokens - first, budget)
-            return max(bt.blocks_for(first + n), len(bt.host_blocks_of(req.req_id))), [], 0
+            return max(bt.blocks_for(first + n), len(bt.host_blocks_of(req.req_id))), [], 0, BlockFormat.FULL
         if bt.blocks_of(req.req_id):
-            return bt.blocks_needed(req.req_id, first, first + min(req.num_tokens - first, budget)), [], 0
+            need = bt.blocks_needed(req.req_id, first, first + min(req.num_tokens - first, budget))
+            return need, [], 0, bt.format_of(req.req_id)
         hashes = req.update_block_hashes(bt.block_size)
         cacheable = (req.num_tokens - 1) // bt.block_size  # the last token is recomputed
         if req.sampling.prompt_logprobs is not None and not req.prompt_logprobs_done:
             cacheable = 0  # a cached prefix has no logits: the prompt is computed in full to score every token
-        hits = bt.match_prefix(hashes[:cacheable])
-        loads = self.tiers.match(hashes[len(hits) : cacheable]) if self.tiers is not None else 0
-        hit_tokens = (len(hits) + loads) * bt.block_size
-        n = min(req.num_tokens - hit_tokens, budget)
-        reused_free = sum(1 for b in hits if bt.is_free(b))
-        return bt.blocks_for(hit_tokens + n) - len(hits) + reused_free, hits, loads
 
-    @property
-    def _watermark_blocks(self) -> int:
-        return int(self.config.watermark * self.blocks.usable_blocks)
+        def start(fmt: BlockFormat) -> tuple[int, list[int], int, BlockFormat]:
+            hits = bt.match_prefix(hashes[:cacheable], fmt)
+            tiers = self.tiers if fmt is BlockFormat.FULL else None  # the tiers hold full blocks
+            loads = tiers.match(hashes[len(hits) : cacheable]) if tiers is not None else 0
+            hit_tokens = (len(hits) + loads) * bt.block_size
+            n = min(req.num_tokens - hit_tokens, budget)
+            reused_free = sum(1 for b in hits if bt.is_free(b))
+            return bt.blocks_for(hit_tokens + n) - len(hits) + reused_free, hits, loads, fmt
+
+        def left(fmt: BlockFormat) -> int:
+            if fmt is BlockFormat.COMPACT and bt.blocks_for(req.num_tokens_at_most) > bt.num_compact_blocks:
+                return -1  # it could never finish there (it would be preempted, come back compact, and again)
+            return bt.num_free_of(fmt) - self._watermark(fmt) - start(fmt)[0]
+
+        fmt = choose_format(
+            req.kv_precision, req.priority, self.precision, bt.num_compact_blocks > 0, left, bt.usable_blocks
+        )
+        return start(fmt)
+
+    def _watermark(self, fmt: BlockFormat) -> int:
+        pool = self.blocks.num_compact_blocks if fmt is BlockFormat.COMPACT else self.blocks.usable_blocks
+        return int(self.config.watermark * pool)
 
     def _prefill_floor(self, now: float) -> float:
         """Prefill below this effective priority waits a step: when a request that outranks others by the
@@ -395,8 +418,8 @@ class Scheduler:
     def _claim_blocks(self, req: Request, budget: int) -> bool:
         """Take the blocks a waiting request needs to start (see `_blocks_to_start`); False if they are short."""
         bt = self.blocks
-        need, hits, loads = self._blocks_to_start(req, budget)
-        if need + self._watermark_blocks > bt.num_free:
+        need, hits, loads, fmt = self._blocks_to_start(req, budget)
+        if need + self._watermark(fmt) > bt.num_free_of(fmt):
             return False
         if req.swapped:
             bt.swap_in(req.req_id)
@@ -408,7 +431,7 @@ class Scheduler:
             if req.num_preemptions == 0 and not req.output_token_ids:  # new prompts only: resumptions inflate it
                 self.counters.prefix_cache_queries += req.num_tokens
                 self.counters.prefix_cache_hits += hit_tokens
-            bt.acquire(req.req_id, hits)
+            bt.acquire(req.req_id, hits, fmt)
             if loads:
                 hashes = req.update_block_hashes(bt.block_size)
                 self._load_from_tiers(req, hashes[len(hits) : len(hits) + loads])
@@ -621,7 +644,9 @@ class Scheduler:
             req.swapped = False
         self.view.forget_all()
         old = self.blocks
-        self.blocks = BlockTable(old.num_blocks, old.block_size, old.enable_prefix_caching, old.num_host_blocks)
+        self.blocks = BlockTable(
+            old.num_blocks, old.block_size, old.enable_prefix_caching, old.num_host_blocks, old.num_compact_blocks
+        )
         self.blocks.resize(old.usable_blocks)
         if self.tiers is not None:
             self.tiers.clear()  # until the world is back: then its disk blocks are adopted again (engine core)
@@ -629,12 +654,19 @@ class Scheduler:
         self.in_flight.clear()  # the engine dropped every plan in flight
         return len(running)
 
-    def fit_capacity(self, num_blocks: int, num_host_blocks: int) -> None:
+    def fit_capacity(self, num_blocks: int, num_host_blocks: int, num_compact_blocks: int | None = None) -> None:
         """The world came back holding fewer blocks than before (a replacement could not allocate the world's
         size): only that many are handed out from now on. Called on an empty table, right after `requeue_all`."""
         self.blocks.resize(min(num_blocks, self.blocks.usable_blocks))
-        if num_host_blocks < self.blocks.num_host_blocks:
+        compact = self.blocks.num_compact_blocks if num_compact_blocks is None else num_compact_blocks
+        if num_host_blocks < self.blocks.num_host_blocks or compact < self.blocks.num_compact_blocks:
             bt = self.blocks
-            self.blocks = BlockTable(bt.num_blocks, bt.block_size, bt.enable_prefix_caching, num_host_blocks)
+            self.blocks = BlockTable(
+                bt.num_blocks,
+                bt.block_size,
+                bt.enable_prefix_caching,
+                min(num_host_blocks, bt.num_host_blocks),
+                min(compact, bt.num_compact_blocks),
+            )
             self.blocks.resize(bt.usable_blocks)
             self._attach_tiers()

@@ -72,7 +72,9 @@ def snapshot(s: Scheduler) -> SchedulerStats:
 
 def kv_pools(s: Scheduler, capacity: WorldCapacity) -> list[KvPool]:
     """The KV memory in bytes: the workers' device cache (every block they allocated, also beyond a ResizeCache
-    limit), the swap space and the offload tiers that are on, all in the world's one KV format."""
+    limit), its compact pool when there is one (per-request KV precision), the swap space and the offload tiers
+    that are on. Everything but the compact pool is in the world's full format; the device tier's prefix hits
+    (both pools') are counted on its full pool."""
     bt = s.blocks
     kv_format = capacity.kv_format or "unknown"
     per_block = capacity.world_bytes_per_block or capacity.bytes_per_block
@@ -80,6 +82,10 @@ def kv_pools(s: Scheduler, capacity: WorldCapacity) -> list[KvPool]:
         KvPool(DEVICE, kv_format, per_block, bt.num_blocks, bt.num_used, s.counters.prefix_cache_hits),
         KvPool(SWAP, kv_format, per_block, bt.num_host_blocks, bt.num_host_used),
     ]
+    if bt.num_compact_blocks:
+        compact_format = capacity.compact_format or "unknown"
+        compact_bytes = capacity.compact_world_bytes_per_block
+        pools.insert(1, KvPool(DEVICE, compact_format, compact_bytes, bt.num_compact_blocks, bt.num_compact_used))
     if s.tiers is not None:  # hits: the prompt tokens of the blocks loaded back instead of recomputed
         t = s.tiers.snapshot()
         for tier, total, used, hits in ((RAM, t.ram_blocks_total, t.ram_blocks_used, t.hits_ram),

@@ -17,6 +17,7 @@ from proto.parallel import ParallelLayout
 from proto.transport import WorkerTransport, WorldCapacity
 from proto.wire import Assignment, ExecutionMode
 from scheduler_node.core.config import SchedulerConfig
+from scheduler_node.core.kv_precision import CompactKV
 from scheduler_node.core.kv_tiers import KVTiers
 from scheduler_node.core.policy import make_policy
 from scheduler_node.core.scheduler import PreemptionCosts, Scheduler
@@ -44,6 +45,7 @@ class EngineConfig:
     num_kv_blocks: int = 0  # 0: as the workers' memory allows; else every rank holds exactly this many
     num_swap_blocks: int = -1  # -1: as the workers' --swap-space allows; else at most this many
     distributed_timeout: float = 300.0
+    kv_compact: CompactKV = field(default_factory=CompactKV)  # per-request KV precision: the compact pool
 
     @property
     def layout(self) -> ParallelLayout:
@@ -85,6 +87,8 @@ class WorldPlan:
             c.mode,
             c.num_kv_blocks,
             c.num_swap_blocks,
+            kv_compact_fraction=c.kv_compact.fraction,
+            kv_compact_dtype=c.kv_compact.dtype,
         )
 
 
@@ -111,6 +115,8 @@ def make_engine(
         capacity.num_swap_blocks,
         costs,
         tiers=tiers,
+        num_compact_blocks=capacity.num_compact_blocks,
+        precision=config.kv_compact,
     )
     return EngineCore(scheduler, tokenizer, workers, config.options, metrics or Metrics(folder.name))
 

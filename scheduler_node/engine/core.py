@@ -115,6 +115,13 @@ class EngineCore:
         return self.scheduler.config.max_model_len
 
     @property
+    def compact_tokens(self) -> int:
+        """Tokens the workers' compact KV pool holds (0: none), the longest a `kv_precision="compact"` request
+        may grow."""
+        blocks = self.scheduler.blocks
+        return blocks.num_compact_blocks * blocks.block_size
+
+    @property
     def num_live(self) -> int:
         return len(self._by_request_id)
 
@@ -140,7 +147,15 @@ class EngineCore:
             if spec.n > 1 and sampling.seed is not None:
                 sampling = msgspec.structs.replace(sampling, seed=sampling.seed + index)
             sequences.append(
-                Request(req_id, spec.prompt_token_ids, sampling, stop, spec.priority, cache_salt=spec.cache_salt)
+                Request(
+                    req_id,
+                    spec.prompt_token_ids,
+                    sampling,
+                    stop,
+                    spec.priority,
+                    cache_salt=spec.cache_salt,
+                    kv_precision=spec.kv_precision,
+                )
             )
             detok = IncrementalDetokenizer(self.tokenizer, spec.prompt_token_ids, spec.stop, spec.sampling.min_tokens)
             self._sequences[req_id] = SequenceOutput(stream, index, detok)
@@ -420,9 +435,14 @@ class EngineCore:
         requests that no longer fit at all end (they would wait forever)."""
         capacity = self.workers.capacity
         blocks = self.scheduler.blocks
-        if capacity.num_kv_blocks >= blocks.usable_blocks and capacity.num_swap_blocks >= blocks.num_host_blocks:
+        compact = capacity.num_compact_blocks
+        if (
+            capacity.num_kv_blocks >= blocks.usable_blocks
+            and capacity.num_swap_blocks >= blocks.num_host_blocks
+            and compact >= blocks.num_compact_blocks
+        ):
             return
-        self.scheduler.fit_capacity(capacity.num_kv_blocks, capacity.num_swap_blocks)
+        self.scheduler.fit_capacity(capacity.num_kv_blocks, capacity.num_swap_blocks, compact)
         limit = capacity.num_kv_blocks * blocks.block_size
         for req in list(self.scheduler.waiting):
             if req.num_tokens + 1 > limit:

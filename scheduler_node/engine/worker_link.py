@@ -30,7 +30,7 @@ import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from proto.curve import configure_server
-from proto.transport import StepFailed, WorkerLost, WorldCapacity, tier_capacity
+from proto.transport import StepFailed, WorkerLost, WorldCapacity, compact_capacity, tier_capacity
 from proto.wire import (
     MAX_MESSAGE_BYTES,
     Assignment,
@@ -192,7 +192,10 @@ class WorkerLink:
         a = self._assignment(rank)
         if self._capacity is not None:  # a replacement: it holds exactly what the world holds
             a = msgspec.structs.replace(
-                a, num_kv_blocks=self._capacity.num_kv_blocks, num_swap_blocks=self._capacity.num_swap_blocks
+                a,
+                num_kv_blocks=self._capacity.num_kv_blocks,
+                num_swap_blocks=self._capacity.num_swap_blocks,
+                num_compact_blocks=self._capacity.num_compact_blocks,
             )
         tp = max(1, a.tensor_parallel_size)
         info = WorkerInfo(rank, identity, msg.host, msg.pid, msg.device, tp_rank=rank % tp, pp_stage=rank // tp)
@@ -243,6 +246,7 @@ class WorkerLink:
             world_bytes_per_block=sum(w.kv_cache_bytes // max(w.num_kv_blocks, 1) for w in ready),
             kv_format=ready[0].kv_format,
             **tier_capacity([w.tiers for w in ready if w.tiers is not None]),
+            **compact_capacity([w.tiers for w in ready if w.tiers is not None]),
         )
         old = self._capacity
         if old is not None and (new.num_kv_blocks, new.num_swap_blocks) != (old.num_kv_blocks, old.num_swap_blocks):

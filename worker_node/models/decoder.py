@@ -92,9 +92,11 @@ class CausalLM(nn.Module):
             hidden = self.embed_tokens(input_ids)
         x = hidden
         angles = self.rotary(positions, x.dtype)
-        if self.plan_decode is not None and meta.num_decode_tokens and meta.decode_plan is None and kv_caches:
-            block_size = kv_caches[0].k.shape[1]  # once per step, for every layer
-            meta.decode_plan = self.plan_decode(meta.decode_block_tables, meta.decode_seq_lens, block_size)
+        for group in (meta, meta.compact):  # the full pool's sequences, then the compact pool's
+            if self.plan_decode is not None and group is not None and group.num_decode_tokens and kv_caches:
+                if group.decode_plan is None:
+                    block_size = kv_caches[0].k.shape[1]  # once per step, for every layer
+                    group.decode_plan = self.plan_decode(group.decode_block_tables, group.decode_seq_lens, block_size)
         for layer, kv_cache in zip(self.layers, kv_caches):
             if interrupted is not None and interrupted():
                 raise StepInterrupted
