@@ -7,8 +7,16 @@ with LLM() as llm:  # the default model, SmolLM2-135M-Instruct
     print(outputs[0].outputs[0].text)
 """
 
-from minivllm.llm import LLM
+from minivllm.llm import LLM, TextPrompt, TokensPrompt
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "TextPrompt",
+    "TokensPrompt",
+]

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Awaitable, Sequence
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 from tqdm import tqdm
 
@@ -21,7 +21,13 @@ from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from proto.wire import TokenLogprobs
 from proto.worker_flags import KV_CACHE_DTYPES, parse_size
-from scheduler_node.api.validation import build_spec, prompt_from_ids, prompt_from_messages, prompt_from_text
+from scheduler_node.api.validation import (
+    InvalidField,
+    build_spec,
+    prompt_from_ids,
+    prompt_from_messages,
+    prompt_from_text,
+)
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.kv_precision import CompactKV
 from scheduler_node.core.request import RequestSpec
@@ -40,7 +46,21 @@ T = TypeVar("T")
 # inprocess: the worker runs in this process (a world of one); processes: one vllm-worker process per rank, over
 # ZeroMQ on loopback (any world); auto: inprocess for a world of one, else processes.
 WORKER_BACKENDS = ("auto", "inprocess", "processes")
-Prompt = str | Sequence[int]
+
+
+class TextPrompt(TypedDict):
+    """vLLM's dict form of a text prompt."""
+
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """vLLM's dict form of a prompt given as token ids."""
+
+    prompt_token_ids: list[int]
+
+
+Prompt = str | Sequence[int] | TextPrompt | TokensPrompt
 Message = dict[str, str]
 
 
@@ -156,16 +176,18 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """One output per prompt (a string or a list of token ids), in input order. ValueError names a bad field."""
-        batch: list[Any] = [prompts] if isinstance(prompts, str) or _is_ids(prompts) else list(prompts)
+        """One output per prompt (a string, a list of token ids, or vLLM's `{"prompt": ...}` /
+        `{"prompt_token_ids": ...}`), in input order. ValueError names a bad field."""
+        single = isinstance(prompts, (str, dict)) or _is_ids(prompts)
+        batch = [_unwrap(p, f"prompts[{i}]") for i, p in enumerate([prompts] if single else list(prompts))]
         max_len = self.engine.max_model_len
         ids = [
-            prompt_from_text(p, self.tokenizer, max_len, f"prompts[{i}]")
+            prompt_from_text(p, self.tokenizer, max_len, name)
             if isinstance(p, str)
-            else prompt_from_ids(p, self.tokenizer, max_len, f"prompts[{i}]")
-            for i, p in enumerate(batch)
+            else prompt_from_ids(p, self.tokenizer, max_len, name)
+            for p, name in batch
         ]
-        texts = [p if isinstance(p, str) else None for p in batch]
+        texts = [p if isinstance(p, str) else None for p, _ in batch]
         return self._run(ids, texts, sampling_params, use_tqdm, priority)
 
     def chat(
@@ -335,6 +357,18 @@ async def _collect(stream: Any, spec: RequestSpec, text: str | None, progress: _
             c.finish_reason = delta.finish_reason
     progress.done(len(spec.prompt_token_ids), sum(len(c.token_ids) for c in completions))
     return RequestOutput(spec.request_id, text, spec.prompt_token_ids, completions, prompt_logprobs=prompt_logprobs)
+
+
+def _unwrap(prompt: Any, name: str) -> tuple[Any, str]:
+    """A prompt as text or token ids, and the name its errors give (a dict prompt's key included)."""
+    if not isinstance(prompt, dict):
+        return prompt, name
+    if len(prompt) != 1 or next(iter(prompt)) not in ("prompt", "prompt_token_ids"):
+        raise InvalidField(name, f"a dict prompt has one key, 'prompt' or 'prompt_token_ids'; got {sorted(prompt)}")
+    key, value = next(iter(prompt.items()))
+    if key == "prompt" and not isinstance(value, str):
+        raise InvalidField(f"{name}.prompt", f"must be a string, got {type(value).__name__}")
+    return value, f"{name}.{key}"
 
 
 def _is_ids(prompts: Any) -> bool:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minivllm import LLM, SamplingParams
+from minivllm import LLM, SamplingParams, TextPrompt, TokensPrompt
 from minivllm.cluster import REPO
 from tests.models import assert_teacher_forced, load_hf
 from tests.ops import alive, child_pids
@@ -100,6 +100,19 @@ def test_chat_uses_the_template(smollm2: LLM) -> None:
     assert out.outputs[0].token_ids
 
 
+def test_vllm_dict_prompts_give_what_their_plain_forms_give(smollm2: LLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=6)
+    ids = smollm2.tokenizer.encode("The capital of France is")
+    plain_prompts: list[str | list[int]] = ["The capital of France is", ids]
+    plain = smollm2.generate(plain_prompts, params, use_tqdm=False)
+    prompts: list[TextPrompt | TokensPrompt] = [{"prompt": "The capital of France is"}, {"prompt_token_ids": ids}]
+    as_dicts = smollm2.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in as_dicts] == [o.outputs[0].token_ids for o in plain]
+    assert as_dicts[0].prompt == "The capital of France is" and as_dicts[1].prompt_token_ids == ids
+    (single,) = smollm2.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+    assert single.outputs[0].token_ids == plain[1].outputs[0].token_ids
+
+
 def test_seeded_sampling_is_reproducible(smollm2: LLM) -> None:
     params = SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=10, n=2)
     a = smollm2.generate(["Once upon a time"], params, use_tqdm=False)[0]
@@ -118,6 +131,9 @@ def test_seeded_sampling_is_reproducible(smollm2: LLM) -> None:
         (["hi"], SamplingParams(n=0), "n"),
         (["hi"], SamplingParams(max_tokens=10**6), "max_tokens"),
         (["hi", "there"], [SamplingParams()], "sampling_params"),
+        ([{"prompt_token_ids": [10**9]}], SamplingParams(), "prompts[0].prompt_token_ids"),
+        ([{"prompt": 7}], SamplingParams(), "prompts[0].prompt"),
+        ([{"text": "hi"}], SamplingParams(), "prompts[0]"),
     ],
 )
 def test_bad_input_names_the_field(smollm2: LLM, prompts: list, params: object, field: str) -> None:  # type: ignore[type-arg]
