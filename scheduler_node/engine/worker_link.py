@@ -219,6 +219,9 @@ class WorkerLink:
         info.last_seen = time.monotonic()
         self.ranks[info.rank] = info
         logger.info("rank %d ready: pid %d, %d KV blocks", info.rank, info.pid, info.num_kv_blocks)
+        # At once, not at the next beat: until its first heartbeat a worker gives a silent scheduler its long
+        # connect timeout, so a scheduler that died in between would leave it waiting minutes to exit.
+        self._send(identity, Heartbeat(info.rank, self._beats, self.heartbeat_timeout))
         self._update_state()
 
     def _free_ranks(self) -> list[int]:
