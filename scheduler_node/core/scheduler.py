@@ -326,14 +326,19 @@ class Scheduler:
         if req.sampling.prompt_logprobs is not None and not req.prompt_logprobs_done:
             cacheable = 0  # a cached prefix has no logits: the prompt is computed in full to score every token
 
+        starts: dict[BlockFormat, tuple[int, list[int], int, BlockFormat]] = {}
+
         def start(fmt: BlockFormat) -> tuple[int, list[int], int, BlockFormat]:
-            hits = bt.match_prefix(hashes[:cacheable], fmt)
-            tiers = self.tiers if fmt is BlockFormat.FULL else None  # the tiers hold full blocks
-            loads = tiers.match(hashes[len(hits) : cacheable]) if tiers is not None else 0
-            hit_tokens = (len(hits) + loads) * bt.block_size
-            n = min(req.num_tokens - hit_tokens, budget)
-            reused_free = sum(1 for b in hits if bt.is_free(b))
-            return bt.blocks_for(hit_tokens + n) - len(hits) + reused_free, hits, loads, fmt
+            """What starting in this format takes; worked out once per format (the choice below asks too)."""
+            if fmt not in starts:
+                hits = bt.match_prefix(hashes[:cacheable], fmt)
+                tiers = self.tiers if fmt is BlockFormat.FULL else None  # the tiers hold full blocks
+                loads = tiers.match(hashes[len(hits) : cacheable]) if tiers is not None else 0
+                hit_tokens = (len(hits) + loads) * bt.block_size
+                n = min(req.num_tokens - hit_tokens, budget)
+                reused_free = sum(1 for b in hits if bt.is_free(b))
+                starts[fmt] = bt.blocks_for(hit_tokens + n) - len(hits) + reused_free, hits, loads, fmt
+            return starts[fmt]
 
         def left(fmt: BlockFormat) -> int:
             if fmt is BlockFormat.COMPACT and bt.blocks_for(req.num_tokens_at_most) > bt.num_compact_blocks:
