@@ -195,10 +195,7 @@ class EngineCore:
             logger.info("draining: %d live request(s)", len(self._by_request_id))
             self.workers.changed.set()  # health: NOT_SERVING
         waits = [self._idle.wait()] + ([hurry.wait()] if hurry is not None else [])
-        try:
-            await asyncio.wait_for(_first(*waits), timeout)
-        except asyncio.TimeoutError:
-            pass
+        await _first(*waits, timeout=timeout)
         return len(self._by_request_id)
 
     def kv_pools(self) -> list[KvPool]:
