@@ -10,7 +10,7 @@ Why one scale per token rather than per block: a block is written over several s
 a time), and a token quantized on its own never changes once written, so nothing has to be re-read, re-rounded or
 fixed from a block's first token. Per-token scales cost 4 bytes per token and head beside its D values (6 % of
 an int8 row at D = 64); what a per-block scale would lose in accuracy instead is measured by
-scripts/bench_kv_quant.py (README, "Quantized KV cache").
+scripts/bench_kv_quant.py (docs/guide.md, "Quantized KV cache").
 
 The kernels never dequantize a whole tile: int8 and e4m3 values are exact in bf16, fp16 and fp32, so a key's
 scale multiplies its score (q . k_raw * s_k) and a value's scale the probability that weighs it (p * s_v).

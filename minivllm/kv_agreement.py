@@ -1,4 +1,5 @@
-"""Teacher-forced top-1 agreement of a quantized KV cache with full precision, for tests/test_kv_quant.py and
+"""Teacher-forced top-1 agreement of a quantized KV cache with full precision, for
+tests/minivllm/test_kv_agreement.py and
 scripts/bench_kv_quant.py.
 
 The model runs over an int8 / fp8 cache through the offline API (prefills chunked, so later chunks and every

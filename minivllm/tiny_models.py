@@ -47,7 +47,7 @@ COMMON = dict(
 )
 
 
-# Tiny models built on demand by name: a kind of tests/models.py, with config overrides for named variants.
+# Tiny models built on demand by name: a kind of tests/support/models.py, with config overrides for named variants.
 TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("qwen3", {}),
     "gemma2": ("gemma2", {}),

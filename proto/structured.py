@@ -2,7 +2,7 @@
 worker (which enforces it token by token): one llguidance grammar per StructuredOutput.
 
 llguidance, not xgrammar: xgrammar imports torch and transformers, so the scheduler (never torch) could not check
-a schema with the engine that enforces it; llguidance imports neither (scripts/bench_grammar.py, README).
+a schema with the engine that enforces it; llguidance imports neither (scripts/bench_grammar.py, docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -45,26 +45,16 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) 
     return folder
 
 
-# What a test touches decides its marker, so `pytest -m unit` (seconds) or `-m "not e2e"` select by cost without a
-# hand-kept list: a module that starts processes is `e2e`; one that runs a model in this process is `model`; every
-# other test is `unit`. A marker written on a test or module wins. `slow` stays explicit.
-_PROCESS_SIGNS = ("subprocess", "Cluster(", "ServeProcess", "multiprocessing", "Popen")
-_MODEL_SIGNS = ("_dir", "load_runner", "EngineRun", "build_tiny_model", "LLM(")
+# Each test module declares its cost with `pytestmark` (unit: no model and no process; model: runs a model in this
+# process; e2e: starts processes), so `pytest -m unit` (seconds) or `-m "not e2e"` select by cost. A test that
+# declares none, or more than one, stops the run: a kind guessed from a file's text was wrong as often as right.
 _KINDS = ("unit", "model", "e2e")
 
 
-def _module_kind(path: Path, cache: dict[Path, str] = {}) -> str:  # noqa: B006 - a per-session memo
-    if path not in cache:
-        text = path.read_text()
-        cache[path] = ("e2e" if any(s in text for s in _PROCESS_SIGNS)
-                       else "model" if any(s in text for s in _MODEL_SIGNS) else "unit")  # fmt: skip
-    return cache[path]
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if not any(item.get_closest_marker(kind) for kind in _KINDS):
-            item.add_marker(_module_kind(Path(str(item.fspath))))
+    undeclared = [item.nodeid for item in items if sum(1 for k in _KINDS if item.get_closest_marker(k)) != 1]
+    if undeclared:
+        raise pytest.UsageError(f"declare exactly one of {_KINDS} (pytestmark) on: {undeclared[:10]}")
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,12 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+import pytest
+
+from tests.support.paths import REPO
+
+pytestmark = pytest.mark.unit
+
 PACKAGES = ("proto", "scheduler_node", "worker_node", "kernels", "minivllm")
 
 

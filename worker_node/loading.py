@@ -72,7 +72,7 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
     No float32 copy of the weights is kept for small steps: on a 2-core Zen 4 one decoder layer's linears ran
     1.04x (1 row) to 2.5x (16-32 rows) faster in bf16 than in float32 with one thread, 1.5-3.2x with two, and
-    the LM head 1.5-3.7x (scripts/bench_cpu_dtypes.py, README)."""
+    the LM head 1.5-3.7x (scripts/bench_cpu_dtypes.py, docs/benchmarks.md)."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" or has_fast_bf16() else torch.float32
     return DTYPES[name]

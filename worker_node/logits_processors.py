@@ -1,7 +1,8 @@
 """The steps from logits to a sampling distribution, each vectorised over a batch with per-row parameters.
 
 Each step computes exactly what HF transformers' processor or warper of the same name computes for one row (the
-same operations in the same float32 arithmetic; tests/test_logits_processors.py checks them against HF), in HF's
+same operations in the same float32 arithmetic; tests/worker_node/test_logits_processors.py checks them against HF),
+in HF's
 order: logit bias (SequenceBias), repetition penalty, frequency and presence penalties (OpenAI's, no HF
 counterpart), banned tokens (NoBadWords, MinNewTokensLength, the grammar's mask); then, for sampled rows only,
 temperature, top-k, top-p, min-p. Masked tokens get -inf, as HF's filter value.

@@ -21,7 +21,7 @@
  * float32 as it is read (a shift, vectorized with the loop), so a bf16 cache halves the memory traffic and every
  * product, the softmax and the accumulator stay in float32 (AVX-512 BF16's dot-product instruction is not used:
  * the loop is bound by the loads, and it would round the probabilities to bf16 before they weight V; the gain is
- * measured by scripts/bench_cpu_dtypes.py, README); or int8 / fp8 e4m3 with one float32 scale per token and kv
+ * measured by scripts/bench_cpu_dtypes.py, docs/benchmarks.md); or int8 / fp8 e4m3 with one float32 scale per token and kv
  * head (kernels/kv_quant.py; scales [num_blocks, block_size, Hkv]). A quantized element is widened exactly
  * (int8 by conversion, e4m3 by moving its exponent and mantissa bits into a float32's), and the scales never
  * touch the D-wide rows: a key's scale multiplies its score, a value's scale the probability that weighs it.

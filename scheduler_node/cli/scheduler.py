@@ -148,7 +148,7 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
         default=0,
         help="every N steps, move live KV blocks into the lowest free ones (0: never). Compaction and "
         "Control.ResizeCache only limit which blocks the scheduler hands out: the workers' KV tensors keep their "
-        "size, so a shrink gives no device memory back (README, KV memory)",
+        "size, so a shrink gives no device memory back (docs/guide.md, KV memory)",
     )
     p.add_argument(
         "--scheduling-policy",

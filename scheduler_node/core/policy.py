@@ -19,7 +19,8 @@ next seat frees: within (P - p) x aging_interval + 2 S, or earlier, by displacin
 leads it by the margin. A backlog of priority-P requests that arrived before it keeps its lead and is served
 first. `dynamic` ages the same way; its remaining-token term can only add the waiting request's own
 max_tokens / short_job_tokens points to the lead it must make up (the others' term only lowers them), so its
-bound is (P - p + max_tokens / short_job_tokens) x aging_interval + 2 S. tests/test_policy.py checks both.
+bound is (P - p + max_tokens / short_job_tokens) x aging_interval + 2 S. tests/scheduler_node/core/test_policy.py
+checks both.
 
 Stable orders: under fcfs and priority the order of two requests never changes (it depends on neither age nor
 progress), so the scheduler keeps its queues in that order as requests arrive and start, and no step sorts them.

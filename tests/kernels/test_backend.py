@@ -8,6 +8,8 @@ import torch
 from kernels import backend, torch_attention
 from kernels.backend import select_attention_backend
 
+pytestmark = pytest.mark.model
+
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")  # only named, never touched: selection works on machines without a GPU
 
@@ -121,8 +123,8 @@ def test_the_example_users_backend_matches_hf(tiny_llama_dir) -> None:  # type: 
     """deploy/custom_attention.py through the model runner: greedy tokens are HF's at float32 precision."""
     import random
 
-    from tests.engine import generate, load_runner
-    from tests.models import assert_teacher_forced, load_hf
+    from tests.support.engine import generate, load_runner
+    from tests.support.models import assert_teacher_forced, load_hf
 
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (3, 17, 40)]

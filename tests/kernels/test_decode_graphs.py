@@ -12,10 +12,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from tests.engine import generate, load_runner  # noqa: E402
-from tests.models import assert_teacher_forced, load_hf  # noqa: E402
+from tests.support.engine import generate, load_runner  # noqa: E402
+from tests.support.models import assert_teacher_forced, load_hf  # noqa: E402
 from worker_node.attention import AttentionMetadata  # noqa: E402
 from worker_node.cuda_graphs import DecodeGraphs, parse_sizes  # noqa: E402
+
+pytestmark = pytest.mark.model
 
 LENGTHS = [3, 18, 9]
 MAX_TOKENS = [5, 4, 6]

@@ -19,9 +19,11 @@ import torch
 pytest.importorskip("triton")
 
 from kernels.interface import AttentionBackend  # noqa: E402
-from tests.engine import generate, load_runner  # noqa: E402
-from tests.models import assert_teacher_forced, load_hf  # noqa: E402
+from tests.support.engine import generate, load_runner  # noqa: E402
+from tests.support.models import assert_teacher_forced, load_hf  # noqa: E402
 from worker_node.models.layers import Attention  # noqa: E402
+
+pytestmark = pytest.mark.model
 
 BLOCK = 16
 NUM_BLOCKS = 12  # the batch peaks at 7 blocks: no preemption, this test is about the kernels

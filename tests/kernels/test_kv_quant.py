@@ -1,5 +1,5 @@
 """The quantized KV cache formats (int8, fp8 e4m3, kernels/kv_quant.py) through the torch reference and the C CPU
-decode kernel, each against float64 attention over the dequantized cache (tests/kernels/paged_inputs.py)."""
+decode kernel, each against float64 attention over the dequantized cache (tests/support/paged_inputs.py)."""
 
 import pytest
 import torch
@@ -7,7 +7,9 @@ import torch
 from kernels import cpu_attention, torch_attention
 from kernels.kv_quant import FORMATS, QMAX, cache_dtype, dequantize, quantize
 from proto.worker_flags import KV_CACHE_DTYPES
-from tests.kernels.paged_inputs import dense_causal_attention, make_paged_batch, quantize_batch, rel_err
+from tests.support.paged_inputs import dense_causal_attention, make_paged_batch, quantize_batch, rel_err
+
+pytestmark = pytest.mark.unit
 
 DTYPES = list(FORMATS.values())
 EXACT = 1e-5  # float32 arithmetic over the same (dequantized) values: no other loss

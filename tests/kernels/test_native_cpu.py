@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from kernels import cpu_attention, torch_attention
-from tests.kernels.paged_inputs import dense_causal_attention, make_paged_batch, rel_err
+from tests.support.paged_inputs import dense_causal_attention, make_paged_batch, rel_err
+
+pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(scope="module")

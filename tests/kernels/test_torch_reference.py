@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from kernels import torch_attention
-from tests.kernels.paged_inputs import dense_causal_attention, make_paged_batch, rel_err
+from tests.support.paged_inputs import dense_causal_attention, make_paged_batch, rel_err
+
+pytestmark = pytest.mark.unit
 
 HEAD_DIM = 32
 NUM_KV_HEADS = 2

@@ -2,7 +2,7 @@
 kernel's Python but never lowers it, so a kernel only the GPU compiler refuses (a global that is not a
 constexpr, branches whose types disagree, a conversion the target lacks) would pass every CPU test. Every kernel
 over an fp8 cache, and the int8 write, is compiled for sm_90 down to a cubin with Triton's bundled ptxas
-(tests/kernels/gpu_compile.py, in a process of its own, since this session runs Triton's interpreter)."""
+(tests/support/gpu_compile.py, in a process of its own, since this session runs Triton's interpreter)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 pytest.importorskip("triton")
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 def compiled() -> dict[str, object]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(
-        [sys.executable, "-m", "tests.kernels.gpu_compile"], cwd=REPO, env=env, capture_output=True, text=True,
+        [sys.executable, "-m", "tests.support.gpu_compile"], cwd=REPO, env=env, capture_output=True, text=True,
         timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]

@@ -15,7 +15,9 @@ from kernels import torch_attention as ref  # noqa: E402
 from kernels import triton_attention as tri  # noqa: E402
 from kernels import triton_decode, triton_prefill  # noqa: E402
 from kernels.backend import select_attention_backend  # noqa: E402
-from tests.kernels.paged_inputs import make_paged_batch, rel_err  # noqa: E402
+from tests.support.paged_inputs import make_paged_batch, rel_err  # noqa: E402
+
+pytestmark = pytest.mark.unit
 
 SCALE = 0.3
 

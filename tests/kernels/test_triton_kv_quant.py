@@ -10,12 +10,14 @@ pytest.importorskip("triton")
 from kernels import torch_attention as ref  # noqa: E402
 from kernels import triton_attention as tri  # noqa: E402
 from kernels.kv_quant import FORMATS, as_bytes, quantize  # noqa: E402
-from tests.kernels.paged_inputs import (  # noqa: E402
+from tests.support.paged_inputs import (  # noqa: E402
     dense_causal_attention,
     make_paged_batch,
     quantize_batch,
     rel_err,
 )
+
+pytestmark = pytest.mark.unit
 
 DTYPES = list(FORMATS.values())
 SCALE = 0.3

@@ -1,0 +1,422 @@
+"""vllm-router in front of real schedulers: two replicas of a tiny Llama (`llama`) and one tiny Qwen2 (`qwen`);
+one test puts two SmolLM2 replicas beside the Qwen2.
+
+Routing by model, greedy outputs through the router equal to a replica's own (gRPC, and the OpenAI API with the
+official client), NOT_FOUND for other models at the router and at a scheduler, Abort fanned out, Control
+(ListReplicas, summed GetStats, Drain), health per model, metrics, TLS and the Control token, retry before the
+first token over HTTP, and `kill -9` of one replica under load (the last test: it kills a replica of the shared
+fleet).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from minivllm.cluster import REPO, Cluster, RouterProcess, free_port
+from proto import serving_pb2 as pb
+from proto import serving_pb2_grpc as pb_grpc
+from tests.support.ops import (
+    NOT_SERVING,
+    SERVING,
+    TINY_WORKER,
+    Streams,
+    greedy_ids,
+    health_status,
+    prompt_ids,
+    wait_for,
+)
+
+pytestmark = pytest.mark.e2e
+
+LLAMA = ["--served-model-name", "llama", "--max-num-seqs", "2"]  # 2: further requests wait (kill test)
+QWEN = ["--served-model-name", "qwen"]
+PROBE = ["--probe-interval", "0.2", "--probe-timeout", "1"]
+
+
+@dataclass
+class Fleet:
+    llamas: list[Cluster]
+    qwen: Cluster
+    router: RouterProcess
+    metrics_url: str
+    llama_dir: Path
+    spawned: list[Cluster]  # everything to kill at the end, replacements too
+
+    @property
+    def stub(self) -> pb_grpc.GenerationStub:
+        return pb_grpc.GenerationStub(self.router.channel)
+
+    @property
+    def control(self) -> pb_grpc.ControlStub:
+        return pb_grpc.ControlStub(self.router.channel)
+
+    def replicas(self) -> dict[str, pb.ReplicaStatus]:
+        return {r.address: r for r in self.control.ListReplicas(pb.ListReplicasRequest(), timeout=5).replicas}
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_llama_dir: Path, tiny_qwen2_dir: Path) -> Iterator[Fleet]:
+    llamas = [Cluster(tiny_llama_dir, LLAMA, TINY_WORKER, http=True) for _ in range(2)]
+    qwen = Cluster(tiny_qwen2_dir, QWEN, TINY_WORKER, http=True)
+    metrics_port = free_port()
+    replicas = [f"{c.address},model=llama,http={http_address(c)}" for c in llamas]
+    replicas.append(f"{qwen.address},model=qwen,http={http_address(qwen)}")
+    args = ["--routing-strategy", "round_robin", "--metrics-port", str(metrics_port), *PROBE]
+    router = RouterProcess(replicas, args, http=True)
+    fleet = Fleet(llamas, qwen, router, f"http://127.0.0.1:{metrics_port}/metrics", tiny_llama_dir, [*llamas, qwen])
+    try:
+        for c in fleet.spawned:
+            c.wait_serving()
+        router.wait_serving(30)
+        wait_for(lambda: all(r.state == "serving" for r in fleet.replicas().values()), 10, "every replica serving")
+        yield fleet
+    finally:
+        router.stop()
+        for c in fleet.spawned:
+            c.kill()
+
+
+def http_address(cluster: Cluster) -> str:
+    return f"127.0.0.1:{cluster.http_port}"
+
+
+def openai_client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=60)
+
+
+def tokens(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest) -> list[int]:
+    return [t for delta in stub.Generate(request, timeout=60) for t in delta.token_ids]
+
+
+def test_routing_by_model_gives_each_models_own_greedy_tokens(fleet: Fleet) -> None:
+    direct = {
+        "llama": pb_grpc.GenerationStub(fleet.llamas[0].channel),
+        "qwen": pb_grpc.GenerationStub(fleet.qwen.channel),
+    }
+    for seed in range(3):
+        expected = {model: tokens(stub, greedy_ids(prompt_ids(seed), 12)) for model, stub in direct.items()}
+        assert expected["llama"] != expected["qwen"]  # two different models: the test can tell them apart
+        for model in ("llama", "qwen"):
+            for _ in range(2):  # round robin: both llama replicas answer
+                assert tokens(fleet.stub, greedy_ids(prompt_ids(seed), 12, model=model)) == expected[model], model
+        assert tokens(fleet.stub, greedy_ids(prompt_ids(seed), 12)) == expected["llama"]  # the default model
+    text = pb.GenerateRequest(prompt="The capital of France", sampling=pb.SamplingParams(max_tokens=8, temperature=0))
+    for model in ("llama", "qwen"):
+        expected_text = "".join(d.text for d in direct[model].Generate(text, timeout=60))
+        client = [sys.executable, "-m", "scheduler_node.cli.client", "--port", str(fleet.router.port), "--model",
+                  model, "--max-tokens", "8", "--temperature", "0", "The capital of France"]  # fmt: skip
+        out = subprocess.run(client, cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and out.stdout.startswith(expected_text), (out.stdout, out.stderr)
+
+
+def test_other_models_are_not_found_at_the_router_and_at_a_scheduler(fleet: Fleet) -> None:
+    with pytest.raises(grpc.RpcError) as exc:
+        tokens(fleet.stub, greedy_ids(prompt_ids(0), 4, model="gpt-5"))
+    assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "'gpt-5' is not served here; models: llama, qwen" in exc.value.details()
+    with pytest.raises(grpc.RpcError) as exc:
+        tokens(pb_grpc.GenerationStub(fleet.qwen.channel), greedy_ids(prompt_ids(0), 4, model="llama"))
+    assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "this server serves 'qwen'" in exc.value.details()
+    assert tokens(pb_grpc.GenerationStub(fleet.qwen.channel), greedy_ids(prompt_ids(0), 4, model="qwen"))
+
+
+def test_abort_is_fanned_out_to_the_replica_that_runs_the_request(fleet: Fleet) -> None:
+    request = greedy_ids(prompt_ids(7), 1000, request_id="abort-me", model="qwen")
+    streams = Streams(fleet.stub, [request])
+    streams.wait_all_started()
+    with pytest.raises(grpc.RpcError) as exc:
+        tokens(fleet.stub, greedy_ids(prompt_ids(8), 4, request_id="abort-me", model="llama"))
+    assert exc.value.code() == grpc.StatusCode.ALREADY_EXISTS  # ids are unique across the replicas
+    assert fleet.stub.Abort(pb.AbortRequest(request_id="abort-me"), timeout=10).found
+    (result,) = streams.join(30)
+    assert result.finish_reason == "abort" and 0 < len(result.tokens) < 1000
+    assert not fleet.stub.Abort(pb.AbortRequest(request_id="abort-me"), timeout=10).found
+
+
+def test_control_lists_the_replicas_and_sums_their_stats(fleet: Fleet) -> None:
+    for seed in range(4):
+        tokens(fleet.stub, greedy_ids(prompt_ids(100 + seed), 4, model="llama"))
+    replicas = fleet.replicas()
+    assert {a: (r.model, r.state) for a, r in replicas.items()} == {
+        fleet.llamas[0].address: ("llama", "serving"),
+        fleet.llamas[1].address: ("llama", "serving"),
+        fleet.qwen.address: ("qwen", "serving"),
+    }
+    assert all(replicas[c.address].requests >= 2 and replicas[c.address].ttft_ewma_s > 0 for c in fleet.llamas)
+    direct = [pb_grpc.ControlStub(c.channel).GetStats(pb.GetStatsRequest(), timeout=5) for c in fleet.llamas]
+    summed = fleet.control.GetStats(pb.GetStatsRequest(model="llama"), timeout=5)
+    assert summed.total_blocks == sum(s.total_blocks for s in direct)
+    assert summed.prefix_cache_queries == sum(s.prefix_cache_queries for s in direct)
+    every = fleet.control.GetStats(pb.GetStatsRequest(), timeout=5)
+    qwen = pb_grpc.ControlStub(fleet.qwen.channel).GetStats(pb.GetStatsRequest(), timeout=5)
+    assert every.total_blocks == summed.total_blocks + qwen.total_blocks
+    for c in fleet.llamas:
+        assert metric(fleet.metrics_url, "minivllm:router_requests_total", replica=c.address) >= 2
+        assert metric(fleet.metrics_url, "minivllm:router_replica_healthy", replica=c.address) == 1
+    assert metric(fleet.metrics_url, "minivllm:router_decisions_total", strategy="round_robin", decision="next") >= 4
+    for call, request, code in [
+        (fleet.control.GetStats, pb.GetStatsRequest(model="gpt-5"), grpc.StatusCode.NOT_FOUND),
+        (fleet.control.ListWorkers, pb.ListWorkersRequest(), grpc.StatusCode.UNIMPLEMENTED),
+    ]:
+        with pytest.raises(grpc.RpcError) as exc:
+            call(request, timeout=5)
+        assert exc.value.code() == code
+
+
+def test_health_needs_a_serving_replica_of_every_model(fleet: Fleet) -> None:
+    ghost = f"127.0.0.1:{free_port()},model=ghost"  # nothing listens there
+    replicas = [f"{c.address},model=llama" for c in fleet.llamas] + [ghost]
+    router = RouterProcess(replicas, PROBE)
+    try:
+        wait_for(lambda: health_status(router.channel) == NOT_SERVING, 30, "the router answers NOT_SERVING")
+        control = pb_grpc.ControlStub(router.channel)
+        wait_for(
+            lambda: (
+                [r.state for r in control.ListReplicas(pb.ListReplicasRequest(), timeout=5).replicas]
+                == ["serving", "serving", "down"]
+            ),
+            10,
+            "the llamas serving, the ghost down",
+        )
+        assert health_status(router.channel) == NOT_SERVING
+        stub = pb_grpc.GenerationStub(router.channel)
+        assert tokens(stub, greedy_ids(prompt_ids(0), 4))  # llama still routes
+        with pytest.raises(grpc.RpcError) as exc:
+            tokens(stub, greedy_ids(prompt_ids(0), 4, model="ghost"))
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "model 'ghost': no replica is serving" in exc.value.details()
+        # Drain: the open stream finishes, new requests are refused, and the answer says so.
+        streams = Streams(stub, [greedy_ids(prompt_ids(1), 200)])
+        streams.wait_all_started()
+        drained = control.Drain(pb.DrainRequest(timeout_s=60), timeout=90)
+        assert (drained.drained, drained.remaining) == (True, 0)
+        (result,) = streams.join(10)
+        assert result.finish_reason == "length" and len(result.tokens) == 200
+        with pytest.raises(grpc.RpcError) as exc:
+            tokens(stub, greedy_ids(prompt_ids(0), 4))
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in exc.value.details()
+    finally:
+        assert router.stop() == 0
+
+
+def test_router_serves_tls_and_guards_control_with_a_token(fleet: Fleet, tls_files: tuple[Path, Path]) -> None:
+    cert, key = tls_files
+    args = ["--tls-cert", str(cert), "--tls-key", str(key), "--control-token", "s3cret", *PROBE]
+    router = RouterProcess([f"{fleet.llamas[1].address},model=llama"], args)
+    router.channel.close()
+    router.channel = grpc.secure_channel(router.address, grpc.ssl_channel_credentials(cert.read_bytes()))
+    try:
+        router.wait_serving(30)
+        assert tokens(pb_grpc.GenerationStub(router.channel), greedy_ids(prompt_ids(0), 4))
+        with grpc.insecure_channel(router.address) as plain:
+            assert health_status(plain) == -1  # a plaintext client gets no answer
+        control = pb_grpc.ControlStub(router.channel)
+        with pytest.raises(grpc.RpcError) as exc:
+            control.ListReplicas(pb.ListReplicasRequest(), timeout=5)
+        assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        listed = control.ListReplicas(
+            pb.ListReplicasRequest(), timeout=5, metadata=[("authorization", "Bearer s3cret")]
+        )
+        assert [r.address for r in listed.replicas] == [fleet.llamas[1].address]
+    finally:
+        assert router.stop() == 0
+
+
+def test_the_openai_api_through_the_router_routes_by_model_and_streams_through(fleet: Fleet) -> None:
+    """The official client against the router's HTTP door: /v1/models lists both models, each model's greedy text
+    equals its replica's own door's, streamed chunks arrive while the replica still runs the request (no
+    buffering), and errors keep the door's shape and words."""
+    client = openai_client(fleet.router.base_url)
+    assert sorted(m.id for m in client.models.list().data) == ["llama", "qwen"]
+    direct = {"llama": fleet.llamas[0], "qwen": fleet.qwen}
+    chat: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me about the sea."}]
+    answers = {}
+    for model, cluster in direct.items():
+        own = openai_client(cluster.base_url).chat.completions.create(
+            model=model, messages=chat, max_tokens=12, temperature=0
+        )  # fmt: skip
+        for _ in range(2):  # round robin: both llama replicas answer
+            routed = client.chat.completions.create(model=model, messages=chat, max_tokens=12, temperature=0)
+            assert routed.choices[0].message.content == own.choices[0].message.content, model
+            assert routed.usage is not None and own.usage is not None, "a chat completion reports its usage"
+            assert routed.model == model and routed.usage.completion_tokens == own.usage.completion_tokens
+        answers[model] = own.choices[0].message.content
+        text = client.completions.create(model=model, prompt="The sea is", max_tokens=6, temperature=0)
+        own_text = openai_client(cluster.base_url).completions.create(
+            model=model, prompt="The sea is", max_tokens=6, temperature=0
+        )  # fmt: skip
+        assert text.choices[0].text == own_text.choices[0].text
+    assert answers["llama"] != answers["qwen"]  # two different models: the test can tell them apart
+    stream = client.completions.create(model="qwen", prompt="The sea is", max_tokens=200, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+    pieces = [next(iter(stream)).choices[0].text]
+    assert fleet.replicas()[fleet.qwen.address].in_flight == 1  # the first chunk came before the end of the stream
+    pieces += [chunk.choices[0].text for chunk in stream if chunk.choices]
+    assert len(pieces) > 100  # one chunk per token (or nearly), not one buffered answer
+    with pytest.raises(openai.NotFoundError) as not_found:
+        client.completions.create(model="gpt-5", prompt="hi", max_tokens=2)
+    assert not_found.value.code == "model_not_found" and "'gpt-5' is not served here" in not_found.value.message
+    for streamed in (False, True):
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.completions.create(model="llama", prompt="hi", max_tokens=2, temperature=-1, stream=streamed)
+        assert bad.value.param == "temperature"  # the replica's door checks the ranges, in its own words
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="llama", messages=[{"content": "no role"}], max_tokens=2)  # type: ignore[list-item]
+    assert bad.value.param == "messages[0].role"  # the router checks the body with the door's models
+    root = fleet.router.base_url.removesuffix("/v1")
+    assert httpx.get(root + "/health").status_code == 200
+    assert "minivllm:router_requests_total" in httpx.get(root + "/metrics").text
+    for model, cluster in direct.items():
+        body = {"model": model, "prompt": "The sea is"}
+        own = httpx.post(cluster.base_url.removesuffix("/v1") + "/tokenize", json=body).json()
+        assert httpx.post(root + "/tokenize", json=body).json() == own
+        ids = {"model": model, "tokens": own["tokens"]}
+        back = httpx.post(cluster.base_url.removesuffix("/v1") + "/detokenize", json=ids).json()
+        assert "The sea is" in back["prompt"] and httpx.post(root + "/detokenize", json=ids).json() == back
+
+
+def test_an_http_request_that_cannot_reach_its_replica_is_retried_on_another(fleet: Fleet) -> None:
+    """Retry before the first token over HTTP: one replica's HTTP port has nothing behind it (its gRPC side is
+    healthy, so it stays in the ring); every request still completes on the other, once retried."""
+    dead = f"127.0.0.1:{free_port()}"
+    replicas = [f"{fleet.llamas[0].address},model=llama,http={dead}",
+                f"{fleet.llamas[1].address},model=llama,http={http_address(fleet.llamas[1])}"]  # fmt: skip
+    router = RouterProcess(replicas, ["--routing-strategy", "round_robin", *PROBE], http=True)
+    try:
+        router.wait_serving(30)
+        client = openai_client(router.base_url)
+        reference = openai_client(fleet.llamas[1].base_url).completions.create(
+            model="llama", prompt="The sea is", max_tokens=8, temperature=0
+        )  # fmt: skip
+        for stream in (False, True, False, True):
+            wait_for(lambda: health_status(router.channel) == SERVING, 10, "the router serving")
+            answer = client.completions.create(model="llama", prompt="The sea is", max_tokens=8, temperature=0,
+                                               stream=stream)  # fmt: skip
+            if isinstance(answer, openai.Stream):
+                text = "".join(c.choices[0].text for c in answer if c.choices)
+            else:
+                text = answer.choices[0].text
+            assert text == reference.choices[0].text, stream
+        retries = metric(router.base_url.replace("/v1", "/metrics"), "minivllm:router_retries_total", model="llama")
+        assert retries >= 1
+    finally:
+        assert router.stop() == 0
+
+
+def test_an_http_stream_whose_replica_dies_ends_with_an_error_naming_it(fleet: Fleet) -> None:
+    """After the first chunk a request is not sent again (the client has tokens): the stream ends with an error
+    event naming the replica, which the official client raises; nothing hangs."""
+    doomed = Cluster(fleet.llama_dir, LLAMA, TINY_WORKER, http=True)
+    fleet.spawned.append(doomed)
+    router = RouterProcess([f"{doomed.address},model=llama,http={http_address(doomed)}"], PROBE, http=True)
+    try:
+        doomed.wait_serving()
+        router.wait_serving(30)
+        stream = openai_client(router.base_url).completions.create(
+            model="llama", prompt="The sea is", max_tokens=1000, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        chunks = iter(stream)
+        assert next(chunks).choices
+        doomed.scheduler.kill()
+        with pytest.raises(openai.APIError) as exc:
+            for _ in chunks:
+                pass
+        assert http_address(doomed) in exc.value.message and "failed mid-stream" in exc.value.message
+    finally:
+        assert router.stop() == 0
+        doomed.kill()
+
+
+def test_two_smollm2_replicas_and_a_tiny_model_behind_one_router(fleet: Fleet, smollm2_dir: Path) -> None:
+    """The issue's fleet with the real model: greedy tokens through the router equal a SmolLM2 replica's own
+    (each replica answers in turn), and the tiny model beside it keeps its own."""
+    smol = [Cluster(smollm2_dir, ["--served-model-name", "smollm2"], ["--kv-cache-memory", "48MiB"]) for _ in range(2)]
+    fleet.spawned += smol
+    router = RouterProcess([*(f"{c.address},model=smollm2" for c in smol), f"{fleet.qwen.address},model=qwen"],
+                           ["--routing-strategy", "round_robin", *PROBE])  # fmt: skip
+    try:
+        for c in smol:
+            c.wait_serving()
+        router.wait_serving(30)
+        stub = pb_grpc.GenerationStub(router.channel)
+        for seed in range(2):
+            text = pb.GenerateRequest(prompt=f"Question {seed}: what is the capital of France? Answer:",
+                                      sampling=pb.SamplingParams(max_tokens=8, temperature=0))  # fmt: skip
+            expected = [d.text for d in pb_grpc.GenerationStub(smol[0].channel).Generate(text, timeout=60)]
+            for _ in range(2):  # round robin: both SmolLM2 replicas answer
+                text.model = "smollm2"
+                assert [d.text for d in stub.Generate(text, timeout=60)] == expected
+            own = tokens(pb_grpc.GenerationStub(fleet.qwen.channel), greedy_ids(prompt_ids(seed), 8))
+            assert tokens(stub, greedy_ids(prompt_ids(seed), 8, model="qwen")) == own
+        requests = {r.address: r.requests for r in pb_grpc.ControlStub(router.channel).ListReplicas(
+            pb.ListReplicasRequest(), timeout=5).replicas}  # fmt: skip
+        assert [requests[c.address] for c in smol] == [2, 2]
+    finally:
+        assert router.stop() == 0
+        for c in smol:
+            c.stop()
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """A sample's value from the Prometheus text, 0 when absent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    return 0.0
+
+
+def test_kill_9_of_a_replica_under_load(fleet: Fleet) -> None:
+    """Requests waiting on the killed replica (no token yet) finish on the other with the right tokens; those it
+    was running end with UNAVAILABLE naming it; nothing hangs; the replica leaves, and returns once restarted."""
+    victim, survivor = fleet.llamas
+    max_tokens = 300
+    prompts = [prompt_ids(200 + i) for i in range(8)]
+    expected = [r.tokens for r in Streams(pb_grpc.GenerationStub(survivor.channel),
+                                          [greedy_ids(p, max_tokens) for p in prompts]).join(120)]  # fmt: skip
+    retries_before = metric(fleet.metrics_url, "minivllm:router_retries_total", model="llama")
+    streams = Streams(fleet.stub, [greedy_ids(p, max_tokens, model="llama") for p in prompts], timeout=120)
+    # Round robin: 4 on each replica, 2 running and 2 waiting on each (--max-num-seqs 2).
+    wait_for(lambda: sum(bool(r.tokens) for r in streams.results) >= 4, 60, "both replicas stream")
+    victim.scheduler.kill()
+    started = [bool(r.tokens) for r in streams.results]
+    results = streams.join(120)
+    for i, (r, had_tokens) in enumerate(zip(results, started)):
+        if r.code is None:
+            assert r.finish_reason == "length" and r.tokens == expected[i], i  # no duplicate or lost token
+        else:
+            assert had_tokens, f"request {i} had no token yet, so it should have been retried: {r.details}"
+            assert r.code == grpc.StatusCode.UNAVAILABLE and victim.address in r.details, (r.code, r.details)
+    assert any(r.code == grpc.StatusCode.UNAVAILABLE for r in results), "the victim ran none of them"
+    assert all(r.code is None for r, had in zip(results, started) if not had)
+    assert metric(fleet.metrics_url, "minivllm:router_retries_total", model="llama") > retries_before
+    wait_for(lambda: fleet.replicas()[victim.address].state in ("down", "not_serving"), 5, "the victim leaves")
+    assert health_status(fleet.router.channel) == SERVING  # a llama replica is left
+    assert metric(fleet.metrics_url, "minivllm:router_replica_healthy", replica=victim.address) == 0
+    assert tokens(fleet.stub, greedy_ids(prompts[0], 8, model="llama")) == expected[0][:8]
+
+    victim.kill()  # its worker, too
+    fleet.llamas[0] = Cluster(fleet.llama_dir, LLAMA, TINY_WORKER, port=victim.port)  # the same address again
+    fleet.spawned.append(fleet.llamas[0])
+    fleet.llamas[0].wait_serving()
+    wait_for(lambda: fleet.replicas()[victim.address].state == "serving", 10, "the replica comes back")
+    before = fleet.replicas()[victim.address].requests
+    for seed in range(4):
+        tokens(fleet.stub, greedy_ids(prompt_ids(seed), 4, model="llama"))
+    assert fleet.replicas()[victim.address].requests > before

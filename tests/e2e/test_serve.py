@@ -1,0 +1,125 @@
+"""vllm-serve starts a scheduler and its workers, serves gRPC and the OpenAI API, drains on SIGTERM (HTTP answers
+503 meanwhile while the live stream finishes) and stops them all cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from minivllm.cluster import REPO, free_port
+from proto import serving_pb2 as pb
+from proto import serving_pb2_grpc as pb_grpc
+from scheduler_node.cli.client import wait_ready
+from scheduler_node.cli.serve import build_parser
+from tests.support.ops import Streams, alive, child_pids, greedy_ids, prompt_ids, wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+def assert_stops_with_its_children(serve: subprocess.Popen, sig: int, expected_children: int) -> None:
+    children = child_pids(serve.pid)
+    assert len(children) == expected_children, children
+    serve.send_signal(sig)
+    assert serve.wait(60) == 0
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in children if alive(pid)], "children outlived vllm-serve"
+
+
+KEY = "sk-serve-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def command_line(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def test_serve_turns_the_openai_api_on_at_8000() -> None:
+    assert build_parser().parse_args([]).openai_port == 8000
+
+
+def test_serve_runs_and_stops_all_children_on_sigterm(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    port, worker_port, http_port = free_port(), free_port(), free_port()
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        f"model: {tiny_llama_dir}\nkv-cache-memory: 16MiB\nthreads: 1\nlog-level: WARNING\napi-key: {KEY}\n"
+    )
+    argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--config", str(config),
+            "--port", str(port), "--worker-port", str(worker_port), "--openai-port", str(http_port)]  # fmt: skip
+    serve = subprocess.Popen(argv, cwd=REPO)
+    url = f"http://127.0.0.1:{http_port}"
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            assert wait_ready(channel, 120), "vllm-serve never became SERVING"
+            stub = pb_grpc.GenerationStub(channel)
+            request = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=5, temperature=0))
+            deltas = list(stub.Generate(request, timeout=60))
+            assert deltas[-1].usage.completion_tokens == 5
+        assert httpx.get(url + "/health").status_code == 200
+        children = child_pids(serve.pid)
+        assert len(children) == 2, children  # the scheduler and one worker
+        assert not [pid for pid in children if KEY in command_line(pid)], "the API key is on a command line"
+        assert httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 401
+        body = {"prompt": "hi", "max_tokens": 1000, "ignore_eos": True, "stream": True}  # outlasts the checks
+        with httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH, timeout=60) as live:
+            chunks = live.iter_lines()
+            assert next(chunks).startswith("data: ")
+            serve.send_signal(signal.SIGTERM)  # the scheduler drains: the live stream goes on, new work is refused
+            deadline = time.monotonic() + 10
+            while httpx.get(url + "/health").status_code == 200 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            refused = httpx.post(url + "/v1/completions", json={"prompt": "late", "max_tokens": 2}, headers=AUTH)
+            assert refused.status_code == 503 and "draining" in refused.json()["error"]["message"]
+            assert [line for line in chunks if line][-1] == "data: [DONE]"
+        assert serve.wait(30) == 0
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in children if alive(pid)], "children outlived vllm-serve"
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+
+
+def test_serve_data_parallel_replicas_behind_a_router_balance_and_stop_on_ctrl_c(tiny_llama_dir: Path) -> None:
+    port, worker_port, http_port = free_port(), free_port(), free_port()
+    argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--model", str(tiny_llama_dir), "--data-parallel-size",
+            "2", "--routing-strategy", "least_loaded", "--kv-cache-memory", "16MiB", "--threads", "1", "--log-level",
+            "WARNING", "--port", str(port), "--worker-port", str(worker_port),
+            "--openai-port", str(http_port)]  # fmt: skip
+    serve = subprocess.Popen(argv, cwd=REPO, env={**os.environ, "MINIVLLM_API_KEY": KEY})
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            assert wait_ready(channel, 120), "the router never became SERVING"
+            control = pb_grpc.ControlStub(channel)
+
+            def replicas() -> list[pb.ReplicaStatus]:
+                return list(control.ListReplicas(pb.ListReplicasRequest(), timeout=5).replicas)
+
+            wait_for(lambda: [r.state for r in replicas()] == ["serving", "serving"], 120, "both replicas serving")
+            assert {r.model for r in replicas()} == {tiny_llama_dir.name}
+            requests = [greedy_ids(prompt_ids(i), 16) for i in range(40)]
+            results = Streams(pb_grpc.GenerationStub(channel), requests).join(120)
+            assert all(r.finish_reason == "length" and len(r.tokens) == 16 for r in results)
+            counts = [r.requests for r in replicas()]
+            assert sum(counts) == 40 and all(abs(c - 20) <= 0.2 * 20 for c in counts), counts  # within 20 %
+        # The OpenAI API is the router's too: it lists the model and forwards to a replica with the replicas' key.
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key=KEY, max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == [tiny_llama_dir.name]
+        answer = client.completions.create(model=tiny_llama_dir.name, prompt="hi", max_tokens=5, temperature=0)
+        assert answer.usage is not None and answer.usage.completion_tokens == 5
+        assert httpx.get(f"http://127.0.0.1:{http_port}/v1/models").status_code == 401  # the router checks the key
+        assert_stops_with_its_children(serve, signal.SIGINT, 5)  # the router, two schedulers, a worker each
+    finally:
+        if serve.poll() is None:
+            serve.kill()

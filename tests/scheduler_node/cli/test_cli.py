@@ -1,0 +1,80 @@
+"""Every command has --help, and --config FILE.yaml where flags win."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from proto.cli_config import parse_args
+from scheduler_node.cli.scheduler import build_parser as scheduler_parser
+from scheduler_node.cli.serve import build_parser as serve_parser
+from tests.support.paths import REPO
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "scheduler_node.cli.scheduler",
+        "scheduler_node.cli.serve",
+        "scheduler_node.cli.client",
+        "scheduler_node.cli.router",
+        "worker_node.worker",
+        "worker_node.convert",
+    ],
+)
+def test_help(module: str) -> None:
+    out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "--config" in out.stdout
+
+
+def test_config_file_sets_defaults_and_flags_win(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("max-num-seqs: 7\nblock_size: 32\nport: 6000\n")
+    args = parse_args(scheduler_parser(), ["--config", str(config), "--port", "7000"])
+    assert (args.max_num_seqs, args.block_size, args.port) == (7, 32, 7000)
+
+
+def test_config_file_covers_worker_flags_in_serve(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("kv-cache-memory: 2GiB\nnum_workers: 1\n")
+    args = parse_args(serve_parser(), ["--config", str(config)])
+    assert args.kv_cache_memory == 2 * 2**30
+
+
+def test_unknown_config_key_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("max-num-sequences: 7\n")
+    with pytest.raises(SystemExit):
+        parse_args(scheduler_parser(), ["--config", str(config)])
+    assert "unknown key 'max-num-sequences'" in capsys.readouterr().err
+
+
+def test_scheduler_never_imports_torch() -> None:
+    code = (
+        "import sys, scheduler_node.cli.scheduler, scheduler_node.cli.serve, scheduler_node.cli.client, "
+        "scheduler_node.cli.router; "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        ([], "no replicas: give at least one --replica"),
+        (["--replica", "127.0.0.1:1"], "address and model are required"),
+        (["--replica", "127.0.0.1:1,model=m", "--routing-strategy", "fastest"], "--routing-strategy must be one of"),
+        (["--replica", "127.0.0.1:1,model=m", "--probe-interval", "0"], "--probe-interval must be > 0"),
+    ],
+)
+def test_router_names_what_is_wrong_with_its_flags(argv: list[str], words: str) -> None:
+    command = [sys.executable, "-m", "scheduler_node.cli.router", "--port", "0", *argv]
+    out = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and words in out.stderr, out.stderr

@@ -1,0 +1,80 @@
+"""The GPU-minded benchmarks' --smoke modes, run as CI runs them (on CPU): every part a CPU reaches runs at tiny
+sizes, so a call that drifts from the API it uses fails here instead of on a GPU machine. The figures are not
+asserted (they mean nothing at these sizes); the rows that prove each part ran, and agreed, are."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from minivllm.cluster import REPO
+
+pytestmark = pytest.mark.e2e
+
+
+def _smoke(script: str, model: Path, out: Path) -> tuple[str, Any]:
+    """Run `scripts/<script> --smoke` on `model` with no GPU visible; its stdout and its JSON report (as written)."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run(
+        [sys.executable, f"scripts/{script}", "--smoke", "--model", str(model), "--json", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run.stdout, json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_bench_kernels_smoke_runs_the_kernel_checks_and_every_cpu_backend(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    stdout, report = _smoke("bench_kernels.py", tiny_llama_dir, tmp_path / "kernels.json")
+    assert report["device"] == "cpu"
+    assert "decode/prefill speed runs and the sweep: they time CUDA events" in report["skipped"]
+    has_triton = importlib.util.find_spec("triton") is not None
+    want = ["torch", "native"] + (["triton (interpreter)"] if has_triton else [])
+    engine = report["engine"]
+    assert [row["backend"] for row in engine] == want
+    for row in engine:  # fp32 on one machine: every backend decodes the same greedy tokens as the reference
+        assert row["same as torch"] == "2/2", row
+        assert row["total s"] > 0 and row["first-token s"] > 0, row
+    assert "## engine decode on cpu, 2 x (8 prompt + 4 output) tokens, float32" in stdout
+    if has_triton:  # Triton's interpreter: every kernel at one small shape, fp32 and fp16 (bf16 is GPU-only)
+        checks = report["correctness"]
+        kernels = ["decode[seg=1]", "decode[seg=4]", "decode[seg=None]", "prefill", "write_kv"]
+        assert sorted((r["kernel"], r["dtype"]) for r in checks) == sorted(
+            (k, d) for k in kernels for d in ("fp16", "fp32")
+        )
+        assert all(r["ok"] for r in checks), checks
+        assert "## correctness vs torch reference (cpu)" in stdout
+
+
+@pytest.mark.slow
+def test_bench_parallel_smoke_serves_every_token_with_tp1_and_tp2(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    stdout, report = _smoke("bench_parallel.py", tiny_llama_dir, tmp_path / "parallel.json")
+    rows = report["layouts"]
+    assert [(r["tp"], r["pp"], r["threads_per_worker"]) for r in rows] == [(1, 1, 1), (2, 1, 1)]
+    assert report["requests"] == 4
+    tokens = {r["tokens"] for r in rows}  # 4 requests of 4-8 tokens each, the same workload in every world
+    assert len(tokens) == 1 and 16 <= tokens.pop() <= 32, rows
+    assert all(r["tok_s"] > 0 for r in rows)
+    assert "| TP1 x PP1 | 1 x 1 |" in stdout and "| TP2 x PP1 | 2 x 1 |" in stdout
+
+
+@pytest.mark.slow
+def test_bench_priority_smoke_runs_every_row_back_to_back(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    stdout, rows = _smoke("bench_priority.py", tiny_llama_dir, tmp_path / "priority.json")
+    assert [(r["policy"], r["loaded"]) for r in rows] == [("priority", False), ("priority", True), ("fcfs", True)]
+    for r in rows:
+        assert r["rt_ttft_p50"] > 0 and r["rt_e2e_p99"] >= r["rt_ttft_p99"] > 0
+        assert r["batch_failed"] == 0
+    assert all(r["batch_done"] > 0 for r in rows if r["loaded"]), "the batch load ran"
+    assert "| priority | batch |" in stdout and "| fcfs | batch |" in stdout
