@@ -18,7 +18,9 @@ from proto.cli_config import add_config_flag, parse_args
 from proto.curve import CurveError, configure_client
 from proto.parallel import ParallelLayout
 from proto.wire import (
+    HEARTBEAT_TIMEOUT_S,
     MAX_MESSAGE_BYTES,
+    ZMQ_HEARTBEAT_IVL_MS,
     Assignment,
     Message,
     Shutdown,
@@ -34,11 +36,6 @@ from worker_node.plan_loop import PlanLoop, decode_or_none
 
 logger = logging.getLogger("vllm-worker")
 
-# libzmq's own PINGs, answered by the scheduler's libzmq I/O thread: the connection stays up while the scheduler's
-# event loop is busy, and drops this long after the scheduler process stopped answering.
-ZMQ_HEARTBEAT_IVL_MS = 1000
-ZMQ_HEARTBEAT_TIMEOUT_MS = 10_000
-
 
 class Worker:
     def __init__(self, options: WorkerOptions) -> None:
@@ -51,8 +48,10 @@ class Worker:
         # A stable identity: after a network blip the scheduler still knows who this is.
         identity = f"{socket.gethostname()[:64]}/{os.getpid()}/{secrets.token_hex(4)}"
         self._sock.setsockopt(zmq.ROUTING_ID, identity.encode())
+        # libzmq's own PINGs, answered by the scheduler's libzmq I/O thread: the connection stays up while the
+        # scheduler's event loop is busy, and drops this long after the scheduler process stopped answering.
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, ZMQ_HEARTBEAT_IVL_MS)
-        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMQ_HEARTBEAT_TIMEOUT_MS)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_TIMEOUT_S * 1000))
         if options.zmq_curve_dir:
             configure_client(self._sock, options.zmq_curve_dir)
         source = f"{options.local_address}:0;" if options.local_address else ""

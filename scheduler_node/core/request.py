@@ -11,18 +11,34 @@ from proto.wire import NewRequest, SamplingOptions, TokenLogprobs
 from scheduler_node.core.block_table import BlockHash, hash_block
 
 
+class FinishReason(enum.StrEnum):
+    """Why a sequence ended: what every door reports as its finish_reason, and the label of the request metrics."""
+
+    STOP = "stop"  # eos, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # aborted by its client (or the client went away)
+    ERROR = "error"  # failed by the engine: its last delta carries the EngineError (engine/outputs.py)
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
-    FINISHED_STOPPED = "stop"
-    FINISHED_LENGTH = "length"
-    FINISHED_ABORTED = "abort"
-    FINISHED_ERROR = "error"
+    FINISHED_STOPPED = FinishReason.STOP
+    FINISHED_LENGTH = FinishReason.LENGTH
+    FINISHED_ABORTED = FinishReason.ABORT
+    FINISHED_ERROR = FinishReason.ERROR
 
     @property
     def finished(self) -> bool:
         return self not in _LIVE  # identity tests: asked for every request at every step
+
+    @property
+    def finish_reason(self) -> FinishReason:
+        """Why a finished request ended."""
+        if not isinstance(self.value, FinishReason):
+            raise ValueError(f"a {self.value} request has not finished")
+        return self.value
 
 
 _LIVE = (Status.WAITING, Status.RUNNING, Status.PREEMPTED)

@@ -27,7 +27,7 @@ from scheduler_node.core.scheduler import RequestOutput, Scheduler
 from scheduler_node.core.stats import hit_rates, kv_pools, snapshot
 from scheduler_node.engine.collector import CollectorSchedule
 from scheduler_node.engine.metrics import LiveSample, Metrics
-from scheduler_node.engine.outputs import Delta, RequestStream, SequenceOutput
+from scheduler_node.engine.outputs import Delta, EngineError, ErrorStatus, RequestStream, SequenceOutput
 from scheduler_node.text.detokenizer import IncrementalDetokenizer
 from scheduler_node.text.tokenizer import ModelTokenizer
 
@@ -229,12 +229,12 @@ class EngineCore:
         """Until no request is live."""
         await self._idle.wait()
 
-    def end_all(self, reason: str, code: str) -> None:
-        """End every live request with an error (`code`: the gRPC status name) and free its blocks."""
+    def end_all(self, reason: str, status: ErrorStatus) -> None:
+        """End every live request with an error and free its blocks."""
         for req_id in list(self._sequences):
             req = self.scheduler.finish(req_id, Status.FINISHED_ERROR)
             if req is not None:
-                self._emit(req, [], [], error=reason, code=code)
+                self._emit(req, [], [], error=EngineError(status, reason))
         self._wake.set()
 
     # ---- the loop
@@ -254,7 +254,7 @@ class EngineCore:
         except Exception as exc:
             logger.exception("engine loop failed")
             self.failed = f"engine failed: {exc}"
-            self.end_all(self.failed, "INTERNAL")
+            self.end_all(self.failed, ErrorStatus.INTERNAL)
             raise
 
     async def _step(self) -> None:
@@ -397,7 +397,7 @@ class EngineCore:
         running = self.scheduler.requeue_all()
         timeout = self.options.rejoin_timeout
         if self.draining:
-            self.end_all(f"{reason} while draining", "UNAVAILABLE")
+            self.end_all(f"{reason} while draining", ErrorStatus.UNAVAILABLE)
         else:
             logger.warning(
                 "%s: %d running request(s) back to waiting; waiting up to %g s for a replacement worker",
@@ -411,7 +411,7 @@ class EngineCore:
                 return
         self.gave_up = f"{reason}, and no worker rejoined within {timeout:g} s"
         logger.error("%s: failing %d live request(s)", self.gave_up, len(self._by_request_id))
-        self.end_all(self.gave_up, "UNAVAILABLE")
+        self.end_all(self.gave_up, ErrorStatus.UNAVAILABLE)
         await self.workers.wait_ready(None)
         self.scheduler.requeue_all()  # start from a clean slate: no notices for the old workers
         self._world_back()
@@ -445,7 +445,8 @@ class EngineCore:
             if req.num_tokens + 1 > limit:
                 for r in [req, *req.forks]:
                     self.scheduler.finish(r.req_id, Status.FINISHED_ERROR)
-                    self._emit(r, [], [], error=f"the KV cache shrank to {limit} tokens", code="UNAVAILABLE")
+                    shrank = EngineError(ErrorStatus.UNAVAILABLE, f"the KV cache shrank to {limit} tokens")
+                    self._emit(r, [], [], error=shrank)
 
     def _fail_step(self, plan: StepPlan, reason: str) -> None:
         """A worker could not run the plan: its requests fail, the rest are recomputed (worker state is suspect)."""
@@ -453,7 +454,7 @@ class EngineCore:
         logger.error("%s; failing the %d request(s) of that step", reason, len(failed))
         for req in failed:
             if self.scheduler.finish(req.req_id, Status.FINISHED_ERROR) is not None and req.req_id in self._sequences:
-                self._emit(req, [], [], error=reason, code="INTERNAL")
+                self._emit(req, [], [], error=EngineError(ErrorStatus.INTERNAL, reason))
         self.scheduler.requeue_all()
 
     def _expire(self, request_id: str, deadline_s: float) -> None:
@@ -462,7 +463,7 @@ class EngineCore:
             req = self.scheduler.finish(req_id, Status.FINISHED_ERROR)
             if req is not None:
                 error = f"deadline_s: {deadline_s:g} s passed before the request finished"
-                self._emit(req, [], [], error=error, code="DEADLINE_EXCEEDED")
+                self._emit(req, [], [], error=EngineError(ErrorStatus.DEADLINE_EXCEEDED, error))
         self._wake.set()  # tell the workers to forget them
 
     # ---- outputs
@@ -498,8 +499,7 @@ class EngineCore:
         req: Request,
         token_ids: list[int],
         logprobs: list[TokenLogprobs],
-        error: str = "",
-        code: str = "",
+        error: EngineError | None = None,
         now: float = 0.0,
         seq: SequenceOutput | None = None,
     ) -> None:
@@ -513,12 +513,11 @@ class EngineCore:
             delta.prompt_logprobs = list(req.prompt_logprobs)  # complete once the first token is sampled
             seq.prompt_logprobs_sent = True
         if finished:
-            delta.finish_reason = req.status.value
+            delta.finish_reason = req.status.finish_reason
             delta.prompt_tokens = len(req.prompt_token_ids)
             delta.completion_tokens = len(req.output_token_ids)
             delta.error = error
-            delta.code = code
-            self.metrics.finished(req.status.value, None if error else time.monotonic() - seq.arrival)
+            self.metrics.finished(delta.finish_reason, None if error else time.monotonic() - seq.arrival)
             self._forget(req.req_id, seq.stream.request_id)
         if delta.token_ids or delta.text or finished:
             seq.stream.put(delta)
