@@ -157,12 +157,12 @@ class EngineCore:
                     kv_precision=spec.kv_precision,
                 )
             )
-            detok = IncrementalDetokenizer(self.tokenizer, spec.prompt_token_ids, spec.stop, spec.sampling.min_tokens)
+            detok = IncrementalDetokenizer(self.tokenizer, spec.prompt_token_ids, spec.stop, stop.may_stop)
             self._sequences[req_id] = SequenceOutput(stream, index, detok)
             internal.append(req_id)
         self.scheduler.add(sequences[0], forks=sequences[1:])  # siblings share the prompt's blocks
         self._by_request_id[spec.request_id] = internal
-        self._maybe_interrupt(sequences[0])
+        self.interrupt_in_flight(sequences[0])
         if deadline_s > 0:
             expire = asyncio.get_running_loop().call_later(deadline_s, self._expire, spec.request_id, deadline_s)
             self._deadlines[spec.request_id] = expire
@@ -355,25 +355,20 @@ class EngineCore:
         self._inflight.clear()
         self._interrupting.clear()
 
-    def _maybe_interrupt(self, req: Request) -> None:
-        """A request that outranks every request of the plans in flight has a lone worker skip their compute
-        (the running step stops at its next layer boundary), so its first token waits for no batch step.
-        Their requests are rolled back when the interrupted results arrive, and scheduled again."""
-        if self._interrupting or not self._inflight:
-            return
+    def interrupt_in_flight(self, req: Request | None = None) -> bool:
+        """Have the workers skip the compute of every plan in flight (the running step stops at its next layer
+        boundary); their requests are rolled back when the interrupted results arrive, and scheduled again. For
+        `req`, a new request, when it outranks them (`Scheduler.may_interrupt`), so its first token waits for no
+        batch step; without one, whenever they can be (`Scheduler.interruptible`). False when none was sent."""
         plans = [entry.plan for entry in self._inflight]
-        if self.scheduler.may_interrupt(req, plans) and self.interrupt_in_flight():
-            logger.info("%s interrupts steps %d..%d", req.req_id, plans[0].step_id, plans[-1].step_id)
-
-    def interrupt_in_flight(self) -> bool:
-        """Have the workers skip every plan in flight (rolled back when their results say so); False when the
-        world cannot be interrupted or a plan cannot be undone."""
-        plans = [entry.plan for entry in self._inflight]
-        if self._interrupting or not plans or not self.mode.interruptible or not self.scheduler.can_undo(plans):
+        if self._interrupting:  # one at a time: no plan is built until its results are in
             return False
-        if not self.workers.interrupt(plans[0].step_id, plans[-1].step_id):
+        allowed = self.scheduler.interruptible(plans) if req is None else self.scheduler.may_interrupt(req, plans)
+        if not allowed or not self.workers.interrupt(plans[0].step_id, plans[-1].step_id):
             return False
         self._interrupting = {plan.step_id for plan in plans}
+        if req is not None:
+            logger.info("%s interrupts steps %d..%d", req.req_id, plans[0].step_id, plans[-1].step_id)
         return True
 
     async def _maybe_delay(self) -> None:
@@ -487,7 +482,7 @@ class EngineCore:
                 continue
             text_ids = out.new_token_ids[:-1] if req.stopped_by_token else out.new_token_ids
             seq.detokenizer.add(text_ids)  # the token that stopped the output is not part of its text
-            if seq.detokenizer.stopped and not req.finished:
+            if seq.detokenizer.stopped and not req.finished:  # a stop string: the output side reports it
                 self.scheduler.finish(req.req_id, Status.FINISHED_STOPPED)
             self._emit(req, out.new_token_ids, out.logprobs, now=now, seq=seq)
             tokens += len(out.new_token_ids)
