@@ -22,6 +22,7 @@ from minivllm.sampling_params import SamplingParams
 from proto.wire import TokenLogprobs
 from proto.worker_flags import KV_CACHE_DTYPES, WorkerOptions, parse_size
 from scheduler_node.api.validation import (
+    DEFAULT_PRIORITY,
     InvalidField,
     build_spec,
     prompt_from_ids,
@@ -216,7 +217,7 @@ class LLM:
         priority: Sequence[int] | None,
     ) -> list[RequestOutput]:
         params = _per_prompt(sampling_params or SamplingParams(), len(ids), "sampling_params")
-        priorities = _per_prompt(priority, len(ids), "priority") if priority is not None else [50] * len(ids)
+        priorities = [DEFAULT_PRIORITY] * len(ids) if priority is None else _per_prompt(priority, len(ids), "priority")
         specs = [
             build_spec(
                 p,
