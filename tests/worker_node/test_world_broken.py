@@ -104,9 +104,7 @@ def test_a_worker_told_to_leave_mid_collective_exits_at_once() -> None:
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
     peer = subprocess.Popen([sys.executable, "-c", STOPPED_PEER, rendezvous], cwd=REPO)
-    worker = subprocess.Popen(
-        [sys.executable, "-c", LEAVING_WORKER, rendezvous, f"tcp://127.0.0.1:{port}"], cwd=REPO
-    )
+    worker = subprocess.Popen([sys.executable, "-c", LEAVING_WORKER, rendezvous, f"tcp://127.0.0.1:{port}"], cwd=REPO)
     try:
         assert router.poll(60_000), "the worker's first heartbeat"
         identity, data = router.recv_multipart()
