@@ -20,7 +20,7 @@ from tqdm import tqdm
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from proto.wire import TokenLogprobs
-from proto.worker_flags import KV_CACHE_DTYPES, WorkerOptions, parse_size
+from proto.worker_flags import KV_CACHE_DTYPES, WorkerOptions, parse_size, worker_argv
 from scheduler_node.api.validation import (
     DEFAULT_PRIORITY,
     InvalidField,
@@ -266,7 +266,7 @@ class LLM:
             workers.claim = world.claim
             workers.output_rank = layout.output_rank
             self._launcher = LocalLauncher(layout.world_size)
-            self._launcher.start(address, _worker_flags(self.options))
+            self._launcher.start(address, worker_argv(self.options))
             self._tasks.append(asyncio.get_running_loop().create_task(self._keep_alive()))
         capacity = await workers.start(world.assignment, join_timeout)
         self._engine = make_engine(self.config, self.folder, self.tokenizer, workers, capacity)
@@ -383,24 +383,3 @@ def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
             raise ValueError(f"{name}: {len(value)} given for {count} prompts")
         return list(value)
     return [value] * count
-
-
-def _worker_flags(options: Any) -> list[str]:
-    flags = ["--device", options.device, "--attention-backend", options.attention_backend]
-    flags += ["--swap-space", str(options.swap_space), "--threads", str(options.threads)]
-    if options.kv_cache_memory:
-        flags += ["--kv-cache-memory", str(options.kv_cache_memory)]
-    if options.cuda_graph_sizes:
-        flags += ["--cuda-graph-sizes", options.cuda_graph_sizes]
-    if options.kv_cache_dtype != "auto":
-        flags += ["--kv-cache-dtype", options.kv_cache_dtype]
-
-    flags += [
-        "--kv-offload-ram",
-        str(options.kv_offload_ram),
-        "--kv-offload-disk-size",
-        str(options.kv_offload_disk_size),
-    ]
-    if options.kv_offload_disk:
-        flags += ["--kv-offload-disk", options.kv_offload_disk]
-    return flags

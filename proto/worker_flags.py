@@ -26,6 +26,12 @@ class WorkerOptions:
     kv_offload_disk: str = ""  # folder of the disk offload tier ("" : none)
     kv_offload_disk_size: float = 4.0  # GiB of that folder's file
 
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> WorkerOptions:
+        """A worker's settings from its command line; flags left at None keep the defaults."""
+        given = {name: getattr(args, name) for name in (*WORKER_FLAGS, "scheduler_address", "zmq_curve_dir")}
+        return cls(**{name: value for name, value in given.items() if value is not None})
+
 
 DEFAULTS = WorkerOptions()  # the flags' defaults
 
@@ -163,11 +169,12 @@ def add_curve_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
-def worker_argv(args: argparse.Namespace) -> list[str]:
-    """The command-line form of the worker flags in `args` (those not left at None)."""
+def worker_argv(settings: argparse.Namespace | WorkerOptions) -> list[str]:
+    """The command-line form of the worker flags in `settings` (a command line, or a worker's settings): those
+    set, not None or empty."""
     argv = []
     for name in WORKER_FLAGS:
-        value = getattr(args, name)
-        if value is not None:
+        value = getattr(settings, name)
+        if value is not None and value != "":
             argv += [f"--{name.replace('_', '-')}", str(value)]
     return argv

@@ -172,23 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    options = WorkerOptions(
-        args.scheduler_address,
-        args.device,
-        args.kv_cache_memory,
-        args.gpu_memory_utilization,
-        args.attention_backend,
-        args.connect_timeout,
-        args.threads,
-        args.swap_space,
-        args.zmq_curve_dir,
-        local_address=args.local_address or "",
-        cuda_graph_sizes=args.cuda_graph_sizes or "",
-        kv_cache_dtype=args.kv_cache_dtype,
-        kv_offload_ram=args.kv_offload_ram,
-        kv_offload_disk=args.kv_offload_disk or "",
-        kv_offload_disk_size=args.kv_offload_disk_size,
-    )
+    options = WorkerOptions.from_args(args)
     signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
         worker = Worker(options)
