@@ -23,11 +23,11 @@ BLOCK = 16
 ISSUE_BLOCKS = 113  # vllm-serve --kv-cache-memory 40MiB on the default model
 
 
-def _issue_config(**overrides: int) -> SchedulerConfig:
+def _issue_config(budget: int = 2048) -> SchedulerConfig:
     """vllm-serve's defaults (watermark 0.01, step budget 2048) over 113 blocks: max_model_len capped to 1,808."""
     max_len = resolve_max_model_len(0, 8192, ISSUE_BLOCKS, BLOCK)
     assert max_len == 1808
-    return SchedulerConfig(block_size=BLOCK, max_model_len=max_len, **overrides)
+    return SchedulerConfig(block_size=BLOCK, max_model_len=max_len, max_num_batched_tokens=budget)
 
 
 def _drive(run: StandInRun, scenario: Callable[[StandInRun], Awaitable[None]]) -> None:
@@ -60,7 +60,7 @@ def test_a_prompt_that_fills_the_whole_cache_starts_and_the_engine_keeps_serving
 
 
 def test_a_prompt_larger_than_the_step_budget_that_fills_the_cache_starts_in_chunks() -> None:
-    run = StandInRun.build(_issue_config(max_num_batched_tokens=256), ISSUE_BLOCKS)
+    run = StandInRun.build(_issue_config(budget=256), ISSUE_BLOCKS)
 
     async def scenario(run: StandInRun) -> None:
         run.submit(spec("long", 1790, 18))  # 1,807 tokens of KV: every block
@@ -100,7 +100,8 @@ def test_max_model_len_follows_a_resize_and_validation_names_it() -> None:
     with pytest.raises(InvalidField, match="max_model_len is 800") as err:
         validate(request, tokenizer(), engine.max_model_len)
     assert err.value.field == "prompt_token_ids"
-    request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[100] * 700), sampling=pb.SamplingParams(max_tokens=200))
+    sampling = pb.SamplingParams(max_tokens=200)
+    request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[100] * 700), sampling=sampling)
     with pytest.raises(InvalidField, match=r"exceeds max_model_len \(800\)") as err:
         validate(request, tokenizer(), engine.max_model_len)
     assert err.value.field == "sampling.max_tokens"
