@@ -15,6 +15,7 @@ from proto.wire import ExecutionMode
 from scheduler_node.api.validation import InvalidField, validate
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.engine.builder import resolve_max_model_len
+from scheduler_node.engine.outputs import ErrorStatus
 from tests.support.stand_in import StandInRun, spec, tokenizer
 
 pytestmark = pytest.mark.unit
@@ -144,8 +145,9 @@ def test_a_smaller_replacement_ends_what_it_cannot_hold_and_serves_the_rest() ->
 
     _drive(run, scenario)
     [long] = run.ends("long")
-    assert (long.finish_reason, long.code) == ("error", "UNAVAILABLE")
-    assert "shrank to 320 tokens" in long.error and "needs up to 1000" in long.error
+    assert long.finish_reason == "error" and long.error is not None
+    assert long.error.status is ErrorStatus.UNAVAILABLE
+    assert "shrank to 320 tokens" in long.error.message and "needs up to 1000" in long.error.message
     assert [(d.finish_reason, d.completion_tokens) for d in run.ends("short")] == [("length", 100)]
     assert run.engine.max_model_len == 320
     assert run.engine.max_kv_blocks == 20
@@ -165,8 +167,10 @@ def test_a_request_validated_before_a_shrink_ends_at_once_with_why() -> None:
 
     _drive(run, scenario)
     ends = run.ends("late")
-    assert [(d.index, d.finish_reason, d.code) for d in ends] == [(i, "error", "INVALID_ARGUMENT") for i in (0, 1)]
-    assert "exceeds max_model_len (160)" in ends[0].error
+    assert [(d.index, d.finish_reason) for d in ends] == [(0, "error"), (1, "error")]
+    for d in ends:
+        assert d.error is not None and d.error.status is ErrorStatus.UNAVAILABLE
+        assert "exceeds max_model_len (160)" in d.error.message
     run.assert_idle()
 
 
@@ -186,6 +190,7 @@ def test_a_request_the_scheduler_cannot_start_fails_alone() -> None:
 
     _drive(run, scenario)
     [bad] = run.ends("bad")
-    assert (bad.finish_reason, bad.code) == ("error", "INTERNAL") and "could not start" in bad.error
+    assert bad.finish_reason == "error" and bad.error is not None
+    assert bad.error.status is ErrorStatus.INTERNAL and "could not start" in bad.error.message
     assert [(d.finish_reason, d.completion_tokens) for d in run.ends("good")] == [("length", 5)]
     run.assert_idle()

@@ -23,6 +23,7 @@ from scheduler_node.api.validation import InvalidField, validate
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.engine.builder import resolve_max_model_len
 from scheduler_node.engine.core import EngineCore, EngineOptions
+from scheduler_node.engine.outputs import ErrorStatus
 from tests.support.stand_in import StandInRun, tokenizer
 
 pytestmark = pytest.mark.unit
@@ -221,7 +222,8 @@ def check_ends(run: Run) -> None:
         for d in ends:
             if d.finish_reason == "error":
                 # The one error a valid request may end with: a smaller replacement left it no room.
-                assert d.code == "UNAVAILABLE" and "shrank" in d.error and run.shrunk_to, (a.request_id, d)
+                assert d.error is not None and d.error.status is ErrorStatus.UNAVAILABLE, (a.request_id, d)
+                assert "shrank" in d.error.message and run.shrunk_to, (a.request_id, d)
                 assert a.prompt_tokens + a.max_tokens > min(run.shrunk_to), (a.request_id, d.error)
             elif d.finish_reason == "abort":
                 assert a.aborted, f"{a.request_id}: aborted, by no one"
