@@ -162,10 +162,10 @@ class Scheduler:
         longest (it would wait forever)."""
         stranded = self.stranded(num_blocks)
         if stranded:
-            need = max(r.num_tokens_at_most for r in stranded)
+            need, holds = max(r.num_tokens_at_most for r in stranded), self.max_model_len_for(num_blocks)
             raise MemoryError(
                 f"{len(stranded)} live sequence(s) may grow to {need} tokens (prompt + max_tokens), more than "
-                f"{num_blocks} blocks hold ({self.max_model_len_for(num_blocks)} tokens): let them finish or abort them"
+                f"{num_blocks} block(s) hold ({holds} tokens): let them finish or abort them"
             )
         return self.view.replace_blocks(self._by_handles(self.blocks.resize(num_blocks)))
 
