@@ -18,6 +18,7 @@ from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from proto.memory_stats import KvPool
 from proto.wire import MAX_MESSAGE_BYTES
+from scheduler_node.api.grpc_decode import DecodeGuard
 from scheduler_node.api.heap import TRIM_ABOVE_BYTES, HeapTrimmer
 from scheduler_node.api.request_bounds import MAX_REQUEST_BYTES, check_prompt_logprobs
 from scheduler_node.api.security import ControlAuth
@@ -77,12 +78,12 @@ class GenerationService(pb_grpc.GenerationServicer):
         """The request to run, or None with the status of its refusal set on `context`."""
         if request.model and request.model != self.served_model_name:
             detail = f"model: {request.model!r} is not served here (this server serves {self.served_model_name!r})"
-            return refuse(context, grpc.StatusCode.NOT_FOUND, detail)
+            refuse(context, grpc.StatusCode.NOT_FOUND, detail)
+            return None
         engine = self.engine
         if engine is None or engine.unavailable():
-            return refuse(
-                context, grpc.StatusCode.UNAVAILABLE, engine.unavailable() if engine else "workers are joining"
-            )
+            refuse(context, grpc.StatusCode.UNAVAILABLE, engine.unavailable() if engine else "workers are joining")
+            return None
         try:
             header = dict(context.invocation_metadata() or ()).get("x-priority")
             # Off the event loop: tokenizing a long prompt must not stall the streams of other requests.
@@ -91,21 +92,23 @@ class GenerationService(pb_grpc.GenerationServicer):
             )
             check_prompt_logprobs([spec], "sampling.prompt_logprobs")
         except InvalidField as exc:
-            return refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return None
         if not math.isfinite(request.deadline_s) or request.deadline_s < 0:
             detail = f"deadline_s: must be a finite number >= 0 (0: none), got {request.deadline_s}"
-            return refuse(context, grpc.StatusCode.INVALID_ARGUMENT, detail)
+            refuse(context, grpc.StatusCode.INVALID_ARGUMENT, detail)
+            return None
         if engine.queue_full(spec.n):
             detail = (
                 f"the waiting queue is full (--max-waiting-requests {engine.options.max_waiting_requests}); retry later"
             )
-            return refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, detail)
+            refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, detail)
+            return None
         if not spec.request_id:
             spec = dataclasses.replace(spec, request_id=uuid.uuid4().hex)
         if engine.is_live(spec.request_id):
-            return refuse(
-                context, grpc.StatusCode.ALREADY_EXISTS, f"request_id: {spec.request_id!r} is already running"
-            )
+            refuse(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id: {spec.request_id!r} is already running")
+            return None
         return spec
 
     async def Abort(  # noqa: N802
@@ -235,7 +238,7 @@ def build_server(
         assert isinstance(service, GenerationService)
         control = ControlService(service)
     server = grpc.aio.server(
-        interceptors=[ControlAuth(control_token)] if control_token else [],
+        interceptors=[DecodeGuard(), *([ControlAuth(control_token)] if control_token else [])],
         options=[
             ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),  # larger: RESOURCE_EXHAUSTED, never read
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
