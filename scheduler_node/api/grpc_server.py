@@ -26,11 +26,18 @@ from scheduler_node.api.validation import InvalidField, validate
 from scheduler_node.core.request import RequestSpec
 from scheduler_node.core.stats import snapshot
 from scheduler_node.engine.core import EngineCore
-from scheduler_node.engine.outputs import Delta
+from scheduler_node.engine.outputs import Delta, ErrorStatus
 from scheduler_node.engine.worker_link import WorkerLink
 from scheduler_node.text.tokenizer import ModelTokenizer
 
 logger = logging.getLogger(__name__)
+
+# How the engine's failures reach a gRPC client: one status code each.
+GRPC_STATUS: dict[ErrorStatus, grpc.StatusCode] = {
+    ErrorStatus.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorStatus.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    ErrorStatus.INTERNAL: grpc.StatusCode.INTERNAL,
+}
 
 SERVICE_NAMES = (
     pb.DESCRIPTOR.services_by_name["Generation"].full_name,
@@ -61,8 +68,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         done = False
         try:
             async for delta in stream:
-                if delta.finish_reason == "error":
-                    await context.abort(grpc.StatusCode[delta.code or "UNAVAILABLE"], delta.error)
+                if delta.error is not None:
+                    await context.abort(GRPC_STATUS[delta.error.status], delta.error.message)
                 # The delta with the prompt's logprobs is large (up to request_bounds' bound): built off the loop.
                 yield (
                     await asyncio.to_thread(_response, spec.request_id, delta)
@@ -213,7 +220,7 @@ def _response(request_id: str, d: Delta) -> pb.GenerateResponse:
         index=d.index,
         token_ids=d.token_ids,
         text=d.text,
-        finish_reason=d.finish_reason,
+        finish_reason=d.finish_reason.value if d.finish_reason else "",
     )
     for lp in d.logprobs:
         resp.logprobs.add(logprob=lp.logprob, top=[pb.TokenLogprob(token_id=t, logprob=p) for t, p in lp.top])

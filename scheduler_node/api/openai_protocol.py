@@ -14,7 +14,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, mode
 from pydantic_core import PydanticCustomError
 
 from scheduler_node.api.request_bounds import lone_surrogate_at
-from scheduler_node.api.validation import InvalidField, SamplingFields, StructuredFields
+from scheduler_node.api.sampling import SamplingFields, StructuredFields
+from scheduler_node.api.validation import InvalidField
 
 
 def _stop_strings(value: Any) -> list[str]:
@@ -145,7 +146,7 @@ class StructuredOutputs(_Strict):
     json_object: bool = False
 
     def fields(self) -> StructuredFields:
-        return StructuredFields(json=self.json_, regex=self.regex, choice=self.choice, json_object=self.json_object)
+        return StructuredFields.gather(lambda name: getattr(self, "json_" if name == "json" else name))
 
 
 class _GenerationRequest(_Body):
@@ -183,25 +184,11 @@ class _GenerationRequest(_Body):
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise InvalidField("stream_options", "only allowed when stream is true")
-        return SamplingFields(
+        fields = type(self).model_fields
+        return SamplingFields.gather(
+            lambda name: getattr(self, name) if name in fields else None,
             max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            n=self.n,
             logprobs=logprobs,
-            seed=self.seed,
-            stop=self.stop,
-            ignore_eos=self.ignore_eos,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty,
-            min_tokens=self.min_tokens,
-            stop_token_ids=self.stop_token_ids or (),
-            logit_bias=self.logit_bias or {},
-            bad_words=self.bad_words or (),
-            prompt_logprobs=self.prompt_logprobs,
             structured=self.structured(),
         )
 

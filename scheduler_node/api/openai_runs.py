@@ -46,8 +46,8 @@ class Run:
     async def deltas(self) -> AsyncIterator[tuple[Choice, Delta]]:
         """Every sequence's deltas with the choice they belong to; raises OpenAIError when the engine failed one."""
         async for prompt, delta in _merged(self.streams):
-            if delta.finish_reason == "error":
-                raise engine_error(delta.code, delta.error)
+            if delta.error is not None:
+                raise engine_error(delta.error)
             if delta.finish_reason:
                 self.usage.add(delta, prompt not in self._counted)
                 self._counted.add(prompt)

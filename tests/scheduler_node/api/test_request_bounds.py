@@ -17,11 +17,10 @@ from fastapi.responses import JSONResponse
 from scheduler_node.api import heap
 from scheduler_node.api.openai_encode import encode, json_response, sse_event
 from scheduler_node.api.request_bounds import MAX_PROMPT_LOGPROB_ENTRIES, check_prompt_logprobs, lone_surrogate_at
+from scheduler_node.api.sampling import SamplingFields, StructuredFields
 from scheduler_node.api.validation import (
     MAX_JSON_DEPTH,
     InvalidField,
-    SamplingFields,
-    StructuredFields,
     build_spec,
     priority_from,
     prompt_from_ids,
