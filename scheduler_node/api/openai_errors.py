@@ -83,6 +83,8 @@ async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONRe
     if first["type"] == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
         return OpenAIError(400, f"the body is not valid JSON: {detail} at character {loc[0]}").response()
+    if first["type"] == "lone_surrogate":  # found anywhere in the body: the error names where
+        loc = (first["ctx"]["param"],)
     if not loc:
         return OpenAIError(400, "the body must be a JSON object (Content-Type: application/json)").response()
     param = param_of(loc)

@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, model_validator
 from pydantic_core import PydanticCustomError
 
+from scheduler_node.api.request_bounds import lone_surrogate_at
 from scheduler_node.api.sampling import SamplingFields, StructuredFields
 from scheduler_node.api.validation import InvalidField
 
@@ -87,6 +88,18 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class _Body(_Strict):
+    """A whole request body: no lone surrogate anywhere in it (JSON may escape one, Unicode text has none)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data: Any) -> Any:
+        at = lone_surrogate_at(data)
+        if at is not None:  # openai_errors names `param` as the field
+            raise PydanticCustomError("lone_surrogate", "holds a lone surrogate: not Unicode text", {"param": at})
+        return data
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -136,7 +149,7 @@ class StructuredOutputs(_Strict):
         return StructuredFields.gather(lambda name: getattr(self, "json_" if name == "json" else name))
 
 
-class _GenerationRequest(_Strict):
+class _GenerationRequest(_Body):
     """What chat and completions share: OpenAI's sampling fields and vLLM's extensions."""
 
     model: str | None = None
@@ -225,7 +238,7 @@ class CompletionRequest(_GenerationRequest):
         return self.sampling(self.max_tokens, self.logprobs), self.renames()
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_Body):
     """vLLM's /tokenize: a prompt, or chat messages rendered with the template."""
 
     model: str | None = None
@@ -235,6 +248,6 @@ class TokenizeRequest(_Strict):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]

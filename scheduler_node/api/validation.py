@@ -36,6 +36,7 @@ MAX_BAD_WORDS = 64
 MAX_BAD_WORD_CHARS = 256
 MAX_CHOICES = 256
 MAX_GRAMMAR_CHARS = 64 * 1024  # a schema's JSON text, a regex, or the choices together
+MAX_JSON_DEPTH = 128  # objects and arrays nested in a JSON schema (Python's own parser gives up near 1,000)
 
 
 class InvalidField(ValueError):
@@ -63,9 +64,11 @@ def prompt_from_text(
 
 
 def prompt_from_ids(ids: Sequence[int], tokenizer: ModelTokenizer, max_model_len: int, name: str) -> list[int]:
-    ids = list(ids)
     if not ids:
         raise InvalidField(name, "must not be empty")
+    if len(ids) >= max_model_len:  # refused by its length before a walk over (maybe millions of) ids
+        _fits(list(ids), max_model_len, name)
+    ids = list(ids)
     bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < tokenizer.vocab_size), None)
     if bad is not None:
         raise InvalidField(name, f"token id {bad!r} is outside [0, {tokenizer.vocab_size})")
@@ -302,13 +305,32 @@ def _structured_spec(fields: StructuredFields, kind: str, name: str) -> str:
 
 
 def _schema_text(schema: str | Mapping[str, Any] | None, name: str) -> str:
+    if isinstance(schema, str) and len(schema) > MAX_GRAMMAR_CHARS:  # before parsing it
+        raise InvalidField(name, f"longer than {MAX_GRAMMAR_CHARS} characters")
     try:
         parsed = json.loads(schema) if isinstance(schema, str) else schema
+    except RecursionError:  # Python's parser recurses: a text nested ~1,000 deep exhausts it
+        raise InvalidField(name, f"nested deeper than {MAX_JSON_DEPTH} objects and arrays") from None
     except ValueError as exc:
         raise InvalidField(name, f"not JSON: {exc}") from None
     if not isinstance(parsed, Mapping):
         raise InvalidField(name, "a JSON schema must be a JSON object")
+    _check_depth(parsed, name)
     return json.dumps(parsed)
+
+
+def _check_depth(value: Any, name: str) -> None:
+    """Refuse JSON whose objects and arrays nest deeper than MAX_JSON_DEPTH (walked without recursion: json.dumps
+    and the grammar compiler recurse)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, Mapping) else item if isinstance(item, list) else ()
+        for child in children:
+            if isinstance(child, (Mapping, list)):
+                if depth >= MAX_JSON_DEPTH:
+                    raise InvalidField(name, f"nested deeper than {MAX_JSON_DEPTH} objects and arrays")
+                stack.append((child, depth + 1))
 
 
 def priority_from(given: int | None, header: str | None) -> int:
@@ -317,10 +339,14 @@ def priority_from(given: int | None, header: str | None) -> int:
         return given
     if header is None:
         return DEFAULT_PRIORITY
+    shown = header if len(header) <= 40 else header[:40] + "..."
     try:
-        return int(header)
+        value = int(header)
     except ValueError:
-        raise InvalidField("priority", f"the x-priority header must be an integer, got {header!r}") from None
+        raise InvalidField("priority", f"the x-priority header must be an integer, got {shown!r}") from None
+    if not -(2**31) <= value < 2**31:  # a body's priority is an int32 too
+        raise InvalidField("priority", f"the x-priority header must be in [-2147483648, 2147483647], got {shown}")
+    return value
 
 
 # ---- the gRPC door
