@@ -209,8 +209,8 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 TestSchedulerMachine = SchedulerMachine.TestCase
 # CI draws the same examples each run (derandomized: a red run is the code's, never the draw's). The randomized
-# search, which found the regressions below, runs N fresh examples: MINIVLLM_SCHEDULER_SEARCH=N (docs/design.md).
-_SEARCH = int(os.environ.get("MINIVLLM_SCHEDULER_SEARCH", "0"))
+# search, which found the regressions below, runs N fresh examples: MINIVLLM_PROPERTY_EXAMPLES=N (docs/design.md).
+_SEARCH = int(os.environ.get("MINIVLLM_PROPERTY_EXAMPLES", "0"))
 TestSchedulerMachine.settings = settings(
     max_examples=_SEARCH or 120, stateful_step_count=50, deadline=None, derandomize=not _SEARCH
 )
