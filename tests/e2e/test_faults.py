@@ -78,7 +78,7 @@ class FakeWorker:
     async def _heartbeat(self, rank: int) -> None:
         while True:
             await self.sock.send(encode(Heartbeat(rank, 0, 1.0)))
-            await asyncio.sleep(self.beat or 1)
+            await asyncio.sleep(self.beat or 1)  # the scenario: a worker's heartbeat pace
 
     def stall(self) -> None:
         for task in self.tasks:
@@ -331,7 +331,7 @@ async def _hung_step() -> None:
         await worker.join()
         await start
         future = link.submit(StepPlan(1))
-        await asyncio.sleep(2.5)  # past the heartbeat timeout: its heartbeats keep it alive
+        await asyncio.sleep(2.5)  # the scenario: time past the heartbeat timeout, its heartbeats keep it alive
         assert link.all_ready and not future.done()
         link.declare_lost("step 1 ran past its deadline")  # what the engine does at the step's deadline
         with pytest.raises(WorkerLost, match="deadline"):

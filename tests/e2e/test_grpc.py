@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from pathlib import Path
 
 import grpc
@@ -16,6 +15,7 @@ from minivllm.cluster import Cluster
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from scheduler_node.text.tokenizer import ModelTokenizer
+from tests.support.ops import wait_idle
 
 pytestmark = pytest.mark.e2e
 
@@ -56,14 +56,6 @@ def greedy(prompt: str, max_tokens: int, **sampling) -> pb.GenerateRequest:  # t
 
 def collect(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
     return list(stub.Generate(request, timeout=120))
-
-
-def wait_idle(control: pb_grpc.ControlStub, timeout: float = 10.0) -> pb.Stats:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = control.GetStats(pb.GetStatsRequest(), timeout=5)
-        if stats.num_running == 0 and stats.num_waiting == 0 or time.monotonic() > deadline:
-            return stats
 
 
 def test_health_and_reflection(cluster: Cluster) -> None:

@@ -166,7 +166,7 @@ def _raw_tcp_garbage(port: int) -> None:
     """A peer that speaks no ZMTP at all."""
     with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
         raw.sendall(bytes(range(256)) * 8)
-        time.sleep(0.2)
+        time.sleep(0.2)  # the scenario: the peer stays connected a moment, as a real one would, then hangs up
 
 
 # ---- CURVE, and fuzzed GenerateRequests
@@ -335,7 +335,7 @@ def test_random_bytes_never_crash_a_worker(tiny_llama_dir: Path, tmp_path: Path)
         assert isinstance(result, StepResult) and result.step_id == 2 and len(result.sampled[3]) == 1
         assert isinstance(recv_kind(Heartbeat, 5), Heartbeat)  # it heartbeats at a quarter of our timeout
         assert worker.poll() is None
-        time.sleep(4.5)  # silent past twice the timeout, but its connection (libzmq's heartbeats) is alive: it stays
+        time.sleep(4.5)  # the scenario: silent past twice the timeout, but the connection (libzmq's heartbeats) lives
         assert worker.poll() is None, "a busy scheduler whose connection lives is not gone"
         router.close(linger=0)  # now the scheduler is gone: silent and disconnected
         assert worker.wait(15) == 0, "a worker whose scheduler went silent must exit cleanly"

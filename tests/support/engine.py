@@ -24,6 +24,7 @@ from scheduler_node.core.request import RequestSpec
 from scheduler_node.core.scheduler import PreemptionCosts, Scheduler
 from scheduler_node.engine.core import EngineCore, EngineOptions
 from scheduler_node.text.tokenizer import ModelTokenizer
+from tests.support.waiting import until
 from worker_node.inprocess import InProcessWorkers
 from worker_node.loading import WorkerOptions, load_rank
 from worker_node.model_runner import ModelRunner
@@ -179,12 +180,10 @@ class EngineRun:
     def run_plans(self, count: int, timeout: float = 120.0) -> None:
         """Until the engine has sent `count` plans in all (requests may still be running)."""
 
-        async def sent() -> None:
-            while len(self.plans) < count:
-                assert self._task is not None and not self._task.done()
-                await asyncio.sleep(0.001)
-
-        self._loop.run_until_complete(asyncio.wait_for(sent(), timeout))
+        task = self._task
+        assert task is not None
+        self._loop.run_until_complete(until(lambda: len(self.plans) >= count or task.done(), timeout, "plans sent"))
+        assert not task.done(), "the engine stopped"
 
     async def _until_idle(self) -> None:
         assert self._task is not None
