@@ -23,6 +23,7 @@ from proto.transport import WorkerLost
 from proto.wire import Assignment, Heartbeat, Shutdown, StepPlan, StepResult, WorkerHello, WorkerReady, decode, encode
 from scheduler_node.cli.client import wait_ready
 from scheduler_node.engine.worker_link import WorkerLink
+from tests.support.clusters import serving
 from tests.support.models import assert_teacher_forced, load_hf
 from tests.support.ops import (
     NOT_SERVING,
@@ -145,12 +146,8 @@ async def _link_scenario() -> None:
 def rejoin_cluster(tiny_llama_dir: Path):  # type: ignore[no-untyped-def]
     args = ["--heartbeat-timeout", str(HEARTBEAT), "--worker-rejoin-timeout", "60", "--max-num-batched-tokens", "256"]
     args += ["--dtype", "float32"]  # compared with HF at 1e-3: `auto` is bf16 on CPUs with AVX-512 BF16
-    c = Cluster(tiny_llama_dir, args, TINY_WORKER)
-    try:
-        c.wait_serving()
+    with serving(Cluster(tiny_llama_dir, args, TINY_WORKER), stop=False) as c:  # its tests kill and replace workers
         yield c
-    finally:
-        c.kill()
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,7 @@ from proto.wire import (
     decode,
     encode,
 )
+from tests.support.clusters import serving
 from tests.support.ops import TINY_WORKER, VOCAB, greedy_ids, list_workers, prompt_ids, wait_idle
 
 pytestmark = pytest.mark.e2e
@@ -59,12 +60,8 @@ def tls_cluster(tiny_llama_dir: Path, tls_files: tuple[Path, Path]):  # type: ig
     c = Cluster(tiny_llama_dir, args, TINY_WORKER)
     c.channel.close()
     c.channel = grpc.secure_channel(c.address, grpc.ssl_channel_credentials(cert.read_bytes()))
-    try:
-        c.wait_serving()
+    with serving(c):
         yield c
-    finally:
-        codes = c.stop()
-        assert codes == [0, 0], c.logs()
 
 
 def test_tls_serves_and_plaintext_is_refused(tls_cluster: Cluster, tls_files: tuple[Path, Path]) -> None:
@@ -190,13 +187,8 @@ def test_a_complete_key_folder_is_left_untouched(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def curve_cluster(tiny_llama_dir: Path, curve_dir: Path):  # type: ignore[no-untyped-def]
     flag = ["--zmq-curve-dir", str(curve_dir)]
-    c = Cluster(tiny_llama_dir, flag, [*TINY_WORKER, *flag])
-    try:
-        c.wait_serving()
+    with serving(Cluster(tiny_llama_dir, flag, [*TINY_WORKER, *flag])) as c:
         yield c
-    finally:
-        codes = c.stop()
-        assert codes == [0, 0], c.logs()
 
 
 def test_curve_admits_only_authorized_workers(curve_cluster: Cluster, curve_dir: Path, tmp_path: Path) -> None:
