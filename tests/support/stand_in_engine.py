@@ -72,6 +72,7 @@ class ControlledWorkers(StandInWorkers):
 
     def lose(self) -> None:
         self.lost.set()
+        self.changed.set()
         self._ready.clear()
         for _, future in self.pending:
             if not future.done():

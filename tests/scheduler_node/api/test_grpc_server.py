@@ -13,12 +13,15 @@ from typing import Any, cast
 
 import grpc
 import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from minivllm.cluster import free_port
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from proto.wire import Assignment, WorkerHello, WorkerReady
 from scheduler_node.api.grpc_server import GenerationService, build_server
+from scheduler_node.api.health import LIVENESS, report_health, set_serving
+from scheduler_node.api.security import ControlAuth, server_credentials
 from scheduler_node.engine.core import EngineCore, EngineOptions
 from scheduler_node.engine.rank_registry import RankRegistry
 from tests.support.stand_in_engine import TOKEN, ControlledWorkers, default_tokenizer, running, stand_in_engine
@@ -28,6 +31,7 @@ pytestmark = pytest.mark.unit
 
 MODEL = "tiny"
 TOKEN_HEADER = (("authorization", "Bearer s3cret"),)
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 @dataclass
@@ -35,6 +39,8 @@ class Door:
     service: GenerationService
     stub: pb_grpc.GenerationStub
     control: pb_grpc.ControlStub
+    health_service: health.aio.HealthServicer
+    health: health_pb2_grpc.HealthStub
 
 
 @asynccontextmanager
@@ -43,11 +49,12 @@ async def door(engine: EngineCore | None, control_token: str = "") -> AsyncItera
     service = GenerationService(default_tokenizer(), MODEL)
     service.engine = engine
     address = f"127.0.0.1:{free_port()}"
-    server, _ = build_server(service, address, control_token=control_token)
+    server, health_service = build_server(service, address, control_token=control_token)
     await server.start()
     try:
         async with grpc.aio.insecure_channel(address) as channel:
-            yield Door(service, pb_grpc.GenerationStub(channel), pb_grpc.ControlStub(channel))
+            stubs = pb_grpc.GenerationStub(channel), pb_grpc.ControlStub(channel)
+            yield Door(service, *stubs, health_service, health_pb2_grpc.HealthStub(channel))
     finally:
         await server.stop(None)
 
@@ -217,10 +224,48 @@ def test_list_workers_reports_every_rank_from_the_registry() -> None:
 
 def test_control_needs_the_token_when_one_is_set_and_generation_does_not() -> None:
     async def scenario(d: Door) -> None:
-        code, _ = await status_of(d.control.GetStats(pb.GetStatsRequest()))
-        assert code == grpc.StatusCode.UNAUTHENTICATED
+        for metadata in ((), (("authorization", "Bearer wrong"),)):
+            code, _ = await status_of(d.control.GetStats(pb.GetStatsRequest(), metadata=metadata))
+            assert code == grpc.StatusCode.UNAUTHENTICATED
         stats = await d.control.GetStats(pb.GetStatsRequest(), metadata=TOKEN_HEADER)
         assert stats.total_blocks == 64
         assert (await read_all(d.stub.Generate(greedy(PROMPT, 2))))[-1].finish_reason == "length"
 
     serve(stand_in_engine(), scenario, control_token="s3cret")
+    with pytest.raises(ValueError, match="must not be empty"):
+        ControlAuth("")
+    with pytest.raises(ValueError, match="go together"):
+        server_credentials("cert.pem", "")
+
+
+def test_health_is_serving_exactly_while_the_engine_takes_requests() -> None:
+    workers = ControlledWorkers()
+    engine = stand_in_engine(EngineOptions(rejoin_timeout=60), workers=workers)
+
+    async def status(d: Door, service: str = "") -> int:
+        return int((await d.health.Check(health_pb2.HealthCheckRequest(service=service))).status)
+
+    async def scenario(d: Door) -> None:
+        await set_serving(d.health_service, False)  # as the scheduler starts, before the workers join
+        assert (await status(d), await status(d, LIVENESS)) == (NOT_SERVING, SERVING)
+        reporter = asyncio.ensure_future(report_health(engine, d.health_service))
+        try:
+            await until_status(d, status, SERVING)
+            workers.lose()
+            await until_status(d, status, NOT_SERVING)
+            workers.rejoin()
+            await until_status(d, status, SERVING)
+            await engine.drain(0.0)
+            await until_status(d, status, NOT_SERVING)
+            assert await status(d, LIVENESS) == SERVING, "a draining scheduler is alive"
+        finally:
+            reporter.cancel()
+
+    serve(engine, scenario)
+
+
+async def until_status(d: Door, status: Callable[[Door], Awaitable[int]], wanted: int) -> None:
+    deadline = asyncio.get_running_loop().time() + 10
+    while await status(d) != wanted:
+        assert asyncio.get_running_loop().time() < deadline, f"health never became {wanted}"
+        await asyncio.sleep(0.001)
