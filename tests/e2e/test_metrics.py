@@ -122,26 +122,3 @@ def test_vllm_monitor_has_help_and_config() -> None:
     out = subprocess.run([sys.executable, "-m", "scheduler_node.cli.monitor", "--help"], cwd=REPO, capture_output=True,
                          text=True)  # fmt: skip
     assert out.returncode == 0 and "--config" in out.stdout and "--interval" in out.stdout
-
-
-def test_loop_histogram_exposes_what_prometheus_client_does() -> None:
-    """The ITL histogram counts without a lock; a scrape must read the same series as a locked Histogram's."""
-    from prometheus_client import CollectorRegistry, Histogram, generate_latest
-
-    from scheduler_node.engine.metrics import ITL_BUCKETS, LoopHistogram
-
-    values = [0.0, 0.001, 0.0011, 0.05, 0.3, 0.3, 79.0, 80.0, 81.0, 1e9]  # on bounds, between them, past the last
-    registry = CollectorRegistry()
-    ours = LoopHistogram("ours", "doc", ITL_BUCKETS, "m")
-    registry.register(ours)
-    theirs = Histogram("theirs", "doc", ["model_name"], buckets=ITL_BUCKETS, registry=registry).labels("m")
-    for v in values:
-        ours.observe(v)
-        theirs.observe(v)
-    series: dict[str, dict[tuple[str, str], float]] = {"ours": {}, "theirs": {}}
-    for family in text_string_to_metric_families(generate_latest(registry).decode()):
-        for s in family.samples:
-            who, suffix = s.name.split("_", 1)
-            if suffix != "created":
-                series[who][(suffix, s.labels.get("le", ""))] = s.value
-    assert series["ours"] == series["theirs"] and len(series["ours"]) == len(ITL_BUCKETS) + 3  # +Inf, count, sum

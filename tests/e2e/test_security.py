@@ -174,16 +174,6 @@ def curve_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_keys(tmp_path_factory.mktemp("curve") / "keys")
 
 
-def test_a_complete_key_folder_is_left_untouched(tmp_path: Path) -> None:
-    """A Kubernetes Secret mount is read-only: the scheduler must use complete keys there without chmod or mkdir."""
-    keys = ensure_keys(tmp_path / "keys")
-    os.chmod(keys, 0o750)
-    before = {p: (p.stat().st_mode, p.read_bytes()) for p in keys.rglob("*") if p.is_file()}
-    assert ensure_keys(keys) == keys
-    assert keys.stat().st_mode & 0o777 == 0o750
-    assert {p: (p.stat().st_mode, p.read_bytes()) for p in keys.rglob("*") if p.is_file()} == before
-
-
 @pytest.fixture(scope="module")
 def curve_cluster(tiny_llama_dir: Path, curve_dir: Path):  # type: ignore[no-untyped-def]
     flag = ["--zmq-curve-dir", str(curve_dir)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -208,6 +209,35 @@ class EngineRun:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class InterruptingWorkers(InProcessWorkers):
+    """Asked to interrupt, it stops the running plan at a random layer boundary half the time (a forward hook),
+    else before it starts; the plans queued behind it are skipped before they start."""
+
+    def __init__(self, rng: random.Random) -> None:
+        super().__init__()
+        self.rng = rng
+        self.mid_forward = 0
+        self.before_start = 0
+
+    def interrupt(self, first: int, last: int) -> bool:
+        runner = self.runners[0]
+        layers = runner.model.layers
+        if self.rng.random() < 0.5 and len(layers) > 1:
+            self.mid_forward += 1
+            hook = None
+
+            def stop_now(*_: object) -> None:
+                runner.interrupts.add(first, last)
+                assert hook is not None
+                hook.remove()
+
+            hook = layers[self.rng.randrange(len(layers) - 1)].register_forward_hook(stop_now)
+        else:
+            self.before_start += 1
+            runner.interrupts.add(first, last)
+        return True
 
 
 def generate(
