@@ -22,6 +22,7 @@ from scheduler_node.engine.model_path import resolve_model
 from scheduler_node.engine.outputs import Delta, RequestStream
 from scheduler_node.engine.stand_in import StandInWorkers
 from scheduler_node.text.tokenizer import ModelTokenizer
+from tests.support.waiting import until
 
 BLOCK = 16
 TOKEN = 7  # what the stand-in workers sample
@@ -56,6 +57,10 @@ class ControlledWorkers(StandInWorkers):
         self.plans += 1
         self.pending.append((plan, future))
         return future
+
+    async def until_sent(self, timeout: float = 10.0) -> None:
+        """Until the engine has sent a plan (held, with `hold`)."""
+        await until(lambda: self.pending, timeout, "a plan is sent")
 
     def release(self) -> None:
         """Answer every held plan, in order (from now on, answer at once)."""

@@ -72,7 +72,7 @@ def test_abort_ends_every_sequence_and_frees_its_blocks() -> None:
         engine = stand_in_engine(workers=workers)
         async with running(engine):
             stream = engine.submit(spec("x", max_tokens=50, n=2))
-            await until(lambda: workers.pending, 10, "the first plan is sent")
+            await workers.until_sent()
             assert engine.abort("x") and not engine.abort("x") and not engine.abort("never")
             deltas = await collect(stream)
         assert {(d.index, d.finish_reason) for d in deltas} == {(0, "abort"), (1, "abort")}
@@ -146,7 +146,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on() -> None:
         engine = stand_in_engine(workers=workers)
         async with running(engine):
             stream = engine.submit(spec("doomed", max_tokens=5))
-            await until(lambda: workers.pending, 10, "the first plan is sent")
+            await workers.until_sent()
             workers.fail_next = "rank 0 could not run step 1: out of memory"
             workers.release()
             deltas = await collect(stream)
@@ -165,7 +165,7 @@ def test_a_lost_rank_that_rejoins_in_time_resumes_every_request_by_recompute() -
         engine = stand_in_engine(EngineOptions(rejoin_timeout=30), workers=workers)
         async with running(engine):
             streams = [engine.submit(spec(f"r{i}", max_tokens=6, seed=i)) for i in range(3)]
-            await until(lambda: workers.pending, 10, "the first plan is sent")
+            await workers.until_sent()
             workers.lose()
             losses = engine.metrics.worker_losses._value  # type: ignore[attr-defined]
             await until(lambda: losses.get() == 1, 10, "the engine counts the loss")
@@ -185,7 +185,7 @@ def test_a_lost_rank_that_does_not_rejoin_fails_the_requests_until_the_world_is_
         engine = stand_in_engine(EngineOptions(rejoin_timeout=0.05), workers=workers)
         async with running(engine):
             stream = engine.submit(spec("stranded", max_tokens=6))
-            await until(lambda: workers.pending, 10, "the first plan is sent")
+            await workers.until_sent()
             workers.lose()
             last = ending(await asyncio.wait_for(collect(stream), 10))
             assert (last.finish_reason, last.code) == ("error", "UNAVAILABLE")
