@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from proto.transport import WorldCapacity, compact_capacity, tier_capacity
+from proto.transport import WorldCapacity
 from proto.wire import Assignment, Heartbeat, Message, Shutdown, WorkerHello, WorkerReady
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class WorkerInfo:
     swap_bytes_per_s: float = 0.0
     kv_cache_bytes: int = 0
     kv_format: str = ""
-    tiers: WorkerReady | None = None  # its Ready: the KV offload tiers' sizes and warm disk blocks
+    tiers: WorkerReady | None = None  # its Ready: the world's capacity is computed from every rank's
     tp_rank: int = 0
     pp_stage: int = 0
     state: str = JOINING  # joining | ready | lost
@@ -200,17 +200,7 @@ class RankRegistry:
 
     def _settle_capacity(self) -> None:
         """The world is complete: fix its capacity (first time), or shrink it to a replacement that holds less."""
-        ready = self.workers
-        new = WorldCapacity(
-            num_kv_blocks=min(w.num_kv_blocks for w in ready),
-            num_swap_blocks=min(w.num_host_blocks for w in ready),
-            bytes_per_block=max(w.kv_cache_bytes // max(w.num_kv_blocks, 1) for w in ready),
-            swap_bytes_per_s=min(w.swap_bytes_per_s for w in ready),
-            world_bytes_per_block=sum(w.kv_cache_bytes // max(w.num_kv_blocks, 1) for w in ready),
-            kv_format=ready[0].kv_format,
-            **tier_capacity([w.tiers for w in ready if w.tiers is not None]),
-            **compact_capacity([w.tiers for w in ready if w.tiers is not None]),
-        )
+        new = WorldCapacity.of([w.tiers for w in self.workers if w.tiers is not None])
         old = self._capacity
         if old is not None and (new.num_kv_blocks, new.num_swap_blocks) != (old.num_kv_blocks, old.num_swap_blocks):
             logger.warning(

@@ -27,7 +27,9 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from proto.curve import configure_server
 from proto.transport import StepFailed, WorkerLost, WorldCapacity
 from proto.wire import (
+    HEARTBEAT_TIMEOUT_S,
     MAX_MESSAGE_BYTES,
+    ZMQ_HEARTBEAT_IVL_MS,
     Assignment,
     Heartbeat,
     Interrupt,
@@ -46,9 +48,6 @@ from scheduler_node.engine.rank_registry import READY, Claim, RankRegistry, Work
 logger = logging.getLogger(__name__)
 
 
-ZMQ_HEARTBEAT_IVL_MS = 1000  # libzmq PINGs a quiet connection this often; a dead peer is dropped after the timeout
-
-
 @dataclass(slots=True)
 class _Step:
     waiting: set[bytes]  # ranks that have not answered yet
@@ -60,7 +59,9 @@ class _Step:
 class WorkerLink:
     """The transport to worker processes over one ZMQ ROUTER socket."""
 
-    def __init__(self, address: str, heartbeat_timeout: float = 10.0, curve_dir: str | None = None) -> None:
+    def __init__(
+        self, address: str, heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S, curve_dir: str | None = None
+    ) -> None:
         if heartbeat_timeout <= 0:
             raise ValueError(f"--heartbeat-timeout must be > 0, got {heartbeat_timeout}")
         self.address = address

@@ -1,15 +1,37 @@
-"""The worker flags both sides share (proto/worker_flags.py): sizes with units, the attention backend, and the
-command line a launcher passes on to the workers it starts."""
+"""A worker's settings are declared once (WorkerOptions): its flags' defaults are theirs, and the command line
+vllm-serve and the offline LLM hand a worker (worker_argv) parses back into the same settings."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 
-from proto.worker_flags import WORKER_FLAGS, add_worker_flags, parse_size, worker_argv
+from proto.worker_flags import WORKER_FLAGS, WorkerOptions, add_curve_flag, add_worker_flags, parse_size, worker_argv
 
 pytestmark = pytest.mark.unit
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    p.add_argument("--scheduler-address", default="")
+    add_worker_flags(p)
+    add_curve_flag(p)
+    return p
+
+
+def test_the_flags_defaults_are_the_settings_defaults() -> None:
+    assert WorkerOptions.from_args(parser().parse_args([])) == WorkerOptions()
+    assert set(WORKER_FLAGS) <= {f.name for f in dataclasses.fields(WorkerOptions)}
+
+
+def test_settings_survive_the_command_line() -> None:
+    options = WorkerOptions(device="cpu", kv_cache_memory=2**24, swap_space=0.5, threads=2, kv_cache_dtype="int8",
+                            kv_offload_ram=0.25, kv_offload_disk="/tmp/kv", kv_offload_disk_size=1.5,
+                            cuda_graph_sizes="1,2", local_address="10.0.0.2")  # fmt: skip
+    assert WorkerOptions.from_args(parser().parse_args(worker_argv(options))) == options
+    assert "--kv-offload-disk" not in worker_argv(WorkerOptions()), "an empty setting is left out"
 
 
 def test_sizes_take_units() -> None:
@@ -19,14 +41,7 @@ def test_sizes_take_units() -> None:
         parse_size("lots")
 
 
-def test_the_flags_a_launcher_passes_on_are_those_set() -> None:
-    p = argparse.ArgumentParser()
-    add_worker_flags(p)
-    args = p.parse_args(["--kv-cache-memory", "16MiB", "--attention-backend", "my.module:Backend"])
-    assert set(WORKER_FLAGS) <= set(vars(args))
-    argv = worker_argv(args)
-    assert argv[argv.index("--kv-cache-memory") + 1] == str(16 * 2**20)
-    assert argv[argv.index("--attention-backend") + 1] == "my.module:Backend"
-    assert p.parse_args(argv) == args, "what the launcher passes on parses back to the same flags"
+def test_the_attention_backend_is_a_built_in_name_or_a_class() -> None:
+    assert parser().parse_args(["--attention-backend", "my.module:Backend"]).attention_backend == "my.module:Backend"
     with pytest.raises(SystemExit):
-        p.parse_args(["--attention-backend", "fastest"])
+        parser().parse_args(["--attention-backend", "fastest"])
