@@ -116,12 +116,8 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "minivllm.sampling_params": "re-exported by minivllm/__init__.py, whence tests/minivllm/ imports it",
     "proto.serving_pb2": "generated from proto/serving.proto by grpcio-tools; every gRPC test speaks it",
     "proto.serving_pb2_grpc": "generated from proto/serving.proto by grpcio-tools; every gRPC test speaks it",
-    "scheduler_node.api.openai_errors": "a part of the OpenAI door, driven through its app by"
-    " tests/scheduler_node/api/test_openai_server.py",
     "scheduler_node.api.openai_guards": "the door's API key and body limit, through its app:"
     " tests/scheduler_node/api/test_openai_server.py",
-    "scheduler_node.api.openai_inputs": "a part of the OpenAI door: tests/scheduler_node/api/test_openai_server.py",
-    "scheduler_node.api.openai_protocol": "a part of the OpenAI door: tests/scheduler_node/api/test_openai_server.py",
     "scheduler_node.api.openai_responses": "a part of the OpenAI door: tests/scheduler_node/api/test_openai_server.py",
     "scheduler_node.api.openai_runs": "a part of the OpenAI door: tests/scheduler_node/api/test_openai_server.py",
     "scheduler_node.bench.load": "a part of vllm-bench, run against a real server by"
@@ -129,8 +125,6 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "scheduler_node.bench.mixed": "the chaos workload, run by tests/e2e/test_chaos.py",
     "scheduler_node.bench.report": "vllm-bench's tables, run by tests/scheduler_node/bench/test_bench.py",
     "scheduler_node.cli.bench": "vllm-bench's entry point, run by tests/scheduler_node/bench/test_bench.py",
-    "scheduler_node.cli.client": "vllm-client, run as a program by tests/e2e/test_router.py, tests/e2e/test_serve.py"
-    " and tests/deploy/test_deploy_files.py",
     "scheduler_node.cli.monitor": "vllm-monitor, run as a program by tests/e2e/test_metrics.py",
     "scheduler_node.cli.openai_flags": "the OpenAI door's flags, through the scheduler's and vllm-serve's parsers"
     " (tests/scheduler_node/cli/test_cli.py) and tests/e2e/test_serve.py",

@@ -19,12 +19,13 @@ from minivllm.cluster import free_port
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from proto.wire import Assignment, WorkerHello, WorkerReady
+from scheduler_node.api.grpc_decode import DecodeGuard
 from scheduler_node.api.grpc_server import GenerationService, build_server
 from scheduler_node.api.health import LIVENESS, report_health, set_serving
 from scheduler_node.api.security import ControlAuth, server_credentials
 from scheduler_node.engine.core import EngineCore, EngineOptions
 from scheduler_node.engine.rank_registry import RankRegistry
-from tests.support.stand_in_engine import TOKEN, ControlledWorkers, default_tokenizer, running, stand_in_engine
+from tests.support.stand_in import TOKEN, ControlledWorkers, running, stand_in_engine, tokenizer
 from tests.support.waiting import until
 
 pytestmark = pytest.mark.unit
@@ -36,6 +37,7 @@ SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.Health
 
 @dataclass
 class Door:
+    address: str
     service: GenerationService
     stub: pb_grpc.GenerationStub
     control: pb_grpc.ControlStub
@@ -46,7 +48,7 @@ class Door:
 @asynccontextmanager
 async def door(engine: EngineCore | None, control_token: str = "") -> AsyncIterator[Door]:
     """The gRPC server over `engine` (None: the workers have not joined) and a client channel to it."""
-    service = GenerationService(default_tokenizer(), MODEL)
+    service = GenerationService(tokenizer(), MODEL)
     service.engine = engine
     address = f"127.0.0.1:{free_port()}"
     server, health_service = build_server(service, address, control_token=control_token)
@@ -54,7 +56,7 @@ async def door(engine: EngineCore | None, control_token: str = "") -> AsyncItera
     try:
         async with grpc.aio.insecure_channel(address) as channel:
             stubs = pb_grpc.GenerationStub(channel), pb_grpc.ControlStub(channel)
-            yield Door(service, *stubs, health_service, health_pb2_grpc.HealthStub(channel))
+            yield Door(address, service, *stubs, health_service, health_pb2_grpc.HealthStub(channel))
     finally:
         await server.stop(None)
 
@@ -269,3 +271,34 @@ async def until_status(d: Door, status: Callable[[Door], Awaitable[int]], wanted
     while await status(d) != wanted:
         assert asyncio.get_running_loop().time() < deadline, f"health never became {wanted}"
         await asyncio.sleep(0.001)
+
+
+NOT_UTF8 = b"\x0a\x02\xed\xa0"  # request_id (field 1 of both requests) holding bytes that are no UTF-8 text
+
+
+def test_a_request_that_does_not_parse_is_invalid_argument() -> None:
+    """Through the door's own server, and through a server whose only interceptor is the DecodeGuard."""
+
+    async def call(address: str) -> None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            raw = {"request_serializer": None, "response_deserializer": None}
+            generate = channel.unary_stream("/minivllm.v1.Generation/Generate", **raw)  # type: ignore[arg-type]
+            code, details = await status_of(read_all(generate(NOT_UTF8)))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "does not parse" in details, details
+            abort = channel.unary_unary("/minivllm.v1.Generation/Abort", **raw)  # type: ignore[arg-type]
+            code, details = await status_of(abort(NOT_UTF8))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "must be UTF-8" in details, details
+
+    async def scenario(d: Door) -> None:
+        address = f"127.0.0.1:{free_port()}"
+        bare = grpc.aio.server(interceptors=[DecodeGuard()])
+        pb_grpc.add_GenerationServicer_to_server(d.service, bare)
+        bare.add_insecure_port(address)
+        await bare.start()
+        try:
+            await call(address)
+        finally:
+            await bare.stop(None)
+        await call(d.address)
+
+    serve(stand_in_engine(), scenario)

@@ -15,7 +15,7 @@ import pytest
 from scheduler_node.api.openai_server import MAX_BODY_BYTES, OpenAIConfig, OpenAIDoor, build_app
 from scheduler_node.engine.core import EngineCore, EngineOptions
 from scheduler_node.engine.metrics import Metrics
-from tests.support.stand_in_engine import TOKEN, ControlledWorkers, default_tokenizer, running, stand_in_engine
+from tests.support.stand_in import TOKEN, ControlledWorkers, running, stand_in_engine, tokenizer
 
 pytestmark = pytest.mark.unit
 
@@ -31,7 +31,7 @@ def serve(engine: EngineCore | None, scenario: Scenario, api_key: str = KEY) -> 
     """Run `scenario` with a client of the door over `engine` (None: the workers have not joined)."""
 
     async def main() -> None:
-        door = OpenAIDoor(OpenAIConfig("127.0.0.1", 0, MODEL, api_key), default_tokenizer(), Metrics(MODEL))
+        door = OpenAIDoor(OpenAIConfig("127.0.0.1", 0, MODEL, api_key), tokenizer(), Metrics(MODEL))
         door.engine = engine
         transport = httpx.ASGITransport(app=build_app(door))
         async with httpx.AsyncClient(transport=transport, base_url="http://door", headers=AUTH) as client:

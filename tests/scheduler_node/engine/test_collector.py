@@ -11,7 +11,7 @@ import pytest
 
 from scheduler_node.engine.collector import YOUNG_THRESHOLD, CollectorSchedule
 from scheduler_node.engine.core import EngineOptions
-from tests.support.stand_in_engine import running, spec, stand_in_engine
+from tests.support.stand_in import running, spec, stand_in_engine
 from tests.support.waiting import until
 
 pytestmark = pytest.mark.unit
@@ -85,7 +85,7 @@ def test_the_idle_collection_waits_until_the_engine_has_been_idle_a_while() -> N
                 await until(lambda: collector.full_collections == 1, 10, "the start-up collection")
                 at_start = collector.full_collections
                 for i in range(3):
-                    async for _ in engine.submit(spec(f"r{i}")):
+                    async for _ in engine.submit(spec(f"r{i}", 20, 4)):
                         pass
                     await asyncio.sleep(0.05)  # the scenario: a client's round trip (50 ms) before its next request
                 back_to_back = collector.full_collections
