@@ -56,7 +56,7 @@ class SharedWorldConfig:
     served_model_name: str = "tiny"
     api_key: str = "sk-test-key"
     max_num_seqs: int = 8  # further requests wait
-    max_waiting_requests: int = 16  # further requests are refused (RESOURCE_EXHAUSTED, HTTP 429)
+    max_waiting_requests: int = 32  # further requests are refused (RESOURCE_EXHAUSTED, HTTP 429)
     kv_cache_memory_bytes: int = 16 * 2**20
     swap_space_gib: float = 0.01
 
