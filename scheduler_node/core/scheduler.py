@@ -247,7 +247,7 @@ class Scheduler:
                 continue
             first = req.num_computed_tokens
             while (written := self.blocks.write(req.req_id, first, first + n)) is None:
-                later = order[i + 1 :]  # the less valued ones
+                later = self._same_pool(req, order[i + 1 :])  # the less valued ones that hold blocks it can use
                 victim = self._pick_victim([r for r in later if self._schedulable(r, held)], now)
                 if victim is None and held is not None and any(self._running_in_flight(r, held) for r in later):
                     # Those it could displace are in plans in flight: it waits for their results instead of
@@ -275,6 +275,14 @@ class Scheduler:
         """Cached blocks the device pool hands out again go to the offload tiers (when there are any)."""
         if self.tiers is not None:
             self.blocks.on_evict = self.tiers.offload
+
+    def _same_pool(self, req: Request, others: list[Request]) -> list[Request]:
+        """Those of `others` whose blocks are of `req`'s format: preempting (or waiting for) one of the other pool
+        frees nothing `req` can use, and a request that did so each step would restart them forever."""
+        if not self.blocks.num_compact_blocks:
+            return others
+        fmt = self.blocks.format_of(req.req_id)
+        return [r for r in others if self.blocks.format_of(r.req_id) is fmt]
 
     @staticmethod
     def _running_in_flight(req: Request, held: Callable[[int], bool]) -> bool:
