@@ -23,7 +23,7 @@ from tqdm import tqdm
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from proto.wire import TokenLogprobs
-from proto.worker_flags import KV_CACHE_DTYPES, parse_size
+from proto.worker_flags import KV_CACHE_DTYPES, offload_dir_problem, parse_size
 from scheduler_node.api.validation import (
     InvalidField,
     build_spec,
@@ -127,6 +127,9 @@ class LLM:
             ("inprocess" if world == 1 else "processes") if worker_backend == "auto" else worker_backend
         )
 
+        problem = offload_dir_problem(kv_offload_disk, "kv_offload_disk:") if kv_offload_disk else ""
+        if problem:
+            raise ValueError(problem)
         memory = parse_size(kv_cache_memory) if isinstance(kv_cache_memory, str) else kv_cache_memory
         self.options = WorkerOptions(
             device=device,
@@ -278,7 +281,7 @@ class LLM:
             workers = WorkerLink(address)
             workers.claim = world.claim
             workers.output_rank = layout.output_rank
-            self._launcher = LocalLauncher(layout.world_size)
+            self._launcher = LocalLauncher(layout.world_size, None, join_timeout, workers.heartbeat_timeout)
             self._launcher.start(address, _worker_flags(self.options))
             self._tasks.append(asyncio.get_running_loop().create_task(self._keep_alive()))
         capacity = await workers.start(world.assignment, join_timeout)

@@ -14,7 +14,7 @@ import time
 from proto.cli_config import add_config_flag, parse_args
 from proto.curve import ensure_keys
 from proto.parallel import ParallelLayout
-from proto.worker_flags import add_worker_flags, worker_argv
+from proto.worker_flags import EXIT_BAD_FLAGS, add_worker_flags, offload_dir_problem, worker_argv
 from scheduler_node.cli.openai_flags import API_KEY_ENV, SERVE_OPENAI_PORT
 from scheduler_node.cli.operations import TOKEN_ENV
 from scheduler_node.cli.router import add_routing_flags
@@ -123,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         print("\n\n".join(f"replica {p.index} at {p.address}:\n{p.placement.describe()}" if len(plans) > 1
                           else p.placement.describe() for p in plans))  # fmt: skip
         return 0
+    problem = offload_dir_problem(args.kv_offload_disk) if args.kv_offload_disk and args.launcher == "local" else ""
+    if problem:  # the workers would refuse it, and be restarted to refuse it again
+        logger.error("%s", problem)
+        return 2
     try:
         launchers = [make_launcher(args, p.placement.layout, p.worker_env) for p in plans]
     except ValueError as exc:
@@ -163,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
                 logger.error("pid %d exited with %s; stopping the others", proc.pid, code)
         for launcher in launchers:
             launcher.keep_alive()
+            if launcher.gave_up:
+                logger.error("%s; stopping the others", launcher.gave_up)
+                code = EXIT_BAD_FLAGS
         time.sleep(0.2)
     terminate(routers, args.drain_timeout + 15.0)  # the router drains its streams first
     terminate(schedulers, args.drain_timeout + 15.0)  # each drains, then tells its workers to shut down

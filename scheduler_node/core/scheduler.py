@@ -514,6 +514,8 @@ class Scheduler:
         sent = self.in_flight.settle(plan.step_id)
         if result.failed_loads:
             self._recompute_failed_loads(result)
+        if result.failed_stores and self.tiers is not None:
+            self.tiers.drop_failed_stores(result.failed_stores)
         if result.interrupted:
             self._undo(sent)
             return []
