@@ -91,5 +91,6 @@ def test_the_checks_can_fail() -> None:
     assert repository_paths(text) == ["scheduler_node/engine/core.py", "deploy/topology/*.yaml"]
     assert not path_exists("scheduler_node/engine/no_such_module.py")
     assert "--no-such-flag" not in all_flags()
-    assert flags_of_ours("docker run --rm img vllm-serve --host x --bogus\nkubectl --from-file=a") == {"--host", "--bogus"}
+    text = "docker run --rm img vllm-serve --host x --bogus\nkubectl --from-file=a"
+    assert flags_of_ours(text) == {"--host", "--bogus"}
     assert {"--step-timeout", "--no-async-scheduling", "--scheduler-address"} <= all_flags()

@@ -8,6 +8,8 @@ rank of the world restarts (an answer would leave the world half-broken and the 
 
 A scheduler is gone when it has been silent for twice its heartbeat timeout *and* the connection is down:
 libzmq's own heartbeats keep the connection up while the scheduler process lives, however busy its event loop.
+A worker that leaves while a step still runs (blocked in a collective with a peer cut off by the network) exits at
+once instead of waiting out the collective: only then can its replacement rejoin.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import os
 import queue
 import threading
 import time
-from typing import Callable
+from typing import Callable, NoReturn
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -34,6 +36,7 @@ logger = logging.getLogger(__name__)
 SILENCE_FACTOR = 2.0
 EXIT_WORLD_BROKEN = 3  # the exit status of a worker whose torch.distributed world broke under a step
 RETRY_SEND_S = 0.05  # how soon an answer the socket would not take is tried again (besides its POLLOUT)
+STEP_GRACE_S = 1.0  # how long a leaving worker lets a running step finish before it exits without it
 
 
 class StepThread(threading.Thread):
@@ -90,7 +93,8 @@ class PlanLoop:
         self._holding = False  # an answer waits for the socket to take it
 
     def run(self) -> int:
-        """Serve plans until Shutdown (0) or until the scheduler is silent for twice its heartbeat timeout (0)."""
+        """Serve plans until Shutdown (0) or until the scheduler is silent for twice its heartbeat timeout (0); when
+        a step is still running then, the process exits (0) here."""
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_r, False)
         outbox: collections.deque[Message] = collections.deque()
@@ -149,10 +153,11 @@ class PlanLoop:
             self.sock.disable_monitor()
             monitor.close(linger=0)
             steps.stop()
-            steps.join(timeout=1.0)
-            if not steps.is_alive():  # a step still running may yet write to the pipe: leave it to the exit
-                os.close(wake_r)
-                os.close(wake_w)
+            steps.join(timeout=STEP_GRACE_S)
+            if steps.is_alive():
+                _leave_with_a_step_running(steps.rank)
+            os.close(wake_r)
+            os.close(wake_w)
 
     def _recv_all(self) -> list[Message | None]:
         """Every message waiting on the socket; None for each one that was dropped as malformed."""
@@ -186,6 +191,16 @@ class PlanLoop:
                 logger.warning("the scheduler is not taking messages; dropped a %s", type(message).__name__)
             return False
         return True
+
+
+def _leave_with_a_step_running(rank: int) -> NoReturn:
+    """This worker is leaving (told to, its scheduler gone, or a signal) while a step still runs: most likely blocked
+    in a collective whose peer is cut off (a network partition), where gloo waits out --distributed-timeout (300 s)
+    and so does the process group's teardown at interpreter exit. Nothing is left to save, and its supervisor's
+    replacement can rejoin only once this process is gone: exit now."""
+    logger.warning("rank %d: a step is still running (a collective waiting for a peer?); exiting without it", rank)
+    logging.shutdown()
+    os._exit(0)
 
 
 def decode_or_none(data: bytes) -> Message | None:

@@ -108,6 +108,10 @@ def prompt_from_ids(ids: Sequence[int], tokenizer: ModelTokenizer, max_model_len
     return _fits(ids, max_model_len, name)
 
 
+# What a door answers for `messages` when the model has no template; vllm-client falls back to raw text on it.
+NO_CHAT_TEMPLATE = "the model has no chat template; send a prompt instead"
+
+
 def prompt_from_messages(
     messages: Sequence[dict[str, str]], tokenizer: ModelTokenizer, max_model_len: int, name: str = "messages"
 ) -> list[int]:
@@ -123,7 +127,7 @@ def prompt_from_messages(
     if chars > limit:
         raise InvalidField(name, f"{chars} characters cannot fit in max_model_len {max_model_len} (at most {limit})")
     if not tokenizer.has_chat_template:
-        raise InvalidField(name, "the model has no chat template; send a prompt instead")
+        raise InvalidField(name, NO_CHAT_TEMPLATE)
     try:
         ids = tokenizer.apply_chat_template([dict(m) for m in messages])
     except Exception as exc:  # a template's raise_exception speaks about the messages
