@@ -36,21 +36,29 @@ class Beats:
             threading.Thread(target=self._run, name="liveness", daemon=True).start()
 
     def ready(self) -> None:
-        """The worker joined the world: from now on the launcher applies the heartbeat timeout."""
+        """The worker joined the world: from now on the launcher applies the heartbeat timeout (said at once: the
+        worker may stall before the next beat)."""
         self._ready = True
+        self._write()
+
+    def _write(self) -> bool:
+        """One beat; False when the launcher is gone."""
+        if self._fd < 0:
+            return False
+        try:
+            os.write(self._fd, READY if self._ready else BEAT)
+        except BlockingIOError:
+            pass  # the pipe is full: the launcher has not read for a while, and knows this one is alive
+        except OSError:
+            return False
+        return True
 
     def stop(self) -> None:
         """The worker is leaving: no more beats (a worker that then hangs is ended by its launcher)."""
         self._stop.set()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                os.write(self._fd, READY if self._ready else BEAT)
-            except BlockingIOError:
-                pass  # the pipe is full: the launcher has not read for a while, and knows this one is alive
-            except OSError:
-                return  # the launcher is gone
+        while not self._stop.is_set() and self._write():
             self._stop.wait(BEAT_INTERVAL_S)
 
 
