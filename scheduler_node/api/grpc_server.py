@@ -18,6 +18,7 @@ from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from proto.memory_stats import KvPool
 from proto.wire import MAX_MESSAGE_BYTES
+from scheduler_node.api.openai_errors import RETRY_AFTER_S
 from scheduler_node.api.security import ControlAuth
 from scheduler_node.api.validation import InvalidField, validate
 from scheduler_node.core.stats import snapshot
@@ -51,7 +52,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, detail)
         engine = self.engine
         if engine is None or engine.unavailable():
-            await context.abort(grpc.StatusCode.UNAVAILABLE, engine.unavailable() if engine else "workers are joining")
+            await _abort_unavailable(context, engine.unavailable() if engine else "workers are joining")
             return
         try:
             header = dict(context.invocation_metadata() or ()).get("x-priority")
@@ -82,7 +83,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         try:
             async for delta in stream:
                 if delta.finish_reason == "error":
-                    await context.abort(grpc.StatusCode[delta.code or "UNAVAILABLE"], delta.error)
+                    if (delta.code or "UNAVAILABLE") == "UNAVAILABLE":
+                        await _abort_unavailable(context, delta.error)
+                    await context.abort(grpc.StatusCode[delta.code], delta.error)
                 yield _response(spec.request_id, delta)
             done = True
         finally:
@@ -236,3 +239,9 @@ def _pool_message(p: KvPool) -> pb.KvPool:
         used_bytes=p.used_bytes,
         hits=p.hits,
     )
+
+
+async def _abort_unavailable(context: grpc.aio.ServicerContext, detail: str) -> None:
+    """End the call with UNAVAILABLE and a `retry-after` trailer (seconds), as the HTTP door's Retry-After."""
+    context.set_trailing_metadata((("retry-after", str(RETRY_AFTER_S)),))
+    await context.abort(grpc.StatusCode.UNAVAILABLE, detail)

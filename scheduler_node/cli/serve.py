@@ -101,7 +101,7 @@ def router_argv(args: argparse.Namespace, plans: list[ReplicaPlan]) -> list[str]
     name = args.served_model_name or served_name(args.model)
     argv = ["--host", args.host, "--port", str(args.port), "--log-level", args.log_level]
     argv += ["--routing-strategy", args.routing_strategy, "--routing-prefix-chars", str(args.routing_prefix_chars)]
-    argv += ["--routing-load-factor", str(args.routing_load_factor), "--drain-timeout", str(args.drain_timeout)]
+    argv += ["--routing-load-factor", str(args.routing_load_factor), "--shutdown-timeout", str(args.shutdown_timeout)]
     argv += ["--metrics-port", str(args.metrics_port), "--metrics-host", args.metrics_host]
     argv += ["--openai-port", str(args.openai_port)]  # its --api-key and the replicas' come in the environment
     argv += ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key] if args.tls_cert else []
@@ -171,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                 logger.error("%s; stopping the others", launcher.gave_up)
                 code = EXIT_BAD_FLAGS
         time.sleep(0.2)
-    terminate(routers, args.drain_timeout + 15.0)  # the router drains its streams first
-    terminate(schedulers, args.drain_timeout + 15.0)  # each drains, then tells its workers to shut down
+    terminate(routers, args.shutdown_timeout + 15.0)  # the router drains its streams first
+    terminate(schedulers, args.shutdown_timeout + 15.0)  # each drains, then tells its workers to shut down
     for launcher in launchers:
         launcher.stop(10.0)
     return 0 if signals else code
