@@ -21,7 +21,7 @@ class BusySocket(zmq.Socket):  # type: ignore[type-arg]
 
     refusals = 0  # StepResults still to refuse
 
-    def send(self, data: Any, flags: int = 0, copy: bool = True, track: bool = False, **kw: Any) -> Any:
+    def send(self, data: Any, flags: int = 0, copy: bool = True, track: bool = False, **kw: Any) -> Any:  # type: ignore[override]
         if self.refusals and isinstance(decode(bytes(data)), StepResult):
             self.refusals -= 1
             raise zmq.Again()

@@ -89,8 +89,9 @@ def test_the_workers_forget_every_request_after_a_failed_step() -> None:
         engine = engine_ref[0]
         (req_id,) = engine._by_request_id.get("doomed", [""])
         doomed = engine.scheduler.requests.get(req_id)
-        in_plan = doomed is not None and doomed.handle in plan.num_scheduled_tokens
-        return in_plan and len(doomed.output_token_ids) >= 2 and len(workers.held) == 2
+        if doomed is None or doomed.handle not in plan.num_scheduled_tokens:
+            return False
+        return len(doomed.output_token_ids) >= 2 and len(workers.held) == 2
 
     workers = FailingWorkers(doomed_is_held, TWO_STAGES)
 
