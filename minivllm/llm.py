@@ -23,8 +23,9 @@ from tqdm import tqdm
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from proto.wire import TokenLogprobs
-from proto.worker_flags import KV_CACHE_DTYPES, offload_dir_problem, parse_size
+from proto.worker_flags import KV_CACHE_DTYPES, WorkerOptions, offload_dir_problem, parse_size, worker_argv
 from scheduler_node.api.validation import (
+    DEFAULT_PRIORITY,
     InvalidField,
     build_spec,
     prompt_from_ids,
@@ -35,7 +36,7 @@ from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.kv_precision import CompactKV
 from scheduler_node.core.request import RequestSpec
 from scheduler_node.engine.builder import EngineConfig, WorldPlan, check_model_split, free_port, make_engine
-from scheduler_node.engine.core import EngineCore, EngineOptions
+from scheduler_node.engine.core import EngineCore
 from scheduler_node.engine.launchers import LocalLauncher
 from scheduler_node.engine.model_path import DEFAULT, resolve_model
 from scheduler_node.engine.placement import place
@@ -49,6 +50,10 @@ T = TypeVar("T")
 # inprocess: the worker runs in this process (a world of one); processes: one vllm-worker process per rank, over
 # ZeroMQ on loopback (any world); auto: inprocess for a world of one, else processes.
 WORKER_BACKENDS = ("auto", "inprocess", "processes")
+# The arguments' defaults are the settings' own (each written once, where the setting is declared).
+_ENGINE = EngineConfig()
+_SCHEDULER = _ENGINE.scheduler
+_WORKER = WorkerOptions()
 
 
 class TextPrompt(TypedDict):
@@ -85,37 +90,35 @@ class LLM:
         self,
         model: str | None = None,
         *,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        dtype: str = "auto",
-        device: str = "auto",
-        kv_cache_memory: int | str | None = None,
-        num_kv_blocks: int = 0,
-        swap_space: float = 4.0,
-        kv_offload_ram: float = 0.0,
-        kv_offload_disk: str = "",
-        kv_offload_disk_size: float = 4.0,
-        kv_offload_policy: str = "arc",
-        attention_backend: str = "auto",
-        kv_cache_dtype: str = "auto",
-        kv_compact_under_pressure: bool = False,
+        tensor_parallel_size: int = _ENGINE.tensor_parallel_size,
+        pipeline_parallel_size: int = _ENGINE.pipeline_parallel_size,
+        dtype: str = _ENGINE.dtype,
+        device: str = _WORKER.device,
+        kv_cache_memory: int | str | None = _WORKER.kv_cache_memory,
+        num_kv_blocks: int = _ENGINE.num_kv_blocks,
+        swap_space: float = _WORKER.swap_space,
+        kv_offload_ram: float = _WORKER.kv_offload_ram,
+        kv_offload_disk: str = _WORKER.kv_offload_disk,
+        kv_offload_disk_size: float = _WORKER.kv_offload_disk_size,
+        kv_offload_policy: str = _SCHEDULER.kv_offload_policy,
+        attention_backend: str = _WORKER.attention_backend,
+        kv_cache_dtype: str = _WORKER.kv_cache_dtype,
+        kv_compact_under_pressure: bool = _ENGINE.kv_compact.under_pressure,
         kv_compact_fraction: float | None = None,
-        kv_compact_dtype: str = "int8",
-        cuda_graph_sizes: str = "",
-        threads: int = 0,
-        block_size: int = 16,
-        max_num_seqs: int = 128,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int = 0,
-        enable_prefix_caching: bool = True,
-        preemption_mode: str = "elastic",
-        scheduling_policy: str = "fcfs",
-        async_scheduling: bool = True,
+        kv_compact_dtype: str = _ENGINE.kv_compact.dtype,
+        cuda_graph_sizes: str = _WORKER.cuda_graph_sizes,
+        threads: int = _WORKER.threads,
+        block_size: int = _SCHEDULER.block_size,
+        max_num_seqs: int = _SCHEDULER.max_num_seqs,
+        max_num_batched_tokens: int = _SCHEDULER.max_num_batched_tokens,
+        max_model_len: int = _SCHEDULER.max_model_len,
+        enable_prefix_caching: bool = _SCHEDULER.enable_prefix_caching,
+        preemption_mode: str = _SCHEDULER.preemption_mode.value,
+        scheduling_policy: str = _ENGINE.scheduling_policy,
+        async_scheduling: bool = _ENGINE.async_scheduling,
         worker_backend: str = "auto",
         worker_join_timeout: float = 600.0,
     ) -> None:
-        from worker_node.loading import WorkerOptions  # torch: only where the workers live
-
         if worker_backend not in WORKER_BACKENDS:
             raise ValueError(f"worker_backend: must be one of {WORKER_BACKENDS}, got {worker_backend!r}")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -158,9 +161,8 @@ class LLM:
             pipeline_parallel_size=pipeline_parallel_size,
             async_scheduling=async_scheduling,
             scheduling_policy=scheduling_policy,
-            options=EngineOptions(rejoin_timeout=60.0),
             num_kv_blocks=num_kv_blocks,
-            kv_compact=CompactKV.from_flags(kv_compact_under_pressure, kv_compact_fraction, kv_compact_dtype),
+            kv_compact=CompactKV.from_flags(kv_compact_under_pressure, kv_compact_fraction, dtype=kv_compact_dtype),
         )
         self.folder = resolve_model(model or DEFAULT)
         check_model_split(self.folder, self.config.layout)
@@ -233,7 +235,7 @@ class LLM:
         priority: Sequence[int] | None,
     ) -> list[RequestOutput]:
         params = _per_prompt(sampling_params or SamplingParams(), len(ids), "sampling_params")
-        priorities = _per_prompt(priority, len(ids), "priority") if priority is not None else [50] * len(ids)
+        priorities = [DEFAULT_PRIORITY] * len(ids) if priority is None else _per_prompt(priority, len(ids), "priority")
         specs = [
             build_spec(
                 p,
@@ -282,7 +284,7 @@ class LLM:
             workers.claim = world.claim
             workers.output_rank = layout.output_rank
             self._launcher = LocalLauncher(layout.world_size, None, join_timeout, workers.heartbeat_timeout)
-            self._launcher.start(address, _worker_flags(self.options))
+            self._launcher.start(address, worker_argv(self.options))
             self._tasks.append(asyncio.get_running_loop().create_task(self._keep_alive()))
         capacity = await workers.start(world.assignment, join_timeout)
         self._engine = make_engine(self.config, self.folder, self.tokenizer, workers, capacity)
@@ -379,8 +381,8 @@ async def _collect(stream: Any, spec: RequestSpec, text: str | None, progress: _
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     async for delta in stream:
         c = completions[delta.index]
-        if delta.finish_reason == "error":
-            raise RuntimeError(f"request {spec.request_id} failed ({delta.code}): {delta.error}")
+        if delta.error is not None:  # the offline door names the status
+            raise RuntimeError(f"request {spec.request_id} failed ({delta.error.status.name}): {delta.error.message}")
         if spec.sampling.prompt_logprobs is not None and delta.index == 0 and prompt_logprobs is None:
             prompt_logprobs = [None, *delta.prompt_logprobs] if delta.token_ids else None
         c.token_ids.extend(delta.token_ids)
@@ -388,7 +390,7 @@ async def _collect(stream: Any, spec: RequestSpec, text: str | None, progress: _
         if c.logprobs is not None:
             c.logprobs.extend(delta.logprobs)
         if delta.finish_reason:
-            c.finish_reason = delta.finish_reason
+            c.finish_reason = delta.finish_reason.value
     progress.done(len(spec.prompt_token_ids), sum(len(c.token_ids) for c in completions))
     return RequestOutput(spec.request_id, text, spec.prompt_token_ids, completions, prompt_logprobs=prompt_logprobs)
 
@@ -415,24 +417,3 @@ def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
             raise ValueError(f"{name}: {len(value)} given for {count} prompts")
         return list(value)
     return [value] * count
-
-
-def _worker_flags(options: Any) -> list[str]:
-    flags = ["--device", options.device, "--attention-backend", options.attention_backend]
-    flags += ["--swap-space", str(options.swap_space), "--threads", str(options.threads)]
-    if options.kv_cache_memory:
-        flags += ["--kv-cache-memory", str(options.kv_cache_memory)]
-    if options.cuda_graph_sizes:
-        flags += ["--cuda-graph-sizes", options.cuda_graph_sizes]
-    if options.kv_cache_dtype != "auto":
-        flags += ["--kv-cache-dtype", options.kv_cache_dtype]
-
-    flags += [
-        "--kv-offload-ram",
-        str(options.kv_offload_ram),
-        "--kv-offload-disk-size",
-        str(options.kv_offload_disk_size),
-    ]
-    if options.kv_offload_disk:
-        flags += ["--kv-offload-disk", options.kv_offload_disk]
-    return flags

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from kernels.kv_quant import format_name
-from proto.transport import StepFailed, WorkerLost, WorldCapacity, compact_capacity, tier_capacity
+from proto.transport import StepFailed, WorkerLost, WorldCapacity
 from proto.wire import Assignment, Message, StepError, StepPlan, StepResult, WorkerReady, decode, encode
 from worker_node.loading import WorkerOptions, load_rank, pick_device
 from worker_node.model_runner import ModelRunner
@@ -78,11 +78,7 @@ class InProcessWorkers:
             device = pick_device(a.device or self.options.device)
             runner, ready = await asyncio.to_thread(load_rank, a, self.options, device, Comm(SINGLE))
             self.runners = [runner]
-            block_bytes = ready.kv_cache_bytes // max(1, ready.num_kv_blocks)
-            self._capacity = WorldCapacity(
-                ready.num_kv_blocks, ready.num_host_blocks, block_bytes, ready.swap_bytes_per_s, block_bytes,
-                ready.kv_format, **tier_capacity([ready]), **compact_capacity([ready]),
-            )  # fmt: skip
+            self._capacity = WorldCapacity.of([ready])
         else:
             self._capacity = _capacity_of(self.runners)
         for rank, runner in enumerate(self.runners):
@@ -176,16 +172,15 @@ class InProcessWorkers:
 
 
 def _capacity_of(runners: list[ModelRunner]) -> WorldCapacity:
-    """The capacity of runners built elsewhere (tests), whose swap bandwidth nobody measured."""
-    blocks = min(r.num_blocks for r in runners)
-    per_rank = [sum(t[0].nbytes for layer in r.kv_cache for t in layer.tensors()) for r in runners]
-    tiers = [r.offload.report(WorkerReady(r.comm.where.rank, 0, 0)) for r in runners if r.offload is not None]
-    return WorldCapacity(
-        num_kv_blocks=blocks,
-        num_swap_blocks=min(r.num_host_blocks for r in runners),
-        bytes_per_block=max(per_rank),
-        swap_bytes_per_s=1e12,  # host "swap" in the same process is a memory copy: swap is the cheap preemption
-        world_bytes_per_block=sum(per_rank),
-        kv_format=format_name(runners[0].kv_cache[0].k.dtype),
-        **(tier_capacity(tiers) if len(tiers) == len(runners) else {}),
-    )
+    """The capacity of runners built elsewhere (tests), whose swap bandwidth nobody measured: each one's Ready
+    as it would report it (without its compact pool)."""
+    readies = []
+    for r in runners:
+        block_bytes = sum(t[0].nbytes for layer in r.kv_cache for t in layer.tensors())
+        # host "swap" in the same process is a memory copy: swap is the cheap preemption
+        ready = WorkerReady(
+            r.comm.where.rank, r.num_blocks, r.num_blocks * block_bytes, r.num_host_blocks, 1e12,
+            format_name(r.kv_cache[0].k.dtype),
+        )  # fmt: skip
+        readies.append(r.offload.report(ready) if r.offload is not None else ready)
+    return WorldCapacity.of(readies)

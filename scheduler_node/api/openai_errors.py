@@ -10,6 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from scheduler_node.engine.outputs import EngineError, ErrorStatus
+
 # status -> OpenAI's error type and code
 KINDS: dict[int, tuple[str, str | None]] = {
     400: ("invalid_request_error", None),
@@ -28,8 +30,12 @@ KINDS: dict[int, tuple[str, str | None]] = {
 # shutdown, a world being rebuilt: each passes, or the address gets another server, within seconds.
 RETRY_AFTER_S = 5
 
-# The engine reports a failed request with a gRPC status name; this is its HTTP status.
-GRPC_TO_HTTP = {"INVALID_ARGUMENT": 400, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
+# How the engine's failures reach an HTTP client: one status each (its OpenAI error type and code from KINDS).
+HTTP_STATUS: dict[ErrorStatus, int] = {
+    ErrorStatus.UNAVAILABLE: 503,
+    ErrorStatus.DEADLINE_EXCEEDED: 504,
+    ErrorStatus.INTERNAL: 500,
+}
 
 
 class OpenAIError(Exception):
@@ -50,9 +56,9 @@ class OpenAIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
-def engine_error(code: str, message: str) -> OpenAIError:
-    """A request the engine ended with an error (`code`: the gRPC status name)."""
-    return OpenAIError(GRPC_TO_HTTP.get(code, 500), message)
+def engine_error(error: EngineError) -> OpenAIError:
+    """A request the engine ended with an error."""
+    return OpenAIError(HTTP_STATUS[error.status], error.message)
 
 
 def param_of(loc: tuple[str | int, ...]) -> str:
@@ -84,6 +90,8 @@ async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONRe
     if first["type"] == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
         return OpenAIError(400, f"the body is not valid JSON: {detail} at character {loc[0]}").response()
+    if first["type"] == "lone_surrogate":  # found anywhere in the body: the error names where
+        loc = (first["ctx"]["param"],)
     if not loc:
         return OpenAIError(400, "the body must be a JSON object (Content-Type: application/json)").response()
     param = param_of(loc)

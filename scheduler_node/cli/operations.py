@@ -8,31 +8,34 @@ import logging
 import os
 import signal
 
+from proto.wire import HEARTBEAT_TIMEOUT_S
 from proto.worker_flags import add_curve_flag
+from scheduler_node.engine.core import EngineOptions
 
 logger = logging.getLogger(__name__)
 
 TOKEN_ENV = "MINIVLLM_CONTROL_TOKEN"
+ENGINE = EngineOptions()  # the flags' defaults are the engine's own
 
 
 def add_operations_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--heartbeat-timeout",
         type=float,
-        default=10.0,
+        default=HEARTBEAT_TIMEOUT_S,
         help="seconds of silence after which a worker is declared lost (and after which a worker whose "
         "scheduler went silent exits); heartbeats go both ways every quarter of it",
     )
     p.add_argument(
         "--worker-rejoin-timeout",
         type=float,
-        default=60.0,
+        default=ENGINE.rejoin_timeout,
         help="seconds to wait for a replacement of a lost worker before failing its requests with UNAVAILABLE",
     )
     p.add_argument(
         "--step-timeout",
         type=float,
-        default=60.0,
+        default=ENGINE.step_timeout,
         help="seconds a step may run on the workers, plus 20 ms per token it computes, before the ranks that owe "
         "its answer are declared lost (a hung step; the usual recovery follows)",
     )
@@ -50,7 +53,7 @@ def add_operations_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-waiting-requests",
         type=int,
-        default=0,
+        default=ENGINE.max_waiting_requests,
         help="waiting sequences at most; beyond it new requests get RESOURCE_EXHAUSTED at once (0: unbounded)",
     )
     p.add_argument("--metrics-port", type=int, default=0, help="port of the Prometheus /metrics endpoint (0: off)")

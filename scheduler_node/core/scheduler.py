@@ -540,13 +540,11 @@ class Scheduler:
             if req is None or req.status is not running:
                 continue  # aborted or preempted while the step ran
             req.num_placeholders -= len(token_ids)
-            kept = req.append_tokens(token_ids)
+            kept = req.append_tokens(token_ids, max_len)
             if req.forks:
                 self._start_forks(req)
             logprobs = all_logprobs[handle][: len(kept)] if all_logprobs and handle in all_logprobs else []
             outputs.append(RequestOutput(req, kept, logprobs))
-            if req.status is running and len(req.prompt_token_ids) + len(req.output_token_ids) >= max_len:
-                req.status = Status.FINISHED_LENGTH
             if req.status is not running:  # it finished
                 self.finish(req.req_id, req.status)
         return outputs
@@ -595,10 +593,15 @@ class Scheduler:
                 req.num_placeholders -= 1
             self._catching_up.add(req)
 
+    def interruptible(self, plans: list[StepPlan]) -> bool:
+        """May these plans in flight be interrupted at all? The one answer: in a world that can stop mid-step (a
+        lone worker: `ExecutionMode.interruptible`), plans whose compute can be skipped (`can_undo`)."""
+        return bool(plans) and self.mode.interruptible and self.can_undo(plans)
+
     def may_interrupt(self, req: Request, plans: list[StepPlan]) -> bool:
-        """May `req` have the workers skip these plans in flight? When it outranks every request in them by the
-        policy's margin (never under fcfs) and `can_undo` them, in a world that can be interrupted."""
-        if not self.mode.interruptible or not self.can_undo(plans):
+        """May `req` have the workers skip these plans in flight? When they are `interruptible` and it outranks
+        every request in them by the policy's margin (never under fcfs)."""
+        if not self.interruptible(plans):
             return False
         now = self.clock()
         outranks_some = False

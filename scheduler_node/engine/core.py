@@ -27,7 +27,7 @@ from scheduler_node.core.scheduler import RequestOutput, Scheduler
 from scheduler_node.core.stats import hit_rates, kv_pools, snapshot
 from scheduler_node.engine.collector import CollectorSchedule
 from scheduler_node.engine.metrics import LiveSample, Metrics
-from scheduler_node.engine.outputs import Delta, RequestStream, SequenceOutput
+from scheduler_node.engine.outputs import Delta, EngineError, ErrorStatus, RequestStream, SequenceOutput
 from scheduler_node.text.detokenizer import IncrementalDetokenizer
 from scheduler_node.text.tokenizer import ModelTokenizer
 
@@ -157,12 +157,12 @@ class EngineCore:
                     kv_precision=spec.kv_precision,
                 )
             )
-            detok = IncrementalDetokenizer(self.tokenizer, spec.prompt_token_ids, spec.stop, spec.sampling.min_tokens)
+            detok = IncrementalDetokenizer(self.tokenizer, spec.prompt_token_ids, spec.stop, stop.may_stop)
             self._sequences[req_id] = SequenceOutput(stream, index, detok)
             internal.append(req_id)
         self.scheduler.add(sequences[0], forks=sequences[1:])  # siblings share the prompt's blocks
         self._by_request_id[spec.request_id] = internal
-        self._maybe_interrupt(sequences[0])
+        self.interrupt_in_flight(sequences[0])
         if deadline_s > 0:
             expire = asyncio.get_running_loop().call_later(deadline_s, self._expire, spec.request_id, deadline_s)
             self._deadlines[spec.request_id] = expire
@@ -229,12 +229,12 @@ class EngineCore:
         """Until no request is live."""
         await self._idle.wait()
 
-    def end_all(self, reason: str, code: str) -> None:
-        """End every live request with an error (`code`: the gRPC status name) and free its blocks."""
+    def end_all(self, reason: str, status: ErrorStatus) -> None:
+        """End every live request with an error and free its blocks."""
         for req_id in list(self._sequences):
             req = self.scheduler.finish(req_id, Status.FINISHED_ERROR)
             if req is not None:
-                self._emit(req, [], [], error=reason, code=code)
+                self._emit(req, [], [], error=EngineError(status, reason))
         self._wake.set()
 
     # ---- the loop
@@ -254,7 +254,7 @@ class EngineCore:
         except Exception as exc:
             logger.exception("engine loop failed")
             self.failed = f"engine failed: {exc}"
-            self.end_all(self.failed, "INTERNAL")
+            self.end_all(self.failed, ErrorStatus.INTERNAL)
             raise
 
     async def _step(self) -> None:
@@ -355,25 +355,20 @@ class EngineCore:
         self._inflight.clear()
         self._interrupting.clear()
 
-    def _maybe_interrupt(self, req: Request) -> None:
-        """A request that outranks every request of the plans in flight has a lone worker skip their compute
-        (the running step stops at its next layer boundary), so its first token waits for no batch step.
-        Their requests are rolled back when the interrupted results arrive, and scheduled again."""
-        if self._interrupting or not self._inflight:
-            return
+    def interrupt_in_flight(self, req: Request | None = None) -> bool:
+        """Have the workers skip the compute of every plan in flight (the running step stops at its next layer
+        boundary); their requests are rolled back when the interrupted results arrive, and scheduled again. For
+        `req`, a new request, when it outranks them (`Scheduler.may_interrupt`), so its first token waits for no
+        batch step; without one, whenever they can be (`Scheduler.interruptible`). False when none was sent."""
         plans = [entry.plan for entry in self._inflight]
-        if self.scheduler.may_interrupt(req, plans) and self.interrupt_in_flight():
-            logger.info("%s interrupts steps %d..%d", req.req_id, plans[0].step_id, plans[-1].step_id)
-
-    def interrupt_in_flight(self) -> bool:
-        """Have the workers skip every plan in flight (rolled back when their results say so); False when the
-        world cannot be interrupted or a plan cannot be undone."""
-        plans = [entry.plan for entry in self._inflight]
-        if self._interrupting or not plans or not self.mode.interruptible or not self.scheduler.can_undo(plans):
+        if self._interrupting:  # one at a time: no plan is built until its results are in
             return False
-        if not self.workers.interrupt(plans[0].step_id, plans[-1].step_id):
+        allowed = self.scheduler.interruptible(plans) if req is None else self.scheduler.may_interrupt(req, plans)
+        if not allowed or not self.workers.interrupt(plans[0].step_id, plans[-1].step_id):
             return False
         self._interrupting = {plan.step_id for plan in plans}
+        if req is not None:
+            logger.info("%s interrupts steps %d..%d", req.req_id, plans[0].step_id, plans[-1].step_id)
         return True
 
     async def _maybe_delay(self) -> None:
@@ -397,7 +392,7 @@ class EngineCore:
         running = self.scheduler.requeue_all()
         timeout = self.options.rejoin_timeout
         if self.draining:
-            self.end_all(f"{reason} while draining", "UNAVAILABLE")
+            self.end_all(f"{reason} while draining", ErrorStatus.UNAVAILABLE)
         else:
             logger.warning(
                 "%s: %d running request(s) back to waiting; waiting up to %g s for a replacement worker",
@@ -411,7 +406,7 @@ class EngineCore:
                 return
         self.gave_up = f"{reason}, and no worker rejoined within {timeout:g} s"
         logger.error("%s: failing %d live request(s)", self.gave_up, len(self._by_request_id))
-        self.end_all(self.gave_up, "UNAVAILABLE")
+        self.end_all(self.gave_up, ErrorStatus.UNAVAILABLE)
         await self.workers.wait_ready(None)
         self.scheduler.requeue_all()  # start from a clean slate: no notices for the old workers
         self._world_back()
@@ -445,7 +440,8 @@ class EngineCore:
             if req.num_tokens + 1 > limit:
                 for r in [req, *req.forks]:
                     self.scheduler.finish(r.req_id, Status.FINISHED_ERROR)
-                    self._emit(r, [], [], error=f"the KV cache shrank to {limit} tokens", code="UNAVAILABLE")
+                    shrank = EngineError(ErrorStatus.UNAVAILABLE, f"the KV cache shrank to {limit} tokens")
+                    self._emit(r, [], [], error=shrank)
 
     def _fail_step(self, plan: StepPlan, reason: str) -> None:
         """A worker could not run the plan: its requests fail, the rest are recomputed (worker state is suspect).
@@ -456,7 +452,7 @@ class EngineCore:
         logger.error("%s; failing the %d request(s) of that step", reason, len(failed))
         for req in failed:
             if self.scheduler.finish(req.req_id, Status.FINISHED_ERROR) is not None and req.req_id in self._sequences:
-                self._emit(req, [], [], error=reason, code="INTERNAL")
+                self._emit(req, [], [], error=EngineError(ErrorStatus.INTERNAL, reason))
         self.scheduler.requeue_all(workers_lost=False)
 
     def _expire(self, request_id: str, deadline_s: float) -> None:
@@ -465,7 +461,7 @@ class EngineCore:
             req = self.scheduler.finish(req_id, Status.FINISHED_ERROR)
             if req is not None:
                 error = f"deadline_s: {deadline_s:g} s passed before the request finished"
-                self._emit(req, [], [], error=error, code="DEADLINE_EXCEEDED")
+                self._emit(req, [], [], error=EngineError(ErrorStatus.DEADLINE_EXCEEDED, error))
         self._wake.set()  # tell the workers to forget them
 
     # ---- outputs
@@ -489,7 +485,7 @@ class EngineCore:
                 continue
             text_ids = out.new_token_ids[:-1] if req.stopped_by_token else out.new_token_ids
             seq.detokenizer.add(text_ids)  # the token that stopped the output is not part of its text
-            if seq.detokenizer.stopped and not req.finished:
+            if seq.detokenizer.stopped and not req.finished:  # a stop string: the output side reports it
                 self.scheduler.finish(req.req_id, Status.FINISHED_STOPPED)
             self._emit(req, out.new_token_ids, out.logprobs, now=now, seq=seq)
             tokens += len(out.new_token_ids)
@@ -501,8 +497,7 @@ class EngineCore:
         req: Request,
         token_ids: list[int],
         logprobs: list[TokenLogprobs],
-        error: str = "",
-        code: str = "",
+        error: EngineError | None = None,
         now: float = 0.0,
         seq: SequenceOutput | None = None,
     ) -> None:
@@ -516,12 +511,11 @@ class EngineCore:
             delta.prompt_logprobs = list(req.prompt_logprobs)  # complete once the first token is sampled
             seq.prompt_logprobs_sent = True
         if finished:
-            delta.finish_reason = req.status.value
+            delta.finish_reason = req.status.finish_reason
             delta.prompt_tokens = len(req.prompt_token_ids)
             delta.completion_tokens = len(req.output_token_ids)
             delta.error = error
-            delta.code = code
-            self.metrics.finished(req.status.value, None if error else time.monotonic() - seq.arrival)
+            self.metrics.finished(delta.finish_reason, None if error else time.monotonic() - seq.arrival)
             self._forget(req.req_id, seq.stream.request_id)
         if delta.token_ids or delta.text or finished:
             seq.stream.put(delta)

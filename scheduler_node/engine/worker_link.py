@@ -30,9 +30,11 @@ import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from proto.curve import configure_server
-from proto.transport import StepFailed, WorkerLost, WorldCapacity, compact_capacity, tier_capacity
+from proto.transport import StepFailed, WorkerLost, WorldCapacity
 from proto.wire import (
+    HEARTBEAT_TIMEOUT_S,
     MAX_MESSAGE_BYTES,
+    ZMQ_HEARTBEAT_IVL_MS,
     Assignment,
     Heartbeat,
     Interrupt,
@@ -52,9 +54,6 @@ logger = logging.getLogger(__name__)
 JOINING, READY, LOST = "joining", "ready", "lost"
 
 
-ZMQ_HEARTBEAT_IVL_MS = 1000  # libzmq PINGs a quiet connection this often; a dead peer is dropped after the timeout
-
-
 @dataclass(slots=True)
 class WorkerInfo:
     rank: int
@@ -67,7 +66,7 @@ class WorkerInfo:
     swap_bytes_per_s: float = 0.0
     kv_cache_bytes: int = 0
     kv_format: str = ""
-    tiers: WorkerReady | None = None  # its Ready: the KV offload tiers' sizes and warm disk blocks
+    tiers: WorkerReady | None = None  # its Ready: the world's capacity is computed from every rank's
     tp_rank: int = 0
     pp_stage: int = 0
     state: str = JOINING  # joining | ready | lost
@@ -85,7 +84,9 @@ class _Step:
 class WorkerLink:
     """The transport to worker processes over one ZMQ ROUTER socket."""
 
-    def __init__(self, address: str, heartbeat_timeout: float = 10.0, curve_dir: str | None = None) -> None:
+    def __init__(
+        self, address: str, heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S, curve_dir: str | None = None
+    ) -> None:
         if heartbeat_timeout <= 0:
             raise ValueError(f"--heartbeat-timeout must be > 0, got {heartbeat_timeout}")
         self.address = address
@@ -241,16 +242,7 @@ class WorkerLink:
     def _settle_capacity(self) -> None:
         """The world is complete: fix its capacity (first time), or shrink it to a replacement that holds less."""
         ready = self.workers
-        new = WorldCapacity(
-            num_kv_blocks=min(w.num_kv_blocks for w in ready),
-            num_swap_blocks=min(w.num_host_blocks for w in ready),
-            bytes_per_block=max(w.kv_cache_bytes // max(w.num_kv_blocks, 1) for w in ready),
-            swap_bytes_per_s=min(w.swap_bytes_per_s for w in ready),
-            world_bytes_per_block=sum(w.kv_cache_bytes // max(w.num_kv_blocks, 1) for w in ready),
-            kv_format=ready[0].kv_format,
-            **tier_capacity([w.tiers for w in ready if w.tiers is not None]),
-            **compact_capacity([w.tiers for w in ready if w.tiers is not None]),
-        )
+        new = WorldCapacity.of([w.tiers for w in ready if w.tiers is not None])
         old = self._capacity
         if old is not None and (new.num_kv_blocks, new.num_swap_blocks) != (old.num_kv_blocks, old.num_swap_blocks):
             logger.warning(

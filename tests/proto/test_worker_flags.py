@@ -1,15 +1,47 @@
-"""`--kv-offload-disk` is checked by trying it: a folder this process can write in (created when missing), else one
-line naming the flag. (A read-only mount: tests/e2e/test_offload.py.)"""
+"""A worker's settings are declared once (WorkerOptions): its flags' defaults are theirs, and the command line
+vllm-serve and the offline LLM hand a worker (worker_argv) parses back into the same settings. `--kv-offload-disk`
+is checked by trying it: a folder this process can write in (created when missing), else one line naming the flag
+(a read-only mount: tests/e2e/test_offload.py)."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from proto.worker_flags import offload_dir_problem
+from proto.worker_flags import (
+    WORKER_FLAGS,
+    WorkerOptions,
+    add_curve_flag,
+    add_worker_flags,
+    offload_dir_problem,
+    worker_argv,
+)
 
 pytestmark = pytest.mark.unit
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    p.add_argument("--scheduler-address", default="")
+    add_worker_flags(p)
+    add_curve_flag(p)
+    return p
+
+
+def test_the_flags_defaults_are_the_settings_defaults() -> None:
+    assert WorkerOptions.from_args(parser().parse_args([])) == WorkerOptions()
+    assert set(WORKER_FLAGS) <= {f.name for f in dataclasses.fields(WorkerOptions)}
+
+
+def test_settings_survive_the_command_line() -> None:
+    options = WorkerOptions(device="cpu", kv_cache_memory=2**24, swap_space=0.5, threads=2, kv_cache_dtype="int8",
+                            kv_offload_ram=0.25, kv_offload_disk="/tmp/kv", kv_offload_disk_size=1.5,
+                            cuda_graph_sizes="1,2", local_address="10.0.0.2")  # fmt: skip
+    assert WorkerOptions.from_args(parser().parse_args(worker_argv(options))) == options
+    assert "--kv-offload-disk" not in worker_argv(WorkerOptions()), "an empty setting is left out"
 
 
 def test_a_writable_folder_is_taken_and_a_missing_one_created(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import torch
 
-from proto.transport import tier_capacity
+from proto.transport import WorldCapacity
 from proto.wire import Assignment, ExecutionMode, SamplingOptions, StepPlan, TokenLogprobs, WorkerReady
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.kv_tiers import KVTiers
@@ -174,7 +174,7 @@ class EngineRun:
                 c.logprobs += delta.logprobs
                 c.prompt_logprobs += delta.prompt_logprobs
                 c.finish_reason = delta.finish_reason or c.finish_reason
-                c.error = delta.error or c.error
+                c.error = delta.error.message if delta.error else c.error
 
     def run_plans(self, count: int, timeout: float = 120.0) -> None:
         """Until the engine has sent `count` plans in all (requests may still be running)."""
@@ -226,9 +226,9 @@ def _tiers_of(runners: list[ModelRunner], policy: str) -> KVTiers | None:
     offloads = [r.offload for r in runners if r.offload is not None]
     if len(offloads) != len(runners):
         return None
-    cap = tier_capacity([o.report(WorkerReady(0, 0, 0)) for o in offloads])
-    tiers = KVTiers(cap["ram_tier_blocks"], cap["disk_tier_blocks"], policy)
-    tiers.adopt_disk(cap["disk_tier_entries"])
+    cap = WorldCapacity.of([o.report(WorkerReady(0, 0, 0)) for o in offloads])
+    tiers = KVTiers(cap.ram_tier_blocks, cap.disk_tier_blocks, policy)
+    tiers.adopt_disk(cap.disk_tier_entries)
     return tiers
 
 

@@ -137,7 +137,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def interrupt(self) -> None:
         plans = [p for p, _ in self.in_flight]
-        if self.mode.interruptible and self.s.can_undo(plans):
+        if self.s.interruptible(plans):
             self.in_flight = [(p, True) for p in plans]
 
     def _interrupting(self) -> bool:

@@ -61,7 +61,12 @@ async def _collect(engine: EngineCore, spec: RequestSpec) -> list[Delta]:
 
 
 def _endings(deltas: list[Delta]) -> dict[int, tuple[str, str]]:
-    return {d.index: (d.finish_reason, d.code) for d in deltas if d.finish_reason}
+    """Each sequence's finish reason and error status ("" when it did not fail)."""
+    return {
+        d.index: (str(d.finish_reason.value), d.error.status.name if d.error else "")
+        for d in deltas
+        if d.finish_reason is not None
+    }
 
 
 def test_a_failed_prompt_ends_its_unstarted_siblings_too() -> None:

@@ -264,3 +264,18 @@ def test_a_realtime_request_interrupts_a_real_worker(tiny_llama_dir: Path) -> No
     for prompt, result, wanted in zip(prompts, results, [BATCH_TOKENS] * 6 + [5] * len(realtime), strict=True):
         assert result.finish_reason == "length" and len(result.tokens) == wanted
         assert_teacher_forced(hf, prompt, result.tokens)
+
+
+def test_only_a_lone_worker_with_plans_that_can_be_undone_is_interrupted() -> None:
+    """Scheduler.interruptible: the one answer to "may these plans be interrupted", which may_interrupt and the
+    engine ask."""
+    lone = _scheduler(PriorityPolicy())
+    assert lone.interruptible([StepPlan(1), StepPlan(2)])
+    assert not lone.interruptible([])
+    assert not lone.interruptible([StepPlan(1), StepPlan(2, swap_out=[(1, 2)])])
+    config = SchedulerConfig(block_size=BLOCK, max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8)
+    for tp, pp in ((2, 1), (1, 2)):
+        world = Scheduler(config, 64, policy=PriorityPolicy(), mode=ExecutionMode.for_world(tp, pp, True))
+        world.add(_req("b", 30))
+        plan = world.schedule()
+        assert not world.interruptible([plan]) and not world.may_interrupt(_req("rt", 90), [plan])
