@@ -6,7 +6,9 @@ folder the tier cannot use is refused at start in one line."""
 from __future__ import annotations
 
 import contextlib
+import os
 import random
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,7 +19,7 @@ import pytest
 from minivllm.cluster import REPO, Cluster, free_port
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
-from tests.support.ops import add_worker, rank0, wait_for
+from tests.support.ops import add_worker, child_pids, rank0, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -134,8 +136,19 @@ def test_a_full_disk_tier_drops_blocks_not_requests(tiny_llama_dir: Path, tmp_pa
     assert "could not run step" not in logs
 
 
-def _refusal(argv: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", *argv], cwd=REPO, capture_output=True, text=True, timeout=120)
+def _refusal(argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run a command that should refuse to start; one that starts anyway is stopped with its children (each in
+    its own session) after `timeout` seconds, and the test fails."""
+    proc = subprocess.Popen([sys.executable, "-m", *argv], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in child_pids(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.communicate()
+        raise AssertionError(f"{argv[0]} did not refuse to start within {timeout} s") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(), err.decode())
 
 
 @pytest.mark.parametrize("kind", ["file", "read-only"])
