@@ -186,7 +186,7 @@ class ControlService(pb_grpc.ControlServicer):
         self, request: pb.ResizeCacheRequest, context: grpc.aio.ServicerContext
     ) -> pb.ResizeCacheResponse:
         engine = await self._engine(context)
-        total = engine.scheduler.blocks.num_blocks
+        total = engine.max_kv_blocks  # what every rank holds now (a smaller replacement lowers it)
         if not 1 <= request.num_blocks <= total:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"num_blocks: must be in [1, {total}]")
         start = time.perf_counter()

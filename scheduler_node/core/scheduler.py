@@ -157,8 +157,35 @@ class Scheduler:
         return self._by_handle.get(handle)
 
     def resize(self, num_blocks: int) -> int:
-        """Change the usable KV blocks at run time; returns how many live blocks move (on the next step)."""
+        """Change the usable KV blocks at run time; returns how many live blocks move (on the next step). Raises
+        MemoryError, changing nothing, when live requests would not fit: their blocks, or any one of them at its
+        longest (it would wait forever)."""
+        stranded = self.stranded(num_blocks)
+        if stranded:
+            need, holds = max(r.num_tokens_at_most for r in stranded), self.max_model_len_for(num_blocks)
+            raise MemoryError(
+                f"{len(stranded)} live sequence(s) may grow to {need} tokens (prompt + max_tokens), more than "
+                f"{num_blocks} block(s) hold ({holds} tokens): let them finish or abort them"
+            )
         return self.view.replace_blocks(self._by_handles(self.blocks.resize(num_blocks)))
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest request (prompt + max_tokens) the cache holds now: the configured max_model_len, capped by
+        the usable blocks (a ResizeCache shrink, a smaller replacement worker). Doors validate against it."""
+        return self.max_model_len_for(self.blocks.usable_blocks)
+
+    def max_model_len_for(self, usable_blocks: int) -> int:
+        tokens = usable_blocks * self.blocks.block_size
+        configured = self.config.max_model_len
+        return min(configured, tokens) if configured else tokens
+
+    def stranded(self, usable_blocks: int) -> list[Request]:
+        """Live sequences that could never finish in that many usable blocks: validated against a longer
+        max_model_len than those hold. Compact ones (kv_precision="compact") live in their own pool, which
+        neither a resize nor a smaller replacement of the full blocks changes."""
+        limit = self.max_model_len_for(usable_blocks)
+        return [r for r in self.requests.values() if r.kv_precision != "compact" and r.num_tokens_at_most > limit]
 
     def _by_handles(self, updates: dict[str, list[tuple[int, int]]]) -> dict[int, list[tuple[int, int]]]:
         return {self.requests[req_id].handle: changes for req_id, changes in updates.items()}
@@ -234,7 +261,7 @@ class Scheduler:
             else:
                 take(req, n, n == todo, plan, sent, written)
                 budget -= n
-        if not preempted:
+        if not preempted or not self.running:  # a request that preempted itself leaves the cache to the others
             self._admit(budget, seats, floor, plan, sent, now)
         if sent.requests:
             self.in_flight.record(plan.step_id, sent)
@@ -351,6 +378,10 @@ class Scheduler:
         return start(fmt)
 
     def _watermark(self, fmt: BlockFormat) -> int:
+        """Blocks admission keeps free for the running requests to grow into; none when nothing runs: a request
+        that needs the whole cache would otherwise never start."""
+        if not self.running:
+            return 0
         pool = self.blocks.num_compact_blocks if fmt is BlockFormat.COMPACT else self.blocks.usable_blocks
         return int(self.config.watermark * pool)
 
@@ -378,9 +409,18 @@ class Scheduler:
     def _admit(self, budget: int, seats: int, floor: float, plan: StepPlan, sent: SentPlan, now: float) -> None:
         """Start waiting requests in policy order while budget, seats and blocks last. Forks (n > 1) that wait
         while holding their parent's prompt blocks go first: left waiting, they would keep those blocks from a
-        request that needs the whole cache, which would then preempt itself over and over."""
+        request that needs the whole cache, which would then preempt itself over and over. When nothing runs and
+        none of them can start, they let go one by one until one does (or none holds blocks): a step that starts
+        nothing while nothing runs would leave the engine nothing to wait for."""
+        while (holders := self._admit_pass(budget, seats, floor, plan, sent, now)) and not self.running:
+            self._release_blocks(holders[-1])  # nothing started: the budget and seats are as they were
+
+    def _admit_pass(
+        self, budget: int, seats: int, floor: float, plan: StepPlan, sent: SentPlan, now: float
+    ) -> list[Request]:
+        """One pass over the waiting queue (see `_admit`); returns the waiting requests that hold blocks."""
         if not self._room(budget, seats, sent):
-            return  # nothing can start: the queue is not even looked at (something runs, so no fork must let go)
+            return []  # nothing can start: the queue is not even looked at (something runs, so no fork must let go)
         ordered = list(self.waiting) if self.policy.stable_order else self.policy.order_waiting(self.waiting, now)
         holders = [r for r in ordered if not r.swapped and self.blocks.blocks_of(r.req_id)]
         holding = set(holders)
@@ -404,8 +444,7 @@ class Scheduler:
                 raise RuntimeError(f"{req.req_id}: its blocks were claimed, yet they do not fit")
             self._take(req, n, n == todo, plan, sent, written)
             budget -= n
-        if holders and not self.running:
-            self._release_blocks(holders[-1])
+        return holders
 
     def _room(self, budget: int, seats: int, sent: SentPlan) -> bool:
         """Can one more request start in this plan?"""
@@ -533,7 +572,7 @@ class Scheduler:
                 req.add_prompt_logprobs(first, logprobs)
         outputs = []
         # Once per sampling request per step: what the loop calls is looked up once, here.
-        all_logprobs, max_len, running = result.logprobs, self.config.max_model_len, Status.RUNNING
+        all_logprobs, max_len, running = result.logprobs, self.max_model_len, Status.RUNNING
         live = self._by_handle
         for handle, token_ids in result.sampled.items():
             req = live.get(handle)

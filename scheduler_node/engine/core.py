@@ -22,7 +22,7 @@ import msgspec
 from proto.memory_stats import KvPool
 from proto.transport import StepFailed, WorkerLost, WorkerTransport
 from proto.wire import StepPlan, StepResult, TokenLogprobs
-from scheduler_node.core.request import Request, RequestSpec, Status, StopConditions
+from scheduler_node.core.request import FinishReason, Request, RequestSpec, Status, StopConditions
 from scheduler_node.core.scheduler import RequestOutput, Scheduler
 from scheduler_node.core.stats import hit_rates, kv_pools, snapshot
 from scheduler_node.engine.collector import CollectorSchedule
@@ -112,7 +112,14 @@ class EngineCore:
 
     @property
     def max_model_len(self) -> int:
-        return self.scheduler.config.max_model_len
+        """The longest request (prompt + max_tokens) the world holds now: it follows a ResizeCache and a smaller
+        replacement worker, so a request validated against it always fits."""
+        return self.scheduler.max_model_len
+
+    @property
+    def max_kv_blocks(self) -> int:
+        """The most usable blocks a ResizeCache may set: what every rank of the world holds now."""
+        return min(self.scheduler.blocks.num_blocks, self.workers.capacity.num_kv_blocks)
 
     @property
     def compact_tokens(self) -> int:
@@ -135,6 +142,11 @@ class EngineCore:
         if self.failed:
             raise RuntimeError(self.failed)
         stream = RequestStream(spec.request_id, spec.n)
+        if too_long := self._too_long(spec):
+            error = EngineError(ErrorStatus.UNAVAILABLE, too_long)
+            for index in range(spec.n):  # ends at once, engine untouched: no sequence would ever start
+                stream.put(Delta(index, [], "", FinishReason.ERROR, error=error))
+            return stream
         eos = frozenset() if spec.ignore_eos else self.tokenizer.eos_token_ids
         stop = StopConditions(spec.max_tokens, eos, frozenset(spec.stop_token_ids), spec.sampling.min_tokens)
         # The worker bans the tokens that end the output until min_tokens, and lets a grammar end only with them.
@@ -170,6 +182,20 @@ class EngineCore:
         self._wake.set()
         return stream
 
+    def _too_long(self, spec: RequestSpec) -> str:
+        """Why a validated request can no longer fit ("" when it fits): the cache shrank (a ResizeCache, a smaller
+        replacement worker) between its validation, off the event loop, and now."""
+        compact = spec.kv_precision == "compact"
+        limit = self.compact_tokens if compact else self.max_model_len
+        prompt = len(spec.prompt_token_ids)
+        if prompt + spec.max_tokens <= limit:
+            return ""
+        what = "the compact KV pool's size" if compact else "max_model_len"
+        return (
+            f"prompt ({prompt} tokens) + max_tokens ({spec.max_tokens}) exceeds {what} "
+            f"({limit}): the KV cache shrank since the request was validated"
+        )
+
     def abort(self, request_id: str) -> bool:
         ids = self._by_request_id.get(request_id)
         if ids is None:
@@ -182,7 +208,10 @@ class EngineCore:
         return True
 
     def resize_cache(self, num_blocks: int) -> int:
-        """Change the usable KV blocks; the block moves run on the workers before the next step."""
+        """Change the usable KV blocks; the block moves run on the workers before the next step. ValueError
+        outside [1, max_kv_blocks]; MemoryError when live requests would not fit (nothing changes then)."""
+        if not 1 <= num_blocks <= self.max_kv_blocks:
+            raise ValueError(f"num_blocks: must be in [1, {self.max_kv_blocks}], got {num_blocks}")
         moved = self.scheduler.resize(num_blocks)
         self._wake.set()
         return moved
@@ -263,7 +292,8 @@ class EngineCore:
         self._fill_pipeline()
         if not self._inflight:
             if self.scheduler.waiting and not self.scheduler.running:
-                raise RuntimeError("waiting requests fit in no KV configuration")  # validation prevents it
+                self._end_unstartable()  # admission prevents it: a bug must not stop the engine
+                return
             self._wake.clear()
             await self._woken()
             return
@@ -423,8 +453,8 @@ class EngineCore:
             self.scheduler.tiers.adopt_disk(self.workers.capacity.disk_tier_entries)
 
     def _fit_capacity(self) -> None:
-        """A replacement that could not hold the world's KV size shrank the world: the scheduler follows, and
-        requests that no longer fit at all end (they would wait forever)."""
+        """A replacement that could not hold the world's KV size shrank the world: the scheduler follows (and
+        max_model_len with it), and requests that could no longer finish end (they would wait forever)."""
         capacity = self.workers.capacity
         blocks = self.scheduler.blocks
         compact = capacity.num_compact_blocks
@@ -435,13 +465,25 @@ class EngineCore:
         ):
             return
         self.scheduler.fit_capacity(capacity.num_kv_blocks, capacity.num_swap_blocks, compact)
-        limit = capacity.num_kv_blocks * blocks.block_size
-        for req in list(self.scheduler.waiting):
-            if req.num_tokens + 1 > limit:
-                for r in [req, *req.forks]:
-                    self.scheduler.finish(r.req_id, Status.FINISHED_ERROR)
-                    shrank = EngineError(ErrorStatus.UNAVAILABLE, f"the KV cache shrank to {limit} tokens")
-                    self._emit(r, [], [], error=shrank)
+        limit = self.max_model_len
+        for req in self.scheduler.stranded(self.scheduler.blocks.usable_blocks):
+            message = (
+                f"the KV cache shrank to {limit} tokens (a replacement worker holds fewer blocks); this request "
+                f"needs up to {req.num_tokens_at_most} (prompt + max_tokens)"
+            )
+            self.scheduler.finish(req.req_id, Status.FINISHED_ERROR)
+            self._emit(req, [], [], error=EngineError(ErrorStatus.UNAVAILABLE, message))
+
+    def _end_unstartable(self) -> None:
+        """Nothing runs or is in flight, yet the scheduler started no waiting request: the first of them could
+        never start. It ends with an error instead of stopping the engine (every later request would fail)."""
+        head = self.scheduler.policy.order_waiting(self.scheduler.waiting, time.monotonic())[0]
+        free = self.scheduler.blocks.num_free
+        message = f"the scheduler could not start this request ({head.num_tokens} tokens, {free} free KV blocks)"
+        logger.error("%s: %s", head.req_id, message)
+        for req in [head, *head.forks]:
+            self.scheduler.finish(req.req_id, Status.FINISHED_ERROR)
+            self._emit(req, [], [], error=EngineError(ErrorStatus.INTERNAL, message))
 
     def _fail_step(self, plan: StepPlan, reason: str) -> None:
         """A worker could not run the plan: its requests fail, the rest are recomputed (worker state is suspect).

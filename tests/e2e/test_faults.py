@@ -23,6 +23,7 @@ from proto.transport import WorkerLost
 from proto.wire import Assignment, Heartbeat, Shutdown, StepPlan, StepResult, WorkerHello, WorkerReady, decode, encode
 from scheduler_node.cli.client import wait_ready
 from scheduler_node.engine.worker_link import WorkerLink
+from tests.support.clusters import serving
 from tests.support.models import assert_teacher_forced, load_hf
 from tests.support.ops import (
     NOT_SERVING,
@@ -79,7 +80,7 @@ class FakeWorker:
     async def _heartbeat(self, rank: int) -> None:
         while True:
             await self.sock.send(encode(Heartbeat(rank, 0, 1.0)))
-            await asyncio.sleep(self.beat or 1)
+            await asyncio.sleep(self.beat or 1)  # the scenario: a worker's heartbeat pace
 
     def stall(self) -> None:
         for task in self.tasks:
@@ -146,12 +147,8 @@ async def _link_scenario() -> None:
 def rejoin_cluster(tiny_llama_dir: Path):  # type: ignore[no-untyped-def]
     args = ["--heartbeat-timeout", str(HEARTBEAT), "--worker-rejoin-timeout", "60", "--max-num-batched-tokens", "256"]
     args += ["--dtype", "float32"]  # compared with HF at 1e-3: `auto` is bf16 on CPUs with AVX-512 BF16
-    c = Cluster(tiny_llama_dir, args, TINY_WORKER)
-    try:
-        c.wait_serving()
+    with serving(Cluster(tiny_llama_dir, args, TINY_WORKER), stop=False) as c:  # its tests kill and replace workers
         yield c
-    finally:
-        c.kill()
 
 
 @pytest.fixture(scope="module")
@@ -371,7 +368,7 @@ async def _hung_step() -> None:
         await worker.join()
         await start
         future = link.submit(StepPlan(1))
-        await asyncio.sleep(2.5)  # past the heartbeat timeout: its heartbeats keep it alive
+        await asyncio.sleep(2.5)  # the scenario: time past the heartbeat timeout, its heartbeats keep it alive
         assert link.all_ready and not future.done()
         link.declare_lost("step 1 ran past its deadline")  # what the engine does at the step's deadline
         with pytest.raises(WorkerLost, match="deadline"):

@@ -6,6 +6,7 @@ range is a 400 / INVALID_ARGUMENT naming the field, never a 500."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from minivllm.cluster import Cluster
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from scheduler_node.api.request_bounds import MAX_PROMPT_LOGPROB_ENTRIES, MAX_REQUEST_BYTES
+from tests.support.clusters import serving
 from tests.support.ops import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -29,14 +31,11 @@ HEADROOM_MIB = 64  # the scheduler's resident size after refusals, over its size
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_llama_dir: Path):  # type: ignore[no-untyped-def]
+def cluster(tiny_llama_dir: Path) -> Iterator[Cluster]:
+    """A world of its own: the first test measures the scheduler's memory, which other tests' traffic would move."""
     c = Cluster(tiny_llama_dir, ["--served-model-name", MODEL], ["--kv-cache-memory", "16MiB"], http=True)
-    try:
-        c.wait_serving()
+    with serving(c):
         yield c
-    finally:
-        codes = c.stop()
-        assert codes == [0, 0], f"unclean exit {codes}\n{c.logs()}"
 
 
 def post(cluster: Cluster, path: str, body: str | dict[str, Any], **headers: str) -> httpx.Response:

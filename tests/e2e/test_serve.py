@@ -31,10 +31,7 @@ def assert_stops_with_its_children(serve: subprocess.Popen, sig: int, expected_c
     assert len(children) == expected_children, children
     serve.send_signal(sig)
     assert serve.wait(60) == 0
-    deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [pid for pid in children if alive(pid)], "children outlived vllm-serve"
+    wait_for(lambda: not any(alive(pid) for pid in children), 10, "no child outlives vllm-serve")
 
 
 KEY = "sk-serve-test"
@@ -76,17 +73,12 @@ def test_serve_runs_and_stops_all_children_on_sigterm(tiny_llama_dir: Path, tmp_
             chunks = live.iter_lines()
             assert next(chunks).startswith("data: ")
             serve.send_signal(signal.SIGTERM)  # the scheduler drains: the live stream goes on, new work is refused
-            deadline = time.monotonic() + 10
-            while httpx.get(url + "/health").status_code == 200 and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_for(lambda: httpx.get(url + "/health").status_code != 200, 10, "/health leaves 200 while draining")
             refused = httpx.post(url + "/v1/completions", json={"prompt": "late", "max_tokens": 2}, headers=AUTH)
             assert refused.status_code == 503 and "draining" in refused.json()["error"]["message"]
             assert [line for line in chunks if line][-1] == "data: [DONE]"
         assert serve.wait(30) == 0
-        deadline = time.monotonic() + 10
-        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [pid for pid in children if alive(pid)], "children outlived vllm-serve"
+        wait_for(lambda: not any(alive(pid) for pid in children), 10, "no child outlives vllm-serve")
     finally:
         if serve.poll() is None:
             serve.kill()

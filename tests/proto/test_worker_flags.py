@@ -17,6 +17,7 @@ from proto.worker_flags import (
     add_curve_flag,
     add_worker_flags,
     offload_dir_problem,
+    parse_size,
     worker_argv,
 )
 
@@ -42,6 +43,19 @@ def test_settings_survive_the_command_line() -> None:
                             cuda_graph_sizes="1,2", local_address="10.0.0.2")  # fmt: skip
     assert WorkerOptions.from_args(parser().parse_args(worker_argv(options))) == options
     assert "--kv-offload-disk" not in worker_argv(WorkerOptions()), "an empty setting is left out"
+
+
+def test_sizes_take_units() -> None:
+    assert [parse_size(t) for t in ("4GiB", "512MiB", "256KiB", "1e9", "1000", " 2kb ")] == [
+        4 * 2**30, 512 * 2**20, 256 * 2**10, 10**9, 1000, 2000]  # fmt: skip
+    with pytest.raises(ValueError):
+        parse_size("lots")
+
+
+def test_the_attention_backend_is_a_built_in_name_or_a_class() -> None:
+    assert parser().parse_args(["--attention-backend", "my.module:Backend"]).attention_backend == "my.module:Backend"
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--attention-backend", "fastest"])
 
 
 def test_a_writable_folder_is_taken_and_a_missing_one_created(tmp_path: Path) -> None:

@@ -56,7 +56,7 @@ def last_delta(core: EngineCore, request: RequestSpec, act: str = "", deadline_s
     ("request_", "reason", "tokens"),
     [
         (spec(5), FinishReason.LENGTH, 5),
-        (spec(50), FinishReason.LENGTH, 64 - 20),  # max_model_len comes first
+        (spec(64 - 20), FinishReason.LENGTH, 64 - 20),  # the output fills max_model_len to the last token
         (spec(9, stop_token_ids=[TOKEN]), FinishReason.STOP, 1),
         (spec(9, stop_token_ids=[TOKEN], min_tokens=3), FinishReason.STOP, 4),  # a stop token past min_tokens
     ],
@@ -66,6 +66,14 @@ def test_a_sequence_ends_by_its_tokens(request_: RequestSpec, reason: FinishReas
     assert deltas[-1].finish_reason is reason and deltas[-1].error is None
     assert sum(len(d.token_ids) for d in deltas) == tokens == deltas[-1].completion_tokens
     assert all(d.finish_reason is None for d in deltas[:-1])
+
+
+def test_a_request_past_max_model_len_ends_with_a_status_not_a_wait() -> None:
+    """Validation refuses prompt + max_tokens over max_model_len; one that gets past it (the cache shrank since)
+    ends at once with UNAVAILABLE saying why, never waits for room that will not come."""
+    ended = last_delta(engine(), spec(50))[-1]
+    assert ended.finish_reason is FinishReason.ERROR and ended.error is not None
+    assert ended.error.status is ErrorStatus.UNAVAILABLE and "exceeds max_model_len (64)" in ended.error.message
 
 
 def test_an_aborted_request_ends_with_abort() -> None:

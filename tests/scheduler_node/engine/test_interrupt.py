@@ -18,44 +18,14 @@ from scheduler_node.core.policy import Policy, PriorityPolicy
 from scheduler_node.core.request import Request, Status, StopConditions
 from scheduler_node.core.scheduler import Scheduler
 from scheduler_node.engine.stand_in import StandInWorkers
-from tests.support.engine import EngineRun, load_runner
+from tests.support.engine import EngineRun, InterruptingWorkers, load_runner
 from tests.support.models import assert_teacher_forced, load_hf
 from tests.support.ops import TINY_WORKER, StreamResult, Streams, greedy_ids, prompt_ids
 from tests.support.plans import by_handle, scheduled
-from worker_node.inprocess import InProcessWorkers
 
 pytestmark = pytest.mark.e2e
 
 BLOCK = 16
-
-
-class InterruptingWorkers(InProcessWorkers):
-    """Asked to interrupt, it stops the running plan at a random layer boundary half the time (a forward hook),
-    else before it starts; the plans queued behind it are skipped before they start."""
-
-    def __init__(self, rng: random.Random) -> None:
-        super().__init__()
-        self.rng = rng
-        self.mid_forward = 0
-        self.before_start = 0
-
-    def interrupt(self, first: int, last: int) -> bool:
-        runner = self.runners[0]
-        layers = runner.model.layers
-        if self.rng.random() < 0.5 and len(layers) > 1:
-            self.mid_forward += 1
-            hook = None
-
-            def stop_now(*_: object) -> None:
-                runner.interrupts.add(first, last)
-                assert hook is not None
-                hook.remove()
-
-            hook = layers[self.rng.randrange(len(layers) - 1)].register_forward_hook(stop_now)
-        else:
-            self.before_start += 1
-            runner.interrupts.add(first, last)
-        return True
 
 
 def test_interrupted_steps_keep_greedy_output_identical_to_hf(tiny_llama_dir: Path) -> None:
