@@ -7,10 +7,13 @@ that join over ZeroMQ on loopback, as `vllm-serve` does, and are stopped by `clo
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import logging
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypedDict, TypeVar
@@ -20,7 +23,7 @@ from tqdm import tqdm
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from proto.wire import TokenLogprobs
-from proto.worker_flags import KV_CACHE_DTYPES, WorkerOptions, parse_size, worker_argv
+from proto.worker_flags import KV_CACHE_DTYPES, WorkerOptions, offload_dir_problem, parse_size, worker_argv
 from scheduler_node.api.validation import (
     DEFAULT_PRIORITY,
     InvalidField,
@@ -67,6 +70,17 @@ class TokensPrompt(TypedDict):
 
 Prompt = str | Sequence[int] | TextPrompt | TokensPrompt
 Message = dict[str, str]
+
+# Every LLM not closed yet. At interpreter exit they are closed by an atexit hook, while the engine's daemon thread
+# still runs: later, in the finalizer, that thread is frozen, and a close from `__del__` would wait on it forever.
+_OPEN: weakref.WeakSet[LLM] = weakref.WeakSet()
+CLOSE_TIMEOUT_S = 30.0  # at most this long for the engine to stop; then its workers are killed regardless
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    for llm in list(_OPEN):
+        llm.close()
 
 
 class LLM:
@@ -116,6 +130,9 @@ class LLM:
             ("inprocess" if world == 1 else "processes") if worker_backend == "auto" else worker_backend
         )
 
+        problem = offload_dir_problem(kv_offload_disk, "kv_offload_disk:") if kv_offload_disk else ""
+        if problem:
+            raise ValueError(problem)
         memory = parse_size(kv_cache_memory) if isinstance(kv_cache_memory, str) else kv_cache_memory
         self.options = WorkerOptions(
             device=device,
@@ -157,6 +174,7 @@ class LLM:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="minivllm-engine", daemon=True)
         self._thread.start()
+        _OPEN.add(self)
         try:
             self._call(self._start(worker_join_timeout))
         except BaseException:
@@ -265,7 +283,7 @@ class LLM:
             workers = WorkerLink(address)
             workers.claim = world.claim
             workers.output_rank = layout.output_rank
-            self._launcher = LocalLauncher(layout.world_size)
+            self._launcher = LocalLauncher(layout.world_size, None, join_timeout, workers.heartbeat_timeout)
             self._launcher.start(address, worker_argv(self.options))
             self._tasks.append(asyncio.get_running_loop().create_task(self._keep_alive()))
         capacity = await workers.start(world.assignment, join_timeout)
@@ -278,17 +296,22 @@ class LLM:
             await asyncio.sleep(0.5)
 
     def close(self) -> None:
-        """Stop the engine and every worker process; idempotent."""
+        """Stop the engine and every worker process; idempotent. Never waits more than about CLOSE_TIMEOUT_S."""
+        _OPEN.discard(self)
         if self._loop.is_closed():
             return
-        if self._loop.is_running():
-            self._call(self._stop())
+        if self._loop.is_running() and self._thread.is_alive():
+            try:
+                self._call(self._stop(), CLOSE_TIMEOUT_S)
+            except Exception:  # a stuck engine must not keep the program from ending: the workers go regardless
+                logger.exception("the engine did not stop cleanly")
             self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         if self._launcher is not None:
             self._launcher.stop(10.0)  # they got Shutdown
             self._launcher = None
-        self._loop.close()
+        if not self._thread.is_alive():
+            self._loop.close()
 
     async def _stop(self) -> None:
         for task in self._tasks:
@@ -310,12 +333,23 @@ class LLM:
         self.close()
 
     def __del__(self) -> None:
-        if getattr(self, "_loop", None) is not None and not self._loop.is_closed():
-            self.close()
+        if getattr(self, "_loop", None) is None or self._loop.is_closed():
+            return
+        if sys.is_finalizing():  # the engine thread is frozen: only the worker processes can still be stopped
+            if self._launcher is not None:
+                self._launcher.stop(0.0)
+            return
+        self.close()
 
-    def _call(self, coro: Awaitable[T]) -> T:
+    def _call(self, coro: Awaitable[T], timeout: float | None = None) -> T:
+        """Run `coro` on the engine's loop and wait for it. Interrupted (Ctrl-C) or timed out, the coroutine is
+        cancelled, so a `generate` left behind aborts its requests instead of running on."""
         future: Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
-        return future.result()
+        try:
+            return future.result(timeout)
+        except BaseException:
+            future.cancel()
+            raise
 
 
 class _Progress:

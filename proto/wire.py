@@ -233,6 +233,8 @@ class StepResult(Message, tag=int(Kind.RESULT)):
     # this step that read those blocks and were therefore not computed: the scheduler has them recompute.
     failed_loads: list[Annotated[bytes, Meta(max_length=64)]] = []
     load_skipped: list[Handle] = []
+    # Disk tier writes some rank could not do (a full or failing disk; the block's hash): the block is not on disk.
+    failed_stores: list[Annotated[bytes, Meta(max_length=64)]] = []
 
 
 class ExecutionMode(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True, gc=False):

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
+
+# A worker that exits with this status was started with flags it cannot run with (argparse's own status): starting
+# it again cannot help, so a supervisor gives up instead of restarting it forever.
+EXIT_BAD_FLAGS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,15 +153,39 @@ def add_kv_offload_flags(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="folder for the disk KV tier (blocks evicted from the RAM tier, or from the device without one); "
         "one file per rank that survives a restart, with a checksum per block and the model, dtype and layout "
-        "in its header (a file that does not match is ignored and started afresh)",
+        "in its header (a file that does not match is ignored and started afresh). It must be a folder this "
+        "process can write in (created if missing): anything else is refused at start. A disk that fills up "
+        "turns the tier off (a failed write drops its block, never a request)",
     )
     p.add_argument(
         "--kv-offload-disk-size",
         type=float,
         default=DEFAULTS.kv_offload_disk_size,
         metavar="GIB",
-        help="GiB of the disk KV tier's file per worker (with --kv-offload-disk)",
+        help="GiB of the disk KV tier's file per worker (with --kv-offload-disk); a worker warns at start when "
+        "its filesystem has less free",
     )
+
+
+def offload_dir_problem(folder: str, name: str = "--kv-offload-disk") -> str:
+    """Why the disk KV tier cannot live in `folder`, in one line starting with `name` ("" when it can): it must
+    be a folder this process can create files in (created when missing). Tried, not inferred from permission
+    bits, which a read-only mount, or root, would make lie."""
+    path = Path(folder)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        return f"{name} {folder}: not a folder"
+    except OSError as exc:
+        return f"{name} {folder}: cannot create it ({exc.strerror or exc})"
+    if not path.is_dir():
+        return f"{name} {folder}: not a folder"
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        return f"{name} {folder}: cannot write in it ({exc.strerror or exc})"
+    return ""
 
 
 def add_curve_flag(p: argparse.ArgumentParser) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -123,8 +124,11 @@ class InProcessWorkers:
     async def close(self, reason: str = "closing") -> None:
         for thread in self._threads:
             thread.stop()
-        for thread in self._threads:
-            await asyncio.to_thread(thread.join, 5.0)
+        # Polled, not joined in the executor: at interpreter exit (an LLM closed by its atexit hook) the executors
+        # already refuse work.
+        deadline = time.monotonic() + 5.0
+        while any(t.is_alive() for t in self._threads) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         for _, future in self._pending.values():
             future.cancel()
         self._pending.clear()

@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 # longer, so that a loaded machine makes the scheduler (the one that decides) act first.
 SILENCE_FACTOR = 2.0
 EXIT_WORLD_BROKEN = 3  # the exit status of a worker whose torch.distributed world broke under a step
+RETRY_SEND_S = 0.05  # how soon an answer the socket would not take is tried again (besides its POLLOUT)
 STEP_GRACE_S = 1.0  # how long a leaving worker lets a running step finish before it exits without it
 
 
@@ -89,6 +90,7 @@ class PlanLoop:
         self.timeout = initial_timeout  # until the scheduler's first heartbeat says otherwise
         self.setup = setup
         self.interrupt = interrupt  # told at once, from this thread: the step thread may be mid-forward
+        self._holding = False  # an answer waits for the socket to take it
 
     def run(self) -> int:
         """Serve plans until Shutdown (0) or until the scheduler is silent for twice its heartbeat timeout (0); when
@@ -119,14 +121,17 @@ class PlanLoop:
                     self._send(Heartbeat(self.rank, seq, self.timeout))
                     next_beat = now + self.timeout / 4
                 give_up = last_heard + SILENCE_FACTOR * self.timeout
-                events = dict(poller.poll(int(max(0.0, min(next_beat, give_up) - now) * 1000) + 1))
+                wait = min(next_beat, give_up) - now
+                if outbox:  # answers the socket would not take yet: wake when it can, and look again soon
+                    wait = min(wait, RETRY_SEND_S)
+                events = dict(poller.poll(int(max(0.0, wait) * 1000) + 1))
                 if wake_r in events:
                     _drain_pipe(wake_r)
-                while outbox:
-                    self._send(outbox.popleft())
+                self._flush(outbox)
+                poller.modify(self.sock, zmq.POLLIN | (zmq.POLLOUT if outbox else 0))
                 if monitor in events:
                     connected = _connection_events(monitor, connected)
-                if self.sock in events:
+                if events.get(self.sock, 0) & zmq.POLLIN:
                     for message in self._recv_all():
                         last_heard = time.monotonic()
                         if isinstance(message, Shutdown):
@@ -164,11 +169,28 @@ class PlanLoop:
                 return out
             out.append(decode_or_none(data))
 
-    def _send(self, message: Message) -> None:
+    def _flush(self, outbox: collections.deque[Message]) -> None:
+        """Send the step thread's answers in order. One the socket would block on stays first in the outbox: a
+        dropped StepResult would leave the scheduler waiting out its step deadline and losing a healthy rank."""
+        while outbox:
+            if not self._send(outbox[0], drop=False):
+                if not self._holding:
+                    logger.warning("the scheduler is not taking messages; holding %d answer(s)", len(outbox))
+                self._holding = True
+                return
+            outbox.popleft()
+        self._holding = False
+
+    def _send(self, message: Message, drop: bool = True) -> bool:
+        """Send without blocking; False when the socket would block (with `drop`, the message is given up: a
+        heartbeat, which the next one replaces)."""
         try:
             self.sock.send(encode(message), zmq.NOBLOCK)
         except zmq.Again:
-            logger.warning("the scheduler is not taking messages; dropped a %s", type(message).__name__)
+            if drop:
+                logger.warning("the scheduler is not taking messages; dropped a %s", type(message).__name__)
+            return False
+        return True
 
 
 def _leave_with_a_step_running(rank: int) -> NoReturn:

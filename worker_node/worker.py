@@ -16,6 +16,7 @@ import zmq
 
 from proto.cli_config import add_config_flag, parse_args
 from proto.curve import CurveError, configure_client
+from proto.liveness import Beats
 from proto.parallel import ParallelLayout
 from proto.wire import (
     HEARTBEAT_TIMEOUT_S,
@@ -28,7 +29,7 @@ from proto.wire import (
     WorkerReady,
     encode,
 )
-from proto.worker_flags import add_curve_flag, add_worker_flags
+from proto.worker_flags import EXIT_BAD_FLAGS, add_curve_flag, add_worker_flags, offload_dir_problem
 from worker_node.loading import WorkerOptions, load_rank, pick_device
 from worker_node.model_runner import ModelRunner
 from worker_node.parallel import Comm, ParallelRank, RendezvousAborted, connect
@@ -38,8 +39,9 @@ logger = logging.getLogger("vllm-worker")
 
 
 class Worker:
-    def __init__(self, options: WorkerOptions) -> None:
+    def __init__(self, options: WorkerOptions, beats: Beats | None = None) -> None:
         self.options = options
+        self.beats = beats or Beats()
         self.device = pick_device(options.device)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
@@ -71,6 +73,7 @@ class Worker:
             logger.warning("left the torch.distributed rendezvous: %s", exc)
             return 0
         self._send(ready)
+        self.beats.ready()
         logger.info("rank %d ready with %d KV blocks", assignment.rank, ready.num_kv_blocks)
         runner = self.runner
         assert runner is not None
@@ -174,17 +177,23 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     options = WorkerOptions.from_args(args)
     signal.signal(signal.SIGTERM, _exit_cleanly)
+    problem = offload_dir_problem(options.kv_offload_disk) if options.kv_offload_disk else ""
+    if problem:  # before joining: a world that waits for this rank would wait for nothing
+        logger.error("%s", problem)
+        return EXIT_BAD_FLAGS
+    beats = Beats()  # to the launcher that started this process, if any (proto/liveness.py)
     try:
-        worker = Worker(options)
+        worker = Worker(options, beats)
     except CurveError as exc:
         logger.error("%s", exc)
-        return 2
+        return EXIT_BAD_FLAGS
     try:
         return worker.run()
     except (KeyboardInterrupt, SystemExit):
         logger.info("stopped by signal")
         return 0
     finally:
+        beats.stop()  # leaving: a close that hangs is ended by the launcher
         worker.close()
 
 

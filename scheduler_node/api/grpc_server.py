@@ -20,6 +20,7 @@ from proto.memory_stats import KvPool
 from proto.wire import MAX_MESSAGE_BYTES
 from scheduler_node.api.grpc_decode import DecodeGuard
 from scheduler_node.api.heap import TRIM_ABOVE_BYTES, HeapTrimmer
+from scheduler_node.api.openai_errors import RETRY_AFTER_S
 from scheduler_node.api.request_bounds import MAX_REQUEST_BYTES, check_prompt_logprobs
 from scheduler_node.api.security import ControlAuth
 from scheduler_node.api.validation import InvalidField, validate
@@ -33,6 +34,9 @@ from scheduler_node.text.tokenizer import ModelTokenizer
 logger = logging.getLogger(__name__)
 
 # How the engine's failures reach a gRPC client: one status code each.
+# UNAVAILABLE is for now, not for good: the trailer says when to try again (the HTTP doors' Retry-After).
+RETRY_AFTER = (("retry-after", str(RETRY_AFTER_S)),)
+
 GRPC_STATUS: dict[ErrorStatus, grpc.StatusCode] = {
     ErrorStatus.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     ErrorStatus.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -69,7 +73,10 @@ class GenerationService(pb_grpc.GenerationServicer):
         try:
             async for delta in stream:
                 if delta.error is not None:
-                    await context.abort(GRPC_STATUS[delta.error.status], delta.error.message)
+                    code = GRPC_STATUS[delta.error.status]
+                    if code == grpc.StatusCode.UNAVAILABLE:
+                        context.set_trailing_metadata(RETRY_AFTER)
+                    await context.abort(code, delta.error.message)
                 # The delta with the prompt's logprobs is large (up to request_bounds' bound): built off the loop.
                 yield (
                     await asyncio.to_thread(_response, spec.request_id, delta)
@@ -212,6 +219,8 @@ def refuse(context: grpc.aio.ServicerContext, code: grpc.StatusCode, detail: str
     breaks (the scheduler runs those when idle after work): refused requests piled up, 60 MiB each."""
     context.set_code(code)
     context.set_details(detail)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        context.set_trailing_metadata(RETRY_AFTER)
 
 
 def _response(request_id: str, d: Delta) -> pb.GenerateResponse:

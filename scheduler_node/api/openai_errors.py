@@ -25,6 +25,11 @@ KINDS: dict[int, tuple[str, str | None]] = {
     504: ("server_error", "timeout"),
 }
 
+# Seconds a refused client is asked to wait before trying again (here, or on another replica): the HTTP doors'
+# `Retry-After` on every 503 and the gRPC door's `retry-after` trailer on UNAVAILABLE. Workers joining, a drain or
+# shutdown, a world being rebuilt: each passes, or the address gets another server, within seconds.
+RETRY_AFTER_S = 5
+
 # How the engine's failures reach an HTTP client: one status each (its OpenAI error type and code from KINDS).
 HTTP_STATUS: dict[ErrorStatus, int] = {
     ErrorStatus.UNAVAILABLE: 503,
@@ -46,6 +51,8 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code or code}}
 
     def response(self, headers: Mapping[str, str] | None = None) -> JSONResponse:
+        if self.status == 503:  # unavailable for now, not for good
+            headers = {**(headers or {}), "Retry-After": str(RETRY_AFTER_S)}
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 

@@ -40,11 +40,15 @@ def add_operations_flags(p: argparse.ArgumentParser) -> None:
         "its answer are declared lost (a hung step; the usual recovery follows)",
     )
     p.add_argument(
+        "--shutdown-timeout",
         "--drain-timeout",
+        dest="shutdown_timeout",
         type=float,
         default=30.0,
-        help="on SIGTERM/SIGINT: seconds to let running requests finish before ending them (0: no limit; "
-        "a second signal ends them at once)",
+        help="on SIGTERM/SIGINT: new requests are refused at once (UNAVAILABLE / HTTP 503 with Retry-After) while "
+        "running ones get this many seconds to finish; then those left end with UNAVAILABLE ('the server is "
+        "shutting down') and the process exits 0 (0: no limit; a second signal ends them at once). The same "
+        "drain as Control.Drain; --drain-timeout is its former name",
     )
     p.add_argument(
         "--max-waiting-requests",
@@ -69,8 +73,8 @@ def check_operations_flags(args: argparse.Namespace) -> None:
     for name in ("heartbeat_timeout", "worker_rejoin_timeout", "step_timeout"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
-    if args.drain_timeout < 0 or args.max_waiting_requests < 0:
-        raise ValueError("--drain-timeout and --max-waiting-requests must be >= 0")
+    if args.shutdown_timeout < 0 or args.max_waiting_requests < 0:
+        raise ValueError("--shutdown-timeout and --max-waiting-requests must be >= 0")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ValueError("--tls-cert and --tls-key go together")
 

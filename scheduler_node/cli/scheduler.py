@@ -379,10 +379,11 @@ async def serve(args: argparse.Namespace) -> int:
         code = 1
         logger.error("engine stopped: %s", engine.failed or engine_task.exception())
     else:
-        remaining = await engine.drain(args.drain_timeout or None, hurry)
+        remaining = await engine.drain(args.shutdown_timeout or None, hurry)
         if remaining:
-            logger.warning("%d request(s) still live after the drain; ending them with UNAVAILABLE", remaining)
-            engine.end_all("the server is shutting down", ErrorStatus.UNAVAILABLE)
+            why = "a second signal" if hurry.is_set() else f"--shutdown-timeout ({args.shutdown_timeout:g} s) passed"
+            logger.warning("%d request(s) still live at shutdown (%s); ending them with UNAVAILABLE", remaining, why)
+            engine.end_all(f"the server is shutting down: {why} before the request finished", ErrorStatus.UNAVAILABLE)
     logger.info("shutting down")
     health_task.cancel()
     await set_serving(health, False)

@@ -561,6 +561,8 @@ class Scheduler:
         sent = self.in_flight.settle(plan.step_id)
         if result.failed_loads:
             self._recompute_failed_loads(result)
+        if result.failed_stores and self.tiers is not None:
+            self.tiers.drop_failed_stores(result.failed_stores)
         if result.interrupted:
             self._undo(sent)
             return []
@@ -682,10 +684,12 @@ class Scheduler:
 
     # ---- worker failure
 
-    def requeue_all(self) -> int:
-        """The workers' KV is gone (a rank was lost): every running request goes back to waiting, to be
-        recomputed, swapped and forked ones drop their blocks too, and the prefix cache starts empty (the
-        replacement worker's cache holds nothing). Returns how many requests were running."""
+    def requeue_all(self, workers_lost: bool = True) -> int:
+        """The workers' KV is gone (a rank was lost) or not to be trusted (a step failed): every running request
+        goes back to waiting, to be recomputed, swapped and forked ones drop their blocks too, and the prefix cache
+        starts empty (the replacement worker's cache holds nothing). Workers that were not lost still hold their
+        requests: the next plan tells them to forget every one (and the finished ones already noted). Returns how
+        many requests were running."""
         running, self.running = self.running, []
         self._catching_up.clear()
         for req in running:
@@ -697,7 +701,10 @@ class Scheduler:
             req.num_computed_tokens = 0
             req.num_placeholders = 0
             req.swapped = False
-        self.view.forget_all()
+        if workers_lost:
+            self.view.forget_all()
+        else:
+            self.view.preempt_all()
         old = self.blocks
         self.blocks = BlockTable(
             old.num_blocks, old.block_size, old.enable_prefix_caching, old.num_host_blocks, old.num_compact_blocks

@@ -486,13 +486,16 @@ class EngineCore:
             self._emit(req, [], [], error=EngineError(ErrorStatus.INTERNAL, message))
 
     def _fail_step(self, plan: StepPlan, reason: str) -> None:
-        """A worker could not run the plan: its requests fail, the rest are recomputed (worker state is suspect)."""
+        """A worker could not run the plan: its requests fail, the rest are recomputed (worker state is suspect).
+        Siblings (n > 1) still waiting for a failed prompt fail with it: nothing would ever start them. The
+        workers are alive and keep what they hold, so they are told to forget all of it."""
         failed = self.scheduler.requests_in(plan)
+        failed += [fork for req in failed for fork in req.forks]
         logger.error("%s; failing the %d request(s) of that step", reason, len(failed))
         for req in failed:
             if self.scheduler.finish(req.req_id, Status.FINISHED_ERROR) is not None and req.req_id in self._sequences:
                 self._emit(req, [], [], error=EngineError(ErrorStatus.INTERNAL, reason))
-        self.scheduler.requeue_all()
+        self.scheduler.requeue_all(workers_lost=False)
 
     def _expire(self, request_id: str, deadline_s: float) -> None:
         self._deadlines.pop(request_id, None)

@@ -65,7 +65,7 @@ def test_new_flags_have_config_keys(tmp_path: Path) -> None:
         "metrics-port: 9100\ncontrol-token: s3cret\nzmq-curve-dir: /tmp/k\ntls-cert: c.pem\ntls-key: k.pem\n"
     )
     a = parse_args(scheduler_parser(), ["--config", str(config)])
-    assert (a.heartbeat_timeout, a.worker_rejoin_timeout, a.drain_timeout, a.max_waiting_requests) == (3, 7, 9, 11)
+    assert (a.heartbeat_timeout, a.worker_rejoin_timeout, a.shutdown_timeout, a.max_waiting_requests) == (3, 7, 9, 11)
     assert (a.metrics_port, a.control_token, a.zmq_curve_dir, a.tls_cert, a.tls_key) == (
         9100, "s3cret", "/tmp/k", "c.pem", "k.pem")  # fmt: skip
 

@@ -16,7 +16,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from minivllm.cluster import REPO, Cluster, free_port
+from minivllm.cluster import REPO, Cluster, ServeProcess, free_port
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from proto.transport import WorkerLost
@@ -31,6 +31,7 @@ from tests.support.ops import (
     TINY_WORKER,
     Streams,
     add_worker,
+    alive,
     greedy_ids,
     health_status,
     list_workers,
@@ -269,6 +270,45 @@ def test_vllm_serve_restarts_a_dead_worker(tiny_llama_dir: Path, tmp_path: Path)
     finally:
         if serve.poll() is None:
             serve.kill()
+
+
+def test_vllm_serve_kills_and_replaces_a_stalled_worker(tiny_llama_dir: Path, tmp_path: Path, hf) -> None:  # type: ignore[no-untyped-def]
+    """The issue's scenario: SIGSTOP the worker of `vllm-serve` (default flags) with 20 streams open and never
+    SIGCONT it. The scheduler declares the rank lost after --heartbeat-timeout; the launcher sees the worker's
+    liveness beats stop for as long, kills its process group and starts another, which rejoins; every stream
+    resumes and finishes with HF's tokens. Before, only an exited worker was replaced: at 70 s every stream ended
+    UNAVAILABLE."""
+    serve = ServeProcess(tiny_llama_dir, tmp_path, "--dtype", "float32", "--log-level", "INFO")
+    pid = 0
+    try:
+        serve.wait_serving()
+        prompts = [prompt_ids(400 + i, 5 + i % 7) for i in range(20)]
+        streams = Streams(serve.stub, [greedy_ids(p, LONG) for p in prompts], timeout=300)
+        streams.wait_all_started()
+        (pid,) = serve.ready_pids()
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        tokens_at_stop = sum(len(r.tokens) for r in streams.results)
+        assert min(len(r.tokens) for r in streams.results) < LONG, "every stream finished first: no point"
+        wait_for(lambda: not alive(pid), 60, "the launcher killed the stalled worker")
+        killed_s = time.monotonic() - stopped_at
+        wait_for(lambda: sum(len(r.tokens) for r in streams.results) > tokens_at_stop + 20, 120, "streams resume")
+        resumed_s = time.monotonic() - stopped_at
+        results = streams.join(300)
+        finished_s = max(r.ended_at for r in results) - stopped_at
+        for prompt, r in zip(prompts, results):
+            assert (r.code, r.finish_reason, len(r.tokens)) == (None, "length", LONG), r.details
+            assert_teacher_forced(hf, prompt, r.tokens)
+        (replacement,) = serve.ready_pids()
+        assert replacement != pid
+        log = serve.log.read_text()
+        assert f"worker pid {pid} stalled" in log
+        print(f"SIGSTOP -> killed {killed_s:.1f} s, streams resume {resumed_s:.1f} s, all done {finished_s:.1f} s")
+        assert killed_s >= 9.0, "killed before the heartbeat timeout (10 s): not by the stall bound"
+    finally:
+        if pid and alive(pid):  # not replaced (the bug): wake it so that it can be stopped
+            os.kill(pid, signal.SIGCONT)
+        assert serve.stop() == 0, serve.tail()
 
 
 def test_losing_a_rank_after_the_engine_cancelled_its_steps_keeps_the_link_alive() -> None:

@@ -1,14 +1,25 @@
 """A worker's settings are declared once (WorkerOptions): its flags' defaults are theirs, and the command line
-vllm-serve and the offline LLM hand a worker (worker_argv) parses back into the same settings."""
+vllm-serve and the offline LLM hand a worker (worker_argv) parses back into the same settings. `--kv-offload-disk`
+is checked by trying it: a folder this process can write in (created when missing), else one line naming the flag
+(a read-only mount: tests/e2e/test_offload.py)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 
 import pytest
 
-from proto.worker_flags import WORKER_FLAGS, WorkerOptions, add_curve_flag, add_worker_flags, parse_size, worker_argv
+from proto.worker_flags import (
+    WORKER_FLAGS,
+    WorkerOptions,
+    add_curve_flag,
+    add_worker_flags,
+    offload_dir_problem,
+    parse_size,
+    worker_argv,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -45,3 +56,17 @@ def test_the_attention_backend_is_a_built_in_name_or_a_class() -> None:
     assert parser().parse_args(["--attention-backend", "my.module:Backend"]).attention_backend == "my.module:Backend"
     with pytest.raises(SystemExit):
         parser().parse_args(["--attention-backend", "fastest"])
+
+
+def test_a_writable_folder_is_taken_and_a_missing_one_created(tmp_path: Path) -> None:
+    assert offload_dir_problem(str(tmp_path)) == ""
+    nested = tmp_path / "a" / "b"
+    assert offload_dir_problem(str(nested)) == "" and nested.is_dir()
+    assert list(nested.iterdir()) == [], "the probe leaves nothing behind"
+
+
+def test_a_file_or_a_folder_under_a_file_is_refused_naming_the_flag(tmp_path: Path) -> None:
+    file = tmp_path / "f"
+    file.write_text("x")
+    assert offload_dir_problem(str(file)) == f"--kv-offload-disk {file}: not a folder"
+    assert offload_dir_problem(str(file / "sub"), "kv_offload_disk:").startswith(f"kv_offload_disk: {file}/sub: ")
