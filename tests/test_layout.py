@@ -132,9 +132,8 @@ TESTED_ELSEWHERE: dict[str, str] = {
     " (tests/scheduler_node/cli/test_cli.py) and tests/deploy/test_deploy_k8s.py",
     "scheduler_node.cli.router": "vllm-router, run as a program by tests/e2e/test_router.py and"
     " tests/scripts/test_bench_router.py",
-    "scheduler_node.engine.launchers": "start worker processes: vllm-serve in tests/e2e/test_serve.py, the offline"
-    " API's process workers in tests/minivllm/test_offline_api.py",
-    "scheduler_node.engine.processes": "through scheduler_node.engine.launchers (tests/e2e/test_serve.py)",
+    "scheduler_node.engine.processes": "through scheduler_node.engine.launchers"
+    " (tests/scheduler_node/engine/test_launchers.py)",
     "scheduler_node.engine.ray_launcher": "needs ray: tests/e2e/test_ray_launcher.py",
     "scheduler_node.engine.worker_link": "its socket side, against fake workers over loopback ZeroMQ, in"
     " tests/e2e/test_faults.py; its state machine is rank_registry.py (test_rank_registry.py)",
