@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
-from proto.wire import TokenLogprobs
+from proto.wire import WORKER_JOIN_TIMEOUT_S, TokenLogprobs
 from proto.worker_flags import KV_CACHE_DTYPES, WorkerOptions, offload_dir_problem, parse_size, worker_argv
 from scheduler_node.api.validation import (
     DEFAULT_PRIORITY,
@@ -117,7 +117,7 @@ class LLM:
         scheduling_policy: str = _ENGINE.scheduling_policy,
         async_scheduling: bool = _ENGINE.async_scheduling,
         worker_backend: str = "auto",
-        worker_join_timeout: float = 600.0,
+        worker_join_timeout: float = WORKER_JOIN_TIMEOUT_S,
     ) -> None:
         if worker_backend not in WORKER_BACKENDS:
             raise ValueError(f"worker_backend: must be one of {WORKER_BACKENDS}, got {worker_backend!r}")

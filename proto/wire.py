@@ -44,6 +44,7 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # libzmq's own ZMTP heartbeats, set on both ends of the worker socket: a quiet connection is PINGed this often by
 # libzmq's I/O thread (so a busy Python thread does not drop it), and dropped after the heartbeat timeout.
 ZMQ_HEARTBEAT_IVL_MS = 1000
+WORKER_JOIN_TIMEOUT_S = 600.0  # a worker still loading after this long gives its rank back: --worker-join-timeout
 HEARTBEAT_TIMEOUT_S = 10.0  # silence after which a peer is gone: --heartbeat-timeout's default, a worker's own
 
 Count = Annotated[int, Meta(ge=0)]

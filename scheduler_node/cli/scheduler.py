@@ -10,6 +10,7 @@ import sys
 from proto.cli_config import add_config_flag, parse_args
 from proto.curve import ensure_keys
 from proto.parallel import ParallelLayout
+from proto.wire import WORKER_JOIN_TIMEOUT_S
 from scheduler_node.api.grpc_server import GenerationService, build_server
 from scheduler_node.api.health import report_health, set_serving
 from scheduler_node.api.openai_server import OpenAIDoor, OpenAIServer, build_app
@@ -98,7 +99,12 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
         default=DEFAULTS.distributed_timeout,
         help="seconds the rendezvous or any collective may wait for a peer rank before failing",
     )
-    p.add_argument("--worker-join-timeout", type=float, default=600.0, help="seconds to wait for all workers")
+    p.add_argument(
+        "--worker-join-timeout",
+        type=float,
+        default=WORKER_JOIN_TIMEOUT_S,
+        help="seconds to wait for all workers (a worker still loading after this long gives its rank back)",
+    )
     p.add_argument(
         "--num-kv-blocks",
         type=int,

@@ -16,6 +16,7 @@ from typing import Protocol
 
 from proto.liveness import Pulse
 from proto.parallel import ParallelLayout
+from proto.wire import HEARTBEAT_TIMEOUT_S, WORKER_JOIN_TIMEOUT_S
 from proto.worker_flags import EXIT_BAD_FLAGS
 from scheduler_node.engine.processes import Restarts, terminate
 
@@ -81,8 +82,8 @@ class LocalLauncher:
         self,
         world_size: int,
         env: dict[str, str] | None = None,
-        join_timeout: float = 600.0,
-        heartbeat_timeout: float = 10.0,
+        join_timeout: float = WORKER_JOIN_TIMEOUT_S,
+        heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S,
     ) -> None:
         self.world_size = world_size
         self.env = {**os.environ, **(env or {})}

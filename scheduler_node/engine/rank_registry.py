@@ -23,7 +23,15 @@ from dataclasses import dataclass, field
 import msgspec
 
 from proto.transport import WorldCapacity
-from proto.wire import Assignment, Heartbeat, Message, Shutdown, WorkerHello, WorkerReady
+from proto.wire import (
+    WORKER_JOIN_TIMEOUT_S,
+    Assignment,
+    Heartbeat,
+    Message,
+    Shutdown,
+    WorkerHello,
+    WorkerReady,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +92,7 @@ class RankRegistry:
         self.lost_reason = ""
         self.changed = asyncio.Event()  # set on every change of a rank's state; health reporting clears it
         self.beats = 0
-        self.join_timeout = 600.0  # a worker still loading after this long gives its rank back
+        self.join_timeout = WORKER_JOIN_TIMEOUT_S
 
     # ---- reading
 
