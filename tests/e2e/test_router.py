@@ -115,7 +115,7 @@ def test_routing_by_model_gives_each_models_own_greedy_tokens(fleet: Fleet) -> N
     for model in ("llama", "qwen"):
         expected_text = "".join(d.text for d in direct[model].Generate(text, timeout=60))
         client = [sys.executable, "-m", "scheduler_node.cli.client", "--port", str(fleet.router.port), "--model",
-                  model, "--max-tokens", "8", "--temperature", "0", "The capital of France"]  # fmt: skip
+                  model, "--no-chat", "--max-tokens", "8", "--temperature", "0", "The capital of France"]  # fmt: skip
         out = subprocess.run(client, cwd=REPO, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0 and out.stdout.startswith(expected_text), (out.stdout, out.stderr)
 
