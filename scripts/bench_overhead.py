@@ -106,8 +106,8 @@ def install_worker_probe(vocab: int) -> None:
             WORKER.sample += time.thread_time() - start
 
     ModelRunner.execute = timed_execute  # type: ignore[method-assign]
-    ModelRunner._prepare = timed_prepare  # type: ignore[method-assign]
-    Sampler.sample = timed_sample  # type: ignore[method-assign]
+    ModelRunner._prepare = timed_prepare  # type: ignore[method-assign,assignment]
+    Sampler.sample = timed_sample  # type: ignore[method-assign,assignment]
 
 
 def run_as_worker(argv: list[str]) -> int:
@@ -310,7 +310,8 @@ def measure_sampler(rows: int, vocab: int, reps: int) -> dict:
             cpus.append(time.process_time() - cpu)
         if tokens != expected:
             raise RuntimeError("greedy sampling is not the argmax of the logits")
-    return {"rows": rows, "vocab": vocab, "wall_ms": statistics.median(walls) * 1e3, "cpu_ms": statistics.median(cpus) * 1e3}
+    wall, cpu = statistics.median(walls) * 1e3, statistics.median(cpus) * 1e3
+    return {"rows": rows, "vocab": vocab, "wall_ms": wall, "cpu_ms": cpu}
 
 
 # ---- the report
@@ -333,7 +334,7 @@ COLUMNS = (  # (header, key)
 def median_row(runs: list[dict]) -> dict:
     """Each figure's median over the runs of one row."""
     row = dict(runs[0]) | {"runs": len(runs)}
-    for key, value in runs[0].items():
+    for key in runs[0]:
         if key.endswith("_ms"):
             row[key] = statistics.median(r[key] for r in runs)
     return row
