@@ -20,6 +20,7 @@ import torch
 
 from proto.wire import NewRequest, SamplingOptions
 from worker_node.attention import AttentionMetadata
+from worker_node.sampler import RowFlags, is_plain
 
 
 @dataclass(slots=True)
@@ -42,7 +43,10 @@ class StepInputs:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # token index of each sequence that samples
+    all_sample: bool  # every token samples, in order: sample_rows is every row of the hidden states
     samplers: list[RequestState]  # the sequences that sample, in the same order
+    flags: RowFlags  # theirs
+    sampler_rows: np.ndarray  # their rows
     rows: np.ndarray  # the batch's rows
     starts: np.ndarray  # their computed tokens before the step (restored when it is interrupted)
     # prompt_logprobs: (request, first token row, rows, position of the first prompt token they score)
@@ -51,6 +55,7 @@ class StepInputs:
 
 _ROW_ARRAYS = (
     "token_ids", "num_tokens", "num_computed", "num_prompt", "block_table", "num_blocks", "wants_prompt_logprobs",
+    "plain", "wants_logprobs",
 )  # fmt: skip
 
 
@@ -68,6 +73,8 @@ class InputBatch:
         self.block_table = np.zeros((rows, 16), dtype=np.int32)  # past num_blocks: zeros (the tables' padding)
         self.num_blocks = np.zeros(rows, dtype=np.int64)
         self.wants_prompt_logprobs = np.zeros(rows, dtype=bool)
+        self.plain = np.zeros(rows, dtype=bool)  # the sampler's RowFlags
+        self.wants_logprobs = np.zeros(rows, dtype=bool)
 
     # ---- rows: written by a plan's diffs
 
@@ -89,6 +96,8 @@ class InputBatch:
         self.block_table[row, : len(r.block_ids)] = r.block_ids
         self.num_blocks[row] = len(r.block_ids)
         self.wants_prompt_logprobs[row] = r.sampling.prompt_logprobs is not None and not state.resumed
+        self.plain[row] = is_plain(r.sampling)
+        self.wants_logprobs[row] = r.sampling.logprobs is not None
         return state
 
     def remove(self, handle: int) -> None:
@@ -115,13 +124,13 @@ class InputBatch:
         self.token_ids[state.row, n : n + len(tokens)] = tokens
         self.num_tokens[state.row] = n + len(tokens)
 
-    def append_sampled(self, states: list[RequestState], tokens: list[int]) -> None:
-        """One sampled token for each of `states` (a step's samplers), at once."""
-        if not states:
+    def append_sampled(self, inputs: StepInputs, tokens: list[int]) -> None:
+        """One sampled token for each of a step's samplers, at once."""
+        if not tokens:
             return
-        for state, token in zip(states, tokens):
+        for state, token in zip(inputs.samplers, tokens):
             state.token_ids.append(token)
-        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        rows = inputs.sampler_rows
         ends = self.num_tokens[rows]
         self._fit(int(ends.max()) + 1, 0)
         self.token_ids[rows, ends] = tokens
@@ -135,15 +144,15 @@ class InputBatch:
 
     # ---- a step's inputs
 
-    def gather(self, states: list[RequestState], counts: list[int], compact_base: int) -> StepInputs:
-        """The inputs of a step that computes counts[i] tokens of states[i], from its computed tokens on; advances
-        their computed tokens (`restore` undoes it). Blocks from `compact_base` on are the compact pool's (0: no
-        compact pool)."""
-        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
-        n = np.asarray(counts, dtype=np.int64)
+    def gather(self, rows: np.ndarray, n: np.ndarray, compact_base: int) -> StepInputs:
+        """The inputs of a step that computes n[i] tokens of the request in row rows[i], from its computed tokens
+        on; advances their computed tokens (`restore` undoes it). Blocks from `compact_base` on are the compact
+        pool's (0: no compact pool)."""
         compact = self.block_table[rows, 0] >= compact_base if compact_base else np.zeros(len(rows), dtype=bool)
-        order = np.argsort(compact.astype(np.int64) * 2 + (n != 1), kind="stable")
-        rows, n, compact = rows[order], n[order], compact[order]
+        key = compact * 2 + (n != 1)
+        if key.any():  # full-pool decodes first, then prefills, then the compact pool's
+            order = np.argsort(key, kind="stable")
+            rows, n, compact = rows[order], n[order], compact[order]
         start = self.num_computed[rows]
         end = start + n
         self._check(rows, end)
@@ -157,9 +166,11 @@ class InputBatch:
             positions = np.arange(total) - cu[:-1][owner] + start[owner]
         ids = self.token_ids[rows[owner], positions].astype(np.int64)
         samples = end == self.num_tokens[rows]
+        all_sample = total == len(rows) and bool(samples.all())
         sample_rows = cu[1:][samples] - 1
+        sampler_rows = rows[samples]
         owners = self.owners
-        samplers: list[RequestState] = [owners[r] for r in rows[samples].tolist()]  # type: ignore[misc]
+        samplers: list[RequestState] = [owners[r] for r in sampler_rows.tolist()]  # type: ignore[misc]
         prompt_rows = self._prompt_rows(rows, start, end, cu)
         self.num_computed[rows] = end
         num_full = int(len(rows) - compact.sum())
@@ -176,7 +187,10 @@ class InputBatch:
             torch.from_numpy(positions.astype(np.int64, copy=False)).to(dev),
             meta,
             torch.from_numpy(sample_rows).to(dev),
+            all_sample,
             samplers,
+            RowFlags(self.plain[sampler_rows], self.wants_logprobs[sampler_rows]),
+            sampler_rows,
             rows,
             start,
             prompt_rows,

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from proto.wire import ExecutionMode, StepPlan, StepResult, TierMove, TokenLogprobs
+from proto.wire import CachedRequest, ExecutionMode, StepPlan, StepResult, TierMove, TokenLogprobs
 from worker_node.cuda_graphs import DecodeGraphs
 from worker_node.input_batch import InputBatch, RequestState, StepInputs
 from worker_node.kv_cache import KVCache, copy_blocks
@@ -85,45 +85,49 @@ class ModelRunner:
         # scheduler has them recompute and tells this worker to forget them.
         self._load_failed: set[int] = set()
 
-    def apply_diffs(self, plan: StepPlan, check_progress: bool = True) -> None:
-        """Update the requests this worker holds. Every block id is range-checked first: the decode kernel reads
-        the cache through them without bounds checks, so a bad plan must fail here (a StepError), not segfault."""
+    def apply_diffs(self, plan: StepPlan, check_progress: bool = True) -> np.ndarray:
+        """Update the requests this worker holds; their rows, the plan's new requests then its cached ones. Every
+        block id is range-checked first: the decode kernel reads the cache through them without bounds checks, so
+        a bad plan must fail here (a StepError), not segfault."""
         self._check_plan(plan)
         batch = self.batch
         for handle in plan.finished + plan.preempted:
             batch.remove(handle)
             self._load_failed.discard(handle)
             self.sampler.forget(handle)
+        rows = []
         for new in plan.new_requests:
             self.sampler.forget(new.handle)  # penalty counts and grammar start over from its tokens
-            batch.add(new)
+            rows.append(batch.add(new).row)
+        cached = plan.cached_requests
         states = batch.states
-        held: list[RequestState] = []
-        for cached in plan.cached_requests:
-            state = states.get(cached.handle)
-            if state is None:
-                raise ValueError(f"request {cached.handle}: a cached request this worker does not hold")
-            held.append(state)
-            if cached.new_block_ids:
-                batch.append_blocks(state, cached.new_block_ids)
-            if cached.new_token_ids:
-                batch.append_tokens(state, cached.new_token_ids)
-        if check_progress and held:
-            self._check_progress(held, plan)
+        try:
+            held = [states[c.handle] for c in cached]
+        except KeyError as exc:
+            raise ValueError(f"request {exc.args[0]}: a cached request this worker does not hold") from None
+        for i in [i for i, c in enumerate(cached) if c.new_block_ids or c.new_token_ids]:
+            if cached[i].new_block_ids:
+                batch.append_blocks(held[i], cached[i].new_block_ids)
+            if cached[i].new_token_ids:  # with P > 1 stages: the output rank's samples
+                batch.append_tokens(held[i], cached[i].new_token_ids)
+        rows += [s.row for s in held]
+        plan_rows = np.array(rows, dtype=np.int64)
+        if check_progress and cached:
+            self._check_progress(plan_rows[len(plan.new_requests) :], cached)
         for handle, changes in plan.block_updates.items():
             if (state := states.get(handle)) is not None:
                 for index, block in changes:
                     batch.set_block(state, index, block)
+        return plan_rows
 
-    def _check_progress(self, held: list[RequestState], plan: StepPlan) -> None:
+    def _check_progress(self, rows: np.ndarray, cached: list[CachedRequest]) -> None:
         """Each cached request's computed tokens are the plan's (unless a failed tier load left it behind)."""
-        rows = np.fromiter((s.row for s in held), dtype=np.int64, count=len(held))
-        said = np.fromiter((c.num_computed_tokens for c in plan.cached_requests), dtype=np.int64, count=len(held))
+        said = np.array([c.num_computed_tokens for c in cached], dtype=np.int64)
         has = self.batch.num_computed[rows]
         for i in np.flatnonzero(has != said).tolist():
-            if held[i].handle not in self._load_failed:
+            if cached[i].handle not in self._load_failed:
                 raise RuntimeError(
-                    f"request {held[i].handle}: worker has {has[i]} computed tokens, plan says {said[i]}"
+                    f"request {cached[i].handle}: worker has {has[i]} computed tokens, plan says {said[i]}"
                 )
 
     def _check_plan(self, plan: StepPlan) -> None:
@@ -176,21 +180,26 @@ class ModelRunner:
         start = time.perf_counter()
         # An interrupted plan was built on steps before it that may not have run: their progress is not checked.
         skip = self._interrupted(plan.step_id)
-        self.apply_diffs(plan, check_progress=not skip)
+        rows = self.apply_diffs(plan, check_progress=not skip)
         tiers = self.run_block_ops(plan)
         failed_loads = self._failed_anywhere(plan, tiers.failed)
         load_skipped = self._leave_out(failed_loads)
-        scheduled = plan.num_scheduled_tokens
+        counts = np.array(
+            [r.num_scheduled_tokens for r in plan.new_requests]
+            + [r.num_scheduled_tokens for r in plan.cached_requests],
+            dtype=np.int64,
+        )
         if self._load_failed:
-            scheduled = {h: n for h, n in scheduled.items() if h not in self._load_failed}
+            handles = [r.handle for r in plan.new_requests] + [r.handle for r in plan.cached_requests]
+            kept = [h not in self._load_failed for h in handles]
+            rows, counts = rows[kept], counts[kept]
         sampled: dict[int, list[int]] = {}
         logprobs: dict[int, list[TokenLogprobs]] = {}
         prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = {}
-        if scheduled and not skip:
-            states = self.batch.states
-            inputs = self._prepare([states[h] for h in scheduled], list(scheduled.values()), plan.compact_block_base)
+        if len(rows) and not skip:
+            inputs = self._prepare(rows, counts, plan.compact_block_base)
             if self.samples_here:
-                self.sampler.start(inputs.samplers)  # grammar masks while the forward pass runs
+                self.sampler.start(inputs.samplers, inputs.flags)  # grammar masks while the forward pass runs
             try:
                 tokens, lps, prompt_logprobs = self._run_and_sample(inputs, lambda: self._interrupted(plan.step_id))
             except StepInterrupted:
@@ -200,9 +209,10 @@ class ModelRunner:
             else:
                 samplers = inputs.samplers
                 if not self.mode.tokens_in_plan:
-                    self.batch.append_sampled(samplers, tokens)
+                    self.batch.append_sampled(inputs, tokens)
                 sampled = {state.handle: [token] for state, token in zip(samplers, tokens)}
-                logprobs = {state.handle: [lp] for state, lp in zip(samplers, lps) if lp is not None}
+                if inputs.flags.logprobs.any():
+                    logprobs = {state.handle: [lp] for state, lp in zip(samplers, lps) if lp is not None}
         end = time.perf_counter()
         idle = (start - self._last_step_end) * 1e3 if self._last_step_end is not None else 0.0
         self._last_step_end = end
@@ -264,9 +274,10 @@ class ModelRunner:
         lps: list[TokenLogprobs | None] = [None] * len(batch.samplers)
         prompt: dict[int, tuple[int, list[TokenLogprobs]]] = {}
         if where.is_last_stage and batch.samplers:
-            logits = self.model.logits(hidden[batch.sample_rows])  # a collective over the TP group
+            rows = hidden if batch.all_sample else hidden[batch.sample_rows]
+            logits = self.model.logits(rows)  # a collective over the TP group
             if logits is not None:
-                tokens, lps = self.sampler.sample(logits, batch.samplers)
+                tokens, lps = self.sampler.sample(logits, batch.samplers, batch.flags)
         if where.is_last_stage and batch.prompt_rows:
             prompt = self._prompt_logprobs(hidden, batch.prompt_rows)
         if self.mode.tokens_in_plan:
@@ -292,10 +303,10 @@ class ModelRunner:
                 out[state.handle] = (first, chunk)
         return out
 
-    def _prepare(self, states: list[RequestState], counts: list[int], compact_base: int) -> StepInputs:
-        """The inputs of the requests computed this step (counts[i] tokens of states[i]), gathered from their
-        rows. Blocks from `compact_base` on are the compact pool's (0: no compact pool)."""
-        return self.batch.gather(states, counts, compact_base)
+    def _prepare(self, rows: np.ndarray, counts: np.ndarray, compact_base: int) -> StepInputs:
+        """The inputs of the requests computed this step (counts[i] tokens of the request in row rows[i]),
+        gathered from their rows. Blocks from `compact_base` on are the compact pool's (0: no compact pool)."""
+        return self.batch.gather(rows, counts, compact_base)
 
     def computed_tokens(self, handle: int) -> int:
         """The tokens of a held request whose KV this worker has computed."""

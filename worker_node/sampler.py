@@ -9,9 +9,11 @@ through temperature, top-k, top-p, min-p. Returned logprobs are the model's own 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from proto.wire import SamplingOptions, TokenLogprobs
@@ -39,6 +41,22 @@ def seeded_uniform(seed: int, position: int) -> float:
     return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
 
 
+@dataclass(frozen=True, slots=True)
+class RowFlags:
+    """What the sampler needs to know of each row before it looks at a request: whether it is plain (greedy, no
+    processor: the argmax of the model's logits is its token) and whether it wants logprobs. The worker keeps them
+    per request (worker_node/input_batch.py); `of` works them out."""
+
+    plain: np.ndarray  # bool [B]
+    logprobs: np.ndarray  # bool [B]
+
+    @classmethod
+    def of(cls, requests: Sequence[SamplingRequest]) -> RowFlags:
+        plain = np.fromiter((is_plain(r.sampling) for r in requests), dtype=bool, count=len(requests))
+        wants = np.fromiter((r.sampling.logprobs is not None for r in requests), dtype=bool, count=len(requests))
+        return cls(plain, wants)
+
+
 class Sampler:
     """Samples the next token of each request; keeps what spans steps (token counts, grammar matchers)."""
 
@@ -51,9 +69,10 @@ class Sampler:
         if self.grammars is not None:
             self.grammars.forget(handle)
 
-    def start(self, requests: Sequence[SamplingRequest]) -> None:
+    def start(self, requests: Sequence[SamplingRequest], flags: RowFlags | None = None) -> None:
         """Begin the grammar masks of the requests this step samples, while the forward pass runs."""
-        rows = [_grammar_row(r) for r in requests if r.sampling.structured is not None]
+        special = requests if flags is None else [requests[i] for i in np.flatnonzero(~flags.plain).tolist()]
+        rows = [_grammar_row(r) for r in special if r.sampling.structured is not None]
         if rows and self.grammars is None:
             raise ValueError("structured output needs the model's tokenizer.json on the worker")
         if self.grammars is not None:
@@ -65,12 +84,13 @@ class Sampler:
             self.grammars.wait()
 
     def sample(
-        self, logits: torch.Tensor, requests: Sequence[SamplingRequest]
+        self, logits: torch.Tensor, requests: Sequence[SamplingRequest], flags: RowFlags | None = None
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """One token per row of `logits` ([B, V] float32, row i for requests[i]); `start` was called with them.
-        `logits` is only read: plain greedy rows take its argmax where it lies, the other rows are copied out
-        (only they: the vocabulary is never copied for a row that needs no processor)."""
-        special = [i for i, r in enumerate(requests) if not _plain(r.sampling)]
+        """One token per row of `logits` ([B, V] float32, row i for requests[i], whose `flags` these are when
+        given); `start` was called with them. `logits` is only read: plain rows take its argmax where it lies, the
+        other rows are copied out (only they: the vocabulary is never copied for a row that needs no processor)."""
+        flags = flags or RowFlags.of(requests)
+        special = np.flatnonzero(~flags.plain).tolist()
         if len(special) == len(requests):
             tokens = self._sample_special(logits, requests, None)
         else:
@@ -79,7 +99,7 @@ class Sampler:
                 index = torch.tensor(special, device=logits.device)
                 tokens[index] = self._sample_special(logits, requests, index)
         token_list = tokens.tolist()
-        wanted = [i for i, r in enumerate(requests) if r.sampling.logprobs is not None]
+        wanted = np.flatnonzero(flags.logprobs).tolist()
         out: list[TokenLogprobs | None] = [None] * len(requests)
         if wanted:
             ks = [requests[i].sampling.logprobs or 0 for i in wanted]
@@ -165,7 +185,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def _plain(o: SamplingOptions) -> bool:
+def is_plain(o: SamplingOptions) -> bool:
     """A greedy row that no processor changes: its token is the argmax of the model's own logits."""
     return o.temperature == 0.0 and not _processes(o)
 
