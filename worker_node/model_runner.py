@@ -89,7 +89,9 @@ class ModelRunner:
         """Update the requests this worker holds; their rows, the plan's new requests then its cached ones. Every
         block id is range-checked first: the decode kernel reads the cache through them without bounds checks, so
         a bad plan must fail here (a StepError), not segfault."""
-        self._check_plan(plan)
+        cached = plan.cached_requests
+        changed = [i for i, c in enumerate(cached) if c.new_block_ids or c.new_token_ids]
+        self._check_plan(plan, [cached[i] for i in changed])
         batch = self.batch
         for handle in plan.finished + plan.preempted:
             batch.remove(handle)
@@ -99,13 +101,12 @@ class ModelRunner:
         for new in plan.new_requests:
             self.sampler.forget(new.handle)  # penalty counts and grammar start over from its tokens
             rows.append(batch.add(new).row)
-        cached = plan.cached_requests
         states = batch.states
         try:
             held = [states[c.handle] for c in cached]
         except KeyError as exc:
             raise ValueError(f"request {exc.args[0]}: a cached request this worker does not hold") from None
-        for i in [i for i, c in enumerate(cached) if c.new_block_ids or c.new_token_ids]:
+        for i in changed:
             if cached[i].new_block_ids:
                 batch.append_blocks(held[i], cached[i].new_block_ids)
             if cached[i].new_token_ids:  # with P > 1 stages: the output rank's samples
@@ -130,9 +131,10 @@ class ModelRunner:
                     f"request {cached[i].handle}: worker has {has[i]} computed tokens, plan says {said[i]}"
                 )
 
-    def _check_plan(self, plan: StepPlan) -> None:
+    def _check_plan(self, plan: StepPlan, changed: list[CachedRequest]) -> None:
+        """Every block id the plan names is in range (`changed`: its cached requests with new blocks or tokens)."""
         device_ids = [b for r in plan.new_requests for b in r.block_ids]
-        device_ids += [b for r in plan.cached_requests for b in r.new_block_ids]
+        device_ids += [b for r in changed for b in r.new_block_ids]
         device_ids += [b for changes in plan.block_updates.values() for _, b in changes]
         device_ids += [b for pair in plan.block_copies for b in pair]
         base = plan.compact_block_base
