@@ -95,9 +95,9 @@ def test_gathered_inputs_match_the_plain_ones_over_random_steps() -> None:
     held: dict[int, Held] = {}
     next_handle = 0
     for _ in range(60):
-        for h in rng.sample(sorted(held), k=min(len(held), rng.randint(0, 2))):  # finished: their rows are reused
-            batch.remove(h)
-            del held[h]
+        for gone in rng.sample(sorted(held), k=min(len(held), rng.randint(0, 2))):  # finished: rows are reused
+            batch.remove(gone)
+            del held[gone]
         for _ in range(rng.randint(0, 3)):
             new = _new(next_handle, rng, compact=rng.random() < 0.3)
             batch.add(new)
