@@ -7,10 +7,13 @@ that join over ZeroMQ on loopback, as `vllm-serve` does, and are stopped by `clo
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import logging
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypedDict, TypeVar
@@ -20,8 +23,9 @@ from tqdm import tqdm
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from proto.wire import TokenLogprobs
-from proto.worker_flags import KV_CACHE_DTYPES, parse_size
+from proto.worker_flags import KV_CACHE_DTYPES, WorkerOptions, offload_dir_problem, parse_size, worker_argv
 from scheduler_node.api.validation import (
+    DEFAULT_PRIORITY,
     InvalidField,
     build_spec,
     prompt_from_ids,
@@ -32,7 +36,7 @@ from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.kv_precision import CompactKV
 from scheduler_node.core.request import RequestSpec
 from scheduler_node.engine.builder import EngineConfig, WorldPlan, check_model_split, free_port, make_engine
-from scheduler_node.engine.core import EngineCore, EngineOptions
+from scheduler_node.engine.core import EngineCore
 from scheduler_node.engine.launchers import LocalLauncher
 from scheduler_node.engine.model_path import DEFAULT, resolve_model
 from scheduler_node.engine.placement import place
@@ -46,6 +50,10 @@ T = TypeVar("T")
 # inprocess: the worker runs in this process (a world of one); processes: one vllm-worker process per rank, over
 # ZeroMQ on loopback (any world); auto: inprocess for a world of one, else processes.
 WORKER_BACKENDS = ("auto", "inprocess", "processes")
+# The arguments' defaults are the settings' own (each written once, where the setting is declared).
+_ENGINE = EngineConfig()
+_SCHEDULER = _ENGINE.scheduler
+_WORKER = WorkerOptions()
 
 
 class TextPrompt(TypedDict):
@@ -63,6 +71,17 @@ class TokensPrompt(TypedDict):
 Prompt = str | Sequence[int] | TextPrompt | TokensPrompt
 Message = dict[str, str]
 
+# Every LLM not closed yet. At interpreter exit they are closed by an atexit hook, while the engine's daemon thread
+# still runs: later, in the finalizer, that thread is frozen, and a close from `__del__` would wait on it forever.
+_OPEN: weakref.WeakSet[LLM] = weakref.WeakSet()
+CLOSE_TIMEOUT_S = 30.0  # at most this long for the engine to stop; then its workers are killed regardless
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    for llm in list(_OPEN):
+        llm.close()
+
 
 class LLM:
     """Generate completions for batches of prompts. Close it (or use `with`) to stop its workers."""
@@ -71,37 +90,35 @@ class LLM:
         self,
         model: str | None = None,
         *,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        dtype: str = "auto",
-        device: str = "auto",
-        kv_cache_memory: int | str | None = None,
-        num_kv_blocks: int = 0,
-        swap_space: float = 4.0,
-        kv_offload_ram: float = 0.0,
-        kv_offload_disk: str = "",
-        kv_offload_disk_size: float = 4.0,
-        kv_offload_policy: str = "arc",
-        attention_backend: str = "auto",
-        kv_cache_dtype: str = "auto",
-        kv_compact_under_pressure: bool = False,
+        tensor_parallel_size: int = _ENGINE.tensor_parallel_size,
+        pipeline_parallel_size: int = _ENGINE.pipeline_parallel_size,
+        dtype: str = _ENGINE.dtype,
+        device: str = _WORKER.device,
+        kv_cache_memory: int | str | None = _WORKER.kv_cache_memory,
+        num_kv_blocks: int = _ENGINE.num_kv_blocks,
+        swap_space: float = _WORKER.swap_space,
+        kv_offload_ram: float = _WORKER.kv_offload_ram,
+        kv_offload_disk: str = _WORKER.kv_offload_disk,
+        kv_offload_disk_size: float = _WORKER.kv_offload_disk_size,
+        kv_offload_policy: str = _SCHEDULER.kv_offload_policy,
+        attention_backend: str = _WORKER.attention_backend,
+        kv_cache_dtype: str = _WORKER.kv_cache_dtype,
+        kv_compact_under_pressure: bool = _ENGINE.kv_compact.under_pressure,
         kv_compact_fraction: float | None = None,
-        kv_compact_dtype: str = "int8",
-        cuda_graph_sizes: str = "",
-        threads: int = 0,
-        block_size: int = 16,
-        max_num_seqs: int = 128,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int = 0,
-        enable_prefix_caching: bool = True,
-        preemption_mode: str = "elastic",
-        scheduling_policy: str = "fcfs",
-        async_scheduling: bool = True,
+        kv_compact_dtype: str = _ENGINE.kv_compact.dtype,
+        cuda_graph_sizes: str = _WORKER.cuda_graph_sizes,
+        threads: int = _WORKER.threads,
+        block_size: int = _SCHEDULER.block_size,
+        max_num_seqs: int = _SCHEDULER.max_num_seqs,
+        max_num_batched_tokens: int = _SCHEDULER.max_num_batched_tokens,
+        max_model_len: int = _SCHEDULER.max_model_len,
+        enable_prefix_caching: bool = _SCHEDULER.enable_prefix_caching,
+        preemption_mode: str = _SCHEDULER.preemption_mode.value,
+        scheduling_policy: str = _ENGINE.scheduling_policy,
+        async_scheduling: bool = _ENGINE.async_scheduling,
         worker_backend: str = "auto",
         worker_join_timeout: float = 600.0,
     ) -> None:
-        from worker_node.loading import WorkerOptions  # torch: only where the workers live
-
         if worker_backend not in WORKER_BACKENDS:
             raise ValueError(f"worker_backend: must be one of {WORKER_BACKENDS}, got {worker_backend!r}")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -113,6 +130,9 @@ class LLM:
             ("inprocess" if world == 1 else "processes") if worker_backend == "auto" else worker_backend
         )
 
+        problem = offload_dir_problem(kv_offload_disk, "kv_offload_disk:") if kv_offload_disk else ""
+        if problem:
+            raise ValueError(problem)
         memory = parse_size(kv_cache_memory) if isinstance(kv_cache_memory, str) else kv_cache_memory
         self.options = WorkerOptions(
             device=device,
@@ -141,9 +161,8 @@ class LLM:
             pipeline_parallel_size=pipeline_parallel_size,
             async_scheduling=async_scheduling,
             scheduling_policy=scheduling_policy,
-            options=EngineOptions(rejoin_timeout=60.0),
             num_kv_blocks=num_kv_blocks,
-            kv_compact=CompactKV.from_flags(kv_compact_under_pressure, kv_compact_fraction, kv_compact_dtype),
+            kv_compact=CompactKV.from_flags(kv_compact_under_pressure, kv_compact_fraction, dtype=kv_compact_dtype),
         )
         self.folder = resolve_model(model or DEFAULT)
         check_model_split(self.folder, self.config.layout)
@@ -155,6 +174,7 @@ class LLM:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="minivllm-engine", daemon=True)
         self._thread.start()
+        _OPEN.add(self)
         try:
             self._call(self._start(worker_join_timeout))
         except BaseException:
@@ -215,7 +235,7 @@ class LLM:
         priority: Sequence[int] | None,
     ) -> list[RequestOutput]:
         params = _per_prompt(sampling_params or SamplingParams(), len(ids), "sampling_params")
-        priorities = _per_prompt(priority, len(ids), "priority") if priority is not None else [50] * len(ids)
+        priorities = [DEFAULT_PRIORITY] * len(ids) if priority is None else _per_prompt(priority, len(ids), "priority")
         specs = [
             build_spec(
                 p,
@@ -263,8 +283,8 @@ class LLM:
             workers = WorkerLink(address)
             workers.claim = world.claim
             workers.output_rank = layout.output_rank
-            self._launcher = LocalLauncher(layout.world_size)
-            self._launcher.start(address, _worker_flags(self.options))
+            self._launcher = LocalLauncher(layout.world_size, None, join_timeout, workers.heartbeat_timeout)
+            self._launcher.start(address, worker_argv(self.options))
             self._tasks.append(asyncio.get_running_loop().create_task(self._keep_alive()))
         capacity = await workers.start(world.assignment, join_timeout)
         self._engine = make_engine(self.config, self.folder, self.tokenizer, workers, capacity)
@@ -276,17 +296,22 @@ class LLM:
             await asyncio.sleep(0.5)
 
     def close(self) -> None:
-        """Stop the engine and every worker process; idempotent."""
+        """Stop the engine and every worker process; idempotent. Never waits more than about CLOSE_TIMEOUT_S."""
+        _OPEN.discard(self)
         if self._loop.is_closed():
             return
-        if self._loop.is_running():
-            self._call(self._stop())
+        if self._loop.is_running() and self._thread.is_alive():
+            try:
+                self._call(self._stop(), CLOSE_TIMEOUT_S)
+            except Exception:  # a stuck engine must not keep the program from ending: the workers go regardless
+                logger.exception("the engine did not stop cleanly")
             self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         if self._launcher is not None:
             self._launcher.stop(10.0)  # they got Shutdown
             self._launcher = None
-        self._loop.close()
+        if not self._thread.is_alive():
+            self._loop.close()
 
     async def _stop(self) -> None:
         for task in self._tasks:
@@ -308,12 +333,23 @@ class LLM:
         self.close()
 
     def __del__(self) -> None:
-        if getattr(self, "_loop", None) is not None and not self._loop.is_closed():
-            self.close()
+        if getattr(self, "_loop", None) is None or self._loop.is_closed():
+            return
+        if sys.is_finalizing():  # the engine thread is frozen: only the worker processes can still be stopped
+            if self._launcher is not None:
+                self._launcher.stop(0.0)
+            return
+        self.close()
 
-    def _call(self, coro: Awaitable[T]) -> T:
+    def _call(self, coro: Awaitable[T], timeout: float | None = None) -> T:
+        """Run `coro` on the engine's loop and wait for it. Interrupted (Ctrl-C) or timed out, the coroutine is
+        cancelled, so a `generate` left behind aborts its requests instead of running on."""
         future: Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
-        return future.result()
+        try:
+            return future.result(timeout)
+        except BaseException:
+            future.cancel()
+            raise
 
 
 class _Progress:
@@ -345,8 +381,8 @@ async def _collect(stream: Any, spec: RequestSpec, text: str | None, progress: _
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     async for delta in stream:
         c = completions[delta.index]
-        if delta.finish_reason == "error":
-            raise RuntimeError(f"request {spec.request_id} failed ({delta.code}): {delta.error}")
+        if delta.error is not None:  # the offline door names the status
+            raise RuntimeError(f"request {spec.request_id} failed ({delta.error.status.name}): {delta.error.message}")
         if spec.sampling.prompt_logprobs is not None and delta.index == 0 and prompt_logprobs is None:
             prompt_logprobs = [None, *delta.prompt_logprobs] if delta.token_ids else None
         c.token_ids.extend(delta.token_ids)
@@ -354,7 +390,7 @@ async def _collect(stream: Any, spec: RequestSpec, text: str | None, progress: _
         if c.logprobs is not None:
             c.logprobs.extend(delta.logprobs)
         if delta.finish_reason:
-            c.finish_reason = delta.finish_reason
+            c.finish_reason = delta.finish_reason.value
     progress.done(len(spec.prompt_token_ids), sum(len(c.token_ids) for c in completions))
     return RequestOutput(spec.request_id, text, spec.prompt_token_ids, completions, prompt_logprobs=prompt_logprobs)
 
@@ -381,24 +417,3 @@ def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
             raise ValueError(f"{name}: {len(value)} given for {count} prompts")
         return list(value)
     return [value] * count
-
-
-def _worker_flags(options: Any) -> list[str]:
-    flags = ["--device", options.device, "--attention-backend", options.attention_backend]
-    flags += ["--swap-space", str(options.swap_space), "--threads", str(options.threads)]
-    if options.kv_cache_memory:
-        flags += ["--kv-cache-memory", str(options.kv_cache_memory)]
-    if options.cuda_graph_sizes:
-        flags += ["--cuda-graph-sizes", options.cuda_graph_sizes]
-    if options.kv_cache_dtype != "auto":
-        flags += ["--kv-cache-dtype", options.kv_cache_dtype]
-
-    flags += [
-        "--kv-offload-ram",
-        str(options.kv_offload_ram),
-        "--kv-offload-disk-size",
-        str(options.kv_offload_disk_size),
-    ]
-    if options.kv_offload_disk:
-        flags += ["--kv-offload-disk", options.kv_offload_disk]
-    return flags

@@ -39,6 +39,17 @@ def config_keys(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     return {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
 
 
+def _alias_keys(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """The keys of a flag's other long names (`--drain-timeout` for `--shutdown-timeout`): a file may use them."""
+    keys = config_keys(parser)
+    return {
+        name[2:].replace("-", "_"): a
+        for a in keys.values()
+        for name in a.option_strings
+        if name.startswith("--") and name[2:].replace("-", "_") not in keys
+    }
+
+
 def _parse_known_without_required(
     parser: argparse.ArgumentParser, argv: Sequence[str] | None
 ) -> tuple[argparse.Namespace, list[str]]:
@@ -61,12 +72,13 @@ def _load(parser: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         parser.error(f"config {path} must be a mapping of flag names to values")
     known = config_keys(parser)
+    aliases = _alias_keys(parser)
     values: dict[str, Any] = {}
     for key, value in data.items():
-        dest = str(key).replace("-", "_")
-        action = known.get(dest)
+        action = known.get(str(key).replace("-", "_")) or aliases.get(str(key).replace("-", "_"))
         if action is None:
             parser.error(f"unknown key {key!r} in {path}; valid keys: {', '.join(sorted(known))}")
+        dest = action.dest
         if value is None:
             continue  # null: the command's own default
         repeatable = isinstance(action, argparse._AppendAction)

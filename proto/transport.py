@@ -42,12 +42,25 @@ class WorldCapacity:
     compact_world_bytes_per_block: int = 0  # of one compact block summed over every rank
     compact_format: str = ""
 
+    @classmethod
+    def of(cls, readies: list[WorkerReady]) -> WorldCapacity:
+        """The world's capacity from every rank's Ready: what the smallest rank holds, one block's bytes on the
+        largest rank and over the world, the slowest swap."""
+        return cls(
+            num_kv_blocks=min(r.num_kv_blocks for r in readies),
+            num_swap_blocks=min(r.num_host_blocks for r in readies),
+            bytes_per_block=max(r.kv_cache_bytes // max(r.num_kv_blocks, 1) for r in readies),
+            swap_bytes_per_s=min(r.swap_bytes_per_s for r in readies),
+            world_bytes_per_block=sum(r.kv_cache_bytes // max(r.num_kv_blocks, 1) for r in readies),
+            kv_format=readies[0].kv_format,
+            **_tier_capacity(readies),
+            **_compact_capacity(readies),
+        )
 
-def tier_capacity(readies: list[WorkerReady]) -> dict[str, Any]:
+
+def _tier_capacity(readies: list[WorkerReady]) -> dict[str, Any]:
     """The KV offload tiers every rank holds: the smallest slot counts, and the disk blocks every rank found
     intact in the same slot (each rank keeps its own shard of a block: a block is whole only if all have it)."""
-    if not readies:
-        return {}
     common = set(readies[0].disk_tier_blocks).intersection(*(r.disk_tier_blocks for r in readies[1:]))
     return {
         "ram_tier_blocks": min(r.num_ram_tier_blocks for r in readies),
@@ -56,9 +69,9 @@ def tier_capacity(readies: list[WorkerReady]) -> dict[str, Any]:
     }
 
 
-def compact_capacity(readies: list[WorkerReady]) -> dict[str, Any]:
+def _compact_capacity(readies: list[WorkerReady]) -> dict[str, Any]:
     """The compact KV pool every rank holds: the smallest block count, and one block's bytes over the world."""
-    if not readies or not all(r.num_compact_blocks for r in readies):
+    if not all(r.num_compact_blocks for r in readies):
         return {}
     return {
         "num_compact_blocks": min(r.num_compact_blocks for r in readies),

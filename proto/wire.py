@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from enum import IntEnum
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Union, get_args
 
 import msgspec
 import msgspec.inspect
@@ -41,6 +41,10 @@ from msgspec import Meta
 # worker would read compact block ids as full ones (a v7 one, too).
 WIRE_VERSION = 8
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# libzmq's own ZMTP heartbeats, set on both ends of the worker socket: a quiet connection is PINGed this often by
+# libzmq's I/O thread (so a busy Python thread does not drop it), and dropped after the heartbeat timeout.
+ZMQ_HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_S = 10.0  # silence after which a peer is gone: --heartbeat-timeout's default, a worker's own
 
 Count = Annotated[int, Meta(ge=0)]
 Handle = Annotated[int, Meta(ge=0)]  # a request's id on the wire
@@ -229,6 +233,8 @@ class StepResult(Message, tag=int(Kind.RESULT)):
     # this step that read those blocks and were therefore not computed: the scheduler has them recompute.
     failed_loads: list[Annotated[bytes, Meta(max_length=64)]] = []
     load_skipped: list[Handle] = []
+    # Disk tier writes some rank could not do (a full or failing disk; the block's hash): the block is not on disk.
+    failed_stores: list[Annotated[bytes, Meta(max_length=64)]] = []
 
 
 class ExecutionMode(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True, gc=False):
@@ -362,17 +368,16 @@ _ENCODER = msgspec.msgpack.Encoder()
 _FRAME = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _VERSION = msgspec.msgpack.Decoder(int)
 _MESSAGE = msgspec.msgpack.Decoder(AnyMessage)  # type: ignore[arg-type]
-_BY_KIND: dict[int, type[Message]] = {
-    int(Kind.HELLO): WorkerHello,
-    int(Kind.ASSIGNMENT): Assignment,
-    int(Kind.READY): WorkerReady,
-    int(Kind.PLAN): StepPlan,
-    int(Kind.RESULT): StepResult,
-    int(Kind.SHUTDOWN): Shutdown,
-    int(Kind.HEARTBEAT): Heartbeat,
-    int(Kind.STEP_ERROR): StepError,
-    int(Kind.INTERRUPT): Interrupt,
-}
+
+
+def _kind_of(cls: type[Message]) -> int:
+    tag = cls.__struct_config__.tag
+    assert isinstance(tag, int), f"{cls.__name__} has no Kind tag"
+    return tag
+
+
+# Each message's kind is its Struct's tag: the table of kinds is read from the union, not written again.
+_BY_KIND: dict[int, type[Message]] = {_kind_of(cls): cls for cls in get_args(AnyMessage)}
 
 
 def encode(message: Message) -> bytes:

@@ -3,6 +3,43 @@
 from __future__ import annotations
 
 import argparse
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+# A worker that exits with this status was started with flags it cannot run with (argparse's own status): starting
+# it again cannot help, so a supervisor gives up instead of restarting it forever.
+EXIT_BAD_FLAGS = 2
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerOptions:
+    """A worker's own settings (its flags); what it serves comes from the scheduler's Assignment."""
+
+    scheduler_address: str = ""
+    device: str = "auto"
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    attention_backend: str = "auto"
+    connect_timeout: float = 60.0
+    threads: int = 0
+    swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks
+    zmq_curve_dir: str | None = None  # CURVE keys (proto/curve.py); None: plain TCP
+    local_address: str = ""  # this worker's IP: its ZMQ connection leaves from it, torch.distributed binds it
+    cuda_graph_sizes: str = ""  # decode batch sizes captured as CUDA graphs ("" : eager)
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype), int8 or fp8_e4m3 (kernels/kv_quant.py)
+    kv_offload_ram: float = 0.0  # GiB of host RAM for evicted prefix blocks (the RAM offload tier)
+    kv_offload_disk: str = ""  # folder of the disk offload tier ("" : none)
+    kv_offload_disk_size: float = 4.0  # GiB of that folder's file
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> WorkerOptions:
+        """A worker's settings from its command line; flags left at None keep the defaults."""
+        given = {name: getattr(args, name) for name in (*WORKER_FLAGS, "scheduler_address", "zmq_curve_dir")}
+        return cls(**{name: value for name, value in given.items() if value is not None})
+
+
+DEFAULTS = WorkerOptions()  # the flags' defaults
 
 WORKER_FLAGS = (
     "device",
@@ -44,7 +81,7 @@ def _attention_backend(text: str) -> str:
 
 
 def add_worker_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="auto", help="auto (cuda if present, else cpu), cpu, cuda, cuda:N")
+    p.add_argument("--device", default=DEFAULTS.device, help="auto (cuda if present, else cpu), cpu, cuda, cuda:N")
     p.add_argument(
         "--kv-cache-memory",
         type=parse_size,
@@ -56,24 +93,26 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--gpu-memory-utilization",
         type=float,
-        default=0.9,
+        default=DEFAULTS.gpu_memory_utilization,
         help="fraction of GPU memory the worker may fill, model and KV cache together",
     )
     p.add_argument(
         "--attention-backend",
         type=_attention_backend,
-        default="auto",
+        default=DEFAULTS.attention_backend,
         help="auto: triton on CUDA; on CPU native (a C kernel built once with the system compiler), torch if "
         "it cannot be built; or module:Class, your own backend (example: deploy/custom_attention.py)",
     )
     p.add_argument(
         "--swap-space",
         type=float,
-        default=4.0,
+        default=DEFAULTS.swap_space,
         help="GiB of host memory per worker for swapped-out KV blocks (preemption by swap); 0 disables swap",
     )
-    p.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the scheduler")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument(
+        "--connect-timeout", type=float, default=DEFAULTS.connect_timeout, help="seconds to wait for the scheduler"
+    )
+    p.add_argument("--threads", type=int, default=DEFAULTS.threads, help="torch CPU threads (0: torch's default)")
     p.add_argument(
         "--local-address",
         default=None,
@@ -90,7 +129,7 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
-        default="auto",
+        default=DEFAULTS.kv_cache_dtype,
         help="how the KV cache stores keys and values: auto (the model's dtype, the default), or int8 / fp8_e4m3 "
         "with one float32 scale per token and KV head (about 1.9x the blocks of a bf16 cache, 3.8x of fp32, "
         "at head_dim 64; fp8 with triton needs compute capability 8.9+)",
@@ -103,7 +142,7 @@ def add_kv_offload_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-offload-ram",
         type=float,
-        default=0.0,
+        default=DEFAULTS.kv_offload_ram,
         metavar="GIB",
         help="GiB of host RAM per worker that keeps prefix blocks evicted from the device KV cache; a later "
         "request with that prefix loads them back instead of recomputing them (0: no RAM tier)",
@@ -114,15 +153,39 @@ def add_kv_offload_flags(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="folder for the disk KV tier (blocks evicted from the RAM tier, or from the device without one); "
         "one file per rank that survives a restart, with a checksum per block and the model, dtype and layout "
-        "in its header (a file that does not match is ignored and started afresh)",
+        "in its header (a file that does not match is ignored and started afresh). It must be a folder this "
+        "process can write in (created if missing): anything else is refused at start. A disk that fills up "
+        "turns the tier off (a failed write drops its block, never a request)",
     )
     p.add_argument(
         "--kv-offload-disk-size",
         type=float,
-        default=4.0,
+        default=DEFAULTS.kv_offload_disk_size,
         metavar="GIB",
-        help="GiB of the disk KV tier's file per worker (with --kv-offload-disk)",
+        help="GiB of the disk KV tier's file per worker (with --kv-offload-disk); a worker warns at start when "
+        "its filesystem has less free",
     )
+
+
+def offload_dir_problem(folder: str, name: str = "--kv-offload-disk") -> str:
+    """Why the disk KV tier cannot live in `folder`, in one line starting with `name` ("" when it can): it must
+    be a folder this process can create files in (created when missing). Tried, not inferred from permission
+    bits, which a read-only mount, or root, would make lie."""
+    path = Path(folder)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        return f"{name} {folder}: not a folder"
+    except OSError as exc:
+        return f"{name} {folder}: cannot create it ({exc.strerror or exc})"
+    if not path.is_dir():
+        return f"{name} {folder}: not a folder"
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        return f"{name} {folder}: cannot write in it ({exc.strerror or exc})"
+    return ""
 
 
 def add_curve_flag(p: argparse.ArgumentParser) -> None:
@@ -136,11 +199,12 @@ def add_curve_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
-def worker_argv(args: argparse.Namespace) -> list[str]:
-    """The command-line form of the worker flags in `args` (those not left at None)."""
+def worker_argv(settings: argparse.Namespace | WorkerOptions) -> list[str]:
+    """The command-line form of the worker flags in `settings` (a command line, or a worker's settings): those
+    set, not None or empty."""
     argv = []
     for name in WORKER_FLAGS:
-        value = getattr(args, name)
-        if value is not None:
+        value = getattr(settings, name)
+        if value is not None and value != "":
             argv += [f"--{name.replace('_', '-')}", str(value)]
     return argv

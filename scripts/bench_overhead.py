@@ -225,10 +225,13 @@ def measure(path: str, num_seqs: int, folder: Path, args: argparse.Namespace, sc
     report = scratch / f"worker-{os.getpid()}-{time.monotonic_ns()}.json"
 
     class StandInLauncher(LocalLauncher):
-        def start(self, scheduler_address: str, worker_flags: list[str]) -> None:
-            self.argv = [sys.executable, str(Path(__file__).resolve()), AS_WORKER, str(report), str(args.vocab)]
-            self.argv += ["--scheduler-address", scheduler_address, "--log-level", "WARNING", *worker_flags]
-            self.procs = [self._spawn() for _ in range(self.world_size)]
+        """vllm-worker's flags, but this script's stand-in worker in place of `-m worker_node.worker`."""
+
+        def _spawn(self) -> Any:
+            if self.argv[1:3] == ["-m", "worker_node.worker"]:
+                script = [sys.executable, str(Path(__file__).resolve()), AS_WORKER, str(report), str(args.vocab)]
+                self.argv = script + self.argv[3:] + ["--log-level", "WARNING"]
+            return super()._spawn()
 
     minivllm.llm.LocalLauncher = StandInLauncher  # type: ignore[misc]
     WORKER.marks.clear()

@@ -13,8 +13,8 @@ vllm-client --port "$PORT" --wait-ready 600 --chat --temperature 0 --max-tokens 
 cat <<MSG
 
 minivllm is serving on 127.0.0.1:$PORT (gRPC, package minivllm.v1). Query it with:
-  .venv/bin/vllm-client --port $PORT --chat "Tell me a joke"
-  .venv/bin/vllm-client --port $PORT --temperature 0 --max-tokens 64 "The capital of France is"
+  .venv/bin/vllm-client --port $PORT "Tell me a joke"
+  .venv/bin/vllm-client --port $PORT --no-chat --temperature 0 --max-tokens 64 "The capital of France is"
   grpcurl -plaintext -d '{"prompt": "Hello", "sampling": {"max_tokens": 16}}' 127.0.0.1:$PORT minivllm.v1.Generation/Generate
 Ctrl-C stops the scheduler and its workers.
 MSG

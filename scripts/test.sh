@@ -6,4 +6,4 @@ EXTRAS=dev,triton
 ruff check .
 ruff format --check .
 mypy scheduler_node proto kernels worker_node minivllm tests scripts
-python -m pytest -q "$@"
+python -m pytest -q --durations=15 "$@"

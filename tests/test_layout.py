@@ -1,6 +1,6 @@
 """The architecture's rules, checked on the source: no import cycles between our modules (counting every import,
 lazy and type-only ones too), scripts import nothing from tests, the scheduler never imports torch, the worker
-never imports grpc."""
+never imports grpc; and every module is imported by a test of its mirror folder, or says where it is tested."""
 
 from __future__ import annotations
 
@@ -100,3 +100,99 @@ def test_the_scheduler_never_imports_torch_and_the_worker_never_imports_grpc() -
             assert "torch" not in roots, f"{name} imports torch"
         if name.startswith("worker_node"):
             assert "grpc" not in roots and "grpc_health" not in roots, f"{name} imports grpc"
+
+
+# ---- every module has a test in its mirror folder
+
+# Modules no test module of their mirror folder imports, each with where it is tested instead. The check below
+# fails for a module missing from this list, and for one listed here that has such a test by now.
+TESTED_ELSEWHERE: dict[str, str] = {
+    "kernels.cpu_features": "CPU bf16 detection, through kernels.cpu_attention (tests/kernels/test_native_cpu.py)"
+    " and tests/fidelity/test_fidelity_bf16.py",
+    "kernels.triton_common": "helpers of the Triton kernels, run through kernels.triton_attention by"
+    " tests/kernels/test_triton_kernels.py (a GPU, or Triton's interpreter)",
+    "kernels.triton_write_kv": "run through kernels.triton_attention by tests/kernels/test_triton_kernels.py",
+    "minivllm.outputs": "re-exported by minivllm/__init__.py, whence tests/minivllm/test_offline_api.py imports it",
+    "minivllm.sampling_params": "re-exported by minivllm/__init__.py, whence tests/minivllm/ imports it",
+    "proto.serving_pb2": "generated from proto/serving.proto by grpcio-tools; every gRPC test speaks it",
+    "proto.serving_pb2_grpc": "generated from proto/serving.proto by grpcio-tools; every gRPC test speaks it",
+    "scheduler_node.api.openai_guards": "the door's API key and body limit, through its app:"
+    " tests/scheduler_node/api/test_openai_server.py",
+    "scheduler_node.api.openai_responses": "a part of the OpenAI door: tests/scheduler_node/api/test_openai_server.py",
+    "scheduler_node.api.openai_runs": "a part of the OpenAI door: tests/scheduler_node/api/test_openai_server.py",
+    "scheduler_node.bench.load": "a part of vllm-bench, run against a real server by"
+    " tests/scheduler_node/bench/test_bench.py",
+    "scheduler_node.bench.mixed": "the chaos workload, run by tests/e2e/test_chaos.py",
+    "scheduler_node.bench.report": "vllm-bench's tables, run by tests/scheduler_node/bench/test_bench.py",
+    "scheduler_node.cli.bench": "vllm-bench's entry point, run by tests/scheduler_node/bench/test_bench.py",
+    "scheduler_node.cli.monitor": "vllm-monitor, run as a program by tests/e2e/test_metrics.py",
+    "scheduler_node.cli.openai_flags": "the OpenAI door's flags, through the scheduler's and vllm-serve's parsers"
+    " (tests/scheduler_node/cli/test_cli.py) and tests/e2e/test_serve.py",
+    "scheduler_node.cli.operations": "the operations flags, through the scheduler's parser"
+    " (tests/scheduler_node/cli/test_cli.py) and tests/deploy/test_deploy_k8s.py",
+    "scheduler_node.cli.router": "vllm-router, run as a program by tests/e2e/test_router.py and"
+    " tests/scripts/test_bench_router.py",
+    "scheduler_node.engine.processes": "through scheduler_node.engine.launchers"
+    " (tests/scheduler_node/engine/test_launchers.py)",
+    "scheduler_node.engine.ray_launcher": "needs ray: tests/e2e/test_ray_launcher.py",
+    "scheduler_node.engine.worker_link": "its socket side, against fake workers over loopback ZeroMQ, in"
+    " tests/e2e/test_faults.py; its state machine is rank_registry.py (test_rank_registry.py)",
+    "scheduler_node.router.grpc_door": "the router process's gRPC door: tests/e2e/test_router.py",
+    "scheduler_node.router.http_door": "the router process's OpenAI door: tests/e2e/test_router.py",
+    "scheduler_node.router.metrics": "the router's series, scraped by tests/e2e/test_router.py",
+    "scheduler_node.router.probe": "health probes of real replicas: tests/e2e/test_router.py",
+    "scheduler_node.router.strategies": "through scheduler_node.router.routing (tests/scheduler_node/router/"
+    "test_routing.py) and scripts/bench_router.py --smoke (tests/scripts/test_bench_router.py)",
+    "scheduler_node.router.upstream": "channels to real replicas: tests/e2e/test_router.py",
+    "worker_node.attention": "the attention metadata, tested with the decode graphs and kernels"
+    " (tests/kernels/test_decode_graphs.py)",
+    "worker_node.cuda_graphs": "tests/kernels/test_decode_graphs.py (with the kernels it captures)",
+    "worker_node.loading": "loads a rank as a worker does; tests/support/engine.py's load_runner runs it for every"
+    " model test",
+    "worker_node.models.gemma2": "registered in worker_node/models/registry.py; tests/worker_node/models/"
+    "test_models.py runs every tiny variant against HF",
+    "worker_node.models.llama": "registered in worker_node/models/registry.py; tests/worker_node/models/"
+    "test_models.py runs every tiny variant against HF",
+    "worker_node.models.gguf": "GGUF reading and dequantisation: tests/worker_node/test_model_loading.py",
+    "worker_node.models.loader": "through worker_node.loading (every model test) and"
+    " tests/worker_node/test_model_loading.py",
+    "worker_node.structured": "the sampler's grammar matcher, run in the engine by"
+    " tests/scheduler_node/api/test_structured.py",
+    "worker_node.token_counts": "the penalties' counts, through the sampler: tests/worker_node/"
+    "test_logits_processors.py and tests/fidelity/test_sampling_engine.py",
+    "worker_node.worker": "the worker process, started by every e2e test; tests/kernels/test_backend.py reads"
+    " its flags",
+}
+
+
+def imports_of_tests() -> dict[str, set[str]]:
+    """Every test module of the suite, with what it imports."""
+    return {module_name(p): imports_of(p) for p in (REPO / "tests").rglob("test_*.py")}
+
+
+def untested_in_mirror(modules: list[str], tests: dict[str, set[str]]) -> list[str]:
+    """The modules no test module of their mirror folder imports: scheduler_node.engine.core needs one under
+    tests/scheduler_node/engine/ (a test elsewhere does not count)."""
+    missing = []
+    for name in modules:
+        mirror = "tests." + name.rpartition(".")[0] + "."
+        if not any(test.startswith(mirror) and name in imported for test, imported in tests.items()):
+            missing.append(name)
+    return sorted(missing)
+
+
+def test_every_module_is_tested_in_its_mirror_folder_or_says_where() -> None:
+    modules = [name for name, path in our_modules().items() if path.name != "__init__.py"]
+    missing = set(untested_in_mirror(modules, imports_of_tests()))
+    assert sorted(missing - set(TESTED_ELSEWHERE)) == [], "add a test in its mirror folder, or list it with a reason"
+    assert sorted(set(TESTED_ELSEWHERE) - missing) == [], "tested in its mirror folder now (or gone): unlist it"
+
+
+def test_the_mirror_check_finds_a_module_tested_only_elsewhere() -> None:
+    tests = {
+        "tests.pkg.sub.test_a": {"pkg.sub.a"},  # its mirror folder: tested
+        "tests.e2e.test_b": {"pkg.sub.b"},  # elsewhere
+        "tests.pkg.test_c": {"pkg.sub.c"},  # the folder above its mirror
+    }
+    modules = ["pkg.sub.a", "pkg.sub.b", "pkg.sub.c", "pkg.sub.d"]  # d: imported by no test at all
+    assert untested_in_mirror(modules, tests) == ["pkg.sub.b", "pkg.sub.c", "pkg.sub.d"]

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 import torch
 
 from kernels.kv_quant import format_name
-from proto.transport import StepFailed, WorkerLost, WorldCapacity, compact_capacity, tier_capacity
+from proto.transport import StepFailed, WorkerLost, WorldCapacity
 from proto.wire import Assignment, Message, StepError, StepPlan, StepResult, WorkerReady, decode, encode
 from worker_node.loading import WorkerOptions, load_rank, pick_device
 from worker_node.model_runner import ModelRunner
@@ -77,11 +78,7 @@ class InProcessWorkers:
             device = pick_device(a.device or self.options.device)
             runner, ready = await asyncio.to_thread(load_rank, a, self.options, device, Comm(SINGLE))
             self.runners = [runner]
-            block_bytes = ready.kv_cache_bytes // max(1, ready.num_kv_blocks)
-            self._capacity = WorldCapacity(
-                ready.num_kv_blocks, ready.num_host_blocks, block_bytes, ready.swap_bytes_per_s, block_bytes,
-                ready.kv_format, **tier_capacity([ready]), **compact_capacity([ready]),
-            )  # fmt: skip
+            self._capacity = WorldCapacity.of([ready])
         else:
             self._capacity = _capacity_of(self.runners)
         for rank, runner in enumerate(self.runners):
@@ -127,8 +124,11 @@ class InProcessWorkers:
     async def close(self, reason: str = "closing") -> None:
         for thread in self._threads:
             thread.stop()
-        for thread in self._threads:
-            await asyncio.to_thread(thread.join, 5.0)
+        # Polled, not joined in the executor: at interpreter exit (an LLM closed by its atexit hook) the executors
+        # already refuse work.
+        deadline = time.monotonic() + 5.0
+        while any(t.is_alive() for t in self._threads) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         for _, future in self._pending.values():
             future.cancel()
         self._pending.clear()
@@ -172,16 +172,15 @@ class InProcessWorkers:
 
 
 def _capacity_of(runners: list[ModelRunner]) -> WorldCapacity:
-    """The capacity of runners built elsewhere (tests), whose swap bandwidth nobody measured."""
-    blocks = min(r.num_blocks for r in runners)
-    per_rank = [sum(t[0].nbytes for layer in r.kv_cache for t in layer.tensors()) for r in runners]
-    tiers = [r.offload.report(WorkerReady(r.comm.where.rank, 0, 0)) for r in runners if r.offload is not None]
-    return WorldCapacity(
-        num_kv_blocks=blocks,
-        num_swap_blocks=min(r.num_host_blocks for r in runners),
-        bytes_per_block=max(per_rank),
-        swap_bytes_per_s=1e12,  # host "swap" in the same process is a memory copy: swap is the cheap preemption
-        world_bytes_per_block=sum(per_rank),
-        kv_format=format_name(runners[0].kv_cache[0].k.dtype),
-        **(tier_capacity(tiers) if len(tiers) == len(runners) else {}),
-    )
+    """The capacity of runners built elsewhere (tests), whose swap bandwidth nobody measured: each one's Ready
+    as it would report it (without its compact pool)."""
+    readies = []
+    for r in runners:
+        block_bytes = sum(t[0].nbytes for layer in r.kv_cache for t in layer.tensors())
+        # host "swap" in the same process is a memory copy: swap is the cheap preemption
+        ready = WorkerReady(
+            r.comm.where.rank, r.num_blocks, r.num_blocks * block_bytes, r.num_host_blocks, 1e12,
+            format_name(r.kv_cache[0].k.dtype),
+        )  # fmt: skip
+        readies.append(r.offload.report(ready) if r.offload is not None else ready)
+    return WorldCapacity.of(readies)

@@ -11,6 +11,8 @@ over hash and payload, and the payload: a slot whose checksum fails at start is 
 block is recomputed). A load that fails later (a slot corrupted, truncated or unreadable since start) is reported
 instead of feeding the model bad KV: the worker leaves the requests that read that block out of the step and the
 scheduler forgets the block and has them compute it (scheduler_node/core/scheduler.py, `_recompute_failed_loads`).
+A tier is a cache: a write that fails (a full disk, an I/O error) drops its block and is reported, never fails the
+step; the scheduler then turns the disk tier off (scheduler_node/core/kv_tiers.py, `drop_failed_stores`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 import zlib
 from dataclasses import asdict, dataclass, field
@@ -102,7 +105,17 @@ class DiskTier:
                 logger.warning("%s was written for another model, dtype or layout: ignored, started afresh", path)
             os.ftruncate(self._fd, 0)
             os.pwrite(self._fd, layout.header(), 0)
-        os.ftruncate(self._fd, HEADER_BYTES + layout.num_slots * layout.record_bytes)
+        size = HEADER_BYTES + layout.num_slots * layout.record_bytes
+        room = shutil.disk_usage(path.parent).free + os.fstat(self._fd).st_blocks * 512  # the file's own, and free
+        os.ftruncate(self._fd, size)  # sparse: the filesystem gives the blocks only as slots are written
+        if room < size:
+            logger.warning(
+                "disk KV tier %s: --kv-offload-disk-size asks %.2f GiB but its filesystem has %.2f GiB free; once it "
+                "is full the disk tier turns itself off (a failed write drops its block, never a request)",
+                path,
+                size / 2**30,
+                room / 2**30,
+            )
         logger.info("disk KV tier %s: %d slots, %d blocks kept from before", path, layout.num_slots, len(self.found))
 
     def _offset(self, slot: int) -> int:
@@ -125,7 +138,16 @@ class DiskTier:
         return found
 
     def write(self, slot: int, block_hash: bytes, payload: bytes) -> None:
+        """Store the block in `slot` (OSError when the disk refuses: full, failing)."""
         os.pwrite(self._fd, block_hash + _checksum(block_hash, payload) + payload, self._offset(slot))
+
+    def invalidate(self, slot: int) -> None:
+        """Best effort after a failed write: the slot's hash zeroed, so no later read can take a half-written
+        record for a block (its checksum would catch most anyway)."""
+        try:
+            os.pwrite(self._fd, bytes(HASH_BYTES + SUM_BYTES), self._offset(slot))
+        except OSError:
+            pass  # never written (the file is sparse), or the disk refuses even this: reads fail their check
 
     def read(self, slot: int, block_hash: bytes) -> bytes:
         try:
@@ -167,11 +189,13 @@ def _fill_blocks(cache: KVCache, indices: list[int], payloads: list[bytes]) -> N
 @dataclass(slots=True)
 class TierRun:
     """What running a plan's tier moves did: the milliseconds taken (of which loading blocks back into the device
-    cache), and the loads that failed (their device blocks hold no valid KV)."""
+    cache), the loads that failed (their device blocks hold no valid KV) and the disk writes that failed (their
+    blocks are not on disk)."""
 
     ms: float = 0.0
     load_ms: float = 0.0
     failed: list[TierMove] = field(default_factory=list)
+    failed_stores: list[TierMove] = field(default_factory=list)
 
 
 class KVOffload:
@@ -213,7 +237,11 @@ class KVOffload:
             while j < len(moves) and (moves[j].src_tier, moves[j].dst_tier) == (moves[i].src_tier, moves[i].dst_tier):
                 j += 1
             run_start = time.perf_counter()
-            out.failed += self._run_between(moves[i:j], device)
+            failed = self._run_between(moves[i:j], device)
+            if moves[i].dst_tier == DISK:
+                out.failed_stores += failed
+            else:
+                out.failed += failed
             if moves[i].dst_tier == DEVICE:
                 out.load_ms += (time.perf_counter() - run_start) * 1e3
             i = j
@@ -223,7 +251,8 @@ class KVOffload:
         return out
 
     def _run_between(self, run: list[TierMove], device: KVCache) -> list[TierMove]:
-        """Moves that all go between the same two tiers; returns the disk loads that failed their check."""
+        """Moves that all go between the same two tiers; returns the disk moves that failed (loads that failed
+        their check, writes the disk refused)."""
         caches = {DEVICE: device, RAM: self.ram}
         src, dst = run[0].src_tier, run[0].dst_tier
         if DISK not in (src, dst):
@@ -231,9 +260,7 @@ class KVOffload:
             return []
         assert self.disk is not None
         if dst == DISK:
-            for m in run:
-                self.disk.write(m.dst, m.block_hash, _block_bytes(caches[src], m.src))
-            return []
+            return self._write_disk(run, caches[src])
         failed, filled, payloads = [], [], []
         for m in run:
             try:
@@ -244,6 +271,22 @@ class KVOffload:
                 failed.append(m)
         if filled:
             _fill_blocks(caches[dst], filled, payloads)
+        return failed
+
+    def _write_disk(self, run: list[TierMove], src: KVCache) -> list[TierMove]:
+        """Write each block to its disk slot; the writes the disk refuses are dropped and returned (a full disk
+        must cost the cache, never a step)."""
+        assert self.disk is not None
+        failed, error = [], None
+        for m in run:
+            try:
+                self.disk.write(m.dst, m.block_hash, _block_bytes(src, m.src))
+            except OSError as exc:
+                failed.append(m)
+                error = exc
+                self.disk.invalidate(m.dst)
+        if failed:
+            logger.warning("disk KV tier %s: %d block(s) not written (%s); dropped", self.disk.path, len(failed), error)
         return failed
 
     def close(self) -> None:

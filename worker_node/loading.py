@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -18,6 +17,7 @@ from kernels.backend import check_reads_quantized, select_attention_backend
 from kernels.cpu_features import has_fast_bf16
 from kernels.kv_quant import cache_dtype, format_name, is_quantized
 from proto.wire import Assignment, WorkerReady
+from proto.worker_flags import WorkerOptions
 from worker_node.cuda_graphs import DecodeGraphs, parse_sizes
 from worker_node.kv_cache import (
     allocate_host_cache,
@@ -37,27 +37,6 @@ from worker_node.parallel import Comm, ParallelRank
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerOptions:
-    """A worker's own settings (its flags); what it serves comes from the scheduler's Assignment."""
-
-    scheduler_address: str = ""
-    device: str = "auto"
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
-    attention_backend: str = "auto"
-    connect_timeout: float = 60.0
-    threads: int = 0
-    swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks
-    zmq_curve_dir: str | None = None  # CURVE keys (proto/curve.py); None: plain TCP
-    local_address: str = ""  # this worker's IP: its ZMQ connection leaves from it, torch.distributed binds it
-    cuda_graph_sizes: str = ""  # decode batch sizes captured as CUDA graphs ("" : eager)
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype), int8 or fp8_e4m3 (kernels/kv_quant.py)
-    kv_offload_ram: float = 0.0  # GiB of host RAM for evicted prefix blocks (the RAM offload tier)
-    kv_offload_disk: str = ""  # folder of the disk offload tier ("" : none)
-    kv_offload_disk_size: float = 0.0  # GiB of that folder's file
 
 
 def pick_device(name: str) -> torch.device:

@@ -16,7 +16,7 @@ from proto.wire import CachedRequest, ExecutionMode, StepPlan, StepResult, TierM
 from worker_node.cuda_graphs import DecodeGraphs
 from worker_node.input_batch import InputBatch, RequestState, StepInputs
 from worker_node.kv_cache import KVCache, copy_blocks
-from worker_node.kv_offload import DEVICE, DISK, KVOffload, TierRun
+from worker_node.kv_offload import DISK, KVOffload, TierRun
 from worker_node.models.decoder import CausalLM, StepInterrupted
 from worker_node.parallel import SINGLE, Comm
 from worker_node.sampler import Sampler, token_logprobs
@@ -184,7 +184,7 @@ class ModelRunner:
         skip = self._interrupted(plan.step_id)
         rows = self.apply_diffs(plan, check_progress=not skip)
         tiers = self.run_block_ops(plan)
-        failed_loads = self._failed_anywhere(plan, tiers.failed)
+        failed_loads, failed_stores = self._failed_anywhere(plan, tiers)
         load_skipped = self._leave_out(failed_loads)
         counts = np.array(
             [r.num_scheduled_tokens for r in plan.new_requests]
@@ -230,16 +230,20 @@ class ModelRunner:
             tier_load_ms=tiers.load_ms,
             failed_loads=[m.block_hash for m in failed_loads],
             load_skipped=load_skipped,
+            failed_stores=[m.block_hash for m in failed_stores],
         )
 
-    def _failed_anywhere(self, plan: StepPlan, failed_here: list[TierMove]) -> list[TierMove]:
-        """The plan's disk loads that failed on any rank: every rank must leave out the same requests (the
-        collectives and the stages' hand-offs need equal batches). Only plans that load from disk ask."""
-        loads = [m for m in plan.tier_moves if m.src_tier == DISK and m.dst_tier == DEVICE]
-        if not loads or self.comm.where.layout.world_size == 1:
-            return failed_here
-        anywhere = self.comm.any_rank([m in failed_here for m in loads])
-        return [m for m, failed in zip(loads, anywhere) if failed]
+    def _failed_anywhere(self, plan: StepPlan, here: TierRun) -> tuple[list[TierMove], list[TierMove]]:
+        """The plan's disk loads and disk writes that failed on any rank: every rank must leave out the same
+        requests (the collectives and the stages' hand-offs need equal batches), and a block one rank could not
+        write is missing from the world's disk tier. Only plans that move blocks to or from disk ask."""
+        moves = [m for m in plan.tier_moves if DISK in (m.src_tier, m.dst_tier)]
+        if not moves or self.comm.where.layout.world_size == 1:
+            return here.failed, here.failed_stores
+        failed_here = here.failed + here.failed_stores
+        anywhere = self.comm.any_rank([m in failed_here for m in moves])
+        failed = [m for m, bad in zip(moves, anywhere) if bad]
+        return [m for m in failed if m.dst_tier != DISK], [m for m in failed if m.dst_tier == DISK]
 
     def _leave_out(self, failed: list[TierMove]) -> list[int]:
         """The held requests whose blocks include one a failed load should have filled: left out of this step

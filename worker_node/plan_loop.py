@@ -8,6 +8,8 @@ rank of the world restarts (an answer would leave the world half-broken and the 
 
 A scheduler is gone when it has been silent for twice its heartbeat timeout *and* the connection is down:
 libzmq's own heartbeats keep the connection up while the scheduler process lives, however busy its event loop.
+A worker that leaves while a step still runs (blocked in a collective with a peer cut off by the network) exits at
+once instead of waiting out the collective: only then can its replacement rejoin.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import os
 import queue
 import threading
 import time
-from typing import Callable
+from typing import Callable, NoReturn
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -33,6 +35,8 @@ logger = logging.getLogger(__name__)
 # longer, so that a loaded machine makes the scheduler (the one that decides) act first.
 SILENCE_FACTOR = 2.0
 EXIT_WORLD_BROKEN = 3  # the exit status of a worker whose torch.distributed world broke under a step
+RETRY_SEND_S = 0.05  # how soon an answer the socket would not take is tried again (besides its POLLOUT)
+STEP_GRACE_S = 1.0  # how long a leaving worker lets a running step finish before it exits without it
 
 
 class StepThread(threading.Thread):
@@ -86,9 +90,11 @@ class PlanLoop:
         self.timeout = initial_timeout  # until the scheduler's first heartbeat says otherwise
         self.setup = setup
         self.interrupt = interrupt  # told at once, from this thread: the step thread may be mid-forward
+        self._holding = False  # an answer waits for the socket to take it
 
     def run(self) -> int:
-        """Serve plans until Shutdown (0) or until the scheduler is silent for twice its heartbeat timeout (0)."""
+        """Serve plans until Shutdown (0) or until the scheduler is silent for twice its heartbeat timeout (0); when
+        a step is still running then, the process exits (0) here."""
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_r, False)
         outbox: collections.deque[Message] = collections.deque()
@@ -115,14 +121,17 @@ class PlanLoop:
                     self._send(Heartbeat(self.rank, seq, self.timeout))
                     next_beat = now + self.timeout / 4
                 give_up = last_heard + SILENCE_FACTOR * self.timeout
-                events = dict(poller.poll(int(max(0.0, min(next_beat, give_up) - now) * 1000) + 1))
+                wait = min(next_beat, give_up) - now
+                if outbox:  # answers the socket would not take yet: wake when it can, and look again soon
+                    wait = min(wait, RETRY_SEND_S)
+                events = dict(poller.poll(int(max(0.0, wait) * 1000) + 1))
                 if wake_r in events:
                     _drain_pipe(wake_r)
-                while outbox:
-                    self._send(outbox.popleft())
+                self._flush(outbox)
+                poller.modify(self.sock, zmq.POLLIN | (zmq.POLLOUT if outbox else 0))
                 if monitor in events:
                     connected = _connection_events(monitor, connected)
-                if self.sock in events:
+                if events.get(self.sock, 0) & zmq.POLLIN:
                     for message in self._recv_all():
                         last_heard = time.monotonic()
                         if isinstance(message, Shutdown):
@@ -144,10 +153,11 @@ class PlanLoop:
             self.sock.disable_monitor()
             monitor.close(linger=0)
             steps.stop()
-            steps.join(timeout=1.0)
-            if not steps.is_alive():  # a step still running may yet write to the pipe: leave it to the exit
-                os.close(wake_r)
-                os.close(wake_w)
+            steps.join(timeout=STEP_GRACE_S)
+            if steps.is_alive():
+                _leave_with_a_step_running(steps.rank)
+            os.close(wake_r)
+            os.close(wake_w)
 
     def _recv_all(self) -> list[Message | None]:
         """Every message waiting on the socket; None for each one that was dropped as malformed."""
@@ -159,11 +169,38 @@ class PlanLoop:
                 return out
             out.append(decode_or_none(data))
 
-    def _send(self, message: Message) -> None:
+    def _flush(self, outbox: collections.deque[Message]) -> None:
+        """Send the step thread's answers in order. One the socket would block on stays first in the outbox: a
+        dropped StepResult would leave the scheduler waiting out its step deadline and losing a healthy rank."""
+        while outbox:
+            if not self._send(outbox[0], drop=False):
+                if not self._holding:
+                    logger.warning("the scheduler is not taking messages; holding %d answer(s)", len(outbox))
+                self._holding = True
+                return
+            outbox.popleft()
+        self._holding = False
+
+    def _send(self, message: Message, drop: bool = True) -> bool:
+        """Send without blocking; False when the socket would block (with `drop`, the message is given up: a
+        heartbeat, which the next one replaces)."""
         try:
             self.sock.send(encode(message), zmq.NOBLOCK)
         except zmq.Again:
-            logger.warning("the scheduler is not taking messages; dropped a %s", type(message).__name__)
+            if drop:
+                logger.warning("the scheduler is not taking messages; dropped a %s", type(message).__name__)
+            return False
+        return True
+
+
+def _leave_with_a_step_running(rank: int) -> NoReturn:
+    """This worker is leaving (told to, its scheduler gone, or a signal) while a step still runs: most likely blocked
+    in a collective whose peer is cut off (a network partition), where gloo waits out --distributed-timeout (300 s)
+    and so does the process group's teardown at interpreter exit. Nothing is left to save, and its supervisor's
+    replacement can rejoin only once this process is gone: exit now."""
+    logger.warning("rank %d: a step is still running (a collective waiting for a peer?); exiting without it", rank)
+    logging.shutdown()
+    os._exit(0)
 
 
 def decode_or_none(data: bytes) -> Message | None:

@@ -16,9 +16,12 @@ import zmq
 
 from proto.cli_config import add_config_flag, parse_args
 from proto.curve import CurveError, configure_client
+from proto.liveness import Beats
 from proto.parallel import ParallelLayout
 from proto.wire import (
+    HEARTBEAT_TIMEOUT_S,
     MAX_MESSAGE_BYTES,
+    ZMQ_HEARTBEAT_IVL_MS,
     Assignment,
     Message,
     Shutdown,
@@ -26,7 +29,7 @@ from proto.wire import (
     WorkerReady,
     encode,
 )
-from proto.worker_flags import add_curve_flag, add_worker_flags
+from proto.worker_flags import EXIT_BAD_FLAGS, add_curve_flag, add_worker_flags, offload_dir_problem
 from worker_node.loading import WorkerOptions, load_rank, pick_device
 from worker_node.model_runner import ModelRunner
 from worker_node.parallel import Comm, ParallelRank, RendezvousAborted, connect
@@ -34,15 +37,11 @@ from worker_node.plan_loop import PlanLoop, decode_or_none
 
 logger = logging.getLogger("vllm-worker")
 
-# libzmq's own PINGs, answered by the scheduler's libzmq I/O thread: the connection stays up while the scheduler's
-# event loop is busy, and drops this long after the scheduler process stopped answering.
-ZMQ_HEARTBEAT_IVL_MS = 1000
-ZMQ_HEARTBEAT_TIMEOUT_MS = 10_000
-
 
 class Worker:
-    def __init__(self, options: WorkerOptions) -> None:
+    def __init__(self, options: WorkerOptions, beats: Beats | None = None) -> None:
         self.options = options
+        self.beats = beats or Beats()
         self.device = pick_device(options.device)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
@@ -51,8 +50,10 @@ class Worker:
         # A stable identity: after a network blip the scheduler still knows who this is.
         identity = f"{socket.gethostname()[:64]}/{os.getpid()}/{secrets.token_hex(4)}"
         self._sock.setsockopt(zmq.ROUTING_ID, identity.encode())
+        # libzmq's own PINGs, answered by the scheduler's libzmq I/O thread: the connection stays up while the
+        # scheduler's event loop is busy, and drops this long after the scheduler process stopped answering.
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, ZMQ_HEARTBEAT_IVL_MS)
-        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMQ_HEARTBEAT_TIMEOUT_MS)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_TIMEOUT_S * 1000))
         if options.zmq_curve_dir:
             configure_client(self._sock, options.zmq_curve_dir)
         source = f"{options.local_address}:0;" if options.local_address else ""
@@ -72,6 +73,7 @@ class Worker:
             logger.warning("left the torch.distributed rendezvous: %s", exc)
             return 0
         self._send(ready)
+        self.beats.ready()
         logger.info("rank %d ready with %d KV blocks", assignment.rank, ready.num_kv_blocks)
         runner = self.runner
         assert runner is not None
@@ -173,35 +175,25 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    options = WorkerOptions(
-        args.scheduler_address,
-        args.device,
-        args.kv_cache_memory,
-        args.gpu_memory_utilization,
-        args.attention_backend,
-        args.connect_timeout,
-        args.threads,
-        args.swap_space,
-        args.zmq_curve_dir,
-        local_address=args.local_address or "",
-        cuda_graph_sizes=args.cuda_graph_sizes or "",
-        kv_cache_dtype=args.kv_cache_dtype,
-        kv_offload_ram=args.kv_offload_ram,
-        kv_offload_disk=args.kv_offload_disk or "",
-        kv_offload_disk_size=args.kv_offload_disk_size,
-    )
+    options = WorkerOptions.from_args(args)
     signal.signal(signal.SIGTERM, _exit_cleanly)
+    problem = offload_dir_problem(options.kv_offload_disk) if options.kv_offload_disk else ""
+    if problem:  # before joining: a world that waits for this rank would wait for nothing
+        logger.error("%s", problem)
+        return EXIT_BAD_FLAGS
+    beats = Beats()  # to the launcher that started this process, if any (proto/liveness.py)
     try:
-        worker = Worker(options)
+        worker = Worker(options, beats)
     except CurveError as exc:
         logger.error("%s", exc)
-        return 2
+        return EXIT_BAD_FLAGS
     try:
         return worker.run()
     except (KeyboardInterrupt, SystemExit):
         logger.info("stopped by signal")
         return 0
     finally:
+        beats.stop()  # leaving: a close that hangs is ended by the launcher
         worker.close()
 
 

@@ -18,15 +18,30 @@ from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from proto.memory_stats import KvPool
 from proto.wire import MAX_MESSAGE_BYTES
+from scheduler_node.api.grpc_decode import DecodeGuard
+from scheduler_node.api.heap import TRIM_ABOVE_BYTES, HeapTrimmer
+from scheduler_node.api.openai_errors import RETRY_AFTER_S
+from scheduler_node.api.request_bounds import MAX_REQUEST_BYTES, check_prompt_logprobs
 from scheduler_node.api.security import ControlAuth
 from scheduler_node.api.validation import InvalidField, validate
+from scheduler_node.core.request import RequestSpec
 from scheduler_node.core.stats import snapshot
 from scheduler_node.engine.core import EngineCore
-from scheduler_node.engine.outputs import Delta
+from scheduler_node.engine.outputs import Delta, ErrorStatus
 from scheduler_node.engine.worker_link import WorkerLink
 from scheduler_node.text.tokenizer import ModelTokenizer
 
 logger = logging.getLogger(__name__)
+
+# How the engine's failures reach a gRPC client: one status code each.
+# UNAVAILABLE is for now, not for good: the trailer says when to try again (the HTTP doors' Retry-After).
+RETRY_AFTER = (("retry-after", str(RETRY_AFTER_S)),)
+
+GRPC_STATUS: dict[ErrorStatus, grpc.StatusCode] = {
+    ErrorStatus.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorStatus.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    ErrorStatus.INTERNAL: grpc.StatusCode.INTERNAL,
+}
 
 SERVICE_NAMES = (
     pb.DESCRIPTOR.services_by_name["Generation"].full_name,
@@ -42,52 +57,73 @@ class GenerationService(pb_grpc.GenerationServicer):
         self.served_model_name = served_model_name  # a request naming another model is NOT_FOUND
         self.engine: EngineCore | None = None  # set once the workers have joined
         self.link: WorkerLink | None = None
+        self.heap = HeapTrimmer()
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        spec = await self._admit(request, context)
+        engine = self.engine
+        if spec is None or engine is None:  # refused, the status set
+            if request.ByteSize() >= TRIM_ABOVE_BYTES:  # its pages go back to the OS once gRPC lets go of it
+                context.add_done_callback(lambda _: self.heap.soon())
+            return
+        stream = engine.submit(spec, request.deadline_s)
+        done = False
+        try:
+            async for delta in stream:
+                if delta.error is not None:
+                    code = GRPC_STATUS[delta.error.status]
+                    if code == grpc.StatusCode.UNAVAILABLE:
+                        context.set_trailing_metadata(RETRY_AFTER)
+                    await context.abort(code, delta.error.message)
+                # The delta with the prompt's logprobs is large (up to request_bounds' bound): built off the loop.
+                yield (
+                    await asyncio.to_thread(_response, spec.request_id, delta)
+                    if delta.prompt_logprobs
+                    else _response(spec.request_id, delta)
+                )
+            done = True
+        finally:
+            if not done:  # the client went away, or the stream failed
+                engine.abort(spec.request_id)
+
+    async def _admit(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> RequestSpec | None:
+        """The request to run, or None with the status of its refusal set on `context`."""
         if request.model and request.model != self.served_model_name:
             detail = f"model: {request.model!r} is not served here (this server serves {self.served_model_name!r})"
-            await context.abort(grpc.StatusCode.NOT_FOUND, detail)
+            refuse(context, grpc.StatusCode.NOT_FOUND, detail)
+            return None
         engine = self.engine
         if engine is None or engine.unavailable():
-            await context.abort(grpc.StatusCode.UNAVAILABLE, engine.unavailable() if engine else "workers are joining")
-            return
+            refuse(context, grpc.StatusCode.UNAVAILABLE, engine.unavailable() if engine else "workers are joining")
+            return None
         try:
             header = dict(context.invocation_metadata() or ()).get("x-priority")
             # Off the event loop: tokenizing a long prompt must not stall the streams of other requests.
             spec = await asyncio.to_thread(
                 validate, request, self.tokenizer, engine.max_model_len, header, engine.compact_tokens
             )
+            check_prompt_logprobs([spec], "sampling.prompt_logprobs")
         except InvalidField as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            return
+            refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return None
         if not math.isfinite(request.deadline_s) or request.deadline_s < 0:
             detail = f"deadline_s: must be a finite number >= 0 (0: none), got {request.deadline_s}"
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, detail)
-            return
+            refuse(context, grpc.StatusCode.INVALID_ARGUMENT, detail)
+            return None
         if engine.queue_full(spec.n):
             detail = (
                 f"the waiting queue is full (--max-waiting-requests {engine.options.max_waiting_requests}); retry later"
             )
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, detail)
-            return
+            refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, detail)
+            return None
         if not spec.request_id:
             spec = dataclasses.replace(spec, request_id=uuid.uuid4().hex)
         if engine.is_live(spec.request_id):
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {spec.request_id!r} is already running")
-            return
-        stream = engine.submit(spec, request.deadline_s)
-        done = False
-        try:
-            async for delta in stream:
-                if delta.finish_reason == "error":
-                    await context.abort(grpc.StatusCode[delta.code or "UNAVAILABLE"], delta.error)
-                yield _response(spec.request_id, delta)
-            done = True
-        finally:
-            if not done:  # the client went away, or the stream failed
-                engine.abort(spec.request_id)
+            refuse(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id: {spec.request_id!r} is already running")
+            return None
+        return spec
 
     async def Abort(  # noqa: N802
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
@@ -150,7 +186,7 @@ class ControlService(pb_grpc.ControlServicer):
         self, request: pb.ResizeCacheRequest, context: grpc.aio.ServicerContext
     ) -> pb.ResizeCacheResponse:
         engine = await self._engine(context)
-        total = engine.scheduler.blocks.num_blocks
+        total = engine.max_kv_blocks  # what every rank holds now (a smaller replacement lowers it)
         if not 1 <= request.num_blocks <= total:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"num_blocks: must be in [1, {total}]")
         start = time.perf_counter()
@@ -177,13 +213,23 @@ async def drain_timeout(request: pb.DrainRequest, context: grpc.aio.ServicerCont
     return timeout
 
 
+def refuse(context: grpc.aio.ServicerContext, code: grpc.StatusCode, detail: str) -> None:
+    """End the call with `code` once the handler returns. Not `context.abort`: the exception it raises holds the
+    handler's frame, and so the request, in a cycle with the call's state that only a full garbage collection
+    breaks (the scheduler runs those when idle after work): refused requests piled up, 60 MiB each."""
+    context.set_code(code)
+    context.set_details(detail)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        context.set_trailing_metadata(RETRY_AFTER)
+
+
 def _response(request_id: str, d: Delta) -> pb.GenerateResponse:
     resp = pb.GenerateResponse(
         request_id=request_id,
         index=d.index,
         token_ids=d.token_ids,
         text=d.text,
-        finish_reason=d.finish_reason,
+        finish_reason=d.finish_reason.value if d.finish_reason else "",
     )
     for lp in d.logprobs:
         resp.logprobs.add(logprob=lp.logprob, top=[pb.TokenLogprob(token_id=t, logprob=p) for t, p in lp.top])
@@ -208,9 +254,9 @@ def build_server(
         assert isinstance(service, GenerationService)
         control = ControlService(service)
     server = grpc.aio.server(
-        interceptors=[ControlAuth(control_token)] if control_token else [],
+        interceptors=[DecodeGuard(), *([ControlAuth(control_token)] if control_token else [])],
         options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),  # larger: RESOURCE_EXHAUSTED, never read
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ],
     )

@@ -10,6 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from scheduler_node.engine.outputs import EngineError, ErrorStatus
+
 # status -> OpenAI's error type and code
 KINDS: dict[int, tuple[str, str | None]] = {
     400: ("invalid_request_error", None),
@@ -23,8 +25,17 @@ KINDS: dict[int, tuple[str, str | None]] = {
     504: ("server_error", "timeout"),
 }
 
-# The engine reports a failed request with a gRPC status name; this is its HTTP status.
-GRPC_TO_HTTP = {"INVALID_ARGUMENT": 400, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
+# Seconds a refused client is asked to wait before trying again (here, or on another replica): the HTTP doors'
+# `Retry-After` on every 503 and the gRPC door's `retry-after` trailer on UNAVAILABLE. Workers joining, a drain or
+# shutdown, a world being rebuilt: each passes, or the address gets another server, within seconds.
+RETRY_AFTER_S = 5
+
+# How the engine's failures reach an HTTP client: one status each (its OpenAI error type and code from KINDS).
+HTTP_STATUS: dict[ErrorStatus, int] = {
+    ErrorStatus.UNAVAILABLE: 503,
+    ErrorStatus.DEADLINE_EXCEEDED: 504,
+    ErrorStatus.INTERNAL: 500,
+}
 
 
 class OpenAIError(Exception):
@@ -40,12 +51,14 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code or code}}
 
     def response(self, headers: Mapping[str, str] | None = None) -> JSONResponse:
+        if self.status == 503:  # unavailable for now, not for good
+            headers = {**(headers or {}), "Retry-After": str(RETRY_AFTER_S)}
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
-def engine_error(code: str, message: str) -> OpenAIError:
-    """A request the engine ended with an error (`code`: the gRPC status name)."""
-    return OpenAIError(GRPC_TO_HTTP.get(code, 500), message)
+def engine_error(error: EngineError) -> OpenAIError:
+    """A request the engine ended with an error."""
+    return OpenAIError(HTTP_STATUS[error.status], error.message)
 
 
 def param_of(loc: tuple[str | int, ...]) -> str:
@@ -77,6 +90,8 @@ async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONRe
     if first["type"] == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
         return OpenAIError(400, f"the body is not valid JSON: {detail} at character {loc[0]}").response()
+    if first["type"] == "lone_surrogate":  # found anywhere in the body: the error names where
+        loc = (first["ctx"]["param"],)
     if not loc:
         return OpenAIError(400, "the body must be a JSON object (Content-Type: application/json)").response()
     param = param_of(loc)

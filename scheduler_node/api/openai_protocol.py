@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, model_validator
 from pydantic_core import PydanticCustomError
 
-from scheduler_node.api.validation import InvalidField, SamplingFields, StructuredFields
+from scheduler_node.api.request_bounds import lone_surrogate_at
+from scheduler_node.api.sampling import SamplingFields, StructuredFields
+from scheduler_node.api.validation import InvalidField
 
 
 def _stop_strings(value: Any) -> list[str]:
@@ -86,6 +88,18 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class _Body(_Strict):
+    """A whole request body: no lone surrogate anywhere in it (JSON may escape one, Unicode text has none)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data: Any) -> Any:
+        at = lone_surrogate_at(data)
+        if at is not None:  # openai_errors names `param` as the field
+            raise PydanticCustomError("lone_surrogate", "holds a lone surrogate: not Unicode text", {"param": at})
+        return data
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -132,10 +146,10 @@ class StructuredOutputs(_Strict):
     json_object: bool = False
 
     def fields(self) -> StructuredFields:
-        return StructuredFields(json=self.json_, regex=self.regex, choice=self.choice, json_object=self.json_object)
+        return StructuredFields.gather(lambda name: getattr(self, "json_" if name == "json" else name))
 
 
-class _GenerationRequest(_Strict):
+class _GenerationRequest(_Body):
     """What chat and completions share: OpenAI's sampling fields and vLLM's extensions."""
 
     model: str | None = None
@@ -170,25 +184,11 @@ class _GenerationRequest(_Strict):
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise InvalidField("stream_options", "only allowed when stream is true")
-        return SamplingFields(
+        fields = type(self).model_fields
+        return SamplingFields.gather(
+            lambda name: getattr(self, name) if name in fields else None,
             max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            n=self.n,
             logprobs=logprobs,
-            seed=self.seed,
-            stop=self.stop,
-            ignore_eos=self.ignore_eos,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty,
-            min_tokens=self.min_tokens,
-            stop_token_ids=self.stop_token_ids or (),
-            logit_bias=self.logit_bias or {},
-            bad_words=self.bad_words or (),
-            prompt_logprobs=self.prompt_logprobs,
             structured=self.structured(),
         )
 
@@ -238,7 +238,7 @@ class CompletionRequest(_GenerationRequest):
         return self.sampling(self.max_tokens, self.logprobs), self.renames()
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_Body):
     """vLLM's /tokenize: a prompt, or chat messages rendered with the template."""
 
     model: str | None = None
@@ -248,6 +248,6 @@ class TokenizeRequest(_Strict):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]

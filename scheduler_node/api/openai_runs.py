@@ -13,6 +13,7 @@ from typing import Any
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from scheduler_node.api.openai_encode import sse_event
 from scheduler_node.api.openai_errors import OpenAIError, engine_error
 from scheduler_node.api.openai_responses import Choice, Shape, Usage
 from scheduler_node.core.request import RequestSpec
@@ -45,13 +46,15 @@ class Run:
     async def deltas(self) -> AsyncIterator[tuple[Choice, Delta]]:
         """Every sequence's deltas with the choice they belong to; raises OpenAIError when the engine failed one."""
         async for prompt, delta in _merged(self.streams):
-            if delta.finish_reason == "error":
-                raise engine_error(delta.code, delta.error)
+            if delta.error is not None:
+                raise engine_error(delta.error)
             if delta.finish_reason:
                 self.usage.add(delta, prompt not in self._counted)
                 self._counted.add(prompt)
             if delta.prompt_logprobs:  # the prompt's, once: every sequence of it shares them
-                shared = self.shape.prompt_logprobs(self.specs[prompt].prompt_token_ids, delta.prompt_logprobs)
+                # Off the event loop: a long prompt's are tens of thousands of entries, each token's text decoded.
+                ids = self.specs[prompt].prompt_token_ids
+                shared = await asyncio.to_thread(self.shape.prompt_logprobs, ids, delta.prompt_logprobs)
                 for j in range(self.n):
                     self.choices[prompt * self.n + j].prompt_logprobs = shared
             yield self.choices[prompt * self.n + delta.index], delta
@@ -62,7 +65,9 @@ class Run:
         try:
             async for choice, delta in self.deltas():
                 chunk = self.shape.stream_choice(choice, delta)
-                if chunk is not None:
+                if chunk is not None and delta.prompt_logprobs:  # the one large chunk: encoded off the loop
+                    yield await asyncio.to_thread(sse_event, self.shape.envelope(self.shape.chunk_name, [chunk], None))
+                elif chunk is not None:
                     yield self.shape.sse(chunk)
             if include_usage:
                 yield self.shape.sse(usage=self.usage)

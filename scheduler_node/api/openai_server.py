@@ -20,9 +20,9 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from scheduler_node.api.openai_encode import json_response
 from scheduler_node.api.openai_errors import OpenAIError, install_handlers
 from scheduler_node.api.openai_guards import ApiKeyAuth, BodyLimit
 from scheduler_node.api.openai_inputs import chat_specs, completion_specs, template_messages
@@ -34,6 +34,7 @@ from scheduler_node.api.openai_protocol import (
 )
 from scheduler_node.api.openai_responses import ChatShape, CompletionShape, Shape
 from scheduler_node.api.openai_runs import Run, RunResponse
+from scheduler_node.api.request_bounds import MAX_REQUEST_BYTES, check_prompt_logprobs
 from scheduler_node.api.validation import (
     InvalidField,
     priority_from,
@@ -48,7 +49,7 @@ from scheduler_node.text.tokenizer import ModelTokenizer
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 8 * 1024 * 1024  # a prompt of max_model_len tokens fits many times over
+MAX_BODY_BYTES = MAX_REQUEST_BYTES  # as the gRPC door's messages
 
 MakeSpecs = Callable[[Any, ModelTokenizer, int, str, int, int], list[RequestSpec]]
 
@@ -97,6 +98,7 @@ class OpenAIDoor:
             specs = await asyncio.to_thread(
                 make, body, self.tokenizer, engine.max_model_len, request_id, priority, engine.compact_tokens
             )
+            check_prompt_logprobs(specs)
         except InvalidField as exc:
             raise OpenAIError(400, str(exc), exc.field) from None
         engine = self.ready_engine()  # it may have started draining meanwhile
@@ -109,7 +111,7 @@ class OpenAIDoor:
         run.start()
         if body.stream:
             return RunResponse(run, body.stream_options is not None and body.stream_options.include_usage)
-        return JSONResponse(await run.answer(request.receive))
+        return await json_response(await run.answer(request.receive), large=any(want))
 
 
 def build_app(door: OpenAIDoor) -> FastAPI:

@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from proto import serving_pb2 as pb
 from proto.structured import grammar_error
 from proto.wire import SamplingOptions, StructuredOutput
+from scheduler_node.api.sampling import SamplingFields, StructuredFields
 from scheduler_node.core.kv_precision import KV_PRECISIONS
 from scheduler_node.core.request import RequestSpec
 from scheduler_node.text.tokenizer import ModelTokenizer
@@ -36,48 +36,13 @@ MAX_BAD_WORDS = 64
 MAX_BAD_WORD_CHARS = 256
 MAX_CHOICES = 256
 MAX_GRAMMAR_CHARS = 64 * 1024  # a schema's JSON text, a regex, or the choices together
+MAX_JSON_DEPTH = 128  # objects and arrays nested in a JSON schema (Python's own parser gives up near 1,000)
 
 
 class InvalidField(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingFields:
-    """A request's sampling settings as a door received them; None where the client left a field out."""
-
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    n: int | None = None
-    logprobs: int | None = None
-    seed: int | None = None
-    stop: Sequence[str] = field(default_factory=tuple)
-    ignore_eos: bool = False
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    min_tokens: int | None = None
-    stop_token_ids: Sequence[int] = field(default_factory=tuple)
-    logit_bias: Mapping[int, float] = field(default_factory=dict)
-    bad_words: Sequence[str] = field(default_factory=tuple)
-    prompt_logprobs: int | None = None
-    structured: StructuredFields | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class StructuredFields:
-    """A constraint on the output text as a door received it; exactly one field is set. The OpenAI door's
-    response_format maps to `json` (json_schema) or `json_object`."""
-
-    json: str | Mapping[str, Any] | None = None  # a JSON schema: its text, or parsed
-    regex: str | None = None
-    choice: Sequence[str] | None = None
-    json_object: bool = False
 
 
 def max_prompt_chars(tokenizer: ModelTokenizer, max_model_len: int) -> int:
@@ -99,13 +64,19 @@ def prompt_from_text(
 
 
 def prompt_from_ids(ids: Sequence[int], tokenizer: ModelTokenizer, max_model_len: int, name: str) -> list[int]:
-    ids = list(ids)
     if not ids:
         raise InvalidField(name, "must not be empty")
+    if len(ids) >= max_model_len:  # refused by its length before a walk over (maybe millions of) ids
+        _fits(list(ids), max_model_len, name)
+    ids = list(ids)
     bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < tokenizer.vocab_size), None)
     if bad is not None:
         raise InvalidField(name, f"token id {bad!r} is outside [0, {tokenizer.vocab_size})")
     return _fits(ids, max_model_len, name)
+
+
+# What a door answers for `messages` when the model has no template; vllm-client falls back to raw text on it.
+NO_CHAT_TEMPLATE = "the model has no chat template; send a prompt instead"
 
 
 def prompt_from_messages(
@@ -123,7 +94,7 @@ def prompt_from_messages(
     if chars > limit:
         raise InvalidField(name, f"{chars} characters cannot fit in max_model_len {max_model_len} (at most {limit})")
     if not tokenizer.has_chat_template:
-        raise InvalidField(name, "the model has no chat template; send a prompt instead")
+        raise InvalidField(name, NO_CHAT_TEMPLATE)
     try:
         ids = tokenizer.apply_chat_template([dict(m) for m in messages])
     except Exception as exc:  # a template's raise_exception speaks about the messages
@@ -171,16 +142,13 @@ def build_spec(
             prefix + "max_tokens",
             f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len ({max_model_len})",
         )
-    temperature = 1.0 if s.temperature is None else s.temperature
+    temperature, top_p, top_k, n = s.temperature, s.top_p, s.top_k, s.n
     if not math.isfinite(temperature) or temperature < 0:
         raise InvalidField(prefix + "temperature", f"must be a finite number >= 0, got {temperature}")
-    top_p = 1.0 if s.top_p is None else s.top_p
     if not 0 < top_p <= 1:  # NaN fails too
         raise InvalidField(prefix + "top_p", f"must be in (0, 1], got {top_p}")
-    top_k = -1 if s.top_k is None else s.top_k
     if top_k < -1:
         raise InvalidField(prefix + "top_k", f"must be -1 (off), 0 (off) or positive, got {top_k}")
-    n = 1 if s.n is None else s.n
     if not 1 <= n <= MAX_N:
         raise InvalidField(prefix + "n", f"must be in [1, {MAX_N}], got {n}")
     if s.logprobs is not None and not 0 <= s.logprobs <= MAX_LOGPROBS:
@@ -196,10 +164,10 @@ def build_spec(
         top_k,
         s.seed,
         s.logprobs,
-        min_p=_in_range(s.min_p, 0.0, 0.0, 1.0, prefix + "min_p"),
+        min_p=_in_range(s.min_p, 0.0, 1.0, prefix + "min_p"),
         repetition_penalty=_repetition_penalty(s.repetition_penalty, prefix),
-        frequency_penalty=_in_range(s.frequency_penalty, 0.0, -MAX_PENALTY, MAX_PENALTY, prefix + "frequency_penalty"),
-        presence_penalty=_in_range(s.presence_penalty, 0.0, -MAX_PENALTY, MAX_PENALTY, prefix + "presence_penalty"),
+        frequency_penalty=_in_range(s.frequency_penalty, -MAX_PENALTY, MAX_PENALTY, prefix + "frequency_penalty"),
+        presence_penalty=_in_range(s.presence_penalty, -MAX_PENALTY, MAX_PENALTY, prefix + "presence_penalty"),
         logit_bias=_logit_bias(s.logit_bias, vocab, prefix + "logit_bias"),
         bad_words=_bad_words(s.bad_words, tokenizer, prefix + "bad_words"),
         min_tokens=_min_tokens(s.min_tokens, max_tokens, prefix),
@@ -235,22 +203,19 @@ def check_kv_precision(value: str, compact_tokens: int, prompt_tokens: int) -> s
     return precision
 
 
-def _in_range(value: float | None, default: float, low: float, high: float, name: str) -> float:
-    value = default if value is None else value
+def _in_range(value: float, low: float, high: float, name: str) -> float:
     if not low <= value <= high:  # NaN fails too
         raise InvalidField(name, f"must be in [{low:g}, {high:g}], got {value}")
     return float(value)
 
 
-def _repetition_penalty(value: float | None, prefix: str) -> float:
-    value = 1.0 if value is None else value
+def _repetition_penalty(value: float, prefix: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise InvalidField(prefix + "repetition_penalty", f"must be a finite number > 0 (1: off), got {value}")
     return float(value)
 
 
-def _min_tokens(value: int | None, max_tokens: int, prefix: str) -> int:
-    value = 0 if value is None else value
+def _min_tokens(value: int, max_tokens: int, prefix: str) -> int:
     if not 0 <= value <= max_tokens:
         raise InvalidField(prefix + "min_tokens", f"must be in [0, max_tokens = {max_tokens}], got {value}")
     return value
@@ -340,13 +305,32 @@ def _structured_spec(fields: StructuredFields, kind: str, name: str) -> str:
 
 
 def _schema_text(schema: str | Mapping[str, Any] | None, name: str) -> str:
+    if isinstance(schema, str) and len(schema) > MAX_GRAMMAR_CHARS:  # before parsing it
+        raise InvalidField(name, f"longer than {MAX_GRAMMAR_CHARS} characters")
     try:
         parsed = json.loads(schema) if isinstance(schema, str) else schema
+    except RecursionError:  # Python's parser recurses: a text nested ~1,000 deep exhausts it
+        raise InvalidField(name, f"nested deeper than {MAX_JSON_DEPTH} objects and arrays") from None
     except ValueError as exc:
         raise InvalidField(name, f"not JSON: {exc}") from None
     if not isinstance(parsed, Mapping):
         raise InvalidField(name, "a JSON schema must be a JSON object")
+    _check_depth(parsed, name)
     return json.dumps(parsed)
+
+
+def _check_depth(value: Any, name: str) -> None:
+    """Refuse JSON whose objects and arrays nest deeper than MAX_JSON_DEPTH (walked without recursion: json.dumps
+    and the grammar compiler recurse)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, Mapping) else item if isinstance(item, list) else ()
+        for child in children:
+            if isinstance(child, (Mapping, list)):
+                if depth >= MAX_JSON_DEPTH:
+                    raise InvalidField(name, f"nested deeper than {MAX_JSON_DEPTH} objects and arrays")
+                stack.append((child, depth + 1))
 
 
 def priority_from(given: int | None, header: str | None) -> int:
@@ -355,10 +339,14 @@ def priority_from(given: int | None, header: str | None) -> int:
         return given
     if header is None:
         return DEFAULT_PRIORITY
+    shown = header if len(header) <= 40 else header[:40] + "..."
     try:
-        return int(header)
+        value = int(header)
     except ValueError:
-        raise InvalidField("priority", f"the x-priority header must be an integer, got {header!r}") from None
+        raise InvalidField("priority", f"the x-priority header must be an integer, got {shown!r}") from None
+    if not -(2**31) <= value < 2**31:  # a body's priority is an int32 too
+        raise InvalidField("priority", f"the x-priority header must be in [-2147483648, 2147483647], got {shown}")
+    return value
 
 
 # ---- the gRPC door
@@ -373,31 +361,7 @@ def validate(
 ) -> RequestSpec:
     """A gRPC GenerateRequest → RequestSpec (sampling fields are named `sampling.<field>`)."""
     s = request.sampling
-
-    def given(name: str):  # type: ignore[no-untyped-def]
-        return getattr(s, name) if s.HasField(name) else None
-
-    fields = SamplingFields(
-        max_tokens=given("max_tokens"),
-        temperature=given("temperature"),
-        top_p=given("top_p"),
-        top_k=given("top_k"),
-        n=given("n"),
-        logprobs=given("logprobs"),
-        seed=given("seed"),
-        stop=list(s.stop),
-        ignore_eos=s.ignore_eos,
-        min_p=given("min_p"),
-        repetition_penalty=given("repetition_penalty"),
-        frequency_penalty=given("frequency_penalty"),
-        presence_penalty=given("presence_penalty"),
-        min_tokens=given("min_tokens"),
-        stop_token_ids=list(s.stop_token_ids),
-        logit_bias=dict(s.logit_bias),
-        bad_words=list(s.bad_words),
-        prompt_logprobs=given("prompt_logprobs"),
-        structured=_structured_fields(s),
-    )
+    fields = SamplingFields.gather(lambda name: _given(s, name), structured=_structured_fields(s))
     if len(request.request_id) > MAX_ID_LENGTH:  # before any tokenizer work
         raise InvalidField("request_id", f"longer than {MAX_ID_LENGTH} characters")
     return build_spec(
@@ -412,6 +376,14 @@ def validate(
         kv_precision=request.kv_precision,
         compact_tokens=compact_tokens,
     )
+
+
+def _given(message: pb.SamplingParams, name: str) -> Any:
+    """A proto field's value, None when the message has no such field or an optional one is unset."""
+    f = message.DESCRIPTOR.fields_by_name.get(name)
+    if f is None or (f.has_presence and not message.HasField(name)):
+        return None
+    return getattr(message, name)
 
 
 def _structured_fields(s: pb.SamplingParams) -> StructuredFields | None:

@@ -14,22 +14,39 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from proto.cli_config import add_config_flag, parse_args
+from scheduler_node.api.validation import NO_CHAT_TEMPLATE
+
+# A newcomer's first command should answer in seconds, not ramble to the end of an 8,192-token context.
+DEFAULT_MAX_TOKENS = 256
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="vllm-client",
-        description="Stream a completion from a minivllm server; `vllm-client stats` prints the server's "
-        "KV-cache and queue statistics instead; `vllm-client health` checks grpc.health.v1 (exit 0: SERVING); "
-        "`vllm-client drain` stops admitting and waits up to --timeout for running requests.",
+        description="Stream an answer from a minivllm server: the prompt goes through the model's chat template "
+        "when it has one (--no-chat sends it as raw text to complete), and at most --max-tokens (256) come back. "
+        "`vllm-client stats` prints the server's KV-cache and queue statistics instead; `vllm-client health` "
+        "checks grpc.health.v1 (exit 0: SERVING); `vllm-client drain` stops admitting and waits up to --timeout "
+        "for running requests.",
     )
     add_config_flag(p)
     p.add_argument("prompt", nargs="?", help="the prompt text (read from stdin when omitted)")
     p.add_argument("--host", default="127.0.0.1", help="server address")
     p.add_argument("--port", type=int, default=50051, help="server gRPC port")
-    p.add_argument("--chat", action="store_true", help="send the prompt as one user message (chat template)")
+    p.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="--chat: send the prompt as one user message through the chat template (an error if the model has "
+        "none); --no-chat: send it as raw text to complete; default: the chat template when the model has one",
+    )
     p.add_argument("--model", default="", help="the model to ask for (a vllm-router routes by it; '': the default)")
-    p.add_argument("--max-tokens", type=int, default=None, help="tokens to generate (default: to the context end)")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help=f"tokens to generate at most (default {DEFAULT_MAX_TOKENS}; the server allows up to the context end)",
+    )
     p.add_argument("--temperature", type=float, default=None, help="0 for greedy (server default 1.0)")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
     p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens (-1: off)")
@@ -65,14 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def build_request(args: argparse.Namespace, prompt: str) -> pb.GenerateRequest:
+def build_request(args: argparse.Namespace, prompt: str, chat: bool) -> pb.GenerateRequest:
     sampling = pb.SamplingParams(stop=args.stop, ignore_eos=args.ignore_eos)
     for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "n"):
         value = getattr(args, name)
         if value is not None:
             setattr(sampling, name, value)
     request = pb.GenerateRequest(request_id=args.request_id, sampling=sampling, model=args.model)
-    if args.chat:
+    if chat:
         request.messages.messages.add(role="user", content=prompt)
     else:
         request.prompt = prompt
@@ -157,6 +174,39 @@ def _auth(args: argparse.Namespace) -> list[tuple[str, str]] | None:
     return [("authorization", f"Bearer {token}")] if token else None
 
 
+def stream(stub: pb_grpc.GenerationStub, args: argparse.Namespace, prompt: str) -> int:
+    """Print the answer as it arrives. Without --chat/--no-chat the prompt goes as a chat message first; a server
+    that refuses `messages` (INVALID_ARGUMENT naming that field: the model has no chat template) gets it again as
+    raw text, before anything was printed."""
+    chat = args.chat is not False
+    try:
+        for resp in stub.Generate(build_request(args, prompt, chat), timeout=args.timeout):
+            prefix = f"[{resp.index}] " if args.n and args.n > 1 and resp.text else ""
+            print(prefix + resp.text, end="", flush=True)
+            if resp.finish_reason:
+                u = resp.usage
+                print(
+                    f"\n[{resp.finish_reason}: {u.prompt_tokens} prompt + {u.completion_tokens} tokens]",
+                    file=sys.stderr,
+                )
+    except grpc.RpcError as exc:
+        if args.chat is None and chat and _refuses_messages(exc):
+            args.chat = False
+            return stream(stub, args, prompt)
+        print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _refuses_messages(exc: grpc.RpcError) -> bool:
+    details = exc.details() or ""
+    return (
+        exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+        and details.startswith("messages")
+        and NO_CHAT_TEMPLATE in details
+    )
+
+
 MODES = {"stats": print_stats, "health": print_health, "drain": drain}
 
 
@@ -180,20 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 1
-        stub = pb_grpc.GenerationStub(channel)
-        try:
-            for resp in stub.Generate(build_request(args, prompt), timeout=args.timeout):
-                prefix = f"[{resp.index}] " if args.n and args.n > 1 and resp.text else ""
-                print(prefix + resp.text, end="", flush=True)
-                if resp.finish_reason:
-                    u = resp.usage
-                    print(
-                        f"\n[{resp.finish_reason}: {u.prompt_tokens} prompt + {u.completion_tokens} tokens]",
-                        file=sys.stderr,
-                    )
-        except grpc.RpcError as exc:
-            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
-            return 1
+        return stream(pb_grpc.GenerationStub(channel), args, prompt)
     return 0
 
 

@@ -8,45 +8,52 @@ import logging
 import os
 import signal
 
+from proto.wire import HEARTBEAT_TIMEOUT_S
 from proto.worker_flags import add_curve_flag
+from scheduler_node.engine.core import EngineOptions
 
 logger = logging.getLogger(__name__)
 
 TOKEN_ENV = "MINIVLLM_CONTROL_TOKEN"
+ENGINE = EngineOptions()  # the flags' defaults are the engine's own
 
 
 def add_operations_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--heartbeat-timeout",
         type=float,
-        default=10.0,
+        default=HEARTBEAT_TIMEOUT_S,
         help="seconds of silence after which a worker is declared lost (and after which a worker whose "
         "scheduler went silent exits); heartbeats go both ways every quarter of it",
     )
     p.add_argument(
         "--worker-rejoin-timeout",
         type=float,
-        default=60.0,
+        default=ENGINE.rejoin_timeout,
         help="seconds to wait for a replacement of a lost worker before failing its requests with UNAVAILABLE",
     )
     p.add_argument(
         "--step-timeout",
         type=float,
-        default=60.0,
+        default=ENGINE.step_timeout,
         help="seconds a step may run on the workers, plus 20 ms per token it computes, before the ranks that owe "
         "its answer are declared lost (a hung step; the usual recovery follows)",
     )
     p.add_argument(
+        "--shutdown-timeout",
         "--drain-timeout",
+        dest="shutdown_timeout",
         type=float,
         default=30.0,
-        help="on SIGTERM/SIGINT: seconds to let running requests finish before ending them (0: no limit; "
-        "a second signal ends them at once)",
+        help="on SIGTERM/SIGINT: new requests are refused at once (UNAVAILABLE / HTTP 503 with Retry-After) while "
+        "running ones get this many seconds to finish; then those left end with UNAVAILABLE ('the server is "
+        "shutting down') and the process exits 0 (0: no limit; a second signal ends them at once). The same "
+        "drain as Control.Drain; --drain-timeout is its former name",
     )
     p.add_argument(
         "--max-waiting-requests",
         type=int,
-        default=0,
+        default=ENGINE.max_waiting_requests,
         help="waiting sequences at most; beyond it new requests get RESOURCE_EXHAUSTED at once (0: unbounded)",
     )
     p.add_argument("--metrics-port", type=int, default=0, help="port of the Prometheus /metrics endpoint (0: off)")
@@ -66,8 +73,8 @@ def check_operations_flags(args: argparse.Namespace) -> None:
     for name in ("heartbeat_timeout", "worker_rejoin_timeout", "step_timeout"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
-    if args.drain_timeout < 0 or args.max_waiting_requests < 0:
-        raise ValueError("--drain-timeout and --max-waiting-requests must be >= 0")
+    if args.shutdown_timeout < 0 or args.max_waiting_requests < 0:
+        raise ValueError("--shutdown-timeout and --max-waiting-requests must be >= 0")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ValueError("--tls-cert and --tls-key go together")
 

@@ -124,10 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=0, help="port of the Prometheus /metrics endpoint (0: off)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="bind address of the Prometheus endpoint")
     p.add_argument(
+        "--shutdown-timeout",
         "--drain-timeout",
+        dest="shutdown_timeout",
         type=float,
         default=30.0,
-        help="on SIGTERM/SIGINT: seconds to let open streams finish (0: no limit; a second signal stops at once)",
+        help="on SIGTERM/SIGINT: seconds to let open streams finish while new ones are refused (0: no limit; a "
+        "second signal stops at once); --drain-timeout is its former name",
     )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     return p
@@ -138,8 +141,8 @@ def check_flags(args: argparse.Namespace) -> None:
     for name in ("probe_interval", "probe_timeout"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
-    if not args.drain_timeout >= 0:
-        raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    if not args.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if not 0 <= args.openai_port < 65536:
         raise ValueError(f"--openai-port must be in [0, 65535], got {args.openai_port}")
     if bool(args.tls_cert) != bool(args.tls_key):
@@ -181,7 +184,8 @@ async def serve(args: argparse.Namespace) -> int:
     )
     stop, hurry = stop_signals()  # the first signal drains, a second ends the drain
     await stop.wait()
-    tasks += [asyncio.ensure_future(generation.drain(args.drain_timeout or None)), asyncio.ensure_future(hurry.wait())]
+    drain = generation.drain(args.shutdown_timeout or None)
+    tasks += [asyncio.ensure_future(drain), asyncio.ensure_future(hurry.wait())]
     await asyncio.wait(tasks[-2:], return_when=asyncio.FIRST_COMPLETED)
     logger.info("shutting down with %d stream(s) open", len(generation.live))
     for task in tasks:

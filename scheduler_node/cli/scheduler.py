@@ -19,16 +19,22 @@ from scheduler_node.cli.operations import add_operations_flags, check_operations
 from scheduler_node.core.config import PREEMPTION_MODES, SchedulerConfig
 from scheduler_node.core.kv_precision import COMPACT_DTYPES, CompactKV
 from scheduler_node.core.policy import POLICIES
+from scheduler_node.core.tier_policy import KV_OFFLOAD_POLICIES
 from scheduler_node.engine.builder import EngineConfig, WorldPlan, check_model_split, make_engine
 from scheduler_node.engine.core import EngineOptions
 from scheduler_node.engine.metrics import Metrics
 from scheduler_node.engine.model_path import DEFAULT, resolve_model, served_name
+from scheduler_node.engine.outputs import ErrorStatus
 from scheduler_node.engine.placement import Placement, place
 from scheduler_node.engine.topology import load_topology, single_island
 from scheduler_node.engine.worker_link import WorkerLink
 from scheduler_node.text.tokenizer import ModelTokenizer
 
 logger = logging.getLogger("vllm-scheduler")
+
+# The flags' defaults are the engine's own (each default is written once, where the setting is declared).
+DEFAULTS = EngineConfig()
+SCHEDULER = DEFAULTS.scheduler
 
 
 def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
@@ -89,55 +95,57 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--distributed-timeout",
         type=float,
-        default=300.0,
+        default=DEFAULTS.distributed_timeout,
         help="seconds the rendezvous or any collective may wait for a peer rank before failing",
     )
     p.add_argument("--worker-join-timeout", type=float, default=600.0, help="seconds to wait for all workers")
     p.add_argument(
         "--num-kv-blocks",
         type=int,
-        default=0,
+        default=DEFAULTS.num_kv_blocks,
         help="KV blocks every worker holds (0: as many as its --kv-cache-memory / --gpu-memory-utilization "
         "allows; the smallest rank's count becomes the world's, and replacements are told to hold exactly it)",
     )
     p.add_argument(
         "--dtype",
-        default="auto",
+        default=DEFAULTS.dtype,
         choices=["auto", "float32", "bfloat16", "float16"],
         help="model dtype on the workers (auto: bfloat16 on GPU and on CPUs with AVX-512 BF16 or AMX, float32 on "
         "other CPUs)",
     )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (8, 16, 32, 64, 128)")
+    p.add_argument(
+        "--block-size", type=int, default=SCHEDULER.block_size, help="tokens per KV block (8, 16, 32, 64, 128)"
+    )
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=2048,
+        default=SCHEDULER.max_num_batched_tokens,
         help="token budget of one step; prompts longer than this are prefilled in chunks",
     )
-    p.add_argument("--max-num-seqs", type=int, default=128, help="running requests at most")
+    p.add_argument("--max-num-seqs", type=int, default=SCHEDULER.max_num_seqs, help="running requests at most")
     p.add_argument(
         "--max-model-len",
         type=int,
-        default=0,
+        default=SCHEDULER.max_model_len,
         help="context length (0: the model's, capped by the KV cache capacity)",
     )
     p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=SCHEDULER.enable_prefix_caching,
         help="reuse the KV of identical prompt prefixes across requests (--no-enable-prefix-caching: off)",
     )
     p.add_argument(
         "--preemption-mode",
         choices=PREEMPTION_MODES,
-        default="elastic",
+        default=SCHEDULER.preemption_mode.value,
         help="when KV runs out: recompute the victim later, swap its blocks to host memory, or elastic "
         "(per victim, whichever is cheaper by measured compute time and swap bandwidth)",
     )
     p.add_argument(
         "--kv-offload-policy",
-        choices=["arc", "lru"],
-        default="arc",
+        choices=KV_OFFLOAD_POLICIES,
+        default=SCHEDULER.kv_offload_policy,
         help="replacement in the workers' KV offload tiers (--kv-offload-ram, --kv-offload-disk): arc (adaptive: "
         "recency and frequency, scan-resistant) or lru",
     )
@@ -145,45 +153,45 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compaction-interval",
         type=int,
-        default=0,
+        default=SCHEDULER.compaction_interval,
         help="every N steps, move live KV blocks into the lowest free ones (0: never). Compaction and "
         "Control.ResizeCache only limit which blocks the scheduler hands out: the workers' KV tensors keep their "
         "size, so a shrink gives no device memory back (docs/guide.md, KV memory)",
     )
     p.add_argument(
         "--scheduling-policy",
-        default="fcfs",
+        default=DEFAULTS.scheduling_policy,
         help=f"request order: {', '.join(sorted(POLICIES))}, or module:Class for your own Policy subclass",
     )
     p.add_argument(
         "--aging-interval",
         type=float,
-        default=10.0,
+        default=DEFAULTS.aging_interval,
         help="dynamic/hybrid: seconds of age worth one priority point (bounds starvation, see policy.py)",
     )
     p.add_argument(
         "--preemption-margin",
         type=float,
-        default=5.0,
+        default=DEFAULTS.preemption_margin,
         help="priority points a waiting request must beat a running one by to displace it (hysteresis)",
     )
     p.add_argument(
         "--watermark",
         type=float,
-        default=0.01,
+        default=SCHEDULER.watermark,
         help="fraction of KV blocks kept free when admitting requests (avoids admit-then-preempt thrash)",
     )
     p.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=DEFAULTS.async_scheduling,
         help="build and send plan N+1 while the workers run step N; with P pipeline stages, keep P plans on "
         "disjoint requests in flight (--no-async-scheduling: one at a time)",
     )
     p.add_argument(
         "--scheduler-delay",
         type=float,
-        default=0.0,
+        default=DEFAULTS.options.scheduler_delay,
         help="seconds to wait for more arrivals before starting a small batch (0: never wait)",
     )
     add_operations_flags(p)
@@ -222,7 +230,7 @@ def add_kv_precision_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-compact-under-pressure",
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=DEFAULTS.kv_compact.under_pressure,
         help="memory-sensitive mode: when the full-precision KV pool is tight (its free blocks, once a request took "
         "its own, below --kv-compact-tight-fraction of it), requests with kv_precision auto below "
         "--kv-compact-full-priority get compact (quantized) blocks; kv_precision full/compact always get theirs",
@@ -237,21 +245,21 @@ def add_kv_precision_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-compact-dtype",
         choices=COMPACT_DTYPES,
-        default="int8",
+        default=DEFAULTS.kv_compact.dtype,
         help="how compact blocks store keys and values (one float32 scale per token and KV head; fp8 with triton "
         "needs compute capability 8.9+)",
     )
     p.add_argument(
         "--kv-compact-tight-fraction",
         type=float,
-        default=0.25,
+        default=DEFAULTS.kv_compact.tight_fraction,
         help="with --kv-compact-under-pressure: the full pool is tight when a request would leave fewer free "
         "blocks than this share of it",
     )
     p.add_argument(
         "--kv-compact-full-priority",
         type=int,
-        default=80,
+        default=DEFAULTS.kv_compact.full_priority,
         help="with --kv-compact-under-pressure: auto requests of this priority or more keep full blocks when the "
         "pool is tight (realtime is 80-100, the default 50)",
     )
@@ -290,9 +298,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_compact=CompactKV.from_flags(
             args.kv_compact_under_pressure,
             args.kv_compact_fraction,
-            args.kv_compact_dtype,
-            args.kv_compact_tight_fraction,
-            args.kv_compact_full_priority,
+            dtype=args.kv_compact_dtype,
+            tight_fraction=args.kv_compact_tight_fraction,
+            full_priority=args.kv_compact_full_priority,
         ),
     )
 
@@ -371,10 +379,11 @@ async def serve(args: argparse.Namespace) -> int:
         code = 1
         logger.error("engine stopped: %s", engine.failed or engine_task.exception())
     else:
-        remaining = await engine.drain(args.drain_timeout or None, hurry)
+        remaining = await engine.drain(args.shutdown_timeout or None, hurry)
         if remaining:
-            logger.warning("%d request(s) still live after the drain; ending them with UNAVAILABLE", remaining)
-            engine.end_all("the server is shutting down", "UNAVAILABLE")
+            why = "a second signal" if hurry.is_set() else f"--shutdown-timeout ({args.shutdown_timeout:g} s) passed"
+            logger.warning("%d request(s) still live at shutdown (%s); ending them with UNAVAILABLE", remaining, why)
+            engine.end_all(f"the server is shutting down: {why} before the request finished", ErrorStatus.UNAVAILABLE)
     logger.info("shutting down")
     health_task.cancel()
     await set_serving(health, False)

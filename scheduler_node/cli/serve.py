@@ -14,7 +14,7 @@ import time
 from proto.cli_config import add_config_flag, parse_args
 from proto.curve import ensure_keys
 from proto.parallel import ParallelLayout
-from proto.worker_flags import add_worker_flags, worker_argv
+from proto.worker_flags import EXIT_BAD_FLAGS, add_worker_flags, offload_dir_problem, worker_argv
 from scheduler_node.cli.openai_flags import API_KEY_ENV, SERVE_OPENAI_PORT
 from scheduler_node.cli.operations import TOKEN_ENV
 from scheduler_node.cli.router import add_routing_flags
@@ -101,7 +101,7 @@ def router_argv(args: argparse.Namespace, plans: list[ReplicaPlan]) -> list[str]
     name = args.served_model_name or served_name(args.model)
     argv = ["--host", args.host, "--port", str(args.port), "--log-level", args.log_level]
     argv += ["--routing-strategy", args.routing_strategy, "--routing-prefix-chars", str(args.routing_prefix_chars)]
-    argv += ["--routing-load-factor", str(args.routing_load_factor), "--drain-timeout", str(args.drain_timeout)]
+    argv += ["--routing-load-factor", str(args.routing_load_factor), "--shutdown-timeout", str(args.shutdown_timeout)]
     argv += ["--metrics-port", str(args.metrics_port), "--metrics-host", args.metrics_host]
     argv += ["--openai-port", str(args.openai_port)]  # its --api-key and the replicas' come in the environment
     argv += ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key] if args.tls_cert else []
@@ -123,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         print("\n\n".join(f"replica {p.index} at {p.address}:\n{p.placement.describe()}" if len(plans) > 1
                           else p.placement.describe() for p in plans))  # fmt: skip
         return 0
+    problem = offload_dir_problem(args.kv_offload_disk) if args.kv_offload_disk and args.launcher == "local" else ""
+    if problem:  # the workers would refuse it, and be restarted to refuse it again
+        logger.error("%s", problem)
+        return 2
     try:
         launchers = [make_launcher(args, p.placement.layout, p.worker_env) for p in plans]
     except ValueError as exc:
@@ -163,9 +167,12 @@ def main(argv: list[str] | None = None) -> int:
                 logger.error("pid %d exited with %s; stopping the others", proc.pid, code)
         for launcher in launchers:
             launcher.keep_alive()
+            if launcher.gave_up:
+                logger.error("%s; stopping the others", launcher.gave_up)
+                code = EXIT_BAD_FLAGS
         time.sleep(0.2)
-    terminate(routers, args.drain_timeout + 15.0)  # the router drains its streams first
-    terminate(schedulers, args.drain_timeout + 15.0)  # each drains, then tells its workers to shut down
+    terminate(routers, args.shutdown_timeout + 15.0)  # the router drains its streams first
+    terminate(schedulers, args.shutdown_timeout + 15.0)  # each drains, then tells its workers to shut down
     for launcher in launchers:
         launcher.stop(10.0)
     return 0 if signals else code

@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 class BlockFormat(enum.IntEnum):
@@ -58,18 +59,12 @@ class CompactKV:
             raise ValueError("kv_compact_under_pressure needs a compact pool: kv_compact_fraction > 0")
 
     @classmethod
-    def from_flags(
-        cls,
-        under_pressure: bool,
-        fraction: float | None,
-        dtype: str = "int8",
-        tight_fraction: float = 0.25,
-        full_priority: int = 80,
-    ) -> CompactKV:
-        """An unset fraction is DEFAULT_COMPACT_FRACTION under the memory-sensitive mode, else 0 (no pool)."""
+    def from_flags(cls, under_pressure: bool, fraction: float | None, **settings: Any) -> CompactKV:
+        """The flags' settings (`settings`: dtype, tight_fraction, full_priority; those left out keep the defaults
+        above). An unset fraction is DEFAULT_COMPACT_FRACTION under the memory-sensitive mode, else 0 (no pool)."""
         if fraction is None:
             fraction = DEFAULT_COMPACT_FRACTION if under_pressure else 0.0
-        return cls(fraction, dtype, under_pressure, tight_fraction, full_priority)
+        return cls(fraction, under_pressure=under_pressure, **settings)
 
 
 def choose_format(

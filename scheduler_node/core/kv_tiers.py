@@ -14,6 +14,7 @@ Replacement is ARC (adaptive: recency and frequency, with ghost lists of recent 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -21,6 +22,8 @@ from enum import IntEnum
 from proto.wire import StepResult, TierMove
 from scheduler_node.core.block_table import BlockHash
 from scheduler_node.core.tier_policy import make_tier_policy
+
+logger = logging.getLogger(__name__)
 
 
 class Tier(IntEnum):
@@ -93,6 +96,7 @@ class KVTierStats:
     hits_ram: int = 0  # blocks loaded back from RAM instead of being recomputed
     hits_disk: int = 0
     failed_loads: int = 0  # loads a worker could not do (the disk copy failed its check; counted in the hits too)
+    failed_stores: int = 0  # disk writes a worker could not do (a full or failing disk): the first turns disk off
     blocks_offloaded: int = 0  # device -> a tier
     blocks_demoted: int = 0  # RAM -> disk
     bytes_moved: int = 0
@@ -116,6 +120,7 @@ class KVTierStats:
             "minivllm:kv_tier_disk_hits": self.hits_disk,
             "minivllm:kv_tier_bytes_moved": self.bytes_moved,
             "minivllm:kv_tier_failed_loads": self.failed_loads,
+            "minivllm:kv_tier_failed_stores": self.failed_stores,
         }
 
 
@@ -214,6 +219,23 @@ class KVTiers:
             self.stats.failed_loads += 1
             for tier in self.tiers:
                 tier.forget(key)
+
+    def drop_failed_stores(self, keys: Sequence[BlockHash]) -> None:
+        """Blocks a worker could not write to its disk: they are not offered again, and the disk tier is turned off
+        for good (a full or failing disk would refuse the next writes too; a tier is a cache, so only hits are
+        lost). The RAM tier and the device prefix cache go on."""
+        self.stats.failed_stores += len(keys)
+        for key in keys:
+            for tier in self.tiers:
+                tier.forget(key)
+        if self.disk_slots:
+            logger.error(
+                "the disk KV tier could not store %d block(s) (a full or failing disk): it is off from now on; "
+                "free space (or lower --kv-offload-disk-size) and restart the server to have it back",
+                len(keys),
+            )
+            self.disk_slots = self.stats.disk_blocks_total = 0
+            self.tiers = [t for t in self.tiers if t.tier is not Tier.DISK]
 
     def take_moves(self) -> list[TierMove]:
         moves, self._moves = self._moves, []

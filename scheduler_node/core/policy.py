@@ -39,6 +39,9 @@ from typing import Any
 
 from scheduler_node.core.request import Request
 
+AGING_INTERVAL_S = 10.0  # seconds of age worth one priority point (dynamic, hybrid)
+PREEMPTION_MARGIN = 5.0  # priority points a request must beat another by to displace it
+
 
 class Policy:
     """First come, first served. The base class of every policy."""
@@ -52,7 +55,7 @@ class Policy:
         if "stable_order" not in cls.__dict__ and any(name in cls.__dict__ for name in ranks):
             cls.stable_order = False
 
-    def __init__(self, aging_interval: float = 10.0, preemption_margin: float = 5.0) -> None:
+    def __init__(self, aging_interval: float = AGING_INTERVAL_S, preemption_margin: float = PREEMPTION_MARGIN) -> None:
         if aging_interval <= 0:
             raise ValueError(f"aging_interval must be > 0, got {aging_interval}")
         self.aging_interval = aging_interval
@@ -111,7 +114,9 @@ class HybridPolicy(Policy):
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Policy, PriorityPolicy, DynamicPolicy, HybridPolicy)}
 
 
-def make_policy(name: str, aging_interval: float = 10.0, preemption_margin: float = 5.0) -> Policy:
+def make_policy(
+    name: str, aging_interval: float = AGING_INTERVAL_S, preemption_margin: float = PREEMPTION_MARGIN
+) -> Policy:
     """A built-in policy by name, or a user's `module:Class` (a subclass of Policy)."""
     if ":" in name:
         module_name, _, class_name = name.partition(":")

@@ -11,18 +11,34 @@ from proto.wire import NewRequest, SamplingOptions, TokenLogprobs
 from scheduler_node.core.block_table import BlockHash, hash_block
 
 
+class FinishReason(enum.StrEnum):
+    """Why a sequence ended: what every door reports as its finish_reason, and the label of the request metrics."""
+
+    STOP = "stop"  # eos, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # aborted by its client (or the client went away)
+    ERROR = "error"  # failed by the engine: its last delta carries the EngineError (engine/outputs.py)
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
-    FINISHED_STOPPED = "stop"
-    FINISHED_LENGTH = "length"
-    FINISHED_ABORTED = "abort"
-    FINISHED_ERROR = "error"
+    FINISHED_STOPPED = FinishReason.STOP
+    FINISHED_LENGTH = FinishReason.LENGTH
+    FINISHED_ABORTED = FinishReason.ABORT
+    FINISHED_ERROR = FinishReason.ERROR
 
     @property
     def finished(self) -> bool:
         return self not in _LIVE  # identity tests: asked for every request at every step
+
+    @property
+    def finish_reason(self) -> FinishReason:
+        """Why a finished request ended."""
+        if not isinstance(self.value, FinishReason):
+            raise ValueError(f"a {self.value} request has not finished")
+        return self.value
 
 
 _LIVE = (Status.WAITING, Status.RUNNING, Status.PREEMPTED)
@@ -30,14 +46,31 @@ _LIVE = (Status.WAITING, Status.RUNNING, Status.PREEMPTED)
 
 @dataclass(frozen=True, slots=True)
 class StopConditions:
+    """What ends a sequence: the one finish rule. `Request.append_tokens` applies it to each sampled token; the
+    output side applies `may_stop` to stop strings (text/detokenizer.py) and reports one to `Scheduler.finish`."""
+
     max_tokens: int
     eos_token_ids: frozenset[int] = frozenset()  # empty when ignore_eos
     stop_token_ids: frozenset[int] = frozenset()  # the request's own, besides eos
-    min_tokens: int = 0  # a stop token ends the output only after this many tokens
+    min_tokens: int = 0  # a stop token or string ends the output only after this many tokens
     ending: frozenset[int] = field(init=False)  # eos and the request's own: one lookup per sampled token
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ending", self.eos_token_ids | self.stop_token_ids)
+
+    def may_stop(self, num_output_tokens: int) -> bool:
+        """A stop token or string ends the output only past min_tokens (the worker bans stop tokens before; the
+        rule holds here for a token that gets through anyway)."""
+        return num_output_tokens > self.min_tokens
+
+    def end_of(self, token: int, num_output_tokens: int, room: int) -> Status | None:
+        """How the output ends at this token, if it does: a stop token (stop), or max_tokens or `room` (the
+        output's share of max_model_len) reached (length)."""
+        if token in self.ending and self.may_stop(num_output_tokens):
+            return Status.FINISHED_STOPPED
+        if num_output_tokens >= self.max_tokens or num_output_tokens >= room:
+            return Status.FINISHED_LENGTH
+        return None
 
 
 _arrivals = itertools.count()
@@ -101,19 +134,17 @@ class Request:
             return self.output_token_ids[start - num_prompt : end - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
-    def append_tokens(self, token_ids: list[int]) -> list[int]:
-        """Append sampled tokens up to the first stop; return the ones kept and set the status when done."""
+    def append_tokens(self, token_ids: list[int], max_model_len: int) -> list[int]:
+        """Append sampled tokens up to the one that ends the output (`StopConditions.end_of`); return the ones
+        kept, and set the status when it ended."""
         output, stop = self.output_token_ids, self.stop
+        room = max_model_len - len(self.prompt_token_ids)
         for i, token in enumerate(token_ids):
             output.append(token)
-            # A stop token ends the output only past min_tokens (the worker bans them before; the rule holds here
-            # for a token that gets through anyway).
-            if token in stop.ending and len(output) > stop.min_tokens:
-                self.status = Status.FINISHED_STOPPED
-                self.stopped_by_token = True
-                return token_ids[: i + 1]
-            if len(output) >= stop.max_tokens:
-                self.status = Status.FINISHED_LENGTH
+            end = stop.end_of(token, len(output), room)
+            if end is not None:
+                self.status = end
+                self.stopped_by_token = end is Status.FINISHED_STOPPED
                 return token_ids[: i + 1]
         return token_ids
 

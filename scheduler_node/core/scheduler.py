@@ -157,8 +157,35 @@ class Scheduler:
         return self._by_handle.get(handle)
 
     def resize(self, num_blocks: int) -> int:
-        """Change the usable KV blocks at run time; returns how many live blocks move (on the next step)."""
+        """Change the usable KV blocks at run time; returns how many live blocks move (on the next step). Raises
+        MemoryError, changing nothing, when live requests would not fit: their blocks, or any one of them at its
+        longest (it would wait forever)."""
+        stranded = self.stranded(num_blocks)
+        if stranded:
+            need, holds = max(r.num_tokens_at_most for r in stranded), self.max_model_len_for(num_blocks)
+            raise MemoryError(
+                f"{len(stranded)} live sequence(s) may grow to {need} tokens (prompt + max_tokens), more than "
+                f"{num_blocks} block(s) hold ({holds} tokens): let them finish or abort them"
+            )
         return self.view.replace_blocks(self._by_handles(self.blocks.resize(num_blocks)))
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest request (prompt + max_tokens) the cache holds now: the configured max_model_len, capped by
+        the usable blocks (a ResizeCache shrink, a smaller replacement worker). Doors validate against it."""
+        return self.max_model_len_for(self.blocks.usable_blocks)
+
+    def max_model_len_for(self, usable_blocks: int) -> int:
+        tokens = usable_blocks * self.blocks.block_size
+        configured = self.config.max_model_len
+        return min(configured, tokens) if configured else tokens
+
+    def stranded(self, usable_blocks: int) -> list[Request]:
+        """Live sequences that could never finish in that many usable blocks: validated against a longer
+        max_model_len than those hold. Compact ones (kv_precision="compact") live in their own pool, which
+        neither a resize nor a smaller replacement of the full blocks changes."""
+        limit = self.max_model_len_for(usable_blocks)
+        return [r for r in self.requests.values() if r.kv_precision != "compact" and r.num_tokens_at_most > limit]
 
     def _by_handles(self, updates: dict[str, list[tuple[int, int]]]) -> dict[int, list[tuple[int, int]]]:
         return {self.requests[req_id].handle: changes for req_id, changes in updates.items()}
@@ -220,7 +247,7 @@ class Scheduler:
                 continue
             first = req.num_computed_tokens
             while (written := self.blocks.write(req.req_id, first, first + n)) is None:
-                later = order[i + 1 :]  # the less valued ones
+                later = self._same_pool(req, order[i + 1 :])  # the less valued ones that hold blocks it can use
                 victim = self._pick_victim([r for r in later if self._schedulable(r, held)], now)
                 if victim is None and held is not None and any(self._running_in_flight(r, held) for r in later):
                     # Those it could displace are in plans in flight: it waits for their results instead of
@@ -234,7 +261,7 @@ class Scheduler:
             else:
                 take(req, n, n == todo, plan, sent, written)
                 budget -= n
-        if not preempted:
+        if not preempted or not self.running:  # a request that preempted itself leaves the cache to the others
             self._admit(budget, seats, floor, plan, sent, now)
         if sent.requests:
             self.in_flight.record(plan.step_id, sent)
@@ -248,6 +275,14 @@ class Scheduler:
         """Cached blocks the device pool hands out again go to the offload tiers (when there are any)."""
         if self.tiers is not None:
             self.blocks.on_evict = self.tiers.offload
+
+    def _same_pool(self, req: Request, others: list[Request]) -> list[Request]:
+        """Those of `others` whose blocks are of `req`'s format: preempting (or waiting for) one of the other pool
+        frees nothing `req` can use, and a request that did so each step would restart them forever."""
+        if not self.blocks.num_compact_blocks:
+            return others
+        fmt = self.blocks.format_of(req.req_id)
+        return [r for r in others if self.blocks.format_of(r.req_id) is fmt]
 
     @staticmethod
     def _running_in_flight(req: Request, held: Callable[[int], bool]) -> bool:
@@ -351,6 +386,10 @@ class Scheduler:
         return start(fmt)
 
     def _watermark(self, fmt: BlockFormat) -> int:
+        """Blocks admission keeps free for the running requests to grow into; none when nothing runs: a request
+        that needs the whole cache would otherwise never start."""
+        if not self.running:
+            return 0
         pool = self.blocks.num_compact_blocks if fmt is BlockFormat.COMPACT else self.blocks.usable_blocks
         return int(self.config.watermark * pool)
 
@@ -378,9 +417,18 @@ class Scheduler:
     def _admit(self, budget: int, seats: int, floor: float, plan: StepPlan, sent: SentPlan, now: float) -> None:
         """Start waiting requests in policy order while budget, seats and blocks last. Forks (n > 1) that wait
         while holding their parent's prompt blocks go first: left waiting, they would keep those blocks from a
-        request that needs the whole cache, which would then preempt itself over and over."""
+        request that needs the whole cache, which would then preempt itself over and over. When nothing runs and
+        none of them can start, they let go one by one until one does (or none holds blocks): a step that starts
+        nothing while nothing runs would leave the engine nothing to wait for."""
+        while (holders := self._admit_pass(budget, seats, floor, plan, sent, now)) and not self.running:
+            self._release_blocks(holders[-1])  # nothing started: the budget and seats are as they were
+
+    def _admit_pass(
+        self, budget: int, seats: int, floor: float, plan: StepPlan, sent: SentPlan, now: float
+    ) -> list[Request]:
+        """One pass over the waiting queue (see `_admit`); returns the waiting requests that hold blocks."""
         if not self._room(budget, seats, sent):
-            return  # nothing can start: the queue is not even looked at (something runs, so no fork must let go)
+            return []  # nothing can start: the queue is not even looked at (something runs, so no fork must let go)
         ordered = list(self.waiting) if self.policy.stable_order else self.policy.order_waiting(self.waiting, now)
         holders = [r for r in ordered if not r.swapped and self.blocks.blocks_of(r.req_id)]
         holding = set(holders)
@@ -404,8 +452,7 @@ class Scheduler:
                 raise RuntimeError(f"{req.req_id}: its blocks were claimed, yet they do not fit")
             self._take(req, n, n == todo, plan, sent, written)
             budget -= n
-        if holders and not self.running:
-            self._release_blocks(holders[-1])
+        return holders
 
     def _room(self, budget: int, seats: int, sent: SentPlan) -> bool:
         """Can one more request start in this plan?"""
@@ -514,6 +561,8 @@ class Scheduler:
         sent = self.in_flight.settle(plan.step_id)
         if result.failed_loads:
             self._recompute_failed_loads(result)
+        if result.failed_stores and self.tiers is not None:
+            self.tiers.drop_failed_stores(result.failed_stores)
         if result.interrupted:
             self._undo(sent)
             return []
@@ -531,20 +580,18 @@ class Scheduler:
                 req.add_prompt_logprobs(first, logprobs)
         outputs = []
         # Once per sampling request per step: what the loop calls is looked up once, here.
-        all_logprobs, max_len, running = result.logprobs, self.config.max_model_len, Status.RUNNING
+        all_logprobs, max_len, running = result.logprobs, self.max_model_len, Status.RUNNING
         live = self._by_handle
         for handle, token_ids in result.sampled.items():
             req = live.get(handle)
             if req is None or req.status is not running:
                 continue  # aborted or preempted while the step ran
             req.num_placeholders -= len(token_ids)
-            kept = req.append_tokens(token_ids)
+            kept = req.append_tokens(token_ids, max_len)
             if req.forks:
                 self._start_forks(req)
             logprobs = all_logprobs[handle][: len(kept)] if all_logprobs and handle in all_logprobs else []
             outputs.append(RequestOutput(req, kept, logprobs))
-            if req.status is running and len(req.prompt_token_ids) + len(req.output_token_ids) >= max_len:
-                req.status = Status.FINISHED_LENGTH
             if req.status is not running:  # it finished
                 self.finish(req.req_id, req.status)
         return outputs
@@ -593,10 +640,15 @@ class Scheduler:
                 req.num_placeholders -= 1
             self._catching_up.add(req)
 
+    def interruptible(self, plans: list[StepPlan]) -> bool:
+        """May these plans in flight be interrupted at all? The one answer: in a world that can stop mid-step (a
+        lone worker: `ExecutionMode.interruptible`), plans whose compute can be skipped (`can_undo`)."""
+        return bool(plans) and self.mode.interruptible and self.can_undo(plans)
+
     def may_interrupt(self, req: Request, plans: list[StepPlan]) -> bool:
-        """May `req` have the workers skip these plans in flight? When it outranks every request in them by the
-        policy's margin (never under fcfs) and `can_undo` them, in a world that can be interrupted."""
-        if not self.mode.interruptible or not self.can_undo(plans):
+        """May `req` have the workers skip these plans in flight? When they are `interruptible` and it outranks
+        every request in them by the policy's margin (never under fcfs)."""
+        if not self.interruptible(plans):
             return False
         now = self.clock()
         outranks_some = False
@@ -632,10 +684,12 @@ class Scheduler:
 
     # ---- worker failure
 
-    def requeue_all(self) -> int:
-        """The workers' KV is gone (a rank was lost): every running request goes back to waiting, to be
-        recomputed, swapped and forked ones drop their blocks too, and the prefix cache starts empty (the
-        replacement worker's cache holds nothing). Returns how many requests were running."""
+    def requeue_all(self, workers_lost: bool = True) -> int:
+        """The workers' KV is gone (a rank was lost) or not to be trusted (a step failed): every running request
+        goes back to waiting, to be recomputed, swapped and forked ones drop their blocks too, and the prefix cache
+        starts empty (the replacement worker's cache holds nothing). Workers that were not lost still hold their
+        requests: the next plan tells them to forget every one (and the finished ones already noted). Returns how
+        many requests were running."""
         running, self.running = self.running, []
         self._catching_up.clear()
         for req in running:
@@ -647,7 +701,10 @@ class Scheduler:
             req.num_computed_tokens = 0
             req.num_placeholders = 0
             req.swapped = False
-        self.view.forget_all()
+        if workers_lost:
+            self.view.forget_all()
+        else:
+            self.view.preempt_all()
         old = self.blocks
         self.blocks = BlockTable(
             old.num_blocks, old.block_size, old.enable_prefix_caching, old.num_host_blocks, old.num_compact_blocks

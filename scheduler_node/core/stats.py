@@ -64,7 +64,7 @@ def snapshot(s: Scheduler) -> SchedulerStats:
         num_running=len(s.running),
         num_waiting=len(s.waiting),
         block_size=bt.block_size,
-        max_model_len=s.config.max_model_len,
+        max_model_len=s.max_model_len,
         mean_worker_idle_ms=c.worker_idle_ms / c.steps if c.steps else 0.0,
         interrupted_steps=c.interrupted_steps,
     )

@@ -74,6 +74,13 @@ class WorkerView:
         if self._preempted:
             plan.preempted, self._preempted = self._preempted, []
 
+    def preempt_all(self) -> None:
+        """The workers keep their state but the scheduler starts over (a failed step): they are to drop every
+        request they hold with the next plan; notices already gathered still go out."""
+        self._preempted.extend(self._tokens_held)
+        self._tokens_held.clear()
+        self._block_updates.clear()
+
     def forget_all(self) -> None:
         """The workers lost their state (a rank was lost; its replacement starts empty): nothing is held, nothing
         is pending, and there is nothing to tell them."""

@@ -19,7 +19,7 @@ from proto.wire import Assignment, ExecutionMode
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.kv_precision import CompactKV
 from scheduler_node.core.kv_tiers import KVTiers
-from scheduler_node.core.policy import make_policy
+from scheduler_node.core.policy import AGING_INTERVAL_S, PREEMPTION_MARGIN, make_policy
 from scheduler_node.core.scheduler import PreemptionCosts, Scheduler
 from scheduler_node.engine.core import EngineCore, EngineOptions
 from scheduler_node.engine.metrics import Metrics
@@ -39,8 +39,8 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     async_scheduling: bool = True
     scheduling_policy: str = "fcfs"
-    aging_interval: float = 10.0
-    preemption_margin: float = 5.0
+    aging_interval: float = AGING_INTERVAL_S
+    preemption_margin: float = PREEMPTION_MARGIN
     options: EngineOptions = field(default_factory=EngineOptions)
     num_kv_blocks: int = 0  # 0: as the workers' memory allows; else every rank holds exactly this many
     num_swap_blocks: int = -1  # -1: as the workers' --swap-space allows; else at most this many

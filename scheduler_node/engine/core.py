@@ -22,12 +22,12 @@ import msgspec
 from proto.memory_stats import KvPool
 from proto.transport import StepFailed, WorkerLost, WorkerTransport
 from proto.wire import StepPlan, StepResult, TokenLogprobs
-from scheduler_node.core.request import Request, RequestSpec, Status, StopConditions
+from scheduler_node.core.request import FinishReason, Request, RequestSpec, Status, StopConditions
 from scheduler_node.core.scheduler import RequestOutput, Scheduler
 from scheduler_node.core.stats import hit_rates, kv_pools, snapshot
 from scheduler_node.engine.collector import CollectorSchedule
 from scheduler_node.engine.metrics import LiveSample, Metrics
-from scheduler_node.engine.outputs import Delta, RequestStream, SequenceOutput
+from scheduler_node.engine.outputs import Delta, EngineError, ErrorStatus, RequestStream, SequenceOutput
 from scheduler_node.text.detokenizer import IncrementalDetokenizer
 from scheduler_node.text.tokenizer import ModelTokenizer
 
@@ -112,7 +112,14 @@ class EngineCore:
 
     @property
     def max_model_len(self) -> int:
-        return self.scheduler.config.max_model_len
+        """The longest request (prompt + max_tokens) the world holds now: it follows a ResizeCache and a smaller
+        replacement worker, so a request validated against it always fits."""
+        return self.scheduler.max_model_len
+
+    @property
+    def max_kv_blocks(self) -> int:
+        """The most usable blocks a ResizeCache may set: what every rank of the world holds now."""
+        return min(self.scheduler.blocks.num_blocks, self.workers.capacity.num_kv_blocks)
 
     @property
     def compact_tokens(self) -> int:
@@ -135,6 +142,11 @@ class EngineCore:
         if self.failed:
             raise RuntimeError(self.failed)
         stream = RequestStream(spec.request_id, spec.n)
+        if too_long := self._too_long(spec):
+            error = EngineError(ErrorStatus.UNAVAILABLE, too_long)
+            for index in range(spec.n):  # ends at once, engine untouched: no sequence would ever start
+                stream.put(Delta(index, [], "", FinishReason.ERROR, error=error))
+            return stream
         eos = frozenset() if spec.ignore_eos else self.tokenizer.eos_token_ids
         stop = StopConditions(spec.max_tokens, eos, frozenset(spec.stop_token_ids), spec.sampling.min_tokens)
         # The worker bans the tokens that end the output until min_tokens, and lets a grammar end only with them.
@@ -157,18 +169,32 @@ class EngineCore:
                     kv_precision=spec.kv_precision,
                 )
             )
-            detok = IncrementalDetokenizer(self.tokenizer, spec.prompt_token_ids, spec.stop, spec.sampling.min_tokens)
+            detok = IncrementalDetokenizer(self.tokenizer, spec.prompt_token_ids, spec.stop, stop.may_stop)
             self._sequences[req_id] = SequenceOutput(stream, index, detok)
             internal.append(req_id)
         self.scheduler.add(sequences[0], forks=sequences[1:])  # siblings share the prompt's blocks
         self._by_request_id[spec.request_id] = internal
-        self._maybe_interrupt(sequences[0])
+        self.interrupt_in_flight(sequences[0])
         if deadline_s > 0:
             expire = asyncio.get_running_loop().call_later(deadline_s, self._expire, spec.request_id, deadline_s)
             self._deadlines[spec.request_id] = expire
         self._idle.clear()
         self._wake.set()
         return stream
+
+    def _too_long(self, spec: RequestSpec) -> str:
+        """Why a validated request can no longer fit ("" when it fits): the cache shrank (a ResizeCache, a smaller
+        replacement worker) between its validation, off the event loop, and now."""
+        compact = spec.kv_precision == "compact"
+        limit = self.compact_tokens if compact else self.max_model_len
+        prompt = len(spec.prompt_token_ids)
+        if prompt + spec.max_tokens <= limit:
+            return ""
+        what = "the compact KV pool's size" if compact else "max_model_len"
+        return (
+            f"prompt ({prompt} tokens) + max_tokens ({spec.max_tokens}) exceeds {what} "
+            f"({limit}): the KV cache shrank since the request was validated"
+        )
 
     def abort(self, request_id: str) -> bool:
         ids = self._by_request_id.get(request_id)
@@ -182,7 +208,10 @@ class EngineCore:
         return True
 
     def resize_cache(self, num_blocks: int) -> int:
-        """Change the usable KV blocks; the block moves run on the workers before the next step."""
+        """Change the usable KV blocks; the block moves run on the workers before the next step. ValueError
+        outside [1, max_kv_blocks]; MemoryError when live requests would not fit (nothing changes then)."""
+        if not 1 <= num_blocks <= self.max_kv_blocks:
+            raise ValueError(f"num_blocks: must be in [1, {self.max_kv_blocks}], got {num_blocks}")
         moved = self.scheduler.resize(num_blocks)
         self._wake.set()
         return moved
@@ -229,12 +258,12 @@ class EngineCore:
         """Until no request is live."""
         await self._idle.wait()
 
-    def end_all(self, reason: str, code: str) -> None:
-        """End every live request with an error (`code`: the gRPC status name) and free its blocks."""
+    def end_all(self, reason: str, status: ErrorStatus) -> None:
+        """End every live request with an error and free its blocks."""
         for req_id in list(self._sequences):
             req = self.scheduler.finish(req_id, Status.FINISHED_ERROR)
             if req is not None:
-                self._emit(req, [], [], error=reason, code=code)
+                self._emit(req, [], [], error=EngineError(status, reason))
         self._wake.set()
 
     # ---- the loop
@@ -254,7 +283,7 @@ class EngineCore:
         except Exception as exc:
             logger.exception("engine loop failed")
             self.failed = f"engine failed: {exc}"
-            self.end_all(self.failed, "INTERNAL")
+            self.end_all(self.failed, ErrorStatus.INTERNAL)
             raise
 
     async def _step(self) -> None:
@@ -263,7 +292,8 @@ class EngineCore:
         self._fill_pipeline()
         if not self._inflight:
             if self.scheduler.waiting and not self.scheduler.running:
-                raise RuntimeError("waiting requests fit in no KV configuration")  # validation prevents it
+                self._end_unstartable()  # admission prevents it: a bug must not stop the engine
+                return
             self._wake.clear()
             await self._woken()
             return
@@ -355,25 +385,20 @@ class EngineCore:
         self._inflight.clear()
         self._interrupting.clear()
 
-    def _maybe_interrupt(self, req: Request) -> None:
-        """A request that outranks every request of the plans in flight has a lone worker skip their compute
-        (the running step stops at its next layer boundary), so its first token waits for no batch step.
-        Their requests are rolled back when the interrupted results arrive, and scheduled again."""
-        if self._interrupting or not self._inflight:
-            return
+    def interrupt_in_flight(self, req: Request | None = None) -> bool:
+        """Have the workers skip the compute of every plan in flight (the running step stops at its next layer
+        boundary); their requests are rolled back when the interrupted results arrive, and scheduled again. For
+        `req`, a new request, when it outranks them (`Scheduler.may_interrupt`), so its first token waits for no
+        batch step; without one, whenever they can be (`Scheduler.interruptible`). False when none was sent."""
         plans = [entry.plan for entry in self._inflight]
-        if self.scheduler.may_interrupt(req, plans) and self.interrupt_in_flight():
-            logger.info("%s interrupts steps %d..%d", req.req_id, plans[0].step_id, plans[-1].step_id)
-
-    def interrupt_in_flight(self) -> bool:
-        """Have the workers skip every plan in flight (rolled back when their results say so); False when the
-        world cannot be interrupted or a plan cannot be undone."""
-        plans = [entry.plan for entry in self._inflight]
-        if self._interrupting or not plans or not self.mode.interruptible or not self.scheduler.can_undo(plans):
+        if self._interrupting:  # one at a time: no plan is built until its results are in
             return False
-        if not self.workers.interrupt(plans[0].step_id, plans[-1].step_id):
+        allowed = self.scheduler.interruptible(plans) if req is None else self.scheduler.may_interrupt(req, plans)
+        if not allowed or not self.workers.interrupt(plans[0].step_id, plans[-1].step_id):
             return False
         self._interrupting = {plan.step_id for plan in plans}
+        if req is not None:
+            logger.info("%s interrupts steps %d..%d", req.req_id, plans[0].step_id, plans[-1].step_id)
         return True
 
     async def _maybe_delay(self) -> None:
@@ -397,7 +422,7 @@ class EngineCore:
         running = self.scheduler.requeue_all()
         timeout = self.options.rejoin_timeout
         if self.draining:
-            self.end_all(f"{reason} while draining", "UNAVAILABLE")
+            self.end_all(f"{reason} while draining", ErrorStatus.UNAVAILABLE)
         else:
             logger.warning(
                 "%s: %d running request(s) back to waiting; waiting up to %g s for a replacement worker",
@@ -411,7 +436,7 @@ class EngineCore:
                 return
         self.gave_up = f"{reason}, and no worker rejoined within {timeout:g} s"
         logger.error("%s: failing %d live request(s)", self.gave_up, len(self._by_request_id))
-        self.end_all(self.gave_up, "UNAVAILABLE")
+        self.end_all(self.gave_up, ErrorStatus.UNAVAILABLE)
         await self.workers.wait_ready(None)
         self.scheduler.requeue_all()  # start from a clean slate: no notices for the old workers
         self._world_back()
@@ -428,8 +453,8 @@ class EngineCore:
             self.scheduler.tiers.adopt_disk(self.workers.capacity.disk_tier_entries)
 
     def _fit_capacity(self) -> None:
-        """A replacement that could not hold the world's KV size shrank the world: the scheduler follows, and
-        requests that no longer fit at all end (they would wait forever)."""
+        """A replacement that could not hold the world's KV size shrank the world: the scheduler follows (and
+        max_model_len with it), and requests that could no longer finish end (they would wait forever)."""
         capacity = self.workers.capacity
         blocks = self.scheduler.blocks
         compact = capacity.num_compact_blocks
@@ -440,21 +465,37 @@ class EngineCore:
         ):
             return
         self.scheduler.fit_capacity(capacity.num_kv_blocks, capacity.num_swap_blocks, compact)
-        limit = capacity.num_kv_blocks * blocks.block_size
-        for req in list(self.scheduler.waiting):
-            if req.num_tokens + 1 > limit:
-                for r in [req, *req.forks]:
-                    self.scheduler.finish(r.req_id, Status.FINISHED_ERROR)
-                    self._emit(r, [], [], error=f"the KV cache shrank to {limit} tokens", code="UNAVAILABLE")
+        limit = self.max_model_len
+        for req in self.scheduler.stranded(self.scheduler.blocks.usable_blocks):
+            message = (
+                f"the KV cache shrank to {limit} tokens (a replacement worker holds fewer blocks); this request "
+                f"needs up to {req.num_tokens_at_most} (prompt + max_tokens)"
+            )
+            self.scheduler.finish(req.req_id, Status.FINISHED_ERROR)
+            self._emit(req, [], [], error=EngineError(ErrorStatus.UNAVAILABLE, message))
+
+    def _end_unstartable(self) -> None:
+        """Nothing runs or is in flight, yet the scheduler started no waiting request: the first of them could
+        never start. It ends with an error instead of stopping the engine (every later request would fail)."""
+        head = self.scheduler.policy.order_waiting(self.scheduler.waiting, time.monotonic())[0]
+        free = self.scheduler.blocks.num_free
+        message = f"the scheduler could not start this request ({head.num_tokens} tokens, {free} free KV blocks)"
+        logger.error("%s: %s", head.req_id, message)
+        for req in [head, *head.forks]:
+            self.scheduler.finish(req.req_id, Status.FINISHED_ERROR)
+            self._emit(req, [], [], error=EngineError(ErrorStatus.INTERNAL, message))
 
     def _fail_step(self, plan: StepPlan, reason: str) -> None:
-        """A worker could not run the plan: its requests fail, the rest are recomputed (worker state is suspect)."""
+        """A worker could not run the plan: its requests fail, the rest are recomputed (worker state is suspect).
+        Siblings (n > 1) still waiting for a failed prompt fail with it: nothing would ever start them. The
+        workers are alive and keep what they hold, so they are told to forget all of it."""
         failed = self.scheduler.requests_in(plan)
+        failed += [fork for req in failed for fork in req.forks]
         logger.error("%s; failing the %d request(s) of that step", reason, len(failed))
         for req in failed:
             if self.scheduler.finish(req.req_id, Status.FINISHED_ERROR) is not None and req.req_id in self._sequences:
-                self._emit(req, [], [], error=reason, code="INTERNAL")
-        self.scheduler.requeue_all()
+                self._emit(req, [], [], error=EngineError(ErrorStatus.INTERNAL, reason))
+        self.scheduler.requeue_all(workers_lost=False)
 
     def _expire(self, request_id: str, deadline_s: float) -> None:
         self._deadlines.pop(request_id, None)
@@ -462,7 +503,7 @@ class EngineCore:
             req = self.scheduler.finish(req_id, Status.FINISHED_ERROR)
             if req is not None:
                 error = f"deadline_s: {deadline_s:g} s passed before the request finished"
-                self._emit(req, [], [], error=error, code="DEADLINE_EXCEEDED")
+                self._emit(req, [], [], error=EngineError(ErrorStatus.DEADLINE_EXCEEDED, error))
         self._wake.set()  # tell the workers to forget them
 
     # ---- outputs
@@ -486,7 +527,7 @@ class EngineCore:
                 continue
             text_ids = out.new_token_ids[:-1] if req.stopped_by_token else out.new_token_ids
             seq.detokenizer.add(text_ids)  # the token that stopped the output is not part of its text
-            if seq.detokenizer.stopped and not req.finished:
+            if seq.detokenizer.stopped and not req.finished:  # a stop string: the output side reports it
                 self.scheduler.finish(req.req_id, Status.FINISHED_STOPPED)
             self._emit(req, out.new_token_ids, out.logprobs, now=now, seq=seq)
             tokens += len(out.new_token_ids)
@@ -498,8 +539,7 @@ class EngineCore:
         req: Request,
         token_ids: list[int],
         logprobs: list[TokenLogprobs],
-        error: str = "",
-        code: str = "",
+        error: EngineError | None = None,
         now: float = 0.0,
         seq: SequenceOutput | None = None,
     ) -> None:
@@ -513,12 +553,11 @@ class EngineCore:
             delta.prompt_logprobs = list(req.prompt_logprobs)  # complete once the first token is sampled
             seq.prompt_logprobs_sent = True
         if finished:
-            delta.finish_reason = req.status.value
+            delta.finish_reason = req.status.finish_reason
             delta.prompt_tokens = len(req.prompt_token_ids)
             delta.completion_tokens = len(req.output_token_ids)
             delta.error = error
-            delta.code = code
-            self.metrics.finished(req.status.value, None if error else time.monotonic() - seq.arrival)
+            self.metrics.finished(delta.finish_reason, None if error else time.monotonic() - seq.arrival)
             self._forget(req.req_id, seq.stream.request_id)
         if delta.token_ids or delta.text or finished:
             seq.stream.put(delta)

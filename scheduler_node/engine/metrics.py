@@ -148,6 +148,7 @@ COUNTERS = {
     "minivllm:kv_tier_ram_hits": "KV blocks loaded back from the host-RAM offload tier instead of recomputed",
     "minivllm:kv_tier_disk_hits": "KV blocks loaded back from the disk offload tier instead of recomputed",
     "minivllm:kv_tier_failed_loads": "KV tier blocks that failed their check when loaded and were recomputed",
+    "minivllm:kv_tier_failed_stores": "KV blocks a worker could not write to its disk tier (dropped; disk tier off)",
     "minivllm:kv_tier_bytes_moved": "Bytes of KV (one rank's shards) moved between the device and the offload tiers",
 }
 

@@ -4,12 +4,31 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import enum
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from proto.wire import TokenLogprobs
+from scheduler_node.core.request import FinishReason
 from scheduler_node.text.detokenizer import IncrementalDetokenizer
+
+
+class ErrorStatus(enum.Enum):
+    """Why the engine failed a request, in no door's words. Each door maps it to its own protocol in one table:
+    `GRPC_STATUS` (api/grpc_server.py), `HTTP_STATUS` (api/openai_errors.py); the offline LLM names it."""
+
+    UNAVAILABLE = enum.auto()  # no world to run it: ranks lost past the rejoin timeout, draining, KV shrank below it
+    DEADLINE_EXCEEDED = enum.auto()  # its deadline_s passed
+    INTERNAL = enum.auto()  # a worker could not run its step, or the engine loop failed
+
+
+@dataclass(frozen=True, slots=True)
+class EngineError:
+    """How the engine failed a request: the status a door maps, and the message it passes on."""
+
+    status: ErrorStatus
+    message: str
 
 
 @dataclass(slots=True)
@@ -17,13 +36,12 @@ class Delta:
     index: int  # which of the request's n sequences
     token_ids: list[int]
     text: str
-    finish_reason: str = ""  # "" while running; stop | length | abort | error
+    finish_reason: FinishReason | None = None  # None while running
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # with the first tokens, when asked
-    error: str = ""  # set with finish_reason "error": why the request failed
-    code: str = ""  # with finish_reason "error": the gRPC status name (UNAVAILABLE, DEADLINE_EXCEEDED, ...)
+    error: EngineError | None = None  # set with finish_reason ERROR: why the request failed
 
 
 class RequestStream:

@@ -60,6 +60,8 @@ class Slot:
 
 
 class RayLauncher:
+    gave_up = ""  # an actor is always replaced (a stalled one is not detected here: Ray does not see it)
+
     def __init__(self, args: argparse.Namespace, layout: ParallelLayout) -> None:
         import ray
 

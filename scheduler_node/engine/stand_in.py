@@ -11,6 +11,7 @@ a real worker's StepError, so the stand-in also checks that the scheduler's view
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -43,6 +44,8 @@ class StandInWorkers:
         self.held: dict[int, _Held] = {}  # by handle
         self.plans = 0
         self.on_plan: Callable[[StepPlan], None] | None = None
+        self._pending: set[asyncio.Future[StepResult]] = set()  # answers not delivered yet
+        self._replacement: int | None = None  # KV blocks of the worker that replaces a lost rank (`replace_rank`)
 
     @property
     def all_ready(self) -> bool:
@@ -75,8 +78,20 @@ class StandInWorkers:
             outcome: StepResult | Exception = self.execute(plan)
         except ValueError as exc:
             outcome = StepFailed(f"stand-in could not run step {plan.step_id}: {exc}")
+        self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
         loop.call_soon(_settle, future, outcome)
         return future
+
+    def replace_rank(self, num_kv_blocks: int) -> None:
+        """The rank is lost with its KV (the plans in flight fail with WorkerLost) and a replacement holding
+        `num_kv_blocks` joins as soon as the engine waits for one; with fewer blocks, the world shrinks to them."""
+        self.lost.set()
+        self.held.clear()
+        for future in list(self._pending):
+            if not future.done():
+                future.set_exception(WorkerLost(self.lost_reason))
+        self._replacement = num_kv_blocks
 
     def execute(self, plan: StepPlan, skip: bool = False) -> StepResult:
         """Apply the plan's diffs, then compute it unless `skip` (an interrupted plan: diffs only, as a worker
@@ -127,6 +142,12 @@ class StandInWorkers:
         self.lost.set()
 
     async def wait_ready(self, timeout: float | None) -> bool:
+        if self.lost.is_set() and self._replacement is not None:
+            blocks = min(self._replacement, self._capacity.num_kv_blocks)  # a world never grows back
+            self._capacity = dataclasses.replace(self._capacity, num_kv_blocks=blocks)
+            self._replacement = None
+            self.lost.clear()
+            self.changed.set()
         return self.all_ready
 
     async def close(self, reason: str = "") -> None:
@@ -134,8 +155,8 @@ class StandInWorkers:
 
 
 def _settle(future: asyncio.Future[StepResult], outcome: StepResult | Exception) -> None:
-    if future.cancelled():
-        return  # the engine dropped the plan (a lost rank, a failed step)
+    if future.done():
+        return  # the engine dropped the plan (a lost rank, a failed step), or the rank was lost
     if isinstance(outcome, Exception):
         future.set_exception(outcome)
     else:

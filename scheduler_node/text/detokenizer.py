@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from tokenizers.decoders import DecodeStream
 
 from scheduler_node.text.tokenizer import ModelTokenizer
@@ -14,9 +16,15 @@ class IncrementalDetokenizer:
     window of tokens whose text may still change and holds back incomplete characters; this class adds stop strings
     and the hold-back they need."""
 
-    def __init__(self, tokenizer: ModelTokenizer, prompt_ids: list[int], stop: list[str], min_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        tokenizer: ModelTokenizer,
+        prompt_ids: list[int],
+        stop: list[str],
+        may_stop: Callable[[int], bool] = lambda num_tokens: True,
+    ) -> None:
         self.tokenizer = tokenizer
-        self.min_tokens = min_tokens  # stop strings in the text of the first min_tokens tokens do not stop it
+        self.may_stop = may_stop  # whether a stop string in the text of this many tokens ends it (min_tokens)
         self.num_tokens = 0
         context = list(prompt_ids[-_CONTEXT_TOKENS:])
         self._stream = DecodeStream(ids=context, skip_special_tokens=True)
@@ -49,7 +57,7 @@ class IncrementalDetokenizer:
         searched_from = max(0, len(self._unsent) - self.hold)
         self._unsent += piece
         cuts = [c for c in (self._unsent.find(s, searched_from) for s in self.stop) if c != -1]
-        if cuts and self.num_tokens > self.min_tokens:
+        if cuts and self.may_stop(self.num_tokens):
             self._unsent = self._unsent[: min(cuts)]
             self.stopped = True
 

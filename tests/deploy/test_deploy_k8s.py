@@ -166,7 +166,7 @@ def test_service_ports_probes_and_secrets_match_the_scheduler_flags(overlay: tup
             assert client.health_service == (LIVENESS if kind == "livenessProbe" else "")
     drain = parse_command(container["lifecycle"]["preStop"]["exec"]["command"], spec, container, world, tmp_path)
     check_client(drain, args, spec, container, world)
-    assert args.drain_timeout <= drain.timeout < grace, f"{name}: the preStop drain must fit the grace period"
+    assert args.shutdown_timeout <= drain.timeout < grace, f"{name}: the preStop drain must fit the grace period"
 
     env = {e["name"]: e for e in container.get("env", [])}
     assert env[TOKEN_ENV]["valueFrom"]["secretKeyRef"] == {"name": "minivllm-control", "key": "token"}

@@ -18,11 +18,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from minivllm.cluster import Cluster, free_port
+from minivllm.cluster import Cluster
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from proto.cli_config import parse_args
 from scheduler_node.cli.scheduler import build_parser as scheduler_parser
+from tests.support.clusters import SHARED, MeteredCluster
 from tests.support.ops import (
     NOT_SERVING,
     SERVING,
@@ -38,31 +39,22 @@ from tests.support.ops import (
 
 pytestmark = pytest.mark.e2e
 
-MAX_SEQS, MAX_WAITING = 8, 16
+MAX_SEQS, MAX_WAITING = SHARED.max_num_seqs, SHARED.max_waiting_requests
 DRAIN_TIMEOUT = 1.0
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_llama_dir: Path):  # type: ignore[no-untyped-def]
-    metrics_port = free_port()
-    args = ["--max-num-seqs", str(MAX_SEQS), "--max-waiting-requests", str(MAX_WAITING),
-            "--drain-timeout", str(DRAIN_TIMEOUT), "--metrics-port", str(metrics_port)]  # fmt: skip
-    c = Cluster(tiny_llama_dir, args, TINY_WORKER)
-    c.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"  # type: ignore[attr-defined]
-    try:
-        c.wait_serving()
-        yield c
-    finally:
-        c.kill()
+@pytest.fixture
+def cluster(shared_cluster: MeteredCluster) -> MeteredCluster:
+    return shared_cluster  # the shared world (tests/support/clusters.py)
 
 
-@pytest.fixture(scope="module")
-def stub(cluster: Cluster) -> pb_grpc.GenerationStub:
+@pytest.fixture
+def stub(cluster: MeteredCluster) -> pb_grpc.GenerationStub:
     return pb_grpc.GenerationStub(cluster.channel)
 
 
-@pytest.fixture(scope="module")
-def control(cluster: Cluster) -> pb_grpc.ControlStub:
+@pytest.fixture
+def control(cluster: MeteredCluster) -> pb_grpc.ControlStub:
     return pb_grpc.ControlStub(cluster.channel)
 
 
@@ -73,12 +65,12 @@ def test_new_flags_have_config_keys(tmp_path: Path) -> None:
         "metrics-port: 9100\ncontrol-token: s3cret\nzmq-curve-dir: /tmp/k\ntls-cert: c.pem\ntls-key: k.pem\n"
     )
     a = parse_args(scheduler_parser(), ["--config", str(config)])
-    assert (a.heartbeat_timeout, a.worker_rejoin_timeout, a.drain_timeout, a.max_waiting_requests) == (3, 7, 9, 11)
+    assert (a.heartbeat_timeout, a.worker_rejoin_timeout, a.shutdown_timeout, a.max_waiting_requests) == (3, 7, 9, 11)
     assert (a.metrics_port, a.control_token, a.zmq_curve_dir, a.tls_cert, a.tls_key) == (
         9100, "s3cret", "/tmp/k", "c.pem", "k.pem")  # fmt: skip
 
 
-def test_list_workers_describes_every_rank(cluster: Cluster, control: pb_grpc.ControlStub) -> None:
+def test_list_workers_describes_every_rank(cluster: MeteredCluster, control: pb_grpc.ControlStub) -> None:
     (w,) = list_workers(cluster)
     stats = control.GetStats(pb.GetStatsRequest(), timeout=5)
     assert (w.rank, w.tp_rank, w.pp_stage, w.state) == (0, 0, 0, "ready")
@@ -88,7 +80,7 @@ def test_list_workers_describes_every_rank(cluster: Cluster, control: pb_grpc.Co
     assert health_status(cluster.channel) == SERVING
 
 
-def test_full_waiting_queue_is_refused_at_once(cluster: Cluster, stub, control) -> None:  # type: ignore[no-untyped-def]
+def test_full_waiting_queue_is_refused_at_once(stub, control) -> None:  # type: ignore[no-untyped-def]
     def counts() -> tuple[int, int]:
         s = control.GetStats(pb.GetStatsRequest(), timeout=5)
         return s.num_running, s.num_waiting
@@ -145,8 +137,8 @@ def _scrape(url: str, name: str) -> float:
     return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
-def test_1000_requests_with_random_cancels_and_aborts_leave_nothing_behind(cluster: Cluster, control) -> None:  # type: ignore[no-untyped-def]
-    url = cluster.metrics_url  # type: ignore[attr-defined]
+def test_1000_requests_with_random_cancels_and_aborts_leave_nothing_behind(cluster: MeteredCluster, control) -> None:  # type: ignore[no-untyped-def]
+    url = cluster.metrics_url
     pid = cluster.scheduler.pid
     wait_idle(control)
     tasks_before = _scrape(url, "minivllm:asyncio_tasks")
@@ -194,23 +186,29 @@ async def _storm(address: str, n: int) -> Counter[str]:
     return outcomes
 
 
-def test_sigterm_drains_in_flight_refuses_new_and_exits_0(cluster: Cluster, stub) -> None:  # type: ignore[no-untyped-def]
-    """Last in the module: it stops the cluster."""
-    short = [greedy_ids(prompt_ids(40 + i), 24) for i in range(3)]
-    endless = greedy_ids(prompt_ids(50), 1000)  # cannot finish within --drain-timeout
-    streams = Streams(stub, [*short, endless])
-    streams.wait_all_started()
-    cluster.scheduler.send_signal(signal.SIGTERM)
-    wait_for(lambda: health_status(cluster.channel) in (NOT_SERVING, -1), 5, "NOT_SERVING while draining")
-    with pytest.raises(grpc.RpcError) as err:
-        list(stub.Generate(greedy_ids(prompt_ids(51), 2), timeout=10))
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    results = streams.join(DRAIN_TIMEOUT + 20)
-    for r in results[:3]:
-        assert (r.code, r.finish_reason, len(r.tokens)) == (None, "length", 24), r.details
-    assert results[3].code == grpc.StatusCode.UNAVAILABLE and len(results[3].tokens) < 1000
-    codes = [p.wait(DRAIN_TIMEOUT + 20) for p in [cluster.scheduler, *cluster.workers]]
-    assert codes == [0, 0], cluster.logs()
+def test_sigterm_drains_in_flight_refuses_new_and_exits_0(tiny_llama_dir: Path) -> None:
+    """A world of its own: the test stops it."""
+    cluster = Cluster(tiny_llama_dir, ["--drain-timeout", str(DRAIN_TIMEOUT)], TINY_WORKER)
+    try:
+        cluster.wait_serving()
+        stub = pb_grpc.GenerationStub(cluster.channel)
+        short = [greedy_ids(prompt_ids(40 + i), 24) for i in range(3)]
+        endless = greedy_ids(prompt_ids(50), 1000)  # cannot finish within --drain-timeout
+        streams = Streams(stub, [*short, endless])
+        streams.wait_all_started()
+        cluster.scheduler.send_signal(signal.SIGTERM)
+        wait_for(lambda: health_status(cluster.channel) in (NOT_SERVING, -1), 5, "NOT_SERVING while draining")
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(greedy_ids(prompt_ids(51), 2), timeout=10))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        results = streams.join(DRAIN_TIMEOUT + 20)
+        for r in results[:3]:
+            assert (r.code, r.finish_reason, len(r.tokens)) == (None, "length", 24), r.details
+        assert results[3].code == grpc.StatusCode.UNAVAILABLE and len(results[3].tokens) < 1000
+        codes = [p.wait(DRAIN_TIMEOUT + 20) for p in [cluster.scheduler, *cluster.workers]]
+        assert codes == [0, 0], cluster.logs()
+    finally:
+        cluster.kill()
 
 
 def test_drain_rpc_finishes_running_refuses_new_then_sigterm_exits_0(tiny_llama_dir: Path) -> None:

@@ -16,13 +16,14 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from minivllm.cluster import REPO, Cluster, free_port
+from minivllm.cluster import REPO, Cluster, ServeProcess, free_port
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from proto.transport import WorkerLost
 from proto.wire import Assignment, Heartbeat, Shutdown, StepPlan, StepResult, WorkerHello, WorkerReady, decode, encode
 from scheduler_node.cli.client import wait_ready
 from scheduler_node.engine.worker_link import WorkerLink
+from tests.support.clusters import serving
 from tests.support.models import assert_teacher_forced, load_hf
 from tests.support.ops import (
     NOT_SERVING,
@@ -30,6 +31,7 @@ from tests.support.ops import (
     TINY_WORKER,
     Streams,
     add_worker,
+    alive,
     greedy_ids,
     health_status,
     list_workers,
@@ -78,7 +80,7 @@ class FakeWorker:
     async def _heartbeat(self, rank: int) -> None:
         while True:
             await self.sock.send(encode(Heartbeat(rank, 0, 1.0)))
-            await asyncio.sleep(self.beat or 1)
+            await asyncio.sleep(self.beat or 1)  # the scenario: a worker's heartbeat pace
 
     def stall(self) -> None:
         for task in self.tasks:
@@ -145,12 +147,8 @@ async def _link_scenario() -> None:
 def rejoin_cluster(tiny_llama_dir: Path):  # type: ignore[no-untyped-def]
     args = ["--heartbeat-timeout", str(HEARTBEAT), "--worker-rejoin-timeout", "60", "--max-num-batched-tokens", "256"]
     args += ["--dtype", "float32"]  # compared with HF at 1e-3: `auto` is bf16 on CPUs with AVX-512 BF16
-    c = Cluster(tiny_llama_dir, args, TINY_WORKER)
-    try:
-        c.wait_serving()
+    with serving(Cluster(tiny_llama_dir, args, TINY_WORKER), stop=False) as c:  # its tests kill and replace workers
         yield c
-    finally:
-        c.kill()
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +272,45 @@ def test_vllm_serve_restarts_a_dead_worker(tiny_llama_dir: Path, tmp_path: Path)
             serve.kill()
 
 
+def test_vllm_serve_kills_and_replaces_a_stalled_worker(tiny_llama_dir: Path, tmp_path: Path, hf) -> None:  # type: ignore[no-untyped-def]
+    """The issue's scenario: SIGSTOP the worker of `vllm-serve` (default flags) with 20 streams open and never
+    SIGCONT it. The scheduler declares the rank lost after --heartbeat-timeout; the launcher sees the worker's
+    liveness beats stop for as long, kills its process group and starts another, which rejoins; every stream
+    resumes and finishes with HF's tokens. Before, only an exited worker was replaced: at 70 s every stream ended
+    UNAVAILABLE."""
+    serve = ServeProcess(tiny_llama_dir, tmp_path, "--dtype", "float32", "--log-level", "INFO")
+    pid = 0
+    try:
+        serve.wait_serving()
+        prompts = [prompt_ids(400 + i, 5 + i % 7) for i in range(20)]
+        streams = Streams(serve.stub, [greedy_ids(p, LONG) for p in prompts], timeout=300)
+        streams.wait_all_started()
+        (pid,) = serve.ready_pids()
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        tokens_at_stop = sum(len(r.tokens) for r in streams.results)
+        assert min(len(r.tokens) for r in streams.results) < LONG, "every stream finished first: no point"
+        wait_for(lambda: not alive(pid), 60, "the launcher killed the stalled worker")
+        killed_s = time.monotonic() - stopped_at
+        wait_for(lambda: sum(len(r.tokens) for r in streams.results) > tokens_at_stop + 20, 120, "streams resume")
+        resumed_s = time.monotonic() - stopped_at
+        results = streams.join(300)
+        finished_s = max(r.ended_at for r in results) - stopped_at
+        for prompt, r in zip(prompts, results):
+            assert (r.code, r.finish_reason, len(r.tokens)) == (None, "length", LONG), r.details
+            assert_teacher_forced(hf, prompt, r.tokens)
+        (replacement,) = serve.ready_pids()
+        assert replacement != pid
+        log = serve.log.read_text()
+        assert f"worker pid {pid} stalled" in log
+        print(f"SIGSTOP -> killed {killed_s:.1f} s, streams resume {resumed_s:.1f} s, all done {finished_s:.1f} s")
+        assert killed_s >= 9.0, "killed before the heartbeat timeout (10 s): not by the stall bound"
+    finally:
+        if pid and alive(pid):  # not replaced (the bug): wake it so that it can be stopped
+            os.kill(pid, signal.SIGCONT)
+        assert serve.stop() == 0, serve.tail()
+
+
 def test_losing_a_rank_after_the_engine_cancelled_its_steps_keeps_the_link_alive() -> None:
     """Async scheduling drops the plans in flight after a failed step (their futures are cancelled); a rank lost
     afterwards must not trip over those futures: the liveness task lives on, and the link reports not ready."""
@@ -331,7 +368,7 @@ async def _hung_step() -> None:
         await worker.join()
         await start
         future = link.submit(StepPlan(1))
-        await asyncio.sleep(2.5)  # past the heartbeat timeout: its heartbeats keep it alive
+        await asyncio.sleep(2.5)  # the scenario: time past the heartbeat timeout, its heartbeats keep it alive
         assert link.all_ready and not future.done()
         link.declare_lost("step 1 ran past its deadline")  # what the engine does at the step's deadline
         with pytest.raises(WorkerLost, match="deadline"):

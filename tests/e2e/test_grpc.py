@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
-import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -16,6 +16,8 @@ from minivllm.cluster import Cluster
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from scheduler_node.text.tokenizer import ModelTokenizer
+from tests.support.clusters import serving
+from tests.support.ops import wait_idle
 
 pytestmark = pytest.mark.e2e
 
@@ -23,14 +25,10 @@ KV_MEMORY = "48MiB"  # ~68 blocks of 16 tokens on SmolLM2 in float32 (~136 in bf
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm2_dir: Path):  # type: ignore[no-untyped-def]
-    c = Cluster(smollm2_dir, ["--max-num-batched-tokens", "64"], ["--kv-cache-memory", KV_MEMORY])
-    try:
-        c.wait_serving()
+def cluster(smollm2_dir: Path) -> Iterator[Cluster]:
+    """A world of its own: SmolLM2 itself, whose answers read as text."""
+    with serving(Cluster(smollm2_dir, ["--max-num-batched-tokens", "64"], ["--kv-cache-memory", KV_MEMORY])) as c:
         yield c
-    finally:
-        codes = c.stop()
-        assert codes == [0, 0], f"unclean exit {codes}\n{c.logs()}"
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +54,6 @@ def greedy(prompt: str, max_tokens: int, **sampling) -> pb.GenerateRequest:  # t
 
 def collect(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
     return list(stub.Generate(request, timeout=120))
-
-
-def wait_idle(control: pb_grpc.ControlStub, timeout: float = 10.0) -> pb.Stats:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = control.GetStats(pb.GetStatsRequest(), timeout=5)
-        if stats.num_running == 0 and stats.num_waiting == 0 or time.monotonic() > deadline:
-            return stats
 
 
 def test_health_and_reflection(cluster: Cluster) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -13,20 +12,17 @@ import pytest
 from minivllm.cluster import REPO, Cluster
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
+from tests.support.clusters import SHARED
+from tests.support.clusters import control_stats as stats
 
 pytestmark = pytest.mark.e2e
 
 SYSTEM = "You are a careful assistant. " * 12  # ~70 tokens: several full blocks shared by every request
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_llama_dir: Path):  # type: ignore[no-untyped-def]
-    c = Cluster(tiny_llama_dir, ["--block-size", "16"], ["--kv-cache-memory", "8MiB", "--swap-space", "0.01"])
-    try:
-        c.wait_serving()
-        yield c
-    finally:
-        c.stop()
+@pytest.fixture
+def cluster(shared_cluster: Cluster) -> Cluster:
+    return shared_cluster  # the shared world (tests/support/clusters.py): block size 16, swap space on
 
 
 def generate(stub: pb_grpc.GenerationStub, prompt: str, salt: str = "", n: int = 1) -> list[pb.GenerateResponse]:
@@ -36,10 +32,6 @@ def generate(stub: pb_grpc.GenerationStub, prompt: str, salt: str = "", n: int =
         sampling=pb.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, n=n),
     )
     return list(stub.Generate(request, timeout=60))
-
-
-def stats(cluster: Cluster) -> pb.Stats:
-    return pb_grpc.ControlStub(cluster.channel).GetStats(pb.GetStatsRequest(), timeout=5)
 
 
 def test_prefix_hits_are_counted_and_salt_isolates(cluster: Cluster) -> None:
@@ -67,16 +59,18 @@ def test_resize_cache_shrinks_and_grows(cluster: Cluster) -> None:
     control = pb_grpc.ControlStub(cluster.channel)
     before = stats(cluster)
     total = before.total_blocks
-    resp = control.ResizeCache(pb.ResizeCacheRequest(num_blocks=total // 2), timeout=10)
-    assert resp.usable_blocks == total // 2
-    after = stats(cluster)
-    assert after.usable_blocks == total // 2
-    assert list(after.memory) == list(before.memory), "a shrink gives no worker memory back (docs/guide.md says so)"
-    assert generate(pb_grpc.GenerationStub(cluster.channel), "still serving")[-1].finish_reason == "length"
-    with pytest.raises(grpc.RpcError) as err:
-        control.ResizeCache(pb.ResizeCacheRequest(num_blocks=total + 1), timeout=10)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert control.ResizeCache(pb.ResizeCacheRequest(num_blocks=total), timeout=10).usable_blocks == total
+    try:
+        resp = control.ResizeCache(pb.ResizeCacheRequest(num_blocks=total // 2), timeout=10)
+        assert resp.usable_blocks == total // 2
+        after = stats(cluster)
+        assert after.usable_blocks == total // 2
+        assert list(after.memory) == list(before.memory), "a shrink gives no worker memory back (docs/guide.md)"
+        assert generate(pb_grpc.GenerationStub(cluster.channel), "still serving")[-1].finish_reason == "length"
+        with pytest.raises(grpc.RpcError) as err:
+            control.ResizeCache(pb.ResizeCacheRequest(num_blocks=total + 1), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:  # the shared world is left as it was found
+        assert control.ResizeCache(pb.ResizeCacheRequest(num_blocks=total), timeout=10).usable_blocks == total
 
 
 def test_client_stats_prints_every_field(cluster: Cluster) -> None:
@@ -105,7 +99,7 @@ def test_memory_is_reported_in_bytes_per_tier_and_format(cluster: Cluster) -> No
     assert device.bytes_per_block == swap.bytes_per_block > 0
     assert (device.total_blocks, device.used_blocks) == (s.total_blocks, s.used_blocks)
     assert (swap.total_blocks, swap.used_blocks) == (s.swap_blocks_total, s.swap_blocks_used)
-    for pool, budget in ((device, 8 * 2**20), (swap, int(0.01 * 2**30))):
+    for pool, budget in ((device, SHARED.kv_cache_memory_bytes), (swap, int(SHARED.swap_space_gib * 2**30))):
         assert pool.allocated_bytes == pool.total_blocks * pool.bytes_per_block
         assert budget - pool.bytes_per_block < pool.allocated_bytes <= budget  # what the worker was told to hold
         assert pool.used_bytes == pool.used_blocks * pool.bytes_per_block

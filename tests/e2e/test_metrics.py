@@ -6,13 +6,15 @@ from __future__ import annotations
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from minivllm.cluster import REPO, Cluster, free_port
+from minivllm.cluster import REPO
 from proto import serving_pb2_grpc as pb_grpc
+from tests.support.clusters import MeteredCluster, serving
 from tests.support.ops import Streams, greedy_ids, prompt_ids, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -29,19 +31,12 @@ GAUGES = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cac
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_llama_dir: Path):  # type: ignore[no-untyped-def]
-    port = free_port()
-    # 32 blocks of 16 tokens in float32 (`auto` would be bf16 on some CPUs: twice the blocks): four 150-token
-    # requests do not fit at once, so some are preempted
-    c = Cluster(tiny_llama_dir, ["--metrics-port", str(port), "--max-num-batched-tokens", "64", "--dtype", "float32"],
-                ["--kv-cache-memory", "256KiB"])  # fmt: skip
-    c.metrics_url = f"http://127.0.0.1:{port}/metrics"  # type: ignore[attr-defined]
-    try:
-        c.wait_serving()
+def cluster(tiny_llama_dir: Path) -> Iterator[MeteredCluster]:
+    """A world of its own: 32 blocks of 16 tokens in float32 (`auto` would be bf16 on some CPUs: twice the blocks),
+    so that four 150-token requests do not fit at once and some are preempted."""
+    args = ["--max-num-batched-tokens", "64", "--dtype", "float32"]
+    with serving(MeteredCluster(tiny_llama_dir, args, ["--kv-cache-memory", "256KiB"])) as c:
         yield c
-    finally:
-        codes = c.stop()
-        assert codes == [0, 0], c.logs()
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -55,8 +50,8 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
-def test_named_series_are_present_and_move(cluster: Cluster) -> None:
-    url = cluster.metrics_url  # type: ignore[attr-defined]
+def test_named_series_are_present_and_move(cluster: MeteredCluster) -> None:
+    url = cluster.metrics_url
     before = scrape(url)
     for name in GAUGES:
         assert name in before, name
@@ -91,8 +86,8 @@ def test_named_series_are_present_and_move(cluster: Cluster) -> None:
     assert after[USED_BYTES] == 0 and after[ALLOCATED_BYTES] == busy[-1][ALLOCATED_BYTES]
 
 
-def test_vllm_monitor_prints_live_values(cluster: Cluster) -> None:
-    url = cluster.metrics_url  # type: ignore[attr-defined]
+def test_vllm_monitor_prints_live_values(cluster: MeteredCluster) -> None:
+    url = cluster.metrics_url
     argv = [sys.executable, "-m", "scheduler_node.cli.monitor", "--url", url, "--interval", "0.1", "--count", "2",
             "--metric", "vllm:num_requests_running", "--metric", "vllm:generation_tokens_total",
             "--metric", "vllm:e2e_request_latency_seconds"]  # fmt: skip
@@ -108,9 +103,9 @@ def test_vllm_monitor_prints_live_values(cluster: Cluster) -> None:
     assert missing.returncode == 2 and "vllm:nope" in missing.stderr
 
 
-def test_vllm_monitor_short_names(cluster: Cluster) -> None:
+def test_vllm_monitor_short_names(cluster: MeteredCluster) -> None:
     """`--metric cache_hit_rate` and `--metric memory_usage`, as the seed asks: per tier (and format)."""
-    url = cluster.metrics_url  # type: ignore[attr-defined]
+    url = cluster.metrics_url
     argv = [sys.executable, "-m", "scheduler_node.cli.monitor", "--url", url, "--count", "1",
             "--metric", "cache_hit_rate", "--metric", "memory_usage"]  # fmt: skip
     out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=30)
@@ -127,26 +122,3 @@ def test_vllm_monitor_has_help_and_config() -> None:
     out = subprocess.run([sys.executable, "-m", "scheduler_node.cli.monitor", "--help"], cwd=REPO, capture_output=True,
                          text=True)  # fmt: skip
     assert out.returncode == 0 and "--config" in out.stdout and "--interval" in out.stdout
-
-
-def test_loop_histogram_exposes_what_prometheus_client_does() -> None:
-    """The ITL histogram counts without a lock; a scrape must read the same series as a locked Histogram's."""
-    from prometheus_client import CollectorRegistry, Histogram, generate_latest
-
-    from scheduler_node.engine.metrics import ITL_BUCKETS, LoopHistogram
-
-    values = [0.0, 0.001, 0.0011, 0.05, 0.3, 0.3, 79.0, 80.0, 81.0, 1e9]  # on bounds, between them, past the last
-    registry = CollectorRegistry()
-    ours = LoopHistogram("ours", "doc", ITL_BUCKETS, "m")
-    registry.register(ours)
-    theirs = Histogram("theirs", "doc", ["model_name"], buckets=ITL_BUCKETS, registry=registry).labels("m")
-    for v in values:
-        ours.observe(v)
-        theirs.observe(v)
-    series: dict[str, dict[tuple[str, str], float]] = {"ours": {}, "theirs": {}}
-    for family in text_string_to_metric_families(generate_latest(registry).decode()):
-        for s in family.samples:
-            who, suffix = s.name.split("_", 1)
-            if suffix != "created":
-                series[who][(suffix, s.labels.get("le", ""))] = s.value
-    assert series["ours"] == series["theirs"] and len(series["ours"]) == len(ITL_BUCKETS) + 3  # +Inf, count, sum

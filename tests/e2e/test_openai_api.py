@@ -23,32 +23,25 @@ from proto import serving_pb2_grpc as pb_grpc
 from scheduler_node.api.openai_server import MAX_BODY_BYTES
 from scheduler_node.cli.monitor import readings
 from scheduler_node.text.tokenizer import ModelTokenizer
+from tests.support.clusters import SHARED, MeteredCluster
+from tests.support.clusters import control_stats as stats
 from tests.support.ops import wait_for
 
 pytestmark = pytest.mark.e2e
 
-KEY = "sk-test-key"
-MODEL = "tiny"
-MAX_WAITING = 32
+KEY = SHARED.api_key
+MODEL = SHARED.served_model_name
+MAX_WAITING = SHARED.max_waiting_requests
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me about the sea."}]
-METRICS_PORT = free_port()
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_llama_dir: Path):  # type: ignore[no-untyped-def]
-    scheduler = ["--served-model-name", MODEL, "--api-key", KEY, "--max-waiting-requests", str(MAX_WAITING),
-                 "--metrics-port", str(METRICS_PORT)]  # fmt: skip
-    c = Cluster(tiny_llama_dir, scheduler, ["--kv-cache-memory", "16MiB"], http=True)
-    try:
-        c.wait_serving()
-        yield c
-    finally:
-        codes = c.stop()
-        assert codes == [0, 0], f"unclean exit {codes}\n{c.logs()}"
+@pytest.fixture
+def cluster(shared_cluster: MeteredCluster) -> MeteredCluster:
+    return shared_cluster  # the shared world (tests/support/clusters.py)
 
 
-@pytest.fixture(scope="module")
-def client(cluster: Cluster) -> openai.OpenAI:
+@pytest.fixture
+def client(cluster: MeteredCluster) -> openai.OpenAI:
     return openai.OpenAI(base_url=cluster.base_url, api_key=KEY, max_retries=0, timeout=60)
 
 
@@ -65,10 +58,6 @@ def root(cluster: Cluster) -> str:
     return f"http://127.0.0.1:{cluster.http_port}"
 
 
-def stats(cluster: Cluster) -> pb.Stats:
-    return pb_grpc.ControlStub(cluster.channel).GetStats(pb.GetStatsRequest(), timeout=5)
-
-
 def wait_all_free(cluster: Cluster) -> pb.Stats:
     wait_for(lambda: stats(cluster).num_running + stats(cluster).num_waiting == 0, 60, "the server is idle")
     return stats(cluster)
@@ -78,12 +67,12 @@ def families(scrape: str) -> set[str]:
     return {line.split()[2] for line in scrape.splitlines() if line.startswith("# TYPE")}
 
 
-def test_models_health_metrics_and_tokenize(cluster: Cluster, client: openai.OpenAI, tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_models_health_metrics_and_tokenize(cluster: MeteredCluster, client: openai.OpenAI, tokenizer) -> None:  # type: ignore[no-untyped-def]
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(root(cluster) + "/health").status_code == 200  # open without the key (probes)
     scrape = httpx.get(root(cluster) + "/metrics").text
     assert 'vllm:num_requests_running{model_name="tiny"}' in scrape
-    own_port = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics").text
+    own_port = httpx.get(cluster.metrics_url).text
     assert families(scrape) == families(own_port) and len(families(scrape)) > 20  # one registry, two doors
     assert readings(scrape, ["vllm:kv_cache_usage_perc"])["vllm:kv_cache_usage_perc"]  # what vllm-monitor reads
     auth = {"Authorization": f"Bearer {KEY}"}

@@ -14,7 +14,6 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from proto import serving_pb2_grpc as pb_grpc
 from scheduler_node.cli.client import wait_ready
 from tests.support.engine import generate, load_runner
 from tests.support.models import assert_teacher_forced, load_hf
+from tests.support.ops import Streams, greedy_ids, wait_for
 from worker_node.kv_cache import bytes_per_block
 from worker_node.models.config import ModelConfig
 
@@ -79,32 +79,13 @@ class World:
                 return
         raise TimeoutError(f"not SERVING after {timeout} s\n{self.logs()}")
 
-    def generate(self, prompts: list[list[int]], max_tokens: list[int], cut_off: bool = False) -> list[list[int]]:
-        """All prompts at once (one thread each), greedy; the token ids of each (as far as they got when
-        `cut_off`: the server is killed on purpose)."""
-        stub = pb_grpc.GenerationStub(self.channel)
-        outputs: list[list[int]] = [[] for _ in prompts]
-        errors: list[grpc.RpcError] = []
-
-        def one(i: int) -> None:
-            request = pb.GenerateRequest(
-                prompt_token_ids=pb.TokenIds(ids=prompts[i]),
-                sampling=pb.SamplingParams(max_tokens=max_tokens[i], temperature=0.0, ignore_eos=True),
-            )
-            try:
-                for delta in stub.Generate(request, timeout=120):
-                    outputs[i].extend(delta.token_ids)
-            except grpc.RpcError as exc:
-                errors.append(exc)
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors and not cut_off:
-            raise errors[0]
-        return outputs
+    def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+        """All prompts at once (one stream each), greedy; the token ids of each."""
+        requests = [greedy_ids(p, m) for p, m in zip(prompts, max_tokens)]
+        results = Streams(pb_grpc.GenerationStub(self.channel), requests).join(300)
+        failed = [r for r in results if r.code is not None]
+        assert not failed, f"{failed[0].code}: {failed[0].details}"
+        return [r.tokens for r in results]
 
     def wait_all(self, timeout: float) -> list[int | None]:
         codes: list[int | None] = []
@@ -195,9 +176,9 @@ def test_multi_host_world_by_topology_then_scheduler_killed(tiny_one_kv_dir: Pat
             assert any(f"rank {r} of 4" in log for r in ranks), f"worker on {host} got a wrong rank\n{log}"
             assert "joining the rendezvous at 127.0.0.2:" in log, log
 
-        streaming = threading.Thread(target=world.generate, args=([prompts[-1]], [400], True))
-        streaming.start()
-        time.sleep(1.0)  # mid-generation: some ranks may sit in a collective when the scheduler dies
+        streaming = Streams(pb_grpc.GenerationStub(world.channel), [greedy_ids(prompts[-1], 400)])
+        # mid-generation: some ranks may sit in a collective when the scheduler dies
+        wait_for(lambda: len(streaming.results[0].tokens) >= 8, 60, "decoding under way")
         world.scheduler.kill()
         killed = time.monotonic()
         codes = world.wait_all(45)

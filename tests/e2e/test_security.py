@@ -40,6 +40,7 @@ from proto.wire import (
     decode,
     encode,
 )
+from tests.support.clusters import serving
 from tests.support.ops import TINY_WORKER, VOCAB, greedy_ids, list_workers, prompt_ids, wait_idle
 
 pytestmark = pytest.mark.e2e
@@ -59,12 +60,8 @@ def tls_cluster(tiny_llama_dir: Path, tls_files: tuple[Path, Path]):  # type: ig
     c = Cluster(tiny_llama_dir, args, TINY_WORKER)
     c.channel.close()
     c.channel = grpc.secure_channel(c.address, grpc.ssl_channel_credentials(cert.read_bytes()))
-    try:
-        c.wait_serving()
+    with serving(c):
         yield c
-    finally:
-        codes = c.stop()
-        assert codes == [0, 0], c.logs()
 
 
 def test_tls_serves_and_plaintext_is_refused(tls_cluster: Cluster, tls_files: tuple[Path, Path]) -> None:
@@ -166,7 +163,7 @@ def _raw_tcp_garbage(port: int) -> None:
     """A peer that speaks no ZMTP at all."""
     with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
         raw.sendall(bytes(range(256)) * 8)
-        time.sleep(0.2)
+        time.sleep(0.2)  # the scenario: the peer stays connected a moment, as a real one would, then hangs up
 
 
 # ---- CURVE, and fuzzed GenerateRequests
@@ -177,26 +174,11 @@ def curve_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_keys(tmp_path_factory.mktemp("curve") / "keys")
 
 
-def test_a_complete_key_folder_is_left_untouched(tmp_path: Path) -> None:
-    """A Kubernetes Secret mount is read-only: the scheduler must use complete keys there without chmod or mkdir."""
-    keys = ensure_keys(tmp_path / "keys")
-    os.chmod(keys, 0o750)
-    before = {p: (p.stat().st_mode, p.read_bytes()) for p in keys.rglob("*") if p.is_file()}
-    assert ensure_keys(keys) == keys
-    assert keys.stat().st_mode & 0o777 == 0o750
-    assert {p: (p.stat().st_mode, p.read_bytes()) for p in keys.rglob("*") if p.is_file()} == before
-
-
 @pytest.fixture(scope="module")
 def curve_cluster(tiny_llama_dir: Path, curve_dir: Path):  # type: ignore[no-untyped-def]
     flag = ["--zmq-curve-dir", str(curve_dir)]
-    c = Cluster(tiny_llama_dir, flag, [*TINY_WORKER, *flag])
-    try:
-        c.wait_serving()
+    with serving(Cluster(tiny_llama_dir, flag, [*TINY_WORKER, *flag])) as c:
         yield c
-    finally:
-        codes = c.stop()
-        assert codes == [0, 0], c.logs()
 
 
 def test_curve_admits_only_authorized_workers(curve_cluster: Cluster, curve_dir: Path, tmp_path: Path) -> None:
@@ -335,7 +317,7 @@ def test_random_bytes_never_crash_a_worker(tiny_llama_dir: Path, tmp_path: Path)
         assert isinstance(result, StepResult) and result.step_id == 2 and len(result.sampled[3]) == 1
         assert isinstance(recv_kind(Heartbeat, 5), Heartbeat)  # it heartbeats at a quarter of our timeout
         assert worker.poll() is None
-        time.sleep(4.5)  # silent past twice the timeout, but its connection (libzmq's heartbeats) is alive: it stays
+        time.sleep(4.5)  # the scenario: silent past twice the timeout, but the connection (libzmq's heartbeats) lives
         assert worker.poll() is None, "a busy scheduler whose connection lives is not gone"
         router.close(linger=0)  # now the scheduler is gone: silent and disconnected
         assert worker.wait(15) == 0, "a worker whose scheduler went silent must exit cleanly"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -20,7 +21,7 @@ from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from scheduler_node.cli.client import wait_ready
 from scheduler_node.cli.serve import build_parser
-from tests.support.ops import Streams, alive, child_pids, greedy_ids, prompt_ids, wait_for
+from tests.support.ops import SERVING, Streams, alive, child_pids, greedy_ids, health_status, prompt_ids, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -30,10 +31,7 @@ def assert_stops_with_its_children(serve: subprocess.Popen, sig: int, expected_c
     assert len(children) == expected_children, children
     serve.send_signal(sig)
     assert serve.wait(60) == 0
-    deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [pid for pid in children if alive(pid)], "children outlived vllm-serve"
+    wait_for(lambda: not any(alive(pid) for pid in children), 10, "no child outlives vllm-serve")
 
 
 KEY = "sk-serve-test"
@@ -75,17 +73,69 @@ def test_serve_runs_and_stops_all_children_on_sigterm(tiny_llama_dir: Path, tmp_
             chunks = live.iter_lines()
             assert next(chunks).startswith("data: ")
             serve.send_signal(signal.SIGTERM)  # the scheduler drains: the live stream goes on, new work is refused
-            deadline = time.monotonic() + 10
-            while httpx.get(url + "/health").status_code == 200 and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_for(lambda: httpx.get(url + "/health").status_code != 200, 10, "/health leaves 200 while draining")
             refused = httpx.post(url + "/v1/completions", json={"prompt": "late", "max_tokens": 2}, headers=AUTH)
             assert refused.status_code == 503 and "draining" in refused.json()["error"]["message"]
             assert [line for line in chunks if line][-1] == "data: [DONE]"
         assert serve.wait(30) == 0
-        deadline = time.monotonic() + 10
-        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [pid for pid in children if alive(pid)], "children outlived vllm-serve"
+        wait_for(lambda: not any(alive(pid) for pid in children), 10, "no child outlives vllm-serve")
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+
+
+SHUTDOWN_TIMEOUT = 3.0
+
+
+def test_sigterm_refuses_new_work_with_retry_after_then_ends_what_outlasts_shutdown_timeout(
+    tiny_llama_dir: Path,
+) -> None:
+    """Graceful shutdown as an orchestrator does it: SIGTERM to vllm-serve. New requests are refused at once (gRPC
+    UNAVAILABLE with a retry-after trailer, HTTP 503 with Retry-After); running streams that can finish within
+    --shutdown-timeout do; the rest end with UNAVAILABLE saying why (gRPC status, an error event in the SSE
+    stream); vllm-serve exits 0 with its children."""
+    port, http_port = free_port(), free_port()
+    argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--model", str(tiny_llama_dir), "--kv-cache-memory",
+            "16MiB", "--threads", "1", "--log-level", "WARNING", "--port", str(port), "--worker-port",
+            str(free_port()), "--openai-port", str(http_port), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]  # fmt: skip
+    serve = subprocess.Popen(argv, cwd=REPO)
+    url = f"http://127.0.0.1:{http_port}"
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            assert wait_ready(channel, 120), "vllm-serve never became SERVING"
+            stub = pb_grpc.GenerationStub(channel)
+            short = [greedy_ids(prompt_ids(70 + i), 8) for i in range(2)]
+            endless = [greedy_ids(prompt_ids(80 + i), 1000) for i in range(6)]  # cannot finish in 3 s on a CPU
+            streams = Streams(stub, short + endless)
+            body = {"prompt": "hi", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as live:
+                lines = live.iter_lines()
+                assert next(lines).startswith("data: ")
+                streams.wait_all_started()
+                children = child_pids(serve.pid)
+                serve.send_signal(signal.SIGTERM)
+                signalled = time.monotonic()
+                wait_for(lambda: health_status(channel) != SERVING, 10, "NOT_SERVING once SIGTERM is in")
+                with pytest.raises(grpc.RpcError) as refused:
+                    list(stub.Generate(greedy_ids(prompt_ids(90), 2), timeout=10))
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert ("retry-after", "5") in (refused.value.trailing_metadata() or ()), "gRPC retry-after trailer"
+                late = httpx.post(url + "/v1/completions", json={"prompt": "late", "max_tokens": 2})
+                assert (late.status_code, late.headers.get("retry-after")) == (503, "5")
+                assert "draining" in late.json()["error"]["message"]
+                tail = [line for line in lines if line]
+            results = streams.join(SHUTDOWN_TIMEOUT + 30)
+        for r in results[:2]:
+            assert (r.code, r.finish_reason, len(r.tokens)) == (None, "length", 8), r.details
+        for r in results[2:]:
+            assert r.code == grpc.StatusCode.UNAVAILABLE and len(r.tokens) < 1000, (r.code, len(r.tokens))
+            assert "shutting down: --shutdown-timeout (3 s) passed" in r.details, r.details
+            assert r.ended_at - signalled < SHUTDOWN_TIMEOUT + 10
+        assert tail[-1] == "data: [DONE]"
+        error = json.loads(tail[-2].removeprefix("data: "))["error"]
+        assert error["code"] == "service_unavailable" and "shutting down" in error["message"], error
+        assert serve.wait(30) == 0
+        wait_for(lambda: not [pid for pid in children if alive(pid)], 10, "children end with vllm-serve")
     finally:
         if serve.poll() is None:
             serve.kill()

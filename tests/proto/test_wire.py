@@ -176,3 +176,11 @@ def test_random_bytes_never_escape_as_other_errors(data: bytes) -> None:
         decode(data)
     except WireError:
         pass
+
+
+def test_every_kind_is_one_message() -> None:
+    """The kinds table is read from the Structs' tags: each Kind names exactly one message."""
+    from proto.wire import _BY_KIND, Kind
+
+    assert sorted(_BY_KIND) == sorted(Kind) and all(_BY_KIND[k].__struct_config__.tag == k for k in Kind)
+    assert _BY_KIND[Kind.PLAN] is StepPlan and _BY_KIND[Kind.INTERRUPT] is Interrupt

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import msgspec
 import torch
 
-from proto.transport import tier_capacity
+from proto.transport import WorldCapacity
 from proto.wire import Assignment, ExecutionMode, SamplingOptions, StepPlan, TokenLogprobs, WorkerReady
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.kv_tiers import KVTiers
@@ -24,6 +25,7 @@ from scheduler_node.core.request import RequestSpec
 from scheduler_node.core.scheduler import PreemptionCosts, Scheduler
 from scheduler_node.engine.core import EngineCore, EngineOptions
 from scheduler_node.text.tokenizer import ModelTokenizer
+from tests.support.waiting import until
 from worker_node.inprocess import InProcessWorkers
 from worker_node.loading import WorkerOptions, load_rank
 from worker_node.model_runner import ModelRunner
@@ -174,17 +176,15 @@ class EngineRun:
                 c.logprobs += delta.logprobs
                 c.prompt_logprobs += delta.prompt_logprobs
                 c.finish_reason = delta.finish_reason or c.finish_reason
-                c.error = delta.error or c.error
+                c.error = delta.error.message if delta.error else c.error
 
     def run_plans(self, count: int, timeout: float = 120.0) -> None:
         """Until the engine has sent `count` plans in all (requests may still be running)."""
 
-        async def sent() -> None:
-            while len(self.plans) < count:
-                assert self._task is not None and not self._task.done()
-                await asyncio.sleep(0.001)
-
-        self._loop.run_until_complete(asyncio.wait_for(sent(), timeout))
+        task = self._task
+        assert task is not None
+        self._loop.run_until_complete(until(lambda: len(self.plans) >= count or task.done(), timeout, "plans sent"))
+        assert not task.done(), "the engine stopped"
 
     async def _until_idle(self) -> None:
         assert self._task is not None
@@ -211,6 +211,35 @@ class EngineRun:
         self.close()
 
 
+class InterruptingWorkers(InProcessWorkers):
+    """Asked to interrupt, it stops the running plan at a random layer boundary half the time (a forward hook),
+    else before it starts; the plans queued behind it are skipped before they start."""
+
+    def __init__(self, rng: random.Random) -> None:
+        super().__init__()
+        self.rng = rng
+        self.mid_forward = 0
+        self.before_start = 0
+
+    def interrupt(self, first: int, last: int) -> bool:
+        runner = self.runners[0]
+        layers = runner.model.layers
+        if self.rng.random() < 0.5 and len(layers) > 1:
+            self.mid_forward += 1
+            hook = None
+
+            def stop_now(*_: object) -> None:
+                runner.interrupts.add(first, last)
+                assert hook is not None
+                hook.remove()
+
+            hook = layers[self.rng.randrange(len(layers) - 1)].register_forward_hook(stop_now)
+        else:
+            self.before_start += 1
+            runner.interrupts.add(first, last)
+        return True
+
+
 def generate(
     folder: Path, runner: ModelRunner, prompts: list[list[int]], max_tokens: list[int], **config: Any
 ) -> tuple[list[list[int]], Scheduler]:
@@ -226,9 +255,9 @@ def _tiers_of(runners: list[ModelRunner], policy: str) -> KVTiers | None:
     offloads = [r.offload for r in runners if r.offload is not None]
     if len(offloads) != len(runners):
         return None
-    cap = tier_capacity([o.report(WorkerReady(0, 0, 0)) for o in offloads])
-    tiers = KVTiers(cap["ram_tier_blocks"], cap["disk_tier_blocks"], policy)
-    tiers.adopt_disk(cap["disk_tier_entries"])
+    cap = WorldCapacity.of([o.report(WorkerReady(0, 0, 0)) for o in offloads])
+    tiers = KVTiers(cap.ram_tier_blocks, cap.disk_tier_blocks, policy)
+    tiers.adopt_disk(cap.disk_tier_entries)
     return tiers
 
 

@@ -8,7 +8,6 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -16,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from minivllm.cluster import Cluster
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
+from tests.support.waiting import wait_for
 
 VOCAB = 49152  # the tiny models share SmolLM2's tokenizer
 TINY_WORKER = ["--kv-cache-memory", "16MiB"]
@@ -77,14 +77,6 @@ class Streams:
             t.join(max(0.1, deadline - time.monotonic()))
         assert not any(t.is_alive() for t in self.threads), "a stream hangs"
         return self.results
-
-
-def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not true after {timeout} s: {what}")
-        time.sleep(interval)
 
 
 def health_status(channel: grpc.Channel) -> int:

@@ -3,6 +3,8 @@ after a restart), and a corrupted or mismatched disk tier that is recomputed ins
 
 from __future__ import annotations
 
+import errno
+import os
 import random
 from pathlib import Path
 
@@ -13,7 +15,7 @@ from scheduler_node.core.block_table import hash_block
 from tests.support.engine import EngineRun, load_runner
 from tests.support.models import assert_teacher_forced, load_hf
 from worker_node.kv_cache import bytes_per_block
-from worker_node.kv_offload import HASH_BYTES, HEADER_BYTES, SUM_BYTES
+from worker_node.kv_offload import HASH_BYTES, HEADER_BYTES, SUM_BYTES, DiskTier
 from worker_node.model_runner import ModelRunner
 from worker_node.models.config import ModelConfig
 
@@ -84,6 +86,38 @@ def test_prefix_back_from_a_tier_keeps_fidelity(
         assert stats.hits_ram == 3
     for req in done:
         assert_teacher_forced(hf, req.prompt, req.output)
+
+
+def test_a_disk_that_refuses_writes_drops_blocks_not_requests(
+    tiny_llama_dir: Path, hf, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """The disk fills after two blocks (ENOSPC from the third write on): every request still completes with HF's
+    tokens, the blocks not written are dropped, the disk tier turns off and the failure is counted. (A real full
+    filesystem: tests/e2e/test_offload.py.)"""
+    writes = [0]
+    original = DiskTier.write
+
+    def filling(self: DiskTier, slot: int, block_hash: bytes, payload: bytes) -> None:
+        writes[0] += 1
+        if writes[0] > 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        original(self, slot, block_hash, payload)
+
+    monkeypatch.setattr(DiskTier, "write", filling)
+    rng = random.Random(9)
+    prefix = tokens(rng, PREFIX)
+    with EngineRun(runner(tiny_llama_dir, 0, tmp_path), tokenizer_dir=tiny_llama_dir, max_num_batched_tokens=64) as run:
+        done = evict_then_return(run, rng, prefix)
+        done += evict_then_return(run, rng, prefix)  # after the tier turned off
+        tiers = run.scheduler.tiers
+        assert tiers is not None
+        stats = tiers.snapshot()
+        tiers.check_invariants()
+    assert writes[0] > 2, "the test lost its point: the disk never refused a write"
+    for req in done:
+        assert [(c.error, c.finish_reason) for c in req.completions] == [("", "length")]
+        assert_teacher_forced(hf, req.prompt, req.output)
+    assert stats.failed_stores >= 1 and stats.disk_blocks_total == 0
 
 
 def _fill_disk(folder: Path, disk: Path, rng: random.Random, prefix: list[int]) -> None:

@@ -18,8 +18,7 @@ from minivllm import LLM, SamplingParams, StructuredOutputsParams
 from proto.wire import SamplingOptions, StepPlan, StructuredOutput
 from scheduler_node.api.validation import InvalidField, SamplingFields, StructuredFields, build_spec
 from scheduler_node.text.tokenizer import ModelTokenizer
-from tests.scheduler_node.engine.test_interrupt import InterruptingWorkers
-from tests.support.engine import EngineRun, Submitted, load_runner
+from tests.support.engine import EngineRun, InterruptingWorkers, Submitted, load_runner
 
 pytestmark = pytest.mark.model
 

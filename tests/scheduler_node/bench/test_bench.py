@@ -26,6 +26,7 @@ from scheduler_node.bench.workload import (
 )
 from scheduler_node.cli import bench
 from scheduler_node.text.tokenizer import ModelTokenizer
+from tests.support.clusters import serving
 
 pytestmark = pytest.mark.e2e
 
@@ -111,12 +112,10 @@ def test_summary_figures_and_goodput() -> None:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir: Path):  # type: ignore[no-untyped-def]
-    c = Cluster(tiny_llama_dir, ["--no-enable-prefix-caching"], ["--kv-cache-memory", "16MiB"], http=True)
-    try:
-        c.wait_serving()
+    with serving(
+        Cluster(tiny_llama_dir, ["--no-enable-prefix-caching"], ["--kv-cache-memory", "16MiB"], http=True)
+    ) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def test_a_sweep_writes_json_and_plots(cluster: Cluster, tiny_llama_dir: Path, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]

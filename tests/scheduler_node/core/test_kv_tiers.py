@@ -180,6 +180,28 @@ def test_a_load_the_workers_could_not_do_is_forgotten_and_its_readers_recompute(
     assert not [m for m in again.tier_moves if m.dst_tier == 0]
 
 
+def test_a_block_the_disk_would_not_store_is_dropped_and_the_disk_tier_turns_off() -> None:
+    """A worker reports a disk write it could not do (a full disk): the block is not offered, the disk tier is off
+    for good (RAM victims are dropped from now on, a lost world does not bring it back), the RAM tier goes on, and
+    the failure is counted."""
+    tiers = KVTiers(ram_slots=1, disk_slots=4)
+    s = _scheduler(tiers)
+    tiers.offload(k(1), 0)
+    tiers.offload(k(2), 1)  # k(1) is demoted to disk
+    assert tiers.match([k(1)]) == 1
+    s.update(s.schedule(), StepResult(0, {}, failed_stores=[k(1)]))
+    assert tiers.match([k(1)]) == 0 and tiers.match([k(2)]) == 1, "dropped from disk; RAM keeps its block"
+    stats = tiers.snapshot()
+    assert (stats.failed_stores, stats.disk_blocks_total) == (1, 0)
+    assert stats.as_metrics()["minivllm:kv_tier_failed_stores"] == 1
+    tiers.take_moves()
+    tiers.offload(k(3), 2)
+    assert [(m.src_tier, m.dst_tier) for m in tiers.take_moves()] == [(0, 1)], "the RAM victim is not sent to disk"
+    tiers.clear()  # a lost rank
+    assert [t.tier for t in tiers.tiers] == [Tier.RAM]
+    tiers.check_invariants()
+
+
 def test_salts_never_cross_in_the_tiers() -> None:
     tiers = KVTiers(ram_slots=32, disk_slots=0)
     s = _scheduler(tiers)

@@ -9,16 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from proto.wire import ExecutionMode, SamplingOptions
-from scheduler_node.core.config import SchedulerConfig
-from scheduler_node.core.policy import make_policy
-from scheduler_node.core.request import RequestSpec
-from scheduler_node.core.scheduler import Scheduler
 from scheduler_node.engine.collector import YOUNG_THRESHOLD, CollectorSchedule
-from scheduler_node.engine.core import EngineCore, EngineOptions
-from scheduler_node.engine.model_path import resolve_model
-from scheduler_node.engine.stand_in import StandInWorkers
-from scheduler_node.text.tokenizer import ModelTokenizer
+from scheduler_node.engine.core import EngineOptions
+from tests.support.stand_in import running, spec, stand_in_engine
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.unit
 
@@ -83,22 +77,22 @@ def test_the_idle_collection_waits_until_the_engine_has_been_idle_a_while() -> N
     delay = 0.5
 
     async def scenario() -> tuple[int, int, int]:
-        engine = _stand_in_engine(EngineOptions(schedule_gc=True, idle_collection_delay_s=delay))
-        assert engine.collector is not None
-        loop = asyncio.ensure_future(engine.run())
+        engine = stand_in_engine(EngineOptions(schedule_gc=True, idle_collection_delay_s=delay))
+        collector = engine.collector
+        assert collector is not None
         try:
-            await asyncio.sleep(0)  # start-up: one collection
-            at_start = engine.collector.full_collections
-            for i in range(3):  # one after another, each a client's round trip (50 ms) after the last one ended
-                async for _ in engine.submit(_spec(f"r{i}")):
-                    pass
-                await asyncio.sleep(0.05)
-            back_to_back = engine.collector.full_collections
-            await asyncio.sleep(delay * 3)
-            return at_start, back_to_back, engine.collector.full_collections
+            async with running(engine):
+                await until(lambda: collector.full_collections == 1, 10, "the start-up collection")
+                at_start = collector.full_collections
+                for i in range(3):
+                    async for _ in engine.submit(spec(f"r{i}", 20, 4)):
+                        pass
+                    await asyncio.sleep(0.05)  # the scenario: a client's round trip (50 ms) before its next request
+                back_to_back = collector.full_collections
+                await until(lambda: collector.full_collections > back_to_back, 30 * delay, "the idle collection")
+                await asyncio.sleep(2 * delay)  # the scenario: idle on for two more delays, which collect nothing
+                return at_start, back_to_back, collector.full_collections
         finally:
-            loop.cancel()
-            await asyncio.gather(loop, return_exceptions=True)
             gc.unfreeze()
 
     threshold = gc.get_threshold()
@@ -108,13 +102,3 @@ def test_the_idle_collection_waits_until_the_engine_has_been_idle_a_while() -> N
         gc.set_threshold(*threshold)
     assert back_to_back == at_start, "no full collection between requests sent back to back"
     assert after_idle == at_start + 1, "one full collection once the engine stayed idle"
-
-
-def _stand_in_engine(options: EngineOptions) -> EngineCore:
-    config = SchedulerConfig(block_size=16, max_num_batched_tokens=256, max_num_seqs=4, max_model_len=128)
-    scheduler = Scheduler(config, 64, make_policy("fcfs"), ExecutionMode.for_world(1, 1, async_scheduling=True))
-    return EngineCore(scheduler, ModelTokenizer(resolve_model("default")), StandInWorkers(64), options)
-
-
-def _spec(request_id: str) -> RequestSpec:
-    return RequestSpec(request_id, list(range(100, 120)), SamplingOptions(temperature=0.0), 4, [], True, 1, 0)

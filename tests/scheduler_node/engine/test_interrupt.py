@@ -18,44 +18,14 @@ from scheduler_node.core.policy import Policy, PriorityPolicy
 from scheduler_node.core.request import Request, Status, StopConditions
 from scheduler_node.core.scheduler import Scheduler
 from scheduler_node.engine.stand_in import StandInWorkers
-from tests.support.engine import EngineRun, load_runner
+from tests.support.engine import EngineRun, InterruptingWorkers, load_runner
 from tests.support.models import assert_teacher_forced, load_hf
 from tests.support.ops import TINY_WORKER, StreamResult, Streams, greedy_ids, prompt_ids
 from tests.support.plans import by_handle, scheduled
-from worker_node.inprocess import InProcessWorkers
 
 pytestmark = pytest.mark.e2e
 
 BLOCK = 16
-
-
-class InterruptingWorkers(InProcessWorkers):
-    """Asked to interrupt, it stops the running plan at a random layer boundary half the time (a forward hook),
-    else before it starts; the plans queued behind it are skipped before they start."""
-
-    def __init__(self, rng: random.Random) -> None:
-        super().__init__()
-        self.rng = rng
-        self.mid_forward = 0
-        self.before_start = 0
-
-    def interrupt(self, first: int, last: int) -> bool:
-        runner = self.runners[0]
-        layers = runner.model.layers
-        if self.rng.random() < 0.5 and len(layers) > 1:
-            self.mid_forward += 1
-            hook = None
-
-            def stop_now(*_: object) -> None:
-                runner.interrupts.add(first, last)
-                assert hook is not None
-                hook.remove()
-
-            hook = layers[self.rng.randrange(len(layers) - 1)].register_forward_hook(stop_now)
-        else:
-            self.before_start += 1
-            runner.interrupts.add(first, last)
-        return True
 
 
 def test_interrupted_steps_keep_greedy_output_identical_to_hf(tiny_llama_dir: Path) -> None:
@@ -264,3 +234,18 @@ def test_a_realtime_request_interrupts_a_real_worker(tiny_llama_dir: Path) -> No
     for prompt, result, wanted in zip(prompts, results, [BATCH_TOKENS] * 6 + [5] * len(realtime), strict=True):
         assert result.finish_reason == "length" and len(result.tokens) == wanted
         assert_teacher_forced(hf, prompt, result.tokens)
+
+
+def test_only_a_lone_worker_with_plans_that_can_be_undone_is_interrupted() -> None:
+    """Scheduler.interruptible: the one answer to "may these plans be interrupted", which may_interrupt and the
+    engine ask."""
+    lone = _scheduler(PriorityPolicy())
+    assert lone.interruptible([StepPlan(1), StepPlan(2)])
+    assert not lone.interruptible([])
+    assert not lone.interruptible([StepPlan(1), StepPlan(2, swap_out=[(1, 2)])])
+    config = SchedulerConfig(block_size=BLOCK, max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8)
+    for tp, pp in ((2, 1), (1, 2)):
+        world = Scheduler(config, 64, policy=PriorityPolicy(), mode=ExecutionMode.for_world(tp, pp, True))
+        world.add(_req("b", 30))
+        plan = world.schedule()
+        assert not world.interruptible([plan]) and not world.may_interrupt(_req("rt", 90), [plan])

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from proto.architectures import SUPPORTED_ARCHITECTURES, architecture_of
+from proto.architectures import SUPPORTED_ARCHITECTURES
 from worker_node.models.config import ModelConfig, layer_windows
 from worker_node.models.registry import MODELS
 
@@ -28,15 +28,6 @@ def config(**fields: Any) -> dict[str, Any]:
 
 def test_the_registry_holds_exactly_the_supported_architectures() -> None:
     assert set(MODELS) == set(SUPPORTED_ARCHITECTURES)
-
-
-def test_architecture_from_config_or_model_type() -> None:
-    assert architecture_of({"architectures": ["Gemma2ForCausalLM"]}) == "Gemma2ForCausalLM"
-    assert architecture_of({"model_type": "llama"}) == "LlamaForCausalLM"  # converted GGUFs may lack the list
-    with pytest.raises(ValueError, match="architecture GPT2LMHeadModel is not supported; supported: Llama"):
-        architecture_of({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
-    with pytest.raises(ValueError, match="model_type 'falcon' is not supported"):
-        architecture_of({"model_type": "falcon"})
 
 
 @pytest.mark.parametrize(

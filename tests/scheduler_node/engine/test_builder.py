@@ -1,0 +1,53 @@
+"""What the engine is built to (scheduler_node/engine/builder.py) and which model folder `--model` names
+(scheduler_node/engine/model_path.py), checked before any worker is waited for; errors name the flag."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from proto.parallel import ParallelLayout
+from scheduler_node.engine.builder import check_model_split, model_limit, resolve_max_model_len
+from scheduler_node.engine.model_path import resolve_model, served_name
+
+pytestmark = pytest.mark.unit
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "num_attention_heads": 8, "num_key_value_heads": 2,
+         "intermediate_size": 64, "num_hidden_layers": 4, "max_position_embeddings": 2048}  # fmt: skip
+
+
+def model_folder(root: Path, config: dict[str, object], weights: str = "model.safetensors") -> Path:
+    folder = root / "my-model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / weights).touch()
+    return folder
+
+
+def test_max_model_len_is_the_models_capped_at_the_kv_capacity() -> None:
+    assert resolve_max_model_len(0, model_limit=2048, num_blocks=200, block_size=16) == 2048
+    assert resolve_max_model_len(0, 2048, 100, 16) == 1600, "the KV holds fewer tokens than the model allows"
+    assert resolve_max_model_len(1000, 2048, 100, 16) == 1000
+    assert resolve_max_model_len(1600, 1024, 100, 16) == 1024, "never past the model's own limit"
+    with pytest.raises(ValueError, match="--max-model-len 1601 needs more KV than the workers have"):
+        resolve_max_model_len(1601, 2048, 100, 16)
+
+
+def test_the_model_folder_is_checked_and_split(tmp_path: Path) -> None:
+    folder = model_folder(tmp_path, LLAMA)
+    assert resolve_model(str(folder)) == folder.resolve() and served_name(str(folder)) == "my-model"
+    assert model_limit(folder) == 2048
+    check_model_split(folder, ParallelLayout(2, 2))
+    with pytest.raises(ValueError, match="--tensor-parallel-size 3 must divide the model's 8 attention heads"):
+        check_model_split(folder, ParallelLayout(3))
+
+
+def test_a_folder_without_a_config_or_weights_is_refused(tmp_path: Path) -> None:
+    """(Unsupported architectures, pickles, hub ids and missing paths: tests/worker_node/test_model_loading.py.)"""
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        resolve_model(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="holds no weights"):
+        resolve_model(str(model_folder(tmp_path, LLAMA, "notes.txt")))
+    assert served_name("org/some-model") == "org/some-model"  # a hub id is served as given
