@@ -1,4 +1,5 @@
-"""Turns a StepPlan into one forward pass: flat inputs, slot mapping, block tables; then samples."""
+"""Runs a StepPlan: its diffs and block operations, one forward pass over the inputs the InputBatch gathers
+(worker_node/input_batch.py), then sampling."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from proto.wire import ExecutionMode, NewRequest, SamplingOptions, StepPlan, StepResult, TierMove, TokenLogprobs
-from worker_node.attention import AttentionMetadata
+from proto.wire import CachedRequest, ExecutionMode, StepPlan, StepResult, TierMove, TokenLogprobs
 from worker_node.cuda_graphs import DecodeGraphs
+from worker_node.input_batch import InputBatch, RequestState, StepInputs
 from worker_node.kv_cache import KVCache, copy_blocks
 from worker_node.kv_offload import DISK, KVOffload, TierRun
 from worker_node.models.decoder import CausalLM, StepInterrupted
@@ -21,35 +23,6 @@ from worker_node.sampler import Sampler, token_logprobs
 
 # Prompt rows scored at once for prompt_logprobs: bounds the [rows, vocab] logits a long prefill chunk would need.
 PROMPT_LOGITS_ROWS = 256
-
-
-@dataclass(slots=True)
-class RequestState:
-    handle: int  # the request's id on the wire
-    token_ids: list[int]
-    num_prompt_tokens: int
-    sampling: SamplingOptions
-    block_ids: list[int]
-    num_computed_tokens: int
-    resumed: bool = False  # came back with output tokens: its prompt logprobs were delivered already
-
-    @classmethod
-    def from_new(cls, r: NewRequest) -> RequestState:
-        tokens = r.prompt_token_ids + r.output_token_ids
-        resumed = bool(r.output_token_ids)
-        return cls(r.handle, tokens, len(r.prompt_token_ids), r.sampling, r.block_ids, r.num_computed_tokens, resumed)
-
-
-@dataclass(slots=True)
-class _Batch:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    sample_rows: torch.Tensor  # token index of each sequence that samples
-    samplers: list[RequestState]
-    starts: list[tuple[RequestState, int]]  # computed tokens of each request before the step, to restore
-    # prompt_logprobs: (request, first token row, rows, position of the first prompt token they score)
-    prompt_rows: list[tuple[RequestState, int, int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -93,7 +66,7 @@ class ModelRunner:
         self.host_cache = host_cache or []
         self.block_size = block_size
         self.device = device
-        self.states: dict[int, RequestState] = {}  # by handle
+        self.batch = InputBatch(block_size, device)  # the requests this worker holds, one row each
         self.sampler = Sampler(model.config.vocab_size, device, tokenizer_file)
         where = self.comm.where
         self.samples_here = where.is_last_stage and where.tp_rank == 0  # the rank that gets the logits
@@ -112,37 +85,56 @@ class ModelRunner:
         # scheduler has them recompute and tells this worker to forget them.
         self._load_failed: set[int] = set()
 
-    def apply_diffs(self, plan: StepPlan, check_progress: bool = True) -> None:
-        """Update the requests this worker holds. Every block id is range-checked first: the decode kernel reads
-        the cache through them without bounds checks, so a bad plan must fail here (a StepError), not segfault."""
-        self._check_plan(plan)
+    def apply_diffs(self, plan: StepPlan, check_progress: bool = True) -> np.ndarray:
+        """Update the requests this worker holds; their rows, the plan's new requests then its cached ones. Every
+        block id is range-checked first: the decode kernel reads the cache through them without bounds checks, so
+        a bad plan must fail here (a StepError), not segfault."""
+        cached = plan.cached_requests
+        changed = [i for i, c in enumerate(cached) if c.new_block_ids or c.new_token_ids]
+        self._check_plan(plan, [cached[i] for i in changed])
+        batch = self.batch
         for handle in plan.finished + plan.preempted:
-            self.states.pop(handle, None)
+            batch.remove(handle)
             self._load_failed.discard(handle)
             self.sampler.forget(handle)
+        rows = []
         for new in plan.new_requests:
             self.sampler.forget(new.handle)  # penalty counts and grammar start over from its tokens
-            self.states[new.handle] = RequestState.from_new(new)
-        for cached in plan.cached_requests:
-            state = self.states.get(cached.handle)
-            if state is None:
-                raise ValueError(f"request {cached.handle}: a cached request this worker does not hold")
-            progress_known = check_progress and cached.handle not in self._load_failed
-            if progress_known and state.num_computed_tokens != cached.num_computed_tokens:
-                raise RuntimeError(
-                    f"request {cached.handle}: worker has {state.num_computed_tokens} computed tokens, "
-                    f"plan says {cached.num_computed_tokens}"
-                )
-            state.block_ids.extend(cached.new_block_ids)
-            state.token_ids.extend(cached.new_token_ids)
+            rows.append(batch.add(new).row)
+        states = batch.states
+        try:
+            held = [states[c.handle] for c in cached]
+        except KeyError as exc:
+            raise ValueError(f"request {exc.args[0]}: a cached request this worker does not hold") from None
+        for i in changed:
+            if cached[i].new_block_ids:
+                batch.append_blocks(held[i], cached[i].new_block_ids)
+            if cached[i].new_token_ids:  # with P > 1 stages: the output rank's samples
+                batch.append_tokens(held[i], cached[i].new_token_ids)
+        rows += [s.row for s in held]
+        plan_rows = np.array(rows, dtype=np.int64)
+        if check_progress and cached:
+            self._check_progress(plan_rows[len(plan.new_requests) :], cached)
         for handle, changes in plan.block_updates.items():
-            if (held := self.states.get(handle)) is not None:
+            if (state := states.get(handle)) is not None:
                 for index, block in changes:
-                    held.block_ids[index] = block
+                    batch.set_block(state, index, block)
+        return plan_rows
 
-    def _check_plan(self, plan: StepPlan) -> None:
+    def _check_progress(self, rows: np.ndarray, cached: list[CachedRequest]) -> None:
+        """Each cached request's computed tokens are the plan's (unless a failed tier load left it behind)."""
+        said = np.array([c.num_computed_tokens for c in cached], dtype=np.int64)
+        has = self.batch.num_computed[rows]
+        for i in np.flatnonzero(has != said).tolist():
+            if cached[i].handle not in self._load_failed:
+                raise RuntimeError(
+                    f"request {cached[i].handle}: worker has {has[i]} computed tokens, plan says {said[i]}"
+                )
+
+    def _check_plan(self, plan: StepPlan, changed: list[CachedRequest]) -> None:
+        """Every block id the plan names is in range (`changed`: its cached requests with new blocks or tokens)."""
         device_ids = [b for r in plan.new_requests for b in r.block_ids]
-        device_ids += [b for r in plan.cached_requests for b in r.new_block_ids]
+        device_ids += [b for r in changed for b in r.new_block_ids]
         device_ids += [b for changes in plan.block_updates.values() for _, b in changes]
         device_ids += [b for pair in plan.block_copies for b in pair]
         base = plan.compact_block_base
@@ -190,32 +182,39 @@ class ModelRunner:
         start = time.perf_counter()
         # An interrupted plan was built on steps before it that may not have run: their progress is not checked.
         skip = self._interrupted(plan.step_id)
-        self.apply_diffs(plan, check_progress=not skip)
+        rows = self.apply_diffs(plan, check_progress=not skip)
         tiers = self.run_block_ops(plan)
         failed_loads, failed_stores = self._failed_anywhere(plan, tiers)
         load_skipped = self._leave_out(failed_loads)
-        scheduled = {h: n for h, n in plan.num_scheduled_tokens.items() if h not in self._load_failed}
+        counts = np.array(
+            [r.num_scheduled_tokens for r in plan.new_requests]
+            + [r.num_scheduled_tokens for r in plan.cached_requests],
+            dtype=np.int64,
+        )
+        if self._load_failed:
+            handles = [r.handle for r in plan.new_requests] + [r.handle for r in plan.cached_requests]
+            kept = [h not in self._load_failed for h in handles]
+            rows, counts = rows[kept], counts[kept]
         sampled: dict[int, list[int]] = {}
         logprobs: dict[int, list[TokenLogprobs]] = {}
         prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = {}
-        if scheduled and not skip:
-            batch = self._prepare(scheduled, plan.compact_block_base)
+        if len(rows) and not skip:
+            inputs = self._prepare(rows, counts, plan.compact_block_base)
             if self.samples_here:
-                self.sampler.start(batch.samplers)  # grammar masks while the forward pass runs
+                self.sampler.start(inputs.samplers, inputs.flags)  # grammar masks while the forward pass runs
             try:
-                tokens, lps, prompt_logprobs = self._run_and_sample(batch, lambda: self._interrupted(plan.step_id))
+                tokens, lps, prompt_logprobs = self._run_and_sample(inputs, lambda: self._interrupted(plan.step_id))
             except StepInterrupted:
                 self.sampler.cancel()
-                for state, computed in batch.starts:
-                    state.num_computed_tokens = computed
+                self.batch.restore(inputs)
                 skip = True
             else:
-                for state, token, lp in zip(batch.samplers, tokens, lps):
-                    if not self.mode.tokens_in_plan:
-                        state.token_ids.append(token)
-                    sampled[state.handle] = [token]
-                    if lp is not None:
-                        logprobs[state.handle] = [lp]
+                samplers = inputs.samplers
+                if not self.mode.tokens_in_plan:
+                    self.batch.append_sampled(inputs, tokens)
+                sampled = {state.handle: [token] for state, token in zip(samplers, tokens)}
+                if inputs.flags.logprobs.any():
+                    logprobs = {state.handle: [lp] for state, lp in zip(samplers, lps) if lp is not None}
         end = time.perf_counter()
         idle = (start - self._last_step_end) * 1e3 if self._last_step_end is not None else 0.0
         self._last_step_end = end
@@ -252,7 +251,8 @@ class ModelRunner:
         if not failed:
             return []
         bad = {m.dst for m in failed}
-        out = [h for h, s in self.states.items() if h not in self._load_failed and not bad.isdisjoint(s.block_ids)]
+        held = self.batch.states.items()
+        out = [h for h, s in held if h not in self._load_failed and not bad.isdisjoint(self.batch.blocks(s))]
         self._load_failed.update(out)
         return out
 
@@ -260,7 +260,7 @@ class ModelRunner:
         return self.interruptible and self.interrupts.covers(step_id)
 
     def _run_and_sample(
-        self, batch: _Batch, interrupted: Callable[[], bool] | None = None
+        self, batch: StepInputs, interrupted: Callable[[], bool] | None = None
     ) -> tuple[list[int], list[TokenLogprobs | None], dict[int, tuple[int, list[TokenLogprobs]]]]:
         """This rank's stage of the forward pass; the output rank samples. With one stage every rank learns
         the tokens now; with more, only the output rank has them (the others get them with the next plan)."""
@@ -280,9 +280,10 @@ class ModelRunner:
         lps: list[TokenLogprobs | None] = [None] * len(batch.samplers)
         prompt: dict[int, tuple[int, list[TokenLogprobs]]] = {}
         if where.is_last_stage and batch.samplers:
-            logits = self.model.logits(hidden[batch.sample_rows])  # a collective over the TP group
+            rows = hidden if batch.all_sample else hidden[batch.sample_rows]
+            logits = self.model.logits(rows)  # a collective over the TP group
             if logits is not None:
-                tokens, lps = self.sampler.sample(logits, batch.samplers)
+                tokens, lps = self.sampler.sample(logits, batch.samplers, batch.flags)
         if where.is_last_stage and batch.prompt_rows:
             prompt = self._prompt_logprobs(hidden, batch.prompt_rows)
         if self.mode.tokens_in_plan:
@@ -308,97 +309,14 @@ class ModelRunner:
                 out[state.handle] = (first, chunk)
         return out
 
-    def _prepare(self, scheduled: dict[int, int], compact_base: int) -> _Batch:
-        """The batch of the requests computed this step (handle -> tokens); each is new or held (apply_diffs
-        checked). Blocks from `compact_base` on are the compact pool's (0: no compact pool)."""
-        work = [(self.states[r], n) for r, n in scheduled.items()]
-        # Full-pool sequences, then compact ones (per-request KV precision: attention runs once per pool); in each,
-        # decodes (one query) first, then prefill chunks.
-        work.sort(key=lambda w: (bool(compact_base) and w[0].block_ids[0] >= compact_base, w[1] != 1))
-        ids: list[int] = []
-        positions: list[int] = []
-        tables: list[list[int]] = []
-        seq_lens: list[int] = []
-        sample_rows: list[int] = []
-        samplers: list[RequestState] = []
-        starts: list[tuple[RequestState, int]] = []
-        prompt_rows: list[tuple[RequestState, int, int, int]] = []
-        num_full = len(work)
-        for i, (state, n) in enumerate(work):
-            start = state.num_computed_tokens
-            end = start + n
-            if end > len(state.token_ids):
-                raise RuntimeError(
-                    f"request {state.handle}: the plan computes {end} tokens, the worker holds {len(state.token_ids)}"
-                )
-            if -(-end // self.block_size) > len(state.block_ids):
-                raise ValueError(
-                    f"request {state.handle}: {end} tokens need more than its {len(state.block_ids)} blocks"
-                )
-            starts.append((state, start))
-            scored = min(end, state.num_prompt_tokens - 1) - start  # prompt rows whose next token is the prompt's
-            if scored > 0 and state.sampling.prompt_logprobs is not None and not state.resumed:
-                prompt_rows.append((state, len(ids), scored, start + 1))
-            ids.extend(state.token_ids[start:end])
-            positions.extend(range(start, end))
-            if compact_base and state.block_ids[0] >= compact_base:
-                num_full = min(num_full, i)
-                tables.append([b - compact_base for b in state.block_ids])  # the compact pool's own ids
-            else:
-                tables.append(state.block_ids)
-            seq_lens.append(end)
-            state.num_computed_tokens = end
-            if end == len(state.token_ids):
-                sample_rows.append(len(ids) - 1)
-                samplers.append(state)
-        counts = [n for _, n in work]
-        pos = torch.tensor(positions, dtype=torch.int64)
-        full_tokens = sum(counts[:num_full])
-        meta = self._attention_meta(tables[:num_full], seq_lens[:num_full], counts[:num_full], pos[:full_tokens])
-        if num_full < len(work):
-            meta.compact = self._attention_meta(
-                tables[num_full:], seq_lens[num_full:], counts[num_full:], pos[full_tokens:]
-            )
-            meta.num_full_tokens = full_tokens
-        dev = self.device
-        return _Batch(
-            torch.tensor(ids, dtype=torch.int64, device=dev),
-            pos.to(dev),
-            meta,
-            torch.tensor(sample_rows, dtype=torch.int64, device=dev),
-            samplers,
-            starts,
-            prompt_rows,
-        )
+    def _prepare(self, rows: np.ndarray, counts: np.ndarray, compact_base: int) -> StepInputs:
+        """The inputs of the requests computed this step (counts[i] tokens of the request in row rows[i]),
+        gathered from their rows. Blocks from `compact_base` on are the compact pool's (0: no compact pool)."""
+        return self.batch.gather(rows, counts, compact_base)
 
-    def _attention_meta(
-        self, tables: list[list[int]], seq_lens: list[int], counts: list[int], pos: torch.Tensor
-    ) -> AttentionMetadata:
-        """The attention metadata of sequences of one pool, decodes first: their tables, lengths and the tokens
-        each computes (`counts`, at positions `pos`)."""
-        dev = self.device
-        num_decodes = sum(1 for n in counts if n == 1)
-        blocks = self._block_table_tensor(tables)
-        bs = self.block_size
-        owner = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.int64))
-        slots = blocks[owner, pos // bs].long() * bs + pos % bs
-        cu_q = [0]
-        for n in counts[num_decodes:]:
-            cu_q.append(cu_q[-1] + n)
-        return AttentionMetadata(
-            slot_mapping=slots.to(dev),
-            num_decode_tokens=num_decodes,
-            decode_block_tables=blocks[:num_decodes].to(dev),
-            decode_seq_lens=torch.tensor(seq_lens[:num_decodes], dtype=torch.int32, device=dev),
-            prefill_block_tables=blocks[num_decodes:].to(dev),
-            prefill_cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=dev),
-            prefill_seq_lens=torch.tensor(seq_lens[num_decodes:], dtype=torch.int32, device=dev),
-        )
-
-    @staticmethod
-    def _block_table_tensor(tables: list[list[int]]) -> torch.Tensor:
-        width = max((len(t) for t in tables), default=1)
-        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).view(-1, width)
+    def computed_tokens(self, handle: int) -> int:
+        """The tokens of a held request whose KV this worker has computed."""
+        return self.batch.computed(self.batch.states[handle])
 
 
 def _check_range(values: list[int], limit: int, what: str) -> None:

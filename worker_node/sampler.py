@@ -9,9 +9,11 @@ through temperature, top-k, top-p, min-p. Returned logprobs are the model's own 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from proto.wire import SamplingOptions, TokenLogprobs
@@ -39,6 +41,22 @@ def seeded_uniform(seed: int, position: int) -> float:
     return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
 
 
+@dataclass(frozen=True, slots=True)
+class RowFlags:
+    """What the sampler needs to know of each row before it looks at a request: whether it is plain (greedy, no
+    processor: the argmax of the model's logits is its token) and whether it wants logprobs. The worker keeps them
+    per request (worker_node/input_batch.py); `of` works them out."""
+
+    plain: np.ndarray  # bool [B]
+    logprobs: np.ndarray  # bool [B]
+
+    @classmethod
+    def of(cls, requests: Sequence[SamplingRequest]) -> RowFlags:
+        plain = np.fromiter((is_plain(r.sampling) for r in requests), dtype=bool, count=len(requests))
+        wants = np.fromiter((r.sampling.logprobs is not None for r in requests), dtype=bool, count=len(requests))
+        return cls(plain, wants)
+
+
 class Sampler:
     """Samples the next token of each request; keeps what spans steps (token counts, grammar matchers)."""
 
@@ -51,9 +69,10 @@ class Sampler:
         if self.grammars is not None:
             self.grammars.forget(handle)
 
-    def start(self, requests: Sequence[SamplingRequest]) -> None:
+    def start(self, requests: Sequence[SamplingRequest], flags: RowFlags | None = None) -> None:
         """Begin the grammar masks of the requests this step samples, while the forward pass runs."""
-        rows = [_grammar_row(r) for r in requests if r.sampling.structured is not None]
+        special = requests if flags is None else [requests[i] for i in np.flatnonzero(~flags.plain).tolist()]
+        rows = [_grammar_row(r) for r in special if r.sampling.structured is not None]
         if rows and self.grammars is None:
             raise ValueError("structured output needs the model's tokenizer.json on the worker")
         if self.grammars is not None:
@@ -65,33 +84,64 @@ class Sampler:
             self.grammars.wait()
 
     def sample(
-        self, logits: torch.Tensor, requests: Sequence[SamplingRequest]
+        self, logits: torch.Tensor, requests: Sequence[SamplingRequest], flags: RowFlags | None = None
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """One token per row of `logits` ([B, V] float32, row i for requests[i]); `start` was called with them."""
-        options = [r.sampling for r in requests]
-        processed = self._process(logits, requests)
-        tokens = processed.argmax(dim=-1)
-        random_rows = [i for i, o in enumerate(options) if not o.greedy]
-        if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
-            probs = _warp(processed[rows], [options[i] for i in random_rows]).softmax(dim=-1)
-            outputs = [len(requests[i].token_ids) - requests[i].num_prompt_tokens for i in random_rows]
-            tokens[rows] = _draw(probs, [options[i].seed for i in random_rows], outputs)
+        """One token per row of `logits` ([B, V] float32, row i for requests[i], whose `flags` these are when
+        given); `start` was called with them. `logits` is only read: plain rows take its argmax where it lies, the
+        other rows are copied out (only they: the vocabulary is never copied for a row that needs no processor)."""
+        flags = flags or RowFlags.of(requests)
+        special = np.flatnonzero(~flags.plain).tolist()
+        if len(special) == len(requests):
+            tokens = self._sample_special(logits, requests, None)
+        else:
+            tokens = argmax(logits)
+            if special:
+                index = torch.tensor(special, device=logits.device)
+                tokens[index] = self._sample_special(logits, requests, index)
         token_list = tokens.tolist()
-        wanted = [i for i, o in enumerate(options) if o.logprobs is not None]
-        out: list[TokenLogprobs | None] = [None] * len(options)
+        wanted = np.flatnonzero(flags.logprobs).tolist()
+        out: list[TokenLogprobs | None] = [None] * len(requests)
         if wanted:
-            lps = token_logprobs(
-                logits[wanted], [token_list[i] for i in wanted], [options[i].logprobs or 0 for i in wanted]
-            )
+            ks = [requests[i].sampling.logprobs or 0 for i in wanted]
+            lps = token_logprobs(logits[wanted], [token_list[i] for i in wanted], ks)
             for i, value in zip(wanted, lps):
                 out[i] = value
         return token_list, out
 
+    def _sample_special(
+        self, logits: torch.Tensor, requests: Sequence[SamplingRequest], index: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The tokens of the rows `index` of `logits` (every row when None): processed, then the argmax for greedy
+        rows and a draw for the others."""
+        chosen = requests if index is None else [requests[i] for i in index.tolist()]
+        if index is not None:
+            part = logits[index]  # a copy of these rows: the processors write it
+        elif any(_processes(r.sampling) for r in chosen):
+            part = logits.clone()
+        else:
+            part = logits  # sampled rows without processors: the temperature makes the warps' own tensor
+        processed = self._process_rows(part, logits, index, chosen)
+        options = [r.sampling for r in chosen]
+        tokens = argmax(processed)
+        random_rows = [i for i, o in enumerate(options) if not o.greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            warped = processed if len(random_rows) == len(options) else processed[rows]
+            probs = _warp(warped, [options[i] for i in random_rows]).softmax(dim=-1)
+            outputs = [len(chosen[i].token_ids) - chosen[i].num_prompt_tokens for i in random_rows]
+            tokens[rows] = _draw(probs, [options[i].seed for i in random_rows], outputs)
+        return tokens
+
     def _process(self, logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
         """The processors every row goes through, greedy or not (a new tensor: `logits` stays the model's)."""
+        return self._process_rows(logits.clone(), logits, None, requests)
+
+    def _process_rows(
+        self, out: torch.Tensor, raw: torch.Tensor, index: torch.Tensor | None, requests: Sequence[SamplingRequest]
+    ) -> torch.Tensor:
+        """The processors of `requests`, on `out` (a copy of rows `index` of the model's logits `raw`, or of all of
+        them when None; row i is requests[i]'s), in place where they can be."""
         options = [r.sampling for r in requests]
-        out = logits.clone()
         bias = [(i, t, b) for i, o in enumerate(options) for t, b in o.logit_bias.items()]
         lp.add_bias(out, [i for i, _, _ in bias], [t for _, t, _ in bias], [b for _, _, b in bias])
         out = self._penalties(out, requests)
@@ -102,7 +152,7 @@ class Sampler:
             allowed = self.grammars.allowed(out.device)
             rows = torch.tensor(constrained, device=out.device)
             out[rows] = out[rows].masked_fill(~allowed, lp.NEG_INF)
-            _revive(out, logits, rows, allowed)
+            _revive(out, raw, index, rows, allowed)
         return out
 
     def _penalties(self, logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
@@ -127,6 +177,27 @@ class Sampler:
         return logits
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, the first one on ties (as torch's and HF's). On the CPU, numpy's: torch's argmax over
+    rows is not vectorised (it took 31 ms for 256 x 49,152 where numpy took 6, the copy-free max pass it needs)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1]:
+        return torch.from_numpy(logits.detach().numpy().argmax(axis=1))
+    return logits.argmax(dim=-1)
+
+
+def is_plain(o: SamplingOptions) -> bool:
+    """A greedy row that no processor changes: its token is the argmax of the model's own logits."""
+    return o.temperature == 0.0 and not _processes(o)
+
+
+def _processes(o: SamplingOptions) -> bool:
+    """Whether a processor may change this row's logits (every request's, greedy or not: bias, penalties, bans,
+    a grammar); the warps (temperature, top-k/p, min-p) are the sampled rows' own."""
+    return bool(
+        o.logit_bias or o.bad_words or o.structured is not None or (o.min_tokens and o.stop_token_ids) or _penalises(o)
+    )
+
+
 def _penalises(o: SamplingOptions) -> bool:
     return o.repetition_penalty != 1.0 or o.frequency_penalty != 0.0 or o.presence_penalty != 0.0
 
@@ -146,15 +217,19 @@ def _banned(requests: Sequence[SamplingRequest]) -> list[tuple[int, int]]:
     return banned
 
 
-def _revive(out: torch.Tensor, raw: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> None:
+def _revive(
+    out: torch.Tensor, raw: torch.Tensor, index: torch.Tensor | None, rows: torch.Tensor, allowed: torch.Tensor
+) -> None:
     """A constrained row that every processor together left without a token (a bad word or min_tokens ban on
     the only tokens its grammar allows) samples from its grammar alone: the grammar is never broken. A matcher in
-    error (it allows nothing) leaves its row unconstrained rather than sampling from nothing."""
+    error (it allows nothing) leaves its row unconstrained rather than sampling from nothing. Row i of `out` is
+    row index[i] of the model's logits `raw` (row i when `index` is None)."""
     dead = torch.isneginf(out[rows]).all(dim=-1)
     if bool(dead.any()):
-        out[rows[dead]] = raw[rows[dead]].masked_fill(~allowed[dead], lp.NEG_INF)
+        revived = rows[dead]
+        out[revived] = raw[revived if index is None else index[revived]].masked_fill(~allowed[dead], lp.NEG_INF)
         lost = rows[dead & ~allowed.any(dim=-1)]
-        out[lost] = raw[lost]
+        out[lost] = raw[lost if index is None else index[lost]]
 
 
 def _warp(logits: torch.Tensor, options: list[SamplingOptions]) -> torch.Tensor:

@@ -78,3 +78,19 @@ def test_bench_priority_smoke_runs_every_row_back_to_back(tiny_llama_dir: Path, 
         assert r["batch_failed"] == 0
     assert all(r["batch_done"] > 0 for r in rows if r["loaded"]), "the batch load ran"
     assert "| priority | batch |" in stdout and "| fcfs | batch |" in stdout
+
+
+def test_bench_overhead_smoke_measures_both_paths_per_component(smollm2_dir: Path, tmp_path: Path) -> None:
+    stdout, report = _smoke("bench_overhead.py", smollm2_dir, tmp_path / "overhead.json")
+    rows = {r["path"]: r for r in report["rows"]}
+    assert set(rows) == {"in-process", "worker process"}
+    for r in rows.values():
+        assert r["seqs"] == 8 and r["steps"] == 10, r
+        assert r["engine_ms"] > 0 and r["worker_ms"] > 0 and r["prepare_ms"] > 0 and r["sampler_ms"] > 0, r
+        # the parts are of one thread's clock: they never add up to more than the whole
+        assert r["engine_ms"] >= r["schedule_update_ms"] + r["wire_ms"] > 0, r
+        assert r["worker_ms"] >= r["prepare_ms"] + r["sampler_ms"], r
+    assert rows["worker process"]["worker_process_ms"] >= rows["worker process"]["worker_ms"]
+    assert "worker_process_ms" not in rows["in-process"]
+    assert report["sampler"]["vocab"] == 49152 and report["sampler"]["wall_ms"] > 0
+    assert "| worker process | 8 | 10 |" in stdout and "| greedy | 16 | 49152 |" in stdout

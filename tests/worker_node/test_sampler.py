@@ -55,6 +55,28 @@ def test_a_seeded_row_draws_the_same_token_in_any_batch() -> None:
     assert len(set(alone)) > 3, "positions draw independently"
 
 
+def test_a_mixed_batch_samples_each_row_as_alone_and_leaves_the_logits_as_they_were() -> None:
+    """Plain greedy rows take the model's argmax in place; rows with processors or sampling are copied out and
+    their tokens land back in their own rows; the model's logits are not written."""
+    logits = _logits(6, seed=6)
+    before = logits.clone()
+    banned = int(logits[4].argmax())
+    options = [
+        SamplingOptions(temperature=0.0),
+        SamplingOptions(temperature=0.0, logit_bias={3: 50.0}),  # a greedy row its bias decides
+        SamplingOptions(temperature=0.9, seed=5),
+        SamplingOptions(temperature=0.0, logprobs=1),
+        SamplingOptions(temperature=0.0, bad_words=[[banned]]),  # its argmax banned
+        SamplingOptions(temperature=0.0),
+    ]
+    batch, lps = sample(logits, options, [2] * 6)
+    alone = [sample(logits[i : i + 1], [o], [2]) for i, o in enumerate(options)]
+    assert batch == [tokens[0] for tokens, _ in alone]
+    assert lps == [lp[0] for _, lp in alone] and lps[3] is not None
+    assert batch[0] == int(before[0].argmax()) and batch[1] == 3 and batch[4] != banned
+    assert torch.equal(logits, before)
+
+
 def test_seeded_uniforms_depend_only_on_seed_and_position() -> None:
     draws = [seeded_uniform(seed, pos) for seed in range(50) for pos in range(50)]
     assert all(0.0 <= u < 1.0 for u in draws)

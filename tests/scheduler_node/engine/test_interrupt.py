@@ -187,7 +187,7 @@ def test_a_worker_interrupted_mid_forward_restores_its_progress(tiny_llama_dir: 
     result = runner.execute(plan)
     hook.remove()
     assert result.interrupted and not result.sampled
-    assert [state.num_computed_tokens for state in runner.states.values()] == [0]
+    assert [runner.computed_tokens(h) for h in runner.batch.states] == [0]
     s.update(plan, result)
     req = s.requests["r"]
     assert req.num_computed_tokens == 0 and req.num_placeholders == 0

@@ -1,0 +1,288 @@
+"""The requests a worker holds, as rows of preallocated arrays; a step's inputs gathered from them in a few
+vectorised operations.
+
+Each request owns a row from the plan that brings it (new, or back after preemption) until a plan finishes or
+preempts it: its token ids, how many it holds and how many are computed, its block table, and whether it wants
+its prompt's logprobs. A plan's diffs write rows (blocks and tokens appended, blocks replaced); a step reads the
+rows of its requests with numpy (ids, positions, slot mapping, block tables, sequence lengths, the rows that
+sample), so its cost does not grow with the tokens or blocks requests hold, and its Python work is a few
+operations per request, not a rebuild of every tensor from lists. The arrays double when a request outgrows them
+and keep their peak size. The token ids are also kept as a list per request (RequestState.token_ids): the sampler's
+processors, the grammar matchers and prompt logprobs read them there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from proto.wire import NewRequest, SamplingOptions
+from worker_node.attention import AttentionMetadata
+from worker_node.sampler import RowFlags, is_plain
+
+
+@dataclass(slots=True)
+class RequestState:
+    """What the worker keeps of a request besides its row's arrays (what the sampler reads, see SamplingRequest)."""
+
+    handle: int  # the request's id on the wire
+    token_ids: list[int]  # prompt + output so far
+    num_prompt_tokens: int
+    sampling: SamplingOptions
+    row: int  # its row in the InputBatch
+    resumed: bool = False  # came back with output tokens: its prompt logprobs were delivered already
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's inputs, in batch order: full-pool sequences then compact ones; in each, decodes then prefills."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # token index of each sequence that samples
+    all_sample: bool  # every token samples, in order: sample_rows is every row of the hidden states
+    samplers: list[RequestState]  # the sequences that sample, in the same order
+    flags: RowFlags  # theirs
+    sampler_rows: np.ndarray  # their rows
+    rows: np.ndarray  # the batch's rows
+    starts: np.ndarray  # their computed tokens before the step (restored when it is interrupted)
+    # prompt_logprobs: (request, first token row, rows, position of the first prompt token they score)
+    prompt_rows: list[tuple[RequestState, int, int, int]] = field(default_factory=list)
+
+
+_ROW_ARRAYS = (
+    "token_ids", "num_tokens", "num_computed", "num_prompt", "block_table", "num_blocks", "wants_prompt_logprobs",
+    "plain", "wants_logprobs",
+)  # fmt: skip
+
+
+class InputBatch:
+    def __init__(self, block_size: int, device: torch.device, rows: int = 64) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.states: dict[int, RequestState] = {}  # by handle
+        self.owners: list[RequestState | None] = [None] * rows  # by row
+        self._free = list(range(rows - 1, -1, -1))
+        self.token_ids = np.zeros((rows, 256), dtype=np.int32)
+        self.num_tokens = np.zeros(rows, dtype=np.int64)
+        self.num_computed = np.zeros(rows, dtype=np.int64)
+        self.num_prompt = np.zeros(rows, dtype=np.int64)
+        self.block_table = np.zeros((rows, 16), dtype=np.int32)  # past num_blocks: zeros (the tables' padding)
+        self.num_blocks = np.zeros(rows, dtype=np.int64)
+        self.wants_prompt_logprobs = np.zeros(rows, dtype=bool)
+        self.plain = np.zeros(rows, dtype=bool)  # the sampler's RowFlags
+        self.wants_logprobs = np.zeros(rows, dtype=bool)
+
+    # ---- rows: written by a plan's diffs
+
+    def add(self, r: NewRequest) -> RequestState:
+        """A request the plan brings in full (new, or back after preemption): a row of its own."""
+        self.remove(r.handle)  # a handle sent again in full starts over
+        tokens = r.prompt_token_ids + r.output_token_ids
+        if not self._free:
+            self._grow_rows()
+        row = self._free.pop()
+        self._fit(len(tokens), len(r.block_ids))
+        state = RequestState(r.handle, tokens, len(r.prompt_token_ids), r.sampling, row, bool(r.output_token_ids))
+        self.states[r.handle] = self.owners[row] = state
+        self.token_ids[row, : len(tokens)] = tokens
+        self.num_tokens[row] = len(tokens)
+        self.num_computed[row] = r.num_computed_tokens
+        self.num_prompt[row] = len(r.prompt_token_ids)
+        self.block_table[row] = 0
+        self.block_table[row, : len(r.block_ids)] = r.block_ids
+        self.num_blocks[row] = len(r.block_ids)
+        self.wants_prompt_logprobs[row] = r.sampling.prompt_logprobs is not None and not state.resumed
+        self.plain[row] = is_plain(r.sampling)
+        self.wants_logprobs[row] = r.sampling.logprobs is not None
+        return state
+
+    def remove(self, handle: int) -> None:
+        state = self.states.pop(handle, None)
+        if state is not None:
+            self.owners[state.row] = None
+            self._free.append(state.row)
+
+    def append_blocks(self, state: RequestState, blocks: tuple[int, ...] | list[int]) -> None:
+        n = int(self.num_blocks[state.row])
+        self._fit(0, n + len(blocks))
+        self.block_table[state.row, n : n + len(blocks)] = blocks
+        self.num_blocks[state.row] = n + len(blocks)
+
+    def set_block(self, state: RequestState, index: int, block: int) -> None:
+        if not 0 <= index < self.num_blocks[state.row]:
+            raise ValueError(f"request {state.handle}: block index {index} outside its {self.num_blocks[state.row]}")
+        self.block_table[state.row, index] = block
+
+    def append_tokens(self, state: RequestState, tokens: tuple[int, ...] | list[int]) -> None:
+        n = len(state.token_ids)
+        state.token_ids.extend(tokens)
+        self._fit(n + len(tokens), 0)
+        self.token_ids[state.row, n : n + len(tokens)] = tokens
+        self.num_tokens[state.row] = n + len(tokens)
+
+    def append_sampled(self, inputs: StepInputs, tokens: list[int]) -> None:
+        """One sampled token for each of a step's samplers, at once."""
+        if not tokens:
+            return
+        for state, token in zip(inputs.samplers, tokens):
+            state.token_ids.append(token)
+        rows = inputs.sampler_rows
+        ends = self.num_tokens[rows]
+        self._fit(int(ends.max()) + 1, 0)
+        self.token_ids[rows, ends] = tokens
+        self.num_tokens[rows] = ends + 1
+
+    def blocks(self, state: RequestState) -> list[int]:
+        return self.block_table[state.row, : self.num_blocks[state.row]].tolist()
+
+    def computed(self, state: RequestState) -> int:
+        return int(self.num_computed[state.row])
+
+    # ---- a step's inputs
+
+    def gather(self, rows: np.ndarray, n: np.ndarray, compact_base: int) -> StepInputs:
+        """The inputs of a step that computes n[i] tokens of the request in row rows[i], from its computed tokens
+        on; advances their computed tokens (`restore` undoes it). Blocks from `compact_base` on are the compact
+        pool's (0: no compact pool)."""
+        compact = self.block_table[rows, 0] >= compact_base if compact_base else np.zeros(len(rows), dtype=bool)
+        key = compact * 2 + (n != 1)
+        if key.any():  # full-pool decodes first, then prefills, then the compact pool's
+            order = np.argsort(key, kind="stable")
+            rows, n, compact = rows[order], n[order], compact[order]
+        start = self.num_computed[rows]
+        end = start + n
+        self._check(rows, end)
+        cu = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(n, out=cu[1:])
+        total = int(cu[-1])
+        if total == len(rows):  # decodes only: one token each
+            owner, positions = np.arange(len(rows)), start
+        else:
+            owner = np.repeat(np.arange(len(rows)), n)
+            positions = np.arange(total) - cu[:-1][owner] + start[owner]
+        ids = self.token_ids[rows[owner], positions].astype(np.int64)
+        samples = end == self.num_tokens[rows]
+        all_sample = total == len(rows) and bool(samples.all())
+        sample_rows = cu[1:][samples] - 1
+        sampler_rows = rows[samples]
+        owners = self.owners
+        samplers: list[RequestState] = [owners[r] for r in sampler_rows.tolist()]  # type: ignore[misc]
+        prompt_rows = self._prompt_rows(rows, start, end, cu)
+        self.num_computed[rows] = end
+        num_full = int(len(rows) - compact.sum())
+        full_tokens = int(cu[num_full])
+        meta = self._attention_meta(rows[:num_full], n[:num_full], positions[:full_tokens], end[:num_full], 0)
+        if num_full < len(rows):
+            meta.compact = self._attention_meta(
+                rows[num_full:], n[num_full:], positions[full_tokens:], end[num_full:], compact_base
+            )
+            meta.num_full_tokens = full_tokens
+        dev = self.device
+        return StepInputs(
+            torch.from_numpy(ids).to(dev),
+            torch.from_numpy(positions.astype(np.int64, copy=False)).to(dev),
+            meta,
+            torch.from_numpy(sample_rows).to(dev),
+            all_sample,
+            samplers,
+            RowFlags(self.plain[sampler_rows], self.wants_logprobs[sampler_rows]),
+            sampler_rows,
+            rows,
+            start,
+            prompt_rows,
+        )
+
+    def restore(self, inputs: StepInputs) -> None:
+        """The step did not run (interrupted): its requests' computed tokens are what they were."""
+        self.num_computed[inputs.rows] = inputs.starts
+
+    def _check(self, rows: np.ndarray, end: np.ndarray) -> None:
+        held = self.num_tokens[rows]
+        bad = np.flatnonzero(end > held)
+        if len(bad):
+            i = int(bad[0])
+            state = self.owners[int(rows[i])]
+            assert state is not None
+            raise RuntimeError(f"request {state.handle}: the plan computes {end[i]} tokens, the worker holds {held[i]}")
+        blocks = self.num_blocks[rows]
+        short = np.flatnonzero(-(-end // self.block_size) > blocks)
+        if len(short):
+            i = int(short[0])
+            state = self.owners[int(rows[i])]
+            assert state is not None
+            raise ValueError(f"request {state.handle}: {end[i]} tokens need more than its {blocks[i]} blocks")
+
+    def _prompt_rows(
+        self, rows: np.ndarray, start: np.ndarray, end: np.ndarray, cu: np.ndarray
+    ) -> list[tuple[RequestState, int, int, int]]:
+        """The prompt rows each request that asked for prompt logprobs scores this step (rows whose next token is
+        the prompt's)."""
+        wants = self.wants_prompt_logprobs[rows]
+        if not wants.any():
+            return []
+        scored = np.minimum(end, self.num_prompt[rows] - 1) - start
+        out = []
+        for i in np.flatnonzero(wants & (scored > 0)).tolist():
+            state = self.owners[int(rows[i])]
+            assert state is not None
+            out.append((state, int(cu[i]), int(scored[i]), int(start[i]) + 1))
+        return out
+
+    def _attention_meta(
+        self, rows: np.ndarray, n: np.ndarray, positions: np.ndarray, seq_lens: np.ndarray, base: int
+    ) -> AttentionMetadata:
+        """The attention metadata of sequences of one pool, decodes first: their tables (ids from `base` on are
+        that pool's own), lengths, and the tokens each computes (`n`, at `positions`)."""
+        dev = self.device
+        bs = self.block_size
+        num_decodes = int((n == 1).sum())
+        width = max(1, int(self.num_blocks[rows].max())) if len(rows) else 1
+        tables = self.block_table[rows, :width]
+        if base:  # the compact pool's own ids; the padding stays zero
+            tables = np.where(np.arange(width) < self.num_blocks[rows][:, None], tables - base, 0).astype(np.int32)
+        owner = np.repeat(np.arange(len(rows)), n)
+        slots = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
+        cu_q = np.zeros(len(rows) - num_decodes + 1, dtype=np.int32)
+        np.cumsum(n[num_decodes:], out=cu_q[1:])
+        lens = seq_lens.astype(np.int32)
+        t = torch.from_numpy
+        return AttentionMetadata(
+            slot_mapping=t(slots).to(dev),
+            num_decode_tokens=num_decodes,
+            decode_block_tables=t(tables[:num_decodes]).to(dev),
+            decode_seq_lens=t(lens[:num_decodes]).to(dev),
+            prefill_block_tables=t(tables[num_decodes:]).to(dev),
+            prefill_cu_seqlens_q=t(cu_q).to(dev),
+            prefill_seq_lens=t(lens[num_decodes:]).to(dev),
+        )
+
+    # ---- room
+
+    def _fit(self, tokens: int, blocks: int) -> None:
+        """Room for `tokens` token ids and `blocks` blocks in every row (doubling)."""
+        if tokens > self.token_ids.shape[1]:
+            self.token_ids = _widen(self.token_ids, tokens)
+        if blocks > self.block_table.shape[1]:
+            self.block_table = _widen(self.block_table, blocks)
+
+    def _grow_rows(self) -> None:
+        old = len(self.owners)
+        new = 2 * old
+        self.owners += [None] * (new - old)
+        self._free.extend(range(new - 1, old - 1, -1))
+        for name in _ROW_ARRAYS:
+            array = getattr(self, name)
+            grown = np.zeros((new, *array.shape[1:]), dtype=array.dtype)
+            grown[:old] = array
+            setattr(self, name, grown)
+
+
+def _widen(array: np.ndarray, width: int) -> np.ndarray:
+    new = max(width, 2 * array.shape[1])
+    grown = np.zeros((array.shape[0], new), dtype=array.dtype)
+    grown[:, : array.shape[1]] = array
+    return grown
