@@ -4,11 +4,13 @@ when a replacement joins, end with UNAVAILABLE when none does; workers leave whe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -317,15 +319,31 @@ def test_losing_a_rank_after_the_engine_cancelled_its_steps_keeps_the_link_alive
     asyncio.run(asyncio.wait_for(_cancelled_then_lost(), 30))
 
 
-async def _cancelled_then_lost() -> None:
+Joined = tuple[WorkerLink, FakeWorker, zmq.asyncio.Context, int]  # the link, its worker, their context, the port
+
+
+@contextlib.asynccontextmanager
+async def joined(
+    worker_class: type[FakeWorker],
+) -> AsyncIterator[tuple[WorkerLink, FakeWorker, zmq.asyncio.Context, int]]:
+    """A link with a one-rank world held by one fake worker of `worker_class` (heartbeat timeout 1 s); the link
+    and every socket closed after, also when an assertion failed."""
     port = free_port()
     link = WorkerLink(f"127.0.0.1:{port}", heartbeat_timeout=1.0)
     ctx = zmq.asyncio.Context()
     try:
         start = asyncio.ensure_future(link.start(lambda r: Assignment(r, 1, "/m", "auto", 16, 64, 8), 10))
-        worker = FakeWorker(ctx, port)
+        worker = worker_class(ctx, port)
         await worker.join()
         await start
+        yield link, worker, ctx, port
+    finally:
+        await link.close("test over")
+        ctx.destroy(linger=0)  # closes what a failed assertion left open (term() would wait for it)
+
+
+async def _cancelled_then_lost() -> None:
+    async with joined(FakeWorker) as (link, worker, ctx, port):
         worker.stall()  # it stops answering, so the next plan stays in flight
         link.submit(StepPlan(1)).cancel()  # what the engine does to the plans in flight after a StepFailed
         await asyncio.wait_for(link.lost.wait(), 3)
@@ -339,9 +357,6 @@ async def _cancelled_then_lost() -> None:
         assert (await _step(link, 3)).sampled == {0: [3]}
         worker.close()
         replacement.close()
-    finally:
-        await link.close("test over")
-        ctx.destroy(linger=0)  # closes what a failed assertion left open (term() would wait for it)
 
 
 class SilentStep(FakeWorker):
@@ -359,14 +374,7 @@ def test_a_step_past_its_deadline_loses_the_rank() -> None:
 
 
 async def _hung_step() -> None:
-    port = free_port()
-    link = WorkerLink(f"127.0.0.1:{port}", heartbeat_timeout=1.0)
-    ctx = zmq.asyncio.Context()
-    try:
-        start = asyncio.ensure_future(link.start(lambda r: Assignment(r, 1, "/m", "auto", 16, 64, 8), 10))
-        worker = SilentStep(ctx, port)
-        await worker.join()
-        await start
+    async with joined(SilentStep) as (link, worker, _, _):
         future = link.submit(StepPlan(1))
         await asyncio.sleep(2.5)  # the scenario: time past the heartbeat timeout, its heartbeats keep it alive
         assert link.all_ready and not future.done()
@@ -377,9 +385,6 @@ async def _hung_step() -> None:
         while not isinstance(await asyncio.wait_for(worker.inbox.get(), 2), Shutdown):
             pass
         worker.close()
-    finally:
-        await link.close("test over")
-        ctx.destroy(linger=0)  # closes what a failed assertion left open (term() would wait for it)
 
 
 def test_a_rank_that_dies_while_joining_a_world_of_two_sends_the_other_away() -> None:
