@@ -4,7 +4,9 @@ Because the socket thread never blocks on the model, it answers heartbeats durin
 scheduler that is gone (and exits cleanly), and drops anything malformed without disturbing the step.
 A plan that fails on the worker is answered with a StepError instead of killing the process — unless a collective
 failed (WorldBroken): then the process exits with EXIT_WORLD_BROKEN, the scheduler sees the rank lost, and every
-rank of the world restarts (an answer would leave the world half-broken and the request failed).
+rank of the world restarts (an answer would leave the world half-broken and the request failed). A collective that
+fails while the scheduler's link is down is the scheduler's death seen through the peers (each rank gives up on its
+own clock): that rank exits cleanly, like the others.
 
 A scheduler is gone when it has been silent for twice its heartbeat timeout *and* the connection is down:
 libzmq's own heartbeats keep the connection up while the scheduler process lives, however busy its event loop.
@@ -48,12 +50,14 @@ class StepThread(threading.Thread):
         execute: Callable[[StepPlan], Message],
         deliver: Callable[[Message], None],
         setup: Callable[[], None] = lambda: None,
+        scheduler_lost: Callable[[], bool] = lambda: False,
     ) -> None:
         super().__init__(name=f"step-{rank}", daemon=True)  # a hung step must not keep the process from exiting
         self.rank = rank
         self.execute = execute
         self.deliver = deliver
         self.setup = setup
+        self.scheduler_lost = scheduler_lost
         self.inbox: queue.Queue[StepPlan | None] = queue.Queue()
 
     def run(self) -> None:
@@ -62,9 +66,7 @@ class StepThread(threading.Thread):
             try:
                 reply = self.execute(plan)
             except WorldBroken as exc:
-                logger.critical("step %d: a collective failed (%s); leaving so the world restarts", plan.step_id, exc)
-                logging.shutdown()
-                os._exit(EXIT_WORLD_BROKEN)
+                self._leave_broken(plan.step_id, exc)
             except Exception as exc:  # a plan this worker cannot run: say so, stay alive
                 logger.exception("step %d failed", plan.step_id)
                 reply = StepError(plan.step_id, self.rank, f"{type(exc).__name__}: {exc}")
@@ -72,6 +74,19 @@ class StepThread(threading.Thread):
 
     def stop(self) -> None:
         self.inbox.put(None)
+
+    def _leave_broken(self, step_id: int, exc: WorldBroken) -> NoReturn:
+        """A collective failed. With the scheduler's link down, the peers most likely left because the scheduler
+        is gone (each rank notices on its own clock): this rank leaves too, cleanly. Otherwise the world itself
+        broke and the status tells the scheduler to restart every rank."""
+        if self.scheduler_lost():
+            logger.error("step %d: a collective failed (%s) with the scheduler gone; exiting", step_id, exc)
+            code = 0
+        else:
+            logger.critical("step %d: a collective failed (%s); leaving so the world restarts", step_id, exc)
+            code = EXIT_WORLD_BROKEN
+        logging.shutdown()
+        os._exit(code)
 
 
 class PlanLoop:
@@ -91,6 +106,7 @@ class PlanLoop:
         self.setup = setup
         self.interrupt = interrupt  # told at once, from this thread: the step thread may be mid-forward
         self._holding = False  # an answer waits for the socket to take it
+        self._connected = True  # the link to the scheduler (the Assignment came over it)
 
     def run(self) -> int:
         """Serve plans until Shutdown (0) or until the scheduler is silent for twice its heartbeat timeout (0); when
@@ -103,7 +119,7 @@ class PlanLoop:
             outbox.append(reply)
             os.write(wake_w, b"\0")
 
-        steps = StepThread(self.rank, self.execute, deliver, self.setup)
+        steps = StepThread(self.rank, self.execute, deliver, self.setup, lambda: not self._connected)
         steps.start()
         monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         poller = zmq.Poller()
@@ -111,7 +127,6 @@ class PlanLoop:
         poller.register(wake_r, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         last_heard = next_beat = time.monotonic()
-        connected = True  # the Assignment came over it
         seq = 0
         try:
             while True:
@@ -130,7 +145,7 @@ class PlanLoop:
                 self._flush(outbox)
                 poller.modify(self.sock, zmq.POLLIN | (zmq.POLLOUT if outbox else 0))
                 if monitor in events:
-                    connected = _connection_events(monitor, connected)
+                    self._connected = _connection_events(monitor, self._connected)
                 if events.get(self.sock, 0) & zmq.POLLIN:
                     for message in self._recv_all():
                         last_heard = time.monotonic()
@@ -146,7 +161,7 @@ class PlanLoop:
                             self.interrupt(message.first_step_id, message.last_step_id)
                         elif message is not None:
                             logger.warning("ignoring an unexpected %s", type(message).__name__)
-                elif not events and time.monotonic() > give_up and not connected:  # after the poll: nothing queued
+                elif not events and time.monotonic() > give_up and not self._connected:  # after the poll: nothing queued
                     logger.error("no word from the scheduler for %.1f s; exiting", time.monotonic() - last_heard)
                     return 0
         finally:
