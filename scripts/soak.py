@@ -200,7 +200,8 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=128, help="longest max_tokens of a request")
     p.add_argument("--bound", type=float, default=300.0, help="seconds after which a request counts as lost")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--smoke", action="store_true", help="CI: 0.75 minutes at 1.6 requests/s, a kill after 0.3, baseline after 0.15")
+    smoke = "CI: 0.75 minutes at 1.6 requests/s, a kill after 0.3, the baseline after 0.15"
+    p.add_argument("--smoke", action="store_true", help=smoke)
     p.add_argument("--json", type=Path, help="write the figures here too")
     args = p.parse_args()
     if args.smoke:
