@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from proto.wire import TokenLogprobs
+from scheduler_node.api.tool_stream import ToolCallStream
 from scheduler_node.engine.outputs import Delta
 from scheduler_node.text.tokenizer import ModelTokenizer
 
@@ -132,13 +134,35 @@ class Shape:
 
 
 class ChatShape(Shape):
+    """A chat's choices; with tools, each choice's text is read by its own ToolCallStream (`outputs()` makes one,
+    or None when the output is all content)."""
+
     object_name = "chat.completion"
     chunk_name = "chat.completion.chunk"
 
+    def __init__(self, *args: Any, outputs: Callable[[], ToolCallStream | None] = lambda: None) -> None:
+        super().__init__(*args)
+        self.outputs = outputs
+        self._calls: dict[int, ToolCallStream | None] = {}
+
+    def calls_of(self, choice: Choice) -> ToolCallStream | None:
+        if choice.index not in self._calls:
+            self._calls[choice.index] = self.outputs()
+        return self._calls[choice.index]
+
     def stream_choice(self, choice: Choice, delta: Delta) -> dict[str, Any] | None:
-        if choice.started and not self.news(delta):
-            return None
+        calls = self.calls_of(choice)
         message: dict[str, Any] = {"content": delta.text}
+        finish_reason: str | None = delta.finish_reason or None
+        if calls is not None:
+            content, deltas = calls.feed(delta.text, final=finish_reason is not None)
+            message = {"content": content} if content or not deltas else {}
+            if deltas:
+                message["tool_calls"] = deltas
+            finish_reason = _with_calls(finish_reason, calls.called)
+        news = message.get("content") or message.get("tool_calls") or finish_reason
+        if choice.started and not (news or (self.want_prompt_logprobs and delta.prompt_logprobs)):
+            return None
         if not choice.started:
             message["role"] = "assistant"
             choice.started = True
@@ -147,16 +171,26 @@ class ChatShape(Shape):
             "index": choice.index,
             "delta": message,
             "logprobs": logprobs,
-            "finish_reason": delta.finish_reason or None,
+            "finish_reason": finish_reason,
         }
         return self.with_prompt_logprobs(choice, body, delta)
 
     def full_choice(self, choice: Choice) -> dict[str, Any]:
+        text = "".join(choice.text)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        finish_reason: str | None = choice.finish_reason
+        calls = self.calls_of(choice)
+        if calls is not None:
+            content, tool_calls = calls.result(text)
+            message["content"] = content
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            finish_reason = _with_calls(finish_reason, bool(tool_calls))
         return {
             "index": choice.index,
-            "message": {"role": "assistant", "content": "".join(choice.text)},
+            "message": message,
             "logprobs": choice.logprobs if self.want_logprobs else None,
-            "finish_reason": choice.finish_reason,
+            "finish_reason": finish_reason,
         }
 
     def answer(self, choices: list[Choice], usage: Usage) -> dict[str, Any]:
@@ -229,6 +263,11 @@ class CompletionShape(Shape):
         for key in total:
             total[key] += new[key]
         return total
+
+
+def _with_calls(finish_reason: str | None, called: bool) -> str | None:
+    """OpenAI's finish_reason for an output that called tools and ended on its own."""
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
 
 
 def _top(tokenizer: ModelTokenizer, lp: TokenLogprobs) -> dict[str, float]:

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP door (`--openai-port`): FastAPI served by uvicorn on the scheduler's own event loop,
 driving the same EngineCore as the gRPC door (no extra hop, no second engine).
 
-POST /v1/chat/completions, /v1/completions (streamed as server-sent events with `stream: true`), GET /v1/models;
+POST /v1/chat/completions (with tools: api/tools.py), /v1/completions (streamed as server-sent events with
+`stream: true`), GET /v1/models;
 vLLM's POST /tokenize and /detokenize; GET /health (200 exactly while gRPC health is SERVING) and /metrics (the
 registry `--metrics-port` serves). With an API key every path but /health and /metrics (probes, Prometheus) needs
 `Authorization: Bearer KEY`.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import uuid
@@ -35,6 +37,7 @@ from scheduler_node.api.openai_protocol import (
 from scheduler_node.api.openai_responses import ChatShape, CompletionShape, Shape
 from scheduler_node.api.openai_runs import Run, RunResponse
 from scheduler_node.api.request_bounds import MAX_REQUEST_BYTES, check_prompt_logprobs
+from scheduler_node.api.tool_parsers import tool_parser_class
 from scheduler_node.api.validation import (
     InvalidField,
     priority_from,
@@ -60,6 +63,7 @@ class OpenAIConfig:
     port: int
     model_name: str  # what /v1/models lists and `model` must name
     api_key: str = ""  # "": no authentication
+    tool_call_parser: str = "hermes"  # how tool_choice auto reads calls: a TOOL_PARSERS name or module:Class
 
 
 class OpenAIDoor:
@@ -70,6 +74,7 @@ class OpenAIDoor:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.engine: EngineCore | None = None
+        self.tool_parser = tool_parser_class(config.tool_call_parser)  # ValueError at start when it is wrong
 
     def ready_engine(self) -> EngineCore:
         engine = self.engine
@@ -86,13 +91,20 @@ class OpenAIDoor:
             raise OpenAIError(404, message, "model", "model_not_found")
 
     async def generate(
-        self, body: ChatCompletionRequest | CompletionRequest, request: Request, shape: type[Shape], prefix: str
+        self,
+        body: ChatCompletionRequest | CompletionRequest,
+        request: Request,
+        shape: Callable[..., Shape],
+        prefix: str,
     ) -> Response:
         self.check_model(body.model)
         engine = self.ready_engine()
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         make: MakeSpecs = chat_specs if isinstance(body, ChatCompletionRequest) else completion_specs
         try:
+            if isinstance(body, ChatCompletionRequest):
+                plan = body.tool_plan()
+                shape = functools.partial(ChatShape, outputs=lambda: plan.output(self.tool_parser))
             priority = priority_from(body.priority, request.headers.get("x-priority"))
             # Off the event loop: tokenizing a long prompt must not stall other requests' streams.
             specs = await asyncio.to_thread(

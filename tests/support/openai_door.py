@@ -1,0 +1,33 @@
+"""The official `openai` client on the OpenAI door's app in this process (httpx's ASGI transport: no socket)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+import httpx2
+import openai
+
+from scheduler_node.api.openai_server import OpenAIConfig, OpenAIDoor, build_app
+from scheduler_node.engine.core import EngineCore
+from scheduler_node.engine.metrics import Metrics
+from scheduler_node.text.tokenizer import ModelTokenizer
+
+MODEL = "tiny"
+
+
+@asynccontextmanager
+async def openai_client(
+    engine: EngineCore, tokenizer: ModelTokenizer, tool_call_parser: str = "hermes"
+) -> AsyncIterator[tuple[openai.AsyncOpenAI, httpx.AsyncClient]]:
+    """An AsyncOpenAI client and a raw httpx client of a door over `engine` (whose loop the caller runs)."""
+    config = OpenAIConfig("127.0.0.1", 0, MODEL, tool_call_parser=tool_call_parser)
+    door = OpenAIDoor(config, tokenizer, Metrics(MODEL))
+    door.engine = engine
+    app = build_app(door)
+    async with (
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://door/v1") as raw,
+        httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app)) as own,  # the openai package's httpx
+    ):
+        yield openai.AsyncOpenAI(base_url="http://door/v1", api_key="none", http_client=own, max_retries=0), raw
