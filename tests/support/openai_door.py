@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
-import httpx2
 import openai
 
 from scheduler_node.api.openai_server import OpenAIConfig, OpenAIDoor, build_app
@@ -15,6 +16,8 @@ from scheduler_node.engine.metrics import Metrics
 from scheduler_node.text.tokenizer import ModelTokenizer
 
 MODEL = "tiny"
+# The httpx the openai package is built on (its 3.x releases moved to the httpx2 fork).
+CLIENT_HTTPX: Any = importlib.import_module("httpx2") if importlib.util.find_spec("httpx2") else httpx
 
 
 @asynccontextmanager
@@ -28,6 +31,6 @@ async def openai_client(
     app = build_app(door)
     async with (
         httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://door/v1") as raw,
-        httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app)) as own,  # the openai package's httpx
+        CLIENT_HTTPX.AsyncClient(transport=CLIENT_HTTPX.ASGITransport(app=app)) as own,
     ):
         yield openai.AsyncOpenAI(base_url="http://door/v1", api_key="none", http_client=own, max_retries=0), raw
