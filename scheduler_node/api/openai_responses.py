@@ -35,17 +35,20 @@ class Choice:
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefix cache held
 
     def add(self, delta: Delta, first_of_prompt: bool) -> None:
         if first_of_prompt:  # n sequences share one prompt: counted once, as OpenAI does
             self.prompt_tokens += delta.prompt_tokens
+            self.cached_tokens += delta.cached_tokens
         self.completion_tokens += delta.completion_tokens
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
 

@@ -89,6 +89,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is (or, once this step runs, will be) in the cache
     status: Status = Status.WAITING
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens its first start found cached (device and offload tiers)
     cache_salt: str = ""
     block_hashes: list[BlockHash] = field(default_factory=list)  # of every full block of tokens
     swapped: bool = False  # preempted with its KV on the workers' host memory

@@ -483,6 +483,7 @@ class Scheduler:
             if req.num_preemptions == 0 and not req.output_token_ids:  # new prompts only: resumptions inflate it
                 self.counters.prefix_cache_queries += req.num_tokens
                 self.counters.prefix_cache_hits += hit_tokens
+                req.num_cached_tokens = hit_tokens
             bt.acquire(req.req_id, hits, fmt)
             if loads:
                 hashes = req.update_block_hashes(bt.block_size)
@@ -679,6 +680,7 @@ class Scheduler:
         for child in parent.forks:
             self.blocks.fork(parent.req_id, child.req_id, prompt_len)
             child.num_computed_tokens = prompt_len - 1
+            child.num_cached_tokens = parent.num_cached_tokens  # the prompt they share
             self._enqueue(child)
         parent.forks = ()
 

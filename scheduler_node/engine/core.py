@@ -555,6 +555,7 @@ class EngineCore:
         if finished:
             delta.finish_reason = req.status.finish_reason
             delta.prompt_tokens = len(req.prompt_token_ids)
+            delta.cached_tokens = req.num_cached_tokens
             delta.completion_tokens = len(req.output_token_ids)
             delta.error = error
             self.metrics.finished(delta.finish_reason, None if error else time.monotonic() - seq.arrival)
