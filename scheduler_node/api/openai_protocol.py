@@ -15,7 +15,7 @@ from pydantic_core import PydanticCustomError
 
 from scheduler_node.api.request_bounds import lone_surrogate_at
 from scheduler_node.api.sampling import SamplingFields, StructuredFields
-from scheduler_node.api.tools import ToolPlan, tool_plan
+from scheduler_node.api.tools import NamedToolChoice, Tool, ToolPlan, tool_plan
 from scheduler_node.api.validation import InvalidField
 
 
@@ -132,27 +132,6 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
-
-
-class FunctionDefinition(_Strict):
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema (None: no arguments)
-    strict: bool | None = None  # accepted; required and named calls are always enforced
-
-
-class Tool(_Strict):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(_Strict):
-    name: str
-
-
-class NamedToolChoice(_Strict):
-    type: Literal["function"]
-    function: NamedFunction
 
 
 class JsonSchemaFormat(_Strict):

@@ -14,15 +14,40 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
 
 from scheduler_node.api.sampling import StructuredFields
 from scheduler_node.api.tool_parsers import JsonArrayToolParser, NamedToolParser, ToolParser
 from scheduler_node.api.tool_stream import ToolCallStream
 from scheduler_node.api.validation import InvalidField
 
-if TYPE_CHECKING:
-    from scheduler_node.api.openai_protocol import NamedToolChoice, Tool
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)  # as the rest of the request body (openai_protocol.py)
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema (None: no arguments)
+    strict: bool | None = None  # accepted; required and named calls are always enforced
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
 
 MAX_TOOLS = 128  # OpenAI's limit
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")

@@ -136,18 +136,6 @@ def test_a_two_turn_conversation_sends_the_calls_and_results_back_through_the_te
     serve(scripted(HERMES), scenario)
 
 
-def test_a_template_without_tools_gets_them_in_the_hermes_system_prompt() -> None:
-    tok = tokenizer()
-    assert not tok.supports_tools  # SmolLM2's template knows no tools
-    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
-    messages: Any = [*ASK, {"role": "assistant", "content": "", "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]  # fmt: skip
-    text = tok.decode(tok.apply_chat_template(messages, [WEATHER]))
-    assert "<tools>\n" + json.dumps(WEATHER) + "\n</tools>" in text
-    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
-    assert "user\n<tool_response>\nsunny\n</tool_response>" in text
-
-
 def test_bad_tools_and_choices_are_400s_naming_the_field() -> None:
     bad_schema = {**WEATHER["function"], "parameters": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}
     cases: list[tuple[dict[str, Any], str]] = [
