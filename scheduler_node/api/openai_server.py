@@ -1,11 +1,10 @@
 """The OpenAI-compatible HTTP door (`--openai-port`): FastAPI served by uvicorn on the scheduler's own event loop,
 driving the same EngineCore as the gRPC door (no extra hop, no second engine).
 
-POST /v1/chat/completions (with tools: api/tools.py), /v1/completions (streamed as server-sent events with
-`stream: true`), GET /v1/models;
-vLLM's POST /tokenize and /detokenize; GET /health (200 exactly while gRPC health is SERVING) and /metrics (the
-registry `--metrics-port` serves). With an API key every path but /health and /metrics (probes, Prometheus) needs
-`Authorization: Bearer KEY`.
+POST /v1/chat/completions (tools: api/tools.py), /v1/responses (api/responses_request.py), /v1/completions
+(streamed as server-sent events with `stream: true`), GET /v1/models; vLLM's POST /tokenize and /detokenize;
+GET /health (200 exactly while gRPC health is SERVING) and /metrics (the registry `--metrics-port` serves). With an
+API key every path but /health and /metrics (probes, Prometheus) needs `Authorization: Bearer KEY`.
 """
 
 from __future__ import annotations
@@ -37,6 +36,8 @@ from scheduler_node.api.openai_protocol import (
 from scheduler_node.api.openai_responses import ChatShape, CompletionShape, Shape
 from scheduler_node.api.openai_runs import Run, RunResponse
 from scheduler_node.api.request_bounds import MAX_REQUEST_BYTES, check_prompt_logprobs
+from scheduler_node.api.responses_request import ResponsesRequest, responses_error
+from scheduler_node.api.responses_shape import ResponseBuilder, response_answer, response_events
 from scheduler_node.api.tool_parsers import tool_parser_class
 from scheduler_node.api.validation import (
     InvalidField,
@@ -97,6 +98,34 @@ class OpenAIDoor:
         shape: Callable[..., Shape],
         prefix: str,
     ) -> Response:
+        run = await self.start(body, request, shape, prefix)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return RunResponse(run, run.events(include_usage))
+        large = run.shape.want_logprobs or run.shape.want_prompt_logprobs
+        return await json_response(await run.answer(request.receive), large=large)
+
+    async def respond(self, body: ResponsesRequest, request: Request) -> Response:
+        """POST /v1/responses: the chat request it means, in the Responses API's shapes."""
+        try:
+            chat = body.as_chat()
+            run = await self.start(chat, request, ChatShape, "resp")
+        except (InvalidField, OpenAIError) as exc:
+            raise responses_error(exc) from None
+        builder = ResponseBuilder(body, self.config.model_name)
+        if body.stream:
+            return RunResponse(run, response_events(run, builder))
+        chat_answer = await run.answer(request.receive)
+        return await json_response(response_answer(run, builder, chat_answer), large=False)
+
+    async def start(
+        self,
+        body: ChatCompletionRequest | CompletionRequest,
+        request: Request,
+        shape: Callable[..., Shape],
+        prefix: str,
+    ) -> Run:
+        """The request checked, tokenized and submitted (OpenAIError when it cannot be)."""
         self.check_model(body.model)
         engine = self.ready_engine()
         request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -121,9 +150,7 @@ class OpenAIDoor:
         want = sampling.logprobs is not None, sampling.prompt_logprobs is not None
         run = Run(engine, specs, shape(request_id, self.config.model_name, self.tokenizer, *want))
         run.start()
-        if body.stream:
-            return RunResponse(run, body.stream_options is not None and body.stream_options.include_usage)
-        return await json_response(await run.answer(request.receive), large=any(want))
+        return run
 
 
 def build_app(door: OpenAIDoor) -> FastAPI:
@@ -140,6 +167,10 @@ def build_app(door: OpenAIDoor) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await door.generate(body, request, CompletionShape, "cmpl")
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await door.respond(body, request)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
