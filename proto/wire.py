@@ -72,13 +72,14 @@ class Record(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=Fal
     """A part of a message: an array of its fields in order."""
 
 
-STRUCTURED_KINDS = ("json", "regex", "choice", "json_object")
+STRUCTURED_KINDS = ("json", "regex", "choice", "json_object", "lark")
 
 
 class StructuredOutput(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True, gc=False):
-    """A constraint on the output text: a JSON schema, a regex, a choice of strings, or any JSON object.
+    """A constraint on the output text: a JSON schema, a regex, a choice of strings, any JSON object, or a grammar.
 
-    `spec` is the schema's JSON text, the regex, the JSON list of choices, or "" for json_object."""
+    `spec` is the schema's JSON text, the regex, the JSON list of choices, "" for json_object, or llguidance's Lark
+    text (the doors write one to apply a constraint after the model's reasoning: proto/structured.py)."""
 
     kind: str
     spec: str

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proto.wire import TokenLogprobs
-from scheduler_node.api.tool_stream import ToolCallStream
+from scheduler_node.api.chat_output import ChatOutput
 from scheduler_node.engine.outputs import Delta
 from scheduler_node.text.tokenizer import ModelTokenizer
 
@@ -137,33 +137,35 @@ class Shape:
 
 
 class ChatShape(Shape):
-    """A chat's choices; with tools, each choice's text is read by its own ToolCallStream (`outputs()` makes one,
-    or None when the output is all content)."""
+    """A chat's choices; with tools or a reasoning parser, each choice's text is read by its own ChatOutput
+    (`outputs()` makes one, or None when the output is all content)."""
 
     object_name = "chat.completion"
     chunk_name = "chat.completion.chunk"
 
-    def __init__(self, *args: Any, outputs: Callable[[], ToolCallStream | None] = lambda: None) -> None:
+    def __init__(self, *args: Any, outputs: Callable[[], ChatOutput | None] = lambda: None) -> None:
         super().__init__(*args)
         self.outputs = outputs
-        self._calls: dict[int, ToolCallStream | None] = {}
+        self._outputs: dict[int, ChatOutput | None] = {}
 
-    def calls_of(self, choice: Choice) -> ToolCallStream | None:
-        if choice.index not in self._calls:
-            self._calls[choice.index] = self.outputs()
-        return self._calls[choice.index]
+    def output_of(self, choice: Choice) -> ChatOutput | None:
+        if choice.index not in self._outputs:
+            self._outputs[choice.index] = self.outputs()
+        return self._outputs[choice.index]
 
     def stream_choice(self, choice: Choice, delta: Delta) -> dict[str, Any] | None:
-        calls = self.calls_of(choice)
+        output = self.output_of(choice)
         message: dict[str, Any] = {"content": delta.text}
         finish_reason: str | None = delta.finish_reason or None
-        if calls is not None:
-            content, deltas = calls.feed(delta.text, final=finish_reason is not None)
-            message = {"content": content} if content or not deltas else {}
-            if deltas:
-                message["tool_calls"] = deltas
-            finish_reason = _with_calls(finish_reason, calls.called)
-        news = message.get("content") or message.get("tool_calls") or finish_reason
+        if output is not None:
+            piece = output.feed(delta.text, final=finish_reason is not None)
+            message = {"content": piece.content} if piece.content or not (piece.tool_calls or piece.reasoning) else {}
+            if piece.reasoning:
+                message["reasoning_content"] = piece.reasoning
+            if piece.tool_calls:
+                message["tool_calls"] = piece.tool_calls
+            finish_reason = _with_calls(finish_reason, output.called)
+        news = message.get("content") or message.get("tool_calls") or message.get("reasoning_content") or finish_reason
         if choice.started and not (news or (self.want_prompt_logprobs and delta.prompt_logprobs)):
             return None
         if not choice.started:
@@ -182,13 +184,15 @@ class ChatShape(Shape):
         text = "".join(choice.text)
         message: dict[str, Any] = {"role": "assistant", "content": text}
         finish_reason: str | None = choice.finish_reason
-        calls = self.calls_of(choice)
-        if calls is not None:
-            content, tool_calls = calls.result(text)
-            message["content"] = content
-            if tool_calls:
-                message["tool_calls"] = tool_calls
-            finish_reason = _with_calls(finish_reason, bool(tool_calls))
+        output = self.output_of(choice)
+        if output is not None:
+            whole = output.result(text)
+            message["content"] = whole.content
+            if whole.reasoning is not None:
+                message["reasoning_content"] = whole.reasoning
+            if whole.tool_calls:
+                message["tool_calls"] = whole.tool_calls
+            finish_reason = _with_calls(finish_reason, bool(whole.tool_calls))
         return {
             "index": choice.index,
             "message": message,

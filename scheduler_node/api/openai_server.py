@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import socket
@@ -19,10 +20,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import uvicorn
 from fastapi import FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from proto.structured import after_reasoning
+from scheduler_node.api.chat_output import ChatOutput
 from scheduler_node.api.openai_encode import json_response
 from scheduler_node.api.openai_errors import OpenAIError, install_handlers
 from scheduler_node.api.openai_guards import ApiKeyAuth, BodyLimit
@@ -35,10 +39,12 @@ from scheduler_node.api.openai_protocol import (
 )
 from scheduler_node.api.openai_responses import ChatShape, CompletionShape, Shape
 from scheduler_node.api.openai_runs import Run, RunResponse
+from scheduler_node.api.reasoning_parsers import ReasoningParser, ReasoningStream, reasoning_parser_class
 from scheduler_node.api.request_bounds import MAX_REQUEST_BYTES, check_prompt_logprobs
 from scheduler_node.api.responses_request import ResponsesRequest, responses_error
 from scheduler_node.api.responses_shape import ResponseBuilder, response_answer, response_events
 from scheduler_node.api.tool_parsers import tool_parser_class
+from scheduler_node.api.tools import ToolPlan
 from scheduler_node.api.validation import (
     InvalidField,
     priority_from,
@@ -65,6 +71,7 @@ class OpenAIConfig:
     model_name: str  # what /v1/models lists and `model` must name
     api_key: str = ""  # "": no authentication
     tool_call_parser: str = "hermes"  # how tool_choice auto reads calls: a TOOL_PARSERS name or module:Class
+    reasoning_parser: str = ""  # "": off; a REASONING_PARSERS name or module:Class
 
 
 class OpenAIDoor:
@@ -76,6 +83,13 @@ class OpenAIDoor:
         self.metrics = metrics
         self.engine: EngineCore | None = None
         self.tool_parser = tool_parser_class(config.tool_call_parser)  # ValueError at start when it is wrong
+        self.reasoning_parser = reasoning_parser_class(config.reasoning_parser)
+
+    def chat_output(self, plan: ToolPlan) -> ChatOutput | None:
+        """How one chat choice's output is read (None: it is all content)."""
+        calls = plan.calls(self.tool_parser)
+        reasoning = None if self.reasoning_parser is None else ReasoningStream(self.reasoning_parser())
+        return None if calls is None and reasoning is None else ChatOutput(reasoning, calls)
 
     def ready_engine(self) -> EngineCore:
         engine = self.engine
@@ -133,13 +147,15 @@ class OpenAIDoor:
         try:
             if isinstance(body, ChatCompletionRequest):
                 plan = body.tool_plan()
-                shape = functools.partial(ChatShape, outputs=lambda: plan.output(self.tool_parser))
+                shape = functools.partial(ChatShape, outputs=lambda: self.chat_output(plan))
             priority = priority_from(body.priority, request.headers.get("x-priority"))
             # Off the event loop: tokenizing a long prompt must not stall other requests' streams.
             specs = await asyncio.to_thread(
                 make, body, self.tokenizer, engine.max_model_len, request_id, priority, engine.compact_tokens
             )
             check_prompt_logprobs(specs)
+            if self.reasoning_parser is not None:  # a constraint applies to the answer after the reasoning
+                specs = [_after_reasoning(spec, self.reasoning_parser) for spec in specs]
         except InvalidField as exc:
             raise OpenAIError(400, str(exc), exc.field) from None
         engine = self.ready_engine()  # it may have started draining meanwhile
@@ -208,6 +224,16 @@ def build_app(door: OpenAIDoor) -> FastAPI:
         return Response(generate_latest(door.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _after_reasoning(spec: RequestSpec, parser: type[ReasoningParser]) -> RequestSpec:
+    """The spec's constraint applied after the reasoning (which the grammar opens unless the template did)."""
+    structured = spec.sampling.structured
+    if structured is None:
+        return spec
+    start = "" if parser.opened_by_template else parser.start
+    sampling = msgspec.structs.replace(spec.sampling, structured=after_reasoning(structured, parser.end, start))
+    return dataclasses.replace(spec, sampling=sampling)
 
 
 def model_card(name: str, max_model_len: int | None = None) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from scheduler_node.api.chat_output import Piece
 from scheduler_node.api.openai_errors import OpenAIError
 from scheduler_node.api.openai_responses import ChatShape, Usage
 from scheduler_node.api.openai_runs import Run
@@ -131,11 +132,11 @@ async def response_events(run: Run, builder: ResponseBuilder) -> AsyncIterator[s
     yield builder.event("response.in_progress", response=builder.response())
     try:
         async for choice, delta in run.deltas():
-            calls = shape.calls_of(choice)
-            content, deltas = (delta.text, []) if calls is None else calls.feed(delta.text, bool(delta.finish_reason))
-            for event in builder.text(content):
+            output = shape.output_of(choice)
+            piece = Piece(content=delta.text) if output is None else output.feed(delta.text, bool(delta.finish_reason))
+            for event in builder.text(piece.content):
                 yield event
-            for call in deltas:
+            for call in piece.tool_calls:
                 for event in builder.call(call):
                     yield event
             if delta.finish_reason:

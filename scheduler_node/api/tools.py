@@ -89,7 +89,7 @@ class ToolPlan:
             array["maxItems"] = 1
         return StructuredFields(json=array)
 
-    def output(self, auto: type[ToolParser]) -> ToolCallStream | None:
+    def calls(self, auto: type[ToolParser]) -> ToolCallStream | None:
         """How one choice's output is read (None: it is all content)."""
         parser: ToolParser
         if self.mode == "named":

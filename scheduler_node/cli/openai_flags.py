@@ -6,6 +6,7 @@ import argparse
 import os
 
 from scheduler_node.api.openai_server import OpenAIConfig
+from scheduler_node.api.reasoning_parsers import REASONING_PARSERS, reasoning_parser_class
 from scheduler_node.api.tool_parsers import TOOL_PARSERS, tool_parser_class
 
 API_KEY_ENV = "MINIVLLM_API_KEY"
@@ -33,6 +34,13 @@ def add_openai_flags(p: argparse.ArgumentParser) -> None:
         help=f"how tool_choice auto reads tool calls out of the output: {', '.join(TOOL_PARSERS)}, or module:Class "
         "(a subclass of scheduler_node.api.tool_parsers.ToolParser); required and named choices need none",
     )
+    p.add_argument(
+        "--reasoning-parser",
+        default="",
+        help=f"split the model's <think>...</think> off into reasoning_content: {', '.join(REASONING_PARSERS)}"
+        ", or module:Class (a subclass of scheduler_node.api.reasoning_parsers.ReasoningParser); structured output "
+        "and required tool calls then apply to the answer after the reasoning (default: off)",
+    )
 
 
 def add_api_key_flag(p: argparse.ArgumentParser) -> None:
@@ -51,5 +59,7 @@ def openai_config(args: argparse.Namespace, served_model_name: str) -> OpenAICon
         raise ValueError(f"--openai-port must be in [0, 65535], got {args.openai_port}")
     if not args.openai_port:
         return None
-    tool_parser_class(args.tool_call_parser)  # ValueError naming it
-    return OpenAIConfig(args.host, args.openai_port, served_model_name, args.api_key, args.tool_call_parser)
+    tool_parser_class(args.tool_call_parser)  # ValueErrors naming them
+    reasoning_parser_class(args.reasoning_parser)
+    return OpenAIConfig(args.host, args.openai_port, served_model_name, args.api_key, args.tool_call_parser,
+                        args.reasoning_parser)  # fmt: skip

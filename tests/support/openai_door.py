@@ -22,10 +22,10 @@ CLIENT_HTTPX: Any = importlib.import_module("httpx2") if importlib.util.find_spe
 
 @asynccontextmanager
 async def openai_client(
-    engine: EngineCore, tokenizer: ModelTokenizer, tool_call_parser: str = "hermes"
+    engine: EngineCore, tokenizer: ModelTokenizer, tool_call_parser: str = "hermes", reasoning_parser: str = ""
 ) -> AsyncIterator[tuple[openai.AsyncOpenAI, httpx.AsyncClient]]:
     """An AsyncOpenAI client and a raw httpx client of a door over `engine` (whose loop the caller runs)."""
-    config = OpenAIConfig("127.0.0.1", 0, MODEL, tool_call_parser=tool_call_parser)
+    config = OpenAIConfig("127.0.0.1", 0, MODEL, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
     door = OpenAIDoor(config, tokenizer, Metrics(MODEL))
     door.engine = engine
     app = build_app(door)

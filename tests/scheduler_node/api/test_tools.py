@@ -45,9 +45,9 @@ def scripted(text: str) -> EngineCore:
     return stand_in_engine(workers=ScriptedWorkers(tok.encode(text, False), min(tok.eos_token_ids)))
 
 
-def serve(engine: EngineCore, scenario: Scenario, parser: str = "hermes") -> None:
+def serve(engine: EngineCore, scenario: Scenario, parser: str = "hermes", reasoning: str = "") -> None:
     async def main() -> None:
-        async with running(engine), openai_client(engine, tokenizer(), parser) as (client, raw):
+        async with running(engine), openai_client(engine, tokenizer(), parser, reasoning) as (client, raw):
             await scenario(client, raw)
 
     asyncio.run(main())
@@ -161,3 +161,25 @@ def test_bad_tools_and_choices_are_400s_naming_the_field() -> None:
         assert ok.choices[0].message.tool_calls  # the server is still up
 
     serve(scripted(HERMES), scenario)
+
+
+def test_reasoning_comes_apart_from_the_answer_and_its_calls() -> None:
+    thought = "<think>The user wants <tool_call> weather.</think>\n\n"
+
+    async def scenario(client: openai.AsyncOpenAI, raw: httpx.AsyncClient) -> None:
+        answer = await client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, CLOCK])
+        message: Any = answer.choices[0].message
+        assert message.reasoning_content == "The user wants <tool_call> weather."
+        assert message.content == "Let me look." and len(called(message)) == 2
+        reasoning = ""
+        stream = await client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], stream=True)
+        async for chunk in stream:
+            delta: Any = chunk.choices[0].delta
+            reasoning += getattr(delta, "reasoning_content", None) or ""
+            assert "think>" not in (delta.content or "")
+        assert reasoning == message.reasoning_content
+        plain = await client.chat.completions.create(model=MODEL, messages=ASK)  # no tools: the answer is content
+        assert plain.choices[0].message.content == HERMES
+        assert getattr(plain.choices[0].message, "reasoning_content", None) == message.reasoning_content
+
+    serve(scripted(thought + HERMES), scenario, reasoning="qwen3")
