@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from enum import IntEnum
-from typing import Annotated, Any, Union, get_args
+from typing import Annotated, Any, Literal, Union, get_args
 
 import msgspec
 import msgspec.inspect
@@ -109,6 +109,9 @@ class SamplingOptions(Record):
     stop_token_ids: list[int] = []
     prompt_logprobs: int | None = None  # each prompt token's logprob, plus this many top alternatives
     structured: StructuredOutput | None = None
+    # An embedding request: the prompt's final hidden states pooled ("last" token's, or the "mean" of all), in
+    # StepResult.pooled; "" for generation.
+    pooling: Literal["", "last", "mean"] = ""
 
     @property
     def greedy(self) -> bool:
@@ -237,6 +240,9 @@ class StepResult(Message, tag=int(Kind.RESULT)):
     load_skipped: list[Handle] = []
     # Disk tier writes some rank could not do (a full or failing disk; the block's hash): the block is not on disk.
     failed_stores: list[Annotated[bytes, Meta(max_length=64)]] = []
+    # Embedding requests: the first prompt position this step computed, how many, and their final hidden states
+    # pooled as float32 (the sum of those rows for "mean", the prompt's last row for "last" when it is computed).
+    pooled: dict[Handle, tuple[int, int, bytes]] = {}
 
 
 class ExecutionMode(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True, gc=False):

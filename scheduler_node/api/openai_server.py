@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP door (`--openai-port`): FastAPI served by uvicorn on the scheduler's own event loop,
 driving the same EngineCore as the gRPC door (no extra hop, no second engine).
 
-POST /v1/chat/completions (tools: api/tools.py), /v1/responses (api/responses_request.py), /v1/completions
+POST /v1/chat/completions (tools: api/tools.py), /v1/responses (api/responses_request.py), /v1/embeddings
+(api/embeddings.py), /v1/completions
 (streamed as server-sent events with `stream: true`), GET /v1/models; vLLM's POST /tokenize and /detokenize;
 GET /health (200 exactly while gRPC health is SERVING) and /metrics (the registry `--metrics-port` serves). With an
 API key every path but /health and /metrics (probes, Prometheus) needs `Authorization: Bearer KEY`.
@@ -27,8 +28,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proto.structured import after_reasoning
 from scheduler_node.api.chat_output import ChatOutput
+from scheduler_node.api.embeddings import (
+    EmbeddingRequest,
+    EngineFailed,
+    answer,
+    check_dimensions,
+    pooled,
+    request_specs,
+)
 from scheduler_node.api.openai_encode import json_response
-from scheduler_node.api.openai_errors import OpenAIError, install_handlers
+from scheduler_node.api.openai_errors import OpenAIError, engine_error, install_handlers
 from scheduler_node.api.openai_guards import ApiKeyAuth, BodyLimit
 from scheduler_node.api.openai_inputs import chat_specs, completion_specs, template_messages
 from scheduler_node.api.openai_protocol import (
@@ -72,6 +81,7 @@ class OpenAIConfig:
     api_key: str = ""  # "": no authentication
     tool_call_parser: str = "hermes"  # how tool_choice auto reads calls: a TOOL_PARSERS name or module:Class
     reasoning_parser: str = ""  # "": off; a REASONING_PARSERS name or module:Class
+    embedding_pooling: str = "last"  # how /v1/embeddings pools a prompt's hidden states: last or mean
 
 
 class OpenAIDoor:
@@ -132,6 +142,32 @@ class OpenAIDoor:
         chat_answer = await run.answer(request.receive)
         return await json_response(response_answer(run, builder, chat_answer), large=False)
 
+    async def embed(self, body: EmbeddingRequest, request: Request) -> Response:
+        """POST /v1/embeddings: each input's pooled final hidden states."""
+        self.check_model(body.model)
+        engine = self.ready_engine()
+        request_id = f"embd-{uuid.uuid4().hex}"
+        try:
+            priority = priority_from(body.priority, request.headers.get("x-priority"))
+            specs = await asyncio.to_thread(request_specs, body, self.tokenizer, engine.max_model_len, request_id,
+                                            self.config.embedding_pooling, priority)  # fmt: skip
+        except InvalidField as exc:
+            raise OpenAIError(400, str(exc), exc.field) from None
+        engine = self.ready_engine()
+        if engine.queue_full(len(specs)):
+            limit = engine.options.max_waiting_requests
+            raise OpenAIError(429, f"the waiting queue is full (--max-waiting-requests {limit}); retry later")
+        try:
+            vectors = await pooled(engine, specs)
+            check_dimensions(body.dimensions, len(vectors[0]))
+        except EngineFailed as exc:
+            raise engine_error(exc.error) from None
+        except InvalidField as exc:
+            raise OpenAIError(400, str(exc), exc.field) from None
+        prompt_tokens = sum(len(spec.prompt_token_ids) for spec in specs)
+        body_out = await asyncio.to_thread(answer, vectors, body, self.config.model_name, prompt_tokens)
+        return await json_response(body_out, large=True)
+
     async def start(
         self,
         body: ChatCompletionRequest | CompletionRequest,
@@ -183,6 +219,10 @@ def build_app(door: OpenAIDoor) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await door.generate(body, request, CompletionShape, "cmpl")
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await door.embed(body, request)
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from scheduler_node.api.embeddings import POOLINGS
 from scheduler_node.api.openai_server import OpenAIConfig
 from scheduler_node.api.reasoning_parsers import REASONING_PARSERS, reasoning_parser_class
 from scheduler_node.api.tool_parsers import TOOL_PARSERS, tool_parser_class
@@ -41,6 +42,13 @@ def add_openai_flags(p: argparse.ArgumentParser) -> None:
         ", or module:Class (a subclass of scheduler_node.api.reasoning_parsers.ReasoningParser); structured output "
         "and required tool calls then apply to the answer after the reasoning (default: off)",
     )
+    p.add_argument(
+        "--embedding-pooling",
+        choices=POOLINGS,
+        default="last",
+        help="how POST /v1/embeddings pools a prompt's final hidden states: the last token's (decoder embedding "
+        "models: Qwen3-Embedding, e5-mistral) or the mean of all of them; normalized unless normalize: false",
+    )
 
 
 def add_api_key_flag(p: argparse.ArgumentParser) -> None:
@@ -62,4 +70,4 @@ def openai_config(args: argparse.Namespace, served_model_name: str) -> OpenAICon
     tool_parser_class(args.tool_call_parser)  # ValueErrors naming them
     reasoning_parser_class(args.reasoning_parser)
     return OpenAIConfig(args.host, args.openai_port, served_model_name, args.api_key, args.tool_call_parser,
-                        args.reasoning_parser)  # fmt: skip
+                        args.reasoning_parser, args.embedding_pooling)  # fmt: skip

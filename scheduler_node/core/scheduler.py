@@ -360,6 +360,8 @@ class Scheduler:
         cacheable = (req.num_tokens - 1) // bt.block_size  # the last token is recomputed
         if req.sampling.prompt_logprobs is not None and not req.prompt_logprobs_done:
             cacheable = 0  # a cached prefix has no logits: the prompt is computed in full to score every token
+        if req.sampling.pooling == "mean":
+            cacheable = 0  # nor hidden states: the mean pools every prompt token
 
         starts: dict[BlockFormat, tuple[int, list[int], int, BlockFormat]] = {}
 
@@ -579,6 +581,9 @@ class Scheduler:
         for handle, (first, logprobs) in result.prompt_logprobs.items():
             if (req := self._by_handle.get(handle)) is not None:  # kept even if preempted since: positions checked
                 req.add_prompt_logprobs(first, logprobs)
+        for handle, (first, count, data) in result.pooled.items():
+            if (req := self._by_handle.get(handle)) is not None:
+                req.add_pooled(first, count, data)
         outputs = []
         # Once per sampling request per step: what the loop calls is looked up once, here.
         all_logprobs, max_len, running = result.logprobs, self.max_model_len, Status.RUNNING

@@ -43,6 +43,7 @@ class Delta:
     completion_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # with the first tokens, when asked
     error: EngineError | None = None  # set with finish_reason ERROR: why the request failed
+    embedding: list[float] | None = None  # an embedding request's, with its finish
 
 
 class RequestStream:

@@ -22,11 +22,11 @@ CLIENT_HTTPX: Any = importlib.import_module("httpx2") if importlib.util.find_spe
 
 @asynccontextmanager
 async def openai_client(
-    engine: EngineCore, tokenizer: ModelTokenizer, tool_call_parser: str = "hermes", reasoning_parser: str = ""
+    engine: EngineCore, tokenizer: ModelTokenizer, **config: Any
 ) -> AsyncIterator[tuple[openai.AsyncOpenAI, httpx.AsyncClient]]:
-    """An AsyncOpenAI client and a raw httpx client of a door over `engine` (whose loop the caller runs)."""
-    config = OpenAIConfig("127.0.0.1", 0, MODEL, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
-    door = OpenAIDoor(config, tokenizer, Metrics(MODEL))
+    """An AsyncOpenAI client and a raw httpx client of a door over `engine` (whose loop the caller runs);
+    `config`: OpenAIConfig's options (tool_call_parser, reasoning_parser, embedding_pooling)."""
+    door = OpenAIDoor(OpenAIConfig("127.0.0.1", 0, MODEL, **config), tokenizer, Metrics(MODEL))
     door.engine = engine
     app = build_app(door)
     async with (

@@ -47,7 +47,10 @@ def scripted(text: str) -> EngineCore:
 
 def serve(engine: EngineCore, scenario: Scenario, parser: str = "hermes", reasoning: str = "") -> None:
     async def main() -> None:
-        async with running(engine), openai_client(engine, tokenizer(), parser, reasoning) as (client, raw):
+        async with (
+            running(engine),
+            openai_client(engine, tokenizer(), tool_call_parser=parser, reasoning_parser=reasoning) as (client, raw),
+        ):
             await scenario(client, raw)
 
     asyncio.run(main())
