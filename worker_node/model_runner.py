@@ -265,9 +265,7 @@ class ModelRunner:
 
     def _run_and_sample(
         self, batch: StepInputs, interrupted: Callable[[], bool] | None = None
-    ) -> tuple[
-        list[int], list[TokenLogprobs | None], dict[int, tuple[int, list[TokenLogprobs]]], dict[int, Pooled]
-    ]:
+    ) -> tuple[list[int], list[TokenLogprobs | None], dict[int, tuple[int, list[TokenLogprobs]]], dict[int, Pooled]]:
         """This rank's stage of the forward pass; the output rank samples. With one stage every rank learns
         the tokens now; with more, only the output rank has them (the others get them with the next plan)."""
         where = self.comm.where
