@@ -39,7 +39,9 @@ from msgspec import Meta
 # 8: per-request KV precision: the Assignment carries the compact pool's share, format and (for a replacement) size,
 # Ready the compact pool's blocks, bytes and format, plans the first compact block id (core/kv_precision.py). A v6
 # worker would read compact block ids as full ones (a v7 one, too).
-WIRE_VERSION = 8
+# 9: embeddings and reasoning grammars: SamplingOptions.pooling, StepResult.pooled, structured kind "lark" (a v8
+# worker would refuse the longer records, and sample an embedding request without pooling it).
+WIRE_VERSION = 9
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # libzmq's own ZMTP heartbeats, set on both ends of the worker socket: a quiet connection is PINGed this often by
 # libzmq's I/O thread (so a busy Python thread does not drop it), and dropped after the heartbeat timeout.
