@@ -34,6 +34,7 @@ class ResponseBuilder:
         self.created_at = int(time.time())
         self.items: list[dict[str, Any]] = []
         self.message: dict[str, Any] | None = None  # the open message item
+        self.thought: dict[str, Any] | None = None  # the open reasoning item (with --reasoning-parser)
         self.calls: dict[int, dict[str, Any]] = {}  # tool call index -> its item
         self.sequence = 0
         self.status = "in_progress"
@@ -58,10 +59,37 @@ class ResponseBuilder:
             "usage": None if usage is None else _usage(usage),
         }  # fmt: skip
 
-    def text(self, piece: str) -> list[str]:
+    def reasoning(self, piece: str) -> list[str]:
+        """More of the model's reasoning: a `reasoning` item with `reasoning_text`, before the answer's items."""
         if not piece:
             return []
         events = []
+        if self.thought is None:
+            self.thought = {"type": "reasoning", "id": _id("rs"), "status": "in_progress", "summary": [],
+                            "content": [{"type": "reasoning_text", "text": ""}]}  # fmt: skip
+            self.items.append(self.thought)
+            events.append(self.event("response.output_item.added", output_index=len(self.items) - 1, item=self.thought))
+        self.thought["content"][0]["text"] += piece
+        index = self.items.index(self.thought)
+        return [*events, self.event("response.reasoning_text.delta", item_id=self.thought["id"], output_index=index,
+                                    content_index=0, delta=piece)]  # fmt: skip
+
+    def close_thought(self) -> list[str]:
+        thought, self.thought = self.thought, None
+        if thought is None:
+            return []
+        thought["status"] = "completed"
+        index = self.items.index(thought)
+        return [
+            self.event("response.reasoning_text.done", item_id=thought["id"], output_index=index, content_index=0,
+                       text=thought["content"][0]["text"]),
+            self.event("response.output_item.done", output_index=index, item=thought),
+        ]  # fmt: skip
+
+    def text(self, piece: str) -> list[str]:
+        if not piece:
+            return []
+        events = self.close_thought()
         if self.message is None:
             self.message = {"type": "message", "id": _id("msg"), "status": "in_progress", "role": "assistant",
                             "content": []}  # fmt: skip
@@ -75,7 +103,7 @@ class ResponseBuilder:
 
     def call(self, delta: dict[str, Any]) -> list[str]:
         """A chat tool_calls delta: a new call item, or more of its arguments."""
-        events = self.close_message() if delta["index"] not in self.calls else []
+        events = [*self.close_thought(), *self.close_message()] if delta["index"] not in self.calls else []
         function = delta["function"]
         item = self.calls.get(delta["index"])
         if item is None:
@@ -106,7 +134,7 @@ class ResponseBuilder:
         ]  # fmt: skip
 
     def finish(self, finish_reason: str | None, usage: Usage) -> list[str]:
-        events = self.close_message()
+        events = [*self.close_thought(), *self.close_message()]
         for item in self.calls.values():
             item["status"] = "completed"
             index = self.items.index(item)
@@ -134,7 +162,7 @@ async def response_events(run: Run, builder: ResponseBuilder) -> AsyncIterator[s
         async for choice, delta in run.deltas():
             output = shape.output_of(choice)
             piece = Piece(content=delta.text) if output is None else output.feed(delta.text, bool(delta.finish_reason))
-            for event in builder.text(piece.content):
+            for event in [*builder.reasoning(piece.reasoning), *builder.text(piece.content)]:
                 yield event
             for call in piece.tool_calls:
                 for event in builder.call(call):
@@ -150,6 +178,7 @@ def response_answer(run: Run, builder: ResponseBuilder, chat: dict[str, Any]) ->
     """A whole chat answer as the response."""
     (choice,) = chat["choices"]
     message = choice["message"]
+    builder.reasoning(message.get("reasoning_content") or "")
     builder.text(message.get("content") or "")
     for index, call in enumerate(message.get("tool_calls") or []):
         builder.call({"index": index, **call})

@@ -31,12 +31,12 @@ CALL = 'Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa
 Scenario = Callable[[openai.AsyncOpenAI, httpx.AsyncClient], Awaitable[None]]
 
 
-def serve(text: str, scenario: Scenario) -> None:
+def serve(text: str, scenario: Scenario, reasoning_parser: str = "") -> None:
     tok = tokenizer()
     engine: EngineCore = stand_in_engine(workers=ScriptedWorkers(tok.encode(text, False), min(tok.eos_token_ids)))
 
     async def main() -> None:
-        async with running(engine), openai_client(engine, tok) as (client, raw):
+        async with running(engine), openai_client(engine, tok, reasoning_parser=reasoning_parser) as (client, raw):
             await scenario(client, raw)
 
     asyncio.run(main())
@@ -91,6 +91,25 @@ def test_function_calls_come_out_as_items_and_go_back_in() -> None:
         assert json.loads(arguments) == {"city": "Paris"} and items == ["message", "function_call"]
 
     serve(CALL, scenario)
+
+
+def test_reasoning_is_an_item_before_the_answer() -> None:
+    async def scenario(client: openai.AsyncOpenAI, raw: httpx.AsyncClient) -> None:
+        answer = await client.responses.create(model=MODEL, input="Weather?", tools=[TOOL])
+        thought, message, call = answer.output
+        assert thought.type == "reasoning" and thought.content is not None
+        assert thought.content[0].text == "Paris, then." and answer.output_text == "Checking."
+        assert call.type == "function_call" and json.loads(call.arguments) == {"city": "Paris"}
+        kinds, reasoning = [], ""
+        async for event in await client.responses.create(model=MODEL, input="Weather?", tools=[TOOL], stream=True):
+            kinds.append(event.type)
+            if event.type == "response.reasoning_text.delta":
+                reasoning += event.delta
+        assert reasoning == "Paris, then." and kinds.index("response.reasoning_text.done") < kinds.index(
+            "response.output_text.delta"
+        )
+
+    serve("<think>Paris, then.</think>" + CALL, scenario, reasoning_parser="qwen3")
 
 
 def test_what_a_stateless_server_refuses_names_the_field() -> None:
