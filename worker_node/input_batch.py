@@ -57,7 +57,7 @@ class StepInputs:
 
 _ROW_ARRAYS = (
     "token_ids", "num_tokens", "num_computed", "num_prompt", "block_table", "num_blocks", "wants_prompt_logprobs",
-    "plain", "wants_logprobs", "pools",
+    "plain", "wants_logprobs", "pools", "lora_slot",
 )  # fmt: skip
 
 
@@ -78,6 +78,7 @@ class InputBatch:
         self.plain = np.zeros(rows, dtype=bool)  # the sampler's RowFlags
         self.wants_logprobs = np.zeros(rows, dtype=bool)
         self.pools = np.zeros(rows, dtype=bool)  # an embedding request
+        self.lora_slot = np.zeros(rows, dtype=np.int64)  # its LoRA adapter's slot + 1 (0: the base model)
 
     # ---- rows: written by a plan's diffs
 
@@ -102,6 +103,7 @@ class InputBatch:
         self.plain[row] = is_plain(r.sampling)
         self.wants_logprobs[row] = r.sampling.logprobs is not None
         self.pools[row] = bool(r.sampling.pooling)
+        self.lora_slot[row] = 0 if r.lora is None else r.lora.slot + 1
         return state
 
     def remove(self, handle: int) -> None:
@@ -201,6 +203,14 @@ class InputBatch:
             prompt_rows,
             pool_rows,
         )
+
+    def token_lora_slots(self, inputs: StepInputs) -> np.ndarray | None:
+        """Each of a step's tokens' LoRA slot (-1: the base model), in batch order; None when none has one."""
+        slots = self.lora_slot[inputs.rows]
+        if not slots.any():
+            return None
+        counts = self.num_computed[inputs.rows] - inputs.starts  # gather advanced them by the step's tokens
+        return np.repeat(slots - 1, counts)
 
     def restore(self, inputs: StepInputs) -> None:
         """The step did not run (interrupted): its requests' computed tokens are what they were."""

@@ -26,6 +26,7 @@ from scheduler_node.core.request import FinishReason, Request, RequestSpec, Stat
 from scheduler_node.core.scheduler import RequestOutput, Scheduler
 from scheduler_node.core.stats import hit_rates, kv_pools, snapshot
 from scheduler_node.engine.collector import CollectorSchedule
+from scheduler_node.engine.lora_registry import LoraRegistry
 from scheduler_node.engine.metrics import LiveSample, Metrics
 from scheduler_node.engine.outputs import Delta, EngineError, ErrorStatus, RequestStream, SequenceOutput
 from scheduler_node.text.detokenizer import IncrementalDetokenizer
@@ -96,6 +97,7 @@ class EngineCore:
         self.gave_up = ""  # why requests are refused: a rank was lost and nobody rejoined in time
         self.collector = CollectorSchedule() if self.options.schedule_gc else None
         self._collected_at_idle = True  # nothing ran since the last idle collection
+        self.loras: LoraRegistry | None = None  # the adapters served by name (None: LoRA is off)
 
     # ---- what the doors ask
 
@@ -165,8 +167,9 @@ class EngineCore:
                     sampling,
                     stop,
                     spec.priority,
-                    cache_salt=spec.cache_salt,
+                    cache_salt=spec.cache_salt + (spec.lora.cache_salt if spec.lora else ""),
                     kv_precision=spec.kv_precision,
+                    lora=spec.lora,
                 )
             )
             detok = IncrementalDetokenizer(self.tokenizer, spec.prompt_token_ids, spec.stop, stop.may_stop)
