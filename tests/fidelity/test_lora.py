@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -12,8 +13,9 @@ from proto.lora import BaseShapes
 from scheduler_node.core.lora_slots import LoraRef
 from scheduler_node.engine.lora_registry import LoraRegistry
 from tests.support.engine import EngineRun, load_runner
-from tests.support.lora import load_peft, make_adapter
-from tests.support.models import assert_teacher_forced, load_hf
+from tests.support.inprocess_tp import TensorParallelRanks
+from tests.support.lora import load_base, load_peft, make_adapter
+from tests.support.models import assert_teacher_forced
 
 pytestmark = pytest.mark.model
 
@@ -28,12 +30,25 @@ ADAPTERS = [
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+def base_model(tiny_llama_dir: Path) -> Any:
+    return load_base(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def adapters(base_model: Any, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     root = tmp_path_factory.mktemp("loras")
     return [
-        make_adapter(tiny_llama_dir, root / f"a{i}", seed=i, rank=r, targets=t, rslora=rs)
+        make_adapter(base_model, root / f"a{i}", seed=i, rank=r, targets=t, rslora=rs)
         for i, (t, r, rs) in enumerate(ADAPTERS)
     ]
+
+
+@pytest.fixture(scope="module")
+def references(base_model: Any, adapters: list[Path]) -> dict[int | None, Any]:
+    """HF's model for the base (None) and HF + PEFT's for each adapter."""
+    models: dict[int | None, Any] = {None: base_model}
+    models.update({i: load_peft(base_model, path) for i, path in enumerate(adapters)})
+    return models
 
 
 def _refs(folder: Path, adapters: list[Path]) -> list[LoraRef]:
@@ -46,15 +61,14 @@ def _prompts(seed: int, n: int) -> list[list[int]]:
     return [[rng.randrange(3, 49152) for _ in range(rng.choice([3, 17, 30]))] for _ in range(n)]
 
 
-def _check(folder: Path, adapters: list[Path], requests: list, prompts: list, loras: list) -> None:  # type: ignore[type-arg]
-    models: dict[int | None, object] = {None: load_hf(folder)}
-    for i, path in enumerate(adapters):
-        models[i] = load_peft(folder, path)
+def _check(models: dict[int | None, Any], requests: list, prompts: list, loras: list) -> None:  # type: ignore[type-arg]
     for req, prompt, lora in zip(requests, prompts, loras):
         assert_teacher_forced(models[lora], prompt, req.output)
 
 
-def test_mixed_batch_of_adapters_and_base_matches_peft(tiny_llama_dir: Path, adapters: list[Path]) -> None:
+def test_mixed_batch_of_adapters_and_base_matches_peft(
+    tiny_llama_dir: Path, adapters: list[Path], references: dict[int | None, Any]
+) -> None:
     refs = _refs(tiny_llama_dir, adapters)
     prompts = _prompts(3, 10)
     loras = [None, 0, 1, 2, 3, 0, None, 3, 1, 2]  # every adapter and the base model in one batch
@@ -66,10 +80,12 @@ def test_mixed_batch_of_adapters_and_base_matches_peft(tiny_llama_dir: Path, ada
     assert runner.lora is not None and runner.lora.loads == 4
     outputs = {tuple(r.output) for r in requests[1:6]}
     assert len(outputs) == 5, "adapters with the same prompt gave the same tokens: an adapter had no effect"
-    _check(tiny_llama_dir, adapters, requests, prompts, loras)
+    _check(references, requests, prompts, loras)
 
 
-def test_slots_evicted_and_reloaded_keep_tokens_right(tiny_llama_dir: Path, adapters: list[Path]) -> None:
+def test_slots_evicted_and_reloaded_keep_tokens_right(
+    tiny_llama_dir: Path, adapters: list[Path], references: dict[int | None, Any]
+) -> None:
     """Four adapters through two slots: requests wait for a slot while the base model's and others run."""
     refs = _refs(tiny_llama_dir, adapters)
     prompts = _prompts(4, 14)
@@ -85,4 +101,21 @@ def test_slots_evicted_and_reloaded_keep_tokens_right(tiny_llama_dir: Path, adap
         assert run.scheduler.view.lora_slots.pinned == 0  # nothing leaks a slot
     assert runner.lora is not None
     assert len(runner.lora.slots) == 2 and runner.lora.loads == 6
-    _check(tiny_llama_dir, adapters, requests, prompts, loras)
+    _check(references, requests, prompts, loras)
+
+
+def test_tensor_parallel_shards_adapters_like_their_layers(
+    tiny_llama_dir: Path, adapters: list[Path], references: dict[int | None, Any]
+) -> None:
+    """TP 2: B's output rows of q/k/v and gate/up, A's input columns of o and down, per rank."""
+    refs = _refs(tiny_llama_dir, adapters)
+    prompts = _prompts(5, 5)
+    loras = [0, 1, 2, 3, None]
+    tp2 = TensorParallelRanks(tiny_llama_dir, 64, BLOCK, tp=2)
+    try:
+        with EngineRun(tp2.runners, tokenizer_dir=tiny_llama_dir, transport=tp2.transport(), max_loras=4) as run:
+            requests = [run.add(p, 10, lora=None if i is None else refs[i]) for p, i in zip(prompts, loras)]
+            run.run()
+    finally:
+        tp2.close()
+    _check(references, requests, prompts, loras)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -10,7 +12,7 @@ ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def make_adapter(
-    base: Path,
+    base: Path | Any,
     out: Path,
     seed: int,
     rank: int = 8,
@@ -19,11 +21,12 @@ def make_adapter(
     rslora: bool = False,
     gain: float = 1.0,
 ) -> Path:
-    """Save a PEFT adapter of `base` with random A and B (scaled by `gain`) into `out`."""
+    """Save a PEFT adapter of `base` (a folder, or an HF model loaded from it: copied, not changed) with random A
+    and B (B scaled by `gain`) into `out`."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    model = _base(base)
+    model = _base(base) if isinstance(base, Path) else copy.deepcopy(base)
     config = LoraConfig(
         r=rank,
         lora_alpha=alpha,
@@ -41,14 +44,18 @@ def make_adapter(
     return out
 
 
-def load_peft(base: Path, adapter: Path):  # type: ignore[no-untyped-def]
-    """HF's model with the adapter applied (the reference)."""
+def load_peft(base: Path | Any, adapter: Path):  # type: ignore[no-untyped-def]
+    """HF's model with the adapter applied (the reference); `base` as in make_adapter."""
     from peft import PeftModel
 
-    return PeftModel.from_pretrained(_base(base), adapter).eval()
+    model = _base(base) if isinstance(base, Path) else copy.deepcopy(base)
+    return PeftModel.from_pretrained(model, adapter).eval()
 
 
-def _base(base: Path):  # type: ignore[no-untyped-def]
+def load_base(base: Path):  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+
+
+_base = load_base
