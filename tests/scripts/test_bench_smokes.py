@@ -94,3 +94,12 @@ def test_bench_overhead_smoke_measures_both_paths_per_component(smollm2_dir: Pat
     assert "worker_process_ms" not in rows["in-process"]
     assert report["sampler"]["vocab"] == 49152 and report["sampler"]["wall_ms"] > 0
     assert "| worker process | 8 | 10 |" in stdout and "| greedy | 16 | 49152 |" in stdout
+
+
+@pytest.mark.slow
+def test_bench_lora_smoke_runs_base_and_mixed_adapter_batches(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    stdout, report = _smoke("bench_lora.py", tiny_llama_dir, tmp_path / "lora.json")
+    assert [(r["adapters"], r["rank"]) for r in report["rows"]] == [(1, 8), (2, 8)]
+    assert all(r["base tok/s"] > 0 and r["LoRA tok/s"] > 0 for r in report["rows"])
+    assert report["base, LoRA off tok/s"] > 0
+    assert "| adapters | rank | base tok/s | LoRA tok/s | step time vs base |" in stdout
