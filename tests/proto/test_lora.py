@@ -19,8 +19,11 @@ BASE = BaseShapes(hidden=64, q_size=64, kv_size=32, intermediate=128, num_layers
 PREFIX = "base_model.model.model.layers"
 
 
-def adapter(folder: Path, rank: int = 4, config: dict[str, Any] | None = None, **shapes: tuple[int, ...]) -> Path:
+def adapter(
+    folder: Path, rank: int = 4, config: dict[str, Any] | None = None, shapes: dict[str, tuple[int, ...]] | None = None
+) -> Path:
     """An adapter of q_proj and down_proj on both layers; `shapes` overrides a tensor's shape by short name."""
+    shapes = shapes or {}
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for layer in range(2):
@@ -50,7 +53,10 @@ def test_a_good_adapter_gives_its_modules_rank_and_scale(tmp_path: Path) -> None
     ("make", "error"),
     [
         (lambda p: adapter(p, rank=16), "r 16 exceeds --max-lora-rank 8"),
-        (lambda p: adapter(p, **{"1.q_proj.A": (4, 32)}), r"q_proj.lora_A.weight: shape \[4, 32\].*need \[4, 64\]"),
+        (
+            lambda p: adapter(p, shapes={"1.q_proj.A": (4, 32)}),
+            r"q_proj.lora_A.weight: shape \[4, 32\].*need \[4, 64\]",
+        ),
         (lambda p: adapter(p, config={"use_dora": True}), "use_dora: DoRA is not supported"),
         (lambda p: adapter(p, config={"bias": "all"}), "only bias 'none'"),
         (lambda p: adapter(p, config={"peft_type": "IA3"}), "only LORA adapters"),

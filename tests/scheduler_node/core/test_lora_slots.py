@@ -25,7 +25,8 @@ def test_pinned_slots_stay_and_the_least_recently_used_idle_one_is_taken() -> No
         slots.pin(C)
     slots.unpin(B)
     assert slots.fits(C) and slots.pin(C).slot == 1  # B's idle slot
-    slots.unpin(A), slots.unpin(A), slots.unpin(C)
+    for lora in (A, A, C):
+        slots.unpin(lora)
     assert slots.pinned == 0 and slots.resident() == {1: 0, 3: 0}
     assert slots.pin(B).slot == 0  # A was used less recently than C
 
