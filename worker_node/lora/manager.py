@@ -141,8 +141,7 @@ class LoraManager:
         stack = self._stacks.get(key)
         if stack is None:
             return None
-        x = args[0]
-        return out.add_(F.linear(F.linear(x, stack.a) * self._mask(stack), stack.b))
+        return out.addmm_(F.linear(args[0], stack.a).mul_(self._mask(stack)), stack.b.t())
 
     def close(self) -> None:
         for hook in self._hooks:
