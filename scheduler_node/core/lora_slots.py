@@ -8,7 +8,10 @@ adapter. A request whose adapter has no slot and finds none free waits; requests
 from __future__ import annotations
 
 import itertools
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from proto.wire import LoraAdapter
 
@@ -25,6 +28,19 @@ class LoraRef:
     @property
     def cache_salt(self) -> str:
         return f"\x00lora:{self.fingerprint or self.id}"
+
+
+class _HasLora(Protocol):
+    @property
+    def lora(self) -> LoraRef | None: ...
+
+
+def lora_requests(running: Iterable[_HasLora], waiting: Iterable[_HasLora]) -> dict[tuple[str, ...], float]:
+    """(adapter name, state) -> requests, for the metrics."""
+    counts: Counter[tuple[str, ...]] = Counter()
+    for state, requests in (("running", running), ("waiting", waiting)):
+        counts.update((r.lora.name, state) for r in requests if r.lora is not None)
+    return {key: float(n) for key, n in counts.items()}
 
 
 class LoraSlots:

@@ -7,7 +7,7 @@ import pytest
 
 from proto.wire import SamplingOptions
 from scheduler_node.core.config import SchedulerConfig
-from scheduler_node.core.lora_slots import LoraRef, LoraSlots
+from scheduler_node.core.lora_slots import LoraRef, LoraSlots, lora_requests
 from scheduler_node.core.request import Request, Status, StopConditions
 from scheduler_node.core.scheduler import Scheduler
 
@@ -46,6 +46,7 @@ def test_a_request_without_a_slot_waits_and_the_others_pass() -> None:
     assert new == {first.handle: plan.new_requests[0].lora, base.handle: None}
     assert plan.new_requests[0].lora is not None and plan.new_requests[0].lora.slot == 0
     assert second.status is Status.WAITING
+    assert lora_requests(s.running, s.waiting) == {("a", "running"): 1.0, ("b", "waiting"): 1.0}  # the metrics
     s.finish("a", Status.FINISHED_ABORTED)
     plan = s.schedule()
     assert [(r.handle, r.lora and (r.lora.id, r.lora.slot)) for r in plan.new_requests] == [(second.handle, (2, 0))]
