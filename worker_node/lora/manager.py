@@ -141,7 +141,8 @@ class LoraManager:
         stack = self._stacks.get(key)
         if stack is None:
             return None
-        return out.addmm_(F.linear(args[0], stack.a).mul_(self._mask(stack)), stack.b.t())
+        # Out of place: a base layer may return a view of a buffer of its own (a quantized kernel's workspace).
+        return torch.addmm(out, F.linear(args[0], stack.a).mul_(self._mask(stack)), stack.b.t())
 
     def close(self) -> None:
         for hook in self._hooks:
