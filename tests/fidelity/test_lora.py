@@ -76,6 +76,11 @@ def test_mixed_batch_of_adapters_and_base_matches_peft(
     with EngineRun(runner, tokenizer_dir=tiny_llama_dir, max_loras=4, max_num_batched_tokens=64) as run:
         requests = [run.add(p, 12, lora=None if i is None else refs[i]) for p, i in zip(prompts, loras)]
         run.run()
+        # One adapter of the four resident: its own columns of the stacks, not the whole stacks.
+        extra = _prompts(6, 2)
+        requests += [run.add(p, 12, lora=refs[2]) for p in extra]
+        prompts, loras = prompts + extra, loras + [2, 2]
+        run.run()
         assert run.scheduler.blocks.num_free == 64
     assert runner.lora is not None and runner.lora.loads == 4
     outputs = {tuple(r.output) for r in requests[1:6]}

@@ -15,6 +15,7 @@ compose with any base layer (dense or quantised) and change no parameter name th
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,7 +30,7 @@ from torch import nn
 
 from proto.lora import BaseShapes, inspect_adapter
 from proto.wire import LoraAdapter
-from worker_node.lora.weights import PROJECTIONS, LayerLoras, read_adapter
+from worker_node.lora.weights import PROJECTIONS, LayerLoras, ProjectionLora, read_adapter
 from worker_node.models.decoder import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class Stack:
     b: torch.Tensor  # [out, W]
     owner: torch.Tensor  # [W] int64
     key: tuple[tuple[int, int], ...]  # (slot, width) of each adapter in it: masks are shared by equal keys
+    spans: dict[int, tuple[int, int]]  # slot -> its columns [start, end)
 
 
 class LoraManager:
@@ -73,6 +75,8 @@ class LoraManager:
         self._stale = False
         self._token_slots: torch.Tensor | None = None  # this step's slot of each token (-1: the base model)
         self._masks: dict[tuple[tuple[int, int], ...], torch.Tensor] = {}
+        self._active: list[int] = []  # this step's slots
+        self._row_masks: dict[int, torch.Tensor] = {}  # slot -> [T, 1]: its tokens
         self._hooks = [
             module.register_forward_hook(partial(self._hook, (i, fused)))
             for i, layer in enumerate(model.layers)
@@ -97,9 +101,10 @@ class LoraManager:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the resident adapters and of their stacks."""
-        own = sum(p.nbytes for r in self.slots.values() for p in r.layers.values())
-        return own + sum(s.a.nbytes + s.b.nbytes for s in self._stacks.values())
+        """Bytes of the resident adapters (in their stacks once a step has run with them)."""
+        if self._stale:
+            return sum(p.nbytes for r in self.slots.values() for p in r.layers.values())
+        return sum(s.a.nbytes + s.b.nbytes for s in self._stacks.values())
 
     @contextmanager
     def step(self, token_slots: np.ndarray) -> Iterator[None]:
@@ -107,24 +112,35 @@ class LoraManager:
         if self._stale:
             self._restack()
         self._token_slots = torch.from_numpy(token_slots).to(self.device)
+        self._active = np.unique(token_slots[token_slots >= 0]).tolist()
         try:
             yield
         finally:
             self._token_slots = None
             self._masks.clear()
+            self._row_masks.clear()
 
     def _restack(self) -> None:
-        stacks: dict[tuple[int, str], list[tuple[int, Any]]] = {}
+        """Stack the resident adapters of each projection; each adapter keeps views into its stacks, so its
+        weights are held once (one projection's stack more while it is rebuilt)."""
+        entries: dict[tuple[int, str], list[tuple[int, ProjectionLora]]] = {}
         for slot in sorted(self.slots):
             for key, update in self.slots[slot].layers.items():
-                stacks.setdefault(key, []).append((slot, update))
-        self._stacks = {}
-        for key, entries in stacks.items():
-            widths = tuple((slot, u.a.shape[0]) for slot, u in entries)
+                entries.setdefault(key, []).append((slot, update))
+        self._stacks = {k: s for k, s in self._stacks.items() if k in entries}
+        for key, updates in entries.items():
+            widths = tuple((slot, u.a.shape[0]) for slot, u in updates)
             owner = torch.tensor([slot for slot, w in widths for _ in range(w)], dtype=torch.int64, device=self.device)
-            a = torch.cat([u.a for _, u in entries])
-            b = torch.cat([u.b for _, u in entries], dim=1)
-            self._stacks[key] = Stack(a, b, owner, widths)
+            ends = list(itertools.accumulate(w for _, w in widths))
+            spans = {slot: (end - w, end) for (slot, w), end in zip(widths, ends)}
+            a, b = torch.cat([u.a for _, u in updates]), torch.cat([u.b for _, u in updates], dim=1)
+            stack = Stack(a, b, owner, widths, spans)
+            start = 0
+            for slot, width in widths:
+                view = ProjectionLora(stack.a[start : start + width], stack.b[:, start : start + width])
+                self.slots[slot].layers[key] = view
+                start += width
+            self._stacks[key] = stack  # the previous stack of this projection is freed here
         self._stale = False
 
     def _mask(self, stack: Stack) -> torch.Tensor:
@@ -135,14 +151,31 @@ class LoraManager:
             self._masks[stack.key] = mask
         return mask
 
+    def _row_mask(self, slot: int) -> torch.Tensor:
+        mask = self._row_masks.get(slot)
+        if mask is None:
+            assert self._token_slots is not None
+            mask = (self._token_slots == slot).to(self.dtype)[:, None]
+            self._row_masks[slot] = mask
+        return mask
+
     def _hook(self, key: tuple[int, str], module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> Any:
         if self._token_slots is None:
             return None
         stack = self._stacks.get(key)
         if stack is None:
             return None
+        x = args[0]
         # Out of place: a base layer may return a view of a buffer of its own (a quantized kernel's workspace).
-        return torch.addmm(out, F.linear(args[0], stack.a).mul_(self._mask(stack)), stack.b.t())
+        if 2 * len(self._active) > len(stack.key):  # most resident adapters run: the whole stack at once
+            return torch.addmm(out, F.linear(x, stack.a).mul_(self._mask(stack)), stack.b.t())
+        for slot in self._active:  # a few of many: each one's columns of the stack, not every adapter's
+            span = stack.spans.get(slot)
+            if span is not None:
+                start, end = span
+                xa = F.linear(x, stack.a[start:end]).mul_(self._row_mask(slot))
+                out = torch.addmm(out, xa, stack.b[:, start:end].t())
+        return out
 
     def close(self) -> None:
         for hook in self._hooks:
