@@ -1,0 +1,117 @@
+"""Putting a model's linear layers into a weight format (`--quantization`, a checkpoint's `quantization_config`).
+
+Quantized: every decoder layer's projections (fused q/k/v, o, fused gate/up, down) and, when the format is made
+on load, the LM head, whose per-row scales keep the logits close (a tied embedding then looks its rows up in the
+quantized head rather than keep a full-precision copy). Checkpoint formats (AWQ) keep the LM head as they store
+it. Norms, biases, a MoE router and stacked experts stay in the model dtype.
+
+The model is built on meta with `QuantLinear`s in place (`prepare_model`), and the loader fills their tensors
+through `QuantizedCheckpoint`: a checkpoint's own quantized tensors, or ones quantized from its full-precision
+weight the first time a part is asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from proto.quantization import QuantizationError
+from worker_node.models.quant_int8 import Int8Method
+from worker_node.models.quant_linear import QuantLinear, QuantMethod, TensorAxes
+
+QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+METHODS: dict[str, type[QuantMethod]] = {"int8": Int8Method}
+
+
+def make_method(name: str, device: torch.device, config: dict[str, Any] | None = None) -> QuantMethod:
+    """The method of format `name` on `device` (`config`: the checkpoint's quantization_config)."""
+    if name not in METHODS:
+        raise QuantizationError(f"--quantization {name}: no implementation (available: {', '.join(METHODS)})")
+    method = METHODS[name]()
+    method.check(device, config or {})
+    return method
+
+
+def prepare_model(model: nn.Module, method: QuantMethod) -> None:
+    """Replace the (meta) model's projections, and its LM head when made on load, by empty `method` layers."""
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and child_name in QUANTIZED_LINEARS:
+                quantized = QuantLinear.empty(method, child.out_features, child.in_features, child.bias is not None)
+                setattr(module, child_name, quantized)
+    head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
+    if head is None or not method.quantize_on_load:
+        return
+    tied = embed is not None and embed.weight is head.weight
+    rows, hidden = head.weight.shape
+    head.quant = QuantLinear.empty(method, rows, hidden)
+    del head.weight
+    if tied and embed is not None:
+        embed.share_quantized(head.quant)
+
+
+def share_tied(model: nn.Module, dtype: torch.dtype) -> None:
+    """After loading: a tied embedding reads the LM head's quantized rows (one copy), in the model dtype."""
+    head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
+    if embed is not None and embed.quant is not None and head is not None and head.quant is not None:
+        embed.share_quantized(head.quant)
+        embed.dtype = dtype
+
+
+def after_load(model: nn.Module) -> None:
+    """Each quantized layer's method prepares it for its kernel, once it is on its device in its dtype."""
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.method.after_load(module)
+
+
+def quant_axes(method: QuantMethod | None, name: str) -> TensorAxes:
+    """How TP cuts the tensor behind our parameter `name`: a quantized tensor's own axes, else a weight's."""
+    if method is not None:
+        part = name.rsplit(".", 1)[-1]
+        if part in method.axes:
+            return method.axes[part]
+    return TensorAxes(0, 1)
+
+
+class QuantizedCheckpoint:
+    """A checkpoint seen through a format: `prefix.qweight` is the checkpoint's own when it has it, else made by
+    quantizing `prefix.weight` (once per weight; every part is handed out, then the cache forgets it)."""
+
+    def __init__(self, hf: Any, method: QuantMethod) -> None:
+        self.hf, self.method = hf, method
+        self._made: dict[str, dict[str, torch.Tensor]] = {}
+
+    def __contains__(self, name: str) -> bool:
+        prefix, _, part = name.rpartition(".")
+        return name in self.hf or (self._makes(part) and f"{prefix}.weight" in self.hf)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        prefix, _, part = name.rpartition(".")
+        if name in self.hf or not self._makes(part):
+            return self.hf[name]
+        if prefix not in self._made:
+            self._made[prefix] = self.method.quantize(self.hf[f"{prefix}.weight"])
+        made = self._made[prefix]
+        tensor = made.pop(part)
+        if not made:
+            del self._made[prefix]
+        return tensor
+
+    def _makes(self, part: str) -> bool:
+        return self.method.quantize_on_load and part in self.method.axes and part != "weight"
+
+    def close(self) -> None:
+        self.hf.close()
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights as held: parameters and quantized tensors, a shared one once."""
+    tensors: dict[int, torch.Tensor] = {t.data_ptr(): t for t in model.parameters()}
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            tensors.update({t.data_ptr(): t for t in module.buffers(recurse=False)})
+    return sum(t.numel() * t.element_size() for t in tensors.values())
