@@ -63,5 +63,3 @@ def resolve_quantization(requested: str, folder: str | Path) -> str:
             "can be made on load"
         )
     return requested
-
-

@@ -26,6 +26,7 @@ from worker_node.models.quant_linear import QuantMethod, TensorAxes
 from worker_node.models.quantize import (
     QuantizedCheckpoint,
     after_load,
+    cast_model,
     make_method,
     prepare_model,
     quant_axes,
@@ -123,16 +124,14 @@ def load_model(
     if method is not None:
         hf = QuantizedCheckpoint(hf, method)
     try:
-        state = {
-            name: _hf_tensor(hf, name, config, where, model.first_layer, method) for name in model.state_dict()
-        }
+        state = {name: _hf_tensor(hf, name, config, where, model.first_layer, method) for name in model.state_dict()}
     finally:
         hf.close()
     model.load_state_dict(state, assign=True, strict=True)
     model.tie_weights()
     share_tied(model, dtype)
     model.rotary = model.rotary.__class__(config, max_positions)  # buffers were created on meta
-    model.to(device=device, dtype=dtype)
+    cast_model(model, device, dtype)
     model.rotary.to(dtype=torch.float32)
     after_load(model)
     model.eval()

@@ -36,6 +36,7 @@ class QuantMethod:
     name = ""
     axes: dict[str, TensorAxes] = {}
     quantize_on_load = False
+    follows_model_dtype: tuple[str, ...] = ()  # tensors cast to the model dtype; the others keep their own
 
     @property
     def tensor_names(self) -> tuple[str, ...]:
@@ -81,6 +82,7 @@ class QuantLinear(nn.Module):
         for name in method.tensor_names:
             self.register_buffer(name, tensors[name])
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.kernel: dict[str, Any] = {}  # what the method's kernel keeps (a repacked weight), by the method
 
     @classmethod
     def empty(cls, method: QuantMethod, out_features: int, in_features: int, bias: bool = False) -> QuantLinear:
@@ -95,8 +97,22 @@ class QuantLinear(nn.Module):
     def part(self, name: str) -> torch.Tensor:
         """One of the format's tensors (a buffer)."""
         tensor = self._buffers[name]
-        assert tensor is not None
+        if tensor is None:
+            raise RuntimeError(f"{name} was released when the layer was repacked for its kernel")
         return tensor
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """What the layer holds: its format's tensors still kept and its kernel's."""
+        kept = [t for t in self._buffers.values() if t is not None]
+        return kept + [t for t in self.kernel.values() if isinstance(t, torch.Tensor)]
+
+    def cast(self, dtype: torch.dtype) -> None:
+        """The bias and the tensors that follow the model dtype to `dtype`; codes, zero points and scales the
+        format keeps in their own dtype stay (an fp8 weight is a float that must not become bf16)."""
+        for name in self.method.follows_model_dtype:
+            self._buffers[name] = self.part(name).to(dtype)
+        if self.bias is not None:
+            self.bias.data = self.bias.data.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.forward(self, x)

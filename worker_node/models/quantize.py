@@ -18,12 +18,13 @@ import torch
 from torch import nn
 
 from proto.quantization import QuantizationError
+from worker_node.models.quant_awq import AwqMethod
 from worker_node.models.quant_int8 import Int8Method
 from worker_node.models.quant_linear import QuantLinear, QuantMethod, TensorAxes
 
 QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
-METHODS: dict[str, type[QuantMethod]] = {"int8": Int8Method}
+METHODS: dict[str, type[QuantMethod]] = {"int8": Int8Method, "awq": AwqMethod}
 
 
 def make_method(name: str, device: torch.device, config: dict[str, Any] | None = None) -> QuantMethod:
@@ -59,6 +60,16 @@ def share_tied(model: nn.Module, dtype: torch.dtype) -> None:
     if embed is not None and embed.quant is not None and head is not None and head.quant is not None:
         embed.share_quantized(head.quant)
         embed.dtype = dtype
+
+
+def cast_model(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """`model.to(device, dtype)`, except that quantized layers cast only what their format lets follow the dtype."""
+    model.to(device=device)
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.cast(dtype)
+        else:
+            module._apply(lambda t: t.to(dtype) if t.is_floating_point() else t, recurse=False)
 
 
 def after_load(model: nn.Module) -> None:
@@ -113,5 +124,5 @@ def weight_bytes(model: nn.Module) -> int:
     tensors: dict[int, torch.Tensor] = {t.data_ptr(): t for t in model.parameters()}
     for module in model.modules():
         if isinstance(module, QuantLinear):
-            tensors.update({t.data_ptr(): t for t in module.buffers(recurse=False)})
+            tensors.update({t.data_ptr(): t for t in module.held_tensors()})
     return sum(t.numel() * t.element_size() for t in tensors.values())

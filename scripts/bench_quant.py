@@ -1,0 +1,242 @@
+"""Quantized weights vs bf16 on one CPU, in one run: per format, the weight bytes a rank holds, decode tok/s at 1,
+16 and 64 sequences, prefill tok/s, the mixed workload of bench_throughput.py, and fidelity to the bf16 model on a
+fixed text (top-1 agreement of the next-token argmax, teacher-forced, over --positions positions; perplexity).
+
+    .venv/bin/python scripts/bench_quant.py                      # SmolLM2-135M, none (bf16) and int8
+    .venv/bin/python scripts/bench_quant.py --kernels            # also the int8 kernels per row count
+    .venv/bin/python scripts/bench_quant.py --smoke              # what CI runs: a tiny model, tiny sizes
+
+Every engine runs in-process (minivllm.LLM), one format at a time, with --threads threads. Decode figures count
+output tokens over the whole generate call of N sequences (16-token prompts prefilled first); prefill figures are
+prompt tokens over a generate call that asks for one output token each. The machine is shared: only ratios
+inside one run mean much.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench_throughput import workload  # noqa: E402
+
+from minivllm import LLM, SamplingParams  # noqa: E402
+
+# A fixed English text for agreement and perplexity (random token ids would make every model's argmax noise).
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined a screw "
+    "press with movable metal type, oil-based ink and a mould that cast letters quickly and evenly. Before him, "
+    "books in Europe were copied by hand, a slow and costly craft that kept them in the hands of monasteries, "
+    "universities and the very rich. Within fifty years of his first Bible, presses were at work in more than two "
+    "hundred cities, and millions of volumes had been printed. Prices fell, literacy spread, and ideas travelled "
+    "faster than ever before. Scholars could compare identical copies of a text, which made errors easier to find "
+    "and arguments easier to follow. Merchants printed price lists and maps; governments printed laws; reformers "
+    "printed pamphlets that reached readers far beyond the pulpit. The new machine did not only copy books, it "
+    "changed what a book was: title pages, page numbers, indexes and standard spellings all grew out of the need "
+    "to sell many identical copies to strangers. In the centuries that followed, steam power, cheaper paper and "
+    "faster presses turned printing into an industry. Newspapers appeared in every large town, and by the "
+    "nineteenth century a worker could buy a daily paper for a penny. Photography, the telegraph and later the "
+    "radio each promised to replace the printed page, yet each ended up feeding it with news and pictures. Today "
+    "most text is read on screens, but the habits formed by print remain: we still expect a document to have an "
+    "author, a date, a fixed form and a place on a shelf, even when the shelf is a server on the other side of "
+    "the world. Historians continue to debate how much of the scientific revolution, the reformation and the rise "
+    "of the modern state can be credited to the press, but few doubt that the ability to copy words cheaply and "
+    "exactly was one of the turning points of human history. The same question is now asked of the machines that "
+    "write text themselves: whether they will change what a text is, as the press did, or only how fast it is made."
+)
+
+
+def engine(model: Path, fmt: str, args: argparse.Namespace) -> LLM:
+    return LLM(
+        str(model),
+        dtype=args.dtype,
+        quantization=fmt,
+        max_num_seqs=64,
+        max_num_batched_tokens=512,
+        kv_cache_memory=args.kv_cache_memory,
+        threads=args.threads,
+    )
+
+
+def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> float:
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    if [len(o.outputs[0].token_ids) for o in outs] != max_tokens:
+        raise RuntimeError("an engine stopped short of the tokens it was asked for")
+    return elapsed
+
+
+def next_token_scores(llm: LLM, ids: list[int]) -> tuple[list[int], list[float]]:
+    """Teacher-forced over `ids`: the argmax at each position and the logprob of the token that follows."""
+    out = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1), use_tqdm=False)[0]
+    entries = out.prompt_logprobs or []
+    best = [e.top[0][0] for e in entries[1:] if e is not None]
+    logprobs = [e.logprob for e in entries[1:] if e is not None]
+    return best, logprobs
+
+
+def weight_bytes(model: Path, fmt: str, dtype: str) -> int:
+    import torch
+
+    from kernels.backend import select_attention_backend
+    from worker_node.loading import pick_dtype
+    from worker_node.models.loader import load_model
+    from worker_node.models.quantize import weight_bytes as held
+
+    cpu = torch.device("cpu")
+    loaded = load_model(
+        model, select_attention_backend("torch", cpu), pick_dtype(dtype, cpu), cpu, 64, quantization=fmt
+    )
+    return held(loaded)
+
+
+def measure(model: Path, fmt: str, args: argparse.Namespace, text_ids: list[int], vocab: int) -> dict[str, Any]:
+    row: dict[str, Any] = {"format": fmt, "weight_MB": weight_bytes(model, fmt, args.dtype) / 1e6}
+    rng = random.Random(0)
+    with engine(model, fmt, args) as llm:
+        timed_generate(llm, [[5, 6, 7]], [2])  # warm-up
+        for n in args.decode_seqs:
+            prompts = [[rng.randrange(3, vocab) for _ in range(16)] for _ in range(n)]
+            row[f"decode_{n}_tok_s"] = n * args.decode_tokens / timed_generate(llm, prompts, [args.decode_tokens] * n)
+        prompts = [[rng.randrange(3, vocab) for _ in range(args.prefill_len)] for _ in range(args.prefill_seqs)]
+        row["prefill_tok_s"] = args.prefill_seqs * args.prefill_len / timed_generate(llm, prompts, [1] * len(prompts))
+        work = workload(args.mixed_requests, 0, vocab, *args.mixed_ranges)
+        mixed = timed_generate(llm, [p for p, _ in work], [o for _, o in work])
+        row["mixed_tok_s"] = sum(o for _, o in work) / mixed
+        best, logprobs = next_token_scores(llm, text_ids)
+    row["argmax"] = best
+    row["perplexity"] = math.exp(-sum(logprobs) / len(logprobs))
+    return row
+
+
+def kernel_table(rows: list[int], repeats: int) -> list[dict[str, Any]]:
+    """ms of one SmolLM2 decoder layer's four projections (and of the LM head) per int8 kernel and row count."""
+    import torch
+    import torch.nn.functional as F
+
+    from worker_node.models.quant_int8 import quantize_rows
+
+    def fastest(run: Any) -> float:
+        run()
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run()
+            best = min(best, time.perf_counter() - start)
+        return best * 1e3
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"layer": [(960, 576), (576, 576), (3072, 576), (576, 1536)], "head": [(49152, 576)]}
+    table = []
+    for what, dims in shapes.items():
+        full = [torch.randn(o, i, generator=gen) * 0.02 for o, i in dims]
+        bf16 = [w.bfloat16() for w in full]
+        quant = [quantize_rows(w) for w in full]
+        q = [(qw, s.bfloat16()) for qw, s in quant]
+        for n in rows:
+            xs = [torch.randn(n, w.shape[1], generator=gen).bfloat16() for w in full]
+            kernels = {
+                "bf16 matmul": lambda xs=xs, ws=bf16: [F.linear(x, w) for x, w in zip(xs, ws)],
+                "int8pack_mm": lambda xs=xs, q=q: [
+                    torch.ops.aten._weight_int8pack_mm(x, w, s) for x, (w, s) in zip(xs, q)
+                ],
+                "int8 -> bf16, matmul": lambda xs=xs, q=q: [
+                    F.linear(x, w.to(torch.bfloat16)) * s for x, (w, s) in zip(xs, q)
+                ],
+            }
+            table.append({"what": what, "rows": n, **{k: fastest(run) for k, run in kernels.items()}})
+            print(
+                f"kernels {what} rows {n}: " + ", ".join(f"{k} {v:.3f}" for k, v in table[-1].items() if k[0] in "bi")
+            )
+    return table
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="default", help="HF folder, or 'default' (SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--formats", default="none,int8", help="--quantization values, comma-separated; the first is the reference"
+    )
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--kv-cache-memory", default="2GiB")
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--positions", type=int, default=400, help="teacher-forced positions of the fixed text")
+    p.add_argument("--kernels", action="store_true", help="also time the int8 kernels per row count")
+    p.add_argument("--smoke", action="store_true", help="a tiny model and tiny sizes: checks the script (CI)")
+    p.add_argument("--json", type=Path, help="also write the figures here")
+    args = p.parse_args()
+    args.decode_seqs, args.prefill_seqs, args.prefill_len = [1, 16, 64], 8, 256
+    args.mixed_requests, args.mixed_ranges = 48, ((32, 512), (16, 256))
+    if args.smoke:
+        args.decode_seqs, args.decode_tokens, args.prefill_seqs, args.prefill_len = [1, 4], 4, 2, 32
+        args.mixed_requests, args.mixed_ranges, args.positions = 4, ((8, 24), (2, 6)), 40
+        args.kv_cache_memory = "128MiB"
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    from scheduler_node.engine.model_path import resolve_model
+    from scheduler_node.text.tokenizer import ModelTokenizer
+
+    model = resolve_model(args.model)
+    tokenizer = ModelTokenizer(model)
+    text_ids = tokenizer.encode(TEXT)[: args.positions + 1]
+    if len(text_ids) <= args.positions:
+        raise SystemExit(f"the fixed text has {len(text_ids)} tokens, fewer than --positions {args.positions} + 1")
+    report: dict[str, Any] = {
+        "date": datetime.datetime.now().isoformat(timespec="minutes"),
+        "threads": args.threads,
+        "load_average": os.getloadavg(),
+        "dtype": args.dtype,
+        "rows": [],
+    }
+    if args.kernels:
+        report["kernels"] = kernel_table([1, 4, 16, 64, 256] if not args.smoke else [1, 16], 3 if args.smoke else 20)
+    rows = report["rows"]
+    for fmt in args.formats.split(","):
+        rows.append(measure(model, fmt, args, text_ids, tokenizer.vocab_size))
+        print(f"{fmt}: " + ", ".join(f"{k} {v:.1f}" for k, v in rows[-1].items() if isinstance(v, float)), flush=True)
+    reference = rows[0]["argmax"]
+    for row in rows:
+        row["top1_agreement"] = sum(a == b for a, b in zip(row["argmax"], reference)) / args.positions
+    for row in rows:
+        del row["argmax"]
+    report["load_average_after"] = os.getloadavg()
+    print_table(report, args)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def print_table(report: dict[str, Any], args: argparse.Namespace) -> None:
+    rows, base = report["rows"], report["rows"][0]
+    print(f"\n{report['date']}, {args.threads} threads, {args.dtype} activations, load {report['load_average']}")
+    decode = [f"decode {n} seqs" for n in args.decode_seqs]
+    head = ["format", "weight MB", *decode, "prefill", "mixed", "top-1 vs first", "perplexity"]
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for r in rows:
+        speeds = [f"decode_{n}_tok_s" for n in args.decode_seqs] + ["prefill_tok_s", "mixed_tok_s"]
+        cells = [f"{r[k]:.1f} ({r[k] / base[k]:.2f}x)" for k in speeds]
+        print(
+            f"| {r['format']} | {r['weight_MB']:.0f} | "
+            + " | ".join(cells)
+            + f" | {100 * r['top1_agreement']:.1f}% | {r['perplexity']:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
