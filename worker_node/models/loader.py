@@ -198,7 +198,7 @@ def _fused(
     names = [hf_name.replace(fused, part) for part in parts]
     if axes.out_dim is None:  # not per output channel (a per-tensor scale): one for the fused layer
         return hf[names[0]] if names[0] in hf else hf[hf_name]
-    if names[0] in hf:
+    if names[0] in hf or hf_name not in hf:  # separate tensors (a missing one is named as the checkpoint names it)
         tensors = [hf[n] for n in names]
     else:
         q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim

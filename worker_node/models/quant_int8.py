@@ -22,10 +22,15 @@ QMAX = 127
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8: (qweight int8 [N, K], scales float32 [N]); an all-zero row gets scale 1."""
+    """Symmetric per-row int8: (qweight int8 [N, K], scales float32 [N]); an all-zero row gets scale 1.
+
+    The scales are bf16 numbers (rounded up, so no code clips): a bf16 model multiplies by them in bf16, and
+    rounding them after quantizing would scale each row by up to 1 +- 2^-8 on top of the codes' own error."""
     w = weight.float()
     amax = w.abs().amax(dim=1)
-    scales = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+    exact = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+    scales = exact.bfloat16().float()
+    scales = torch.where(scales < exact, (scales * (1 + 2**-7)).bfloat16().float(), scales)
     q = torch.round(w / scales[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
     return q, scales
 
