@@ -25,7 +25,7 @@ pytestmark = pytest.mark.model
 AwqModel = tuple[Path, Path, dict[str, torch.Tensor]]  # the full-precision source, its AWQ checkpoint, W' by name
 
 
-@pytest.mark.parametrize("fmt", ["int8"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_quantized_matches_hf_on_dequantized_weights(fmt: str, tiny_model_dir: Callable[[str], Path]) -> None:
     folder = tiny_model_dir("qwen3")  # q/k norms and its own head_dim: every projection's shape differs
     runner = load_runner(folder, NUM_BLOCKS, BLOCK, quantization=fmt)

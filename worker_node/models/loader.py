@@ -114,15 +114,17 @@ def load_model(
     folder = Path(folder)
     config = ModelConfig.from_folder(folder)
     quantization = resolve_quantization(quantization, folder)
-    method = make_method(quantization, device, checkpoint_quantization(folder)) if quantization != "none" else None
+    stored = checkpoint_quantization(folder)
+    method = make_method(quantization, device, stored) if quantization != "none" else None
+    made_on_load = not stored  # a full-precision checkpoint, quantized as it loads
     where.layout.check_model(config.num_heads, config.num_kv_heads, config.intermediate_size, config.num_layers)
     with torch.device("meta"):
         model = model_class(config.architecture)(config, backend, max_positions, where, comm)
         if method is not None:
-            prepare_model(model, method)
+            prepare_model(model, method, made_on_load)
     hf: Checkpoint = open_checkpoint(folder)
     if method is not None:
-        hf = QuantizedCheckpoint(hf, method)
+        hf = QuantizedCheckpoint(hf, method, made_on_load)
     try:
         state = {name: _hf_tensor(hf, name, config, where, model.first_layer, method) for name in model.state_dict()}
     finally:

@@ -38,7 +38,6 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Int8Method(QuantMethod):
     name = "int8"
     axes = {"qweight": TensorAxes(0, 1), "scales": TensorAxes(0, None)}
-    quantize_on_load = True
     follows_model_dtype = ("scales",)  # the packed GEMV takes them in the activations' dtype
 
     def empty(self, out_features: int, in_features: int) -> dict[str, torch.Tensor]:

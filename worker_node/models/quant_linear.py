@@ -14,6 +14,7 @@ scales; fp8 rows and scales) as buffers and asks its `QuantMethod` to multiply. 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -31,11 +32,11 @@ class TensorAxes(NamedTuple):
 
 
 class QuantMethod:
-    """One weight format. `axes` names its tensors; `quantize_on_load`: it can be made from a full weight."""
+    """One weight format: `axes` names its tensors and says how TP cuts them."""
 
     name = ""
     axes: dict[str, TensorAxes] = {}
-    quantize_on_load = False
+    quantize_head = True  # made on load: the LM head too (a checkpoint format keeps the head it stores)
     follows_model_dtype: tuple[str, ...] = ()  # tensors cast to the model dtype; the others keep their own
 
     @property
@@ -44,6 +45,11 @@ class QuantMethod:
 
     def check(self, device: torch.device, config: dict[str, Any]) -> None:
         """Refuse (QuantizationError naming the key) a device without a path or a checkpoint config we cannot read."""
+
+    def from_checkpoint(self, part: str, tensor: torch.Tensor, rows: Callable[[], int]) -> torch.Tensor:
+        """A tensor as a checkpoint in this format stores it, in the shape the layer holds (`rows()`: the layer's
+        output channels, read only when needed)."""
+        return tensor
 
     def empty(self, out_features: int, in_features: int) -> dict[str, torch.Tensor]:
         """Uninitialised tensors of the format's shapes (built on meta, then assigned from the checkpoint)."""

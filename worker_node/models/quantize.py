@@ -19,12 +19,17 @@ from torch import nn
 
 from proto.quantization import QuantizationError
 from worker_node.models.quant_awq import AwqMethod
+from worker_node.models.quant_fp8 import Fp8Method
 from worker_node.models.quant_int8 import Int8Method
 from worker_node.models.quant_linear import QuantLinear, QuantMethod, TensorAxes
 
 QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# The checkpoint's modules behind them (and fused as some checkpoints store them); the LM head and a tied
+# embedding when the method quantizes the head.
+CHECKPOINT_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", *QUANTIZED_LINEARS)
+HEAD_MODULES = ("lm_head", "model.embed_tokens")
 
-METHODS: dict[str, type[QuantMethod]] = {"int8": Int8Method, "awq": AwqMethod}
+METHODS: dict[str, type[QuantMethod]] = {"int8": Int8Method, "awq": AwqMethod, "fp8": Fp8Method}
 
 
 def make_method(name: str, device: torch.device, config: dict[str, Any] | None = None) -> QuantMethod:
@@ -36,7 +41,7 @@ def make_method(name: str, device: torch.device, config: dict[str, Any] | None =
     return method
 
 
-def prepare_model(model: nn.Module, method: QuantMethod) -> None:
+def prepare_model(model: nn.Module, method: QuantMethod, made_on_load: bool) -> None:
     """Replace the (meta) model's projections, and its LM head when made on load, by empty `method` layers."""
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
@@ -44,7 +49,7 @@ def prepare_model(model: nn.Module, method: QuantMethod) -> None:
                 quantized = QuantLinear.empty(method, child.out_features, child.in_features, child.bias is not None)
                 setattr(module, child_name, quantized)
     head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
-    if head is None or not method.quantize_on_load:
+    if head is None or not (made_on_load and method.quantize_head):
         return
     tied = embed is not None and embed.weight is head.weight
     rows, hidden = head.weight.shape
@@ -89,21 +94,32 @@ def quant_axes(method: QuantMethod | None, name: str) -> TensorAxes:
 
 
 class QuantizedCheckpoint:
-    """A checkpoint seen through a format: `prefix.qweight` is the checkpoint's own when it has it, else made by
-    quantizing `prefix.weight` (once per weight; every part is handed out, then the cache forgets it)."""
+    """A checkpoint seen through a format. `made_on_load`: a full-precision checkpoint, whose `prefix.weight` is
+    quantized the first time one of the format's tensors under `prefix` is asked for (every part is handed out,
+    then forgotten); else a checkpoint in the format, whose tensors the method puts in the shape it holds."""
 
-    def __init__(self, hf: Any, method: QuantMethod) -> None:
-        self.hf, self.method = hf, method
+    def __init__(self, hf: Any, method: QuantMethod, made_on_load: bool) -> None:
+        self.hf, self.method, self.made_on_load = hf, method, made_on_load
         self._made: dict[str, dict[str, torch.Tensor]] = {}
+
+    def _quantized(self, prefix: str, part: str) -> bool:
+        """Whether `prefix.part` is one of the format's tensors of a quantized layer (not a norm's weight)."""
+        module = prefix.rsplit(".", 1)[-1]
+        head = self.method.quantize_head and prefix in HEAD_MODULES
+        return part in self.method.axes and (module in CHECKPOINT_LINEARS or head)
 
     def __contains__(self, name: str) -> bool:
         prefix, _, part = name.rpartition(".")
-        return name in self.hf or (self._makes(part) and f"{prefix}.weight" in self.hf)
+        if self.made_on_load and self._quantized(prefix, part):
+            return f"{prefix}.weight" in self.hf
+        return name in self.hf
 
     def __getitem__(self, name: str) -> torch.Tensor:
         prefix, _, part = name.rpartition(".")
-        if name in self.hf or not self._makes(part):
+        if not self._quantized(prefix, part):
             return self.hf[name]
+        if not self.made_on_load:
+            return self.method.from_checkpoint(part, self.hf[name], lambda: self.hf[f"{prefix}.weight"].shape[0])
         if prefix not in self._made:
             self._made[prefix] = self.method.quantize(self.hf[f"{prefix}.weight"])
         made = self._made[prefix]
@@ -111,9 +127,6 @@ class QuantizedCheckpoint:
         if not made:
             del self._made[prefix]
         return tensor
-
-    def _makes(self, part: str) -> bool:
-        return self.method.quantize_on_load and part in self.method.axes and part != "weight"
 
     def close(self) -> None:
         self.hf.close()
