@@ -17,8 +17,8 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 @torch.inference_mode()
 def hf_on_dequantized(folder: Path, method: QuantMethod):  # type: ignore[no-untyped-def]
     """HF's float32 model of `folder` whose projections (and LM head, when the method quantizes it) hold the
-    method's dequantized weights. Per-output-channel formats quantize a fused q/k/v row by row, so quantizing q, k and v apart
-    gives the same numbers."""
+    method's dequantized weights. Per-output-channel formats quantize a fused q/k/v row by row, so quantizing
+    q, k and v apart gives the same numbers."""
     hf = load_hf(folder)
     head = method.quantize_head
     for name, param in hf.named_parameters():
