@@ -1,6 +1,9 @@
 """Quantized weights vs bf16 on one CPU, in one run: per format, the weight bytes a rank holds, decode tok/s at 1,
-16 and 64 sequences, prefill tok/s, the mixed workload of bench_throughput.py, and fidelity to the bf16 model on a
-fixed text (top-1 agreement of the next-token argmax, teacher-forced, over --positions positions; perplexity).
+16 and 64 sequences, prefill tok/s, the mixed workload of bench_throughput.py, and fidelity to the first format (the
+reference, bf16): top-1 agreement over --positions generated positions (the reference generates
+greedily from prompts cut from a fixed text; each format is teacher-forced on those sequences and its argmax at each
+generated position compared with the reference's token, the first format's own figure being the prefill vs decode
+noise floor) and perplexity on the fixed text.
 
     .venv/bin/python scripts/bench_quant.py                      # SmolLM2-135M, none (bf16) and int8
     .venv/bin/python scripts/bench_quant.py --kernels            # also the int8 kernels per row count
@@ -78,13 +81,31 @@ def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) ->
     return elapsed
 
 
-def next_token_scores(llm: LLM, ids: list[int]) -> tuple[list[int], list[float]]:
-    """Teacher-forced over `ids`: the argmax at each position and the logprob of the token that follows."""
-    out = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1), use_tqdm=False)[0]
-    entries = out.prompt_logprobs or []
-    best = [e.top[0][0] for e in entries[1:] if e is not None]
-    logprobs = [e.logprob for e in entries[1:] if e is not None]
+def next_token_scores(llm: LLM, ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+    """Teacher-forced over each of `ids`: the argmax at each position and the logprob of the token that follows."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    best, logprobs = [], []
+    for out in llm.generate(ids, [params] * len(ids), use_tqdm=False):
+        entries = [e for e in (out.prompt_logprobs or [])[1:] if e is not None]
+        best.append([e.top[0][0] for e in entries])
+        logprobs.append([e.logprob for e in entries])
     return best, logprobs
+
+
+def greedy(llm: LLM, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, [params] * len(prompts), use_tqdm=False)]
+
+
+def agreement(best: list[list[int]], prompts: list[list[int]], generated: list[list[int]]) -> float:
+    """Share of the generated positions where this model's argmax (teacher-forced on the reference's prefix)
+    is the token the reference generated there."""
+    same = total = 0
+    for argmax, prompt, output in zip(best, prompts, generated):
+        start = len(prompt) - 1  # argmax[i] predicts token i + 1
+        same += sum(a == t for a, t in zip(argmax[start : start + len(output)], output))
+        total += len(output)
+    return same / total
 
 
 def weight_bytes(model: Path, fmt: str, dtype: str) -> int:
@@ -102,23 +123,41 @@ def weight_bytes(model: Path, fmt: str, dtype: str) -> int:
     return held(loaded)
 
 
-def measure(model: Path, fmt: str, args: argparse.Namespace, text_ids: list[int], vocab: int) -> dict[str, Any]:
+def measure(
+    model: Path, fmt: str, args: argparse.Namespace, text_ids: list[int], vocab: int, reference: dict[str, Any]
+) -> dict[str, Any]:
+    """One format's row; the first format generates the reference tokens (`reference`, filled in)."""
     row: dict[str, Any] = {"format": fmt, "weight_MB": weight_bytes(model, fmt, args.dtype) / 1e6}
     rng = random.Random(0)
     with engine(model, fmt, args) as llm:
+        if not reference:
+            reference["prompts"] = prompts = agreement_prompts(text_ids, args.agreement_prompts)
+            reference["outputs"] = greedy(llm, prompts, args.positions // len(prompts))
+        sequences = [p + o for p, o in zip(reference["prompts"], reference["outputs"])]
+        best, _ = next_token_scores(llm, sequences)
+        row["top1_agreement"] = agreement(best, reference["prompts"], reference["outputs"])
         timed_generate(llm, [[5, 6, 7]], [2])  # warm-up
-        for n in args.decode_seqs:
+        for n in [] if args.fidelity_only else args.decode_seqs:
             prompts = [[rng.randrange(3, vocab) for _ in range(16)] for _ in range(n)]
             row[f"decode_{n}_tok_s"] = n * args.decode_tokens / timed_generate(llm, prompts, [args.decode_tokens] * n)
+        if args.fidelity_only:
+            _, logprobs = next_token_scores(llm, [text_ids])
+            row["perplexity"] = math.exp(-sum(logprobs[0]) / len(logprobs[0]))
+            return row
         prompts = [[rng.randrange(3, vocab) for _ in range(args.prefill_len)] for _ in range(args.prefill_seqs)]
         row["prefill_tok_s"] = args.prefill_seqs * args.prefill_len / timed_generate(llm, prompts, [1] * len(prompts))
         work = workload(args.mixed_requests, 0, vocab, *args.mixed_ranges)
         mixed = timed_generate(llm, [p for p, _ in work], [o for _, o in work])
         row["mixed_tok_s"] = sum(o for _, o in work) / mixed
-        best, logprobs = next_token_scores(llm, text_ids)
-    row["argmax"] = best
-    row["perplexity"] = math.exp(-sum(logprobs) / len(logprobs))
+        _, logprobs = next_token_scores(llm, [text_ids])
+    row["perplexity"] = math.exp(-sum(logprobs[0]) / len(logprobs[0]))
     return row
+
+
+def agreement_prompts(text_ids: list[int], n: int) -> list[list[int]]:
+    """`n` prompts of 24 tokens from evenly spaced places in the fixed text."""
+    step = len(text_ids) // n
+    return [text_ids[i * step : i * step + 24] for i in range(n)]
 
 
 def kernel_table(rows: list[int], repeats: int) -> list[dict[str, Any]]:
@@ -173,7 +212,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--kv-cache-memory", default="2GiB")
     p.add_argument("--decode-tokens", type=int, default=64)
-    p.add_argument("--positions", type=int, default=400, help="teacher-forced positions of the fixed text")
+    p.add_argument("--positions", type=int, default=400, help="generated positions compared with the first format")
+    p.add_argument("--agreement-prompts", type=int, default=4, help="prompts those positions are generated from")
+    p.add_argument("--fidelity-only", action="store_true", help="weight bytes, agreement and perplexity; no speeds")
     p.add_argument("--kernels", action="store_true", help="also time the int8 kernels per row count")
     p.add_argument("--smoke", action="store_true", help="a tiny model and tiny sizes: checks the script (CI)")
     p.add_argument("--json", type=Path, help="also write the figures here")
@@ -182,7 +223,7 @@ def parse_args() -> argparse.Namespace:
     args.mixed_requests, args.mixed_ranges = 48, ((32, 512), (16, 256))
     if args.smoke:
         args.decode_seqs, args.decode_tokens, args.prefill_seqs, args.prefill_len = [1, 4], 4, 2, 32
-        args.mixed_requests, args.mixed_ranges, args.positions = 4, ((8, 24), (2, 6)), 40
+        args.mixed_requests, args.mixed_ranges, args.positions, args.agreement_prompts = 4, ((8, 24), (2, 6)), 40, 2
         args.kv_cache_memory = "128MiB"
     return args
 
@@ -194,9 +235,7 @@ def main() -> int:
 
     model = resolve_model(args.model)
     tokenizer = ModelTokenizer(model)
-    text_ids = tokenizer.encode(TEXT)[: args.positions + 1]
-    if len(text_ids) <= args.positions:
-        raise SystemExit(f"the fixed text has {len(text_ids)} tokens, fewer than --positions {args.positions} + 1")
+    text_ids = tokenizer.encode(TEXT)
     report: dict[str, Any] = {
         "date": datetime.datetime.now().isoformat(timespec="minutes"),
         "threads": args.threads,
@@ -206,15 +245,10 @@ def main() -> int:
     }
     if args.kernels:
         report["kernels"] = kernel_table([1, 4, 16, 64, 256] if not args.smoke else [1, 16], 3 if args.smoke else 20)
-    rows = report["rows"]
+    rows, reference = report["rows"], {}
     for fmt in args.formats.split(","):
-        rows.append(measure(model, fmt, args, text_ids, tokenizer.vocab_size))
-        print(f"{fmt}: " + ", ".join(f"{k} {v:.1f}" for k, v in rows[-1].items() if isinstance(v, float)), flush=True)
-    reference = rows[0]["argmax"]
-    for row in rows:
-        row["top1_agreement"] = sum(a == b for a, b in zip(row["argmax"], reference)) / args.positions
-    for row in rows:
-        del row["argmax"]
+        rows.append(measure(model, fmt, args, text_ids, tokenizer.vocab_size, reference))
+        print(f"{fmt}: " + ", ".join(f"{k} {v:.3f}" for k, v in rows[-1].items() if isinstance(v, float)), flush=True)
     report["load_average_after"] = os.getloadavg()
     print_table(report, args)
     if args.json:
@@ -226,11 +260,11 @@ def print_table(report: dict[str, Any], args: argparse.Namespace) -> None:
     rows, base = report["rows"], report["rows"][0]
     print(f"\n{report['date']}, {args.threads} threads, {args.dtype} activations, load {report['load_average']}")
     decode = [f"decode {n} seqs" for n in args.decode_seqs]
-    head = ["format", "weight MB", *decode, "prefill", "mixed", "top-1 vs first", "perplexity"]
+    head = ["format", "weight MB", *decode, "prefill", "mixed", "top-1 agreement", "perplexity"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in rows:
         speeds = [f"decode_{n}_tok_s" for n in args.decode_seqs] + ["prefill_tok_s", "mixed_tok_s"]
-        cells = [f"{r[k]:.1f} ({r[k] / base[k]:.2f}x)" for k in speeds]
+        cells = [f"{r[k]:.1f} ({r[k] / base[k]:.2f}x)" if k in r else "-" for k in speeds]
         print(
             f"| {r['format']} | {r['weight_MB']:.0f} | "
             + " | ".join(cells)
