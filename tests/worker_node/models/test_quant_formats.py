@@ -3,17 +3,16 @@ weights, and the refusals at start (a format the checkpoint contradicts, a group
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
-from proto.quantization import QuantizationError, resolve_quantization
+from proto.quantization import QuantizationError
 from tests.support.awq_checkpoint import pack_columns, quantize_awq
 from worker_node.models.quant_awq import AwqMethod, pack, unpack
+from worker_node.models.quant_fp8 import FP8, Fp8Method
 from worker_node.models.quant_int8 import Int8Method
 from worker_node.models.quant_linear import QuantLinear
+from worker_node.models.quantize import QuantizedCheckpoint, weight_bytes
 
 pytestmark = pytest.mark.unit
 
@@ -76,38 +75,6 @@ def _relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
     return float((out.float() - expected).norm() / expected.norm())
 
 
-def _folder(tmp_path: Path, quantization_config: dict | None) -> Path:
-    config = {"architectures": ["LlamaForCausalLM"]}
-    if quantization_config is not None:
-        config["quantization_config"] = quantization_config
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    return tmp_path
-
-
-def test_a_checkpoint_format_wins_and_a_contradicting_flag_is_refused(tmp_path: Path) -> None:
-    awq = _folder(tmp_path, {"quant_method": "awq", "bits": 4, "group_size": 128})
-    assert resolve_quantization("auto", awq) == "awq"
-    assert resolve_quantization("awq", awq) == "awq"
-    with pytest.raises(QuantizationError, match=r"--quantization int8: .* awq checkpoint .*quant_method"):
-        resolve_quantization("int8", awq)
-
-
-def test_a_format_a_full_precision_checkpoint_cannot_become_is_refused(tmp_path: Path) -> None:
-    full = _folder(tmp_path, None)
-    assert resolve_quantization("auto", full) == "none"
-    assert resolve_quantization("int8", full) == "int8"
-    with pytest.raises(QuantizationError, match=r"--quantization awq: .* full-precision checkpoint"):
-        resolve_quantization("awq", full)
-    with pytest.raises(QuantizationError, match="quantization: must be one of"):
-        resolve_quantization("int3", full)
-
-
-def test_an_unknown_checkpoint_method_is_named(tmp_path: Path) -> None:
-    gptq = _folder(tmp_path, {"quant_method": "gptq", "bits": 4})
-    with pytest.raises(QuantizationError, match=r"quantization_config.quant_method 'gptq' is not supported"):
-        resolve_quantization("auto", gptq)
-
-
 @pytest.mark.parametrize(
     ("config", "key"),
     [
@@ -128,3 +95,54 @@ def test_a_layer_that_groups_do_not_divide_is_refused() -> None:
     method.check(CPU, {"group_size": 128})
     with pytest.raises(QuantizationError, match="group_size 128: a layer of 576 inputs"):
         method.empty(960, 576)
+
+
+def test_fp8_multiplies_by_its_dequantized_weights_and_reads_per_tensor_scales() -> None:
+    weight = torch.randn(32, 64)
+    method = Fp8Method()
+    layer = QuantLinear.quantized(method, weight)
+    assert layer.part("weight").dtype == FP8
+    layer.cast(torch.bfloat16)
+    assert layer.part("weight").dtype == FP8 and layer.part("weight_scale").dtype == torch.float32  # kept
+    reference = layer.dequantize()
+    assert ((reference - weight).abs() <= weight.abs().amax(1, keepdim=True) / 8).all()  # 3 mantissa bits
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(layer(x), x @ reference.t(), rtol=1e-5, atol=1e-5)
+    per_tensor = method.from_checkpoint("weight_scale", torch.tensor(0.5), lambda: 32)
+    assert per_tensor.shape == (32,) and bool((per_tensor == 0.5).all())
+    per_channel = method.from_checkpoint("weight_scale", torch.rand(32, 1), lambda: 32)
+    assert per_channel.shape == (32,)
+    with pytest.raises(QuantizationError, match=r"quantization_config.weight_block_size \[128, 128\]"):
+        method.check(CPU, {"weight_block_size": [128, 128]})
+
+
+class _Dict:
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def close(self) -> None:
+        pass
+
+
+def test_quantizing_on_load_makes_a_projection_s_tensors_and_passes_a_norm_through() -> None:
+    proj, norm = torch.randn(8, 16), torch.randn(16)
+    hf = _Dict({"model.layers.0.self_attn.q_proj.weight": proj, "model.layers.0.input_layernorm.weight": norm})
+    fp8 = QuantizedCheckpoint(hf, Fp8Method(), made_on_load=True)
+    assert fp8["model.layers.0.self_attn.q_proj.weight"].dtype == FP8  # the projection's "weight" is made
+    assert fp8["model.layers.0.self_attn.q_proj.weight_scale"].shape == (8,)
+    assert torch.equal(fp8["model.layers.0.input_layernorm.weight"], norm)  # a norm's is not
+    int8 = QuantizedCheckpoint(hf, Int8Method(), made_on_load=True)
+    assert "model.layers.0.self_attn.q_proj.qweight" in int8
+    assert "model.layers.0.self_attn.k_proj.qweight" not in int8
+    assert int8["model.layers.0.self_attn.q_proj.qweight"].dtype == torch.int8
+
+
+def test_weight_bytes_count_a_quantized_layer_s_codes_and_scales() -> None:
+    layer = QuantLinear.quantized(Int8Method(), torch.randn(8, 16))
+    assert weight_bytes(layer) == 8 * 16 + 8 * 4
