@@ -245,7 +245,7 @@ def main() -> int:
     }
     if args.kernels:
         report["kernels"] = kernel_table([1, 4, 16, 64, 256] if not args.smoke else [1, 16], 3 if args.smoke else 20)
-    rows, reference = report["rows"], {}
+    rows, reference = report["rows"], dict[str, Any]()
     for fmt in args.formats.split(","):
         rows.append(measure(model, fmt, args, text_ids, tokenizer.vocab_size, reference))
         print(f"{fmt}: " + ", ".join(f"{k} {v:.3f}" for k, v in rows[-1].items() if isinstance(v, float)), flush=True)

@@ -60,7 +60,7 @@ def awq_model(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Aw
 def test_awq_checkpoint_matches_hf_on_its_dequantized_weights(awq_model: AwqModel) -> None:
     source, folder, dequantized = awq_model
     runner = load_runner(folder, NUM_BLOCKS, BLOCK)  # auto: the checkpoint's quantization_config says awq
-    layer = runner.model.layers[0].self_attn.qkv_proj
+    layer = next(m for m in runner.model.modules() if isinstance(m, QuantLinear))
     assert isinstance(layer, QuantLinear) and layer.method.name == "awq"
     alone = generate(folder, [runner])
     tp2 = TensorParallelRanks(folder, NUM_BLOCKS, BLOCK, tp=2, quantization="awq")

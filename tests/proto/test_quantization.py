@@ -14,7 +14,7 @@ pytestmark = pytest.mark.unit
 
 
 def _folder(tmp_path: Path, quantization_config: dict | None) -> Path:
-    config = {"architectures": ["LlamaForCausalLM"]}
+    config: dict[str, object] = {"architectures": ["LlamaForCausalLM"]}
     if quantization_config is not None:
         config["quantization_config"] = quantization_config
     (tmp_path / "config.json").write_text(json.dumps(config))
