@@ -206,7 +206,10 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default", help="HF folder, or 'default' (SmolLM2-135M-Instruct)")
     p.add_argument(
-        "--formats", default="none,int8", help="--quantization values, comma-separated; the first is the reference"
+        "--formats",
+        default="none,int8",
+        help="--quantization values, comma-separated, the first the reference; FORMAT@FOLDER runs a checkpoint "
+        "in that format (e.g. awq@./smollm2-awq)",
     )
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -246,8 +249,9 @@ def main() -> int:
     if args.kernels:
         report["kernels"] = kernel_table([1, 4, 16, 64, 256] if not args.smoke else [1, 16], 3 if args.smoke else 20)
     rows, reference = report["rows"], dict[str, Any]()
-    for fmt in args.formats.split(","):
-        rows.append(measure(model, fmt, args, text_ids, tokenizer.vocab_size, reference))
+    for entry in args.formats.split(","):
+        fmt, _, folder = entry.partition("@")  # awq@FOLDER: a checkpoint in that format (the same model)
+        rows.append(measure(Path(folder) if folder else model, fmt, args, text_ids, tokenizer.vocab_size, reference))
         print(f"{fmt}: " + ", ".join(f"{k} {v:.3f}" for k, v in rows[-1].items() if isinstance(v, float)), flush=True)
     report["load_average_after"] = os.getloadavg()
     print_table(report, args)
