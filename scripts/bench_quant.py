@@ -161,7 +161,10 @@ def agreement_prompts(text_ids: list[int], n: int) -> list[list[int]]:
 
 
 def kernel_table(rows: list[int], repeats: int) -> list[dict[str, Any]]:
-    """ms of one SmolLM2 decoder layer's four projections (and of the LM head) per int8 kernel and row count."""
+    """ms of one SmolLM2 decoder layer's four projections (and of the LM head) per kernel and row count: the
+    dense matmuls, the int8 weight-only paths, and fbgemm's dynamic W8A8 (measured, not used: see the guide)."""
+    import warnings
+
     import torch
     import torch.nn.functional as F
 
@@ -176,29 +179,40 @@ def kernel_table(rows: list[int], repeats: int) -> list[dict[str, Any]]:
             best = min(best, time.perf_counter() - start)
         return best * 1e3
 
+    def fbgemm(q: torch.Tensor, s: torch.Tensor) -> Any:
+        zeros = torch.zeros(q.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():  # torch's quantized tensors are deprecated
+            warnings.simplefilter("ignore")
+            qt = torch._make_per_channel_quantized_tensor(q, s.double(), zeros, 0)
+        return torch.ops.quantized.linear_prepack(qt, None)
+
     gen = torch.Generator().manual_seed(0)
     shapes = {"layer": [(960, 576), (576, 576), (3072, 576), (576, 1536)], "head": [(49152, 576)]}
     table = []
     for what, dims in shapes.items():
         full = [torch.randn(o, i, generator=gen) * 0.02 for o, i in dims]
         bf16 = [w.bfloat16() for w in full]
-        quant = [quantize_rows(w) for w in full]
-        q = [(qw, s.bfloat16()) for qw, s in quant]
+        q = [(qw, s.bfloat16()) for qw, s in map(quantize_rows, full)]
+        packed = [fbgemm(qw, s.float()) for qw, s in q]
         for n in rows:
-            xs = [torch.randn(n, w.shape[1], generator=gen).bfloat16() for w in full]
+            xs = [torch.randn(n, w.shape[1], generator=gen) for w in full]
+            xb = [x.bfloat16() for x in xs]
             kernels = {
-                "bf16 matmul": lambda xs=xs, ws=bf16: [F.linear(x, w) for x, w in zip(xs, ws)],
-                "int8pack_mm": lambda xs=xs, q=q: [
+                "fp32 matmul": lambda xs=xs, ws=full: [F.linear(x, w) for x, w in zip(xs, ws)],
+                "bf16 matmul": lambda xs=xb, ws=bf16: [F.linear(x, w) for x, w in zip(xs, ws)],
+                "int8pack_mm": lambda xs=xb, q=q: [
                     torch.ops.aten._weight_int8pack_mm(x, w, s) for x, (w, s) in zip(xs, q)
                 ],
-                "int8 -> bf16, matmul": lambda xs=xs, q=q: [
+                "int8 -> bf16, matmul": lambda xs=xb, q=q: [
                     F.linear(x, w.to(torch.bfloat16)) * s for x, (w, s) in zip(xs, q)
+                ],
+                "W8A8 fbgemm dynamic": lambda xs=xs, p=packed: [
+                    torch.ops.quantized.linear_dynamic(x, w) for x, w in zip(xs, p)
                 ],
             }
             table.append({"what": what, "rows": n, **{k: fastest(run) for k, run in kernels.items()}})
-            print(
-                f"kernels {what} rows {n}: " + ", ".join(f"{k} {v:.3f}" for k, v in table[-1].items() if k[0] in "bi")
-            )
+            cells = ", ".join(f"{k} {v:.3f}" for k, v in table[-1].items() if isinstance(v, float))
+            print(f"kernels {what} rows {n}: {cells}", flush=True)
     return table
 
 
