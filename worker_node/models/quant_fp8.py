@@ -65,7 +65,8 @@ class Fp8Method(QuantMethod):
 
     def forward(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         w, scales = layer.part("weight"), layer.part("weight_scale")
-        if has_fp8_matmul(x.device) and x.shape[-1] % 16 == 0 and w.shape[0] % 16 == 0:
+        # row-wise scaled fp8 GEMMs want bf16 out and 16-aligned K and N; anything else takes the reference path
+        if has_fp8_matmul(x.device) and x.dtype == torch.bfloat16 and x.shape[-1] % 16 == 0 and w.shape[0] % 16 == 0:
             x_scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
             xq = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
             return torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=scales[None, :], out_dtype=x.dtype)
