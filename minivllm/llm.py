@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from minivllm.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
+from proto.quantization import check_quantization
 from proto.wire import WORKER_JOIN_TIMEOUT_S, TokenLogprobs
 from proto.worker_flags import KV_CACHE_DTYPES, WorkerOptions, offload_dir_problem, parse_size, worker_argv
 from scheduler_node.api.embeddings import (
@@ -101,6 +102,7 @@ class LLM:
         tensor_parallel_size: int = _ENGINE.tensor_parallel_size,
         pipeline_parallel_size: int = _ENGINE.pipeline_parallel_size,
         dtype: str = _ENGINE.dtype,
+        quantization: str = _ENGINE.quantization,
         device: str = _WORKER.device,
         kv_cache_memory: int | str | None = _WORKER.kv_cache_memory,
         num_kv_blocks: int = _ENGINE.num_kv_blocks,
@@ -129,6 +131,7 @@ class LLM:
     ) -> None:
         if worker_backend not in WORKER_BACKENDS:
             raise ValueError(f"worker_backend: must be one of {WORKER_BACKENDS}, got {worker_backend!r}")
+        check_quantization(quantization)
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
         world = tensor_parallel_size * pipeline_parallel_size
@@ -156,6 +159,7 @@ class LLM:
         )
         self.config = EngineConfig(
             dtype=dtype,
+            quantization=quantization,
             scheduler=SchedulerConfig(
                 block_size=block_size,
                 max_num_batched_tokens=max_num_batched_tokens,
@@ -173,7 +177,7 @@ class LLM:
             kv_compact=CompactKV.from_flags(kv_compact_under_pressure, kv_compact_fraction, dtype=kv_compact_dtype),
         )
         self.folder = resolve_model(model or DEFAULT)
-        check_model_split(self.folder, self.config.layout)
+        check_model_split(self.folder, self.config.layout, quantization)
         self.tokenizer = ModelTokenizer(self.folder)
         self._ids = itertools.count()
         self._launcher: LocalLauncher | None = None
