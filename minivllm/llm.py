@@ -25,6 +25,7 @@ from tqdm import tqdm
 from minivllm.lora_request import LoRARequest
 from minivllm.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
+from proto.quantization import check_quantization
 from proto.wire import WORKER_JOIN_TIMEOUT_S, TokenLogprobs
 from proto.worker_flags import KV_CACHE_DTYPES, WorkerOptions, offload_dir_problem, parse_size, worker_argv
 from scheduler_node.api.embeddings import (
@@ -106,6 +107,7 @@ class LLM:
         tensor_parallel_size: int = _ENGINE.tensor_parallel_size,
         pipeline_parallel_size: int = _ENGINE.pipeline_parallel_size,
         dtype: str = _ENGINE.dtype,
+        quantization: str = _ENGINE.quantization,
         device: str = _WORKER.device,
         kv_cache_memory: int | str | None = _WORKER.kv_cache_memory,
         num_kv_blocks: int = _ENGINE.num_kv_blocks,
@@ -137,6 +139,7 @@ class LLM:
     ) -> None:
         if worker_backend not in WORKER_BACKENDS:
             raise ValueError(f"worker_backend: must be one of {WORKER_BACKENDS}, got {worker_backend!r}")
+        check_quantization(quantization)
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
         world = tensor_parallel_size * pipeline_parallel_size
@@ -164,6 +167,7 @@ class LLM:
         )
         self.config = EngineConfig(
             dtype=dtype,
+            quantization=quantization,
             scheduler=SchedulerConfig(
                 block_size=block_size,
                 max_num_batched_tokens=max_num_batched_tokens,
@@ -183,7 +187,7 @@ class LLM:
             lora=LoraConfig(enable_lora=enable_lora, max_lora_rank=max_lora_rank),
         )
         self.folder = resolve_model(model or DEFAULT)
-        check_model_split(self.folder, self.config.layout)
+        check_model_split(self.folder, self.config.layout, quantization)
         self.tokenizer = ModelTokenizer(self.folder)
         self._ids = itertools.count()
         self._launcher: LocalLauncher | None = None

@@ -322,6 +322,7 @@ class Assignment(Message, tag=int(Kind.ASSIGNMENT)):
     kv_compact_fraction: Annotated[float, Meta(ge=0, lt=1)] = 0.0
     kv_compact_dtype: str = "int8"
     num_compact_blocks: Count = 0
+    quantization: str = "auto"  # the weights' format (proto/quantization.py): auto takes the checkpoint's own
 
     def check(self) -> None:
         """The world's shape must hold together."""

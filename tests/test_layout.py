@@ -161,8 +161,6 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "worker_node.models.llama": "registered in worker_node/models/registry.py; tests/worker_node/models/"
     "test_models.py runs every tiny variant against HF",
     "worker_node.models.gguf": "GGUF reading and dequantisation: tests/worker_node/test_model_loading.py",
-    "worker_node.models.loader": "through worker_node.loading (every model test) and"
-    " tests/worker_node/test_model_loading.py",
     "worker_node.structured": "the sampler's grammar matcher, run in the engine by"
     " tests/scheduler_node/api/test_structured.py",
     "worker_node.token_counts": "the penalties' counts, through the sampler: tests/worker_node/"

@@ -10,6 +10,7 @@ import sys
 from proto.cli_config import add_config_flag, parse_args
 from proto.curve import ensure_keys
 from proto.parallel import ParallelLayout
+from proto.quantization import QUANTIZATIONS
 from proto.wire import WORKER_JOIN_TIMEOUT_S
 from scheduler_node.api.grpc_server import GenerationService, build_server
 from scheduler_node.api.health import report_health, set_serving
@@ -119,6 +120,14 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
         choices=["auto", "float32", "bfloat16", "float16"],
         help="model dtype on the workers (auto: bfloat16 on GPU and on CPUs with AVX-512 BF16 or AMX, float32 on "
         "other CPUs)",
+    )
+    p.add_argument(
+        "--quantization",
+        default=DEFAULTS.quantization,
+        choices=QUANTIZATIONS,
+        help="the weights' format: auto (a quantized checkpoint's own, else none), none (the model dtype), int8 "
+        "(per-output-channel int8, quantized on load), fp8 (e4m3, quantized on load or an fp8 checkpoint), awq "
+        "(an AutoAWQ 4-bit checkpoint); a flag that contradicts the checkpoint's quantization_config is refused",
     )
     p.add_argument(
         "--block-size", type=int, default=SCHEDULER.block_size, help="tokens per KV block (8, 16, 32, 64, 128)"
@@ -277,6 +286,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine's settings from the command line (ValueError naming what is out of range)."""
     return EngineConfig(
         dtype=args.dtype,
+        quantization=args.quantization,
         scheduler=SchedulerConfig(
             block_size=args.block_size,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -321,7 +331,7 @@ async def serve(args: argparse.Namespace) -> int:
     placement = resolve_parallel(args)
     layout = placement.layout
     folder = resolve_model(args.model)
-    check_model_split(folder, layout)
+    check_model_split(folder, layout, config.quantization)
     tokenizer = ModelTokenizer(folder)
     if args.zmq_curve_dir:
         ensure_keys(args.zmq_curve_dir)

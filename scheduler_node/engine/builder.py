@@ -15,6 +15,7 @@ from pathlib import Path
 
 from proto.lora import BaseShapes
 from proto.parallel import ParallelLayout
+from proto.quantization import resolve_quantization
 from proto.transport import WorkerTransport, WorldCapacity
 from proto.wire import Assignment, ExecutionMode
 from scheduler_node.core.config import SchedulerConfig
@@ -48,6 +49,7 @@ class EngineConfig:
     num_swap_blocks: int = -1  # -1: as the workers' --swap-space allows; else at most this many
     distributed_timeout: float = 300.0
     kv_compact: CompactKV = field(default_factory=CompactKV)  # per-request KV precision: the compact pool
+    quantization: str = "auto"  # the weights' format (proto/quantization.py)
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (scheduler_node/engine/lora_registry.py)
 
     @property
@@ -92,6 +94,7 @@ class WorldPlan:
             c.num_swap_blocks,
             kv_compact_fraction=c.kv_compact.fraction,
             kv_compact_dtype=c.kv_compact.dtype,
+            quantization=c.quantization,
         )
 
 
@@ -136,8 +139,10 @@ def lora_registry(config: LoraConfig, folder: Path) -> LoraRegistry | None:
     return registry
 
 
-def check_model_split(folder: Path, layout: ParallelLayout) -> None:
-    """ValueError when the model's heads, MLP or layers do not split over this layout."""
+def check_model_split(folder: Path, layout: ParallelLayout, quantization: str = "auto") -> None:
+    """ValueError when the model's heads, MLP or layers do not split over this layout, or its checkpoint cannot
+    run in the `quantization` asked for (before any worker loads it)."""
+    resolve_quantization(quantization, folder)
     c = json.loads((folder / "config.json").read_text())
     heads = int(c["num_attention_heads"])
     layout.check_model(

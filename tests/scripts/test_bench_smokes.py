@@ -103,3 +103,15 @@ def test_bench_lora_smoke_runs_base_and_mixed_adapter_batches(tiny_llama_dir: Pa
     assert all(r["base tok/s"] > 0 and r["LoRA tok/s"] > 0 for r in report["rows"])
     assert report["base, LoRA off tok/s"] > 0
     assert "| adapters | rank | base tok/s | LoRA tok/s | step time vs base |" in stdout
+
+
+@pytest.mark.slow
+def test_bench_quant_smoke_measures_every_format_against_the_first(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    stdout, report = _smoke("bench_quant.py", tiny_llama_dir, tmp_path / "quant.json")
+    rows = {row["format"]: row for row in report["rows"]}
+    assert list(rows) == ["none", "int8"]
+    assert rows["int8"]["weight_MB"] < rows["none"]["weight_MB"]  # the projections and the LM head in int8
+    for row in rows.values():
+        assert row["decode_1_tok_s"] > 0 and row["prefill_tok_s"] > 0 and row["mixed_tok_s"] > 0, row
+        assert 0 <= row["top1_agreement"] <= 1 and row["perplexity"] > 1, row
+    assert "| int8 |" in stdout

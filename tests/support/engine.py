@@ -47,6 +47,7 @@ def load_runner(
     comm: Comm | None = None,
     dtype: str = "float32",
     kv_cache_dtype: str = "auto",
+    quantization: str = "auto",
     **worker: Any,
 ) -> ModelRunner:
     """One rank of `folder`'s model on the CPU, holding exactly `num_blocks` KV blocks (and the execution mode of
@@ -66,6 +67,7 @@ def load_runner(
         mode=mode or ExecutionMode.for_world(layout.tensor_parallel_size, layout.pipeline_parallel_size, True),
         num_kv_blocks=num_blocks,
         num_swap_blocks=num_host_blocks,
+        quantization=quantization,
     )
     options = WorkerOptions(attention_backend=backend, kv_cache_dtype=kv_cache_dtype, **worker)
     runner, _ = load_rank(assignment, options, CPU, comm or Comm(where))
