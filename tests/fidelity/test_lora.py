@@ -16,6 +16,8 @@ from tests.support.engine import EngineRun, load_runner
 from tests.support.inprocess_tp import TensorParallelRanks
 from tests.support.lora import load_base, load_peft, make_adapter
 from tests.support.models import assert_teacher_forced
+from tests.support.quant import hf_on_dequantized
+from worker_node.models.quantize import make_method
 
 pytestmark = pytest.mark.model
 
@@ -124,3 +126,18 @@ def test_tensor_parallel_shards_adapters_like_their_layers(
     finally:
         tp2.close()
     _check(references, requests, prompts, loras)
+
+
+def test_adapters_compose_with_a_quantized_base(tiny_llama_dir: Path, adapters: list[Path]) -> None:
+    """int8 projections (QuantLinear): each adapter's update adds to the quantized layer's output, as PEFT's adds to
+    HF's model on the same dequantized weights."""
+    refs = _refs(tiny_llama_dir, adapters)
+    prompts = _prompts(7, 3)
+    loras = [0, 2, None]
+    runner = load_runner(tiny_llama_dir, 64, BLOCK, quantization="int8")
+    with EngineRun(runner, tokenizer_dir=tiny_llama_dir, max_loras=2) as run:
+        requests = [run.add(p, 10, lora=None if i is None else refs[i]) for p, i in zip(prompts, loras)]
+        run.run()
+    base = hf_on_dequantized(tiny_llama_dir, make_method("int8", runner.device))
+    models = {None: base, 0: load_peft(base, adapters[0]), 2: load_peft(base, adapters[2])}
+    _check(models, requests, prompts, loras)
