@@ -3,8 +3,8 @@ every projection adapted; rows round-robin over the adapters) against the same b
 same engine and the same run (base and LoRA batches alternate, the best of the repeats counts, so a machine's
 load drifts both alike). A row of "base, LoRA off" is the engine without --enable-lora.
 
-Each configuration gets an engine with --max-loras equal to its adapter count (the workers compute over their
-resident adapters: docs/design.md, LoRA). The adapters are random PEFT folders written by this script.
+Each configuration gets an engine with --max-loras equal to its adapter count, in a process of its own. The
+adapters are random PEFT folders written by this script.
 
     .venv/bin/python scripts/bench_lora.py [--model default] [--threads N] [--json out.json]
     .venv/bin/python scripts/bench_lora.py --smoke    # what CI runs: a tiny model, tiny batches
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import random
 import sys
@@ -143,7 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         for rank in ranks:
             adapters = [write_adapter(Path(scratch) / f"r{rank}-{i}", base, rank, i) for i in range(max(counts))]
-            rows += [measure(model, adapters, count, rank, args) for count in counts]
+            for count in counts:  # each engine in a process of its own: one's memory does not weigh on the next
+                with multiprocessing.get_context("spawn").Pool(1) as pool:
+                    rows.append(pool.apply(measure, (model, adapters, count, rank, args)))
+                print(rows[-1], flush=True)
     report = {
         "model": model.name,
         "threads": args.threads,

@@ -128,7 +128,8 @@ class LoraManager:
             for key, update in self.slots[slot].layers.items():
                 entries.setdefault(key, []).append((slot, update))
         self._stacks = {k: s for k, s in self._stacks.items() if k in entries}
-        for key, updates in entries.items():
+        for key in list(entries):
+            updates = entries.pop(key)  # the old tensors of this projection are freed once it is restacked
             widths = tuple((slot, u.a.shape[0]) for slot, u in updates)
             owner = torch.tensor([slot for slot, w in widths for _ in range(w)], dtype=torch.int64, device=self.device)
             ends = list(itertools.accumulate(w for _, w in widths))
