@@ -97,7 +97,8 @@ class LoraManager:
         self.slots[lora.slot] = ResidentLora(lora.id, lora.path, layers)
         self._stale = True
         self.loads += 1
-        logger.info("LoRA adapter %d (%s) loaded into slot %d", lora.id, lora.path, lora.slot)
+        size = sum(p.nbytes for p in layers.values()) / 2**20
+        logger.info("LoRA adapter %d (%s) loaded into slot %d: %.1f MiB", lora.id, lora.path, lora.slot, size)
 
     @property
     def nbytes(self) -> int:
