@@ -11,18 +11,9 @@ a snapshot is the mirror itself. The engine publishes the pending events once pe
 
 from __future__ import annotations
 
-from typing import Union
+from proto.kv_events import CLEARED, DEVICE, DISK, RAM, REMOVED, STORED, TIERS, Event
 
-# The tiers, as the offload tiers number them (scheduler_node/core/kv_tiers.py: Tier).
-DEVICE, RAM, DISK = 0, 1, 2
-TIERS = (DEVICE, RAM, DISK)
-TIER_NAMES = {DEVICE: "device", RAM: "cpu", DISK: "disk"}
-
-# Event kinds, the first field of each event on the wire.
-STORED, REMOVED, CLEARED = 0, 1, 2
-
-# (STORED, tier, hash, parent hash or None) | (REMOVED, tier, hash) | (CLEARED, tier)
-Event = Union[tuple[int, int, bytes, "bytes | None"], tuple[int, int, bytes], tuple[int, int]]
+__all__ = ["CLEARED", "DEVICE", "DISK", "RAM", "REMOVED", "STORED", "Event", "KVEventSink"]
 
 
 class KVEventSink:
@@ -42,13 +33,13 @@ class KVEventSink:
         held = self.held[tier]
         if block_hash in held:
             held.discard(block_hash)
-            self.pending.append((REMOVED, int(tier), block_hash))
+            self.pending.append((REMOVED, int(tier), block_hash, None))
 
     def cleared(self, tier: int) -> None:
         """Everything of `tier` is gone (a new block table after a lost rank, the tiers cleared or turned off)."""
         if self.held[tier]:
             self.held[tier] = set()
-            self.pending.append((CLEARED, int(tier)))
+            self.pending.append((CLEARED, int(tier), None, None))
 
     def take(self) -> list[Event]:
         events, self.pending = self.pending, []

@@ -13,7 +13,7 @@ import collections
 import itertools
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +96,9 @@ class EngineCore:
         self.gave_up = ""  # why requests are refused: a rank was lost and nobody rejoined in time
         self.collector = CollectorSchedule() if self.options.schedule_gc else None
         self._collected_at_idle = True  # nothing ran since the last idle collection
+        # Called after each step's result is applied: a replica publishing KV events sends the step's batch
+        # (scheduler_node/engine/kv_publisher.py).
+        self.after_step: Callable[[], None] | None = None
 
     # ---- what the doors ask
 
@@ -312,6 +315,8 @@ class EngineCore:
         self._inflight.popleft()
         self._interrupting.discard(head.plan.step_id)
         self._on_outputs(self.scheduler.update(head.plan, result))
+        if self.after_step is not None:
+            self.after_step()
         if head.tokens:
             m = self.metrics
             m.step_time.observe(time.perf_counter() - head.sent)

@@ -58,7 +58,7 @@ def test_a_cached_block_handed_out_again_is_removed_and_resize_drops_free_ones()
     bt.free("a")  # tail first: the block of hashes[2] is reused first
     sink.take()
     bt.write("b", 0, 16)  # two blocks: the never-cached free block, then the LRU cached one
-    assert sink.take() == [(REMOVED, DEVICE, hashes[2])]
+    assert sink.take() == [(REMOVED, DEVICE, hashes[2], None)]
     assert sink.held[DEVICE] == device_cached(bt)
     before = device_cached(bt)
     bt.resize(2)  # b's blocks move below 2, over the cached ones there
@@ -90,13 +90,14 @@ def test_tiers_report_stores_demotions_failures_and_clears() -> None:
     a, b, c = (bytes([i]) * 16 for i in range(3))
     tiers.offload(a, 0)
     tiers.offload(b, 1)  # a is displaced from RAM and demoted to disk
-    assert sink.take() == [(STORED, RAM, a, None), (REMOVED, RAM, a), (STORED, RAM, b, None), (STORED, DISK, a, None)]
+    assert sink.take() == [(STORED, RAM, a, None), (REMOVED, RAM, a, None), (STORED, RAM, b, None),
+                           (STORED, DISK, a, None)]  # fmt: skip
     tiers.forget_failed([a])
-    assert sink.take() == [(REMOVED, DISK, a)]
+    assert sink.take() == [(REMOVED, DISK, a, None)]
     tiers.offload(c, 2)
     tiers.drop_failed_stores([c])  # the disk turns off
     assert sink.held == {DEVICE: set(), RAM: set(), DISK: set()}
-    assert sink.take()[-1] == (CLEARED, DISK)
+    assert sink.take()[-1] == (CLEARED, DISK, None, None)
     tiers.adopt_disk([(0, a)])  # no disk tier any more: nothing adopted
     tiers.clear()
     assert sink.take() == [] and len(sink) == 0
@@ -118,7 +119,7 @@ def test_the_scheduler_reports_a_run_a_reuse_and_a_lost_world() -> None:
     assert set(chain(shared)) <= sink.held[RAM]
     assert sink.held[DEVICE] == device_cached(s.blocks)
     s.requeue_all()
-    assert (CLEARED, DEVICE) in sink.take() and sink.held[DEVICE] == set() and sink.held[RAM] == set()
+    assert (CLEARED, DEVICE, None, None) in sink.take() and sink.held[DEVICE] == set() and sink.held[RAM] == set()
     _run(s, "again", shared + [3])
     assert sink.held[DEVICE] == device_cached(s.blocks) == set(chain(shared))
 

@@ -1,0 +1,233 @@
+"""KV-aware routing without processes: the KV events wire, the router's index and its resync rules (a late start,
+a lost batch, a restarted replica), the `kv` strategy's cost (cached prefix against load, least loaded when nothing
+is cached, a resynchronizing replica holds nothing), its hashes equal to the scheduler's for token ids, text and
+chat messages, and a replica's real publisher feeding the real subscriber over loopback ZeroMQ."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from minivllm.cluster import free_port
+from proto.kv_events import (
+    CLEARED,
+    DEVICE,
+    RAM,
+    REMOVED,
+    STORED,
+    KVEventBatch,
+    KVSnapshot,
+    KVWireError,
+    decode_batch,
+    decode_snapshot,
+    encode_batch,
+    encode_snapshot,
+)
+from proto.wire import SamplingOptions
+from scheduler_node.core.config import SchedulerConfig
+from scheduler_node.core.kv_events import KVEventSink
+from scheduler_node.core.request import Request, StopConditions
+from scheduler_node.engine.kv_publisher import KVEventPublisher
+from scheduler_node.router.kv_index import KVIndex, ReplicaFeed
+from scheduler_node.router.kv_strategy import KVAware, PromptTokens, block_hashes
+from scheduler_node.router.kv_subscriber import KVSubscriber
+from scheduler_node.router.replica import SERVING, ReplicaPool, parse_replica
+from scheduler_node.router.request import RouteRequest
+from tests.support.stand_in import StandInRun, spec, tokenizer
+from tests.support.waiting import until
+
+pytestmark = pytest.mark.unit
+
+BS = 4
+EPOCH, OTHER = b"e" * 8, b"f" * 8
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def batch(seq: int, *events: tuple[int, int, bytes | None, bytes | None], epoch: bytes = EPOCH) -> KVEventBatch:
+    return decode_batch(encode_batch(epoch, seq, BS, list(events)))
+
+
+def stored(i: int, tier: int = DEVICE) -> tuple[int, int, bytes | None, bytes | None]:
+    return (STORED, tier, h(i), None)
+
+
+def snapshot(seq: int, *held: int, epoch: bytes = EPOCH) -> KVSnapshot:
+    return decode_snapshot(encode_snapshot(epoch, seq, BS, [(DEVICE, h(i)) for i in held]))
+
+
+# ---- the wire
+
+
+def test_the_wire_round_trips_and_refuses_what_it_cannot_trust() -> None:
+    b = batch(3, stored(1), (REMOVED, RAM, h(2), None), (CLEARED, DEVICE, None, None))
+    assert (b.epoch, b.seq, b.block_size) == (EPOCH, 3, BS) and len(b.events) == 3
+    with pytest.raises(KVWireError, match="version"):
+        decode_batch(encode_batch(EPOCH, 1, BS, []).replace(b"\x95\x01", b"\x95\x02", 1))
+    with pytest.raises(KVWireError, match="KVEventBatch"):
+        decode_batch(encode_batch(EPOCH, 1, BS, [(STORED, DEVICE, b"short", None)]))
+    with pytest.raises(KVWireError, match="KVEventBatch"):
+        decode_batch(encode_batch(EPOCH, 1, BS, [(STORED, 7, h(1), None)]))  # no such tier
+    with pytest.raises(KVWireError, match="KVSnapshot"):
+        decode_snapshot(b"\x01")
+
+
+# ---- the index and its resync rules
+
+
+def test_overlap_counts_leading_blocks_in_any_tier() -> None:
+    index = KVIndex()
+    for i in (0, 1, 3):
+        index.store("a", DEVICE, h(i))
+    index.store("b", RAM, h(0))
+    assert index.overlap([h(0), h(1), h(2), h(3)], ["a", "b", "c"]) == {"a": 2, "b": 1, "c": 0}
+    index.remove("a", DEVICE, h(0))
+    assert index.overlap([h(0), h(1)], ["a", "b"]) == {"a": 0, "b": 1}
+    index.clear("b", RAM)
+    assert index.holders.keys() == {h(1), h(3)} and index.num_blocks("b") == 0
+
+
+def test_a_late_subscriber_buffers_until_its_snapshot_and_replays_what_came_after() -> None:
+    index = KVIndex()
+    feed = ReplicaFeed("a", index)
+    feed.on_batch(batch(5, stored(1)))  # already in the snapshot below
+    feed.on_batch(batch(6, stored(2), (REMOVED, DEVICE, h(0), None)))
+    assert not feed.synced and index.num_blocks("a") == 0, "nothing counts before the snapshot"
+    feed.on_snapshot(snapshot(5, 0, 1))
+    assert feed.synced and feed.seq == 6 and index.owned["a"] == {h(1), h(2)}
+
+
+def test_a_hole_in_the_sequence_drops_the_replica_until_a_snapshot() -> None:
+    index = KVIndex()
+    feed = ReplicaFeed("a", index)
+    feed.on_snapshot(snapshot(0))
+    feed.on_batch(batch(1, stored(1)))
+    feed.on_batch(batch(3, stored(3)))  # batch 2 was lost
+    assert not feed.synced and index.num_blocks("a") == 0 and feed.resyncs == 1
+    feed.on_batch(batch(4, stored(4)))
+    feed.on_snapshot(snapshot(3, 1, 2, 3))
+    assert feed.synced and index.owned["a"] == {h(1), h(2), h(3), h(4)}
+
+
+def test_a_new_epoch_is_a_restarted_replica_whose_old_blocks_are_gone() -> None:
+    index = KVIndex()
+    feed = ReplicaFeed("a", index)
+    feed.on_snapshot(snapshot(7, 1, 2, 3))
+    feed.on_batch(batch(1, epoch=OTHER))  # the restarted replica's first heartbeat: seq 1 of a new epoch
+    assert not feed.synced and index.num_blocks("a") == 0
+    feed.on_snapshot(snapshot(1, epoch=OTHER))
+    assert feed.synced and feed.epoch == OTHER and index.num_blocks("a") == 0
+
+
+def test_a_snapshot_followed_by_another_epoch_asks_again() -> None:
+    feed = ReplicaFeed("a", KVIndex())
+    feed.on_batch(batch(9, stored(1), epoch=OTHER))  # arrived after the request: the replica restarted meanwhile
+    feed.on_snapshot(snapshot(8, 1))
+    assert not feed.synced and feed.index.num_blocks("a") == 0
+    assert [b.epoch for b in feed.buffered] == [OTHER], "kept for the next snapshot (of the new epoch)"
+
+
+# ---- the strategy
+
+
+def kv_pool(n: int = 2) -> tuple[ReplicaPool, KVIndex, dict[str, ReplicaFeed], KVAware]:
+    pool = ReplicaPool(parse_replica(f"h:{i + 1},model=m,kv_events=h:{100 + i}") for i in range(n))
+    for r in pool.replicas:
+        pool.set_state(r, SERVING)
+    index = KVIndex()
+    feeds = {r.address: ReplicaFeed(r.address, index) for r in pool.replicas}
+    for feed in feeds.values():
+        feed.on_snapshot(snapshot(0))
+    return pool, index, feeds, KVAware(index, feeds, PromptTokens({"m": tokenizer()}))
+
+
+def hold(feed: ReplicaFeed, ids: list[int], salt: str = "") -> None:
+    hashes = block_hashes(ids, BS, salt)
+    feed.on_batch(batch(feed.seq + 1, *[(STORED, DEVICE, x, None) for x in hashes]))
+
+
+def test_kv_routes_to_the_cached_prefix_until_the_load_outweighs_it() -> None:
+    pool, _, feeds, kv = kv_pool()
+    a, b = pool.replicas
+    prompt = list(range(100, 132))  # 8 blocks
+    hold(feeds[b.address], prompt[:24])  # b holds 6 of them
+    request = RouteRequest("m", prompt_token_ids=prompt + [1, 2])
+    assert kv.choose(request, [a, b]).replica is b and kv.choose(request, [a, b]).decision == "overlap"
+    b.in_flight = 1  # 9 blocks: 3 to compute + 9 for the stream ahead > 9 to compute on a
+    pick = kv.choose(request, [a, b])
+    assert (pick.replica, pick.decision) == (a, "load")
+    assert kv.choose(RouteRequest("m", prompt_token_ids=prompt, cache_salt="tenant"), [a, b]).decision == "least"
+    feeds[b.address].distrust()  # resynchronizing: holds nothing
+    assert kv.choose(request, [a, b]).decision == "least"
+
+
+def test_kv_hashes_text_and_chat_like_the_scheduler() -> None:
+    """The router's hashes of a text prompt and of chat messages are the ones the scheduler registers for the
+    ids its door makes of them (tokenizer with special tokens; the chat template)."""
+    pool, _, feeds, kv = kv_pool()
+    a, b = pool.replicas
+    tok = tokenizer()
+    text = "The quick brown fox jumps over the lazy dog. " * 4
+    chat = [("system", "You are terse."), ("user", text)]
+    for request, ids in (
+        (RouteRequest("m", prompt=text, cache_salt="s"), tok.encode(text)),
+        (RouteRequest("m", messages=chat, cache_salt="s"), tok.apply_chat_template([dict(role=r, content=c)
+                                                                                   for r, c in chat])),
+    ):  # fmt: skip
+        scheduled = Request("x", ids, SamplingOptions(0.0), StopConditions(1, frozenset()), cache_salt="s")
+        assert block_hashes(ids, BS, "s") == scheduled.update_block_hashes(BS)
+        feeds[b.address].distrust()
+        feeds[b.address].on_snapshot(snapshot(0))
+        hold(feeds[b.address], ids, "s")
+        assert kv.choose(request, [a, b]).replica is b, request
+    no_tokenizer = KVAware(kv.index, feeds, PromptTokens({}))
+    assert no_tokenizer.choose(RouteRequest("m", prompt=text), [a, b]).decision == "untokenized"
+
+
+# ---- a real publisher into the real subscriber (loopback ZeroMQ, a stand-in engine)
+
+
+def test_a_publisher_feeds_the_subscriber_and_a_restart_is_never_trusted_stale() -> None:
+    asyncio.run(_publish_and_restart())
+
+
+async def _publish_and_restart() -> None:
+    port, snap = free_port(), free_port()
+    pool = ReplicaPool([parse_replica(f"h:1,model=m,kv_events=127.0.0.1:{port},kv_snapshot=127.0.0.1:{snap}")])
+    replica = pool.replicas[0]
+    pool.set_state(replica, SERVING)
+    index = KVIndex()
+    subscriber = KVSubscriber(pool, index)
+    feed = subscriber.feeds[replica.address]
+    follow = asyncio.ensure_future(subscriber.run())
+    run, publishing = await _replica(port, snap)
+    try:
+        run.submit(spec("r1", prompt_len=64, max_tokens=2))
+        await run.until_idle()
+        cached = set(run.engine.scheduler.blocks._cached)
+        assert len(cached) >= 4
+        await until(lambda: feed.synced and index.owned.get(replica.address) == cached, 10, "the index follows")
+        epoch = feed.epoch
+        publishing.cancel()  # the replica restarts: a new process, a new epoch, an empty cache
+        await run.stop()
+        run, publishing = await _replica(port, snap)
+        await until(lambda: feed.epoch not in (None, epoch) and feed.synced, 15, "a snapshot of the new epoch")
+        assert index.num_blocks(replica.address) == 0 and feed.resyncs == 1
+    finally:
+        publishing.cancel()
+        await run.stop()
+        follow.cancel()
+        await asyncio.gather(follow, publishing, return_exceptions=True)
+
+
+async def _replica(port: int, snapshot_port: int) -> tuple[StandInRun, asyncio.Future[None]]:
+    run = StandInRun.build(SchedulerConfig(block_size=16, max_num_batched_tokens=64, max_num_seqs=4), 32)
+    sink = KVEventSink()
+    run.engine.scheduler.attach_kv_events(sink)
+    publisher = KVEventPublisher(sink, 16, "127.0.0.1", port, snapshot_port)
+    run.engine.after_step = publisher.publish
+    run.start()
+    return run, asyncio.ensure_future(publisher.run())
