@@ -24,6 +24,7 @@ import random
 import statistics
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,11 +37,12 @@ from bench_router import WORDS, drive, prefix_cache  # noqa: E402
 from minivllm.cluster import Cluster, RouterProcess, free_port  # noqa: E402
 from proto import serving_pb2 as pb  # noqa: E402
 from proto import serving_pb2_grpc as pb_grpc  # noqa: E402
+from scheduler_node.router.kv_strategy import DEFAULT_OVERLAP_WEIGHT  # noqa: E402
 from scheduler_node.text.tokenizer import ModelTokenizer  # noqa: E402
 
 NAME = "m"
 STRATEGIES = ("kv", "prefix", "round_robin")
-SMOKE = {"tenants": 12, "users": 4, "clients": 4, "preamble_words": 60, "tenant_words": 120, "max_tokens": 4}
+SMOKE = {"tenants": 12, "max_tokens": 4}
 
 
 @dataclass(frozen=True)
@@ -72,21 +74,24 @@ class Workload:
         return prompts
 
     def kv_blocks(self, tokenizer: ModelTokenizer, cache_share: float, block_size: int) -> int:
-        """A replica's blocks: the preamble's, `cache_share` of all tenant contexts' and each client's own tail."""
+        """A replica's blocks: the preamble's, `cache_share` of all tenant contexts' (what stays cached), and each
+        running request of its share of the clients (a tenant context and its own tail; a replica that gets more
+        makes them wait or preempts)."""
         preamble, tenants = self.contexts(0)
         shared = len(tokenizer.encode(preamble)) // block_size
         tenant = sum(len(tokenizer.encode(f"{preamble}\n{t}")) // block_size - shared for t in tenants)
         own = (3 * self.user_words + self.max_tokens) // block_size + 2
-        return shared + int(cache_share * tenant) + self.clients * own
+        return shared + int(cache_share * tenant) + (self.clients // 2 + 1) * (tenant // len(tenants) + own)
 
 
 def measure(strategy: str, replicas: list[Cluster], events: list[tuple[int, int]], model: Path,
-            workload: Workload, seed: int) -> dict:  # fmt: skip
+            workload: Workload, seed: int, flags: list[str]) -> dict:  # fmt: skip
     specs = [
         f"{c.address},model={NAME},kv_events=127.0.0.1:{e},kv_snapshot=127.0.0.1:{s},tokenizer={model}"
         for c, (e, s) in zip(replicas, events)
     ]
-    router = RouterProcess(specs, ["--routing-strategy", strategy])
+    metrics_port = free_port()
+    router = RouterProcess(specs, ["--routing-strategy", strategy, "--metrics-port", str(metrics_port), *flags])
     try:
         router.wait_serving(60)
         channels = [c.channel for c in replicas]
@@ -96,6 +101,7 @@ def measure(strategy: str, replicas: list[Cluster], events: list[tuple[int, int]
         wall = time.perf_counter() - start
         queries, hits = (a - b for a, b in zip(prefix_cache(channels), before))
         listed = pb_grpc.ControlStub(router.channel).ListReplicas(pb.ListReplicasRequest(), timeout=10)
+        decisions = routing_decisions(f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
         router.stop()
     ordered = sorted(ttfts)
@@ -109,6 +115,20 @@ def measure(strategy: str, replicas: list[Cluster], events: list[tuple[int, int]
         "requests_per_s": len(ttfts) / wall,
         "output_tokens_per_s": len(ttfts) * workload.max_tokens / wall,
         "per_replica": [r.requests for r in listed.replicas],
+        "decisions": decisions,
+    }
+
+
+def routing_decisions(url: str) -> dict[str, int]:
+    """The router's decisions by outcome (kv: overlap, load, least; prefix: affinity, overflow)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {
+        s.labels["decision"]: int(s.value)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "minivllm:router_decisions_total"
     }
 
 
@@ -116,14 +136,15 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default", help="HF folder or 'default' (SmolLM2-135M-Instruct)")
     p.add_argument("--smoke", action="store_true", help=f"a small workload (CI): {SMOKE}")
-    p.add_argument("--tenants", type=int, default=24)
-    p.add_argument("--users", type=int, default=5, help="requests per tenant")
-    p.add_argument("--preamble-words", type=int, default=60, help="words of the preamble every tenant shares")
-    p.add_argument("--tenant-words", type=int, default=200, help="words of each tenant's own context")
+    p.add_argument("--tenants", type=int, default=16)
+    p.add_argument("--users", type=int, default=8, help="requests per tenant")
+    p.add_argument("--preamble-words", type=int, default=80, help="words of the preamble every tenant shares")
+    p.add_argument("--tenant-words", type=int, default=300, help="words of each tenant's own context")
     p.add_argument("--user-words", type=int, default=12)
     p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--clients", type=int, default=8, help="closed-loop clients")
-    p.add_argument("--cache-share", type=float, default=0.6, help="a replica's KV blocks / all tenant contexts' blocks")
+    p.add_argument("--clients", type=int, default=4, help="closed-loop clients")
+    p.add_argument("--cache-share", type=float, default=0.4, help="a replica's KV blocks / all tenant contexts' blocks")
+    p.add_argument("--kv-overlap-weight", type=float, default=DEFAULT_OVERLAP_WEIGHT, help="the kv router's")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     if args.smoke:  # its own defaults; flags still win
@@ -148,7 +169,8 @@ def main() -> int:
         for c in replicas:  # warm up (allocations, kernels) with prompts no measured run uses
             warm = Workload(2, 2, 8, 8, 4, 2, 2)
             drive(c.channel, warm.requests(999), warm)  # type: ignore[arg-type]
-        rows = [measure(s, replicas, events, model, workload, seed) for seed, s in enumerate(STRATEGIES, start=1)]
+        flags = ["--kv-overlap-weight", str(args.kv_overlap_weight)]
+        rows = [measure(s, replicas, events, model, workload, seed, flags) for seed, s in enumerate(STRATEGIES, 1)]
     finally:
         for c in replicas:
             c.stop()
@@ -158,14 +180,14 @@ def main() -> int:
         f"{args.tenant_words}-word tenant contexts), {workload.clients} clients, 2 replicas x 1 thread, {blocks} KV "
         f"blocks each ({args.cache_share:g} of the tenant contexts); load average {load:.1f}"
     )
-    print(
-        "| strategy | hit rate | mean TTFT (s) | P90 TTFT (s) | requests/s | output tokens/s | requests per replica |"
-    )
-    print("|---|---|---|---|---|---|---|")
+    print("| strategy | hit rate | mean TTFT (s) | P90 TTFT (s) | requests/s | output tokens/s | per replica | "
+          "decisions |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['strategy']} | {r['hit_rate']:.2f} | {r['ttft_mean']:.3f} | {r['ttft_p90']:.3f} | "
-            f"{r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.1f} | {' / '.join(map(str, r['per_replica']))} |"
+            f"{r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.1f} | {' / '.join(map(str, r['per_replica']))} | "
+            f"{', '.join(f'{k} {v}' for k, v in sorted(r['decisions'].items()))} |"
         )
     by = {r["strategy"]: r for r in rows}
     ratio = by["kv"]["hit_rate"] / by["prefix"]["hit_rate"] if by["prefix"]["hit_rate"] else float("inf")
