@@ -231,3 +231,19 @@ async def _replica(port: int, snapshot_port: int) -> tuple[StandInRun, asyncio.F
     run.engine.after_step = publisher.publish
     run.start()
     return run, asyncio.ensure_future(publisher.run())
+
+
+def test_vllm_serve_wires_each_data_parallel_replica_to_a_kv_router() -> None:
+    from scheduler_node.cli.serve import build_parser, replica_argv, replica_plans, router_argv
+
+    args = build_parser().parse_args(["--data-parallel-size", "2", "--routing-strategy", "kv", "--device", "cpu"])
+    plans = replica_plans(args)
+    events = {(p.kv_events_port, p.kv_snapshot_port) for p in plans}
+    assert len(events) == 2 and all(port and snap for port, snap in events), "each replica its own ports"
+    for plan in plans:
+        argv = replica_argv(args, plan, len(plans))
+        assert argv[argv.index("--kv-events-port") + 1] == str(plan.kv_events_port)
+    router = router_argv(args, plans)
+    specs = [parse_replica(v) for k, v in zip(router, router[1:]) if k == "--replica"]
+    assert [s.kv_events for s in specs] == [f"127.0.0.1:{p.kv_events_port}" for p in plans]
+    assert all(s.tokenizer and s.kv_snapshot for s in specs)
