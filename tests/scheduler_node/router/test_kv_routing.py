@@ -5,37 +5,27 @@ chat messages, and a replica's real publisher feeding the real subscriber over l
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
-from minivllm.cluster import free_port
 from proto.kv_events import (
-    CLEARED,
     DEVICE,
     RAM,
     REMOVED,
     STORED,
     KVEventBatch,
     KVSnapshot,
-    KVWireError,
     decode_batch,
     decode_snapshot,
     encode_batch,
     encode_snapshot,
 )
 from proto.wire import SamplingOptions
-from scheduler_node.core.config import SchedulerConfig
-from scheduler_node.core.kv_events import KVEventSink
 from scheduler_node.core.request import Request, StopConditions
-from scheduler_node.engine.kv_publisher import KVEventPublisher
 from scheduler_node.router.kv_index import KVIndex, ReplicaFeed
 from scheduler_node.router.kv_strategy import KVAware, PromptTokens, block_hashes
-from scheduler_node.router.kv_subscriber import KVSubscriber
 from scheduler_node.router.replica import SERVING, ReplicaPool, parse_replica
 from scheduler_node.router.request import RouteRequest
-from tests.support.stand_in import StandInRun, spec, tokenizer
-from tests.support.waiting import until
+from tests.support.stand_in import tokenizer
 
 pytestmark = pytest.mark.unit
 
@@ -57,22 +47,6 @@ def stored(i: int, tier: int = DEVICE) -> tuple[int, int, bytes | None, bytes | 
 
 def snapshot(seq: int, *held: int, epoch: bytes = EPOCH) -> KVSnapshot:
     return decode_snapshot(encode_snapshot(epoch, seq, BS, [(DEVICE, h(i)) for i in held]))
-
-
-# ---- the wire
-
-
-def test_the_wire_round_trips_and_refuses_what_it_cannot_trust() -> None:
-    b = batch(3, stored(1), (REMOVED, RAM, h(2), None), (CLEARED, DEVICE, None, None))
-    assert (b.epoch, b.seq, b.block_size) == (EPOCH, 3, BS) and len(b.events) == 3
-    with pytest.raises(KVWireError, match="version"):
-        decode_batch(encode_batch(EPOCH, 1, BS, []).replace(b"\x95\x01", b"\x95\x02", 1))
-    with pytest.raises(KVWireError, match="KVEventBatch"):
-        decode_batch(encode_batch(EPOCH, 1, BS, [(STORED, DEVICE, b"short", None)]))
-    with pytest.raises(KVWireError, match="KVEventBatch"):
-        decode_batch(encode_batch(EPOCH, 1, BS, [(STORED, 7, h(1), None)]))  # no such tier
-    with pytest.raises(KVWireError, match="KVSnapshot"):
-        decode_snapshot(b"\x01")
 
 
 # ---- the index and its resync rules
@@ -185,52 +159,6 @@ def test_kv_hashes_text_and_chat_like_the_scheduler() -> None:
         assert kv.choose(request, [a, b]).replica is b, request
     no_tokenizer = KVAware(kv.index, feeds, PromptTokens({}))
     assert no_tokenizer.choose(RouteRequest("m", prompt=text), [a, b]).decision == "untokenized"
-
-
-# ---- a real publisher into the real subscriber (loopback ZeroMQ, a stand-in engine)
-
-
-def test_a_publisher_feeds_the_subscriber_and_a_restart_is_never_trusted_stale() -> None:
-    asyncio.run(_publish_and_restart())
-
-
-async def _publish_and_restart() -> None:
-    port, snap = free_port(), free_port()
-    pool = ReplicaPool([parse_replica(f"h:1,model=m,kv_events=127.0.0.1:{port},kv_snapshot=127.0.0.1:{snap}")])
-    replica = pool.replicas[0]
-    pool.set_state(replica, SERVING)
-    index = KVIndex()
-    subscriber = KVSubscriber(pool, index)
-    feed = subscriber.feeds[replica.address]
-    follow = asyncio.ensure_future(subscriber.run())
-    run, publishing = await _replica(port, snap)
-    try:
-        run.submit(spec("r1", prompt_len=64, max_tokens=2))
-        await run.until_idle()
-        cached = set(run.engine.scheduler.blocks._cached)
-        assert len(cached) >= 4
-        await until(lambda: feed.synced and index.owned.get(replica.address) == cached, 10, "the index follows")
-        epoch = feed.epoch
-        publishing.cancel()  # the replica restarts: a new process, a new epoch, an empty cache
-        await run.stop()
-        run, publishing = await _replica(port, snap)
-        await until(lambda: feed.epoch not in (None, epoch) and feed.synced, 15, "a snapshot of the new epoch")
-        assert index.num_blocks(replica.address) == 0 and feed.resyncs == 1
-    finally:
-        publishing.cancel()
-        await run.stop()
-        follow.cancel()
-        await asyncio.gather(follow, publishing, return_exceptions=True)
-
-
-async def _replica(port: int, snapshot_port: int) -> tuple[StandInRun, asyncio.Future[None]]:
-    run = StandInRun.build(SchedulerConfig(block_size=16, max_num_batched_tokens=64, max_num_seqs=4), 32)
-    sink = KVEventSink()
-    run.engine.scheduler.attach_kv_events(sink)
-    publisher = KVEventPublisher(sink, 16, "127.0.0.1", port, snapshot_port)
-    run.engine.after_step = publisher.publish
-    run.start()
-    return run, asyncio.ensure_future(publisher.run())
 
 
 def test_vllm_serve_wires_each_data_parallel_replica_to_a_kv_router() -> None:
