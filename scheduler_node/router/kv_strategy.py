@@ -11,10 +11,11 @@ NVIDIA Dynamo's KV router (prefill work vs decode load, in blocks):
     cost = overlap_weight x (prompt_blocks - cached) + queue x prompt_blocks / weight
 
 `queue` is the requests ahead on the replica (scheduler_node/router/replica.py), each counted as a prompt like
-this one. With the default weight 1 a full hit is worth one request ahead: a replica holding the prefix takes the
-request until it has a whole request more queued than the others. A higher weight follows the cache harder (more
-hits, more imbalance); 0 ignores it. Ties go to the more cached replica, then in turn. When no candidate holds
-any of the blocks (or the prompt cannot be hashed: no tokenizer for text) the request goes to the least loaded.
+this one. With the default weight 2 a full hit is worth two requests ahead: a replica holding the prefix takes
+the request while it has at most one request more queued than the others. A higher weight follows the cache
+harder (more hits, more imbalance); 0 ignores it. Ties go to the more cached replica, then in turn. When no
+candidate holds any of the blocks (or the prompt cannot be hashed: no tokenizer for text) the request goes to the
+least loaded.
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ from scheduler_node.text.tokenizer import ModelTokenizer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_OVERLAP_WEIGHT = 1.0
+# 2: a fully cached prompt outweighs one request ahead, not two. With Dynamo's 1 a single request ahead already
+# outweighs the whole cached prefix (both are a prompt's blocks), so `kv` was least_loaded with ties broken by the
+# cache: in scripts/bench_kv_routing.py it found 0.62 of the prompt tokens cached where 2 found 0.69.
+DEFAULT_OVERLAP_WEIGHT = 2.0
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, salt: str = "") -> list[bytes]:

@@ -130,7 +130,9 @@ def test_kv_routes_to_the_cached_prefix_until_the_load_outweighs_it() -> None:
     hold(feeds[b.address], prompt[:24])  # b holds 6 of them
     request = RouteRequest("m", prompt_token_ids=prompt + [1, 2])
     assert kv.choose(request, [a, b]).replica is b and kv.choose(request, [a, b]).decision == "overlap"
-    b.in_flight = 1  # 9 blocks: 3 to compute + 9 for the stream ahead > 9 to compute on a
+    b.in_flight = 1  # 9 blocks: 2 x 3 to compute + 9 for the stream ahead < 2 x 9 to compute on a
+    assert kv.choose(request, [a, b]).replica is b
+    b.in_flight = 2  # 2 x 3 + 2 x 9 > 2 x 9
     pick = kv.choose(request, [a, b])
     assert (pick.replica, pick.decision) == (a, "load")
     assert kv.choose(RouteRequest("m", prompt_token_ids=prompt, cache_salt="tenant"), [a, b]).decision == "least"
