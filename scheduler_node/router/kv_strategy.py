@@ -5,7 +5,9 @@ hash_block, chained, seeded by the request's cache_salt, the replica's block siz
 prompt through the model's tokenizer (with its special tokens, as the doors encode it), messages through its chat
 template (scheduler_node/text/tokenizer.py; the folder is the replica's `tokenizer=DIR`). For each candidate,
 `cached` is how many of those blocks, from the first, its index says it holds (any tier: a cpu or disk block is
-loaded back instead of computed); a replica that is down or resynchronizing holds nothing. The cost, after
+loaded back instead of computed), or were sent to it by a request routed in the last PENDING_S (as Dynamo's
+router predicts them: the events come only once they are computed); a replica that is down or resynchronizing
+holds nothing. The cost, after
 NVIDIA Dynamo's KV router (prefill work vs decode load, in blocks):
 
     cost = overlap_weight x (prompt_blocks - cached) + queue x prompt_blocks / weight
@@ -21,7 +23,8 @@ least loaded.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 
 from scheduler_node.core.block_table import hash_block
 from scheduler_node.router.kv_index import KVIndex, ReplicaFeed
@@ -36,6 +39,9 @@ logger = logging.getLogger(__name__)
 # outweighs the whole cached prefix (both are a prompt's blocks), so `kv` was least_loaded with ties broken by the
 # cache: in scripts/bench_kv_routing.py it found 0.62 of the prompt tokens cached where 2 found 0.69.
 DEFAULT_OVERLAP_WEIGHT = 2.0
+# A routed request's blocks count as held by its replica for this long (or until the replica restarts), so the
+# next request of the prefix follows it while the first still computes it (its events come once it has).
+PENDING_S = 10.0
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, salt: str = "") -> list[bytes]:
@@ -74,7 +80,8 @@ class KVAware:
     name = "kv"
 
     def __init__(self, index: KVIndex, feeds: Mapping[str, ReplicaFeed], prompts: PromptTokens,
-                 overlap_weight: float = DEFAULT_OVERLAP_WEIGHT) -> None:  # fmt: skip
+                 overlap_weight: float = DEFAULT_OVERLAP_WEIGHT,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         if not overlap_weight >= 0:
             raise ValueError(f"--kv-overlap-weight must be >= 0, got {overlap_weight}")
         self.index = index
@@ -83,36 +90,73 @@ class KVAware:
         self.overlap_weight = overlap_weight
         self.rotation = Rotation()
         self.least = LeastLoaded()
+        self.clock = clock
+        # replica -> (the epoch of its events then, {hash: until}): blocks of requests routed there lately
+        self.pending: dict[str, tuple[bytes | None, dict[bytes, float]]] = {}
 
-    def cached(self, request: RouteRequest, candidates: Sequence[Replica]) -> tuple[dict[str, int], int] | None:
-        """Each candidate's cached leading blocks of the request, and its prompt's length in blocks (the block
-        size of the synchronized replicas); None when the prompt cannot be hashed."""
+    def cached(
+        self, request: RouteRequest, candidates: Sequence[Replica]
+    ) -> tuple[dict[str, int], int, dict[str, list[bytes]]] | None:
+        """Each candidate's cached leading blocks of the request, its prompt's length in blocks (the block size of
+        the synchronized replicas), and its hashes per replica; None when the prompt cannot be hashed."""
         synced = [f for r in candidates if (f := self.feeds.get(r.address)) is not None and f.synced]
         if not synced:
-            return {r.address: 0 for r in candidates}, 1
+            return {r.address: 0 for r in candidates}, 1, {}
         ids = self.prompts.ids(request, candidates[0].model)
         if ids is None:
             return None
         counts = {r.address: 0 for r in candidates}
+        hashes: dict[str, list[bytes]] = {}
         prompt_blocks = 1
+        now = self.clock()
         for size in {f.block_size for f in synced}:  # one, unless the replicas of a model differ
+            keys = block_hashes(ids, size, request.cache_salt)
             names = [f.name for f in synced if f.block_size == size]
-            counts.update(self.index.overlap(block_hashes(ids, size, request.cache_salt), names))
+            counts.update(self.index.overlap(keys, names))
+            for name in names:
+                hashes[name] = keys
+                counts[name] = max(counts[name], self._pending_overlap(name, keys, now))
             prompt_blocks = max(prompt_blocks, -(-len(ids) // size))
-        return counts, prompt_blocks
+        return counts, prompt_blocks, hashes
+
+    def _pending_overlap(self, name: str, keys: list[bytes], now: float) -> int:
+        epoch, until = self.pending.get(name, (None, {}))
+        if epoch != self.feeds[name].epoch:
+            return 0  # sent to a process that is gone
+        n = 0
+        for key in keys:
+            if (key not in until or until[key] < now) and not self.index.holders.get(key, {}).get(name):
+                break
+            n += 1
+        return n
+
+    def _routed(self, replica: Replica, keys: list[bytes]) -> None:
+        """The request's blocks will be on `replica` once it computed them: count them there meanwhile."""
+        feed, now = self.feeds[replica.address], self.clock()
+        epoch, until = self.pending.get(replica.address, (None, {}))
+        if epoch != feed.epoch:
+            until = {}
+        until = {k: t for k, t in until.items() if t >= now}
+        until.update(dict.fromkeys(keys, now + PENDING_S))
+        self.pending[replica.address] = (feed.epoch, until)
 
     def choose(self, request: RouteRequest, candidates: Sequence[Replica]) -> Pick:
         found = self.cached(request, candidates)
         if found is None:
             return Pick(self.least.choose(request, candidates).replica, "untokenized")
-        counts, prompt_blocks = found
+        counts, prompt_blocks, hashes = found
         best_hit = max(counts.values())
         if best_hit == 0:
-            return Pick(self.least.choose(request, candidates).replica, "least")
+            pick = Pick(self.least.choose(request, candidates).replica, "least")
+            if pick.replica.address in hashes:
+                self._routed(pick.replica, hashes[pick.replica.address])
+            return pick
 
         def cost(r: Replica) -> tuple[float, int]:
             new = prompt_blocks - counts[r.address]
             return self.overlap_weight * new + r.queue * prompt_blocks / r.weight, -counts[r.address]
 
         best = min(self.rotation.order(candidates), key=cost)
+        if best.address in hashes:
+            self._routed(best, hashes[best.address])
         return Pick(best, "overlap" if counts[best.address] == best_hit else "load")

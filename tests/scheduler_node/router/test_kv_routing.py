@@ -22,7 +22,7 @@ from proto.kv_events import (
 from proto.wire import SamplingOptions
 from scheduler_node.core.request import Request, StopConditions
 from scheduler_node.router.kv_index import KVIndex, ReplicaFeed
-from scheduler_node.router.kv_strategy import KVAware, PromptTokens, block_hashes
+from scheduler_node.router.kv_strategy import PENDING_S, KVAware, PromptTokens, block_hashes
 from scheduler_node.router.replica import SERVING, ReplicaPool, parse_replica
 from scheduler_node.router.request import RouteRequest
 from tests.support.stand_in import tokenizer
@@ -115,7 +115,10 @@ def kv_pool(n: int = 2) -> tuple[ReplicaPool, KVIndex, dict[str, ReplicaFeed], K
     feeds = {r.address: ReplicaFeed(r.address, index) for r in pool.replicas}
     for feed in feeds.values():
         feed.on_snapshot(snapshot(0))
-    return pool, index, feeds, KVAware(index, feeds, PromptTokens({"m": tokenizer()}))
+    return pool, index, feeds, KVAware(index, feeds, PromptTokens({"m": tokenizer()}), clock=lambda: NOW[0])
+
+
+NOW = [0.0]  # the strategies' clock: a test moves it past PENDING_S to let routed-but-unconfirmed blocks go
 
 
 def hold(feed: ReplicaFeed, ids: list[int], salt: str = "") -> None:
@@ -136,8 +139,24 @@ def test_kv_routes_to_the_cached_prefix_until_the_load_outweighs_it() -> None:
     pick = kv.choose(request, [a, b])
     assert (pick.replica, pick.decision) == (a, "load")
     assert kv.choose(RouteRequest("m", prompt_token_ids=prompt, cache_salt="tenant"), [a, b]).decision == "least"
+    NOW[0] += PENDING_S + 1  # what was routed to a (its blocks were never confirmed by events) is forgotten
     feeds[b.address].distrust()  # resynchronizing: holds nothing
     assert kv.choose(request, [a, b]).decision == "least"
+
+
+def test_a_prefix_follows_the_request_routed_before_it_until_its_replica_restarts() -> None:
+    """The second request of a prefix, sent while the first still computes it (no events yet), goes where the
+    first went; once that replica restarted (a new epoch), what was sent to it counts for nothing."""
+    pool, _, feeds, kv = kv_pool()
+    prompt = list(range(200, 240))
+    first = kv.choose(RouteRequest("m", prompt_token_ids=prompt + [1]), pool.replicas)
+    assert first.decision == "least"
+    second = kv.choose(RouteRequest("m", prompt_token_ids=prompt + [2]), pool.replicas)
+    assert (second.replica, second.decision) == (first.replica, "overlap")
+    feed = feeds[first.replica.address]
+    feed.on_batch(batch(1, epoch=OTHER))  # restarted
+    feed.on_snapshot(snapshot(1, epoch=OTHER))
+    assert kv.choose(RouteRequest("m", prompt_token_ids=prompt + [3]), pool.replicas).decision == "least"
 
 
 def test_kv_hashes_text_and_chat_like_the_scheduler() -> None:
