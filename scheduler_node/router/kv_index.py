@@ -22,16 +22,29 @@ MAX_BUFFERED = 4096  # batches kept while a snapshot is on its way; beyond it th
 
 
 class KVIndex:
-    """hash -> {replica: bitmask of tiers}, and each replica's hashes (to drop them at once)."""
+    """hash -> {replica: bitmask of tiers}, and each replica's hashes (to drop them at once). Beside them, the
+    blocks predicted on a replica (a request routed there will compute them): each counts until its event comes
+    (then the event is the truth, and a later removal counts) or its time is up, and all go when the replica's
+    entries are dropped (a restart, a hole)."""
 
     def __init__(self) -> None:
         self.holders: dict[bytes, dict[str, int]] = {}
         self.owned: dict[str, set[bytes]] = {}
+        self.predicted: dict[str, dict[bytes, float]] = {}  # replica -> {hash: until}
 
     def store(self, replica: str, tier: int, h: bytes) -> None:
         held = self.holders.setdefault(h, {})
         held[replica] = held.get(replica, 0) | (1 << tier)
         self.owned.setdefault(replica, set()).add(h)
+        self.predicted.get(replica, {}).pop(h, None)
+
+    def predict(self, replica: str, hashes: Iterable[bytes], until: float, now: float) -> None:
+        """`replica` will hold `hashes` (those it does not hold yet) once it computed them; count them until then."""
+        mine = {h: t for h, t in self.predicted.get(replica, {}).items() if t >= now}
+        for h in hashes:
+            if replica not in self.holders.get(h, ()):
+                mine[h] = until
+        self.predicted[replica] = mine
 
     def remove(self, replica: str, tier: int, h: bytes) -> None:
         held = self.holders.get(h)
@@ -42,7 +55,9 @@ class KVIndex:
             self._forget(replica, h, held)
 
     def clear(self, replica: str, tier: int | None = None) -> None:
-        """Drop what `replica` holds in `tier` (every tier when None)."""
+        """Drop what `replica` holds in `tier` (every tier, and every prediction, when None)."""
+        if tier is None:
+            self.predicted.pop(replica, None)
         for h in list(self.owned.get(replica, ())):
             held = self.holders[h]
             held[replica] &= 0 if tier is None else ~(1 << tier)
@@ -58,13 +73,16 @@ class KVIndex:
     def num_blocks(self, replica: str) -> int:
         return len(self.owned.get(replica, ()))
 
-    def overlap(self, hashes: Sequence[bytes], replicas: Iterable[str]) -> dict[str, int]:
-        """For each replica, how many of `hashes`, from the first, it holds in some tier."""
+    def overlap(self, hashes: Sequence[bytes], replicas: Iterable[str], now: float | None = None) -> dict[str, int]:
+        """For each replica, how many of `hashes`, from the first, it holds in some tier (or, with `now`, is
+        predicted to hold)."""
         counts = dict.fromkeys(replicas, 0)
         alive = set(counts)
+        horizon = float("inf") if now is None else now  # a prediction counts while its time is >= now
+        predicted = {r: self.predicted.get(r, {}) for r in counts}
         for i, h in enumerate(hashes):
-            held = self.holders.get(h)
-            alive &= held.keys() if held else set()
+            held = self.holders.get(h, {})
+            alive = {r for r in alive if r in held or predicted[r].get(h, float("-inf")) >= horizon}
             if not alive:
                 break
             for r in alive:

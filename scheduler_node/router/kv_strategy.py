@@ -39,8 +39,8 @@ logger = logging.getLogger(__name__)
 # outweighs the whole cached prefix (both are a prompt's blocks), so `kv` was least_loaded with ties broken by the
 # cache: in scripts/bench_kv_routing.py it found 0.62 of the prompt tokens cached where 2 found 0.69.
 DEFAULT_OVERLAP_WEIGHT = 2.0
-# A routed request's blocks count as held by its replica for this long (or until the replica restarts), so the
-# next request of the prefix follows it while the first still computes it (its events come once it has).
+# A routed request's blocks count as held by its replica until their events come, at most this long (and not
+# past a restart), so the next request of the prefix follows it while the first still computes it.
 PENDING_S = 10.0
 
 
@@ -91,8 +91,6 @@ class KVAware:
         self.rotation = Rotation()
         self.least = LeastLoaded()
         self.clock = clock
-        # replica -> (the epoch of its events then, {hash: until}): blocks of requests routed there lately
-        self.pending: dict[str, tuple[bytes | None, dict[bytes, float]]] = {}
 
     def cached(
         self, request: RouteRequest, candidates: Sequence[Replica]
@@ -112,33 +110,15 @@ class KVAware:
         for size in {f.block_size for f in synced}:  # one, unless the replicas of a model differ
             keys = block_hashes(ids, size, request.cache_salt)
             names = [f.name for f in synced if f.block_size == size]
-            counts.update(self.index.overlap(keys, names))
-            for name in names:
-                hashes[name] = keys
-                counts[name] = max(counts[name], self._pending_overlap(name, keys, now))
+            counts.update(self.index.overlap(keys, names, now))
+            hashes.update(dict.fromkeys(names, keys))
             prompt_blocks = max(prompt_blocks, -(-len(ids) // size))
         return counts, prompt_blocks, hashes
 
-    def _pending_overlap(self, name: str, keys: list[bytes], now: float) -> int:
-        epoch, until = self.pending.get(name, (None, {}))
-        if epoch != self.feeds[name].epoch:
-            return 0  # sent to a process that is gone
-        n = 0
-        for key in keys:
-            if (key not in until or until[key] < now) and not self.index.holders.get(key, {}).get(name):
-                break
-            n += 1
-        return n
-
     def _routed(self, replica: Replica, keys: list[bytes]) -> None:
         """The request's blocks will be on `replica` once it computed them: count them there meanwhile."""
-        feed, now = self.feeds[replica.address], self.clock()
-        epoch, until = self.pending.get(replica.address, (None, {}))
-        if epoch != feed.epoch:
-            until = {}
-        until = {k: t for k, t in until.items() if t >= now}
-        until.update(dict.fromkeys(keys, now + PENDING_S))
-        self.pending[replica.address] = (feed.epoch, until)
+        now = self.clock()
+        self.index.predict(replica.address, keys, now + PENDING_S, now)
 
     def choose(self, request: RouteRequest, candidates: Sequence[Replica]) -> Pick:
         found = self.cached(request, candidates)
