@@ -20,7 +20,8 @@ import torch
 
 from proto.wire import NewRequest, SamplingOptions
 from worker_node.attention import AttentionMetadata
-from worker_node.sampler import RowFlags, is_plain
+from worker_node.sampler import RowFlags, SamplingRequest, is_plain
+from worker_node.spec_decode import DraftRows, expand
 
 
 @dataclass(slots=True)
@@ -51,11 +52,23 @@ class StepInputs:
     starts: np.ndarray  # their computed tokens before the step (restored when it is interrupted)
     # prompt_logprobs: (request, first token row, rows, position of the first prompt token they score)
     prompt_rows: list[tuple[RequestState, int, int, int]] = field(default_factory=list)
+    # Speculative decoding: the sampling rows of a step where some samplers have proposals (None: one row each);
+    # sample_rows then lists every row to score, and these say whose each is.
+    draft_rows: DraftRows | None = None
+
+    @property
+    def row_requests(self) -> list[SamplingRequest]:
+        """The request of each row the sampler draws at."""
+        return self.draft_rows.requests if self.draft_rows is not None else self.samplers  # type: ignore[return-value]
+
+    @property
+    def row_flags(self) -> RowFlags:
+        return self.draft_rows.flags if self.draft_rows is not None else self.flags
 
 
 _ROW_ARRAYS = (
     "token_ids", "num_tokens", "num_computed", "num_prompt", "block_table", "num_blocks", "wants_prompt_logprobs",
-    "plain", "wants_logprobs",
+    "plain", "wants_logprobs", "num_drafts",
 )  # fmt: skip
 
 
@@ -75,6 +88,7 @@ class InputBatch:
         self.wants_prompt_logprobs = np.zeros(rows, dtype=bool)
         self.plain = np.zeros(rows, dtype=bool)  # the sampler's RowFlags
         self.wants_logprobs = np.zeros(rows, dtype=bool)
+        self.num_drafts = np.zeros(rows, dtype=np.int64)  # proposals held past num_tokens for this step only
 
     # ---- rows: written by a plan's diffs
 
@@ -98,6 +112,7 @@ class InputBatch:
         self.wants_prompt_logprobs[row] = r.sampling.prompt_logprobs is not None and not state.resumed
         self.plain[row] = is_plain(r.sampling)
         self.wants_logprobs[row] = r.sampling.logprobs is not None
+        self.num_drafts[row] = 0
         return state
 
     def remove(self, handle: int) -> None:
@@ -123,6 +138,30 @@ class InputBatch:
         self._fit(n + len(tokens), 0)
         self.token_ids[state.row, n : n + len(tokens)] = tokens
         self.num_tokens[state.row] = n + len(tokens)
+
+    def clear_drafts(self) -> None:
+        """Proposals live for one step: a step that did not compute them (skipped) leaves none behind."""
+        if self.num_drafts.any():
+            self.num_drafts[:] = 0
+
+    def set_drafts(self, state: RequestState, drafts: tuple[int, ...] | list[int]) -> None:
+        """Proposals to compute this step after the request's known tokens (speculative decoding); they become
+        tokens only as far as they are accepted (`append_outputs`)."""
+        n = len(state.token_ids)
+        self._fit(n + len(drafts), 0)
+        self.token_ids[state.row, n : n + len(drafts)] = drafts
+        self.num_drafts[state.row] = len(drafts)
+
+    def append_outputs(self, inputs: StepInputs, outputs: list[list[int]]) -> None:
+        """Each sampler's tokens of a step with proposals: the accepted proposals and one more. The rejected
+        proposals' slots are not computed after all: the computed tokens roll back to the accepted ones."""
+        for state, tokens in zip(inputs.samplers, outputs):
+            row = state.row
+            drafts = int(self.num_drafts[row])
+            if drafts:
+                self.num_computed[row] -= drafts - (len(tokens) - 1)
+                self.num_drafts[row] = 0
+            self.append_tokens(state, tokens)
 
     def append_sampled(self, inputs: StepInputs, tokens: list[int]) -> None:
         """One sampled token for each of a step's samplers, at once."""
@@ -155,7 +194,8 @@ class InputBatch:
             rows, n, compact = rows[order], n[order], compact[order]
         start = self.num_computed[rows]
         end = start + n
-        self._check(rows, end)
+        held = self.num_tokens[rows] + self.num_drafts[rows]
+        self._check(rows, end, held)
         cu = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(n, out=cu[1:])
         total = int(cu[-1])
@@ -165,12 +205,17 @@ class InputBatch:
             owner = np.repeat(np.arange(len(rows)), n)
             positions = np.arange(total) - cu[:-1][owner] + start[owner]
         ids = self.token_ids[rows[owner], positions].astype(np.int64)
-        samples = end == self.num_tokens[rows]
+        samples = end == held
         all_sample = total == len(rows) and bool(samples.all())
         sample_rows = cu[1:][samples] - 1
         sampler_rows = rows[samples]
         owners = self.owners
         samplers: list[RequestState] = [owners[r] for r in sampler_rows.tolist()]  # type: ignore[misc]
+        flags = RowFlags(self.plain[sampler_rows], self.wants_logprobs[sampler_rows])
+        draft_rows = None
+        if self.num_drafts[sampler_rows].any():
+            drafts = [self._drafts_of(s) for s in samplers]
+            sample_rows, draft_rows = expand(samplers, flags, drafts, sample_rows)  # type: ignore[arg-type]
         prompt_rows = self._prompt_rows(rows, start, end, cu)
         self.num_computed[rows] = end
         num_full = int(len(rows) - compact.sum())
@@ -189,19 +234,25 @@ class InputBatch:
             torch.from_numpy(sample_rows).to(dev),
             all_sample,
             samplers,
-            RowFlags(self.plain[sampler_rows], self.wants_logprobs[sampler_rows]),
+            flags,
             sampler_rows,
             rows,
             start,
             prompt_rows,
+            draft_rows,
         )
 
-    def restore(self, inputs: StepInputs) -> None:
-        """The step did not run (interrupted): its requests' computed tokens are what they were."""
-        self.num_computed[inputs.rows] = inputs.starts
+    def _drafts_of(self, state: RequestState) -> list[int]:
+        n = len(state.token_ids)
+        return self.token_ids[state.row, n : n + int(self.num_drafts[state.row])].tolist()
 
-    def _check(self, rows: np.ndarray, end: np.ndarray) -> None:
-        held = self.num_tokens[rows]
+    def restore(self, inputs: StepInputs) -> None:
+        """The step did not run (interrupted): its requests' computed tokens are what they were, and their
+        proposals are dropped."""
+        self.num_computed[inputs.rows] = inputs.starts
+        self.num_drafts[inputs.rows] = 0
+
+    def _check(self, rows: np.ndarray, end: np.ndarray, held: np.ndarray) -> None:
         bad = np.flatnonzero(end > held)
         if len(bad):
             i = int(bad[0])
