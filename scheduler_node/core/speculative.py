@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from proto.wire import SamplingOptions
@@ -81,6 +81,18 @@ class SpeculativeConfig:
         if "prompt_lookup_max" in values and "prompt_lookup_min" not in values:
             values["prompt_lookup_min"] = min(cls.prompt_lookup_min, values["prompt_lookup_max"])
         return cls(**values)
+
+
+def speculative_config_flag(value: str | Mapping[str, Any]) -> str:
+    """`--speculative-config`'s type: the checked config as JSON text ("" for none), so that it is forwarded as
+    given (vllm-serve) and a config file may write it as a mapping. ArgumentTypeError names the bad key."""
+    import argparse
+
+    try:
+        config = SpeculativeConfig.parse(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return json.dumps(asdict(config)) if config is not None else ""
 
 
 def eligible(sampling: SamplingOptions) -> bool:
