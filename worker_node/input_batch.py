@@ -188,10 +188,12 @@ class InputBatch:
         on; advances their computed tokens (`restore` undoes it). Blocks from `compact_base` on are the compact
         pool's (0: no compact pool)."""
         compact = self.block_table[rows, 0] >= compact_base if compact_base else np.zeros(len(rows), dtype=bool)
-        key = compact * 2 + (n != 1)
+        drafted = self.num_drafts[rows] > 0
+        # Rows with proposals are verified as decodes: each of their tokens a query of its own over its prefix.
+        key = compact * 2 + ((n != 1) & ~drafted)
         if key.any():  # full-pool decodes first, then prefills, then the compact pool's
             order = np.argsort(key, kind="stable")
-            rows, n, compact = rows[order], n[order], compact[order]
+            rows, n, compact, drafted = rows[order], n[order], compact[order], drafted[order]
         start = self.num_computed[rows]
         end = start + n
         held = self.num_tokens[rows] + self.num_drafts[rows]
@@ -220,10 +222,18 @@ class InputBatch:
         self.num_computed[rows] = end
         num_full = int(len(rows) - compact.sum())
         full_tokens = int(cu[num_full])
-        meta = self._attention_meta(rows[:num_full], n[:num_full], positions[:full_tokens], end[:num_full], 0)
+        decode_like = (n == 1) | drafted
+        meta = self._attention_meta(
+            rows[:num_full], n[:num_full], positions[:full_tokens], end[:num_full], 0, decode_like[:num_full]
+        )
         if num_full < len(rows):
             meta.compact = self._attention_meta(
-                rows[num_full:], n[num_full:], positions[full_tokens:], end[num_full:], compact_base
+                rows[num_full:],
+                n[num_full:],
+                positions[full_tokens:],
+                end[num_full:],
+                compact_base,
+                decode_like[num_full:],
             )
             meta.num_full_tokens = full_tokens
         dev = self.device
@@ -284,13 +294,21 @@ class InputBatch:
         return out
 
     def _attention_meta(
-        self, rows: np.ndarray, n: np.ndarray, positions: np.ndarray, seq_lens: np.ndarray, base: int
+        self,
+        rows: np.ndarray,
+        n: np.ndarray,
+        positions: np.ndarray,
+        seq_lens: np.ndarray,
+        base: int,
+        decode_like: np.ndarray,
     ) -> AttentionMetadata:
         """The attention metadata of sequences of one pool, decodes first: their tables (ids from `base` on are
-        that pool's own), lengths, and the tokens each computes (`n`, at `positions`)."""
+        that pool's own), lengths, and the tokens each computes (`n`, at `positions`). `decode_like` rows (first)
+        are decodes, or proposals to verify: each of their tokens attends as a decode at its position (the step
+        writes every token's K/V before attending, so token i sees the ones before it and itself)."""
         dev = self.device
         bs = self.block_size
-        num_decodes = int((n == 1).sum())
+        num_decodes = int(decode_like.sum())
         width = max(1, int(self.num_blocks[rows].max())) if len(rows) else 1
         tables = self.block_table[rows, :width]
         if base:  # the compact pool's own ids; the padding stays zero
@@ -300,12 +318,17 @@ class InputBatch:
         cu_q = np.zeros(len(rows) - num_decodes + 1, dtype=np.int32)
         np.cumsum(n[num_decodes:], out=cu_q[1:])
         lens = seq_lens.astype(np.int32)
+        decode_tables, decode_lens = tables[:num_decodes], lens[:num_decodes]
+        decode_tokens = int(n[:num_decodes].sum())
+        if decode_tokens != num_decodes:  # proposals: a query per token, with its own row's table
+            decode_tables = tables[owner[:decode_tokens]]
+            decode_lens = (positions[:decode_tokens] + 1).astype(np.int32)
         t = torch.from_numpy
         return AttentionMetadata(
             slot_mapping=t(slots).to(dev),
-            num_decode_tokens=num_decodes,
-            decode_block_tables=t(tables[:num_decodes]).to(dev),
-            decode_seq_lens=t(lens[:num_decodes]).to(dev),
+            num_decode_tokens=decode_tokens,
+            decode_block_tables=t(decode_tables).to(dev),
+            decode_seq_lens=t(decode_lens).to(dev),
             prefill_block_tables=t(tables[num_decodes:]).to(dev),
             prefill_cu_seqlens_q=t(cu_q).to(dev),
             prefill_seq_lens=t(lens[num_decodes:]).to(dev),

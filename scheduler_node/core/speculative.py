@@ -79,7 +79,8 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.method: required (one of " + ", ".join(SPEC_METHODS) + ")")
         values = dict(value)
         if "prompt_lookup_max" in values and "prompt_lookup_min" not in values:
-            values["prompt_lookup_min"] = min(cls.prompt_lookup_min, values["prompt_lookup_max"])
+            default = next(f.default for f in fields(cls) if f.name == "prompt_lookup_min")
+            values["prompt_lookup_min"] = min(default, values["prompt_lookup_max"])
         return cls(**values)
 
 
