@@ -201,7 +201,9 @@ def main() -> int:
     try:
         for conc in args.concurrency:
             n = max(4, 2 * conc) if not args.smoke else conc + 1
-            for name, (ids, params) in workloads(engines[0].llm, args.workloads, n, args.max_tokens, args.smoke).items():
+            for name, (ids, params) in workloads(
+                engines[0].llm, args.workloads, n, args.max_tokens, args.smoke
+            ).items():
                 best: dict[str, dict[str, float]] = {}
                 for r in range(args.repeats):
                     for e in engines if r % 2 == 0 else engines[::-1]:
