@@ -227,7 +227,8 @@ def main() -> int:
 def print_row(row: dict[str, Any]) -> None:
     off, on = row["off"], row["ngram"]
     print(
-        f"{row['workload']:6} c={row['concurrency']:<3} off {off['decode_tok_s']:7.1f} tok/s TPOT {off['tpot_ms']:6.1f} ms"
+        f"{row['workload']:6} c={row['concurrency']:<3} "
+        f"off {off['decode_tok_s']:7.1f} tok/s TPOT {off['tpot_ms']:6.1f} ms"
         f" | ngram {on['decode_tok_s']:7.1f} tok/s TPOT {on['tpot_ms']:6.1f} ms"
         f" accept len {on.get('acceptance_length', 0):.2f} ({on.get('speculated_steps', 0)} steps)"
         f" | x{row['speedup']:.2f}",

@@ -2,8 +2,9 @@
 execution mode, policy and preemption mode, and whatever clients send (prompt and output lengths, n, priorities,
 aborts, speculative decoding with proposals accepted at random) while an operator resizes the cache and a rank is
 replaced by a smaller one, the loop never dies, every request ends (finished, aborted, or refused at the door with
-the field that is wrong), and at idle no block is held. The real EngineCore and Scheduler run over stand-in workers (scheduler_node/engine/stand_in.py): no model,
-milliseconds a step. Requests pass the gRPC door's validation first, as a client's would.
+the field that is wrong), and at idle no block is held. The real EngineCore and Scheduler run over stand-in workers
+(scheduler_node/engine/stand_in.py): no model, milliseconds a step. Requests pass the gRPC door's validation first,
+as a client's would.
 
 CI runs 200 examples (seconds); `MINIVLLM_PROPERTY_EXAMPLES=10000` runs more (docs/operations.md). On the code
 before issue 25 it found, among others: a prompt that fills the cache never started under a watermark and the
