@@ -23,9 +23,11 @@ class NgramProposer:
     """Prompt lookup: the longest suffix of the sequence (prompt_lookup_max down to prompt_lookup_min tokens) that
     occurred before in it proposes the tokens that followed its latest earlier occurrence.
 
-    Each request keeps an index from each n-gram to where its latest occurrence ends, brought up to date with the
-    tokens added since the last step, so a proposal costs O(new tokens), not a scan of the sequence. The index
-    lags one token behind the sequence: the suffix itself is never its own match."""
+    The latest occurrence is the likeliest to be copied on; when fewer than k tokens follow it (a match close to
+    the end, as in a run of one repeated token), the first occurrence proposes instead. Each request keeps an index
+    from each n-gram to where its first and latest occurrences end, brought up to date with the tokens added since
+    the last step, so a proposal costs O(new tokens), not a scan of the sequence. The index lags one token behind
+    the sequence: the suffix itself is never its own match."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.min_n = config.prompt_lookup_min
@@ -37,15 +39,20 @@ class NgramProposer:
         self._index(tokens, state, length - 1)
         index = state.index
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            end = index.get(tuple(tokens[length - n :]))
+            key = tuple(tokens[length - n :])
+            end = index.get(key)
             if end is not None:
+                if end + k > length:
+                    end = state.first[key]
                 return tokens[end : end + k]
         return []
 
     def _index(self, tokens: list[int], state: SpecState, upto: int) -> None:
         """Enter the n-grams ending at positions state.indexed + 1 .. upto (exclusive ends) into the index."""
-        index, lo, hi = state.index, self.min_n, self.max_n
+        index, first, lo, hi = state.index, state.first, self.min_n, self.max_n
         for end in range(max(state.indexed, lo), upto + 1):
             for n in range(lo, min(hi, end) + 1):
-                index[tuple(tokens[end - n : end])] = end
+                key = tuple(tokens[end - n : end])
+                index[key] = end
+                first.setdefault(key, end)
         state.indexed = max(state.indexed, upto + 1)

@@ -145,7 +145,8 @@ class SpecState:
     rate: float = 1.0  # accepted / proposed, a moving average (optimistic at first)
     pause: int = 0  # steps left without proposals
     # The proposer's own memory of the request (the n-gram index), kept here so that it ends with the request.
-    index: dict[tuple[int, ...], int] = field(default_factory=dict)
+    index: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> end of its latest occurrence
+    first: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> end of its first occurrence
     indexed: int = 0  # tokens the index has seen
 
     def observe(self, proposed: int, accepted: int) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from proto.memory_stats import DEVICE, DISK, RAM, SWAP, KvPool
 from proto.transport import WorldCapacity
@@ -31,6 +31,11 @@ class SchedulerStats:
     max_model_len: int
     mean_worker_idle_ms: float  # between consecutive steps, as the workers measured it
     interrupted_steps: int  # skipped for a request that outranked every request in them
+    # Speculative decoding (core/speculative.py SpecCounters), vLLM's names; zero when it is off.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
 def tokens_stored(s: Scheduler) -> int:
@@ -67,7 +72,21 @@ def snapshot(s: Scheduler) -> SchedulerStats:
         max_model_len=s.max_model_len,
         mean_worker_idle_ms=c.worker_idle_ms / c.steps if c.steps else 0.0,
         interrupted_steps=c.interrupted_steps,
+        **spec_decode(s),
     )
+
+
+def spec_decode(s: Scheduler) -> dict[str, int | list[int]]:
+    """The speculative decoding counters by their GetStats names (none when speculation is off)."""
+    if s.speculator is None:
+        return {}
+    c = s.speculator.counters
+    return {
+        "spec_decode_num_drafts": c.num_drafts,
+        "spec_decode_num_draft_tokens": c.num_draft_tokens,
+        "spec_decode_num_accepted_tokens": c.num_accepted_tokens,
+        "spec_decode_num_accepted_tokens_per_pos": list(c.accepted_per_pos),
+    }
 
 
 def kv_pools(s: Scheduler, capacity: WorldCapacity) -> list[KvPool]:

@@ -254,6 +254,12 @@ class EngineCore:
             "minivllm:kv_cache_allocated_bytes": {(p.tier, p.format): p.allocated_bytes for p in pools},
             "minivllm:kv_cache_used_bytes": {(p.tier, p.format): p.used_bytes for p in pools},
             "minivllm:cache_hit_rate": {(tier,): rate for tier, rate in hit_rates(pools, s.prefix_cache_queries)},
+            "vllm:spec_decode_num_drafts": s.spec_decode_num_drafts,
+            "vllm:spec_decode_num_draft_tokens": s.spec_decode_num_draft_tokens,
+            "vllm:spec_decode_num_accepted_tokens": s.spec_decode_num_accepted_tokens,
+            "vllm:spec_decode_num_accepted_tokens_per_pos": {
+                (str(i),): n for i, n in enumerate(s.spec_decode_num_accepted_tokens_per_pos)
+            },
         }
 
     async def wait_idle(self) -> None:

@@ -75,6 +75,9 @@ def test_ngram_never_matches_the_suffix_itself() -> None:
     assert p.propose(r, r.spec, 3) == []  # type: ignore[arg-type]
     r = req("b", [5, 5])
     assert p.propose(r, r.spec, 3) == [5]  # type: ignore[arg-type]
+    # the latest match of a run ends right before the suffix: the first one, with k tokens after it, proposes
+    r = req("c", [1, 7, 7, 7, 7, 7, 7])
+    assert p.propose(r, r.spec, 3) == [7, 7, 7]  # type: ignore[arg-type]
 
 
 def test_only_options_the_worker_verifies_exactly_speculate() -> None:
