@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from proto.memory_stats import DEVICE, DISK, RAM, SWAP, KvPool
 from proto.transport import WorldCapacity
 from scheduler_node.core.scheduler import Scheduler
+from scheduler_node.core.speculative import SpecCounters
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,7 @@ def tokens_stored(s: Scheduler) -> int:
 
 def snapshot(s: Scheduler) -> SchedulerStats:
     bt, c = s.blocks, s.counters
+    spec = s.speculator.counters if s.speculator is not None else SpecCounters()  # zeros when speculation is off
     slots = bt.num_used * bt.block_size
     return SchedulerStats(
         total_blocks=bt.num_blocks,
@@ -72,21 +74,11 @@ def snapshot(s: Scheduler) -> SchedulerStats:
         max_model_len=s.max_model_len,
         mean_worker_idle_ms=c.worker_idle_ms / c.steps if c.steps else 0.0,
         interrupted_steps=c.interrupted_steps,
-        **spec_decode(s),
+        spec_decode_num_drafts=spec.num_drafts,
+        spec_decode_num_draft_tokens=spec.num_draft_tokens,
+        spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+        spec_decode_num_accepted_tokens_per_pos=list(spec.accepted_per_pos),
     )
-
-
-def spec_decode(s: Scheduler) -> dict[str, int | list[int]]:
-    """The speculative decoding counters by their GetStats names (none when speculation is off)."""
-    if s.speculator is None:
-        return {}
-    c = s.speculator.counters
-    return {
-        "spec_decode_num_drafts": c.num_drafts,
-        "spec_decode_num_draft_tokens": c.num_draft_tokens,
-        "spec_decode_num_accepted_tokens": c.num_accepted_tokens,
-        "spec_decode_num_accepted_tokens_per_pos": list(c.accepted_per_pos),
-    }
 
 
 def kv_pools(s: Scheduler, capacity: WorldCapacity) -> list[KvPool]:

@@ -62,8 +62,8 @@ def test_verified_samples_follow_the_target_distribution(tiny_llama_dir: Path) -
     outputs = accept(tokens, dr)
     p0, p1 = target(logits[:1], top_k, top_p), target(logits[1:], top_k, top_p)
     # The output is [x] for x != draft (probability p0(x)), or [draft, y] (probability p0(draft) p1(y)).
-    expected = {(x,): p0[x] for x in np.flatnonzero(p0) if x != draft}
-    expected.update({(draft, y): p0[draft] * p1[y] for y in np.flatnonzero(p1)})
+    expected: dict[tuple[int, ...], float] = {(int(x),): p0[x] for x in np.flatnonzero(p0) if x != draft}
+    expected.update({(draft, int(y)): p0[draft] * p1[y] for y in np.flatnonzero(p1)})
     counts = {k: 0 for k in expected}
     for out in outputs:
         counts[tuple(out)] += 1  # KeyError: an outcome the target never gives
