@@ -64,3 +64,35 @@ def test_speculation_changes_no_token(kind: str, request: pytest.FixtureRequest)
     for i, (prompt, output) in enumerate(zip(prompts, speculated)):
         if i % 3:
             assert_teacher_forced(hf, prompt, output)
+
+
+def test_stop_strings_and_stop_tokens_end_a_speculated_step_where_they_occur(tiny_llama_dir: Path) -> None:
+    """Proposals accepted in full bring several tokens a step: a stop string or a stop token among them ends the
+    output at its own token, with the text, token ids and finish reason of a run without speculation."""
+    from scheduler_node.text.tokenizer import ModelTokenizer
+
+    folder = tiny_llama_dir
+    prompts = copy_prompts(5, 1000)[:4]
+
+    def finish(
+        spec: SpeculativeConfig | None, reference: list[list[int]], stops: list[str], stop_ids: list[int]
+    ) -> list[tuple[list[int], str, str]]:
+        with EngineRun(load_runner(folder, 48, BLOCK), tokenizer_dir=folder, speculative=spec) as r:
+            if spec is not None:
+                assert r.scheduler.speculator is not None
+                r.scheduler.speculator.proposer = ScriptedProposer(
+                    {tuple(p): o for p, o in zip(prompts, reference)}, wrong=0.0, always_k=True
+                )
+            outs = [r.add(p, 24, stop=[s] if s else None) for p, s in zip(prompts[:2], stops)]
+            outs += [r.add(p, 24, stop_token_ids=[t] if t else None) for p, t in zip(prompts[2:], stop_ids)]
+            r.run()
+        return [(o.output, o.completions[0].text, o.completions[0].finish_reason) for o in outs]
+
+    plain = [ids for ids, _, _ in finish(None, [], ["", ""], [0, 0])]
+    tok = ModelTokenizer(folder)
+    # Steps bring tokens 0, 1-5, 6-10, 11-15 ...: each stop falls inside a step (unless its text occurs earlier).
+    stops = [tok.decode(out[6:8]).strip()[-3:] for out in plain[:2]]
+    stop_ids = [out[12] for out in plain[2:]]
+    without = finish(None, plain, stops, stop_ids)
+    assert all(reason == "stop" and len(ids) < 24 for ids, _, reason in without), "the test lost its point"
+    assert finish(SPEC, plain, stops, stop_ids) == without
