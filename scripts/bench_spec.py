@@ -17,7 +17,8 @@ Workloads:
 
 Per cell: decode tok/s (tokens after each request's first, over the time some request was decoding), mean TPOT
 (a request's time from its first to its last token over its tokens after the first), and with speculation the mean
-acceptance length (tokens per speculated step: accepted proposals + 1) and how many steps speculated.
+acceptance length (tokens per speculated step: accepted proposals + 1) and how many steps speculated; a cell whose
+greedy outputs differ between the two engines says so (speculation must change no token).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,7 @@ class Timed:
     first: float = 0.0
     last: float = 0.0
     tokens: int = 0
+    ids: list[int] = field(default_factory=list)
 
 
 async def _timed(engine: EngineCore, specs: list[RequestSpec]) -> tuple[list[Timed], float]:
@@ -102,6 +104,7 @@ async def _timed(engine: EngineCore, specs: list[RequestSpec]) -> tuple[list[Tim
                 t.first = t.first or now
                 t.last = now
                 t.tokens += len(delta.token_ids)
+                t.ids += delta.token_ids
 
     await asyncio.gather(*(read(i) for i in range(len(specs))))
     return timings, time.perf_counter() - start
@@ -133,7 +136,7 @@ class Engine:
             threads=args.threads,
         )
 
-    def run(self, prompts: list[list[int]], params: list[SamplingParams], concurrency: int) -> dict[str, float]:
+    def run(self, prompts: list[list[int]], params: list[SamplingParams], concurrency: int) -> dict[str, Any]:
         llm = self.llm
         engine = llm.engine
         engine.scheduler.config = _with_max_num_seqs(engine.scheduler.config, concurrency)
@@ -145,7 +148,9 @@ class Engine:
         before = (spec.counters.num_drafts, spec.counters.num_accepted_tokens) if spec else (0, 0)
         timings, wall = llm._call(_timed(engine, specs))  # the LLM's own loop runs the engine
         tok_s, tpot = decode_figures(timings)
-        row = {"decode_tok_s": tok_s, "tpot_ms": tpot, "tokens": sum(t.tokens for t in timings), "wall_s": wall}
+        row: dict[str, Any] = {"decode_tok_s": tok_s, "tpot_ms": tpot, "tokens": sum(t.tokens for t in timings)}
+        row["wall_s"] = wall
+        row["outputs"] = [t.ids for t in timings]
         if spec is not None:
             drafts = spec.counters.num_drafts - before[0]
             accepted = spec.counters.num_accepted_tokens - before[1]
@@ -205,7 +210,7 @@ def main() -> int:
             for name, (ids, params) in workloads(
                 engines[0].llm, args.workloads, n, args.max_tokens, args.smoke
             ).items():
-                best: dict[str, dict[str, float]] = {}
+                best: dict[str, dict[str, Any]] = {}
                 for r in range(args.repeats):
                     for e in engines if r % 2 == 0 else engines[::-1]:
                         row = e.run(ids, params, conc)
@@ -213,7 +218,9 @@ def main() -> int:
                             best[e.name] = row
                 off, on = best["off"], best["ngram"]
                 speedup = on["decode_tok_s"] / off["decode_tok_s"] if off["decode_tok_s"] else 0.0
-                rows.append({"workload": name, "concurrency": conc, "off": off, "ngram": on, "speedup": speedup})
+                same = off.pop("outputs") == on.pop("outputs")  # greedy: speculation must change no token
+                row = {"workload": name, "concurrency": conc, "off": off, "ngram": on, "speedup": speedup}
+                rows.append({**row, "identical": same})
                 print_row(rows[-1])
     finally:
         for e in engines:
@@ -232,7 +239,7 @@ def print_row(row: dict[str, Any]) -> None:
         f"off {off['decode_tok_s']:7.1f} tok/s TPOT {off['tpot_ms']:6.1f} ms"
         f" | ngram {on['decode_tok_s']:7.1f} tok/s TPOT {on['tpot_ms']:6.1f} ms"
         f" accept len {on.get('acceptance_length', 0):.2f} ({on.get('speculated_steps', 0)} steps)"
-        f" | x{row['speedup']:.2f}",
+        f" | x{row['speedup']:.2f}{'' if row['identical'] else '  OUTPUTS DIFFER'}",
         flush=True,
     )
 
