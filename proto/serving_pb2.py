@@ -4,84 +4,89 @@
 # source: serving.proto
 # Protobuf Python Version: 7.35.1
 """Generated protocol buffer code."""
-
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import descriptor_pool as _descriptor_pool
 from google.protobuf import runtime_version as _runtime_version
 from google.protobuf import symbol_database as _symbol_database
 from google.protobuf.internal import builder as _builder
-
-_runtime_version.ValidateProtobufRuntimeVersion(_runtime_version.Domain.PUBLIC, 7, 35, 1, "", "serving.proto")
+_runtime_version.ValidateProtobufRuntimeVersion(
+    _runtime_version.Domain.PUBLIC,
+    7,
+    35,
+    1,
+    '',
+    'serving.proto'
+)
 # @@protoc_insertion_point(imports)
 
 _sym_db = _symbol_database.Default()
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(
-    b'\n\rserving.proto\x12\x0bminivllm.v1",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t"\xe1\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x0e\n\x01n\x18\x08 \x01(\x05H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x07\x88\x01\x01\x12\x12\n\x05min_p\x18\n \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\t\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\n\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\r \x01(\x02H\x0b\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0e \x01(\x05H\x0c\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0f \x03(\x05\x12>\n\nlogit_bias\x18\x10 \x03(\x0b\x32*.minivllm.v1.SamplingParams.LogitBiasEntry\x12\x11\n\tbad_words\x18\x11 \x03(\t\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\x05H\r\x88\x01\x01\x12\x0e\n\x04json\x18\x13 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x14 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x15 \x01(\x0b\x32\x14.minivllm.v1.ChoicesH\x00\x12\x15\n\x0bjson_object\x18\x16 \x01(\x08H\x00\x12\x16\n\tspeculate\x18\x17 \x01(\x08H\x0e\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nstructuredB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobsB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\r\n\x0b_min_tokensB\x12\n\x10_prompt_logprobsB\x0c\n\n_speculate"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t"\xc2\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x31\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x15.minivllm.v1.TokenIdsH\x00\x12-\n\x08messages\x18\x04 \x01(\x0b\x32\x19.minivllm.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.minivllm.v1.SamplingParams\x12\x15\n\x08priority\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x12\n\ndeadline_s\x18\x08 \x01(\x01\x12\r\n\x05model\x18\t \x01(\t\x12\x14\n\x0ckv_precision\x18\n \x01(\tB\x07\n\x05inputB\x0b\n\t_priority"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.minivllm.v1.ChatMessage"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02"C\n\x08Logprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12&\n\x03top\x18\x02 \x03(\x0b\x32\x19.minivllm.v1.TokenLogprob"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05"\xe9\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.minivllm.v1.Usage\x12\'\n\x08logprobs\x18\x07 \x03(\x0b\x32\x15.minivllm.v1.Logprobs\x12.\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x15.minivllm.v1.Logprobs""\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08" \n\x0fGetStatsRequest\x12\r\n\x05model\x18\x01 \x01(\t"\xd4\x05\n\x05Stats\x12\x14\n\x0ctotal_blocks\x18\x01 \x01(\x05\x12\x13\n\x0bused_blocks\x18\x02 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\x05\x12\x10\n\x08kv_usage\x18\x04 \x01(\x02\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\x03\x12\x12\n\nblock_size\x18\x08 \x01(\x05\x12\x15\n\rmax_model_len\x18\t \x01(\x05\x12\x1a\n\x12\x63\x61\x63hed_free_blocks\x18\n \x01(\x05\x12\x15\n\rfragmentation\x18\x0b \x01(\x02\x12\x1c\n\x14prefix_cache_queries\x18\x0c \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\r \x01(\x03\x12\x1d\n\x15prefix_cache_hit_rate\x18\x0e \x01(\x02\x12\x1d\n\x15preemptions_recompute\x18\x0f \x01(\x03\x12\x18\n\x10preemptions_swap\x18\x10 \x01(\x03\x12\x18\n\x10swap_blocks_used\x18\x11 \x01(\x05\x12\x19\n\x11swap_blocks_total\x18\x12 \x01(\x05\x12\x15\n\rusable_blocks\x18\x13 \x01(\x05\x12\x1b\n\x13mean_worker_idle_ms\x18\x14 \x01(\x02\x12\x19\n\x11interrupted_steps\x18\x15 \x01(\x03\x12#\n\x06memory\x18\x16 \x03(\x0b\x32\x13.minivllm.v1.KvPool\x12\x1e\n\x16spec_decode_num_drafts\x18\x17 \x01(\x03\x12$\n\x1cspec_decode_num_draft_tokens\x18\x18 \x01(\x03\x12\'\n\x1fspec_decode_num_accepted_tokens\x18\x19 \x01(\x03\x12/\n\'spec_decode_num_accepted_tokens_per_pos\x18\x1a \x03(\x03"\xa5\x01\n\x06KvPool\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x02 \x01(\t\x12\x17\n\x0f\x62ytes_per_block\x18\x03 \x01(\x03\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x05\x12\x13\n\x0bused_blocks\x18\x05 \x01(\x05\x12\x17\n\x0f\x61llocated_bytes\x18\x06 \x01(\x03\x12\x12\n\nused_bytes\x18\x07 \x01(\x03\x12\x0c\n\x04hits\x18\x08 \x01(\x03"\x14\n\x12ListWorkersRequest"\xa9\x01\n\x0cWorkerStatus\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x0f\n\x07tp_rank\x18\x05 \x01(\x05\x12\x10\n\x08pp_stage\x18\x06 \x01(\x05\x12\r\n\x05state\x18\x07 \x01(\t\x12\x17\n\x0fheartbeat_age_s\x18\x08 \x01(\x01\x12\x15\n\rnum_kv_blocks\x18\t \x01(\x05"A\n\x13ListWorkersResponse\x12*\n\x07workers\x18\x01 \x03(\x0b\x32\x19.minivllm.v1.WorkerStatus"!\n\x0c\x44rainRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x01"3\n\rDrainResponse\x12\x0f\n\x07\x64rained\x18\x01 \x01(\x08\x12\x11\n\tremaining\x18\x02 \x01(\x05"(\n\x12ResizeCacheRequest\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05"S\n\x13ResizeCacheResponse\x12\x15\n\rusable_blocks\x18\x01 \x01(\x05\x12\x14\n\x0c\x62locks_moved\x18\x02 \x01(\x05\x12\x0f\n\x07seconds\x18\x03 \x01(\x01"\x15\n\x13ListReplicasRequest"\xd9\x01\n\rReplicaStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0e\n\x06weight\x18\x04 \x01(\x01\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x05\x12\x10\n\x08kv_usage\x18\x07 \x01(\x02\x12\x11\n\tin_flight\x18\x08 \x01(\x05\x12\x10\n\x08requests\x18\t \x01(\x03\x12\x13\n\x0bttft_ewma_s\x18\n \x01(\x01\x12\x13\n\x0btpot_ewma_s\x18\x0b \x01(\x01"D\n\x14ListReplicasResponse\x12,\n\x08replicas\x18\x01 \x03(\x0b\x32\x1a.minivllm.v1.ReplicaStatus2\x97\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.minivllm.v1.GenerateRequest\x1a\x1d.minivllm.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.minivllm.v1.AbortRequest\x1a\x1a.minivllm.v1.AbortResponse2\x80\x03\n\x07\x43ontrol\x12<\n\x08GetStats\x12\x1c.minivllm.v1.GetStatsRequest\x1a\x12.minivllm.v1.Stats\x12P\n\x0bListWorkers\x12\x1f.minivllm.v1.ListWorkersRequest\x1a .minivllm.v1.ListWorkersResponse\x12>\n\x05\x44rain\x12\x19.minivllm.v1.DrainRequest\x1a\x1a.minivllm.v1.DrainResponse\x12P\n\x0bResizeCache\x12\x1f.minivllm.v1.ResizeCacheRequest\x1a .minivllm.v1.ResizeCacheResponse\x12S\n\x0cListReplicas\x12 .minivllm.v1.ListReplicasRequest\x1a!.minivllm.v1.ListReplicasResponseb\x06proto3'
-)
+
+
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rserving.proto\x12\x0bminivllm.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xe1\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x0e\n\x01n\x18\x08 \x01(\x05H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x07\x88\x01\x01\x12\x12\n\x05min_p\x18\n \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\t\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\n\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\r \x01(\x02H\x0b\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0e \x01(\x05H\x0c\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0f \x03(\x05\x12>\n\nlogit_bias\x18\x10 \x03(\x0b\x32*.minivllm.v1.SamplingParams.LogitBiasEntry\x12\x11\n\tbad_words\x18\x11 \x03(\t\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\x05H\r\x88\x01\x01\x12\x0e\n\x04json\x18\x13 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x14 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x15 \x01(\x0b\x32\x14.minivllm.v1.ChoicesH\x00\x12\x15\n\x0bjson_object\x18\x16 \x01(\x08H\x00\x12\x16\n\tspeculate\x18\x17 \x01(\x08H\x0e\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nstructuredB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobsB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\r\n\x0b_min_tokensB\x12\n\x10_prompt_logprobsB\x0c\n\n_speculate\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xc2\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x31\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x15.minivllm.v1.TokenIdsH\x00\x12-\n\x08messages\x18\x04 \x01(\x0b\x32\x19.minivllm.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.minivllm.v1.SamplingParams\x12\x15\n\x08priority\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x12\n\ndeadline_s\x18\x08 \x01(\x01\x12\r\n\x05model\x18\t \x01(\t\x12\x14\n\x0ckv_precision\x18\n \x01(\tB\x07\n\x05inputB\x0b\n\t_priority\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.minivllm.v1.ChatMessage\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"C\n\x08Logprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12&\n\x03top\x18\x02 \x03(\x0b\x32\x19.minivllm.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xe9\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.minivllm.v1.Usage\x12\'\n\x08logprobs\x18\x07 \x03(\x0b\x32\x15.minivllm.v1.Logprobs\x12.\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x15.minivllm.v1.Logprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\" \n\x0fGetStatsRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xd4\x05\n\x05Stats\x12\x14\n\x0ctotal_blocks\x18\x01 \x01(\x05\x12\x13\n\x0bused_blocks\x18\x02 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\x05\x12\x10\n\x08kv_usage\x18\x04 \x01(\x02\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\x03\x12\x12\n\nblock_size\x18\x08 \x01(\x05\x12\x15\n\rmax_model_len\x18\t \x01(\x05\x12\x1a\n\x12\x63\x61\x63hed_free_blocks\x18\n \x01(\x05\x12\x15\n\rfragmentation\x18\x0b \x01(\x02\x12\x1c\n\x14prefix_cache_queries\x18\x0c \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\r \x01(\x03\x12\x1d\n\x15prefix_cache_hit_rate\x18\x0e \x01(\x02\x12\x1d\n\x15preemptions_recompute\x18\x0f \x01(\x03\x12\x18\n\x10preemptions_swap\x18\x10 \x01(\x03\x12\x18\n\x10swap_blocks_used\x18\x11 \x01(\x05\x12\x19\n\x11swap_blocks_total\x18\x12 \x01(\x05\x12\x15\n\rusable_blocks\x18\x13 \x01(\x05\x12\x1b\n\x13mean_worker_idle_ms\x18\x14 \x01(\x02\x12\x19\n\x11interrupted_steps\x18\x15 \x01(\x03\x12#\n\x06memory\x18\x16 \x03(\x0b\x32\x13.minivllm.v1.KvPool\x12\x1e\n\x16spec_decode_num_drafts\x18\x17 \x01(\x03\x12$\n\x1cspec_decode_num_draft_tokens\x18\x18 \x01(\x03\x12\'\n\x1fspec_decode_num_accepted_tokens\x18\x19 \x01(\x03\x12/\n\'spec_decode_num_accepted_tokens_per_pos\x18\x1a \x03(\x03\"\xa5\x01\n\x06KvPool\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x02 \x01(\t\x12\x17\n\x0f\x62ytes_per_block\x18\x03 \x01(\x03\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x05\x12\x13\n\x0bused_blocks\x18\x05 \x01(\x05\x12\x17\n\x0f\x61llocated_bytes\x18\x06 \x01(\x03\x12\x12\n\nused_bytes\x18\x07 \x01(\x03\x12\x0c\n\x04hits\x18\x08 \x01(\x03\"\x14\n\x12ListWorkersRequest\"\xa9\x01\n\x0cWorkerStatus\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x0f\n\x07tp_rank\x18\x05 \x01(\x05\x12\x10\n\x08pp_stage\x18\x06 \x01(\x05\x12\r\n\x05state\x18\x07 \x01(\t\x12\x17\n\x0fheartbeat_age_s\x18\x08 \x01(\x01\x12\x15\n\rnum_kv_blocks\x18\t \x01(\x05\"A\n\x13ListWorkersResponse\x12*\n\x07workers\x18\x01 \x03(\x0b\x32\x19.minivllm.v1.WorkerStatus\"!\n\x0c\x44rainRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x01\"3\n\rDrainResponse\x12\x0f\n\x07\x64rained\x18\x01 \x01(\x08\x12\x11\n\tremaining\x18\x02 \x01(\x05\"(\n\x12ResizeCacheRequest\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\"S\n\x13ResizeCacheResponse\x12\x15\n\rusable_blocks\x18\x01 \x01(\x05\x12\x14\n\x0c\x62locks_moved\x18\x02 \x01(\x05\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"\x15\n\x13ListReplicasRequest\"\xd9\x01\n\rReplicaStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0e\n\x06weight\x18\x04 \x01(\x01\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x05\x12\x10\n\x08kv_usage\x18\x07 \x01(\x02\x12\x11\n\tin_flight\x18\x08 \x01(\x05\x12\x10\n\x08requests\x18\t \x01(\x03\x12\x13\n\x0bttft_ewma_s\x18\n \x01(\x01\x12\x13\n\x0btpot_ewma_s\x18\x0b \x01(\x01\"D\n\x14ListReplicasResponse\x12,\n\x08replicas\x18\x01 \x03(\x0b\x32\x1a.minivllm.v1.ReplicaStatus2\x97\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.minivllm.v1.GenerateRequest\x1a\x1d.minivllm.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.minivllm.v1.AbortRequest\x1a\x1a.minivllm.v1.AbortResponse2\x80\x03\n\x07\x43ontrol\x12<\n\x08GetStats\x12\x1c.minivllm.v1.GetStatsRequest\x1a\x12.minivllm.v1.Stats\x12P\n\x0bListWorkers\x12\x1f.minivllm.v1.ListWorkersRequest\x1a .minivllm.v1.ListWorkersResponse\x12>\n\x05\x44rain\x12\x19.minivllm.v1.DrainRequest\x1a\x1a.minivllm.v1.DrainResponse\x12P\n\x0bResizeCache\x12\x1f.minivllm.v1.ResizeCacheRequest\x1a .minivllm.v1.ResizeCacheResponse\x12S\n\x0cListReplicas\x12 .minivllm.v1.ListReplicasRequest\x1a!.minivllm.v1.ListReplicasResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, "serving_pb2", _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'serving_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-    DESCRIPTOR._loaded_options = None
-    _globals["_SAMPLINGPARAMS_LOGITBIASENTRY"]._loaded_options = None
-    _globals["_SAMPLINGPARAMS_LOGITBIASENTRY"]._serialized_options = b"8\001"
-    _globals["_CHATMESSAGE"]._serialized_start = 30
-    _globals["_CHATMESSAGE"]._serialized_end = 74
-    _globals["_SAMPLINGPARAMS"]._serialized_start = 77
-    _globals["_SAMPLINGPARAMS"]._serialized_end = 942
-    _globals["_SAMPLINGPARAMS_LOGITBIASENTRY"]._serialized_start = 676
-    _globals["_SAMPLINGPARAMS_LOGITBIASENTRY"]._serialized_end = 724
-    _globals["_CHOICES"]._serialized_start = 944
-    _globals["_CHOICES"]._serialized_end = 970
-    _globals["_GENERATEREQUEST"]._serialized_start = 973
-    _globals["_GENERATEREQUEST"]._serialized_end = 1295
-    _globals["_TOKENIDS"]._serialized_start = 1297
-    _globals["_TOKENIDS"]._serialized_end = 1320
-    _globals["_CHATMESSAGES"]._serialized_start = 1322
-    _globals["_CHATMESSAGES"]._serialized_end = 1380
-    _globals["_TOKENLOGPROB"]._serialized_start = 1382
-    _globals["_TOKENLOGPROB"]._serialized_end = 1431
-    _globals["_LOGPROBS"]._serialized_start = 1433
-    _globals["_LOGPROBS"]._serialized_end = 1500
-    _globals["_USAGE"]._serialized_start = 1502
-    _globals["_USAGE"]._serialized_end = 1559
-    _globals["_GENERATERESPONSE"]._serialized_start = 1562
-    _globals["_GENERATERESPONSE"]._serialized_end = 1795
-    _globals["_ABORTREQUEST"]._serialized_start = 1797
-    _globals["_ABORTREQUEST"]._serialized_end = 1831
-    _globals["_ABORTRESPONSE"]._serialized_start = 1833
-    _globals["_ABORTRESPONSE"]._serialized_end = 1863
-    _globals["_GETSTATSREQUEST"]._serialized_start = 1865
-    _globals["_GETSTATSREQUEST"]._serialized_end = 1897
-    _globals["_STATS"]._serialized_start = 1900
-    _globals["_STATS"]._serialized_end = 2624
-    _globals["_KVPOOL"]._serialized_start = 2627
-    _globals["_KVPOOL"]._serialized_end = 2792
-    _globals["_LISTWORKERSREQUEST"]._serialized_start = 2794
-    _globals["_LISTWORKERSREQUEST"]._serialized_end = 2814
-    _globals["_WORKERSTATUS"]._serialized_start = 2817
-    _globals["_WORKERSTATUS"]._serialized_end = 2986
-    _globals["_LISTWORKERSRESPONSE"]._serialized_start = 2988
-    _globals["_LISTWORKERSRESPONSE"]._serialized_end = 3053
-    _globals["_DRAINREQUEST"]._serialized_start = 3055
-    _globals["_DRAINREQUEST"]._serialized_end = 3088
-    _globals["_DRAINRESPONSE"]._serialized_start = 3090
-    _globals["_DRAINRESPONSE"]._serialized_end = 3141
-    _globals["_RESIZECACHEREQUEST"]._serialized_start = 3143
-    _globals["_RESIZECACHEREQUEST"]._serialized_end = 3183
-    _globals["_RESIZECACHERESPONSE"]._serialized_start = 3185
-    _globals["_RESIZECACHERESPONSE"]._serialized_end = 3268
-    _globals["_LISTREPLICASREQUEST"]._serialized_start = 3270
-    _globals["_LISTREPLICASREQUEST"]._serialized_end = 3291
-    _globals["_REPLICASTATUS"]._serialized_start = 3294
-    _globals["_REPLICASTATUS"]._serialized_end = 3511
-    _globals["_LISTREPLICASRESPONSE"]._serialized_start = 3513
-    _globals["_LISTREPLICASRESPONSE"]._serialized_end = 3581
-    _globals["_GENERATION"]._serialized_start = 3584
-    _globals["_GENERATION"]._serialized_end = 3735
-    _globals["_CONTROL"]._serialized_start = 3738
-    _globals["_CONTROL"]._serialized_end = 4122
+  DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_CHATMESSAGE']._serialized_start=30
+  _globals['_CHATMESSAGE']._serialized_end=74
+  _globals['_SAMPLINGPARAMS']._serialized_start=77
+  _globals['_SAMPLINGPARAMS']._serialized_end=942
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=676
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=724
+  _globals['_CHOICES']._serialized_start=944
+  _globals['_CHOICES']._serialized_end=970
+  _globals['_GENERATEREQUEST']._serialized_start=973
+  _globals['_GENERATEREQUEST']._serialized_end=1295
+  _globals['_TOKENIDS']._serialized_start=1297
+  _globals['_TOKENIDS']._serialized_end=1320
+  _globals['_CHATMESSAGES']._serialized_start=1322
+  _globals['_CHATMESSAGES']._serialized_end=1380
+  _globals['_TOKENLOGPROB']._serialized_start=1382
+  _globals['_TOKENLOGPROB']._serialized_end=1431
+  _globals['_LOGPROBS']._serialized_start=1433
+  _globals['_LOGPROBS']._serialized_end=1500
+  _globals['_USAGE']._serialized_start=1502
+  _globals['_USAGE']._serialized_end=1582
+  _globals['_GENERATERESPONSE']._serialized_start=1585
+  _globals['_GENERATERESPONSE']._serialized_end=1818
+  _globals['_ABORTREQUEST']._serialized_start=1820
+  _globals['_ABORTREQUEST']._serialized_end=1854
+  _globals['_ABORTRESPONSE']._serialized_start=1856
+  _globals['_ABORTRESPONSE']._serialized_end=1886
+  _globals['_GETSTATSREQUEST']._serialized_start=1888
+  _globals['_GETSTATSREQUEST']._serialized_end=1920
+  _globals['_STATS']._serialized_start=1923
+  _globals['_STATS']._serialized_end=2647
+  _globals['_KVPOOL']._serialized_start=2650
+  _globals['_KVPOOL']._serialized_end=2815
+  _globals['_LISTWORKERSREQUEST']._serialized_start=2817
+  _globals['_LISTWORKERSREQUEST']._serialized_end=2837
+  _globals['_WORKERSTATUS']._serialized_start=2840
+  _globals['_WORKERSTATUS']._serialized_end=3009
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=3011
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=3076
+  _globals['_DRAINREQUEST']._serialized_start=3078
+  _globals['_DRAINREQUEST']._serialized_end=3111
+  _globals['_DRAINRESPONSE']._serialized_start=3113
+  _globals['_DRAINRESPONSE']._serialized_end=3164
+  _globals['_RESIZECACHEREQUEST']._serialized_start=3166
+  _globals['_RESIZECACHEREQUEST']._serialized_end=3206
+  _globals['_RESIZECACHERESPONSE']._serialized_start=3208
+  _globals['_RESIZECACHERESPONSE']._serialized_end=3291
+  _globals['_LISTREPLICASREQUEST']._serialized_start=3293
+  _globals['_LISTREPLICASREQUEST']._serialized_end=3314
+  _globals['_REPLICASTATUS']._serialized_start=3317
+  _globals['_REPLICASTATUS']._serialized_end=3534
+  _globals['_LISTREPLICASRESPONSE']._serialized_start=3536
+  _globals['_LISTREPLICASRESPONSE']._serialized_end=3604
+  _globals['_GENERATION']._serialized_start=3607
+  _globals['_GENERATION']._serialized_end=3758
+  _globals['_CONTROL']._serialized_start=3761
+  _globals['_CONTROL']._serialized_end=4145
 # @@protoc_insertion_point(module_scope)

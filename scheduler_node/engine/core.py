@@ -566,6 +566,9 @@ class EngineCore:
         if finished:
             delta.finish_reason = req.status.finish_reason
             delta.prompt_tokens = len(req.prompt_token_ids)
+            delta.cached_tokens = req.num_cached_tokens
+            if req.sampling.pooling:
+                delta.embedding = req.embedding()
             delta.completion_tokens = len(req.output_token_ids)
             delta.error = error
             self.metrics.finished(delta.finish_reason, None if error else time.monotonic() - seq.arrival)

@@ -143,6 +143,12 @@ def test_abort_is_fanned_out_to_the_replica_that_runs_the_request(fleet: Fleet) 
     (result,) = streams.join(30)
     assert result.finish_reason == "abort" and 0 < len(result.tokens) < 1000
     assert not fleet.stub.Abort(pb.AbortRequest(request_id="abort-me"), timeout=10).found
+    with pytest.raises(grpc.RpcError) as exc:
+        fleet.stub.Abort(pb.AbortRequest(), timeout=10)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in exc.value.details()
+    with pytest.raises(grpc.RpcError) as exc:
+        tokens(fleet.stub, greedy_ids(prompt_ids(8), 4, request_id="x" * 10_000, model="llama"))
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in exc.value.details()
 
 
 def test_control_lists_the_replicas_and_sums_their_stats(fleet: Fleet) -> None:
@@ -258,6 +264,14 @@ def test_the_openai_api_through_the_router_routes_by_model_and_streams_through(f
             model=model, prompt="The sea is", max_tokens=6, temperature=0
         )  # fmt: skip
         assert text.choices[0].text == own_text.choices[0].text
+        routed_response = client.responses.create(model=model, input="The sea is", max_output_tokens=6, temperature=0)
+        own_response = openai_client(cluster.base_url).responses.create(
+            model=model, input="The sea is", max_output_tokens=6, temperature=0
+        )  # fmt: skip
+        assert routed_response.output_text == own_response.output_text and routed_response.model == model
+        routed_vector = client.embeddings.create(model=model, input="The sea").data[0].embedding
+        own_vector = openai_client(cluster.base_url).embeddings.create(model=model, input="The sea").data[0].embedding
+        assert routed_vector == pytest.approx(own_vector, abs=1e-4)  # either llama replica, cached prefix or not
     assert answers["llama"] != answers["qwen"]  # two different models: the test can tell them apart
     stream = client.completions.create(model="qwen", prompt="The sea is", max_tokens=200, temperature=0,
                                        stream=True, extra_body={"ignore_eos": True})  # fmt: skip
