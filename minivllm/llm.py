@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, TypedDict, TypeVar
 
@@ -44,6 +44,7 @@ from scheduler_node.api.validation import (
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.kv_precision import CompactKV
 from scheduler_node.core.request import RequestSpec
+from scheduler_node.core.speculative import SpeculativeConfig
 from scheduler_node.engine.builder import EngineConfig, WorldPlan, check_model_split, free_port, make_engine
 from scheduler_node.engine.core import EngineCore
 from scheduler_node.engine.launchers import LocalLauncher
@@ -128,6 +129,7 @@ class LLM:
         async_scheduling: bool = _ENGINE.async_scheduling,
         worker_backend: str = "auto",
         worker_join_timeout: float = WORKER_JOIN_TIMEOUT_S,
+        speculative_config: str | Mapping[str, Any] | SpeculativeConfig | None = None,
     ) -> None:
         if worker_backend not in WORKER_BACKENDS:
             raise ValueError(f"worker_backend: must be one of {WORKER_BACKENDS}, got {worker_backend!r}")
@@ -168,6 +170,7 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching,
                 preemption_mode=preemption_mode,  # type: ignore[arg-type]
                 kv_offload_policy=kv_offload_policy,
+                speculative=SpeculativeConfig.parse(speculative_config),
             ),
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,

@@ -21,6 +21,7 @@ from scheduler_node.cli.operations import add_operations_flags, check_operations
 from scheduler_node.core.config import PREEMPTION_MODES, SchedulerConfig
 from scheduler_node.core.kv_precision import COMPACT_DTYPES, CompactKV
 from scheduler_node.core.policy import POLICIES
+from scheduler_node.core.speculative import DISABLE_BY_BATCH_SIZE, SpeculativeConfig, speculative_config_flag
 from scheduler_node.core.tier_policy import KV_OFFLOAD_POLICIES
 from scheduler_node.engine.builder import EngineConfig, WorldPlan, check_model_split, make_engine
 from scheduler_node.engine.core import EngineOptions
@@ -143,6 +144,15 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=SCHEDULER.max_model_len,
         help="context length (0: the model's, capped by the KV cache capacity)",
+    )
+    p.add_argument(
+        "--speculative-config",
+        type=speculative_config_flag,
+        default="",
+        help='speculative decoding, as vLLM spells it: a JSON object such as \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}\' (also '
+        '"disable_by_batch_size": no speculation while more requests run; default '
+        f"{DISABLE_BY_BATCH_SIZE}). Empty: off",
     )
     p.add_argument(
         "--enable-prefix-caching",
@@ -290,6 +300,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len,
+            speculative=SpeculativeConfig.parse(args.speculative_config),
             enable_prefix_caching=args.enable_prefix_caching,
             preemption_mode=args.preemption_mode,
             compaction_interval=args.compaction_interval,

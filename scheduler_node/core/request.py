@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from proto.wire import NewRequest, SamplingOptions, TokenLogprobs
 from scheduler_node.core.block_table import BlockHash, hash_block
+from scheduler_node.core.speculative import SpecState
 
 
 class FinishReason(enum.StrEnum):
@@ -103,6 +104,9 @@ class Request:
     stopped_by_token: bool = False  # ended by eos or a stop token (its text is not part of the output)
     handle: int = -1  # the request's id on the wire, assigned by the scheduler when the request is added
     kv_precision: str = "auto"  # auto | full | compact: the format of its KV blocks (core/kv_precision.py)
+    # Speculative decoding (core/speculative.py): None when it never speculates (opted out, or options the worker
+    # cannot verify exactly); the scheduler sets it at admission when speculation is on.
+    spec: SpecState | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -211,3 +215,4 @@ class RequestSpec:
     cache_salt: str = ""
     stop_token_ids: list[int] = field(default_factory=list)  # besides eos: tokens that end the output
     kv_precision: str = "auto"  # auto | full | compact (core/kv_precision.py)
+    speculate: bool = True  # False: never speculative decoding for this request (when the server has it on)

@@ -24,6 +24,7 @@ from proto.transport import StepFailed, WorkerLost, WorkerTransport
 from proto.wire import StepPlan, StepResult, TokenLogprobs
 from scheduler_node.core.request import FinishReason, Request, RequestSpec, Status, StopConditions
 from scheduler_node.core.scheduler import RequestOutput, Scheduler
+from scheduler_node.core.speculative import SpecState
 from scheduler_node.core.stats import hit_rates, kv_pools, snapshot
 from scheduler_node.engine.collector import CollectorSchedule
 from scheduler_node.engine.metrics import LiveSample, Metrics
@@ -167,6 +168,7 @@ class EngineCore:
                     spec.priority,
                     cache_salt=spec.cache_salt,
                     kv_precision=spec.kv_precision,
+                    spec=SpecState() if spec.speculate else None,  # the scheduler keeps it only if it speculates
                 )
             )
             detok = IncrementalDetokenizer(self.tokenizer, spec.prompt_token_ids, spec.stop, stop.may_stop)
@@ -252,6 +254,12 @@ class EngineCore:
             "minivllm:kv_cache_allocated_bytes": {(p.tier, p.format): p.allocated_bytes for p in pools},
             "minivllm:kv_cache_used_bytes": {(p.tier, p.format): p.used_bytes for p in pools},
             "minivllm:cache_hit_rate": {(tier,): rate for tier, rate in hit_rates(pools, s.prefix_cache_queries)},
+            "vllm:spec_decode_num_drafts": s.spec_decode_num_drafts,
+            "vllm:spec_decode_num_draft_tokens": s.spec_decode_num_draft_tokens,
+            "vllm:spec_decode_num_accepted_tokens": s.spec_decode_num_accepted_tokens,
+            "vllm:spec_decode_num_accepted_tokens_per_pos": {
+                (str(i),): n for i, n in enumerate(s.spec_decode_num_accepted_tokens_per_pos)
+            },
         }
 
     async def wait_idle(self) -> None:
@@ -525,12 +533,15 @@ class EngineCore:
             seq = sequences.get(req.req_id)
             if seq is None:
                 continue
-            text_ids = out.new_token_ids[:-1] if req.stopped_by_token else out.new_token_ids
-            seq.detokenizer.add(text_ids)  # the token that stopped the output is not part of its text
+            ids = out.new_token_ids
+            if len(ids) > 1 and seq.detokenizer.stop:
+                ids = _add_until_stop_string(req, ids, seq.detokenizer)
+            else:  # the token that stopped the output is not part of its text
+                seq.detokenizer.add(ids[:-1] if req.stopped_by_token else ids)
             if seq.detokenizer.stopped and not req.finished:  # a stop string: the output side reports it
                 self.scheduler.finish(req.req_id, Status.FINISHED_STOPPED)
-            self._emit(req, out.new_token_ids, out.logprobs, now=now, seq=seq)
-            tokens += len(out.new_token_ids)
+            self._emit(req, ids, out.logprobs, now=now, seq=seq)
+            tokens += len(ids)
         if tokens:
             self.metrics.generation_tokens.inc(tokens)
 
@@ -587,6 +598,24 @@ class EngineCore:
             for _ in range(n):
                 m.itl.observe((now - seq.last_token_at) / n)
         seq.last_token_at = now
+
+
+def _add_until_stop_string(req: Request, ids: list[int], detokenizer: IncrementalDetokenizer) -> list[int]:
+    """Several tokens of one step (accepted proposals, speculative decoding) into the text one at a time: a stop
+    string ends the output at the token that completes it, as it would have a token per step; those after it are
+    dropped. Returns the step's tokens that stay."""
+    text_ids = ids[:-1] if req.stopped_by_token else ids
+    for i, token in enumerate(text_ids):
+        detokenizer.add([token])
+        if detokenizer.stopped:
+            extra = len(ids) - i - 1
+            if extra:
+                del req.output_token_ids[-extra:]
+                req.stopped_by_token = False
+                if req.finished:  # by a token after the stop string (eos, max_tokens): the string came first
+                    req.status = Status.FINISHED_STOPPED
+            return ids[: i + 1]
+    return ids
 
 
 async def _first(*waits: Coroutine[Any, Any, Any], timeout: float | None = None) -> bool:

@@ -150,6 +150,15 @@ COUNTERS = {
     "minivllm:kv_tier_failed_loads": "KV tier blocks that failed their check when loaded and were recomputed",
     "minivllm:kv_tier_failed_stores": "KV blocks a worker could not write to its disk tier (dropped; disk tier off)",
     "minivllm:kv_tier_bytes_moved": "Bytes of KV (one rank's shards) moved between the device and the offload tiers",
+    "vllm:spec_decode_num_drafts": "Speculated steps of a request (speculative decoding)",
+    "vllm:spec_decode_num_draft_tokens": "Tokens proposed (speculative decoding)",
+    "vllm:spec_decode_num_accepted_tokens": "Proposed tokens accepted (speculative decoding)",
+}
+LABELLED_COUNTERS = {  # name -> (help, label names beside model_name)
+    "vllm:spec_decode_num_accepted_tokens_per_pos": (
+        "Proposed tokens accepted at each position of a proposal (speculative decoding)",
+        ("position",),
+    ),
 }
 
 
@@ -205,4 +214,11 @@ class _LiveCollector(Collector):
             value = values.get(key)
             if isinstance(value, (int, float)):
                 counter.add_metric([name], value)
+            yield counter
+        for key, (doc, labels) in LABELLED_COUNTERS.items():
+            counter = CounterMetricFamily(key, doc, labels=["model_name", *labels])
+            series = values.get(key)
+            if isinstance(series, dict):
+                for label_values, value in series.items():
+                    counter.add_metric([name, *label_values], value)
             yield counter

@@ -145,6 +145,7 @@ class EngineRun:
         stop: list[str] | None = None,
         priority: int = 50,
         stop_token_ids: list[int] | None = None,
+        speculate: bool = True,
     ) -> Submitted:
         spec = RequestSpec(
             request_id=f"r{next(self._ids)}",
@@ -156,6 +157,7 @@ class EngineRun:
             n=n,
             priority=priority,
             stop_token_ids=stop_token_ids or [],
+            speculate=speculate,
         )
         entry = Submitted(list(prompt), max_tokens, [Completion() for _ in range(n)])
         self._loop.run_until_complete(self._submit(spec, entry))
