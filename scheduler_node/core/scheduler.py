@@ -28,7 +28,7 @@ from scheduler_node.core.in_flight import InFlightLedger, SentPlan
 from scheduler_node.core.kv_precision import BlockFormat, CompactKV, choose_format
 from scheduler_node.core.kv_tiers import KVTiers
 from scheduler_node.core.policy import Policy
-from scheduler_node.core.request import Request, Status
+from scheduler_node.core.request import FinishReason, Request, Status
 from scheduler_node.core.worker_view import WorkerView
 
 logger = logging.getLogger(__name__)
@@ -36,11 +36,16 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class RequestOutput:
-    """What one step produced for one request."""
+    """What one step produced for one request. The output side reads it on its own thread while the engine goes
+    on changing the request: what ends it is copied here when it ends, and the rest of the request is only read
+    for what no later step changes (its id, its prompt, its complete prompt logprobs)."""
 
     request: Request
-    new_token_ids: list[int]
+    new_token_ids: list[int]  # the step's tokens (several with speculative decoding), up to the one that ended it
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: FinishReason | None = None  # set when these tokens ended it
+    stopped_by_token: bool = False  # ended by eos or a stop token: the last token is not part of the text
+    num_output_tokens: int = 0  # with finish_reason: all its output tokens
 
 
 @dataclass(slots=True)
@@ -591,9 +596,14 @@ class Scheduler:
             if req.forks:
                 self._start_forks(req)
             logprobs = all_logprobs[handle][: len(kept)] if all_logprobs and handle in all_logprobs else []
-            outputs.append(RequestOutput(req, kept, logprobs))
-            if req.status is not running:  # it finished
-                self.finish(req.req_id, req.status)
+            if req.status is running:
+                outputs.append(RequestOutput(req, kept, logprobs))
+                continue
+            end = req.status  # it finished
+            outputs.append(
+                RequestOutput(req, kept, logprobs, end.finish_reason, req.stopped_by_token, len(req.output_token_ids))
+            )
+            self.finish(req.req_id, end)
         return outputs
 
     def _recompute_failed_loads(self, result: StepResult) -> None:
