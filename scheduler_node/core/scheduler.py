@@ -240,7 +240,7 @@ class Scheduler:
         held = self.in_flight.held if self.mode.disjoint_plans else None
         # The loop runs once per running request per step: what it calls is looked up once, here.
         running, tokens_to_schedule, take = Status.RUNNING, self._tokens_to_schedule, self._take
-        scheduled = sent.requests
+        write, scheduled = self.blocks.write, sent.requests
         for i, req in enumerate(order):
             if budget <= 0 or len(scheduled) >= seats:
                 break
@@ -251,7 +251,7 @@ class Scheduler:
             if n <= 0 or (n > 1 and self.policy.effective_priority(req, now) < floor):
                 continue
             first = req.num_computed_tokens
-            while (written := self.blocks.write(req.req_id, first, first + n)) is None:
+            while (written := write(req.req_id, first, first + n)) is None:
                 later = self._same_pool(req, order[i + 1 :])  # the less valued ones that hold blocks it can use
                 victim = self._pick_victim([r for r in later if self._schedulable(r, held)], now)
                 if victim is None and held is not None and any(self._running_in_flight(r, held) for r in later):

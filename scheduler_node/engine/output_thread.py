@@ -98,30 +98,45 @@ class OutputProcessor:
         return delivery
 
     def _step(self, outputs: list[RequestOutput], delivery: Delivery) -> None:
-        """Each sequence's new tokens (one clock reading for the step); counted once."""
+        """Each sequence's new tokens (one clock reading for the step); counted once. The loop runs once per
+        sequence per step: what it calls is looked up once, and the common case (one token, no stop, a sequence
+        that already streams) calls nothing but the detokenizer and the sink."""
         now, tokens, sequences = time.monotonic(), 0, self.sequences
+        itl, to_loop, stop = self.metrics.itl, delivery.deltas, FinishReason.STOP
         for out in outputs:
             req_id = out.request.req_id
             seq = sequences.get(req_id)
             if seq is None:
                 continue  # ended here already (a stop string, an abort): later tokens are not its output
             token_ids, reason = out.new_token_ids, out.finish_reason
+            n = len(token_ids)
             detokenizer = seq.detokenizer
             detokenizer.add(token_ids[:-1] if out.stopped_by_token else token_ids)  # a stop token is not text
             if detokenizer.stopped and reason is None:  # a stop string: the engine learns it from the delivery
-                reason = FinishReason.STOP
+                reason = stop
                 delivery.stopped.append(req_id)
-            self._observe_tokens(seq, len(token_ids), now)
-            tokens += len(token_ids)
+            if n:
+                tokens += n
+                seq.num_tokens += n
+                if seq.last_token_at:
+                    itl.observe_n((now - seq.last_token_at) / n, n)
+                else:
+                    self._first_tokens(seq, now)
+                seq.last_token_at = now
             delta = Delta(seq.index, token_ids, detokenizer.delta(final=reason is not None), logprobs=out.logprobs)
-            if seq.prompt_logprobs and token_ids:
+            if seq.prompt_logprobs and n:
                 delta.prompt_logprobs = list(out.request.prompt_logprobs)  # complete once the first token is sampled
                 seq.prompt_logprobs = False
             if reason is not None:
                 del sequences[req_id]
                 self._final(delta, seq, reason, out.num_output_tokens or seq.num_tokens, None, delivery)
-            if delta.token_ids or delta.text or reason is not None:
-                self._put(seq.sink, delta, delivery)
+            elif not (n or delta.text):
+                continue
+            sink = seq.sink
+            if sink.threadsafe:
+                sink.put(delta)
+            else:
+                to_loop.append((sink, delta))
         if tokens:
             self.metrics.generation_tokens.inc(tokens)
 
@@ -156,19 +171,10 @@ class OutputProcessor:
         else:
             delivery.deltas.append((sink, delta))
 
-    def _observe_tokens(self, seq: SequenceOutput, n: int, now: float) -> None:
-        seq.num_tokens += n
-        if not n:
-            return
-        m = self.metrics
-        if not seq.last_token_at:
-            m.ttft.observe(now - seq.arrival)
-            if seq.index == 0:
-                m.prompt_tokens.inc(seq.prompt_tokens)
-        else:
-            for _ in range(n):
-                m.itl.observe((now - seq.last_token_at) / n)
-        seq.last_token_at = now
+    def _first_tokens(self, seq: SequenceOutput, now: float) -> None:
+        self.metrics.ttft.observe(now - seq.arrival)
+        if seq.index == 0:
+            self.metrics.prompt_tokens.inc(seq.prompt_tokens)
 
 
 class OutputThread:
