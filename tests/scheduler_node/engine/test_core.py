@@ -10,7 +10,7 @@ import pytest
 
 from proto.wire import StepPlan, StepResult
 from scheduler_node.core.request import FinishReason
-from scheduler_node.engine.core import EngineOptions
+from scheduler_node.engine.options import EngineOptions
 from scheduler_node.engine.outputs import Delta, ErrorStatus
 from scheduler_node.engine.stand_in import StandInWorkers
 from tests.support.stand_in import TOKEN, ControlledWorkers, collect, running, spec, stand_in_engine
