@@ -447,8 +447,11 @@ class _Collector:
 
 def _unwrap(prompt: Any, name: str) -> tuple[Any, str]:
     """A prompt as text or token ids, and the name its errors give (a dict prompt's key included)."""
-    if not isinstance(prompt, dict):
+    if isinstance(prompt, str) or (isinstance(prompt, Sequence) and not isinstance(prompt, bytes)):
         return prompt, name
+    if not isinstance(prompt, dict):
+        kinds = "a string, a list of token ids, or {'prompt': ...} / {'prompt_token_ids': ...}"
+        raise InvalidField(name, f"must be {kinds}; got {type(prompt).__name__}")
     if len(prompt) != 1 or next(iter(prompt)) not in ("prompt", "prompt_token_ids"):
         raise InvalidField(name, f"a dict prompt has one key, 'prompt' or 'prompt_token_ids'; got {sorted(prompt)}")
     key, value = next(iter(prompt.items()))

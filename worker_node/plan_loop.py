@@ -161,7 +161,7 @@ class PlanLoop:
                             self.interrupt(message.first_step_id, message.last_step_id)
                         elif message is not None:
                             logger.warning("ignoring an unexpected %s", type(message).__name__)
-                elif not events and time.monotonic() > give_up and not self._connected:  # after the poll: nothing queued
+                elif not events and time.monotonic() > give_up and not self._connected:  # after the poll: none queued
                     logger.error("no word from the scheduler for %.1f s; exiting", time.monotonic() - last_heard)
                     return 0
         finally:

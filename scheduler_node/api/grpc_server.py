@@ -19,8 +19,8 @@ from proto import serving_pb2_grpc as pb_grpc
 from proto.memory_stats import KvPool
 from proto.wire import MAX_MESSAGE_BYTES
 from scheduler_node.api.grpc_decode import DecodeGuard
+from scheduler_node.api.grpc_status import RETRY_AFTER, refuse
 from scheduler_node.api.heap import TRIM_ABOVE_BYTES, HeapTrimmer
-from scheduler_node.api.openai_errors import RETRY_AFTER_S
 from scheduler_node.api.request_bounds import MAX_REQUEST_BYTES, check_prompt_logprobs
 from scheduler_node.api.security import ControlAuth
 from scheduler_node.api.validation import InvalidField, validate
@@ -35,7 +35,6 @@ logger = logging.getLogger(__name__)
 
 # How the engine's failures reach a gRPC client: one status code each.
 # UNAVAILABLE is for now, not for good: the trailer says when to try again (the HTTP doors' Retry-After).
-RETRY_AFTER = (("retry-after", str(RETRY_AFTER_S)),)
 
 GRPC_STATUS: dict[ErrorStatus, grpc.StatusCode] = {
     ErrorStatus.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
@@ -211,16 +210,6 @@ async def drain_timeout(request: pb.DrainRequest, context: grpc.aio.ServicerCont
     if left is not None:
         timeout = min(timeout or left, max(0.0, left - 0.25))
     return timeout
-
-
-def refuse(context: grpc.aio.ServicerContext, code: grpc.StatusCode, detail: str) -> None:
-    """End the call with `code` once the handler returns. Not `context.abort`: the exception it raises holds the
-    handler's frame, and so the request, in a cycle with the call's state that only a full garbage collection
-    breaks (the scheduler runs those when idle after work): refused requests piled up, 60 MiB each."""
-    context.set_code(code)
-    context.set_details(detail)
-    if code == grpc.StatusCode.UNAVAILABLE:
-        context.set_trailing_metadata(RETRY_AFTER)
 
 
 def _response(request_id: str, d: Delta) -> pb.GenerateResponse:

@@ -49,8 +49,9 @@ def completion_specs(
 ) -> list[RequestSpec]:
     fields, renames = req.fields()
     prompts = req.prompt
-    if len(prompts) * (fields.n or 1) > MAX_N:
-        raise InvalidField("prompt", f"{len(prompts)} prompts x n={fields.n or 1} exceeds {MAX_N} sequences")
+    if len(prompts) * (fields.n or 1) > MAX_N:  # n alone out of range is n's error; several prompts share the bound
+        field = "n" if len(prompts) == 1 else "prompt"
+        raise InvalidField(field, f"{len(prompts)} prompts x n={fields.n or 1} exceeds {MAX_N} sequences")
     specs = []
     for i, prompt in enumerate(prompts):
         name = "prompt" if len(prompts) == 1 else f"prompt[{i}]"

@@ -14,6 +14,7 @@ import grpc
 
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
+from scheduler_node.api.grpc_status import refuse
 from scheduler_node.api.validation import MAX_ID_LENGTH
 from scheduler_node.router.replica import DOWN, ReplicaPool
 from scheduler_node.router.request import RouteRequest
@@ -35,14 +36,11 @@ class RouterGeneration(pb_grpc.GenerationServicer):
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is draining; retry on another")
-        if len(request.request_id) > MAX_ID_LENGTH:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: longer than {MAX_ID_LENGTH} characters")
+        refusal = self._refusal(request)
+        if refusal is not None:  # refused without raising: see refuse()
+            refuse(context, *refusal)
+            return
         request.request_id = request.request_id or uuid.uuid4().hex  # one id across a retry, for Abort
-        if request.request_id in self.live:
-            detail = f"request_id: {request.request_id!r} is already running"
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, detail)
         headers = [(k, v) for k, v in context.invocation_metadata() or () if isinstance(v, str)]
         route_request = from_grpc(request, dict(headers))
         with self.tracked(request.request_id):
@@ -53,7 +51,16 @@ class RouterGeneration(pb_grpc.GenerationServicer):
                     yield response
             except UpstreamError as exc:
                 self.count_error(route_request.model, exc.code.name)
-                await context.abort(exc.code, exc.details)
+                refuse(context, exc.code, exc.details)
+
+    def _refusal(self, request: pb.GenerateRequest) -> tuple[grpc.StatusCode, str] | None:
+        if self.draining:
+            return grpc.StatusCode.UNAVAILABLE, "the router is draining; retry on another"
+        if len(request.request_id) > MAX_ID_LENGTH:
+            return grpc.StatusCode.INVALID_ARGUMENT, f"request_id: longer than {MAX_ID_LENGTH} characters"
+        if request.request_id in self.live:
+            return grpc.StatusCode.ALREADY_EXISTS, f"request_id: {request.request_id!r} is already running"
+        return None
 
     @contextlib.contextmanager
     def tracked(self, request_id: str) -> Iterator[None]:
@@ -76,7 +83,8 @@ class RouterGeneration(pb_grpc.GenerationServicer):
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
         if not request.request_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
+            refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
+            return pb.AbortResponse()
         links = [self.forwarder.links[r.address] for r in self.pool.replicas if r.state != DOWN]
         answers = await asyncio.gather(
             *(link.generation.Abort(request, timeout=self.call_timeout) for link in links), return_exceptions=True

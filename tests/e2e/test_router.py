@@ -143,6 +143,12 @@ def test_abort_is_fanned_out_to_the_replica_that_runs_the_request(fleet: Fleet) 
     (result,) = streams.join(30)
     assert result.finish_reason == "abort" and 0 < len(result.tokens) < 1000
     assert not fleet.stub.Abort(pb.AbortRequest(request_id="abort-me"), timeout=10).found
+    with pytest.raises(grpc.RpcError) as exc:
+        fleet.stub.Abort(pb.AbortRequest(), timeout=10)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in exc.value.details()
+    with pytest.raises(grpc.RpcError) as exc:
+        tokens(fleet.stub, greedy_ids(prompt_ids(8), 4, request_id="x" * 10_000, model="llama"))
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in exc.value.details()
 
 
 def test_control_lists_the_replicas_and_sums_their_stats(fleet: Fleet) -> None:

@@ -1,4 +1,4 @@
-"""scripts/soak.py --smoke: vllm-serve at its defaults under Poisson arrivals for about a minute, its worker killed
+"""scripts/soak.py --smoke: vllm-serve at its defaults under Poisson arrivals for under a minute, its worker killed
 (at least) once; every request is accounted for (none lost, none short, none failed) and every block is free at idle."""
 
 from __future__ import annotations

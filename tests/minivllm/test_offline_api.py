@@ -136,6 +136,8 @@ def test_seeded_sampling_is_reproducible(smollm2: LLM) -> None:
         ([{"prompt_token_ids": [10**9]}], SamplingParams(), "prompts[0].prompt_token_ids"),
         ([{"prompt": 7}], SamplingParams(), "prompts[0].prompt"),
         ([{"text": "hi"}], SamplingParams(), "prompts[0]"),
+        (["ok", 42], SamplingParams(), "prompts[1]"),
+        (["ok", ["a", 1]], SamplingParams(), "prompts[1]"),
     ],
 )
 def test_bad_input_names_the_field(smollm2: LLM, prompts: list, params: object, field: str) -> None:  # type: ignore[type-arg]

@@ -114,6 +114,9 @@ def test_errors_name_their_field_with_the_status_openai_uses() -> None:
             error = error_of(bad)
             assert (bad.status_code, error["param"], error["type"]) == (400, param, "invalid_request_error"), error
             assert error["message"].startswith(param + ":"), error
+        for body, param in (({"prompt": "x", "n": 65}, "n"), ({"prompt": ["x"] * 33, "n": 2}, "prompt")):
+            bad = await client.post("/v1/completions", json=body)
+            assert (bad.status_code, error_of(bad)["param"]) == (400, param), error_of(bad)
         other = await client.post("/v1/chat/completions", json={"model": "gpt-4", "messages": CHAT})
         assert other.status_code == 404 and error_of(other)["code"] == "model_not_found"
         full = await client.post("/v1/chat/completions", json={"messages": CHAT, "n": 5})
