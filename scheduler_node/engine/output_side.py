@@ -88,7 +88,8 @@ class OutputSide:
         for out in outputs:
             if out.finish_reason is not None:
                 self._forget(out.request.req_id)
-        self._pending.append(outputs)
+        if outputs:
+            self._pending.append(outputs)
         self.flush()
 
     def end(self, req: Request, error: EngineError | None = None) -> None:
