@@ -20,10 +20,18 @@ from typing import Any, TypedDict, TypeVar
 
 from tqdm import tqdm
 
-from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from proto.wire import WORKER_JOIN_TIMEOUT_S
 from proto.worker_flags import KV_CACHE_DTYPES, WorkerOptions, offload_dir_problem, parse_size, worker_argv
+from scheduler_node.api.embeddings import (
+    POOLINGS,
+    EngineFailed,
+    check_dimensions,
+    embedding_spec,
+    finish,
+    pooled,
+)
 from scheduler_node.api.validation import (
     DEFAULT_PRIORITY,
     InvalidField,
@@ -202,15 +210,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """One output per prompt (a string, a list of token ids, or vLLM's `{"prompt": ...}` /
         `{"prompt_token_ids": ...}`), in input order. ValueError names a bad field."""
+        ids = self._prompt_ids(prompts)
         single = isinstance(prompts, (str, dict)) or _is_ids(prompts)
         batch = [_unwrap(p, f"prompts[{i}]") for i, p in enumerate([prompts] if single else list(prompts))]
-        max_len = self.engine.max_model_len
-        ids = [
-            prompt_from_text(p, self.tokenizer, max_len, name)
-            if isinstance(p, str)
-            else prompt_from_ids(p, self.tokenizer, max_len, name)
-            for p, name in batch
-        ]
         texts = [p if isinstance(p, str) else None for p, _ in batch]
         return self._run(ids, texts, sampling_params, use_tqdm, priority)
 
@@ -229,6 +231,49 @@ class LLM:
             for i, c in enumerate(conversations)
         ]
         return self._run(ids, [None] * len(ids), sampling_params, use_tqdm, None)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling: str = "last",
+        normalize: bool = True,
+        dimensions: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's final hidden states pooled (`last` token's or the `mean`), L2-normalized unless told
+        not, cut to the first `dimensions` (scheduler_node/api/embeddings.py). ValueError names a bad field."""
+        if pooling not in POOLINGS:
+            raise InvalidField("pooling", f"must be one of {', '.join(POOLINGS)}, got {pooling!r}")
+        ids = self._prompt_ids(prompts)
+        specs = [
+            embedding_spec(p, self.tokenizer, self.engine.max_model_len, f"llm-{next(self._ids)}", pooling,
+                           DEFAULT_PRIORITY)
+            for p in ids
+        ]  # fmt: skip
+        vectors = self._call(self._pooled(specs))
+        if vectors:
+            check_dimensions(dimensions, len(vectors[0]))
+        return [
+            EmbeddingRequestOutput(spec.request_id, spec.prompt_token_ids,
+                                   EmbeddingOutput(finish(v, dimensions, normalize)))
+            for spec, v in zip(specs, vectors)
+        ]  # fmt: skip
+
+    async def _pooled(self, specs: list[RequestSpec]) -> list[list[float]]:
+        try:
+            return await pooled(self.engine, specs)
+        except EngineFailed as exc:
+            raise RuntimeError(f"an embedding failed ({exc.error.status.name}): {exc.error.message}") from None
+
+    def _prompt_ids(self, prompts: Prompt | Sequence[Prompt]) -> list[list[int]]:
+        single = isinstance(prompts, (str, dict)) or _is_ids(prompts)
+        batch = [_unwrap(p, f"prompts[{i}]") for i, p in enumerate([prompts] if single else list(prompts))]
+        max_len = self.engine.max_model_len
+        return [
+            prompt_from_text(p, self.tokenizer, max_len, name)
+            if isinstance(p, str)
+            else prompt_from_ids(p, self.tokenizer, max_len, name)
+            for p, name in batch
+        ]
 
     def _run(
         self,

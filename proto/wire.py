@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from enum import IntEnum
-from typing import Annotated, Any, Union, get_args
+from typing import Annotated, Any, Literal, Union, get_args
 
 import msgspec
 import msgspec.inspect
@@ -39,7 +39,9 @@ from msgspec import Meta
 # 8: per-request KV precision: the Assignment carries the compact pool's share, format and (for a replacement) size,
 # Ready the compact pool's blocks, bytes and format, plans the first compact block id (core/kv_precision.py). A v6
 # worker would read compact block ids as full ones (a v7 one, too).
-WIRE_VERSION = 8
+# 9: embeddings and reasoning grammars: SamplingOptions.pooling, StepResult.pooled, structured kind "lark" (a v8
+# worker would refuse the longer records, and sample an embedding request without pooling it).
+WIRE_VERSION = 9
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # libzmq's own ZMTP heartbeats, set on both ends of the worker socket: a quiet connection is PINGed this often by
 # libzmq's I/O thread (so a busy Python thread does not drop it), and dropped after the heartbeat timeout.
@@ -72,13 +74,14 @@ class Record(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=Fal
     """A part of a message: an array of its fields in order."""
 
 
-STRUCTURED_KINDS = ("json", "regex", "choice", "json_object")
+STRUCTURED_KINDS = ("json", "regex", "choice", "json_object", "lark")
 
 
 class StructuredOutput(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True, gc=False):
-    """A constraint on the output text: a JSON schema, a regex, a choice of strings, or any JSON object.
+    """A constraint on the output text: a JSON schema, a regex, a choice of strings, any JSON object, or a grammar.
 
-    `spec` is the schema's JSON text, the regex, the JSON list of choices, or "" for json_object."""
+    `spec` is the schema's JSON text, the regex, the JSON list of choices, "" for json_object, or llguidance's Lark
+    text (the doors write one to apply a constraint after the model's reasoning: proto/structured.py)."""
 
     kind: str
     spec: str
@@ -108,6 +111,9 @@ class SamplingOptions(Record):
     stop_token_ids: list[int] = []
     prompt_logprobs: int | None = None  # each prompt token's logprob, plus this many top alternatives
     structured: StructuredOutput | None = None
+    # An embedding request: the prompt's final hidden states pooled ("last" token's, or the "mean" of all), in
+    # StepResult.pooled; "" for generation.
+    pooling: Literal["", "last", "mean"] = ""
 
     @property
     def greedy(self) -> bool:
@@ -236,6 +242,9 @@ class StepResult(Message, tag=int(Kind.RESULT)):
     load_skipped: list[Handle] = []
     # Disk tier writes some rank could not do (a full or failing disk; the block's hash): the block is not on disk.
     failed_stores: list[Annotated[bytes, Meta(max_length=64)]] = []
+    # Embedding requests: the first prompt position this step computed, how many, and their final hidden states
+    # pooled as float32 (the sum of those rows for "mean", the prompt's last row for "last" when it is computed).
+    pooled: dict[Handle, tuple[int, int, bytes]] = {}
 
 
 class ExecutionMode(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True, gc=False):

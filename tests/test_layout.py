@@ -118,7 +118,6 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "proto.serving_pb2_grpc": "generated from proto/serving.proto by grpcio-tools; every gRPC test speaks it",
     "scheduler_node.api.openai_guards": "the door's API key and body limit, through its app:"
     " tests/scheduler_node/api/test_openai_server.py",
-    "scheduler_node.api.openai_responses": "a part of the OpenAI door: tests/scheduler_node/api/test_openai_server.py",
     "scheduler_node.api.openai_runs": "a part of the OpenAI door: tests/scheduler_node/api/test_openai_server.py",
     "scheduler_node.bench.load": "a part of vllm-bench, run against a real server by"
     " tests/scheduler_node/bench/test_bench.py",

@@ -51,11 +51,13 @@ class StepInputs:
     starts: np.ndarray  # their computed tokens before the step (restored when it is interrupted)
     # prompt_logprobs: (request, first token row, rows, position of the first prompt token they score)
     prompt_rows: list[tuple[RequestState, int, int, int]] = field(default_factory=list)
+    # embedding requests: (request, first token row, rows, position of the first) of the prompt rows they pool
+    pool_rows: list[tuple[RequestState, int, int, int]] = field(default_factory=list)
 
 
 _ROW_ARRAYS = (
     "token_ids", "num_tokens", "num_computed", "num_prompt", "block_table", "num_blocks", "wants_prompt_logprobs",
-    "plain", "wants_logprobs",
+    "plain", "wants_logprobs", "pools",
 )  # fmt: skip
 
 
@@ -75,6 +77,7 @@ class InputBatch:
         self.wants_prompt_logprobs = np.zeros(rows, dtype=bool)
         self.plain = np.zeros(rows, dtype=bool)  # the sampler's RowFlags
         self.wants_logprobs = np.zeros(rows, dtype=bool)
+        self.pools = np.zeros(rows, dtype=bool)  # an embedding request
 
     # ---- rows: written by a plan's diffs
 
@@ -98,6 +101,7 @@ class InputBatch:
         self.wants_prompt_logprobs[row] = r.sampling.prompt_logprobs is not None and not state.resumed
         self.plain[row] = is_plain(r.sampling)
         self.wants_logprobs[row] = r.sampling.logprobs is not None
+        self.pools[row] = bool(r.sampling.pooling)
         return state
 
     def remove(self, handle: int) -> None:
@@ -172,6 +176,7 @@ class InputBatch:
         owners = self.owners
         samplers: list[RequestState] = [owners[r] for r in sampler_rows.tolist()]  # type: ignore[misc]
         prompt_rows = self._prompt_rows(rows, start, end, cu)
+        pool_rows = self._pool_rows(rows, start, end, cu)
         self.num_computed[rows] = end
         num_full = int(len(rows) - compact.sum())
         full_tokens = int(cu[num_full])
@@ -194,6 +199,7 @@ class InputBatch:
             rows,
             start,
             prompt_rows,
+            pool_rows,
         )
 
     def restore(self, inputs: StepInputs) -> None:
@@ -230,6 +236,23 @@ class InputBatch:
             state = self.owners[int(rows[i])]
             assert state is not None
             out.append((state, int(cu[i]), int(scored[i]), int(start[i]) + 1))
+        return out
+
+    def _pool_rows(
+        self, rows: np.ndarray, start: np.ndarray, end: np.ndarray, cu: np.ndarray
+    ) -> list[tuple[RequestState, int, int, int]]:
+        """The prompt rows each embedding request computes this step ("last" pooling: only the step that
+        computes the prompt's last token)."""
+        pools = self.pools[rows]
+        if not pools.any():
+            return []
+        out = []
+        for i in np.flatnonzero(pools).tolist():
+            state = self.owners[int(rows[i])]
+            assert state is not None
+            count = min(int(end[i]), state.num_prompt_tokens) - int(start[i])
+            if count > 0 and (state.sampling.pooling == "mean" or int(end[i]) >= state.num_prompt_tokens):
+                out.append((state, int(cu[i]), count, int(start[i])))
         return out
 
     def _attention_meta(

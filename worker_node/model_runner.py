@@ -198,12 +198,15 @@ class ModelRunner:
         sampled: dict[int, list[int]] = {}
         logprobs: dict[int, list[TokenLogprobs]] = {}
         prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = {}
+        pooled: dict[int, tuple[int, int, bytes]] = {}
         if len(rows) and not skip:
             inputs = self._prepare(rows, counts, plan.compact_block_base)
             if self.samples_here:
                 self.sampler.start(inputs.samplers, inputs.flags)  # grammar masks while the forward pass runs
             try:
-                tokens, lps, prompt_logprobs = self._run_and_sample(inputs, lambda: self._interrupted(plan.step_id))
+                tokens, lps, prompt_logprobs, pooled = self._run_and_sample(
+                    inputs, lambda: self._interrupted(plan.step_id)
+                )
             except StepInterrupted:
                 self.sampler.cancel()
                 self.batch.restore(inputs)
@@ -226,6 +229,7 @@ class ModelRunner:
             idle,
             interrupted=skip,
             prompt_logprobs=prompt_logprobs,
+            pooled=pooled,
             tier_ms=tiers.ms,
             tier_load_ms=tiers.load_ms,
             failed_loads=[m.block_hash for m in failed_loads],
@@ -261,7 +265,7 @@ class ModelRunner:
 
     def _run_and_sample(
         self, batch: StepInputs, interrupted: Callable[[], bool] | None = None
-    ) -> tuple[list[int], list[TokenLogprobs | None], dict[int, tuple[int, list[TokenLogprobs]]]]:
+    ) -> tuple[list[int], list[TokenLogprobs | None], dict[int, tuple[int, list[TokenLogprobs]]], dict[int, Pooled]]:
         """This rank's stage of the forward pass; the output rank samples. With one stage every rank learns
         the tokens now; with more, only the output rank has them (the others get them with the next plan)."""
         where = self.comm.where
@@ -286,9 +290,10 @@ class ModelRunner:
                 tokens, lps = self.sampler.sample(logits, batch.samplers, batch.flags)
         if where.is_last_stage and batch.prompt_rows:
             prompt = self._prompt_logprobs(hidden, batch.prompt_rows)
+        pooled = pool(hidden, batch.pool_rows) if where.is_last_stage and batch.pool_rows else {}
         if self.mode.tokens_in_plan:
-            return tokens, lps, prompt
-        return self.comm.share_sampled(tokens, len(batch.samplers)), lps, prompt
+            return tokens, lps, prompt, pooled
+        return self.comm.share_sampled(tokens, len(batch.samplers)), lps, prompt, pooled
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, rows: list[tuple[RequestState, int, int, int]]
@@ -317,6 +322,20 @@ class ModelRunner:
     def computed_tokens(self, handle: int) -> int:
         """The tokens of a held request whose KV this worker has computed."""
         return self.batch.computed(self.batch.states[handle])
+
+
+Pooled = tuple[int, int, bytes]
+
+
+def pool(hidden: torch.Tensor, rows: list[tuple[RequestState, int, int, int]]) -> dict[int, Pooled]:
+    """Each embedding request's final hidden states of this step, pooled in float32: the sum of its prompt rows
+    ("mean": the scheduler adds the chunks up and divides), or its prompt's last row ("last")."""
+    out: dict[int, Pooled] = {}
+    for state, first_row, count, first in rows:
+        states = hidden[first_row : first_row + count].float()
+        vector = states.sum(0) if state.sampling.pooling == "mean" else states[-1]
+        out[state.handle] = (first, count, vector.cpu().numpy().astype("<f4").tobytes())
+    return out
 
 
 def _check_range(values: list[int], limit: int, what: str) -> None:

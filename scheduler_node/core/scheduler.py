@@ -46,6 +46,8 @@ class RequestOutput:
     finish_reason: FinishReason | None = None  # set when these tokens ended it
     stopped_by_token: bool = False  # ended by eos or a stop token: the last token is not part of the text
     num_output_tokens: int = 0  # with finish_reason: all its output tokens
+    cached_tokens: int = 0  # with finish_reason: of its prompt, found in the prefix cache
+    embedding: list[float] | None = None  # with finish_reason, an embedding request's
 
 
 @dataclass(slots=True)
@@ -365,6 +367,8 @@ class Scheduler:
         cacheable = (req.num_tokens - 1) // bt.block_size  # the last token is recomputed
         if req.sampling.prompt_logprobs is not None and not req.prompt_logprobs_done:
             cacheable = 0  # a cached prefix has no logits: the prompt is computed in full to score every token
+        if req.sampling.pooling == "mean":
+            cacheable = 0  # nor hidden states: the mean pools every prompt token
 
         starts: dict[BlockFormat, tuple[int, list[int], int, BlockFormat]] = {}
 
@@ -488,6 +492,7 @@ class Scheduler:
             if req.num_preemptions == 0 and not req.output_token_ids:  # new prompts only: resumptions inflate it
                 self.counters.prefix_cache_queries += req.num_tokens
                 self.counters.prefix_cache_hits += hit_tokens
+                req.num_cached_tokens = hit_tokens
             bt.acquire(req.req_id, hits, fmt)
             if loads:
                 hashes = req.update_block_hashes(bt.block_size)
@@ -583,6 +588,9 @@ class Scheduler:
         for handle, (first, logprobs) in result.prompt_logprobs.items():
             if (req := self._by_handle.get(handle)) is not None:  # kept even if preempted since: positions checked
                 req.add_prompt_logprobs(first, logprobs)
+        for handle, (first, count, data) in result.pooled.items():
+            if (req := self._by_handle.get(handle)) is not None:
+                req.add_pooled(first, count, data)
         outputs = []
         # Once per sampling request per step: what the loop calls is looked up once, here.
         all_logprobs, max_len, running = result.logprobs, self.max_model_len, Status.RUNNING
@@ -600,9 +608,7 @@ class Scheduler:
                 outputs.append(RequestOutput(req, kept, logprobs))
                 continue
             end = req.status  # it finished
-            outputs.append(
-                RequestOutput(req, kept, logprobs, end.finish_reason, req.stopped_by_token, len(req.output_token_ids))
-            )
+            outputs.append(RequestOutput(req, kept, logprobs, *_ending(req)))
             self.finish(req.req_id, end)
         return outputs
 
@@ -689,6 +695,7 @@ class Scheduler:
         for child in parent.forks:
             self.blocks.fork(parent.req_id, child.req_id, prompt_len)
             child.num_computed_tokens = prompt_len - 1
+            child.num_cached_tokens = parent.num_cached_tokens  # the prompt they share
             self._enqueue(child)
         parent.forks = ()
 
@@ -742,3 +749,9 @@ class Scheduler:
             )
             self.blocks.resize(bt.usable_blocks)
             self._attach_tiers()
+
+
+def _ending(req: Request) -> tuple[FinishReason, bool, int, int, list[float] | None]:
+    """What a RequestOutput copies of a request its tokens ended (the output side reads it on another thread)."""
+    embedding = req.embedding() if req.sampling.pooling else None
+    return req.status.finish_reason, req.stopped_by_token, len(req.output_token_ids), req.num_cached_tokens, embedding

@@ -97,7 +97,9 @@ class OutputSide:
         if req.req_id not in self.request_of:
             return
         self._forget(req.req_id)
-        self._pending.append(Ending(req.req_id, req.status.finish_reason, len(req.output_token_ids), error))
+        embedding = req.embedding() if req.sampling.pooling else None
+        reason, completion = req.status.finish_reason, len(req.output_token_ids)
+        self._pending.append(Ending(req.req_id, reason, completion, error, req.num_cached_tokens, embedding))
         self.flush()
 
     def flush(self) -> None:

@@ -62,6 +62,8 @@ class Ending:
     finish_reason: FinishReason
     completion_tokens: int
     error: EngineError | None = None
+    cached_tokens: int = 0
+    embedding: list[float] | None = None
 
 
 Item = Added | Ending | list[RequestOutput]  # a list: one step's outputs
@@ -129,7 +131,9 @@ class OutputProcessor:
                 seq.prompt_logprobs = False
             if reason is not None:
                 del sequences[req_id]
-                self._final(delta, seq, reason, out.num_output_tokens or seq.num_tokens, None, delivery)
+                if out.finish_reason is None:  # a stop string: what update() copies for an ending, read here
+                    out.num_output_tokens, out.cached_tokens = seq.num_tokens, out.request.num_cached_tokens
+                self._final(delta, seq, reason, out.num_output_tokens, out.cached_tokens, out.embedding, delivery)
             elif not (n or delta.text):
                 continue
             sink = seq.sink
@@ -144,8 +148,9 @@ class OutputProcessor:
         seq = self.sequences.pop(ending.req_id, None)
         if seq is None:
             return  # it ended here first
-        delta = Delta(seq.index, [], seq.detokenizer.delta(final=True))
-        self._final(delta, seq, ending.finish_reason, ending.completion_tokens, ending.error, delivery)
+        delta = Delta(seq.index, [], seq.detokenizer.delta(final=True), error=ending.error)
+        reason, completion = ending.finish_reason, ending.completion_tokens
+        self._final(delta, seq, reason, completion, ending.cached_tokens, ending.embedding, delivery)
         self._put(seq.sink, delta, delivery)
 
     def _final(
@@ -154,14 +159,17 @@ class OutputProcessor:
         seq: SequenceOutput,
         reason: FinishReason,
         completion_tokens: int,
-        error: EngineError | None,
+        cached_tokens: int,
+        embedding: list[float] | None,
         delivery: Delivery,
     ) -> None:
+        """A sequence's last delta: how it ended, its usage (and its embedding)."""
         delta.finish_reason = reason
         delta.prompt_tokens = seq.prompt_tokens
+        delta.cached_tokens = cached_tokens
+        delta.embedding = embedding
         delta.completion_tokens = completion_tokens
-        delta.error = error
-        self.metrics.finished(reason, None if error else time.monotonic() - seq.arrival)
+        self.metrics.finished(reason, None if delta.error else time.monotonic() - seq.arrival)
         delivery.ended += 1
 
     @staticmethod

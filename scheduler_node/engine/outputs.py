@@ -38,9 +38,11 @@ class Delta:
     finish_reason: FinishReason | None = None  # None while running
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, found in the prefix cache (device or offload tiers)
     completion_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # with the first tokens, when asked
     error: EngineError | None = None  # set with finish_reason ERROR: why the request failed
+    embedding: list[float] | None = None  # an embedding request's, with its finish
 
 
 class DeltaSink(Protocol):

@@ -110,7 +110,7 @@ class RayLauncher:
                 f"node, within {args.worker_join_timeout:g} s; resources: {ray.available_resources()}"
             )
         self.slots = [Slot(g, i) for g in self.groups for i in range(t)]
-        self.actor_class = ray.remote(max_concurrency=2)(RankActor)
+        self.actor_class = ray.remote(RankActor)
         for slot in self.slots:
             slot.actor = self._actor(slot)
         nodes = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
@@ -129,7 +129,10 @@ class RayLauncher:
         strategy = PlacementGroupSchedulingStrategy(slot.group, placement_group_bundle_index=slot.bundle)
         resources = slot.group.bundle_specs[slot.bundle]
         return self.actor_class.options(
-            num_cpus=resources.get("CPU", 0), num_gpus=resources.get("GPU", 0), scheduling_strategy=strategy
+            num_cpus=resources.get("CPU", 0),
+            num_gpus=resources.get("GPU", 0),
+            scheduling_strategy=strategy,
+            max_concurrency=2,  # threaded: `ping` is answered while `run` blocks
         ).remote()
 
     def _topology(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -177,6 +178,17 @@ class EngineRun:
                 c.prompt_logprobs += delta.prompt_logprobs
                 c.finish_reason = delta.finish_reason or c.finish_reason
                 c.error = delta.error.message if delta.error else c.error
+
+    def serve(self, scenario: Callable[[], Awaitable[None]], timeout: float = 300.0) -> None:
+        """Run `scenario` (a door over `self.engine`, say) on this run's loop with the engine running."""
+
+        async def main() -> None:
+            if self._task is None:
+                await self.workers.start(_built_already, 60.0)
+                self._task = asyncio.get_running_loop().create_task(self.engine.run())
+            await asyncio.wait_for(scenario(), timeout)
+
+        self._loop.run_until_complete(main())
 
     def run_plans(self, count: int, timeout: float = 120.0) -> None:
         """Until the engine has sent `count` plans in all (requests may still be running)."""
