@@ -131,6 +131,8 @@ TESTED_ELSEWHERE: dict[str, str] = {
     " (tests/scheduler_node/cli/test_cli.py) and tests/deploy/test_deploy_k8s.py",
     "scheduler_node.cli.router": "vllm-router, run as a program by tests/e2e/test_router.py and"
     " tests/scripts/test_bench_router.py",
+    "scheduler_node.engine.failures": "a part of EngineCore: its failures, in tests/scheduler_node/engine/"
+    "test_core.py and test_failed_step.py",
     "scheduler_node.engine.processes": "through scheduler_node.engine.launchers"
     " (tests/scheduler_node/engine/test_launchers.py)",
     "scheduler_node.engine.ray_launcher": "needs ray: tests/e2e/test_ray_launcher.py",

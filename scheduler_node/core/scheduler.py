@@ -28,7 +28,7 @@ from scheduler_node.core.in_flight import InFlightLedger, SentPlan
 from scheduler_node.core.kv_precision import BlockFormat, CompactKV, choose_format
 from scheduler_node.core.kv_tiers import KVTiers
 from scheduler_node.core.policy import Policy
-from scheduler_node.core.request import Request, Status
+from scheduler_node.core.request import FinishReason, Request, Status
 from scheduler_node.core.speculator import Speculator
 from scheduler_node.core.worker_view import WorkerView
 
@@ -37,11 +37,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class RequestOutput:
-    """What one step produced for one request."""
+    """What one step produced for one request. The output side reads it on its own thread while the engine goes
+    on changing the request: what ends it is copied here when it ends, and the rest of the request is only read
+    for what no later step changes (its id, its prompt, its complete prompt logprobs)."""
 
     request: Request
-    new_token_ids: list[int]
+    new_token_ids: list[int]  # the step's tokens (several with speculative decoding), up to the one that ended it
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: FinishReason | None = None  # set when these tokens ended it
+    stopped_by_token: bool = False  # ended by eos or a stop token: the last token is not part of the text
+    num_output_tokens: int = 0  # with finish_reason: all its output tokens
+    cached_tokens: int = 0  # with finish_reason: of its prompt, found in the prefix cache
+    embedding: list[float] | None = None  # with finish_reason, an embedding request's
 
 
 @dataclass(slots=True)
@@ -251,7 +258,7 @@ class Scheduler:
         held = self.in_flight.held if self.mode.disjoint_plans or spec is not None else None
         # The loop runs once per running request per step: what it calls is looked up once, here.
         running, tokens_to_schedule, take = Status.RUNNING, self._tokens_to_schedule, self._take
-        scheduled = sent.requests
+        write, scheduled = self.blocks.write, sent.requests
         for i, req in enumerate(order):
             if budget <= 0 or len(scheduled) >= seats:
                 break
@@ -268,13 +275,13 @@ class Scheduler:
                 if drafts is None:
                     continue  # it speculates: its next plan waits for this one's tokens
                 if drafts:
-                    written = self.blocks.write(req.req_id, first, first + 1 + len(drafts))
+                    written = write(req.req_id, first, first + 1 + len(drafts))
                     if written is not None:  # proposals never preempt anyone: without blocks, a plain decode
                         take(req, 1 + len(drafts), True, plan, sent, written, drafts)
                         budget -= 1 + len(drafts)
                         continue
                     drafts = []
-            while (written := self.blocks.write(req.req_id, first, first + n)) is None:
+            while (written := write(req.req_id, first, first + n)) is None:
                 later = self._same_pool(req, order[i + 1 :])  # the less valued ones that hold blocks it can use
                 victim = self._pick_victim([r for r in later if self._schedulable(r, held)], now)
                 if victim is None and held is not None and any(self._running_in_flight(r, held) for r in later):
@@ -646,9 +653,12 @@ class Scheduler:
             if req.forks:
                 self._start_forks(req)
             logprobs = all_logprobs[handle][: len(kept)] if all_logprobs and handle in all_logprobs else []
-            outputs.append(RequestOutput(req, kept, logprobs))
-            if req.status is not running:  # it finished
-                self.finish(req.req_id, req.status)
+            if req.status is running:
+                outputs.append(RequestOutput(req, kept, logprobs))
+                continue
+            end = req.status  # it finished
+            outputs.append(RequestOutput(req, kept, logprobs, *_ending(req)))
+            self.finish(req.req_id, end)
         if self.speculator is not None and any(sent.drafts):
             self._register_filled_blocks(sent)  # the blocks filled by accepted proposals: hashable only now
         return outputs
@@ -808,3 +818,9 @@ class Scheduler:
             )
             self.blocks.resize(bt.usable_blocks)
             self._attach_tiers()
+
+
+def _ending(req: Request) -> tuple[FinishReason, bool, int, int, list[float] | None]:
+    """What a RequestOutput copies of a request its tokens ended (the output side reads it on another thread)."""
+    embedding = req.embedding() if req.sampling.pooling else None
+    return req.status.finish_reason, req.stopped_by_token, len(req.output_token_ids), req.num_cached_tokens, embedding

@@ -1,8 +1,9 @@
 """Prometheus metrics (`--metrics-port`) under vLLM's names, so existing dashboards work, plus minivllm's own.
 
-Counters and histograms are updated by the engine loop as things happen. Gauges (queues, KV usage,
-fragmentation) and the scheduler's counters (preemptions, prefix cache) are read at scrape time, on the event
-loop's thread, so the scrape never sees the scheduler half-way through a change.
+Counters and histograms are updated as things happen (those of tokens and finished requests by the output thread,
+engine/output_thread.py). Gauges (queues, KV usage, fragmentation) and the scheduler's counters (preemptions, prefix
+cache) are read at scrape time, on the event loop's thread, so the scrape never sees the scheduler half-way through
+a change.
 """
 
 from __future__ import annotations
@@ -163,8 +164,8 @@ LABELLED_COUNTERS = {  # name -> (help, label names beside model_name)
 
 
 class LoopHistogram(Collector):
-    """A histogram written by the event loop's thread only, read by scrapes as prometheus_client's are: one bisect
-    and two additions per observation, about a fifth of a locked Histogram's cost."""
+    """A histogram written by one thread only (the output thread), read by scrapes as prometheus_client's are: one
+    bisect and two additions per observation, about a fifth of a locked Histogram's cost."""
 
     def __init__(self, name: str, doc: str, buckets: tuple[float, ...], model_name: str) -> None:
         self.name, self.doc, self.model_name = name, doc, model_name
@@ -175,6 +176,11 @@ class LoopHistogram(Collector):
     def observe(self, value: float) -> None:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1  # bucket i holds values <= bounds[i]
         self.sum += value
+
+    def observe_n(self, value: float, n: int) -> None:
+        """`n` observations of `value`."""
+        self.counts[bisect.bisect_left(self.bounds, value)] += n
+        self.sum += value * n
 
     def collect(self) -> Iterator[Metric]:
         counts, total = list(self.counts), self.sum  # a copy: the loop goes on writing
