@@ -8,7 +8,7 @@ with LLM() as llm:  # the default model, SmolLM2-135M-Instruct
 """
 
 from minivllm.llm import LLM, TextPrompt, TokensPrompt
-from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
@@ -17,6 +17,8 @@ __all__ = [
     "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
+    "EmbeddingRequestOutput",
+    "EmbeddingOutput",
     "TextPrompt",
     "TokensPrompt",
 ]

@@ -14,16 +14,25 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, TypedDict, TypeVar
 
 from tqdm import tqdm
 
-from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
-from proto.wire import WORKER_JOIN_TIMEOUT_S, TokenLogprobs
+from proto.quantization import check_quantization
+from proto.wire import WORKER_JOIN_TIMEOUT_S
 from proto.worker_flags import KV_CACHE_DTYPES, WorkerOptions, offload_dir_problem, parse_size, worker_argv
+from scheduler_node.api.embeddings import (
+    POOLINGS,
+    EngineFailed,
+    check_dimensions,
+    embedding_spec,
+    finish,
+    pooled,
+)
 from scheduler_node.api.validation import (
     DEFAULT_PRIORITY,
     InvalidField,
@@ -35,10 +44,12 @@ from scheduler_node.api.validation import (
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.kv_precision import CompactKV
 from scheduler_node.core.request import RequestSpec
+from scheduler_node.core.speculative import SpeculativeConfig
 from scheduler_node.engine.builder import EngineConfig, WorldPlan, check_model_split, free_port, make_engine
-from scheduler_node.engine.core import EngineCore
+from scheduler_node.engine.core import EngineCore, EngineOptions
 from scheduler_node.engine.launchers import LocalLauncher
 from scheduler_node.engine.model_path import DEFAULT, resolve_model
+from scheduler_node.engine.outputs import Delta
 from scheduler_node.engine.placement import place
 from scheduler_node.engine.topology import single_island
 from scheduler_node.engine.worker_link import WorkerLink
@@ -93,6 +104,7 @@ class LLM:
         tensor_parallel_size: int = _ENGINE.tensor_parallel_size,
         pipeline_parallel_size: int = _ENGINE.pipeline_parallel_size,
         dtype: str = _ENGINE.dtype,
+        quantization: str = _ENGINE.quantization,
         device: str = _WORKER.device,
         kv_cache_memory: int | str | None = _WORKER.kv_cache_memory,
         num_kv_blocks: int = _ENGINE.num_kv_blocks,
@@ -118,9 +130,11 @@ class LLM:
         async_scheduling: bool = _ENGINE.async_scheduling,
         worker_backend: str = "auto",
         worker_join_timeout: float = WORKER_JOIN_TIMEOUT_S,
+        speculative_config: str | Mapping[str, Any] | SpeculativeConfig | None = None,
     ) -> None:
         if worker_backend not in WORKER_BACKENDS:
             raise ValueError(f"worker_backend: must be one of {WORKER_BACKENDS}, got {worker_backend!r}")
+        check_quantization(quantization)
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
         world = tensor_parallel_size * pipeline_parallel_size
@@ -148,6 +162,7 @@ class LLM:
         )
         self.config = EngineConfig(
             dtype=dtype,
+            quantization=quantization,
             scheduler=SchedulerConfig(
                 block_size=block_size,
                 max_num_batched_tokens=max_num_batched_tokens,
@@ -156,6 +171,7 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching,
                 preemption_mode=preemption_mode,  # type: ignore[arg-type]
                 kv_offload_policy=kv_offload_policy,
+                speculative=SpeculativeConfig.parse(speculative_config),
             ),
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
@@ -163,9 +179,12 @@ class LLM:
             scheduling_policy=scheduling_policy,
             num_kv_blocks=num_kv_blocks,
             kv_compact=CompactKV.from_flags(kv_compact_under_pressure, kv_compact_fraction, dtype=kv_compact_dtype),
+            # The servers' collector policy (engine/collector.py): at 1,024 sequences the default one doubles the
+            # engine's cost per step.
+            options=EngineOptions(schedule_gc=True),
         )
         self.folder = resolve_model(model or DEFAULT)
-        check_model_split(self.folder, self.config.layout)
+        check_model_split(self.folder, self.config.layout, quantization)
         self.tokenizer = ModelTokenizer(self.folder)
         self._ids = itertools.count()
         self._launcher: LocalLauncher | None = None
@@ -198,15 +217,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """One output per prompt (a string, a list of token ids, or vLLM's `{"prompt": ...}` /
         `{"prompt_token_ids": ...}`), in input order. ValueError names a bad field."""
+        ids = self._prompt_ids(prompts)
         single = isinstance(prompts, (str, dict)) or _is_ids(prompts)
         batch = [_unwrap(p, f"prompts[{i}]") for i, p in enumerate([prompts] if single else list(prompts))]
-        max_len = self.engine.max_model_len
-        ids = [
-            prompt_from_text(p, self.tokenizer, max_len, name)
-            if isinstance(p, str)
-            else prompt_from_ids(p, self.tokenizer, max_len, name)
-            for p, name in batch
-        ]
         texts = [p if isinstance(p, str) else None for p, _ in batch]
         return self._run(ids, texts, sampling_params, use_tqdm, priority)
 
@@ -225,6 +238,49 @@ class LLM:
             for i, c in enumerate(conversations)
         ]
         return self._run(ids, [None] * len(ids), sampling_params, use_tqdm, None)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling: str = "last",
+        normalize: bool = True,
+        dimensions: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's final hidden states pooled (`last` token's or the `mean`), L2-normalized unless told
+        not, cut to the first `dimensions` (scheduler_node/api/embeddings.py). ValueError names a bad field."""
+        if pooling not in POOLINGS:
+            raise InvalidField("pooling", f"must be one of {', '.join(POOLINGS)}, got {pooling!r}")
+        ids = self._prompt_ids(prompts)
+        specs = [
+            embedding_spec(p, self.tokenizer, self.engine.max_model_len, f"llm-{next(self._ids)}", pooling,
+                           DEFAULT_PRIORITY)
+            for p in ids
+        ]  # fmt: skip
+        vectors = self._call(self._pooled(specs))
+        if vectors:
+            check_dimensions(dimensions, len(vectors[0]))
+        return [
+            EmbeddingRequestOutput(spec.request_id, spec.prompt_token_ids,
+                                   EmbeddingOutput(finish(v, dimensions, normalize)))
+            for spec, v in zip(specs, vectors)
+        ]  # fmt: skip
+
+    async def _pooled(self, specs: list[RequestSpec]) -> list[list[float]]:
+        try:
+            return await pooled(self.engine, specs)
+        except EngineFailed as exc:
+            raise RuntimeError(f"an embedding failed ({exc.error.status.name}): {exc.error.message}") from None
+
+    def _prompt_ids(self, prompts: Prompt | Sequence[Prompt]) -> list[list[int]]:
+        single = isinstance(prompts, (str, dict)) or _is_ids(prompts)
+        batch = [_unwrap(p, f"prompts[{i}]") for i, p in enumerate([prompts] if single else list(prompts))]
+        max_len = self.engine.max_model_len
+        return [
+            prompt_from_text(p, self.tokenizer, max_len, name)
+            if isinstance(p, str)
+            else prompt_from_ids(p, self.tokenizer, max_len, name)
+            for p, name in batch
+        ]
 
     def _run(
         self,
@@ -249,24 +305,36 @@ class LLM:
             )
             for p, sp, pr in zip(ids, params, priorities)
         ]
-        return self._call(self._generate(specs, texts, use_tqdm))
-
-    async def _generate(self, specs: list[RequestSpec], texts: list[str | None], use_tqdm: bool) -> list[RequestOutput]:
-        engine = self.engine
-        progress = _Progress(len(specs), use_tqdm)
+        batch = _Batch(len(specs), _Progress(len(specs), use_tqdm))
+        collectors = [_Collector(spec, text, batch) for spec, text in zip(specs, texts)]
         try:
-            streams = [engine.submit(spec) for spec in specs]
-            return list(
-                await asyncio.gather(
-                    *(_collect(s, spec, text, progress) for s, spec, text in zip(streams, specs, texts))
-                )
-            )
+            self._call(self._submit(collectors))
+            while not batch.done.wait(0.5):  # the output thread collects; the engine's thread only schedules
+                if not self._thread.is_alive():
+                    raise RuntimeError("the LLM's engine thread ended")
+            if batch.error:
+                raise RuntimeError(batch.error)
+            return [c.output for c in collectors]
         except BaseException:
-            for spec in specs:
-                engine.abort(spec.request_id)
+            if self._engine is not None and not self._loop.is_closed():
+                self._call(self._abort(specs), CLOSE_TIMEOUT_S)
             raise
         finally:
-            progress.close()
+            batch.progress.close()
+
+    async def _submit(self, collectors: list[_Collector]) -> None:
+        engine = self.engine
+        try:
+            for c in collectors:
+                engine.submit_to(c.spec, c)
+        except BaseException:
+            await self._abort([c.spec for c in collectors])
+            raise
+
+    async def _abort(self, specs: list[RequestSpec]) -> None:
+        if self._engine is not None:
+            for spec in specs:
+                self._engine.abort(spec.request_id)
 
     # ---- lifetime
 
@@ -374,25 +442,59 @@ class _Progress:
         self.bar.close()
 
 
-async def _collect(stream: Any, spec: RequestSpec, text: str | None, progress: _Progress) -> RequestOutput:
-    completions = [
-        CompletionOutput(i, "", [], "", [] if spec.sampling.logprobs is not None else None) for i in range(spec.n)
-    ]
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-    async for delta in stream:
-        c = completions[delta.index]
+class _Batch:
+    """One generate's requests: `done` is set when every one ended, or at the first error."""
+
+    def __init__(self, count: int, progress: _Progress) -> None:
+        self.left = count
+        self.progress = progress
+        self.error = ""
+        self.done = threading.Event()
+        if not count:
+            self.done.set()
+
+    def ended(self, error: str = "") -> None:
+        self.left -= 1
+        self.error = self.error or error
+        if self.error or not self.left:
+            self.done.set()
+
+
+class _Collector:
+    """One request's output, gathered from its deltas on the output thread (a threadsafe sink: no event loop, no
+    task per request)."""
+
+    threadsafe = True
+
+    def __init__(self, spec: RequestSpec, text: str | None, batch: _Batch) -> None:
+        self.spec, self.batch, self.unfinished = spec, batch, spec.n
+        logprobs = spec.sampling.logprobs is not None
+        completions = [CompletionOutput(i, "", [], "", [] if logprobs else None) for i in range(spec.n)]
+        self.output = RequestOutput(spec.request_id, text, spec.prompt_token_ids, completions)
+        self.texts: list[list[str]] = [[] for _ in range(spec.n)]  # joined once at the end
+        self.first = True  # sequence 0's first tokens not seen yet
+
+    def put(self, delta: Delta) -> None:
+        spec, out = self.spec, self.output
         if delta.error is not None:  # the offline door names the status
-            raise RuntimeError(f"request {spec.request_id} failed ({delta.error.status.name}): {delta.error.message}")
-        if spec.sampling.prompt_logprobs is not None and delta.index == 0 and prompt_logprobs is None:
-            prompt_logprobs = [None, *delta.prompt_logprobs] if delta.token_ids else None
+            self.batch.ended(f"request {spec.request_id} failed ({delta.error.status.name}): {delta.error.message}")
+            return
+        c = out.outputs[delta.index]
+        if spec.sampling.prompt_logprobs is not None and delta.index == 0 and delta.token_ids and self.first:
+            out.prompt_logprobs = [None, *delta.prompt_logprobs]  # they come with the first tokens
+            self.first = False
         c.token_ids.extend(delta.token_ids)
-        c.text += delta.text
+        if delta.text:
+            self.texts[delta.index].append(delta.text)
         if c.logprobs is not None:
             c.logprobs.extend(delta.logprobs)
         if delta.finish_reason:
             c.finish_reason = delta.finish_reason.value
-    progress.done(len(spec.prompt_token_ids), sum(len(c.token_ids) for c in completions))
-    return RequestOutput(spec.request_id, text, spec.prompt_token_ids, completions, prompt_logprobs=prompt_logprobs)
+            c.text = "".join(self.texts[delta.index])
+            self.unfinished -= 1
+            if not self.unfinished:
+                self.batch.progress.done(len(spec.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
+                self.batch.ended()
 
 
 def _unwrap(prompt: Any, name: str) -> tuple[Any, str]:

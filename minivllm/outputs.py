@@ -1,4 +1,5 @@
-"""What `LLM.generate` returns: one RequestOutput per prompt, in input order, with its n completions."""
+"""What `LLM.generate` returns: one RequestOutput per prompt, in input order, with its n completions; what
+`LLM.embed` returns: one EmbeddingRequestOutput per prompt."""
 
 from __future__ import annotations
 
@@ -29,3 +30,17 @@ class RequestOutput:
     finished: bool = True
     # With SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing comes before it).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt: `outputs.embedding`, as vLLM's."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput

@@ -28,7 +28,28 @@ def grammar_of(structured: StructuredOutput) -> str:
         return LLMatcher.grammar_from_json_schema(_ANY_OBJECT, defaults=_JSON_LAYOUT)  # type: ignore[arg-type]
     if structured.kind == "regex":
         return LLMatcher.grammar_from_regex(structured.spec)
+    if structured.kind == "lark":
+        return LLMatcher.grammar_from_lark(structured.spec)
     return LLMatcher.grammar_from_regex("|".join(_literal(c) for c in json.loads(structured.spec)))
+
+
+def after_reasoning(structured: StructuredOutput, end: str, start: str = "") -> StructuredOutput:
+    """`structured` applied to the answer after the model's reasoning: `start` (`<think>`; "" where the chat
+    template opened it), free text up to and including `end` (`</think>`), then exactly what `structured` allows."""
+    if structured.kind in ("json", "json_object"):
+        schema = json.loads(structured.spec) if structured.kind == "json" else json.loads(_ANY_OBJECT)
+        if isinstance(schema, dict):
+            schema.setdefault("x-guidance", _JSON_LAYOUT)
+        answer = f"%json {json.dumps(schema)}"
+    elif structured.kind == "regex":
+        answer = "/" + structured.spec.replace("/", "\\/") + "/"
+    elif structured.kind == "choice":
+        answer = " | ".join(json.dumps(c) for c in json.loads(structured.spec))
+    else:
+        answer = f"%lark {{\n{structured.spec}\n}}"
+    opening = f"{json.dumps(start)} " if start else ""
+    grammar = f"start: {opening}reasoning answer\nreasoning[stop={json.dumps(end)}]: /(?s:.*)/\nanswer: {answer}\n"
+    return StructuredOutput("lark", grammar)
 
 
 def grammar_error(structured: StructuredOutput, tokenizer: LLTokenizer | None = None) -> str:

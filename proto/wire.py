@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from enum import IntEnum
-from typing import Annotated, Any, Union, get_args
+from typing import Annotated, Any, Literal, Union, get_args
 
 import msgspec
 import msgspec.inspect
@@ -39,7 +39,11 @@ from msgspec import Meta
 # 8: per-request KV precision: the Assignment carries the compact pool's share, format and (for a replacement) size,
 # Ready the compact pool's blocks, bytes and format, plans the first compact block id (core/kv_precision.py). A v6
 # worker would read compact block ids as full ones (a v7 one, too).
-WIRE_VERSION = 8
+# 9: embeddings and reasoning grammars: SamplingOptions.pooling, StepResult.pooled, structured kind "lark" (a v8
+# worker would refuse the longer records, and sample an embedding request without pooling it).
+# 10: cached requests carry proposed tokens (speculative decoding) and results may carry several tokens per request
+# (the accepted proposals and one more); a v9 worker would compute the proposals as known tokens.
+WIRE_VERSION = 10
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # libzmq's own ZMTP heartbeats, set on both ends of the worker socket: a quiet connection is PINGed this often by
 # libzmq's I/O thread (so a busy Python thread does not drop it), and dropped after the heartbeat timeout.
@@ -72,13 +76,14 @@ class Record(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=Fal
     """A part of a message: an array of its fields in order."""
 
 
-STRUCTURED_KINDS = ("json", "regex", "choice", "json_object")
+STRUCTURED_KINDS = ("json", "regex", "choice", "json_object", "lark")
 
 
 class StructuredOutput(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True, gc=False):
-    """A constraint on the output text: a JSON schema, a regex, a choice of strings, or any JSON object.
+    """A constraint on the output text: a JSON schema, a regex, a choice of strings, any JSON object, or a grammar.
 
-    `spec` is the schema's JSON text, the regex, the JSON list of choices, or "" for json_object."""
+    `spec` is the schema's JSON text, the regex, the JSON list of choices, "" for json_object, or llguidance's Lark
+    text (the doors write one to apply a constraint after the model's reasoning: proto/structured.py)."""
 
     kind: str
     spec: str
@@ -108,6 +113,9 @@ class SamplingOptions(Record):
     stop_token_ids: list[int] = []
     prompt_logprobs: int | None = None  # each prompt token's logprob, plus this many top alternatives
     structured: StructuredOutput | None = None
+    # An embedding request: the prompt's final hidden states pooled ("last" token's, or the "mean" of all), in
+    # StepResult.pooled; "" for generation.
+    pooling: Literal["", "last", "mean"] = ""
 
     @property
     def greedy(self) -> bool:
@@ -137,6 +145,17 @@ class CachedRequest(Record):
     # Tokens sampled since the workers last saw this request. Only with P > 1 pipeline stages: there the output
     # rank's samples reach the other ranks through the scheduler; with one stage every rank appends its own.
     new_token_ids: tuple[int, ...] = ()
+    # Speculative decoding: the last len(draft_token_ids) of the num_scheduled_tokens are these proposals. The
+    # worker scores them, samples every position, and keeps the longest prefix its samples agree with, plus the
+    # token sampled after it (worker_node/spec_decode.py); the result's tokens for this request are those.
+    draft_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.draft_token_ids) >= self.num_scheduled_tokens:
+            raise WireError(
+                f"request {self.handle}: {len(self.draft_token_ids)} draft_token_ids in "
+                f"{self.num_scheduled_tokens} scheduled tokens (the first must be a known one)"
+            )
 
 
 class TierMove(Record):
@@ -219,7 +238,9 @@ class TokenLogprobs(Record):
 
 class StepResult(Message, tag=int(Kind.RESULT)):
     step_id: int
-    sampled: dict[Handle, list[int]]  # only the requests that reached the end of their tokens this step
+    # Only the requests that reached the end of their tokens this step: one token each, or for a request with
+    # proposals the accepted ones and the one sampled after them.
+    sampled: dict[Handle, list[int]]
     logprobs: dict[Handle, list[TokenLogprobs]] = {}
     execute_ms: float = 0.0
     idle_ms: float = 0.0  # the worker's wait between the end of its previous step and the start of this one
@@ -236,6 +257,9 @@ class StepResult(Message, tag=int(Kind.RESULT)):
     load_skipped: list[Handle] = []
     # Disk tier writes some rank could not do (a full or failing disk; the block's hash): the block is not on disk.
     failed_stores: list[Annotated[bytes, Meta(max_length=64)]] = []
+    # Embedding requests: the first prompt position this step computed, how many, and their final hidden states
+    # pooled as float32 (the sum of those rows for "mean", the prompt's last row for "last" when it is computed).
+    pooled: dict[Handle, tuple[int, int, bytes]] = {}
 
 
 class ExecutionMode(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True, gc=False):
@@ -302,6 +326,7 @@ class Assignment(Message, tag=int(Kind.ASSIGNMENT)):
     kv_compact_fraction: Annotated[float, Meta(ge=0, lt=1)] = 0.0
     kv_compact_dtype: str = "int8"
     num_compact_blocks: Count = 0
+    quantization: str = "auto"  # the weights' format (proto/quantization.py): auto takes the checkpoint's own
 
     def check(self) -> None:
         """The world's shape must hold together."""

@@ -118,7 +118,6 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "proto.serving_pb2_grpc": "generated from proto/serving.proto by grpcio-tools; every gRPC test speaks it",
     "scheduler_node.api.openai_guards": "the door's API key and body limit, through its app:"
     " tests/scheduler_node/api/test_openai_server.py",
-    "scheduler_node.api.openai_responses": "a part of the OpenAI door: tests/scheduler_node/api/test_openai_server.py",
     "scheduler_node.api.openai_runs": "a part of the OpenAI door: tests/scheduler_node/api/test_openai_server.py",
     "scheduler_node.bench.load": "a part of vllm-bench, run against a real server by"
     " tests/scheduler_node/bench/test_bench.py",
@@ -132,6 +131,8 @@ TESTED_ELSEWHERE: dict[str, str] = {
     " (tests/scheduler_node/cli/test_cli.py) and tests/deploy/test_deploy_k8s.py",
     "scheduler_node.cli.router": "vllm-router, run as a program by tests/e2e/test_router.py and"
     " tests/scripts/test_bench_router.py",
+    "scheduler_node.engine.failures": "a part of EngineCore: its failures, in tests/scheduler_node/engine/"
+    "test_core.py and test_failed_step.py",
     "scheduler_node.engine.processes": "through scheduler_node.engine.launchers"
     " (tests/scheduler_node/engine/test_launchers.py)",
     "scheduler_node.engine.ray_launcher": "needs ray: tests/e2e/test_ray_launcher.py",
@@ -156,8 +157,6 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "worker_node.models.llama": "registered in worker_node/models/registry.py; tests/worker_node/models/"
     "test_models.py runs every tiny variant against HF",
     "worker_node.models.gguf": "GGUF reading and dequantisation: tests/worker_node/test_model_loading.py",
-    "worker_node.models.loader": "through worker_node.loading (every model test) and"
-    " tests/worker_node/test_model_loading.py",
     "worker_node.structured": "the sampler's grammar matcher, run in the engine by"
     " tests/scheduler_node/api/test_structured.py",
     "worker_node.token_counts": "the penalties' counts, through the sampler: tests/worker_node/"

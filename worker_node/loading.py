@@ -93,7 +93,7 @@ def load_rank(
     compact_dtype = cache_dtype(a.kv_compact_dtype, dtype) if a.kv_compact_fraction > 0 else None
     if compact_dtype is not None:
         check_reads_quantized(backend, compact_dtype, device)
-    model = load_model(a.model, backend, dtype, device, full.max_model_len, where, comm)
+    model = load_model(a.model, backend, dtype, device, full.max_model_len, where, comm, a.quantization)
     block_bytes = bytes_per_block(config, a.block_size, kv_dtype)
     budget = kv_cache_budget(device, options.kv_cache_memory, options.gpu_memory_utilization, comm.ranks_on_host)
     limit = kv_cache_limit(device, options.kv_cache_memory, options.gpu_memory_utilization)

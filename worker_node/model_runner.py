@@ -20,6 +20,7 @@ from worker_node.kv_offload import DISK, KVOffload, TierRun
 from worker_node.models.decoder import CausalLM, StepInterrupted
 from worker_node.parallel import SINGLE, Comm
 from worker_node.sampler import Sampler, token_logprobs
+from worker_node.spec_decode import accept
 
 # Prompt rows scored at once for prompt_logprobs: bounds the [rows, vocab] logits a long prefill chunk would need.
 PROMPT_LOGITS_ROWS = 256
@@ -90,9 +91,10 @@ class ModelRunner:
         block id is range-checked first: the decode kernel reads the cache through them without bounds checks, so
         a bad plan must fail here (a StepError), not segfault."""
         cached = plan.cached_requests
-        changed = [i for i, c in enumerate(cached) if c.new_block_ids or c.new_token_ids]
+        changed = [i for i, c in enumerate(cached) if c.new_block_ids or c.new_token_ids or c.draft_token_ids]
         self._check_plan(plan, [cached[i] for i in changed])
         batch = self.batch
+        batch.clear_drafts()
         for handle in plan.finished + plan.preempted:
             batch.remove(handle)
             self._load_failed.discard(handle)
@@ -111,6 +113,8 @@ class ModelRunner:
                 batch.append_blocks(held[i], cached[i].new_block_ids)
             if cached[i].new_token_ids:  # with P > 1 stages: the output rank's samples
                 batch.append_tokens(held[i], cached[i].new_token_ids)
+            if cached[i].draft_token_ids:  # speculative decoding: proposals to verify this step
+                batch.set_drafts(held[i], cached[i].draft_token_ids)
         rows += [s.row for s in held]
         plan_rows = np.array(rows, dtype=np.int64)
         if check_progress and cached:
@@ -198,21 +202,30 @@ class ModelRunner:
         sampled: dict[int, list[int]] = {}
         logprobs: dict[int, list[TokenLogprobs]] = {}
         prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = {}
+        pooled: dict[int, tuple[int, int, bytes]] = {}
         if len(rows) and not skip:
             inputs = self._prepare(rows, counts, plan.compact_block_base)
             if self.samples_here:
                 self.sampler.start(inputs.samplers, inputs.flags)  # grammar masks while the forward pass runs
             try:
-                tokens, lps, prompt_logprobs = self._run_and_sample(inputs, lambda: self._interrupted(plan.step_id))
+                tokens, lps, prompt_logprobs, pooled = self._run_and_sample(
+                    inputs, lambda: self._interrupted(plan.step_id)
+                )
             except StepInterrupted:
                 self.sampler.cancel()
                 self.batch.restore(inputs)
                 skip = True
             else:
                 samplers = inputs.samplers
-                if not self.mode.tokens_in_plan:
-                    self.batch.append_sampled(inputs, tokens)
-                sampled = {state.handle: [token] for state, token in zip(samplers, tokens)}
+                if inputs.draft_rows is not None:  # speculative decoding: keep what each sampler's draws accept
+                    outputs = accept(tokens, inputs.draft_rows)
+                    self.batch.append_outputs(inputs, outputs)
+                    sampled = {state.handle: out for state, out in zip(samplers, outputs)}
+                    lps = [lps[i] for i in inputs.draft_rows.firsts.tolist()] if lps else lps
+                else:
+                    if not self.mode.tokens_in_plan:
+                        self.batch.append_sampled(inputs, tokens)
+                    sampled = {state.handle: [token] for state, token in zip(samplers, tokens)}
                 if inputs.flags.logprobs.any():
                     logprobs = {state.handle: [lp] for state, lp in zip(samplers, lps) if lp is not None}
         end = time.perf_counter()
@@ -226,6 +239,7 @@ class ModelRunner:
             idle,
             interrupted=skip,
             prompt_logprobs=prompt_logprobs,
+            pooled=pooled,
             tier_ms=tiers.ms,
             tier_load_ms=tiers.load_ms,
             failed_loads=[m.block_hash for m in failed_loads],
@@ -261,7 +275,7 @@ class ModelRunner:
 
     def _run_and_sample(
         self, batch: StepInputs, interrupted: Callable[[], bool] | None = None
-    ) -> tuple[list[int], list[TokenLogprobs | None], dict[int, tuple[int, list[TokenLogprobs]]]]:
+    ) -> tuple[list[int], list[TokenLogprobs | None], dict[int, tuple[int, list[TokenLogprobs]]], dict[int, Pooled]]:
         """This rank's stage of the forward pass; the output rank samples. With one stage every rank learns
         the tokens now; with more, only the output rank has them (the others get them with the next plan)."""
         where = self.comm.where
@@ -277,18 +291,19 @@ class ModelRunner:
         if not where.is_last_stage:
             self.comm.send_to_next_stage(hidden)
         tokens: list[int] = []
-        lps: list[TokenLogprobs | None] = [None] * len(batch.samplers)
+        lps: list[TokenLogprobs | None] = [None] * len(batch.row_requests)
         prompt: dict[int, tuple[int, list[TokenLogprobs]]] = {}
         if where.is_last_stage and batch.samplers:
             rows = hidden if batch.all_sample else hidden[batch.sample_rows]
             logits = self.model.logits(rows)  # a collective over the TP group
             if logits is not None:
-                tokens, lps = self.sampler.sample(logits, batch.samplers, batch.flags)
+                tokens, lps = self.sampler.sample(logits, batch.row_requests, batch.row_flags)
         if where.is_last_stage and batch.prompt_rows:
             prompt = self._prompt_logprobs(hidden, batch.prompt_rows)
+        pooled = pool(hidden, batch.pool_rows) if where.is_last_stage and batch.pool_rows else {}
         if self.mode.tokens_in_plan:
-            return tokens, lps, prompt
-        return self.comm.share_sampled(tokens, len(batch.samplers)), lps, prompt
+            return tokens, lps, prompt, pooled
+        return self.comm.share_sampled(tokens, len(batch.row_requests)), lps, prompt, pooled
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, rows: list[tuple[RequestState, int, int, int]]
@@ -317,6 +332,20 @@ class ModelRunner:
     def computed_tokens(self, handle: int) -> int:
         """The tokens of a held request whose KV this worker has computed."""
         return self.batch.computed(self.batch.states[handle])
+
+
+Pooled = tuple[int, int, bytes]
+
+
+def pool(hidden: torch.Tensor, rows: list[tuple[RequestState, int, int, int]]) -> dict[int, Pooled]:
+    """Each embedding request's final hidden states of this step, pooled in float32: the sum of its prompt rows
+    ("mean": the scheduler adds the chunks up and divides), or its prompt's last row ("last")."""
+    out: dict[int, Pooled] = {}
+    for state, first_row, count, first in rows:
+        states = hidden[first_row : first_row + count].float()
+        vector = states.sum(0) if state.sampling.pooling == "mean" else states[-1]
+        out[state.handle] = (first, count, vector.cpu().numpy().astype("<f4").tobytes())
+    return out
 
 
 def _check_range(values: list[int], limit: int, what: str) -> None:

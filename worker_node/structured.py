@@ -92,7 +92,10 @@ class GrammarMasks:
     def _advance(self, row: GrammarRow, tokenizer: llguidance.LLTokenizer) -> llguidance.LLMatcher:
         state = self._matchers.get(row.handle)
         if state is None:
-            state = _Matcher(llguidance.LLMatcher(tokenizer, grammar_of(row.structured)), row.ends)
+            # log_level 0: no warnings on stderr per request (a reasoning grammar's stop string warns on each);
+            # a matcher's errors are still read from it
+            matcher = llguidance.LLMatcher(tokenizer, grammar_of(row.structured), log_level=0)
+            state = _Matcher(matcher, row.ends)
             self._matchers[row.handle] = state
         for token in row.output_token_ids[state.consumed :]:
             if not state.matcher.is_stopped():  # a stopped matcher takes only EOS: its request is ending

@@ -9,6 +9,7 @@ import secrets
 import signal
 import socket
 import sys
+import threading
 import time
 
 import torch
@@ -176,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     options = WorkerOptions.from_args(args)
-    signal.signal(signal.SIGTERM, _exit_cleanly)
+    if threading.current_thread() is threading.main_thread():  # not in a Ray actor's thread: Ray handles signals
+        signal.signal(signal.SIGTERM, _exit_cleanly)
     problem = offload_dir_problem(options.kv_offload_disk) if options.kv_offload_disk else ""
     if problem:  # before joining: a world that waits for this rank would wait for nothing
         logger.error("%s", problem)

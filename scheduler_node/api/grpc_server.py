@@ -227,6 +227,7 @@ def _response(request_id: str, d: Delta) -> pb.GenerateResponse:
     if d.finish_reason:
         resp.usage.prompt_tokens = d.prompt_tokens
         resp.usage.completion_tokens = d.completion_tokens
+        resp.usage.cached_tokens = d.cached_tokens
     return resp
 
 

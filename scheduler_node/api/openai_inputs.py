@@ -7,9 +7,14 @@ engine's `logprobs`; `prompt[2]` for the third of several prompts.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
+from typing import Any
 
-from scheduler_node.api.openai_protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from proto.structured import grammar_error
+from proto.wire import StructuredOutput
+from scheduler_node.api.openai_protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, MessageToolCall
+from scheduler_node.api.tools import check_schemas
 from scheduler_node.api.validation import (
     MAX_N,
     InvalidField,
@@ -31,8 +36,11 @@ def chat_specs(
     compact_tokens: int = 0,
 ) -> list[RequestSpec]:
     fields, renames = req.fields()
+    plan = req.tool_plan()
+    check_schemas(plan, lambda schema: grammar_error(StructuredOutput("json", schema), tokenizer.grammar_tokenizer))
     with _renamed(renames):
-        ids = prompt_from_messages(template_messages(req.messages), tokenizer, max_model_len)
+        messages = template_messages(req.messages)
+        ids = prompt_from_messages(messages, tokenizer, max_model_len, tools=plan.template_tools)
         spec = build_spec(ids, fields, max_model_len, tokenizer=tokenizer, request_id=request_id,
                           priority=priority, cache_salt=req.cache_salt, kv_precision=req.kv_precision,
                           compact_tokens=compact_tokens)  # fmt: skip
@@ -67,9 +75,31 @@ def completion_specs(
     return specs
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """The messages as the chat template reads them."""
-    return [{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})} for m in messages]
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as chat templates read them (HF's form: a call's arguments as an object, not JSON text)."""
+    out = []
+    for i, m in enumerate(messages):
+        message: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.name:
+            message["name"] = m.name
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            message["tool_calls"] = [_template_call(call, f"messages[{i}].tool_calls[{j}]")
+                                     for j, call in enumerate(m.tool_calls)]  # fmt: skip
+        out.append(message)
+    return out
+
+
+def _template_call(call: MessageToolCall, name: str) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise InvalidField(f"{name}.function.arguments", "must be the JSON text of an object")
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": "function", "function": function}
 
 
 @contextlib.contextmanager

@@ -1,8 +1,8 @@
 """The OpenAI API's request bodies as pydantic models: types are checked here (strictly, unknown fields refused,
 as OpenAI does); ranges and limits are checked by api/validation.py, the same checks every door runs.
 
-Fields OpenAI defines that this server does not implement are accepted only at their neutral value (no `tools`,
-no `echo`), so a client that sets them learns so instead of getting other output.
+Fields OpenAI defines that this server does not implement are accepted only at their neutral value (no `echo`, no
+`suffix`), so a client that sets them learns so instead of getting other output.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pydantic_core import PydanticCustomError
 
 from scheduler_node.api.request_bounds import lone_surrogate_at
 from scheduler_node.api.sampling import SamplingFields, StructuredFields
+from scheduler_node.api.tools import NamedToolChoice, Tool, ToolPlan, tool_plan
 from scheduler_node.api.validation import InvalidField
 
 
@@ -104,14 +105,33 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: str
+    arguments: str  # JSON text, as the answer gave it
+
+
+class MessageToolCall(BaseModel):
+    """A call in an earlier assistant message, sent back with the conversation."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
-    """One message; fields a client echoes back from an earlier answer (refusal, tool_calls: null) are ignored."""
+    """One message; fields a client echoes back from an earlier answer (refusal, reasoning_content) are ignored."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
     role: str
     content: Content = ""
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class JsonSchemaFormat(_Strict):
@@ -177,6 +197,7 @@ class _GenerationRequest(_Body):
     prompt_logprobs: Int32 | None = None
     structured_outputs: StructuredOutputs | None = None
     ignore_eos: bool = False
+    speculate: bool | None = None  # false: no speculative decoding for this request (a minivllm extension)
     priority: Int32 | None = None  # higher runs first, as in the gRPC API (vLLM's is the other way round)
     cache_salt: str = ""
     kv_precision: str = ""  # auto (empty), full or compact: the format of the request's KV blocks
@@ -209,19 +230,35 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: Int32 | None = None
     logprobs: bool = False
     top_logprobs: Int32 | None = None
-    tools: Annotated[Any, _neutral_only(None, [])] = None
-    tool_choice: Annotated[Any, _neutral_only(None, "none")] = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def fields(self) -> tuple[SamplingFields, dict[str, str]]:
         """The sampling fields, and the names this request gave them (for errors) where they differ from ours."""
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidField("top_logprobs", "needs logprobs: true")
         renames = {**self.renames(), "logprobs": "top_logprobs"}
+        if self.tool_plan().structured() is not None:
+            renames["structured"] = "tool_choice"
         max_tokens = self.max_tokens
         if self.max_completion_tokens is not None:  # OpenAI's newer name wins
             max_tokens = self.max_completion_tokens
             renames["max_tokens"] = "max_completion_tokens"
         return self.sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None), renames
+
+    def tool_plan(self) -> ToolPlan:
+        return tool_plan(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def structured(self) -> StructuredFields | None:
+        """A required or named tool_choice is enforced as structured output (the calls' JSON schema)."""
+        tools = self.tool_plan().structured()
+        if tools is None:
+            return super().structured()
+        if self.response_format is not None or self.structured_outputs is not None:
+            given = "response_format" if self.response_format is not None else "structured_outputs"
+            raise InvalidField("tool_choice", f"a {self.tool_plan().mode} tool_choice cannot go with {given}")
+        return tools
 
 
 class CompletionRequest(_GenerationRequest):

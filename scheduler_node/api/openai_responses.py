@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from proto.wire import TokenLogprobs
+from scheduler_node.api.chat_output import ChatOutput
 from scheduler_node.engine.outputs import Delta
 from scheduler_node.text.tokenizer import ModelTokenizer
 
@@ -33,17 +35,20 @@ class Choice:
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefix cache held
 
     def add(self, delta: Delta, first_of_prompt: bool) -> None:
         if first_of_prompt:  # n sequences share one prompt: counted once, as OpenAI does
             self.prompt_tokens += delta.prompt_tokens
+            self.cached_tokens += delta.cached_tokens
         self.completion_tokens += delta.completion_tokens
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
 
@@ -132,13 +137,37 @@ class Shape:
 
 
 class ChatShape(Shape):
+    """A chat's choices; with tools or a reasoning parser, each choice's text is read by its own ChatOutput
+    (`outputs()` makes one, or None when the output is all content)."""
+
     object_name = "chat.completion"
     chunk_name = "chat.completion.chunk"
 
+    def __init__(self, *args: Any, outputs: Callable[[], ChatOutput | None] = lambda: None) -> None:
+        super().__init__(*args)
+        self.outputs = outputs
+        self._outputs: dict[int, ChatOutput | None] = {}
+
+    def output_of(self, choice: Choice) -> ChatOutput | None:
+        if choice.index not in self._outputs:
+            self._outputs[choice.index] = self.outputs()
+        return self._outputs[choice.index]
+
     def stream_choice(self, choice: Choice, delta: Delta) -> dict[str, Any] | None:
-        if choice.started and not self.news(delta):
-            return None
+        output = self.output_of(choice)
         message: dict[str, Any] = {"content": delta.text}
+        finish_reason: str | None = delta.finish_reason or None
+        if output is not None:
+            piece = output.feed(delta.text, final=finish_reason is not None)
+            message = {"content": piece.content} if piece.content or not (piece.tool_calls or piece.reasoning) else {}
+            if piece.reasoning:
+                message["reasoning_content"] = piece.reasoning
+            if piece.tool_calls:
+                message["tool_calls"] = piece.tool_calls
+            finish_reason = _with_calls(finish_reason, output.called)
+        news = message.get("content") or message.get("tool_calls") or message.get("reasoning_content") or finish_reason
+        if choice.started and not (news or (self.want_prompt_logprobs and delta.prompt_logprobs)):
+            return None
         if not choice.started:
             message["role"] = "assistant"
             choice.started = True
@@ -147,16 +176,28 @@ class ChatShape(Shape):
             "index": choice.index,
             "delta": message,
             "logprobs": logprobs,
-            "finish_reason": delta.finish_reason or None,
+            "finish_reason": finish_reason,
         }
         return self.with_prompt_logprobs(choice, body, delta)
 
     def full_choice(self, choice: Choice) -> dict[str, Any]:
+        text = "".join(choice.text)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        finish_reason: str | None = choice.finish_reason
+        output = self.output_of(choice)
+        if output is not None:
+            whole = output.result(text)
+            message["content"] = whole.content
+            if whole.reasoning is not None:
+                message["reasoning_content"] = whole.reasoning
+            if whole.tool_calls:
+                message["tool_calls"] = whole.tool_calls
+            finish_reason = _with_calls(finish_reason, bool(whole.tool_calls))
         return {
             "index": choice.index,
-            "message": {"role": "assistant", "content": "".join(choice.text)},
+            "message": message,
             "logprobs": choice.logprobs if self.want_logprobs else None,
-            "finish_reason": choice.finish_reason,
+            "finish_reason": finish_reason,
         }
 
     def answer(self, choices: list[Choice], usage: Usage) -> dict[str, Any]:
@@ -229,6 +270,11 @@ class CompletionShape(Shape):
         for key in total:
             total[key] += new[key]
         return total
+
+
+def _with_calls(finish_reason: str | None, called: bool) -> str | None:
+    """OpenAI's finish_reason for an output that called tools and ended on its own."""
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
 
 
 def _top(tokenizer: ModelTokenizer, lp: TokenLogprobs) -> dict[str, float]:

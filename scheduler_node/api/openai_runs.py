@@ -94,10 +94,8 @@ class RunResponse(StreamingResponse):
     """A streamed run that ends when the client disconnects (not at the next token it would have been sent),
     and aborts what is unfinished however it ends."""
 
-    def __init__(self, run: Run, include_usage: bool) -> None:
-        super().__init__(
-            run.events(include_usage), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-        )
+    def __init__(self, run: Run, events: AsyncIterator[str]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self.run = run
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -1,16 +1,19 @@
 """The OpenAI-compatible HTTP door (`--openai-port`): FastAPI served by uvicorn on the scheduler's own event loop,
 driving the same EngineCore as the gRPC door (no extra hop, no second engine).
 
-POST /v1/chat/completions, /v1/completions (streamed as server-sent events with `stream: true`), GET /v1/models;
-vLLM's POST /tokenize and /detokenize; GET /health (200 exactly while gRPC health is SERVING) and /metrics (the
-registry `--metrics-port` serves). With an API key every path but /health and /metrics (probes, Prometheus) needs
-`Authorization: Bearer KEY`.
+POST /v1/chat/completions (tools: api/tools.py), /v1/responses (api/responses_request.py), /v1/embeddings
+(api/embeddings.py), /v1/completions
+(streamed as server-sent events with `stream: true`), GET /v1/models; vLLM's POST /tokenize and /detokenize;
+GET /health (200 exactly while gRPC health is SERVING) and /metrics (the registry `--metrics-port` serves). With an
+API key every path but /health and /metrics (probes, Prometheus) needs `Authorization: Bearer KEY`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import logging
 import socket
 import uuid
@@ -18,12 +21,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import uvicorn
 from fastapi import FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from proto.structured import after_reasoning
+from scheduler_node.api.chat_output import ChatOutput
+from scheduler_node.api.embeddings import (
+    EmbeddingRequest,
+    EngineFailed,
+    answer,
+    check_dimensions,
+    pooled,
+    request_specs,
+)
 from scheduler_node.api.openai_encode import json_response
-from scheduler_node.api.openai_errors import OpenAIError, install_handlers
+from scheduler_node.api.openai_errors import OpenAIError, engine_error, install_handlers
 from scheduler_node.api.openai_guards import ApiKeyAuth, BodyLimit
 from scheduler_node.api.openai_inputs import chat_specs, completion_specs, template_messages
 from scheduler_node.api.openai_protocol import (
@@ -34,7 +48,12 @@ from scheduler_node.api.openai_protocol import (
 )
 from scheduler_node.api.openai_responses import ChatShape, CompletionShape, Shape
 from scheduler_node.api.openai_runs import Run, RunResponse
+from scheduler_node.api.reasoning_parsers import ReasoningParser, ReasoningStream, reasoning_parser_class
 from scheduler_node.api.request_bounds import MAX_REQUEST_BYTES, check_prompt_logprobs
+from scheduler_node.api.responses_request import ResponsesRequest, responses_error
+from scheduler_node.api.responses_shape import ResponseBuilder, response_answer, response_events
+from scheduler_node.api.tool_parsers import tool_parser_class
+from scheduler_node.api.tools import ToolPlan
 from scheduler_node.api.validation import (
     InvalidField,
     priority_from,
@@ -60,6 +79,9 @@ class OpenAIConfig:
     port: int
     model_name: str  # what /v1/models lists and `model` must name
     api_key: str = ""  # "": no authentication
+    tool_call_parser: str = "hermes"  # how tool_choice auto reads calls: a TOOL_PARSERS name or module:Class
+    reasoning_parser: str = ""  # "": off; a REASONING_PARSERS name or module:Class
+    embedding_pooling: str = "last"  # how /v1/embeddings pools a prompt's hidden states: last or mean
 
 
 class OpenAIDoor:
@@ -70,6 +92,14 @@ class OpenAIDoor:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.engine: EngineCore | None = None
+        self.tool_parser = tool_parser_class(config.tool_call_parser)  # ValueError at start when it is wrong
+        self.reasoning_parser = reasoning_parser_class(config.reasoning_parser)
+
+    def chat_output(self, plan: ToolPlan) -> ChatOutput | None:
+        """How one chat choice's output is read (None: it is all content)."""
+        calls = plan.calls(self.tool_parser)
+        reasoning = None if self.reasoning_parser is None else ReasoningStream(self.reasoning_parser())
+        return None if calls is None and reasoning is None else ChatOutput(reasoning, calls)
 
     def ready_engine(self) -> EngineCore:
         engine = self.engine
@@ -86,19 +116,82 @@ class OpenAIDoor:
             raise OpenAIError(404, message, "model", "model_not_found")
 
     async def generate(
-        self, body: ChatCompletionRequest | CompletionRequest, request: Request, shape: type[Shape], prefix: str
+        self,
+        body: ChatCompletionRequest | CompletionRequest,
+        request: Request,
+        shape: Callable[..., Shape],
+        prefix: str,
     ) -> Response:
+        run = await self.start(body, request, shape, prefix)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return RunResponse(run, run.events(include_usage))
+        large = run.shape.want_logprobs or run.shape.want_prompt_logprobs
+        return await json_response(await run.answer(request.receive), large=large)
+
+    async def respond(self, body: ResponsesRequest, request: Request) -> Response:
+        """POST /v1/responses: the chat request it means, in the Responses API's shapes."""
+        try:
+            chat = body.as_chat()
+            run = await self.start(chat, request, ChatShape, "resp")
+        except (InvalidField, OpenAIError) as exc:
+            raise responses_error(exc) from None
+        builder = ResponseBuilder(body, self.config.model_name)
+        if body.stream:
+            return RunResponse(run, response_events(run, builder))
+        chat_answer = await run.answer(request.receive)
+        return await json_response(response_answer(run, builder, chat_answer), large=False)
+
+    async def embed(self, body: EmbeddingRequest, request: Request) -> Response:
+        """POST /v1/embeddings: each input's pooled final hidden states."""
+        self.check_model(body.model)
+        engine = self.ready_engine()
+        request_id = f"embd-{uuid.uuid4().hex}"
+        try:
+            priority = priority_from(body.priority, request.headers.get("x-priority"))
+            specs = await asyncio.to_thread(request_specs, body, self.tokenizer, engine.max_model_len, request_id,
+                                            self.config.embedding_pooling, priority)  # fmt: skip
+        except InvalidField as exc:
+            raise OpenAIError(400, str(exc), exc.field) from None
+        engine = self.ready_engine()
+        if engine.queue_full(len(specs)):
+            limit = engine.options.max_waiting_requests
+            raise OpenAIError(429, f"the waiting queue is full (--max-waiting-requests {limit}); retry later")
+        try:
+            vectors = await pooled(engine, specs)
+            check_dimensions(body.dimensions, len(vectors[0]))
+        except EngineFailed as exc:
+            raise engine_error(exc.error) from None
+        except InvalidField as exc:
+            raise OpenAIError(400, str(exc), exc.field) from None
+        prompt_tokens = sum(len(spec.prompt_token_ids) for spec in specs)
+        body_out = await asyncio.to_thread(answer, vectors, body, self.config.model_name, prompt_tokens)
+        return await json_response(body_out, large=True)
+
+    async def start(
+        self,
+        body: ChatCompletionRequest | CompletionRequest,
+        request: Request,
+        shape: Callable[..., Shape],
+        prefix: str,
+    ) -> Run:
+        """The request checked, tokenized and submitted (OpenAIError when it cannot be)."""
         self.check_model(body.model)
         engine = self.ready_engine()
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         make: MakeSpecs = chat_specs if isinstance(body, ChatCompletionRequest) else completion_specs
         try:
+            if isinstance(body, ChatCompletionRequest):
+                plan = body.tool_plan()
+                shape = functools.partial(ChatShape, outputs=lambda: self.chat_output(plan))
             priority = priority_from(body.priority, request.headers.get("x-priority"))
             # Off the event loop: tokenizing a long prompt must not stall other requests' streams.
             specs = await asyncio.to_thread(
                 make, body, self.tokenizer, engine.max_model_len, request_id, priority, engine.compact_tokens
             )
             check_prompt_logprobs(specs)
+            if self.reasoning_parser is not None:  # a constraint applies to the answer after the reasoning
+                specs = [_after_reasoning(spec, self.reasoning_parser) for spec in specs]
         except InvalidField as exc:
             raise OpenAIError(400, str(exc), exc.field) from None
         engine = self.ready_engine()  # it may have started draining meanwhile
@@ -109,9 +202,7 @@ class OpenAIDoor:
         want = sampling.logprobs is not None, sampling.prompt_logprobs is not None
         run = Run(engine, specs, shape(request_id, self.config.model_name, self.tokenizer, *want))
         run.start()
-        if body.stream:
-            return RunResponse(run, body.stream_options is not None and body.stream_options.include_usage)
-        return await json_response(await run.answer(request.receive), large=any(want))
+        return run
 
 
 def build_app(door: OpenAIDoor) -> FastAPI:
@@ -128,6 +219,14 @@ def build_app(door: OpenAIDoor) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await door.generate(body, request, CompletionShape, "cmpl")
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await door.embed(body, request)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await door.respond(body, request)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -165,6 +264,16 @@ def build_app(door: OpenAIDoor) -> FastAPI:
         return Response(generate_latest(door.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _after_reasoning(spec: RequestSpec, parser: type[ReasoningParser]) -> RequestSpec:
+    """The spec's constraint applied after the reasoning (which the grammar opens unless the template did)."""
+    structured = spec.sampling.structured
+    if structured is None:
+        return spec
+    start = "" if parser.opened_by_template else parser.start
+    sampling = msgspec.structs.replace(spec.sampling, structured=after_reasoning(structured, parser.end, start))
+    return dataclasses.replace(spec, sampling=sampling)
 
 
 def model_card(name: str, max_model_len: int | None = None) -> dict[str, Any]:

@@ -80,7 +80,11 @@ NO_CHAT_TEMPLATE = "the model has no chat template; send a prompt instead"
 
 
 def prompt_from_messages(
-    messages: Sequence[dict[str, str]], tokenizer: ModelTokenizer, max_model_len: int, name: str = "messages"
+    messages: Sequence[dict[str, Any]],
+    tokenizer: ModelTokenizer,
+    max_model_len: int,
+    name: str = "messages",
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     if not messages:
         raise InvalidField(name, "must not be empty")
@@ -89,14 +93,14 @@ def prompt_from_messages(
     for i, m in enumerate(messages):
         if not m.get("role"):
             raise InvalidField(f"{name}[{i}].role", "must not be empty")
-    chars = sum(len(m.get("content") or "") for m in messages)
+    chars = sum(len(m.get("content") or "") for m in messages) + len(json.dumps(tools or []))
     limit = max_prompt_chars(tokenizer, max_model_len)
     if chars > limit:
         raise InvalidField(name, f"{chars} characters cannot fit in max_model_len {max_model_len} (at most {limit})")
     if not tokenizer.has_chat_template:
         raise InvalidField(name, NO_CHAT_TEMPLATE)
     try:
-        ids = tokenizer.apply_chat_template([dict(m) for m in messages])
+        ids = tokenizer.apply_chat_template([dict(m) for m in messages], tools)
     except Exception as exc:  # a template's raise_exception speaks about the messages
         raise InvalidField(name, f"chat template rejected them: {exc}") from exc
     return _fits(ids, max_model_len, name)
@@ -186,6 +190,7 @@ def build_spec(
         cache_salt=cache_salt,
         stop_token_ids=_token_ids(s.stop_token_ids, vocab, MAX_STOP_TOKEN_IDS, prefix + "stop_token_ids"),
         kv_precision=precision,
+        speculate=s.speculate,
     )
 
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 
+from scheduler_node.api.embeddings import POOLINGS
 from scheduler_node.api.openai_server import OpenAIConfig
+from scheduler_node.api.reasoning_parsers import REASONING_PARSERS, reasoning_parser_class
+from scheduler_node.api.tool_parsers import TOOL_PARSERS, tool_parser_class
 
 API_KEY_ENV = "MINIVLLM_API_KEY"
 SERVE_OPENAI_PORT = 8000  # vllm-serve's default (vllm-scheduler's is 0: off)
@@ -26,6 +29,26 @@ def add_openai_flags(p: argparse.ArgumentParser) -> None:
         "and the metrics' model_name label (default: a hub id as given, else the model folder's name)",
     )
     add_api_key_flag(p)
+    p.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        help=f"how tool_choice auto reads tool calls out of the output: {', '.join(TOOL_PARSERS)}, or module:Class "
+        "(a subclass of scheduler_node.api.tool_parsers.ToolParser); required and named choices need none",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default="",
+        help=f"split the model's <think>...</think> off into reasoning_content: {', '.join(REASONING_PARSERS)}"
+        ", or module:Class (a subclass of scheduler_node.api.reasoning_parsers.ReasoningParser); structured output "
+        "and required tool calls then apply to the answer after the reasoning (default: off)",
+    )
+    p.add_argument(
+        "--embedding-pooling",
+        choices=POOLINGS,
+        default="last",
+        help="how POST /v1/embeddings pools a prompt's final hidden states: the last token's (decoder embedding "
+        "models: Qwen3-Embedding, e5-mistral) or the mean of all of them; normalized unless normalize: false",
+    )
 
 
 def add_api_key_flag(p: argparse.ArgumentParser) -> None:
@@ -44,4 +67,7 @@ def openai_config(args: argparse.Namespace, served_model_name: str) -> OpenAICon
         raise ValueError(f"--openai-port must be in [0, 65535], got {args.openai_port}")
     if not args.openai_port:
         return None
-    return OpenAIConfig(args.host, args.openai_port, served_model_name, args.api_key)
+    tool_parser_class(args.tool_call_parser)  # ValueErrors naming them
+    reasoning_parser_class(args.reasoning_parser)
+    return OpenAIConfig(args.host, args.openai_port, served_model_name, args.api_key, args.tool_call_parser,
+                        args.reasoning_parser, args.embedding_pooling)  # fmt: skip

@@ -10,6 +10,7 @@ import sys
 from proto.cli_config import add_config_flag, parse_args
 from proto.curve import ensure_keys
 from proto.parallel import ParallelLayout
+from proto.quantization import QUANTIZATIONS
 from proto.wire import WORKER_JOIN_TIMEOUT_S
 from scheduler_node.api.grpc_server import GenerationService, build_server
 from scheduler_node.api.health import report_health, set_serving
@@ -21,6 +22,7 @@ from scheduler_node.core.config import PREEMPTION_MODES, SchedulerConfig
 from scheduler_node.core.kv_events import KVEventSink
 from scheduler_node.core.kv_precision import COMPACT_DTYPES, CompactKV
 from scheduler_node.core.policy import POLICIES
+from scheduler_node.core.speculative import DISABLE_BY_BATCH_SIZE, SpeculativeConfig, speculative_config_flag
 from scheduler_node.core.tier_policy import KV_OFFLOAD_POLICIES
 from scheduler_node.engine.builder import EngineConfig, WorldPlan, check_model_split, make_engine
 from scheduler_node.engine.core import EngineCore, EngineOptions
@@ -122,6 +124,14 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
         "other CPUs)",
     )
     p.add_argument(
+        "--quantization",
+        default=DEFAULTS.quantization,
+        choices=QUANTIZATIONS,
+        help="the weights' format: auto (a quantized checkpoint's own, else none), none (the model dtype), int8 "
+        "(per-output-channel int8, quantized on load), fp8 (e4m3, quantized on load or an fp8 checkpoint), awq "
+        "(an AutoAWQ 4-bit checkpoint); a flag that contradicts the checkpoint's quantization_config is refused",
+    )
+    p.add_argument(
         "--block-size", type=int, default=SCHEDULER.block_size, help="tokens per KV block (8, 16, 32, 64, 128)"
     )
     p.add_argument(
@@ -136,6 +146,15 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=SCHEDULER.max_model_len,
         help="context length (0: the model's, capped by the KV cache capacity)",
+    )
+    p.add_argument(
+        "--speculative-config",
+        type=speculative_config_flag,
+        default="",
+        help='speculative decoding, as vLLM spells it: a JSON object such as \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}\' (also '
+        '"disable_by_batch_size": no speculation while more requests run; default '
+        f"{DISABLE_BY_BATCH_SIZE}). Empty: off",
     )
     p.add_argument(
         "--enable-prefix-caching",
@@ -277,11 +296,13 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine's settings from the command line (ValueError naming what is out of range)."""
     return EngineConfig(
         dtype=args.dtype,
+        quantization=args.quantization,
         scheduler=SchedulerConfig(
             block_size=args.block_size,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len,
+            speculative=SpeculativeConfig.parse(args.speculative_config),
             enable_prefix_caching=args.enable_prefix_caching,
             preemption_mode=args.preemption_mode,
             compaction_interval=args.compaction_interval,
@@ -319,7 +340,7 @@ async def serve(args: argparse.Namespace) -> int:
     placement = resolve_parallel(args)
     layout = placement.layout
     folder = resolve_model(args.model)
-    check_model_split(folder, layout)
+    check_model_split(folder, layout, config.quantization)
     tokenizer = ModelTokenizer(folder)
     if args.zmq_curve_dir:
         ensure_keys(args.zmq_curve_dir)

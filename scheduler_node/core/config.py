@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from scheduler_node.core.speculative import SpeculativeConfig
 from scheduler_node.core.tier_policy import KV_OFFLOAD_POLICIES
 
 
@@ -31,6 +32,7 @@ class SchedulerConfig:
     compaction_max_moves: int = 64  # blocks moved per compaction at most
     watermark: float = 0.01  # fraction of blocks kept free when admitting, against admit-then-preempt thrash
     kv_offload_policy: str = "arc"  # replacement in the KV offload tiers (scheduler_node/core/kv_tiers.py)
+    speculative: SpeculativeConfig | None = None  # speculative decoding (core/speculative.py); None: off
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import enum
 import itertools
 import time
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 
 from proto.wire import NewRequest, SamplingOptions, TokenLogprobs
 from scheduler_node.core.block_table import BlockHash, hash_block
+from scheduler_node.core.speculative import SpecState
 
 
 class FinishReason(enum.StrEnum):
@@ -89,6 +91,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is (or, once this step runs, will be) in the cache
     status: Status = Status.WAITING
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens its first start found cached (device and offload tiers)
     cache_salt: str = ""
     block_hashes: list[BlockHash] = field(default_factory=list)  # of every full block of tokens
     swapped: bool = False  # preempted with its KV on the workers' host memory
@@ -96,9 +99,14 @@ class Request:
     forks: tuple[Request, ...] = ()  # n > 1: siblings started once the prompt is computed
     # With prompt_logprobs: entry i is prompt token i + 1's (the first token has none), gathered chunk by chunk.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    pooled: list[float] | None = None  # an embedding request: its pooled final hidden states so far
+    pooled_upto: int = 0  # the prompt positions in `pooled`
     stopped_by_token: bool = False  # ended by eos or a stop token (its text is not part of the output)
     handle: int = -1  # the request's id on the wire, assigned by the scheduler when the request is added
     kv_precision: str = "auto"  # auto | full | compact: the format of its KV blocks (core/kv_precision.py)
+    # Speculative decoding (core/speculative.py): None when it never speculates (opted out, or options the worker
+    # cannot verify exactly); the scheduler sets it at admission when speculation is on.
+    spec: SpecState | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -139,8 +147,11 @@ class Request:
         kept, and set the status when it ended."""
         output, stop = self.output_token_ids, self.stop
         room = max_model_len - len(self.prompt_token_ids)
+        limit, ending = min(stop.max_tokens, room), stop.ending
         for i, token in enumerate(token_ids):
             output.append(token)
+            if len(output) < limit and token not in ending:
+                continue  # the common case, for every token of every request: what end_of would say, cheaper
             end = stop.end_of(token, len(output), room)
             if end is not None:
                 self.status = end
@@ -154,6 +165,27 @@ class Request:
         held = len(self.prompt_logprobs) + 1  # the next position wanted
         if first <= held < first + len(logprobs):
             self.prompt_logprobs.extend(logprobs[held - first :])
+
+    def add_pooled(self, first: int, count: int, data: bytes) -> None:
+        """A step's pooled hidden states (proto/wire.py StepResult.pooled): the last row replaces, a chunk's sum
+        adds to the chunks before it; a recomputed prompt (after preemption) starts the sum again."""
+        values = array.array("f")
+        values.frombytes(data)
+        if self.sampling.pooling == "last" or first == 0:
+            self.pooled = values.tolist()
+        elif first == self.pooled_upto and self.pooled is not None:
+            self.pooled = [a + b for a, b in zip(self.pooled, values)]
+        else:
+            return  # rows pooled already
+        self.pooled_upto = first + count
+
+    def embedding(self) -> list[float] | None:
+        """The pooled prompt (None until every prompt token is pooled)."""
+        if self.pooled is None or self.pooled_upto < len(self.prompt_token_ids):
+            return None
+        if self.sampling.pooling == "mean":
+            return [v / self.pooled_upto for v in self.pooled]
+        return self.pooled
 
     @property
     def prompt_logprobs_done(self) -> bool:
@@ -186,3 +218,4 @@ class RequestSpec:
     cache_salt: str = ""
     stop_token_ids: list[int] = field(default_factory=list)  # besides eos: tokens that end the output
     kv_precision: str = "auto"  # auto | full | compact (core/kv_precision.py)
+    speculate: bool = True  # False: never speculative decoding for this request (when the server has it on)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from proto.parallel import ParallelLayout
+from proto.quantization import resolve_quantization
 from proto.transport import WorkerTransport, WorldCapacity
 from proto.wire import Assignment, ExecutionMode
 from scheduler_node.core.config import SchedulerConfig
@@ -46,6 +47,7 @@ class EngineConfig:
     num_swap_blocks: int = -1  # -1: as the workers' --swap-space allows; else at most this many
     distributed_timeout: float = 300.0
     kv_compact: CompactKV = field(default_factory=CompactKV)  # per-request KV precision: the compact pool
+    quantization: str = "auto"  # the weights' format (proto/quantization.py)
 
     @property
     def layout(self) -> ParallelLayout:
@@ -89,6 +91,7 @@ class WorldPlan:
             c.num_swap_blocks,
             kv_compact_fraction=c.kv_compact.fraction,
             kv_compact_dtype=c.kv_compact.dtype,
+            quantization=c.quantization,
         )
 
 
@@ -121,8 +124,10 @@ def make_engine(
     return EngineCore(scheduler, tokenizer, workers, config.options, metrics or Metrics(folder.name))
 
 
-def check_model_split(folder: Path, layout: ParallelLayout) -> None:
-    """ValueError when the model's heads, MLP or layers do not split over this layout."""
+def check_model_split(folder: Path, layout: ParallelLayout, quantization: str = "auto") -> None:
+    """ValueError when the model's heads, MLP or layers do not split over this layout, or its checkpoint cannot
+    run in the `quantization` asked for (before any worker loads it)."""
+    resolve_quantization(quantization, folder)
     c = json.loads((folder / "config.json").read_text())
     heads = int(c["num_attention_heads"])
     layout.check_model(

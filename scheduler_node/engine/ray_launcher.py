@@ -8,6 +8,12 @@ connecting back to the scheduler as any worker does. On GPU nodes every actor of
 GPUs (CUDA_VISIBLE_DEVICES) and the scheduler's topology picks one for each rank. An actor that dies is replaced
 in the same bundle (with the local launcher's back-off), and its replacement rejoins the lost rank. `stop` kills
 the actors, removes the placement groups and leaves Ray. Ray is imported only here.
+
+A stalled actor (SIGSTOP, a hang with the GIL held, a close that never returns) is replaced too, by the local
+launcher's rule (proto/liveness.py): the worker beats on a liveness pipe inside its actor, and the actor (threaded,
+so a second thread answers while `run` blocks) reports on `ping` how long the beats have been silent. A ping
+unanswered, or answered "silent", for longer than the bound that applies (`--worker-join-timeout` while the worker
+joins, `--heartbeat-timeout` once ready) gets the actor killed, and so replaced.
 """
 
 from __future__ import annotations
@@ -16,22 +22,29 @@ import argparse
 import logging
 import os
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from proto.liveness import LIVENESS_FD_ENV, Pulse
 from proto.parallel import ParallelLayout
 from scheduler_node.engine.processes import Restarts
 
 logger = logging.getLogger(__name__)
 
 WILDCARDS = ("0.0.0.0", "::", "")
+PING_INTERVAL_S = 1.0  # how often the launcher asks each actor whether its worker still beats
 
 
 class RankActor:
-    """One rank's worker, run inside the actor's own process: killing the actor kills the worker."""
+    """One rank's worker, run inside the actor's own process: killing the actor kills the worker. Threaded (two
+    threads): `ping` is answered while `run` blocks."""
+
+    def __init__(self) -> None:
+        self.pulse: Pulse | None = None
 
     def where(self) -> tuple[str, list[str]]:
         """The node this actor runs on, and the GPUs Ray gave it."""
@@ -39,12 +52,19 @@ class RankActor:
 
         return ray.get_runtime_context().get_node_id(), [str(g) for g in ray.get_gpu_ids()]
 
-    def run(self, argv: list[str], env: dict[str, str]) -> int:
+    def run(self, argv: list[str], env: dict[str, str], join_timeout: float, heartbeat_timeout: float) -> int:
         """vllm-worker's main with these flags, until it exits; its exit code."""
-        os.environ.update(env)  # before torch initialises CUDA
+        self.pulse = Pulse(join_timeout, heartbeat_timeout)  # the worker's Beats write into it, in this process
+        os.environ.update({**env, LIVENESS_FD_ENV: str(self.pulse.write_fd)})  # before torch initialises CUDA
         from worker_node.worker import main
 
         return main(argv)
+
+    def ping(self) -> tuple[float, bool]:
+        """Seconds the worker's beats have been silent past their bound (0: alive), and whether it joined."""
+        if self.pulse is None:
+            return 0.0, False
+        return self.pulse.stalled_for(), self.pulse.ready
 
 
 @dataclass
@@ -57,10 +77,14 @@ class Slot:
     running: Any = None  # the ObjectRef of actor.run: ready when the worker exited or the actor died
     node_ip: str = ""
     restarts: Restarts = field(default_factory=Restarts)
+    ping: Any = None  # the ObjectRef of the unanswered actor.ping, if any
+    asked: float = 0.0  # when it was sent
+    answered: float = field(default_factory=time.monotonic)  # when the last ping was answered
+    ready: bool = False  # the last answer said the worker joined
 
 
 class RayLauncher:
-    gave_up = ""  # an actor is always replaced (a stalled one is not detected here: Ray does not see it)
+    gave_up = ""  # an actor is always replaced
 
     def __init__(self, args: argparse.Namespace, layout: ParallelLayout) -> None:
         import ray
@@ -70,6 +94,7 @@ class RayLauncher:
         self.ray = ray
         ray.init(address=args.ray_address, include_dashboard=False, configure_logging=False)
         self.layout = layout
+        self.join_timeout, self.heartbeat_timeout = args.worker_join_timeout, args.heartbeat_timeout
         self.gpu = args.device.startswith("cuda") or (args.device == "auto" and ray.cluster_resources().get("GPU"))
         bundle = {"CPU": float(max(1, args.threads))} | ({"GPU": 1.0} if self.gpu else {})
         from ray.util.placement_group import placement_group
@@ -104,7 +129,10 @@ class RayLauncher:
         strategy = PlacementGroupSchedulingStrategy(slot.group, placement_group_bundle_index=slot.bundle)
         resources = slot.group.bundle_specs[slot.bundle]
         return self.actor_class.options(
-            num_cpus=resources.get("CPU", 0), num_gpus=resources.get("GPU", 0), scheduling_strategy=strategy
+            num_cpus=resources.get("CPU", 0),
+            num_gpus=resources.get("GPU", 0),
+            scheduling_strategy=strategy,
+            max_concurrency=2,  # threaded: `ping` is answered while `run` blocks
         ).remote()
 
     def _topology(
@@ -137,15 +165,41 @@ class RayLauncher:
 
     def _run(self, slot: Slot) -> None:
         argv = [*self.argv, "--local-address", slot.node_ip]  # the scheduler matches ranks by it
-        slot.running = slot.actor.run.remote(argv, self.env[slot.node_ip])
+        env = self.env[slot.node_ip]
+        slot.running = slot.actor.run.remote(argv, env, self.join_timeout, self.heartbeat_timeout)
+        slot.ping, slot.answered, slot.ready = None, time.monotonic(), False
 
     def keep_alive(self) -> None:
         for slot in self.slots:
             done, _ = self.ray.wait([slot.running], timeout=0)
-            if done and slot.restarts.due(f"the worker actor of bundle {slot.bundle} {self._ended(slot)}"):
+            if not done:
+                self._end_if_stalled(slot)
+            elif slot.restarts.due(f"the worker actor of bundle {slot.bundle} {self._ended(slot)}"):
                 self.ray.kill(slot.actor, no_restart=True)
                 slot.actor = self._actor(slot)
                 self._run(slot)
+
+    def _end_if_stalled(self, slot: Slot) -> None:
+        """Kill the actor whose worker stalled (the next look finds it dead and replaces it)."""
+        now = time.monotonic()
+        silent = 0.0
+        if slot.ping is not None:
+            answered, _ = self.ray.wait([slot.ping], timeout=0)
+            if answered:
+                silent, slot.ready = self.ray.get(slot.ping)
+                slot.ping, slot.answered = None, now
+            elif now - slot.asked > (self.heartbeat_timeout if slot.ready else self.join_timeout):
+                silent = now - slot.answered  # the actor itself does not answer: stopped, or the GIL held
+        if silent:
+            logger.error(
+                "the worker actor of bundle %d stalled: no liveness beat for %.1f s (stopped, or hung); killing it",
+                slot.bundle,
+                silent,
+            )
+            self.ray.kill(slot.actor, no_restart=True)
+            slot.ping = None
+        elif slot.ping is None and now - slot.answered >= PING_INTERVAL_S:
+            slot.ping, slot.asked = slot.actor.ping.remote(), now
 
     def _ended(self, slot: Slot) -> str:
         try:

@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from scheduler_node.api.embeddings import EmbeddingRequest
 from scheduler_node.api.openai_errors import OpenAIError, install_handlers
 from scheduler_node.api.openai_guards import ApiKeyAuth, BodyLimit
 from scheduler_node.api.openai_protocol import (
@@ -34,6 +35,7 @@ from scheduler_node.api.openai_protocol import (
     TokenizeRequest,
 )
 from scheduler_node.api.openai_server import MAX_BODY_BYTES, model_card, model_list
+from scheduler_node.api.responses_request import ResponsesRequest
 from scheduler_node.router.grpc_door import RouterGeneration
 from scheduler_node.router.replica import Replica
 from scheduler_node.router.request import RouteRequest
@@ -191,6 +193,21 @@ def build_router_app(door: RouterHttp, api_key: str) -> FastAPI:
         text, ids = (first, []) if isinstance(first, str) else ("", first)
         route = _route_request(request, body.model, body, prompt=text, prompt_token_ids=ids)
         return await door.forward(request, route, body.stream)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        items = [] if isinstance(body.input, str) else body.input
+        messages = [(str(m.get("role", "")), m["content"]) for m in items if isinstance(m.get("content"), str)]
+        text = body.input if isinstance(body.input, str) else ""
+        route = _route_request(request, body.model, None, prompt=text, messages=messages)
+        return await door.forward(request, route, body.stream)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        first = body.input[0] if body.input else ""
+        text, ids = (first, []) if isinstance(first, str) else ("", first)
+        route = _route_request(request, body.model, None, prompt=text, prompt_token_ids=ids)
+        return await door.forward(request, route, False)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> Response:

@@ -8,9 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from llguidance import LLTokenizer
 from tokenizers import Tokenizer
+
+from scheduler_node.text.tool_prompt import hermes_messages
 
 
 class ModelTokenizer:
@@ -32,6 +35,8 @@ class ModelTokenizer:
         if template is None and template_file.is_file():
             template = template_file.read_text()
         self._template = _compile(template) if isinstance(template, str) else None
+        # A template that reads `tools` renders tools and tool messages itself; others get them as text.
+        self.supports_tools = isinstance(template, str) and "tools" in _variables(template)
         # The longest text one token stands for: text longer than max_model_len times this cannot fit.
         self.max_token_chars = max(1, max(len(t) for t in self.tokenizer.get_vocab(with_added_tokens=True)))
 
@@ -54,12 +59,19 @@ class ModelTokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The conversation's prompt; `tools` in HF's form ([{"type": "function", "function": {...}}])."""
         if self._template is None:
             raise ValueError("the model has no chat template")
+        extra: dict[str, Any] = {"tools": tools} if tools and self.supports_tools else {}
+        if not self.supports_tools:
+            messages = hermes_messages(messages, tools)
         text = self._template.render(
             messages=messages,
             add_generation_prompt=True,
+            **extra,
             **{k: v for k, v in self.special_tokens.items() if v},
         )
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -92,4 +104,14 @@ def _compile(template: str) -> jinja2.Template:
         raise jinja2.TemplateError(message)
 
     env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = _tojson  # as transformers renders templates (jinja's own escapes <, > and &)
     return env.from_string(template)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:  # fmt: skip
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _variables(template: str) -> set[str]:
+    return jinja2.meta.find_undeclared_variables(ImmutableSandboxedEnvironment().parse(template))

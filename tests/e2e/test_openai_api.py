@@ -110,7 +110,11 @@ def test_streamed_chat_joins_to_the_answer_and_reports_usage(client: openai.Open
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
-    assert not chunks[-1].choices and chunks[-1].usage == full.usage
+    usage, full_usage = chunks[-1].usage, full.usage
+    assert not chunks[-1].choices and usage is not None and full_usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (full_usage.prompt_tokens, full_usage.completion_tokens)
+    details = usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens, "the same prompt just ran: its full blocks are cached"
     assert all(c.usage is None for c in chunks[:-1])
 
 

@@ -1,12 +1,13 @@
 """`vllm-serve --launcher ray` on a local Ray instance (started here, on 127.0.0.2) with a TP 2 world: the same
 greedy tokens as `vllm-serve` with local workers, each HF's argmax given the same prefix; the ranks run in Ray
 actors, not as children of vllm-serve; `kill -9` of one actor's process is recovered by a replacement actor that
-rejoins the rank; SIGTERM drains and tears every actor down. The KV cache is sized from free memory, as a user
-gets it: the replacement is told the world's size."""
+rejoins the rank, and so is a stopped (SIGSTOP) actor; SIGTERM drains and tears every actor down. The KV cache is
+sized from free memory, as a user gets it: the replacement is told the world's size."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -108,11 +109,20 @@ def test_ray_tp2_serves_the_tokens_of_vllm_serve_and_recovers_a_killed_actor(
         log = served.log.read_text()
         assert "the worker actor of bundle 0 died" in log or "the worker actor of bundle 1 died" in log, log
         assert "'host': '127.0.0.2'" in log, "the topology names the node Ray placed the ranks on"
+
+        stopped = next(w for w in served.workers() if w.rank == 1).pid
+        os.kill(stopped, signal.SIGSTOP)  # alive to Ray, silent to everyone: its actor must be replaced
+        wait_for(lambda: any(w.rank == 1 and w.state == "ready" and w.pid != stopped for w in served.workers()),
+                 60, "a new actor holds the stopped rank")  # fmt: skip
+        assert re.search(r"the worker actor of bundle \d stalled", served.log.read_text()), served.log.read_text()
+        assert served.generate() == expected
         new_pids = [w.pid for w in served.workers()]
         assert served.stop() == 0, served.log.read_text()[-4000:]
         wait_for(lambda: not any(alive(p) for p in new_pids), 20, "every actor's process is gone")
     finally:
         served.kill()
+        if "stopped" in locals() and alive(stopped):
+            os.kill(stopped, signal.SIGKILL)
     hf = load_hf(tiny_qwen2_dir)
     for prompt, out in zip(PROMPTS, expected):
         assert len(out) == MAX_TOKENS

@@ -283,6 +283,14 @@ def test_the_openai_api_through_the_router_routes_by_model_and_streams_through(f
             model=model, prompt="The sea is", max_tokens=6, temperature=0
         )  # fmt: skip
         assert text.choices[0].text == own_text.choices[0].text
+        routed_response = client.responses.create(model=model, input="The sea is", max_output_tokens=6, temperature=0)
+        own_response = openai_client(cluster.base_url).responses.create(
+            model=model, input="The sea is", max_output_tokens=6, temperature=0
+        )  # fmt: skip
+        assert routed_response.output_text == own_response.output_text and routed_response.model == model
+        routed_vector = client.embeddings.create(model=model, input="The sea").data[0].embedding
+        own_vector = openai_client(cluster.base_url).embeddings.create(model=model, input="The sea").data[0].embedding
+        assert routed_vector == pytest.approx(own_vector, abs=1e-4)  # either llama replica, cached prefix or not
     assert answers["llama"] != answers["qwen"]  # two different models: the test can tell them apart
     stream = client.completions.create(model="qwen", prompt="The sea is", max_tokens=200, temperature=0,
                                        stream=True, extra_body={"ignore_eos": True})  # fmt: skip

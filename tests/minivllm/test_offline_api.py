@@ -95,6 +95,22 @@ def test_smollm2_text_prompts_n_logprobs_and_stop(smollm2: LLM, smollm2_dir: Pat
     assert c.finish_reason == "stop" and stop not in c.text and text.startswith(c.text)
 
 
+def test_embed_is_smollm2s_pooled_hidden_states(smollm2: LLM, smollm2_dir: Path) -> None:
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    hf = load_hf(smollm2_dir)
+    for pooling in ("last", "mean"):
+        batched = smollm2.embed(prompts, pooling=pooling)
+        (alone,) = smollm2.embed(prompts[1], pooling=pooling)
+        for out in [*batched, alone]:
+            with torch.inference_mode():
+                hidden = hf.model(torch.tensor([out.prompt_token_ids])).last_hidden_state[0]
+            want = torch.nn.functional.normalize(hidden.mean(0) if pooling == "mean" else hidden[-1], dim=0)
+            cosine = torch.nn.functional.cosine_similarity(torch.tensor(out.outputs.embedding), want, dim=0)
+            assert float(cosine) >= 0.9999, (pooling, float(cosine))
+    with pytest.raises(ValueError, match="pooling"):
+        smollm2.embed("hi", pooling="max")
+
+
 def test_chat_uses_the_template(smollm2: LLM) -> None:
     messages = [{"role": "user", "content": "Say hello."}]
     (out,) = smollm2.chat(messages, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)

@@ -90,7 +90,20 @@ def test_bench_overhead_smoke_measures_both_paths_per_component(smollm2_dir: Pat
         # the parts are of one thread's clock: they never add up to more than the whole
         assert r["engine_ms"] >= r["schedule_update_ms"] + r["wire_ms"] > 0, r
         assert r["worker_ms"] >= r["prepare_ms"] + r["sampler_ms"], r
+        assert r["output_thread_ms"] > 0, r  # the output path runs on its own thread
     assert rows["worker process"]["worker_process_ms"] >= rows["worker process"]["worker_ms"]
     assert "worker_process_ms" not in rows["in-process"]
     assert report["sampler"]["vocab"] == 49152 and report["sampler"]["wall_ms"] > 0
     assert "| worker process | 8 | 10 |" in stdout and "| greedy | 16 | 49152 |" in stdout
+
+
+@pytest.mark.slow
+def test_bench_quant_smoke_measures_every_format_against_the_first(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    stdout, report = _smoke("bench_quant.py", tiny_llama_dir, tmp_path / "quant.json")
+    rows = {row["format"]: row for row in report["rows"]}
+    assert list(rows) == ["none", "int8"]
+    assert rows["int8"]["weight_MB"] < rows["none"]["weight_MB"]  # the projections and the LM head in int8
+    for row in rows.values():
+        assert row["decode_1_tok_s"] > 0 and row["prefill_tok_s"] > 0 and row["mixed_tok_s"] > 0, row
+        assert 0 <= row["top1_agreement"] <= 1 and row["perplexity"] > 1, row
+    assert "| int8 |" in stdout

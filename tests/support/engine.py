@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ def load_runner(
     comm: Comm | None = None,
     dtype: str = "float32",
     kv_cache_dtype: str = "auto",
+    quantization: str = "auto",
     **worker: Any,
 ) -> ModelRunner:
     """One rank of `folder`'s model on the CPU, holding exactly `num_blocks` KV blocks (and the execution mode of
@@ -64,6 +66,7 @@ def load_runner(
         mode=mode or ExecutionMode.for_world(layout.tensor_parallel_size, layout.pipeline_parallel_size, True),
         num_kv_blocks=num_blocks,
         num_swap_blocks=num_host_blocks,
+        quantization=quantization,
     )
     options = WorkerOptions(attention_backend=backend, kv_cache_dtype=kv_cache_dtype, **worker)
     runner, _ = load_rank(assignment, options, CPU, comm or Comm(where))
@@ -142,6 +145,7 @@ class EngineRun:
         stop: list[str] | None = None,
         priority: int = 50,
         stop_token_ids: list[int] | None = None,
+        speculate: bool = True,
     ) -> Submitted:
         spec = RequestSpec(
             request_id=f"r{next(self._ids)}",
@@ -153,6 +157,7 @@ class EngineRun:
             n=n,
             priority=priority,
             stop_token_ids=stop_token_ids or [],
+            speculate=speculate,
         )
         entry = Submitted(list(prompt), max_tokens, [Completion() for _ in range(n)])
         self._loop.run_until_complete(self._submit(spec, entry))
@@ -177,6 +182,17 @@ class EngineRun:
                 c.prompt_logprobs += delta.prompt_logprobs
                 c.finish_reason = delta.finish_reason or c.finish_reason
                 c.error = delta.error.message if delta.error else c.error
+
+    def serve(self, scenario: Callable[[], Awaitable[None]], timeout: float = 300.0) -> None:
+        """Run `scenario` (a door over `self.engine`, say) on this run's loop with the engine running."""
+
+        async def main() -> None:
+            if self._task is None:
+                await self.workers.start(_built_already, 60.0)
+                self._task = asyncio.get_running_loop().create_task(self.engine.run())
+            await asyncio.wait_for(scenario(), timeout)
+
+        self._loop.run_until_complete(main())
 
     def run_plans(self, count: int, timeout: float = 120.0) -> None:
         """Until the engine has sent `count` plans in all (requests may still be running)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -72,7 +73,11 @@ class StandInRun:
         costs = PreemptionCosts(bytes_per_block=1, swap_bytes_per_s=1e6)  # elastic: swap mostly
         scheduler = Scheduler(config, num_blocks, make_policy(policy), mode, num_swap_blocks, costs)
         workers = StandInWorkers(
-            num_blocks, num_swap_blocks, tokens_in_plan=mode.tokens_in_plan, block_size=config.block_size
+            num_blocks,
+            num_swap_blocks,
+            tokens_in_plan=mode.tokens_in_plan,
+            block_size=config.block_size,
+            acceptance=random.Random(num_blocks) if config.speculative is not None else None,
         )
         return cls(EngineCore(scheduler, tokenizer(), workers, options or EngineOptions()), workers)
 
@@ -223,3 +228,23 @@ async def running(engine: EngineCore) -> AsyncIterator[asyncio.Task[None]]:
 
 async def collect(stream: RequestStream) -> list[Delta]:
     return [delta async for delta in stream]
+
+
+class ScriptedWorkers(StandInWorkers):
+    """Stand-in workers whose every request's output is `script` (token ids) and then `eos`: a model that answers
+    what a test needs it to (a tool call a tiny random model would never write)."""
+
+    def __init__(self, script: list[int], eos: int, num_kv_blocks: int = 64) -> None:
+        super().__init__(num_kv_blocks, block_size=BLOCK)
+        self.script = [*script, eos]
+        self.written: dict[int, int] = {}  # handle -> tokens sampled
+
+    def execute(self, plan: StepPlan, skip: bool = False) -> StepResult:
+        for new in plan.new_requests:
+            self.written[new.handle] = len(new.output_token_ids)
+        result = super().execute(plan, skip)
+        for handle in result.sampled:
+            at = min(self.written[handle], len(self.script) - 1)
+            result.sampled[handle] = [self.script[at]]
+            self.written[handle] += 1
+        return result

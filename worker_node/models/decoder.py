@@ -73,8 +73,9 @@ class CausalLM(nn.Module):
         return 1.0
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings and self.lm_head is not None and self.embed_tokens is not None:
-            self.lm_head.weight = self.embed_tokens.weight
+        head, embed = self.lm_head, self.embed_tokens
+        if self.config.tie_word_embeddings and head is not None and embed is not None and head.quant is None:
+            head.weight = embed.weight
 
     def forward(
         self,

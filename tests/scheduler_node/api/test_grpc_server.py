@@ -100,8 +100,10 @@ def test_generate_streams_the_engines_tokens_and_usage() -> None:
         assert {r.request_id for r in responses} == {"mine"}
         last = responses[-1]
         assert (last.finish_reason, last.usage.prompt_tokens, last.usage.completion_tokens) == ("length", 20, 5)
+        assert last.usage.cached_tokens == 0
         anonymous = await read_all(d.stub.Generate(greedy(PROMPT, 2)))
         assert len(anonymous[0].request_id) == 32, "a request without an id gets one"
+        assert anonymous[-1].usage.cached_tokens == 16, "the prompt's one full block was cached"
         text = pb.GenerateRequest(prompt="Hello", sampling=pb.SamplingParams(max_tokens=3, temperature=0.0))
         assert (await read_all(d.stub.Generate(text)))[-1].finish_reason in ("length", "stop")
 

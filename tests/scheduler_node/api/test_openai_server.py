@@ -63,7 +63,10 @@ def test_a_completion_and_a_chat_answer_with_the_engines_tokens_and_usage() -> N
         assert answer["object"] == "text_completion" and answer["model"] == MODEL
         (choice,) = answer["choices"]
         assert choice["text"] == door.tokenizer.decode([TOKEN] * 4) and choice["finish_reason"] == "length"
-        assert answer["usage"] == {"prompt_tokens": 20, "completion_tokens": 4, "total_tokens": 24}
+        usage = {"prompt_tokens": 20, "completion_tokens": 4, "total_tokens": 24}
+        assert answer["usage"] == {**usage, "prompt_tokens_details": {"cached_tokens": 0}}
+        again = (await client.post("/v1/completions", json=body)).json()  # its one full block is cached now
+        assert again["usage"] == {**usage, "prompt_tokens_details": {"cached_tokens": 16}}
         chat = {"messages": CHAT, "max_tokens": 3, "n": 2, "ignore_eos": True}
         chat_answer = (await client.post("/v1/chat/completions", json=chat)).json()
         assert [c["index"] for c in chat_answer["choices"]] == [0, 1]
@@ -88,6 +91,10 @@ def test_a_stream_sends_the_role_then_the_text_then_the_usage_then_done() -> Non
         assert text == door.tokenizer.decode([TOKEN] * 5)
         assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
         assert not chunks[-1]["choices"] and chunks[-1]["usage"]["completion_tokens"] == 5
+        prompt = len(door.tokenizer.apply_chat_template(CHAT))
+        cached = chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"]
+        again = events(await client.post("/v1/chat/completions", json=body))[-2]["usage"]
+        assert (cached, again["prompt_tokens_details"]["cached_tokens"]) == (0, prompt // 16 * 16)
 
     serve(stand_in_engine(), scenario)
 

@@ -9,8 +9,13 @@ from pathlib import Path
 import pytest
 
 from proto.cli_config import parse_args
+from proto.parallel import ParallelLayout
 from scheduler_node.cli.scheduler import build_parser as scheduler_parser
+from scheduler_node.cli.scheduler import engine_config
 from scheduler_node.cli.serve import build_parser as serve_parser
+from scheduler_node.engine.builder import WorldPlan
+from scheduler_node.engine.placement import place
+from scheduler_node.engine.topology import single_island
 from tests.support.paths import REPO
 
 pytestmark = pytest.mark.e2e
@@ -45,6 +50,16 @@ def test_config_file_covers_worker_flags_in_serve(tmp_path: Path) -> None:
     config.write_text("kv-cache-memory: 2GiB\nnum_workers: 1\n")
     args = parse_args(serve_parser(), ["--config", str(config)])
     assert args.kv_cache_memory == 2 * 2**30
+
+
+def test_quantization_reaches_the_assignment_from_a_config_file(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("quantization: int8\n")
+    args = parse_args(serve_parser(), ["--config", str(config)])
+    engine = engine_config(args)
+    assert engine.quantization == "int8"
+    plan = WorldPlan(engine, tmp_path, place(single_island(1), ParallelLayout(1, 1), worker_chooses_device=True))
+    assert plan.assignment(0).quantization == "int8"
 
 
 def test_unknown_config_key_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,294 @@
+"""Quantized weights vs bf16 on one CPU, in one run: per format, the weight bytes a rank holds, decode tok/s at 1,
+16 and 64 sequences, prefill tok/s, the mixed workload of bench_throughput.py, and fidelity to the first format (the
+reference, bf16): top-1 agreement over --positions generated positions (the reference generates
+greedily from prompts cut from a fixed text; each format is teacher-forced on those sequences and its argmax at each
+generated position compared with the reference's token, the first format's own figure being the prefill vs decode
+noise floor) and perplexity on the fixed text.
+
+    .venv/bin/python scripts/bench_quant.py                      # SmolLM2-135M, none (bf16) and int8
+    .venv/bin/python scripts/bench_quant.py --kernels            # also the int8 kernels per row count
+    .venv/bin/python scripts/bench_quant.py --smoke              # what CI runs: a tiny model, tiny sizes
+
+Every engine runs in-process (minivllm.LLM), one format at a time, with --threads threads. Decode figures count
+output tokens over the whole generate call of N sequences (16-token prompts prefilled first); prefill figures are
+prompt tokens over a generate call that asks for one output token each. The machine is shared: only ratios
+inside one run mean much.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench_throughput import workload  # noqa: E402
+
+from minivllm import LLM, SamplingParams  # noqa: E402
+
+# A fixed English text for agreement and perplexity (random token ids would make every model's argmax noise).
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined a screw "
+    "press with movable metal type, oil-based ink and a mould that cast letters quickly and evenly. Before him, "
+    "books in Europe were copied by hand, a slow and costly craft that kept them in the hands of monasteries, "
+    "universities and the very rich. Within fifty years of his first Bible, presses were at work in more than two "
+    "hundred cities, and millions of volumes had been printed. Prices fell, literacy spread, and ideas travelled "
+    "faster than ever before. Scholars could compare identical copies of a text, which made errors easier to find "
+    "and arguments easier to follow. Merchants printed price lists and maps; governments printed laws; reformers "
+    "printed pamphlets that reached readers far beyond the pulpit. The new machine did not only copy books, it "
+    "changed what a book was: title pages, page numbers, indexes and standard spellings all grew out of the need "
+    "to sell many identical copies to strangers. In the centuries that followed, steam power, cheaper paper and "
+    "faster presses turned printing into an industry. Newspapers appeared in every large town, and by the "
+    "nineteenth century a worker could buy a daily paper for a penny. Photography, the telegraph and later the "
+    "radio each promised to replace the printed page, yet each ended up feeding it with news and pictures. Today "
+    "most text is read on screens, but the habits formed by print remain: we still expect a document to have an "
+    "author, a date, a fixed form and a place on a shelf, even when the shelf is a server on the other side of "
+    "the world. Historians continue to debate how much of the scientific revolution, the reformation and the rise "
+    "of the modern state can be credited to the press, but few doubt that the ability to copy words cheaply and "
+    "exactly was one of the turning points of human history. The same question is now asked of the machines that "
+    "write text themselves: whether they will change what a text is, as the press did, or only how fast it is made."
+)
+
+
+def engine(model: Path, fmt: str, args: argparse.Namespace) -> LLM:
+    return LLM(
+        str(model),
+        dtype=args.dtype,
+        quantization=fmt,
+        max_num_seqs=64,
+        max_num_batched_tokens=512,
+        kv_cache_memory=args.kv_cache_memory,
+        threads=args.threads,
+    )
+
+
+def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> float:
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    if [len(o.outputs[0].token_ids) for o in outs] != max_tokens:
+        raise RuntimeError("an engine stopped short of the tokens it was asked for")
+    return elapsed
+
+
+def next_token_scores(llm: LLM, ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+    """Teacher-forced over each of `ids`: the argmax at each position and the logprob of the token that follows."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    best, logprobs = [], []
+    for out in llm.generate(ids, [params] * len(ids), use_tqdm=False):
+        entries = [e for e in (out.prompt_logprobs or [])[1:] if e is not None]
+        best.append([e.top[0][0] for e in entries])
+        logprobs.append([e.logprob for e in entries])
+    return best, logprobs
+
+
+def greedy(llm: LLM, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, [params] * len(prompts), use_tqdm=False)]
+
+
+def agreement(best: list[list[int]], prompts: list[list[int]], generated: list[list[int]]) -> float:
+    """Share of the generated positions where this model's argmax (teacher-forced on the reference's prefix)
+    is the token the reference generated there."""
+    same = total = 0
+    for argmax, prompt, output in zip(best, prompts, generated):
+        start = len(prompt) - 1  # argmax[i] predicts token i + 1
+        same += sum(a == t for a, t in zip(argmax[start : start + len(output)], output))
+        total += len(output)
+    return same / total
+
+
+def weight_bytes(model: Path, fmt: str, dtype: str) -> int:
+    import torch
+
+    from kernels.backend import select_attention_backend
+    from worker_node.loading import pick_dtype
+    from worker_node.models.loader import load_model
+    from worker_node.models.quantize import weight_bytes as held
+
+    cpu = torch.device("cpu")
+    loaded = load_model(
+        model, select_attention_backend("torch", cpu), pick_dtype(dtype, cpu), cpu, 64, quantization=fmt
+    )
+    return held(loaded)
+
+
+def measure(
+    model: Path, fmt: str, args: argparse.Namespace, text_ids: list[int], vocab: int, reference: dict[str, Any]
+) -> dict[str, Any]:
+    """One format's row; the first format generates the reference tokens (`reference`, filled in)."""
+    row: dict[str, Any] = {"format": fmt, "weight_MB": weight_bytes(model, fmt, args.dtype) / 1e6}
+    rng = random.Random(0)
+    with engine(model, fmt, args) as llm:
+        if not reference:
+            reference["prompts"] = prompts = agreement_prompts(text_ids, args.agreement_prompts)
+            reference["outputs"] = greedy(llm, prompts, args.positions // len(prompts))
+        sequences = [p + o for p, o in zip(reference["prompts"], reference["outputs"])]
+        best, _ = next_token_scores(llm, sequences)
+        row["top1_agreement"] = agreement(best, reference["prompts"], reference["outputs"])
+        timed_generate(llm, [[5, 6, 7]], [2])  # warm-up
+        for n in [] if args.fidelity_only else args.decode_seqs:
+            prompts = [[rng.randrange(3, vocab) for _ in range(16)] for _ in range(n)]
+            row[f"decode_{n}_tok_s"] = n * args.decode_tokens / timed_generate(llm, prompts, [args.decode_tokens] * n)
+        if args.fidelity_only:
+            _, logprobs = next_token_scores(llm, [text_ids])
+            row["perplexity"] = math.exp(-sum(logprobs[0]) / len(logprobs[0]))
+            return row
+        prompts = [[rng.randrange(3, vocab) for _ in range(args.prefill_len)] for _ in range(args.prefill_seqs)]
+        row["prefill_tok_s"] = args.prefill_seqs * args.prefill_len / timed_generate(llm, prompts, [1] * len(prompts))
+        work = workload(args.mixed_requests, 0, vocab, *args.mixed_ranges)
+        mixed = timed_generate(llm, [p for p, _ in work], [o for _, o in work])
+        row["mixed_tok_s"] = sum(o for _, o in work) / mixed
+        _, logprobs = next_token_scores(llm, [text_ids])
+    row["perplexity"] = math.exp(-sum(logprobs[0]) / len(logprobs[0]))
+    return row
+
+
+def agreement_prompts(text_ids: list[int], n: int) -> list[list[int]]:
+    """`n` prompts of 24 tokens from evenly spaced places in the fixed text."""
+    step = len(text_ids) // n
+    return [text_ids[i * step : i * step + 24] for i in range(n)]
+
+
+def kernel_table(rows: list[int], repeats: int) -> list[dict[str, Any]]:
+    """ms of one SmolLM2 decoder layer's four projections (and of the LM head) per kernel and row count: the
+    dense matmuls, the int8 weight-only paths, and fbgemm's dynamic W8A8 (measured, not used: see the guide)."""
+    import warnings
+
+    import torch
+    import torch.nn.functional as F
+
+    from worker_node.models.quant_int8 import quantize_rows
+
+    def fastest(run: Any) -> float:
+        run()
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run()
+            best = min(best, time.perf_counter() - start)
+        return best * 1e3
+
+    def fbgemm(q: torch.Tensor, s: torch.Tensor) -> Any:
+        zeros = torch.zeros(q.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():  # torch's quantized tensors are deprecated
+            warnings.simplefilter("ignore")
+            qt = torch._make_per_channel_quantized_tensor(q, s.double(), zeros, 0)
+        return torch.ops.quantized.linear_prepack(qt, None)
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"layer": [(960, 576), (576, 576), (3072, 576), (576, 1536)], "head": [(49152, 576)]}
+    table = []
+    for what, dims in shapes.items():
+        full = [torch.randn(o, i, generator=gen) * 0.02 for o, i in dims]
+        bf16 = [w.bfloat16() for w in full]
+        q = [(qw, s.bfloat16()) for qw, s in map(quantize_rows, full)]
+        packed = [fbgemm(qw, s.float()) for qw, s in q]
+        for n in rows:
+            xs = [torch.randn(n, w.shape[1], generator=gen) for w in full]
+            xb = [x.bfloat16() for x in xs]
+            kernels = {
+                "fp32 matmul": lambda xs=xs, ws=full: [F.linear(x, w) for x, w in zip(xs, ws)],
+                "bf16 matmul": lambda xs=xb, ws=bf16: [F.linear(x, w) for x, w in zip(xs, ws)],
+                "int8pack_mm": lambda xs=xb, q=q: [
+                    torch.ops.aten._weight_int8pack_mm(x, w, s) for x, (w, s) in zip(xs, q)
+                ],
+                "int8 -> bf16, matmul": lambda xs=xb, q=q: [
+                    F.linear(x, w.to(torch.bfloat16)) * s for x, (w, s) in zip(xs, q)
+                ],
+                "W8A8 fbgemm dynamic": lambda xs=xs, p=packed: [
+                    torch.ops.quantized.linear_dynamic(x, w) for x, w in zip(xs, p)
+                ],
+            }
+            table.append({"what": what, "rows": n, **{k: fastest(run) for k, run in kernels.items()}})
+            cells = ", ".join(f"{k} {v:.3f}" for k, v in table[-1].items() if isinstance(v, float))
+            print(f"kernels {what} rows {n}: {cells}", flush=True)
+    return table
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="default", help="HF folder, or 'default' (SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--formats",
+        default="none,int8",
+        help="--quantization values, comma-separated, the first the reference; FORMAT@FOLDER runs a checkpoint "
+        "in that format (e.g. awq@./smollm2-awq)",
+    )
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--kv-cache-memory", default="2GiB")
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--positions", type=int, default=400, help="generated positions compared with the first format")
+    p.add_argument("--agreement-prompts", type=int, default=4, help="prompts those positions are generated from")
+    p.add_argument("--fidelity-only", action="store_true", help="weight bytes, agreement and perplexity; no speeds")
+    p.add_argument("--kernels", action="store_true", help="also time the int8 kernels per row count")
+    p.add_argument("--smoke", action="store_true", help="a tiny model and tiny sizes: checks the script (CI)")
+    p.add_argument("--json", type=Path, help="also write the figures here")
+    args = p.parse_args()
+    args.decode_seqs, args.prefill_seqs, args.prefill_len = [1, 16, 64], 8, 256
+    args.mixed_requests, args.mixed_ranges = 48, ((32, 512), (16, 256))
+    if args.smoke:
+        args.decode_seqs, args.decode_tokens, args.prefill_seqs, args.prefill_len = [1, 4], 4, 2, 32
+        args.mixed_requests, args.mixed_ranges, args.positions, args.agreement_prompts = 4, ((8, 24), (2, 6)), 40, 2
+        args.kv_cache_memory = "128MiB"
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    from scheduler_node.engine.model_path import resolve_model
+    from scheduler_node.text.tokenizer import ModelTokenizer
+
+    model = resolve_model(args.model)
+    tokenizer = ModelTokenizer(model)
+    text_ids = tokenizer.encode(TEXT)
+    report: dict[str, Any] = {
+        "date": datetime.datetime.now().isoformat(timespec="minutes"),
+        "threads": args.threads,
+        "load_average": os.getloadavg(),
+        "dtype": args.dtype,
+        "rows": [],
+    }
+    if args.kernels:
+        report["kernels"] = kernel_table([1, 4, 16, 64, 256] if not args.smoke else [1, 16], 3 if args.smoke else 20)
+    rows, reference = report["rows"], dict[str, Any]()
+    for entry in args.formats.split(","):
+        fmt, _, folder = entry.partition("@")  # awq@FOLDER: a checkpoint in that format (the same model)
+        rows.append(measure(Path(folder) if folder else model, fmt, args, text_ids, tokenizer.vocab_size, reference))
+        print(f"{fmt}: " + ", ".join(f"{k} {v:.3f}" for k, v in rows[-1].items() if isinstance(v, float)), flush=True)
+    report["load_average_after"] = os.getloadavg()
+    print_table(report, args)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def print_table(report: dict[str, Any], args: argparse.Namespace) -> None:
+    rows, base = report["rows"], report["rows"][0]
+    print(f"\n{report['date']}, {args.threads} threads, {args.dtype} activations, load {report['load_average']}")
+    decode = [f"decode {n} seqs" for n in args.decode_seqs]
+    head = ["format", "weight MB", *decode, "prefill", "mixed", "top-1 agreement", "perplexity"]
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for r in rows:
+        speeds = [f"decode_{n}_tok_s" for n in args.decode_seqs] + ["prefill_tok_s", "mixed_tok_s"]
+        cells = [f"{r[k]:.1f} ({r[k] / base[k]:.2f}x)" if k in r else "-" for k in speeds]
+        print(
+            f"| {r['format']} | {r['weight_MB']:.0f} | "
+            + " | ".join(cells)
+            + f" | {100 * r['top1_agreement']:.1f}% | {r['perplexity']:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""The weight formats one field at a time: AutoAWQ's nibble order, each kernel against its format's dequantized
+weights, and the refusals at start (a format the checkpoint contradicts, a group size or layout we cannot run)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from proto.quantization import QuantizationError
+from tests.support.awq_checkpoint import pack_columns, quantize_awq
+from worker_node.models.quant_awq import AwqMethod, pack, unpack
+from worker_node.models.quant_fp8 import FP8, Fp8Method
+from worker_node.models.quant_int8 import Int8Method
+from worker_node.models.quant_linear import QuantLinear
+from worker_node.models.quantize import QuantizedCheckpoint, weight_bytes
+
+pytestmark = pytest.mark.unit
+
+CPU = torch.device("cpu")
+
+
+def test_awq_nibbles_follow_autoawq_order() -> None:
+    """Channels 0..7 with codes 1..8: nibble i (bits 4i..4i+3) holds channel [0, 2, 4, 6, 1, 3, 5, 7][i]."""
+    codes = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+    word = 1 | 3 << 4 | 5 << 8 | 7 << 12 | 2 << 16 | 4 << 20 | 6 << 24 | 8 << 28
+    expected = torch.tensor([[word - 2**32]], dtype=torch.int32)  # the top nibble 8 sets the sign bit
+    assert torch.equal(pack(codes), expected)
+    assert torch.equal(pack_columns(codes), expected)
+    assert torch.equal(unpack(expected), codes.int())
+    many = torch.randint(0, 16, (5, 64))
+    assert torch.equal(unpack(pack_columns(many)), many.int())
+
+
+def _awq_layer(out_features: int, in_features: int, group: int) -> tuple[QuantLinear, torch.Tensor]:
+    method = AwqMethod()
+    method.check(CPU, {"group_size": group})
+    codes, zeros, scales, dequantized = quantize_awq(torch.randn(out_features, in_features), group)
+    tensors = {"qweight": pack_columns(codes), "qzeros": pack_columns(zeros), "scales": scales}
+    return QuantLinear(method, tensors, out_features, in_features), dequantized
+
+
+@pytest.mark.parametrize("rows", [1, 7])
+def test_awq_int4_kernel_multiplies_by_the_checkpoint_weights(rows: int) -> None:
+    layer, dequantized = _awq_layer(48, 256, 128)
+    assert torch.equal(layer.dequantize(), dequantized)
+    x = torch.randn(rows, 256)
+    layer.method.after_load(layer)  # repacked for torch's int4 kernel, the AWQ tensors released
+    assert "int4" in layer.kernel and layer._buffers["qweight"] is None
+    torch.testing.assert_close(layer(x), x @ dequantized.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.dequantize(), dequantized, rtol=0, atol=1e-6)
+    bf16 = layer(x.bfloat16())
+    assert bf16.dtype == torch.bfloat16
+    assert _relative_error(bf16, x.bfloat16().float() @ dequantized.t()) < 0.01
+
+
+@pytest.mark.parametrize("rows", [1, 4, 5, 64])  # the packed GEMV up to 4 rows, convert-and-multiply beyond
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_kernels_multiply_by_the_dequantized_weights(rows: int, dtype: torch.dtype) -> None:
+    weight = torch.randn(40, 96)
+    layer = QuantLinear.quantized(Int8Method(), weight)
+    layer.cast(dtype)
+    reference = layer.dequantize()  # with the scales as the layer holds them: bf16 numbers in either dtype
+    steps = layer.part("scales").float()[:, None]
+    assert ((reference - weight).abs() <= steps / 2 + 1e-6).all()  # half a step per channel, none clipped
+    x = torch.randn(rows, 96)
+    out = layer(x.to(dtype))
+    expected = x.to(dtype).float() @ reference.t()
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    else:
+        assert _relative_error(out, expected) < 0.01
+
+
+def _relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((out.float() - expected).norm() / expected.norm())
+
+
+@pytest.mark.parametrize(
+    ("config", "key"),
+    [
+        ({"group_size": 100}, "quantization_config.group_size 100"),
+        ({"bits": 8}, "quantization_config.bits 8"),
+        ({"version": "gemv"}, "quantization_config.version 'gemv'"),
+        ({"zero_point": False}, "quantization_config.zero_point False"),
+        ({"modules_to_not_convert": ["down_proj"]}, "quantization_config.modules_to_not_convert"),
+    ],
+)
+def test_awq_configs_we_cannot_run_are_refused_naming_the_key(config: dict, key: str) -> None:
+    with pytest.raises(QuantizationError, match=key):
+        AwqMethod().check(CPU, config)
+
+
+def test_a_layer_that_groups_do_not_divide_is_refused() -> None:
+    method = AwqMethod()
+    method.check(CPU, {"group_size": 128})
+    with pytest.raises(QuantizationError, match="group_size 128: a layer of 576 inputs"):
+        method.empty(960, 576)
+
+
+def test_fp8_multiplies_by_its_dequantized_weights_and_reads_per_tensor_scales() -> None:
+    weight = torch.randn(32, 64)
+    method = Fp8Method()
+    layer = QuantLinear.quantized(method, weight)
+    assert layer.part("weight").dtype == FP8
+    layer.cast(torch.bfloat16)
+    assert layer.part("weight").dtype == FP8 and layer.part("weight_scale").dtype == torch.float32  # kept
+    reference = layer.dequantize()
+    assert ((reference - weight).abs() <= weight.abs().amax(1, keepdim=True) / 8).all()  # 3 mantissa bits
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(layer(x), x @ reference.t(), rtol=1e-5, atol=1e-5)
+    per_tensor = method.from_checkpoint("weight_scale", torch.tensor(0.5), lambda: 32)
+    assert per_tensor.shape == (32,) and bool((per_tensor == 0.5).all())
+    per_channel = method.from_checkpoint("weight_scale", torch.rand(32, 1), lambda: 32)
+    assert per_channel.shape == (32,)
+    with pytest.raises(QuantizationError, match=r"quantization_config.weight_block_size \[128, 128\]"):
+        method.check(CPU, {"weight_block_size": [128, 128]})
+
+
+class _Dict:
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def close(self) -> None:
+        pass
+
+
+def test_quantizing_on_load_makes_a_projection_s_tensors_and_passes_a_norm_through() -> None:
+    proj, norm = torch.randn(8, 16), torch.randn(16)
+    hf = _Dict({"model.layers.0.self_attn.q_proj.weight": proj, "model.layers.0.input_layernorm.weight": norm})
+    fp8 = QuantizedCheckpoint(hf, Fp8Method(), made_on_load=True)
+    assert fp8["model.layers.0.self_attn.q_proj.weight"].dtype == FP8  # the projection's "weight" is made
+    assert fp8["model.layers.0.self_attn.q_proj.weight_scale"].shape == (8,)
+    assert torch.equal(fp8["model.layers.0.input_layernorm.weight"], norm)  # a norm's is not
+    int8 = QuantizedCheckpoint(hf, Int8Method(), made_on_load=True)
+    assert "model.layers.0.self_attn.q_proj.qweight" in int8
+    assert "model.layers.0.self_attn.k_proj.qweight" not in int8
+    assert int8["model.layers.0.self_attn.q_proj.qweight"].dtype == torch.int8
+
+
+def test_weight_bytes_count_a_quantized_layer_s_codes_and_scales() -> None:
+    layer = QuantLinear.quantized(Int8Method(), torch.randn(8, 16))
+    assert weight_bytes(layer) == 8 * 16 + 8 * 4

@@ -1,0 +1,136 @@
+"""AWQ 4-bit weights in AutoAWQ's GEMM layout, as hub checkpoints store them (`quant_method: awq`, `version: gemm`).
+
+Per linear layer, for a weight [N out, K in] and groups of G input channels (config.json's
+`quantization_config.group_size`):
+
+- `qweight` int32 [K, N / 8]: eight 4-bit codes per int32, nibble i (bits 4i..4i+3) holding output channel
+  8c + AWQ_ORDER[i] of packed column c (AutoAWQ interleaves them for its CUDA kernel's unpacking);
+- `qzeros` int32 [K / G, N / 8]: the zero point of each group and output channel, packed the same way;
+- `scales` float16 [K / G, N]: the scale of each group and output channel;
+
+and w[n, k] = (code[k, n] - zero[k // G, n]) * scale[k // G, n]. Tensor parallelism cuts output channels in
+eights (packed columns) and input channels in whole groups.
+
+On CPU the codes are repacked once at load into torch's int4 layout and multiplied by
+`aten._weight_int4pack_mm_for_cpu`, whose dequantization is (code - 8) * scale + offset: the AWQ zero point becomes
+offset = (8 - zero) * scale, exact in float32. Elsewhere (GPU until a fused kernel exists) each step dequantizes to
+the activations' dtype and multiplies: the torch reference path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from proto.quantization import QuantizationError
+from worker_node.models.quant_linear import QuantLinear, QuantMethod, TensorAxes
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a packed int32 holds output channel AWQ_ORDER[i] of its eight
+PACK = 8
+GROUP_SIZES = (32, 64, 128)  # torch's int4 kernel's (and AutoAWQ's usual) groups
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [R, C] of AWQ-packed nibbles -> int32 [R, 8C] codes 0..15 in channel order."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF  # [R, C, 8]: nibble i is channel AWQ_ORDER[i]
+    codes = torch.empty_like(nibbles)
+    codes[..., list(AWQ_ORDER)] = nibbles
+    return codes.reshape(packed.shape[0], -1)
+
+
+def pack(codes: torch.Tensor) -> torch.Tensor:
+    """int [R, 8C] codes 0..15 in channel order -> int32 [R, C] packed as AutoAWQ packs them (the inverse of unpack)."""
+    rows, cols = codes.shape
+    grouped = codes.to(torch.int64).reshape(rows, cols // PACK, PACK)[..., list(AWQ_ORDER)]
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=codes.device)
+    words = (grouped << shifts).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the top nibble is the sign bit
+
+
+class AwqMethod(QuantMethod):
+    name = "awq"
+
+    def __init__(self, group_size: int = 128) -> None:
+        self.group_size = group_size
+        self._set_axes()
+
+    def _set_axes(self) -> None:
+        g = self.group_size
+        self.axes = {
+            "qweight": TensorAxes(out_dim=1, in_dim=0, out_pack=PACK),
+            "qzeros": TensorAxes(out_dim=1, in_dim=0, out_pack=PACK, in_pack=g),
+            "scales": TensorAxes(out_dim=1, in_dim=0, in_pack=g),
+        }
+
+    def check(self, device: torch.device, config: dict[str, Any]) -> None:
+        """AutoAWQ GEMM, 4 bits, zero points, a group size the kernels take; each refusal names its key."""
+        key = "config.json quantization_config"
+        bits = config.get("bits", config.get("w_bit", 4))
+        if bits != 4:
+            raise QuantizationError(f"{key}.bits {bits!r}: AWQ checkpoints of 4 bits only")
+        version = str(config.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise QuantizationError(f"{key}.version {version!r}: only AutoAWQ's GEMM layout ('gemm') is supported")
+        if config.get("zero_point", True) is not True:
+            raise QuantizationError(f"{key}.zero_point {config['zero_point']!r}: symmetric AWQ is not supported")
+        group = config.get("group_size", config.get("q_group_size", 128))
+        if group not in GROUP_SIZES:
+            raise QuantizationError(f"{key}.group_size {group!r}: supported group sizes are {GROUP_SIZES}")
+        skipped = config.get("modules_to_not_convert") or []
+        if any(p in str(m) for m in skipped for p in ("q_proj", "k_proj", "v_proj", "o_proj", "_proj", "mlp")):
+            raise QuantizationError(f"{key}.modules_to_not_convert {skipped!r}: every projection must be quantized")
+        self.group_size = int(group)
+        self._set_axes()
+
+    def empty(self, out_features: int, in_features: int) -> dict[str, torch.Tensor]:
+        g = self.group_size
+        if in_features % g or out_features % PACK:
+            raise QuantizationError(
+                f"config.json quantization_config.group_size {g}: a layer of {in_features} inputs and "
+                f"{out_features} outputs does not split into groups of {g} inputs and packs of {PACK} outputs"
+            )
+        return {
+            "qweight": torch.empty(in_features, out_features // PACK, dtype=torch.int32),
+            "qzeros": torch.empty(in_features // g, out_features // PACK, dtype=torch.int32),
+            "scales": torch.empty(in_features // g, out_features, dtype=torch.float16),
+        }
+
+    def _codes(self, layer: QuantLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """codes [K, N], zero points [K/G, N], scales [K/G, N] float32, from the checkpoint's tensors."""
+        return unpack(layer.part("qweight")), unpack(layer.part("qzeros")), layer.part("scales").float()
+
+    def dequantize(self, layer: QuantLinear, rows: torch.Tensor | None = None) -> torch.Tensor:
+        if "int4" in layer.kernel:  # repacked: what the kernel multiplies by, read back through it
+            k = layer.in_features
+            eye = torch.eye(k, dtype=torch.float32, device=layer.kernel["int4"].device)
+            w = self._int4_mm(layer, eye).t()
+        else:
+            codes, zeros, scales = self._codes(layer)
+            g = self.group_size
+            w = ((codes - zeros.repeat_interleave(g, 0)).float() * scales.repeat_interleave(g, 0)).t()  # [N, K]
+        return w if rows is None else w[rows]
+
+    def after_load(self, layer: QuantLinear) -> None:
+        """On CPU: torch's int4 layout and (scale, offset) pairs; the AWQ tensors are released."""
+        if layer.part("qweight").device.type != "cpu":
+            return
+        codes, zeros, scales = self._codes(layer)
+        layer.kernel["int4"] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.t().contiguous(), 1)
+        layer.kernel["pairs float32"] = torch.stack([scales, (8 - zeros).float() * scales], dim=-1)  # [K/G, N, 2]
+        for name in self.tensor_names:
+            layer._buffers[name] = None
+
+    def _int4_mm(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        key = f"pairs {x.dtype}".replace("torch.", "")
+        pairs = layer.kernel.get(key)
+        if pairs is None:  # the (scale, offset) pairs in the activations' dtype, made once
+            pairs = layer.kernel[key] = layer.kernel["pairs float32"].to(x.dtype)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), layer.kernel["int4"], self.group_size, pairs)
+
+    def forward(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        if "int4" in layer.kernel:
+            return self._int4_mm(layer, x)
+        return F.linear(x, self.dequantize(layer).to(x.dtype))

@@ -1,0 +1,63 @@
+"""int8 weights, one float scale per output channel (weight-only: activations stay in the model dtype).
+
+w[n, k] ~ qweight[n, k] * scales[n], qweight in [-127, 127]. The multiplication picks its kernel by row count,
+as measured on a 2-core Sapphire Rapids (scripts/bench_quant.py --kernels, docs/benchmarks.md):
+
+- bf16 activations on CPU, up to `GEMV_ROWS` rows (decode of a few sequences): torch's packed int8 GEMV
+  (`aten._weight_int8pack_mm`), which reads the int8 rows directly: 2-10x the bf16 matmul at one row, where
+  reading the weights is the whole cost, but it walks the weights once per row, so it loses beyond a few rows;
+- otherwise: the int8 rows converted to the activations' dtype and multiplied, the scales applied to the output
+  (x @ (q * s)^T == (x @ q^T) * s): the reference path, and the GPU's until a fused kernel exists.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from worker_node.models.quant_linear import QuantLinear, QuantMethod, TensorAxes
+
+GEMV_ROWS = 4
+QMAX = 127
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: (qweight int8 [N, K], scales float32 [N]); an all-zero row gets scale 1.
+
+    The scales are bf16 numbers (rounded up, so no code clips): a bf16 model multiplies by them in bf16, and
+    rounding them after quantizing would scale each row by up to 1 +- 2^-8 on top of the codes' own error."""
+    w = weight.float()
+    amax = w.abs().amax(dim=1)
+    exact = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+    scales = exact.bfloat16().float()
+    scales = torch.where(scales < exact, (scales * (1 + 2**-7)).bfloat16().float(), scales)
+    q = torch.round(w / scales[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q, scales
+
+
+class Int8Method(QuantMethod):
+    name = "int8"
+    axes = {"qweight": TensorAxes(0, 1), "scales": TensorAxes(0, None)}
+    follows_model_dtype = ("scales",)  # the packed GEMV takes them in the activations' dtype
+
+    def empty(self, out_features: int, in_features: int) -> dict[str, torch.Tensor]:
+        return {
+            "qweight": torch.empty(out_features, in_features, dtype=torch.int8),
+            "scales": torch.empty(out_features),
+        }
+
+    def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        q, scales = quantize_rows(weight)
+        return {"qweight": q, "scales": scales}
+
+    def forward(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        q, scales = layer.part("qweight"), layer.part("scales")
+        if x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.shape[0] <= GEMV_ROWS:
+            return torch.ops.aten._weight_int8pack_mm(x.contiguous(), q, scales.to(x.dtype))
+        return F.linear(x, q.to(x.dtype)) * scales.to(x.dtype)
+
+    def dequantize(self, layer: QuantLinear, rows: torch.Tensor | None = None) -> torch.Tensor:
+        q, scales = layer.part("qweight"), layer.part("scales")
+        if rows is not None:
+            q, scales = q[rows], scales[rows]
+        return q.float() * scales.float().unsqueeze(-1)

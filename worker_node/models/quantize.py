@@ -1,0 +1,141 @@
+"""Putting a model's linear layers into a weight format (`--quantization`, a checkpoint's `quantization_config`).
+
+Quantized: every decoder layer's projections (fused q/k/v, o, fused gate/up, down) and, when the format is made
+on load, the LM head, whose per-row scales keep the logits close (a tied embedding then looks its rows up in the
+quantized head rather than keep a full-precision copy). Checkpoint formats (AWQ) keep the LM head as they store
+it. Norms, biases, a MoE router and stacked experts stay in the model dtype.
+
+The model is built on meta with `QuantLinear`s in place (`prepare_model`), and the loader fills their tensors
+through `QuantizedCheckpoint`: a checkpoint's own quantized tensors, or ones quantized from its full-precision
+weight the first time a part is asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from proto.quantization import QuantizationError
+from worker_node.models.quant_awq import AwqMethod
+from worker_node.models.quant_fp8 import Fp8Method
+from worker_node.models.quant_int8 import Int8Method
+from worker_node.models.quant_linear import QuantLinear, QuantMethod, TensorAxes
+
+QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# The checkpoint's modules behind them (and fused as some checkpoints store them); the LM head and a tied
+# embedding when the method quantizes the head.
+CHECKPOINT_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", *QUANTIZED_LINEARS)
+HEAD_MODULES = ("lm_head", "model.embed_tokens")
+
+METHODS: dict[str, type[QuantMethod]] = {"int8": Int8Method, "awq": AwqMethod, "fp8": Fp8Method}
+
+
+def make_method(name: str, device: torch.device, config: dict[str, Any] | None = None) -> QuantMethod:
+    """The method of format `name` on `device` (`config`: the checkpoint's quantization_config)."""
+    if name not in METHODS:
+        raise QuantizationError(f"--quantization {name}: no implementation (available: {', '.join(METHODS)})")
+    method = METHODS[name]()
+    method.check(device, config or {})
+    return method
+
+
+def prepare_model(model: nn.Module, method: QuantMethod, made_on_load: bool) -> None:
+    """Replace the (meta) model's projections, and its LM head when made on load, by empty `method` layers."""
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and child_name in QUANTIZED_LINEARS:
+                quantized = QuantLinear.empty(method, child.out_features, child.in_features, child.bias is not None)
+                setattr(module, child_name, quantized)
+    head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
+    if head is None or not (made_on_load and method.quantize_head):
+        return
+    tied = embed is not None and embed.weight is head.weight
+    rows, hidden = head.weight.shape
+    head.quant = QuantLinear.empty(method, rows, hidden)
+    del head.weight
+    if tied and embed is not None:
+        embed.share_quantized(head.quant)
+
+
+def share_tied(model: nn.Module, dtype: torch.dtype) -> None:
+    """After loading: a tied embedding reads the LM head's quantized rows (one copy), in the model dtype."""
+    head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
+    if embed is not None and embed.quant is not None and head is not None and head.quant is not None:
+        embed.share_quantized(head.quant)
+        embed.dtype = dtype
+
+
+def cast_model(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """`model.to(device, dtype)`, except that quantized layers cast only what their format lets follow the dtype."""
+    model.to(device=device)
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.cast(dtype)
+        else:
+            module._apply(lambda t: t.to(dtype) if t.is_floating_point() else t, recurse=False)
+
+
+def after_load(model: nn.Module) -> None:
+    """Each quantized layer's method prepares it for its kernel, once it is on its device in its dtype."""
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.method.after_load(module)
+
+
+def quant_axes(method: QuantMethod | None, name: str) -> TensorAxes:
+    """How TP cuts the tensor behind our parameter `name`: a quantized tensor's own axes, else a weight's."""
+    if method is not None:
+        part = name.rsplit(".", 1)[-1]
+        if part in method.axes:
+            return method.axes[part]
+    return TensorAxes(0, 1)
+
+
+class QuantizedCheckpoint:
+    """A checkpoint seen through a format. `made_on_load`: a full-precision checkpoint, whose `prefix.weight` is
+    quantized the first time one of the format's tensors under `prefix` is asked for (every part is handed out,
+    then forgotten); else a checkpoint in the format, whose tensors the method puts in the shape it holds."""
+
+    def __init__(self, hf: Any, method: QuantMethod, made_on_load: bool) -> None:
+        self.hf, self.method, self.made_on_load = hf, method, made_on_load
+        self._made: dict[str, dict[str, torch.Tensor]] = {}
+
+    def _quantized(self, prefix: str, part: str) -> bool:
+        """Whether `prefix.part` is one of the format's tensors of a quantized layer (not a norm's weight)."""
+        module = prefix.rsplit(".", 1)[-1]
+        head = self.method.quantize_head and prefix in HEAD_MODULES
+        return part in self.method.axes and (module in CHECKPOINT_LINEARS or head)
+
+    def __contains__(self, name: str) -> bool:
+        prefix, _, part = name.rpartition(".")
+        if self.made_on_load and self._quantized(prefix, part):
+            return f"{prefix}.weight" in self.hf
+        return name in self.hf
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        prefix, _, part = name.rpartition(".")
+        if not self._quantized(prefix, part):
+            return self.hf[name]
+        if not self.made_on_load:
+            return self.method.from_checkpoint(part, self.hf[name], lambda: self.hf[f"{prefix}.weight"].shape[0])
+        if prefix not in self._made:
+            self._made[prefix] = self.method.quantize(self.hf[f"{prefix}.weight"])
+        made = self._made[prefix]
+        tensor = made.pop(part)
+        if not made:
+            del self._made[prefix]
+        return tensor
+
+    def close(self) -> None:
+        self.hf.close()
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights as held: parameters and quantized tensors, a shared one once."""
+    tensors: dict[int, torch.Tensor] = {t.data_ptr(): t for t in model.parameters()}
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            tensors.update({t.data_ptr(): t for t in module.held_tensors()})
+    return sum(t.numel() * t.element_size() for t in tensors.values())
