@@ -25,6 +25,7 @@ from proto.wire import ExecutionMode, StepPlan, StepResult, TokenLogprobs
 from scheduler_node.core.block_table import BlockHash, BlockTable, Written
 from scheduler_node.core.config import PreemptionMode, SchedulerConfig
 from scheduler_node.core.in_flight import InFlightLedger, SentPlan
+from scheduler_node.core.kv_events import DEVICE, KVEventSink
 from scheduler_node.core.kv_precision import BlockFormat, CompactKV, choose_format
 from scheduler_node.core.kv_tiers import KVTiers
 from scheduler_node.core.policy import Policy
@@ -109,6 +110,7 @@ class Scheduler:
         )
         self.precision = precision or CompactKV()
         self.tiers = tiers if tiers is not None and tiers.enabled and config.enable_prefix_caching else None
+        self.kv_events: KVEventSink | None = None  # set by attach_kv_events (a replica that publishes KV events)
         self._attach_tiers()
         self.costs = costs or PreemptionCosts()
         self.counters = SchedulerCounters()
@@ -306,10 +308,28 @@ class Scheduler:
             plan.tier_moves = self.tiers.take_moves()
         return plan
 
+    def attach_kv_events(self, sink: KVEventSink) -> None:
+        """From now on every hash that enters or leaves the prefix cache (any tier) is reported to `sink`."""
+        self.kv_events = sink
+        self._attach_tiers()
+
     def _attach_tiers(self) -> None:
-        """Cached blocks the device pool hands out again go to the offload tiers (when there are any)."""
+        """Cached blocks the device pool hands out again go to the offload tiers (when there are any); the prefix
+        cache's changes go to the KV event sink (when there is one)."""
         if self.tiers is not None:
             self.blocks.on_evict = self.tiers.offload
+            self.tiers.events = self.kv_events
+        self.blocks.events = self.kv_events
+
+    def _new_table(self, num_host_blocks: int, num_compact_blocks: int) -> None:
+        """An empty block table of the same size (a lost rank, a smaller world): nothing is cached any more."""
+        old = self.blocks
+        self.blocks = BlockTable(
+            old.num_blocks, old.block_size, old.enable_prefix_caching, num_host_blocks, num_compact_blocks
+        )
+        self.blocks.resize(old.usable_blocks)
+        if self.kv_events is not None:
+            self.kv_events.cleared(DEVICE)
 
     def _same_pool(self, req: Request, others: list[Request]) -> list[Request]:
         """Those of `others` whose blocks are of `req`'s format: preempting (or waiting for) one of the other pool
@@ -791,11 +811,7 @@ class Scheduler:
             self.view.forget_all()
         else:
             self.view.preempt_all()
-        old = self.blocks
-        self.blocks = BlockTable(
-            old.num_blocks, old.block_size, old.enable_prefix_caching, old.num_host_blocks, old.num_compact_blocks
-        )
-        self.blocks.resize(old.usable_blocks)
+        self._new_table(self.blocks.num_host_blocks, self.blocks.num_compact_blocks)
         if self.tiers is not None:
             self.tiers.clear()  # until the world is back: then its disk blocks are adopted again (engine core)
         self._attach_tiers()
@@ -809,14 +825,7 @@ class Scheduler:
         compact = self.blocks.num_compact_blocks if num_compact_blocks is None else num_compact_blocks
         if num_host_blocks < self.blocks.num_host_blocks or compact < self.blocks.num_compact_blocks:
             bt = self.blocks
-            self.blocks = BlockTable(
-                bt.num_blocks,
-                bt.block_size,
-                bt.enable_prefix_caching,
-                min(num_host_blocks, bt.num_host_blocks),
-                min(compact, bt.num_compact_blocks),
-            )
-            self.blocks.resize(bt.usable_blocks)
+            self._new_table(min(num_host_blocks, bt.num_host_blocks), min(compact, bt.num_compact_blocks))
             self._attach_tiers()
 
 

@@ -15,7 +15,7 @@ import collections
 import itertools
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +72,9 @@ class EngineCore(Failures):
         self.gave_up = ""  # why requests are refused: a rank was lost and nobody rejoined in time
         self.collector = CollectorSchedule() if self.options.schedule_gc else None
         self._collected_at_idle = True  # nothing ran since the last idle collection
+        # Called after each step's result is applied: a replica publishing KV events sends the step's batch
+        # (scheduler_node/engine/kv_publisher.py).
+        self.after_step: Callable[[], None] | None = None
 
     # ---- what the doors ask
 
@@ -282,6 +285,8 @@ class EngineCore(Failures):
         self._interrupting.discard(head.plan.step_id)
         outputs = self.scheduler.update(head.plan, result)
         self.outputs.step(outputs)
+        if self.after_step is not None:
+            self.after_step()
         if head.tokens:
             m = self.metrics
             m.step_time.observe(time.perf_counter() - head.sent)
