@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypedDict, TypeVar
@@ -26,7 +26,7 @@ from minivllm.lora_request import LoRARequest
 from minivllm.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from proto.quantization import check_quantization
-from proto.wire import WORKER_JOIN_TIMEOUT_S, TokenLogprobs
+from proto.wire import WORKER_JOIN_TIMEOUT_S
 from proto.worker_flags import KV_CACHE_DTYPES, WorkerOptions, offload_dir_problem, parse_size, worker_argv
 from scheduler_node.api.embeddings import (
     POOLINGS,
@@ -48,11 +48,13 @@ from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.kv_precision import CompactKV
 from scheduler_node.core.lora_slots import LoraRef
 from scheduler_node.core.request import RequestSpec
+from scheduler_node.core.speculative import SpeculativeConfig
 from scheduler_node.engine.builder import EngineConfig, WorldPlan, check_model_split, free_port, make_engine
-from scheduler_node.engine.core import EngineCore
+from scheduler_node.engine.core import EngineCore, EngineOptions
 from scheduler_node.engine.launchers import LocalLauncher
 from scheduler_node.engine.lora_registry import DEFAULT_MAX_LORA_RANK, LoraConfig
 from scheduler_node.engine.model_path import DEFAULT, resolve_model
+from scheduler_node.engine.outputs import Delta
 from scheduler_node.engine.placement import place
 from scheduler_node.engine.topology import single_island
 from scheduler_node.engine.worker_link import WorkerLink
@@ -136,6 +138,7 @@ class LLM:
         enable_lora: bool = False,
         max_loras: int = _SCHEDULER.max_loras,
         max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
+        speculative_config: str | Mapping[str, Any] | SpeculativeConfig | None = None,
     ) -> None:
         if worker_backend not in WORKER_BACKENDS:
             raise ValueError(f"worker_backend: must be one of {WORKER_BACKENDS}, got {worker_backend!r}")
@@ -177,6 +180,7 @@ class LLM:
                 preemption_mode=preemption_mode,  # type: ignore[arg-type]
                 kv_offload_policy=kv_offload_policy,
                 max_loras=max_loras,
+                speculative=SpeculativeConfig.parse(speculative_config),
             ),
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
@@ -185,6 +189,9 @@ class LLM:
             num_kv_blocks=num_kv_blocks,
             kv_compact=CompactKV.from_flags(kv_compact_under_pressure, kv_compact_fraction, dtype=kv_compact_dtype),
             lora=LoraConfig(enable_lora=enable_lora, max_lora_rank=max_lora_rank),
+            # The servers' collector policy (engine/collector.py): at 1,024 sequences the default one doubles the
+            # engine's cost per step.
+            options=EngineOptions(schedule_gc=True),
         )
         self.folder = resolve_model(model or DEFAULT)
         check_model_split(self.folder, self.config.layout, quantization)
@@ -317,7 +324,22 @@ class LLM:
             for p, sp, pr in zip(ids, params, priorities)
         ]
         specs = [dataclasses.replace(s, lora=lora) if lora else s for s, lora in zip(specs, loras)]
-        return self._call(self._generate(specs, texts, use_tqdm))
+        batch = _Batch(len(specs), _Progress(len(specs), use_tqdm))
+        collectors = [_Collector(spec, text, batch) for spec, text in zip(specs, texts)]
+        try:
+            self._call(self._submit(collectors))
+            while not batch.done.wait(0.5):  # the output thread collects; the engine's thread only schedules
+                if not self._thread.is_alive():
+                    raise RuntimeError("the LLM's engine thread ended")
+            if batch.error:
+                raise RuntimeError(batch.error)
+            return [c.output for c in collectors]
+        except BaseException:
+            if self._engine is not None and not self._loop.is_closed():
+                self._call(self._abort(specs), CLOSE_TIMEOUT_S)
+            raise
+        finally:
+            batch.progress.close()
 
     def _lora(self, request: LoRARequest) -> LoraRef:
         """The registered adapter of a LoRARequest, registering (and checking) it on first use."""
@@ -337,22 +359,19 @@ class LLM:
             raise KeyError(f"LoRA adapter {lora_name!r} is not loaded")
         self.engine.loras.remove(lora_name)
 
-    async def _generate(self, specs: list[RequestSpec], texts: list[str | None], use_tqdm: bool) -> list[RequestOutput]:
+    async def _submit(self, collectors: list[_Collector]) -> None:
         engine = self.engine
-        progress = _Progress(len(specs), use_tqdm)
         try:
-            streams = [engine.submit(spec) for spec in specs]
-            return list(
-                await asyncio.gather(
-                    *(_collect(s, spec, text, progress) for s, spec, text in zip(streams, specs, texts))
-                )
-            )
+            for c in collectors:
+                engine.submit_to(c.spec, c)
         except BaseException:
-            for spec in specs:
-                engine.abort(spec.request_id)
+            await self._abort([c.spec for c in collectors])
             raise
-        finally:
-            progress.close()
+
+    async def _abort(self, specs: list[RequestSpec]) -> None:
+        if self._engine is not None:
+            for spec in specs:
+                self._engine.abort(spec.request_id)
 
     # ---- lifetime
 
@@ -460,25 +479,59 @@ class _Progress:
         self.bar.close()
 
 
-async def _collect(stream: Any, spec: RequestSpec, text: str | None, progress: _Progress) -> RequestOutput:
-    completions = [
-        CompletionOutput(i, "", [], "", [] if spec.sampling.logprobs is not None else None) for i in range(spec.n)
-    ]
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-    async for delta in stream:
-        c = completions[delta.index]
+class _Batch:
+    """One generate's requests: `done` is set when every one ended, or at the first error."""
+
+    def __init__(self, count: int, progress: _Progress) -> None:
+        self.left = count
+        self.progress = progress
+        self.error = ""
+        self.done = threading.Event()
+        if not count:
+            self.done.set()
+
+    def ended(self, error: str = "") -> None:
+        self.left -= 1
+        self.error = self.error or error
+        if self.error or not self.left:
+            self.done.set()
+
+
+class _Collector:
+    """One request's output, gathered from its deltas on the output thread (a threadsafe sink: no event loop, no
+    task per request)."""
+
+    threadsafe = True
+
+    def __init__(self, spec: RequestSpec, text: str | None, batch: _Batch) -> None:
+        self.spec, self.batch, self.unfinished = spec, batch, spec.n
+        logprobs = spec.sampling.logprobs is not None
+        completions = [CompletionOutput(i, "", [], "", [] if logprobs else None) for i in range(spec.n)]
+        self.output = RequestOutput(spec.request_id, text, spec.prompt_token_ids, completions)
+        self.texts: list[list[str]] = [[] for _ in range(spec.n)]  # joined once at the end
+        self.first = True  # sequence 0's first tokens not seen yet
+
+    def put(self, delta: Delta) -> None:
+        spec, out = self.spec, self.output
         if delta.error is not None:  # the offline door names the status
-            raise RuntimeError(f"request {spec.request_id} failed ({delta.error.status.name}): {delta.error.message}")
-        if spec.sampling.prompt_logprobs is not None and delta.index == 0 and prompt_logprobs is None:
-            prompt_logprobs = [None, *delta.prompt_logprobs] if delta.token_ids else None
+            self.batch.ended(f"request {spec.request_id} failed ({delta.error.status.name}): {delta.error.message}")
+            return
+        c = out.outputs[delta.index]
+        if spec.sampling.prompt_logprobs is not None and delta.index == 0 and delta.token_ids and self.first:
+            out.prompt_logprobs = [None, *delta.prompt_logprobs]  # they come with the first tokens
+            self.first = False
         c.token_ids.extend(delta.token_ids)
-        c.text += delta.text
+        if delta.text:
+            self.texts[delta.index].append(delta.text)
         if c.logprobs is not None:
             c.logprobs.extend(delta.logprobs)
         if delta.finish_reason:
             c.finish_reason = delta.finish_reason.value
-    progress.done(len(spec.prompt_token_ids), sum(len(c.token_ids) for c in completions))
-    return RequestOutput(spec.request_id, text, spec.prompt_token_ids, completions, prompt_logprobs=prompt_logprobs)
+            c.text = "".join(self.texts[delta.index])
+            self.unfinished -= 1
+            if not self.unfinished:
+                self.batch.progress.done(len(spec.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
+                self.batch.ended()
 
 
 def _unwrap(prompt: Any, name: str) -> tuple[Any, str]:

@@ -52,6 +52,7 @@ class SamplingParams:
     prompt_logprobs: int | None = _DEFAULT.prompt_logprobs
     structured_outputs: StructuredOutputsParams | None = None
     kv_precision: str = "auto"  # auto, full or compact: the format of the request's KV blocks (LLM kv_compact_*)
+    speculate: bool = True  # False: no speculative decoding for this request (LLM speculative_config)
 
     def fields(self) -> SamplingFields:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop

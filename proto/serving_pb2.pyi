@@ -15,7 +15,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "n", "logprobs", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_tokens", "stop_token_ids", "logit_bias", "bad_words", "prompt_logprobs", "json", "regex", "choice", "json_object")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "n", "logprobs", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_tokens", "stop_token_ids", "logit_bias", "bad_words", "prompt_logprobs", "json", "regex", "choice", "json_object", "speculate")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class SamplingParams(_message.Message):
     REGEX_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIELD_NUMBER: _ClassVar[int]
     JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    SPECULATE_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -67,7 +68,8 @@ class SamplingParams(_message.Message):
     regex: str
     choice: Choices
     json_object: bool
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., n: _Optional[int] = ..., logprobs: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., bad_words: _Optional[_Iterable[str]] = ..., prompt_logprobs: _Optional[int] = ..., json: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., json_object: _Optional[bool] = ...) -> None: ...
+    speculate: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., n: _Optional[int] = ..., logprobs: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., bad_words: _Optional[_Iterable[str]] = ..., prompt_logprobs: _Optional[int] = ..., json: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., json_object: _Optional[bool] = ..., speculate: _Optional[bool] = ...) -> None: ...
 
 class Choices(_message.Message):
     __slots__ = ("choices",)
@@ -176,7 +178,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("total_blocks", "used_blocks", "free_blocks", "kv_usage", "num_running", "num_waiting", "num_preemptions", "block_size", "max_model_len", "cached_free_blocks", "fragmentation", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "preemptions_recompute", "preemptions_swap", "swap_blocks_used", "swap_blocks_total", "usable_blocks", "mean_worker_idle_ms", "interrupted_steps", "memory")
+    __slots__ = ("total_blocks", "used_blocks", "free_blocks", "kv_usage", "num_running", "num_waiting", "num_preemptions", "block_size", "max_model_len", "cached_free_blocks", "fragmentation", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "preemptions_recompute", "preemptions_swap", "swap_blocks_used", "swap_blocks_total", "usable_blocks", "mean_worker_idle_ms", "interrupted_steps", "memory", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos")
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +201,10 @@ class Stats(_message.Message):
     MEAN_WORKER_IDLE_MS_FIELD_NUMBER: _ClassVar[int]
     INTERRUPTED_STEPS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_FIELD_NUMBER: _ClassVar[int]
     total_blocks: int
     used_blocks: int
     free_blocks: int
@@ -221,7 +227,11 @@ class Stats(_message.Message):
     mean_worker_idle_ms: float
     interrupted_steps: int
     memory: _containers.RepeatedCompositeFieldContainer[KvPool]
-    def __init__(self, total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., cached_free_blocks: _Optional[int] = ..., fragmentation: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., preemptions_recompute: _Optional[int] = ..., preemptions_swap: _Optional[int] = ..., swap_blocks_used: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., usable_blocks: _Optional[int] = ..., mean_worker_idle_ms: _Optional[float] = ..., interrupted_steps: _Optional[int] = ..., memory: _Optional[_Iterable[_Union[KvPool, _Mapping]]] = ...) -> None: ...
+    spec_decode_num_drafts: int
+    spec_decode_num_draft_tokens: int
+    spec_decode_num_accepted_tokens: int
+    spec_decode_num_accepted_tokens_per_pos: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., cached_free_blocks: _Optional[int] = ..., fragmentation: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., preemptions_recompute: _Optional[int] = ..., preemptions_swap: _Optional[int] = ..., swap_blocks_used: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., usable_blocks: _Optional[int] = ..., mean_worker_idle_ms: _Optional[float] = ..., interrupted_steps: _Optional[int] = ..., memory: _Optional[_Iterable[_Union[KvPool, _Mapping]]] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvPool(_message.Message):
     __slots__ = ("tier", "format", "bytes_per_block", "total_blocks", "used_blocks", "allocated_bytes", "used_bytes", "hits")

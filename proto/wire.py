@@ -41,8 +41,10 @@ from msgspec import Meta
 # worker would read compact block ids as full ones (a v7 one, too).
 # 9: embeddings and reasoning grammars: SamplingOptions.pooling, StepResult.pooled, structured kind "lark" (a v8
 # worker would refuse the longer records, and sample an embedding request without pooling it).
-# 10: LoRA: a NewRequest names its adapter and the worker slot it runs in (a v9 worker would run the base model).
-WIRE_VERSION = 10
+# 10: cached requests carry proposed tokens (speculative decoding) and results may carry several tokens per request
+# (the accepted proposals and one more); a v9 worker would compute the proposals as known tokens.
+# 11: LoRA: a NewRequest names its adapter and the worker slot it runs in (a v10 worker would run the base model).
+WIRE_VERSION = 11
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # libzmq's own ZMTP heartbeats, set on both ends of the worker socket: a quiet connection is PINGed this often by
 # libzmq's I/O thread (so a busy Python thread does not drop it), and dropped after the heartbeat timeout.
@@ -154,6 +156,17 @@ class CachedRequest(Record):
     # Tokens sampled since the workers last saw this request. Only with P > 1 pipeline stages: there the output
     # rank's samples reach the other ranks through the scheduler; with one stage every rank appends its own.
     new_token_ids: tuple[int, ...] = ()
+    # Speculative decoding: the last len(draft_token_ids) of the num_scheduled_tokens are these proposals. The
+    # worker scores them, samples every position, and keeps the longest prefix its samples agree with, plus the
+    # token sampled after it (worker_node/spec_decode.py); the result's tokens for this request are those.
+    draft_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.draft_token_ids) >= self.num_scheduled_tokens:
+            raise WireError(
+                f"request {self.handle}: {len(self.draft_token_ids)} draft_token_ids in "
+                f"{self.num_scheduled_tokens} scheduled tokens (the first must be a known one)"
+            )
 
 
 class TierMove(Record):
@@ -236,7 +249,9 @@ class TokenLogprobs(Record):
 
 class StepResult(Message, tag=int(Kind.RESULT)):
     step_id: int
-    sampled: dict[Handle, list[int]]  # only the requests that reached the end of their tokens this step
+    # Only the requests that reached the end of their tokens this step: one token each, or for a request with
+    # proposals the accepted ones and the one sampled after them.
+    sampled: dict[Handle, list[int]]
     logprobs: dict[Handle, list[TokenLogprobs]] = {}
     execute_ms: float = 0.0
     idle_ms: float = 0.0  # the worker's wait between the end of its previous step and the start of this one

@@ -15,7 +15,9 @@ defaults but for max_num_seqs (the row's sequences) and swap space (none). Figur
 processes on a shared machine do not count (the collector's pauses do):
 
 - engine thread: all of it; schedule() + update(); the wire (encoding and sending plans, decoding results); the
-  rest, which is the output path (outputs, detokenizer, stop checks, streams, LLM's collectors, the event loop);
+  rest, which is its part of the output path (handing each step to the output thread, the event loop);
+- output thread: the output path off the engine's thread (engine/output_thread.py: detokenizer, stop checks,
+  deltas, LLM's collectors);
 - worker: its step thread (the plan's execute and reply); of it, the input preparation (`_prepare`) and the
   sampler; for the worker process, also the whole process's CPU (its socket thread's wire and any torch threads);
 - wall milliseconds per step.
@@ -133,12 +135,14 @@ class EngineProbe:
     num_seqs: int
     thread: int = 0  # the engine thread's id (learnt at its first schedule())
     depth: int = 0  # timed calls under way: a call inside another counts once
-    totals: dict[str, float] = field(default_factory=lambda: {"schedule": 0.0, "update": 0.0, "wire": 0.0})
+    totals: dict[str, float] = field(
+        default_factory=lambda: {"schedule": 0.0, "update": 0.0, "wire": 0.0, "output_thread": 0.0}
+    )
     marks: list[tuple[int, bool, tuple[float, ...]]] = field(default_factory=list)  # (step id, steady, snapshot)
 
     def snapshot(self) -> tuple[float, ...]:
         t = self.totals
-        return (time.thread_time(), time.perf_counter(), t["schedule"], t["update"], t["wire"])
+        return (time.thread_time(), time.perf_counter(), t["schedule"], t["update"], t["wire"], t["output_thread"])
 
     def timed(self, fn: Callable[..., Any], what: str) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -169,6 +173,18 @@ class EngineProbe:
             return plan
 
         scheduler.schedule = marked_schedule
+        processor = engine.outputs.processor
+        process = processor.process
+
+        def timed_process(items: Any) -> Any:  # on the output thread (or inline on the engine's)
+            start = time.thread_time()
+            try:
+                return process(items)
+            finally:
+                if threading.get_ident() != self.thread:
+                    self.totals["output_thread"] += time.thread_time() - start
+
+        processor.process = timed_process  # type: ignore[method-assign]
         scheduler.update = self.timed(scheduler.update, "update")
         workers.submit = self.timed(workers.submit, "wire")
         for module in transport_modules:  # the results' decoding (the plans' is inside submit)
@@ -265,7 +281,7 @@ def measure(path: str, num_seqs: int, folder: Path, args: argparse.Namespace, sc
 def figures(path: str, num_seqs: int, window: list[Any], worker_marks: dict[int, Any]) -> dict:
     (first_id, _, e0), (last_id, _, e1) = window[0], window[-1]
     n = len(window) - 1
-    cpu, wall, schedule, update, wire = ((b - a) * 1e3 / n for a, b in zip(e0, e1))
+    cpu, wall, schedule, update, wire, output_thread = ((b - a) * 1e3 / n for a, b in zip(e0, e1))
     w0, w1 = worker_marks[first_id], worker_marks[last_id]
     step_thread, process, prepare, sample, _ = ((b - a) * 1e3 / n for a, b in zip(w0, w1))
     row = {
@@ -276,6 +292,7 @@ def figures(path: str, num_seqs: int, window: list[Any], worker_marks: dict[int,
         "schedule_update_ms": schedule + update,
         "wire_ms": wire,
         "output_ms": cpu - schedule - update - wire,
+        "output_thread_ms": output_thread,
         "worker_ms": step_thread,
         "prepare_ms": prepare,
         "sampler_ms": sample,
@@ -325,6 +342,7 @@ COLUMNS = (  # (header, key)
     ("schedule+update", "schedule_update_ms"),
     ("wire", "wire_ms"),
     ("output path", "output_ms"),
+    ("output thread", "output_thread_ms"),
     ("worker step thread", "worker_ms"),
     ("prepare", "prepare_ms"),
     ("sampler", "sampler_ms"),

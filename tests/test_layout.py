@@ -136,6 +136,8 @@ TESTED_ELSEWHERE: dict[str, str] = {
     " (tests/scheduler_node/cli/test_cli.py) and tests/deploy/test_deploy_k8s.py",
     "scheduler_node.cli.router": "vllm-router, run as a program by tests/e2e/test_router.py and"
     " tests/scripts/test_bench_router.py",
+    "scheduler_node.engine.failures": "a part of EngineCore: its failures, in tests/scheduler_node/engine/"
+    "test_core.py and test_failed_step.py",
     "scheduler_node.engine.processes": "through scheduler_node.engine.launchers"
     " (tests/scheduler_node/engine/test_launchers.py)",
     "scheduler_node.engine.ray_launcher": "needs ray: tests/e2e/test_ray_launcher.py",
@@ -143,6 +145,8 @@ TESTED_ELSEWHERE: dict[str, str] = {
     " tests/e2e/test_faults.py; its state machine is rank_registry.py (test_rank_registry.py)",
     "scheduler_node.router.grpc_door": "the router process's gRPC door: tests/e2e/test_router.py",
     "scheduler_node.router.http_door": "the router process's OpenAI door: tests/e2e/test_router.py",
+    "scheduler_node.router.kv_subscriber": "fed by a replica's real publisher in tests/scheduler_node/engine/"
+    "test_kv_publisher.py, and through vllm-router in tests/e2e/test_router.py",
     "scheduler_node.router.metrics": "the router's series, scraped by tests/e2e/test_router.py",
     "scheduler_node.router.probe": "health probes of real replicas: tests/e2e/test_router.py",
     "scheduler_node.router.strategies": "through scheduler_node.router.routing (tests/scheduler_node/router/"

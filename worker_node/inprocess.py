@@ -16,7 +16,8 @@ from collections.abc import Callable
 import torch
 
 from kernels.kv_quant import format_name
-from proto.transport import StepFailed, WorkerLost, WorldCapacity
+from proto.pending_steps import PendingSteps
+from proto.transport import WorkerLost, WorldCapacity
 from proto.wire import Assignment, Message, StepError, StepPlan, StepResult, WorkerReady, decode, encode
 from worker_node.loading import WorkerOptions, load_rank, pick_device
 from worker_node.model_runner import ModelRunner
@@ -43,11 +44,9 @@ class InProcessWorkers:
         self.changed = asyncio.Event()
         self._capacity: WorldCapacity | None = None
         self._threads: list[StepThread] = []
-        self._pending: dict[int, tuple[set[int], asyncio.Future[StepResult]]] = {}  # step -> ranks owing, future
-        self._results: dict[int, StepResult] = {}
+        self._pending: PendingSteps[int] = PendingSteps()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.on_plan: Callable[[StepPlan], None] | None = None  # sees every plan as the ranks get it (tests)
-        self.most_in_flight = 0  # plans sent and not answered, at most (observability: does the engine overlap?)
 
     # ---- the transport interface
 
@@ -92,9 +91,7 @@ class InProcessWorkers:
         if not self.all_ready or self._loop is None:
             raise WorkerLost(self.lost_reason or "the in-process workers are not running")
         data = encode(plan)
-        future: asyncio.Future[StepResult] = self._loop.create_future()
-        self._pending[plan.step_id] = (set(range(len(self._threads))), future)
-        self.most_in_flight = max(self.most_in_flight, len(self._pending))
+        future = self._pending.add(plan.step_id, set(range(len(self._threads))), self.output_rank)
         for thread in self._threads:
             copy = decode(data)  # each rank its own, as each worker decodes its own
             assert isinstance(copy, StepPlan)
@@ -113,10 +110,7 @@ class InProcessWorkers:
         logger.error("in-process workers lost: %s", reason)
         self.lost.set()
         self.changed.set()
-        for _, future in self._pending.values():
-            if not future.done():
-                future.set_exception(WorkerLost(reason))
-        self._pending.clear()
+        self._pending.fail_all(WorkerLost(reason))
 
     async def wait_ready(self, timeout: float | None) -> bool:
         return self.all_ready  # nothing rejoins in-process: a lost world stays lost
@@ -129,9 +123,7 @@ class InProcessWorkers:
         deadline = time.monotonic() + 5.0
         while any(t.is_alive() for t in self._threads) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        for _, future in self._pending.values():
-            future.cancel()
-        self._pending.clear()
+        self._pending.cancel_all()
         self._threads.clear()
 
     # ---- the step threads' side
@@ -152,23 +144,12 @@ class InProcessWorkers:
     def _on_reply(self, rank: int, data: bytes) -> None:
         reply = decode(data)
         assert isinstance(reply, (StepResult, StepError))
-        entry = self._pending.get(reply.step_id)
-        if entry is None:
-            return  # dropped with a recovery
-        owing, future = entry
-        if future.done():
-            del self._pending[reply.step_id]
-            return
-        if isinstance(reply, StepError):
-            del self._pending[reply.step_id]
-            future.set_exception(StepFailed(f"rank {reply.rank} could not run step {reply.step_id}: {reply.reason}"))
-            return
-        if rank == self.output_rank:
-            self._results[reply.step_id] = reply
-        owing.discard(rank)
-        if not owing:
-            del self._pending[reply.step_id]
-            future.set_result(self._results.pop(reply.step_id))
+        self._pending.answer(rank, reply)
+
+    @property
+    def most_in_flight(self) -> int:
+        """Plans sent and not answered, at most (observability: does the engine overlap?)."""
+        return self._pending.most
 
 
 def _capacity_of(runners: list[ModelRunner]) -> WorldCapacity:

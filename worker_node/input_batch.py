@@ -20,7 +20,8 @@ import torch
 
 from proto.wire import NewRequest, SamplingOptions
 from worker_node.attention import AttentionMetadata
-from worker_node.sampler import RowFlags, is_plain
+from worker_node.sampler import RowFlags, SamplingRequest, is_plain
+from worker_node.spec_decode import DraftRows, expand
 
 
 @dataclass(slots=True)
@@ -53,11 +54,24 @@ class StepInputs:
     prompt_rows: list[tuple[RequestState, int, int, int]] = field(default_factory=list)
     # embedding requests: (request, first token row, rows, position of the first) of the prompt rows they pool
     pool_rows: list[tuple[RequestState, int, int, int]] = field(default_factory=list)
+    # Speculative decoding: the sampling rows of a step where some samplers have proposals (None: one row each);
+    # sample_rows then lists every row to score, and these say whose each is.
+    draft_rows: DraftRows | None = None
+
+    @property
+    def row_requests(self) -> list[SamplingRequest]:
+        """The request of each row the sampler draws at."""
+        return self.draft_rows.requests if self.draft_rows is not None else self.samplers  # type: ignore[return-value]
+
+    @property
+    def row_flags(self) -> RowFlags:
+        return self.draft_rows.flags if self.draft_rows is not None else self.flags
 
 
 _ROW_ARRAYS = (
     "token_ids", "num_tokens", "num_computed", "num_prompt", "block_table", "num_blocks", "wants_prompt_logprobs",
     "plain", "wants_logprobs", "pools", "lora_slot",
+    "plain", "wants_logprobs", "pools", "num_drafts",
 )  # fmt: skip
 
 
@@ -79,6 +93,7 @@ class InputBatch:
         self.wants_logprobs = np.zeros(rows, dtype=bool)
         self.pools = np.zeros(rows, dtype=bool)  # an embedding request
         self.lora_slot = np.zeros(rows, dtype=np.int64)  # its LoRA adapter's slot + 1 (0: the base model)
+        self.num_drafts = np.zeros(rows, dtype=np.int64)  # proposals held past num_tokens for this step only
 
     # ---- rows: written by a plan's diffs
 
@@ -104,6 +119,7 @@ class InputBatch:
         self.wants_logprobs[row] = r.sampling.logprobs is not None
         self.pools[row] = bool(r.sampling.pooling)
         self.lora_slot[row] = 0 if r.lora is None else r.lora.slot + 1
+        self.num_drafts[row] = 0
         return state
 
     def remove(self, handle: int) -> None:
@@ -130,6 +146,30 @@ class InputBatch:
         self.token_ids[state.row, n : n + len(tokens)] = tokens
         self.num_tokens[state.row] = n + len(tokens)
 
+    def clear_drafts(self) -> None:
+        """Proposals live for one step: a step that did not compute them (skipped) leaves none behind."""
+        if self.num_drafts.any():
+            self.num_drafts[:] = 0
+
+    def set_drafts(self, state: RequestState, drafts: tuple[int, ...] | list[int]) -> None:
+        """Proposals to compute this step after the request's known tokens (speculative decoding); they become
+        tokens only as far as they are accepted (`append_outputs`)."""
+        n = len(state.token_ids)
+        self._fit(n + len(drafts), 0)
+        self.token_ids[state.row, n : n + len(drafts)] = drafts
+        self.num_drafts[state.row] = len(drafts)
+
+    def append_outputs(self, inputs: StepInputs, outputs: list[list[int]]) -> None:
+        """Each sampler's tokens of a step with proposals: the accepted proposals and one more. The rejected
+        proposals' slots are not computed after all: the computed tokens roll back to the accepted ones."""
+        for state, tokens in zip(inputs.samplers, outputs):
+            row = state.row
+            drafts = int(self.num_drafts[row])
+            if drafts:
+                self.num_computed[row] -= drafts - (len(tokens) - 1)
+                self.num_drafts[row] = 0
+            self.append_tokens(state, tokens)
+
     def append_sampled(self, inputs: StepInputs, tokens: list[int]) -> None:
         """One sampled token for each of a step's samplers, at once."""
         if not tokens:
@@ -155,13 +195,16 @@ class InputBatch:
         on; advances their computed tokens (`restore` undoes it). Blocks from `compact_base` on are the compact
         pool's (0: no compact pool)."""
         compact = self.block_table[rows, 0] >= compact_base if compact_base else np.zeros(len(rows), dtype=bool)
-        key = compact * 2 + (n != 1)
+        drafted = self.num_drafts[rows] > 0
+        # Rows with proposals are verified as decodes: each of their tokens a query of its own over its prefix.
+        key = compact * 2 + ((n != 1) & ~drafted)
         if key.any():  # full-pool decodes first, then prefills, then the compact pool's
             order = np.argsort(key, kind="stable")
-            rows, n, compact = rows[order], n[order], compact[order]
+            rows, n, compact, drafted = rows[order], n[order], compact[order], drafted[order]
         start = self.num_computed[rows]
         end = start + n
-        self._check(rows, end)
+        held = self.num_tokens[rows] + self.num_drafts[rows]
+        self._check(rows, end, held)
         cu = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(n, out=cu[1:])
         total = int(cu[-1])
@@ -171,21 +214,34 @@ class InputBatch:
             owner = np.repeat(np.arange(len(rows)), n)
             positions = np.arange(total) - cu[:-1][owner] + start[owner]
         ids = self.token_ids[rows[owner], positions].astype(np.int64)
-        samples = end == self.num_tokens[rows]
+        samples = end == held
         all_sample = total == len(rows) and bool(samples.all())
         sample_rows = cu[1:][samples] - 1
         sampler_rows = rows[samples]
         owners = self.owners
         samplers: list[RequestState] = [owners[r] for r in sampler_rows.tolist()]  # type: ignore[misc]
+        flags = RowFlags(self.plain[sampler_rows], self.wants_logprobs[sampler_rows])
+        draft_rows = None
+        if self.num_drafts[sampler_rows].any():
+            drafts = [self._drafts_of(s) for s in samplers]
+            sample_rows, draft_rows = expand(samplers, flags, drafts, sample_rows)  # type: ignore[arg-type]
         prompt_rows = self._prompt_rows(rows, start, end, cu)
         pool_rows = self._pool_rows(rows, start, end, cu)
         self.num_computed[rows] = end
         num_full = int(len(rows) - compact.sum())
         full_tokens = int(cu[num_full])
-        meta = self._attention_meta(rows[:num_full], n[:num_full], positions[:full_tokens], end[:num_full], 0)
+        decode_like = (n == 1) | drafted
+        meta = self._attention_meta(
+            rows[:num_full], n[:num_full], positions[:full_tokens], end[:num_full], 0, decode_like[:num_full]
+        )
         if num_full < len(rows):
             meta.compact = self._attention_meta(
-                rows[num_full:], n[num_full:], positions[full_tokens:], end[num_full:], compact_base
+                rows[num_full:],
+                n[num_full:],
+                positions[full_tokens:],
+                end[num_full:],
+                compact_base,
+                decode_like[num_full:],
             )
             meta.num_full_tokens = full_tokens
         dev = self.device
@@ -196,12 +252,13 @@ class InputBatch:
             torch.from_numpy(sample_rows).to(dev),
             all_sample,
             samplers,
-            RowFlags(self.plain[sampler_rows], self.wants_logprobs[sampler_rows]),
+            flags,
             sampler_rows,
             rows,
             start,
             prompt_rows,
             pool_rows,
+            draft_rows,
         )
 
     def token_lora_slots(self, inputs: StepInputs) -> np.ndarray | None:
@@ -212,12 +269,17 @@ class InputBatch:
         counts = self.num_computed[inputs.rows] - inputs.starts  # gather advanced them by the step's tokens
         return np.repeat(slots - 1, counts)
 
-    def restore(self, inputs: StepInputs) -> None:
-        """The step did not run (interrupted): its requests' computed tokens are what they were."""
-        self.num_computed[inputs.rows] = inputs.starts
+    def _drafts_of(self, state: RequestState) -> list[int]:
+        n = len(state.token_ids)
+        return self.token_ids[state.row, n : n + int(self.num_drafts[state.row])].tolist()
 
-    def _check(self, rows: np.ndarray, end: np.ndarray) -> None:
-        held = self.num_tokens[rows]
+    def restore(self, inputs: StepInputs) -> None:
+        """The step did not run (interrupted): its requests' computed tokens are what they were, and their
+        proposals are dropped."""
+        self.num_computed[inputs.rows] = inputs.starts
+        self.num_drafts[inputs.rows] = 0
+
+    def _check(self, rows: np.ndarray, end: np.ndarray, held: np.ndarray) -> None:
         bad = np.flatnonzero(end > held)
         if len(bad):
             i = int(bad[0])
@@ -266,13 +328,21 @@ class InputBatch:
         return out
 
     def _attention_meta(
-        self, rows: np.ndarray, n: np.ndarray, positions: np.ndarray, seq_lens: np.ndarray, base: int
+        self,
+        rows: np.ndarray,
+        n: np.ndarray,
+        positions: np.ndarray,
+        seq_lens: np.ndarray,
+        base: int,
+        decode_like: np.ndarray,
     ) -> AttentionMetadata:
         """The attention metadata of sequences of one pool, decodes first: their tables (ids from `base` on are
-        that pool's own), lengths, and the tokens each computes (`n`, at `positions`)."""
+        that pool's own), lengths, and the tokens each computes (`n`, at `positions`). `decode_like` rows (first)
+        are decodes, or proposals to verify: each of their tokens attends as a decode at its position (the step
+        writes every token's K/V before attending, so token i sees the ones before it and itself)."""
         dev = self.device
         bs = self.block_size
-        num_decodes = int((n == 1).sum())
+        num_decodes = int(decode_like.sum())
         width = max(1, int(self.num_blocks[rows].max())) if len(rows) else 1
         tables = self.block_table[rows, :width]
         if base:  # the compact pool's own ids; the padding stays zero
@@ -282,12 +352,17 @@ class InputBatch:
         cu_q = np.zeros(len(rows) - num_decodes + 1, dtype=np.int32)
         np.cumsum(n[num_decodes:], out=cu_q[1:])
         lens = seq_lens.astype(np.int32)
+        decode_tables, decode_lens = tables[:num_decodes], lens[:num_decodes]
+        decode_tokens = int(n[:num_decodes].sum())
+        if decode_tokens != num_decodes:  # proposals: a query per token, with its own row's table
+            decode_tables = tables[owner[:decode_tokens]]
+            decode_lens = (positions[:decode_tokens] + 1).astype(np.int32)
         t = torch.from_numpy
         return AttentionMetadata(
             slot_mapping=t(slots).to(dev),
-            num_decode_tokens=num_decodes,
-            decode_block_tables=t(tables[:num_decodes]).to(dev),
-            decode_seq_lens=t(lens[:num_decodes]).to(dev),
+            num_decode_tokens=decode_tokens,
+            decode_block_tables=t(decode_tables).to(dev),
+            decode_seq_lens=t(decode_lens).to(dev),
             prefill_block_tables=t(tables[num_decodes:]).to(dev),
             prefill_cu_seqlens_q=t(cu_q).to(dev),
             prefill_seq_lens=t(lens[num_decodes:]).to(dev),

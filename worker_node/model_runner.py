@@ -21,6 +21,7 @@ from worker_node.lora.manager import LoraManager
 from worker_node.models.decoder import CausalLM, StepInterrupted
 from worker_node.parallel import SINGLE, Comm
 from worker_node.sampler import Sampler, token_logprobs
+from worker_node.spec_decode import accept
 
 # Prompt rows scored at once for prompt_logprobs: bounds the [rows, vocab] logits a long prefill chunk would need.
 PROMPT_LOGITS_ROWS = 256
@@ -92,9 +93,10 @@ class ModelRunner:
         block id is range-checked first: the decode kernel reads the cache through them without bounds checks, so
         a bad plan must fail here (a StepError), not segfault."""
         cached = plan.cached_requests
-        changed = [i for i, c in enumerate(cached) if c.new_block_ids or c.new_token_ids]
+        changed = [i for i, c in enumerate(cached) if c.new_block_ids or c.new_token_ids or c.draft_token_ids]
         self._check_plan(plan, [cached[i] for i in changed])
         batch = self.batch
+        batch.clear_drafts()
         for handle in plan.finished + plan.preempted:
             batch.remove(handle)
             self._load_failed.discard(handle)
@@ -115,6 +117,8 @@ class ModelRunner:
                 batch.append_blocks(held[i], cached[i].new_block_ids)
             if cached[i].new_token_ids:  # with P > 1 stages: the output rank's samples
                 batch.append_tokens(held[i], cached[i].new_token_ids)
+            if cached[i].draft_token_ids:  # speculative decoding: proposals to verify this step
+                batch.set_drafts(held[i], cached[i].draft_token_ids)
         rows += [s.row for s in held]
         plan_rows = np.array(rows, dtype=np.int64)
         if check_progress and cached:
@@ -222,9 +226,15 @@ class ModelRunner:
                 skip = True
             else:
                 samplers = inputs.samplers
-                if not self.mode.tokens_in_plan:
-                    self.batch.append_sampled(inputs, tokens)
-                sampled = {state.handle: [token] for state, token in zip(samplers, tokens)}
+                if inputs.draft_rows is not None:  # speculative decoding: keep what each sampler's draws accept
+                    outputs = accept(tokens, inputs.draft_rows)
+                    self.batch.append_outputs(inputs, outputs)
+                    sampled = {state.handle: out for state, out in zip(samplers, outputs)}
+                    lps = [lps[i] for i in inputs.draft_rows.firsts.tolist()] if lps else lps
+                else:
+                    if not self.mode.tokens_in_plan:
+                        self.batch.append_sampled(inputs, tokens)
+                    sampled = {state.handle: [token] for state, token in zip(samplers, tokens)}
                 if inputs.flags.logprobs.any():
                     logprobs = {state.handle: [lp] for state, lp in zip(samplers, lps) if lp is not None}
         end = time.perf_counter()
@@ -295,19 +305,19 @@ class ModelRunner:
         if not where.is_last_stage:
             self.comm.send_to_next_stage(hidden)
         tokens: list[int] = []
-        lps: list[TokenLogprobs | None] = [None] * len(batch.samplers)
+        lps: list[TokenLogprobs | None] = [None] * len(batch.row_requests)
         prompt: dict[int, tuple[int, list[TokenLogprobs]]] = {}
         if where.is_last_stage and batch.samplers:
             rows = hidden if batch.all_sample else hidden[batch.sample_rows]
             logits = self.model.logits(rows)  # a collective over the TP group
             if logits is not None:
-                tokens, lps = self.sampler.sample(logits, batch.samplers, batch.flags)
+                tokens, lps = self.sampler.sample(logits, batch.row_requests, batch.row_flags)
         if where.is_last_stage and batch.prompt_rows:
             prompt = self._prompt_logprobs(hidden, batch.prompt_rows)
         pooled = pool(hidden, batch.pool_rows) if where.is_last_stage and batch.pool_rows else {}
         if self.mode.tokens_in_plan:
             return tokens, lps, prompt, pooled
-        return self.comm.share_sampled(tokens, len(batch.samplers)), lps, prompt, pooled
+        return self.comm.share_sampled(tokens, len(batch.row_requests)), lps, prompt, pooled
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, rows: list[tuple[RequestState, int, int, int]]

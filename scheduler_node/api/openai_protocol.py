@@ -197,6 +197,7 @@ class _GenerationRequest(_Body):
     prompt_logprobs: Int32 | None = None
     structured_outputs: StructuredOutputs | None = None
     ignore_eos: bool = False
+    speculate: bool | None = None  # false: no speculative decoding for this request (a minivllm extension)
     priority: Int32 | None = None  # higher runs first, as in the gRPC API (vLLM's is the other way round)
     cache_salt: str = ""
     kv_precision: str = ""  # auto (empty), full or compact: the format of the request's KV blocks

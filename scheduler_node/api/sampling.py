@@ -77,6 +77,7 @@ class SamplingFields:
     bad_words: Sequence[str] = field(default_factory=tuple)
     prompt_logprobs: int | None = _WIRE.prompt_logprobs
     structured: StructuredFields | None = None
+    speculate: bool = True  # False: never speculative decoding for this request (when the server has it on)
 
     @classmethod
     def gather(cls, given: Callable[[str], Any], **fixed: Any) -> SamplingFields:

@@ -190,6 +190,7 @@ def build_spec(
         cache_salt=cache_salt,
         stop_token_ids=_token_ids(s.stop_token_ids, vocab, MAX_STOP_TOKEN_IDS, prefix + "stop_token_ids"),
         kv_precision=precision,
+        speculate=s.speculate,
     )
 
 

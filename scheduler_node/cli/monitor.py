@@ -26,6 +26,12 @@ from proto.cli_config import add_config_flag, parse_args
 ALIASES = {
     "cache_hit_rate": ["minivllm:cache_hit_rate"],  # per tier: prompt tokens found / looked up, since start
     "memory_usage": ["minivllm:kv_cache_used_bytes", "minivllm:kv_cache_allocated_bytes"],  # per tier and format
+    "spec_decode": [  # speculative decoding: proposals, accepted tokens, and accepted per position
+        "vllm:spec_decode_num_drafts",
+        "vllm:spec_decode_num_draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens",
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+    ],
 }
 
 

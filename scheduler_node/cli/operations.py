@@ -58,6 +58,25 @@ def add_operations_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--metrics-port", type=int, default=0, help="port of the Prometheus /metrics endpoint (0: off)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="bind address of the Prometheus endpoint")
+    p.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=0,
+        help="publish the prefix cache's block stored/removed events (ZeroMQ PUB, msgpack) on this port for "
+        "vllm-router --routing-strategy kv (0: off)",
+    )
+    p.add_argument(
+        "--kv-events-snapshot-port",
+        type=int,
+        default=0,
+        help="port where a late or resynchronizing subscriber asks for every cached block hash (0: "
+        "--kv-events-port + 1)",
+    )
+    p.add_argument(
+        "--kv-events-host",
+        default="127.0.0.1",
+        help="bind address of the KV events sockets (they reveal which prompts were seen: open only to the router)",
+    )
     p.add_argument("--tls-cert", default=None, metavar="PEM", help="serve gRPC over TLS with this certificate chain")
     p.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
     p.add_argument(
@@ -77,6 +96,9 @@ def check_operations_flags(args: argparse.Namespace) -> None:
         raise ValueError("--shutdown-timeout and --max-waiting-requests must be >= 0")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ValueError("--tls-cert and --tls-key go together")
+    for name in ("kv_events_port", "kv_events_snapshot_port"):
+        if not 0 <= getattr(args, name) < 65536:
+            raise ValueError(f"--{name.replace('_', '-')} must be in [0, 65535], got {getattr(args, name)}")
 
 
 def stop_signals() -> tuple[asyncio.Event, asyncio.Event]:

@@ -19,12 +19,16 @@ from scheduler_node.cli.operations import TOKEN_ENV, stop_signals
 from scheduler_node.router.control import RouterControl
 from scheduler_node.router.grpc_door import RouterGeneration
 from scheduler_node.router.http_door import RouterHttp, build_router_app
+from scheduler_node.router.kv_index import KVIndex
+from scheduler_node.router.kv_strategy import DEFAULT_OVERLAP_WEIGHT, KVAware, PromptTokens
+from scheduler_node.router.kv_subscriber import KVSubscriber
 from scheduler_node.router.metrics import RouterMetrics
 from scheduler_node.router.probe import Prober, report_health
 from scheduler_node.router.replica import ReplicaPool, ReplicaSpec, parse_replica
 from scheduler_node.router.routing import Router
 from scheduler_node.router.strategies import DEFAULT_LOAD_FACTOR, STRATEGIES
 from scheduler_node.router.upstream import Forwarder, open_links
+from scheduler_node.text.tokenizer import ModelTokenizer
 
 logger = logging.getLogger("vllm-router")
 
@@ -59,6 +63,13 @@ def add_routing_flags(p: argparse.ArgumentParser) -> None:
         help="prefix: a replica takes a request only while its open streams stay within this multiple of its "
         "weighted share of all open streams; else the ring's next replica does",
     )
+    p.add_argument(
+        "--kv-overlap-weight",
+        type=float,
+        default=DEFAULT_OVERLAP_WEIGHT,
+        help="kv: the weight of the prompt blocks a replica would compute against its queue (cost = weight x "
+        "uncached blocks + requests ahead x prompt blocks); higher follows the cache harder, 0 ignores it",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,10 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=replica_flag,
         action="append",
         default=[],
-        metavar="HOST:PORT,model=NAME[,weight=W][,http=HOST:PORT]",
+        metavar="HOST:PORT,model=NAME[,weight=W][,http=HOST:PORT][,kv_events=HOST:PORT][,tokenizer=DIR]",
         help="a scheduler to route to (its gRPC address), the model name it serves (its --served-model-name), its "
-        "weight (default 1) and its OpenAI API (its --openai-port, for the router's --openai-port); repeatable. In "
-        "a config file: a list of {address, model, weight, http}",
+        "weight (default 1), its OpenAI API (its --openai-port, for the router's --openai-port), and for "
+        "--routing-strategy kv its KV events (its --kv-events-port; kv_snapshot=HOST:PORT when not that port + 1) "
+        "and the model's folder (to tokenize text like it); repeatable. In a config file: a list of {address, "
+        "model, weight, http, kv_events, kv_snapshot, tokenizer}",
     )
     p.add_argument(
         "--openai-port",
@@ -149,13 +162,34 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ValueError("--tls-cert and --tls-key go together")
 
 
+def kv_routing(pool: ReplicaPool, args: argparse.Namespace, metrics: RouterMetrics) -> tuple[KVAware, KVSubscriber]:
+    """The `kv` strategy over an index fed by the replicas' KV events (ValueError when none publishes them)."""
+    if not any(r.spec.kv_events for r in pool.replicas):
+        raise ValueError("--routing-strategy kv: no --replica has kv_events=HOST:PORT (its --kv-events-port)")
+    tokenizers: dict[str, ModelTokenizer] = {}
+    for r in pool.replicas:
+        if not r.spec.kv_events:
+            logger.warning("replica %s has no kv_events=HOST:PORT: kv routing sees nothing cached there", r.address)
+        if r.spec.tokenizer and r.model not in tokenizers:
+            try:
+                tokenizers[r.model] = ModelTokenizer(r.spec.tokenizer)
+            except FileNotFoundError as exc:
+                raise ValueError(f"replica {r.address}: tokenizer: {exc}") from None
+    index = KVIndex()
+    subscriber = KVSubscriber(pool, index, metrics)
+    strategy = KVAware(index, subscriber.feeds, PromptTokens(tokenizers), args.kv_overlap_weight)
+    return strategy, subscriber
+
+
 async def serve(args: argparse.Namespace) -> int:
     check_flags(args)
     pool = ReplicaPool(args.replica)
     metrics = RouterMetrics()
+    kv, subscriber = kv_routing(pool, args, metrics) if args.routing_strategy == "kv" else (None, None)
     router = Router(
-        pool, args.routing_strategy, args.default_model, args.routing_prefix_chars, args.routing_load_factor, metrics
-    )
+        pool, args.routing_strategy, args.default_model, args.routing_prefix_chars, args.routing_load_factor, metrics,
+        kv,
+    )  # fmt: skip
     links = open_links(pool)
     generation = RouterGeneration(Forwarder(router, links, metrics), args.probe_timeout)
     control = RouterControl(generation, args.replica_control_token)
@@ -175,6 +209,8 @@ async def serve(args: argparse.Namespace) -> int:
         asyncio.ensure_future(prober.run()),
         asyncio.ensure_future(report_health(pool, health, lambda: generation.draining)),
     ]
+    if subscriber is not None:
+        tasks.append(asyncio.ensure_future(subscriber.run()))
     logger.info(
         "routing on %s:%d by %s: %s",
         args.host,

@@ -20,11 +20,14 @@ from scheduler_node.cli.lora_flags import add_lora_flags, lora_config
 from scheduler_node.cli.openai_flags import add_openai_flags, openai_config
 from scheduler_node.cli.operations import add_operations_flags, check_operations_flags, stop_signals
 from scheduler_node.core.config import PREEMPTION_MODES, SchedulerConfig
+from scheduler_node.core.kv_events import KVEventSink
 from scheduler_node.core.kv_precision import COMPACT_DTYPES, CompactKV
 from scheduler_node.core.policy import POLICIES
+from scheduler_node.core.speculative import DISABLE_BY_BATCH_SIZE, SpeculativeConfig, speculative_config_flag
 from scheduler_node.core.tier_policy import KV_OFFLOAD_POLICIES
 from scheduler_node.engine.builder import EngineConfig, WorldPlan, check_model_split, make_engine
-from scheduler_node.engine.core import EngineOptions
+from scheduler_node.engine.core import EngineCore, EngineOptions
+from scheduler_node.engine.kv_publisher import KVEventPublisher
 from scheduler_node.engine.metrics import Metrics
 from scheduler_node.engine.model_path import DEFAULT, resolve_model, served_name
 from scheduler_node.engine.outputs import ErrorStatus
@@ -144,6 +147,15 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=SCHEDULER.max_model_len,
         help="context length (0: the model's, capped by the KV cache capacity)",
+    )
+    p.add_argument(
+        "--speculative-config",
+        type=speculative_config_flag,
+        default="",
+        help='speculative decoding, as vLLM spells it: a JSON object such as \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}\' (also '
+        '"disable_by_batch_size": no speculation while more requests run; default '
+        f"{DISABLE_BY_BATCH_SIZE}). Empty: off",
     )
     p.add_argument(
         "--enable-prefix-caching",
@@ -292,6 +304,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len,
+            speculative=SpeculativeConfig.parse(args.speculative_config),
             enable_prefix_caching=args.enable_prefix_caching,
             preemption_mode=args.preemption_mode,
             compaction_interval=args.compaction_interval,
@@ -379,6 +392,7 @@ async def serve(args: argparse.Namespace) -> int:
         raise
     engine = make_engine(config, folder, tokenizer, link, capacity, metrics)
     metrics.bind(engine.live_metrics, asyncio.get_running_loop())
+    kv_events = publish_kv_events(engine, args) if args.kv_events_port else None
     service.engine = engine
     if door is not None:
         door.engine = engine
@@ -406,11 +420,25 @@ async def serve(args: argparse.Namespace) -> int:
             engine.end_all(f"the server is shutting down: {why} before the request finished", ErrorStatus.UNAVAILABLE)
     logger.info("shutting down")
     health_task.cancel()
+    if kv_events is not None:
+        kv_events.cancel()
     await set_serving(health, False)
     engine_task.cancel()
     await _shutdown(server, link, "scheduler shutting down", http)
     metrics.close()
     return code
+
+
+def publish_kv_events(engine: EngineCore, args: argparse.Namespace) -> asyncio.Future:
+    """The engine's prefix-cache changes on --kv-events-port (the task that answers snapshots and heartbeats)."""
+    sink = KVEventSink()
+    engine.scheduler.attach_kv_events(sink)
+    blocks = engine.scheduler.blocks
+    publisher = KVEventPublisher(sink, blocks.block_size, args.kv_events_host, args.kv_events_port,
+                                 args.kv_events_snapshot_port)  # fmt: skip
+    engine.after_step = publisher.publish
+    logger.info("KV events on %s (snapshots on %s)", publisher.address, publisher.snapshot_address)
+    return asyncio.ensure_future(publisher.run())
 
 
 async def _shutdown(server, link: WorkerLink, reason: str, http: OpenAIServer | None) -> None:  # type: ignore[no-untyped-def]

@@ -22,7 +22,7 @@ from scheduler_node.cli.scheduler import add_scheduler_flags, resolve_parallel
 from scheduler_node.engine.builder import free_port
 from scheduler_node.engine.data_parallel import ReplicaPlan, plan_replicas
 from scheduler_node.engine.launchers import add_launcher_flags, make_launcher
-from scheduler_node.engine.model_path import served_name
+from scheduler_node.engine.model_path import resolve_model, served_name
 from scheduler_node.engine.processes import terminate
 from scheduler_node.engine.topology import load_topology
 
@@ -82,6 +82,8 @@ def replica_plans(args: argparse.Namespace) -> list[ReplicaPlan]:
     plans = plan_replicas(args.data_parallel_size, layout, args.worker_port, topology, args.allow_cross_island, gpus)
     for plan in plans:
         plan.http_port = free_port() if args.openai_port else 0
+        if args.routing_strategy == "kv":  # each replica publishes its KV events to the router
+            plan.kv_events_port, plan.kv_snapshot_port = free_port(), free_port()
     return plans
 
 
@@ -92,6 +94,8 @@ def replica_argv(args: argparse.Namespace, plan: ReplicaPlan, count: int) -> lis
     mine = argparse.Namespace(**vars(args))
     mine.host, mine.port, mine.worker_port = "127.0.0.1", plan.port, plan.worker_port
     mine.openai_port = plan.http_port
+    mine.kv_events_host = "127.0.0.1"
+    mine.kv_events_port, mine.kv_events_snapshot_port = plan.kv_events_port, plan.kv_snapshot_port
     mine.topology = str(plan.topology_file) if plan.topology_file else None
     mine.tls_cert = mine.tls_key = None
     mine.metrics_port = args.metrics_port + 1 + plan.index if args.metrics_port else 0
@@ -104,11 +108,15 @@ def router_argv(args: argparse.Namespace, plans: list[ReplicaPlan]) -> list[str]
     argv = ["--host", args.host, "--port", str(args.port), "--log-level", args.log_level]
     argv += ["--routing-strategy", args.routing_strategy, "--routing-prefix-chars", str(args.routing_prefix_chars)]
     argv += ["--routing-load-factor", str(args.routing_load_factor), "--shutdown-timeout", str(args.shutdown_timeout)]
+    argv += ["--kv-overlap-weight", str(args.kv_overlap_weight)]
     argv += ["--metrics-port", str(args.metrics_port), "--metrics-host", args.metrics_host]
     argv += ["--openai-port", str(args.openai_port)]  # its --api-key and the replicas' come in the environment
     argv += ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key] if args.tls_cert else []
     for plan in plans:
         http = f",http=127.0.0.1:{plan.http_port}" if plan.http_port else ""
+        if plan.kv_events_port:
+            http += f",kv_events=127.0.0.1:{plan.kv_events_port},kv_snapshot=127.0.0.1:{plan.kv_snapshot_port}"
+            http += f",tokenizer={resolve_model(args.model)}"
         argv += ["--replica", f"{plan.address},model={name}{http}"]
     return argv
 

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from scheduler_node.core.kv_events import DEVICE, KVEventSink
 from scheduler_node.core.kv_precision import BlockFormat
 
 BlockHash = bytes
@@ -86,6 +87,8 @@ class BlockTable:
         # Called with (hash, block) when a cached block is handed out for new content: the KV offload tiers keep
         # it (scheduler_node/core/kv_tiers.py). The plan's tier moves run before its copies and forward pass.
         self.on_evict: Callable[[BlockHash, int], None] | None = None
+        # Told of every hash that enters or leaves the prefix cache (KV events for the router's `kv` strategy).
+        self.events: KVEventSink | None = None
 
     # ---- reading
 
@@ -250,6 +253,8 @@ class BlockTable:
             if self._hash_of[block] is None and h not in cached:
                 self._hash_of[block] = h
                 cached[h] = block
+                if self.events is not None:
+                    self.events.stored(DEVICE, h, hashes[i - 1] if i else None)
 
     def uncache(self, h: BlockHash) -> int | None:
         """Forget that a block holds `h` (its content turned out not to be valid): no later prefix matches it.
@@ -370,6 +375,8 @@ class BlockTable:
             cached = self._compact_cached if block >= self.num_blocks else self._cached
             if cached.get(h) == block:
                 del cached[h]
+                if self.events is not None and h not in self._cached and h not in self._compact_cached:
+                    self.events.removed(DEVICE, h)  # the last copy of it left the device
 
     def _release(self, block: int) -> None:
         self._ref_counts[block] -= 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from scheduler_node.core.speculative import SpeculativeConfig
 from scheduler_node.core.tier_policy import KV_OFFLOAD_POLICIES
 
 
@@ -32,6 +33,7 @@ class SchedulerConfig:
     watermark: float = 0.01  # fraction of blocks kept free when admitting, against admit-then-preempt thrash
     kv_offload_policy: str = "arc"  # replacement in the KV offload tiers (scheduler_node/core/kv_tiers.py)
     max_loras: int = 1  # LoRA adapters resident on the workers at once (scheduler_node/core/lora_slots.py)
+    speculative: SpeculativeConfig | None = None  # speculative decoding (core/speculative.py); None: off
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):

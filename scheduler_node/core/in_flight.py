@@ -3,7 +3,8 @@
 When a result comes back, its plan's entry says which requests it computed, how many tokens and up to where (the
 blocks they filled get registered for prefix caching), and which of them sampled; when the workers skipped a plan
 (an interrupt), the same entry says how to roll its requests back. With disjoint plans (P > 1 stages) it also knows
-which requests are held by a plan in flight, so none is scheduled twice before its token is known. Entries are
+which requests are held by a plan in flight, so none is scheduled twice before its token is known; so does a
+speculating request's plan (its accepted tokens are known only once its result is back). Entries are
 columns appended to as the plan is built: no per-request object.
 """
 
@@ -23,9 +24,11 @@ class SentPlan:
     # Each one's preemptions when sent: a request preempted since (and maybe started again) is another run of it,
     # which this plan's progress is not part of.
     runs: list[int] = field(default_factory=list)
+    drafts: list[int] = field(default_factory=list)  # each one's proposed tokens (speculative decoding), within tokens
 
-    def add(self, req: Request, tokens: int, samples: bool) -> None:
+    def add(self, req: Request, tokens: int, samples: bool, drafts: int = 0) -> None:
         self.requests.append(req)
+        self.drafts.append(drafts)
         self.tokens.append(tokens)
         self.ends.append(req.num_computed_tokens)
         self.samples.append(samples)
@@ -47,6 +50,8 @@ class InFlightLedger:
         self._plans[step_id] = sent
         if self.disjoint_plans:
             self._held.update(r.handle for r in sent.requests)
+        elif any(sent.drafts):  # a speculating request's next tokens are known only once this result is back
+            self._held.update(r.handle for r, d in zip(sent.requests, sent.drafts) if d)
 
     def requests_of(self, step_id: int) -> list[Request]:
         """The requests a plan in flight computes."""

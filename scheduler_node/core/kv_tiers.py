@@ -21,6 +21,7 @@ from enum import IntEnum
 
 from proto.wire import StepResult, TierMove
 from scheduler_node.core.block_table import BlockHash
+from scheduler_node.core.kv_events import KVEventSink
 from scheduler_node.core.tier_policy import make_tier_policy
 
 logger = logging.getLogger(__name__)
@@ -136,6 +137,7 @@ class KVTiers:
     stats: KVTierStats = field(init=False)
     _moves: list[TierMove] = field(init=False, default_factory=list)
     _protected: set[BlockHash] = field(init=False, default_factory=set)
+    events: KVEventSink | None = field(init=False, default=None)  # told what enters and leaves each tier
 
     def __post_init__(self) -> None:
         make_tier_policy(self.policy, 0)  # checks the name
@@ -148,6 +150,9 @@ class KVTiers:
         sizes = ((Tier.RAM, self.ram_slots), (Tier.DISK, self.disk_slots))
         self.tiers = [TierIndex(tier, n, self.policy) for tier, n in sizes if n > 0]
         self._moves = []
+        if self.events is not None:
+            self.events.cleared(Tier.RAM)
+            self.events.cleared(Tier.DISK)
 
     @property
     def enabled(self) -> bool:
@@ -160,6 +165,8 @@ class KVTiers:
                 for slot, key in entries:
                     if 0 <= slot < tier.num_slots:
                         tier.adopt(key, slot)
+                        if self.events is not None and key in tier:
+                            self.events.stored(Tier.DISK, key)
 
     # ---- the block table's eviction hook
 
@@ -175,6 +182,10 @@ class KVTiers:
         if placed is None:
             return False
         slot, displaced = placed
+        if self.events is not None:
+            if displaced is not None:
+                self.events.removed(tier.tier, displaced[0])
+            self.events.stored(tier.tier, key)
         if displaced is not None and index + 1 < len(self.tiers) and displaced[0] not in self.tiers[index + 1]:
             if self._store(index + 1, displaced[0], tier.tier, displaced[1]):  # before its slot is overwritten
                 self.stats.blocks_demoted += 1
@@ -217,8 +228,7 @@ class KVTiers:
         """Loads the workers could not do: those blocks are not offered again (they are recomputed)."""
         for key in keys:
             self.stats.failed_loads += 1
-            for tier in self.tiers:
-                tier.forget(key)
+            self._forget(key)
 
     def drop_failed_stores(self, keys: Sequence[BlockHash]) -> None:
         """Blocks a worker could not write to its disk: they are not offered again, and the disk tier is turned off
@@ -226,8 +236,7 @@ class KVTiers:
         lost). The RAM tier and the device prefix cache go on."""
         self.stats.failed_stores += len(keys)
         for key in keys:
-            for tier in self.tiers:
-                tier.forget(key)
+            self._forget(key)
         if self.disk_slots:
             logger.error(
                 "the disk KV tier could not store %d block(s) (a full or failing disk): it is off from now on; "
@@ -236,6 +245,15 @@ class KVTiers:
             )
             self.disk_slots = self.stats.disk_blocks_total = 0
             self.tiers = [t for t in self.tiers if t.tier is not Tier.DISK]
+            if self.events is not None:
+                self.events.cleared(Tier.DISK)
+
+    def _forget(self, key: BlockHash) -> None:
+        for tier in self.tiers:
+            if key in tier:
+                tier.forget(key)
+                if self.events is not None:
+                    self.events.removed(tier.tier, key)
 
     def take_moves(self) -> list[TierMove]:
         moves, self._moves = self._moves, []

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from proto.wire import LoraAdapter, NewRequest, SamplingOptions, TokenLogprobs
 from scheduler_node.core.block_table import BlockHash, hash_block
 from scheduler_node.core.lora_slots import LoraRef
+from scheduler_node.core.speculative import SpecState
 
 
 class FinishReason(enum.StrEnum):
@@ -105,6 +106,9 @@ class Request:
     handle: int = -1  # the request's id on the wire, assigned by the scheduler when the request is added
     kv_precision: str = "auto"  # auto | full | compact: the format of its KV blocks (core/kv_precision.py)
     lora: LoraRef | None = None  # its LoRA adapter (None: the base model)
+    # Speculative decoding (core/speculative.py): None when it never speculates (opted out, or options the worker
+    # cannot verify exactly); the scheduler sets it at admission when speculation is on.
+    spec: SpecState | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -145,8 +149,11 @@ class Request:
         kept, and set the status when it ended."""
         output, stop = self.output_token_ids, self.stop
         room = max_model_len - len(self.prompt_token_ids)
+        limit, ending = min(stop.max_tokens, room), stop.ending
         for i, token in enumerate(token_ids):
             output.append(token)
+            if len(output) < limit and token not in ending:
+                continue  # the common case, for every token of every request: what end_of would say, cheaper
             end = stop.end_of(token, len(output), room)
             if end is not None:
                 self.status = end
@@ -217,3 +224,4 @@ class RequestSpec:
     stop_token_ids: list[int] = field(default_factory=list)  # besides eos: tokens that end the output
     kv_precision: str = "auto"  # auto | full | compact (core/kv_precision.py)
     lora: LoraRef | None = None  # the LoRA adapter it runs with (None: the base model)
+    speculate: bool = True  # False: never speculative decoding for this request (when the server has it on)

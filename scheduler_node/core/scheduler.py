@@ -25,10 +25,12 @@ from proto.wire import ExecutionMode, StepPlan, StepResult, TokenLogprobs
 from scheduler_node.core.block_table import BlockHash, BlockTable, Written
 from scheduler_node.core.config import PreemptionMode, SchedulerConfig
 from scheduler_node.core.in_flight import InFlightLedger, SentPlan
+from scheduler_node.core.kv_events import DEVICE, KVEventSink
 from scheduler_node.core.kv_precision import BlockFormat, CompactKV, choose_format
 from scheduler_node.core.kv_tiers import KVTiers
 from scheduler_node.core.policy import Policy
-from scheduler_node.core.request import Request, Status
+from scheduler_node.core.request import FinishReason, Request, Status
+from scheduler_node.core.speculator import Speculator
 from scheduler_node.core.worker_view import WorkerView
 
 logger = logging.getLogger(__name__)
@@ -36,11 +38,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class RequestOutput:
-    """What one step produced for one request."""
+    """What one step produced for one request. The output side reads it on its own thread while the engine goes
+    on changing the request: what ends it is copied here when it ends, and the rest of the request is only read
+    for what no later step changes (its id, its prompt, its complete prompt logprobs)."""
 
     request: Request
-    new_token_ids: list[int]
+    new_token_ids: list[int]  # the step's tokens (several with speculative decoding), up to the one that ended it
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: FinishReason | None = None  # set when these tokens ended it
+    stopped_by_token: bool = False  # ended by eos or a stop token: the last token is not part of the text
+    num_output_tokens: int = 0  # with finish_reason: all its output tokens
+    cached_tokens: int = 0  # with finish_reason: of its prompt, found in the prefix cache
+    embedding: list[float] | None = None  # with finish_reason, an embedding request's
 
 
 @dataclass(slots=True)
@@ -101,6 +110,7 @@ class Scheduler:
         )
         self.precision = precision or CompactKV()
         self.tiers = tiers if tiers is not None and tiers.enabled and config.enable_prefix_caching else None
+        self.kv_events: KVEventSink | None = None  # set by attach_kv_events (a replica that publishes KV events)
         self._attach_tiers()
         self.costs = costs or PreemptionCosts()
         self.counters = SchedulerCounters()
@@ -116,6 +126,13 @@ class Scheduler:
         self.view = WorkerView(self.mode.tokens_in_plan, config.max_loras)
         self.in_flight = InFlightLedger(self.mode.disjoint_plans)
         self._step_id = 0
+        # Speculative decoding, when configured; not with tokens in plans (P > 1 stages): the stages before the
+        # last would learn how many proposals were accepted only with the next plan.
+        spec = config.speculative
+        if spec is not None and self.mode.tokens_in_plan:
+            logger.warning("speculative decoding is off: it does not run with pipeline parallelism yet")
+            spec = None
+        self.speculator = Speculator(spec) if spec is not None else None
 
     @property
     def num_preemptions(self) -> int:
@@ -131,6 +148,10 @@ class Scheduler:
         req.forks = tuple(forks or ())
         for r in [req, *req.forks]:
             r.handle = next(self._handles)
+            if self.speculator is None:
+                r.spec = None
+            else:
+                self.speculator.admit(r)
             self.requests[r.req_id] = r
             self._by_handle[r.handle] = r
         self._enqueue(req)
@@ -232,10 +253,14 @@ class Scheduler:
         floor = self._prefill_floor(now)
         preempted = False
         order = list(self.running) if self.policy.stable_order else self.policy.order_running(self.running, now)
-        held = self.in_flight.held if self.mode.disjoint_plans else None
+        spec = self.speculator
+        if spec is not None:
+            spec.begin_step(len(self.running))
+        # Speculating requests are held while their plan is in flight (their next tokens are not known before).
+        held = self.in_flight.held if self.mode.disjoint_plans or spec is not None else None
         # The loop runs once per running request per step: what it calls is looked up once, here.
         running, tokens_to_schedule, take = Status.RUNNING, self._tokens_to_schedule, self._take
-        scheduled = sent.requests
+        write, scheduled = self.blocks.write, sent.requests
         for i, req in enumerate(order):
             if budget <= 0 or len(scheduled) >= seats:
                 break
@@ -246,7 +271,19 @@ class Scheduler:
             if n <= 0 or (n > 1 and self.policy.effective_priority(req, now) < floor):
                 continue
             first = req.num_computed_tokens
-            while (written := self.blocks.write(req.req_id, first, first + n)) is None:
+            drafts: list[int] | None = []
+            if spec is not None and todo == 1 and req.spec is not None and self.view.holds(req.handle):
+                drafts = spec.drafts(req, self._draft_room(req, budget))
+                if drafts is None:
+                    continue  # it speculates: its next plan waits for this one's tokens
+                if drafts:
+                    written = write(req.req_id, first, first + 1 + len(drafts))
+                    if written is not None:  # proposals never preempt anyone: without blocks, a plain decode
+                        take(req, 1 + len(drafts), True, plan, sent, written, drafts)
+                        budget -= 1 + len(drafts)
+                        continue
+                    drafts = []
+            while (written := write(req.req_id, first, first + n)) is None:
                 later = self._same_pool(req, order[i + 1 :])  # the less valued ones that hold blocks it can use
                 victim = self._pick_victim([r for r in later if self._schedulable(r, held)], now)
                 if victim is None and held is not None and any(self._running_in_flight(r, held) for r in later):
@@ -271,10 +308,28 @@ class Scheduler:
             plan.tier_moves = self.tiers.take_moves()
         return plan
 
+    def attach_kv_events(self, sink: KVEventSink) -> None:
+        """From now on every hash that enters or leaves the prefix cache (any tier) is reported to `sink`."""
+        self.kv_events = sink
+        self._attach_tiers()
+
     def _attach_tiers(self) -> None:
-        """Cached blocks the device pool hands out again go to the offload tiers (when there are any)."""
+        """Cached blocks the device pool hands out again go to the offload tiers (when there are any); the prefix
+        cache's changes go to the KV event sink (when there is one)."""
         if self.tiers is not None:
             self.blocks.on_evict = self.tiers.offload
+            self.tiers.events = self.kv_events
+        self.blocks.events = self.kv_events
+
+    def _new_table(self, num_host_blocks: int, num_compact_blocks: int) -> None:
+        """An empty block table of the same size (a lost rank, a smaller world): nothing is cached any more."""
+        old = self.blocks
+        self.blocks = BlockTable(
+            old.num_blocks, old.block_size, old.enable_prefix_caching, num_host_blocks, num_compact_blocks
+        )
+        self.blocks.resize(old.usable_blocks)
+        if self.kv_events is not None:
+            self.kv_events.cleared(DEVICE)
 
     def _same_pool(self, req: Request, others: list[Request]) -> list[Request]:
         """Those of `others` whose blocks are of `req`'s format: preempting (or waiting for) one of the other pool
@@ -305,6 +360,15 @@ class Scheduler:
             return self.config.max_num_seqs
         runnable = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
         return max(1, -(-runnable // self.mode.plans_in_flight))
+
+    def _draft_room(self, req: Request, budget: int) -> int:
+        """Proposals a decode of `req` may add: within the step's budget, before max_tokens (the step samples one
+        more token than it proposes) and max_model_len (each proposal takes a KV slot)."""
+        return min(
+            budget - 1,
+            req.stop.max_tokens - len(req.output_token_ids) - 1,
+            self.max_model_len - req.num_tokens,
+        )
 
     @staticmethod
     def _tokens_to_schedule(req: Request) -> int:
@@ -509,15 +573,25 @@ class Scheduler:
         for key, block in zip(keys, written.added):
             self.tiers.load(key, block)
 
-    def _take(self, req: Request, n: int, samples: bool, plan: StepPlan, sent: SentPlan, written: Written) -> None:
+    def _take(
+        self,
+        req: Request,
+        n: int,
+        samples: bool,
+        plan: StepPlan,
+        sent: SentPlan,
+        written: Written,
+        drafts: list[int] | None = None,
+    ) -> None:
         """`req` computes `n` tokens in this plan, its last ones if `samples` (the step then samples its next
-        token); its blocks are `written` already."""
+        token); its blocks are `written` already. With `drafts`, its last n - 1 tokens are these proposals, which
+        the result accepts or not (`update` rolls the rejected ones back)."""
         first = req.num_computed_tokens
-        self.view.add_to_plan(req, plan, first, n, self.blocks, written)
+        self.view.add_to_plan(req, plan, first, n, self.blocks, written, drafts)
         req.num_computed_tokens = first + n
         if samples:
             req.num_placeholders += 1  # this step samples a token the scheduler learns of later
-        sent.add(req, n, samples)
+        sent.add(req, n, samples, len(drafts) if drafts else 0)
 
     def _preempt(self, req: Request, mode: PreemptionMode | None = None) -> None:
         mode = mode or self._preemption_mode(req)
@@ -579,6 +653,8 @@ class Scheduler:
             self.counters.steps += 1
             self.counters.worker_idle_ms += result.idle_ms
             self.counters.scheduled_tokens += tokens
+        if any(sent.drafts):
+            self._settle_drafts(sent, result)
         self._register_filled_blocks(sent)
         for handle, (first, logprobs) in result.prompt_logprobs.items():
             if (req := self._by_handle.get(handle)) is not None:  # kept even if preempted since: positions checked
@@ -594,15 +670,37 @@ class Scheduler:
             req = live.get(handle)
             if req is None or req.status is not running:
                 continue  # aborted or preempted while the step ran
-            req.num_placeholders -= len(token_ids)
+            req.num_placeholders -= 1  # one sampling step: one token, or with proposals the accepted ones and one
             kept = req.append_tokens(token_ids, max_len)
             if req.forks:
                 self._start_forks(req)
             logprobs = all_logprobs[handle][: len(kept)] if all_logprobs and handle in all_logprobs else []
-            outputs.append(RequestOutput(req, kept, logprobs))
-            if req.status is not running:  # it finished
-                self.finish(req.req_id, req.status)
+            if req.status is running:
+                outputs.append(RequestOutput(req, kept, logprobs))
+                continue
+            end = req.status  # it finished
+            outputs.append(RequestOutput(req, kept, logprobs, *_ending(req)))
+            self.finish(req.req_id, end)
+        if self.speculator is not None and any(sent.drafts):
+            self._register_filled_blocks(sent)  # the blocks filled by accepted proposals: hashable only now
         return outputs
+
+    def _settle_drafts(self, sent: SentPlan, result: StepResult) -> None:
+        """Each speculated request's proposals: the result's tokens are the accepted ones and one more; the
+        rejected ones' KV slots are not computed after all (both sides roll back: the worker as it verified).
+        Their blocks stay the request's, to be written by its next steps (as vLLM's do)."""
+        assert self.speculator is not None
+        for i, (req, proposed) in enumerate(zip(sent.requests, sent.drafts)):
+            if not proposed:
+                continue
+            tokens = result.sampled.get(req.handle)
+            accepted = len(tokens) - 1 if tokens else 0
+            rejected = proposed - accepted
+            sent.ends[i] -= rejected
+            sent.tokens[i] -= rejected
+            if req.status is Status.RUNNING and req.num_preemptions == sent.runs[i]:
+                req.num_computed_tokens -= rejected
+                self.speculator.observe(req, proposed, accepted)
 
     def _recompute_failed_loads(self, result: StepResult) -> None:
         """Tier blocks the workers could not load (a disk copy corrupted since start): no tier or prefix match
@@ -634,7 +732,8 @@ class Scheduler:
         for req, n, end, run in zip(sent.requests, sent.tokens, sent.ends, sent.runs):
             first_block, full = (end - n) // bs, end // bs
             if full > first_block and req.status is Status.RUNNING and req.num_preemptions == run:
-                bt.register(req.req_id, req.update_block_hashes(bs), first_block, full)
+                hashes = req.update_block_hashes(bs)  # accepted proposals are hashable once they are tokens
+                bt.register(req.req_id, hashes, first_block, min(full, len(hashes)))
 
     def _undo(self, sent: SentPlan) -> None:
         """The workers skipped this plan's compute: its requests are back where they were before it (the
@@ -714,11 +813,7 @@ class Scheduler:
             self.view.forget_all()
         else:
             self.view.preempt_all()
-        old = self.blocks
-        self.blocks = BlockTable(
-            old.num_blocks, old.block_size, old.enable_prefix_caching, old.num_host_blocks, old.num_compact_blocks
-        )
-        self.blocks.resize(old.usable_blocks)
+        self._new_table(self.blocks.num_host_blocks, self.blocks.num_compact_blocks)
         if self.tiers is not None:
             self.tiers.clear()  # until the world is back: then its disk blocks are adopted again (engine core)
         self._attach_tiers()
@@ -732,12 +827,11 @@ class Scheduler:
         compact = self.blocks.num_compact_blocks if num_compact_blocks is None else num_compact_blocks
         if num_host_blocks < self.blocks.num_host_blocks or compact < self.blocks.num_compact_blocks:
             bt = self.blocks
-            self.blocks = BlockTable(
-                bt.num_blocks,
-                bt.block_size,
-                bt.enable_prefix_caching,
-                min(num_host_blocks, bt.num_host_blocks),
-                min(compact, bt.num_compact_blocks),
-            )
-            self.blocks.resize(bt.usable_blocks)
+            self._new_table(min(num_host_blocks, bt.num_host_blocks), min(compact, bt.num_compact_blocks))
             self._attach_tiers()
+
+
+def _ending(req: Request) -> tuple[FinishReason, bool, int, int, list[float] | None]:
+    """What a RequestOutput copies of a request its tokens ended (the output side reads it on another thread)."""
+    embedding = req.embedding() if req.sampling.pooling else None
+    return req.status.finish_reason, req.stopped_by_token, len(req.output_token_ids), req.num_cached_tokens, embedding

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from proto.memory_stats import DEVICE, DISK, RAM, SWAP, KvPool
 from proto.transport import WorldCapacity
 from scheduler_node.core.scheduler import Scheduler
+from scheduler_node.core.speculative import SpecCounters
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +32,11 @@ class SchedulerStats:
     max_model_len: int
     mean_worker_idle_ms: float  # between consecutive steps, as the workers measured it
     interrupted_steps: int  # skipped for a request that outranked every request in them
+    # Speculative decoding (core/speculative.py SpecCounters), vLLM's names; zero when it is off.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
 def tokens_stored(s: Scheduler) -> int:
@@ -45,6 +51,7 @@ def tokens_stored(s: Scheduler) -> int:
 
 def snapshot(s: Scheduler) -> SchedulerStats:
     bt, c = s.blocks, s.counters
+    spec = s.speculator.counters if s.speculator is not None else SpecCounters()  # zeros when speculation is off
     slots = bt.num_used * bt.block_size
     return SchedulerStats(
         total_blocks=bt.num_blocks,
@@ -67,6 +74,10 @@ def snapshot(s: Scheduler) -> SchedulerStats:
         max_model_len=s.max_model_len,
         mean_worker_idle_ms=c.worker_idle_ms / c.steps if c.steps else 0.0,
         interrupted_steps=c.interrupted_steps,
+        spec_decode_num_drafts=spec.num_drafts,
+        spec_decode_num_draft_tokens=spec.num_draft_tokens,
+        spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+        spec_decode_num_accepted_tokens_per_pos=list(spec.accepted_per_pos),
     )
 
 

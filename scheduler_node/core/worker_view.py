@@ -33,10 +33,17 @@ class WorkerView:
         return bool(self._finished or self._preempted)
 
     def add_to_plan(
-        self, req: Request, plan: StepPlan, first: int, n: int, blocks: BlockTable, written: Written
+        self,
+        req: Request,
+        plan: StepPlan,
+        first: int,
+        n: int,
+        blocks: BlockTable,
+        written: Written,
+        drafts: list[int] | None = None,
     ) -> None:
         """`req` computes `n` tokens from position `first` in this plan; `written` is what that changed in its
-        table in `blocks`."""
+        table in `blocks`. `drafts`: its last n - 1 tokens are these proposals (a request the workers hold)."""
         held = self._tokens_held.get(req.handle)
         if held is None:  # its table goes out whole, replacements included
             lora = None if req.lora is None else self.lora_slots.pin(req.lora)
@@ -45,7 +52,10 @@ class WorkerView:
             return
         if written.replaced:
             self._block_updates.setdefault(req.handle, []).extend(written.replaced)
-        if self.tokens_in_plan:
+        if drafts:
+            added = tuple(written.added)
+            plan.cached_requests.append(CachedRequest(req.handle, first, n, added, draft_token_ids=tuple(drafts)))
+        elif self.tokens_in_plan:
             missing = tuple(req.output_token_ids[held - len(req.prompt_token_ids) :])
             self._tokens_held[req.handle] = req.num_tokens
             plan.cached_requests.append(CachedRequest(req.handle, first, n, tuple(written.added), missing))

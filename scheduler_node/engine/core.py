@@ -1,9 +1,11 @@
 """The engine core: the one loop every door drives (gRPC, the offline API, tests, benchmarks).
 
-admit → schedule → send the plan → receive the result → stream deltas → free blocks. It keeps up to the execution
-mode's plans in flight, applies their results in order, interrupts and undoes plans for a request that outranks
-them, recovers from a lost rank, enforces request and step deadlines, and streams every sequence's output. It
-reaches the workers only through a transport (proto/transport.py): ZeroMQ to worker processes or in-process.
+admit → schedule → send the plan → receive the result → hand the outputs on → free blocks. It keeps up to the
+execution mode's plans in flight, applies their results in order, and interrupts and undoes plans for a request
+that outranks them. What each step produced becomes text and deltas off this loop's thread, on the output side
+(engine/output_side.py, engine/output_thread.py); failures (a lost rank, a failed step, deadlines) are handled in
+engine/failures.py. It reaches the workers only through a transport (proto/transport.py): ZeroMQ to worker
+processes or in-process.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import collections
 import itertools
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,44 +23,22 @@ import msgspec
 
 from proto.memory_stats import KvPool
 from proto.transport import StepFailed, WorkerLost, WorkerTransport
-from proto.wire import StepPlan, StepResult, TokenLogprobs
+from proto.wire import StepPlan, StepResult
 from scheduler_node.core.lora_slots import lora_requests
 from scheduler_node.core.request import FinishReason, Request, RequestSpec, Status, StopConditions
-from scheduler_node.core.scheduler import RequestOutput, Scheduler
+from scheduler_node.core.scheduler import Scheduler
+from scheduler_node.core.speculative import SpecState
 from scheduler_node.core.stats import hit_rates, kv_pools, snapshot
 from scheduler_node.engine.collector import CollectorSchedule
+from scheduler_node.engine.failures import Failures
 from scheduler_node.engine.lora_registry import LoraRegistry
 from scheduler_node.engine.metrics import LiveSample, Metrics
-from scheduler_node.engine.outputs import Delta, EngineError, ErrorStatus, RequestStream, SequenceOutput
-from scheduler_node.text.detokenizer import IncrementalDetokenizer
+from scheduler_node.engine.options import STEP_SECONDS_PER_TOKEN, EngineOptions
+from scheduler_node.engine.output_side import OutputSide
+from scheduler_node.engine.outputs import Delta, DeltaSink, EngineError, ErrorStatus, RequestStream
 from scheduler_node.text.tokenizer import ModelTokenizer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineOptions:
-    rejoin_timeout: float = 60.0  # seconds a lost rank may take to come back before its requests fail
-    max_waiting_requests: int = 0  # waiting sequences at most (0: unbounded)
-    scheduler_delay: float = 0.0  # seconds to wait for more arrivals before a small batch
-    step_timeout: float = 60.0  # seconds a step may run (plus STEP_SECONDS_PER_TOKEN each) before its ranks are lost
-    # Keep the garbage collector's pauses out of the steps (engine/collector.py); a server process sets it.
-    schedule_gc: bool = False
-    # With schedule_gc: seconds the engine stays idle before the idle full collection runs. At once, its tens of
-    # milliseconds would be the wait of a client's next request whenever it sends one after another.
-    idle_collection_delay_s: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not self.rejoin_timeout > 0 or not self.step_timeout > 0:
-            raise ValueError("rejoin_timeout and step_timeout must be > 0")
-        if self.idle_collection_delay_s < 0:
-            raise ValueError("idle_collection_delay_s must be >= 0")
-        if self.max_waiting_requests < 0 or self.scheduler_delay < 0:
-            raise ValueError("max_waiting_requests and scheduler_delay must be >= 0")
-
-
-# A step's deadline grows with its work: a long prefill on a slow CPU may take this much per token.
-STEP_SECONDS_PER_TOKEN = 0.02
 
 
 @dataclass(slots=True)
@@ -69,7 +49,7 @@ class _InFlight:
     tokens: int  # the plan's scheduled tokens
 
 
-class EngineCore:
+class EngineCore(Failures):
     def __init__(
         self,
         scheduler: Scheduler,
@@ -86,19 +66,18 @@ class EngineCore:
         self.mode = scheduler.mode
         self._inflight: collections.deque[_InFlight] = collections.deque()
         self._interrupting: set[int] = set()  # steps interrupted and not answered yet: no plan is built meanwhile
-        self._sequences: dict[str, SequenceOutput] = {}
-        self._by_request_id: dict[str, list[str]] = {}
-        self._deadlines: dict[str, asyncio.TimerHandle] = {}
+        self.outputs = OutputSide(tokenizer, self.metrics, self._stopped_by_string)
         self._ids = itertools.count()
         self._wake = asyncio.Event()
-        self._idle = asyncio.Event()  # set while no request is live
-        self._idle.set()
         self.failed: str = ""  # set when the engine stopped for good
         self.draining = False  # no new requests; set by Drain and SIGTERM, never cleared
         self.gave_up = ""  # why requests are refused: a rank was lost and nobody rejoined in time
         self.collector = CollectorSchedule() if self.options.schedule_gc else None
         self._collected_at_idle = True  # nothing ran since the last idle collection
         self.loras: LoraRegistry | None = None  # the adapters served by name (None: LoRA is off)
+        # Called after each step's result is applied: a replica publishing KV events sends the step's batch
+        # (scheduler_node/engine/kv_publisher.py).
+        self.after_step: Callable[[], None] | None = None
 
     # ---- what the doors ask
 
@@ -114,12 +93,6 @@ class EngineCore:
         return bool(limit) and len(self.scheduler.waiting) + n > limit
 
     @property
-    def max_model_len(self) -> int:
-        """The longest request (prompt + max_tokens) the world holds now: it follows a ResizeCache and a smaller
-        replacement worker, so a request validated against it always fits."""
-        return self.scheduler.max_model_len
-
-    @property
     def max_kv_blocks(self) -> int:
         """The most usable blocks a ResizeCache may set: what every rank of the world holds now."""
         return min(self.scheduler.blocks.num_blocks, self.workers.capacity.num_kv_blocks)
@@ -131,30 +104,31 @@ class EngineCore:
         blocks = self.scheduler.blocks
         return blocks.num_compact_blocks * blocks.block_size
 
-    @property
-    def num_live(self) -> int:
-        return len(self._by_request_id)
-
     def is_live(self, request_id: str) -> bool:
-        return request_id in self._by_request_id
+        return request_id in self.outputs.requests
 
     def submit(self, spec: RequestSpec, deadline_s: float = 0.0) -> RequestStream:
-        """Queue a request; with `deadline_s` > 0 it ends with DEADLINE_EXCEEDED that many seconds from now."""
-        if spec.request_id in self._by_request_id:
+        """Queue a request; with `deadline_s` > 0 it ends with DEADLINE_EXCEEDED that many seconds from now.
+        Its deltas come in the stream returned, read on this loop."""
+        stream = RequestStream(spec.request_id, spec.n)
+        self.submit_to(spec, stream, deadline_s)
+        return stream
+
+    def submit_to(self, spec: RequestSpec, stream: DeltaSink, deadline_s: float = 0.0) -> None:
+        """`submit`, with the request's deltas put into `stream` (from the output thread if it is threadsafe)."""
+        if spec.request_id in self.outputs.requests:
             raise KeyError(spec.request_id)
         if self.failed:
             raise RuntimeError(self.failed)
-        stream = RequestStream(spec.request_id, spec.n)
         if too_long := self._too_long(spec):
             error = EngineError(ErrorStatus.UNAVAILABLE, too_long)
             for index in range(spec.n):  # ends at once, engine untouched: no sequence would ever start
                 stream.put(Delta(index, [], "", FinishReason.ERROR, error=error))
-            return stream
+            return
         eos = frozenset() if spec.ignore_eos else self.tokenizer.eos_token_ids
         stop = StopConditions(spec.max_tokens, eos, frozenset(spec.stop_token_ids), spec.sampling.min_tokens)
         # The worker bans the tokens that end the output until min_tokens, and lets a grammar end only with them.
         ending = msgspec.structs.replace(spec.sampling, stop_token_ids=sorted(eos | stop.stop_token_ids))
-        internal = []
         sequences: list[Request] = []
         for index in range(spec.n):
             req_id = f"{spec.request_id}#{next(self._ids)}"
@@ -171,20 +145,16 @@ class EngineCore:
                     cache_salt=spec.cache_salt + (spec.lora.cache_salt if spec.lora else ""),
                     kv_precision=spec.kv_precision,
                     lora=spec.lora,
+                    spec=SpecState() if spec.speculate else None,  # the scheduler keeps it only if it speculates
                 )
             )
-            detok = IncrementalDetokenizer(self.tokenizer, spec.prompt_token_ids, spec.stop, stop.may_stop)
-            self._sequences[req_id] = SequenceOutput(stream, index, detok)
-            internal.append(req_id)
+        self.outputs.add(spec, sequences, stream)
         self.scheduler.add(sequences[0], forks=sequences[1:])  # siblings share the prompt's blocks
-        self._by_request_id[spec.request_id] = internal
         self.interrupt_in_flight(sequences[0])
         if deadline_s > 0:
             expire = asyncio.get_running_loop().call_later(deadline_s, self._expire, spec.request_id, deadline_s)
-            self._deadlines[spec.request_id] = expire
-        self._idle.clear()
+            self.outputs.deadlines[spec.request_id] = expire
         self._wake.set()
-        return stream
 
     def _too_long(self, spec: RequestSpec) -> str:
         """Why a validated request can no longer fit ("" when it fits): the cache shrank (a ResizeCache, a smaller
@@ -201,13 +171,13 @@ class EngineCore:
         )
 
     def abort(self, request_id: str) -> bool:
-        ids = self._by_request_id.get(request_id)
+        ids = self.outputs.requests.get(request_id)
         if ids is None:
             return False
         for req_id in list(ids):
             req = self.scheduler.finish(req_id, Status.FINISHED_ABORTED)
             if req is not None:
-                self._emit(req, [], [])
+                self.outputs.end(req)
         self._wake.set()  # tell the workers to forget them
         return True
 
@@ -225,11 +195,11 @@ class EngineCore:
         set. Returns how many are still live."""
         if not self.draining:
             self.draining = True
-            logger.info("draining: %d live request(s)", len(self._by_request_id))
+            logger.info("draining: %d live request(s)", self.num_live)
             self.workers.changed.set()  # health: NOT_SERVING
-        waits = [self._idle.wait()] + ([hurry.wait()] if hurry is not None else [])
+        waits = [self.outputs.idle.wait()] + ([hurry.wait()] if hurry is not None else [])
         await _first(*waits, timeout=timeout)
-        return len(self._by_request_id)
+        return self.num_live
 
     def kv_pools(self) -> list[KvPool]:
         """The KV memory in bytes, per tier and format."""
@@ -257,25 +227,25 @@ class EngineCore:
             "minivllm:kv_cache_used_bytes": {(p.tier, p.format): p.used_bytes for p in pools},
             "minivllm:cache_hit_rate": {(tier,): rate for tier, rate in hit_rates(pools, s.prefix_cache_queries)},
             "minivllm:lora_requests": lora_requests(self.scheduler.running, self.scheduler.waiting),
+            "vllm:spec_decode_num_drafts": s.spec_decode_num_drafts,
+            "vllm:spec_decode_num_draft_tokens": s.spec_decode_num_draft_tokens,
+            "vllm:spec_decode_num_accepted_tokens": s.spec_decode_num_accepted_tokens,
+            "vllm:spec_decode_num_accepted_tokens_per_pos": {
+                (str(i),): n for i, n in enumerate(s.spec_decode_num_accepted_tokens_per_pos)
+            },
         }
 
     async def wait_idle(self) -> None:
         """Until no request is live."""
-        await self._idle.wait()
-
-    def end_all(self, reason: str, status: ErrorStatus) -> None:
-        """End every live request with an error and free its blocks."""
-        for req_id in list(self._sequences):
-            req = self.scheduler.finish(req_id, Status.FINISHED_ERROR)
-            if req is not None:
-                self._emit(req, [], [], error=EngineError(status, reason))
-        self._wake.set()
+        await self.outputs.idle.wait()
 
     # ---- the loop
 
     async def run(self) -> None:
         if self.collector is not None:
             self.collector.start()
+        if self.options.output_thread:
+            self.outputs.start()
         try:
             while True:
                 if not self.workers.all_ready:
@@ -290,6 +260,8 @@ class EngineCore:
             self.failed = f"engine failed: {exc}"
             self.end_all(self.failed, ErrorStatus.INTERNAL)
             raise
+        finally:
+            self.outputs.stop()
 
     async def _step(self) -> None:
         """Keep up to the mode's plans on the workers, then consume the oldest result."""
@@ -316,7 +288,10 @@ class EngineCore:
             return
         self._inflight.popleft()
         self._interrupting.discard(head.plan.step_id)
-        self._on_outputs(self.scheduler.update(head.plan, result))
+        outputs = self.scheduler.update(head.plan, result)
+        self.outputs.step(outputs)
+        if self.after_step is not None:
+            self.after_step()
         if head.tokens:
             m = self.metrics
             m.step_time.observe(time.perf_counter() - head.sent)
@@ -327,7 +302,7 @@ class EngineCore:
         """Nothing to do: wait for work (or a lost rank). Once idle for `idle_collection_delay_s`, the collector's
         idle collection runs (once per idle period)."""
         self._wake.clear()
-        if self.collector is not None and not self._collected_at_idle and not self._sequences:
+        if self.collector is not None and not self._collected_at_idle and not self.outputs.request_of:
             if await self._woken(self.options.idle_collection_delay_s):
                 return  # work came first: the collection waits for the next idle period
             self.collector.idle()
@@ -415,183 +390,19 @@ class EngineCore:
         if waited < delay:
             await asyncio.sleep(delay - waited)
 
-    # ---- failures
-
-    async def _recover(self) -> None:
-        """A rank is lost with its KV: requeue everything, wait for a replacement, resume by recompute.
-
-        If none joins within the rejoin timeout, every live request ends with UNAVAILABLE and new ones are
-        refused until the ranks are complete again."""
-        reason = self.workers.lost_reason or "a rank is not ready"
-        self.metrics.worker_losses.inc()
-        running = self.scheduler.requeue_all()
-        timeout = self.options.rejoin_timeout
-        if self.draining:
-            self.end_all(f"{reason} while draining", ErrorStatus.UNAVAILABLE)
-        else:
-            logger.warning(
-                "%s: %d running request(s) back to waiting; waiting up to %g s for a replacement worker",
-                reason,
-                running,
-                timeout,
-            )
-            if await self.workers.wait_ready(timeout):
-                self._world_back()
-                logger.info("every rank is ready; resuming %d request(s) by recompute", self.scheduler.num_unfinished)
-                return
-        self.gave_up = f"{reason}, and no worker rejoined within {timeout:g} s"
-        logger.error("%s: failing %d live request(s)", self.gave_up, len(self._by_request_id))
-        self.end_all(self.gave_up, ErrorStatus.UNAVAILABLE)
-        await self.workers.wait_ready(None)
-        self.scheduler.requeue_all()  # start from a clean slate: no notices for the old workers
-        self._world_back()
-        self.gave_up = ""
-        self.workers.changed.set()  # health: SERVING again
-        logger.info("every rank is ready again; serving")
-
-    def _world_back(self) -> None:
-        """Every rank is ready again: the scheduler fits the world's capacity, and its disk tier index takes
-        back the blocks every restarted rank found intact in its file (the RAM tier died with the workers). A
-        block whose copy changed since is caught by its check when loaded, and recomputed."""
-        self._fit_capacity()
-        if self.scheduler.tiers is not None:
-            self.scheduler.tiers.adopt_disk(self.workers.capacity.disk_tier_entries)
-
-    def _fit_capacity(self) -> None:
-        """A replacement that could not hold the world's KV size shrank the world: the scheduler follows (and
-        max_model_len with it), and requests that could no longer finish end (they would wait forever)."""
-        capacity = self.workers.capacity
-        blocks = self.scheduler.blocks
-        compact = capacity.num_compact_blocks
-        if (
-            capacity.num_kv_blocks >= blocks.usable_blocks
-            and capacity.num_swap_blocks >= blocks.num_host_blocks
-            and compact >= blocks.num_compact_blocks
-        ):
-            return
-        self.scheduler.fit_capacity(capacity.num_kv_blocks, capacity.num_swap_blocks, compact)
-        limit = self.max_model_len
-        for req in self.scheduler.stranded(self.scheduler.blocks.usable_blocks):
-            message = (
-                f"the KV cache shrank to {limit} tokens (a replacement worker holds fewer blocks); this request "
-                f"needs up to {req.num_tokens_at_most} (prompt + max_tokens)"
-            )
-            self.scheduler.finish(req.req_id, Status.FINISHED_ERROR)
-            self._emit(req, [], [], error=EngineError(ErrorStatus.UNAVAILABLE, message))
-
-    def _end_unstartable(self) -> None:
-        """Nothing runs or is in flight, yet the scheduler started no waiting request: the first of them could
-        never start. It ends with an error instead of stopping the engine (every later request would fail)."""
-        head = self.scheduler.policy.order_waiting(self.scheduler.waiting, time.monotonic())[0]
-        free = self.scheduler.blocks.num_free
-        message = f"the scheduler could not start this request ({head.num_tokens} tokens, {free} free KV blocks)"
-        logger.error("%s: %s", head.req_id, message)
-        for req in [head, *head.forks]:
-            self.scheduler.finish(req.req_id, Status.FINISHED_ERROR)
-            self._emit(req, [], [], error=EngineError(ErrorStatus.INTERNAL, message))
-
-    def _fail_step(self, plan: StepPlan, reason: str) -> None:
-        """A worker could not run the plan: its requests fail, the rest are recomputed (worker state is suspect).
-        Siblings (n > 1) still waiting for a failed prompt fail with it: nothing would ever start them. The
-        workers are alive and keep what they hold, so they are told to forget all of it."""
-        failed = self.scheduler.requests_in(plan)
-        failed += [fork for req in failed for fork in req.forks]
-        logger.error("%s; failing the %d request(s) of that step", reason, len(failed))
-        for req in failed:
-            if self.scheduler.finish(req.req_id, Status.FINISHED_ERROR) is not None and req.req_id in self._sequences:
-                self._emit(req, [], [], error=EngineError(ErrorStatus.INTERNAL, reason))
-        self.scheduler.requeue_all(workers_lost=False)
-
-    def _expire(self, request_id: str, deadline_s: float) -> None:
-        self._deadlines.pop(request_id, None)
-        for req_id in list(self._by_request_id.get(request_id, [])):
-            req = self.scheduler.finish(req_id, Status.FINISHED_ERROR)
-            if req is not None:
-                error = f"deadline_s: {deadline_s:g} s passed before the request finished"
-                self._emit(req, [], [], error=EngineError(ErrorStatus.DEADLINE_EXCEEDED, error))
-        self._wake.set()  # tell the workers to forget them
-
     # ---- outputs
 
     def _note_scheduled(self, plan: StepPlan) -> None:
-        now = time.monotonic()
         for new in plan.new_requests:  # a request is scheduled for the first time as a new one
             req = self.scheduler.request_of(new.handle)
-            seq = self._sequences.get(req.req_id) if req is not None else None
-            if seq is not None and not seq.scheduled:
-                seq.scheduled = True
-                self.metrics.queue_time.observe(now - seq.arrival)
+            if req is not None:
+                self.outputs.scheduled(req.req_id)
 
-    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
-        """Stream each sequence's new tokens (one clock reading for the step); count them once."""
-        now, tokens, sequences = time.monotonic(), 0, self._sequences
-        for out in outputs:
-            req = out.request
-            seq = sequences.get(req.req_id)
-            if seq is None:
-                continue
-            text_ids = out.new_token_ids[:-1] if req.stopped_by_token else out.new_token_ids
-            seq.detokenizer.add(text_ids)  # the token that stopped the output is not part of its text
-            if seq.detokenizer.stopped and not req.finished:  # a stop string: the output side reports it
-                self.scheduler.finish(req.req_id, Status.FINISHED_STOPPED)
-            self._emit(req, out.new_token_ids, out.logprobs, now=now, seq=seq)
-            tokens += len(out.new_token_ids)
-        if tokens:
-            self.metrics.generation_tokens.inc(tokens)
-
-    def _emit(
-        self,
-        req: Request,
-        token_ids: list[int],
-        logprobs: list[TokenLogprobs],
-        error: EngineError | None = None,
-        now: float = 0.0,
-        seq: SequenceOutput | None = None,
-    ) -> None:
-        """Stream what one step (or an ending) brought a sequence; `seq` is its output side, when looked up."""
-        seq = seq or self._sequences[req.req_id]
-        if token_ids:
-            self._observe_tokens(seq, req, len(token_ids), now)
-        finished = req.finished
-        delta = Delta(seq.index, token_ids, seq.detokenizer.delta(final=finished), logprobs=logprobs)
-        if token_ids and seq.index == 0 and req.sampling.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
-            delta.prompt_logprobs = list(req.prompt_logprobs)  # complete once the first token is sampled
-            seq.prompt_logprobs_sent = True
-        if finished:
-            delta.finish_reason = req.status.finish_reason
-            delta.prompt_tokens = len(req.prompt_token_ids)
-            delta.cached_tokens = req.num_cached_tokens
-            if req.sampling.pooling:
-                delta.embedding = req.embedding()
-            delta.completion_tokens = len(req.output_token_ids)
-            delta.error = error
-            self.metrics.finished(delta.finish_reason, None if error else time.monotonic() - seq.arrival)
-            self._forget(req.req_id, seq.stream.request_id)
-        if delta.token_ids or delta.text or finished:
-            seq.stream.put(delta)
-
-    def _forget(self, req_id: str, request_id: str) -> None:
-        del self._sequences[req_id]
-        ids = self._by_request_id[request_id]
-        ids.remove(req_id)
-        if not ids:
-            del self._by_request_id[request_id]
-            expire = self._deadlines.pop(request_id, None)
-            if expire is not None:
-                expire.cancel()
-            if not self._by_request_id:
-                self._idle.set()
-
-    def _observe_tokens(self, seq: SequenceOutput, req: Request, n: int, now: float) -> None:
-        m = self.metrics
-        if not seq.last_token_at:
-            m.ttft.observe(now - seq.arrival)
-            if seq.index == 0:
-                m.prompt_tokens.inc(len(req.prompt_token_ids))
-        else:
-            for _ in range(n):
-                m.itl.observe((now - seq.last_token_at) / n)
-        seq.last_token_at = now
+    def _stopped_by_string(self, req_id: str) -> None:
+        """The output side found a stop string (its final delta is out): the scheduler frees the sequence, and the
+        workers are told to forget it."""
+        self.scheduler.finish(req_id, Status.FINISHED_STOPPED)
+        self._wake.set()
 
 
 async def _first(*waits: Coroutine[Any, Any, Any], timeout: float | None = None) -> bool:

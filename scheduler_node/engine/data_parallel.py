@@ -33,6 +33,8 @@ class ReplicaPlan:
     topology_file: Path | None = None  # its own devices, when the user gave a topology
     worker_env: dict[str, str] = field(default_factory=dict)  # what its workers see (their GPU slice)
     http_port: int = 0  # its OpenAI API on loopback, behind the router's (0: off)
+    kv_events_port: int = 0  # its KV events and snapshots on loopback, for the router's kv strategy (0: off)
+    kv_snapshot_port: int = 0
 
     @property
     def address(self) -> str:

@@ -1,8 +1,9 @@
 """Prometheus metrics (`--metrics-port`) under vLLM's names, so existing dashboards work, plus minivllm's own.
 
-Counters and histograms are updated by the engine loop as things happen. Gauges (queues, KV usage,
-fragmentation) and the scheduler's counters (preemptions, prefix cache) are read at scrape time, on the event
-loop's thread, so the scrape never sees the scheduler half-way through a change.
+Counters and histograms are updated as things happen (those of tokens and finished requests by the output thread,
+engine/output_thread.py). Gauges (queues, KV usage, fragmentation) and the scheduler's counters (preemptions, prefix
+cache) are read at scrape time, on the event loop's thread, so the scrape never sees the scheduler half-way through
+a change.
 """
 
 from __future__ import annotations
@@ -154,12 +155,21 @@ COUNTERS = {
     "minivllm:kv_tier_failed_loads": "KV tier blocks that failed their check when loaded and were recomputed",
     "minivllm:kv_tier_failed_stores": "KV blocks a worker could not write to its disk tier (dropped; disk tier off)",
     "minivllm:kv_tier_bytes_moved": "Bytes of KV (one rank's shards) moved between the device and the offload tiers",
+    "vllm:spec_decode_num_drafts": "Speculated steps of a request (speculative decoding)",
+    "vllm:spec_decode_num_draft_tokens": "Tokens proposed (speculative decoding)",
+    "vllm:spec_decode_num_accepted_tokens": "Proposed tokens accepted (speculative decoding)",
+}
+LABELLED_COUNTERS = {  # name -> (help, label names beside model_name)
+    "vllm:spec_decode_num_accepted_tokens_per_pos": (
+        "Proposed tokens accepted at each position of a proposal (speculative decoding)",
+        ("position",),
+    ),
 }
 
 
 class LoopHistogram(Collector):
-    """A histogram written by the event loop's thread only, read by scrapes as prometheus_client's are: one bisect
-    and two additions per observation, about a fifth of a locked Histogram's cost."""
+    """A histogram written by one thread only (the output thread), read by scrapes as prometheus_client's are: one
+    bisect and two additions per observation, about a fifth of a locked Histogram's cost."""
 
     def __init__(self, name: str, doc: str, buckets: tuple[float, ...], model_name: str) -> None:
         self.name, self.doc, self.model_name = name, doc, model_name
@@ -170,6 +180,11 @@ class LoopHistogram(Collector):
     def observe(self, value: float) -> None:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1  # bucket i holds values <= bounds[i]
         self.sum += value
+
+    def observe_n(self, value: float, n: int) -> None:
+        """`n` observations of `value`."""
+        self.counts[bisect.bisect_left(self.bounds, value)] += n
+        self.sum += value * n
 
     def collect(self) -> Iterator[Metric]:
         counts, total = list(self.counts), self.sum  # a copy: the loop goes on writing
@@ -209,4 +224,11 @@ class _LiveCollector(Collector):
             value = values.get(key)
             if isinstance(value, (int, float)):
                 counter.add_metric([name], value)
+            yield counter
+        for key, (doc, labels) in LABELLED_COUNTERS.items():
+            counter = CounterMetricFamily(key, doc, labels=["model_name", *labels])
+            series = values.get(key)
+            if isinstance(series, dict):
+                for label_values, value in series.items():
+                    counter.add_metric([name, *label_values], value)
             yield counter

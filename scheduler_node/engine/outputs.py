@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import enum
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from proto.wire import TokenLogprobs
 from scheduler_node.core.request import FinishReason
-from scheduler_node.text.detokenizer import IncrementalDetokenizer
 
 
 class ErrorStatus(enum.Enum):
@@ -46,11 +45,22 @@ class Delta:
     embedding: list[float] | None = None  # an embedding request's, with its finish
 
 
+class DeltaSink(Protocol):
+    """Where one request's deltas go. The output thread calls `put` itself when `threadsafe`; otherwise the
+    deltas of a step go to the engine's event loop in one call, and `put` runs there."""
+
+    threadsafe: bool
+
+    def put(self, delta: Delta) -> None: ...
+
+
 class RequestStream:
     """The deltas of one client request (all n sequences), in order; iteration ends when every sequence ended.
 
     A deque and one waiter rather than an asyncio.Queue: the engine puts a delta per sequence per step, and this is
-    half the queue's cost."""
+    half the queue's cost. Read on the engine's event loop, so put there too (not `threadsafe`)."""
+
+    threadsafe = False
 
     def __init__(self, request_id: str, n: int) -> None:
         self.request_id = request_id
@@ -59,7 +69,7 @@ class RequestStream:
         self._waiter: asyncio.Future[None] | None = None  # the reader, waiting for a delta
 
     def put(self, delta: Delta) -> None:
-        """From the engine loop: the next delta; wakes the reader if it waits."""
+        """On the event loop: the next delta; wakes the reader if it waits."""
         self._ready.append(delta)
         waiter, self._waiter = self._waiter, None
         if waiter is not None and not waiter.done():
@@ -80,16 +90,3 @@ class RequestStream:
             if delta.finish_reason:
                 self.unfinished -= 1
             yield delta
-
-
-@dataclass(slots=True)
-class SequenceOutput:
-    """The output side of one sequence: its stream, its text so far (stop strings cut it), its timing."""
-
-    stream: RequestStream
-    index: int
-    detokenizer: IncrementalDetokenizer
-    arrival: float = field(default_factory=time.monotonic)
-    scheduled: bool = False
-    last_token_at: float = 0.0  # 0 until the first token
-    prompt_logprobs_sent: bool = False

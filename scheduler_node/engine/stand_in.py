@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -34,11 +35,14 @@ class StandInWorkers:
         token: int = 7,
         tokens_in_plan: bool = False,
         block_size: int = 16,
+        acceptance: random.Random | None = None,
     ) -> None:
         self._capacity = WorldCapacity(num_kv_blocks, num_swap_blocks, 1, 1e12)
         self.token = token
         self.tokens_in_plan = tokens_in_plan
         self.block_size = block_size
+        # Speculative decoding: how many of a request's proposals are accepted, drawn from this (all when None).
+        self.acceptance = acceptance
         self.lost = asyncio.Event()
         self.changed = asyncio.Event()
         self.held: dict[int, _Held] = {}  # by handle
@@ -102,7 +106,10 @@ class StandInWorkers:
             self._check_blocks(new.block_ids)
             tokens = len(new.prompt_token_ids) + len(new.output_token_ids)
             self.held[new.handle] = _Held(tokens, new.num_computed_tokens, len(new.block_ids))
+        drafts: dict[int, int] = {}
         for cached in plan.cached_requests:
+            if cached.draft_token_ids:
+                drafts[cached.handle] = len(cached.draft_token_ids)
             held = self.held.get(cached.handle)
             if held is None:
                 raise ValueError(f"request {cached.handle}: not held")
@@ -120,11 +127,19 @@ class StandInWorkers:
         for handle, n in plan.num_scheduled_tokens.items():
             held = self.held[handle]  # every scheduled request came new or cached above
             held.num_computed += n
-            if held.num_computed > held.num_tokens:
+            proposed = drafts.get(handle, 0)
+            if held.num_computed > held.num_tokens + proposed:
                 raise ValueError(f"request {handle}: computes {held.num_computed} of {held.num_tokens} tokens")
             if held.num_computed > held.num_blocks * self.block_size:
                 raise ValueError(f"request {handle}: {held.num_computed} tokens in {held.num_blocks} blocks")
-            if held.num_computed == held.num_tokens:
+            if proposed:  # verified: some proposals accepted, the rest's slots rolled back, one token sampled
+                if held.num_computed != held.num_tokens + proposed:
+                    raise ValueError(f"request {handle}: proposals that do not follow its last token")
+                accepted = self.acceptance.randint(0, proposed) if self.acceptance is not None else proposed
+                held.num_computed -= proposed - accepted
+                sampled[handle] = [self.token] * (accepted + 1)
+                held.num_tokens += accepted + 1
+            elif held.num_computed == held.num_tokens:
                 sampled[handle] = [self.token]
                 if not self.tokens_in_plan:
                     held.num_tokens += 1

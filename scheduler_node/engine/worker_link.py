@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import zmq
@@ -25,7 +24,8 @@ import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from proto.curve import configure_server
-from proto.transport import StepFailed, WorkerLost, WorldCapacity
+from proto.pending_steps import PendingSteps
+from proto.transport import WorkerLost, WorldCapacity
 from proto.wire import (
     HEARTBEAT_TIMEOUT_S,
     MAX_MESSAGE_BYTES,
@@ -46,14 +46,6 @@ from proto.wire import (
 from scheduler_node.engine.rank_registry import READY, Claim, RankRegistry, WorkerInfo
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _Step:
-    waiting: set[bytes]  # ranks that have not answered yet
-    output: bytes  # the rank whose result carries the sampled tokens
-    future: asyncio.Future[StepResult]
-    result: StepResult | None = None
 
 
 class WorkerLink:
@@ -84,7 +76,7 @@ class WorkerLink:
         self.registry = RankRegistry(self._send_message, heartbeat_timeout, on_lost=self._fail_steps)
         self.registry.name = address
         self.output_rank = 0  # whose StepResult step() returns
-        self._steps: dict[int, _Step] = {}
+        self._steps: PendingSteps[bytes] = PendingSteps()
         self.lost = self.registry.lost  # set while a rank is lost, until every rank is ready again
         self.changed = self.registry.changed  # set on every change of a rank's state; health reporting clears it
         self._tasks: list[asyncio.Task[None]] = []
@@ -163,10 +155,7 @@ class WorkerLink:
             if error:
                 self.registry.lose(w, f"cannot send to it: {error}")
                 raise WorkerLost(self.lost_reason)
-        future: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
-        output = workers[self.output_rank].identity
-        self._steps[plan.step_id] = _Step({w.identity for w in workers}, output, future)
-        return future
+        return self._steps.add(plan.step_id, {w.identity for w in workers}, workers[self.output_rank].identity)
 
     def interrupt(self, first_step_id: int, last_step_id: int) -> bool:
         """Ask a lone worker to skip the compute of steps first..last (sent, not answered). False when the
@@ -177,36 +166,12 @@ class WorkerLink:
 
     def declare_lost(self, reason: str) -> None:
         """Lose the ranks that owe an answer to the oldest step in flight (all ready ranks if none is in flight)."""
-        owing = next(iter(self._steps.values())).waiting if self._steps else {w.identity for w in self.workers}
-        self.registry.lose_ready(owing, reason)
-
-    def _on_result(self, identity: bytes, msg: StepResult | StepError) -> None:
-        step = self._steps.get(msg.step_id)
-        if step is None or identity not in step.waiting:
-            logger.debug("dropped a stale answer to step %d", msg.step_id)
-            return
-        if step.future.done():  # the engine dropped the plans in flight (a failed step, a recovery)
-            del self._steps[msg.step_id]
-            return
-        if isinstance(msg, StepError):
-            del self._steps[msg.step_id]
-            step.future.set_exception(StepFailed(f"rank {msg.rank} could not run step {msg.step_id}: {msg.reason}"))
-            return
-        if identity == step.output:
-            step.result = msg
-        step.waiting.discard(identity)
-        if not step.waiting:
-            del self._steps[msg.step_id]
-            assert step.result is not None
-            step.future.set_result(step.result)
+        owing = self._steps.oldest_owing()
+        self.registry.lose_ready(owing if owing is not None else {w.identity for w in self.workers}, reason)
 
     def _fail_steps(self, reason: str) -> None:
         """A rank was lost: every step in flight fails with WorkerLost."""
-        error = WorkerLost(reason)
-        for step in self._steps.values():
-            if not step.future.done():  # the engine may have cancelled it already (a failed step before)
-                step.future.set_exception(error)
-        self._steps.clear()
+        self._steps.fail_all(WorkerLost(reason))
 
     # ---- liveness
 
@@ -264,7 +229,7 @@ class WorkerLink:
             self.registry.ready(identity, msg)
         elif isinstance(msg, (StepResult, StepError)):
             if info is not None and info.state == READY:
-                self._on_result(identity, msg)
+                self._steps.answer(identity, msg)
         elif isinstance(msg, Heartbeat):
             if info is None:  # a worker this scheduler does not know (declared lost, or of a previous scheduler)
                 self.registry.tell(identity, Shutdown("unknown to this scheduler; start again to join"))
@@ -288,9 +253,7 @@ class WorkerLink:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for step in self._steps.values():
-            step.future.cancel()
-        self._steps.clear()
+        self._steps.cancel_all()
         if self._auth is not None:
             self._auth.stop()
         self._monitor.close(linger=0)

@@ -1,5 +1,6 @@
 """The router's Prometheus metrics (`vllm-router --metrics-port`): requests per replica, routing decisions per
-strategy, retries, request errors by status, and each replica's health and open streams."""
+strategy, retries, request errors by status, each replica's health and open streams, and (kv strategy) the blocks
+its KV index holds per replica."""
 
 from __future__ import annotations
 
@@ -35,6 +36,10 @@ class RouterMetrics(Exporter):
         self.in_flight = Gauge(
             "minivllm:router_replica_in_flight", "Streams the router has open on the replica", ["model", "replica"],
             registry=r,
+        )  # fmt: skip
+        self.kv_blocks = Gauge(
+            "minivllm:router_kv_indexed_blocks", "kv strategy: block hashes the router's index holds for the replica "
+            "(0 while it resynchronizes)", ["model", "replica"], registry=r,
         )  # fmt: skip
         ProcessCollector(registry=r)
 

@@ -25,21 +25,35 @@ class ReplicaSpec:
     model: str  # the name it serves (its --served-model-name)
     weight: float = 1.0  # its share relative to the other replicas of its model (capacity)
     http: str = ""  # HOST:PORT of its OpenAI HTTP API (its --openai-port), where the router's HTTP door forwards
+    kv_events: str = ""  # HOST:PORT of its KV events (its --kv-events-port), for --routing-strategy kv
+    kv_snapshot: str = ""  # HOST:PORT of its KV snapshots (its --kv-events-snapshot-port; default: kv_events + 1)
+    tokenizer: str = ""  # the model's folder (tokenizer.json, chat template): kv hashes text prompts like it
 
     def __post_init__(self) -> None:
-        for key, address in (("address", self.address), ("http", self.http)):
+        for key in ("address", "http", "kv_events", "kv_snapshot"):
+            address = getattr(self, key)
             host, _, port = address.rpartition(":")
             if (address or key == "address") and (not host or not port.isdigit() or not 0 < int(port) < 65536):
                 raise ValueError(f"replica {key} must be HOST:PORT, got {address!r}")
+        if self.kv_snapshot and not self.kv_events:
+            raise ValueError(f"replica {self.address}: kv_snapshot needs kv_events")
+        if self.kv_events and not self.kv_snapshot:
+            host, _, port = self.kv_events.rpartition(":")
+            if int(port) == 65535:
+                raise ValueError(f"replica {self.address}: give kv_snapshot (kv_events' port + 1 is not a port)")
+            object.__setattr__(self, "kv_snapshot", f"{host}:{int(port) + 1}")
         if not self.model:
             raise ValueError(f"replica {self.address}: model must not be empty")
         if not self.weight > 0:
             raise ValueError(f"replica {self.address}: weight must be > 0, got {self.weight}")
 
 
+OPTIONAL = ("http", "kv_events", "kv_snapshot", "tokenizer")  # the keys of --replica besides address, model, weight
+
+
 def parse_replica(value: str | Mapping[str, Any]) -> ReplicaSpec:
-    """`HOST:PORT,model=NAME[,weight=W][,http=HOST:PORT]` (the command line) or a mapping {address, model, weight,
-    http} (a config file)."""
+    """`HOST:PORT,model=NAME[,weight=W][,http=HOST:PORT][,kv_events=HOST:PORT][,kv_snapshot=HOST:PORT]
+    [,tokenizer=DIR]` (the command line) or a mapping of those keys (a config file)."""
     if isinstance(value, Mapping):
         fields = {str(k): v for k, v in value.items()}
     else:
@@ -50,17 +64,18 @@ def parse_replica(value: str | Mapping[str, Any]) -> ReplicaSpec:
             if not sep:
                 raise ValueError(f"replica {value!r}: expected key=value after the address, got {pair!r}")
             fields[key.strip()] = v.strip()
-    unknown = set(fields) - {"address", "model", "weight", "http"}
+    unknown = set(fields) - {"address", "model", "weight", *OPTIONAL}
     if unknown:
-        raise ValueError(f"replica {value!r}: unknown keys {sorted(unknown)}; expected address, model, weight, http")
+        raise ValueError(f"replica {value!r}: unknown keys {sorted(unknown)}; expected address, model, weight, "
+                         f"{', '.join(OPTIONAL)}")  # fmt: skip
     if "address" not in fields or "model" not in fields:
         raise ValueError(f"replica {value!r}: address and model are required")
     try:
         weight = float(fields.get("weight", 1.0))
     except (TypeError, ValueError):
         raise ValueError(f"replica {value!r}: weight must be a number, got {fields['weight']!r}") from None
-    http = str(fields.get("http") or "").strip()
-    return ReplicaSpec(str(fields["address"]).strip(), str(fields["model"]).strip(), weight, http)
+    optional = {key: str(fields.get(key) or "").strip() for key in OPTIONAL}
+    return ReplicaSpec(str(fields["address"]).strip(), str(fields["model"]).strip(), weight, **optional)
 
 
 @dataclass(slots=True)

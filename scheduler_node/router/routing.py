@@ -61,15 +61,19 @@ class Router:
         prefix_chars: int = 256,
         prefix_load_factor: float = DEFAULT_LOAD_FACTOR,
         metrics: RouterMetrics | None = None,
+        kv: Strategy | None = None,
     ) -> None:
         self.pool = pool
         self.default_model = default_model or pool.models[0]
         if self.default_model not in pool.models:
             raise ValueError(f"--default-model {self.default_model!r} is not served by any replica: {pool.models}")
         self.function: RoutingFunction | None = load_function(strategy) if ":" in strategy else None
-        self.strategy: Strategy = (
-            LeastLoaded() if self.function else make_strategy(strategy, prefix_chars, prefix_load_factor)
-        )
+        if self.function:
+            self.strategy: Strategy = LeastLoaded()
+        elif strategy == "kv" and kv is not None:
+            self.strategy = kv  # built over the KV events' index (scheduler_node/cli/router.py)
+        else:
+            self.strategy = make_strategy(strategy, prefix_chars, prefix_load_factor)
         self.strategy_name = strategy if self.function else self.strategy.name
         self.metrics = metrics
 

@@ -23,7 +23,7 @@ from scheduler_node.router.replica import Replica
 from scheduler_node.router.request import RouteRequest
 from scheduler_node.router.ring import HashRing
 
-STRATEGIES = ("round_robin", "least_loaded", "prefix", "latency")
+STRATEGIES = ("round_robin", "least_loaded", "prefix", "latency", "kv")  # kv: scheduler_node/router/kv_strategy.py
 # `prefix`: a replica may take up to 1.5 x its share of the open streams. The bounded-loads paper's 1.25 spills
 # too often when few streams are open (with 2 replicas and 8 streams, a sixth on one replica already overflows):
 # in scripts/bench_router.py it lost a fifth of the hit rate that 1.5 keeps.
@@ -149,4 +149,6 @@ def make_strategy(name: str, prefix_chars: int, prefix_load_factor: float) -> St
         return PrefixAffinity(prefix_chars, prefix_load_factor)
     if name == "latency":
         return Latency()
+    if name == "kv":
+        raise ValueError("--routing-strategy kv needs the replicas' KV events: the router builds it (Router(kv=...))")
     raise ValueError(f"--routing-strategy must be one of {', '.join(STRATEGIES)} or module:function, got {name!r}")

@@ -24,6 +24,7 @@ class IncrementalDetokenizer:
         may_stop: Callable[[int], bool] = lambda num_tokens: True,
     ) -> None:
         self.tokenizer = tokenizer
+        self._rust = tokenizer.tokenizer  # what the decoder steps with, looked up once
         self.may_stop = may_stop  # whether a stop string in the text of this many tokens ends it (min_tokens)
         self.num_tokens = 0
         context = list(prompt_ids[-_CONTEXT_TOKENS:])
@@ -42,7 +43,7 @@ class IncrementalDetokenizer:
         if self.stopped or not token_ids:
             return
         self.num_tokens += len(token_ids)
-        piece = self._stream.step(self.tokenizer.tokenizer, token_ids[0] if len(token_ids) == 1 else token_ids)
+        piece = self._stream.step(self._rust, token_ids[0] if len(token_ids) == 1 else token_ids)
         if piece is None:  # an incomplete UTF-8 sequence: wait for the next token
             self._pending += token_ids
             return
@@ -67,7 +68,7 @@ class IncrementalDetokenizer:
             decode = self.tokenizer.decode
             self._unsent += decode(self._last + self._pending)[len(decode(self._last)) :]
             self._pending = []
-        if final or self.stopped:
+        if final or self.stopped or not self.hold:  # nothing held back: all of it goes
             out, self._unsent = self._unsent, ""
             return out
         ready = len(self._unsent) - self.hold

@@ -15,6 +15,7 @@ import yaml
 
 from proto.cli_config import config_keys, parse_args
 from proto.worker_flags import parse_size
+from scheduler_node.core.speculative import speculative_config_flag
 from tests.support.paths import REPO
 
 pytestmark = pytest.mark.unit
@@ -129,4 +130,7 @@ def _other_value(action: argparse.Action, value: Any) -> tuple[list[str], Any]:
     if action.dest == "attention_backend":  # a built-in name or module:Class, checked when parsed
         other = "deploy.custom_attention:PaddedDecodeAttention"
         return [flag, other], other
+    if action.dest == "speculative_config":  # JSON, checked when parsed
+        other = '{"method": "ngram", "num_speculative_tokens": 3}'
+        return [flag, other], speculative_config_flag(other)
     return [flag, "from-the-command-line"], "from-the-command-line"

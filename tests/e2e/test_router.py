@@ -1,11 +1,11 @@
-"""vllm-router in front of real schedulers: two replicas of a tiny Llama (`llama`) and one tiny Qwen2 (`qwen`);
-one test puts two SmolLM2 replicas beside the Qwen2.
+"""vllm-router in front of real schedulers: two replicas of a tiny Llama (`llama`, publishing their KV events) and
+one tiny Qwen2 (`qwen`); one test puts two SmolLM2 replicas beside the Qwen2.
 
 Routing by model, greedy outputs through the router equal to a replica's own (gRPC, and the OpenAI API with the
 official client), NOT_FOUND for other models at the router and at a scheduler, Abort fanned out, Control
 (ListReplicas, summed GetStats, Drain), health per model, metrics, TLS and the Control token, retry before the
-first token over HTTP, and `kill -9` of one replica under load (the last test: it kills a replica of the shared
-fleet).
+first token over HTTP, `kv` routing on the llamas' KV events through a replica's restart, and `kill -9` of one
+replica under load (the last test: it kills a replica of the shared fleet).
 """
 
 from __future__ import annotations
@@ -52,6 +52,19 @@ class Fleet:
     metrics_url: str
     llama_dir: Path
     spawned: list[Cluster]  # everything to kill at the end, replacements too
+    kv_ports: list[tuple[int, int]]  # each llama's --kv-events-port and --kv-events-snapshot-port
+
+    def llama_args(self, i: int) -> list[str]:
+        """The flags of llama replica `i` (a replacement at its address reuses them)."""
+        return llama_args(self.kv_ports[i])
+
+    def restart_llama(self, i: int) -> Cluster:
+        """Llama replica `i` again at the same addresses, once its old processes are gone."""
+        old = self.llamas[i]
+        self.llamas[i] = Cluster(self.llama_dir, self.llama_args(i), TINY_WORKER, port=old.port)
+        self.spawned.append(self.llamas[i])
+        self.llamas[i].wait_serving()
+        return self.llamas[i]
 
     @property
     def stub(self) -> pb_grpc.GenerationStub:
@@ -65,16 +78,22 @@ class Fleet:
         return {r.address: r for r in self.control.ListReplicas(pb.ListReplicasRequest(), timeout=5).replicas}
 
 
+def llama_args(kv_ports: tuple[int, int]) -> list[str]:
+    return [*LLAMA, "--kv-events-port", str(kv_ports[0]), "--kv-events-snapshot-port", str(kv_ports[1])]
+
+
 @pytest.fixture(scope="module")
 def fleet(tiny_llama_dir: Path, tiny_qwen2_dir: Path) -> Iterator[Fleet]:
-    llamas = [Cluster(tiny_llama_dir, LLAMA, TINY_WORKER, http=True) for _ in range(2)]
+    kv_ports = [(free_port(), free_port()) for _ in range(2)]
+    llamas = [Cluster(tiny_llama_dir, llama_args(ports), TINY_WORKER, http=True) for ports in kv_ports]
     qwen = Cluster(tiny_qwen2_dir, QWEN, TINY_WORKER, http=True)
     metrics_port = free_port()
     replicas = [f"{c.address},model=llama,http={http_address(c)}" for c in llamas]
     replicas.append(f"{qwen.address},model=qwen,http={http_address(qwen)}")
     args = ["--routing-strategy", "round_robin", "--metrics-port", str(metrics_port), *PROBE]
     router = RouterProcess(replicas, args, http=True)
-    fleet = Fleet(llamas, qwen, router, f"http://127.0.0.1:{metrics_port}/metrics", tiny_llama_dir, [*llamas, qwen])
+    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    fleet = Fleet(llamas, qwen, router, metrics_url, tiny_llama_dir, [*llamas, qwen], kv_ports)
     try:
         for c in fleet.spawned:
             c.wait_serving()
@@ -396,6 +415,66 @@ def metric(url: str, name: str, **labels: str) -> float:
     return 0.0
 
 
+def test_kv_routing_follows_the_cached_prefix_and_never_a_restarted_replicas_stale_index(fleet: Fleet) -> None:
+    """A `kv` router over the two llamas: requests sharing a long prefix all land on the replica that computed it
+    (the router's index, fed by its KV events, says it holds the blocks); that replica restarts (a new process,
+    an empty cache) and the next such request is routed as if nothing were cached, then follows its new home."""
+    metrics_port = free_port()
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    replicas = [
+        f"{c.address},model=llama,kv_events=127.0.0.1:{events},kv_snapshot=127.0.0.1:{snaps},tokenizer={fleet.llama_dir}"
+        for c, (events, snaps) in zip(fleet.llamas, fleet.kv_ports)
+    ]
+    router = RouterProcess(replicas, ["--routing-strategy", "kv", "--metrics-port", str(metrics_port), *PROBE])
+    stub = pb_grpc.GenerationStub(router.channel)
+    shared = prompt_ids(4242, 80)  # 5 blocks of 16
+
+    def decisions(decision: str) -> float:
+        return metric(url, "minivllm:router_decisions_total", strategy="kv", decision=decision)
+
+    def indexed(cluster: Cluster) -> float:
+        return metric(url, "minivllm:router_kv_indexed_blocks", replica=cluster.address)
+
+    def listed() -> list[pb.ReplicaStatus]:
+        return list(pb_grpc.ControlStub(router.channel).ListReplicas(pb.ListReplicasRequest(), timeout=5).replicas)
+
+    def served() -> dict[str, int]:
+        return {r.address: r.requests for r in listed()}
+
+    def send(suffix: int) -> None:
+        """One request of the shared prefix, once the router's polled loads show the last one ended (a stale
+        running count is a request ahead, which the cost weighs against the cached blocks)."""
+        wait_for(lambda: all(r.num_running + r.num_waiting == 0 for r in listed()), 10, "the router sees idle")
+        tokens(stub, greedy_ids(shared + [suffix], 2, model="llama"))
+
+    try:
+        router.wait_serving(30)
+        send(5)
+        assert decisions("least") == 1, "nothing of it was cached anywhere"
+        home = next(c for c in fleet.llamas if served()[c.address] == 1)
+        wait_for(lambda: indexed(home) >= 5, 10, "the router indexes the blocks its replica stored")
+        for i in range(3):
+            send(6 + i)
+        assert served()[home.address] == 4 and decisions("overlap") == 3
+
+        i = fleet.llamas.index(home)
+        home.kill()
+        wait_for(lambda: indexed(home) == 0, 10, "the index of a replica that is down is dropped")
+        home = fleet.restart_llama(i)
+        wait_for(lambda: fleet.replicas()[home.address].state == "serving", 10, "back in the shared router")
+        wait_for(lambda: listed()[i].state == "serving", 10, "back in the kv router")
+        prior = served()
+        send(9)
+        assert decisions("least") == 2 and decisions("overlap") == 3, "routed on the restarted replica's old index"
+        after = served()
+        new_home = next(address for address in after if after[address] > prior[address])
+        wait_for(lambda: metric(url, "minivllm:router_kv_indexed_blocks", replica=new_home) >= 5, 10, "indexed")
+        send(10)
+        assert served()[new_home] == after[new_home] + 1 and decisions("overlap") == 4, "the new home is followed"
+    finally:
+        router.stop()
+
+
 def test_kill_9_of_a_replica_under_load(fleet: Fleet) -> None:
     """Requests waiting on the killed replica (no token yet) finish on the other with the right tokens; those it
     was running end with UNAVAILABLE naming it; nothing hangs; the replica leaves, and returns once restarted."""
@@ -426,9 +505,7 @@ def test_kill_9_of_a_replica_under_load(fleet: Fleet) -> None:
     assert tokens(fleet.stub, greedy_ids(prompts[0], 8, model="llama")) == expected[0][:8]
 
     victim.kill()  # its worker, too
-    fleet.llamas[0] = Cluster(fleet.llama_dir, LLAMA, TINY_WORKER, port=victim.port)  # the same address again
-    fleet.spawned.append(fleet.llamas[0])
-    fleet.llamas[0].wait_serving()
+    fleet.restart_llama(0)  # the same address again
     wait_for(lambda: fleet.replicas()[victim.address].state == "serving", 10, "the replica comes back")
     before = fleet.replicas()[victim.address].requests
     for seed in range(4):

@@ -90,6 +90,7 @@ def test_bench_overhead_smoke_measures_both_paths_per_component(smollm2_dir: Pat
         # the parts are of one thread's clock: they never add up to more than the whole
         assert r["engine_ms"] >= r["schedule_update_ms"] + r["wire_ms"] > 0, r
         assert r["worker_ms"] >= r["prepare_ms"] + r["sampler_ms"], r
+        assert r["output_thread_ms"] > 0, r  # the output path runs on its own thread
     assert rows["worker process"]["worker_process_ms"] >= rows["worker process"]["worker_ms"]
     assert "worker_process_ms" not in rows["in-process"]
     assert report["sampler"]["vocab"] == 49152 and report["sampler"]["wall_ms"] > 0

@@ -147,6 +147,7 @@ class EngineRun:
         priority: int = 50,
         stop_token_ids: list[int] | None = None,
         lora: LoraRef | None = None,
+        speculate: bool = True,
     ) -> Submitted:
         spec = RequestSpec(
             request_id=f"r{next(self._ids)}",
@@ -159,6 +160,7 @@ class EngineRun:
             priority=priority,
             stop_token_ids=stop_token_ids or [],
             lora=lora,
+            speculate=speculate,
         )
         entry = Submitted(list(prompt), max_tokens, [Completion() for _ in range(n)])
         self._loop.run_until_complete(self._submit(spec, entry))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -72,7 +73,11 @@ class StandInRun:
         costs = PreemptionCosts(bytes_per_block=1, swap_bytes_per_s=1e6)  # elastic: swap mostly
         scheduler = Scheduler(config, num_blocks, make_policy(policy), mode, num_swap_blocks, costs)
         workers = StandInWorkers(
-            num_blocks, num_swap_blocks, tokens_in_plan=mode.tokens_in_plan, block_size=config.block_size
+            num_blocks,
+            num_swap_blocks,
+            tokens_in_plan=mode.tokens_in_plan,
+            block_size=config.block_size,
+            acceptance=random.Random(num_blocks) if config.speculative is not None else None,
         )
         return cls(EngineCore(scheduler, tokenizer(), workers, options or EngineOptions()), workers)
 

@@ -123,4 +123,4 @@ def test_every_door_refuses_the_same_bad_value(tokenizer: ModelTokenizer, name: 
 
 def test_each_option_has_a_bad_value() -> None:
     """A new option gets a bad value above, or says here why it has none."""
-    assert set(NAMES) - {name for name, _ in BAD_VALUES} == {"seed", "ignore_eos"}  # every seed, both flags valid
+    assert set(NAMES) - {name for name, _ in BAD_VALUES} == {"seed", "ignore_eos", "speculate"}  # all flags valid

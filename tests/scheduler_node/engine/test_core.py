@@ -10,7 +10,7 @@ import pytest
 
 from proto.wire import StepPlan, StepResult
 from scheduler_node.core.request import FinishReason
-from scheduler_node.engine.core import EngineOptions
+from scheduler_node.engine.options import EngineOptions
 from scheduler_node.engine.outputs import Delta, ErrorStatus
 from scheduler_node.engine.stand_in import StandInWorkers
 from tests.support.stand_in import TOKEN, ControlledWorkers, collect, running, spec, stand_in_engine
@@ -106,7 +106,7 @@ def test_a_deadline_that_is_met_changes_nothing_and_its_timer_goes() -> None:
         async with running(engine):
             deltas = await collect(engine.submit(spec("e", 20, 4), deadline_s=30))
         assert ending(deltas).finish_reason == "length"
-        assert not engine._deadlines, "the timer of a finished request is cancelled"
+        assert not engine.outputs.deadlines, "the timer of a finished request is cancelled"
 
     asyncio.run(scenario())
 

@@ -1,9 +1,10 @@
 """The engine core under random worlds and clients: whatever the KV size, block size, budget, max_model_len,
 execution mode, policy and preemption mode, and whatever clients send (prompt and output lengths, n, priorities,
-aborts) while an operator resizes the cache and a rank is replaced by a smaller one, the loop never dies, every
-request ends (finished, aborted, or refused at the door with the field that is wrong), and at idle no block is
-held. The real EngineCore and Scheduler run over stand-in workers (scheduler_node/engine/stand_in.py): no model,
-milliseconds a step. Requests pass the gRPC door's validation first, as a client's would.
+aborts, speculative decoding with proposals accepted at random) while an operator resizes the cache and a rank is
+replaced by a smaller one, the loop never dies, every request ends (finished, aborted, or refused at the door with
+the field that is wrong), and at idle no block is held. The real EngineCore and Scheduler run over stand-in workers
+(scheduler_node/engine/stand_in.py): no model, milliseconds a step. Requests pass the gRPC door's validation first,
+as a client's would.
 
 CI runs 200 examples (seconds); `MINIVLLM_PROPERTY_EXAMPLES=10000` runs more (docs/operations.md). On the code
 before issue 25 it found, among others: a prompt that fills the cache never started under a watermark and the
@@ -25,6 +26,7 @@ from proto import serving_pb2 as pb
 from proto.wire import ExecutionMode
 from scheduler_node.api.validation import InvalidField, validate
 from scheduler_node.core.config import SchedulerConfig
+from scheduler_node.core.speculative import SpeculativeConfig
 from scheduler_node.engine.builder import resolve_max_model_len
 from scheduler_node.engine.core import EngineCore, EngineOptions
 from scheduler_node.engine.outputs import ErrorStatus
@@ -52,6 +54,7 @@ class World:
     async_scheduling: bool
     prefix_caching: bool
     max_waiting: int
+    speculative_tokens: int  # n-gram proposals per step, each accepted or not at random (0: no speculation)
 
 
 @st.composite
@@ -75,6 +78,7 @@ def worlds(draw: st.DrawFn) -> World:
         async_scheduling=draw(st.booleans()),
         prefix_caching=draw(st.booleans()),
         max_waiting=draw(st.sampled_from([0, 0, 3])),
+        speculative_tokens=draw(st.sampled_from([0, 0, 1, 4])),
     )
 
 
@@ -157,6 +161,9 @@ def make_run(world: World) -> Run:
         enable_prefix_caching=world.prefix_caching,
         preemption_mode=world.preemption,  # type: ignore[arg-type]
         watermark=world.watermark,
+        speculative=SpeculativeConfig(num_speculative_tokens=world.speculative_tokens)
+        if world.speculative_tokens
+        else None,
     )
     return Run(
         StandInRun.build(

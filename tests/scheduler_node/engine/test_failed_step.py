@@ -92,7 +92,7 @@ def test_the_workers_forget_every_request_after_a_failed_step() -> None:
 
     def doomed_is_held(plan: StepPlan) -> bool:
         engine = engine_ref[0]
-        (req_id,) = engine._by_request_id.get("doomed", [""])
+        (req_id,) = engine.outputs.requests.get("doomed", [""])
         doomed = engine.scheduler.requests.get(req_id)
         if doomed is None or doomed.handle not in plan.num_scheduled_tokens:
             return False

@@ -28,3 +28,38 @@ def test_loop_histogram_exposes_what_prometheus_client_does() -> None:
             if suffix != "created":
                 series[who][(suffix, s.labels.get("le", ""))] = s.value
     assert series["ours"] == series["theirs"] and len(series["ours"]) == len(ITL_BUCKETS) + 3  # +Inf, count, sum
+
+
+def test_speculative_decoding_counters_reach_prometheus_and_get_stats() -> None:
+    """vLLM's names: drafts, draft tokens, accepted tokens and accepted per position, in the exposition and in
+    GetStats' snapshot (stand-in workers accept a random number of each proposal)."""
+    import asyncio
+
+    from scheduler_node.core.config import SchedulerConfig
+    from scheduler_node.core.speculative import SpeculativeConfig
+    from scheduler_node.core.stats import snapshot
+    from tests.support.stand_in import StandInRun, spec
+
+    async def scenario() -> tuple[str, object]:
+        config = SchedulerConfig(block_size=8, speculative=SpeculativeConfig(num_speculative_tokens=3))
+        run = StandInRun.build(config, 64)
+        run.engine.metrics.bind(run.engine.live_metrics, asyncio.get_running_loop())
+        run.start()
+        run.submit(spec("r", 8, 40))
+        await run.until_idle()
+        await run.stop()
+        return generate_latest(run.engine.metrics.registry).decode(), snapshot(run.engine.scheduler)
+
+    text, stats = asyncio.run(scenario())
+    samples = {
+        (s.name, s.labels.get("position", "")): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    drafts = samples[("vllm:spec_decode_num_drafts_total", "")]
+    proposed = samples[("vllm:spec_decode_num_draft_tokens_total", "")]
+    accepted = samples[("vllm:spec_decode_num_accepted_tokens_total", "")]
+    per_pos = [samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", str(i))] for i in range(3)]
+    assert 0 < accepted < proposed <= 3 * drafts and sum(per_pos) == accepted
+    assert per_pos == sorted(per_pos, reverse=True)  # position i is accepted only after i - 1
+    assert stats.spec_decode_num_drafts == drafts and stats.spec_decode_num_accepted_tokens_per_pos == per_pos  # type: ignore[attr-defined]

@@ -1,0 +1,53 @@
+"""The scheduler's speculation: which requests propose in a step, their proposals, and what their results taught.
+
+With async scheduling the next plan is built before this one's tokens are known, and a proposal needs them: a
+request that speculates therefore runs one plan at a time (it is held until its result is applied, and a plan
+built while it has a token in flight leaves it out). Requests that do not speculate (opted out, paused for low
+acceptance, or all of them while the batch is too big) keep async scheduling's overlap.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from scheduler_node.core.proposers import NgramProposer, Proposer
+from scheduler_node.core.request import Request
+from scheduler_node.core.speculative import SpecCounters, SpeculativeConfig, eligible
+
+logger = logging.getLogger(__name__)
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.proposer: Proposer = NgramProposer(config)
+        self.counters = SpecCounters()
+        self.active = True  # this step's batch is small enough to speculate (`begin_step`)
+
+    def admit(self, req: Request) -> None:
+        """A new request keeps its speculation state only if the worker can verify its proposals exactly."""
+        if req.spec is not None and not eligible(req.sampling):
+            req.spec = None
+
+    def begin_step(self, num_running: int) -> None:
+        self.active = num_running <= self.config.disable_by_batch_size
+
+    def drafts(self, req: Request, limit: int) -> list[int] | None:
+        """The tokens `req` proposes in this plan, a decode of a request the workers hold: at most `limit` (and k);
+        [] for none; None to leave it out of this plan (it speculates, and its last token is still in flight)."""
+        spec = req.spec
+        if not self.active or spec is None:
+            return []
+        if spec.pause:  # proposals mostly rejected lately: it decodes normally (and asynchronously) for a while
+            spec.pause -= 1
+            return []
+        if req.num_placeholders:
+            return None
+        k = min(self.config.num_speculative_tokens, limit)
+        return self.proposer.propose(req, spec, k) if k > 0 else []
+
+    def observe(self, req: Request, proposed: int, accepted: int) -> None:
+        """A speculated step's result: `accepted` of its `proposed` tokens were the target model's."""
+        self.counters.record(proposed, accepted)
+        if req.spec is not None:
+            req.spec.observe(proposed, accepted)

@@ -1,0 +1,143 @@
+"""How the engine loop lives through failures: a lost rank (requeue, wait for a replacement, resume by recompute
+or give up), a world that came back smaller, a request that could never start, a step a worker could not run, a
+request's deadline. A part of EngineCore (engine/core.py), which keeps the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from proto.transport import WorkerTransport
+from proto.wire import StepPlan
+from scheduler_node.core.request import Status
+from scheduler_node.core.scheduler import Scheduler
+from scheduler_node.engine.metrics import Metrics
+from scheduler_node.engine.options import EngineOptions
+from scheduler_node.engine.output_side import OutputSide
+from scheduler_node.engine.outputs import EngineError, ErrorStatus
+
+logger = logging.getLogger(__name__)
+
+
+class Failures:
+    scheduler: Scheduler
+    workers: WorkerTransport
+    options: EngineOptions
+    metrics: Metrics
+    outputs: OutputSide
+    draining: bool
+    gave_up: str
+    _wake: asyncio.Event
+
+    @property
+    def num_live(self) -> int:
+        return len(self.outputs.requests)
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest request (prompt + max_tokens) the world holds now: it follows a ResizeCache and a smaller
+        replacement worker, so a request validated against it always fits."""
+        return self.scheduler.max_model_len
+
+    def end_all(self, reason: str, status: ErrorStatus) -> None:
+        """End every live request with an error and free its blocks."""
+        for req_id in list(self.outputs.request_of):
+            req = self.scheduler.finish(req_id, Status.FINISHED_ERROR)
+            if req is not None:
+                self.outputs.end(req, EngineError(status, reason))
+        self._wake.set()
+
+    async def _recover(self) -> None:
+        """A rank is lost with its KV: requeue everything, wait for a replacement, resume by recompute.
+
+        If none joins within the rejoin timeout, every live request ends with UNAVAILABLE and new ones are
+        refused until the ranks are complete again."""
+        reason = self.workers.lost_reason or "a rank is not ready"
+        self.metrics.worker_losses.inc()
+        running = self.scheduler.requeue_all()
+        timeout = self.options.rejoin_timeout
+        if self.draining:
+            self.end_all(f"{reason} while draining", ErrorStatus.UNAVAILABLE)
+        else:
+            logger.warning(
+                "%s: %d running request(s) back to waiting; waiting up to %g s for a replacement worker",
+                reason,
+                running,
+                timeout,
+            )
+            if await self.workers.wait_ready(timeout):
+                self._world_back()
+                logger.info("every rank is ready; resuming %d request(s) by recompute", self.scheduler.num_unfinished)
+                return
+        self.gave_up = f"{reason}, and no worker rejoined within {timeout:g} s"
+        logger.error("%s: failing %d live request(s)", self.gave_up, self.num_live)
+        self.end_all(self.gave_up, ErrorStatus.UNAVAILABLE)
+        await self.workers.wait_ready(None)
+        self.scheduler.requeue_all()  # start from a clean slate: no notices for the old workers
+        self._world_back()
+        self.gave_up = ""
+        self.workers.changed.set()  # health: SERVING again
+        logger.info("every rank is ready again; serving")
+
+    def _world_back(self) -> None:
+        """Every rank is ready again: the scheduler fits the world's capacity, and its disk tier index takes
+        back the blocks every restarted rank found intact in its file (the RAM tier died with the workers). A
+        block whose copy changed since is caught by its check when loaded, and recomputed."""
+        self._fit_capacity()
+        if self.scheduler.tiers is not None:
+            self.scheduler.tiers.adopt_disk(self.workers.capacity.disk_tier_entries)
+
+    def _fit_capacity(self) -> None:
+        """A replacement that could not hold the world's KV size shrank the world: the scheduler follows (and
+        max_model_len with it), and requests that could no longer finish end (they would wait forever)."""
+        capacity = self.workers.capacity
+        blocks = self.scheduler.blocks
+        compact = capacity.num_compact_blocks
+        if (
+            capacity.num_kv_blocks >= blocks.usable_blocks
+            and capacity.num_swap_blocks >= blocks.num_host_blocks
+            and compact >= blocks.num_compact_blocks
+        ):
+            return
+        self.scheduler.fit_capacity(capacity.num_kv_blocks, capacity.num_swap_blocks, compact)
+        limit = self.max_model_len
+        for req in self.scheduler.stranded(self.scheduler.blocks.usable_blocks):
+            message = (
+                f"the KV cache shrank to {limit} tokens (a replacement worker holds fewer blocks); this request "
+                f"needs up to {req.num_tokens_at_most} (prompt + max_tokens)"
+            )
+            self.scheduler.finish(req.req_id, Status.FINISHED_ERROR)
+            self.outputs.end(req, EngineError(ErrorStatus.UNAVAILABLE, message))
+
+    def _end_unstartable(self) -> None:
+        """Nothing runs or is in flight, yet the scheduler started no waiting request: the first of them could
+        never start. It ends with an error instead of stopping the engine (every later request would fail)."""
+        head = self.scheduler.policy.order_waiting(self.scheduler.waiting, time.monotonic())[0]
+        free = self.scheduler.blocks.num_free
+        message = f"the scheduler could not start this request ({head.num_tokens} tokens, {free} free KV blocks)"
+        logger.error("%s: %s", head.req_id, message)
+        for req in [head, *head.forks]:
+            self.scheduler.finish(req.req_id, Status.FINISHED_ERROR)
+            self.outputs.end(req, EngineError(ErrorStatus.INTERNAL, message))
+
+    def _fail_step(self, plan: StepPlan, reason: str) -> None:
+        """A worker could not run the plan: its requests fail, the rest are recomputed (worker state is suspect).
+        Siblings (n > 1) still waiting for a failed prompt fail with it: nothing would ever start them. The
+        workers are alive and keep what they hold, so they are told to forget all of it."""
+        failed = self.scheduler.requests_in(plan)
+        failed += [fork for req in failed for fork in req.forks]
+        logger.error("%s; failing the %d request(s) of that step", reason, len(failed))
+        for req in failed:
+            if self.scheduler.finish(req.req_id, Status.FINISHED_ERROR) is not None:
+                self.outputs.end(req, EngineError(ErrorStatus.INTERNAL, reason))
+        self.scheduler.requeue_all(workers_lost=False)
+
+    def _expire(self, request_id: str, deadline_s: float) -> None:
+        self.outputs.deadlines.pop(request_id, None)
+        for req_id in list(self.outputs.requests.get(request_id, [])):
+            req = self.scheduler.finish(req_id, Status.FINISHED_ERROR)
+            if req is not None:
+                error = f"deadline_s: {deadline_s:g} s passed before the request finished"
+                self.outputs.end(req, EngineError(ErrorStatus.DEADLINE_EXCEEDED, error))
+        self._wake.set()  # tell the workers to forget them

@@ -1,0 +1,241 @@
+"""The output path, off the engine's thread: detokenize, find stop strings, build deltas, feed the streams.
+
+The engine's thread schedules, sends plans and applies results; what each step produced for each sequence is
+turned into text and deltas here, on a thread of its own, fed one batch per step (issue 24: on the engine's
+thread this was three quarters of its host cost). The thread owns every sequence's output state; it learns of a
+sequence by an `Added` item and forgets it when it ends. Deltas for sinks read on the event loop (the servers'
+streams) go there in one call per batch; a `threadsafe` sink (the offline LLM's collectors) gets them here.
+
+A stop string is found here, after the engine went on: the sequence ends at once on this side (its text cut, its
+final delta sent, later tokens dropped), and its id goes back to the engine's loop with the batch's deltas, where
+the scheduler finishes it and frees its blocks (`OutputSide`). Its output is what it would have been had the
+engine stopped it at that step; only its blocks are freed a step or two later.
+
+Without a thread (`process` called on the loop, as tests that drive no engine loop do) the same code runs inline.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from scheduler_node.core.request import FinishReason
+from scheduler_node.core.scheduler import RequestOutput
+from scheduler_node.engine.metrics import Metrics
+from scheduler_node.engine.outputs import Delta, DeltaSink, EngineError
+from scheduler_node.text.detokenizer import IncrementalDetokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class SequenceOutput:
+    """The output side of one sequence: where its deltas go, its text so far (stop strings cut it), its timing."""
+
+    sink: DeltaSink
+    index: int  # which of its request's n sequences
+    detokenizer: IncrementalDetokenizer
+    prompt_tokens: int
+    arrival: float
+    prompt_logprobs: bool  # sequence 0 of a request that asked for them: they go with its first tokens
+    last_token_at: float = 0.0  # 0 until the first token
+    num_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Added:
+    """A sequence to follow (before any output of it)."""
+
+    req_id: str
+    sequence: SequenceOutput
+
+
+@dataclass(slots=True)
+class Ending:
+    """A sequence the engine ended (abort, deadline, error), not its own tokens."""
+
+    req_id: str
+    finish_reason: FinishReason
+    completion_tokens: int
+    error: EngineError | None = None
+    cached_tokens: int = 0
+    embedding: list[float] | None = None
+
+
+Item = Added | Ending | list[RequestOutput]  # a list: one step's outputs
+
+
+@dataclass(slots=True)
+class Delivery:
+    """What a batch brings the event loop: the deltas of sinks read there, and the sequences a stop string ended."""
+
+    deltas: list[tuple[DeltaSink, Delta]] = field(default_factory=list)
+    stopped: list[str] = field(default_factory=list)
+    ended: int = 0  # sequences that ended in the batch
+
+    def __bool__(self) -> bool:
+        return bool(self.deltas or self.stopped or self.ended)
+
+
+class OutputProcessor:
+    """Every live sequence's output state, and the work of turning steps into deltas (on one thread at a time)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.sequences: dict[str, SequenceOutput] = {}
+
+    def process(self, items: list[Item]) -> Delivery:
+        delivery = Delivery()
+        for item in items:
+            if isinstance(item, list):
+                self._step(item, delivery)
+            elif isinstance(item, Added):
+                self.sequences[item.req_id] = item.sequence
+            else:
+                self._end(item, delivery)
+        return delivery
+
+    def _step(self, outputs: list[RequestOutput], delivery: Delivery) -> None:
+        """Each sequence's new tokens (one clock reading for the step); counted once. The loop runs once per
+        sequence per step: what it calls is looked up once, and the common case (one token, no stop, a sequence
+        that already streams) calls nothing but the detokenizer and the sink."""
+        now, tokens, sequences = time.monotonic(), 0, self.sequences
+        itl, to_loop, stop = self.metrics.itl, delivery.deltas, FinishReason.STOP
+        for out in outputs:
+            req_id = out.request.req_id
+            seq = sequences.get(req_id)
+            if seq is None:
+                continue  # ended here already (a stop string, an abort): later tokens are not its output
+            token_ids, reason = out.new_token_ids, out.finish_reason
+            detokenizer = seq.detokenizer
+            if len(token_ids) > 1 and detokenizer.stop:  # several tokens (accepted proposals) and stop strings
+                token_ids = _until_stop_string(token_ids, out.stopped_by_token, detokenizer)
+            else:
+                detokenizer.add(token_ids[:-1] if out.stopped_by_token else token_ids)  # a stop token is not text
+            n = len(token_ids)
+            # A stop string: the engine learns it from the delivery. One that came before the token that ended the
+            # request in the same step (eos, max_tokens) ends it instead.
+            stop_string = detokenizer.stopped and (reason is None or n < len(out.new_token_ids))
+            if stop_string:
+                reason = stop
+                delivery.stopped.append(req_id)
+            if n:
+                tokens += n
+                seq.num_tokens += n
+                if seq.last_token_at:
+                    itl.observe_n((now - seq.last_token_at) / n, n)
+                else:
+                    self._first_tokens(seq, now)
+                seq.last_token_at = now
+            delta = Delta(seq.index, token_ids, detokenizer.delta(final=reason is not None), logprobs=out.logprobs)
+            if seq.prompt_logprobs and n:
+                delta.prompt_logprobs = list(out.request.prompt_logprobs)  # complete once the first token is sampled
+                seq.prompt_logprobs = False
+            if reason is not None:
+                del sequences[req_id]
+                if stop_string:  # what update() copies for an ending, known here
+                    out.num_output_tokens, out.cached_tokens = seq.num_tokens, out.request.num_cached_tokens
+                self._final(delta, seq, reason, out.num_output_tokens, out.cached_tokens, out.embedding, delivery)
+            elif not (n or delta.text):
+                continue
+            sink = seq.sink
+            if sink.threadsafe:
+                sink.put(delta)
+            else:
+                to_loop.append((sink, delta))
+        if tokens:
+            self.metrics.generation_tokens.inc(tokens)
+
+    def _end(self, ending: Ending, delivery: Delivery) -> None:
+        seq = self.sequences.pop(ending.req_id, None)
+        if seq is None:
+            return  # it ended here first
+        delta = Delta(seq.index, [], seq.detokenizer.delta(final=True), error=ending.error)
+        reason, completion = ending.finish_reason, ending.completion_tokens
+        self._final(delta, seq, reason, completion, ending.cached_tokens, ending.embedding, delivery)
+        self._put(seq.sink, delta, delivery)
+
+    def _final(
+        self,
+        delta: Delta,
+        seq: SequenceOutput,
+        reason: FinishReason,
+        completion_tokens: int,
+        cached_tokens: int,
+        embedding: list[float] | None,
+        delivery: Delivery,
+    ) -> None:
+        """A sequence's last delta: how it ended, its usage (and its embedding)."""
+        delta.finish_reason = reason
+        delta.prompt_tokens = seq.prompt_tokens
+        delta.cached_tokens = cached_tokens
+        delta.embedding = embedding
+        delta.completion_tokens = completion_tokens
+        self.metrics.finished(reason, None if delta.error else time.monotonic() - seq.arrival)
+        delivery.ended += 1
+
+    @staticmethod
+    def _put(sink: DeltaSink, delta: Delta, delivery: Delivery) -> None:
+        if sink.threadsafe:
+            sink.put(delta)
+        else:
+            delivery.deltas.append((sink, delta))
+
+    def _first_tokens(self, seq: SequenceOutput, now: float) -> None:
+        self.metrics.ttft.observe(now - seq.arrival)
+        if seq.index == 0:
+            self.metrics.prompt_tokens.inc(seq.prompt_tokens)
+
+
+class OutputThread:
+    """Runs an OutputProcessor on a thread: `send` hands it a batch; each batch's delivery goes to `deliver`
+    (which runs it on the event loop)."""
+
+    def __init__(self, processor: OutputProcessor, deliver: Callable[[Delivery], None]) -> None:
+        self.processor = processor
+        self.deliver = deliver
+        self._queue: queue.SimpleQueue[list[Item] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="minivllm-output", daemon=True)
+        self._thread.start()
+
+    def send(self, items: list[Item]) -> None:
+        self._queue.put(items)
+
+    def stop(self) -> None:
+        """Process what was sent, then end the thread."""
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (items := self._queue.get()) is not None:
+            while not self._queue.empty():  # batches that queued up meanwhile: one delivery for all
+                more = self._queue.get()
+                if more is None:
+                    self._process(items)
+                    return
+                items += more
+            self._process(items)
+
+    def _process(self, items: list[Item]) -> None:
+        try:
+            delivery = self.processor.process(items)
+            if delivery:
+                self.deliver(delivery)
+        except Exception:  # a bug here must not end the thread: every later request would hang
+            logger.exception("the output thread failed on a batch")
+
+
+def _until_stop_string(ids: list[int], stopped_by_token: bool, detokenizer: IncrementalDetokenizer) -> list[int]:
+    """Several tokens of one step (accepted proposals, speculative decoding) into the text one at a time: a stop
+    string ends the output at the token that completes it, as it would have with a token per step; the step's
+    tokens after it are not output. Returns the step's tokens that are."""
+    text_ids = ids[:-1] if stopped_by_token else ids  # a stop token is not text
+    for i, token in enumerate(text_ids):
+        detokenizer.add([token])
+        if detokenizer.stopped:
+            return ids[: i + 1]
+    return ids

@@ -1,0 +1,142 @@
+"""`--routing-strategy kv`: route on the replicas' exact prefix caches (their KV events), against their load.
+
+The router hashes the request's blocks the way the scheduler does (scheduler_node/core/block_table.py:
+hash_block, chained, seeded by the request's cache_salt, the replica's block size): token ids as given, a text
+prompt through the model's tokenizer (with its special tokens, as the doors encode it), messages through its chat
+template (scheduler_node/text/tokenizer.py; the folder is the replica's `tokenizer=DIR`). For each candidate,
+`cached` is how many of those blocks, from the first, its index says it holds (any tier: a cpu or disk block is
+loaded back instead of computed), or were sent to it by a request routed in the last PENDING_S (as Dynamo's
+router predicts them: the events come only once they are computed); a replica that is down or resynchronizing
+holds nothing. The cost, after
+NVIDIA Dynamo's KV router (prefill work vs decode load, in blocks):
+
+    cost = overlap_weight x (prompt_blocks - cached) + queue x prompt_blocks / weight
+
+`queue` is the requests ahead on the replica (scheduler_node/router/replica.py), each counted as a prompt like
+this one. With the default weight 2 a full hit is worth two requests ahead: a replica holding the prefix takes
+the request while it has at most one request more queued than the others. A higher weight follows the cache
+harder (more hits, more imbalance); 0 ignores it. Ties go to the more cached replica, then in turn. When no
+candidate holds any of the blocks (or the prompt cannot be hashed: no tokenizer for text) the request goes to the
+least loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from scheduler_node.core.block_table import hash_block
+from scheduler_node.router.kv_index import KVIndex, ReplicaFeed
+from scheduler_node.router.replica import Replica
+from scheduler_node.router.request import RouteRequest
+from scheduler_node.router.strategies import LeastLoaded, Pick, Rotation
+from scheduler_node.text.tokenizer import ModelTokenizer
+
+logger = logging.getLogger(__name__)
+
+# 2: a fully cached prompt outweighs one request ahead, not two. With Dynamo's 1 a single request ahead already
+# outweighs the whole cached prefix (both are a prompt's blocks), so `kv` was least_loaded with ties broken by the
+# cache: in scripts/bench_kv_routing.py it found 0.62 of the prompt tokens cached where 2 found 0.69.
+DEFAULT_OVERLAP_WEIGHT = 2.0
+# A routed request's blocks count as held by its replica until their events come, at most this long (and not
+# past a restart), so the next request of the prefix follows it while the first still computes it.
+PENDING_S = 10.0
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, salt: str = "") -> list[bytes]:
+    """The chained hashes of the full blocks of `token_ids`, as the scheduler registers them."""
+    hashes: list[bytes] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[start : start + block_size], salt))
+    return hashes
+
+
+class PromptTokens:
+    """A request's prompt as token ids, tokenized like its replica's door would (None when it cannot be)."""
+
+    def __init__(self, tokenizers: Mapping[str, ModelTokenizer]) -> None:
+        self.tokenizers = tokenizers  # by model name
+        self._warned: set[str] = set()
+
+    def ids(self, request: RouteRequest, model: str) -> list[int] | None:
+        if request.prompt_token_ids:
+            return list(request.prompt_token_ids)
+        tokenizer = self.tokenizers.get(model)
+        if tokenizer is None:
+            if model not in self._warned:
+                self._warned.add(model)
+                logger.warning("kv routing: no tokenizer=DIR for model %r; its text requests go by least_loaded", model)
+            return None
+        try:
+            if request.messages:
+                return tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in request.messages])
+            return tokenizer.encode(request.prompt)
+        except Exception:  # the replica's door refuses what its template refuses; routing just cannot use it
+            return None
+
+
+class KVAware:
+    name = "kv"
+
+    def __init__(self, index: KVIndex, feeds: Mapping[str, ReplicaFeed], prompts: PromptTokens,
+                 overlap_weight: float = DEFAULT_OVERLAP_WEIGHT,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        if not overlap_weight >= 0:
+            raise ValueError(f"--kv-overlap-weight must be >= 0, got {overlap_weight}")
+        self.index = index
+        self.feeds = feeds
+        self.prompts = prompts
+        self.overlap_weight = overlap_weight
+        self.rotation = Rotation()
+        self.least = LeastLoaded()
+        self.clock = clock
+
+    def cached(
+        self, request: RouteRequest, candidates: Sequence[Replica]
+    ) -> tuple[dict[str, int], int, dict[str, list[bytes]]] | None:
+        """Each candidate's cached leading blocks of the request, its prompt's length in blocks (the block size of
+        the synchronized replicas), and its hashes per replica; None when the prompt cannot be hashed."""
+        synced = [f for r in candidates if (f := self.feeds.get(r.address)) is not None and f.synced]
+        if not synced:
+            return {r.address: 0 for r in candidates}, 1, {}
+        ids = self.prompts.ids(request, candidates[0].model)
+        if ids is None:
+            return None
+        counts = {r.address: 0 for r in candidates}
+        hashes: dict[str, list[bytes]] = {}
+        prompt_blocks = 1
+        now = self.clock()
+        for size in {f.block_size for f in synced}:  # one, unless the replicas of a model differ
+            keys = block_hashes(ids, size, request.cache_salt)
+            names = [f.name for f in synced if f.block_size == size]
+            counts.update(self.index.overlap(keys, names, now))
+            hashes.update(dict.fromkeys(names, keys))
+            prompt_blocks = max(prompt_blocks, -(-len(ids) // size))
+        return counts, prompt_blocks, hashes
+
+    def _routed(self, replica: Replica, keys: list[bytes]) -> None:
+        """The request's blocks will be on `replica` once it computed them: count them there meanwhile."""
+        now = self.clock()
+        self.index.predict(replica.address, keys, now + PENDING_S, now)
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Replica]) -> Pick:
+        found = self.cached(request, candidates)
+        if found is None:
+            return Pick(self.least.choose(request, candidates).replica, "untokenized")
+        counts, prompt_blocks, hashes = found
+        best_hit = max(counts.values())
+        if best_hit == 0:
+            pick = Pick(self.least.choose(request, candidates).replica, "least")
+            if pick.replica.address in hashes:
+                self._routed(pick.replica, hashes[pick.replica.address])
+            return pick
+
+        def cost(r: Replica) -> tuple[float, int]:
+            new = prompt_blocks - counts[r.address]
+            return self.overlap_weight * new + r.queue * prompt_blocks / r.weight, -counts[r.address]
+
+        best = min(self.rotation.order(candidates), key=cost)
+        if best.address in hashes:
+            self._routed(best, hashes[best.address])
+        return Pick(best, "overlap" if counts[best.address] == best_hit else "load")

@@ -1,0 +1,98 @@
+"""Speculative decoding (n-gram proposals) changes no token: greedy and seeded output is the same with speculation
+on and off, over a mixed batch where some requests speculate and some opt out, and greedy output is HF's argmax."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from proto.wire import SamplingOptions
+from scheduler_node.core.speculative import SpeculativeConfig
+from tests.support.engine import EngineRun, load_runner
+from tests.support.models import assert_teacher_forced, load_hf
+from tests.support.spec import ScriptedProposer
+
+pytestmark = pytest.mark.model
+
+BLOCK = 16
+SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=1)
+
+
+def copy_prompts(seed: int, vocab: int) -> list[list[int]]:
+    """Prompts that repeat themselves (so that n-gram proposals find matches), of lengths across blocks."""
+    rng = random.Random(seed)
+    prompts = []
+    for length in (6, 15, 17, 30, 9, 40):
+        phrase = [rng.randrange(3, vocab) for _ in range(length)]
+        prompts.append(phrase + phrase[: length // 2] + phrase)
+    return prompts
+
+
+def run(
+    folder: Path, prompts: list[list[int]], spec: SpeculativeConfig | None, reference: list[list[int]] | None = None
+) -> tuple[list[list[int]], EngineRun]:
+    runner = load_runner(folder, 48, BLOCK)
+    with EngineRun(runner, tokenizer_dir=folder, max_num_batched_tokens=64, speculative=spec) as r:
+        if reference is not None:
+            assert r.scheduler.speculator is not None
+            r.scheduler.speculator.proposer = ScriptedProposer(
+                {tuple(p): o for p, o in zip(prompts, reference)}, wrong=0.25
+            )
+        outs = []
+        for i, p in enumerate(prompts):
+            sampling = SamplingOptions(temperature=0.0) if i % 3 else SamplingOptions(temperature=0.8, seed=i, top_k=20)
+            outs.append(r.add(p, 24, sampling=sampling, speculate=i % 4 != 1))
+        r.run()
+    return [o.output for o in outs], r
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_speculation_changes_no_token(kind: str, request: pytest.FixtureRequest) -> None:
+    fixture = request.getfixturevalue
+    folder = fixture("tiny_llama_dir") if kind == "llama" else fixture("tiny_model_dir")(kind)
+    prompts = copy_prompts(3, 1000)
+    plain, _ = run(folder, prompts, None)
+    speculated, r = run(folder, prompts, SPEC, reference=plain)
+    counters = r.scheduler.speculator.counters  # type: ignore[union-attr]
+    assert counters.num_drafts > 0 and counters.num_accepted_tokens > 0, "the test lost its point: nothing accepted"
+    assert counters.num_accepted_tokens < counters.num_draft_tokens, "the test lost its point: nothing rejected"
+    assert speculated == plain
+    assert r.scheduler.blocks.num_free == r.scheduler.blocks.num_blocks
+    hf = load_hf(folder)
+    for i, (prompt, output) in enumerate(zip(prompts, speculated)):
+        if i % 3:
+            assert_teacher_forced(hf, prompt, output)
+
+
+def test_stop_strings_and_stop_tokens_end_a_speculated_step_where_they_occur(tiny_llama_dir: Path) -> None:
+    """Proposals accepted in full bring several tokens a step: a stop string or a stop token among them ends the
+    output at its own token, with the text, token ids and finish reason of a run without speculation."""
+    from scheduler_node.text.tokenizer import ModelTokenizer
+
+    folder = tiny_llama_dir
+    prompts = copy_prompts(5, 1000)[:4]
+
+    def finish(
+        spec: SpeculativeConfig | None, reference: list[list[int]], stops: list[str], stop_ids: list[int]
+    ) -> list[tuple[list[int], str, str]]:
+        with EngineRun(load_runner(folder, 48, BLOCK), tokenizer_dir=folder, speculative=spec) as r:
+            if spec is not None:
+                assert r.scheduler.speculator is not None
+                r.scheduler.speculator.proposer = ScriptedProposer(
+                    {tuple(p): o for p, o in zip(prompts, reference)}, wrong=0.0, always_k=True
+                )
+            outs = [r.add(p, 24, stop=[s] if s else None) for p, s in zip(prompts[:2], stops)]
+            outs += [r.add(p, 24, stop_token_ids=[t] if t else None) for p, t in zip(prompts[2:], stop_ids)]
+            r.run()
+        return [(o.output, o.completions[0].text, o.completions[0].finish_reason) for o in outs]
+
+    plain = [ids for ids, _, _ in finish(None, [], ["", ""], [0, 0])]
+    tok = ModelTokenizer(folder)
+    # Steps bring tokens 0, 1-5, 6-10, 11-15 ...: each stop falls inside a step (unless its text occurs earlier).
+    stops = [tok.decode(out[6:8]).strip()[-3:] for out in plain[:2]]
+    stop_ids = [out[12] for out in plain[2:]]
+    without = finish(None, plain, stops, stop_ids)
+    assert all(reason == "stop" and len(ids) < 24 for ids, _, reason in without), "the test lost its point"
+    assert finish(SPEC, plain, stops, stop_ids) == without

@@ -1,0 +1,167 @@
+"""Speculative decoding on the scheduler: the config and its errors, the n-gram proposer, the policy, and the one
+rule with proposals: a speculating decode schedules 1 + k tokens, the result's accepted tokens are appended and the
+rejected proposals' slots rolled back."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from proto.wire import SamplingOptions, StepResult
+from scheduler_node.core.config import SchedulerConfig
+from scheduler_node.core.proposers import NgramProposer
+from scheduler_node.core.request import Request, StopConditions
+from scheduler_node.core.scheduler import Scheduler
+from scheduler_node.core.speculative import SpecState, SpeculativeConfig, eligible, speculative_config_flag
+from scheduler_node.core.speculator import Speculator
+
+pytestmark = pytest.mark.unit
+
+NGRAM = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
+
+
+@pytest.mark.parametrize(
+    "given, key",
+    [
+        ('{"method": "eagle"}', "method"),
+        ('{"num_speculative_tokens": 4}', "method"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+        ('{"method": "ngram", "num_speculative_tokens": 4.5}', "num_speculative_tokens"),
+        ('{"method": "ngram", "prompt_lookup_max": 2, "prompt_lookup_min": 3}', "prompt_lookup_min"),
+        ('{"method": "ngram", "prompt_lookup_maximum": 2}', "prompt_lookup_maximum"),
+        ('{"method": "ngram", "disable_by_batch_size": -1}', "disable_by_batch_size"),
+        ('["ngram"]', "speculative_config"),
+        ("{method: ngram}", "speculative_config"),
+    ],
+)
+def test_a_bad_config_names_its_key(given: str, key: str) -> None:
+    with pytest.raises(ValueError, match=rf"speculative_config\b.*{key}|{key}"):
+        SpeculativeConfig.parse(given)
+    with pytest.raises(argparse.ArgumentTypeError, match=key):
+        speculative_config_flag(given)
+
+
+def test_config_as_vllm_spells_it() -> None:
+    c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}')
+    assert c == SpeculativeConfig("ngram", 5, 3, 1)
+    assert SpeculativeConfig.parse({"method": "ngram"}) == SpeculativeConfig()
+    assert SpeculativeConfig.parse("") is None and SpeculativeConfig.parse(None) is None
+    again = SpeculativeConfig.parse(speculative_config_flag({"method": "ngram", "prompt_lookup_max": 2}))
+    assert again == SpeculativeConfig(prompt_lookup_max=2, prompt_lookup_min=1)
+
+
+def req(rid: str, prompt: list[int], output: list[int] = (), max_tokens: int = 20, **sampling: object) -> Request:  # type: ignore[assignment]
+    r = Request(rid, list(prompt), SamplingOptions(0.0, **sampling), StopConditions(max_tokens), spec=SpecState())  # type: ignore[arg-type]
+    r.output_token_ids = list(output)
+    return r
+
+
+def test_ngram_proposes_what_followed_the_longest_latest_match() -> None:
+    p = NgramProposer(NGRAM)
+    r = req("a", [1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 7, 8, 2, 3])
+    # [2, 3] occurs twice before the end: the latest occurrence, then [4, 6, 7]
+    assert p.propose(r, r.spec, 3) == [4, 6, 7]  # type: ignore[arg-type]
+    r.output_token_ids += [4, 5]  # now [3, 4, 5] matches the first occurrence: its continuation
+    assert p.propose(r, r.spec, 3) == [9, 2, 3]  # type: ignore[arg-type]
+    assert p.propose(r, r.spec, 1) == [9]  # type: ignore[arg-type]
+    r.output_token_ids.append(77)  # nothing ends with 77 before: no proposal
+    assert p.propose(r, r.spec, 3) == []  # type: ignore[arg-type]
+
+
+def test_ngram_never_matches_the_suffix_itself() -> None:
+    p = NgramProposer(NGRAM)
+    r = req("a", [5, 6, 7])
+    assert p.propose(r, r.spec, 3) == []  # type: ignore[arg-type]
+    r = req("b", [5, 5])
+    assert p.propose(r, r.spec, 3) == [5]  # type: ignore[arg-type]
+    # the latest match of a run ends right before the suffix: the first one, with k tokens after it, proposes
+    r = req("c", [1, 7, 7, 7, 7, 7, 7])
+    assert p.propose(r, r.spec, 3) == [7, 7, 7]  # type: ignore[arg-type]
+
+
+def test_only_options_the_worker_verifies_exactly_speculate() -> None:
+    assert eligible(SamplingOptions(0.0)) and eligible(SamplingOptions(0.7, top_k=5, top_p=0.9, seed=1))
+    for bad in ({"logprobs": 0}, {"repetition_penalty": 1.2}, {"logit_bias": {3: 1.0}}, {"min_tokens": 2}):
+        assert not eligible(SamplingOptions(0.0, **bad))  # type: ignore[arg-type]
+
+
+def make(spec: SpeculativeConfig | None = NGRAM, blocks: int = 64) -> Scheduler:
+    config = SchedulerConfig(block_size=8, max_num_batched_tokens=64, max_model_len=512, speculative=spec)
+    return Scheduler(config, blocks)
+
+
+REPEATING = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+
+
+def test_a_speculating_decode_schedules_its_proposals_and_rolls_back_the_rejected() -> None:
+    s = make()
+    r = req("a", REPEATING)
+    s.add(r)
+    first = s.schedule()  # the prompt
+    assert not first.cached_requests
+    s.update(first, StepResult(first.step_id, {r.handle: [3]}))  # ... 1, 2, 3
+    plan = s.schedule()
+    (cached,) = plan.cached_requests
+    assert cached.draft_token_ids == (4, 1, 2) and cached.num_scheduled_tokens == 4
+    assert r.num_computed_tokens == len(REPEATING) + 1 + 3
+    # the worker accepted 4 and 1, and sampled 9 after them
+    (out,) = s.update(plan, StepResult(plan.step_id, {r.handle: [4, 1, 9]}))
+    assert out.new_token_ids == [4, 1, 9]
+    assert r.output_token_ids == [3, 4, 1, 9]
+    assert r.num_computed_tokens == r.num_tokens - 1  # the rejected proposal's slot is not computed
+    c = s.speculator.counters  # type: ignore[union-attr]
+    assert (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens, c.accepted_per_pos) == (1, 3, 2, [1, 1, 0])
+
+
+def test_proposals_stop_before_max_tokens_and_never_preempt() -> None:
+    s = make()
+    r = req("a", REPEATING, max_tokens=3)
+    s.add(r)
+    plan = s.schedule()
+    s.update(plan, StepResult(plan.step_id, {r.handle: [3]}))
+    plan = s.schedule()
+    assert plan.cached_requests[0].draft_token_ids == (4,)  # 3 tokens at most: one proposal and one sampled
+    # with no block to spare, requests decode without proposals (which would need a third block each)
+    s = make(blocks=4)
+    both = [req(name, [1, 2, 3, 4] * 3 + [1, 2]) for name in "bc"]  # with their first tokens, 15 each
+    for r in both:
+        s.add(r)
+    plan = s.schedule()
+    s.update(plan, StepResult(plan.step_id, {r.handle: [3] for r in both}))
+    plan = s.schedule()
+    assert [c.draft_token_ids for c in plan.cached_requests] == [(), ()] and not s.num_preemptions
+
+
+def test_a_speculating_request_waits_for_its_tokens_and_opted_out_ones_do_not() -> None:
+    s = make()
+    a, b = req("a", REPEATING), req("b", REPEATING)
+    b.spec = None  # opted out
+    s.add(a)
+    s.add(b)
+    plan = s.schedule()
+    s.update(plan, StepResult(plan.step_id, {a.handle: [3], b.handle: [3]}))
+    speculated = s.schedule()
+    following = s.schedule()  # built before the result, as async scheduling does
+    assert [c.handle for c in following.cached_requests] == [b.handle]  # a is held until its tokens are known
+    s.update(speculated, StepResult(speculated.step_id, {a.handle: [4], b.handle: [4]}))
+    assert a.num_computed_tokens == a.num_tokens - 1
+    s.update(following, StepResult(following.step_id, {b.handle: [1]}))
+    assert a.handle in [c.handle for c in s.schedule().cached_requests]
+
+
+def test_the_policy_pauses_a_request_whose_proposals_miss_and_big_batches() -> None:
+    spec = Speculator(SpeculativeConfig(disable_by_batch_size=2))
+    r = req("a", REPEATING)
+    spec.admit(r)
+    assert spec.drafts(r, 4)
+    for _ in range(5):
+        spec.observe(r, 4, 0)
+    assert r.spec is not None and r.spec.pause and spec.drafts(r, 4) == []
+    spec.begin_step(3)
+    fresh = req("b", REPEATING)
+    spec.admit(fresh)
+    assert spec.drafts(fresh, 4) == []  # three running: more than disable_by_batch_size
+    logprobs = req("c", REPEATING, logprobs=1)
+    spec.admit(logprobs)
+    assert logprobs.spec is None

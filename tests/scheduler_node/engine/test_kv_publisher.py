@@ -1,0 +1,65 @@
+"""A replica's KV event publisher (scheduler_node/engine/kv_publisher.py) over a real engine core with stand-in
+workers, into the router's real subscriber over loopback ZeroMQ: the router's index equals the replica's prefix
+cache, and a restarted replica (a new publisher, a new epoch, on the same ports) is resynchronized to its empty
+cache, never trusted stale."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from minivllm.cluster import free_port
+from scheduler_node.core.config import SchedulerConfig
+from scheduler_node.core.kv_events import KVEventSink
+from scheduler_node.engine.kv_publisher import KVEventPublisher
+from scheduler_node.router.kv_index import KVIndex
+from scheduler_node.router.kv_subscriber import KVSubscriber
+from scheduler_node.router.replica import SERVING, ReplicaPool, parse_replica
+from tests.support.stand_in import StandInRun, spec
+from tests.support.waiting import until
+
+pytestmark = pytest.mark.unit
+
+
+def test_a_publisher_feeds_the_subscriber_and_a_restart_is_never_trusted_stale() -> None:
+    asyncio.run(_publish_and_restart())
+
+
+async def _publish_and_restart() -> None:
+    port, snap = free_port(), free_port()
+    pool = ReplicaPool([parse_replica(f"h:1,model=m,kv_events=127.0.0.1:{port},kv_snapshot=127.0.0.1:{snap}")])
+    replica = pool.replicas[0]
+    pool.set_state(replica, SERVING)
+    index = KVIndex()
+    subscriber = KVSubscriber(pool, index)
+    feed = subscriber.feeds[replica.address]
+    follow = asyncio.ensure_future(subscriber.run())
+    run, publishing = await _replica(port, snap)
+    try:
+        run.submit(spec("r1", prompt_len=64, max_tokens=2))
+        await run.until_idle()
+        cached = set(run.engine.scheduler.blocks._cached)
+        assert len(cached) >= 4
+        await until(lambda: feed.synced and index.owned.get(replica.address) == cached, 10, "the index follows")
+        epoch = feed.epoch
+        publishing.cancel()  # the replica restarts: a new process, a new epoch, an empty cache
+        await run.stop()
+        run, publishing = await _replica(port, snap)
+        await until(lambda: feed.epoch not in (None, epoch) and feed.synced, 15, "a snapshot of the new epoch")
+        assert index.num_blocks(replica.address) == 0 and feed.resyncs == 1
+    finally:
+        publishing.cancel()
+        await run.stop()
+        follow.cancel()
+        await asyncio.gather(follow, publishing, return_exceptions=True)
+
+
+async def _replica(port: int, snapshot_port: int) -> tuple[StandInRun, asyncio.Future[None]]:
+    run = StandInRun.build(SchedulerConfig(block_size=16, max_num_batched_tokens=64, max_num_seqs=4), 32)
+    sink = KVEventSink()
+    run.engine.scheduler.attach_kv_events(sink)
+    publisher = KVEventPublisher(sink, 16, "127.0.0.1", port, snapshot_port)
+    run.engine.after_step = publisher.publish
+    run.start()
+    return run, asyncio.ensure_future(publisher.run())
