@@ -70,8 +70,7 @@ class StepInputs:
 
 _ROW_ARRAYS = (
     "token_ids", "num_tokens", "num_computed", "num_prompt", "block_table", "num_blocks", "wants_prompt_logprobs",
-    "plain", "wants_logprobs", "pools", "lora_slot",
-    "plain", "wants_logprobs", "pools", "num_drafts",
+    "plain", "wants_logprobs", "pools", "num_drafts", "lora_slot",
 )  # fmt: skip
 
 
