@@ -8,11 +8,13 @@ with LLM() as llm:  # the default model, SmolLM2-135M-Instruct
 """
 
 from minivllm.llm import LLM, TextPrompt, TokensPrompt
+from minivllm.lora_request import LoRARequest
 from minivllm.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
+    "LoRARequest",
     "SamplingParams",
     "StructuredOutputsParams",
     "RequestOutput",

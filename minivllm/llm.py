@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import dataclasses
 import itertools
 import logging
 import sys
@@ -16,10 +17,12 @@ import time
 import weakref
 from collections.abc import Awaitable, Mapping, Sequence
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any, TypedDict, TypeVar
 
 from tqdm import tqdm
 
+from minivllm.lora_request import LoRARequest
 from minivllm.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from proto.quantization import check_quantization
@@ -43,11 +46,13 @@ from scheduler_node.api.validation import (
 )
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.kv_precision import CompactKV
+from scheduler_node.core.lora_slots import LoraRef
 from scheduler_node.core.request import RequestSpec
 from scheduler_node.core.speculative import SpeculativeConfig
 from scheduler_node.engine.builder import EngineConfig, WorldPlan, check_model_split, free_port, make_engine
 from scheduler_node.engine.core import EngineCore, EngineOptions
 from scheduler_node.engine.launchers import LocalLauncher
+from scheduler_node.engine.lora_registry import DEFAULT_MAX_LORA_RANK, LoraConfig
 from scheduler_node.engine.model_path import DEFAULT, resolve_model
 from scheduler_node.engine.outputs import Delta
 from scheduler_node.engine.placement import place
@@ -130,6 +135,9 @@ class LLM:
         async_scheduling: bool = _ENGINE.async_scheduling,
         worker_backend: str = "auto",
         worker_join_timeout: float = WORKER_JOIN_TIMEOUT_S,
+        enable_lora: bool = False,
+        max_loras: int = _SCHEDULER.max_loras,
+        max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
         speculative_config: str | Mapping[str, Any] | SpeculativeConfig | None = None,
     ) -> None:
         if worker_backend not in WORKER_BACKENDS:
@@ -171,6 +179,7 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching,
                 preemption_mode=preemption_mode,  # type: ignore[arg-type]
                 kv_offload_policy=kv_offload_policy,
+                max_loras=max_loras,
                 speculative=SpeculativeConfig.parse(speculative_config),
             ),
             tensor_parallel_size=tensor_parallel_size,
@@ -179,6 +188,7 @@ class LLM:
             scheduling_policy=scheduling_policy,
             num_kv_blocks=num_kv_blocks,
             kv_compact=CompactKV.from_flags(kv_compact_under_pressure, kv_compact_fraction, dtype=kv_compact_dtype),
+            lora=LoraConfig(enable_lora=enable_lora, max_lora_rank=max_lora_rank),
             # The servers' collector policy (engine/collector.py): at 1,024 sequences the default one doubles the
             # engine's cost per step.
             options=EngineOptions(schedule_gc=True),
@@ -214,20 +224,23 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One output per prompt (a string, a list of token ids, or vLLM's `{"prompt": ...}` /
-        `{"prompt_token_ids": ...}`), in input order. ValueError names a bad field."""
+        `{"prompt_token_ids": ...}`), in input order; `lora_request`: the adapter of every prompt, or of each
+        (None: the base model). ValueError names a bad field."""
         ids = self._prompt_ids(prompts)
         single = isinstance(prompts, (str, dict)) or _is_ids(prompts)
         batch = [_unwrap(p, f"prompts[{i}]") for i, p in enumerate([prompts] if single else list(prompts))]
         texts = [p if isinstance(p, str) else None for p, _ in batch]
-        return self._run(ids, texts, sampling_params, use_tqdm, priority)
+        return self._run(ids, texts, sampling_params, use_tqdm, priority, lora_request)
 
     def chat(
         self,
         messages: Sequence[Message] | Sequence[Sequence[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Completions of one conversation (a list of {"role", "content"}) or of several, through the model's chat
         template."""
@@ -237,7 +250,7 @@ class LLM:
             prompt_from_messages(list(c), self.tokenizer, max_len, f"messages[{i}]")  # type: ignore[arg-type]
             for i, c in enumerate(conversations)
         ]
-        return self._run(ids, [None] * len(ids), sampling_params, use_tqdm, None)
+        return self._run(ids, [None] * len(ids), sampling_params, use_tqdm, None, lora_request)
 
     def embed(
         self,
@@ -289,8 +302,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
         priority: Sequence[int] | None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         params = _per_prompt(sampling_params or SamplingParams(), len(ids), "sampling_params")
+        requests = [lora_request] * len(ids) if not isinstance(lora_request, Sequence) else list(lora_request)
+        if len(requests) != len(ids):
+            raise ValueError(f"lora_request: {len(requests)} given for {len(ids)} prompts")
+        loras = [None if r is None else self._lora(r) for r in requests]
         priorities = [DEFAULT_PRIORITY] * len(ids) if priority is None else _per_prompt(priority, len(ids), "priority")
         specs = [
             build_spec(
@@ -305,6 +323,7 @@ class LLM:
             )
             for p, sp, pr in zip(ids, params, priorities)
         ]
+        specs = [dataclasses.replace(s, lora=lora) if lora else s for s, lora in zip(specs, loras)]
         batch = _Batch(len(specs), _Progress(len(specs), use_tqdm))
         collectors = [_Collector(spec, text, batch) for spec, text in zip(specs, texts)]
         try:
@@ -321,6 +340,24 @@ class LLM:
             raise
         finally:
             batch.progress.close()
+
+    def _lora(self, request: LoRARequest) -> LoraRef:
+        """The registered adapter of a LoRARequest, registering (and checking) it on first use."""
+        registry = self.engine.loras
+        if registry is None:
+            raise ValueError("lora_request: LoRA is off; make the LLM with enable_lora=True")
+        ref = registry.get(request.lora_name)
+        if ref is None:
+            return registry.add(request.lora_name, request.lora_path)
+        if ref.path != str(Path(request.lora_path).expanduser().resolve()):
+            raise ValueError(f"lora_request: {request.lora_name!r} is loaded from {ref.path}, not {request.lora_path}")
+        return ref
+
+    def unload_lora(self, lora_name: str) -> None:
+        """Forget an adapter: requests naming it again load it anew (KeyError if it is not loaded)."""
+        if self.engine.loras is None or self.engine.loras.get(lora_name) is None:
+            raise KeyError(f"LoRA adapter {lora_name!r} is not loaded")
+        self.engine.loras.remove(lora_name)
 
     async def _submit(self, collectors: list[_Collector]) -> None:
         engine = self.engine

@@ -43,7 +43,8 @@ from msgspec import Meta
 # worker would refuse the longer records, and sample an embedding request without pooling it).
 # 10: cached requests carry proposed tokens (speculative decoding) and results may carry several tokens per request
 # (the accepted proposals and one more); a v9 worker would compute the proposals as known tokens.
-WIRE_VERSION = 10
+# 11: LoRA: a NewRequest names its adapter and the worker slot it runs in (a v10 worker would run the base model).
+WIRE_VERSION = 11
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # libzmq's own ZMTP heartbeats, set on both ends of the worker socket: a quiet connection is PINGed this often by
 # libzmq's I/O thread (so a busy Python thread does not drop it), and dropped after the heartbeat timeout.
@@ -122,6 +123,15 @@ class SamplingOptions(Record):
         return self.temperature == 0.0
 
 
+class LoraAdapter(Record):
+    """The LoRA adapter a request runs with: its id (never reused for other weights), its PEFT folder, and the worker
+    slot the scheduler placed it in; a worker whose slot holds another id loads it from the folder first."""
+
+    id: Annotated[int, Meta(ge=1)]
+    path: Annotated[str, Meta(max_length=4096)]
+    slot: Annotated[int, Meta(ge=0, le=4095)]
+
+
 class NewRequest(Record):
     """A request the workers do not hold (new, or back after preemption): everything, in full."""
 
@@ -132,6 +142,7 @@ class NewRequest(Record):
     block_ids: list[int]
     num_computed_tokens: Count
     num_scheduled_tokens: Annotated[int, Meta(ge=1)]  # tokens this step computes, from num_computed_tokens on
+    lora: LoraAdapter | None = None  # None: the base model
 
 
 class CachedRequest(Record):

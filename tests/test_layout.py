@@ -112,12 +112,17 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "kernels.triton_common": "helpers of the Triton kernels, run through kernels.triton_attention by"
     " tests/kernels/test_triton_kernels.py (a GPU, or Triton's interpreter)",
     "kernels.triton_write_kv": "run through kernels.triton_attention by tests/kernels/test_triton_kernels.py",
+    "minivllm.lora_request": "re-exported by minivllm/__init__.py, whence tests/minivllm/test_lora.py imports it",
     "minivllm.outputs": "re-exported by minivllm/__init__.py, whence tests/minivllm/test_offline_api.py imports it",
     "minivllm.sampling_params": "re-exported by minivllm/__init__.py, whence tests/minivllm/ imports it",
+    "scheduler_node.cli.lora_flags": "the LoRA flags, beside the registry they fill:"
+    " tests/scheduler_node/engine/test_lora_registry.py",
     "proto.serving_pb2": "generated from proto/serving.proto by grpcio-tools; every gRPC test speaks it",
     "proto.serving_pb2_grpc": "generated from proto/serving.proto by grpcio-tools; every gRPC test speaks it",
     "scheduler_node.api.openai_guards": "the door's API key and body limit, through its app:"
     " tests/scheduler_node/api/test_openai_server.py",
+    "scheduler_node.api.openai_lora": "the door's LoRA routes, through its app:"
+    " tests/scheduler_node/api/test_openai_lora.py",
     "scheduler_node.api.openai_runs": "a part of the OpenAI door: tests/scheduler_node/api/test_openai_server.py",
     "scheduler_node.bench.load": "a part of vllm-bench, run against a real server by"
     " tests/scheduler_node/bench/test_bench.py",
@@ -150,6 +155,9 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "worker_node.attention": "the attention metadata, tested with the decode graphs and kernels"
     " (tests/kernels/test_decode_graphs.py)",
     "worker_node.cuda_graphs": "tests/kernels/test_decode_graphs.py (with the kernels it captures)",
+    "worker_node.lora.manager": "each row's adapter in a mixed batch, against HF + PEFT: tests/fidelity/test_lora.py",
+    "worker_node.lora.weights": "adapters laid out for fused projections and TP slices, against HF + PEFT:"
+    " tests/fidelity/test_lora.py",
     "worker_node.loading": "loads a rank as a worker does; tests/support/engine.py's load_runner runs it for every"
     " model test",
     "worker_node.models.gemma2": "registered in worker_node/models/registry.py; tests/worker_node/models/"

@@ -70,7 +70,7 @@ class StepInputs:
 
 _ROW_ARRAYS = (
     "token_ids", "num_tokens", "num_computed", "num_prompt", "block_table", "num_blocks", "wants_prompt_logprobs",
-    "plain", "wants_logprobs", "pools", "num_drafts",
+    "plain", "wants_logprobs", "pools", "num_drafts", "lora_slot",
 )  # fmt: skip
 
 
@@ -91,6 +91,7 @@ class InputBatch:
         self.plain = np.zeros(rows, dtype=bool)  # the sampler's RowFlags
         self.wants_logprobs = np.zeros(rows, dtype=bool)
         self.pools = np.zeros(rows, dtype=bool)  # an embedding request
+        self.lora_slot = np.zeros(rows, dtype=np.int64)  # its LoRA adapter's slot + 1 (0: the base model)
         self.num_drafts = np.zeros(rows, dtype=np.int64)  # proposals held past num_tokens for this step only
 
     # ---- rows: written by a plan's diffs
@@ -116,6 +117,7 @@ class InputBatch:
         self.plain[row] = is_plain(r.sampling)
         self.wants_logprobs[row] = r.sampling.logprobs is not None
         self.pools[row] = bool(r.sampling.pooling)
+        self.lora_slot[row] = 0 if r.lora is None else r.lora.slot + 1
         self.num_drafts[row] = 0
         return state
 
@@ -257,6 +259,14 @@ class InputBatch:
             pool_rows,
             draft_rows,
         )
+
+    def token_lora_slots(self, inputs: StepInputs) -> np.ndarray | None:
+        """Each of a step's tokens' LoRA slot (-1: the base model), in batch order; None when none has one."""
+        slots = self.lora_slot[inputs.rows]
+        if not slots.any():
+            return None
+        counts = self.num_computed[inputs.rows] - inputs.starts  # gather advanced them by the step's tokens
+        return np.repeat(slots - 1, counts)
 
     def _drafts_of(self, state: RequestState) -> list[int]:
         n = len(state.token_ids)

@@ -17,6 +17,7 @@ from worker_node.cuda_graphs import DecodeGraphs
 from worker_node.input_batch import InputBatch, RequestState, StepInputs
 from worker_node.kv_cache import KVCache, copy_blocks
 from worker_node.kv_offload import DISK, KVOffload, TierRun
+from worker_node.lora.manager import LoraManager
 from worker_node.models.decoder import CausalLM, StepInterrupted
 from worker_node.parallel import SINGLE, Comm
 from worker_node.sampler import Sampler, token_logprobs
@@ -85,6 +86,7 @@ class ModelRunner:
         # Requests that read a tier block whose load failed: never computed again (their KV is not valid); the
         # scheduler has them recompute and tells this worker to forget them.
         self._load_failed: set[int] = set()
+        self.lora: LoraManager | None = None  # made when the first request with a LoRA adapter arrives
 
     def apply_diffs(self, plan: StepPlan, check_progress: bool = True) -> np.ndarray:
         """Update the requests this worker holds; their rows, the plan's new requests then its cached ones. Every
@@ -101,6 +103,8 @@ class ModelRunner:
             self.sampler.forget(handle)
         rows = []
         for new in plan.new_requests:
+            if new.lora is not None:
+                self._lora_manager().place(new.lora)
             self.sampler.forget(new.handle)  # penalty counts and grammar start over from its tokens
             rows.append(batch.add(new).row)
         states = batch.states
@@ -124,6 +128,11 @@ class ModelRunner:
                 for index, block in changes:
                     batch.set_block(state, index, block)
         return plan_rows
+
+    def _lora_manager(self) -> LoraManager:
+        if self.lora is None:
+            self.lora = LoraManager(self.model, self.dtype, self.device)
+        return self.lora
 
     def _check_progress(self, rows: np.ndarray, cached: list[CachedRequest]) -> None:
         """Each cached request's computed tokens are the plan's (unless a failed tier load left it behind)."""
@@ -283,9 +292,14 @@ class ModelRunner:
         if not where.is_first_stage:
             shape = (batch.input_ids.shape[0], self.model.config.hidden_size)
             hidden = self.comm.recv_from_previous_stage(shape, self.dtype)
-        graphs = self.graphs if batch.meta.compact is None else None  # graphs read the full pool only
+        lora_slots = self.batch.token_lora_slots(batch) if self.lora is not None else None
+        # Graphs read the full pool only, and were captured without adapters.
+        graphs = self.graphs if batch.meta.compact is None and lora_slots is None else None
         if graphs is not None and graphs.fits(batch.meta, batch.input_ids.shape[0]):
             hidden = graphs.run(batch.input_ids, batch.positions, batch.meta, hidden)
+        elif lora_slots is not None and self.lora is not None:
+            with self.lora.step(lora_slots):
+                hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta, hidden, interrupted)
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta, hidden, interrupted)
         if not where.is_last_stage:

@@ -89,11 +89,14 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     async def _admit(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> RequestSpec | None:
         """The request to run, or None with the status of its refusal set on `context`."""
-        if request.model and request.model != self.served_model_name:
-            detail = f"model: {request.model!r} is not served here (this server serves {self.served_model_name!r})"
-            refuse(context, grpc.StatusCode.NOT_FOUND, detail)
-            return None
         engine = self.engine
+        lora = None  # a LoRA adapter's name in `model` runs the request with it
+        if request.model and request.model != self.served_model_name:
+            lora = engine.loras.get(request.model) if engine is not None and engine.loras is not None else None
+            if lora is None:
+                detail = f"model: {request.model!r} is not served here (this server serves {self.served_model_name!r})"
+                refuse(context, grpc.StatusCode.NOT_FOUND, detail)
+                return None
         if engine is None or engine.unavailable():
             refuse(context, grpc.StatusCode.UNAVAILABLE, engine.unavailable() if engine else "workers are joining")
             return None
@@ -119,6 +122,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             return None
         if not spec.request_id:
             spec = dataclasses.replace(spec, request_id=uuid.uuid4().hex)
+        if lora is not None:
+            spec = dataclasses.replace(spec, lora=lora)
         if engine.is_live(spec.request_id):
             refuse(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id: {spec.request_id!r} is already running")
             return None

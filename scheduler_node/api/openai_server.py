@@ -40,6 +40,7 @@ from scheduler_node.api.openai_encode import json_response
 from scheduler_node.api.openai_errors import OpenAIError, engine_error, install_handlers
 from scheduler_node.api.openai_guards import ApiKeyAuth, BodyLimit
 from scheduler_node.api.openai_inputs import chat_specs, completion_specs, template_messages
+from scheduler_node.api.openai_lora import adapter_cards, adapter_of, install_lora_routes
 from scheduler_node.api.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -61,6 +62,7 @@ from scheduler_node.api.validation import (
     prompt_from_messages,
     prompt_from_text,
 )
+from scheduler_node.core.lora_slots import LoraRef
 from scheduler_node.core.request import RequestSpec
 from scheduler_node.engine.core import EngineCore
 from scheduler_node.engine.metrics import Metrics
@@ -110,10 +112,9 @@ class OpenAIDoor:
             raise OpenAIError(503, reason)
         return engine
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.model_name:
-            message = f"the model `{model}` does not exist; this server serves `{self.config.model_name}`"
-            raise OpenAIError(404, message, "model", "model_not_found")
+    def check_model(self, model: str | None) -> LoraRef | None:
+        """The LoRA adapter `model` names (None: the base model); 404 when it names neither."""
+        return adapter_of(self.engine, model, self.config.model_name)
 
     async def generate(
         self,
@@ -144,7 +145,7 @@ class OpenAIDoor:
 
     async def embed(self, body: EmbeddingRequest, request: Request) -> Response:
         """POST /v1/embeddings: each input's pooled final hidden states."""
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         engine = self.ready_engine()
         request_id = f"embd-{uuid.uuid4().hex}"
         try:
@@ -153,6 +154,7 @@ class OpenAIDoor:
                                             self.config.embedding_pooling, priority)  # fmt: skip
         except InvalidField as exc:
             raise OpenAIError(400, str(exc), exc.field) from None
+        specs = [dataclasses.replace(spec, lora=lora) for spec in specs] if lora else specs
         engine = self.ready_engine()
         if engine.queue_full(len(specs)):
             limit = engine.options.max_waiting_requests
@@ -176,7 +178,7 @@ class OpenAIDoor:
         prefix: str,
     ) -> Run:
         """The request checked, tokenized and submitted (OpenAIError when it cannot be)."""
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         engine = self.ready_engine()
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         make: MakeSpecs = chat_specs if isinstance(body, ChatCompletionRequest) else completion_specs
@@ -190,6 +192,8 @@ class OpenAIDoor:
                 make, body, self.tokenizer, engine.max_model_len, request_id, priority, engine.compact_tokens
             )
             check_prompt_logprobs(specs)
+            if lora is not None:
+                specs = [dataclasses.replace(spec, lora=lora) for spec in specs]
             if self.reasoning_parser is not None:  # a constraint applies to the answer after the reasoning
                 specs = [_after_reasoning(spec, self.reasoning_parser) for spec in specs]
         except InvalidField as exc:
@@ -200,7 +204,8 @@ class OpenAIDoor:
             raise OpenAIError(429, f"the waiting queue is full (--max-waiting-requests {limit}); retry later")
         sampling = specs[0].sampling
         want = sampling.logprobs is not None, sampling.prompt_logprobs is not None
-        run = Run(engine, specs, shape(request_id, self.config.model_name, self.tokenizer, *want))
+        name = self.config.model_name if lora is None else lora.name  # the answer names what was asked
+        run = Run(engine, specs, shape(request_id, name, self.tokenizer, *want))
         run.start()
         return run
 
@@ -231,7 +236,10 @@ def build_app(door: OpenAIDoor) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         engine = door.engine
-        return model_list([model_card(door.config.model_name, engine.max_model_len if engine else None)])
+        base = model_card(door.config.model_name, engine.max_model_len if engine else None)
+        return model_list([base, *adapter_cards(engine, door.config.model_name)])
+
+    install_lora_routes(app, lambda: door.engine, door.config.model_name)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from scheduler_node.api.grpc_server import GenerationService, build_server
 from scheduler_node.api.health import report_health, set_serving
 from scheduler_node.api.openai_server import OpenAIDoor, OpenAIServer, build_app
 from scheduler_node.api.security import server_credentials
+from scheduler_node.cli.lora_flags import add_lora_flags, lora_config
 from scheduler_node.cli.openai_flags import add_openai_flags, openai_config
 from scheduler_node.cli.operations import add_operations_flags, check_operations_flags, stop_signals
 from scheduler_node.core.config import PREEMPTION_MODES, SchedulerConfig
@@ -177,6 +178,7 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
         "recency and frequency, scan-resistant) or lru",
     )
     add_kv_precision_flags(p)
+    add_lora_flags(p)
     p.add_argument(
         "--compaction-interval",
         type=int,
@@ -308,6 +310,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             compaction_interval=args.compaction_interval,
             watermark=args.watermark,
             kv_offload_policy=args.kv_offload_policy,
+            max_loras=args.max_loras,
         ),
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
@@ -331,6 +334,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             tight_fraction=args.kv_compact_tight_fraction,
             full_priority=args.kv_compact_full_priority,
         ),
+        lora=lora_config(args),
     )
 
 

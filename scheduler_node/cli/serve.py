@@ -62,6 +62,8 @@ def scheduler_argv(args: argparse.Namespace) -> list[str]:
         flag = action.option_strings[0]
         if isinstance(action, argparse.BooleanOptionalAction):
             argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):  # nargs="+": the flag once with every value, or not at all
+            argv += [flag, *map(str, value)] if value else []
         elif value is not None:
             argv += [flag, str(value)]
     return argv

@@ -8,8 +8,9 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from proto.wire import NewRequest, SamplingOptions, TokenLogprobs
+from proto.wire import LoraAdapter, NewRequest, SamplingOptions, TokenLogprobs
 from scheduler_node.core.block_table import BlockHash, hash_block
+from scheduler_node.core.lora_slots import LoraRef
 from scheduler_node.core.speculative import SpecState
 
 
@@ -104,6 +105,7 @@ class Request:
     stopped_by_token: bool = False  # ended by eos or a stop token (its text is not part of the output)
     handle: int = -1  # the request's id on the wire, assigned by the scheduler when the request is added
     kv_precision: str = "auto"  # auto | full | compact: the format of its KV blocks (core/kv_precision.py)
+    lora: LoraRef | None = None  # its LoRA adapter (None: the base model)
     # Speculative decoding (core/speculative.py): None when it never speculates (opted out, or options the worker
     # cannot verify exactly); the scheduler sets it at admission when speculation is on.
     spec: SpecState | None = None
@@ -191,7 +193,9 @@ class Request:
     def prompt_logprobs_done(self) -> bool:
         return len(self.prompt_logprobs) == len(self.prompt_token_ids) - 1
 
-    def to_new_request(self, block_ids: list[int], num_scheduled_tokens: int) -> NewRequest:
+    def to_new_request(
+        self, block_ids: list[int], num_scheduled_tokens: int, lora: LoraAdapter | None = None
+    ) -> NewRequest:
         return NewRequest(
             self.handle,
             list(self.prompt_token_ids),
@@ -200,6 +204,7 @@ class Request:
             list(block_ids),
             self.num_computed_tokens,
             num_scheduled_tokens,
+            lora,
         )
 
 
@@ -218,4 +223,5 @@ class RequestSpec:
     cache_salt: str = ""
     stop_token_ids: list[int] = field(default_factory=list)  # besides eos: tokens that end the output
     kv_precision: str = "auto"  # auto | full | compact (core/kv_precision.py)
+    lora: LoraRef | None = None  # the LoRA adapter it runs with (None: the base model)
     speculate: bool = True  # False: never speculative decoding for this request (when the server has it on)

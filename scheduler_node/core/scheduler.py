@@ -123,7 +123,7 @@ class Scheduler:
         # Running requests that may have more than one token to compute (admitted, or rolled back by an
         # interrupt): the only ones whose prefill can set the floor. Dropped once they caught up.
         self._catching_up: set[Request] = set()
-        self.view = WorkerView(self.mode.tokens_in_plan)
+        self.view = WorkerView(self.mode.tokens_in_plan, config.max_loras)
         self.in_flight = InFlightLedger(self.mode.disjoint_plans)
         self._step_id = 0
         # Speculative decoding, when configured; not with tokens in plans (P > 1 stages): the stages before the
@@ -506,6 +506,8 @@ class Scheduler:
                 break  # waiting is in policy order: the rest rank lower still
             if self.in_flight.held(req.handle):
                 continue  # preempted while its plan runs: it comes back once that result is applied
+            if req.lora is not None and not self.view.lora_slots.fits(req.lora):
+                continue  # every LoRA slot is pinned by running requests: it waits, the others pass
             if not self._claim_blocks(req, budget):
                 if holds_blocks:
                     continue

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 from proto.wire import CachedRequest, StepPlan
 from scheduler_node.core.block_table import BlockOps, BlockTable, Written
+from scheduler_node.core.lora_slots import LoraSlots
 from scheduler_node.core.request import Request
 
 
 class WorkerView:
-    def __init__(self, tokens_in_plan: bool) -> None:
+    def __init__(self, tokens_in_plan: bool, max_loras: int = 1) -> None:
         self.tokens_in_plan = tokens_in_plan
+        self.lora_slots = LoraSlots(max_loras)  # a held request pins its adapter's slot
         self._tokens_held: dict[int, int] = {}  # handle -> tokens (prompt + output) the workers know of it
         self._block_updates: dict[int, list[tuple[int, int]]] = {}
         self._finished: list[int] = []  # to forget with the next plan
@@ -44,7 +46,8 @@ class WorkerView:
         table in `blocks`. `drafts`: its last n - 1 tokens are these proposals (a request the workers hold)."""
         held = self._tokens_held.get(req.handle)
         if held is None:  # its table goes out whole, replacements included
-            plan.new_requests.append(req.to_new_request(blocks.blocks_of(req.req_id), n))
+            lora = None if req.lora is None else self.lora_slots.pin(req.lora)
+            plan.new_requests.append(req.to_new_request(blocks.blocks_of(req.req_id), n, lora))
             self._tokens_held[req.handle] = req.num_tokens
             return
         if written.replaced:
@@ -72,6 +75,8 @@ class WorkerView:
         self._block_updates.pop(req.handle, None)
         if self._tokens_held.pop(req.handle, None) is not None:
             (self._preempted if preempted else self._finished).append(req.handle)
+            if req.lora is not None:
+                self.lora_slots.unpin(req.lora)
 
     def finish_plan(self, plan: StepPlan, ops: BlockOps) -> None:
         """Attach the diffs gathered since the last plan: replacements, block work, notices."""
@@ -89,12 +94,14 @@ class WorkerView:
         request they hold with the next plan; notices already gathered still go out."""
         self._preempted.extend(self._tokens_held)
         self._tokens_held.clear()
+        self.lora_slots.unpin_all()
         self._block_updates.clear()
 
     def forget_all(self) -> None:
         """The workers lost their state (a rank was lost; its replacement starts empty): nothing is held, nothing
         is pending, and there is nothing to tell them."""
         self._tokens_held.clear()
+        self.lora_slots.unpin_all()
         self._block_updates.clear()
         self._finished.clear()
         self._preempted.clear()

@@ -13,6 +13,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from proto.lora import BaseShapes
 from proto.parallel import ParallelLayout
 from proto.quantization import resolve_quantization
 from proto.transport import WorkerTransport, WorldCapacity
@@ -23,6 +24,7 @@ from scheduler_node.core.kv_tiers import KVTiers
 from scheduler_node.core.policy import AGING_INTERVAL_S, PREEMPTION_MARGIN, make_policy
 from scheduler_node.core.scheduler import PreemptionCosts, Scheduler
 from scheduler_node.engine.core import EngineCore, EngineOptions
+from scheduler_node.engine.lora_registry import LoraConfig, LoraRegistry
 from scheduler_node.engine.metrics import Metrics
 from scheduler_node.engine.placement import Placement, RankAssigner
 from scheduler_node.text.tokenizer import ModelTokenizer
@@ -48,6 +50,7 @@ class EngineConfig:
     distributed_timeout: float = 300.0
     kv_compact: CompactKV = field(default_factory=CompactKV)  # per-request KV precision: the compact pool
     quantization: str = "auto"  # the weights' format (proto/quantization.py)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (scheduler_node/engine/lora_registry.py)
 
     @property
     def layout(self) -> ParallelLayout:
@@ -121,7 +124,19 @@ def make_engine(
         num_compact_blocks=capacity.num_compact_blocks,
         precision=config.kv_compact,
     )
-    return EngineCore(scheduler, tokenizer, workers, config.options, metrics or Metrics(folder.name))
+    engine = EngineCore(scheduler, tokenizer, workers, config.options, metrics or Metrics(folder.name))
+    engine.loras = lora_registry(config.lora, folder)
+    return engine
+
+
+def lora_registry(config: LoraConfig, folder: Path) -> LoraRegistry | None:
+    """The adapters of --lora-modules, checked against the model (None without --enable-lora)."""
+    if not config.enable_lora:
+        return None
+    registry = LoraRegistry(BaseShapes.from_folder(folder), config.max_lora_rank)
+    for name, path in config.lora_modules:
+        registry.add(name, path)
+    return registry
 
 
 def check_model_split(folder: Path, layout: ParallelLayout, quantization: str = "auto") -> None:

@@ -24,12 +24,14 @@ import msgspec
 from proto.memory_stats import KvPool
 from proto.transport import StepFailed, WorkerLost, WorkerTransport
 from proto.wire import StepPlan, StepResult
+from scheduler_node.core.lora_slots import lora_requests
 from scheduler_node.core.request import FinishReason, Request, RequestSpec, Status, StopConditions
 from scheduler_node.core.scheduler import Scheduler
 from scheduler_node.core.speculative import SpecState
 from scheduler_node.core.stats import hit_rates, kv_pools, snapshot
 from scheduler_node.engine.collector import CollectorSchedule
 from scheduler_node.engine.failures import Failures
+from scheduler_node.engine.lora_registry import LoraRegistry
 from scheduler_node.engine.metrics import LiveSample, Metrics
 from scheduler_node.engine.options import STEP_SECONDS_PER_TOKEN, EngineOptions
 from scheduler_node.engine.output_side import OutputSide
@@ -72,6 +74,7 @@ class EngineCore(Failures):
         self.gave_up = ""  # why requests are refused: a rank was lost and nobody rejoined in time
         self.collector = CollectorSchedule() if self.options.schedule_gc else None
         self._collected_at_idle = True  # nothing ran since the last idle collection
+        self.loras: LoraRegistry | None = None  # the adapters served by name (None: LoRA is off)
         # Called after each step's result is applied: a replica publishing KV events sends the step's batch
         # (scheduler_node/engine/kv_publisher.py).
         self.after_step: Callable[[], None] | None = None
@@ -139,8 +142,9 @@ class EngineCore(Failures):
                     sampling,
                     stop,
                     spec.priority,
-                    cache_salt=spec.cache_salt,
+                    cache_salt=spec.cache_salt + (spec.lora.cache_salt if spec.lora else ""),
                     kv_precision=spec.kv_precision,
+                    lora=spec.lora,
                     spec=SpecState() if spec.speculate else None,  # the scheduler keeps it only if it speculates
                 )
             )
@@ -222,6 +226,7 @@ class EngineCore(Failures):
             "minivllm:kv_cache_allocated_bytes": {(p.tier, p.format): p.allocated_bytes for p in pools},
             "minivllm:kv_cache_used_bytes": {(p.tier, p.format): p.used_bytes for p in pools},
             "minivllm:cache_hit_rate": {(tier,): rate for tier, rate in hit_rates(pools, s.prefix_cache_queries)},
+            "minivllm:lora_requests": lora_requests(self.scheduler.running, self.scheduler.waiting),
             "vllm:spec_decode_num_drafts": s.spec_decode_num_drafts,
             "vllm:spec_decode_num_draft_tokens": s.spec_decode_num_draft_tokens,
             "vllm:spec_decode_num_accepted_tokens": s.spec_decode_num_accepted_tokens,

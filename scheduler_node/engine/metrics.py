@@ -141,6 +141,10 @@ LABELLED_GAUGES = {  # name -> (help, label names beside model_name)
     ),
     "minivllm:kv_cache_used_bytes": ("KV bytes in use (all ranks), by tier and format", ("tier", "format")),
     "minivllm:cache_hit_rate": ("Prompt tokens found in a tier's prefix cache / prompt tokens looked up", ("tier",)),
+    "minivllm:lora_requests": (
+        "Requests with a LoRA adapter, by adapter and state (running, waiting)",
+        ("adapter", "state"),
+    ),  # fmt: skip
 }
 COUNTERS = {
     "vllm:num_preemptions": "Preemptions (recompute and swap; a lost worker preempts every running request)",

@@ -133,4 +133,6 @@ def _other_value(action: argparse.Action, value: Any) -> tuple[list[str], Any]:
     if action.dest == "speculative_config":  # JSON, checked when parsed
         other = '{"method": "ngram", "num_speculative_tokens": 3}'
         return [flag, other], speculative_config_flag(other)
+    if action.nargs == "+":  # one or more values (--lora-modules name=path ...)
+        return [flag, "from-the-command-line"], ["from-the-command-line"]
     return [flag, "from-the-command-line"], "from-the-command-line"

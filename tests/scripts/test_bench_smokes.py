@@ -98,6 +98,15 @@ def test_bench_overhead_smoke_measures_both_paths_per_component(smollm2_dir: Pat
 
 
 @pytest.mark.slow
+def test_bench_lora_smoke_runs_base_and_mixed_adapter_batches(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    stdout, report = _smoke("bench_lora.py", tiny_llama_dir, tmp_path / "lora.json")
+    assert [(r["adapters"], r["rank"]) for r in report["rows"]] == [(1, 8), (2, 8)]
+    assert all(r["base tok/s"] > 0 and r["LoRA tok/s"] > 0 for r in report["rows"])
+    assert report["base, LoRA off tok/s"] > 0
+    assert "| adapters | rank | base tok/s | LoRA tok/s | step time vs base |" in stdout
+
+
+@pytest.mark.slow
 def test_bench_quant_smoke_measures_every_format_against_the_first(tiny_llama_dir: Path, tmp_path: Path) -> None:
     stdout, report = _smoke("bench_quant.py", tiny_llama_dir, tmp_path / "quant.json")
     rows = {row["format"]: row for row in report["rows"]}

@@ -22,6 +22,7 @@ from proto.transport import WorldCapacity
 from proto.wire import Assignment, ExecutionMode, SamplingOptions, StepPlan, TokenLogprobs, WorkerReady
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.kv_tiers import KVTiers
+from scheduler_node.core.lora_slots import LoraRef
 from scheduler_node.core.request import RequestSpec
 from scheduler_node.core.scheduler import PreemptionCosts, Scheduler
 from scheduler_node.engine.core import EngineCore, EngineOptions
@@ -145,6 +146,7 @@ class EngineRun:
         stop: list[str] | None = None,
         priority: int = 50,
         stop_token_ids: list[int] | None = None,
+        lora: LoraRef | None = None,
         speculate: bool = True,
     ) -> Submitted:
         spec = RequestSpec(
@@ -157,6 +159,7 @@ class EngineRun:
             n=n,
             priority=priority,
             stop_token_ids=stop_token_ids or [],
+            lora=lora,
             speculate=speculate,
         )
         entry = Submitted(list(prompt), max_tokens, [Completion() for _ in range(n)])

@@ -1,0 +1,99 @@
+"""Which LoRA adapter sits in which of the workers' `--max-loras` slots, decided here so every rank agrees.
+
+A slot is pinned while a request the workers hold runs with its adapter; an unpinned slot keeps its adapter
+(a later request reuses it without a reload) until the least recently used unpinned slot is taken for another
+adapter. A request whose adapter has no slot and finds none free waits; requests that need no new slot pass it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+from proto.wire import LoraAdapter
+
+
+@dataclass(frozen=True, slots=True)
+class LoraRef:
+    """A registered adapter: `id` is never reused for other weights (the workers key their slots by it)."""
+
+    name: str
+    id: int
+    path: str
+    fingerprint: str = ""  # seeds its requests' prefix-cache hashes: blocks are never shared across adapters
+
+    @property
+    def cache_salt(self) -> str:
+        return f"\x00lora:{self.fingerprint or self.id}"
+
+
+class _HasLora(Protocol):
+    @property
+    def lora(self) -> LoraRef | None: ...
+
+
+def lora_requests(running: Iterable[_HasLora], waiting: Iterable[_HasLora]) -> dict[tuple[str, ...], float]:
+    """(adapter name, state) -> requests, for the metrics."""
+    counts: Counter[tuple[str, ...]] = Counter()
+    for state, requests in (("running", running), ("waiting", waiting)):
+        counts.update((r.lora.name, state) for r in requests if r.lora is not None)
+    return {key: float(n) for key, n in counts.items()}
+
+
+class LoraSlots:
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._holder: list[int | None] = [None] * num_slots  # slot -> adapter id in it
+        self._pins: list[int] = [0] * num_slots  # slot -> held requests using it
+        self._used: list[int] = [0] * num_slots  # slot -> when it was last pinned (LRU)
+        self._clock = itertools.count(1)
+
+    def _slot_of(self, lora_id: int) -> int | None:
+        try:
+            return self._holder.index(lora_id)
+        except ValueError:
+            return None
+
+    def _free_slot(self) -> int | None:
+        """An empty slot, else the least recently used unpinned one."""
+        idle = [s for s in range(self.num_slots) if not self._pins[s]]
+        if not idle:
+            return None
+        empty = [s for s in idle if self._holder[s] is None]
+        return empty[0] if empty else min(idle, key=lambda s: self._used[s])
+
+    def fits(self, lora: LoraRef) -> bool:
+        """Could a request with this adapter start now?"""
+        return self._slot_of(lora.id) is not None or self._free_slot() is not None
+
+    def pin(self, lora: LoraRef) -> LoraAdapter:
+        """A slot for a request the workers are about to hold (checked with `fits` first)."""
+        slot = self._slot_of(lora.id)
+        if slot is None:
+            slot = self._free_slot()
+            if slot is None:
+                raise RuntimeError(f"LoRA adapter {lora.name}: no free slot (admission checks fits first)")
+            self._holder[slot] = lora.id
+        self._pins[slot] += 1
+        self._used[slot] = next(self._clock)
+        return LoraAdapter(lora.id, lora.path, slot)
+
+    def unpin(self, lora: LoraRef) -> None:
+        slot = self._slot_of(lora.id)
+        if slot is not None and self._pins[slot]:
+            self._pins[slot] -= 1
+
+    def unpin_all(self) -> None:
+        """The workers hold no request any more (they dropped or lost them all)."""
+        self._pins = [0] * self.num_slots
+
+    @property
+    def pinned(self) -> int:
+        return sum(1 for p in self._pins if p)
+
+    def resident(self) -> dict[int, int]:
+        """Adapter id -> the requests the workers hold with it (0: resident but idle)."""
+        return {a: p for a, p in zip(self._holder, self._pins) if a is not None}

@@ -1,0 +1,143 @@
+"""LoRA: greedy output with each request's adapter is HF + PEFT's argmax at every position (teacher-forced), in
+batches mixing adapters and the base model, through slot eviction."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proto.lora import BaseShapes
+from scheduler_node.core.lora_slots import LoraRef
+from scheduler_node.engine.lora_registry import LoraRegistry
+from tests.support.engine import EngineRun, load_runner
+from tests.support.inprocess_tp import TensorParallelRanks
+from tests.support.lora import load_base, load_peft, make_adapter
+from tests.support.models import assert_teacher_forced
+from tests.support.quant import hf_on_dequantized
+from worker_node.models.quantize import make_method
+
+pytestmark = pytest.mark.model
+
+BLOCK = 16
+# (targets, rank, rslora): every module; attention's q and v only (parts of the fused qkv); MLP with rsLoRA.
+ADAPTERS = [
+    (("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), 8, False),
+    (("q_proj", "v_proj"), 4, False),
+    (("gate_proj", "down_proj", "k_proj"), 16, True),
+    (("o_proj", "up_proj"), 2, False),
+]
+
+
+@pytest.fixture(scope="module")
+def base_model(tiny_llama_dir: Path) -> Any:
+    return load_base(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def adapters(base_model: Any, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    root = tmp_path_factory.mktemp("loras")
+    return [
+        make_adapter(base_model, root / f"a{i}", seed=i, rank=r, targets=t, rslora=rs)
+        for i, (t, r, rs) in enumerate(ADAPTERS)
+    ]
+
+
+@pytest.fixture(scope="module")
+def references(base_model: Any, adapters: list[Path]) -> dict[int | None, Any]:
+    """HF's model for the base (None) and HF + PEFT's for each adapter."""
+    models: dict[int | None, Any] = {None: base_model}
+    models.update({i: load_peft(base_model, path) for i, path in enumerate(adapters)})
+    return models
+
+
+def _refs(folder: Path, adapters: list[Path]) -> list[LoraRef]:
+    registry = LoraRegistry(BaseShapes.from_folder(folder), max_rank=16)
+    return [registry.add(f"lora{i}", str(a)) for i, a in enumerate(adapters)]
+
+
+def _prompts(seed: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49152) for _ in range(rng.choice([3, 17, 30]))] for _ in range(n)]
+
+
+def _check(models: dict[int | None, Any], requests: list, prompts: list, loras: list) -> None:  # type: ignore[type-arg]
+    for req, prompt, lora in zip(requests, prompts, loras):
+        assert_teacher_forced(models[lora], prompt, req.output)
+
+
+def test_mixed_batch_of_adapters_and_base_matches_peft(
+    tiny_llama_dir: Path, adapters: list[Path], references: dict[int | None, Any]
+) -> None:
+    refs = _refs(tiny_llama_dir, adapters)
+    prompts = _prompts(3, 10)
+    loras = [None, 0, 1, 2, 3, 0, None, 3, 1, 2]  # every adapter and the base model in one batch
+    runner = load_runner(tiny_llama_dir, 64, BLOCK)
+    with EngineRun(runner, tokenizer_dir=tiny_llama_dir, max_loras=4, max_num_batched_tokens=64) as run:
+        requests = [run.add(p, 12, lora=None if i is None else refs[i]) for p, i in zip(prompts, loras)]
+        run.run()
+        # One adapter of the four resident: its own columns of the stacks, not the whole stacks.
+        extra = _prompts(6, 2)
+        requests += [run.add(p, 12, lora=refs[2]) for p in extra]
+        prompts, loras = prompts + extra, loras + [2, 2]
+        run.run()
+        assert run.scheduler.blocks.num_free == 64
+    assert runner.lora is not None and runner.lora.loads == 4
+    outputs = {tuple(r.output) for r in requests[1:6]}
+    assert len(outputs) == 5, "adapters with the same prompt gave the same tokens: an adapter had no effect"
+    _check(references, requests, prompts, loras)
+
+
+def test_slots_evicted_and_reloaded_keep_tokens_right(
+    tiny_llama_dir: Path, adapters: list[Path], references: dict[int | None, Any]
+) -> None:
+    """Four adapters through two slots: requests wait for a slot while the base model's and others run."""
+    refs = _refs(tiny_llama_dir, adapters)
+    prompts = _prompts(4, 14)
+    loras = [0, 1, 2, 3, None, 2, 0, 3, 1, None, 0, 2]
+    runner = load_runner(tiny_llama_dir, 64, BLOCK)
+    with EngineRun(runner, tokenizer_dir=tiny_llama_dir, max_loras=2) as run:
+        requests = [run.add(p, 8, lora=None if i is None else refs[i]) for p, i in zip(prompts, loras)]
+        run.run()
+        loras += [0, 1]  # evicted by 2 and 3 since: loaded again
+        requests += [run.add(p, 8, lora=refs[i]) for p, i in zip(prompts[12:], (0, 1))]
+        run.run()
+        assert run.scheduler.blocks.num_free == 64
+        assert run.scheduler.view.lora_slots.pinned == 0  # nothing leaks a slot
+    assert runner.lora is not None
+    assert len(runner.lora.slots) == 2 and runner.lora.loads == 6
+    _check(references, requests, prompts, loras)
+
+
+def test_tensor_parallel_shards_adapters_like_their_layers(
+    tiny_llama_dir: Path, adapters: list[Path], references: dict[int | None, Any]
+) -> None:
+    """TP 2: B's output rows of q/k/v and gate/up, A's input columns of o and down, per rank."""
+    refs = _refs(tiny_llama_dir, adapters)
+    prompts = _prompts(5, 5)
+    loras = [0, 1, 2, 3, None]
+    tp2 = TensorParallelRanks(tiny_llama_dir, 64, BLOCK, tp=2)
+    try:
+        with EngineRun(tp2.runners, tokenizer_dir=tiny_llama_dir, transport=tp2.transport(), max_loras=4) as run:
+            requests = [run.add(p, 10, lora=None if i is None else refs[i]) for p, i in zip(prompts, loras)]
+            run.run()
+    finally:
+        tp2.close()
+    _check(references, requests, prompts, loras)
+
+
+def test_adapters_compose_with_a_quantized_base(tiny_llama_dir: Path, adapters: list[Path]) -> None:
+    """int8 projections (QuantLinear): each adapter's update adds to the quantized layer's output, as PEFT's adds to
+    HF's model on the same dequantized weights."""
+    refs = _refs(tiny_llama_dir, adapters)
+    prompts = _prompts(7, 3)
+    loras = [0, 2, None]
+    runner = load_runner(tiny_llama_dir, 64, BLOCK, quantization="int8")
+    with EngineRun(runner, tokenizer_dir=tiny_llama_dir, max_loras=2) as run:
+        requests = [run.add(p, 10, lora=None if i is None else refs[i]) for p, i in zip(prompts, loras)]
+        run.run()
+    base = hf_on_dequantized(tiny_llama_dir, make_method("int8", runner.device))
+    models = {None: base, 0: load_peft(base, adapters[0]), 2: load_peft(base, adapters[2])}
+    _check(models, requests, prompts, loras)

@@ -1,0 +1,61 @@
+"""Random PEFT LoRA adapters built on the fly over a tiny model, with a nonzero B so they change the output."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_adapter(
+    base: Path | Any,
+    out: Path,
+    seed: int,
+    rank: int = 8,
+    targets: tuple[str, ...] = ALL_MODULES,
+    alpha: int = 16,
+    rslora: bool = False,
+    gain: float = 1.0,
+) -> Path:
+    """Save a PEFT adapter of `base` (a folder, or an HF model loaded from it: copied, not changed) with random A
+    and B (B scaled by `gain`) into `out`."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = _base(base) if isinstance(base, Path) else copy.deepcopy(base)
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=list(targets),
+        init_lora_weights=False,
+        use_rslora=rslora,
+        lora_dropout=0.0,
+    )
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(gain)
+    peft_model.save_pretrained(str(out))
+    return out
+
+
+def load_peft(base: Path | Any, adapter: Path):  # type: ignore[no-untyped-def]
+    """HF's model with the adapter applied (the reference); `base` as in make_adapter."""
+    from peft import PeftModel
+
+    model = _base(base) if isinstance(base, Path) else copy.deepcopy(base)
+    return PeftModel.from_pretrained(model, adapter).eval()
+
+
+def load_base(base: Path):  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+
+
+_base = load_base

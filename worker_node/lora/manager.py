@@ -1,0 +1,184 @@
+"""The LoRA adapters resident in this worker's slots, and the forward hooks that add each token's adapter to its
+projections: many adapters and the base model in one batch.
+
+The scheduler decides which adapter sits in which slot (`LoraAdapter.slot` on a new request; it never moves an
+adapter that a request the workers hold still uses), so every rank of a world holds the same adapters in the same
+slots and the worker needs no capacity setting of its own: a slot holding another adapter is reloaded from disk.
+
+The batched segment computation: per fused projection, the resident adapters' A are stacked along the rank
+([sum of ranks, in]) and their B beside each other ([out, sum of ranks]); a step's tokens see only their own
+adapter's columns through a 0/1 mask, so a projection costs two small matmuls whatever the mix of adapters:
+    out += ((x @ A_stack^T) * mask[token, column]) @ B_stack^T
+(tokens of the base model have an all-zero mask row). The hooks are forward hooks on the base projections, so they
+compose with any base layer (dense or quantised) and change no parameter name the loader reads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from proto.lora import BaseShapes, inspect_adapter
+from proto.wire import LoraAdapter
+from worker_node.lora.weights import PROJECTIONS, LayerLoras, ProjectionLora, read_adapter
+from worker_node.models.decoder import CausalLM
+
+logger = logging.getLogger(__name__)
+
+MAX_RANK = 1024  # the scheduler enforces --max-lora-rank; this only bounds what a worker reads
+
+
+@dataclass(frozen=True, slots=True)
+class ResidentLora:
+    id: int
+    path: str
+    layers: LayerLoras
+
+
+@dataclass(frozen=True, slots=True)
+class Stack:
+    """The resident adapters' updates of one projection, side by side; `owner`: each rank column's slot."""
+
+    a: torch.Tensor  # [W, in]
+    b: torch.Tensor  # [out, W]
+    owner: torch.Tensor  # [W] int64
+    key: tuple[tuple[int, int], ...]  # (slot, width) of each adapter in it: masks are shared by equal keys
+    spans: dict[int, tuple[int, int]]  # slot -> its columns [start, end)
+
+
+class LoraManager:
+    def __init__(self, model: CausalLM, dtype: torch.dtype, device: torch.device) -> None:
+        self.model = model
+        c = model.config
+        self.base = BaseShapes(
+            c.hidden_size,
+            c.num_heads * c.head_dim,
+            c.num_kv_heads * c.head_dim,
+            c.intermediate_size,
+            c.num_layers,
+            c.num_experts > 0,
+        )
+        self.dtype, self.device = dtype, device
+        self.slots: dict[int, ResidentLora] = {}
+        self.loads = 0
+        self._stacks: dict[tuple[int, str], Stack] = {}
+        self._stale = False
+        self._token_slots: torch.Tensor | None = None  # this step's slot of each token (-1: the base model)
+        self._masks: dict[tuple[tuple[int, int], ...], torch.Tensor] = {}
+        self._active: list[int] = []  # this step's slots
+        self._row_masks: dict[int, torch.Tensor] = {}  # slot -> [T, 1]: its tokens
+        self._hooks = [
+            module.register_forward_hook(partial(self._hook, (i, fused)))
+            for i, layer in enumerate(model.layers)
+            for fused, (block, _) in PROJECTIONS.items()
+            if isinstance(module := getattr(getattr(layer, block, None), fused, None), nn.Module)
+        ]
+
+    def place(self, lora: LoraAdapter) -> None:
+        """Make `lora` resident in its slot, reading it from disk if the slot holds another adapter."""
+        held = self.slots.get(lora.slot)
+        if held is not None and held.id == lora.id:
+            return
+        info = inspect_adapter(lora.path, self.base, MAX_RANK)
+        model = self.model
+        layers = read_adapter(
+            info, model.config, model.where, model.first_layer, len(model.layers), self.dtype, self.device
+        )
+        self.slots[lora.slot] = ResidentLora(lora.id, lora.path, layers)
+        self._stale = True
+        self.loads += 1
+        size = sum(p.nbytes for p in layers.values()) / 2**20
+        logger.info("LoRA adapter %d (%s) loaded into slot %d: %.1f MiB", lora.id, lora.path, lora.slot, size)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the resident adapters (in their stacks once a step has run with them)."""
+        if self._stale:
+            return sum(p.nbytes for r in self.slots.values() for p in r.layers.values())
+        return sum(s.a.nbytes + s.b.nbytes for s in self._stacks.values())
+
+    @contextmanager
+    def step(self, token_slots: np.ndarray) -> Iterator[None]:
+        """The forward passes inside see each token's adapter (`token_slots[t]`: its slot, -1 for the base)."""
+        if self._stale:
+            self._restack()
+        self._token_slots = torch.from_numpy(token_slots).to(self.device)
+        self._active = np.unique(token_slots[token_slots >= 0]).tolist()
+        try:
+            yield
+        finally:
+            self._token_slots = None
+            self._masks.clear()
+            self._row_masks.clear()
+
+    def _restack(self) -> None:
+        """Stack the resident adapters of each projection; each adapter keeps views into its stacks, so its
+        weights are held once (one projection's stack more while it is rebuilt)."""
+        entries: dict[tuple[int, str], list[tuple[int, ProjectionLora]]] = {}
+        for slot in sorted(self.slots):
+            for key, update in self.slots[slot].layers.items():
+                entries.setdefault(key, []).append((slot, update))
+        self._stacks = {k: s for k, s in self._stacks.items() if k in entries}
+        for key in list(entries):
+            updates = entries.pop(key)  # the old tensors of this projection are freed once it is restacked
+            widths = tuple((slot, u.a.shape[0]) for slot, u in updates)
+            owner = torch.tensor([slot for slot, w in widths for _ in range(w)], dtype=torch.int64, device=self.device)
+            ends = list(itertools.accumulate(w for _, w in widths))
+            spans = {slot: (end - w, end) for (slot, w), end in zip(widths, ends)}
+            a, b = torch.cat([u.a for _, u in updates]), torch.cat([u.b for _, u in updates], dim=1)
+            stack = Stack(a, b, owner, widths, spans)
+            start = 0
+            for slot, width in widths:
+                view = ProjectionLora(stack.a[start : start + width], stack.b[:, start : start + width])
+                self.slots[slot].layers[key] = view
+                start += width
+            self._stacks[key] = stack  # the previous stack of this projection is freed here
+        self._stale = False
+
+    def _mask(self, stack: Stack) -> torch.Tensor:
+        mask = self._masks.get(stack.key)
+        if mask is None:
+            assert self._token_slots is not None
+            mask = (self._token_slots[:, None] == stack.owner[None, :]).to(self.dtype)
+            self._masks[stack.key] = mask
+        return mask
+
+    def _row_mask(self, slot: int) -> torch.Tensor:
+        mask = self._row_masks.get(slot)
+        if mask is None:
+            assert self._token_slots is not None
+            mask = (self._token_slots == slot).to(self.dtype)[:, None]
+            self._row_masks[slot] = mask
+        return mask
+
+    def _hook(self, key: tuple[int, str], module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> Any:
+        if self._token_slots is None:
+            return None
+        stack = self._stacks.get(key)
+        if stack is None:
+            return None
+        x = args[0]
+        # Out of place: a base layer may return a view of a buffer of its own (a quantized kernel's workspace).
+        if 2 * len(self._active) > len(stack.key):  # most resident adapters run: the whole stack at once
+            return torch.addmm(out, F.linear(x, stack.a).mul_(self._mask(stack)), stack.b.t())
+        for slot in self._active:  # a few of many: each one's columns of the stack, not every adapter's
+            span = stack.spans.get(slot)
+            if span is not None:
+                start, end = span
+                xa = F.linear(x, stack.a[start:end]).mul_(self._row_mask(slot))
+                out = torch.addmm(out, xa, stack.b[:, start:end].t())
+        return out
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
