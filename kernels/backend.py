@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from kernels.interface import AttentionBackend
+from proto.plugins import load_named
 from proto.worker_flags import ATTENTION_BACKENDS
 
 logger = logging.getLogger(__name__)
@@ -71,11 +72,7 @@ def _triton_backend() -> AttentionBackend:
 def _user_backend(name: str) -> AttentionBackend:
     """`module:Class`: an instance of the user's class (built without arguments) whose `write_kv`,
     `decode_attention` and `prefill_attention` take the arguments of `kernels.torch_attention`'s functions."""
-    module_name, _, class_name = name.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise ValueError(f"cannot load attention backend {name!r}: {exc}") from exc
+    cls = load_named(name, "attention backend")
     if not isinstance(cls, type):
         raise ValueError(f"attention backend {name!r} is not a class")
     try:

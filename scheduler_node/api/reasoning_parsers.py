@@ -10,9 +10,9 @@ first (proto/structured.py `after_reasoning`).
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 
+from proto.plugins import load_subclass
 from scheduler_node.api.tool_parsers import held_back
 
 
@@ -64,14 +64,7 @@ def reasoning_parser_class(name: str) -> type[ReasoningParser] | None:
     if name in REASONING_PARSERS:
         return REASONING_PARSERS[name]
     if ":" in name:
-        module_name, class_name = name.split(":", 1)
-        try:
-            cls = getattr(importlib.import_module(module_name), class_name)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"reasoning parser {name!r} cannot be loaded: {exc}") from exc
-        if isinstance(cls, type) and issubclass(cls, ReasoningParser):
-            return cls
-        raise ValueError(f"reasoning parser {name!r} is not a subclass of ReasoningParser")
+        return load_subclass(name, ReasoningParser, "reasoning parser")
     raise ValueError(f"unknown reasoning parser {name!r}; choose one of {sorted(REASONING_PARSERS)} or module:Class")
 
 

@@ -11,10 +11,11 @@ prefixes of what a later scan shows, and a name appears once complete. Text that
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 from dataclasses import dataclass, field
+
+from proto.plugins import load_subclass
 
 _DECODER = json.JSONDecoder()
 _NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
@@ -112,14 +113,7 @@ def tool_parser_class(name: str) -> type[ToolParser]:
     if name in TOOL_PARSERS:
         return TOOL_PARSERS[name]
     if ":" in name:
-        module_name, class_name = name.split(":", 1)
-        try:
-            cls = getattr(importlib.import_module(module_name), class_name)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"tool call parser {name!r} cannot be loaded: {exc}") from exc
-        if isinstance(cls, type) and issubclass(cls, ToolParser):
-            return cls
-        raise ValueError(f"tool call parser {name!r} is not a subclass of ToolParser")
+        return load_subclass(name, ToolParser, "tool call parser")
     raise ValueError(f"unknown tool call parser {name!r}; choose one of {sorted(TOOL_PARSERS)} or module:Class")
 
 

@@ -33,10 +33,10 @@ Write your own: subclass `Policy`, override `effective_priority` (or the three m
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterable
 from typing import Any
 
+from proto.plugins import load_subclass
 from scheduler_node.core.request import Request
 
 AGING_INTERVAL_S = 10.0  # seconds of age worth one priority point (dynamic, hybrid)
@@ -119,13 +119,7 @@ def make_policy(
 ) -> Policy:
     """A built-in policy by name, or a user's `module:Class` (a subclass of Policy)."""
     if ":" in name:
-        module_name, _, class_name = name.partition(":")
-        try:
-            cls = getattr(importlib.import_module(module_name), class_name)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"cannot load scheduling policy {name!r}: {exc}") from exc
-        if not (isinstance(cls, type) and issubclass(cls, Policy)):
-            raise ValueError(f"{name!r} is not a subclass of scheduler_node.policy.Policy")
+        cls = load_subclass(name, Policy, "scheduling policy")
     elif name in POLICIES:
         cls = POLICIES[name]
     else:

@@ -10,11 +10,11 @@ by `least_loaded`), or None (the request's own model, by `least_loaded`):
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
+from proto.plugins import load_named
 from scheduler_node.router.metrics import RouterMetrics
 from scheduler_node.router.replica import Replica, ReplicaPool
 from scheduler_node.router.request import RouteRequest
@@ -42,11 +42,7 @@ class Route:
 
 
 def load_function(spec: str) -> RoutingFunction:
-    module_name, _, name = spec.partition(":")
-    try:
-        function = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot load routing function {spec!r}: {exc}") from exc
+    function = load_named(spec, "routing function")
     if not callable(function):
         raise ValueError(f"routing function {spec!r} is not callable")
     return function  # type: ignore[no-any-return]

@@ -93,7 +93,7 @@ def test_parsers_by_name_or_module_class() -> None:
     try:
         assert tool_parser_class("my_parsers:Mine") is module.Mine  # type: ignore[attr-defined]
         for bad in ("nope", "my_parsers:NotOne", "my_parsers:Missing", "no_such_module:X"):
-            with pytest.raises(ValueError, match="nope|subclass|cannot be loaded"):
+            with pytest.raises(ValueError, match="nope|subclass|cannot load tool call parser"):
                 tool_parser_class(bad)
     finally:
         del sys.modules["my_parsers"]
