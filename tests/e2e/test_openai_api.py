@@ -250,8 +250,14 @@ def test_error_statuses_and_shapes(cluster: Cluster, client: openai.OpenAI) -> N
             "structured_outputs",
         ),  # fmt: skip
         (dict(tools=[{"type": "function"}]), "tools[0].function"),
-        (dict(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required",
-              response_format={"type": "json_object"}), "tool_choice"),  # fmt: skip
+        (
+            dict(
+                tools=[{"type": "function", "function": {"name": "f"}}],
+                tool_choice="required",
+                response_format={"type": "json_object"},
+            ),
+            "tool_choice",
+        ),  # fmt: skip
         (dict(extra_body={"min_p": 2}), "min_p"),
         (dict(extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}}), "structured_outputs"),
         (dict(extra_body={"top_k": -5}), "top_k"),
