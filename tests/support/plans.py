@@ -3,7 +3,8 @@ are integer handles the scheduler assigned)."""
 
 from __future__ import annotations
 
-from proto.wire import StepPlan
+from proto.wire import SamplingOptions, StepPlan, StepResult
+from scheduler_node.core.request import Request, StopConditions
 from scheduler_node.core.scheduler import Scheduler
 
 
@@ -31,3 +32,20 @@ def _id(s: Scheduler, h: int) -> str:
     if req is None:
         raise KeyError(f"handle {h} names no live request")
     return req.req_id
+
+
+def run_to_end(s: Scheduler, rid: str, prompt: list[int], salt: str = "") -> list[StepPlan]:
+    """Add one greedy request of a single output token and step the scheduler until it is done (the workers'
+    side stood in: a token once the prompt is computed); the plans it made."""
+    s.add(Request(rid, prompt, SamplingOptions(0.0), StopConditions(1, frozenset()), cache_salt=salt))
+    plans = []
+    while s.has_work:
+        plan = s.schedule()
+        plans.append(plan)
+        done = {
+            h: [1]
+            for h in plan.num_scheduled_tokens
+            if (r := s.request_of(h)) is not None and r.num_computed_tokens == r.num_tokens
+        }
+        s.update(plan, StepResult(plan.step_id, done))
+    return plans

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from proto.wire import SamplingOptions, StepPlan, StepResult
 from scheduler_node.core.block_table import BlockTable, hash_block
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.kv_events import CLEARED, DEVICE, DISK, RAM, REMOVED, STORED, KVEventSink
 from scheduler_node.core.kv_tiers import KVTiers
-from scheduler_node.core.request import Request, StopConditions
 from scheduler_node.core.scheduler import Scheduler
+from tests.support.plans import run_to_end
 
 pytestmark = pytest.mark.unit
 
@@ -112,28 +111,13 @@ def test_the_scheduler_reports_a_run_a_reuse_and_a_lost_world() -> None:
     sink = KVEventSink()
     s.attach_kv_events(sink)
     shared = list(range(100, 124))
-    _run(s, "a", shared + [1, 2])
+    run_to_end(s, "a", shared + [1, 2])
     assert [e for e in sink.take() if e[0] == STORED] == [(STORED, DEVICE, h, p) for h, p in
                                                           zip(chain(shared), [None, *chain(shared)[:2]])]  # fmt: skip
-    _run(s, "evict", list(range(500, 541)))
+    run_to_end(s, "evict", list(range(500, 541)))
     assert set(chain(shared)) <= sink.held[RAM]
     assert sink.held[DEVICE] == device_cached(s.blocks)
     s.requeue_all()
     assert (CLEARED, DEVICE, None, None) in sink.take() and sink.held[DEVICE] == set() and sink.held[RAM] == set()
-    _run(s, "again", shared + [3])
+    run_to_end(s, "again", shared + [3])
     assert sink.held[DEVICE] == device_cached(s.blocks) == set(chain(shared))
-
-
-def _run(s: Scheduler, rid: str, prompt: list[int]) -> list[StepPlan]:
-    s.add(Request(rid, prompt, SamplingOptions(0.0), StopConditions(1, frozenset())))
-    plans = []
-    while s.has_work:
-        plan = s.schedule()
-        plans.append(plan)
-        done = {
-            h: [1]
-            for h in plan.num_scheduled_tokens
-            if (r := s.request_of(h)) is not None and r.num_computed_tokens == r.num_tokens
-        }
-        s.update(plan, StepResult(plan.step_id, done))
-    return plans

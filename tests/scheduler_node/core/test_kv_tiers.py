@@ -12,6 +12,7 @@ from scheduler_node.core.kv_tiers import KVTiers, Tier
 from scheduler_node.core.request import Request, Status, StopConditions
 from scheduler_node.core.scheduler import Scheduler
 from scheduler_node.core.tier_policy import ArcPolicy, LruPolicy
+from tests.support.plans import run_to_end
 
 pytestmark = pytest.mark.model
 
@@ -118,29 +119,14 @@ def _scheduler(tiers: KVTiers, num_blocks: int = 6) -> Scheduler:
     return Scheduler(cfg, num_blocks, tiers=tiers)
 
 
-def _run(s: Scheduler, rid: str, prompt: list[int], salt: str = "") -> list[StepPlan]:
-    s.add(Request(rid, prompt, SamplingOptions(0.0), StopConditions(1, frozenset()), cache_salt=salt))
-    plans = []
-    while s.has_work:
-        plan = s.schedule()
-        plans.append(plan)
-        done = {
-            h: [1]
-            for h in plan.num_scheduled_tokens
-            if (r := s.request_of(h)) is not None and r.num_computed_tokens == r.num_tokens
-        }
-        s.update(plan, StepResult(plan.step_id, done))
-    return plans
-
-
 def test_a_prefix_evicted_from_the_device_is_loaded_back_not_recomputed() -> None:
     tiers = KVTiers(ram_slots=8, disk_slots=0)
     s = _scheduler(tiers)
     shared = list(range(100, 124))  # 3 full blocks
-    _run(s, "a", shared + [1, 2])
-    _run(s, "evict", list(range(500, 541)))  # 6 blocks: the whole pool, a's cached blocks too
+    run_to_end(s, "a", shared + [1, 2])
+    run_to_end(s, "evict", list(range(500, 541)))  # 6 blocks: the whole pool, a's cached blocks too
     assert s.tiers is not None and s.tiers.stats.blocks_offloaded >= 3
-    plans = _run(s, "b", shared + [3, 4])
+    plans = run_to_end(s, "b", shared + [3, 4])
     loads = [m for m in plans[0].tier_moves if m.dst_tier == 0]
     assert len(loads) == 3 and all(m.src_tier == int(Tier.RAM) for m in loads)
     assert plans[0].num_scheduled_tokens == {plans[0].new_requests[0].handle: 2}, "only the suffix is computed"
@@ -156,8 +142,8 @@ def test_a_load_the_workers_could_not_do_is_forgotten_and_its_readers_recompute(
     tiers = KVTiers(ram_slots=8, disk_slots=0)
     s = _scheduler(tiers)
     shared = list(range(100, 124))  # 3 full blocks
-    _run(s, "a", shared + [1, 2])
-    _run(s, "evict", list(range(500, 541)))
+    run_to_end(s, "a", shared + [1, 2])
+    run_to_end(s, "evict", list(range(500, 541)))
     first = hash_block(None, shared[:8])
     second = hash_block(first, shared[8:16])
     hashes = [first, second, hash_block(second, shared[16:24])]
@@ -206,13 +192,13 @@ def test_salts_never_cross_in_the_tiers() -> None:
     tiers = KVTiers(ram_slots=32, disk_slots=0)
     s = _scheduler(tiers)
     shared = list(range(100, 124))
-    _run(s, "a", shared + [1, 2], salt="tenant-a")
-    _run(s, "evict", list(range(500, 541)))
-    other = _run(s, "b", shared + [3, 4], salt="tenant-b")
+    run_to_end(s, "a", shared + [1, 2], salt="tenant-a")
+    run_to_end(s, "evict", list(range(500, 541)))
+    other = run_to_end(s, "b", shared + [3, 4], salt="tenant-b")
     assert not [m for m in other[0].tier_moves if m.dst_tier == 0], "another salt must not load tenant-a's blocks"
     assert other[0].num_scheduled_tokens == {other[0].new_requests[0].handle: 26}
-    _run(s, "evict2", list(range(700, 741)))
-    same = _run(s, "c", shared + [5, 6], salt="tenant-a")
+    run_to_end(s, "evict2", list(range(700, 741)))
+    same = run_to_end(s, "c", shared + [5, 6], salt="tenant-a")
     assert len([m for m in same[0].tier_moves if m.dst_tier == 0]) == 3
 
 
