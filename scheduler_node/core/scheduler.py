@@ -19,10 +19,12 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from proto.wire import ExecutionMode, StepPlan, StepResult, TokenLogprobs
-from scheduler_node.core.block_table import BlockHash, BlockTable, Written
+import msgspec
+
+from proto.wire import CachedRequest, ExecutionMode, StepPlan, StepResult, TokenLogprobs
+from scheduler_node.core.block_table import UNCHANGED, BlockHash, BlockTable, Written
 from scheduler_node.core.config import PreemptionMode, SchedulerConfig
 from scheduler_node.core.in_flight import InFlightLedger, SentPlan
 from scheduler_node.core.kv_events import DEVICE, KVEventSink
@@ -36,15 +38,15 @@ from scheduler_node.core.worker_view import WorkerView
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class RequestOutput:
+class RequestOutput(msgspec.Struct):
     """What one step produced for one request. The output side reads it on its own thread while the engine goes
     on changing the request: what ends it is copied here when it ends, and the rest of the request is only read
-    for what no later step changes (its id, its prompt, its complete prompt logprobs)."""
+    for what no later step changes (its id, its prompt, its complete prompt logprobs). A Struct, never encoded:
+    made for every request at every step, it is built in C (a third of a dataclass's cost)."""
 
     request: Request
     new_token_ids: list[int]  # the step's tokens (several with speculative decoding), up to the one that ended it
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = msgspec.field(default_factory=list)
     finish_reason: FinishReason | None = None  # set when these tokens ended it
     stopped_by_token: bool = False  # ended by eos or a stop token: the last token is not part of the text
     num_output_tokens: int = 0  # with finish_reason: all its output tokens
@@ -259,18 +261,40 @@ class Scheduler:
         # Speculating requests are held while their plan is in flight (their next tokens are not known before).
         held = self.in_flight.held if self.mode.disjoint_plans or spec is not None else None
         # The loop runs once per running request per step: what it calls is looked up once, here.
-        running, tokens_to_schedule, take = Status.RUNNING, self._tokens_to_schedule, self._take
-        write, scheduled = self.blocks.write, sent.requests
+        running, take = Status.RUNNING, self._take
+        write, scheduled, unchanged = self.blocks.write, sent.requests, UNCHANGED
+        # Steady decodes (one token, within the request's own last block, held by the workers) are gathered here
+        # and taken together (`_take_decodes`) before anything else is taken, so the plan keeps the loop's order.
+        decodes: list[Request] = []
+        plain = self.view.plain_decodes()
         for i, req in enumerate(order):
-            if budget <= 0 or len(scheduled) >= seats:
+            if budget <= 0 or len(scheduled) + len(decodes) >= seats:
                 break
             if req.status is not running or (held is not None and held(req.handle)):
                 continue  # preempted for a request before it in this step, or in a plan in flight
-            todo = tokens_to_schedule(req)
+            first = req.num_computed_tokens
+            # `_tokens_to_schedule`, inline: this line runs for every running request at every step
+            num_out = len(req.output_token_ids) + req.num_placeholders
+            todo = len(req.prompt_token_ids) + num_out - first if num_out < req.stop.max_tokens else 0
+            if todo == 1 and plain is not None and req.handle in plain and (spec is None or req.spec is None):
+                written = write(req.req_id, first, first + 1)
+                if written is unchanged:
+                    decodes.append(req)
+                    budget -= 1
+                    continue
+                if written is not None:  # a decode that starts a block (or copies a shared one): taken alone
+                    if decodes:
+                        self._take_decodes(decodes, plan, sent)
+                        decodes = []
+                    take(req, 1, True, plan, sent, written)
+                    budget -= 1
+                    continue
             n = todo if todo <= budget else budget
             if n <= 0 or (n > 1 and self.policy.effective_priority(req, now) < floor):
                 continue
-            first = req.num_computed_tokens
+            if decodes:
+                self._take_decodes(decodes, plan, sent)
+                decodes = []
             drafts: list[int] | None = []
             if spec is not None and todo == 1 and req.spec is not None and self.view.holds(req.handle):
                 drafts = spec.drafts(req, self._draft_room(req, budget))
@@ -298,6 +322,8 @@ class Scheduler:
             else:
                 take(req, n, n == todo, plan, sent, written)
                 budget -= n
+        if decodes:
+            self._take_decodes(decodes, plan, sent)
         if not preempted or not self.running:  # a request that preempted itself leaves the cache to the others
             self._admit(budget, seats, floor, plan, sent, now)
         if sent.requests:
@@ -593,6 +619,18 @@ class Scheduler:
             req.num_placeholders += 1  # this step samples a token the scheduler learns of later
         sent.add(req, n, samples, len(drafts) if drafts else 0)
 
+    def _take_decodes(self, reqs: list[Request], plan: StepPlan, sent: SentPlan) -> None:
+        """`_take` of steady decodes, together: each computes one token within its own last block (no block
+        added or copied) and samples; the workers hold each one (one stage: they append its tokens themselves).
+        Column by column, so a step's Python work per decode is a few list operations, not calls."""
+        firsts = [r.num_computed_tokens for r in reqs]
+        handles = [r.handle for r in reqs]
+        plan.cached_requests.extend(map(CachedRequest, handles, firsts, itertools.repeat(1, len(reqs))))
+        for req in reqs:
+            req.num_computed_tokens += 1
+            req.num_placeholders += 1  # this step samples a token the scheduler learns of later
+        sent.add_decodes(reqs, firsts)
+
     def _preempt(self, req: Request, mode: PreemptionMode | None = None) -> None:
         mode = mode or self._preemption_mode(req)
         tokens = req.num_computed_tokens
@@ -662,10 +700,10 @@ class Scheduler:
         for handle, (first, count, data) in result.pooled.items():
             if (req := self._by_handle.get(handle)) is not None:
                 req.add_pooled(first, count, data)
-        outputs = []
+        outputs: list[RequestOutput] = []
         # Once per sampling request per step: what the loop calls is looked up once, here.
         all_logprobs, max_len, running = result.logprobs, self.max_model_len, Status.RUNNING
-        live = self._by_handle
+        live, output = self._by_handle, outputs.append
         for handle, token_ids in result.sampled.items():
             req = live.get(handle)
             if req is None or req.status is not running:
@@ -674,9 +712,12 @@ class Scheduler:
             kept = req.append_tokens(token_ids, max_len)
             if req.forks:
                 self._start_forks(req)
+            if req.status is running and not all_logprobs:
+                output(RequestOutput(req, kept))  # the common case
+                continue
             logprobs = all_logprobs[handle][: len(kept)] if all_logprobs and handle in all_logprobs else []
             if req.status is running:
-                outputs.append(RequestOutput(req, kept, logprobs))
+                output(RequestOutput(req, kept, logprobs))
                 continue
             end = req.status  # it finished
             outputs.append(RequestOutput(req, kept, logprobs, *_ending(req)))
@@ -729,9 +770,12 @@ class Scheduler:
         if not bt.enable_prefix_caching:
             return
         bs = bt.block_size
-        for req, n, end, run in zip(sent.requests, sent.tokens, sent.ends, sent.runs):
+        # Those whose step filled a block, picked in one pass: most steps of a decode fill none.
+        filled = [i for i, (n, end) in enumerate(zip(sent.tokens, sent.ends)) if end // bs > (end - n) // bs]
+        for i in filled:
+            req, n, end, run = sent.requests[i], sent.tokens[i], sent.ends[i], sent.runs[i]
             first_block, full = (end - n) // bs, end // bs
-            if full > first_block and req.status is Status.RUNNING and req.num_preemptions == run:
+            if req.status is Status.RUNNING and req.num_preemptions == run:
                 hashes = req.update_block_hashes(bs)  # accepted proposals are hashable once they are tokens
                 bt.register(req.req_id, hashes, first_block, min(full, len(hashes)))
 
