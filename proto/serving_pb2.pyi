@@ -322,12 +322,14 @@ class DrainRequest(_message.Message):
     def __init__(self, timeout_s: _Optional[float] = ..., migrate: _Optional[bool] = ...) -> None: ...
 
 class DrainResponse(_message.Message):
-    __slots__ = ("drained", "remaining")
+    __slots__ = ("drained", "remaining", "migrated")
     DRAINED_FIELD_NUMBER: _ClassVar[int]
     REMAINING_FIELD_NUMBER: _ClassVar[int]
+    MIGRATED_FIELD_NUMBER: _ClassVar[int]
     drained: bool
     remaining: int
-    def __init__(self, drained: _Optional[bool] = ..., remaining: _Optional[int] = ...) -> None: ...
+    migrated: int
+    def __init__(self, drained: _Optional[bool] = ..., remaining: _Optional[int] = ..., migrated: _Optional[int] = ...) -> None: ...
 
 class ResizeCacheRequest(_message.Message):
     __slots__ = ("num_blocks",)

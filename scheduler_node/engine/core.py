@@ -218,16 +218,17 @@ class EngineCore(Failures):
         self._wake.set()
         return moved
 
-    async def drain(self, timeout: float | None, hurry: asyncio.Event | None = None, migrate: bool = False) -> int:
-        """Take no new requests; with `migrate`, hand the migratable ones back to their router (`migrate`); wait
-        until every live one finished, `timeout` seconds passed, or `hurry` is set. Returns how many are still
-        live."""
+    def stop_admitting(self) -> None:
+        """From now on new requests are refused (UNAVAILABLE) and health says NOT_SERVING."""
         if not self.draining:
             self.draining = True
             logger.info("draining: %d live request(s)", self.num_live)
             self.workers.changed.set()  # health: NOT_SERVING
-        if migrate:
-            self.migrate()
+
+    async def drain(self, timeout: float | None, hurry: asyncio.Event | None = None) -> int:
+        """Take no new requests; wait until every live one finished, `timeout` seconds passed, or `hurry` is
+        set. Returns how many are still live."""
+        self.stop_admitting()
         waits = [self.outputs.idle.wait()] + ([hurry.wait()] if hurry is not None else [])
         await _first(*waits, timeout=timeout)
         return self.num_live

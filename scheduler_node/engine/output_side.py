@@ -77,7 +77,9 @@ class OutputSide:
         resumes = spec.resume or [None] * len(sequences)
         for index, (req, resume) in enumerate(zip(sequences, resumes)):
             if resume is None:
-                detokenizer = IncrementalDetokenizer(self.tokenizer, spec.prompt_token_ids, spec.stop, req.stop.may_stop)
+                detokenizer = IncrementalDetokenizer(
+                    self.tokenizer, spec.prompt_token_ids, spec.stop, req.stop.may_stop
+                )
                 wants = index == 0 and spec.sampling.prompt_logprobs is not None
                 sequence = SequenceOutput(sink, index, detokenizer, len(spec.prompt_token_ids), now, wants)
             else:

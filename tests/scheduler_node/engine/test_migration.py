@@ -69,7 +69,11 @@ def test_migrated_requests_resume_with_the_tokens_and_text_of_an_undisturbed_run
 
             def after_step() -> None:
                 live = engine.scheduler.requests.values()
-                if not migrated and len(live) == sum(c[2] for c in CASES) and all(len(r.output_token_ids) >= 5 for r in live):
+                if (
+                    not migrated
+                    and len(live) == sum(c[2] for c in CASES)
+                    and all(len(r.output_token_ids) >= 5 for r in live)
+                ):
                     migrated.append(engine.migrate())
 
             engine.after_step = after_step
