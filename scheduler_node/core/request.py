@@ -33,6 +33,7 @@ class Status(enum.Enum):
     FINISHED_LENGTH = FinishReason.LENGTH
     FINISHED_ABORTED = FinishReason.ABORT
     FINISHED_ERROR = FinishReason.ERROR
+    FINISHED_MIGRATED = FinishReason.MIGRATED  # handed to another replica (Drain with migrate)
 
     @property
     def finished(self) -> bool:

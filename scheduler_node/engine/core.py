@@ -200,7 +200,7 @@ class EngineCore(Failures):
         moved = 0
         for request_id in list(self.outputs.migratable):
             for req_id in list(self.outputs.requests.get(request_id, ())):
-                req = self.scheduler.finish(req_id, Status.FINISHED_ABORTED)
+                req = self.scheduler.finish(req_id, Status.FINISHED_MIGRATED)
                 if req is not None:
                     self.outputs.migrate(req)
             moved += 1
