@@ -59,3 +59,24 @@ def load_base(base: Path):  # type: ignore[no-untyped-def]
 
 
 _base = load_base
+
+
+def write_adapter(folder: Path, base: Any, rank: int = 4, modules: tuple[str, ...] = ("q_proj", "v_proj")) -> Path:
+    """A PEFT-shaped adapter of `base` (proto.lora.BaseShapes) with zero tensors, written without peft or a model:
+    for the doors' and the registry's tests, which check the adapter's shapes but never run it."""
+    import json
+
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 8}))
+    tensors = {}
+    for layer in range(base.num_layers):
+        for module in modules:
+            inputs, outputs = base.io(module)
+            block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.zeros(rank, inputs)
+            tensors[f"{prefix}.lora_B.weight"] = torch.zeros(outputs, rank)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    return folder
