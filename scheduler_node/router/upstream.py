@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -23,7 +23,7 @@ from proto.wire import MAX_MESSAGE_BYTES
 from scheduler_node.router.metrics import RouterMetrics
 from scheduler_node.router.replica import NOT_SERVING, Replica, ReplicaPool
 from scheduler_node.router.request import RouteRequest
-from scheduler_node.router.routing import RouteError, Router
+from scheduler_node.router.routing import Route, RouteError, Router
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,19 @@ class Forwarder:
         self.router = router
         self.links = links
         self.metrics = metrics
+        # Asks the replicas again which LoRA adapters they serve (the prober's; None: never).
+        self.refresh_adapters: Callable[[], Awaitable[None]] | None = None
+
+    async def route(self, request: RouteRequest, failed: Sequence[Replica]) -> Route:
+        """The router's decision; a name that no replica served at the last probe is looked up once more first
+        (an adapter loaded on a replica since)."""
+        try:
+            return self.router.route(request, failed)
+        except RouteError as exc:
+            if exc.code != "NOT_FOUND" or self.refresh_adapters is None:
+                raise
+        await self.refresh_adapters()
+        return self.router.route(request, failed)
 
     async def generate(
         self,
@@ -83,7 +96,7 @@ class Forwarder:
         failed: list[Replica] = []
         while True:
             try:
-                route = self.router.route(route_request, failed)
+                route = await self.route(route_request, failed)
             except RouteError as exc:
                 earlier = f" (it failed on {failed[0].address} before its first token)" if failed else ""
                 raise UpstreamError(grpc.StatusCode[exc.code], f"{exc}{earlier}") from None

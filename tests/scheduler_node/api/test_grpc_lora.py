@@ -1,5 +1,5 @@
 """LoRA on the gRPC Control service: load, list, use by `model`, unload, behind the control token; an unloaded
-adapter's requests are NOT_FOUND while the base model's keep running."""
+adapter's requests are NOT_FOUND while the base model's keep running; a router's prober learns the list."""
 
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ from proto import serving_pb2 as pb
 from proto.lora import BaseShapes
 from scheduler_node.api.grpc_lora import adapter_info
 from scheduler_node.engine.lora_registry import LoraRegistry
+from scheduler_node.router.metrics import RouterMetrics
+from scheduler_node.router.probe import Prober
+from scheduler_node.router.replica import Replica, ReplicaPool, ReplicaSpec
+from scheduler_node.router.upstream import open_links
 from tests.scheduler_node.api.test_grpc_server import MODEL, TOKEN_HEADER, Door, greedy, read_all, serve, status_of
 from tests.support.lora import write_adapter
 from tests.support.stand_in import stand_in_engine
@@ -47,6 +51,8 @@ def test_load_list_use_and_unload_an_adapter_over_grpc(tmp_path: Path) -> None:
         assert code == grpc.StatusCode.ALREADY_EXISTS
         listed = await d.control.ListLoraAdapters(pb.ListLoraAdaptersRequest(), metadata=TOKEN_HEADER)
         assert [a.name for a in listed.adapters] == ["sql"]
+        replica, prober = await _router_view(d.address)
+        assert replica.adapters == {"sql"}, "a router learns the adapters a replica serves"
         assert (await read_all(d.stub.Generate(greedy([5, 6, 7], 2, model="sql"))))[-1].finish_reason == "length"
 
         gone = await d.control.UnloadLoraAdapter(pb.UnloadLoraAdapterRequest(lora_name="sql"), metadata=TOKEN_HEADER)
@@ -58,8 +64,20 @@ def test_load_list_use_and_unload_an_adapter_over_grpc(tmp_path: Path) -> None:
         )
         assert code == grpc.StatusCode.NOT_FOUND
         assert (await read_all(d.stub.Generate(greedy([5, 6, 7], 2, model=MODEL))))[-1].finish_reason == "length"
+        await prober.learn_adapters(replica)
+        assert replica.adapters == frozenset()
+        for link in prober.links.values():
+            await link.channel.close()
 
     serve(engine, scenario, control_token="s3cret")
+
+
+async def _router_view(address: str) -> tuple[Replica, Prober]:
+    """A router's prober of the replica at `address`, after it asked which adapters it serves."""
+    pool = ReplicaPool([ReplicaSpec(address, MODEL)])
+    prober = Prober(pool, open_links(pool), RouterMetrics(), interval=1.0, timeout=5.0, control_token="s3cret")
+    await prober.learn_adapters(pool.replicas[0])
+    return pool.replicas[0], prober
 
 
 def test_lora_control_without_lora_is_a_failed_precondition() -> None:
