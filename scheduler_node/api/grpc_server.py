@@ -192,7 +192,8 @@ class ControlService(LoraControl, pb_grpc.ControlServicer):
         engine = await self._engine(context)
         stats = dataclasses.asdict(snapshot(engine.scheduler))
         stats["num_preemptions"] = stats["preemptions_recompute"] + stats["preemptions_swap"]
-        return pb.Stats(**stats, memory=[_pool_message(p) for p in engine.kv_pools()])
+        loras = [pb.LoraPool(**dataclasses.asdict(m)) for m in engine.lora_memory()]
+        return pb.Stats(**stats, memory=[_pool_message(p) for p in engine.kv_pools()], lora_memory=loras)
 
     async def ResizeCache(  # noqa: N802
         self, request: pb.ResizeCacheRequest, context: grpc.aio.ServicerContext

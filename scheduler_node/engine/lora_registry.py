@@ -72,7 +72,7 @@ class LoraRegistry:
         # The prefix cache's salt: a changed file under the same path (after a restart: the disk tier) is another
         # adapter, whose KV blocks must not be shared.
         fingerprint = f"{info.folder}:{stat.st_size}:{stat.st_mtime_ns}"
-        ref = LoraRef(name, next(self._ids), str(Path(info.folder).resolve()), fingerprint)
+        ref = LoraRef(name, next(self._ids), str(Path(info.folder).resolve()), fingerprint, info.nbytes)
         self._by_name[name] = ref
         return ref
 

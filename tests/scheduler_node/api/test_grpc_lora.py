@@ -54,6 +54,10 @@ def test_load_list_use_and_unload_an_adapter_over_grpc(tmp_path: Path) -> None:
         replica, prober = await _router_view(d.address)
         assert replica.adapters == {"sql"}, "a router learns the adapters a replica serves"
         assert (await read_all(d.stub.Generate(greedy([5, 6, 7], 2, model="sql"))))[-1].finish_reason == "length"
+        stats = await d.control.GetStats(pb.GetStatsRequest(), metadata=TOKEN_HEADER)
+        assert [(p.tier, p.adapters, p.capacity, p.bytes) for p in stats.lora_memory] == [
+            ("device", 1, 1, 2 * (4 * 16 * 2 + 16 * 4 + 8 * 4) * 4)  # 2 layers of q and v, float32
+        ]
 
         gone = await d.control.UnloadLoraAdapter(pb.UnloadLoraAdapterRequest(lora_name="sql"), metadata=TOKEN_HEADER)
         assert gone.id == info.id
