@@ -95,8 +95,8 @@ class LoraSlots:
             slot = self._free_slot()
             if slot is None:
                 raise RuntimeError(f"LoRA adapter {lora.name}: no free slot (admission checks fits first)")
+            self._host.pop(lora.id, None)  # out of the host tier first: the evicted one must not push it out
             self._evict(slot)
-            self._host.pop(lora.id, None)
             self._holder[slot], self._bytes[lora.id] = lora.id, lora.nbytes
         self._pins[slot] += 1
         self._used[slot] = next(self._clock)

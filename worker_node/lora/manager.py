@@ -97,9 +97,9 @@ class LoraManager:
         held = self.slots.get(lora.slot)
         if held is not None and held.id == lora.id:
             return
+        kept = self.host.pop(lora.id, None)  # before the evicted adapter goes in: it must not push this one out
         if held is not None:
             self._to_host(held, lora.host_slots)
-        kept = self.host.pop(lora.id, None)
         if kept is not None:
             layers = {k: ProjectionLora(p.a.to(self.device), p.b.to(self.device)) for k, p in kept.items()}
             self.host_loads += 1
