@@ -189,3 +189,42 @@ def test_eight_adapters_cycled_through_two_slots_under_load_and_reloaded_at_run_
         assert len(req.output) == 6
         reference.set_adapter(str(i))
         assert_teacher_forced(reference, prompt, req.output)
+
+
+# Mixtral's MLP is a mixture of experts: its adapters adapt attention only (proto/lora.py refuses the others).
+ATTENTION_ADAPTERS = [
+    (("q_proj", "k_proj", "v_proj", "o_proj"), 8, False),
+    (("q_proj", "v_proj"), 4, False),
+    (("k_proj", "o_proj"), 16, True),
+    (("v_proj",), 2, False),
+]
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "mixtral"])
+def test_other_architectures_mix_four_adapters_and_the_base_model(
+    kind: str, tiny_model_dir: Any, tiny_qwen2_dir: Path, tmp_path: Path
+) -> None:
+    """Qwen2 (q/k/v biases: the adapter adds to the biased projection) and Mixtral (attention adapters over an MoE
+    model): each request's tokens are its adapter's in a batch mixing four adapters and the base model."""
+    folder = tiny_qwen2_dir if kind == "qwen2" else tiny_model_dir(kind)
+    base = load_base(folder)
+    specs = ADAPTERS if kind == "qwen2" else ATTENTION_ADAPTERS
+    paths = [make_adapter(base, tmp_path / f"a{i}", seed=20 + i, rank=r, targets=t, rslora=rs)
+             for i, (t, r, rs) in enumerate(specs)]  # fmt: skip
+    reference = load_peft_many(base, paths)
+    refs = _refs(folder, paths)
+    prompts = _prompts(11, 5) * 2  # each prompt twice, with two different adapters (or one and the base model)
+    loras = [None, 0, 1, 2, 3, 0, 1, 2, 3, None]
+    runner = load_runner(folder, 64, BLOCK)
+    with EngineRun(runner, tokenizer_dir=folder, max_loras=4, max_num_batched_tokens=64) as run:
+        requests = [run.add(p, 8, lora=None if i is None else refs[i]) for p, i in zip(prompts, loras)]
+        run.run()
+        assert run.scheduler.blocks.num_free == 64
+    for first, again in zip(requests[:5], requests[5:]):
+        assert first.output != again.output, "two adapters gave the same tokens: an adapter had no effect"
+    for req, prompt, lora in zip(requests, prompts, loras):
+        if lora is None:
+            assert_teacher_forced(base, prompt, req.output)
+        else:
+            reference.set_adapter(str(lora))
+            assert_teacher_forced(reference, prompt, req.output)
