@@ -59,6 +59,9 @@ class Stack:
     owner: torch.Tensor  # [W] int64
     key: tuple[tuple[int, int], ...]  # (slot, width) of each adapter in it: masks are shared by equal keys
     spans: dict[int, tuple[int, int]]  # slot -> its columns [start, end)
+    starts: torch.Tensor  # [slots] int64: each slot's first column (the Triton kernel's view of `spans`)
+    widths: torch.Tensor  # [slots] int64: its width, 0 for a slot without an update of this projection
+    max_width: int
 
 
 class LoraManager:
@@ -84,6 +87,7 @@ class LoraManager:
         self._masks: dict[tuple[tuple[int, int], ...], torch.Tensor] = {}
         self._active: list[int] = []  # this step's slots
         self._row_masks: dict[int, torch.Tensor] = {}  # slot -> [T, 1]: its tokens
+        self._kernel = _triton_kernel() if device.type == "cuda" else None  # on CPU: the masked matmuls below
         self._hooks = [
             module.register_forward_hook(partial(self._hook, (i, fused)))
             for i, layer in enumerate(model.layers)
@@ -168,7 +172,12 @@ class LoraManager:
             ends = list(itertools.accumulate(w for _, w in widths))
             spans = {slot: (end - w, end) for (slot, w), end in zip(widths, ends)}
             a, b = torch.cat([u.a for _, u in updates]), torch.cat([u.b for _, u in updates], dim=1)
-            stack = Stack(a, b, owner, widths, spans)
+            num = max(spans) + 1
+            starts = torch.tensor([spans.get(s, (0, 0))[0] for s in range(num)], dtype=torch.int64)
+            lengths = torch.tensor([end - start for start, end in (spans.get(s, (0, 0)) for s in range(num))])
+            stack = Stack(
+                a, b, owner, widths, spans, starts.to(self.device), lengths.to(self.device), max(w for _, w in widths)
+            )
             start = 0
             for slot, width in widths:
                 view = ProjectionLora(stack.a[start : start + width], stack.b[:, start : start + width])
@@ -200,6 +209,9 @@ class LoraManager:
         if stack is None:
             return None
         x = args[0]
+        if self._kernel is not None and x.dim() == 2:  # on a GPU: each token reads its own adapter's rows only
+            slots = self._token_slots
+            return self._kernel(out, x, stack.a, stack.b, slots, stack.starts, stack.widths, stack.max_width)
         # Out of place: a base layer may return a view of a buffer of its own (a quantized kernel's workspace).
         if 2 * len(self._active) > len(stack.key):  # most resident adapters run: the whole stack at once
             return torch.addmm(out, F.linear(x, stack.a).mul_(self._mask(stack)), stack.b.t())
@@ -214,3 +226,13 @@ class LoraManager:
     def close(self) -> None:
         for hook in self._hooks:
             hook.remove()
+
+
+def _triton_kernel() -> Any:
+    """kernels/triton_lora.py's `lora_add`, or None where Triton is not installed."""
+    try:
+        from kernels.triton_lora import lora_add
+    except ImportError:
+        logger.warning("Triton is not installed: LoRA adapters run as masked matmuls")
+        return None
+    return lora_add
