@@ -213,14 +213,14 @@ def test_other_architectures_mix_four_adapters_and_the_base_model(
              for i, (t, r, rs) in enumerate(specs)]  # fmt: skip
     reference = load_peft_many(base, paths)
     refs = _refs(folder, paths)
-    prompts = _prompts(11, 5) * 2  # each prompt twice, with two different adapters (or one and the base model)
-    loras = [None, 0, 1, 2, 3, 0, 1, 2, 3, None]
+    prompts = _prompts(11, 4) * 2  # each prompt twice, with two different adapters (or one and the base model)
+    loras = [None, 0, 1, 2, 0, 1, 2, 3]
     runner = load_runner(folder, 64, BLOCK)
     with EngineRun(runner, tokenizer_dir=folder, max_loras=4, max_num_batched_tokens=64) as run:
-        requests = [run.add(p, 8, lora=None if i is None else refs[i]) for p, i in zip(prompts, loras)]
+        requests = [run.add(p, 6, lora=None if i is None else refs[i]) for p, i in zip(prompts, loras)]
         run.run()
         assert run.scheduler.blocks.num_free == 64
-    for first, again in zip(requests[:5], requests[5:]):
+    for first, again in zip(requests[:4], requests[4:]):
         assert first.output != again.output, "two adapters gave the same tokens: an adapter had no effect"
     for req, prompt, lora in zip(requests, prompts, loras):
         if lora is None:
