@@ -4,7 +4,8 @@ one retry.
 A stream is passed on message by message as the replica sends it (no buffering). A stream that fails with
 UNAVAILABLE before its first message (the replica died, is draining, or lost its workers) is sent once more to
 another replica of that model; after the first message it ends with the replica's status, since sending it again
-would repeat tokens the client already has.
+would repeat tokens the client already has. A LoRA adapter's request that a replica answers NOT_FOUND (unloaded
+there since the last probe) goes to another replica that lists it, or ends NOT_FOUND.
 """
 
 from __future__ import annotations
@@ -113,6 +114,11 @@ class Forwarder:
                 code, details = exc.code(), exc.details() or ""
                 if code == grpc.StatusCode.UNAVAILABLE and self.unavailable(replica, details, started, failed):
                     logger.info("request %s: retrying on another replica: %s", request.request_id, details)
+                    continue
+                if code == grpc.StatusCode.NOT_FOUND and route.adapter and not started:
+                    # The adapter was unloaded there since the last probe: another replica may still serve it.
+                    replica.adapters -= {route.adapter}
+                    failed.append(replica)
                     continue
                 raise UpstreamError(code, f"replica {replica.address} ({replica.model}): {details}") from None
 

@@ -14,8 +14,10 @@ from scheduler_node.api.grpc_lora import adapter_info
 from scheduler_node.engine.lora_registry import LoraRegistry
 from scheduler_node.router.metrics import RouterMetrics
 from scheduler_node.router.probe import Prober
-from scheduler_node.router.replica import Replica, ReplicaPool, ReplicaSpec
-from scheduler_node.router.upstream import open_links
+from scheduler_node.router.replica import SERVING, Replica, ReplicaPool, ReplicaSpec
+from scheduler_node.router.request import RouteRequest
+from scheduler_node.router.routing import Router
+from scheduler_node.router.upstream import Forwarder, UpstreamError, open_links
 from tests.scheduler_node.api.test_grpc_server import MODEL, TOKEN_HEADER, Door, greedy, read_all, serve, status_of
 from tests.support.lora import write_adapter
 from tests.support.stand_in import stand_in_engine
@@ -68,6 +70,10 @@ def test_load_list_use_and_unload_an_adapter_over_grpc(tmp_path: Path) -> None:
         )
         assert code == grpc.StatusCode.NOT_FOUND
         assert (await read_all(d.stub.Generate(greedy([5, 6, 7], 2, model=MODEL))))[-1].finish_reason == "length"
+        with pytest.raises(UpstreamError) as err:  # the router's list is stale: it still names "sql"
+            await _first_of(Forwarder(Router(prober.pool, "round_robin"), prober.links, RouterMetrics()))
+        assert err.value.code == grpc.StatusCode.NOT_FOUND
+        assert replica.adapters == frozenset(), "a router forgets an adapter its replica answers NOT_FOUND for"
         await prober.learn_adapters(replica)
         assert replica.adapters == frozenset()
         for link in prober.links.values():
@@ -76,10 +82,18 @@ def test_load_list_use_and_unload_an_adapter_over_grpc(tmp_path: Path) -> None:
     serve(engine, scenario, control_token="s3cret")
 
 
+async def _first_of(forwarder: Forwarder) -> pb.GenerateResponse:
+    """The first answer to a request for "sql" sent through a router over one replica (whose list is stale)."""
+    async for response in forwarder.generate(greedy([5, 6, 7], 2, model="sql"), RouteRequest("sql"), 10.0):
+        return response
+    raise AssertionError("no answer")
+
+
 async def _router_view(address: str) -> tuple[Replica, Prober]:
     """A router's prober of the replica at `address`, after it asked which adapters it serves."""
     pool = ReplicaPool([ReplicaSpec(address, MODEL)])
     prober = Prober(pool, open_links(pool), RouterMetrics(), interval=1.0, timeout=5.0, control_token="s3cret")
+    pool.set_state(pool.replicas[0], SERVING)
     await prober.learn_adapters(pool.replicas[0])
     return pool.replicas[0], prober
 
