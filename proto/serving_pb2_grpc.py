@@ -211,7 +211,8 @@ class ControlServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Drain(self, request, context):
-        """Stop admitting (new requests get UNAVAILABLE), finish what runs, then answer drained=true.
+        """Stop admitting (new requests get UNAVAILABLE), finish what runs (or, with migrate, hand the migratable
+        requests back to the router), then answer drained=true.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

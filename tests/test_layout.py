@@ -107,6 +107,8 @@ def test_the_scheduler_never_imports_torch_and_the_worker_never_imports_grpc() -
 # Modules no test module of their mirror folder imports, each with where it is tested instead. The check below
 # fails for a module missing from this list, and for one listed here that has such a test by now.
 TESTED_ELSEWHERE: dict[str, str] = {
+    "scheduler_node.core.migration": "a migrated sequence's state (a dataclass), through"
+    " tests/scheduler_node/engine/test_migration.py and tests/scheduler_node/api/test_resume.py",
     "kernels.cpu_features": "CPU bf16 detection, through kernels.cpu_attention (tests/kernels/test_native_cpu.py)"
     " and tests/fidelity/test_fidelity_bf16.py",
     "kernels.triton_common": "helpers of the Triton kernels, run through kernels.triton_attention by"

@@ -5,7 +5,10 @@ A stream is passed on message by message as the replica sends it (no buffering).
 UNAVAILABLE before its first message (the replica died, is draining, or lost its workers) is sent once more to
 another replica of that model; after the first message it ends with the replica's status, since sending it again
 would repeat tokens the client already has. A LoRA adapter's request that a replica answers NOT_FOUND (unloaded
-there since the last probe) goes to another replica that lists it, or ends NOT_FOUND.
+there since the last probe) goes to another replica that lists it, or ends NOT_FOUND. A replica drained with
+migrate=true hands its running requests back (their sequences end "migrated", with their state): each is sent to
+another replica with those states in `resume`, and the client's stream goes on as one request (live migration,
+core/migration.py).
 """
 
 from __future__ import annotations
@@ -94,10 +97,12 @@ class Forwarder:
     ) -> AsyncIterator[pb.GenerateResponse]:
         """The replica's responses to `request` as they come; UpstreamError with the status it ended with."""
         arrived, deadline_s = time.monotonic(), request.deadline_s
+        request.migratable = True  # a draining replica hands it back (below) instead of finishing it
         failed: list[Replica] = []
+        moved_from: list[Replica] = []  # replicas that handed it back: never chosen again for it
         while True:
             try:
-                route = await self.route(route_request, failed)
+                route = await self.route(route_request, failed + moved_from)
             except RouteError as exc:
                 earlier = f" (it failed on {failed[0].address} before its first token)" if failed else ""
                 raise UpstreamError(grpc.StatusCode[exc.code], f"{exc}{earlier}") from None
@@ -105,11 +110,14 @@ class Forwarder:
             left = _time_left(request, timeout, deadline_s, arrived)
             request.model = route.model
             started = False
+            states: list[pb.SequenceState] = []
             try:
                 async for response in self._stream(replica, request, left, metadata):
+                    if response.HasField("migrated"):
+                        states.append(response.migrated)  # not the client's: the stream goes on elsewhere
+                        continue
                     started = True
                     yield response
-                return
             except grpc.aio.AioRpcError as exc:
                 code, details = exc.code(), exc.details() or ""
                 if code == grpc.StatusCode.UNAVAILABLE and self.unavailable(replica, details, started, failed):
@@ -121,6 +129,19 @@ class Forwarder:
                     failed.append(replica)
                     continue
                 raise UpstreamError(code, f"replica {replica.address} ({replica.model}): {details}") from None
+            if not states:
+                return
+            self._migrated(request, replica, states)
+            moved_from.append(replica)
+            failed = []  # the target starts afresh: UNAVAILABLE before its first message is retried once more
+
+    def _migrated(self, request: pb.GenerateRequest, replica: Replica, states: list[pb.SequenceState]) -> None:
+        """`replica` handed the request back (Control.Drain with migrate): it is sent again, with where each of its
+        running sequences stopped, to another replica, which continues them at the same output position."""
+        self.router.pool.set_state(replica, NOT_SERVING, "draining: its requests migrate")
+        states.sort(key=lambda state: state.index)
+        request.resume.CopyFrom(pb.ResumeState(sequences=states))
+        logger.info("request %s: migrating %d sequence(s) off %s", request.request_id, len(states), replica.address)
 
     def unavailable(self, replica: Replica, details: str, started: bool, failed: list[Replica]) -> bool:
         """A request failed on `replica` with UNAVAILABLE: it leaves the serving set until a probe says otherwise.
