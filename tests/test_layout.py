@@ -117,6 +117,8 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "minivllm.sampling_params": "re-exported by minivllm/__init__.py, whence tests/minivllm/ imports it",
     "scheduler_node.cli.lora_flags": "the LoRA flags, beside the registry they fill:"
     " tests/scheduler_node/engine/test_lora_registry.py",
+    "proto.kv_transfer": "the KV transfer messages, beside the worker that speaks them:"
+    " tests/worker_node/test_kv_transfer.py",
     "proto.serving_pb2": "generated from proto/serving.proto by grpcio-tools; every gRPC test speaks it",
     "proto.serving_pb2_grpc": "generated from proto/serving.proto by grpcio-tools; every gRPC test speaks it",
     "scheduler_node.api.openai_guards": "the door's API key and body limit, through its app:"
