@@ -198,7 +198,10 @@ class KVExporter:
         step = pull.max_chunk_bytes // per_block
         for first in range(0, max(1, len(pull.blocks)), step):
             ids = pull.blocks[first : first + step]
-            frames = export_frames(self.cache, ids) if ids else []
+            with self._lock:  # a revoke waits for this read: once it returns, the blocks are not read again
+                if pull.lease not in self._leases:
+                    raise KVTransferError("the KV lease was revoked during the pull")
+                frames = export_frames(self.cache, ids) if ids else []
             done = first + step >= len(pull.blocks)
             sums = [zlib.crc32(f.data) for f in frames]
             self._send(ident, KVChunk(KV_TRANSFER_VERSION, "", self.layout, first, len(ids), sums, done), frames)
