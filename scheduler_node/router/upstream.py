@@ -77,13 +77,15 @@ class Forwarder:
         route_request: RouteRequest,
         timeout: float | None,
         metadata: Sequence[tuple[str, str]] = (),
+        exclude: Sequence[Replica] = (),
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """The replica's responses to `request` as they come; UpstreamError with the status it ended with."""
+        """The replica's responses to `request` as they come (never from a replica in `exclude`); UpstreamError
+        with the status it ended with."""
         arrived, deadline_s = time.monotonic(), request.deadline_s
         failed: list[Replica] = []
         while True:
             try:
-                route = self.router.route(route_request, failed)
+                route = self.router.route(route_request, [*exclude, *failed])
             except RouteError as exc:
                 earlier = f" (it failed on {failed[0].address} before its first token)" if failed else ""
                 raise UpstreamError(grpc.StatusCode[exc.code], f"{exc}{earlier}") from None
