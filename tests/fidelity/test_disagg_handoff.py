@@ -67,6 +67,7 @@ def nothing_leased(p: EngineRun) -> None:
     """The prefill's scheduler holds no block under a lease and its workers serve no lease (they learn of a
     release with the next plan, which the engine sends for it)."""
     exporter = p.workers.runners[0].handoff.exporter  # type: ignore[union-attr]
+    assert exporter is not None
     leases = p.scheduler.leases
     p.run_until(lambda: not leases.num_blocks and not leases.pending and not exporter.num_leases, "no lease left")
 
