@@ -195,10 +195,11 @@ def main() -> int:
             c.stop()
     rows = [summarize(m, results[m], args.slo_ttft, args.slo_itl) for m in MODES]
     load = os.getloadavg()[0]
+    w = workload
     print(
-        f"{args.rounds} round(s) per mode, alternating; each: {workload.streams} decode streams ({workload.stream_prompt}"
-        f"-token prompts, {workload.stream_tokens} tokens) and {workload.long} requests of {workload.long_prompt}-token "
-        f"prompts ({workload.long_tokens} tokens) at {workload.rate:g}/s; 2 replicas x {args.threads} thread(s); "
+        f"{args.rounds} round(s) per mode, alternating; each: {w.streams} decode streams ({w.stream_prompt}-token "
+        f"prompts, {w.stream_tokens} tokens) and {w.long} requests of {w.long_prompt}-token prompts "
+        f"({w.long_tokens} tokens) at {w.rate:g}/s; 2 replicas x {args.threads} thread(s); "
         f"SLO TTFT <= {args.slo_ttft:g} s, ITL <= {args.slo_itl:g} s; load average {load:.1f}"
     )
     print("| mode | TTFT P50 (s) | TTFT P99 (s) | long TTFT P50 (s) | ITL P50 (ms) | ITL P99 (ms) | goodput (req/s) | "
