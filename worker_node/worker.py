@@ -154,6 +154,8 @@ class Worker:
         return decode_or_none(self._sock.recv())
 
     def close(self) -> None:
+        if self.runner is not None and self.runner.handoff is not None:
+            self.runner.handoff.close()  # its exporter thread and socket
         if self.comm is not None:
             self.comm.close()
         self._sock.close(linger=0)
