@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.engine import EngineRun, load_runner
+from tests.support.stages import stage_runners
 from worker_node.kv_handoff import make_handoff
 from worker_node.model_runner import ModelRunner
 
@@ -124,3 +125,29 @@ def test_cancel_or_timeout_frees_the_lease(pair, tiny_llama_dir: Path) -> None: 
     p.run()
     p.run_until(lambda: p.scheduler.leases.expired == 1, "the unpulled lease expired")
     nothing_leased(p)
+
+
+def test_handoff_between_two_pipeline_worlds(tiny_llama_dir: Path) -> None:
+    """Each stage's rank pulls its own layers from the producer's rank of its index (two PP 2 worlds)."""
+    producer = stage_runners(tiny_llama_dir, BLOCKS, BLOCK, 2)
+    consumer = stage_runners(tiny_llama_dir, BLOCKS, BLOCK, 2)
+    for r in producer:
+        r.handoff = make_handoff(r.kv_cache, r.comm.where, serve=True)
+    for r in consumer:
+        r.handoff = make_handoff(r.kv_cache, r.comm.where, serve=False)
+    ps = prompts(4)[:2]
+    expected = colocated(tiny_llama_dir, "float32", "auto", ps, 8)
+    try:
+        with (
+            EngineRun(producer, tokenizer_dir=tiny_llama_dir) as p,
+            EngineRun(consumer, tokenizer_dir=tiny_llama_dir) as d,
+        ):
+            assert [hand_off(p, d, prompt, 8) for prompt in ps] == expected
+            assert d.scheduler.leases.imported_blocks == sum((len(x) - 1) // BLOCK for x in ps)
+            leases = p.scheduler.leases
+            exporters = [r.handoff.exporter for r in producer if r.handoff is not None]
+            p.run_until(lambda: not leases.num_blocks and not any(e and e.num_leases for e in exporters), "no lease")
+    finally:
+        for r in producer + consumer:
+            if r.handoff is not None:
+                r.handoff.close()
