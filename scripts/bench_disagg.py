@@ -205,10 +205,10 @@ def main() -> int:
     print("| mode | TTFT P50 (s) | TTFT P99 (s) | long TTFT P50 (s) | ITL P50 (ms) | ITL P99 (ms) | goodput (req/s) | "
           "errors |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
+    for row in rows:
         print(
-            f"| {r['mode']} | {r['ttft_p50']:.3f} | {r['ttft_p99']:.3f} | {r['long_ttft_p50']:.3f} | "
-            f"{r['itl_p50'] * 1e3:.1f} | {r['itl_p99'] * 1e3:.1f} | {r['goodput']:.2f} | {r['errors']} |"
+            f"| {row['mode']} | {row['ttft_p50']:.3f} | {row['ttft_p99']:.3f} | {row['long_ttft_p50']:.3f} | "
+            f"{row['itl_p50'] * 1e3:.1f} | {row['itl_p99'] * 1e3:.1f} | {row['goodput']:.2f} | {row['errors']} |"
         )
     co, dis = rows
     itl_ratio = dis["itl_p99"] / co["itl_p99"] if co["itl_p99"] else float("nan")
