@@ -194,7 +194,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("total_blocks", "used_blocks", "free_blocks", "kv_usage", "num_running", "num_waiting", "num_preemptions", "block_size", "max_model_len", "cached_free_blocks", "fragmentation", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "preemptions_recompute", "preemptions_swap", "swap_blocks_used", "swap_blocks_total", "usable_blocks", "mean_worker_idle_ms", "interrupted_steps", "memory", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos")
+    __slots__ = ("total_blocks", "used_blocks", "free_blocks", "kv_usage", "num_running", "num_waiting", "num_preemptions", "block_size", "max_model_len", "cached_free_blocks", "fragmentation", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "preemptions_recompute", "preemptions_swap", "swap_blocks_used", "swap_blocks_total", "usable_blocks", "mean_worker_idle_ms", "interrupted_steps", "memory", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "lora_memory")
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +221,7 @@ class Stats(_message.Message):
     SPEC_DECODE_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_FIELD_NUMBER: _ClassVar[int]
+    LORA_MEMORY_FIELD_NUMBER: _ClassVar[int]
     total_blocks: int
     used_blocks: int
     free_blocks: int
@@ -247,7 +248,20 @@ class Stats(_message.Message):
     spec_decode_num_draft_tokens: int
     spec_decode_num_accepted_tokens: int
     spec_decode_num_accepted_tokens_per_pos: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., cached_free_blocks: _Optional[int] = ..., fragmentation: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., preemptions_recompute: _Optional[int] = ..., preemptions_swap: _Optional[int] = ..., swap_blocks_used: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., usable_blocks: _Optional[int] = ..., mean_worker_idle_ms: _Optional[float] = ..., interrupted_steps: _Optional[int] = ..., memory: _Optional[_Iterable[_Union[KvPool, _Mapping]]] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ...) -> None: ...
+    lora_memory: _containers.RepeatedCompositeFieldContainer[LoraPool]
+    def __init__(self, total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., cached_free_blocks: _Optional[int] = ..., fragmentation: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., preemptions_recompute: _Optional[int] = ..., preemptions_swap: _Optional[int] = ..., swap_blocks_used: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., usable_blocks: _Optional[int] = ..., mean_worker_idle_ms: _Optional[float] = ..., interrupted_steps: _Optional[int] = ..., memory: _Optional[_Iterable[_Union[KvPool, _Mapping]]] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., lora_memory: _Optional[_Iterable[_Union[LoraPool, _Mapping]]] = ...) -> None: ...
+
+class LoraPool(_message.Message):
+    __slots__ = ("tier", "adapters", "capacity", "bytes")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    adapters: int
+    capacity: int
+    bytes: int
+    def __init__(self, tier: _Optional[str] = ..., adapters: _Optional[int] = ..., capacity: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class KvPool(_message.Message):
     __slots__ = ("tier", "format", "bytes_per_block", "total_blocks", "used_blocks", "allocated_bytes", "used_bytes", "hits")
@@ -366,3 +380,39 @@ class ListReplicasResponse(_message.Message):
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
     def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...
+
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class ListLoraAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoraAdapterInfo(_message.Message):
+    __slots__ = ("name", "path", "id", "parent")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    id: int
+    parent: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., id: _Optional[int] = ..., parent: _Optional[str] = ...) -> None: ...
+
+class ListLoraAdaptersResponse(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapterInfo]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ...) -> None: ...

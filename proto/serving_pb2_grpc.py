@@ -177,6 +177,21 @@ class ControlStub:
                 request_serializer=serving__pb2.ListReplicasRequest.SerializeToString,
                 response_deserializer=serving__pb2.ListReplicasResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/minivllm.v1.Control/LoadLoraAdapter',
+                request_serializer=serving__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=serving__pb2.LoraAdapterInfo.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/minivllm.v1.Control/UnloadLoraAdapter',
+                request_serializer=serving__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=serving__pb2.LoraAdapterInfo.FromString,
+                _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/minivllm.v1.Control/ListLoraAdapters',
+                request_serializer=serving__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=serving__pb2.ListLoraAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -217,6 +232,26 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoRA adapters (--enable-lora), as POST /v1/load_lora_adapter and /v1/unload_lora_adapter: a bad adapter is
+        INVALID_ARGUMENT naming what is wrong, an unknown name NOT_FOUND, LoRA off FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -244,6 +279,21 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.ListReplicas,
                     request_deserializer=serving__pb2.ListReplicasRequest.FromString,
                     response_serializer=serving__pb2.ListReplicasResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=serving__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=serving__pb2.LoraAdapterInfo.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=serving__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=serving__pb2.LoraAdapterInfo.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=serving__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=serving__pb2.ListLoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -382,6 +432,87 @@ class Control:
             '/minivllm.v1.Control/ListReplicas',
             serving__pb2.ListReplicasRequest.SerializeToString,
             serving__pb2.ListReplicasResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/minivllm.v1.Control/LoadLoraAdapter',
+            serving__pb2.LoadLoraAdapterRequest.SerializeToString,
+            serving__pb2.LoraAdapterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/minivllm.v1.Control/UnloadLoraAdapter',
+            serving__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            serving__pb2.LoraAdapterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/minivllm.v1.Control/ListLoraAdapters',
+            serving__pb2.ListLoraAdaptersRequest.SerializeToString,
+            serving__pb2.ListLoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

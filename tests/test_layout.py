@@ -152,11 +152,9 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "scheduler_node.router.http_door": "the router process's OpenAI door: tests/e2e/test_router.py",
     "scheduler_node.router.kv_subscriber": "fed by a replica's real publisher in tests/scheduler_node/engine/"
     "test_kv_publisher.py, and through vllm-router in tests/e2e/test_router.py",
-    "scheduler_node.router.metrics": "the router's series, scraped by tests/e2e/test_router.py",
     "scheduler_node.router.probe": "health probes of real replicas: tests/e2e/test_router.py",
     "scheduler_node.router.strategies": "through scheduler_node.router.routing (tests/scheduler_node/router/"
     "test_routing.py) and scripts/bench_router.py --smoke (tests/scripts/test_bench_router.py)",
-    "scheduler_node.router.upstream": "channels to real replicas: tests/e2e/test_router.py",
     "worker_node.attention": "the attention metadata, tested with the decode graphs and kernels"
     " (tests/kernels/test_decode_graphs.py)",
     "worker_node.cuda_graphs": "tests/kernels/test_decode_graphs.py (with the kernels it captures)",

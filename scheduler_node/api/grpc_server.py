@@ -19,6 +19,7 @@ from proto import serving_pb2_grpc as pb_grpc
 from proto.memory_stats import KvPool
 from proto.wire import MAX_MESSAGE_BYTES
 from scheduler_node.api.grpc_decode import DecodeGuard
+from scheduler_node.api.grpc_lora import LoraControl
 from scheduler_node.api.grpc_status import RETRY_AFTER, refuse
 from scheduler_node.api.heap import TRIM_ABOVE_BYTES, HeapTrimmer
 from scheduler_node.api.kv_handoff_fields import kv_fields, source_message
@@ -143,9 +144,16 @@ class GenerationService(pb_grpc.GenerationServicer):
         return pb.AbortResponse(found=found)
 
 
-class ControlService(pb_grpc.ControlServicer):
+class ControlService(LoraControl, pb_grpc.ControlServicer):
     def __init__(self, generation: GenerationService) -> None:
         self.generation = generation
+
+    def engine_now(self) -> EngineCore | None:
+        return self.generation.engine
+
+    @property
+    def parent(self) -> str:
+        return self.generation.served_model_name
 
     async def _engine(self, context: grpc.aio.ServicerContext) -> EngineCore:
         engine = self.generation.engine
@@ -189,7 +197,8 @@ class ControlService(pb_grpc.ControlServicer):
         engine = await self._engine(context)
         stats = dataclasses.asdict(snapshot(engine.scheduler))
         stats["num_preemptions"] = stats["preemptions_recompute"] + stats["preemptions_swap"]
-        return pb.Stats(**stats, memory=[_pool_message(p) for p in engine.kv_pools()])
+        loras = [pb.LoraPool(**dataclasses.asdict(m)) for m in engine.lora_memory()]
+        return pb.Stats(**stats, memory=[_pool_message(p) for p in engine.kv_pools()], lora_memory=loras)
 
     async def ResizeCache(  # noqa: N802
         self, request: pb.ResizeCacheRequest, context: grpc.aio.ServicerContext

@@ -25,7 +25,7 @@ from proto.memory_stats import KvPool
 from proto.transport import StepFailed, WorkerLost, WorkerTransport
 from proto.wire import StepPlan, StepResult
 from scheduler_node.core.kv_handoff import KVSource, new_lease
-from scheduler_node.core.lora_slots import lora_requests
+from scheduler_node.core.lora_slots import LoraMemory, lora_requests
 from scheduler_node.core.request import FinishReason, Request, RequestSpec, Status, StopConditions
 from scheduler_node.core.scheduler import Scheduler
 from scheduler_node.core.speculative import SpecState
@@ -245,6 +245,10 @@ class EngineCore(Failures):
         """The KV memory in bytes, per tier and format."""
         return kv_pools(self.scheduler, self.workers.capacity)
 
+    def lora_memory(self) -> list[LoraMemory]:
+        """The LoRA adapters in the workers' slots and host tier (none while LoRA is off)."""
+        return self.scheduler.view.lora_slots.memory() if self.loras is not None else []
+
     def live_metrics(self) -> LiveSample:
         """The scrape-time gauges and scheduler counters (Metrics reads them on the event loop's thread)."""
         s = snapshot(self.scheduler)
@@ -267,6 +271,8 @@ class EngineCore(Failures):
             "minivllm:kv_cache_used_bytes": {(p.tier, p.format): p.used_bytes for p in pools},
             "minivllm:cache_hit_rate": {(tier,): rate for tier, rate in hit_rates(pools, s.prefix_cache_queries)},
             "minivllm:lora_requests": lora_requests(self.scheduler.running, self.scheduler.waiting),
+            "minivllm:lora_memory_bytes": {(m.tier,): m.bytes for m in self.lora_memory()},
+            "minivllm:lora_adapters_resident": {(m.tier,): m.adapters for m in self.lora_memory()},
             "vllm:spec_decode_num_drafts": s.spec_decode_num_drafts,
             "vllm:spec_decode_num_draft_tokens": s.spec_decode_num_draft_tokens,
             "vllm:spec_decode_num_accepted_tokens": s.spec_decode_num_accepted_tokens,

@@ -4,14 +4,15 @@ one retry.
 A stream is passed on message by message as the replica sends it (no buffering). A stream that fails with
 UNAVAILABLE before its first message (the replica died, is draining, or lost its workers) is sent once more to
 another replica of that model; after the first message it ends with the replica's status, since sending it again
-would repeat tokens the client already has.
+would repeat tokens the client already has. A LoRA adapter's request that a replica answers NOT_FOUND (unloaded
+there since the last probe) goes to another replica that lists it, or ends NOT_FOUND.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -23,7 +24,7 @@ from proto.wire import MAX_MESSAGE_BYTES
 from scheduler_node.router.metrics import RouterMetrics
 from scheduler_node.router.replica import NOT_SERVING, Replica, ReplicaPool
 from scheduler_node.router.request import RouteRequest
-from scheduler_node.router.routing import RouteError, Router
+from scheduler_node.router.routing import Route, RouteError, Router
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,19 @@ class Forwarder:
         self.router = router
         self.links = links
         self.metrics = metrics
+        # Asks the replicas again which LoRA adapters they serve (the prober's; None: never).
+        self.refresh_adapters: Callable[[], Awaitable[None]] | None = None
+
+    async def route(self, request: RouteRequest, failed: Sequence[Replica]) -> Route:
+        """The router's decision; a name that no replica served at the last probe is looked up once more first
+        (an adapter loaded on a replica since)."""
+        try:
+            return self.router.route(request, failed)
+        except RouteError as exc:
+            if exc.code != "NOT_FOUND" or self.refresh_adapters is None:
+                raise
+        await self.refresh_adapters()
+        return self.router.route(request, failed)
 
     async def generate(
         self,
@@ -85,7 +99,7 @@ class Forwarder:
         failed: list[Replica] = []
         while True:
             try:
-                route = self.router.route(route_request, [*exclude, *failed])
+                route = await self.route(route_request, [*exclude, *failed])
             except RouteError as exc:
                 earlier = f" (it failed on {failed[0].address} before its first token)" if failed else ""
                 raise UpstreamError(grpc.StatusCode[exc.code], f"{exc}{earlier}") from None
@@ -102,6 +116,11 @@ class Forwarder:
                 code, details = exc.code(), exc.details() or ""
                 if code == grpc.StatusCode.UNAVAILABLE and self.unavailable(replica, details, started, failed):
                     logger.info("request %s: retrying on another replica: %s", request.request_id, details)
+                    continue
+                if code == grpc.StatusCode.NOT_FOUND and route.adapter and not started:
+                    # The adapter was unloaded there since the last probe: another replica may still serve it.
+                    replica.adapters -= {route.adapter}
+                    failed.append(replica)
                     continue
                 raise UpstreamError(code, f"replica {replica.address} ({replica.model}): {details}") from None
 
