@@ -21,11 +21,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from proto.wire import ExecutionMode, StepPlan, StepResult, TokenLogprobs
+from proto.wire import ExecutionMode, KVGrant, StepPlan, StepResult, TokenLogprobs
 from scheduler_node.core.block_table import BlockHash, BlockTable, Written
 from scheduler_node.core.config import PreemptionMode, SchedulerConfig
 from scheduler_node.core.in_flight import InFlightLedger, SentPlan
 from scheduler_node.core.kv_events import DEVICE, KVEventSink
+from scheduler_node.core.kv_handoff import KVLeases
 from scheduler_node.core.kv_precision import BlockFormat, CompactKV, choose_format
 from scheduler_node.core.kv_tiers import KVTiers
 from scheduler_node.core.policy import Policy
@@ -133,6 +134,7 @@ class Scheduler:
             logger.warning("speculative decoding is off: it does not run with pipeline parallelism yet")
             spec = None
         self.speculator = Speculator(spec) if spec is not None else None
+        self.leases = KVLeases()  # disaggregated prefill/decode (core/kv_handoff.py)
 
     @property
     def num_preemptions(self) -> int:
@@ -167,6 +169,12 @@ class Scheduler:
             self._catching_up.discard(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        if req.kv_lease:  # a prefill for another replica: its prompt's blocks wait under the lease for the pull
+            ending = req.status if req.finished else status
+            if ending in (Status.FINISHED_STOPPED, Status.FINISHED_LENGTH) and req.num_computed_tokens:
+                self.leases.hold(self.blocks, req.req_id, req.kv_lease, self._prompt_blocks(req), self.clock())
+            else:
+                self.leases.revokes.append(req.kv_lease)
         if not req.finished:
             req.status = status
         self.blocks.free(req.req_id)
@@ -233,7 +241,19 @@ class Scheduler:
     def has_work(self) -> bool:
         ops = self.blocks.ops
         pending_ops = bool(ops.copy or ops.swap_out or ops.swap_in)
-        return bool(self.waiting or self.running or self.view.has_notices or pending_ops)
+        return bool(self.waiting or self.running or self.view.has_notices or pending_ops or self.leases.pending)
+
+    def _prompt_blocks(self, req: Request) -> int:
+        """The blocks of a prompt that a prefix hit may reuse (its last token is always computed)."""
+        return (len(req.prompt_token_ids) - 1) // self.blocks.block_size
+
+    def expire_leases(self) -> list[str]:
+        """Release the KV leases whose time is up (the engine's timer); their request ids."""
+        return self.leases.expire(self.blocks, self.clock())
+
+    def release_kv(self, request_id: str) -> bool:
+        """Free a producer request's leased blocks (pulled, or its client gave up); False if none are held."""
+        return self.leases.release(self.blocks, request_id)
 
     @property
     def num_unfinished(self) -> int:
@@ -306,7 +326,16 @@ class Scheduler:
         plan.compact_block_base = self.blocks.num_blocks if self.blocks.num_compact_blocks else 0
         if self.tiers is not None:
             plan.tier_moves = self.tiers.take_moves()
+        self._hand_off(plan, now)
         return plan
+
+    def _hand_off(self, plan: StepPlan, now: float) -> None:
+        """The plan's KV leases and imports (core/kv_handoff.py); leases past their time are released first."""
+        leases = self.leases
+        if leases.held:
+            leases.expire(self.blocks, now)
+        plan.kv_revokes, plan.kv_grants, plan.kv_imports = leases.revokes, leases.grants, leases.imports
+        leases.revokes, leases.grants, leases.imports = [], [], []
 
     def attach_kv_events(self, sink: KVEventSink) -> None:
         """From now on every hash that enters or leaves the prefix cache (any tier) is reported to `sink`."""
@@ -435,6 +464,9 @@ class Scheduler:
                 hits = bt.match_prefix(hashes[:cacheable], fmt)
                 tiers = self.tiers if fmt is BlockFormat.FULL else None  # the tiers hold full blocks
                 loads = tiers.match(hashes[len(hits) : cacheable]) if tiers is not None else 0
+                if req.kv_source is not None:  # pulled from another replica instead (core/kv_handoff.py)
+                    held = len(req.kv_source.blocks) if fmt is BlockFormat.FULL and bt.enable_prefix_caching else 0
+                    loads = max(0, min(held, cacheable) - len(hits))
                 hit_tokens = (len(hits) + loads) * bt.block_size
                 n = min(req.num_tokens - hit_tokens, budget)
                 reused_free = sum(1 for b in hits if bt.is_free(b))
@@ -555,10 +587,24 @@ class Scheduler:
             bt.acquire(req.req_id, hits, fmt)
             if loads:
                 hashes = req.update_block_hashes(bt.block_size)
-                self._load_from_tiers(req, hashes[len(hits) : len(hits) + loads])
+                if req.kv_source is not None:
+                    self._load_from_remote(req, len(hits), hashes[len(hits) : len(hits) + loads])
+                else:
+                    self._load_from_tiers(req, hashes[len(hits) : len(hits) + loads])
                 bt.register(req.req_id, hashes[: len(hits) + loads])
             req.num_computed_tokens = hit_tokens
+        req.kv_source = None  # used once: a request that recomputes later computes its prompt here
         return True
+
+    def _load_from_remote(self, req: Request, first: int, keys: list[BlockHash]) -> None:
+        """New blocks after the request's cached prefix, filled by the plan's KV import from the producer replica
+        (core/kv_handoff.py) instead of being computed."""
+        assert req.kv_source is not None
+        bt = self.blocks
+        start = len(bt.blocks_of(req.req_id)) * bt.block_size
+        written = bt.write(req.req_id, start, start + len(keys) * bt.block_size)
+        assert written is not None, "the fit check counted these blocks"
+        self.leases.import_prefix(req.kv_source, first, list(written.added), keys)
 
     def _load_from_tiers(self, req: Request, keys: list[BlockHash]) -> None:
         """New blocks after the request's cached prefix, filled from the offload tiers by the plan's tier moves
@@ -589,6 +635,9 @@ class Scheduler:
         first = req.num_computed_tokens
         self.view.add_to_plan(req, plan, first, n, self.blocks, written, drafts)
         req.num_computed_tokens = first + n
+        if req.kv_lease and samples and not req.output_token_ids:  # a producer's prompt is computed by this plan
+            blocks = self.blocks.blocks_of(req.req_id)[: self._prompt_blocks(req)]
+            self.leases.grants.append(KVGrant(req.kv_lease, blocks))
         if samples:
             req.num_placeholders += 1  # this step samples a token the scheduler learns of later
         sent.add(req, n, samples, len(drafts) if drafts else 0)
@@ -707,9 +756,9 @@ class Scheduler:
         offers them again, and every request that reads them (those the workers left out of the step, and any
         later one that found them in the device cache) computes them instead: preempted by recompute, it comes
         back with its cached prefix and recomputes from the first failed block on."""
-        assert self.tiers is not None, "only plans with tier moves can fail a load"
-        logger.warning("%d KV tier block(s) failed to load: recomputing them", len(result.failed_loads))
-        self.tiers.forget_failed(result.failed_loads)
+        logger.warning("%d KV block(s) failed to load or import: recomputing them", len(result.failed_loads))
+        if self.tiers is not None:
+            self.tiers.forget_failed(result.failed_loads)
         bad = {b for h in result.failed_loads if (b := self.blocks.uncache(h)) is not None}
         readers = [r for h in result.load_skipped if (r := self._by_handle.get(h)) is not None]
         readers += [r for r in self.running if not bad.isdisjoint(self.blocks.blocks_of(r.req_id))]
@@ -814,6 +863,7 @@ class Scheduler:
         else:
             self.view.preempt_all()
         self._new_table(self.blocks.num_host_blocks, self.blocks.num_compact_blocks)
+        self.leases.clear()
         if self.tiers is not None:
             self.tiers.clear()  # until the world is back: then its disk blocks are adopted again (engine core)
         self._attach_tiers()

@@ -92,6 +92,7 @@ class Submitted:
     max_tokens: int
     completions: list[Completion]
     stream: Any = None
+    request_id: str = ""
 
     @property
     def output(self) -> list[int]:
@@ -148,6 +149,7 @@ class EngineRun:
         stop_token_ids: list[int] | None = None,
         lora: LoraRef | None = None,
         speculate: bool = True,
+        **spec_fields: Any,
     ) -> Submitted:
         spec = RequestSpec(
             request_id=f"r{next(self._ids)}",
@@ -161,8 +163,9 @@ class EngineRun:
             stop_token_ids=stop_token_ids or [],
             lora=lora,
             speculate=speculate,
+            **spec_fields,
         )
-        entry = Submitted(list(prompt), max_tokens, [Completion() for _ in range(n)])
+        entry = Submitted(list(prompt), max_tokens, [Completion() for _ in range(n)], request_id=spec.request_id)
         self._loop.run_until_complete(self._submit(spec, entry))
         self.submitted.append(entry)
         return entry
@@ -196,6 +199,10 @@ class EngineRun:
             await asyncio.wait_for(scenario(), timeout)
 
         self._loop.run_until_complete(main())
+
+    def run_until(self, predicate: Callable[[], object], what: str, timeout: float = 60.0) -> None:
+        """Run the engine until `predicate()` holds (TimeoutError naming `what` after `timeout` seconds)."""
+        self._loop.run_until_complete(until(predicate, timeout, what))
 
     def run_plans(self, count: int, timeout: float = 120.0) -> None:
         """Until the engine has sent `count` plans in all (requests may still be running)."""
