@@ -300,6 +300,8 @@ class Scheduler:
                 budget -= n
         if not preempted or not self.running:  # a request that preempted itself leaves the cache to the others
             self._admit(budget, seats, floor, plan, sent, now)
+        if spec is not None and spec.proposer.on_worker:
+            plan.propose = spec.to_draft(sent.requests, sent.samples)
         if sent.requests:
             self.in_flight.record(plan.step_id, sent)
         self.view.finish_plan(plan, self.blocks.take_ops())
@@ -681,8 +683,12 @@ class Scheduler:
             end = req.status  # it finished
             outputs.append(RequestOutput(req, kept, logprobs, *_ending(req)))
             self.finish(req.req_id, end)
-        if self.speculator is not None and any(sent.drafts):
-            self._register_filled_blocks(sent)  # the blocks filled by accepted proposals: hashable only now
+        if self.speculator is not None:
+            if any(sent.drafts):
+                self._register_filled_blocks(sent)  # the blocks filled by accepted proposals: hashable only now
+            for handle, drafted in result.drafts.items():  # a draft model's proposals for the next step
+                if (req := live.get(handle)) is not None and req.status is running:
+                    self.speculator.drafted(req, drafted)
         return outputs
 
     def _settle_drafts(self, sent: SentPlan, result: StepResult) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -96,3 +97,37 @@ def test_stop_strings_and_stop_tokens_end_a_speculated_step_where_they_occur(tin
     without = finish(None, plain, stops, stop_ids)
     assert all(reason == "stop" and len(ids) < 24 for ids, _, reason in without), "the test lost its point"
     assert finish(SPEC, plain, stops, stop_ids) == without
+
+
+def draft_run(
+    folder: Path, draft: Path, prompts: list[list[int]], mixed: bool = True
+) -> tuple[list[list[int]], EngineRun]:
+    """The mixed batch of `run` (or greedy requests that all speculate), proposals from the draft model `draft`
+    (the worker's, TP 1)."""
+    spec = SpeculativeConfig(method="draft_model", model=str(draft), num_speculative_tokens=3)
+    runner = load_runner(folder, 48, BLOCK, draft_model=draft, num_speculative_tokens=3)
+    with EngineRun(runner, tokenizer_dir=folder, max_num_batched_tokens=64, speculative=spec) as r:
+        outs = []
+        for i, p in enumerate(prompts):
+            seeded = SamplingOptions(temperature=0.8, seed=i, top_k=20)
+            sampling = SamplingOptions(temperature=0.0) if i % 3 or not mixed else seeded
+            outs.append(r.add(p, 24, sampling=sampling, speculate=i % 4 != 1 or not mixed))
+        r.run()
+    assert runner.draft is not None and not runner.draft.batch.states, "every request's draft state is freed"
+    return [o.output for o in outs], r
+
+
+def test_a_draft_model_changes_no_token(tiny_llama_dir: Path, tiny_model_dir: Any) -> None:
+    """A draft equal to the target proposes the target's own greedy tokens: the greedy requests accept them all;
+    a random draft (another tiny model, same vocabulary) is mostly wrong: the output is the same either way."""
+    prompts = copy_prompts(3, 1000)
+    plain, _ = run(tiny_llama_dir, prompts, None)
+    greedy = [i for i in range(len(prompts)) if i % 3]  # those `run` decodes greedily
+    same, r = draft_run(tiny_llama_dir, tiny_llama_dir, [prompts[i] for i in greedy], mixed=False)
+    assert same == [plain[i] for i in greedy]
+    counters = r.scheduler.speculator.counters  # type: ignore[union-attr]
+    assert counters.num_drafts > 0 and counters.num_accepted_tokens == counters.num_draft_tokens
+    other, r = draft_run(tiny_llama_dir, tiny_model_dir("qwen3"), prompts)
+    assert other == plain
+    counters = r.scheduler.speculator.counters  # type: ignore[union-attr]
+    assert counters.num_drafts > 0 and counters.num_accepted_tokens < counters.num_draft_tokens
