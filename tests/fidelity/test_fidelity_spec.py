@@ -12,6 +12,7 @@ import pytest
 from proto.wire import SamplingOptions
 from scheduler_node.core.speculative import SpeculativeConfig
 from tests.support.engine import EngineRun, load_runner
+from tests.support.inprocess_tp import TensorParallelRanks
 from tests.support.models import assert_teacher_forced, load_hf
 from tests.support.spec import ScriptedProposer
 
@@ -32,10 +33,16 @@ def copy_prompts(seed: int, vocab: int) -> list[list[int]]:
 
 
 def run(
-    folder: Path, prompts: list[list[int]], spec: SpeculativeConfig | None, reference: list[list[int]] | None = None
+    folder: Path,
+    prompts: list[list[int]],
+    spec: SpeculativeConfig | None,
+    reference: list[list[int]] | None = None,
+    tp: TensorParallelRanks | None = None,
 ) -> tuple[list[list[int]], EngineRun]:
-    runner = load_runner(folder, 48, BLOCK)
-    with EngineRun(runner, tokenizer_dir=folder, max_num_batched_tokens=64, speculative=spec) as r:
+    runners = tp.runners if tp is not None else load_runner(folder, 48, BLOCK)
+    transport = tp.transport() if tp is not None else None
+    options = {"max_num_batched_tokens": 64, "speculative": spec, "transport": transport}
+    with EngineRun(runners, tokenizer_dir=folder, **options) as r:
         if reference is not None:
             assert r.scheduler.speculator is not None
             r.scheduler.speculator.proposer = ScriptedProposer(
@@ -131,3 +138,19 @@ def test_a_draft_model_changes_no_token(tiny_llama_dir: Path, tiny_model_dir: An
     assert other == plain
     counters = r.scheduler.speculator.counters  # type: ignore[union-attr]
     assert counters.num_drafts > 0 and counters.num_accepted_tokens < counters.num_draft_tokens
+
+
+def test_tensor_parallel_speculation_changes_no_token(tiny_llama_dir: Path) -> None:
+    """TP 2: every rank receives every draw (share_sampled) and rolls back alike; the output is TP 1's without
+    speculation, with proposals accepted in full, in part and not at all."""
+    prompts = copy_prompts(7, 1000)[:4]
+    plain, _ = run(tiny_llama_dir, prompts, None)
+    tp2 = TensorParallelRanks(tiny_llama_dir, 48, BLOCK, tp=2)
+    try:
+        speculated, r = run(tiny_llama_dir, prompts, SPEC, reference=plain, tp=tp2)
+        assert [runner.batch.states for runner in tp2.runners] == [{}, {}]
+    finally:
+        tp2.close()
+    counters = r.scheduler.speculator.counters  # type: ignore[union-attr]
+    assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens, "the test lost its point"
+    assert speculated == plain
