@@ -41,8 +41,9 @@ def run(
 ) -> tuple[list[list[int]], EngineRun]:
     runners = tp.runners if tp is not None else load_runner(folder, 48, BLOCK)
     transport = tp.transport() if tp is not None else None
-    options = {"max_num_batched_tokens": 64, "speculative": spec, "transport": transport}
-    with EngineRun(runners, tokenizer_dir=folder, **options) as r:
+    with EngineRun(
+        runners, tokenizer_dir=folder, max_num_batched_tokens=64, speculative=spec, transport=transport
+    ) as r:
         if reference is not None:
             assert r.scheduler.speculator is not None
             r.scheduler.speculator.proposer = ScriptedProposer(
