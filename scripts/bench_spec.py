@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import json
 import os
@@ -46,6 +47,7 @@ from scheduler_node.api.validation import build_spec  # noqa: E402
 from scheduler_node.core.request import RequestSpec  # noqa: E402
 from scheduler_node.engine.core import EngineCore  # noqa: E402
 
+STEP_TIMEOUT_S = 900.0
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 
 TEXTS = [
@@ -140,6 +142,10 @@ class Engine:
             kv_cache_memory=args.kv_cache_memory,
             threads=args.threads,
         )
+        # A measurement, not a service: a machine shared with other jobs may stall one big prefill step for over
+        # the default minute, which would declare the in-process rank lost and end the run.
+        engine = self.llm.engine
+        engine.options = dataclasses.replace(engine.options, step_timeout=STEP_TIMEOUT_S)
 
     def run(self, prompts: list[list[int]], params: list[SamplingParams], concurrency: int) -> dict[str, Any]:
         llm = self.llm
@@ -171,8 +177,6 @@ class Engine:
 
 
 def _with_max_num_seqs(config: Any, n: int) -> Any:
-    import dataclasses
-
     return dataclasses.replace(config, max_num_seqs=n)
 
 
