@@ -137,6 +137,7 @@ class LLM:
         worker_join_timeout: float = WORKER_JOIN_TIMEOUT_S,
         enable_lora: bool = False,
         max_loras: int = _SCHEDULER.max_loras,
+        max_cpu_loras: int = _SCHEDULER.max_cpu_loras,
         max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
         speculative_config: str | Mapping[str, Any] | SpeculativeConfig | None = None,
     ) -> None:
@@ -180,6 +181,7 @@ class LLM:
                 preemption_mode=preemption_mode,  # type: ignore[arg-type]
                 kv_offload_policy=kv_offload_policy,
                 max_loras=max_loras,
+                max_cpu_loras=max_cpu_loras,
                 speculative=SpeculativeConfig.parse(speculative_config),
             ),
             tensor_parallel_size=tensor_parallel_size,

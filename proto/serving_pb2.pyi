@@ -78,7 +78,7 @@ class Choices(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "messages", "sampling", "priority", "cache_salt", "deadline_s", "model", "kv_precision")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "messages", "sampling", "priority", "cache_salt", "deadline_s", "model", "kv_precision", "migratable", "resume")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,8 @@ class GenerateRequest(_message.Message):
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KV_PRECISION_FIELD_NUMBER: _ClassVar[int]
+    MIGRATABLE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: TokenIds
@@ -99,7 +101,31 @@ class GenerateRequest(_message.Message):
     deadline_s: float
     model: str
     kv_precision: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., deadline_s: _Optional[float] = ..., model: _Optional[str] = ..., kv_precision: _Optional[str] = ...) -> None: ...
+    migratable: bool
+    resume: ResumeState
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., deadline_s: _Optional[float] = ..., model: _Optional[str] = ..., kv_precision: _Optional[str] = ..., migratable: _Optional[bool] = ..., resume: _Optional[_Union[ResumeState, _Mapping]] = ...) -> None: ...
+
+class SequenceState(_message.Message):
+    __slots__ = ("index", "output_token_ids", "held_text", "pending_token_ids", "prompt_tokens", "cached_tokens")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    HELD_TEXT_FIELD_NUMBER: _ClassVar[int]
+    PENDING_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    held_text: str
+    pending_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_tokens: int
+    cached_tokens: int
+    def __init__(self, index: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., held_text: _Optional[str] = ..., pending_token_ids: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+
+class ResumeState(_message.Message):
+    __slots__ = ("sequences",)
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[SequenceState]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceState, _Mapping]]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -140,7 +166,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "index", "token_ids", "text", "finish_reason", "usage", "logprobs", "prompt_logprobs")
+    __slots__ = ("request_id", "index", "token_ids", "text", "finish_reason", "usage", "logprobs", "prompt_logprobs", "migrated")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +175,7 @@ class GenerateResponse(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -157,7 +184,8 @@ class GenerateResponse(_message.Message):
     usage: Usage
     logprobs: _containers.RepeatedCompositeFieldContainer[Logprobs]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[Logprobs]
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ...) -> None: ...
+    migrated: SequenceState
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ..., migrated: _Optional[_Union[SequenceState, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -178,7 +206,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("total_blocks", "used_blocks", "free_blocks", "kv_usage", "num_running", "num_waiting", "num_preemptions", "block_size", "max_model_len", "cached_free_blocks", "fragmentation", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "preemptions_recompute", "preemptions_swap", "swap_blocks_used", "swap_blocks_total", "usable_blocks", "mean_worker_idle_ms", "interrupted_steps", "memory", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos")
+    __slots__ = ("total_blocks", "used_blocks", "free_blocks", "kv_usage", "num_running", "num_waiting", "num_preemptions", "block_size", "max_model_len", "cached_free_blocks", "fragmentation", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "preemptions_recompute", "preemptions_swap", "swap_blocks_used", "swap_blocks_total", "usable_blocks", "mean_worker_idle_ms", "interrupted_steps", "memory", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "lora_memory")
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +233,7 @@ class Stats(_message.Message):
     SPEC_DECODE_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_FIELD_NUMBER: _ClassVar[int]
+    LORA_MEMORY_FIELD_NUMBER: _ClassVar[int]
     total_blocks: int
     used_blocks: int
     free_blocks: int
@@ -231,7 +260,20 @@ class Stats(_message.Message):
     spec_decode_num_draft_tokens: int
     spec_decode_num_accepted_tokens: int
     spec_decode_num_accepted_tokens_per_pos: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., cached_free_blocks: _Optional[int] = ..., fragmentation: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., preemptions_recompute: _Optional[int] = ..., preemptions_swap: _Optional[int] = ..., swap_blocks_used: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., usable_blocks: _Optional[int] = ..., mean_worker_idle_ms: _Optional[float] = ..., interrupted_steps: _Optional[int] = ..., memory: _Optional[_Iterable[_Union[KvPool, _Mapping]]] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ...) -> None: ...
+    lora_memory: _containers.RepeatedCompositeFieldContainer[LoraPool]
+    def __init__(self, total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., cached_free_blocks: _Optional[int] = ..., fragmentation: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., preemptions_recompute: _Optional[int] = ..., preemptions_swap: _Optional[int] = ..., swap_blocks_used: _Optional[int] = ..., swap_blocks_total: _Optional[int] = ..., usable_blocks: _Optional[int] = ..., mean_worker_idle_ms: _Optional[float] = ..., interrupted_steps: _Optional[int] = ..., memory: _Optional[_Iterable[_Union[KvPool, _Mapping]]] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., lora_memory: _Optional[_Iterable[_Union[LoraPool, _Mapping]]] = ...) -> None: ...
+
+class LoraPool(_message.Message):
+    __slots__ = ("tier", "adapters", "capacity", "bytes")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    adapters: int
+    capacity: int
+    bytes: int
+    def __init__(self, tier: _Optional[str] = ..., adapters: _Optional[int] = ..., capacity: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class KvPool(_message.Message):
     __slots__ = ("tier", "format", "bytes_per_block", "total_blocks", "used_blocks", "allocated_bytes", "used_bytes", "hits")
@@ -286,18 +328,22 @@ class ListWorkersResponse(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
-    __slots__ = ("timeout_s",)
+    __slots__ = ("timeout_s", "migrate")
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MIGRATE_FIELD_NUMBER: _ClassVar[int]
     timeout_s: float
-    def __init__(self, timeout_s: _Optional[float] = ...) -> None: ...
+    migrate: bool
+    def __init__(self, timeout_s: _Optional[float] = ..., migrate: _Optional[bool] = ...) -> None: ...
 
 class DrainResponse(_message.Message):
-    __slots__ = ("drained", "remaining")
+    __slots__ = ("drained", "remaining", "migrated")
     DRAINED_FIELD_NUMBER: _ClassVar[int]
     REMAINING_FIELD_NUMBER: _ClassVar[int]
+    MIGRATED_FIELD_NUMBER: _ClassVar[int]
     drained: bool
     remaining: int
-    def __init__(self, drained: _Optional[bool] = ..., remaining: _Optional[int] = ...) -> None: ...
+    migrated: int
+    def __init__(self, drained: _Optional[bool] = ..., remaining: _Optional[int] = ..., migrated: _Optional[int] = ...) -> None: ...
 
 class ResizeCacheRequest(_message.Message):
     __slots__ = ("num_blocks",)
@@ -350,3 +396,39 @@ class ListReplicasResponse(_message.Message):
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
     def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...
+
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class ListLoraAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoraAdapterInfo(_message.Message):
+    __slots__ = ("name", "path", "id", "parent")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    id: int
+    parent: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., id: _Optional[int] = ..., parent: _Optional[str] = ...) -> None: ...
+
+class ListLoraAdaptersResponse(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapterInfo]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ...) -> None: ...

@@ -177,6 +177,21 @@ class ControlStub:
                 request_serializer=serving__pb2.ListReplicasRequest.SerializeToString,
                 response_deserializer=serving__pb2.ListReplicasResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/minivllm.v1.Control/LoadLoraAdapter',
+                request_serializer=serving__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=serving__pb2.LoraAdapterInfo.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/minivllm.v1.Control/UnloadLoraAdapter',
+                request_serializer=serving__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=serving__pb2.LoraAdapterInfo.FromString,
+                _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/minivllm.v1.Control/ListLoraAdapters',
+                request_serializer=serving__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=serving__pb2.ListLoraAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -196,7 +211,8 @@ class ControlServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Drain(self, request, context):
-        """Stop admitting (new requests get UNAVAILABLE), finish what runs, then answer drained=true.
+        """Stop admitting (new requests get UNAVAILABLE), finish what runs (or, with migrate, hand the migratable
+        requests back to the router), then answer drained=true.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -213,6 +229,26 @@ class ControlServicer:
     def ListReplicas(self, request, context):
         """vllm-router: the schedulers it fronts, their state and load.
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadLoraAdapter(self, request, context):
+        """LoRA adapters (--enable-lora), as POST /v1/load_lora_adapter and /v1/unload_lora_adapter: a bad adapter is
+        INVALID_ARGUMENT naming what is wrong, an unknown name NOT_FOUND, LoRA off FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -244,6 +280,21 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.ListReplicas,
                     request_deserializer=serving__pb2.ListReplicasRequest.FromString,
                     response_serializer=serving__pb2.ListReplicasResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=serving__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=serving__pb2.LoraAdapterInfo.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=serving__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=serving__pb2.LoraAdapterInfo.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=serving__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=serving__pb2.ListLoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -382,6 +433,87 @@ class Control:
             '/minivllm.v1.Control/ListReplicas',
             serving__pb2.ListReplicasRequest.SerializeToString,
             serving__pb2.ListReplicasResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/minivllm.v1.Control/LoadLoraAdapter',
+            serving__pb2.LoadLoraAdapterRequest.SerializeToString,
+            serving__pb2.LoraAdapterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/minivllm.v1.Control/UnloadLoraAdapter',
+            serving__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            serving__pb2.LoraAdapterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/minivllm.v1.Control/ListLoraAdapters',
+            serving__pb2.ListLoraAdaptersRequest.SerializeToString,
+            serving__pb2.ListLoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -44,9 +44,10 @@ from msgspec import Meta
 # 10: cached requests carry proposed tokens (speculative decoding) and results may carry several tokens per request
 # (the accepted proposals and one more); a v9 worker would compute the proposals as known tokens.
 # 11: LoRA: a NewRequest names its adapter and the worker slot it runs in (a v10 worker would run the base model).
-# 12: a draft model (speculative decoding): Assignment.draft_model, StepPlan.propose, StepResult.drafts (a v11
+# 12: LoRA host tier: the adapter record carries --max-cpu-loras (a v11 worker would refuse the longer record).
+# 13: a draft model (speculative decoding): Assignment.draft_model, StepPlan.propose, StepResult.drafts (a v12
 # worker would never propose, and the requests would wait on proposals that never come).
-WIRE_VERSION = 12
+WIRE_VERSION = 13
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # libzmq's own ZMTP heartbeats, set on both ends of the worker socket: a quiet connection is PINGed this often by
 # libzmq's I/O thread (so a busy Python thread does not drop it), and dropped after the heartbeat timeout.
@@ -132,6 +133,9 @@ class LoraAdapter(Record):
     id: Annotated[int, Meta(ge=1)]
     path: Annotated[str, Meta(max_length=4096)]
     slot: Annotated[int, Meta(ge=0, le=4095)]
+    # Adapters evicted from a slot that the workers keep in host memory (least recently used first out), so
+    # a reload skips the disk: --max-cpu-loras, the same for every request (the scheduler mirrors the tier).
+    host_slots: Annotated[int, Meta(ge=0, le=4096)] = 0
 
 
 class NewRequest(Record):

@@ -107,6 +107,8 @@ def test_the_scheduler_never_imports_torch_and_the_worker_never_imports_grpc() -
 # Modules no test module of their mirror folder imports, each with where it is tested instead. The check below
 # fails for a module missing from this list, and for one listed here that has such a test by now.
 TESTED_ELSEWHERE: dict[str, str] = {
+    "scheduler_node.core.migration": "a migrated sequence's state (a dataclass), through"
+    " tests/scheduler_node/engine/test_migration.py and tests/scheduler_node/api/test_resume.py",
     "kernels.cpu_features": "CPU bf16 detection, through kernels.cpu_attention (tests/kernels/test_native_cpu.py)"
     " and tests/fidelity/test_fidelity_bf16.py",
     "kernels.triton_common": "helpers of the Triton kernels, run through kernels.triton_attention by"
@@ -147,11 +149,9 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "scheduler_node.router.http_door": "the router process's OpenAI door: tests/e2e/test_router.py",
     "scheduler_node.router.kv_subscriber": "fed by a replica's real publisher in tests/scheduler_node/engine/"
     "test_kv_publisher.py, and through vllm-router in tests/e2e/test_router.py",
-    "scheduler_node.router.metrics": "the router's series, scraped by tests/e2e/test_router.py",
     "scheduler_node.router.probe": "health probes of real replicas: tests/e2e/test_router.py",
     "scheduler_node.router.strategies": "through scheduler_node.router.routing (tests/scheduler_node/router/"
     "test_routing.py) and scripts/bench_router.py --smoke (tests/scripts/test_bench_router.py)",
-    "scheduler_node.router.upstream": "channels to real replicas: tests/e2e/test_router.py",
     "worker_node.attention": "the attention metadata, tested with the decode graphs and kernels"
     " (tests/kernels/test_decode_graphs.py)",
     "worker_node.cuda_graphs": "tests/kernels/test_decode_graphs.py (with the kernels it captures)",

@@ -19,9 +19,11 @@ from proto import serving_pb2_grpc as pb_grpc
 from proto.memory_stats import KvPool
 from proto.wire import MAX_MESSAGE_BYTES
 from scheduler_node.api.grpc_decode import DecodeGuard
+from scheduler_node.api.grpc_lora import LoraControl
 from scheduler_node.api.grpc_status import RETRY_AFTER, refuse
 from scheduler_node.api.heap import TRIM_ABOVE_BYTES, HeapTrimmer
 from scheduler_node.api.request_bounds import MAX_REQUEST_BYTES, check_prompt_logprobs
+from scheduler_node.api.resume import state_message, with_resume
 from scheduler_node.api.security import ControlAuth
 from scheduler_node.api.validation import InvalidField, validate
 from scheduler_node.core.request import RequestSpec
@@ -107,6 +109,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                 validate, request, self.tokenizer, engine.max_model_len, header, engine.compact_tokens
             )
             check_prompt_logprobs([spec], "sampling.prompt_logprobs")
+            spec = with_resume(request, spec, self.tokenizer.vocab_size)
         except InvalidField as exc:
             refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return None
@@ -114,7 +117,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             detail = f"deadline_s: must be a finite number >= 0 (0: none), got {request.deadline_s}"
             refuse(context, grpc.StatusCode.INVALID_ARGUMENT, detail)
             return None
-        if engine.queue_full(spec.n):
+        if engine.queue_full(len(spec.resume) or spec.n):
             detail = (
                 f"the waiting queue is full (--max-waiting-requests {engine.options.max_waiting_requests}); retry later"
             )
@@ -138,9 +141,16 @@ class GenerationService(pb_grpc.GenerationServicer):
         return pb.AbortResponse(found=found)
 
 
-class ControlService(pb_grpc.ControlServicer):
+class ControlService(LoraControl, pb_grpc.ControlServicer):
     def __init__(self, generation: GenerationService) -> None:
         self.generation = generation
+
+    def engine_now(self) -> EngineCore | None:
+        return self.generation.engine
+
+    @property
+    def parent(self) -> str:
+        return self.generation.served_model_name
 
     async def _engine(self, context: grpc.aio.ServicerContext) -> EngineCore:
         engine = self.generation.engine
@@ -175,8 +185,11 @@ class ControlService(pb_grpc.ControlServicer):
         self, request: pb.DrainRequest, context: grpc.aio.ServicerContext
     ) -> pb.DrainResponse:
         engine = await self._engine(context)
-        remaining = await engine.drain(await drain_timeout(request, context))
-        return pb.DrainResponse(drained=remaining == 0, remaining=remaining)
+        timeout = await drain_timeout(request, context)
+        engine.stop_admitting()  # first: a migrated request sent back here at once is refused
+        migrated = engine.migrate() if request.migrate else 0
+        remaining = await engine.drain(timeout)
+        return pb.DrainResponse(drained=remaining == 0, remaining=remaining, migrated=migrated)
 
     async def GetStats(  # noqa: N802
         self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext
@@ -184,7 +197,8 @@ class ControlService(pb_grpc.ControlServicer):
         engine = await self._engine(context)
         stats = dataclasses.asdict(snapshot(engine.scheduler))
         stats["num_preemptions"] = stats["preemptions_recompute"] + stats["preemptions_swap"]
-        return pb.Stats(**stats, memory=[_pool_message(p) for p in engine.kv_pools()])
+        loras = [pb.LoraPool(**dataclasses.asdict(m)) for m in engine.lora_memory()]
+        return pb.Stats(**stats, memory=[_pool_message(p) for p in engine.kv_pools()], lora_memory=loras)
 
     async def ResizeCache(  # noqa: N802
         self, request: pb.ResizeCacheRequest, context: grpc.aio.ServicerContext
@@ -229,7 +243,9 @@ def _response(request_id: str, d: Delta) -> pb.GenerateResponse:
         resp.logprobs.add(logprob=lp.logprob, top=[pb.TokenLogprob(token_id=t, logprob=p) for t, p in lp.top])
     for lp in d.prompt_logprobs:
         resp.prompt_logprobs.add(logprob=lp.logprob, top=[pb.TokenLogprob(token_id=t, logprob=p) for t, p in lp.top])
-    if d.finish_reason:
+    if d.migrated is not None:  # not an end: the client (vllm-router) resumes it elsewhere
+        resp.migrated.CopyFrom(state_message(d.migrated))
+    elif d.finish_reason:
         resp.usage.prompt_tokens = d.prompt_tokens
         resp.usage.completion_tokens = d.completion_tokens
         resp.usage.cached_tokens = d.cached_tokens

@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         "when it has one (--no-chat sends it as raw text to complete), and at most --max-tokens (256) come back. "
         "`vllm-client stats` prints the server's KV-cache and queue statistics instead; `vllm-client health` "
         "checks grpc.health.v1 (exit 0: SERVING); `vllm-client drain` stops admitting and waits up to --timeout "
-        "for running requests.",
+        "for running requests (--migrate: moves them to other replicas behind vllm-router).",
     )
     add_config_flag(p)
     p.add_argument("prompt", nargs="?", help="the prompt text (read from stdin when omitted)")
@@ -56,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     p.add_argument("--request-id", default="", help="request id (default: assigned by the server)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
+    p.add_argument(
+        "--migrate",
+        action="store_true",
+        help="`vllm-client drain`: hand the requests that came through vllm-router back to it at once (it resumes "
+        "them on another replica: live migration); the others still run to their end",
+    )
     p.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's root certificates")
     p.add_argument("--tls-ca", default=None, metavar="PEM", help="connect with TLS, trusting this CA (implies --tls)")
     p.add_argument(
@@ -159,7 +165,7 @@ def print_health(channel: grpc.Channel, args: argparse.Namespace) -> int:
 def drain(channel: grpc.Channel, args: argparse.Namespace) -> int:
     """`vllm-client drain`: stop admitting, wait up to --timeout for running requests (a preStop hook); 0 when
     every one finished."""
-    request = pb.DrainRequest(timeout_s=args.timeout)
+    request = pb.DrainRequest(timeout_s=args.timeout, migrate=args.migrate)
     try:
         reply = pb_grpc.ControlStub(channel).Drain(request, timeout=args.timeout + 5, metadata=_auth(args))
     except grpc.RpcError as exc:

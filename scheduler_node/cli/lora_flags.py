@@ -33,6 +33,13 @@ def add_lora_flags(p: argparse.ArgumentParser) -> None:
         "while others run, and the least recently used idle adapter is evicted",
     )
     p.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=_SCHEDULER.max_cpu_loras,
+        help="adapters evicted from the workers' slots that they keep in host memory (least recently evicted out "
+        "first), so a reload skips the disk; 0: none",
+    )
+    p.add_argument(
         "--max-lora-rank",
         type=int,
         default=DEFAULT_MAX_LORA_RANK,

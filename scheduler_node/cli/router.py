@@ -205,6 +205,7 @@ async def serve(args: argparse.Namespace) -> int:
         http.start()
     await set_serving(health, False)
     prober = Prober(pool, links, metrics, args.probe_interval, args.probe_timeout, args.replica_control_token)
+    generation.forwarder.refresh_adapters = prober.refresh_adapters
     tasks: list[asyncio.Future] = [
         asyncio.ensure_future(prober.run()),
         asyncio.ensure_future(report_health(pool, health, lambda: generation.draining)),

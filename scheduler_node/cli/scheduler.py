@@ -311,6 +311,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             watermark=args.watermark,
             kv_offload_policy=args.kv_offload_policy,
             max_loras=args.max_loras,
+            max_cpu_loras=args.max_cpu_loras,
         ),
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,

@@ -33,6 +33,7 @@ class SchedulerConfig:
     watermark: float = 0.01  # fraction of blocks kept free when admitting, against admit-then-preempt thrash
     kv_offload_policy: str = "arc"  # replacement in the KV offload tiers (scheduler_node/core/kv_tiers.py)
     max_loras: int = 1  # LoRA adapters resident on the workers at once (scheduler_node/core/lora_slots.py)
+    max_cpu_loras: int = 0  # LoRA adapters evicted from a slot that the workers keep in host memory (0: none)
     speculative: SpeculativeConfig | None = None  # speculative decoding (core/speculative.py); None: off
 
     def __post_init__(self) -> None:
@@ -53,5 +54,7 @@ class SchedulerConfig:
             raise ValueError(f"kv_offload_policy must be one of {KV_OFFLOAD_POLICIES}, got {self.kv_offload_policy!r}")
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if not 0 <= self.max_cpu_loras <= 4096:
+            raise ValueError(f"max_cpu_loras must be in [0, 4096], got {self.max_cpu_loras}")
         if self.compaction_interval < 0 or self.compaction_max_moves < 1:
             raise ValueError("compaction_interval must be >= 0 and compaction_max_moves >= 1")

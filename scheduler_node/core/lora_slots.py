@@ -3,12 +3,17 @@
 A slot is pinned while a request the workers hold runs with its adapter; an unpinned slot keeps its adapter
 (a later request reuses it without a reload) until the least recently used unpinned slot is taken for another
 adapter. A request whose adapter has no slot and finds none free waits; requests that need no new slot pass it.
+
+The host tier (--max-cpu-loras): an adapter evicted from a slot stays in the workers' host memory, up to that many,
+least recently evicted out first; taking it back into a slot moves it out of the host tier (the tiers hold each
+adapter once). The workers keep the same tier by the same rule (worker_node/lora/manager.py); it is mirrored here
+for the memory stats.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -24,6 +29,7 @@ class LoraRef:
     id: int
     path: str
     fingerprint: str = ""  # seeds its requests' prefix-cache hashes: blocks are never shared across adapters
+    nbytes: int = 0  # its tensors' bytes as its file stores them (the memory stats)
 
     @property
     def cache_salt(self) -> str:
@@ -43,9 +49,22 @@ def lora_requests(running: Iterable[_HasLora], waiting: Iterable[_HasLora]) -> d
     return {key: float(n) for key, n in counts.items()}
 
 
+@dataclass(frozen=True, slots=True)
+class LoraMemory:
+    """The adapters one tier holds: how many, out of how many places, and their bytes."""
+
+    tier: str  # device (the --max-loras slots) or host (--max-cpu-loras)
+    adapters: int
+    capacity: int
+    bytes: int
+
+
 class LoraSlots:
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, host_slots: int = 0) -> None:
         self.num_slots = num_slots
+        self.host_slots = host_slots
+        self._host: OrderedDict[int, int] = OrderedDict()  # adapter id -> bytes, least recently evicted first
+        self._bytes: dict[int, int] = {}  # adapter id in a slot -> its bytes
         self._holder: list[int | None] = [None] * num_slots  # slot -> adapter id in it
         self._pins: list[int] = [0] * num_slots  # slot -> held requests using it
         self._used: list[int] = [0] * num_slots  # slot -> when it was last pinned (LRU)
@@ -76,10 +95,23 @@ class LoraSlots:
             slot = self._free_slot()
             if slot is None:
                 raise RuntimeError(f"LoRA adapter {lora.name}: no free slot (admission checks fits first)")
-            self._holder[slot] = lora.id
+            self._host.pop(lora.id, None)  # out of the host tier first: the evicted one must not push it out
+            self._evict(slot)
+            self._holder[slot], self._bytes[lora.id] = lora.id, lora.nbytes
         self._pins[slot] += 1
         self._used[slot] = next(self._clock)
-        return LoraAdapter(lora.id, lora.path, slot)
+        return LoraAdapter(lora.id, lora.path, slot, self.host_slots)
+
+    def _evict(self, slot: int) -> None:
+        """The slot's adapter goes to the host tier (its oldest one out when full)."""
+        held = self._holder[slot]
+        if held is None:
+            return
+        nbytes = self._bytes.pop(held, 0)
+        if self.host_slots:
+            self._host[held] = nbytes
+            while len(self._host) > self.host_slots:
+                self._host.popitem(last=False)
 
     def unpin(self, lora: LoraRef) -> None:
         slot = self._slot_of(lora.id)
@@ -93,6 +125,18 @@ class LoraSlots:
     @property
     def pinned(self) -> int:
         return sum(1 for p in self._pins if p)
+
+    def memory(self) -> list[LoraMemory]:
+        """The adapters in the slots and in the host tier, with their bytes."""
+        device = [a for a in self._holder if a is not None]
+        tiers = [LoraMemory("device", len(device), self.num_slots, sum(self._bytes[a] for a in device))]
+        if self.host_slots:
+            tiers.append(LoraMemory("host", len(self._host), self.host_slots, sum(self._host.values())))
+        return tiers
+
+    def in_host(self) -> list[int]:
+        """The adapter ids in the host tier, the next one out first."""
+        return list(self._host)
 
     def resident(self) -> dict[int, int]:
         """Adapter id -> the requests the workers hold with it (0: resident but idle)."""

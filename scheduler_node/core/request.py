@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from proto.wire import LoraAdapter, NewRequest, SamplingOptions, TokenLogprobs
 from scheduler_node.core.block_table import BlockHash, hash_block
 from scheduler_node.core.lora_slots import LoraRef
+from scheduler_node.core.migration import SequenceResume
 from scheduler_node.core.speculative import SpecState
 
 
@@ -21,6 +22,7 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_tokens or max_model_len reached
     ABORT = "abort"  # aborted by its client (or the client went away)
     ERROR = "error"  # failed by the engine: its last delta carries the EngineError (engine/outputs.py)
+    MIGRATED = "migrated"  # moved off a draining replica: its last delta carries its state (core/migration.py)
 
 
 class Status(enum.Enum):
@@ -31,6 +33,7 @@ class Status(enum.Enum):
     FINISHED_LENGTH = FinishReason.LENGTH
     FINISHED_ABORTED = FinishReason.ABORT
     FINISHED_ERROR = FinishReason.ERROR
+    FINISHED_MIGRATED = FinishReason.MIGRATED  # handed to another replica (Drain with migrate)
 
     @property
     def finished(self) -> bool:
@@ -225,3 +228,5 @@ class RequestSpec:
     kv_precision: str = "auto"  # auto | full | compact (core/kv_precision.py)
     lora: LoraRef | None = None  # the LoRA adapter it runs with (None: the base model)
     speculate: bool = True  # False: never speculative decoding for this request (when the server has it on)
+    migratable: bool = False  # its door takes a "migrated" end (vllm-router): a Drain(migrate) moves it
+    resume: tuple[SequenceResume, ...] = ()  # a migrated request: only these sequences run, from where they stopped

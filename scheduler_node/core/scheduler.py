@@ -123,7 +123,7 @@ class Scheduler:
         # Running requests that may have more than one token to compute (admitted, or rolled back by an
         # interrupt): the only ones whose prefill can set the floor. Dropped once they caught up.
         self._catching_up: set[Request] = set()
-        self.view = WorkerView(self.mode.tokens_in_plan, config.max_loras)
+        self.view = WorkerView(self.mode.tokens_in_plan, config.max_loras, config.max_cpu_loras)
         self.in_flight = InFlightLedger(self.mode.disjoint_plans)
         self._step_id = 0
         # Speculative decoding, when configured; not with tokens in plans (P > 1 stages): the stages before the

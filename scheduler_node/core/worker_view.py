@@ -16,9 +16,9 @@ from scheduler_node.core.request import Request
 
 
 class WorkerView:
-    def __init__(self, tokens_in_plan: bool, max_loras: int = 1) -> None:
+    def __init__(self, tokens_in_plan: bool, max_loras: int = 1, max_cpu_loras: int = 0) -> None:
         self.tokens_in_plan = tokens_in_plan
-        self.lora_slots = LoraSlots(max_loras)  # a held request pins its adapter's slot
+        self.lora_slots = LoraSlots(max_loras, max_cpu_loras)  # a held request pins its adapter's slot
         self._tokens_held: dict[int, int] = {}  # handle -> tokens (prompt + output) the workers know of it
         self._block_updates: dict[int, list[tuple[int, int]]] = {}
         self._finished: list[int] = []  # to forget with the next plan

@@ -23,8 +23,9 @@ import msgspec
 
 from proto.memory_stats import KvPool
 from proto.transport import StepFailed, WorkerLost, WorkerTransport
-from proto.wire import StepPlan, StepResult
-from scheduler_node.core.lora_slots import lora_requests
+from proto.wire import SamplingOptions, StepPlan, StepResult
+from scheduler_node.core.lora_slots import LoraMemory, lora_requests
+from scheduler_node.core.migration import SequenceResume
 from scheduler_node.core.request import FinishReason, Request, RequestSpec, Status, StopConditions
 from scheduler_node.core.scheduler import Scheduler
 from scheduler_node.core.speculative import SpecState
@@ -110,7 +111,7 @@ class EngineCore(Failures):
     def submit(self, spec: RequestSpec, deadline_s: float = 0.0) -> RequestStream:
         """Queue a request; with `deadline_s` > 0 it ends with DEADLINE_EXCEEDED that many seconds from now.
         Its deltas come in the stream returned, read on this loop."""
-        stream = RequestStream(spec.request_id, spec.n)
+        stream = RequestStream(spec.request_id, len(spec.resume) or spec.n)
         self.submit_to(spec, stream, deadline_s)
         return stream
 
@@ -122,39 +123,49 @@ class EngineCore(Failures):
             raise RuntimeError(self.failed)
         if too_long := self._too_long(spec):
             error = EngineError(ErrorStatus.UNAVAILABLE, too_long)
-            for index in range(spec.n):  # ends at once, engine untouched: no sequence would ever start
+            for index, _ in _sequences_of(spec):  # ends at once, engine untouched: no sequence would ever start
                 stream.put(Delta(index, [], "", FinishReason.ERROR, error=error))
             return
         eos = frozenset() if spec.ignore_eos else self.tokenizer.eos_token_ids
         stop = StopConditions(spec.max_tokens, eos, frozenset(spec.stop_token_ids), spec.sampling.min_tokens)
         # The worker bans the tokens that end the output until min_tokens, and lets a grammar end only with them.
         ending = msgspec.structs.replace(spec.sampling, stop_token_ids=sorted(eos | stop.stop_token_ids))
-        sequences: list[Request] = []
-        for index in range(spec.n):
-            req_id = f"{spec.request_id}#{next(self._ids)}"
-            sampling = ending
-            if spec.n > 1 and sampling.seed is not None:
-                sampling = msgspec.structs.replace(sampling, seed=sampling.seed + index)
-            sequences.append(
-                Request(
-                    req_id,
-                    spec.prompt_token_ids,
-                    sampling,
-                    stop,
-                    spec.priority,
-                    cache_salt=spec.cache_salt + (spec.lora.cache_salt if spec.lora else ""),
-                    kv_precision=spec.kv_precision,
-                    lora=spec.lora,
-                    spec=SpecState() if spec.speculate else None,  # the scheduler keeps it only if it speculates
-                )
-            )
+        sequences = [self._sequence(spec, ending, stop, index, resume) for index, resume in _sequences_of(spec)]
         self.outputs.add(spec, sequences, stream)
-        self.scheduler.add(sequences[0], forks=sequences[1:])  # siblings share the prompt's blocks
+        if spec.resume:  # each continues from its own outputs; the prefix cache still shares the prompt's blocks
+            for req in sequences:
+                self.scheduler.add(req)
+        else:
+            self.scheduler.add(sequences[0], forks=sequences[1:])  # siblings share the prompt's blocks
         self.interrupt_in_flight(sequences[0])
         if deadline_s > 0:
             expire = asyncio.get_running_loop().call_later(deadline_s, self._expire, spec.request_id, deadline_s)
             self.outputs.deadlines[spec.request_id] = expire
         self._wake.set()
+
+    def _sequence(
+        self,
+        spec: RequestSpec,
+        sampling: SamplingOptions,
+        stop: StopConditions,
+        index: int,
+        resume: SequenceResume | None,
+    ) -> Request:
+        """Sequence `index` of a request (seeded: seed + index), from where it stopped when it is resumed."""
+        if spec.n > 1 and sampling.seed is not None:
+            sampling = msgspec.structs.replace(sampling, seed=sampling.seed + index)
+        return Request(
+            f"{spec.request_id}#{next(self._ids)}",
+            spec.prompt_token_ids,
+            sampling,
+            stop,
+            spec.priority,
+            output_token_ids=list(resume.output_token_ids) if resume else [],
+            cache_salt=spec.cache_salt + (spec.lora.cache_salt if spec.lora else ""),
+            kv_precision=spec.kv_precision,
+            lora=spec.lora,
+            spec=SpecState() if spec.speculate else None,  # the scheduler keeps it only if it speculates
+        )
 
     def _too_long(self, spec: RequestSpec) -> str:
         """Why a validated request can no longer fit ("" when it fits): the cache shrank (a ResizeCache, a smaller
@@ -181,6 +192,23 @@ class EngineCore(Failures):
         self._wake.set()  # tell the workers to forget them
         return True
 
+    def migrate(self) -> int:
+        """Move every live migratable request off this replica, between steps: each sequence ends with its state
+        (finish_reason MIGRATED) and its blocks are freed at once, since the target recomputes them from its
+        tokens (a KV import would free them once the target confirms). Tokens of plans in flight are dropped, as
+        an abort's are: the state holds exactly the tokens its client got. Returns how many requests moved."""
+        moved = 0
+        for request_id in list(self.outputs.migratable):
+            for req_id in list(self.outputs.requests.get(request_id, ())):
+                req = self.scheduler.finish(req_id, Status.FINISHED_MIGRATED)
+                if req is not None:
+                    self.outputs.migrate(req)
+            moved += 1
+        if moved:
+            logger.info("migrating %d request(s) off this replica", moved)
+        self._wake.set()  # tell the workers to forget them
+        return moved
+
     def resize_cache(self, num_blocks: int) -> int:
         """Change the usable KV blocks; the block moves run on the workers before the next step. ValueError
         outside [1, max_kv_blocks]; MemoryError when live requests would not fit (nothing changes then)."""
@@ -190,13 +218,17 @@ class EngineCore(Failures):
         self._wake.set()
         return moved
 
-    async def drain(self, timeout: float | None, hurry: asyncio.Event | None = None) -> int:
-        """Take no new requests; wait until every live one finished, `timeout` seconds passed, or `hurry` is
-        set. Returns how many are still live."""
+    def stop_admitting(self) -> None:
+        """From now on new requests are refused (UNAVAILABLE) and health says NOT_SERVING."""
         if not self.draining:
             self.draining = True
             logger.info("draining: %d live request(s)", self.num_live)
             self.workers.changed.set()  # health: NOT_SERVING
+
+    async def drain(self, timeout: float | None, hurry: asyncio.Event | None = None) -> int:
+        """Take no new requests; wait until every live one finished, `timeout` seconds passed, or `hurry` is
+        set. Returns how many are still live."""
+        self.stop_admitting()
         waits = [self.outputs.idle.wait()] + ([hurry.wait()] if hurry is not None else [])
         await _first(*waits, timeout=timeout)
         return self.num_live
@@ -204,6 +236,10 @@ class EngineCore(Failures):
     def kv_pools(self) -> list[KvPool]:
         """The KV memory in bytes, per tier and format."""
         return kv_pools(self.scheduler, self.workers.capacity)
+
+    def lora_memory(self) -> list[LoraMemory]:
+        """The LoRA adapters in the workers' slots and host tier (none while LoRA is off)."""
+        return self.scheduler.view.lora_slots.memory() if self.loras is not None else []
 
     def live_metrics(self) -> LiveSample:
         """The scrape-time gauges and scheduler counters (Metrics reads them on the event loop's thread)."""
@@ -227,6 +263,8 @@ class EngineCore(Failures):
             "minivllm:kv_cache_used_bytes": {(p.tier, p.format): p.used_bytes for p in pools},
             "minivllm:cache_hit_rate": {(tier,): rate for tier, rate in hit_rates(pools, s.prefix_cache_queries)},
             "minivllm:lora_requests": lora_requests(self.scheduler.running, self.scheduler.waiting),
+            "minivllm:lora_memory_bytes": {(m.tier,): m.bytes for m in self.lora_memory()},
+            "minivllm:lora_adapters_resident": {(m.tier,): m.adapters for m in self.lora_memory()},
             "vllm:spec_decode_num_drafts": s.spec_decode_num_drafts,
             "vllm:spec_decode_num_draft_tokens": s.spec_decode_num_draft_tokens,
             "vllm:spec_decode_num_accepted_tokens": s.spec_decode_num_accepted_tokens,
@@ -403,6 +441,13 @@ class EngineCore(Failures):
         workers are told to forget it."""
         self.scheduler.finish(req_id, Status.FINISHED_STOPPED)
         self._wake.set()
+
+
+def _sequences_of(spec: RequestSpec) -> list[tuple[int, SequenceResume | None]]:
+    """The sequences a request runs: all n, or a migrated request's resumed ones."""
+    if spec.resume:
+        return [(resume.index, resume) for resume in spec.resume]
+    return [(index, None) for index in range(spec.n)]
 
 
 async def _first(*waits: Coroutine[Any, Any, Any], timeout: float | None = None) -> bool:

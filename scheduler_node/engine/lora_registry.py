@@ -47,6 +47,10 @@ class UnknownAdapter(KeyError):
     """No adapter of this name is loaded."""
 
 
+class AdapterExists(ValueError):
+    """An adapter of this name is loaded already."""
+
+
 class LoraRegistry:
     def __init__(self, base: BaseShapes, max_rank: int, base_name: str = "") -> None:
         self.base = base
@@ -62,13 +66,13 @@ class LoraRegistry:
         if name == self.base_name:
             raise ValueError(f"lora_name {name!r} is the base model's name")
         if name in self._by_name:
-            raise ValueError(f"lora_name {name!r} is loaded already; unload it first")
+            raise AdapterExists(f"lora_name {name!r} is loaded already; unload it first")
         info = inspect_adapter(path, self.base, self.max_rank)
         stat = info.weights.stat()
         # The prefix cache's salt: a changed file under the same path (after a restart: the disk tier) is another
         # adapter, whose KV blocks must not be shared.
         fingerprint = f"{info.folder}:{stat.st_size}:{stat.st_mtime_ns}"
-        ref = LoraRef(name, next(self._ids), str(Path(info.folder).resolve()), fingerprint)
+        ref = LoraRef(name, next(self._ids), str(Path(info.folder).resolve()), fingerprint, info.nbytes)
         self._by_name[name] = ref
         return ref
 

@@ -145,6 +145,8 @@ LABELLED_GAUGES = {  # name -> (help, label names beside model_name)
         "Requests with a LoRA adapter, by adapter and state (running, waiting)",
         ("adapter", "state"),
     ),  # fmt: skip
+    "minivllm:lora_memory_bytes": ("LoRA adapters' bytes (as their files store them), by tier", ("tier",)),
+    "minivllm:lora_adapters_resident": ("LoRA adapters held, by tier (device slots, host memory)", ("tier",)),
 }
 COUNTERS = {
     "vllm:num_preemptions": "Preemptions (recompute and swap; a lost worker preempts every running request)",

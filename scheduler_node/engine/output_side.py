@@ -14,6 +14,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
+from scheduler_node.core.migration import SequenceResume
 from scheduler_node.core.request import Request, RequestSpec
 from scheduler_node.core.scheduler import RequestOutput
 from scheduler_node.engine.metrics import Metrics
@@ -22,6 +23,7 @@ from scheduler_node.engine.output_thread import (
     Delivery,
     Ending,
     Item,
+    Migrating,
     OutputProcessor,
     OutputThread,
     SequenceOutput,
@@ -39,6 +41,7 @@ class OutputSide:
         self.requests: dict[str, list[str]] = {}  # request id -> its live sequences' ids
         self.request_of: dict[str, str] = {}  # live sequence id -> its request's id
         self.deadlines: dict[str, asyncio.TimerHandle] = {}
+        self.migratable: set[str] = set()  # live requests whose door takes a "migrated" end
         self._unscheduled: dict[str, float] = {}  # sequence id -> arrival, until it is first scheduled
         self.idle = asyncio.Event()  # set while no request is live (and every final delta is out)
         self.idle.set()
@@ -64,18 +67,53 @@ class OutputSide:
     # ---- requests
 
     def add(self, spec: RequestSpec, sequences: list[Request], sink: DeltaSink) -> None:
-        """Follow a request's sequences (before any output of them)."""
+        """Follow a request's sequences (before any output of them); a migrated request's continue where they
+        stopped (`spec.resume`, in the order of `sequences`)."""
         now = time.monotonic()
         ids = [req.req_id for req in sequences]
         self.requests[spec.request_id] = ids
-        for index, req in enumerate(sequences):
-            detokenizer = IncrementalDetokenizer(self.tokenizer, spec.prompt_token_ids, spec.stop, req.stop.may_stop)
-            wants = index == 0 and spec.sampling.prompt_logprobs is not None
-            sequence = SequenceOutput(sink, index, detokenizer, len(spec.prompt_token_ids), now, wants)
+        if spec.migratable:
+            self.migratable.add(spec.request_id)
+        resumes = spec.resume or [None] * len(sequences)
+        for index, (req, resume) in enumerate(zip(sequences, resumes)):
+            if resume is None:
+                detokenizer = IncrementalDetokenizer(
+                    self.tokenizer, spec.prompt_token_ids, spec.stop, req.stop.may_stop
+                )
+                wants = index == 0 and spec.sampling.prompt_logprobs is not None
+                sequence = SequenceOutput(sink, index, detokenizer, len(spec.prompt_token_ids), now, wants)
+            else:
+                sequence = self._resumed(spec, req, resume, sink, now)
             self._pending.append(Added(req.req_id, sequence))
             self.request_of[req.req_id] = spec.request_id
             self._unscheduled[req.req_id] = now
         self.idle.clear()
+
+    def _resumed(
+        self, spec: RequestSpec, req: Request, resume: SequenceResume, sink: DeltaSink, now: float
+    ) -> SequenceOutput:
+        """A migrated sequence's output side: its text goes on from the state's, its usage counts what it made
+        where it ran, and its next token is not a first token (no second time to first token)."""
+        outputs = resume.output_token_ids
+        pending = resume.pending_token_ids or []
+        context = spec.prompt_token_ids + outputs[: len(outputs) - len(pending)]
+        detokenizer = IncrementalDetokenizer(self.tokenizer, context, spec.stop, req.stop.may_stop)
+        detokenizer.resume(len(outputs), resume.held_text, pending)
+        sequence = SequenceOutput(sink, resume.index, detokenizer, len(spec.prompt_token_ids), now, False)
+        sequence.num_tokens = len(outputs)
+        if resume.started:
+            sequence.last_token_at = now
+            sequence.cached_tokens = resume.cached_tokens
+        return sequence
+
+    def migrate(self, req: Request) -> None:
+        """The engine moved a live sequence off this replica (its blocks are freed): its state, in its last delta."""
+        if req.req_id not in self.request_of:
+            return
+        self._forget(req.req_id)
+        prompt = len(req.prompt_token_ids)
+        self._pending.append(Migrating(req.req_id, list(req.output_token_ids), prompt, req.num_cached_tokens))
+        self.flush()
 
     def scheduled(self, req_id: str) -> None:
         """A sequence was scheduled for the first time since it arrived (or not: a resumed one)."""
@@ -120,6 +158,7 @@ class OutputSide:
         ids.remove(req_id)
         if not ids:
             del self.requests[request_id]
+            self.migratable.discard(request_id)
             expire = self.deadlines.pop(request_id, None)
             if expire is not None:
                 expire.cancel()

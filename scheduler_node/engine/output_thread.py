@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from scheduler_node.core.migration import SequenceResume
 from scheduler_node.core.request import FinishReason
 from scheduler_node.core.scheduler import RequestOutput
 from scheduler_node.engine.metrics import Metrics
@@ -44,6 +45,7 @@ class SequenceOutput:
     prompt_logprobs: bool  # sequence 0 of a request that asked for them: they go with its first tokens
     last_token_at: float = 0.0  # 0 until the first token
     num_tokens: int = 0
+    cached_tokens: int | None = None  # a migrated sequence's, from where it started (None: the scheduler's)
 
 
 @dataclass(slots=True)
@@ -66,7 +68,17 @@ class Ending:
     embedding: list[float] | None = None
 
 
-Item = Added | Ending | list[RequestOutput]  # a list: one step's outputs
+@dataclass(slots=True)
+class Migrating:
+    """A sequence the engine moved off this replica (Drain with migrate): its state goes in its last delta."""
+
+    req_id: str
+    output_token_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+
+
+Item = Added | Ending | Migrating | list[RequestOutput]  # a list: one step's outputs
 
 
 @dataclass(slots=True)
@@ -95,6 +107,8 @@ class OutputProcessor:
                 self._step(item, delivery)
             elif isinstance(item, Added):
                 self.sequences[item.req_id] = item.sequence
+            elif isinstance(item, Migrating):
+                self._migrate(item, delivery)
             else:
                 self._end(item, delivery)
         return delivery
@@ -159,6 +173,19 @@ class OutputProcessor:
         self._final(delta, seq, reason, completion, ending.cached_tokens, ending.embedding, delivery)
         self._put(seq.sink, delta, delivery)
 
+    def _migrate(self, item: Migrating, delivery: Delivery) -> None:
+        """The sequence's last delta here: no text (what is held back travels in the state), finish_reason
+        MIGRATED. Its earlier tokens were processed before this item, so the state matches what its client has."""
+        seq = self.sequences.pop(item.req_id, None)
+        if seq is None:
+            return  # a stop string ended it first: its final delta is out
+        held, pending = seq.detokenizer.held()
+        cached = item.cached_tokens if seq.cached_tokens is None else seq.cached_tokens
+        state = SequenceResume(seq.index, item.output_token_ids, held, pending, item.prompt_tokens, cached)
+        delta = Delta(seq.index, [], "", FinishReason.MIGRATED, migrated=state)
+        delivery.ended += 1
+        self._put(seq.sink, delta, delivery)
+
     def _final(
         self,
         delta: Delta,
@@ -172,7 +199,7 @@ class OutputProcessor:
         """A sequence's last delta: how it ended, its usage (and its embedding)."""
         delta.finish_reason = reason
         delta.prompt_tokens = seq.prompt_tokens
-        delta.cached_tokens = cached_tokens
+        delta.cached_tokens = cached_tokens if seq.cached_tokens is None else seq.cached_tokens
         delta.embedding = embedding
         delta.completion_tokens = completion_tokens
         self.metrics.finished(reason, None if delta.error else time.monotonic() - seq.arrival)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from proto.wire import TokenLogprobs
+from scheduler_node.core.migration import SequenceResume
 from scheduler_node.core.request import FinishReason
 
 
@@ -43,6 +44,7 @@ class Delta:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # with the first tokens, when asked
     error: EngineError | None = None  # set with finish_reason ERROR: why the request failed
     embedding: list[float] | None = None  # an embedding request's, with its finish
+    migrated: SequenceResume | None = None  # with finish_reason MIGRATED: where the sequence stopped
 
 
 class DeltaSink(Protocol):

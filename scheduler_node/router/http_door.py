@@ -39,7 +39,7 @@ from scheduler_node.api.responses_request import ResponsesRequest
 from scheduler_node.router.grpc_door import RouterGeneration
 from scheduler_node.router.replica import Replica
 from scheduler_node.router.request import RouteRequest
-from scheduler_node.router.routing import RouteError
+from scheduler_node.router.routing import Route, RouteError
 from scheduler_node.router.upstream import FORWARDED_HEADERS
 
 logger = logging.getLogger(__name__)
@@ -101,8 +101,9 @@ class RouterHttp:
         """The replica that answered, its response and the answer's first chunk (a stream) or whole body."""
         failed: list[Replica] = []
         while True:
-            replica = self._route(route_request, failed)
-            payload["model"] = replica.model
+            route = await self._route(route_request, failed)
+            replica = route.replica
+            payload["model"] = route.model  # the model's name, or the LoRA adapter's the request names
             self.forwarder.opened(replica)
             try:
                 answer, data = await self._attempt(replica, path, payload, headers, whole=not stream)
@@ -160,13 +161,13 @@ class RouterHttp:
                 answer.close()  # the client went away (or the replica did): closing makes the replica abort
             stack.close()
 
-    def _route(self, route_request: RouteRequest, failed: list[Replica]) -> Replica:
+    async def _route(self, route_request: RouteRequest, failed: list[Replica]) -> Route:
         model = route_request.model or self.router.default_model
         if model in self.pool.models and not any(r.spec.http for r in self.pool.of_model(model)):
             raise OpenAIError(503, f"model {model!r}: no replica has an HTTP API (http=HOST:PORT in --replica)")
         without_http = [r for r in self.pool.replicas if not r.spec.http]
         try:
-            return self.router.route(route_request, [*failed, *without_http]).replica
+            return await self.forwarder.route(route_request, [*failed, *without_http])
         except RouteError as exc:
             if exc.code == "NOT_FOUND":
                 raise OpenAIError(404, str(exc), "model", "model_not_found") from None
@@ -222,7 +223,10 @@ def build_router_app(door: RouterHttp, api_key: str) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         lengths = {m: max((r.load.max_model_len for r in door.pool.of_model(m)), default=0) for m in door.pool.models}
-        return model_list([model_card(m, lengths[m] or None) for m in door.pool.models])
+        cards = [model_card(m, lengths[m] or None) for m in door.pool.models]
+        adapters = {(a, r.model) for r in door.pool.serving() for a in r.adapters if a not in door.pool.models}
+        cards += [{**model_card(a, lengths[m] or None), "parent": m} for a, m in sorted(adapters)]
+        return model_list(cards)
 
     @app.get("/health")
     async def health() -> Response:

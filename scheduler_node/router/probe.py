@@ -1,11 +1,14 @@
 """Each replica probed every interval: grpc.health.v1 says whether it serves (unreachable: down), then its
-Control.GetStats gives the load `least_loaded` reads. A dead replica leaves the routing within one interval plus
-the probe's timeout (or at once, when a stream to it fails); it comes back on its first SERVING answer."""
+Control.GetStats gives the load `least_loaded` reads, and its Control.ListLoraAdapters the LoRA adapters it serves.
+A dead replica leaves the routing within one interval plus the probe's timeout (or at once, when a stream to it
+fails); it comes back on its first SERVING answer."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from collections.abc import Callable
 
 import grpc
@@ -18,6 +21,8 @@ from scheduler_node.router.replica import DOWN, NOT_SERVING, SERVING, Load, Repl
 from scheduler_node.router.upstream import Link
 
 logger = logging.getLogger(__name__)
+
+REFRESH_GAP_S = 0.5
 
 
 class Prober:
@@ -37,6 +42,8 @@ class Prober:
         self.timeout = timeout
         self.metadata = [("authorization", f"Bearer {control_token}")] if control_token else []
         self._stats_refused: set[str] = set()  # replicas whose GetStats said no (logged once)
+        self._refresh_lock = asyncio.Lock()
+        self._refreshed = -math.inf
 
     async def run(self) -> None:
         await asyncio.gather(*(self._watch(r) for r in self.pool.replicas))
@@ -72,6 +79,32 @@ class Prober:
                     logger.warning("%s; least_loaded counts only the router's own streams on it", why)
             return
         replica.load = Load(stats.num_running, stats.num_waiting, stats.kv_usage, stats.max_model_len)
+        await self.learn_adapters(replica)
+
+    async def learn_adapters(self, replica: Replica) -> None:
+        """The LoRA adapters `replica` serves now (none from a replica without LoRA, or one that refuses)."""
+        try:
+            answer = await self.links[replica.address].control.ListLoraAdapters(
+                pb.ListLoraAdaptersRequest(), timeout=self.timeout, metadata=self.metadata
+            )
+        except grpc.aio.AioRpcError as exc:  # UNIMPLEMENTED: an older scheduler; UNAUTHENTICATED: logged above
+            logger.debug("replica %s: no LoRA adapter list (%s)", replica.address, exc.code().name)
+            return
+        adapters = frozenset(a.name for a in answer.adapters)
+        if adapters != replica.adapters:
+            logger.info("replica %s (%s) serves LoRA adapters: %s", replica.address, replica.model,
+                        ", ".join(sorted(adapters)) or "none")  # fmt: skip
+            replica.adapters = adapters
+
+    async def refresh_adapters(self) -> None:
+        """Ask every serving replica at once (a request named an adapter no replica served at the last probe);
+        requests that ask meanwhile share the answer, and unknown names asked in a stream cost one round at most
+        every REFRESH_GAP_S."""
+        async with self._refresh_lock:
+            if time.monotonic() - self._refreshed < REFRESH_GAP_S:
+                return
+            await asyncio.gather(*(self.learn_adapters(r) for r in self.pool.serving()))
+            self._refreshed = time.monotonic()
 
 
 async def report_health(

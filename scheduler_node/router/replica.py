@@ -100,6 +100,7 @@ class Replica:
     requests: int = 0  # streams the router ever opened on it (retries included)
     ttft_ewma: float | None = None  # seconds, measured by the router (None until a first token came back)
     tpot_ewma: float | None = None
+    adapters: frozenset[str] = frozenset()  # the LoRA adapters it serves (its Control.ListLoraAdapters)
 
     @property
     def address(self) -> str:

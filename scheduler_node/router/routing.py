@@ -3,7 +3,10 @@ whose code is a gRPC status name (an HTTP door maps NOT_FOUND to 404, UNAVAILABL
 
 A user's routing function (`--routing-strategy module:function`) sees the request and every serving replica, and returns
 a replica (of any model: the request goes to that replica's model), a model name (its replicas are then compared
-by `least_loaded`), or None (the request's own model, by `least_loaded`):
+by `least_loaded`), or None (the request's own model, by `least_loaded`).
+
+A request may name a LoRA adapter instead of a model: it goes to the serving replicas that list it
+(`Replica.adapters`, learned by the prober), under the adapter's name.
 
     def route(request: RouteRequest, replicas: Sequence[Replica]) -> Replica | str | None
 """
@@ -35,10 +38,12 @@ class RouteError(Exception):
 class Route:
     replica: Replica
     decision: str
+    adapter: str = ""  # a LoRA adapter of the replica's model that the request names
 
     @property
     def model(self) -> str:
-        return self.replica.model
+        """The name the replica is sent: the adapter's, else its model's."""
+        return self.adapter or self.replica.model
 
 
 def load_function(spec: str) -> RoutingFunction:
@@ -81,12 +86,20 @@ class Router:
             pick = self.strategy.choose(request, self._candidates(request.model or self.default_model, exclude))
         if self.metrics is not None:
             self.metrics.decided(self.strategy_name, pick.decision)
-        return Route(pick.replica, pick.decision)
+        own = request.model or self.default_model
+        adapter = own if own not in self.pool.models and own in pick.replica.adapters else ""
+        return Route(pick.replica, pick.decision, adapter)
 
     def _candidates(self, model: str, exclude: Collection[Replica]) -> list[Replica]:
-        if model not in self.pool.models:
-            raise RouteError("NOT_FOUND", f"model: {model!r} is not served here; models: {', '.join(self.pool.models)}")
-        candidates = [r for r in self.pool.serving(model) if r not in exclude]
+        """The serving replicas of `model`: a model's, or those that serve a LoRA adapter of that name."""
+        if model in self.pool.models:
+            candidates = [r for r in self.pool.serving(model) if r not in exclude]
+        elif any(model in r.adapters for r in self.pool.replicas):
+            candidates = [r for r in self.pool.serving() if model in r.adapters and r not in exclude]
+        else:
+            models = ", ".join(self.pool.models)
+            raise RouteError("NOT_FOUND", f"model: {model!r} is not served here; models: {models} and their LoRA "
+                             "adapters")  # fmt: skip
         if not candidates:
             other = " other" if exclude else ""
             raise RouteError("UNAVAILABLE", f"model {model!r}: no{other} replica is serving")

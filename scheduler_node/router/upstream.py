@@ -4,14 +4,18 @@ one retry.
 A stream is passed on message by message as the replica sends it (no buffering). A stream that fails with
 UNAVAILABLE before its first message (the replica died, is draining, or lost its workers) is sent once more to
 another replica of that model; after the first message it ends with the replica's status, since sending it again
-would repeat tokens the client already has.
+would repeat tokens the client already has. A LoRA adapter's request that a replica answers NOT_FOUND (unloaded
+there since the last probe) goes to another replica that lists it, or ends NOT_FOUND. A replica drained with
+migrate=true hands its running requests back (their sequences end "migrated", with their state): each is sent to
+another replica with those states in `resume`, and the client's stream goes on as one request (live migration,
+core/migration.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -23,7 +27,7 @@ from proto.wire import MAX_MESSAGE_BYTES
 from scheduler_node.router.metrics import RouterMetrics
 from scheduler_node.router.replica import NOT_SERVING, Replica, ReplicaPool
 from scheduler_node.router.request import RouteRequest
-from scheduler_node.router.routing import RouteError, Router
+from scheduler_node.router.routing import Route, RouteError, Router
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +74,19 @@ class Forwarder:
         self.router = router
         self.links = links
         self.metrics = metrics
+        # Asks the replicas again which LoRA adapters they serve (the prober's; None: never).
+        self.refresh_adapters: Callable[[], Awaitable[None]] | None = None
+
+    async def route(self, request: RouteRequest, failed: Sequence[Replica]) -> Route:
+        """The router's decision; a name that no replica served at the last probe is looked up once more first
+        (an adapter loaded on a replica since)."""
+        try:
+            return self.router.route(request, failed)
+        except RouteError as exc:
+            if exc.code != "NOT_FOUND" or self.refresh_adapters is None:
+                raise
+        await self.refresh_adapters()
+        return self.router.route(request, failed)
 
     async def generate(
         self,
@@ -80,10 +97,12 @@ class Forwarder:
     ) -> AsyncIterator[pb.GenerateResponse]:
         """The replica's responses to `request` as they come; UpstreamError with the status it ended with."""
         arrived, deadline_s = time.monotonic(), request.deadline_s
+        request.migratable = True  # a draining replica hands it back (below) instead of finishing it
         failed: list[Replica] = []
+        moved_from: list[Replica] = []  # replicas that handed it back: never chosen again for it
         while True:
             try:
-                route = self.router.route(route_request, failed)
+                route = await self.route(route_request, failed + moved_from)
             except RouteError as exc:
                 earlier = f" (it failed on {failed[0].address} before its first token)" if failed else ""
                 raise UpstreamError(grpc.StatusCode[exc.code], f"{exc}{earlier}") from None
@@ -91,17 +110,38 @@ class Forwarder:
             left = _time_left(request, timeout, deadline_s, arrived)
             request.model = route.model
             started = False
+            states: list[pb.SequenceState] = []
             try:
                 async for response in self._stream(replica, request, left, metadata):
+                    if response.HasField("migrated"):
+                        states.append(response.migrated)  # not the client's: the stream goes on elsewhere
+                        continue
                     started = True
                     yield response
-                return
             except grpc.aio.AioRpcError as exc:
                 code, details = exc.code(), exc.details() or ""
                 if code == grpc.StatusCode.UNAVAILABLE and self.unavailable(replica, details, started, failed):
                     logger.info("request %s: retrying on another replica: %s", request.request_id, details)
                     continue
+                if code == grpc.StatusCode.NOT_FOUND and route.adapter and not started:
+                    # The adapter was unloaded there since the last probe: another replica may still serve it.
+                    replica.adapters -= {route.adapter}
+                    failed.append(replica)
+                    continue
                 raise UpstreamError(code, f"replica {replica.address} ({replica.model}): {details}") from None
+            if not states:
+                return
+            self._migrated(request, replica, states)
+            moved_from.append(replica)
+            failed = []  # the target starts afresh: UNAVAILABLE before its first message is retried once more
+
+    def _migrated(self, request: pb.GenerateRequest, replica: Replica, states: list[pb.SequenceState]) -> None:
+        """`replica` handed the request back (Control.Drain with migrate): it is sent again, with where each of its
+        running sequences stopped, to another replica, which continues them at the same output position."""
+        self.router.pool.set_state(replica, NOT_SERVING, "draining: its requests migrate")
+        states.sort(key=lambda state: state.index)
+        request.resume.CopyFrom(pb.ResumeState(sequences=states))
+        logger.info("request %s: migrating %d sequence(s) off %s", request.request_id, len(states), replica.address)
 
     def unavailable(self, replica: Replica, details: str, started: bool, failed: list[Replica]) -> bool:
         """A request failed on `replica` with UNAVAILABLE: it leaves the serving set until a probe says otherwise.

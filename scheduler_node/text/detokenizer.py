@@ -62,6 +62,24 @@ class IncrementalDetokenizer:
             self._unsent = self._unsent[: min(cuts)]
             self.stopped = True
 
+    def held(self) -> tuple[str, list[int]]:
+        """What a migrated sequence's text carries to its next replica: the text decoded and not sent (held back
+        for a stop string), and the tokens of an incomplete character."""
+        return self._unsent, list(self._pending)
+
+    def resume(self, num_tokens: int, held_text: str, pending: list[int]) -> None:
+        """Continue a migrated sequence's text (`held` where it ran): this detokenizer was made with the prompt and
+        the outputs before `pending` as its prompt, so their last tokens are the decoding context."""
+        self.num_tokens = num_tokens
+        self._unsent = held_text
+        if pending:
+            piece = self._stream.step(self._rust, pending)
+            if piece is None:
+                self._pending = list(pending)
+            else:  # complete here after all (a different tokenizer build): the text is what it decodes to
+                self._unsent += piece
+                self._last = list(pending)
+
     def delta(self, final: bool) -> str:
         """Text not yet streamed; while running, hold back what could still become a stop string."""
         if final and not self.stopped and self._pending:  # ends mid-character: what there is, as the tokenizer has it

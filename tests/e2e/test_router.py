@@ -4,8 +4,9 @@ one tiny Qwen2 (`qwen`); one test puts two SmolLM2 replicas beside the Qwen2.
 Routing by model, greedy outputs through the router equal to a replica's own (gRPC, and the OpenAI API with the
 official client), NOT_FOUND for other models at the router and at a scheduler, Abort fanned out, Control
 (ListReplicas, summed GetStats, Drain), health per model, metrics, TLS and the Control token, retry before the
-first token over HTTP, `kv` routing on the llamas' KV events through a replica's restart, and `kill -9` of one
-replica under load (the last test: it kills a replica of the shared fleet).
+first token over HTTP, `kv` routing on the llamas' KV events through a replica's restart, live migration off a
+replica drained with migrate, and `kill -9` of one replica under load (the last test: it kills a replica of the
+shared fleet).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from minivllm.cluster import REPO, Cluster, RouterProcess, free_port
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
+from tests.support.models import assert_teacher_forced, load_hf
 from tests.support.ops import (
     NOT_SERVING,
     SERVING,
@@ -35,11 +37,13 @@ from tests.support.ops import (
     health_status,
     prompt_ids,
     wait_for,
+    wait_idle,
 )
 
 pytestmark = pytest.mark.e2e
 
-LLAMA = ["--served-model-name", "llama", "--max-num-seqs", "2"]  # 2: further requests wait (kill test)
+# 2: further requests wait (kill test). float32: a recompute (migration) gives the tokens of an undisturbed run.
+LLAMA = ["--served-model-name", "llama", "--max-num-seqs", "2", "--dtype", "float32"]
 QWEN = ["--served-model-name", "qwen"]
 PROBE = ["--probe-interval", "0.2", "--probe-timeout", "1"]
 
@@ -473,6 +477,40 @@ def test_kv_routing_follows_the_cached_prefix_and_never_a_restarted_replicas_sta
         assert served()[new_home] == after[new_home] + 1 and decisions("overlap") == 4, "the new home is followed"
     finally:
         router.stop()
+
+
+def test_drain_migrate_moves_running_streams_to_the_other_replica_unnoticed(fleet: Fleet) -> None:
+    """Live migration (issue 31): streams through the router, greedy, seeded and n = 2, prompts sharing a
+    prefix; a Drain with migrate of one replica mid-stream: every stream completes with exactly the tokens and
+    usage of an undisturbed run (greedy also teacher-forced against HF), the drained replica stops with exit 0,
+    the other ends idle."""
+    victim, survivor = fleet.llamas
+    max_tokens = 96
+    shared = prompt_ids(3100, 20)
+    requests = [greedy_ids(shared + prompt_ids(3200 + i, 4), max_tokens, model="llama") for i in range(4)]
+    for i in range(3):  # seeded; the last samples two sequences (seeds 9 and 10)
+        sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=7 + i, ignore_eos=True, n=1 + i // 2)
+        prompt = pb.TokenIds(ids=prompt_ids(3300 + i))
+        requests.append(pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling, model="llama"))
+    expected = Streams(pb_grpc.GenerationStub(survivor.channel), requests).join(120)
+    streams = Streams(fleet.stub, requests, timeout=120)
+    # Round robin: half on each replica, two running on each (--max-num-seqs 2), the rest waiting there.
+    wait_for(lambda: sum(len(r.tokens) >= 2 for r in streams.results) >= 4, 60, "both replicas stream")
+    drained = pb_grpc.ControlStub(victim.channel).Drain(pb.DrainRequest(timeout_s=30, migrate=True), timeout=40)
+    assert drained.drained and drained.migrated >= 2, drained  # what it ran and what waited there
+    results = streams.join(120)
+    hf = load_hf(fleet.llama_dir)
+    for i, (request, got, want) in enumerate(zip(requests, results, expected)):
+        assert got.code is None, (i, got.code, got.details)
+        assert got.sequences == want.sequences and got.finish_reason == "length", i  # no token lost or repeated
+        assert got.completion_tokens == want.completion_tokens == max_tokens * len(want.sequences), i
+        if request.sampling.temperature == 0:
+            assert_teacher_forced(hf, list(request.prompt_token_ids.ids), got.tokens)
+    assert victim.stop() == [0, 0], victim.logs()
+    stats = wait_idle(pb_grpc.ControlStub(survivor.channel))
+    assert (stats.num_running, stats.num_waiting, stats.used_blocks) == (0, 0, 0), stats
+    fleet.restart_llama(0)  # for the tests after this one
+    wait_for(lambda: fleet.replicas()[victim.address].state == "serving", 10, "the replica comes back")
 
 
 def test_kill_9_of_a_replica_under_load(fleet: Fleet) -> None:

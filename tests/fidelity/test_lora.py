@@ -14,7 +14,7 @@ from scheduler_node.core.lora_slots import LoraRef
 from scheduler_node.engine.lora_registry import LoraRegistry
 from tests.support.engine import EngineRun, load_runner
 from tests.support.inprocess_tp import TensorParallelRanks
-from tests.support.lora import load_base, load_peft, make_adapter
+from tests.support.lora import load_base, load_peft, load_peft_many, make_adapter, make_adapters
 from tests.support.models import assert_teacher_forced
 from tests.support.quant import hf_on_dequantized
 from worker_node.models.quantize import make_method
@@ -141,3 +141,90 @@ def test_adapters_compose_with_a_quantized_base(tiny_llama_dir: Path, adapters: 
     base = hf_on_dequantized(tiny_llama_dir, make_method("int8", runner.device))
     models = {None: base, 0: load_peft(base, adapters[0]), 2: load_peft(base, adapters[2])}
     _check(models, requests, prompts, loras)
+
+
+@pytest.fixture(scope="module")
+def eight(base_model: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Path], Any]:
+    """Eight adapters of rank 4 (every module), and one HF + PEFT model holding them all."""
+    paths = make_adapters(base_model, tmp_path_factory.mktemp("eight"), 8, seed=100)
+    return paths, load_peft_many(base_model, paths)
+
+
+def test_eight_adapters_cycled_through_two_slots_under_load_and_reloaded_at_run_time(
+    tiny_llama_dir: Path, eight: tuple[list[Path], Any]
+) -> None:
+    """32 streams over 8 adapters and --max-loras 2 (--max-cpu-loras 3): half of the adapters are unloaded and
+    loaded again (new ids: new weights for the workers) while the first 16 streams run; every stream's tokens are
+    its adapter's, and at idle no KV block, no slot pin leaks."""
+    paths, reference = eight
+    registry = LoraRegistry(BaseShapes.from_folder(tiny_llama_dir), max_rank=16)
+    refs = [registry.add(f"e{i}", str(p)) for i, p in enumerate(paths)]
+    prompts = _prompts(8, 32)
+    # Four adapters in turn through two slots (and three host places: each comes back from host memory), then
+    # the other four, twice over.
+    which = [i % 4 + 4 * (i // 8 % 2) for i in range(32)]
+    runner = load_runner(tiny_llama_dir, 64, BLOCK)
+    with EngineRun(runner, tokenizer_dir=tiny_llama_dir, max_loras=2, max_cpu_loras=3) as run:
+        run.engine.loras = registry
+        requests = [run.add(p, 6, lora=refs[i]) for p, i in zip(prompts[:16], which)]
+        run.run_plans(4)  # under load: some streams run, others wait for a slot
+        for i in range(4):  # unloaded (running streams keep it), then loaded again under a new id
+            registry.remove(f"e{i}")
+            refs[i] = registry.add(f"e{i}", str(paths[i]))
+        requests += [run.add(p, 6, lora=refs[i]) for p, i in zip(prompts[16:], which[16:])]
+        run.run()
+        assert runner.lora is not None and runner.lora.loads == 12 and runner.lora.host_loads == 0
+        kept = run.scheduler.view.lora_slots.in_host()
+        assert list(runner.lora.host) == kept and len(kept) == 3  # the workers' host tier is the mirrored one
+        back = [next(i for i, r in enumerate(refs) if r.id == lora_id) for lora_id in kept[:2]]
+        requests += [run.add(p, 6, lora=refs[i]) for p, i in zip(_prompts(9, 2), back)]
+        prompts, which = prompts + _prompts(9, 2), which + back
+        run.run()
+        assert (runner.lora.loads, runner.lora.host_loads) == (12, 2), "not taken back from host memory"
+        assert run.scheduler.blocks.num_free == 64
+        assert run.scheduler.view.lora_slots.pinned == 0
+        assert [m.adapters for m in run.engine.lora_memory()] == [2, 3]
+    assert len(runner.lora.slots) == 2 and len(runner.lora.host) == 3
+    for req, prompt, i in sorted(zip(requests, prompts, which), key=lambda x: x[2]):
+        assert len(req.output) == 6
+        reference.set_adapter(str(i))
+        assert_teacher_forced(reference, prompt, req.output)
+
+
+# Mixtral's MLP is a mixture of experts: its adapters adapt attention only (proto/lora.py refuses the others).
+ATTENTION_ADAPTERS = [
+    (("q_proj", "k_proj", "v_proj", "o_proj"), 8, False),
+    (("q_proj", "v_proj"), 4, False),
+    (("k_proj", "o_proj"), 16, True),
+    (("v_proj",), 2, False),
+]
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "mixtral"])
+def test_other_architectures_mix_four_adapters_and_the_base_model(
+    kind: str, tiny_model_dir: Any, tiny_qwen2_dir: Path, tmp_path: Path
+) -> None:
+    """Qwen2 (q/k/v biases: the adapter adds to the biased projection) and Mixtral (attention adapters over an MoE
+    model): each request's tokens are its adapter's in a batch mixing four adapters and the base model."""
+    folder = tiny_qwen2_dir if kind == "qwen2" else tiny_model_dir(kind)
+    base = load_base(folder)
+    specs = ADAPTERS if kind == "qwen2" else ATTENTION_ADAPTERS
+    paths = [make_adapter(base, tmp_path / f"a{i}", seed=20 + i, rank=r, targets=t, rslora=rs)
+             for i, (t, r, rs) in enumerate(specs)]  # fmt: skip
+    reference = load_peft_many(base, paths)
+    refs = _refs(folder, paths)
+    prompts = _prompts(11, 4) * 2  # each prompt twice, with two different adapters (or one and the base model)
+    loras = [None, 0, 1, 2, 0, 1, 2, 3]
+    runner = load_runner(folder, 64, BLOCK)
+    with EngineRun(runner, tokenizer_dir=folder, max_loras=4, max_num_batched_tokens=64) as run:
+        requests = [run.add(p, 6, lora=None if i is None else refs[i]) for p, i in zip(prompts, loras)]
+        run.run()
+        assert run.scheduler.blocks.num_free == 64
+    for first, again in zip(requests[:4], requests[4:]):
+        assert first.output != again.output, "two adapters gave the same tokens: an adapter had no effect"
+    for req, prompt, lora in zip(requests, prompts, loras):
+        if lora is None:
+            assert_teacher_forced(base, prompt, req.output)
+        else:
+            reference.set_adapter(str(lora))
+            assert_teacher_forced(reference, prompt, req.output)

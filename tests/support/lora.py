@@ -44,6 +44,36 @@ def make_adapter(
     return out
 
 
+def make_adapters(base: Path | Any, root: Path, count: int, seed: int, rank: int = 4) -> list[Path]:
+    """`count` adapters of every module: one made by PEFT, the others its copies with every tensor redrawn from the
+    same spread (cheaper than PEFT `count` times)."""
+    from safetensors.torch import load_file, save_file
+
+    first = make_adapter(base, root / "a0", seed=seed, rank=rank)
+    tensors = load_file(str(first / "adapter_model.safetensors"))
+    paths = [first]
+    for i in range(1, count):
+        generator = torch.Generator().manual_seed(seed + i)
+        folder = root / f"a{i}"
+        folder.mkdir(parents=True)
+        (folder / "adapter_config.json").write_text((first / "adapter_config.json").read_text())
+        redrawn = {k: torch.randn(t.shape, generator=generator) * t.std() for k, t in tensors.items()}
+        save_file(redrawn, str(folder / "adapter_model.safetensors"))
+        paths.append(folder)
+    return paths
+
+
+def load_peft_many(base: Path | Any, adapters: list[Path]):  # type: ignore[no-untyped-def]
+    """One HF model holding every adapter (named "0", "1", ...): `set_adapter(str(i))` picks the reference."""
+    from peft import PeftModel
+
+    model = _base(base) if isinstance(base, Path) else copy.deepcopy(base)
+    peft_model = PeftModel.from_pretrained(model, adapters[0], adapter_name="0")
+    for i, path in enumerate(adapters[1:], start=1):
+        peft_model.load_adapter(str(path), adapter_name=str(i))
+    return peft_model.eval()
+
+
 def load_peft(base: Path | Any, adapter: Path):  # type: ignore[no-untyped-def]
     """HF's model with the adapter applied (the reference); `base` as in make_adapter."""
     from peft import PeftModel
@@ -59,3 +89,24 @@ def load_base(base: Path):  # type: ignore[no-untyped-def]
 
 
 _base = load_base
+
+
+def write_adapter(folder: Path, base: Any, rank: int = 4, modules: tuple[str, ...] = ("q_proj", "v_proj")) -> Path:
+    """A PEFT-shaped adapter of `base` (proto.lora.BaseShapes) with zero tensors, written without peft or a model:
+    for the doors' and the registry's tests, which check the adapter's shapes but never run it."""
+    import json
+
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 8}))
+    tensors = {}
+    for layer in range(base.num_layers):
+        for module in modules:
+            inputs, outputs = base.io(module)
+            block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.zeros(rank, inputs)
+            tensors[f"{prefix}.lora_B.weight"] = torch.zeros(outputs, rank)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    return folder

@@ -43,6 +43,8 @@ class StreamResult:
     code: grpc.StatusCode | None = None  # set when the stream ended with an error
     details: str = ""
     ended_at: float = 0.0
+    sequences: dict[int, list[int]] = field(default_factory=dict)  # n > 1: each sequence's tokens
+    completion_tokens: int = 0  # usage, summed over the sequences
 
 
 class Streams:
@@ -62,8 +64,10 @@ class Streams:
         try:
             for delta in stub.Generate(request, timeout=timeout):
                 out.tokens.extend(delta.token_ids)
+                out.sequences.setdefault(delta.index, []).extend(delta.token_ids)
                 if delta.finish_reason:
                     out.finish_reason = delta.finish_reason
+                    out.completion_tokens += delta.usage.completion_tokens
         except grpc.RpcError as exc:
             out.code, out.details = exc.code(), exc.details() or ""
         out.ended_at = time.monotonic()

@@ -1,6 +1,10 @@
 """The LoRA adapters resident in this worker's slots, and the forward hooks that add each token's adapter to its
 projections: many adapters and the base model in one batch.
 
+The host tier (--max-cpu-loras, `LoraAdapter.host_slots`): an adapter evicted from a slot is copied to host memory,
+the least recently evicted dropped beyond that many, and a later slot takes it from there instead of its folder
+(scheduler_node/core/lora_slots.py keeps the same tier by the same rule, for the memory stats).
+
 The scheduler decides which adapter sits in which slot (`LoraAdapter.slot` on a new request; it never moves an
 adapter that a request the workers hold still uses), so every rank of a world holds the same adapters in the same
 slots and the worker needs no capacity setting of its own: a slot holding another adapter is reloaded from disk.
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -54,6 +59,9 @@ class Stack:
     owner: torch.Tensor  # [W] int64
     key: tuple[tuple[int, int], ...]  # (slot, width) of each adapter in it: masks are shared by equal keys
     spans: dict[int, tuple[int, int]]  # slot -> its columns [start, end)
+    starts: torch.Tensor  # [slots] int64: each slot's first column (the Triton kernel's view of `spans`)
+    widths: torch.Tensor  # [slots] int64: its width, 0 for a slot without an update of this projection
+    max_width: int
 
 
 class LoraManager:
@@ -70,13 +78,16 @@ class LoraManager:
         )
         self.dtype, self.device = dtype, device
         self.slots: dict[int, ResidentLora] = {}
-        self.loads = 0
+        self.host: OrderedDict[int, LayerLoras] = OrderedDict()  # adapter id -> evicted, in host memory (LRU)
+        self.loads = 0  # adapters read from their folders
+        self.host_loads = 0  # adapters taken back from the host tier
         self._stacks: dict[tuple[int, str], Stack] = {}
         self._stale = False
         self._token_slots: torch.Tensor | None = None  # this step's slot of each token (-1: the base model)
         self._masks: dict[tuple[tuple[int, int], ...], torch.Tensor] = {}
         self._active: list[int] = []  # this step's slots
         self._row_masks: dict[int, torch.Tensor] = {}  # slot -> [T, 1]: its tokens
+        self._kernel = _triton_kernel() if device.type == "cuda" else None  # on CPU: the masked matmuls below
         self._hooks = [
             module.register_forward_hook(partial(self._hook, (i, fused)))
             for i, layer in enumerate(model.layers)
@@ -85,20 +96,45 @@ class LoraManager:
         ]
 
     def place(self, lora: LoraAdapter) -> None:
-        """Make `lora` resident in its slot, reading it from disk if the slot holds another adapter."""
+        """Make `lora` resident in its slot if the slot holds another adapter: from the host tier, else its folder.
+        The adapter it replaces goes to the host tier (`lora.host_slots` of them, the oldest out first)."""
         held = self.slots.get(lora.slot)
         if held is not None and held.id == lora.id:
             return
-        info = inspect_adapter(lora.path, self.base, MAX_RANK)
-        model = self.model
-        layers = read_adapter(
-            info, model.config, model.where, model.first_layer, len(model.layers), self.dtype, self.device
-        )
+        kept = self.host.pop(lora.id, None)  # before the evicted adapter goes in: it must not push this one out
+        if held is not None:
+            self._to_host(held, lora.host_slots)
+        if kept is not None:
+            layers = {k: ProjectionLora(p.a.to(self.device), p.b.to(self.device)) for k, p in kept.items()}
+            self.host_loads += 1
+            where = "host memory"
+        else:
+            info = inspect_adapter(lora.path, self.base, MAX_RANK)
+            model = self.model
+            layers = read_adapter(
+                info, model.config, model.where, model.first_layer, len(model.layers), self.dtype, self.device
+            )
+            self.loads += 1
+            where = lora.path
         self.slots[lora.slot] = ResidentLora(lora.id, lora.path, layers)
         self._stale = True
-        self.loads += 1
         size = sum(p.nbytes for p in layers.values()) / 2**20
-        logger.info("LoRA adapter %d (%s) loaded into slot %d: %.1f MiB", lora.id, lora.path, lora.slot, size)
+        logger.info("LoRA adapter %d loaded into slot %d from %s: %.1f MiB", lora.id, lora.slot, where, size)
+
+    def _to_host(self, held: ResidentLora, host_slots: int) -> None:
+        """Copy an evicted adapter to host memory (its layers may be views into the device stacks: copied out)."""
+        if host_slots < 1:
+            return
+        cpu = torch.device("cpu")
+        self.host[held.id] = {
+            k: ProjectionLora(p.a.to(cpu, copy=True), p.b.to(cpu, copy=True)) for k, p in held.layers.items()
+        }
+        while len(self.host) > host_slots:
+            self.host.popitem(last=False)
+
+    @property
+    def host_nbytes(self) -> int:
+        return sum(p.nbytes for layers in self.host.values() for p in layers.values())
 
     @property
     def nbytes(self) -> int:
@@ -136,7 +172,12 @@ class LoraManager:
             ends = list(itertools.accumulate(w for _, w in widths))
             spans = {slot: (end - w, end) for (slot, w), end in zip(widths, ends)}
             a, b = torch.cat([u.a for _, u in updates]), torch.cat([u.b for _, u in updates], dim=1)
-            stack = Stack(a, b, owner, widths, spans)
+            num = max(spans) + 1
+            starts = torch.tensor([spans.get(s, (0, 0))[0] for s in range(num)], dtype=torch.int64)
+            lengths = torch.tensor([end - start for start, end in (spans.get(s, (0, 0)) for s in range(num))])
+            stack = Stack(
+                a, b, owner, widths, spans, starts.to(self.device), lengths.to(self.device), max(w for _, w in widths)
+            )
             start = 0
             for slot, width in widths:
                 view = ProjectionLora(stack.a[start : start + width], stack.b[:, start : start + width])
@@ -168,6 +209,9 @@ class LoraManager:
         if stack is None:
             return None
         x = args[0]
+        if self._kernel is not None and x.dim() == 2:  # on a GPU: each token reads its own adapter's rows only
+            slots = self._token_slots
+            return self._kernel(out, x, stack.a, stack.b, slots, stack.starts, stack.widths, stack.max_width)
         # Out of place: a base layer may return a view of a buffer of its own (a quantized kernel's workspace).
         if 2 * len(self._active) > len(stack.key):  # most resident adapters run: the whole stack at once
             return torch.addmm(out, F.linear(x, stack.a).mul_(self._mask(stack)), stack.b.t())
@@ -182,3 +226,13 @@ class LoraManager:
     def close(self) -> None:
         for hook in self._hooks:
             hook.remove()
+
+
+def _triton_kernel() -> Any:
+    """kernels/triton_lora.py's `lora_add`, or None where Triton is not installed."""
+    try:
+        from kernels.triton_lora import lora_add
+    except ImportError:
+        logger.warning("Triton is not installed: LoRA adapters run as masked matmuls")
+        return None
+    return lora_add

@@ -39,6 +39,7 @@ def test_what_a_client_sees(status: ErrorStatus, grpc_code: grpc.StatusCode, htt
 def test_every_end_of_a_request_has_a_finish_reason() -> None:
     finished = [s for s in Status if s.finished]
     assert sorted(s.finish_reason for s in finished) == sorted(FinishReason)
-    assert [r.value for r in FinishReason] == ["stop", "length", "abort", "error"]  # the strings clients read
+    # The strings clients read ("migrated": vllm-router's, never passed on to its clients).
+    assert [r.value for r in FinishReason] == ["stop", "length", "abort", "error", "migrated"]
     with pytest.raises(ValueError):
         Status.RUNNING.finish_reason  # noqa: B018

@@ -31,6 +31,26 @@ def test_pinned_slots_stay_and_the_least_recently_used_idle_one_is_taken() -> No
     assert slots.pin(B).slot == 0  # A was used less recently than C
 
 
+def test_evicted_adapters_stay_in_the_host_tier_up_to_its_size() -> None:
+    a, b, c = (LoraRef(n, i, f"/adapters/{n}", nbytes=100 * i) for i, n in enumerate("abc", start=1))
+    slots = LoraSlots(1, host_slots=1)
+    assert slots.pin(a).host_slots == 1  # the workers keep the same tier by the same rule
+    slots.unpin(a)
+    slots.pin(b)  # a evicted: to the host tier
+    assert slots.in_host() == [1]
+    assert [(m.tier, m.adapters, m.capacity, m.bytes) for m in slots.memory()] == [
+        ("device", 1, 1, 200),
+        ("host", 1, 1, 100),
+    ]
+    slots.unpin(b)
+    slots.pin(c)  # b evicted; the host tier holds one: a out
+    assert slots.in_host() == [2]
+    slots.unpin(c)
+    slots.pin(b)  # back from the host tier: each adapter is held once
+    assert slots.in_host() == [3] and [m.bytes for m in slots.memory()] == [200, 300]
+    assert [m.tier for m in LoraSlots(2).memory()] == ["device"]  # no host tier: no host entry
+
+
 def _request(rid: str, lora: LoraRef | None, prompt: int = 20) -> Request:
     return Request(rid, list(range(10, 10 + prompt)), SamplingOptions(0.0), StopConditions(4, frozenset()),
                    cache_salt=lora.cache_salt if lora else "", lora=lora)  # fmt: skip

@@ -3,6 +3,7 @@ user routing functions (deploy/custom_route.py), replica specs from flags and co
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from collections.abc import Sequence
 
@@ -10,10 +11,12 @@ import pytest
 
 from proto import serving_pb2 as pb
 from scheduler_node.router.control import aggregate
+from scheduler_node.router.metrics import RouterMetrics
 from scheduler_node.router.replica import DOWN, SERVING, Replica, ReplicaPool, ReplicaSpec, parse_replica
 from scheduler_node.router.request import RouteRequest
 from scheduler_node.router.ring import HashRing
 from scheduler_node.router.routing import RouteError, Router
+from scheduler_node.router.upstream import Forwarder
 
 pytestmark = pytest.mark.unit
 
@@ -77,6 +80,51 @@ def test_requests_go_to_replicas_of_their_model_and_unknown_models_are_not_found
     assert exc.value.code == "NOT_FOUND"
     with pytest.raises(ValueError, match="--default-model 'gpt'"):
         Router(pool, "round_robin", default_model="gpt")
+
+
+def test_an_adapter_name_goes_to_the_replicas_that_serve_it_under_its_own_name() -> None:
+    pool = two_llamas_one_qwen()
+    first, second, qwen = pool.replicas
+    first.adapters = frozenset({"sql"})
+    second.adapters = qwen.adapters = frozenset({"sql", "chat"})
+    router = Router(pool, "round_robin")
+    assert {router.route(RouteRequest("chat")).replica for _ in range(4)} == {second, qwen}
+    routes = [router.route(RouteRequest("sql")) for _ in range(6)]
+    assert {r.replica for r in routes} == {first, second, qwen}
+    assert {r.model for r in routes} == {"sql"}  # sent under the adapter's name, not the base model's
+    assert router.route(RouteRequest("llama")).model == "llama"
+    pool.set_state(second, DOWN)
+    assert {router.route(RouteRequest("chat")).replica for _ in range(3)} == {qwen}
+    pool.set_state(qwen, DOWN)
+    with pytest.raises(RouteError, match="no replica is serving") as exc:
+        router.route(RouteRequest("chat"))
+    assert exc.value.code == "UNAVAILABLE"
+    with pytest.raises(RouteError, match="'poem' is not served here") as exc:
+        router.route(RouteRequest("poem"))
+    assert exc.value.code == "NOT_FOUND"
+
+
+def test_a_name_unknown_at_the_last_probe_is_looked_up_once_more_before_not_found() -> None:
+    pool = two_llamas_one_qwen()
+    forwarder = Forwarder(Router(pool, "least_loaded"), {}, RouterMetrics())
+    asked: list[int] = []
+
+    async def refresh() -> None:  # the prober's answer: the second llama replica loaded "sql" since
+        asked.append(1)
+        pool.replicas[1].adapters = frozenset({"sql"})
+
+    async def scenario() -> None:
+        with pytest.raises(RouteError):
+            await forwarder.route(RouteRequest("sql"), [])  # no refresh wired: NOT_FOUND at once
+        forwarder.refresh_adapters = refresh
+        route = await forwarder.route(RouteRequest("sql"), [])
+        assert (route.replica, route.model, asked) == (pool.replicas[1], "sql", [1])
+        await forwarder.route(RouteRequest("sql"), [])
+        assert asked == [1], "a known name routes without asking"
+        with pytest.raises(RouteError, match="'poem' is not served here"):
+            await forwarder.route(RouteRequest("poem"), [])
+
+    asyncio.run(scenario())
 
 
 def test_only_serving_replicas_take_requests_and_a_retry_skips_the_failed_one() -> None:

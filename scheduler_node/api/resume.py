@@ -1,0 +1,71 @@
+"""A migrated request's states, as the gRPC door reads them (GenerateRequest.resume): checked field by field
+against the request they resume, then handed to the engine as `RequestSpec.resume` (core/migration.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from proto import serving_pb2 as pb
+from scheduler_node.api.validation import InvalidField
+from scheduler_node.core.migration import SequenceResume
+from scheduler_node.core.request import RequestSpec
+
+MAX_HELD_CHARS = 4096  # held-back text is at most the longest stop string (request_bounds keep those short)
+MAX_PENDING_TOKENS = 8  # an incomplete UTF-8 character spans at most four byte tokens
+
+
+def with_resume(request: pb.GenerateRequest, spec: RequestSpec, vocab_size: int) -> RequestSpec:
+    """`spec` with the request's migration fields: `migratable`, and the states of a resumed request."""
+    spec = dataclasses.replace(spec, migratable=request.migratable)
+    if not request.HasField("resume"):
+        return spec
+    states = request.resume.sequences
+    if not states:
+        raise InvalidField("resume.sequences", "must not be empty (a resumed request runs at least one sequence)")
+    seen: set[int] = set()
+    resumes = tuple(_sequence(s, f"resume.sequences[{i}]", spec, vocab_size, seen) for i, s in enumerate(states))
+    return dataclasses.replace(spec, resume=resumes)
+
+
+def _sequence(state: pb.SequenceState, name: str, spec: RequestSpec, vocab_size: int, seen: set[int]) -> SequenceResume:
+    if not 0 <= state.index < spec.n:
+        raise InvalidField(f"{name}.index", f"must be in [0, {spec.n}) (sampling.n), got {state.index}")
+    if state.index in seen:
+        raise InvalidField(f"{name}.index", f"sequence {state.index} is resumed twice")
+    seen.add(state.index)
+    outputs = list(state.output_token_ids)
+    if len(outputs) >= spec.max_tokens:
+        detail = f"{len(outputs)} tokens: a sequence that reached max_tokens ({spec.max_tokens}) has ended"
+        raise InvalidField(f"{name}.output_token_ids", detail)
+    _in_vocab(outputs, vocab_size, f"{name}.output_token_ids")
+    pending = list(state.pending_token_ids)
+    if len(pending) > MAX_PENDING_TOKENS or pending != outputs[len(outputs) - len(pending) :]:
+        detail = f"must be the last tokens of output_token_ids (at most {MAX_PENDING_TOKENS})"
+        raise InvalidField(f"{name}.pending_token_ids", detail)
+    if len(state.held_text) > MAX_HELD_CHARS:
+        raise InvalidField(f"{name}.held_text", f"longer than {MAX_HELD_CHARS} characters")
+    prompt = len(spec.prompt_token_ids)
+    if state.prompt_tokens and state.prompt_tokens != prompt:
+        detail = f"the prompt was {state.prompt_tokens} tokens where it ran and is {prompt} here (another model?)"
+        raise InvalidField(f"{name}.prompt_tokens", detail)
+    if not 0 <= state.cached_tokens <= prompt:
+        raise InvalidField(f"{name}.cached_tokens", f"must be in [0, {prompt}] (the prompt's tokens)")
+    return SequenceResume(state.index, outputs, state.held_text, pending, prompt, state.cached_tokens)
+
+
+def _in_vocab(ids: list[int], vocab_size: int, name: str) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidField(name, f"token id {bad} is outside [0, {vocab_size})")
+
+
+def state_message(state: SequenceResume) -> pb.SequenceState:
+    """A migrated sequence's state, for its last GenerateResponse."""
+    return pb.SequenceState(
+        index=state.index,
+        output_token_ids=state.output_token_ids,
+        held_text=state.held_text,
+        pending_token_ids=state.pending_token_ids or [],
+        prompt_tokens=state.prompt_tokens,
+        cached_tokens=state.cached_tokens,
+    )

@@ -1,0 +1,188 @@
+"""Live-migration benchmark: a rolling restart of one of two replicas behind vllm-router, under load, without and
+with migration, in one run.
+
+Streams (greedy and seeded, half of them on each replica by round robin) run through the router; once each has
+its first tokens, replica A is drained and stopped as a rolling upgrade does it:
+- **stop**: SIGTERM; A drains for at most `--grace` seconds (its --shutdown-timeout: a pod's termination grace),
+  then what it still runs is cut (the client gets UNAVAILABLE).
+- **drain --migrate, then stop**: `Control.Drain(migrate=true)` hands A's streams to the router, which resumes
+  them on B; then SIGTERM.
+A comes back between the two runs. Reports streams completed and cut, each stream's largest gap between two
+tokens (the client's view of the hand-off), and the time from the start of the drain until A exited.
+
+    .venv/bin/python scripts/bench_migrate.py [--smoke] [--model DIR] [--json out.json] [--plot out.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import grpc  # noqa: E402
+
+from minivllm.cluster import Cluster, RouterProcess  # noqa: E402
+from proto import serving_pb2 as pb  # noqa: E402
+from proto import serving_pb2_grpc as pb_grpc  # noqa: E402
+
+NAME = "m"
+SMOKE = {"streams": 8, "max_tokens": 64, "grace": 0.5, "kv_cache_memory": "16MiB"}
+
+
+@dataclass
+class Stream:
+    times: list[float] = field(default_factory=list)  # when each message with tokens came
+    tokens: int = 0
+    error: str = ""
+
+    @property
+    def largest_gap(self) -> float:
+        return max((b - a for a, b in zip(self.times, self.times[1:])), default=0.0)
+
+
+def start_streams(router: RouterProcess, count: int, max_tokens: int) -> tuple[list[Stream], list[threading.Thread]]:
+    stub = pb_grpc.GenerationStub(router.channel)
+    streams = [Stream() for _ in range(count)]
+
+    def run(i: int, out: Stream) -> None:
+        seeded = i % 2 == 1
+        sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=0.8 if seeded else 0.0, ignore_eos=True)
+        if seeded:
+            sampling.seed = i
+        request = pb.GenerateRequest(prompt=f"Story {i}: once upon a time", sampling=sampling, model=NAME)
+        try:
+            for delta in stub.Generate(request, timeout=600):
+                if delta.token_ids:
+                    out.times.append(time.monotonic())
+                    out.tokens += len(delta.token_ids)
+        except grpc.RpcError as exc:
+            out.error = exc.code().name
+
+    threads = [threading.Thread(target=run, args=(i, s), daemon=True) for i, s in enumerate(streams)]
+    for t in threads:
+        t.start()
+    return streams, threads
+
+
+def rolling_restart(replica: Cluster, router: RouterProcess, args: argparse.Namespace, migrate: bool) -> dict:
+    """Load through the router, then drain and stop `replica` (with or without migration); the streams' fate."""
+    streams, threads = start_streams(router, args.streams, args.max_tokens)
+    deadline = time.monotonic() + 120
+    while not all(s.tokens >= 2 or s.error for s in streams) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    start = time.perf_counter()
+    migrated = 0
+    if migrate:
+        request = pb.DrainRequest(migrate=True)
+        migrated = pb_grpc.ControlStub(replica.channel).Drain(request, timeout=60).migrated
+    codes = replica.stop(args.grace + 30)  # SIGTERM: it drains for at most --shutdown-timeout (the grace)
+    drain_s = time.perf_counter() - start
+    for t in threads:
+        t.join(600)
+    gaps = sorted(s.largest_gap for s in streams if not s.error)
+    return {
+        "mode": "drain --migrate, then stop" if migrate else f"stop ({args.grace:g} s grace)",
+        "streams": len(streams),
+        "completed": sum(not s.error and s.tokens == args.max_tokens for s in streams),
+        "cut": sum(bool(s.error) for s in streams),
+        "migrated": migrated,
+        "largest_gap_s": gaps[-1] if gaps else 0.0,
+        "median_largest_gap_s": statistics.median(gaps) if gaps else 0.0,
+        "drain_s": drain_s,
+        "exit_codes": codes,
+    }
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed; no plot", file=sys.stderr)
+        return
+    fig, (cut, gap) = plt.subplots(1, 2, figsize=(9, 3))
+    labels = [r["mode"] for r in rows]
+    cut.bar(labels, [r["cut"] for r in rows])
+    cut.set_ylabel("streams cut")
+    gap.bar(labels, [r["largest_gap_s"] for r in rows])
+    gap.set_ylabel("largest inter-token gap (s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="default", help="HF folder or 'default' (SmolLM2-135M-Instruct)")
+    p.add_argument("--smoke", action="store_true", help="a small run (CI): 8 streams of 64 tokens, 0.5 s grace")
+    p.add_argument("--streams", type=int, default=32, help="streams through the router")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--grace", type=float, default=5.0, help="each replica's --shutdown-timeout (a pod's grace)")
+    p.add_argument("--kv-cache-memory", default="", help="each worker's KV cache (a size; '': the worker's default)")
+    p.add_argument("--json", type=Path)
+    p.add_argument("--plot", type=Path, help="also write bar charts here (PNG, needs matplotlib)")
+    args = p.parse_args()
+    if args.smoke:  # its own defaults; flags still win
+        p.set_defaults(**SMOKE)
+        args = p.parse_args()
+    from scheduler_node.engine.model_path import resolve_model
+
+    model = resolve_model(args.model)
+    flags = ["--served-model-name", NAME, "--shutdown-timeout", str(args.grace)]
+    worker = ["--threads", "1"] + (["--kv-cache-memory", args.kv_cache_memory] if args.kv_cache_memory else [])
+    pair = [Cluster(model, flags, worker) for _ in range(2)]
+    router = RouterProcess([f"{c.address},model={NAME}" for c in pair], ["--probe-interval", "0.2"])
+    rows = []
+    try:
+        for c in pair:
+            c.wait_serving()
+        router.wait_serving(60)
+        rows.append(rolling_restart(pair[0], router, args, migrate=False))
+        pair[0] = Cluster(model, flags, worker, port=pair[0].port)  # the upgraded replica
+        pair[0].wait_serving()
+        _wait_routed(router)
+        rows.append(rolling_restart(pair[0], router, args, migrate=True))
+    finally:
+        router.stop()
+        for c in pair:
+            c.kill()
+    print(f"{args.streams} streams of {args.max_tokens} tokens over 2 replicas; load average {os.getloadavg()[0]:.1f}")
+    print("| rolling restart of one replica | completed | cut | migrated | largest gap (s) | median largest gap (s) "
+          "| drain to exit (s) | exit codes |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['mode']} | {r['completed']}/{r['streams']} | {r['cut']} | {r['migrated']} | "
+            f"{r['largest_gap_s']:.3f} | {r['median_largest_gap_s']:.3f} | {r['drain_s']:.2f} | {r['exit_codes']} |"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+def _wait_routed(router: RouterProcess, timeout: float = 30.0) -> None:
+    """Until the router serves on both replicas again (its probe found the new one)."""
+    control = pb_grpc.ControlStub(router.channel)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        listed = control.ListReplicas(pb.ListReplicasRequest(), timeout=5).replicas
+        if all(r.state == "serving" for r in listed):
+            return
+        time.sleep(0.05)
+    raise TimeoutError("the restarted replica did not rejoin the router")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
