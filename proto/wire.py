@@ -48,7 +48,9 @@ from msgspec import Meta
 # 13: disaggregated prefill/decode: plans carry KV imports (pull a prefix from another world's ranks), lease grants
 # and revocations (worker_node/kv_transfer.py), Ready the rank's KV exporter address. A v12 worker would compute a
 # prefix the scheduler counts as imported.
-WIRE_VERSION = 13
+# 14: a draft model (speculative decoding): Assignment.draft_model, StepPlan.propose, StepResult.drafts (a v13
+# worker would never propose, and the requests would wait on proposals that never come).
+WIRE_VERSION = 14
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # libzmq's own ZMTP heartbeats, set on both ends of the worker socket: a quiet connection is PINGed this often by
 # libzmq's I/O thread (so a busy Python thread does not drop it), and dropped after the heartbeat timeout.
@@ -236,6 +238,9 @@ class StepPlan(Message, tag=int(Kind.PLAN)):
     kv_revokes: list[Annotated[bytes, Meta(min_length=16, max_length=16)]] = []
     kv_imports: list[KVImport] = []
     kv_grants: list[KVGrant] = []
+    # Speculative decoding with a draft model: the requests of this plan whose next tokens the draft proposes
+    # once this step's are known (StepResult.drafts).
+    propose: list[Handle] = []
 
     def check(self) -> None:
         for i, m in enumerate(self.tier_moves):
@@ -308,6 +313,8 @@ class StepResult(Message, tag=int(Kind.RESULT)):
     # Embedding requests: the first prompt position this step computed, how many, and their final hidden states
     # pooled as float32 (the sum of those rows for "mean", the prompt's last row for "last" when it is computed).
     pooled: dict[Handle, tuple[int, int, bytes]] = {}
+    # A draft model's proposals (StepPlan.propose) to follow each request's tokens as they are after this step.
+    drafts: dict[Handle, list[int]] = {}
 
 
 class ExecutionMode(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True, gc=False):
@@ -375,6 +382,11 @@ class Assignment(Message, tag=int(Kind.ASSIGNMENT)):
     kv_compact_dtype: str = "int8"
     num_compact_blocks: Count = 0
     quantization: str = "auto"  # the weights' format (proto/quantization.py): auto takes the checkpoint's own
+    # Speculative decoding with a draft model (worker_node/draft_model.py): its folder ("" for none), the tokens
+    # it proposes per step, and the requests its own KV cache holds at most at full length.
+    draft_model: str = ""
+    num_speculative_tokens: Count = 0
+    draft_max_seqs: Count = 0
 
     def check(self) -> None:
         """The world's shape must hold together."""

@@ -14,6 +14,7 @@ import torch
 
 from proto.wire import CachedRequest, ExecutionMode, StepPlan, StepResult, TierMove, TokenLogprobs
 from worker_node.cuda_graphs import DecodeGraphs
+from worker_node.draft_model import DraftModel
 from worker_node.input_batch import InputBatch, RequestState, StepInputs
 from worker_node.kv_cache import KVCache, copy_blocks
 from worker_node.kv_handoff import ImportRun, KVHandoff
@@ -89,6 +90,7 @@ class ModelRunner:
         self._load_failed: set[int] = set()
         self.lora: LoraManager | None = None  # made when the first request with a LoRA adapter arrives
         self.handoff: KVHandoff | None = None  # disaggregated prefill/decode: leases served, prefixes pulled
+        self.draft: DraftModel | None = None  # speculative decoding's draft model, on the rank that samples
 
     def apply_diffs(self, plan: StepPlan, check_progress: bool = True) -> np.ndarray:
         """Update the requests this worker holds; their rows, the plan's new requests then its cached ones. Every
@@ -99,6 +101,8 @@ class ModelRunner:
         self._check_plan(plan, [cached[i] for i in changed])
         batch = self.batch
         batch.clear_drafts()
+        if self.draft is not None and (plan.finished or plan.preempted):
+            self.draft.forget(plan.finished + plan.preempted)
         for handle in plan.finished + plan.preempted:
             batch.remove(handle)
             self._load_failed.discard(handle)
@@ -222,6 +226,7 @@ class ModelRunner:
         logprobs: dict[int, list[TokenLogprobs]] = {}
         prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = {}
         pooled: dict[int, tuple[int, int, bytes]] = {}
+        drafts: dict[int, list[int]] = {}
         if len(rows) and not skip:
             inputs = self._prepare(rows, counts, plan.compact_block_base)
             if self.samples_here:
@@ -247,6 +252,9 @@ class ModelRunner:
                     sampled = {state.handle: [token] for state, token in zip(samplers, tokens)}
                 if inputs.flags.logprobs.any():
                     logprobs = {state.handle: [lp] for state, lp in zip(samplers, lps) if lp is not None}
+                if plan.propose and self.draft is not None:  # a draft model's proposals for the next step
+                    states = self.batch.states
+                    drafts = self.draft.propose([states[h] for h in plan.propose if h in sampled and h in states])
         if plan.kv_grants and self.handoff is not None:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the exporter's thread reads what this forward pass wrote
@@ -268,6 +276,7 @@ class ModelRunner:
             failed_loads=[m.block_hash for m in failed_loads] + [h for i in imports.failed for h in i.hashes],
             load_skipped=load_skipped,
             failed_stores=[m.block_hash for m in failed_stores],
+            drafts=drafts,
         )
 
     def _failed_anywhere(self, plan: StepPlan, here: TierRun) -> tuple[list[TierMove], list[TierMove]]:

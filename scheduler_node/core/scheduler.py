@@ -277,7 +277,10 @@ class Scheduler:
         if spec is not None:
             spec.begin_step(len(self.running))
         # Speculating requests are held while their plan is in flight (their next tokens are not known before).
-        held = self.in_flight.held if self.mode.disjoint_plans or spec is not None else None
+        holds = self.mode.disjoint_plans or (spec is not None and self.in_flight.holds_any)
+        held = self.in_flight.held if holds else None
+        # With the policy off (a big batch) speculation costs nothing per request: no proposal is even considered.
+        proposing = spec if spec is not None and spec.active else None
         # The loop runs once per running request per step: what it calls is looked up once, here.
         running, tokens_to_schedule, take = Status.RUNNING, self._tokens_to_schedule, self._take
         write, scheduled = self.blocks.write, sent.requests
@@ -292,8 +295,8 @@ class Scheduler:
                 continue
             first = req.num_computed_tokens
             drafts: list[int] | None = []
-            if spec is not None and todo == 1 and req.spec is not None and self.view.holds(req.handle):
-                drafts = spec.drafts(req, self._draft_room(req, budget))
+            if proposing is not None and todo == 1 and req.spec is not None and self.view.holds(req.handle):
+                drafts = proposing.drafts(req, self._draft_room(req, budget))
                 if drafts is None:
                     continue  # it speculates: its next plan waits for this one's tokens
                 if drafts:
@@ -320,6 +323,8 @@ class Scheduler:
                 budget -= n
         if not preempted or not self.running:  # a request that preempted itself leaves the cache to the others
             self._admit(budget, seats, floor, plan, sent, now)
+        if proposing is not None and proposing.proposer.on_worker:
+            plan.propose = proposing.to_draft(sent.requests, sent.samples)
         if sent.requests:
             self.in_flight.record(plan.step_id, sent)
         self.view.finish_plan(plan, self.blocks.take_ops())
@@ -702,7 +707,7 @@ class Scheduler:
             self.counters.steps += 1
             self.counters.worker_idle_ms += result.idle_ms
             self.counters.scheduled_tokens += tokens
-        if any(sent.drafts):
+        if sent.num_drafted:
             self._settle_drafts(sent, result)
         self._register_filled_blocks(sent)
         for handle, (first, logprobs) in result.prompt_logprobs.items():
@@ -730,8 +735,12 @@ class Scheduler:
             end = req.status  # it finished
             outputs.append(RequestOutput(req, kept, logprobs, *_ending(req)))
             self.finish(req.req_id, end)
-        if self.speculator is not None and any(sent.drafts):
-            self._register_filled_blocks(sent)  # the blocks filled by accepted proposals: hashable only now
+        if self.speculator is not None:
+            if sent.num_drafted:
+                self._register_filled_blocks(sent)  # the blocks filled by accepted proposals: hashable only now
+            for handle, drafted in result.drafts.items():  # a draft model's proposals for the next step
+                if (req := live.get(handle)) is not None and req.status is running:
+                    self.speculator.drafted(req, drafted)
         return outputs
 
     def _settle_drafts(self, sent: SentPlan, result: StepResult) -> None:

@@ -48,10 +48,13 @@ def load_runner(
     dtype: str = "float32",
     kv_cache_dtype: str = "auto",
     quantization: str = "auto",
+    draft_model: Path | None = None,
+    num_speculative_tokens: int = 4,
     **worker: Any,
 ) -> ModelRunner:
     """One rank of `folder`'s model on the CPU, holding exactly `num_blocks` KV blocks (and the execution mode of
-    its world with async scheduling, unless `mode` says otherwise). `worker`: more WorkerOptions (offload tiers)."""
+    its world with async scheduling, unless `mode` says otherwise), with `draft_model` as its speculative decoding
+    draft when given. `worker`: more WorkerOptions (offload tiers)."""
     layout = where.layout
     assignment = Assignment(
         rank=where.rank,
@@ -68,6 +71,9 @@ def load_runner(
         num_kv_blocks=num_blocks,
         num_swap_blocks=num_host_blocks,
         quantization=quantization,
+        draft_model=str(draft_model or ""),
+        num_speculative_tokens=num_speculative_tokens if draft_model else 0,
+        draft_max_seqs=8 if draft_model else 0,
     )
     options = WorkerOptions(attention_backend=backend, kv_cache_dtype=kv_cache_dtype, **worker)
     runner, _ = load_rank(assignment, options, CPU, comm or Comm(where))
