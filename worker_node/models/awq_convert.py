@@ -114,9 +114,7 @@ def search_clip(x: torch.Tensor, w: torch.Tensor, group: int) -> torch.Tensor:
     return torch.maximum(torch.minimum(w.reshape(n, k // group, group), lim), -lim).reshape(n, k)
 
 
-def calibration_inputs(
-    model: nn.Module, ids: torch.Tensor, layers: list[nn.Module]
-) -> list[dict[str, torch.Tensor]]:
+def calibration_inputs(model: nn.Module, ids: torch.Tensor, layers: list[nn.Module]) -> list[dict[str, torch.Tensor]]:
     """Per layer, the inputs [T, K] of q_proj, o_proj, gate_proj and down_proj over `ids` [1, T] (one fp pass)."""
     found: list[dict[str, torch.Tensor]] = [{} for _ in layers]
     hooks = []
@@ -211,12 +209,16 @@ def quantize_folder(source: Path, output: Path, group: int | None = None, calib_
     if config.get("quantization_config"):
         raise AwqConvertError(f"--input {source}: already quantized (config.json quantization_config)")
     if "gemma" in str(config.get("model_type", "")):
-        raise AwqConvertError(f"--input {source}: model_type {config['model_type']!r} (its norms add 1 to their weight)")
+        raise AwqConvertError(
+            f"--input {source}: model_type {config['model_type']!r} (its norms add 1 to their weight)"
+        )
     model = AutoModelForCausalLM.from_pretrained(source, torch_dtype=torch.float32)
     layers = list(model.model.layers)
     if any(not hasattr(layer.mlp, "gate_proj") for layer in layers):
         raise AwqConvertError(f"--input {source}: AWQ conversion takes dense gated-MLP decoders (no MoE)")
-    widths = sorted({w for layer in layers for w in (layer.self_attn.o_proj.in_features, layer.mlp.down_proj.in_features)})
+    widths = sorted(
+        {w for layer in layers for w in (layer.self_attn.o_proj.in_features, layer.mlp.down_proj.in_features)}
+    )
     group = pick_group([model.config.hidden_size, *widths], group)
     ids = calibration_ids(AutoTokenizer.from_pretrained(source), calib_text or CALIBRATION_TEXT)
     logger.info("AWQ: %d calibration tokens, group %d, %d layers", ids.numel(), group, len(layers))

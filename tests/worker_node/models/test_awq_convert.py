@@ -77,7 +77,9 @@ def test_converted_checkpoint_loads_in_the_awq_layout(source: Path, tmp_path: Pa
     calib = tmp_path / "calib.txt"
     calib.write_text(CALIB)
     out = tmp_path / "awq"
-    rc = convert_main(["--input", str(source), "--output", str(out), "--quantization", "awq", "--calib-file", str(calib)])
+    rc = convert_main(
+        ["--input", str(source), "--output", str(out), "--quantization", "awq", "--calib-file", str(calib)]
+    )
     assert rc == 0
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     assert config | {"modules_to_not_convert": None} == {
