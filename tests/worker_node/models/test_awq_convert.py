@@ -13,8 +13,10 @@ import torch
 from minivllm.tiny_models import build_tiny_model
 from tests.support.engine import load_runner
 from worker_node.convert import main as convert_main
+from worker_node.models.awq_calibration import CALIBRATION_TEXT
 from worker_node.models.awq_convert import (
     AwqConvertError,
+    calibration_ids,
     calibration_inputs,
     fake_quantize,
     pick_group,
@@ -93,6 +95,13 @@ def test_converted_checkpoint_loads_in_the_awq_layout(source: Path, tmp_path: Pa
     runner = load_runner(out, 16, 16)  # auto: the checkpoint's quantization_config
     layers = [m for m in runner.model.modules() if isinstance(m, QuantLinear)]
     assert layers and all(m.method.name == "awq" for m in layers)
+
+
+def test_the_built_in_text_fills_the_calibration_rows(source: Path) -> None:
+    from transformers import AutoTokenizer
+
+    ids = calibration_ids(AutoTokenizer.from_pretrained(source), CALIBRATION_TEXT)
+    assert ids.shape == (2, 512)  # MAX_TOKENS of it
 
 
 def test_bad_options_are_refused(source: Path, tmp_path: Path) -> None:
