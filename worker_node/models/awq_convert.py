@@ -27,6 +27,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -114,7 +115,7 @@ def search_clip(x: torch.Tensor, w: torch.Tensor, group: int) -> torch.Tensor:
     return torch.maximum(torch.minimum(w.reshape(n, k // group, group), lim), -lim).reshape(n, k)
 
 
-def calibration_inputs(model: nn.Module, ids: torch.Tensor, layers: list[nn.Module]) -> list[dict[str, torch.Tensor]]:
+def calibration_inputs(model: nn.Module, ids: torch.Tensor, layers: list[Any]) -> list[dict[str, torch.Tensor]]:
     """Per layer, the inputs [T, K] of q_proj, o_proj, gate_proj and down_proj over `ids` [1, T] (one fp pass)."""
     found: list[dict[str, torch.Tensor]] = [{} for _ in layers]
     hooks = []
@@ -138,8 +139,9 @@ def calibration_inputs(model: nn.Module, ids: torch.Tensor, layers: list[nn.Modu
     return found
 
 
-def scale_layer(layer: nn.Module, inputs: dict[str, torch.Tensor], group: int) -> None:
-    """Search and fold the activation-aware scales of one decoder layer (its fp function unchanged)."""
+def scale_layer(layer: Any, inputs: dict[str, torch.Tensor], group: int) -> None:
+    """Search and fold the activation-aware scales of one decoder layer (its fp function unchanged). `layer`: an
+    HF Llama-family decoder layer (self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj, the two norms)."""
     attn, mlp = layer.self_attn, layer.mlp
     groups: list[tuple[str, list[nn.Linear], Callable[[torch.Tensor], None]]] = [
         ("qkv", [attn.q_proj, attn.k_proj, attn.v_proj], _fold_into_weight(layer.input_layernorm)),
@@ -156,7 +158,7 @@ def scale_layer(layer: nn.Module, inputs: dict[str, torch.Tensor], group: int) -
         inputs[name] = inputs[name] / s  # what the scaled projections now read (for the clipping search)
 
 
-def _fold_into_weight(norm: nn.Module) -> Callable[[torch.Tensor], None]:
+def _fold_into_weight(norm: Any) -> Callable[[torch.Tensor], None]:
     def fold(s: torch.Tensor) -> None:
         norm.weight.data = (norm.weight.float() / s).to(norm.weight.dtype)
 
@@ -172,7 +174,7 @@ def _fold_into_rows(linear: nn.Linear) -> Callable[[torch.Tensor], None]:
     return fold
 
 
-def quantize_layer(layer: nn.Module, inputs: dict[str, torch.Tensor], group: int) -> dict[str, torch.Tensor]:
+def quantize_layer(layer: Any, inputs: dict[str, torch.Tensor], group: int) -> dict[str, torch.Tensor]:
     """The AutoAWQ tensors (qweight, qzeros, scales) of one scaled layer's projections, by projection name."""
     attn, mlp = layer.self_attn, layer.mlp
     reads = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o"}
@@ -252,6 +254,7 @@ def quantize_folder(source: Path, output: Path, group: int | None = None, calib_
             "modules_to_not_convert": None,
         }
         (scratch / "config.json").write_text(json.dumps(config, indent=2))
+        scratch.chmod(0o755)  # mkdtemp's folder is private; the model folder is not
         scratch.rename(output)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
