@@ -16,7 +16,7 @@ model (one forward pass, the inputs of every projection recorded):
 
 Cost: one full-precision forward over the calibration tokens, then per layer GRID quantize-and-multiply passes per
 projection group (scales) and GRID / 2 per projection (clipping), over at most `MAX_TOKENS` tokens: about 20
-full-precision forwards' worth of matmuls per layer, seconds per layer for SmolLM2-135M on two cores.
+full-precision forwards' worth of matmuls per layer: 6.4 CPU-minutes for SmolLM2-135M's 30 layers.
 """
 
 from __future__ import annotations
