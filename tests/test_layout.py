@@ -150,8 +150,6 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "scheduler_node.engine.ray_launcher": "needs ray: tests/e2e/test_ray_launcher.py",
     "scheduler_node.engine.worker_link": "its socket side, against fake workers over loopback ZeroMQ, in"
     " tests/e2e/test_faults.py; its state machine is rank_registry.py (test_rank_registry.py)",
-    "scheduler_node.router.grpc_door": "the router process's gRPC door: tests/e2e/test_router.py",
-    "scheduler_node.router.http_door": "the router process's OpenAI door: tests/e2e/test_router.py",
     "scheduler_node.router.kv_subscriber": "fed by a replica's real publisher in tests/scheduler_node/engine/"
     "test_kv_publisher.py, and through vllm-router in tests/e2e/test_router.py",
     "scheduler_node.router.probe": "health probes of real replicas: tests/e2e/test_router.py",
