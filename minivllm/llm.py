@@ -196,7 +196,7 @@ class LLM:
             options=EngineOptions(schedule_gc=True),
         )
         self.folder = resolve_model(model or DEFAULT)
-        check_model_split(self.folder, self.config.layout, quantization)
+        check_model_split(self.folder, self.config.layout, quantization, self.config.scheduler.speculative)
         self.tokenizer = ModelTokenizer(self.folder)
         self._ids = itertools.count()
         self._launcher: LocalLauncher | None = None

@@ -73,6 +73,8 @@ def _load(parser: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
         parser.error(f"config {path} must be a mapping of flag names to values")
     known = config_keys(parser)
     aliases = _alias_keys(parser)
+    if "engine" in data and "quantization" in known:  # the article's engine.mixed_precision section
+        data = _with_mixed_precision(parser, path, data)
     values: dict[str, Any] = {}
     for key, value in data.items():
         action = known.get(str(key).replace("-", "_")) or aliases.get(str(key).replace("-", "_"))
@@ -94,3 +96,24 @@ def _load(parser: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
             parser.error(f"{key} in {path}: {value!r} is not one of {list(action.choices)}")
         values[dest] = value
     return values
+
+
+def _with_mixed_precision(parser: argparse.ArgumentParser, path: Path, data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with its `engine:` section replaced by the flags it stands for; a flat key naming the same flag
+    with another value is refused (two answers to one question)."""
+    from proto.mixed_precision import MixedPrecisionError, mixed_precision_flags
+
+    rest = {k: v for k, v in data.items() if k != "engine"}
+    try:
+        flags = mixed_precision_flags(
+            data["engine"], rest.get("device", "auto") if "device" in config_keys(parser) else None
+        )
+    except MixedPrecisionError as exc:
+        parser.error(f"{path}: {exc}")
+    for dest, value in flags.items():
+        if dest not in config_keys(parser):
+            parser.error(f"{path}: engine.mixed_precision sets {dest}, a flag of the workers (--kv-cache-dtype) here")
+        given = next((v for k, v in rest.items() if str(k).replace("-", "_") == dest), None)
+        if given is not None and str(given) != value:
+            parser.error(f"{path}: engine.mixed_precision says {dest} {value}, the key {dest} says {given}")
+    return rest | flags

@@ -41,6 +41,7 @@ class WorldCapacity:
     num_compact_blocks: int = 0  # the compact pool every rank holds (per-request KV precision); 0: none
     compact_world_bytes_per_block: int = 0  # of one compact block summed over every rank
     compact_format: str = ""
+    kv_addresses: tuple[str, ...] = ()  # each rank's KV exporter (disaggregated prefill); () when none serves
 
     @classmethod
     def of(cls, readies: list[WorkerReady]) -> WorldCapacity:
@@ -55,7 +56,14 @@ class WorldCapacity:
             kv_format=readies[0].kv_format,
             **_tier_capacity(readies),
             **_compact_capacity(readies),
+            kv_addresses=_kv_addresses(readies),
         )
+
+
+def _kv_addresses(readies: list[WorkerReady]) -> tuple[str, ...]:
+    """Each rank's KV exporter, by rank, when every rank serves one."""
+    ranked = sorted(readies, key=lambda r: r.rank)
+    return tuple(r.kv_address for r in ranked) if all(r.kv_address for r in ranked) else ()
 
 
 def _tier_capacity(readies: list[WorkerReady]) -> dict[str, Any]:

@@ -45,7 +45,12 @@ from msgspec import Meta
 # (the accepted proposals and one more); a v9 worker would compute the proposals as known tokens.
 # 11: LoRA: a NewRequest names its adapter and the worker slot it runs in (a v10 worker would run the base model).
 # 12: LoRA host tier: the adapter record carries --max-cpu-loras (a v11 worker would refuse the longer record).
-WIRE_VERSION = 12
+# 13: disaggregated prefill/decode: plans carry KV imports (pull a prefix from another world's ranks), lease grants
+# and revocations (worker_node/kv_transfer.py), Ready the rank's KV exporter address. A v12 worker would compute a
+# prefix the scheduler counts as imported.
+# 14: a draft model (speculative decoding): Assignment.draft_model, StepPlan.propose, StepResult.drafts (a v13
+# worker would never propose, and the requests would wait on proposals that never come).
+WIRE_VERSION = 14
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # libzmq's own ZMTP heartbeats, set on both ends of the worker socket: a quiet connection is PINGed this often by
 # libzmq's I/O thread (so a busy Python thread does not drop it), and dropped after the heartbeat timeout.
@@ -184,6 +189,25 @@ class TierMove(Record):
     block_hash: Annotated[bytes, Meta(max_length=64)]
 
 
+class KVImport(Record):
+    """A request's prefix blocks pulled from another world's ranks before the forward pass (disaggregated
+    prefill → decode): rank r pulls the lease's `src` blocks from `addresses[r]` into its own `dst` blocks.
+    `hashes` are the blocks' chained hashes: what a failed pull reports (`StepResult.failed_loads`)."""
+
+    addresses: list[Annotated[str, Meta(max_length=256)]]
+    lease: Annotated[bytes, Meta(min_length=16, max_length=16)]
+    src: list[Count]
+    dst: list[Count]
+    hashes: list[Annotated[bytes, Meta(max_length=64)]]
+
+
+class KVGrant(Record):
+    """Blocks this world's ranks serve under a lease once the step that carries it has run (a prefill's prompt)."""
+
+    lease: Annotated[bytes, Meta(min_length=16, max_length=16)]
+    blocks: list[Count]
+
+
 class Message(Record):
     """A whole message: its kind comes first on the wire."""
 
@@ -209,11 +233,22 @@ class StepPlan(Message, tag=int(Kind.PLAN)):
     # Per-request KV precision (core/kv_precision.py): block ids from here on are the compact pool's (id - base
     # there); 0: the world keeps no compact pool.
     compact_block_base: Count = 0
+    # Disaggregated prefill/decode (worker_node/kv_transfer.py): leases revoked before anything else runs, KV
+    # pulled from another world after the block operations, leases granted after the forward pass.
+    kv_revokes: list[Annotated[bytes, Meta(min_length=16, max_length=16)]] = []
+    kv_imports: list[KVImport] = []
+    kv_grants: list[KVGrant] = []
+    # Speculative decoding with a draft model: the requests of this plan whose next tokens the draft proposes
+    # once this step's are known (StepResult.drafts).
+    propose: list[Handle] = []
 
     def check(self) -> None:
         for i, m in enumerate(self.tier_moves):
             if m.src_tier == m.dst_tier:
                 raise WireError(f"tier_moves[{i}]: tiers must be two different ones of 0, 1, 2, got {m.src_tier}")
+        for i, imp in enumerate(self.kv_imports):
+            if not len(imp.src) == len(imp.dst) == len(imp.hashes):
+                raise WireError(f"kv_imports[{i}]: src, dst and hashes must have one entry per block")
 
     @property
     def num_scheduled_tokens(self) -> dict[int, int]:
@@ -243,6 +278,9 @@ class StepPlan(Message, tag=int(Kind.PLAN)):
             or self.swap_out
             or self.swap_in
             or self.tier_moves
+            or self.kv_revokes
+            or self.kv_imports
+            or self.kv_grants
         )
 
 
@@ -275,6 +313,8 @@ class StepResult(Message, tag=int(Kind.RESULT)):
     # Embedding requests: the first prompt position this step computed, how many, and their final hidden states
     # pooled as float32 (the sum of those rows for "mean", the prompt's last row for "last" when it is computed).
     pooled: dict[Handle, tuple[int, int, bytes]] = {}
+    # A draft model's proposals (StepPlan.propose) to follow each request's tokens as they are after this step.
+    drafts: dict[Handle, list[int]] = {}
 
 
 class ExecutionMode(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True, gc=False):
@@ -342,6 +382,11 @@ class Assignment(Message, tag=int(Kind.ASSIGNMENT)):
     kv_compact_dtype: str = "int8"
     num_compact_blocks: Count = 0
     quantization: str = "auto"  # the weights' format (proto/quantization.py): auto takes the checkpoint's own
+    # Speculative decoding with a draft model (worker_node/draft_model.py): its folder ("" for none), the tokens
+    # it proposes per step, and the requests its own KV cache holds at most at full length.
+    draft_model: str = ""
+    num_speculative_tokens: Count = 0
+    draft_max_seqs: Count = 0
 
     def check(self) -> None:
         """The world's shape must hold together."""
@@ -369,6 +414,7 @@ class WorkerReady(Message, tag=int(Kind.READY)):
     num_ram_tier_blocks: Count = 0  # KV offload tiers (--kv-offload-ram, --kv-offload-disk-size), in blocks
     num_disk_tier_blocks: Count = 0
     disk_tier_blocks: list[tuple[int, Annotated[bytes, Meta(max_length=64)]]] = []  # (slot, hash) found intact
+    kv_address: Annotated[str, Meta(max_length=256)] = ""  # its KV exporter (HOST:PORT), when it serves leases
 
 
 class Shutdown(Message, tag=int(Kind.SHUTDOWN)):

@@ -31,6 +31,8 @@ class WorkerOptions:
     kv_offload_ram: float = 0.0  # GiB of host RAM for evicted prefix blocks (the RAM offload tier)
     kv_offload_disk: str = ""  # folder of the disk offload tier ("" : none)
     kv_offload_disk_size: float = 4.0  # GiB of that folder's file
+    kv_role: str = "both"  # disaggregated prefill/decode: prefill and both serve KV leases; every role pulls
+    kv_transfer_host: str = "127.0.0.1"  # where a serving rank's KV exporter binds (a free port)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> WorkerOptions:
@@ -55,7 +57,10 @@ WORKER_FLAGS = (
     "kv_offload_ram",
     "kv_offload_disk",
     "kv_offload_disk_size",
+    "kv_role",
+    "kv_transfer_host",
 )
+KV_ROLES = ("prefill", "decode", "both")
 
 
 def parse_size(text: str) -> int:
@@ -164,6 +169,20 @@ def add_kv_offload_flags(p: argparse.ArgumentParser) -> None:
         metavar="GIB",
         help="GiB of the disk KV tier's file per worker (with --kv-offload-disk); a worker warns at start when "
         "its filesystem has less free",
+    )
+    p.add_argument(
+        "--kv-role",
+        choices=KV_ROLES,
+        default=DEFAULTS.kv_role,
+        help="disaggregated prefill/decode (vllm-router --disaggregate): prefill and both serve the KV of finished "
+        "prefills to other replicas' workers (a ZeroMQ socket per rank, CURVE with --zmq-curve-dir); decode "
+        "serves none; every role pulls",
+    )
+    p.add_argument(
+        "--kv-transfer-host",
+        default=DEFAULTS.kv_transfer_host,
+        help="the address a rank's KV exporter binds (a free port; reported to the scheduler); other hosts' decode "
+        "workers must reach it",
     )
 
 

@@ -3,11 +3,12 @@
     .venv/bin/python scripts/bench_spec.py                   # SmolLM2-135M-Instruct, concurrency 1, 4, 16, 64
     .venv/bin/python scripts/bench_spec.py --concurrency 1 4 --workloads copy
     .venv/bin/python scripts/bench_spec.py --smoke           # seconds; what CI runs
+    .venv/bin/python scripts/bench_spec.py --draft-model DIR # and a third engine: that draft model's proposals
 
 Two offline engines (`minivllm.LLM`, in-process workers) live side by side, one with `--speculative-config` and one
-without; each (workload, concurrency) cell runs on both, alternating which goes first, so that the machine's noise
-hits both alike. Concurrency C is the engine's max_num_seqs = C with 2 x C requests (at least 4; C from 16 on) sent
-at once.
+without (a third with a draft model when given); each (workload, concurrency) cell runs on each, rotating which goes
+first, so that the machine's noise hits them alike. Concurrency C is the engine's max_num_seqs = C with 2 x C
+requests (at least 4; C from 16 on) sent at once.
 
 Workloads:
 - copy: chat prompts whose answers copy their prompt: repeat or correct a given text, quote the sentences of a
@@ -17,14 +18,17 @@ Workloads:
 
 Per cell: decode tok/s (tokens after each request's first, over the time some request was decoding), mean TPOT
 (a request's time from its first to its last token over its tokens after the first), and with speculation the mean
-acceptance length (tokens per speculated step: accepted proposals + 1) and how many steps speculated; a cell whose
-greedy outputs differ between the two engines says so (speculation must change no token).
+acceptance length (tokens per speculated step: accepted proposals + 1) and how many steps speculated; the process
+CPU time per decoded token (every thread's: less sensitive to other jobs on the machine than wall time); the load
+average at the end of the cell. A cell whose greedy outputs differ between the engines says so (speculation must
+change no token; in bf16 a verify step's other batch shape may flip a near-tie, see docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import json
 import os
@@ -43,6 +47,7 @@ from scheduler_node.api.validation import build_spec  # noqa: E402
 from scheduler_node.core.request import RequestSpec  # noqa: E402
 from scheduler_node.engine.core import EngineCore  # noqa: E402
 
+STEP_TIMEOUT_S = 900.0
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 
 TEXTS = [
@@ -126,8 +131,10 @@ def decode_figures(timings: list[Timed]) -> tuple[float, float]:
 class Engine:
     """One offline engine and what it ran."""
 
-    def __init__(self, model: str | None, speculative: dict[str, Any] | None, args: argparse.Namespace) -> None:
-        self.name = "ngram" if speculative else "off"
+    def __init__(
+        self, name: str, model: str | None, speculative: dict[str, Any] | None, args: argparse.Namespace
+    ) -> None:
+        self.name = name
         self.llm = LLM(
             model,
             speculative_config=speculative,
@@ -135,6 +142,10 @@ class Engine:
             kv_cache_memory=args.kv_cache_memory,
             threads=args.threads,
         )
+        # A measurement, not a service: a machine shared with other jobs may stall one big prefill step for over
+        # the default minute, which would declare the in-process rank lost and end the run.
+        engine = self.llm.engine
+        engine.options = dataclasses.replace(engine.options, step_timeout=STEP_TIMEOUT_S)
 
     def run(self, prompts: list[list[int]], params: list[SamplingParams], concurrency: int) -> dict[str, Any]:
         llm = self.llm
@@ -146,10 +157,13 @@ class Engine:
         ]
         spec = engine.scheduler.speculator
         before = (spec.counters.num_drafts, spec.counters.num_accepted_tokens) if spec else (0, 0)
+        cpu = time.process_time()
         timings, wall = llm._call(_timed(engine, specs))  # the LLM's own loop runs the engine
+        cpu = time.process_time() - cpu
         tok_s, tpot = decode_figures(timings)
         row: dict[str, Any] = {"decode_tok_s": tok_s, "tpot_ms": tpot, "tokens": sum(t.tokens for t in timings)}
         row["wall_s"] = wall
+        row["cpu_ms_per_token"] = 1e3 * cpu / max(1, row["tokens"])
         row["outputs"] = [t.ids for t in timings]
         if spec is not None:
             drafts = spec.counters.num_drafts - before[0]
@@ -163,8 +177,6 @@ class Engine:
 
 
 def _with_max_num_seqs(config: Any, n: int) -> Any:
-    import dataclasses
-
     return dataclasses.replace(config, max_num_seqs=n)
 
 
@@ -199,10 +211,14 @@ def main() -> int:
     p.add_argument("--kv-cache-memory", default="2GiB", help="KV cache of each of the two engines")
     p.add_argument("--json", default="", help="also write the rows to this file")
     p.add_argument("--smoke", action="store_true", help="a tiny run (CI): concurrency 2, short outputs")
+    p.add_argument("--draft-model", default="", help="also run a draft model's proposals (a model folder)")
     args = p.parse_args()
     if args.smoke:
         args.concurrency, args.max_tokens, args.repeats, args.kv_cache_memory = [2], 16, 1, "256MiB"
-    engines = [Engine(args.model, None, args), Engine(args.model, NGRAM, args)]
+    engines = [Engine("off", args.model, None, args), Engine("ngram", args.model, NGRAM, args)]
+    if args.draft_model:
+        draft = {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": 4}
+        engines.append(Engine("draft", args.model, draft, args))
     rows = []
     try:
         for conc in args.concurrency:
@@ -211,17 +227,25 @@ def main() -> int:
                 engines[0].llm, args.workloads, n, args.max_tokens, args.smoke
             ).items():
                 best: dict[str, dict[str, Any]] = {}
+                outputs: dict[str, list[list[int]]] = {}
                 for r in range(args.repeats):
-                    for e in engines if r % 2 == 0 else engines[::-1]:
+                    for e in engines[r % len(engines) :] + engines[: r % len(engines)]:  # each goes first in turn
                         row = e.run(ids, params, conc)
+                        outputs[e.name] = row.pop("outputs")
                         if e.name not in best or row["decode_tok_s"] > best[e.name]["decode_tok_s"]:
                             best[e.name] = row
-                off, on = best["off"], best["ngram"]
-                speedup = on["decode_tok_s"] / off["decode_tok_s"] if off["decode_tok_s"] else 0.0
-                same = off.pop("outputs") == on.pop("outputs")  # greedy: speculation must change no token
-                row = {"workload": name, "concurrency": conc, "off": off, "ngram": on, "speedup": speedup}
-                rows.append({**row, "identical": same})
-                print_row(rows[-1])
+                off = best["off"]
+                cell: dict[str, Any] = {"workload": name, "concurrency": conc, **best}
+                for e in engines[1:]:
+                    on = best[e.name]
+                    on["speedup"] = on["decode_tok_s"] / off["decode_tok_s"] if off["decode_tok_s"] else 0.0
+                    on["cpu_speedup"] = off["cpu_ms_per_token"] / on["cpu_ms_per_token"]
+                    on["identical"] = outputs[e.name] == outputs["off"]  # greedy: speculation must change no token
+                cell["speedup"] = best["ngram"]["speedup"]
+                cell["identical"] = all(best[e.name]["identical"] for e in engines[1:])
+                cell["load"] = os.getloadavg()[0]
+                rows.append(cell)
+                print_row(cell, [e.name for e in engines[1:]])
     finally:
         for e in engines:
             e.close()
@@ -232,16 +256,20 @@ def main() -> int:
     return 0
 
 
-def print_row(row: dict[str, Any]) -> None:
-    off, on = row["off"], row["ngram"]
-    print(
-        f"{row['workload']:6} c={row['concurrency']:<3} "
-        f"off {off['decode_tok_s']:7.1f} tok/s TPOT {off['tpot_ms']:6.1f} ms"
-        f" | ngram {on['decode_tok_s']:7.1f} tok/s TPOT {on['tpot_ms']:6.1f} ms"
-        f" accept len {on.get('acceptance_length', 0):.2f} ({on.get('speculated_steps', 0)} steps)"
-        f" | x{row['speedup']:.2f}{'' if row['identical'] else '  OUTPUTS DIFFER'}",
-        flush=True,
+def print_row(row: dict[str, Any], names: list[str]) -> None:
+    off = row["off"]
+    line = (
+        f"{row['workload']:6} c={row['concurrency']:<3} load {row['load']:4.1f} | off {off['decode_tok_s']:7.1f} tok/s"
     )
+    line += f" TPOT {off['tpot_ms']:6.1f} ms cpu {off['cpu_ms_per_token']:6.1f} ms/tok"
+    for name in names:
+        on = row[name]
+        line += (
+            f" | {name} {on['decode_tok_s']:7.1f} tok/s TPOT {on['tpot_ms']:6.1f} ms"
+            f" accept len {on.get('acceptance_length', 0):.2f} ({on.get('speculated_steps', 0)} steps)"
+            f" x{on['speedup']:.2f} (cpu x{on['cpu_speedup']:.2f}){'' if on['identical'] else ' OUTPUTS DIFFER'}"
+        )
+    print(line, flush=True)
 
 
 if __name__ == "__main__":

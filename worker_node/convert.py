@@ -1,10 +1,13 @@
-"""vllm-convert: turn a GGUF file into an HF model folder that every minivllm command (and HF) can load."""
+"""vllm-convert: turn a GGUF file into an HF model folder that every minivllm command (and HF) can load, or (with
+`--quantization awq`) a GGUF file or full-precision HF folder into an AutoAWQ 4-bit checkpoint."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from proto.cli_config import add_config_flag, parse_args
@@ -17,16 +20,30 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="vllm-convert",
         description="Convert a GGUF file to an HF folder: config.json, generation_config.json, the tokenizer and "
-        "the tensors dequantised to model.safetensors (or, with --link, a link to the GGUF file).",
+        "the tensors dequantised to model.safetensors (or, with --link, a link to the GGUF file); with "
+        "--quantization awq, quantize a GGUF file or an HF folder to AutoAWQ's 4-bit layout.",
     )
     add_config_flag(p)
-    p.add_argument("--input", required=True, help="the .gguf file")
+    p.add_argument("--input", required=True, help="the .gguf file (or, with --quantization awq, an HF folder)")
     p.add_argument("--output", required=True, help="the folder to write (must not exist yet)")
     p.add_argument(
         "--link",
         action="store_true",
         help="keep the weights in the GGUF file (linked from the folder), dequantised at each load",
     )
+    p.add_argument(
+        "--quantization",
+        choices=["none", "awq"],
+        default="none",
+        help="awq: 4-bit AWQ with activation-aware scales searched on a calibration text (AutoAWQ GEMM layout)",
+    )
+    p.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        help="AWQ: input channels per scale (32, 64 or 128; default the largest that splits every projection)",
+    )
+    p.add_argument("--calib-file", help="AWQ: a text file to calibrate on (default: a built-in sample)")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     return p
 
@@ -35,13 +52,47 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(build_parser(), argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     source, output = Path(args.input).expanduser(), Path(args.output).expanduser()
-    if source.suffix != ".gguf" or not source.is_file():
-        logger.error("--input %s: not a .gguf file", source)
+    awq = args.quantization == "awq"
+    folder_input = awq and (source / "config.json").is_file()
+    if not folder_input and (source.suffix != ".gguf" or not source.is_file()):
+        logger.error("--input %s: not a .gguf file%s", source, " or an HF folder" if awq else "")
         return 2
     if output.exists():
         logger.error("--output %s already exists", output)
         return 2
-    convert(source, output, link=args.link)
+    if not awq:
+        if args.group_size is not None or args.calib_file:
+            logger.error("--group-size and --calib-file go with --quantization awq")
+            return 2
+        convert(source, output, link=args.link)
+    else:
+        return _convert_awq(source, output, folder_input, args)
+    logger.info("wrote %s", output)
+    return 0
+
+
+def _convert_awq(source: Path, output: Path, folder_input: bool, args: argparse.Namespace) -> int:
+    from worker_node.models.awq_convert import AwqConvertError, quantize_folder
+
+    if args.link:
+        logger.error("--link: an AWQ checkpoint holds its own 4-bit tensors")
+        return 2
+    calib = None
+    if args.calib_file:
+        try:
+            calib = Path(args.calib_file).expanduser().read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            logger.error("--calib-file %s: %s", args.calib_file, exc)
+            return 2
+    scratch = Path(tempfile.mkdtemp(prefix=".gguf-", dir=output.parent if output.parent.exists() else None))
+    try:
+        folder = source if folder_input else convert(source, scratch / "model")
+        quantize_folder(folder, output, args.group_size, calib)
+    except AwqConvertError as exc:
+        logger.error("%s", exc)
+        return 2
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     logger.info("wrote %s", output)
     return 0
 

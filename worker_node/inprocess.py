@@ -161,7 +161,7 @@ def _capacity_of(runners: list[ModelRunner]) -> WorldCapacity:
         # host "swap" in the same process is a memory copy: swap is the cheap preemption
         ready = WorkerReady(
             r.comm.where.rank, r.num_blocks, r.num_blocks * block_bytes, r.num_host_blocks, 1e12,
-            format_name(r.kv_cache[0].k.dtype),
+            format_name(r.kv_cache[0].k.dtype), kv_address=r.handoff.address if r.handoff is not None else "",
         )  # fmt: skip
         readies.append(r.offload.report(ready) if r.offload is not None else ready)
     return WorldCapacity.of(readies)

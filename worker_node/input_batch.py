@@ -145,6 +145,12 @@ class InputBatch:
         self.token_ids[state.row, n : n + len(tokens)] = tokens
         self.num_tokens[state.row] = n + len(tokens)
 
+    def truncate(self, state: RequestState, n: int) -> None:
+        """The request keeps its first n tokens (and at most n computed ones)."""
+        del state.token_ids[n:]
+        self.num_tokens[state.row] = n
+        self.num_computed[state.row] = min(int(self.num_computed[state.row]), n)
+
     def clear_drafts(self) -> None:
         """Proposals live for one step: a step that did not compute them (skipped) leaves none behind."""
         if self.num_drafts.any():

@@ -19,6 +19,7 @@ from kernels.kv_quant import cache_dtype, format_name, is_quantized
 from proto.wire import Assignment, WorkerReady
 from proto.worker_flags import WorkerOptions
 from worker_node.cuda_graphs import DecodeGraphs, parse_sizes
+from worker_node.draft_model import load_draft
 from worker_node.kv_cache import (
     allocate_host_cache,
     allocate_kv_cache,
@@ -116,6 +117,18 @@ def load_rank(
         model, cache, a.block_size, device, host, comm, a.mode, tokenizer if tokenizer.is_file() else None, offload
     )
     enable_decode_graphs(runner, options.cuda_graph_sizes, backend.name, full.max_model_len)
+    if a.draft_model and runner.samples_here:  # the draft runs where the tokens are sampled (draft_model.py)
+        runner.draft = load_draft(
+            a.draft_model,
+            full.vocab_size,
+            backend,
+            dtype,
+            device,
+            full.max_model_len,
+            a.block_size,
+            a.num_speculative_tokens,
+            a.draft_max_seqs,
+        )
     bandwidth = measure_swap_bandwidth(cache, host, block_bytes)
     ready = WorkerReady(a.rank, num_blocks, num_blocks * block_bytes, swap_blocks, bandwidth, format_name(kv_dtype))
     if compact_dtype is not None:

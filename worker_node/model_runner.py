@@ -14,8 +14,10 @@ import torch
 
 from proto.wire import CachedRequest, ExecutionMode, StepPlan, StepResult, TierMove, TokenLogprobs
 from worker_node.cuda_graphs import DecodeGraphs
+from worker_node.draft_model import DraftModel
 from worker_node.input_batch import InputBatch, RequestState, StepInputs
 from worker_node.kv_cache import KVCache, copy_blocks
+from worker_node.kv_handoff import ImportRun, KVHandoff
 from worker_node.kv_offload import DISK, KVOffload, TierRun
 from worker_node.lora.manager import LoraManager
 from worker_node.models.decoder import CausalLM, StepInterrupted
@@ -87,6 +89,8 @@ class ModelRunner:
         # scheduler has them recompute and tells this worker to forget them.
         self._load_failed: set[int] = set()
         self.lora: LoraManager | None = None  # made when the first request with a LoRA adapter arrives
+        self.handoff: KVHandoff | None = None  # disaggregated prefill/decode: leases served, prefixes pulled
+        self.draft: DraftModel | None = None  # speculative decoding's draft model, on the rank that samples
 
     def apply_diffs(self, plan: StepPlan, check_progress: bool = True) -> np.ndarray:
         """Update the requests this worker holds; their rows, the plan's new requests then its cached ones. Every
@@ -97,6 +101,8 @@ class ModelRunner:
         self._check_plan(plan, [cached[i] for i in changed])
         batch = self.batch
         batch.clear_drafts()
+        if self.draft is not None and (plan.finished or plan.preempted):
+            self.draft.forget(plan.finished + plan.preempted)
         for handle in plan.finished + plan.preempted:
             batch.remove(handle)
             self._load_failed.discard(handle)
@@ -165,6 +171,11 @@ class ModelRunner:
         swapped = [d for d, _ in plan.swap_out] + [d for _, d in plan.swap_in]
         _check_range(swapped, full_limit, "swapped block id (full blocks only)")
         _check_range([h for _, h in plan.swap_out] + [h for h, _ in plan.swap_in], self.num_host_blocks, "swap block")
+        if plan.kv_imports or plan.kv_grants:
+            if self.handoff is None:
+                raise ValueError("the plan moves KV between worlds but this worker has no KV transfer set up")
+            _check_range([b for imp in plan.kv_imports for b in imp.dst], full_limit, "imported block id")
+            _check_range([b for g in plan.kv_grants for b in g.blocks], full_limit, "leased block id")
         if plan.tier_moves:
             if self.offload is None:
                 raise ValueError("the plan moves KV tier blocks but this worker has no offload tiers")
@@ -195,10 +206,13 @@ class ModelRunner:
         start = time.perf_counter()
         # An interrupted plan was built on steps before it that may not have run: their progress is not checked.
         skip = self._interrupted(plan.step_id)
+        if plan.kv_revokes and self.handoff is not None:
+            self.handoff.revoke(plan.kv_revokes)  # before any block of theirs can be written again
         rows = self.apply_diffs(plan, check_progress=not skip)
         tiers = self.run_block_ops(plan)
+        imports = self._pull_imports(plan)
         failed_loads, failed_stores = self._failed_anywhere(plan, tiers)
-        load_skipped = self._leave_out(failed_loads)
+        load_skipped = self._leave_out({m.dst for m in failed_loads} | {b for i in imports.failed for b in i.dst})
         counts = np.array(
             [r.num_scheduled_tokens for r in plan.new_requests]
             + [r.num_scheduled_tokens for r in plan.cached_requests],
@@ -212,6 +226,7 @@ class ModelRunner:
         logprobs: dict[int, list[TokenLogprobs]] = {}
         prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = {}
         pooled: dict[int, tuple[int, int, bytes]] = {}
+        drafts: dict[int, list[int]] = {}
         if len(rows) and not skip:
             inputs = self._prepare(rows, counts, plan.compact_block_base)
             if self.samples_here:
@@ -237,6 +252,13 @@ class ModelRunner:
                     sampled = {state.handle: [token] for state, token in zip(samplers, tokens)}
                 if inputs.flags.logprobs.any():
                     logprobs = {state.handle: [lp] for state, lp in zip(samplers, lps) if lp is not None}
+                if plan.propose and self.draft is not None:  # a draft model's proposals for the next step
+                    states = self.batch.states
+                    drafts = self.draft.propose([states[h] for h in plan.propose if h in sampled and h in states])
+        if plan.kv_grants and self.handoff is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the exporter's thread reads what this forward pass wrote
+            self.handoff.grant(plan.kv_grants)
         end = time.perf_counter()
         idle = (start - self._last_step_end) * 1e3 if self._last_step_end is not None else 0.0
         self._last_step_end = end
@@ -251,9 +273,10 @@ class ModelRunner:
             pooled=pooled,
             tier_ms=tiers.ms,
             tier_load_ms=tiers.load_ms,
-            failed_loads=[m.block_hash for m in failed_loads],
+            failed_loads=[m.block_hash for m in failed_loads] + [h for i in imports.failed for h in i.hashes],
             load_skipped=load_skipped,
             failed_stores=[m.block_hash for m in failed_stores],
+            drafts=drafts,
         )
 
     def _failed_anywhere(self, plan: StepPlan, here: TierRun) -> tuple[list[TierMove], list[TierMove]]:
@@ -268,12 +291,22 @@ class ModelRunner:
         failed = [m for m, bad in zip(moves, anywhere) if bad]
         return [m for m in failed if m.dst_tier != DISK], [m for m in failed if m.dst_tier == DISK]
 
-    def _leave_out(self, failed: list[TierMove]) -> list[int]:
-        """The held requests whose blocks include one a failed load should have filled: left out of this step
-        and of every later one until the scheduler forgets them."""
-        if not failed:
+    def _pull_imports(self, plan: StepPlan) -> ImportRun:
+        """The plan's KV imports from other worlds; every rank reports the same failures (an import that failed
+        on any rank leaves its requests out on all of them, so the TP/PP batches stay equal)."""
+        if not plan.kv_imports or self.handoff is None:
+            return ImportRun()
+        run = self.handoff.pull(plan.kv_imports)
+        if self.comm.where.layout.world_size > 1:
+            anywhere = self.comm.any_rank([imp in run.failed for imp in plan.kv_imports])
+            run.failed = [imp for imp, bad in zip(plan.kv_imports, anywhere) if bad]
+        return run
+
+    def _leave_out(self, bad: set[int]) -> list[int]:
+        """The held requests whose blocks include one a failed load (a tier load, a KV import) should have
+        filled: left out of this step and of every later one until the scheduler forgets them."""
+        if not bad:
             return []
-        bad = {m.dst for m in failed}
         held = self.batch.states.items()
         out = [h for h, s in held if h not in self._load_failed and not bad.isdisjoint(self.batch.blocks(s))]
         self._load_failed.update(out)

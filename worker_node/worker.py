@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 
+import msgspec
 import torch
 import zmq
 
@@ -31,6 +32,7 @@ from proto.wire import (
     encode,
 )
 from proto.worker_flags import EXIT_BAD_FLAGS, add_curve_flag, add_worker_flags, offload_dir_problem
+from worker_node.kv_handoff import make_handoff
 from worker_node.loading import WorkerOptions, load_rank, pick_device
 from worker_node.model_runner import ModelRunner
 from worker_node.parallel import Comm, ParallelRank, RendezvousAborted, connect
@@ -126,7 +128,12 @@ class Worker:
                 self._rendezvous_monitor.close(linger=0)
                 self._rendezvous_monitor = None
         self.runner, ready = load_rank(a, self.options, self.device, self.comm)
-        return ready
+        serve = self.options.kv_role != "decode"
+        handoff = make_handoff(
+            self.runner.kv_cache, where, serve, self.options.kv_transfer_host, 0, self.options.zmq_curve_dir
+        )
+        self.runner.handoff = handoff
+        return msgspec.structs.replace(ready, kv_address=handoff.address)
 
     def _send(self, message: Message) -> None:
         self._sock.send(encode(message))
@@ -147,6 +154,8 @@ class Worker:
         return decode_or_none(self._sock.recv())
 
     def close(self) -> None:
+        if self.runner is not None and self.runner.handoff is not None:
+            self.runner.handoff.close()  # its exporter thread and socket
         if self.comm is not None:
             self.comm.close()
         self._sock.close(linger=0)

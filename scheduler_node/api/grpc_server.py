@@ -22,6 +22,7 @@ from scheduler_node.api.grpc_decode import DecodeGuard
 from scheduler_node.api.grpc_lora import LoraControl
 from scheduler_node.api.grpc_status import RETRY_AFTER, refuse
 from scheduler_node.api.heap import TRIM_ABOVE_BYTES, HeapTrimmer
+from scheduler_node.api.kv_handoff_fields import kv_fields, source_message
 from scheduler_node.api.request_bounds import MAX_REQUEST_BYTES, check_prompt_logprobs
 from scheduler_node.api.resume import state_message, with_resume
 from scheduler_node.api.security import ControlAuth
@@ -79,11 +80,14 @@ class GenerationService(pb_grpc.GenerationServicer):
                         context.set_trailing_metadata(RETRY_AFTER)
                     await context.abort(code, delta.error.message)
                 # The delta with the prompt's logprobs is large (up to request_bounds' bound): built off the loop.
-                yield (
+                resp = (
                     await asyncio.to_thread(_response, spec.request_id, delta)
                     if delta.prompt_logprobs
                     else _response(spec.request_id, delta)
                 )
+                if spec.kv_produce and delta.finish_reason and (source := engine.kv_source(spec.request_id)):
+                    resp.kv_source.CopyFrom(source_message(source))  # where the decode replica pulls the prompt
+                yield resp
             done = True
         finally:
             if not done:  # the client went away, or the stream failed
@@ -110,6 +114,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             )
             check_prompt_logprobs([spec], "sampling.prompt_logprobs")
             spec = with_resume(request, spec, self.tokenizer.vocab_size)
+            spec = dataclasses.replace(spec, **kv_fields(request, spec.n, bool(engine.workers.capacity.kv_addresses)))
         except InvalidField as exc:
             refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return None

@@ -17,6 +17,7 @@ from scheduler_node.api.security import server_credentials
 from scheduler_node.cli.openai_flags import API_KEY_ENV, add_api_key_flag
 from scheduler_node.cli.operations import TOKEN_ENV, stop_signals
 from scheduler_node.router.control import RouterControl
+from scheduler_node.router.disaggregate import Disaggregator
 from scheduler_node.router.grpc_door import RouterGeneration
 from scheduler_node.router.http_door import RouterHttp, build_router_app
 from scheduler_node.router.kv_index import KVIndex
@@ -80,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
         "before the first token.",
     )
     add_config_flag(p)
+    p.add_argument(
+        "--disaggregate",
+        action="store_true",
+        help="compute each gRPC request's prompt on a replica with kv_role=prefill (or both) and generate on one "
+        "with kv_role=decode (or both), which pulls the prompt's KV from the first (vllm-serve --kv-role)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
     p.add_argument("--port", type=int, default=50050, help="gRPC port")
     p.add_argument(
@@ -192,6 +199,8 @@ async def serve(args: argparse.Namespace) -> int:
     )  # fmt: skip
     links = open_links(pool)
     generation = RouterGeneration(Forwarder(router, links, metrics), args.probe_timeout)
+    if args.disaggregate:
+        generation.disaggregator = Disaggregator(generation.forwarder)
     control = RouterControl(generation, args.replica_control_token)
     credentials = server_credentials(args.tls_cert, args.tls_key) if args.tls_cert else None
     server, health = build_server(generation, f"{args.host}:{args.port}", credentials, args.control_token, control)

@@ -153,9 +153,9 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
         type=speculative_config_flag,
         default="",
         help='speculative decoding, as vLLM spells it: a JSON object such as \'{"method": "ngram", '
-        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}\' (also '
-        '"disable_by_batch_size": no speculation while more requests run; default '
-        f"{DISABLE_BY_BATCH_SIZE}). Empty: off",
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}\' or \'{"method": '
+        '"draft_model", "model": PATH, "num_speculative_tokens": 4}\' (also "disable_by_batch_size": no '
+        f"speculation while more requests run; default {DISABLE_BY_BATCH_SIZE}). Empty: off",
     )
     p.add_argument(
         "--enable-prefix-caching",
@@ -345,7 +345,7 @@ async def serve(args: argparse.Namespace) -> int:
     placement = resolve_parallel(args)
     layout = placement.layout
     folder = resolve_model(args.model)
-    check_model_split(folder, layout, config.quantization)
+    check_model_split(folder, layout, config.quantization, config.scheduler.speculative)
     tokenizer = ModelTokenizer(folder)
     if args.zmq_curve_dir:
         ensure_keys(args.zmq_curve_dir)

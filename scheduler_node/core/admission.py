@@ -73,6 +73,9 @@ class Admission(Preemption):
                 hits = bt.match_prefix(hashes[:cacheable], fmt)
                 tiers = self.tiers if fmt is BlockFormat.FULL else None  # the tiers hold full blocks
                 loads = tiers.match(hashes[len(hits) : cacheable]) if tiers is not None else 0
+                if req.kv_source is not None:  # pulled from another replica instead (core/kv_handoff.py)
+                    held = len(req.kv_source.blocks) if fmt is BlockFormat.FULL and bt.enable_prefix_caching else 0
+                    loads = max(0, min(held, cacheable) - len(hits))
                 hit_tokens = (len(hits) + loads) * bt.block_size
                 n = min(req.num_tokens - hit_tokens, budget)
                 reused_free = sum(1 for b in hits if bt.is_free(b))
@@ -193,10 +196,24 @@ class Admission(Preemption):
             bt.acquire(req.req_id, hits, fmt)
             if loads:
                 hashes = req.update_block_hashes(bt.block_size)
-                self._load_from_tiers(req, hashes[len(hits) : len(hits) + loads])
+                if req.kv_source is not None:
+                    self._load_from_remote(req, len(hits), hashes[len(hits) : len(hits) + loads])
+                else:
+                    self._load_from_tiers(req, hashes[len(hits) : len(hits) + loads])
                 bt.register(req.req_id, hashes[: len(hits) + loads])
             req.num_computed_tokens = hit_tokens
+        req.kv_source = None  # used once: a request that recomputes later computes its prompt here
         return True
+
+    def _load_from_remote(self, req: Request, first: int, keys: list[BlockHash]) -> None:
+        """New blocks after the request's cached prefix, filled by the plan's KV import from the producer replica
+        (core/kv_handoff.py) instead of being computed."""
+        assert req.kv_source is not None
+        bt = self.blocks
+        start = len(bt.blocks_of(req.req_id)) * bt.block_size
+        written = bt.write(req.req_id, start, start + len(keys) * bt.block_size)
+        assert written is not None, "the fit check counted these blocks"
+        self.leases.import_prefix(req.kv_source, first, list(written.added), keys)
 
     def _load_from_tiers(self, req: Request, keys: list[BlockHash]) -> None:
         """New blocks after the request's cached prefix, filled from the offload tiers by the plan's tier moves

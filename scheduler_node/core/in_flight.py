@@ -25,10 +25,13 @@ class SentPlan:
     # which this plan's progress is not part of.
     runs: list[int] = field(default_factory=list)
     drafts: list[int] = field(default_factory=list)  # each one's proposed tokens (speculative decoding), within tokens
+    num_drafted: int = 0  # requests with proposals: none, and nothing about proposals costs a pass over the plan
 
     def add(self, req: Request, tokens: int, samples: bool, drafts: int = 0) -> None:
         self.requests.append(req)
         self.drafts.append(drafts)
+        if drafts:
+            self.num_drafted += 1
         self.tokens.append(tokens)
         self.ends.append(req.num_computed_tokens)
         self.samples.append(samples)
@@ -60,13 +63,17 @@ class InFlightLedger:
         self._plans[step_id] = sent
         if self.disjoint_plans:
             self._held.update(r.handle for r in sent.requests)
-        elif any(sent.drafts):  # a speculating request's next tokens are known only once this result is back
+        elif sent.num_drafted:  # a speculating request's next tokens are known only once this result is back
             self._held.update(r.handle for r, d in zip(sent.requests, sent.drafts) if d)
 
     def requests_of(self, step_id: int) -> list[Request]:
         """The requests a plan in flight computes."""
         sent = self._plans.get(step_id)
         return sent.requests if sent is not None else []
+
+    @property
+    def holds_any(self) -> bool:
+        return bool(self._held)
 
     def held(self, handle: int) -> bool:
         """Is the request in a plan in flight that must come back before it is scheduled again?"""

@@ -89,6 +89,7 @@ class Preemption(SchedulerState):
         else:
             self.view.preempt_all()
         self._new_table(self.blocks.num_host_blocks, self.blocks.num_compact_blocks)
+        self.leases.clear()
         if self.tiers is not None:
             self.tiers.clear()  # until the world is back: then its disk blocks are adopted again (engine core)
         self._attach_tiers()

@@ -1,8 +1,10 @@
 """Proposers: where a speculating request's k proposed tokens come from.
 
 A proposer runs on the scheduler, which knows every request's tokens; its proposals travel in the plan
-(`CachedRequest.draft_token_ids`). One interface, so that others (a suffix tree, a draft model's tokens sent back
-by the worker) can join: `propose(req, k)` returns at most k tokens to follow the request's known ones.
+(`CachedRequest.draft_token_ids`). One interface, so that others (a suffix tree, EAGLE-style heads) can join:
+`propose(req, k)` returns at most k tokens to follow the request's known ones. A proposer whose tokens the worker
+makes (a draft model) says so with `on_worker`: the scheduler then asks the worker for them in the plan before
+(`StepPlan.propose`) and keeps what comes back (`SpecState.drafted`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from scheduler_node.core.speculative import SpecState, SpeculativeConfig
 
 
 class Proposer(Protocol):
+    on_worker: bool  # its proposals are made by the worker after a step (StepPlan.propose, StepResult.drafts)
+
     def propose(self, req: Request, state: SpecState, k: int) -> list[int]:
         """At most `k` tokens to follow `req`'s tokens (prompt + output, all known); [] for none."""
         ...
@@ -28,6 +32,8 @@ class NgramProposer:
     from each n-gram to where its first and latest occurrences end, brought up to date with the tokens added since
     the last step, so a proposal costs O(new tokens), not a scan of the sequence. The index lags one token behind
     the sequence: the suffix itself is never its own match."""
+
+    on_worker = False
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.min_n = config.prompt_lookup_min
@@ -56,3 +62,19 @@ class NgramProposer:
                 index[key] = end
                 first.setdefault(key, end)
         state.indexed = max(state.indexed, upto + 1)
+
+
+class DraftModelProposer:
+    """A draft model's tokens: the worker decodes them after a step that asked (worker_node/draft_model.py) and
+    returns them with its result; they propose only while they still follow the request's tokens (a result
+    applied since, a stop that cut the step, make them stale)."""
+
+    on_worker = True
+
+    def propose(self, req: Request, state: SpecState, k: int) -> list[int]:
+        drafted, state.drafted = state.drafted, []
+        return drafted[:k] if state.drafted_at == req.num_tokens else []
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    return DraftModelProposer() if config.method == "draft_model" else NgramProposer(config)

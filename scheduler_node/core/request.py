@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from proto.wire import LoraAdapter, NewRequest, SamplingOptions, TokenLogprobs
 from scheduler_node.core.block_table import BlockHash, hash_block
+from scheduler_node.core.kv_handoff import KVSource
 from scheduler_node.core.lora_slots import LoraRef
 from scheduler_node.core.migration import SequenceResume
 from scheduler_node.core.speculative import SpecState
@@ -112,6 +113,10 @@ class Request:
     # Speculative decoding (core/speculative.py): None when it never speculates (opted out, or options the worker
     # cannot verify exactly); the scheduler sets it at admission when speculation is on.
     spec: SpecState | None = None
+    # Disaggregated prefill/decode (core/kv_handoff.py): a producer's lease on its prompt blocks (b"": none), or
+    # where a consumer pulls its prompt's KV from (used once, at its first start).
+    kv_lease: bytes = b""
+    kv_source: KVSource | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -233,3 +238,7 @@ class RequestSpec:
     speculate: bool = True  # False: never speculative decoding for this request (when the server has it on)
     migratable: bool = False  # its door takes a "migrated" end (vllm-router): a Drain(migrate) moves it
     resume: tuple[SequenceResume, ...] = ()  # a migrated request: only these sequences run, from where they stopped
+    # Disaggregated prefill/decode (core/kv_handoff.py): hold the prompt's KV under a lease when it ends (a
+    # prefill replica), or pull it from another replica's lease (a decode replica).
+    kv_produce: bool = False
+    kv_source: KVSource | None = None

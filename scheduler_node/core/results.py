@@ -1,6 +1,6 @@
 """Results: what a step's result does to the scheduler's view (sampled tokens, stop conditions, prefix-cache
-hashes of the blocks it filled, forks started, proposals settled, failed tier loads) and what an interrupted
-step undoes."""
+hashes of the blocks it filled, forks started, proposals settled, a draft model's next proposals, tier loads and
+KV imports that failed) and what an interrupted step undoes."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ class Results(Preemption):
             self.counters.steps += 1
             self.counters.worker_idle_ms += result.idle_ms
             self.counters.scheduled_tokens += tokens
-        if any(sent.drafts):
+        if sent.num_drafted:
             assert self.speculator is not None, "only a speculator's plans carry proposals"
             self.speculator.settle(sent, result)
         self._register_filled_blocks(sent)
@@ -84,8 +84,12 @@ class Results(Preemption):
             end = req.status  # it finished
             outputs.append(RequestOutput(req, kept, logprobs, *_ending(req)))
             self.finish(req.req_id, end)
-        if self.speculator is not None and any(sent.drafts):
-            self._register_filled_blocks(sent)  # the blocks filled by accepted proposals: hashable only now
+        if self.speculator is not None:
+            if sent.num_drafted:
+                self._register_filled_blocks(sent)  # the blocks filled by accepted proposals: hashable only now
+            for handle, drafted in result.drafts.items():  # a draft model's proposals for the next step
+                if (req := live.get(handle)) is not None and req.status is running:
+                    self.speculator.drafted(req, drafted)
         return outputs
 
     def _recompute_failed_loads(self, result: StepResult) -> None:
@@ -93,9 +97,9 @@ class Results(Preemption):
         offers them again, and every request that reads them (those the workers left out of the step, and any
         later one that found them in the device cache) computes them instead: preempted by recompute, it comes
         back with its cached prefix and recomputes from the first failed block on."""
-        assert self.tiers is not None, "only plans with tier moves can fail a load"
-        logger.warning("%d KV tier block(s) failed to load: recomputing them", len(result.failed_loads))
-        self.tiers.forget_failed(result.failed_loads)
+        logger.warning("%d KV block(s) failed to load or import: recomputing them", len(result.failed_loads))
+        if self.tiers is not None:
+            self.tiers.forget_failed(result.failed_loads)
         bad = {b for h in result.failed_loads if (b := self.blocks.uncache(h)) is not None}
         readers = [r for h in result.load_skipped if (r := self._by_handle.get(h)) is not None]
         readers += [r for r in self.running if not bad.isdisjoint(self.blocks.blocks_of(r.req_id))]

@@ -56,12 +56,17 @@ class Scheduler(Admission, Results):
         if spec is not None:
             spec.begin_step(len(self.running))
         # Speculating requests are held while their plan is in flight (their next tokens are not known before).
-        held = self.in_flight.held if self.mode.disjoint_plans or spec is not None else None
+        holds = self.mode.disjoint_plans or (spec is not None and self.in_flight.holds_any)
+        held = self.in_flight.held if holds else None
+        # With the policy off (a big batch) speculation costs nothing per request: no proposal is even considered.
+        proposing = spec if spec is not None and spec.active else None
         # The loop runs once per running request per step: what it calls is looked up once, here.
         running, take = Status.RUNNING, self._take
         write, scheduled, unchanged = self.blocks.write, sent.requests, UNCHANGED
         # Steady decodes (one token, within the request's own last block, held by the workers) are gathered here
         # and taken together (`_take_decodes`) before anything else is taken, so the plan keeps the loop's order.
+        # Not a steady decode: one that may propose (`proposing`), or a producer's (`kv_lease`), whose plan may
+        # grant its lease (`_take`).
         decodes: list[Request] = []
         plain = self.view.plain_decodes()
         for i, req in enumerate(order):
@@ -73,7 +78,13 @@ class Scheduler(Admission, Results):
             # `_tokens_to_schedule`, inline: this line runs for every running request at every step
             num_out = len(req.output_token_ids) + req.num_placeholders
             todo = len(req.prompt_token_ids) + num_out - first if num_out < req.stop.max_tokens else 0
-            if todo == 1 and plain is not None and req.handle in plain and (spec is None or req.spec is None):
+            if (
+                todo == 1
+                and plain is not None
+                and req.handle in plain
+                and (proposing is None or req.spec is None)
+                and not req.kv_lease
+            ):
                 written = write(req.req_id, first, first + 1)
                 if written is unchanged:
                     decodes.append(req)
@@ -93,8 +104,8 @@ class Scheduler(Admission, Results):
                 self._take_decodes(decodes, plan, sent)
                 decodes = []
             drafts: list[int] | None = []
-            if spec is not None and todo == 1 and req.spec is not None and self.view.holds(req.handle):
-                drafts = spec.drafts(req, spec.room(req, budget, self.max_model_len))
+            if proposing is not None and todo == 1 and req.spec is not None and self.view.holds(req.handle):
+                drafts = proposing.drafts(req, proposing.room(req, budget, self.max_model_len))
                 if drafts is None:
                     continue  # it speculates: its next plan waits for this one's tokens
                 if drafts:
@@ -123,13 +134,24 @@ class Scheduler(Admission, Results):
             self._take_decodes(decodes, plan, sent)
         if not preempted or not self.running:  # a request that preempted itself leaves the cache to the others
             self._admit(budget, seats, floor, plan, sent, now)
+        if proposing is not None and proposing.proposer.on_worker:
+            plan.propose = proposing.to_draft(sent.requests, sent.samples)
         if sent.requests:
             self.in_flight.record(plan.step_id, sent)
         self.view.finish_plan(plan, self.blocks.take_ops())
         plan.compact_block_base = self.blocks.num_blocks if self.blocks.num_compact_blocks else 0
         if self.tiers is not None:
             plan.tier_moves = self.tiers.take_moves()
+        self._hand_off(plan, now)
         return plan
+
+    def _hand_off(self, plan: StepPlan, now: float) -> None:
+        """The plan's KV leases and imports (core/kv_handoff.py); leases past their time are released first."""
+        leases = self.leases
+        if leases.held:
+            leases.expire(self.blocks, now)
+        plan.kv_revokes, plan.kv_grants, plan.kv_imports = leases.revokes, leases.grants, leases.imports
+        leases.revokes, leases.grants, leases.imports = [], [], []
 
     def _seats_per_plan(self) -> int:
         """Requests one plan may hold. With disjoint plans, a 1/N share of what can run at once for N plans in

@@ -12,11 +12,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from proto.wire import CachedRequest, ExecutionMode, StepPlan
+from proto.wire import CachedRequest, ExecutionMode, KVGrant, StepPlan
 from scheduler_node.core.block_table import BlockTable, Written
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.in_flight import InFlightLedger, SentPlan
 from scheduler_node.core.kv_events import DEVICE, KVEventSink
+from scheduler_node.core.kv_handoff import KVLeases
 from scheduler_node.core.kv_precision import CompactKV
 from scheduler_node.core.kv_tiers import KVTiers
 from scheduler_node.core.policy import Policy
@@ -108,6 +109,7 @@ class SchedulerState:
             logger.warning("speculative decoding is off: it does not run with pipeline parallelism yet")
             spec = None
         self.speculator = Speculator(spec) if spec is not None else None
+        self.leases = KVLeases()  # disaggregated prefill/decode (core/kv_handoff.py)
 
     @property
     def num_preemptions(self) -> int:
@@ -140,6 +142,12 @@ class SchedulerState:
             self._catching_up.discard(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        if req.kv_lease:  # a prefill for another replica: its prompt's blocks wait under the lease for the pull
+            ending = req.status if req.finished else status
+            if ending in (Status.FINISHED_STOPPED, Status.FINISHED_LENGTH) and req.num_computed_tokens:
+                self.leases.hold(self.blocks, req.req_id, req.kv_lease, self._prompt_blocks(req), self.clock())
+            else:
+                self.leases.revokes.append(req.kv_lease)
         if not req.finished:
             req.status = status
         self.blocks.free(req.req_id)
@@ -206,7 +214,19 @@ class SchedulerState:
     def has_work(self) -> bool:
         ops = self.blocks.ops
         pending_ops = bool(ops.copy or ops.swap_out or ops.swap_in)
-        return bool(self.waiting or self.running or self.view.has_notices or pending_ops)
+        return bool(self.waiting or self.running or self.view.has_notices or pending_ops or self.leases.pending)
+
+    def _prompt_blocks(self, req: Request) -> int:
+        """The blocks of a prompt that a prefix hit may reuse (its last token is always computed)."""
+        return (len(req.prompt_token_ids) - 1) // self.blocks.block_size
+
+    def expire_leases(self) -> list[str]:
+        """Release the KV leases whose time is up (the engine's timer); their request ids."""
+        return self.leases.expire(self.blocks, self.clock())
+
+    def release_kv(self, request_id: str) -> bool:
+        """Free a producer request's leased blocks (pulled, or its client gave up); False if none are held."""
+        return self.leases.release(self.blocks, request_id)
 
     @property
     def num_unfinished(self) -> int:
@@ -260,6 +280,9 @@ class SchedulerState:
         first = req.num_computed_tokens
         self.view.add_to_plan(req, plan, first, n, self.blocks, written, drafts)
         req.num_computed_tokens = first + n
+        if req.kv_lease and samples and not req.output_token_ids:  # a producer's prompt is computed by this plan
+            blocks = self.blocks.blocks_of(req.req_id)[: self._prompt_blocks(req)]
+            self.leases.grants.append(KVGrant(req.kv_lease, blocks))
         if samples:
             req.num_placeholders += 1  # this step samples a token the scheduler learns of later
         sent.add(req, n, samples, len(drafts) if drafts else 0)
@@ -267,6 +290,7 @@ class SchedulerState:
     def _take_decodes(self, reqs: list[Request], plan: StepPlan, sent: SentPlan) -> None:
         """`_take` of steady decodes, together: each computes one token within its own last block (no block
         added or copied) and samples; the workers hold each one (one stage: they append its tokens themselves).
+        None proposes or is a producer's (no drafts, no KV grant: the loop in `schedule` leaves those to `_take`).
         Column by column, so a step's Python work per decode is a few list operations, not calls."""
         firsts = [r.num_computed_tokens for r in reqs]
         handles = [r.handle for r in reqs]

@@ -21,7 +21,7 @@ from typing import Any
 
 from proto.wire import SamplingOptions
 
-SPEC_METHODS = ("ngram",)
+SPEC_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 DISABLE_BY_BATCH_SIZE = 8  # measured on CPU: scripts/bench_spec.py (docs/benchmarks.md)
 PAUSE_STEPS = 16  # a request whose proposals are mostly rejected proposes nothing for this many of its steps
@@ -37,10 +37,17 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # the longest suffix of the sequence matched against its earlier tokens
     prompt_lookup_min: int = 1  # the shortest
     disable_by_batch_size: int = DISABLE_BY_BATCH_SIZE  # no speculation while more requests than this run
+    model: str = ""  # method draft_model: the draft's folder (the target's tokenizer and vocabulary)
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config.method: must be one of {SPEC_METHODS}, got {self.method!r}")
+        if type(self.model) is not str:
+            raise ValueError(f"speculative_config.model: must be a folder path, got {self.model!r}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config.model: required with method draft_model (the draft's folder)")
+        if self.method != "draft_model" and self.model:
+            raise ValueError(f"speculative_config.model: only with method draft_model, not {self.method}")
         for name, low, high in (
             ("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS),
             ("prompt_lookup_max", 1, 64),
@@ -148,6 +155,9 @@ class SpecState:
     index: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> end of its latest occurrence
     first: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> end of its first occurrence
     indexed: int = 0  # tokens the index has seen
+    # A draft model's proposals (from the worker, StepResult.drafts) and the request's length they follow.
+    drafted: list[int] = field(default_factory=list)
+    drafted_at: int = -1
 
     def observe(self, proposed: int, accepted: int) -> None:
         self.rate = 0.7 * self.rate + 0.3 * accepted / proposed

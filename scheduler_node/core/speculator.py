@@ -12,7 +12,7 @@ import logging
 
 from proto.wire import StepResult
 from scheduler_node.core.in_flight import SentPlan
-from scheduler_node.core.proposers import NgramProposer, Proposer
+from scheduler_node.core.proposers import Proposer, make_proposer
 from scheduler_node.core.request import Request, Status
 from scheduler_node.core.speculative import SpecCounters, SpeculativeConfig, eligible
 
@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 class Speculator:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
-        self.proposer: Proposer = NgramProposer(config)
+        self.proposer: Proposer = make_proposer(config)
         self.counters = SpecCounters()
         self.active = True  # this step's batch is small enough to speculate (`begin_step`)
 
@@ -47,6 +47,19 @@ class Speculator:
             return None
         k = min(self.config.num_speculative_tokens, limit)
         return self.proposer.propose(req, spec, k) if k > 0 else []
+
+    def to_draft(self, requests: list[Request], samples: list[bool]) -> list[int]:
+        """The handles of a plan's requests whose next proposals the worker's draft model makes after this step:
+        those that sample and would speculate in their next step (none while the policy is off)."""
+        if not (self.active and self.proposer.on_worker):
+            return []
+        return [r.handle for r, s in zip(requests, samples) if s and r.spec is not None and not r.spec.pause]
+
+    def drafted(self, req: Request, tokens: list[int]) -> None:
+        """The worker's draft proposals for `req`, made after the tokens it has now."""
+        if req.spec is not None:
+            req.spec.drafted = tokens
+            req.spec.drafted_at = req.num_tokens
 
     def observe(self, req: Request, proposed: int, accepted: int) -> None:
         """A speculated step's result: `accepted` of its `proposed` tokens were the target model's."""

@@ -23,6 +23,7 @@ from scheduler_node.core.kv_precision import CompactKV
 from scheduler_node.core.kv_tiers import KVTiers
 from scheduler_node.core.policy import AGING_INTERVAL_S, PREEMPTION_MARGIN, make_policy
 from scheduler_node.core.scheduler import PreemptionCosts, Scheduler
+from scheduler_node.core.speculative import SpeculativeConfig
 from scheduler_node.engine.core import EngineCore, EngineOptions
 from scheduler_node.engine.lora_registry import LoraConfig, LoraRegistry
 from scheduler_node.engine.metrics import Metrics
@@ -76,6 +77,7 @@ class WorldPlan:
 
     def assignment(self, rank: int) -> Assignment:
         c, s, layout = self.config, self.config.scheduler, self.layout
+        draft, k, draft_seqs = draft_assignment(s)
         return Assignment(
             rank,
             layout.world_size,
@@ -95,7 +97,56 @@ class WorldPlan:
             kv_compact_fraction=c.kv_compact.fraction,
             kv_compact_dtype=c.kv_compact.dtype,
             quantization=c.quantization,
+            draft_model=draft,
+            num_speculative_tokens=k,
+            draft_max_seqs=draft_seqs,
         )
+
+
+def draft_assignment(s: SchedulerConfig) -> tuple[str, int, int]:
+    """The Assignment's draft model fields: the draft's folder ("" for none), its k, and the requests its KV cache
+    holds (those that speculate at once, at most)."""
+    spec = s.speculative
+    if spec is None or spec.method != "draft_model":
+        return "", 0, 0
+    folder = Path(spec.model)
+    model = str(folder.resolve()) if folder.is_dir() else spec.model  # the workers may run in another directory
+    return model, spec.num_speculative_tokens, min(s.max_num_seqs, spec.disable_by_batch_size)
+
+
+def check_speculative(folder: Path, spec: SpeculativeConfig | None, layout: ParallelLayout) -> None:
+    """ValueError, before any worker loads, when speculative decoding cannot run as configured: with pipeline
+    parallelism (the stages before the last would learn the accepted proposals only with the next plan), or with a
+    draft model whose vocabulary or tokenizer is not the target's (its tokens would mean other words)."""
+    if spec is None:
+        return
+    if layout.pipeline_parallel_size > 1:
+        raise ValueError(
+            f"speculative_config: not supported with pipeline parallelism (pipeline_parallel_size "
+            f"{layout.pipeline_parallel_size}); use tensor parallelism or no speculation"
+        )
+    if spec.method != "draft_model":
+        return
+    draft = Path(spec.model)
+    if not (draft / "config.json").is_file():
+        raise ValueError(f"speculative_config.model: {draft} is not a model folder (no config.json)")
+    vocab = [json.loads((f / "config.json").read_text()).get("vocab_size") for f in (folder, draft)]
+    if vocab[0] != vocab[1]:
+        raise ValueError(
+            f"speculative_config.model: the draft's vocabulary ({vocab[1]} tokens) is not the target's ({vocab[0]})"
+        )
+    if _tokenizer_vocab(folder) != _tokenizer_vocab(draft):
+        raise ValueError(f"speculative_config.model: {draft} has another tokenizer than the target's")
+
+
+def _tokenizer_vocab(folder: Path) -> object:
+    """A tokenizer.json's tokens and their ids (its model's vocabulary and added tokens); None without one."""
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        return None
+    t = json.loads(path.read_text())
+    added = sorted((a["id"], a["content"]) for a in t.get("added_tokens", []))
+    return t.get("model", {}).get("vocab"), added
 
 
 def make_engine(
@@ -139,10 +190,13 @@ def lora_registry(config: LoraConfig, folder: Path) -> LoraRegistry | None:
     return registry
 
 
-def check_model_split(folder: Path, layout: ParallelLayout, quantization: str = "auto") -> None:
+def check_model_split(
+    folder: Path, layout: ParallelLayout, quantization: str = "auto", speculative: SpeculativeConfig | None = None
+) -> None:
     """ValueError when the model's heads, MLP or layers do not split over this layout, or its checkpoint cannot
-    run in the `quantization` asked for (before any worker loads it)."""
+    run in the `quantization` asked for, or speculative decoding as configured (before any worker loads it)."""
     resolve_quantization(quantization, folder)
+    check_speculative(folder, speculative, layout)
     c = json.loads((folder / "config.json").read_text())
     heads = int(c["num_attention_heads"])
     layout.check_model(

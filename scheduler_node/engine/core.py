@@ -24,6 +24,7 @@ import msgspec
 from proto.memory_stats import KvPool
 from proto.transport import StepFailed, WorkerLost, WorkerTransport
 from proto.wire import SamplingOptions, StepPlan, StepResult
+from scheduler_node.core.kv_handoff import KVSource, new_lease
 from scheduler_node.core.lora_slots import LoraMemory, lora_requests
 from scheduler_node.core.migration import SequenceResume
 from scheduler_node.core.request import FinishReason, Request, RequestSpec, Status, StopConditions
@@ -79,6 +80,7 @@ class EngineCore(Failures):
         # Called after each step's result is applied: a replica publishing KV events sends the step's batch
         # (scheduler_node/engine/kv_publisher.py).
         self.after_step: Callable[[], None] | None = None
+        self._lease_timer: asyncio.TimerHandle | None = None  # frees KV leases nobody pulled (core/kv_handoff.py)
 
     # ---- what the doors ask
 
@@ -119,6 +121,8 @@ class EngineCore(Failures):
         """`submit`, with the request's deltas put into `stream` (from the output thread if it is threadsafe)."""
         if spec.request_id in self.outputs.requests:
             raise KeyError(spec.request_id)
+        if spec.kv_produce and spec.n != 1:
+            raise ValueError(f"kv_produce: a prefill for another replica computes one sequence, not n = {spec.n}")
         if self.failed:
             raise RuntimeError(self.failed)
         if too_long := self._too_long(spec):
@@ -165,6 +169,8 @@ class EngineCore(Failures):
             kv_precision=spec.kv_precision,
             lora=spec.lora,
             spec=SpecState() if spec.speculate else None,  # the scheduler keeps it only if it speculates
+            kv_lease=new_lease() if spec.kv_produce else b"",
+            kv_source=spec.kv_source if index == 0 else None,  # forks share the first's prompt blocks
         )
 
     def _too_long(self, spec: RequestSpec) -> str:
@@ -184,7 +190,7 @@ class EngineCore(Failures):
     def abort(self, request_id: str) -> bool:
         ids = self.outputs.requests.get(request_id)
         if ids is None:
-            return False
+            return self.release_kv(request_id)  # a finished prefill whose KV nobody will pull now
         for req_id in list(ids):
             req = self.scheduler.finish(req_id, Status.FINISHED_ABORTED)
             if req is not None:
@@ -208,6 +214,40 @@ class EngineCore(Failures):
             logger.info("migrating %d request(s) off this replica", moved)
         self._wake.set()  # tell the workers to forget them
         return moved
+
+    # ---- disaggregated prefill/decode (scheduler_node/core/kv_handoff.py)
+
+    def kv_source(self, request_id: str) -> KVSource | None:
+        """Where another replica pulls a finished prefill's prompt KV from; None when no lease is held for it."""
+        lease = self.scheduler.leases.held.get(request_id)
+        addresses = self.workers.capacity.kv_addresses
+        return lease.source(list(addresses)) if lease is not None and addresses else None
+
+    def release_kv(self, request_id: str) -> bool:
+        """Free a finished prefill's leased blocks (pulled, or nobody will); False if none are held."""
+        if not self.scheduler.release_kv(request_id):
+            return False
+        self._wake.set()  # the workers forget the lease with the next plan
+        return True
+
+    def _arm_lease_timer(self) -> None:
+        """Wake when the earliest lease held expires (no step may come to notice it)."""
+        leases = self.scheduler.leases.held
+        if not leases:
+            return
+        loop = asyncio.get_running_loop()
+        at = loop.time() + max(0.0, min(lease.expires for lease in leases.values()) - self.scheduler.clock())
+        if self._lease_timer is not None:
+            if self._lease_timer.when() <= at:
+                return
+            self._lease_timer.cancel()
+        self._lease_timer = loop.call_at(at, self._expire_leases)
+
+    def _expire_leases(self) -> None:
+        self._lease_timer = None
+        if self.scheduler.expire_leases():
+            self._wake.set()
+        self._arm_lease_timer()
 
     def resize_cache(self, num_blocks: int) -> int:
         """Change the usable KV blocks; the block moves run on the workers before the next step. ValueError
@@ -328,6 +368,7 @@ class EngineCore(Failures):
         self._interrupting.discard(head.plan.step_id)
         outputs = self.scheduler.update(head.plan, result)
         self.outputs.step(outputs)
+        self._arm_lease_timer()
         if self.after_step is not None:
             self.after_step()
         if head.tokens:

@@ -16,6 +16,7 @@ from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from scheduler_node.api.grpc_status import refuse
 from scheduler_node.api.validation import MAX_ID_LENGTH
+from scheduler_node.router.disaggregate import Disaggregator
 from scheduler_node.router.replica import DOWN, ReplicaPool
 from scheduler_node.router.request import RouteRequest
 from scheduler_node.router.upstream import Forwarder, UpstreamError, forwarded_metadata
@@ -32,6 +33,7 @@ class RouterGeneration(pb_grpc.GenerationServicer):
         self.idle = asyncio.Event()
         self.idle.set()
         self.draining = False
+        self.disaggregator: Disaggregator | None = None  # --disaggregate: prefill and decode on different replicas
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -47,7 +49,9 @@ class RouterGeneration(pb_grpc.GenerationServicer):
             try:
                 timeout = context.time_remaining()
                 metadata = forwarded_metadata(headers)
-                async for response in self.forwarder.generate(request, route_request, timeout, metadata):
+                split = self.disaggregator is not None and not request.HasField("kv_handoff")
+                generate = self.disaggregator.generate if split and self.disaggregator else self.forwarder.generate
+                async for response in generate(request, route_request, timeout, metadata):
                     yield response
             except UpstreamError as exc:
                 self.count_error(route_request.model, exc.code.name)

@@ -6,7 +6,8 @@ like a gRPC request (the same strategies, prefix keys and metrics), and sent on 
 replica's. The answer comes back as the replica sends it, chunk by chunk for a stream (no buffering). A request
 that fails before any byte of its answer reached the client (the replica cannot be reached, answers 503, or drops
 the connection first) goes once more to another replica of its model; a stream that breaks later ends with an
-error event naming the replica, never a second copy of tokens the client already has.
+error event naming the replica, never a second copy of tokens the client already has. A LoRA adapter's request
+that a replica answers 404 (unloaded there since the last probe) goes to another replica that lists it, or is 404.
 """
 
 from __future__ import annotations
@@ -122,6 +123,13 @@ class RouterHttp:
                     logger.info("HTTP %s: retrying on another replica: %s", path, _error_message(data))
                     continue
                 return replica, answer, data
+            if answer.status == 404 and route.adapter:
+                # The adapter was unloaded there since the last probe: another replica may still serve it.
+                answer.release()
+                self.forwarder.closed(replica)
+                replica.adapters -= {route.adapter}
+                failed.append(replica)
+                continue
             stack.callback(self.forwarder.closed, replica)
             return replica, answer, data
 

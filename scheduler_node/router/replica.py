@@ -16,6 +16,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 STARTING, SERVING, NOT_SERVING, DOWN = "starting", "serving", "not_serving", "down"
+KV_ROLES = ("prefill", "decode", "both")
 EWMA_ALPHA = 0.3  # weight of the newest latency sample: a replica's slowdown shows within a few requests
 
 
@@ -28,8 +29,14 @@ class ReplicaSpec:
     kv_events: str = ""  # HOST:PORT of its KV events (its --kv-events-port), for --routing-strategy kv
     kv_snapshot: str = ""  # HOST:PORT of its KV snapshots (its --kv-events-snapshot-port; default: kv_events + 1)
     tokenizer: str = ""  # the model's folder (tokenizer.json, chat template): kv hashes text prompts like it
+    kv_role: str = "both"  # prefill, decode or both (its vllm-serve --kv-role), for --disaggregate
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_role", self.kv_role or "both")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(
+                f"replica {self.address}: kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}"
+            )
         for key in ("address", "http", "kv_events", "kv_snapshot"):
             address = getattr(self, key)
             host, _, port = address.rpartition(":")
@@ -48,12 +55,18 @@ class ReplicaSpec:
             raise ValueError(f"replica {self.address}: weight must be > 0, got {self.weight}")
 
 
-OPTIONAL = ("http", "kv_events", "kv_snapshot", "tokenizer")  # the keys of --replica besides address, model, weight
+OPTIONAL = (
+    "http",
+    "kv_events",
+    "kv_snapshot",
+    "tokenizer",
+    "kv_role",
+)  # the keys of --replica besides address, model, weight
 
 
 def parse_replica(value: str | Mapping[str, Any]) -> ReplicaSpec:
     """`HOST:PORT,model=NAME[,weight=W][,http=HOST:PORT][,kv_events=HOST:PORT][,kv_snapshot=HOST:PORT]
-    [,tokenizer=DIR]` (the command line) or a mapping of those keys (a config file)."""
+    [,tokenizer=DIR][,kv_role=prefill|decode|both]` (the command line) or a mapping of those keys (a config file)."""
     if isinstance(value, Mapping):
         fields = {str(k): v for k, v in value.items()}
     else:

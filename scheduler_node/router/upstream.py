@@ -94,15 +94,17 @@ class Forwarder:
         route_request: RouteRequest,
         timeout: float | None,
         metadata: Sequence[tuple[str, str]] = (),
+        exclude: Sequence[Replica] = (),
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """The replica's responses to `request` as they come; UpstreamError with the status it ended with."""
+        """The replica's responses to `request` as they come (never from a replica in `exclude`); UpstreamError
+        with the status it ended with."""
         arrived, deadline_s = time.monotonic(), request.deadline_s
         request.migratable = True  # a draining replica hands it back (below) instead of finishing it
         failed: list[Replica] = []
         moved_from: list[Replica] = []  # replicas that handed it back: never chosen again for it
         while True:
             try:
-                route = await self.route(route_request, failed + moved_from)
+                route = await self.route(route_request, [*exclude, *failed, *moved_from])
             except RouteError as exc:
                 earlier = f" (it failed on {failed[0].address} before its first token)" if failed else ""
                 raise UpstreamError(grpc.StatusCode[exc.code], f"{exc}{earlier}") from None

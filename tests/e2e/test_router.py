@@ -513,6 +513,36 @@ def test_drain_migrate_moves_running_streams_to_the_other_replica_unnoticed(flee
     wait_for(lambda: fleet.replicas()[victim.address].state == "serving", 10, "the replica comes back")
 
 
+def test_disaggregated_prefill_then_decode_and_no_lease_left_after_a_cancel(fleet: Fleet) -> None:
+    """A router with --disaggregate over the two llamas, one kv_role=prefill and one kv_role=decode: greedy tokens
+    equal a replica's own, the decode replica pulls the prompt's full blocks (its cached tokens), and streams
+    cancelled at once or after their first token leave no block leased or used on either replica."""
+    prefill, decode = fleet.llamas
+    replicas = [f"{prefill.address},model=llama,kv_role=prefill", f"{decode.address},model=llama,kv_role=decode"]
+    router = RouterProcess(replicas, ["--disaggregate", *PROBE])
+    try:
+        router.wait_serving(30)
+        stub = pb_grpc.GenerationStub(router.channel)
+        for seed in (101, 102):
+            ids = prompt_ids(seed, 70)
+            expected = tokens(pb_grpc.GenerationStub(prefill.channel), greedy_ids(ids, 10))
+            responses = list(stub.Generate(greedy_ids(ids, 10), timeout=60))
+            assert [t for r in responses for t in r.token_ids] == expected
+            assert responses[-1].usage.cached_tokens == 64, "4 full blocks pulled from the prefill replica"
+        at_once = stub.Generate(greedy_ids(prompt_ids(103, 70), 200), timeout=60)
+        at_once.cancel()
+        later = stub.Generate(greedy_ids(prompt_ids(104, 70), 200), timeout=60)
+        next(later)
+        later.cancel()
+
+        def used(c: Cluster) -> int:
+            return pb_grpc.ControlStub(c.channel).GetStats(pb.GetStatsRequest(), timeout=5).used_blocks
+
+        wait_for(lambda: used(prefill) == 0 and used(decode) == 0, 30, "no block leased or used on either replica")
+    finally:
+        router.stop()
+
+
 def test_kill_9_of_a_replica_under_load(fleet: Fleet) -> None:
     """Requests waiting on the killed replica (no token yet) finish on the other with the right tokens; those it
     was running end with UNAVAILABLE naming it; nothing hangs; the replica leaves, and returns once restarted."""

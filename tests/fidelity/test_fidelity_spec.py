@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from proto.wire import SamplingOptions
 from scheduler_node.core.speculative import SpeculativeConfig
 from tests.support.engine import EngineRun, load_runner
+from tests.support.inprocess_tp import TensorParallelRanks
 from tests.support.models import assert_teacher_forced, load_hf
 from tests.support.spec import ScriptedProposer
 
@@ -31,10 +33,17 @@ def copy_prompts(seed: int, vocab: int) -> list[list[int]]:
 
 
 def run(
-    folder: Path, prompts: list[list[int]], spec: SpeculativeConfig | None, reference: list[list[int]] | None = None
+    folder: Path,
+    prompts: list[list[int]],
+    spec: SpeculativeConfig | None,
+    reference: list[list[int]] | None = None,
+    tp: TensorParallelRanks | None = None,
 ) -> tuple[list[list[int]], EngineRun]:
-    runner = load_runner(folder, 48, BLOCK)
-    with EngineRun(runner, tokenizer_dir=folder, max_num_batched_tokens=64, speculative=spec) as r:
+    runners = tp.runners if tp is not None else load_runner(folder, 48, BLOCK)
+    transport = tp.transport() if tp is not None else None
+    with EngineRun(
+        runners, tokenizer_dir=folder, max_num_batched_tokens=64, speculative=spec, transport=transport
+    ) as r:
         if reference is not None:
             assert r.scheduler.speculator is not None
             r.scheduler.speculator.proposer = ScriptedProposer(
@@ -96,3 +105,53 @@ def test_stop_strings_and_stop_tokens_end_a_speculated_step_where_they_occur(tin
     without = finish(None, plain, stops, stop_ids)
     assert all(reason == "stop" and len(ids) < 24 for ids, _, reason in without), "the test lost its point"
     assert finish(SPEC, plain, stops, stop_ids) == without
+
+
+def draft_run(
+    folder: Path, draft: Path, prompts: list[list[int]], mixed: bool = True
+) -> tuple[list[list[int]], EngineRun]:
+    """The mixed batch of `run` (or greedy requests that all speculate), proposals from the draft model `draft`
+    (the worker's, TP 1)."""
+    spec = SpeculativeConfig(method="draft_model", model=str(draft), num_speculative_tokens=3)
+    runner = load_runner(folder, 48, BLOCK, draft_model=draft, num_speculative_tokens=3)
+    with EngineRun(runner, tokenizer_dir=folder, max_num_batched_tokens=64, speculative=spec) as r:
+        outs = []
+        for i, p in enumerate(prompts):
+            seeded = SamplingOptions(temperature=0.8, seed=i, top_k=20)
+            sampling = SamplingOptions(temperature=0.0) if i % 3 or not mixed else seeded
+            outs.append(r.add(p, 24, sampling=sampling, speculate=i % 4 != 1 or not mixed))
+        r.run()
+    assert runner.draft is not None and not runner.draft.batch.states, "every request's draft state is freed"
+    return [o.output for o in outs], r
+
+
+def test_a_draft_model_changes_no_token(tiny_llama_dir: Path, tiny_model_dir: Any) -> None:
+    """A draft equal to the target proposes the target's own greedy tokens: the greedy requests accept them all;
+    a random draft (another tiny model, same vocabulary) is mostly wrong: the output is the same either way."""
+    prompts = copy_prompts(3, 1000)
+    plain, _ = run(tiny_llama_dir, prompts, None)
+    greedy = [i for i in range(len(prompts)) if i % 3]  # those `run` decodes greedily
+    same, r = draft_run(tiny_llama_dir, tiny_llama_dir, [prompts[i] for i in greedy], mixed=False)
+    assert same == [plain[i] for i in greedy]
+    counters = r.scheduler.speculator.counters  # type: ignore[union-attr]
+    assert counters.num_drafts > 0 and counters.num_accepted_tokens == counters.num_draft_tokens
+    other, r = draft_run(tiny_llama_dir, tiny_model_dir("qwen3"), prompts)
+    assert other == plain
+    counters = r.scheduler.speculator.counters  # type: ignore[union-attr]
+    assert counters.num_drafts > 0 and counters.num_accepted_tokens < counters.num_draft_tokens
+
+
+def test_tensor_parallel_speculation_changes_no_token(tiny_llama_dir: Path) -> None:
+    """TP 2: every rank receives every draw (share_sampled) and rolls back alike; the output is TP 1's without
+    speculation, with proposals accepted in full, in part and not at all."""
+    prompts = copy_prompts(7, 1000)[:4]
+    plain, _ = run(tiny_llama_dir, prompts, None)
+    tp2 = TensorParallelRanks(tiny_llama_dir, 48, BLOCK, tp=2)
+    try:
+        speculated, r = run(tiny_llama_dir, prompts, SPEC, reference=plain, tp=tp2)
+        assert [runner.batch.states for runner in tp2.runners] == [{}, {}]
+    finally:
+        tp2.close()
+    counters = r.scheduler.speculator.counters  # type: ignore[union-attr]
+    assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens, "the test lost its point"
+    assert speculated == plain

@@ -14,7 +14,7 @@ from scheduler_node.core.lora_slots import LoraRef
 from scheduler_node.engine.lora_registry import LoraRegistry
 from tests.support.engine import EngineRun, load_runner
 from tests.support.inprocess_tp import TensorParallelRanks
-from tests.support.lora import load_base, load_peft, load_peft_many, make_adapter, make_adapters
+from tests.support.lora import load_base, load_peft, load_peft_many, make_adapter, make_adapters, make_peft_many
 from tests.support.models import assert_teacher_forced
 from tests.support.quant import hf_on_dequantized
 from worker_node.models.quantize import make_method
@@ -226,5 +226,31 @@ def test_other_architectures_mix_four_adapters_and_the_base_model(
         if lora is None:
             assert_teacher_forced(base, prompt, req.output)
         else:
-            reference.set_adapter(str(lora))
+            reference.set_adapter(f"a{lora}")
+            assert_teacher_forced(reference, prompt, req.output)
+
+
+def test_smollm2_mixes_two_adapters_and_the_base_model(smollm2_dir: Path, tmp_path: Path) -> None:
+    """The real SmolLM2 (fp32): two random adapters (every module; attention's q/v with rsLoRA) and the base model
+    in one batch of text prompts; every greedy token is HF + PEFT's teacher-forced argmax."""
+    from scheduler_node.text.tokenizer import ModelTokenizer
+
+    paths, reference = make_peft_many(smollm2_dir, tmp_path, [ADAPTERS[0], (("q_proj", "v_proj"), 4, True)], 40)
+    tok = ModelTokenizer(smollm2_dir)
+    texts = ["The capital of France is", "def fibonacci(n):"]
+    prompts = [tok.encode(t) for t in texts for _ in range(2)]
+    loras = [None, 0, 1, 0]
+    refs = _refs(smollm2_dir, paths)
+    with EngineRun(load_runner(smollm2_dir, 64, BLOCK), tokenizer_dir=smollm2_dir, max_loras=2) as run:
+        requests = [run.add(p, 4, lora=None if i is None else refs[i]) for p, i in zip(prompts, loras)]
+        run.run()
+        assert run.scheduler.blocks.num_free == 64
+    for first, other in zip(requests[::2], requests[1::2]):  # each prompt twice: two adapters, or one and the base
+        assert first.output != other.output, "an adapter did not change the tokens"
+    for req, prompt, lora in zip(requests, prompts, loras):
+        if lora is None:
+            with reference.disable_adapter():
+                assert_teacher_forced(reference, prompt, req.output)
+        else:
+            reference.set_adapter(f"a{lora}")
             assert_teacher_forced(reference, prompt, req.output)

@@ -48,10 +48,13 @@ def load_runner(
     dtype: str = "float32",
     kv_cache_dtype: str = "auto",
     quantization: str = "auto",
+    draft_model: Path | None = None,
+    num_speculative_tokens: int = 4,
     **worker: Any,
 ) -> ModelRunner:
     """One rank of `folder`'s model on the CPU, holding exactly `num_blocks` KV blocks (and the execution mode of
-    its world with async scheduling, unless `mode` says otherwise). `worker`: more WorkerOptions (offload tiers)."""
+    its world with async scheduling, unless `mode` says otherwise), with `draft_model` as its speculative decoding
+    draft when given. `worker`: more WorkerOptions (offload tiers)."""
     layout = where.layout
     assignment = Assignment(
         rank=where.rank,
@@ -68,6 +71,9 @@ def load_runner(
         num_kv_blocks=num_blocks,
         num_swap_blocks=num_host_blocks,
         quantization=quantization,
+        draft_model=str(draft_model or ""),
+        num_speculative_tokens=num_speculative_tokens if draft_model else 0,
+        draft_max_seqs=8 if draft_model else 0,
     )
     options = WorkerOptions(attention_backend=backend, kv_cache_dtype=kv_cache_dtype, **worker)
     runner, _ = load_rank(assignment, options, CPU, comm or Comm(where))
@@ -92,6 +98,7 @@ class Submitted:
     max_tokens: int
     completions: list[Completion]
     stream: Any = None
+    request_id: str = ""
 
     @property
     def output(self) -> list[int]:
@@ -148,6 +155,7 @@ class EngineRun:
         stop_token_ids: list[int] | None = None,
         lora: LoraRef | None = None,
         speculate: bool = True,
+        **spec_fields: Any,
     ) -> Submitted:
         spec = RequestSpec(
             request_id=f"r{next(self._ids)}",
@@ -161,8 +169,9 @@ class EngineRun:
             stop_token_ids=stop_token_ids or [],
             lora=lora,
             speculate=speculate,
+            **spec_fields,
         )
-        entry = Submitted(list(prompt), max_tokens, [Completion() for _ in range(n)])
+        entry = Submitted(list(prompt), max_tokens, [Completion() for _ in range(n)], request_id=spec.request_id)
         self._loop.run_until_complete(self._submit(spec, entry))
         self.submitted.append(entry)
         return entry
@@ -196,6 +205,10 @@ class EngineRun:
             await asyncio.wait_for(scenario(), timeout)
 
         self._loop.run_until_complete(main())
+
+    def run_until(self, predicate: Callable[[], object], what: str, timeout: float = 60.0) -> None:
+        """Run the engine until `predicate()` holds (TimeoutError naming `what` after `timeout` seconds)."""
+        self._loop.run_until_complete(until(predicate, timeout, what))
 
     def run_plans(self, count: int, timeout: float = 120.0) -> None:
         """Until the engine has sent `count` plans in all (requests may still be running)."""

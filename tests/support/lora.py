@@ -63,6 +63,29 @@ def make_adapters(base: Path | Any, root: Path, count: int, seed: int, rank: int
     return paths
 
 
+def make_peft_many(base: Path, root: Path, specs: list[tuple[tuple[str, ...], int, bool]], seed: int):  # type: ignore[no-untyped-def]
+    """Random adapters of (targets, rank, rslora) made by PEFT over one load of `base`, saved under `root`/"a0",
+    "a1", ...; their paths and the HF + PEFT model holding them (the reference). Cheaper than
+    make_adapter then load_peft_many for a real model: its weights are read once, never copied. The adapters are
+    named "a0", "a1", ... (`set_adapter`), never a bare number: PEFT's save strips ".NAME" from every key, which
+    would also cut a layer index ("layers.0.") out of a key of adapter "0"."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = None
+    for i, (targets, rank, rslora) in enumerate(specs):
+        config = LoraConfig(
+            r=rank, lora_alpha=16, target_modules=list(targets), init_lora_weights=False, use_rslora=rslora
+        )
+        if model is None:
+            model = get_peft_model(_base(base), config, adapter_name=f"a{i}")
+        else:
+            model.add_adapter(f"a{i}", config)
+    assert model is not None, "no adapter specs"
+    model.save_pretrained(str(root))  # one folder per adapter, named after it
+    return [root / f"a{i}" for i in range(len(specs))], model.eval()
+
+
 def load_peft_many(base: Path | Any, adapters: list[Path]):  # type: ignore[no-untyped-def]
     """One HF model holding every adapter (named "0", "1", ...): `set_adapter(str(i))` picks the reference."""
     from peft import PeftModel

@@ -11,6 +11,8 @@ from scheduler_node.core.speculative import SpecState
 
 
 class ScriptedProposer:
+    on_worker = False
+
     def __init__(
         self, reference: dict[tuple[int, ...], list[int]], wrong: float, seed: int = 0, always_k: bool = False
     ) -> None:

@@ -1,6 +1,7 @@
 """Agent frameworks as real clients of the door: LangChain's `ChatOpenAI(...).bind_tools(...)` gets the model's
 tool call back as `tool_calls`, streams them, and sends the tool's result back in a second turn; its
-`with_structured_output` extraction (function calling, as instructor's default mode) returns the parsed object."""
+`with_structured_output` extraction returns the parsed object; `instructor` extracts a pydantic model through its
+default tool-calling mode and its JSON-schema mode, streamed partial objects included."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import instructor
 import pytest
 from langchain_core.messages import AIMessageChunk, HumanMessage, ToolMessage
 from langchain_openai import ChatOpenAI
+from openai import AsyncOpenAI
 from pydantic import BaseModel, SecretStr
 
 from scheduler_node.engine.core import EngineCore
@@ -72,3 +75,32 @@ def test_langchain_structured_extraction() -> None:
         assert await extract.ainvoke("It is sunny in Paris.") == GetWeather(city="Paris")
 
     serve('{"city": "Paris"}', scenario)  # a named tool_choice: the output is the arguments
+
+
+def ask_instructor(text: str, scenario: Callable[[AsyncOpenAI], Awaitable[None]]) -> None:
+    engine = scripted(text)
+
+    async def main() -> None:
+        async with running(engine), openai_client(engine, tokenizer()) as (client, _):
+            await scenario(client)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("mode", [instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA])
+def test_instructor_extraction(mode: instructor.Mode) -> None:
+    """instructor's default mode sends a named `tool_choice` (the grammar makes the arguments the object); its
+    JSON-schema mode sends `response_format: json_schema`; both parse our answer into the model."""
+
+    async def scenario(client: AsyncOpenAI) -> None:
+        extract = instructor.from_openai(client, mode=mode)
+        ask: list[Any] = [{"role": "user", "content": "It is sunny in Paris."}]
+        weather = await extract.chat.completions.create(model=MODEL, response_model=GetWeather, messages=ask,
+                                                        max_retries=0, temperature=0)  # fmt: skip
+        assert isinstance(weather, GetWeather) and weather.model_dump() == {"city": "Paris"}
+        partial = extract.chat.completions.create_partial(model=MODEL, response_model=GetWeather, messages=ask,
+                                                          max_retries=0, temperature=0)  # fmt: skip
+        last = [p async for p in partial][-1]
+        assert last.city == "Paris"
+
+    ask_instructor('{"city": "Paris"}', scenario)

@@ -31,6 +31,9 @@ NGRAM = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_
         ('{"method": "ngram", "prompt_lookup_max": 2, "prompt_lookup_min": 3}', "prompt_lookup_min"),
         ('{"method": "ngram", "prompt_lookup_maximum": 2}', "prompt_lookup_maximum"),
         ('{"method": "ngram", "disable_by_batch_size": -1}', "disable_by_batch_size"),
+        ('{"method": "draft_model"}', "model"),
+        ('{"method": "ngram", "model": "/m"}', "model"),
+        ('{"method": "draft_model", "model": 3}', "model"),
         ('["ngram"]', "speculative_config"),
         ("{method: ngram}", "speculative_config"),
     ],
@@ -165,3 +168,48 @@ def test_the_policy_pauses_a_request_whose_proposals_miss_and_big_batches() -> N
     logprobs = req("c", REPEATING, logprobs=1)
     spec.admit(logprobs)
     assert logprobs.spec is None
+
+
+def test_with_the_policy_off_speculation_costs_nothing_per_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More requests running than disable_by_batch_size: no proposal is considered, no room computed, and no
+    in-flight hold looked up (a plan of 64 decodes pays these 64 times a step)."""
+    s = make(SpeculativeConfig(num_speculative_tokens=3, disable_by_batch_size=2))
+    rs = [req(name, REPEATING) for name in "abc"]
+    for r in rs:
+        s.add(r)
+    plan = s.schedule()
+    s.update(plan, StepResult(plan.step_id, {r.handle: [3] for r in rs}))
+
+    def never(*args: object) -> None:
+        raise AssertionError("speculation did work while the policy is off")
+
+    assert s.speculator is not None
+    monkeypatch.setattr(s.speculator, "room", never)
+    monkeypatch.setattr(s.in_flight, "held", never)
+    monkeypatch.setattr(s.speculator, "drafts", never)
+    for _ in range(3):
+        plan = s.schedule()
+        assert len(plan.cached_requests) == 3 and not any(c.draft_token_ids for c in plan.cached_requests)
+        assert plan.propose == []
+        s.update(plan, StepResult(plan.step_id, {r.handle: [4] for r in rs}))
+
+
+def test_a_draft_model_proposes_what_the_worker_sent_while_it_follows_the_tokens() -> None:
+    """method draft_model: the plan asks the worker for proposals of the requests that sample (StepPlan.propose);
+    the result's drafts propose in the next plan, unless the request's tokens moved on since."""
+    s = make(SpeculativeConfig(method="draft_model", model="/draft", num_speculative_tokens=3))
+    a, b = req("a", [5, 6, 7]), req("b", [5, 6, 7])
+    b.spec = None  # opted out: never asked for
+    s.add(a)
+    s.add(b)
+    plan = s.schedule()
+    assert plan.propose == [a.handle]
+    s.update(plan, StepResult(plan.step_id, {a.handle: [8], b.handle: [8]}, drafts={a.handle: [9, 10, 11]}))
+    plan = s.schedule()
+    assert [c.draft_token_ids for c in plan.cached_requests] == [(9, 10, 11), ()]
+    assert plan.propose == [a.handle]
+    s.update(plan, StepResult(plan.step_id, {a.handle: [9, 12], b.handle: [9]}, drafts={a.handle: [13, 14, 15]}))
+    assert a.output_token_ids == [8, 9, 12] and a.num_computed_tokens == a.num_tokens - 1
+    a.spec.drafted_at -= 1  # type: ignore[union-attr]  # as if a token arrived after the proposals were made
+    plan = s.schedule()
+    assert [c.draft_token_ids for c in plan.cached_requests] == [(), ()]

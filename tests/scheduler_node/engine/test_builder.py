@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from proto.parallel import ParallelLayout
-from scheduler_node.engine.builder import check_model_split, model_limit, resolve_max_model_len
+from scheduler_node.core.speculative import SpeculativeConfig
+from scheduler_node.engine.builder import check_model_split, check_speculative, model_limit, resolve_max_model_len
 from scheduler_node.engine.model_path import resolve_model, served_name
 
 pytestmark = pytest.mark.unit
@@ -51,3 +52,33 @@ def test_a_folder_without_a_config_or_weights_is_refused(tmp_path: Path) -> None
     with pytest.raises(FileNotFoundError, match="holds no weights"):
         resolve_model(str(model_folder(tmp_path, LLAMA, "notes.txt")))
     assert served_name("org/some-model") == "org/some-model"  # a hub id is served as given
+
+
+def _folder(path: Path, vocab: int, tokens: dict[str, int] | None = None) -> Path:
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"vocab_size": vocab}))
+    if tokens is not None:
+        (path / "tokenizer.json").write_text(json.dumps({"model": {"vocab": tokens}, "added_tokens": []}))
+    return path
+
+
+def test_speculation_is_refused_at_start_where_it_cannot_run(tmp_path: Path) -> None:
+    """Pipeline parallelism, and a draft model whose folder, vocabulary or tokenizer is not the target's: a clear
+    error naming the key, before any worker loads."""
+    target = _folder(tmp_path / "target", 8, {"a": 0, "b": 1})
+    ngram = SpeculativeConfig()
+    check_speculative(target, ngram, ParallelLayout(2, 1))
+    with pytest.raises(ValueError, match="speculative_config: not supported with pipeline parallelism"):
+        check_speculative(target, ngram, ParallelLayout(1, 2))
+
+    def draft(folder: Path) -> None:
+        check_speculative(target, SpeculativeConfig(method="draft_model", model=str(folder)), ParallelLayout(1, 1))
+
+    draft(target)
+    draft(_folder(tmp_path / "same", 8, {"a": 0, "b": 1}))
+    with pytest.raises(ValueError, match=r"speculative_config.model: .*missing is not a model folder"):
+        draft(tmp_path / "missing")
+    with pytest.raises(ValueError, match=r"speculative_config.model: the draft's vocabulary \(9 tokens\)"):
+        draft(_folder(tmp_path / "bigger", 9, {"a": 0, "b": 1}))
+    with pytest.raises(ValueError, match="speculative_config.model: .* has another tokenizer"):
+        draft(_folder(tmp_path / "other", 8, {"a": 1, "b": 0}))

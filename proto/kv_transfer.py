@@ -1,0 +1,111 @@
+"""The worker ⇄ worker KV transfer messages: a consumer pulls a lease's blocks from a producer rank.
+
+One pull is one request and a few large replies. The consumer (a DEALER) sends a `KVPull`: the lease's secret,
+which of the lease's blocks it wants, its own `KVLayout` and the largest reply it takes. The producer (a ROUTER)
+answers with `KVChunk` headers, each followed by one raw frame per (layer, tensor) holding a run of consecutive
+requested blocks (keys, values and, when quantized, their scales), so a transfer is a handful of messages, not one
+per 16-token block. Each frame carries a CRC-32 in its header; the last chunk says `done`. A refusal is a chunk
+with `error` set (an unknown lease, blocks outside it, a layout that does not pair).
+
+Pairing: both sides' layouts must agree on everything a block's bytes depend on (`pairing_problem` names the first
+field that differs): KV format, block size, this rank's layers and KV heads, head size, and the TP/PP shape with
+the rank's place in it (rank r of one world pulls from rank r of the other). msgpack only; no pickle.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, TypeVar
+
+import msgspec
+from msgspec import Meta
+
+KV_TRANSFER_VERSION = 1
+MAX_PULL_BYTES = 1024 * 1024  # a KVPull: a lease, a layout and block ids
+DEFAULT_CHUNK_BYTES = 32 * 1024 * 1024  # the largest reply a consumer takes unless told otherwise
+LEASE_BYTES = 16  # a lease's secret: whoever holds it may read the lease's blocks (over CURVE when configured)
+
+Count = Annotated[int, Meta(ge=0)]
+
+
+class KVTransferError(RuntimeError):
+    """A pull failed: refused by the producer, cut short, corrupted, timed out, or the layouts do not pair."""
+
+
+class KVLayout(msgspec.Struct, frozen=True, array_like=True):
+    """What one rank's block bytes mean: two ranks exchange blocks only when their layouts pair."""
+
+    format: str  # kernels/kv_quant.py format_name: float32, bfloat16, int8, fp8_e4m3, ...
+    block_size: Annotated[int, Meta(ge=1)]
+    num_layers: Annotated[int, Meta(ge=1)]  # this rank's layers (its pipeline stage)
+    num_kv_heads: Annotated[int, Meta(ge=1)]  # this rank's KV heads (its tensor-parallel slice)
+    head_dim: Annotated[int, Meta(ge=1)]
+    tensor_parallel_size: Annotated[int, Meta(ge=1)] = 1
+    tensor_rank: Count = 0
+    pipeline_parallel_size: Annotated[int, Meta(ge=1)] = 1
+    pipeline_rank: Count = 0
+    model: str = ""  # the weights' fingerprint (worker_node/kv_offload.py model_fingerprint); "" is not checked
+
+
+def pairing_problem(local: KVLayout, remote: KVLayout) -> str | None:
+    """Why blocks of `remote` cannot be read as blocks of `local` (the first field that differs), or None."""
+    for name in KVLayout.__struct_fields__:
+        mine, theirs = getattr(local, name), getattr(remote, name)
+        if name == "model" and not (mine and theirs):
+            continue
+        if mine != theirs:
+            return f"KV layouts do not pair: {name} is {mine!r} here and {theirs!r} on the other side"
+    return None
+
+
+class KVPull(msgspec.Struct, frozen=True, array_like=True):
+    version: int
+    lease: Annotated[bytes, Meta(min_length=LEASE_BYTES, max_length=LEASE_BYTES)]
+    layout: KVLayout  # the consumer's: the producer refuses one that does not pair
+    blocks: list[Count]  # the producer's block ids, a subset of the lease's, in the order the consumer wants them
+    max_chunk_bytes: Annotated[int, Meta(ge=1)] = DEFAULT_CHUNK_BYTES
+
+
+class KVChunk(msgspec.Struct, frozen=True, array_like=True):
+    version: int
+    error: str = ""  # a refusal: the pull ends here
+    layout: KVLayout | None = None  # the producer's (in the first chunk)
+    first: Count = 0  # index into KVPull.blocks of this chunk's first block
+    count: Count = 0  # blocks in this chunk
+    sums: list[Count] = []  # CRC-32 of each raw frame after this header
+    done: bool = False
+
+
+M = TypeVar("M", KVPull, KVChunk)
+
+_pull_decoder = msgspec.msgpack.Decoder(KVPull)
+_chunk_decoder = msgspec.msgpack.Decoder(KVChunk)
+
+
+def encode(message: KVPull | KVChunk) -> bytes:
+    return msgspec.msgpack.encode(message)
+
+
+def decode_pull(data: bytes) -> KVPull:
+    """A pull from a consumer (raise KVTransferError naming what is wrong: size, version, a field)."""
+    if len(data) > MAX_PULL_BYTES:
+        raise KVTransferError(f"a KV pull of {len(data)} bytes exceeds the {MAX_PULL_BYTES}-byte limit")
+    return _check(_decode(_pull_decoder, data))
+
+
+def decode_chunk(data: bytes) -> KVChunk:
+    return _check(_decode(_chunk_decoder, data))
+
+
+def _decode(decoder: msgspec.msgpack.Decoder[M], data: bytes) -> M:
+    try:
+        return decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        raise KVTransferError(f"malformed KV transfer message: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise KVTransferError(f"undecodable KV transfer message: {exc}") from exc
+
+
+def _check(message: M) -> M:
+    if message.version != KV_TRANSFER_VERSION:
+        raise KVTransferError(f"KV transfer version {message.version}, this side speaks {KV_TRANSFER_VERSION}")
+    return message

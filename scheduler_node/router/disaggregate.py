@@ -1,0 +1,113 @@
+"""`vllm-router --disaggregate`: each request's prompt is computed on a prefill replica and its output generated on
+a decode replica, which pulls the prompt's KV from the prefill replica's workers (worker_node/kv_transfer.py).
+
+A replica's role is its `kv_role=` (prefill, decode or both; its vllm-serve --kv-role). The router sends a copy of
+the request to a prefill replica under the id `<id>.prefill`, with one output token and `kv_handoff.produce`; its
+last response names where the prompt's KV waits (`kv_source`). The request then goes to a decode replica with that
+source, and streams from there. The prefill's lease is released (an Abort of `<id>.prefill`) once the decode
+replica's first response arrives (it pulled the blocks before computing its first token), or when the stream ends
+any other way: a client that goes away leaves no blocks leased. A prefill that fails, or has no source to offer,
+costs only time: the decode replica computes the prompt itself. A producer that dies mid-transfer makes the decode
+replica's pull fail within its timeout, and it recomputes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+
+from proto import serving_pb2 as pb
+from scheduler_node.router.replica import Replica
+from scheduler_node.router.request import RouteRequest
+from scheduler_node.router.routing import RouteError
+from scheduler_node.router.upstream import Forwarder
+
+logger = logging.getLogger(__name__)
+
+PREFILL_SUFFIX = ".prefill"
+RELEASE_TIMEOUT_S = 5.0
+
+
+class Disaggregator:
+    def __init__(self, forwarder: Forwarder) -> None:
+        self.forwarder = forwarder
+        self.pool = forwarder.router.pool
+        self._releases: set[asyncio.Task[None]] = set()
+        self.handoffs = 0  # requests decoded from a prefill's KV
+        self.fallbacks = 0  # requests whose prefill failed or offered nothing: the decode replica computed them
+
+    def _only(self, role: str) -> list[Replica]:
+        return [r for r in self.pool.replicas if r.spec.kv_role == role]
+
+    async def generate(
+        self,
+        request: pb.GenerateRequest,
+        route_request: RouteRequest,
+        timeout: float | None,
+        metadata: Sequence[tuple[str, str]] = (),
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        produced = await self._prefill(request, route_request, timeout, metadata)
+        decode = pb.GenerateRequest()
+        decode.CopyFrom(request)
+        if produced is not None:
+            decode.kv_handoff.CopyFrom(produced[2])
+            self.handoffs += 1
+        else:
+            self.fallbacks += 1
+        released = produced is None
+        try:
+            stream = self.forwarder.generate(decode, route_request, timeout, metadata, exclude=self._only("prefill"))
+            async for response in stream:
+                if not released:
+                    released = True
+                    self._release(produced)
+                yield response
+        finally:
+            if not released:
+                self._release(produced)
+
+    async def _prefill(
+        self,
+        request: pb.GenerateRequest,
+        route_request: RouteRequest,
+        timeout: float | None,
+        metadata: Sequence[tuple[str, str]],
+    ) -> tuple[Replica, pb.GenerateRequest, pb.KVHandoff] | None:
+        """The prompt computed on a prefill replica: that replica and where its KV waits; None when it failed."""
+        prefill = pb.GenerateRequest()
+        prefill.CopyFrom(request)
+        prefill.request_id = request.request_id + PREFILL_SUFFIX
+        prefill.sampling.max_tokens = 1
+        prefill.sampling.n = 1
+        prefill.kv_handoff.produce = True
+        source: pb.KVHandoff | None = None
+        try:
+            replica = self.forwarder.router.route(route_request, self._only("decode")).replica
+            prefill.model = replica.model
+            async for response in self.forwarder._stream(replica, prefill, timeout, metadata):
+                if response.HasField("kv_source") and response.kv_source.lease:
+                    source = response.kv_source
+        except (grpc.aio.AioRpcError, RouteError) as exc:
+            logger.info(
+                "request %s: prefill failed, the decode replica computes the prompt: %s", request.request_id, exc
+            )
+            return None
+        return (replica, prefill, source) if source is not None else None
+
+    def _release(self, produced: tuple[Replica, pb.GenerateRequest, pb.KVHandoff] | None) -> None:
+        """Free the prefill's lease (fire and forget: an unreleased lease expires on its own)."""
+        if produced is None:
+            return
+        task = asyncio.ensure_future(self._abort(produced[0], produced[1].request_id))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _abort(self, replica: Replica, prefill_id: str) -> None:
+        link = self.forwarder.links[replica.address]
+        try:
+            await link.generation.Abort(pb.AbortRequest(request_id=prefill_id), timeout=RELEASE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            logger.info("the lease of %s on %s is left to expire: %s", prefill_id, replica.address, exc.details())

@@ -1,0 +1,77 @@
+"""engine.mixed_precision in a config file: mapped onto --dtype, --quantization and --kv-cache-dtype; what the
+engine cannot run refused naming the key (and, for fp8 matmuls on a CPU, the hardware they need)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from proto.cli_config import parse_args
+from proto.mixed_precision import MixedPrecisionError, mixed_precision_flags
+from scheduler_node.cli.scheduler import build_parser as scheduler_parser
+from scheduler_node.cli.serve import build_parser as serve_parser
+
+pytestmark = pytest.mark.unit
+
+
+def mp(**section: str) -> dict[str, object]:
+    return {"mixed_precision": section}
+
+
+def test_settings_map_onto_the_flags() -> None:
+    assert mixed_precision_flags(mp(matmul="int8", kv_cache="int8", embedding="bf16")) == {
+        "dtype": "bfloat16",
+        "quantization": "int8",
+        "kv_cache_dtype": "int8",
+    }
+    assert mixed_precision_flags(mp(matmul="fp32", kv_cache="fp32")) == {
+        "dtype": "float32",
+        "quantization": "none",
+        "kv_cache_dtype": "auto",
+    }
+    assert mixed_precision_flags(mp(matmul="awq", kv_cache="fp8")) == {
+        "quantization": "awq",
+        "kv_cache_dtype": "fp8_e4m3",
+    }
+    assert mixed_precision_flags(mp(matmul="fp8"), device="cuda") == {"quantization": "fp8"}
+
+
+@pytest.mark.parametrize(
+    ("section", "device", "message"),
+    [
+        (mp(matmul="fp8", kv_cache="fp16", embedding="bf16"), "cuda", r"kv_cache fp16: the KV cache holds .*bfloat16"),
+        (mp(matmul="fp8"), "cpu", r"matmul fp8: needs a GPU with fp8 tensor cores \(compute capability 8.9"),
+        (mp(matmul="bf16", embedding="fp32"), None, r"embedding fp32: the model runs in one float dtype"),
+        (mp(embedding="int8"), None, r"embedding int8: embeddings stay in a float dtype"),
+        (mp(matmul="int3"), None, r"matmul int3: one of"),
+        (mp(attention="bf16"), None, r"engine.mixed_precision: a mapping of matmul, kv_cache, embedding"),
+        ({"scheduler": {}}, None, r"engine: only engine.mixed_precision"),
+    ],
+)
+def test_impossible_settings_are_refused(section: dict[str, object], device: str | None, message: str) -> None:
+    with pytest.raises(MixedPrecisionError, match=message):
+        mixed_precision_flags(section, device)
+
+
+def test_a_config_file_sets_the_flags_and_refuses_a_contradiction(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text("engine:\n  mixed_precision:\n    matmul: int8\n    kv_cache: fp8\n    embedding: bf16\n")
+    args = parse_args(serve_parser(), ["--config", str(config)])
+    assert (args.dtype, args.quantization, args.kv_cache_dtype) == ("bfloat16", "int8", "fp8_e4m3")
+    args = parse_args(serve_parser(), ["--config", str(config), "--quantization", "none"])  # flags win
+    assert args.quantization == "none"
+    config.write_text("quantization: fp8\nengine:\n  mixed_precision:\n    matmul: int8\n")
+    with pytest.raises(SystemExit):
+        parse_args(serve_parser(), ["--config", str(config)])
+    assert "engine.mixed_precision says quantization int8, the key quantization says fp8" in capsys.readouterr().err
+    config.write_text("device: cpu\nengine:\n  mixed_precision:\n    matmul: fp8\n")
+    with pytest.raises(SystemExit):
+        parse_args(serve_parser(), ["--config", str(config)])
+    assert "needs a GPU with fp8 tensor cores" in capsys.readouterr().err
+    config.write_text("engine:\n  mixed_precision:\n    kv_cache: int8\n")  # the scheduler has no KV cache
+    with pytest.raises(SystemExit):
+        parse_args(scheduler_parser(), ["--config", str(config)])
+    assert "sets kv_cache_dtype, a flag of the workers" in capsys.readouterr().err

@@ -1,0 +1,106 @@
+"""The router's OpenAI door over stand-in replica doors (small aiohttp apps in this process): a LoRA adapter that a
+replica listed but answers 404 for (unloaded there since the last probe) is tried on another replica that lists it,
+and is the client's 404 only when none is left."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+from aiohttp import web
+
+from scheduler_node.router.grpc_door import RouterGeneration
+from scheduler_node.router.http_door import RouterHttp, build_router_app
+from scheduler_node.router.metrics import RouterMetrics
+from scheduler_node.router.replica import SERVING, ReplicaPool, ReplicaSpec
+from scheduler_node.router.routing import Router
+from scheduler_node.router.upstream import Forwarder
+
+pytestmark = pytest.mark.unit
+
+MODEL = "base"
+
+
+def _replica_door(served: set[str]) -> web.Application:
+    """A replica's /v1/completions: 404 (as a scheduler's door words it) for a model it does not serve."""
+
+    async def completions(request: web.Request) -> web.Response:
+        name = (await request.json())["model"]
+        if name not in served:
+            error = {"message": f"model: {name!r} is not served here", "code": "model_not_found", "param": "model"}
+            return web.json_response({"error": error}, status=404)
+        return web.json_response({"object": "text_completion", "model": name, "served_by": request.url.port})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+@asynccontextmanager
+async def _doors(*served: set[str]) -> AsyncIterator[list[int]]:
+    """One stand-in replica door per set of served names; their ports."""
+    runners = [web.AppRunner(_replica_door(names)) for names in served]
+    try:
+        ports = []
+        for runner in runners:
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            ports.append(runner.addresses[0][1])
+        yield ports
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+async def _scenario(served: list[set[str]], model: str) -> tuple[list[int], httpx.Response, ReplicaPool]:
+    """Replica doors serving `served`, each listed by the router as serving "sql"; the router's answer to a
+    completion for `model`."""
+    async with _doors(*served) as ports:
+        answer, pool = await _post(ports, "sql", model)
+    return ports, answer, pool
+
+
+async def _post(ports: Sequence[int], listed: str, model: str) -> tuple[httpx.Response, ReplicaPool]:
+    """POST a completion for `model` through a router whose replicas (at `ports`) all listed `listed`."""
+    pool = ReplicaPool(ReplicaSpec(f"127.0.0.1:{i + 1}", MODEL, http=f"127.0.0.1:{p}") for i, p in enumerate(ports))
+    for replica in pool.replicas:
+        pool.set_state(replica, SERVING)
+        replica.adapters = frozenset({listed})
+    forwarder = Forwarder(Router(pool, "round_robin"), {}, RouterMetrics())  # round robin: the first replica first
+    door = RouterHttp(RouterGeneration(forwarder, 1.0), "", 5.0)
+    transport = httpx.ASGITransport(app=build_router_app(door, ""))
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            body: dict[str, Any] = {"model": model, "prompt": "hi", "max_tokens": 2}
+            return await client.post("/v1/completions", json=body), pool
+    finally:
+        await door.close()
+
+
+def test_an_adapter_unloaded_on_one_replica_is_served_by_another_that_lists_it() -> None:
+    ports, answer, pool = asyncio.run(_scenario([set(), {"sql"}], "sql"))
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["served_by"] == ports[1]
+    first, second = pool.replicas
+    assert first.requests == 1, "the first replica was asked first (and answered 404)"
+    assert first.adapters == frozenset(), "a router forgets an adapter its replica answers 404 for"
+    assert second.adapters == frozenset({"sql"})
+    assert first.in_flight == second.in_flight == 0
+
+
+def test_an_adapter_no_replica_serves_any_more_is_the_clients_404() -> None:
+    _, answer, pool = asyncio.run(_scenario([set(), set()], "sql"))
+    assert answer.status_code == 404, answer.text
+    assert answer.json()["error"]["code"] == "model_not_found"
+    assert all(r.requests == 1 and r.adapters == frozenset() and r.in_flight == 0 for r in pool.replicas)
+
+
+def test_a_base_model_404_is_passed_on_without_a_retry() -> None:
+    _, answer, pool = asyncio.run(_scenario([set(), {MODEL}], MODEL))  # not an adapter: no retry
+    assert answer.status_code == 404, answer.text
+    assert [r.requests for r in pool.replicas] == [1, 0]

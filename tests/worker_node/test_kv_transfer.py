@@ -1,0 +1,194 @@
+"""Worker-to-worker KV transfer (worker_node/kv_transfer.py): a lease's blocks move byte for byte in every KV
+format, batched into chunks; a layout that does not pair, an unknown lease, a corrupted frame, a silent exporter and
+a client without CURVE keys are refused with a clear error and write nothing."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from kernels.kv_quant import SCALE_DTYPE
+from proto.curve import ensure_keys
+from proto.kv_transfer import KVLayout, KVTransferError, pairing_problem
+from worker_node.kv_cache import KVCache, LayerKV
+from worker_node.kv_transfer import KVExporter, block_bytes, cache_layout, new_lease, pull_blocks
+
+pytestmark = pytest.mark.unit
+
+BLOCKS, BLOCK, HEADS, DIM, LAYERS = 8, 4, 2, 8, 3
+
+
+def make_cache(dtype: torch.dtype, seed: int | None, blocks: int = BLOCKS, block_size: int = BLOCK) -> KVCache:
+    """Random contents when seeded (a producer), zeros otherwise (a consumer)."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    shape = (blocks, block_size, HEADS, DIM)
+
+    def fill(shape: tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
+        if gen is None:
+            return torch.zeros(shape, dtype=dt)
+        if dt == torch.int8:
+            return torch.randint(-127, 127, shape, generator=gen, dtype=torch.int8)
+        return torch.randn(shape, generator=gen).to(dt)
+
+    layers = []
+    for _ in range(LAYERS):
+        k, v = fill(shape, dtype), fill(shape, dtype)
+        if dtype in (torch.int8, torch.float8_e4m3fn):
+            layers.append(LayerKV(k, v, fill(shape[:3], SCALE_DTYPE), fill(shape[:3], SCALE_DTYPE)))
+        else:
+            layers.append(LayerKV(k, v))
+    return layers
+
+
+def block(cache: KVCache, b: int) -> list[bytes]:
+    return [t[b].contiguous().view(torch.uint8).numpy().tobytes() for layer in cache for t in layer.tensors()]
+
+
+@pytest.fixture
+def exporter_of() -> Iterator:  # type: ignore[type-arg]
+    made: list[KVExporter] = []
+
+    def make(cache: KVCache, **kw: object) -> KVExporter:
+        made.append(KVExporter(cache, cache_layout(cache), **kw))  # type: ignore[arg-type]
+        return made[-1]
+
+    yield make
+    for e in made:
+        e.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn])
+def test_a_lease_moves_byte_for_byte_in_chunks(exporter_of, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    src, dst = make_cache(dtype, seed=1), make_cache(dtype, seed=None)
+    pulled: list[bytes] = []
+    exporter = exporter_of(src, on_pulled=pulled.append)
+    lease = new_lease()
+    exporter.grant(lease, [1, 3, 5, 6])
+    moved = pull_blocks(
+        exporter.address, lease, dst, cache_layout(dst), [5, 1, 6], [0, 2, 7], max_chunk_bytes=2 * block_bytes(src)
+    )  # two chunks: 2 + 1 blocks
+    assert moved == 3 * block_bytes(src)
+    for s, d in [(5, 0), (1, 2), (6, 7)]:
+        assert block(dst, d) == block(src, s)
+    for untouched in (1, 3, 4, 5, 6):
+        assert not any(any(x) for x in block(dst, untouched))
+    assert pulled == [lease] and exporter.num_leases == 0, "a complete pull frees the lease"
+    with pytest.raises(KVTransferError, match="unknown or expired"):
+        pull_blocks(exporter.address, lease, dst, cache_layout(dst), [5], [0], timeout_s=5)
+
+
+@pytest.mark.parametrize(
+    ("consumer", "field"),
+    [
+        (lambda: make_cache(torch.int8, None), "format"),
+        (lambda: make_cache(torch.float32, None, block_size=8), "block_size"),
+        (lambda: make_cache(torch.float32, None)[:2], "num_layers"),
+    ],
+)
+def test_layouts_that_do_not_pair_are_refused_naming_the_field(exporter_of, consumer, field: str) -> None:  # type: ignore[no-untyped-def]
+    src, dst = make_cache(torch.float32, seed=2), consumer()
+    exporter = exporter_of(src)
+    lease = new_lease()
+    exporter.grant(lease, [0])
+    with pytest.raises(KVTransferError, match=f"do not pair: {field} is"):
+        pull_blocks(exporter.address, lease, dst, cache_layout(dst), [0], [1], timeout_s=5)
+    assert not any(any(x) for x in block(dst, 1))
+    assert exporter.num_leases == 1, "a refused pull keeps the lease"
+
+
+def test_tp_shape_and_rank_must_match() -> None:
+    one = KVLayout("bfloat16", 16, 2, 2, 64)
+    assert pairing_problem(one, one) is None
+    assert "tensor_parallel_size is 1 here and 2" in str(pairing_problem(one, KVLayout("bfloat16", 16, 2, 2, 64, 2)))
+    rank1 = KVLayout("bfloat16", 16, 2, 2, 64, 2, 1)
+    assert "tensor_rank" in str(pairing_problem(KVLayout("bfloat16", 16, 2, 2, 64, 2, 0), rank1))
+    assert pairing_problem(KVLayout("bfloat16", 16, 2, 2, 64, model="a"), KVLayout("bfloat16", 16, 2, 2, 64)) is None
+    assert "model" in str(pairing_problem(KVLayout("f", 1, 1, 1, 1, model="a"), KVLayout("f", 1, 1, 1, 1, model="b")))
+
+
+def test_blocks_outside_the_lease_are_refused(exporter_of) -> None:  # type: ignore[no-untyped-def]
+    src, dst = make_cache(torch.float32, 3), make_cache(torch.float32, None)
+    exporter = exporter_of(src)
+    lease = new_lease()
+    exporter.grant(lease, [2])
+    with pytest.raises(KVTransferError, match=r"blocks \[3\] are not in the lease"):
+        pull_blocks(exporter.address, lease, dst, cache_layout(dst), [2, 3], [0, 1], timeout_s=5)
+    assert exporter.revoke(lease) and not exporter.revoke(lease)
+
+
+class CorruptingExporter(KVExporter):
+    def _send(self, ident, header, frames):  # type: ignore[no-untyped-def]
+        if frames:
+            frames = [frames[0].copy(), *frames[1:]]
+            frames[0].reshape(-1)[0] ^= 0xFF
+        super()._send(ident, header, frames)
+
+
+def test_a_corrupted_frame_fails_its_checksum() -> None:
+    src, dst = make_cache(torch.float32, 4), make_cache(torch.float32, None)
+    exporter = CorruptingExporter(src, cache_layout(src))
+    try:
+        lease = new_lease()
+        exporter.grant(lease, [0])
+        with pytest.raises(KVTransferError, match="checksum"):
+            pull_blocks(exporter.address, lease, dst, cache_layout(dst), [0], [0], timeout_s=5)
+        assert not any(any(x) for x in block(dst, 0))
+    finally:
+        exporter.close()
+
+
+def test_a_silent_exporter_times_out() -> None:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    mute = ctx.socket(zmq.ROUTER)
+    port = mute.bind_to_random_port("tcp://127.0.0.1")
+    dst = make_cache(torch.float32, None)
+    try:
+        with pytest.raises(KVTransferError, match="silent for 0.2 s"):
+            pull_blocks(f"127.0.0.1:{port}", new_lease(), dst, cache_layout(dst), [0], [0], timeout_s=0.2)
+    finally:
+        mute.close(linger=0)
+
+
+def test_curve_admits_the_worker_key_only(exporter_of, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    keys = ensure_keys(tmp_path / "curve")
+    src, dst = make_cache(torch.bfloat16, 5), make_cache(torch.bfloat16, None)
+    exporter = exporter_of(src, curve_dir=keys)
+    lease = new_lease()
+    exporter.grant(lease, [4])
+    with pytest.raises(KVTransferError, match="silent"):  # no keys: the handshake never completes
+        pull_blocks(exporter.address, lease, dst, cache_layout(dst), [4], [4], timeout_s=0.5)
+    pull_blocks(exporter.address, lease, dst, cache_layout(dst), [4], [4], timeout_s=10, curve_dir=keys)
+    assert block(dst, 4) == block(src, 4)
+
+
+def test_concurrent_pulls_of_two_leases(exporter_of) -> None:  # type: ignore[no-untyped-def]
+    src = make_cache(torch.float32, 6)
+    exporter = exporter_of(src)
+    dsts = [make_cache(torch.float32, None) for _ in range(2)]
+    leases = [new_lease(), new_lease()]
+    exporter.grant(leases[0], [0, 1, 2])
+    exporter.grant(leases[1], [5, 6, 7])
+    errors: list[BaseException] = []
+
+    def pull(i: int) -> None:
+        try:
+            ids = [0, 1, 2] if i == 0 else [5, 6, 7]
+            pull_blocks(exporter.address, leases[i], dsts[i], cache_layout(dsts[i]), ids, ids, timeout_s=10)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=pull, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors
+    assert all(block(dsts[0], b) == block(src, b) for b in (0, 1, 2))
+    assert all(block(dsts[1], b) == block(src, b) for b in (5, 6, 7))
+    assert np.all(exporter.num_leases == 0)
