@@ -22,12 +22,15 @@ processes on a shared machine do not count (the collector's pauses do):
   sampler; for the worker process, also the whole process's CPU (its socket thread's wire and any torch threads);
 - wall milliseconds per step.
 
-A last table times the sampler alone: greedy sampling of 256 rows over the full 49,152-token vocabulary (wall
-and process CPU, median of `--sampler-reps`). The stand-in's vocabulary is small by default because on a CPU the
-full one makes the argmax (that table) the whole figure; `--vocab 49152` measures the two together.
+Two last tables time the sampler and the scheduler alone. The sampler's: greedy sampling of 256 rows over the
+full 49,152-token vocabulary (wall and process CPU, median of `--sampler-reps`). The stand-in's vocabulary is small
+by default because on a CPU the full one makes the argmax (that table) the whole figure; `--vocab 49152` measures
+the two together. The scheduler's: `schedule()` and `update()` over steady decodes of each row's sequences, two
+plans in flight, results made up (no engine, no other thread; `--scheduler-only` prints only this table).
 
     .venv/bin/python scripts/bench_overhead.py [--seqs 64,256,1024] [--threads 2] [--repeat 3] [--json out.json]
     .venv/bin/python scripts/bench_overhead.py --smoke                 # seconds; what CI runs
+    .venv/bin/python scripts/bench_overhead.py --scheduler-only --repeat 3   # the scheduler alone
 """
 
 from __future__ import annotations
@@ -334,6 +337,42 @@ def measure_sampler(rows: int, vocab: int, reps: int) -> dict:
     return {"rows": rows, "vocab": vocab, "wall_ms": wall, "cpu_ms": cpu}
 
 
+# ---- the scheduler alone
+
+
+def measure_scheduler(num_seqs: int, steps: int, reps: int) -> dict:
+    """`schedule()` and `update()` alone over `num_seqs` steady decodes with two plans in flight (async scheduling,
+    as the engine runs them) and made-up results: thread CPU ms of each per step, the median of the steps after
+    the first 20, the best of `reps` runs (what the scheduler costs, without the other threads' noise)."""
+    from proto.wire import ExecutionMode, StepResult
+    from scheduler_node.core.config import SchedulerConfig
+    from scheduler_node.core.request import Request, StopConditions
+    from scheduler_node.core.scheduler import Scheduler
+
+    best = [float("inf"), float("inf")]
+    for _ in range(reps):
+        config = SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=max(2048, num_seqs * 33))
+        s = Scheduler(config, num_seqs * (steps // 16 + 4), mode=ExecutionMode.for_world(1, 1, True))
+        for i, prompt in enumerate(prompts(num_seqs, 32, 40000, num_seqs)):
+            s.add(Request(f"r{i}", prompt, SamplingOptions(temperature=0.0), StopConditions(steps + 64)))
+        times: list[list[float]] = [[], []]
+        in_flight: list[StepPlan] = []
+        for _ in range(steps + 20):
+            start = time.thread_time()
+            in_flight.append(s.schedule())
+            times[0].append(time.thread_time() - start)
+            if len(in_flight) == 2:
+                plan = in_flight.pop(0)
+                result = StepResult(
+                    plan.step_id, {h: [300 + (h + plan.step_id) % 997] for h in plan.num_scheduled_tokens}
+                )
+                start = time.thread_time()
+                s.update(plan, result)
+                times[1].append(time.thread_time() - start)
+        best = [min(b, statistics.median(t[20:]) * 1e3) for b, t in zip(best, times)]
+    return {"seqs": num_seqs, "schedule_ms": best[0], "update_ms": best[1]}
+
+
 # ---- the report
 
 
@@ -361,16 +400,26 @@ def median_row(runs: list[dict]) -> dict:
     return row
 
 
-def print_tables(report: dict) -> None:
+def _print_rows(report: dict) -> None:
     print(f"\n## host cost per steady decode step, ms of thread CPU ({report['threads_label']}, load {report['load']})")
     print("| path | seqs | steps | " + " | ".join(h for h, _ in COLUMNS) + " |")
     print("|---|---|---|" + "---|" * len(COLUMNS))
     for r in report["rows"]:
         cells = [f"{r[k]:.2f}" if k in r else "-" for _, k in COLUMNS]
         print(f"| {r['path']} | {r['seqs']} | {r['steps']} | " + " | ".join(cells) + " |")
+
+
+def print_tables(report: dict) -> None:
+    if report["rows"]:
+        _print_rows(report)
     s = report["sampler"]
-    print("\n| sampler | rows | vocab | wall ms | process CPU ms |\n|---|---|---|---|---|")
-    print(f"| greedy | {s['rows']} | {s['vocab']} | {s['wall_ms']:.2f} | {s['cpu_ms']:.2f} |")
+    if s:
+        print("\n| sampler | rows | vocab | wall ms | process CPU ms |\n|---|---|---|---|---|")
+        print(f"| greedy | {s['rows']} | {s['vocab']} | {s['wall_ms']:.2f} | {s['cpu_ms']:.2f} |")
+    print("\n| scheduler alone | seqs | schedule() ms | update() ms | µs per sequence |\n|---|---|---|---|---|")
+    for r in report["scheduler"]:
+        per_seq = (r["schedule_ms"] + r["update_ms"]) * 1e3 / r["seqs"]
+        print(f"| steady decodes | {r['seqs']} | {r['schedule_ms']:.3f} | {r['update_ms']:.3f} | {per_seq:.2f} |")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -389,6 +438,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sampler-vocab", type=int, default=49152, help="vocabulary of the sampler table")
     p.add_argument("--sampler-reps", type=int, default=20, help="timed calls of the sampler table")
     p.add_argument("--json", type=Path, help="also write the figures here")
+    p.add_argument("--scheduler-only", action="store_true", help="only the scheduler-alone table (no engine)")
     p.add_argument("--smoke", action="store_true", help="8 sequences of 24 tokens, both paths (CI)")
     args = p.parse_args(argv)
     if args.smoke:
@@ -412,11 +462,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     install_worker_probe(args.vocab)  # the in-process path's worker runs here
-    cells = [(path, int(n)) for n in args.seqs.split(",") for path in args.paths.split(",")]
+    cells = (
+        [] if args.scheduler_only else [(path, int(n)) for n in args.seqs.split(",") for path in args.paths.split(",")]
+    )
     runs: dict[tuple[str, int], list[dict]] = {cell: [] for cell in cells}
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as scratch:
-        folder = stand_in_folder(resolve_model(args.model), Path(scratch) / "stand-in")
+        folder = stand_in_folder(resolve_model(args.model), Path(scratch) / "stand-in") if cells else Path(scratch)
         for _ in range(args.repeat):  # round robin: a noisy minute on a shared machine hits one run of each row
             for path, num_seqs in cells:
                 runs[path, num_seqs].append(measure(path, num_seqs, folder, args, Path(scratch)))
@@ -431,7 +483,10 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_tokens": args.prompt_tokens,
         "output_tokens": args.output_tokens,
         "rows": [median_row(runs[cell]) for cell in cells],
-        "sampler": measure_sampler(args.sampler_rows, args.sampler_vocab, args.sampler_reps),
+        "sampler": {}
+        if args.scheduler_only
+        else measure_sampler(args.sampler_rows, args.sampler_vocab, args.sampler_reps),
+        "scheduler": [measure_scheduler(int(n), args.steps, args.repeat + 2) for n in args.seqs.split(",")],
     }
     print_tables(report)
     if args.json:

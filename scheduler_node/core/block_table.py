@@ -41,7 +41,7 @@ class Written(NamedTuple):
     replaced: list[tuple[int, int]]  # (index, block): shared blocks copied before the write
 
 
-_UNCHANGED = Written([], [])  # never mutated: callers only read it
+UNCHANGED = Written([], [])  # never mutated: callers only read it (the scheduler tests `is UNCHANGED`)
 
 
 @dataclass(slots=True)
@@ -170,14 +170,14 @@ class BlockTable:
         bs, refs = self.block_size, self._ref_counts
         last = (end + bs - 1) // bs  # blocks that hold positions up to end
         if last <= len(table) and last - first // bs == 1 and refs[table[last - 1]] == 1:
-            return _UNCHANGED  # within its own last block (a decode, mostly)
+            return UNCHANGED  # within its own last block (a decode, mostly)
         new = last - len(table) if last > len(table) else 0
         shared = [i for i in range(first // bs, min(len(table), last)) if refs[table[i]] > 1]
         compact = req_id in self._compact_reqs
         if new + len(shared) > len(self._compact_free if compact else self._free):
             return None
         if not new and not shared:
-            return _UNCHANGED
+            return UNCHANGED
         if held is None:
             self._tables[req_id] = table
         replaced = []

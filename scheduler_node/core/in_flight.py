@@ -37,6 +37,16 @@ class SentPlan:
         self.samples.append(samples)
         self.runs.append(req.num_preemptions)
 
+    def add_decodes(self, reqs: list[Request], firsts: list[int]) -> None:
+        """Steady decodes, added together: each computes the one token after `firsts[i]` and samples it."""
+        k = len(reqs)
+        self.requests += reqs
+        self.drafts += [0] * k
+        self.tokens += [1] * k
+        self.ends += [f + 1 for f in firsts]
+        self.samples += [True] * k
+        self.runs += [r.num_preemptions for r in reqs]
+
     @property
     def total_tokens(self) -> int:
         return sum(self.tokens)

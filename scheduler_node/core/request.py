@@ -158,10 +158,13 @@ class Request:
         output, stop = self.output_token_ids, self.stop
         room = max_model_len - len(self.prompt_token_ids)
         limit, ending = min(stop.max_tokens, room), stop.ending
+        if len(output) + len(token_ids) < limit and ending.isdisjoint(token_ids):
+            output += token_ids  # the common case, every request at every step: none of them may end it
+            return token_ids
         for i, token in enumerate(token_ids):
             output.append(token)
             if len(output) < limit and token not in ending:
-                continue  # the common case, for every token of every request: what end_of would say, cheaper
+                continue  # a token that does not end it: what end_of would say, cheaper
             end = stop.end_of(token, len(output), room)
             if end is not None:
                 self.status = end

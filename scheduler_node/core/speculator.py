@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import logging
 
+from proto.wire import StepResult
+from scheduler_node.core.in_flight import SentPlan
 from scheduler_node.core.proposers import Proposer, make_proposer
-from scheduler_node.core.request import Request
+from scheduler_node.core.request import Request, Status
 from scheduler_node.core.speculative import SpecCounters, SpeculativeConfig, eligible
 
 logger = logging.getLogger(__name__)
@@ -64,3 +66,29 @@ class Speculator:
         self.counters.record(proposed, accepted)
         if req.spec is not None:
             req.spec.observe(proposed, accepted)
+
+    def settle(self, sent: SentPlan, result: StepResult) -> None:
+        """Each speculated request's proposals: the result's tokens are the accepted ones and one more; the
+        rejected ones' KV slots are not computed after all (both sides roll back: the worker as it verified).
+        Their blocks stay the request's, to be written by its next steps (as vLLM's do)."""
+        for i, (req, proposed) in enumerate(zip(sent.requests, sent.drafts)):
+            if not proposed:
+                continue
+            tokens = result.sampled.get(req.handle)
+            accepted = len(tokens) - 1 if tokens else 0
+            rejected = proposed - accepted
+            sent.ends[i] -= rejected
+            sent.tokens[i] -= rejected
+            if req.status is Status.RUNNING and req.num_preemptions == sent.runs[i]:
+                req.num_computed_tokens -= rejected
+                self.observe(req, proposed, accepted)
+
+    @staticmethod
+    def room(req: Request, budget: int, max_model_len: int) -> int:
+        """Proposals a decode of `req` may add: within the step's budget, before max_tokens (the step samples one
+        more token than it proposes) and max_model_len (each proposal takes a KV slot)."""
+        return min(
+            budget - 1,
+            req.stop.max_tokens - len(req.output_token_ids) - 1,
+            max_model_len - req.num_tokens,
+        )

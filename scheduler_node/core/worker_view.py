@@ -27,6 +27,11 @@ class WorkerView:
     def holds(self, handle: int) -> bool:
         return handle in self._tokens_held
 
+    def plain_decodes(self) -> dict[int, int] | None:
+        """What the scheduler's steady-decode path reads: the handles the workers hold (a dict to test membership
+        in), or None where a decode carries more than its position (sampled tokens travel in plans)."""
+        return None if self.tokens_in_plan else self._tokens_held
+
     @property
     def has_notices(self) -> bool:
         """Something to tell the workers even if no request runs."""

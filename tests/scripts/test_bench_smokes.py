@@ -95,6 +95,9 @@ def test_bench_overhead_smoke_measures_both_paths_per_component(smollm2_dir: Pat
     assert "worker_process_ms" not in rows["in-process"]
     assert report["sampler"]["vocab"] == 49152 and report["sampler"]["wall_ms"] > 0
     assert "| worker process | 8 | 10 |" in stdout and "| greedy | 16 | 49152 |" in stdout
+    (alone,) = report["scheduler"]  # schedule() and update() without the engine
+    assert alone["seqs"] == 8 and alone["schedule_ms"] > 0 and alone["update_ms"] > 0
+    assert "| steady decodes | 8 |" in stdout
 
 
 @pytest.mark.slow

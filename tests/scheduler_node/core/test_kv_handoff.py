@@ -42,6 +42,19 @@ def step(s: Scheduler) -> tuple:  # type: ignore[type-arg]
     return plan, s.update(plan, StepResult(plan.step_id, done))
 
 
+def test_a_producer_whose_last_chunk_is_one_token_still_grants_its_lease() -> None:
+    """Its last prompt chunk looks like a steady decode (one token within its own last block, held by the workers);
+    the plan that computes it must still grant the lease, so it is not taken on the steady-decode path."""
+    s = Scheduler(SchedulerConfig(block_size=BS, max_model_len=256, max_num_batched_tokens=35), 32, clock=Clock())
+    lease = new_lease()
+    s.add(request("p#0", kv_lease=lease))
+    plan, _ = step(s)
+    assert scheduled(s, plan) == {"p#0": 35} and not plan.kv_grants, "the first chunk"
+    plan, _ = step(s)
+    assert [g.lease for g in plan.kv_grants] == [lease] and len(plan.kv_grants[0].blocks) == (36 - 1) // BS
+    assert s.leases.held["p"].blocks == plan.kv_grants[0].blocks
+
+
 def test_a_producer_grants_then_holds_its_prompt_blocks_until_released() -> None:
     s = scheduler()
     lease = new_lease()

@@ -183,9 +183,9 @@ def test_with_the_policy_off_speculation_costs_nothing_per_request(monkeypatch: 
     def never(*args: object) -> None:
         raise AssertionError("speculation did work while the policy is off")
 
-    monkeypatch.setattr(s, "_draft_room", never)
-    monkeypatch.setattr(s.in_flight, "held", never)
     assert s.speculator is not None
+    monkeypatch.setattr(s.speculator, "room", never)
+    monkeypatch.setattr(s.in_flight, "held", never)
     monkeypatch.setattr(s.speculator, "drafts", never)
     for _ in range(3):
         plan = s.schedule()

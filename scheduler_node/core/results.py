@@ -1,0 +1,158 @@
+"""Results: what a step's result does to the scheduler's view (sampled tokens, stop conditions, prefix-cache
+hashes of the blocks it filled, forks started, proposals settled, a draft model's next proposals, tier loads and
+KV imports that failed) and what an interrupted step undoes."""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+
+from proto.wire import StepPlan, StepResult, TokenLogprobs
+from scheduler_node.core.config import PreemptionMode
+from scheduler_node.core.in_flight import SentPlan
+from scheduler_node.core.preemption import Preemption
+from scheduler_node.core.request import FinishReason, Request, Status
+
+logger = logging.getLogger(__name__)
+
+
+class RequestOutput(msgspec.Struct):
+    """What one step produced for one request. The output side reads it on its own thread while the engine goes
+    on changing the request: what ends it is copied here when it ends, and the rest of the request is only read
+    for what no later step changes (its id, its prompt, its complete prompt logprobs). A Struct, never encoded:
+    made for every request at every step, it is built in C (a third of a dataclass's cost)."""
+
+    request: Request
+    new_token_ids: list[int]  # the step's tokens (several with speculative decoding), up to the one that ended it
+    logprobs: list[TokenLogprobs] = msgspec.field(default_factory=list)
+    finish_reason: FinishReason | None = None  # set when these tokens ended it
+    stopped_by_token: bool = False  # ended by eos or a stop token: the last token is not part of the text
+    num_output_tokens: int = 0  # with finish_reason: all its output tokens
+    cached_tokens: int = 0  # with finish_reason: of its prompt, found in the prefix cache
+    embedding: list[float] | None = None  # with finish_reason, an embedding request's
+
+
+class Results(Preemption):
+    def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        """Register the blocks the step filled for prefix caching, append sampled tokens, apply stop conditions."""
+        sent = self.in_flight.settle(plan.step_id)
+        if result.failed_loads:
+            self._recompute_failed_loads(result)
+        if result.failed_stores and self.tiers is not None:
+            self.tiers.drop_failed_stores(result.failed_stores)
+        if result.interrupted:
+            self._undo(sent)
+            return []
+        tokens = sent.total_tokens
+        self.costs.observe(result.execute_ms, tokens)
+        if self.tiers is not None:
+            self.tiers.observe(result)
+        if sent.requests:
+            self.counters.steps += 1
+            self.counters.worker_idle_ms += result.idle_ms
+            self.counters.scheduled_tokens += tokens
+        if sent.num_drafted:
+            assert self.speculator is not None, "only a speculator's plans carry proposals"
+            self.speculator.settle(sent, result)
+        self._register_filled_blocks(sent)
+        for handle, (first, logprobs) in result.prompt_logprobs.items():
+            if (req := self._by_handle.get(handle)) is not None:  # kept even if preempted since: positions checked
+                req.add_prompt_logprobs(first, logprobs)
+        for handle, (first, count, data) in result.pooled.items():
+            if (req := self._by_handle.get(handle)) is not None:
+                req.add_pooled(first, count, data)
+        outputs: list[RequestOutput] = []
+        # Once per sampling request per step: what the loop calls is looked up once, here.
+        all_logprobs, max_len, running = result.logprobs, self.max_model_len, Status.RUNNING
+        live, output = self._by_handle, outputs.append
+        for handle, token_ids in result.sampled.items():
+            req = live.get(handle)
+            if req is None or req.status is not running:
+                continue  # aborted or preempted while the step ran
+            req.num_placeholders -= 1  # one sampling step: one token, or with proposals the accepted ones and one
+            kept = req.append_tokens(token_ids, max_len)
+            if req.forks:
+                self._start_forks(req)
+            if req.status is running and not all_logprobs:
+                output(RequestOutput(req, kept))  # the common case
+                continue
+            logprobs = all_logprobs[handle][: len(kept)] if all_logprobs and handle in all_logprobs else []
+            if req.status is running:
+                output(RequestOutput(req, kept, logprobs))
+                continue
+            end = req.status  # it finished
+            outputs.append(RequestOutput(req, kept, logprobs, *_ending(req)))
+            self.finish(req.req_id, end)
+        if self.speculator is not None:
+            if sent.num_drafted:
+                self._register_filled_blocks(sent)  # the blocks filled by accepted proposals: hashable only now
+            for handle, drafted in result.drafts.items():  # a draft model's proposals for the next step
+                if (req := live.get(handle)) is not None and req.status is running:
+                    self.speculator.drafted(req, drafted)
+        return outputs
+
+    def _recompute_failed_loads(self, result: StepResult) -> None:
+        """Tier blocks the workers could not load (a disk copy corrupted since start): no tier or prefix match
+        offers them again, and every request that reads them (those the workers left out of the step, and any
+        later one that found them in the device cache) computes them instead: preempted by recompute, it comes
+        back with its cached prefix and recomputes from the first failed block on."""
+        logger.warning("%d KV block(s) failed to load or import: recomputing them", len(result.failed_loads))
+        if self.tiers is not None:
+            self.tiers.forget_failed(result.failed_loads)
+        bad = {b for h in result.failed_loads if (b := self.blocks.uncache(h)) is not None}
+        readers = [r for h in result.load_skipped if (r := self._by_handle.get(h)) is not None]
+        readers += [r for r in self.running if not bad.isdisjoint(self.blocks.blocks_of(r.req_id))]
+        for req in dict.fromkeys(readers):
+            if req.status is Status.RUNNING:
+                self._preempt(req, PreemptionMode.RECOMPUTE)
+            elif req.swapped:  # swapped out since, with the bad block: its copy is dropped too
+                self.blocks.free(req.req_id)
+                req.swapped = False
+                req.num_computed_tokens = 0
+
+    def _register_filled_blocks(self, sent: SentPlan) -> None:
+        """The blocks each request's step filled (one in block_size decode steps) get their hashes. This step's
+        own end counts, not num_computed_tokens: that counts plans still in flight, whose blocks are not written
+        yet (and are never written if those plans are interrupted)."""
+        bt = self.blocks
+        if not bt.enable_prefix_caching:
+            return
+        bs = bt.block_size
+        # Those whose step filled a block, picked in one pass: most steps of a decode fill none.
+        filled = [i for i, (n, end) in enumerate(zip(sent.tokens, sent.ends)) if end // bs > (end - n) // bs]
+        for i in filled:
+            req, n, end, run = sent.requests[i], sent.tokens[i], sent.ends[i], sent.runs[i]
+            first_block, full = (end - n) // bs, end // bs
+            if req.status is Status.RUNNING and req.num_preemptions == run:
+                hashes = req.update_block_hashes(bs)  # accepted proposals are hashable once they are tokens
+                bt.register(req.req_id, hashes, first_block, min(full, len(hashes)))
+
+    def _undo(self, sent: SentPlan) -> None:
+        """The workers skipped this plan's compute: its requests are back where they were before it (the
+        blocks it allocated stay theirs; its diffs and block operations did run)."""
+        self.counters.interrupted_steps += 1
+        for req, n, samples, run in zip(sent.requests, sent.tokens, sent.samples, sent.runs):
+            if req.status is not Status.RUNNING or req.num_preemptions != run:
+                continue  # finished or preempted since: nothing of this step is kept for it
+            req.num_computed_tokens -= n
+            if samples:
+                req.num_placeholders -= 1
+            self._catching_up.add(req)
+
+    def _start_forks(self, parent: Request) -> None:
+        """The prompt is computed: each sibling shares its blocks and recomputes only the last prompt token,
+        so it samples its own first token; the shared last block is copied when first written."""
+        prompt_len = len(parent.prompt_token_ids)
+        for child in parent.forks:
+            self.blocks.fork(parent.req_id, child.req_id, prompt_len)
+            child.num_computed_tokens = prompt_len - 1
+            child.num_cached_tokens = parent.num_cached_tokens  # the prompt they share
+            self._enqueue(child)
+        parent.forks = ()
+
+
+def _ending(req: Request) -> tuple[FinishReason, bool, int, int, list[float] | None]:
+    """What a RequestOutput copies of a request its tokens ended (the output side reads it on another thread)."""
+    embedding = req.embedding() if req.sampling.pooling else None
+    return req.status.finish_reason, req.stopped_by_token, len(req.output_token_ids), req.num_cached_tokens, embedding
