@@ -33,6 +33,7 @@ import grpc  # noqa: E402
 from minivllm.cluster import Cluster, RouterProcess  # noqa: E402
 from proto import serving_pb2 as pb  # noqa: E402
 from proto import serving_pb2_grpc as pb_grpc  # noqa: E402
+from scheduler_node.bench.report import bar_panels  # noqa: E402
 
 NAME = "m"
 SMOKE = {"streams": 8, "max_tokens": 64, "grace": 0.5, "kv_cache_memory": "16MiB"}
@@ -103,22 +104,11 @@ def rolling_restart(replica: Cluster, router: RouterProcess, args: argparse.Name
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed; no plot", file=sys.stderr)
-        return
-    fig, (cut, gap) = plt.subplots(1, 2, figsize=(9, 3))
-    labels = [r["mode"] for r in rows]
-    cut.bar(labels, [r["cut"] for r in rows])
-    cut.set_ylabel("streams cut")
-    gap.bar(labels, [r["largest_gap_s"] for r in rows])
-    gap.set_ylabel("largest inter-token gap (s)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    panels = [
+        ([r["cut"] for r in rows], "streams cut"),
+        ([r["largest_gap_s"] for r in rows], "largest inter-token gap (s)"),
+    ]
+    bar_panels(path, [r["mode"] for r in rows], panels)
 
 
 def main() -> int:

@@ -41,6 +41,7 @@ from workload import stream_workload  # noqa: E402
 
 from minivllm.cluster import Cluster  # noqa: E402
 from proto.wire import ExecutionMode  # noqa: E402
+from scheduler_node.bench.report import bar_panels  # noqa: E402
 
 # (shortest, longest) prompt and output tokens of a request
 PROMPT_LENS, OUTPUT_LENS = (32, 256), (32, 128)
@@ -136,19 +137,7 @@ def label(row: dict) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed; no plot", file=sys.stderr)
-        return
-    fig, ax = plt.subplots(figsize=(5, 3))
-    ax.bar([label(r) for r in rows], [r["tok_s"] for r in rows])
-    ax.set_ylabel("output tokens/s")
-    fig.tight_layout()
-    fig.savefig(path)
+    bar_panels(path, [label(r) for r in rows], [([r["tok_s"] for r in rows], "output tokens/s")])
 
 
 def main() -> int:

@@ -167,17 +167,9 @@ def kernel_table(rows: list[int], repeats: int) -> list[dict[str, Any]]:
 
     import torch
     import torch.nn.functional as F
+    from bench_cpu_dtypes import fastest_ms  # this script's sibling: the dense matmuls' own table
 
     from worker_node.models.quant_int8 import quantize_rows
-
-    def fastest(run: Any) -> float:
-        run()
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            run()
-            best = min(best, time.perf_counter() - start)
-        return best * 1e3
 
     def fbgemm(q: torch.Tensor, s: torch.Tensor) -> Any:
         zeros = torch.zeros(q.shape[0], dtype=torch.long)
@@ -210,7 +202,7 @@ def kernel_table(rows: list[int], repeats: int) -> list[dict[str, Any]]:
                     torch.ops.quantized.linear_dynamic(x, w) for x, w in zip(xs, p)
                 ],
             }
-            table.append({"what": what, "rows": n, **{k: fastest(run) for k, run in kernels.items()}})
+            table.append({"what": what, "rows": n, **{k: fastest_ms(run, repeats) for k, run in kernels.items()}})
             cells = ", ".join(f"{k} {v:.3f}" for k, v in table[-1].items() if isinstance(v, float))
             print(f"kernels {what} rows {n}: {cells}", flush=True)
     return table

@@ -32,6 +32,7 @@ import grpc  # noqa: E402
 from minivllm.cluster import Cluster, RouterProcess  # noqa: E402
 from proto import serving_pb2 as pb  # noqa: E402
 from proto import serving_pb2_grpc as pb_grpc  # noqa: E402
+from scheduler_node.bench.report import bar_panels  # noqa: E402
 from scheduler_node.router.strategies import DEFAULT_LOAD_FACTOR  # noqa: E402
 from scheduler_node.text.tokenizer import ModelTokenizer  # noqa: E402
 
@@ -152,22 +153,12 @@ def warm_up(replicas: list[Cluster], workload: Workload) -> None:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed; no plot", file=sys.stderr)
-        return
     labels = [f"{r['setup']}\n{r['strategy']}" for r in rows]
-    fig, (hit, ttft) = plt.subplots(1, 2, figsize=(9, 3))
-    hit.bar(labels, [r["hit_rate"] for r in rows])
-    hit.set_ylabel("prefix-cache hit rate")
-    ttft.bar(labels, [r["ttft_mean"] for r in rows])
-    ttft.set_ylabel("mean TTFT (s)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    bar_panels(
+        path,
+        labels,
+        [([r["hit_rate"] for r in rows], "prefix-cache hit rate"), ([r["ttft_mean"] for r in rows], "mean TTFT (s)")],
+    )
 
 
 def main() -> int:

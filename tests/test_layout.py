@@ -134,7 +134,6 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "scheduler_node.bench.load": "a part of vllm-bench, run against a real server by"
     " tests/scheduler_node/bench/test_bench.py",
     "scheduler_node.bench.mixed": "the chaos workload, run by tests/e2e/test_chaos.py",
-    "scheduler_node.bench.report": "vllm-bench's tables, run by tests/scheduler_node/bench/test_bench.py",
     "scheduler_node.cli.bench": "vllm-bench's entry point, run by tests/scheduler_node/bench/test_bench.py",
     "scheduler_node.cli.monitor": "vllm-monitor, run as a program by tests/e2e/test_metrics.py",
     "scheduler_node.cli.openai_flags": "the OpenAI door's flags, through the scheduler's and vllm-serve's parsers"

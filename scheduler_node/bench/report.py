@@ -115,3 +115,13 @@ def _itl_cdf(path: Path, runs: list[RunSummary], results: list[list[RequestResul
     ax.set_title(f"ITL distribution — {title}")
     fig.savefig(path, dpi=110)
     return path
+
+
+def bar_panels(path: Path, labels: list[str], panels: list[tuple[list[float], str]], dpi: int = 120) -> Path:
+    """A row of bar charts over the same `labels`, one per (values, y label): the benchmark scripts' summary plot."""
+    fig = Figure(figsize=(4.5 * len(panels), 3), layout="constrained")
+    for ax, (values, ylabel) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
+        ax.bar(labels, values)
+        ax.set_ylabel(ylabel)
+    fig.savefig(path, dpi=dpi)
+    return path
