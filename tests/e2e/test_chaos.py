@@ -81,7 +81,7 @@ def test_kill_9_three_times_and_a_stall(tiny_llama_dir: Path, tmp_path: Path) ->
     serve = Serve(tiny_llama_dir, tmp_path, *TINY)
     try:
         serve.wait_serving()
-        outcomes = mixed_requests(random.Random(1), 28, (300, 700))
+        outcomes = mixed_requests(random.Random(1), 20, (200, 500))
         load = Load(serve.stub, outcomes, BOUND, spread=4.0)
         for _ in range(3):  # kill -9, each time after the previous replacement rejoined and made progress
             wait_for(load.progress(40), 60, "the load makes progress")
@@ -105,7 +105,7 @@ def test_one_rank_of_a_tp2_pp2_world_dies(tiny_llama_dir: Path, tmp_path: Path) 
     serve = Serve(tiny_llama_dir, tmp_path, *TINY, "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2")
     try:
         serve.wait_serving()
-        outcomes = mixed_requests(random.Random(2), 24, (200, 400))
+        outcomes = mixed_requests(random.Random(2), 16, (150, 300))
         load = Load(serve.stub, outcomes, BOUND, spread=2.0)
         wait_for(lambda: load.tokens_so_far() > 60, 120, "the load makes progress")
         old = set(serve.ready_pids())
