@@ -200,12 +200,13 @@ ATTENTION_ADAPTERS = [
 ]
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "mixtral"])
+@pytest.mark.parametrize(("kind", "tp"), [("qwen2", 1), ("mixtral", 1), ("qwen2", 2), ("mixtral", 2)])
 def test_other_architectures_mix_four_adapters_and_the_base_model(
-    kind: str, tiny_model_dir: Any, tiny_qwen2_dir: Path, tmp_path: Path
+    kind: str, tp: int, tiny_model_dir: Any, tiny_qwen2_dir: Path, tmp_path: Path
 ) -> None:
     """Qwen2 (q/k/v biases: the adapter adds to the biased projection) and Mixtral (attention adapters over an MoE
-    model): each request's tokens are its adapter's in a batch mixing four adapters and the base model."""
+    model), at TP 1 and TP 2: each request's tokens are its adapter's in a batch mixing four adapters and the base
+    model."""
     folder = tiny_qwen2_dir if kind == "qwen2" else tiny_model_dir(kind)
     base = load_base(folder)
     specs = ADAPTERS if kind == "qwen2" else ATTENTION_ADAPTERS
@@ -215,11 +216,19 @@ def test_other_architectures_mix_four_adapters_and_the_base_model(
     refs = _refs(folder, paths)
     prompts = _prompts(11, 4) * 2  # each prompt twice, with two different adapters (or one and the base model)
     loras = [None, 0, 1, 2, 0, 1, 2, 3]
-    runner = load_runner(folder, 64, BLOCK)
-    with EngineRun(runner, tokenizer_dir=folder, max_loras=4, max_num_batched_tokens=64) as run:
-        requests = [run.add(p, 6, lora=None if i is None else refs[i]) for p, i in zip(prompts, loras)]
-        run.run()
-        assert run.scheduler.blocks.num_free == 64
+    ranks = TensorParallelRanks(folder, 64, BLOCK, tp=2) if tp == 2 else None
+    runners = ranks.runners if ranks is not None else load_runner(folder, 64, BLOCK)
+    transport = ranks.transport() if ranks is not None else None
+    try:
+        with EngineRun(
+            runners, tokenizer_dir=folder, max_loras=4, max_num_batched_tokens=64, transport=transport
+        ) as run:
+            requests = [run.add(p, 6, lora=None if i is None else refs[i]) for p, i in zip(prompts, loras)]
+            run.run()
+            assert run.scheduler.blocks.num_free == 64
+    finally:
+        if ranks is not None:
+            ranks.close()
     for first, again in zip(requests[:4], requests[4:]):
         assert first.output != again.output, "two adapters gave the same tokens: an adapter had no effect"
     for req, prompt, lora in zip(requests, prompts, loras):
