@@ -124,6 +124,9 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "worker_node.kv_handoff": "a rank's part in disaggregated prefill/decode, run by two in-process engines:"
     " tests/fidelity/test_disagg_handoff.py",
     "scheduler_node.router.disaggregate": "vllm-router --disaggregate over two real replicas: tests/e2e/test_router.py",
+    "proto.wire_base": "the wire's building blocks, re-exported by proto.wire (tests/proto/test_wire.py)",
+    "proto.step_messages": "the step's plan and result, re-exported by proto.wire (tests/proto/test_wire.py)",
+    "proto.session_messages": "hand-shake and control messages, re-exported by proto.wire (tests/proto/test_wire.py)",
     "proto.serving_pb2": "generated from proto/serving.proto by grpcio-tools; every gRPC test speaks it",
     "proto.serving_pb2_grpc": "generated from proto/serving.proto by grpcio-tools; every gRPC test speaks it",
     "scheduler_node.api.openai_guards": "the door's API key and body limit, through its app:"
