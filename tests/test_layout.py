@@ -127,6 +127,9 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "proto.wire_base": "the wire's building blocks, re-exported by proto.wire (tests/proto/test_wire.py)",
     "proto.step_messages": "the step's plan and result, re-exported by proto.wire (tests/proto/test_wire.py)",
     "proto.session_messages": "hand-shake and control messages, re-exported by proto.wire (tests/proto/test_wire.py)",
+    "scheduler_node.engine.handoffs": "a part of EngineCore: migration through tests/scheduler_node/engine/"
+    "test_migration.py, KV leases through tests/fidelity/test_disagg_handoff.py",
+    "scheduler_node.engine.live_stats": "a part of EngineCore, read by tests/scheduler_node/engine/test_metrics.py",
     "proto.serving_pb2": "generated from proto/serving.proto by grpcio-tools; every gRPC test speaks it",
     "proto.serving_pb2_grpc": "generated from proto/serving.proto by grpcio-tools; every gRPC test speaks it",
     "scheduler_node.api.openai_guards": "the door's API key and body limit, through its app:"

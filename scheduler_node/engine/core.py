@@ -21,20 +21,19 @@ from typing import Any
 
 import msgspec
 
-from proto.memory_stats import KvPool
 from proto.transport import StepFailed, WorkerLost, WorkerTransport
 from proto.wire import SamplingOptions, StepPlan, StepResult
-from scheduler_node.core.kv_handoff import KVSource, new_lease
-from scheduler_node.core.lora_slots import LoraMemory, lora_requests
+from scheduler_node.core.kv_handoff import new_lease
 from scheduler_node.core.migration import SequenceResume
 from scheduler_node.core.request import FinishReason, Request, RequestSpec, Status, StopConditions
 from scheduler_node.core.scheduler import Scheduler
 from scheduler_node.core.speculative import SpecState
-from scheduler_node.core.stats import hit_rates, kv_pools, snapshot
 from scheduler_node.engine.collector import CollectorSchedule
 from scheduler_node.engine.failures import Failures
+from scheduler_node.engine.handoffs import Handoffs
+from scheduler_node.engine.live_stats import LiveStats
 from scheduler_node.engine.lora_registry import LoraRegistry
-from scheduler_node.engine.metrics import LiveSample, Metrics
+from scheduler_node.engine.metrics import Metrics
 from scheduler_node.engine.options import STEP_SECONDS_PER_TOKEN, EngineOptions
 from scheduler_node.engine.output_side import OutputSide
 from scheduler_node.engine.outputs import Delta, DeltaSink, EngineError, ErrorStatus, RequestStream
@@ -51,7 +50,7 @@ class _InFlight:
     tokens: int  # the plan's scheduled tokens
 
 
-class EngineCore(Failures):
+class EngineCore(Failures, Handoffs, LiveStats):
     def __init__(
         self,
         scheduler: Scheduler,
@@ -198,57 +197,6 @@ class EngineCore(Failures):
         self._wake.set()  # tell the workers to forget them
         return True
 
-    def migrate(self) -> int:
-        """Move every live migratable request off this replica, between steps: each sequence ends with its state
-        (finish_reason MIGRATED) and its blocks are freed at once, since the target recomputes them from its
-        tokens (a KV import would free them once the target confirms). Tokens of plans in flight are dropped, as
-        an abort's are: the state holds exactly the tokens its client got. Returns how many requests moved."""
-        moved = 0
-        for request_id in list(self.outputs.migratable):
-            for req_id in list(self.outputs.requests.get(request_id, ())):
-                req = self.scheduler.finish(req_id, Status.FINISHED_MIGRATED)
-                if req is not None:
-                    self.outputs.migrate(req)
-            moved += 1
-        if moved:
-            logger.info("migrating %d request(s) off this replica", moved)
-        self._wake.set()  # tell the workers to forget them
-        return moved
-
-    # ---- disaggregated prefill/decode (scheduler_node/core/kv_handoff.py)
-
-    def kv_source(self, request_id: str) -> KVSource | None:
-        """Where another replica pulls a finished prefill's prompt KV from; None when no lease is held for it."""
-        lease = self.scheduler.leases.held.get(request_id)
-        addresses = self.workers.capacity.kv_addresses
-        return lease.source(list(addresses)) if lease is not None and addresses else None
-
-    def release_kv(self, request_id: str) -> bool:
-        """Free a finished prefill's leased blocks (pulled, or nobody will); False if none are held."""
-        if not self.scheduler.release_kv(request_id):
-            return False
-        self._wake.set()  # the workers forget the lease with the next plan
-        return True
-
-    def _arm_lease_timer(self) -> None:
-        """Wake when the earliest lease held expires (no step may come to notice it)."""
-        leases = self.scheduler.leases.held
-        if not leases:
-            return
-        loop = asyncio.get_running_loop()
-        at = loop.time() + max(0.0, min(lease.expires for lease in leases.values()) - self.scheduler.clock())
-        if self._lease_timer is not None:
-            if self._lease_timer.when() <= at:
-                return
-            self._lease_timer.cancel()
-        self._lease_timer = loop.call_at(at, self._expire_leases)
-
-    def _expire_leases(self) -> None:
-        self._lease_timer = None
-        if self.scheduler.expire_leases():
-            self._wake.set()
-        self._arm_lease_timer()
-
     def resize_cache(self, num_blocks: int) -> int:
         """Change the usable KV blocks; the block moves run on the workers before the next step. ValueError
         outside [1, max_kv_blocks]; MemoryError when live requests would not fit (nothing changes then)."""
@@ -272,46 +220,6 @@ class EngineCore(Failures):
         waits = [self.outputs.idle.wait()] + ([hurry.wait()] if hurry is not None else [])
         await _first(*waits, timeout=timeout)
         return self.num_live
-
-    def kv_pools(self) -> list[KvPool]:
-        """The KV memory in bytes, per tier and format."""
-        return kv_pools(self.scheduler, self.workers.capacity)
-
-    def lora_memory(self) -> list[LoraMemory]:
-        """The LoRA adapters in the workers' slots and host tier (none while LoRA is off)."""
-        return self.scheduler.view.lora_slots.memory() if self.loras is not None else []
-
-    def live_metrics(self) -> LiveSample:
-        """The scrape-time gauges and scheduler counters (Metrics reads them on the event loop's thread)."""
-        s = snapshot(self.scheduler)
-        pools = self.kv_pools()
-        tiers: LiveSample = {}
-        if self.scheduler.tiers is not None:
-            tiers.update(self.scheduler.tiers.snapshot().as_metrics())
-        return tiers | {
-            "vllm:num_requests_running": s.num_running,
-            "vllm:num_requests_waiting": s.num_waiting,
-            "vllm:kv_cache_usage_perc": s.kv_usage,
-            "minivllm:kv_fragmentation": s.fragmentation,
-            "minivllm:batch_utilization": self.metrics.batch_utilization,
-            "minivllm:workers_ready": self.workers.num_ready,
-            "minivllm:asyncio_tasks": len(asyncio.all_tasks()),
-            "vllm:num_preemptions": s.preemptions_recompute + s.preemptions_swap,
-            "vllm:prefix_cache_queries": s.prefix_cache_queries,
-            "vllm:prefix_cache_hits": s.prefix_cache_hits,
-            "minivllm:kv_cache_allocated_bytes": {(p.tier, p.format): p.allocated_bytes for p in pools},
-            "minivllm:kv_cache_used_bytes": {(p.tier, p.format): p.used_bytes for p in pools},
-            "minivllm:cache_hit_rate": {(tier,): rate for tier, rate in hit_rates(pools, s.prefix_cache_queries)},
-            "minivllm:lora_requests": lora_requests(self.scheduler.running, self.scheduler.waiting),
-            "minivllm:lora_memory_bytes": {(m.tier,): m.bytes for m in self.lora_memory()},
-            "minivllm:lora_adapters_resident": {(m.tier,): m.adapters for m in self.lora_memory()},
-            "vllm:spec_decode_num_drafts": s.spec_decode_num_drafts,
-            "vllm:spec_decode_num_draft_tokens": s.spec_decode_num_draft_tokens,
-            "vllm:spec_decode_num_accepted_tokens": s.spec_decode_num_accepted_tokens,
-            "vllm:spec_decode_num_accepted_tokens_per_pos": {
-                (str(i),): n for i, n in enumerate(s.spec_decode_num_accepted_tokens_per_pos)
-            },
-        }
 
     async def wait_idle(self) -> None:
         """Until no request is live."""

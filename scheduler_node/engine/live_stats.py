@@ -1,0 +1,61 @@
+"""The engine's numbers read at scrape time: KV memory per tier and format, LoRA adapters' memory, and the gauges
+and scheduler counters Metrics exports. A part of EngineCore (engine/core.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from proto.memory_stats import KvPool
+from proto.transport import WorkerTransport
+from scheduler_node.core.lora_slots import LoraMemory, lora_requests
+from scheduler_node.core.scheduler import Scheduler
+from scheduler_node.core.stats import hit_rates, kv_pools, snapshot
+from scheduler_node.engine.lora_registry import LoraRegistry
+from scheduler_node.engine.metrics import LiveSample, Metrics
+
+
+class LiveStats:
+    scheduler: Scheduler
+    workers: WorkerTransport
+    metrics: Metrics
+    loras: LoraRegistry | None
+
+    def kv_pools(self) -> list[KvPool]:
+        """The KV memory in bytes, per tier and format."""
+        return kv_pools(self.scheduler, self.workers.capacity)
+
+    def lora_memory(self) -> list[LoraMemory]:
+        """The LoRA adapters in the workers' slots and host tier (none while LoRA is off)."""
+        return self.scheduler.view.lora_slots.memory() if self.loras is not None else []
+
+    def live_metrics(self) -> LiveSample:
+        """The scrape-time gauges and scheduler counters (Metrics reads them on the event loop's thread)."""
+        s = snapshot(self.scheduler)
+        pools = self.kv_pools()
+        tiers: LiveSample = {}
+        if self.scheduler.tiers is not None:
+            tiers.update(self.scheduler.tiers.snapshot().as_metrics())
+        return tiers | {
+            "vllm:num_requests_running": s.num_running,
+            "vllm:num_requests_waiting": s.num_waiting,
+            "vllm:kv_cache_usage_perc": s.kv_usage,
+            "minivllm:kv_fragmentation": s.fragmentation,
+            "minivllm:batch_utilization": self.metrics.batch_utilization,
+            "minivllm:workers_ready": self.workers.num_ready,
+            "minivllm:asyncio_tasks": len(asyncio.all_tasks()),
+            "vllm:num_preemptions": s.preemptions_recompute + s.preemptions_swap,
+            "vllm:prefix_cache_queries": s.prefix_cache_queries,
+            "vllm:prefix_cache_hits": s.prefix_cache_hits,
+            "minivllm:kv_cache_allocated_bytes": {(p.tier, p.format): p.allocated_bytes for p in pools},
+            "minivllm:kv_cache_used_bytes": {(p.tier, p.format): p.used_bytes for p in pools},
+            "minivllm:cache_hit_rate": {(tier,): rate for tier, rate in hit_rates(pools, s.prefix_cache_queries)},
+            "minivllm:lora_requests": lora_requests(self.scheduler.running, self.scheduler.waiting),
+            "minivllm:lora_memory_bytes": {(m.tier,): m.bytes for m in self.lora_memory()},
+            "minivllm:lora_adapters_resident": {(m.tier,): m.adapters for m in self.lora_memory()},
+            "vllm:spec_decode_num_drafts": s.spec_decode_num_drafts,
+            "vllm:spec_decode_num_draft_tokens": s.spec_decode_num_draft_tokens,
+            "vllm:spec_decode_num_accepted_tokens": s.spec_decode_num_accepted_tokens,
+            "vllm:spec_decode_num_accepted_tokens_per_pos": {
+                (str(i),): n for i, n in enumerate(s.spec_decode_num_accepted_tokens_per_pos)
+            },
+        }
