@@ -9,30 +9,26 @@ import sys
 
 from proto.cli_config import add_config_flag, parse_args
 from proto.curve import ensure_keys
-from proto.parallel import ParallelLayout
 from proto.quantization import QUANTIZATIONS
-from proto.wire import WORKER_JOIN_TIMEOUT_S
 from scheduler_node.api.grpc_server import GenerationService, build_server
 from scheduler_node.api.health import report_health, set_serving
 from scheduler_node.api.openai_server import OpenAIDoor, OpenAIServer, build_app
 from scheduler_node.api.security import server_credentials
+from scheduler_node.cli.kv_flags import add_kv_flags, compact_kv
 from scheduler_node.cli.lora_flags import add_lora_flags, lora_config
 from scheduler_node.cli.openai_flags import add_openai_flags, openai_config
 from scheduler_node.cli.operations import add_operations_flags, check_operations_flags, stop_signals
-from scheduler_node.core.config import PREEMPTION_MODES, SchedulerConfig
+from scheduler_node.cli.world_flags import add_world_flags, resolve_parallel
+from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.kv_events import KVEventSink
-from scheduler_node.core.kv_precision import COMPACT_DTYPES, CompactKV
 from scheduler_node.core.policy import POLICIES
 from scheduler_node.core.speculative import DISABLE_BY_BATCH_SIZE, SpeculativeConfig, speculative_config_flag
-from scheduler_node.core.tier_policy import KV_OFFLOAD_POLICIES
 from scheduler_node.engine.builder import EngineConfig, WorldPlan, check_model_split, make_engine
 from scheduler_node.engine.core import EngineCore, EngineOptions
 from scheduler_node.engine.kv_publisher import KVEventPublisher
 from scheduler_node.engine.metrics import Metrics
 from scheduler_node.engine.model_path import DEFAULT, resolve_model, served_name
 from scheduler_node.engine.outputs import ErrorStatus
-from scheduler_node.engine.placement import Placement, place
-from scheduler_node.engine.topology import load_topology, single_island
 from scheduler_node.engine.worker_link import WorkerLink
 from scheduler_node.text.tokenizer import ModelTokenizer
 
@@ -54,62 +50,7 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50051, help="gRPC port")
     p.add_argument("--worker-host", default="127.0.0.1", help="bind address of the ZMQ socket workers join")
     p.add_argument("--worker-port", type=int, default=50061, help="port of the ZMQ socket workers join")
-    p.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="workers that split every layer (heads, MLP, vocab) and all-reduce after each",
-    )
-    p.add_argument(
-        "--pipeline-parallel-size",
-        type=int,
-        default=1,
-        help="pipeline stages, each holding a contiguous slice of the layers; the world is TP x PP workers",
-    )
-    p.add_argument(
-        "--num-workers",
-        type=int,
-        default=None,
-        help="workers to wait for; derived from TP x PP, kept as a checked alias (it must equal TP x PP)",
-    )
-    p.add_argument(
-        "--topology",
-        default=None,
-        metavar="FILE.yaml",
-        help="devices, hosts and interconnects (deploy/topology/*.yaml) to place ranks on; default: one "
-        "island, ranks in join order, each worker picks its device",
-    )
-    p.add_argument(
-        "--allow-cross-island",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="let a tensor-parallel group span slower links when it fits no fast island (else: fail at start)",
-    )
-    p.add_argument(
-        "--print-placement",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="print which rank goes on which host and device, and how the stages are linked, then exit",
-    )
-    p.add_argument(
-        "--distributed-port",
-        type=int,
-        default=0,
-        help="port of the torch.distributed rendezvous that rank 0 opens (0: one free on this host; set it "
-        "when rank 0 runs on another host)",
-    )
-    p.add_argument(
-        "--distributed-timeout",
-        type=float,
-        default=DEFAULTS.distributed_timeout,
-        help="seconds the rendezvous or any collective may wait for a peer rank before failing",
-    )
-    p.add_argument(
-        "--worker-join-timeout",
-        type=float,
-        default=WORKER_JOIN_TIMEOUT_S,
-        help="seconds to wait for all workers (a worker still loading after this long gives its rank back)",
-    )
+    add_world_flags(p)
     p.add_argument(
         "--num-kv-blocks",
         type=int,
@@ -157,36 +98,8 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
         '"draft_model", "model": PATH, "num_speculative_tokens": 4}\' (also "disable_by_batch_size": no '
         f"speculation while more requests run; default {DISABLE_BY_BATCH_SIZE}). Empty: off",
     )
-    p.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=SCHEDULER.enable_prefix_caching,
-        help="reuse the KV of identical prompt prefixes across requests (--no-enable-prefix-caching: off)",
-    )
-    p.add_argument(
-        "--preemption-mode",
-        choices=PREEMPTION_MODES,
-        default=SCHEDULER.preemption_mode.value,
-        help="when KV runs out: recompute the victim later, swap its blocks to host memory, or elastic "
-        "(per victim, whichever is cheaper by measured compute time and swap bandwidth)",
-    )
-    p.add_argument(
-        "--kv-offload-policy",
-        choices=KV_OFFLOAD_POLICIES,
-        default=SCHEDULER.kv_offload_policy,
-        help="replacement in the workers' KV offload tiers (--kv-offload-ram, --kv-offload-disk): arc (adaptive: "
-        "recency and frequency, scan-resistant) or lru",
-    )
-    add_kv_precision_flags(p)
+    add_kv_flags(p)
     add_lora_flags(p)
-    p.add_argument(
-        "--compaction-interval",
-        type=int,
-        default=SCHEDULER.compaction_interval,
-        help="every N steps, move live KV blocks into the lowest free ones (0: never). Compaction and "
-        "Control.ResizeCache only limit which blocks the scheduler hands out: the workers' KV tensors keep their "
-        "size, so a shrink gives no device memory back (docs/guide.md, KV memory)",
-    )
     p.add_argument(
         "--scheduling-policy",
         default=DEFAULTS.scheduling_policy,
@@ -240,60 +153,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_parallel(args: argparse.Namespace) -> Placement:
-    """The layout and where each rank goes; ValueError (naming what does not fit) when it cannot work."""
-    layout = ParallelLayout(args.tensor_parallel_size, args.pipeline_parallel_size)
-    if args.num_workers is not None and args.num_workers != layout.world_size:
-        raise ValueError(
-            f"--num-workers {args.num_workers} != --tensor-parallel-size {layout.tensor_parallel_size} x "
-            f"--pipeline-parallel-size {layout.pipeline_parallel_size}; drop --num-workers (it is derived)"
-        )
-    if args.topology:
-        return place(load_topology(args.topology), layout, args.allow_cross_island)
-    return place(single_island(layout.world_size), layout, worker_chooses_device=True)
-
-
-def add_kv_precision_flags(p: argparse.ArgumentParser) -> None:
-    """Per-request KV precision (scheduler_node/core/kv_precision.py): the compact pool and the memory-sensitive
-    mode."""
-    p.add_argument(
-        "--kv-compact-under-pressure",
-        action=argparse.BooleanOptionalAction,
-        default=DEFAULTS.kv_compact.under_pressure,
-        help="memory-sensitive mode: when the full-precision KV pool is tight (its free blocks, once a request took "
-        "its own, below --kv-compact-tight-fraction of it), requests with kv_precision auto below "
-        "--kv-compact-full-priority get compact (quantized) blocks; kv_precision full/compact always get theirs",
-    )
-    p.add_argument(
-        "--kv-compact-fraction",
-        type=float,
-        default=None,
-        help="share of each worker's KV memory that holds compact blocks, the rest full ones (default: 0.5 with "
-        "--kv-compact-under-pressure, else 0: no compact pool, and kv_precision compact is refused)",
-    )
-    p.add_argument(
-        "--kv-compact-dtype",
-        choices=COMPACT_DTYPES,
-        default=DEFAULTS.kv_compact.dtype,
-        help="how compact blocks store keys and values (one float32 scale per token and KV head; fp8 with triton "
-        "needs compute capability 8.9+)",
-    )
-    p.add_argument(
-        "--kv-compact-tight-fraction",
-        type=float,
-        default=DEFAULTS.kv_compact.tight_fraction,
-        help="with --kv-compact-under-pressure: the full pool is tight when a request would leave fewer free "
-        "blocks than this share of it",
-    )
-    p.add_argument(
-        "--kv-compact-full-priority",
-        type=int,
-        default=DEFAULTS.kv_compact.full_priority,
-        help="with --kv-compact-under-pressure: auto requests of this priority or more keep full blocks when the "
-        "pool is tight (realtime is 80-100, the default 50)",
-    )
-
-
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine's settings from the command line (ValueError naming what is out of range)."""
     return EngineConfig(
@@ -328,13 +187,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         ),
         num_kv_blocks=args.num_kv_blocks,
         distributed_timeout=args.distributed_timeout,
-        kv_compact=CompactKV.from_flags(
-            args.kv_compact_under_pressure,
-            args.kv_compact_fraction,
-            dtype=args.kv_compact_dtype,
-            tight_fraction=args.kv_compact_tight_fraction,
-            full_priority=args.kv_compact_full_priority,
-        ),
+        kv_compact=compact_kv(args),
         lora=lora_config(args),
     )
 

@@ -18,7 +18,8 @@ from proto.worker_flags import EXIT_BAD_FLAGS, add_worker_flags, offload_dir_pro
 from scheduler_node.cli.openai_flags import API_KEY_ENV, SERVE_OPENAI_PORT
 from scheduler_node.cli.operations import TOKEN_ENV
 from scheduler_node.cli.router import add_routing_flags
-from scheduler_node.cli.scheduler import add_scheduler_flags, resolve_parallel
+from scheduler_node.cli.scheduler import add_scheduler_flags
+from scheduler_node.cli.world_flags import resolve_parallel
 from scheduler_node.engine.builder import free_port
 from scheduler_node.engine.data_parallel import ReplicaPlan, plan_replicas
 from scheduler_node.engine.launchers import add_launcher_flags, make_launcher
