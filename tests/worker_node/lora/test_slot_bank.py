@@ -8,27 +8,14 @@ import pytest
 import torch
 
 from kernels.torch_lora import lora_add_reference
+from tests.support.lora import small_config
 from worker_node.lora.slot_bank import LoraCapacity, SlotBank
 from worker_node.lora.weights import ProjectionLora
-from worker_node.models.config import ModelConfig
 from worker_node.parallel import SINGLE
 
 pytestmark = pytest.mark.unit
 
-CONFIG = ModelConfig.from_dict(
-    {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": 32,
-        "hidden_size": 16,
-        "intermediate_size": 24,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 64,
-    }
-)
+CONFIG = small_config()
 KEYS = [(layer, fused) for layer in range(2) for fused in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
 
 
