@@ -43,10 +43,10 @@ def test_padded_decode_buffers_give_the_same_tokens(tiny_llama_dir: Path, monkey
     run = graphs.run
 
     def run_and_note(
-        ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, hidden: torch.Tensor | None
+        ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, hidden: torch.Tensor | None, *lora: Any
     ) -> torch.Tensor:
         used.append(ids.shape[0])
-        return run(ids, positions, meta, hidden)
+        return run(ids, positions, meta, hidden, *lora)
 
     monkeypatch.setattr(graphs, "run", run_and_note)
     runner.graphs = graphs
