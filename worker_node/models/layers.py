@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_gemm
 from kernels.interface import AttentionBackend
 from proto.parallel import kv_head_range, shard, vocab_shard
 from worker_node.attention import AttentionMetadata, paged_attention
@@ -27,6 +28,14 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
 }
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` whose decode-sized bf16 products on CPU run in kernels/cpu_gemm.py's AMX kernel (torch's
+    bf16 matmul reads the weights at a fraction of memory speed at a few rows, and leaves the second core idle)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_gemm.linear(x, self.weight, self.bias)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -116,8 +125,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = q1 - q0, kv1 - kv0, config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)  # row-parallel
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)  # row-parallel
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.scale = config.attention_scale or self.head_dim**-0.5
@@ -150,8 +159,8 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, where: ParallelRank, comm: Comm) -> None:
         super().__init__()
         self.inter = config.intermediate_size // where.tp_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)  # column-parallel
-        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False)  # row-parallel
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.inter, bias=False)  # column-parallel
+        self.down_proj = Linear(self.inter, config.hidden_size, bias=False)  # row-parallel
         self.act = ACTIVATIONS[config.hidden_act]
         self.comm = comm
 
@@ -214,7 +223,7 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         if self.quant is None:
-            local = F.linear(hidden, self.weight)
+            local = cpu_gemm.linear(hidden, self.weight)
             if local.dtype != torch.float32:
                 local = rescore_top_logits(local, hidden, lambda rows: self.weight[rows].float())
         else:
