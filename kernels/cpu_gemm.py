@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,7 @@ MAX_ROWS = 64  # the kernel's limit (four accumulator tiles of 16 rows); above i
 BLOCK_N, BLOCK_K = 16, 32
 WEIGHT_FORMATS = {torch.bfloat16: 0, torch.int8: 1}
 NEEDED_FLAGS = frozenset({"amx_tile", "amx_bf16", "avx512_bf16"})
+DISABLE_ENV = "MINIVLLM_CPU_GEMM"  # "0": torch's matmuls only (to compare; read when the kernel is first asked for)
 
 _ptr = ctypes.c_void_p
 _i64 = ctypes.c_int64
@@ -30,7 +32,10 @@ _i64 = ctypes.c_int64
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
-    """The kernel built for this CPU, with the AMX state granted to this process; None where it cannot run."""
+    """The kernel built for this CPU, with the AMX state granted to this process; None where it cannot run (or
+    $MINIVLLM_CPU_GEMM is 0)."""
+    if os.environ.get(DISABLE_ENV) == "0":
+        return None
     if not NEEDED_FLAGS <= set(cpu_flags_line().partition(":")[2].split()):
         return None
     library = load_library(SOURCE, CFLAGS, "CPU decode matmuls")

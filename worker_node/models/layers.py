@@ -21,7 +21,6 @@ from proto.parallel import kv_head_range, shard, vocab_shard
 from worker_node.attention import AttentionMetadata, paged_attention
 from worker_node.kv_cache import LayerKV
 from worker_node.models.config import ModelConfig
-from worker_node.models.quant_linear import QuantLinear
 from worker_node.parallel import Comm, ParallelRank
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -181,28 +180,14 @@ class VocabParallelEmbedding(nn.Module):
         self.sharded = where.tp_size > 1
         self.scale = scale
         self.comm = comm
-        self.quant: QuantLinear | None = None  # a quantized LM head this embedding is tied to (its rows, looked up)
-        self.dtype = torch.float32  # the model's, for rows looked up in `quant`
-
-    def share_quantized(self, head: QuantLinear) -> None:
-        """Look rows up in the tied LM head's quantized weight instead of keeping a full-precision copy."""
-        if "weight" in self._parameters:
-            del self.weight
-        self.quant = head
-
-    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.quant is None:
-            return F.embedding(ids, self.weight)
-        return self.quant.dequantize(ids).to(self.dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if not self.sharded:
-            x = self._rows(ids)
+            x = F.embedding(ids, self.weight)
         else:
-            rows = self.quant.out_features if self.quant is not None else self.weight.shape[0]
             local = ids - self.start
-            outside = (local < 0) | (local >= rows)
-            x = self._rows(local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0.0)
+            outside = (local < 0) | (local >= self.weight.shape[0])
+            x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
             x = self.comm.all_reduce(x)
         return x if self.scale == 1.0 else x * torch.tensor(self.scale, dtype=x.dtype)
 
@@ -219,17 +204,11 @@ class ParallelLMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(end - start, hidden_size))
         self.softcap = softcap
         self.comm = comm
-        self.quant: QuantLinear | None = None  # the weight in a quantized format (--quantization)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        if self.quant is None:
-            local = cpu_gemm.linear(hidden, self.weight)
-            if local.dtype != torch.float32:
-                local = rescore_top_logits(local, hidden, lambda rows: self.weight[rows].float())
-        else:
-            local = self.quant(hidden)
-            if local.dtype != torch.float32:
-                local = rescore_top_logits(local, hidden, self.quant.dequantize)
+        local = cpu_gemm.linear(hidden, self.weight)
+        if local.dtype != torch.float32:
+            local = rescore_top_logits(local, hidden, lambda rows: self.weight[rows].float())
         logits = self.comm.gather_to_first(local)
         if logits is None:
             return None
