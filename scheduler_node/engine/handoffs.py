@@ -73,6 +73,11 @@ class Handoffs:
         self._leases_released.set()
         return True
 
+    def takes_back(self, leases: list[bytes]) -> bool:
+        """Does this replica hold every one of these KV leases (a request it migrated off, coming back)?"""
+        held = {lease.lease for lease in self.scheduler.leases.held.values()}
+        return bool(leases) and all(lease in held for lease in leases)
+
     async def migrations_settled(self, timeout: float | None) -> bool:
         """Until no migrated sequence's KV waits here for its target (each confirmed, or its lease expired), at
         most `timeout` seconds: a drained replica serves the pulls before it goes. False if time ran out."""

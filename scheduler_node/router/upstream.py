@@ -110,6 +110,9 @@ class Forwarder:
                         self._release(holding, request.request_id)
                     holding = response if any(s.HasField("kv_source") for s in request.resume.sequences) else None
                     continue
+                if response is None:  # taken back: it runs on where its KV is, which frees it itself
+                    holding = None
+                    continue
                 if holding is not None:  # the target answered: it has the KV, the source may free it
                     self._release(holding, request.request_id)
                     holding = None
@@ -126,17 +129,23 @@ class Forwarder:
         metadata: Sequence[tuple[str, str]],
         exclude: Sequence[Replica],
         arrived: float,
-    ) -> AsyncIterator[pb.GenerateResponse | Replica]:
-        """`generate`'s attempts, replica after replica; a Replica between them: it handed the request back."""
+    ) -> AsyncIterator[pb.GenerateResponse | Replica | None]:
+        """`generate`'s attempts, replica after replica; between them a Replica: it handed the request back, or
+        None: the last such replica takes it back (no other took it)."""
         deadline_s = request.deadline_s
         failed: list[Replica] = []
         moved_from: list[Replica] = []  # replicas that handed it back: never chosen again for it
+        returned = False  # sent back to the replica that handed it back, which still held its KV
         while True:
             try:
                 route = await self.route(route_request, [*exclude, *failed, *moved_from])
             except RouteError as exc:
-                earlier = f" (it failed on {failed[0].address} before its first token)" if failed else ""
-                raise UpstreamError(grpc.StatusCode[exc.code], f"{exc}{earlier}") from None
+                back = None if returned else self._take_back(request, moved_from)
+                if back is None:
+                    earlier = f" (it failed on {failed[0].address} before its first token)" if failed else ""
+                    raise UpstreamError(grpc.StatusCode[exc.code], f"{exc}{earlier}") from None
+                route, returned = back, True
+                yield None
             replica = route.replica
             left = _time_left(request, timeout, deadline_s, arrived)
             request.model = route.model
@@ -166,6 +175,15 @@ class Forwarder:
             moved_from.append(replica)
             failed = []  # the target starts afresh: UNAVAILABLE before its first message is retried once more
             yield replica
+
+    def _take_back(self, request: pb.GenerateRequest, moved_from: list[Replica]) -> Route | None:
+        """No replica took a migrated request (the targets died, none is left): the one that handed it back last
+        runs it on, from the KV it still holds for it (a draining replica takes back a request whose KV leases it
+        holds). None without KV there: the request is lost, with the routing error."""
+        if not moved_from or not any(s.HasField("kv_source") for s in request.resume.sequences):
+            return None
+        logger.info("request %s: no target took it: back to %s", request.request_id, moved_from[-1].address)
+        return Route(moved_from[-1], "take back")
 
     def _migrated(self, request: pb.GenerateRequest, replica: Replica, states: list[pb.SequenceState]) -> None:
         """`replica` handed the request back (Control.Drain with migrate): it is sent again, with where each of its
