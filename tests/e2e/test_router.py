@@ -480,17 +480,19 @@ def test_kv_routing_follows_the_cached_prefix_and_never_a_restarted_replicas_sta
 
 
 def test_drain_migrate_moves_running_streams_to_the_other_replica_unnoticed(fleet: Fleet) -> None:
-    """Live migration (issue 31): streams through the router, greedy, seeded and n = 2, prompts sharing a
-    prefix; a Drain with migrate of one replica mid-stream: every stream completes with exactly the tokens and
-    usage of an undisturbed run (greedy also teacher-forced against HF), the drained replica stops with exit 0,
-    the other ends idle."""
+    """Live migration (issue 31): 32 streams through the router, greedy, seeded and n = 2, prompts sharing
+    prefixes; a Drain with migrate of one replica mid-stream (its running streams pull their KV, its waiting ones
+    start on the other): 32/32 complete with exactly the tokens and usage of an undisturbed run (greedy also
+    teacher-forced against HF), the drained replica stops with exit 0, the other ends idle."""
     victim, survivor = fleet.llamas
-    max_tokens = 96
-    shared = prompt_ids(3100, 20)
-    requests = [greedy_ids(shared + prompt_ids(3200 + i, 4), max_tokens, model="llama") for i in range(4)]
-    for i in range(3):  # seeded; the last samples two sequences (seeds 9 and 10)
-        sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=7 + i, ignore_eos=True, n=1 + i // 2)
-        prompt = pb.TokenIds(ids=prompt_ids(3300 + i))
+    max_tokens = 32
+    shared = [prompt_ids(3100, 20), prompt_ids(3101, 36)]
+    requests = [greedy_ids(shared[i % 2] + prompt_ids(3200 + i, 4), max_tokens, model="llama") for i in range(16)]
+    for i in range(16):  # seeded; every fourth samples two sequences (seeds s and s + 1)
+        sampling = pb.SamplingParams(
+            max_tokens=max_tokens, temperature=0.8, seed=7 + i, ignore_eos=True, n=1 + i % 4 // 3
+        )
+        prompt = pb.TokenIds(ids=(shared[i % 2] if i % 3 == 0 else []) + prompt_ids(3300 + i))
         requests.append(pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling, model="llama"))
     expected = Streams(pb_grpc.GenerationStub(survivor.channel), requests).join(120)
     streams = Streams(fleet.stub, requests, timeout=120)
