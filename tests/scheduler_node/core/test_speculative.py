@@ -157,7 +157,8 @@ def test_while_a_request_speculates_plans_run_one_at_a_time_with_every_request()
 
 
 def test_requests_that_do_not_speculate_keep_the_overlap() -> None:
-    """With no request speculating (opted out, or paused for low acceptance), plans overlap as without speculation."""
+    """With no request speculating (opted out, paused for low acceptance, or a batch over the policy's size), plans
+    overlap as without speculation."""
     s = make()
     a, c = req("a", REPEATING), req("c", REPEATING)
     c.spec = None
@@ -171,6 +172,15 @@ def test_requests_that_do_not_speculate_keep_the_overlap() -> None:
     following = s.schedule()  # built before the first one's result
     assert [x.handle for x in first.cached_requests] == [x.handle for x in following.cached_requests]
     assert not any(x.draft_token_ids for x in first.cached_requests + following.cached_requests)
+    # nor while the batch is bigger than the policy speculates for
+    s = make(SpeculativeConfig(num_speculative_tokens=3, disable_by_batch_size=1))
+    both = [req(name, REPEATING) for name in "ab"]
+    for r in both:
+        s.add(r)
+    plan = s.schedule()
+    s.update(plan, StepResult(plan.step_id, {r.handle: [3] for r in both}))
+    first, following = s.schedule(), s.schedule()
+    assert len(first.cached_requests) == len(following.cached_requests) == 2
 
 
 def test_the_policy_pauses_a_request_whose_proposals_miss_and_big_batches() -> None:
