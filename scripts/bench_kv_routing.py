@@ -160,7 +160,8 @@ def main() -> int:
     blocks = workload.kv_blocks(ModelTokenizer(model), args.cache_share, block_size)
     events = [(free_port(), free_port()) for _ in range(2)]
     replicas = [
-        Cluster(model, ["--served-model-name", NAME, "--block-size", str(block_size), "--num-kv-blocks", str(blocks),
+        Cluster(model, ["--served-model-name", NAME, "--step-timeout", "600",  # an overloaded CPU: no lost rank
+                        "--block-size", str(block_size), "--num-kv-blocks", str(blocks),
                         "--kv-events-port", str(e), "--kv-events-snapshot-port", str(s)], ["--threads", "1"])
         for e, s in events
     ]  # fmt: skip

@@ -179,8 +179,8 @@ def test_handoff_between_tensor_parallel_worlds(tiny_llama_dir: Path, producer_t
     consumer, d_world = tp_world(tiny_llama_dir, consumer_tp, serve=False)
     try:
         with (
-            EngineRun(producer, tokenizer_dir=tiny_llama_dir, transport=p_world and p_world.transport()) as p,
-            EngineRun(consumer, tokenizer_dir=tiny_llama_dir, transport=d_world and d_world.transport()) as d,
+            EngineRun(producer, tokenizer_dir=tiny_llama_dir, transport=p_world.transport() if p_world else None) as p,
+            EngineRun(consumer, tokenizer_dir=tiny_llama_dir, transport=d_world.transport() if d_world else None) as d,
         ):
             outputs = [hand_off(p, d, prompt, 8) for prompt in ps]
             assert d.scheduler.leases.imported_blocks == sum((len(x) - 1) // BLOCK for x in ps)
