@@ -182,7 +182,7 @@ def main() -> int:
     results: dict[str, list[tuple[list[Record], float]]] = {m: [] for m in MODES}
     try:
         for c in replicas:
-            c.wait_serving()
+            c.wait_serving(600)  # a model load on a shared, loaded CPU can take minutes
         for r in routers.values():
             r.wait_serving(60)
         warm = Workload(1, 8, 2, 1, 40, 2, 10.0)

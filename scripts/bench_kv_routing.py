@@ -93,7 +93,7 @@ def measure(strategy: str, replicas: list[Cluster], events: list[tuple[int, int]
     metrics_port = free_port()
     router = RouterProcess(specs, ["--routing-strategy", strategy, "--metrics-port", str(metrics_port), *flags])
     try:
-        router.wait_serving(60)
+        router.wait_serving(300)  # a loaded shared CPU can take minutes to start one
         channels = [c.channel for c in replicas]
         before = prefix_cache(channels)
         start = time.perf_counter()
