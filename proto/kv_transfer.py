@@ -9,7 +9,10 @@ with `error` set (an unknown lease, blocks outside it, a layout that does not pa
 
 Pairing: both sides' layouts must agree on everything a block's bytes depend on (`pairing_problem` names the first
 field that differs): KV format, block size, this rank's layers and KV heads, head size, and the TP/PP shape with
-the rank's place in it (rank r of one world pulls from rank r of the other). msgpack only; no pickle.
+the rank's place in it (rank r of one world pulls from rank r of the other). Worlds of different TP sizes (the same
+PP shape) pair head by head instead: a pull names a run of the producer rank's KV heads (`KVPull.heads`), the
+model's KV heads must agree, and each consumer rank pulls its heads from the producer rank(s) holding them
+(`head_sources`), slicing or concatenating them. msgpack only; no pickle.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import Annotated, TypeVar
 
 import msgspec
 from msgspec import Meta
+
+from proto.parallel import kv_head_range
 
 KV_TRANSFER_VERSION = 1
 MAX_PULL_BYTES = 1024 * 1024  # a KVPull: a lease, a layout and block ids
@@ -44,17 +49,54 @@ class KVLayout(msgspec.Struct, frozen=True, array_like=True):
     pipeline_parallel_size: Annotated[int, Meta(ge=1)] = 1
     pipeline_rank: Count = 0
     model: str = ""  # the weights' fingerprint (worker_node/kv_offload.py model_fingerprint); "" is not checked
+    total_kv_heads: Count = 0  # the model's KV heads (0: num_kv_heads x TP size, right unless heads are replicated)
+
+    @property
+    def model_kv_heads(self) -> int:
+        return self.total_kv_heads or self.num_kv_heads * self.tensor_parallel_size
+
+    @property
+    def head_range(self) -> tuple[int, int]:
+        """[first, end) of the model's KV heads this rank holds."""
+        return kv_head_range(self.model_kv_heads, self.tensor_parallel_size, self.tensor_rank)
 
 
-def pairing_problem(local: KVLayout, remote: KVLayout) -> str | None:
-    """Why blocks of `remote` cannot be read as blocks of `local` (the first field that differs), or None."""
+HeadRun = tuple[int, int]  # (first, count) of a rank's own KV heads
+_PER_RANK = ("num_kv_heads", "tensor_parallel_size", "tensor_rank", "total_kv_heads")
+
+
+def pairing_problem(local: KVLayout, remote: KVLayout, by_heads: bool = False) -> str | None:
+    """Why blocks of `remote` cannot be read as blocks of `local` (the first field that differs), or None.
+    `by_heads`: a pull of a run of heads, between worlds whose TP sizes may differ (the model's KV heads must agree)."""
     for name in KVLayout.__struct_fields__:
         mine, theirs = getattr(local, name), getattr(remote, name)
-        if name == "model" and not (mine and theirs):
+        if (name == "model" and not (mine and theirs)) or (by_heads and name in _PER_RANK):
             continue
         if mine != theirs:
             return f"KV layouts do not pair: {name} is {mine!r} here and {theirs!r} on the other side"
+    if by_heads and local.model_kv_heads != remote.model_kv_heads:
+        return (
+            f"KV layouts do not pair: the model's KV heads are {local.model_kv_heads} here and "
+            f"{remote.model_kv_heads} on the other side"
+        )
     return None
+
+
+def head_sources(local: KVLayout, producer_tp: int) -> list[tuple[int, HeadRun, HeadRun]]:
+    """Where this rank's KV heads are in a producer world of `producer_tp` ranks per stage: (producer TP rank, its
+    run of the producer rank's heads, where the run goes among this rank's heads), covering each head once (a
+    replicated head is taken from the first rank holding it)."""
+    first, end = local.head_range
+    total = local.model_kv_heads
+    runs: list[tuple[int, HeadRun, HeadRun]] = []
+    covered = first
+    for rank in range(producer_tp):
+        p0, p1 = kv_head_range(total, producer_tp, rank)
+        lo, hi = max(covered, p0), min(end, p1)
+        if lo < hi:
+            runs.append((rank, (lo - p0, hi - lo), (lo - first, hi - lo)))
+            covered = hi
+    return runs
 
 
 class KVPull(msgspec.Struct, frozen=True, array_like=True):
@@ -63,6 +105,7 @@ class KVPull(msgspec.Struct, frozen=True, array_like=True):
     layout: KVLayout  # the consumer's: the producer refuses one that does not pair
     blocks: list[Count]  # the producer's block ids, a subset of the lease's, in the order the consumer wants them
     max_chunk_bytes: Annotated[int, Meta(ge=1)] = DEFAULT_CHUNK_BYTES
+    heads: list[Count] = []  # [first, count] of the producer rank's KV heads (worlds of other TP sizes); [] = all
 
 
 class KVChunk(msgspec.Struct, frozen=True, array_like=True):

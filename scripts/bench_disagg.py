@@ -168,7 +168,10 @@ def main() -> int:
     vocab = int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
     workload = Workload(args.streams, args.stream_prompt, args.stream_tokens, args.long, args.long_prompt,
                         args.long_tokens, args.rate)  # fmt: skip
-    replicas = [Cluster(model, ["--served-model-name", NAME], ["--threads", str(args.threads)]) for _ in range(2)]
+    # --step-timeout: on a shared, overloaded CPU a long prompt's step can outrun the default deadline; this measures
+    # latency, not the failure model (a lost rank here has no launcher to replace it).
+    scheduler = ["--served-model-name", NAME, "--step-timeout", "600"]
+    replicas = [Cluster(model, scheduler, ["--threads", str(args.threads)]) for _ in range(2)]
     a, b = (c.address for c in replicas)
     routers = {
         "colocated": RouterProcess([f"{a},model={NAME}", f"{b},model={NAME}"], ["--routing-strategy", "least_loaded"]),
@@ -179,7 +182,7 @@ def main() -> int:
     results: dict[str, list[tuple[list[Record], float]]] = {m: [] for m in MODES}
     try:
         for c in replicas:
-            c.wait_serving()
+            c.wait_serving(600)  # a model load on a shared, loaded CPU can take minutes
         for r in routers.values():
             r.wait_serving(60)
         warm = Workload(1, 8, 2, 1, 40, 2, 10.0)

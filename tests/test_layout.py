@@ -121,7 +121,6 @@ TESTED_ELSEWHERE: dict[str, str] = {
     " tests/worker_node/test_kv_transfer.py",
     "worker_node.kv_handoff": "a rank's part in disaggregated prefill/decode, run by two in-process engines:"
     " tests/fidelity/test_disagg_handoff.py",
-    "scheduler_node.router.disaggregate": "vllm-router --disaggregate over two real replicas: tests/e2e/test_router.py",
     "proto.wire_base": "the wire's building blocks, re-exported by proto.wire (tests/proto/test_wire.py)",
     "proto.step_messages": "the step's plan and result, re-exported by proto.wire (tests/proto/test_wire.py)",
     "proto.session_messages": "hand-shake and control messages, re-exported by proto.wire (tests/proto/test_wire.py)",

@@ -3,7 +3,8 @@
 A prefill world's ranks each run a `KVExporter` (worker_node/kv_transfer.py); the plan that computes a prefill's
 last prompt chunk grants a lease on its blocks once the forward pass has written them, and a later plan revokes it
 (pulled, aborted or timed out) before those blocks can be handed out again. A decode world's rank r pulls a
-request's prefix from the producer's rank r (its `KVImport`) after the plan's block operations; a pull that fails
+request's prefix from the producer's rank r (its `KVImport`) after the plan's block operations (from a producer world
+of another TP size, each rank pulls its KV heads from the producer ranks of its stage holding them); a pull that fails
 (the producer gone, the lease expired, a corrupted chunk, a timeout) is reported, and the scheduler has the
 request compute those blocks instead (`StepResult.failed_loads`, as a failed disk-tier load).
 """
@@ -15,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from proto.kv_transfer import KVLayout, KVTransferError
+from proto.kv_transfer import KVLayout, KVTransferError, head_sources
 from proto.wire import KVGrant, KVImport
 from worker_node.kv_cache import KVCache
 from worker_node.kv_transfer import KVExporter, cache_layout, pull_blocks
@@ -75,20 +76,34 @@ class KVHandoff:
         run = ImportRun()
         start = time.perf_counter()
         for imp in imports:
-            if self.rank >= len(imp.addresses):
-                logger.warning("KV import names %d producer ranks; this is rank %d", len(imp.addresses), self.rank)
-                run.failed.append(imp)
-                continue
             try:
-                run.bytes += pull_blocks(
-                    imp.addresses[self.rank], imp.lease, self.cache, self.layout, imp.src, imp.dst,
-                    self.timeout_s, self.curve_dir,
-                )  # fmt: skip
+                run.bytes += self._pull_one(imp)
             except (KVTransferError, OSError) as exc:
                 logger.warning("KV import of %d block(s) failed (recomputed instead): %s", len(imp.dst), exc)
                 run.failed.append(imp)
         run.ms = (time.perf_counter() - start) * 1e3
         return run
+
+    def _pull_one(self, imp: KVImport) -> int:
+        """One import: from the producer's rank of this index when the worlds have one shape, else head by head
+        from the producer ranks of this stage holding this rank's heads (other TP sizes, the same PP size)."""
+        pp = self.layout.pipeline_parallel_size
+        if len(imp.addresses) % pp:
+            raise KVTransferError(f"a producer world of {len(imp.addresses)} ranks cannot have {pp} pipeline stages")
+        producer_tp = len(imp.addresses) // pp
+        if producer_tp == self.layout.tensor_parallel_size:
+            return pull_blocks(
+                imp.addresses[self.rank], imp.lease, self.cache, self.layout, imp.src, imp.dst,
+                self.timeout_s, self.curve_dir,
+            )  # fmt: skip
+        moved = 0
+        for tp_rank, heads, dst_heads in head_sources(self.layout, producer_tp):
+            address = imp.addresses[self.layout.pipeline_rank * producer_tp + tp_rank]
+            moved += pull_blocks(
+                address, imp.lease, self.cache, self.layout, imp.src, imp.dst, self.timeout_s, self.curve_dir,
+                heads=heads, dst_heads=dst_heads,
+            )  # fmt: skip
+        return moved
 
     def close(self) -> None:
         if self.exporter is not None:
@@ -103,9 +118,12 @@ def make_handoff(
     port: int = 0,
     curve_dir: str | Path | None = None,
     model: str = "",
+    total_kv_heads: int = 0,
 ) -> KVHandoff:
     """A rank's KV hand-off (a runner's `handoff`): it pulls prefixes, and with `serve` also serves leases on an
-    exporter bound at host:port (0: a free port) on its device cache."""
-    layout = cache_layout(cache, where.tp_size, where.tp_rank, where.layout.pipeline_parallel_size, where.stage, model)
+    exporter bound at host:port (0: a free port) on its device cache. `total_kv_heads`: the model's (needed to pair
+    with a world of another TP size when KV heads are replicated)."""
+    pp = where.layout.pipeline_parallel_size
+    layout = cache_layout(cache, where.tp_size, where.tp_rank, pp, where.stage, model, total_kv_heads)
     exporter = KVExporter(cache, layout, host, port, curve_dir) if serve else None
     return KVHandoff(cache, layout, where.rank, exporter, curve_dir)

@@ -3,11 +3,14 @@
 The producer rank runs a `KVExporter`: a ZeroMQ ROUTER socket served by a daemon thread, bound on loopback by
 default, CURVE-authenticated with the worker socket's keys when `curve_dir` is set (`proto/curve.py`). Its owner
 `grant`s a lease (a random secret naming some of its device blocks, which the owner keeps from being written) and
-`revoke`s it; a complete pull revokes it too and calls `on_pulled`. A consumer rank calls `pull_blocks`: it names
-the lease, the producer's blocks and its own destination blocks, and receives them batched into chunks of at most
+`revoke`s it; a complete pull (of every head, over pulls of head runs) revokes it too and calls `on_pulled`. A
+consumer rank calls `pull_blocks`: it names the lease, the producer's blocks and its own destination blocks, and
+receives them batched into chunks of at most
 `max_chunk_bytes` (one raw frame per layer and tensor: keys, values, and the scales of an int8/fp8 cache), each
 frame CRC-checked before it is written. Ranks pair only when their layouts agree (`proto/kv_transfer.py`): the
-same KV format, block size, layers, KV heads and TP/PP place; anything else is refused before a byte moves.
+same KV format, block size, layers, KV heads and TP/PP place; anything else is refused before a byte moves. Between
+worlds of different TP sizes a pull names a run of the producer rank's heads (`heads`), sent sliced and written
+into a run of the consumer rank's heads (`dst_heads`).
 
 This is the one export/import path: disaggregated prefill/decode uses it, and so may live migration. The API:
 `cache_layout`, `export_frames` / `import_frames` (bytes of blocks, no socket), `KVExporter`, `pull_blocks`.
@@ -35,6 +38,7 @@ from proto.kv_transfer import (
     KV_TRANSFER_VERSION,
     LEASE_BYTES,
     MAX_PULL_BYTES,
+    HeadRun,
     KVChunk,
     KVLayout,
     KVPull,
@@ -56,13 +60,20 @@ def new_lease() -> bytes:
 
 
 def cache_layout(
-    cache: KVCache, tp_size: int = 1, tp_rank: int = 0, pp_size: int = 1, pp_rank: int = 0, model: str = ""
+    cache: KVCache,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    pp_size: int = 1,
+    pp_rank: int = 0,
+    model: str = "",
+    total_kv_heads: int = 0,
 ) -> KVLayout:
-    """The layout of this rank's device cache (the full pool; a compact pool's blocks are not exported)."""
+    """The layout of this rank's device cache (the full pool; a compact pool's blocks are not exported).
+    `total_kv_heads`: the model's (0: this rank's x `tp_size`, right unless KV heads are replicated)."""
     _n, block_size, heads, head_dim = cache[0].k.shape
     return KVLayout(
         format_name(cache[0].k.dtype), block_size, len(cache), heads, head_dim, tp_size, tp_rank,
-        pp_size, pp_rank, model,
+        pp_size, pp_rank, model, total_kv_heads,
     )  # fmt: skip
 
 
@@ -71,29 +82,53 @@ def _byte_rows(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8).view(t.shape[0], -1)
 
 
-def block_bytes(cache: KVCache) -> int:
-    """Bytes of one block over this rank's layers and tensors: what a transfer moves per block."""
-    return sum(_byte_rows(t).shape[1] for layer in cache for t in layer.tensors())
+def block_bytes(cache: KVCache, heads: HeadRun | None = None) -> int:
+    """Bytes of one block over this rank's layers and tensors (of a run of its heads): what a transfer moves."""
+    share = heads[1] / cache[0].k.shape[2] if heads is not None else 1
+    return int(sum(_byte_rows(t).shape[1] for layer in cache for t in layer.tensors()) * share)
 
 
-def export_frames(cache: KVCache, blocks: Sequence[int]) -> list[np.ndarray]:
-    """The blocks' bytes, one contiguous `[len(blocks), bytes]` array per layer and tensor, in cache order."""
+def _head_slice(t: torch.Tensor, heads: HeadRun | None) -> torch.Tensor:
+    """A cache tensor ([N, block_size, heads, ...]) narrowed to a run of its heads (a view)."""
+    return t if heads is None else t.narrow(2, heads[0], heads[1])
+
+
+def export_frames(cache: KVCache, blocks: Sequence[int], heads: HeadRun | None = None) -> list[np.ndarray]:
+    """The blocks' bytes (of a run of this rank's KV heads), one contiguous `[len(blocks), bytes]` array per layer
+    and tensor, in cache order."""
     index = torch.tensor(list(blocks), dtype=torch.long, device=cache[0].k.device)
-    return [_byte_rows(t).index_select(0, index).cpu().numpy() for layer in cache for t in layer.tensors()]
+    return [
+        _byte_rows(_head_slice(t, heads).index_select(0, index).contiguous()).cpu().numpy()
+        for layer in cache
+        for t in layer.tensors()
+    ]
 
 
-def import_frames(cache: KVCache, blocks: Sequence[int], frames: Sequence[memoryview | bytes | np.ndarray]) -> None:
-    """Write frames (as `export_frames` makes them, for as many blocks) into these blocks of `cache`."""
+def import_frames(
+    cache: KVCache,
+    blocks: Sequence[int],
+    frames: Sequence[memoryview | bytes | np.ndarray],
+    heads: HeadRun | None = None,
+) -> None:
+    """Write frames (as `export_frames` makes them, for as many blocks) into these blocks of `cache` (into a run of
+    its KV heads)."""
     tensors = [t for layer in cache for t in layer.tensors()]
     if len(frames) != len(tensors):
         raise KVTransferError(f"{len(frames)} frames for a cache of {len(tensors)} tensors")
     index = torch.tensor(list(blocks), dtype=torch.long, device=cache[0].k.device)
     for t, frame in zip(tensors, frames, strict=True):
-        rows = _byte_rows(t)
         data = torch.frombuffer(bytearray(frame) if isinstance(frame, bytes) else frame, dtype=torch.uint8)
-        if data.numel() != len(blocks) * rows.shape[1]:
-            raise KVTransferError(f"a frame of {data.numel()} bytes for {len(blocks)} blocks of {rows.shape[1]}")
-        rows.index_copy_(0, index, data.view(len(blocks), -1).to(rows.device))
+        if heads is None:
+            rows = _byte_rows(t)
+            if data.numel() != len(blocks) * rows.shape[1]:
+                raise KVTransferError(f"a frame of {data.numel()} bytes for {len(blocks)} blocks of {rows.shape[1]}")
+            rows.index_copy_(0, index, data.view(len(blocks), -1).to(rows.device))
+            continue
+        part = _head_slice(t, heads)
+        shape = (len(blocks), *part.shape[1:])
+        if data.numel() != part[:1].numel() * part.element_size() * len(blocks):
+            raise KVTransferError(f"a frame of {data.numel()} bytes for {len(blocks)} blocks of heads {heads}")
+        part.index_copy_(0, index, data.view(t.dtype).view(shape).to(t.device))
 
 
 class KVExporter:
@@ -112,6 +147,7 @@ class KVExporter:
         self.layout = layout
         self.on_pulled = on_pulled
         self._leases: dict[bytes, frozenset[int]] = {}
+        self._heads_pulled: dict[bytes, set[int]] = {}  # by lease: heads sent by pulls of head runs so far
         self._lock = threading.Lock()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -145,6 +181,7 @@ class KVExporter:
     def revoke(self, lease: bytes) -> bool:
         """Forget a lease (freed, aborted or timed out); True when it was held."""
         with self._lock:
+            self._heads_pulled.pop(lease, None)
             return self._leases.pop(lease, None) is not None
 
     @property
@@ -183,7 +220,8 @@ class KVExporter:
 
     def _answer(self, ident: bytes, data: bytes) -> None:
         pull = decode_pull(data)
-        problem = pairing_problem(self.layout, pull.layout)
+        heads = self._heads(pull)
+        problem = pairing_problem(self.layout, pull.layout, by_heads=heads is not None)
         if problem:
             raise KVTransferError(problem)
         with self._lock:
@@ -192,7 +230,7 @@ class KVExporter:
             raise KVTransferError("unknown or expired KV lease")
         if not set(pull.blocks) <= held:
             raise KVTransferError(f"blocks {sorted(set(pull.blocks) - held)} are not in the lease")
-        per_block = max(1, block_bytes(self.cache))
+        per_block = max(1, block_bytes(self.cache, heads))
         if per_block > pull.max_chunk_bytes:
             raise KVTransferError(f"one block is {per_block} bytes, over the pull's max_chunk_bytes")
         step = pull.max_chunk_bytes // per_block
@@ -201,12 +239,29 @@ class KVExporter:
             with self._lock:  # a revoke waits for this read: once it returns, the blocks are not read again
                 if pull.lease not in self._leases:
                     raise KVTransferError("the KV lease was revoked during the pull")
-                frames = export_frames(self.cache, ids) if ids else []
+                frames = export_frames(self.cache, ids, heads) if ids else []
             done = first + step >= len(pull.blocks)
             sums = [zlib.crc32(f.data) for f in frames]
             self._send(ident, KVChunk(KV_TRANSFER_VERSION, "", self.layout, first, len(ids), sums, done), frames)
-        if self.revoke(pull.lease) and self.on_pulled is not None:
+        if self._all_pulled(pull.lease, heads) and self.revoke(pull.lease) and self.on_pulled is not None:
             self.on_pulled(pull.lease)
+
+    def _all_pulled(self, lease: bytes, heads: HeadRun | None) -> bool:
+        """Whether every head of the lease's blocks has been sent (a consumer rank of another TP size takes a run)."""
+        if heads is None:
+            return True
+        with self._lock:
+            pulled = self._heads_pulled.setdefault(lease, set())
+            pulled.update(range(heads[0], heads[0] + heads[1]))
+            return len(pulled) >= self.layout.num_kv_heads
+
+    def _heads(self, pull: KVPull) -> HeadRun | None:
+        """The run of this rank's KV heads a pull asks for (None: all, the same TP shape on both sides)."""
+        if not pull.heads:
+            return None
+        if len(pull.heads) != 2 or pull.heads[1] < 1 or sum(pull.heads) > self.layout.num_kv_heads:
+            raise KVTransferError(f"heads {pull.heads}: not a run of this rank's {self.layout.num_kv_heads} KV heads")
+        return pull.heads[0], pull.heads[1]
 
     def _send(self, ident: bytes, header: KVChunk, frames: list[np.ndarray]) -> None:
         self._sock.send_multipart([ident, encode(header), *(f.data for f in frames)], copy=False)
@@ -222,9 +277,12 @@ def pull_blocks(
     timeout_s: float = 10.0,
     curve_dir: str | Path | None = None,
     max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    heads: HeadRun | None = None,
+    dst_heads: HeadRun | None = None,
 ) -> int:
     """Pull a lease's `src_blocks` from the exporter at `address` into `dst_blocks` of `cache`; return the bytes
-    moved. Raise KVTransferError when refused, corrupted, cut short, or silent for `timeout_s`."""
+    moved. Raise KVTransferError when refused, corrupted, cut short, or silent for `timeout_s`. Between worlds of
+    different TP sizes: the producer rank's run of KV `heads` goes into this rank's run `dst_heads`."""
     if len(src_blocks) != len(dst_blocks):
         raise ValueError(f"{len(src_blocks)} source blocks for {len(dst_blocks)} destinations")
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -235,13 +293,24 @@ def pull_blocks(
         configure_client(sock, curve_dir)
     try:
         sock.connect(f"tcp://{address}")
-        sock.send(encode(KVPull(KV_TRANSFER_VERSION, lease, layout, list(src_blocks), max_chunk_bytes)))
-        return _receive(sock, cache, layout, list(dst_blocks), timeout_s, address)
+        if (heads is None) != (dst_heads is None) or (heads is not None and heads[1] != dst_heads[1]):  # type: ignore[index]
+            raise ValueError(f"heads {heads} do not fit destination heads {dst_heads}")
+        run = list(heads) if heads is not None else []
+        sock.send(encode(KVPull(KV_TRANSFER_VERSION, lease, layout, list(src_blocks), max_chunk_bytes, run)))
+        return _receive(sock, cache, layout, list(dst_blocks), timeout_s, address, dst_heads)
     finally:
         sock.close(linger=0)
 
 
-def _receive(sock: zmq.Socket, cache: KVCache, layout: KVLayout, dst: list[int], timeout_s: float, address: str) -> int:
+def _receive(
+    sock: zmq.Socket,
+    cache: KVCache,
+    layout: KVLayout,
+    dst: list[int],
+    timeout_s: float,
+    address: str,
+    heads: HeadRun | None = None,
+) -> int:
     moved, received = 0, 0
     while True:
         deadline = time.monotonic() + timeout_s
@@ -251,7 +320,10 @@ def _receive(sock: zmq.Socket, cache: KVCache, layout: KVLayout, dst: list[int],
         chunk = decode_chunk(header.bytes)
         if chunk.error:
             raise KVTransferError(f"the KV exporter at {address} refused: {chunk.error}")
-        problem = pairing_problem(layout, chunk.layout) if chunk.layout is not None else "no layout in the reply"
+        by_heads = heads is not None
+        problem: str | None = "no layout in the reply"
+        if chunk.layout is not None:
+            problem = pairing_problem(layout, chunk.layout, by_heads)
         if problem:
             raise KVTransferError(problem)
         if chunk.first != received or chunk.first + chunk.count > len(dst) or len(chunk.sums) != len(frames):
@@ -260,7 +332,7 @@ def _receive(sock: zmq.Socket, cache: KVCache, layout: KVLayout, dst: list[int],
         if any(zlib.crc32(b) != s for b, s in zip(buffers, chunk.sums, strict=True)):
             raise KVTransferError(f"a KV chunk from {address} failed its checksum")
         if chunk.count:
-            import_frames(cache, dst[chunk.first : chunk.first + chunk.count], buffers)
+            import_frames(cache, dst[chunk.first : chunk.first + chunk.count], buffers, heads)
         moved += sum(len(b) for b in buffers)
         received += chunk.count
         if chunk.done:

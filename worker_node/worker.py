@@ -130,8 +130,9 @@ class Worker:
         self.runner, ready = load_rank(a, self.options, self.device, self.comm)
         serve = self.options.kv_role != "decode"
         handoff = make_handoff(
-            self.runner.kv_cache, where, serve, self.options.kv_transfer_host, 0, self.options.zmq_curve_dir
-        )
+            self.runner.kv_cache, where, serve, self.options.kv_transfer_host, 0, self.options.zmq_curve_dir,
+            total_kv_heads=self.runner.model.config.num_kv_heads,
+        )  # fmt: skip
         self.runner.handoff = handoff
         return msgspec.structs.replace(ready, kv_address=handoff.address)
 

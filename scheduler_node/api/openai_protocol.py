@@ -169,6 +169,17 @@ class StructuredOutputs(_Strict):
         return StructuredFields.gather(lambda name: getattr(self, "json_" if name == "json" else name))
 
 
+class KVTransferParams(_Strict):
+    """Disaggregated prefill/decode (vLLM's `kv_transfer_params`; the gRPC API's kv_handoff): `produce` asks this
+    replica to hold the prompt's KV under a lease (its answer's `kv_transfer_params` says where), or `addresses`,
+    `lease` (hex) and `blocks` name such a lease to pull from (scheduler_node/api/kv_handoff_fields.py)."""
+
+    produce: bool = False
+    addresses: list[str] = Field(default_factory=list)
+    lease: str = ""
+    blocks: list[Int32] = Field(default_factory=list)
+
+
 class _GenerationRequest(_Body):
     """What chat and completions share: OpenAI's sampling fields and vLLM's extensions."""
 
@@ -201,6 +212,7 @@ class _GenerationRequest(_Body):
     priority: Int32 | None = None  # higher runs first, as in the gRPC API (vLLM's is the other way round)
     cache_salt: str = ""
     kv_precision: str = ""  # auto (empty), full or compact: the format of the request's KV blocks
+    kv_transfer_params: KVTransferParams | None = None  # disaggregated prefill/decode through the router
 
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingFields:
         if self.stream_options is not None and not self.stream:

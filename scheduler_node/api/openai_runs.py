@@ -39,9 +39,11 @@ class Run:
     def start(self) -> None:
         self.streams = [self.engine.submit(spec) for spec in self.specs]
 
-    def abort(self) -> None:
+    def abort(self, keep_leases: bool = False) -> None:
+        """`keep_leases`: a finished prefill for another replica keeps its KV lease (an abort would release it)."""
         for spec in self.specs:
-            self.engine.abort(spec.request_id)  # False, and nothing done, for a finished one
+            if not (keep_leases and spec.kv_produce):
+                self.engine.abort(spec.request_id)  # False, and nothing done, for a finished one
 
     async def deltas(self) -> AsyncIterator[tuple[Choice, Delta]]:
         """Every sequence's deltas with the choice they belong to; raises OpenAIError when the engine failed one."""
@@ -77,10 +79,11 @@ class Run:
 
     async def answer(self, receive: Receive) -> dict[str, Any]:
         """The whole answer; OpenAIError(499) when the client disconnects first."""
+        finished = False
         try:
             finished = await until_done_or_gone(self._collect(), receive)
         finally:
-            self.abort()
+            self.abort(keep_leases=finished)
         if not finished:
             raise OpenAIError(499, "the client closed the connection")  # nobody reads it
         return self.shape.answer(self.choices, self.usage)

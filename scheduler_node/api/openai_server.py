@@ -36,6 +36,7 @@ from scheduler_node.api.embeddings import (
     pooled,
     request_specs,
 )
+from scheduler_node.api.kv_handoff_fields import http_kv_fields, source_params
 from scheduler_node.api.openai_encode import json_response
 from scheduler_node.api.openai_errors import OpenAIError, engine_error, install_handlers
 from scheduler_node.api.openai_guards import ApiKeyAuth, BodyLimit
@@ -128,7 +129,11 @@ class OpenAIDoor:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return RunResponse(run, run.events(include_usage))
         large = run.shape.want_logprobs or run.shape.want_prompt_logprobs
-        return await json_response(await run.answer(request.receive), large=large)
+        answer = await run.answer(request.receive)
+        spec = run.specs[0]
+        if spec.kv_produce and (source := self.ready_engine().kv_source(spec.request_id)):
+            answer["kv_transfer_params"] = source_params(source, spec.request_id)  # where a decode replica pulls
+        return await json_response(answer, large=large)
 
     async def respond(self, body: ResponsesRequest, request: Request) -> Response:
         """POST /v1/responses: the chat request it means, in the Responses API's shapes."""
@@ -194,6 +199,7 @@ class OpenAIDoor:
             check_prompt_logprobs(specs)
             if lora is not None:
                 specs = [dataclasses.replace(spec, lora=lora) for spec in specs]
+            specs = _with_kv_transfer(body, specs, bool(engine.workers.capacity.kv_addresses))
             if self.reasoning_parser is not None:  # a constraint applies to the answer after the reasoning
                 specs = [_after_reasoning(spec, self.reasoning_parser) for spec in specs]
         except InvalidField as exc:
@@ -272,6 +278,16 @@ def build_app(door: OpenAIDoor) -> FastAPI:
         return Response(generate_latest(door.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _with_kv_transfer(
+    body: ChatCompletionRequest | CompletionRequest, specs: list[RequestSpec], serves_kv: bool
+) -> list[RequestSpec]:
+    """The specs with what `kv_transfer_params` asks (a lease produced or pulled: one prompt only)."""
+    fields = http_kv_fields(body.kv_transfer_params, specs[0].n, serves_kv, body.stream)
+    if fields and len(specs) != 1:
+        raise InvalidField("kv_transfer_params", f"a KV hand-off is for one prompt, got {len(specs)}")
+    return [dataclasses.replace(spec, **fields) for spec in specs] if fields else specs
 
 
 def _after_reasoning(spec: RequestSpec, parser: type[ReasoningParser]) -> RequestSpec:

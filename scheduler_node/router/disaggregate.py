@@ -8,7 +8,8 @@ source, and streams from there. The prefill's lease is released (an Abort of `<i
 replica's first response arrives (it pulled the blocks before computing its first token), or when the stream ends
 any other way: a client that goes away leaves no blocks leased. A prefill that fails, or has no source to offer,
 costs only time: the decode replica computes the prompt itself. A producer that dies mid-transfer makes the decode
-replica's pull fail within its timeout, and it recomputes.
+replica's pull fail within its timeout, and it recomputes. The OpenAI door does the same over the replicas' HTTP
+doors with `kv_transfer_params` (router/http_door.py), releasing the lease through the replica's gRPC Abort.
 """
 
 from __future__ import annotations
@@ -98,12 +99,22 @@ class Disaggregator:
         return (replica, prefill, source) if source is not None else None
 
     def _release(self, produced: tuple[Replica, pb.GenerateRequest, pb.KVHandoff] | None) -> None:
-        """Free the prefill's lease (fire and forget: an unreleased lease expires on its own)."""
-        if produced is None:
-            return
-        task = asyncio.ensure_future(self._abort(produced[0], produced[1].request_id))
+        if produced is not None:
+            self.release(produced[0], produced[1].request_id)
+
+    def release(self, replica: Replica, prefill_id: str) -> None:
+        """Free a prefill's lease on `replica` (fire and forget: an unreleased lease expires on its own)."""
+        task = asyncio.ensure_future(self._abort(replica, prefill_id))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
+
+    def prefill_only(self) -> list[Replica]:
+        """The replicas a decode (or any whole request) never goes to."""
+        return self._only("prefill")
+
+    def decode_only(self) -> list[Replica]:
+        """The replicas a prefill never goes to."""
+        return self._only("decode")
 
     async def _abort(self, replica: Replica, prefill_id: str) -> None:
         link = self.forwarder.links[replica.address]

@@ -8,6 +8,11 @@ that fails before any byte of its answer reached the client (the replica cannot 
 the connection first) goes once more to another replica of its model; a stream that breaks later ends with an
 error event naming the replica, never a second copy of tokens the client already has. A LoRA adapter's request
 that a replica answers 404 (unloaded there since the last probe) goes to another replica that lists it, or is 404.
+With --disaggregate a completion or chat request is first sent, unstreamed with one output token and
+`kv_transfer_params: {"produce": true}`, to a prefill replica, whose answer says where the prompt's KV waits; the
+request then goes to a decode replica with those `kv_transfer_params` and streams from there, and the prefill's
+lease is released (a gRPC Abort) once the decode replica's answer begins. A failed prefill only costs the decode
+replica the prompt's compute.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from scheduler_node.router.upstream import FORWARDED_HEADERS
 logger = logging.getLogger(__name__)
 
 UPSTREAM_ERRORS = (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError)
+HANDOFF_PATHS = ("/v1/completions", "/v1/chat/completions")  # what --disaggregate splits into prefill and decode
 PRIVATE_HEADERS = ("authorization",)  # never shown to a routing function
 
 
@@ -79,11 +85,18 @@ class RouterHttp:
         headers = {**self.auth, **{k: v for k, v in request.headers.items() if k in FORWARDED_HEADERS}}
         stack = contextlib.ExitStack()  # closed when the answer has been passed on (a stream: at its end)
         stack.enter_context(self.generation.tracked(f"http-{uuid.uuid4().hex}"))
+        path, disaggregator = request.url.path, self.generation.disaggregator
+        split = disaggregator is not None and path in HANDOFF_PATHS and "kv_transfer_params" not in payload
+        prefill = await self._prefill(path, payload, headers, route_request) if split else None
+        exclude = disaggregator.prefill_only() if split and disaggregator else []
         try:
-            replica, answer, data = await self._send(request.url.path, payload, headers, route_request, stream, stack)
+            replica, answer, data = await self._send(path, payload, headers, route_request, stream, stack, exclude)
         except BaseException:
             stack.close()
             raise
+        finally:
+            if prefill is not None and disaggregator is not None:  # the decode replica pulled (or never will)
+                disaggregator.release(*prefill)
         if not stream or answer.status != 200:
             answer.release()
             stack.close()
@@ -98,11 +111,12 @@ class RouterHttp:
         route_request: RouteRequest,
         stream: bool,
         stack: contextlib.ExitStack,
+        exclude: list[Replica] | None = None,
     ) -> tuple[Replica, aiohttp.ClientResponse, bytes]:
         """The replica that answered, its response and the answer's first chunk (a stream) or whole body."""
         failed: list[Replica] = []
         while True:
-            route = await self._route(route_request, failed)
+            route = await self._route(route_request, [*failed, *(exclude or [])])
             replica = route.replica
             payload["model"] = route.model  # the model's name, or the LoRA adapter's the request names
             self.forwarder.opened(replica)
@@ -132,6 +146,41 @@ class RouterHttp:
                 continue
             stack.callback(self.forwarder.closed, replica)
             return replica, answer, data
+
+    async def _prefill(
+        self, path: str, payload: dict[str, Any], headers: Mapping[str, str], route_request: RouteRequest
+    ) -> tuple[Replica, str] | None:
+        """The prompt computed on a prefill replica (--disaggregate): its `kv_transfer_params` go into `payload`;
+        that replica and the request id whose abort releases the lease. None when it failed or offered nothing."""
+        disaggregator = self.generation.disaggregator
+        assert disaggregator is not None
+        body = {**payload, "stream": False, "n": 1, "max_tokens": 1, "kv_transfer_params": {"produce": True}}
+        if "max_completion_tokens" in body:
+            body["max_completion_tokens"] = 1
+        for unused in ("stream_options", "logprobs", "top_logprobs", "prompt_logprobs", "min_tokens"):
+            body.pop(unused, None)
+        try:
+            route = await self._route(route_request, disaggregator.decode_only())
+            body["model"] = route.model
+            self.forwarder.opened(route.replica)
+            try:
+                answer, data = await self._attempt(route.replica, path, body, headers, whole=True)
+            finally:
+                self.forwarder.closed(route.replica)
+            answer.release()
+            params = json.loads(data).get("kv_transfer_params") if answer.status == 200 else None
+            if answer.status != 200:
+                raise ValueError(f"HTTP {answer.status}: {_error_message(data)}")
+        except (*UPSTREAM_ERRORS, OpenAIError, ValueError) as exc:
+            logger.info("HTTP %s: prefill failed, the decode replica computes the prompt: %s", path, exc)
+            disaggregator.fallbacks += 1
+            return None
+        if not isinstance(params, dict) or not params.get("lease"):
+            disaggregator.fallbacks += 1
+            return None
+        payload["kv_transfer_params"] = {k: params[k] for k in ("addresses", "lease", "blocks")}
+        disaggregator.handoffs += 1
+        return route.replica, str(params["request_id"])
 
     async def _attempt(
         self, replica: Replica, path: str, payload: dict[str, Any], headers: Mapping[str, str], whole: bool

@@ -33,6 +33,7 @@ from tests.support.ops import (
     SERVING,
     TINY_WORKER,
     Streams,
+    add_worker,
     greedy_ids,
     health_status,
     prompt_ids,
@@ -549,11 +550,16 @@ def test_drain_migrate_with_its_target_killed_runs_the_streams_on_where_their_kv
 
 def test_disaggregated_prefill_then_decode_and_no_lease_left_after_a_cancel(fleet: Fleet) -> None:
     """A router with --disaggregate over the two llamas, one kv_role=prefill and one kv_role=decode: greedy tokens
-    equal a replica's own, the decode replica pulls the prompt's full blocks (its cached tokens), and streams
-    cancelled at once or after their first token leave no block leased or used on either replica."""
+    equal a replica's own over gRPC and the OpenAI API, the decode replica pulls the prompt's full blocks (its
+    cached tokens), streams
+    cancelled at once or after their first token and a kill -9 of the decode worker after the import leave no
+    block leased or used on either replica."""
     prefill, decode = fleet.llamas
-    replicas = [f"{prefill.address},model=llama,kv_role=prefill", f"{decode.address},model=llama,kv_role=decode"]
-    router = RouterProcess(replicas, ["--disaggregate", *PROBE])
+    replicas = [
+        f"{prefill.address},model=llama,kv_role=prefill,http={http_address(prefill)}",
+        f"{decode.address},model=llama,kv_role=decode,http={http_address(decode)}",
+    ]
+    router = RouterProcess(replicas, ["--disaggregate", *PROBE], http=True)
     try:
         router.wait_serving(30)
         stub = pb_grpc.GenerationStub(router.channel)
@@ -563,6 +569,7 @@ def test_disaggregated_prefill_then_decode_and_no_lease_left_after_a_cancel(flee
             responses = list(stub.Generate(greedy_ids(ids, 10), timeout=60))
             assert [t for r in responses for t in r.token_ids] == expected
             assert responses[-1].usage.cached_tokens == 64, "4 full blocks pulled from the prefill replica"
+        openai_handoff(router, prefill)
         at_once = stub.Generate(greedy_ids(prompt_ids(103, 70), 200), timeout=60)
         at_once.cancel()
         later = stub.Generate(greedy_ids(prompt_ids(104, 70), 200), timeout=60)
@@ -573,8 +580,42 @@ def test_disaggregated_prefill_then_decode_and_no_lease_left_after_a_cancel(flee
             return pb_grpc.ControlStub(c.channel).GetStats(pb.GetStatsRequest(), timeout=5).used_blocks
 
         wait_for(lambda: used(prefill) == 0 and used(decode) == 0, 30, "no block leased or used on either replica")
+        decode_worker_killed_after_import(prefill, decode, stub)
+        wait_for(lambda: used(prefill) == 0 and used(decode) == 0, 30, "no block leased or used after the kill")
     finally:
         router.stop()
+
+
+def openai_handoff(router: RouterProcess, prefill: Cluster) -> None:
+    """The OpenAI door through the disaggregating router: a completion and a streamed chat give the prefill
+    replica's own text, the decode replica having pulled the prompt's full blocks (its cached tokens)."""
+    client, own = openai_client(router.base_url), openai_client(prefill.base_url)
+    prompt = prompt_ids(105, 70)
+    kw: dict = {"model": "llama", "max_tokens": 10, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    done = client.completions.create(prompt=prompt, **kw)
+    assert done.choices[0].text == own.completions.create(prompt=prompt, **kw).choices[0].text
+    assert done.usage is not None and done.usage.prompt_tokens_details is not None
+    assert done.usage.prompt_tokens_details.cached_tokens == 64, "4 full blocks pulled from the prefill replica"
+    chat: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me about the sea. " * 12}]
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(messages=chat, stream=True, **kw)
+              if c.choices]  # fmt: skip
+    assert "".join(pieces) == own.chat.completions.create(messages=chat, **kw).choices[0].message.content
+
+
+def decode_worker_killed_after_import(prefill: Cluster, decode: Cluster, stub: pb_grpc.GenerationStub) -> None:
+    """kill -9 of the decode replica's worker once every stream imported its prompt's KV (it streams): a
+    replacement joins and each stream completes with exactly its tokens (recomputed; the lease was used once)."""
+    max_tokens = 300
+    prompts = [prompt_ids(110 + i, 70) for i in range(2)]  # --max-num-seqs 2: both run on the decode replica
+    expected = [tokens(pb_grpc.GenerationStub(prefill.channel), greedy_ids(p, max_tokens)) for p in prompts]
+    streams = Streams(stub, [greedy_ids(p, max_tokens) for p in prompts], timeout=180)
+    streams.wait_all_started()
+    decode.workers[0].kill()
+    assert min(len(r.tokens) for r in streams.results) < max_tokens, "the streams ended before the kill"
+    add_worker(decode, "replacement", TINY_WORKER)
+    for r, want in zip(streams.join(180), expected, strict=True):
+        assert (r.code, r.finish_reason) == (None, "length") and r.tokens == want, r.details
+    wait_for(lambda: health_status(decode.channel) == SERVING, 30, "the decode replica serves again")
 
 
 def test_kill_9_of_a_replica_under_load(fleet: Fleet) -> None:

@@ -1,7 +1,9 @@
 """Disaggregated prefill → decode in process: a prefill engine computes each prompt and holds its blocks under a
 lease, a decode engine pulls them over the KV transfer socket and generates. Greedy tokens are identical to one
-colocated engine's, in float32, bf16 and int8 KV; a producer gone mid-hand-off or a lease released before the pull
-makes the decode side compute the prompt itself; no block stays leased at idle."""
+colocated engine's, in float32, bf16 and int8 KV, between PP 2 worlds and between TP 2 worlds or worlds of TP 1 and
+TP 2 (each consumer rank pulls its KV heads from the producer rank(s) holding them); a producer gone mid-hand-off
+or a lease released before the pull makes the decode side compute the prompt itself; no block stays leased at
+idle."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.support.engine import EngineRun, load_runner
+from tests.support.inprocess_tp import TensorParallelRanks
+from tests.support.models import assert_teacher_forced, load_hf
 from tests.support.stages import stage_runners
 from worker_node.kv_handoff import make_handoff
 from worker_node.model_runner import ModelRunner
@@ -151,3 +155,47 @@ def test_handoff_between_two_pipeline_worlds(tiny_llama_dir: Path) -> None:
         for r in producer + consumer:
             if r.handoff is not None:
                 r.handoff.close()
+
+
+def tp_world(folder: Path, tp: int, serve: bool) -> tuple[list[ModelRunner], TensorParallelRanks | None]:
+    """A world of `tp` ranks (in-process, over gloo), each with its KV hand-off."""
+    world = TensorParallelRanks(folder, BLOCKS, BLOCK, tp=tp) if tp > 1 else None
+    runners = world.runners if world is not None else [runner(folder, "float32", "auto")]
+    for r in runners:
+        r.handoff = make_handoff(r.kv_cache, r.comm.where, serve=serve, total_kv_heads=r.model.config.num_kv_heads)
+    return runners, world
+
+
+@pytest.mark.parametrize(
+    ("producer_tp", "consumer_tp"), [(2, 2), (1, 2), (2, 1)], ids=["tp2-tp2", "tp1-tp2", "tp2-tp1"]
+)
+def test_handoff_between_tensor_parallel_worlds(tiny_llama_dir: Path, producer_tp: int, consumer_tp: int) -> None:
+    """Same TP size: rank r pulls from rank r. Other sizes: a TP 2 rank slices its KV head out of the TP 1 rank's
+    blocks; the TP 1 rank concatenates the heads of both TP 2 ranks. Greedy tokens are a colocated world's and HF's
+    (teacher-forced)."""
+    ps = prompts(5)[1:]
+    expected = colocated(tiny_llama_dir, "float32", "auto", ps, 8)
+    producer, p_world = tp_world(tiny_llama_dir, producer_tp, serve=True)
+    consumer, d_world = tp_world(tiny_llama_dir, consumer_tp, serve=False)
+    try:
+        with (
+            EngineRun(producer, tokenizer_dir=tiny_llama_dir, transport=p_world.transport() if p_world else None) as p,
+            EngineRun(consumer, tokenizer_dir=tiny_llama_dir, transport=d_world.transport() if d_world else None) as d,
+        ):
+            outputs = [hand_off(p, d, prompt, 8) for prompt in ps]
+            assert d.scheduler.leases.imported_blocks == sum((len(x) - 1) // BLOCK for x in ps)
+            assert not d.scheduler.counters.preemptions_recompute, "every pull succeeded"
+            leases = p.scheduler.leases
+            exporters = [r.handoff.exporter for r in producer if r.handoff is not None]
+            p.run_until(lambda: not leases.num_blocks and not any(e and e.num_leases for e in exporters), "no lease")
+    finally:
+        for r in producer + consumer:
+            if r.handoff is not None:
+                r.handoff.close()
+        for w in (p_world, d_world):
+            if w is not None:
+                w.close()
+    assert outputs == expected
+    hf = load_hf(tiny_llama_dir)
+    for prompt, out in zip(ps, outputs, strict=True):
+        assert_teacher_forced(hf, prompt, out)

@@ -1,6 +1,7 @@
 """Worker-to-worker KV transfer (worker_node/kv_transfer.py): a lease's blocks move byte for byte in every KV
 format, batched into chunks; a layout that does not pair, an unknown lease, a corrupted frame, a silent exporter and
-a client without CURVE keys are refused with a clear error and write nothing."""
+a client without CURVE keys are refused with a clear error and write nothing. Worlds of different TP sizes move
+runs of KV heads: each consumer rank gets exactly its heads' bytes."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import zmq
 
 from kernels.kv_quant import SCALE_DTYPE
 from proto.curve import ensure_keys
-from proto.kv_transfer import KVLayout, KVTransferError, pairing_problem
+from proto.kv_transfer import KVLayout, KVTransferError, head_sources, pairing_problem
+from tests.support.waiting import wait_for
 from worker_node.kv_cache import KVCache, LayerKV
 from worker_node.kv_transfer import KVExporter, block_bytes, cache_layout, new_lease, pull_blocks
 
@@ -24,10 +26,12 @@ pytestmark = pytest.mark.unit
 BLOCKS, BLOCK, HEADS, DIM, LAYERS = 8, 4, 2, 8, 3
 
 
-def make_cache(dtype: torch.dtype, seed: int | None, blocks: int = BLOCKS, block_size: int = BLOCK) -> KVCache:
+def make_cache(
+    dtype: torch.dtype, seed: int | None, blocks: int = BLOCKS, block_size: int = BLOCK, heads: int = HEADS
+) -> KVCache:
     """Random contents when seeded (a producer), zeros otherwise (a consumer)."""
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    shape = (blocks, block_size, HEADS, DIM)
+    shape = (blocks, block_size, heads, DIM)
 
     def fill(shape: tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
         if gen is None:
@@ -192,3 +196,55 @@ def test_concurrent_pulls_of_two_leases(exporter_of) -> None:  # type: ignore[no
     assert all(block(dsts[0], b) == block(src, b) for b in (0, 1, 2))
     assert all(block(dsts[1], b) == block(src, b) for b in (5, 6, 7))
     assert np.all(exporter.num_leases == 0)
+
+
+def test_head_sources_cover_each_head_once() -> None:
+    def layout(tp: int, rank: int, total: int = 2) -> KVLayout:
+        return KVLayout("float32", 16, 2, max(1, total // tp), 8, tp, rank, total_kv_heads=total)
+
+    assert head_sources(layout(1, 0), 2) == [(0, (0, 1), (0, 1)), (1, (0, 1), (1, 1))]  # TP 1 <- TP 2: concatenate
+    assert head_sources(layout(2, 1), 1) == [(0, (1, 1), (0, 1))]  # TP 2 <- TP 1: slice
+    assert head_sources(layout(1, 0), 4) == [(0, (0, 1), (0, 1)), (2, (0, 1), (1, 1))], "a replicated head once"
+    assert head_sources(layout(4, 3), 2) == [(1, (0, 1), (0, 1))]
+    assert "the model's KV heads are 2 here and 4" in str(pairing_problem(layout(1, 0), layout(2, 0, 4), True))
+    assert pairing_problem(layout(1, 0), layout(2, 1), by_heads=True) is None
+    assert "num_kv_heads is 2 here and 1" in str(pairing_problem(layout(1, 0), layout(2, 1)))
+
+
+def heads_of(cache: KVCache, first: int, count: int) -> list[torch.Tensor]:
+    return [t.narrow(2, first, count) for layer in cache for t in layer.tensors()]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_worlds_of_other_tp_sizes_move_runs_of_heads(exporter_of, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    """TP 1 -> TP 2 (each consumer rank slices out its head) and TP 2 -> TP 1 (the consumer concatenates both)."""
+    whole = make_cache(dtype, seed=7)
+    halves = [make_cache(dtype, seed=None, heads=1) for _ in range(2)]
+    exporter = exporter_of(whole)
+    lease = new_lease()
+    exporter.grant(lease, [1, 4])
+    for rank, half in enumerate(halves):
+        layout = cache_layout(half, tp_size=2, tp_rank=rank)
+        [(producer, heads, dst_heads)] = head_sources(layout, 1)
+        assert producer == 0 and exporter.num_leases == 1, "the lease stays until every head was pulled"
+        pull_blocks(exporter.address, lease, half, layout, [1, 4], [2, 3], 5, heads=heads, dst_heads=dst_heads)
+    wait_for(lambda: exporter.num_leases == 0, 10, "both heads pulled: the lease is done")
+    for rank, half in enumerate(halves):
+        for got, want in zip(heads_of(half, 0, 1), heads_of(whole, rank, 1), strict=True):
+            assert torch.equal(got[[2, 3]].view(torch.uint8), want[[1, 4]].view(torch.uint8))
+    back = make_cache(dtype, seed=None)
+    layout = cache_layout(back)
+    exporters = [KVExporter(h, cache_layout(h, 2, r)) for r, h in enumerate(halves)]
+    try:
+        for (rank, heads, dst_heads), e in zip(head_sources(layout, 2), exporters, strict=True):
+            e.grant(lease, [2, 3])
+            pull_blocks(e.address, lease, back, layout, [2, 3], [5, 6], 5, heads=heads, dst_heads=dst_heads)
+            assert rank == exporters.index(e)
+            wait_for(lambda: e.num_leases == 0, 10, "its only head pulled: the lease is done")  # noqa: B023
+    finally:
+        for e in exporters:
+            e.close()
+    assert block(back, 5) == block(whole, 1) and block(back, 6) == block(whole, 4)
+    with pytest.raises(KVTransferError, match=r"heads \[1, 2\]: not a run"):
+        exporter.grant(lease, [1])
+        pull_blocks(exporter.address, lease, back, layout, [1], [0], 5, heads=(1, 2), dst_heads=(0, 2))

@@ -1,6 +1,8 @@
 """The router's OpenAI door over stand-in replica doors (small aiohttp apps in this process): a LoRA adapter that a
 replica listed but answers 404 for (unloaded there since the last probe) is tried on another replica that lists it,
-and is the client's 404 only when none is left."""
+and is the client's 404 only when none is left; with --disaggregate a completion is prefilled on the prefill door
+(one token, `kv_transfer_params.produce`) and decoded on the other with the lease it got, or without one when the
+prefill failed."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from aiohttp import web
 from scheduler_node.router.grpc_door import RouterGeneration
 from scheduler_node.router.http_door import RouterHttp, build_router_app
 from scheduler_node.router.metrics import RouterMetrics
-from scheduler_node.router.replica import SERVING, ReplicaPool, ReplicaSpec
+from scheduler_node.router.replica import SERVING, Replica, ReplicaPool, ReplicaSpec
 from scheduler_node.router.routing import Router
 from scheduler_node.router.upstream import Forwarder
 
@@ -104,3 +106,85 @@ def test_a_base_model_404_is_passed_on_without_a_retry() -> None:
     _, answer, pool = asyncio.run(_scenario([set(), {MODEL}], MODEL))  # not an adapter: no retry
     assert answer.status_code == 404, answer.text
     assert [r.requests for r in pool.replicas] == [1, 0]
+
+
+def _handoff_door(bodies: list[dict[str, Any]], prefill_status: int) -> web.Application:
+    """A replica's /v1/completions that records each body: a produce request is answered with `prefill_status` and,
+    when 200, a lease; any other with the `kv_transfer_params` it got."""
+
+    async def completions(request: web.Request) -> web.Response:
+        body = await request.json()
+        bodies.append(body)
+        if body.get("kv_transfer_params", {}).get("produce"):
+            if prefill_status != 200:
+                return web.json_response({"error": {"message": "no"}}, status=prefill_status)
+            params = {"addresses": ["127.0.0.1:9"], "lease": "00" * 16, "blocks": [3, 4], "request_id": "cmpl-p-0"}
+            return web.json_response({"object": "text_completion", "kv_transfer_params": params})
+        return web.json_response({"object": "text_completion", "got": body.get("kv_transfer_params")})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+Bodies = list[dict[str, Any]]
+
+
+async def _disaggregated(prefill_status: int) -> tuple[httpx.Response, Bodies, Bodies, list[tuple[str, str]]]:
+    """A completion through a --disaggregate router over a prefill and a decode stand-in door: the answer, each
+    door's bodies, and the leases released (replica, request id)."""
+    from scheduler_node.router.disaggregate import Disaggregator
+
+    bodies: tuple[Bodies, Bodies] = ([], [])
+    runners = [web.AppRunner(_handoff_door(b, prefill_status)) for b in bodies]
+    released: list[tuple[str, str]] = []
+    try:
+        ports = []
+        for runner in runners:
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            ports.append(runner.addresses[0][1])
+        roles = ("prefill", "decode")
+        pool = ReplicaPool(
+            ReplicaSpec(f"127.0.0.1:{i + 1}", MODEL, http=f"127.0.0.1:{p}", kv_role=role)
+            for i, (p, role) in enumerate(zip(ports, roles))
+        )
+        for replica in pool.replicas:
+            pool.set_state(replica, SERVING)
+        forwarder = Forwarder(Router(pool, "round_robin"), {}, RouterMetrics())
+        generation = RouterGeneration(forwarder, 1.0)
+        disaggregator = generation.disaggregator = Disaggregator(forwarder)
+
+        def release(replica: Replica, prefill_id: str) -> None:  # what a gRPC Abort would free
+            released.append((replica.spec.kv_role, prefill_id))
+
+        disaggregator.release = release  # type: ignore[method-assign]
+        door = RouterHttp(generation, "", 5.0)
+        transport = httpx.ASGITransport(app=build_router_app(door, ""))
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+                body = {"model": MODEL, "prompt": "hi", "max_tokens": 5, "n": 1, "stream": False}
+                answer = await client.post("/v1/completions", json=body)
+        finally:
+            await door.close()
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+    return answer, *bodies, released
+
+
+def test_disaggregate_prefills_on_one_door_and_decodes_on_the_other_with_its_lease() -> None:
+    answer, prefilled, decoded, released = asyncio.run(_disaggregated(200))
+    assert answer.status_code == 200, answer.text
+    [prefill] = prefilled
+    assert (prefill["max_tokens"], prefill["stream"], prefill["kv_transfer_params"]) == (1, False, {"produce": True})
+    lease = {"addresses": ["127.0.0.1:9"], "lease": "00" * 16, "blocks": [3, 4]}
+    assert [d["max_tokens"] for d in decoded] == [5] and answer.json()["got"] == lease
+    assert released == [("prefill", "cmpl-p-0")], "the lease is released once the decode replica answered"
+
+
+def test_a_failed_prefill_leaves_the_decode_door_to_compute_the_prompt() -> None:
+    answer, prefilled, decoded, released = asyncio.run(_disaggregated(503))
+    assert answer.status_code == 200, answer.text
+    assert len(prefilled) == 1 and len(decoded) == 1 and answer.json()["got"] is None
+    assert released == [], "no lease to release"
