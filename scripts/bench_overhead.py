@@ -141,7 +141,7 @@ class EngineProbe:
     totals: dict[str, float] = field(
         default_factory=lambda: {"schedule": 0.0, "update": 0.0, "wire": 0.0, "output_thread": 0.0}
     )
-    marks: list[tuple[StepPlan, tuple[float, ...]]] = field(default_factory=list)  # (plan, snapshot)
+    marks: list[tuple[int, bool, tuple[float, ...]]] = field(default_factory=list)  # (step id, steady, snapshot)
 
     def snapshot(self) -> tuple[float, ...]:
         t = self.totals
@@ -170,8 +170,9 @@ class EngineProbe:
             self.thread = threading.get_ident()
             mark = self.snapshot()
             plan: StepPlan = schedule()
-            if plan.has_work:
-                self.marks.append((plan, mark))  # which plans are steady decodes is worked out afterwards
+            if plan.has_work:  # steady: each of the row's sequences decodes one token (no dict made to see it)
+                steady = not plan.new_requests and len(plan.cached_requests) == plan.total_tokens == self.num_seqs
+                self.marks.append((plan.step_id, steady, mark))
             return plan
 
         scheduler.schedule = marked_schedule
@@ -193,16 +194,12 @@ class EngineProbe:
             module.decode = self.timed(module.decode, "wire")
 
 
-def steady_window(
-    marks: list[tuple[StepPlan, tuple[float, ...]]], num_seqs: int, warmup: int, steps: int
-) -> list[tuple[int, tuple[float, ...]]]:
-    """The (step id, snapshot) marks of the longest run of consecutive steady plans (every one of `num_seqs`
-    requests decodes one token), less its first `warmup`, at most `steps` + 1."""
+def steady_window(marks: list[tuple[int, bool, tuple[float, ...]]], warmup: int, steps: int) -> list[Any]:
+    """The marks of the longest run of consecutive steady plans, less its first `warmup`, at most `steps` + 1."""
     best: list[Any] = []
     run: list[Any] = []
-    for plan, snapshot in marks:
-        steady = not plan.new_requests and len(plan.cached_requests) == plan.total_tokens == num_seqs
-        run = run + [(plan.step_id, snapshot)] if steady else []
+    for mark in marks:
+        run = run + [mark] if mark[1] else []
         if len(run) > len(best):
             best = run
     window = best[warmup : warmup + steps + 1]
@@ -281,11 +278,11 @@ def measure(path: str, num_seqs: int, folder: Path, args: argparse.Namespace, sc
     if path == "worker process":
         worker_marks = {int(k): tuple(v) for k, v in json.loads(report.read_text()).items()}  # type: ignore[misc]
         report.unlink()
-    return figures(path, num_seqs, steady_window(probe.marks, num_seqs, args.warmup, args.steps), worker_marks)
+    return figures(path, num_seqs, steady_window(probe.marks, args.warmup, args.steps), worker_marks)
 
 
 def figures(path: str, num_seqs: int, window: list[Any], worker_marks: dict[int, Any]) -> dict:
-    (first_id, e0), (last_id, e1) = window[0], window[-1]
+    (first_id, _, e0), (last_id, _, e1) = window[0], window[-1]
     n = len(window) - 1
     cpu, wall, schedule, update, wire, output_thread = ((b - a) * 1e3 / n for a, b in zip(e0, e1))
     w0, w1 = worker_marks[first_id], worker_marks[last_id]
