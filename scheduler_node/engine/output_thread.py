@@ -4,7 +4,9 @@ The engine's thread schedules, sends plans and applies results; what each step p
 turned into text and deltas here, on a thread of its own, fed one batch per step (issue 24: on the engine's
 thread this was three quarters of its host cost). The thread owns every sequence's output state; it learns of a
 sequence by an `Added` item and forgets it when it ends. Deltas for sinks read on the event loop (the servers'
-streams) go there in one call per batch; a `threadsafe` sink (the offline LLM's collectors) gets them here.
+streams) go there in one call per batch; a `threadsafe` sink (the offline LLM's collectors) gets them here. A
+sink that is not `incremental` (those collectors again) gets a sequence with nothing to look at per step (no stop
+strings, no logprobs) in one delta at its end: its tokens wait in `SequenceOutput.held`, counted and timed.
 
 A stop string is found here, after the engine went on: the sequence ends at once on this side (its text cut, its
 final delta sent, later tokens dropped), and its id goes back to the engine's loop with the batch's deltas, where
@@ -118,8 +120,9 @@ class OutputProcessor:
 
     def _step(self, outputs: list[RequestOutput], delivery: Delivery) -> None:
         """Each sequence's new tokens (one clock reading for the step); counted once. The loop runs once per
-        sequence per step: what it calls is looked up once, and the common case (one token, no stop, a sequence
-        that already streams) calls nothing but the detokenizer and the sink."""
+        sequence per step: what it calls is looked up once; a held sequence's step is an extend and its timing,
+        and the common streamed case (one token, no stop, a sequence that already streams) calls nothing but the
+        detokenizer and the sink."""
         now, tokens, sequences = time.monotonic(), 0, self.sequences
         itl, to_loop, stop = self.metrics.itl, delivery.deltas, FinishReason.STOP
         for out in outputs:
