@@ -1,60 +1,28 @@
 """Paged decode attention compiled for this CPU (kernels/csrc/paged_attention_cpu.c), loaded with ctypes.
 
-Built once per source, compiler flags, head shape, cache format and CPU feature set into the minivllm cache folder, so a
-worker starts in milliseconds after the first build (about a second with gcc). Where no C compiler is found,
-`load()` returns None and the worker keeps the torch path.
+Built once per source, compiler flags, head shape, cache format and CPU feature set (kernels/native_build.py), so a
+worker starts in milliseconds after the first build. Where no C compiler is found, `load()` returns None and the
+worker keeps the torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-from kernels.cpu_features import cpu_flags_line
 from kernels.interface import DecodeAttention
 from kernels.kv_quant import SCALE_DTYPE, is_quantized
-from proto.model_cache import cache_dir
+from kernels.native_build import CFLAGS, CSRC, load_library
 
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.c"
-# -ffast-math lets gcc vectorize the reductions and expf (libmvec), but only when compiling: at link time it
-# would add crtfastmath.o, which flushes subnormals to zero for the whole process the moment the library loads.
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
-LDFLAGS = ("-shared", "-fopenmp", "-lmvec", "-lm")
+SOURCE = CSRC / "paged_attention_cpu.c"
 
 MAX_GROUP = 16  # query heads per kv head the kernel is built for, at most
 MAX_HEAD_DIM = 256
 
 _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
-
-
-def _library_path(compiler: str, flags: tuple[str, ...]) -> Path:
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), compiler.encode(), " ".join(flags + LDFLAGS).encode(), cpu_flags_line().encode()):
-        key.update(part)
-    return cache_dir() / "kernels" / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
-
-
-def _build(compiler: str, flags: tuple[str, ...], target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Built beside the target and renamed into place: workers starting together never load a half-written file.
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        partial = Path(scratch) / target.name
-        obj = partial.with_suffix(".o")
-        subprocess.run([compiler, *flags, "-c", str(SOURCE), "-o", str(obj)], check=True, capture_output=True)
-        subprocess.run([compiler, str(obj), *LDFLAGS, "-o", str(partial)], check=True, capture_output=True)
-        os.replace(partial, target)
 
 
 # The cache dtypes the kernel reads, each its own build (-DKV_FORMAT, the values of the C source's KV_* names).
@@ -66,19 +34,9 @@ def load(head_dim: int = 64, group: int = 1, kv_dtype: torch.dtype = torch.float
     """The kernel compiled for this head size, query heads per kv head and cache dtype (float32, bfloat16, or
     int8 / float8_e4m3fn with scales), building it first if needed; None when it cannot be built here (logged
     once)."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        logger.warning("no C compiler found; CPU decode attention uses the slower torch path")
-        return None
     flags = (*CFLAGS, f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}", f"-DKV_FORMAT={KV_FORMATS[kv_dtype]}")
-    target = _library_path(compiler, flags)
-    try:
-        if not target.exists():
-            _build(compiler, flags, target)
-        library = ctypes.CDLL(str(target))
-    except (OSError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", b"") or b""
-        logger.warning("could not build the CPU attention kernel (%s) %s", error, detail.decode(errors="replace"))
+    library = load_library(SOURCE, flags, "CPU decode attention")
+    if library is None:
         return None
     library.paged_decode_attention.restype = None
     library.paged_decode_attention.argtypes = (

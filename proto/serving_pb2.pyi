@@ -108,20 +108,22 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., deadline_s: _Optional[float] = ..., model: _Optional[str] = ..., kv_precision: _Optional[str] = ..., migratable: _Optional[bool] = ..., resume: _Optional[_Union[ResumeState, _Mapping]] = ..., kv_handoff: _Optional[_Union[KVHandoff, _Mapping]] = ...) -> None: ...
 
 class SequenceState(_message.Message):
-    __slots__ = ("index", "output_token_ids", "held_text", "pending_token_ids", "prompt_tokens", "cached_tokens")
+    __slots__ = ("index", "output_token_ids", "held_text", "pending_token_ids", "prompt_tokens", "cached_tokens", "kv_source")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HELD_TEXT_FIELD_NUMBER: _ClassVar[int]
     PENDING_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     index: int
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     held_text: str
     pending_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_tokens: int
     cached_tokens: int
-    def __init__(self, index: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., held_text: _Optional[str] = ..., pending_token_ids: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    kv_source: KVHandoff
+    def __init__(self, index: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., held_text: _Optional[str] = ..., pending_token_ids: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., kv_source: _Optional[_Union[KVHandoff, _Mapping]] = ...) -> None: ...
 
 class ResumeState(_message.Message):
     __slots__ = ("sequences",)
@@ -130,16 +132,18 @@ class ResumeState(_message.Message):
     def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceState, _Mapping]]] = ...) -> None: ...
 
 class KVHandoff(_message.Message):
-    __slots__ = ("produce", "addresses", "lease", "blocks")
+    __slots__ = ("produce", "addresses", "lease", "blocks", "tokens")
     PRODUCE_FIELD_NUMBER: _ClassVar[int]
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     produce: bool
     addresses: _containers.RepeatedScalarFieldContainer[str]
     lease: bytes
     blocks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, produce: _Optional[bool] = ..., addresses: _Optional[_Iterable[str]] = ..., lease: _Optional[bytes] = ..., blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+    tokens: int
+    def __init__(self, produce: _Optional[bool] = ..., addresses: _Optional[_Iterable[str]] = ..., lease: _Optional[bytes] = ..., blocks: _Optional[_Iterable[int]] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

@@ -81,6 +81,10 @@ class Assignment(Message, tag=int(Kind.ASSIGNMENT)):
     draft_model: str = ""
     num_speculative_tokens: Count = 0
     draft_max_seqs: Count = 0
+    # LoRA (--enable-lora): the adapter slots (--max-loras; 0: LoRA off) and the largest rank (--max-lora-rank). A
+    # worker that captures decode graphs preallocates its slots from them (worker_node/lora/slot_bank.py).
+    max_loras: Annotated[int, Meta(ge=0, le=4096)] = 0
+    max_lora_rank: Count = 0
 
     def check(self) -> None:
         """The world's shape must hold together."""

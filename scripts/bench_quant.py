@@ -161,14 +161,16 @@ def agreement_prompts(text_ids: list[int], n: int) -> list[list[int]]:
 
 
 def kernel_table(rows: list[int], repeats: int) -> list[dict[str, Any]]:
-    """ms of one SmolLM2 decoder layer's four projections (and of the LM head) per kernel and row count: the
-    dense matmuls, the int8 weight-only paths, and fbgemm's dynamic W8A8 (measured, not used: see the guide)."""
+    """ms of one SmolLM2 decoder layer's four projections (and of the LM head) per kernel and row count: torch's
+    dense matmuls, its int8 weight-only paths, fbgemm's dynamic W8A8 (measured, not used: see the guide) and the
+    AMX kernel for bf16 and int8 weights (kernels/cpu_gemm.py, where the CPU has AMX)."""
     import warnings
 
     import torch
     import torch.nn.functional as F
     from bench_cpu_dtypes import fastest_ms  # this script's sibling: the dense matmuls' own table
 
+    from kernels import cpu_gemm
     from worker_node.models.quant_int8 import quantize_rows
 
     def fbgemm(q: torch.Tensor, s: torch.Tensor) -> Any:
@@ -185,6 +187,7 @@ def kernel_table(rows: list[int], repeats: int) -> list[dict[str, Any]]:
         full = [torch.randn(o, i, generator=gen) * 0.02 for o, i in dims]
         bf16 = [w.bfloat16() for w in full]
         q = [(qw, s.bfloat16()) for qw, s in map(quantize_rows, full)]
+        q32 = [(qw, s.float()) for qw, s in q]
         packed = [fbgemm(qw, s.float()) for qw, s in q]
         for n in rows:
             xs = [torch.randn(n, w.shape[1], generator=gen) for w in full]
@@ -202,6 +205,9 @@ def kernel_table(rows: list[int], repeats: int) -> list[dict[str, Any]]:
                     torch.ops.quantized.linear_dynamic(x, w) for x, w in zip(xs, p)
                 ],
             }
+            if cpu_gemm.load() is not None and n <= cpu_gemm.MAX_ROWS:  # the AMX kernel (kernels/cpu_gemm.py)
+                kernels["AMX bf16"] = lambda xs=xb, ws=bf16: [cpu_gemm.linear(x, w) for x, w in zip(xs, ws)]
+                kernels["AMX int8"] = lambda xs=xb, q=q32: [cpu_gemm.linear_int8(x, w, s) for x, (w, s) in zip(xs, q)]
             table.append({"what": what, "rows": n, **{k: fastest_ms(run, repeats) for k, run in kernels.items()}})
             cells = ", ".join(f"{k} {v:.3f}" for k, v in table[-1].items() if isinstance(v, float))
             print(f"kernels {what} rows {n}: {cells}", flush=True)

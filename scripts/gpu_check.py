@@ -6,11 +6,12 @@ bandwidth as a share of a device-to-device copy; prefill TFLOP/s; the engine's d
 bf16 with Triton + CUDA graphs vs the torch backend (through `minivllm.LLM`); a 2-process tensor-parallel run
 over NCCL when a second GPU is visible; is decode GPU-bound (scripts/gpu_decode.py: the engine's decode tok/s at 64
 and 256 sequences in bf16 with CUDA graphs, the share of the time the GPU is idle, HF generate on the same GPU as a
-peer). Writes gpu_check.json and summary.md into --out.
+peer); LoRA adapter rows inside the captured decode graphs (scripts/gpu_lora.py: graphs captured with the slot bank,
+tokens vs the eager engine, mixed vs base decode tok/s). Writes gpu_check.json and summary.md into --out.
 
 `--dry-run` (CPU, CI): parses the arguments, imports everything the parts import, converts the default model if
 needed, and runs the engine and decode parts' own code (`minivllm.LLM`, the profiler, HF generate) on a tiny CPU
-workload.
+workload, and the LoRA part's code on a tiny CPU workload.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import bench_kernels  # noqa: E402
 import gpu_decode  # noqa: E402
+import gpu_lora  # noqa: E402
 import torch  # noqa: E402
 
 MODULES: tuple[str, ...]
@@ -43,7 +45,7 @@ MODULES += ("prometheus_client", "yaml", "jinja2", "proto.serving_pb2_grpc", "sc
 MODULES += ("worker_node.worker", "kernels.triton_attention")
 
 
-PARTS = ("kernels", "engine", "decode", "tp")
+PARTS = ("kernels", "engine", "decode", "lora", "tp")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -203,6 +205,7 @@ def summary(report: dict[str, Any]) -> str:
     lines += gpu_decode.summary_lines(report.get("decode", {}))
     if "error" in report.get("decode", {}):
         lines.append(f"| decode | failed: {report['decode']['error']} |")
+    lines += gpu_lora.summary_lines(report.get("lora", {}))
     tp = report.get("tp", {})
     if tp:
         result = tp.get("error") or tp.get("skipped") or f"{tp['tokens']} tokens in {tp['seconds']:.1f} s"
@@ -228,6 +231,9 @@ def dry_run(args: argparse.Namespace, report: dict[str, Any]) -> None:
 
         args.model = build_tiny_model("llama", Path(tempfile.mkdtemp()) / "tiny-llama", ensure_default_model())
         report["decode_dry_run"] = decode_part(args, gpu_decode.dry_run_config())
+    if "lora" in report["parts"]:
+        model = str(args.model) if "decode" in report["parts"] else None  # the tiny llama when there is one
+        report["lora_dry_run"] = gpu_lora.lora_part(model, gpu_lora.dry_run_config())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             "kernels": lambda: kernels_part(args),
             "engine": lambda: engine_part(args),
             "decode": lambda: decode_part(args),
+            "lora": lambda: gpu_lora.lora_part(str(args.model) if args.model else None, gpu_lora.LoraCheckConfig()),
             "tp": lambda: tp_part(args),
         }
         for name, part in parts.items():

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The GPU check in one go (at most about 8 minutes on one H200): installs what the machine lacks from wheels
+# The GPU check in one go (at most about 9 minutes on one H200): installs what the machine lacks from wheels
 # downloaded beforehand, then runs scripts/gpu_check.py (Triton kernels vs torch in fp32/bf16/fp16, decode
 # bandwidth vs a device copy, prefill TFLOP/s, engine decode tok/s with Triton + CUDA graphs vs torch; the decode
 # part of scripts/gpu_decode.py: decode tok/s at 64 and 256 sequences in bf16 with CUDA graphs, the share of the
-# time the GPU is idle, HF generate on the same GPU as a peer; a TP-2 NCCL attempt when two GPUs are visible) and
+# time the GPU is idle, HF generate on the same GPU as a peer; LoRA adapter rows replayed inside the captured
+# decode graphs, tokens vs eager, from scripts/gpu_lora.py; a TP-2 NCCL attempt when two GPUs are visible) and
 # writes gpu_check.json and summary.md into the output folder. --dry-run runs the same code at a tiny size on CPU.
 #
 #   scripts/gpu_check.sh [--dry-run] [--out DIR] [gpu_check.py flags]    # DIR: $OUT, else bench-results/gpu-check
@@ -42,7 +43,7 @@ while [ $# -gt 0 ]; do
     --dry-run) dry_run=1; args+=("$1") ;;
     --out) out="$2"; shift ;;
     --out=*) out="${1#--out=}" ;;
-    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
     *) args+=("$1") ;;
   esac
   shift

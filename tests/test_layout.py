@@ -109,8 +109,6 @@ def test_the_scheduler_never_imports_torch_and_the_worker_never_imports_grpc() -
 TESTED_ELSEWHERE: dict[str, str] = {
     "scheduler_node.core.migration": "a migrated sequence's state (a dataclass), through"
     " tests/scheduler_node/engine/test_migration.py and tests/scheduler_node/api/test_resume.py",
-    "kernels.cpu_features": "CPU bf16 detection, through kernels.cpu_attention (tests/kernels/test_native_cpu.py)"
-    " and tests/fidelity/test_fidelity_bf16.py",
     "kernels.triton_common": "helpers of the Triton kernels, run through kernels.triton_attention by"
     " tests/kernels/test_triton_kernels.py (a GPU, or Triton's interpreter)",
     "kernels.triton_write_kv": "run through kernels.triton_attention by tests/kernels/test_triton_kernels.py",
@@ -168,8 +166,6 @@ TESTED_ELSEWHERE: dict[str, str] = {
     " (tests/kernels/test_decode_graphs.py)",
     "worker_node.cuda_graphs": "tests/kernels/test_decode_graphs.py (with the kernels it captures)",
     "worker_node.lora.manager": "each row's adapter in a mixed batch, against HF + PEFT: tests/fidelity/test_lora.py",
-    "worker_node.lora.weights": "adapters laid out for fused projections and TP slices, against HF + PEFT:"
-    " tests/fidelity/test_lora.py",
     "worker_node.loading": "loads a rank as a worker does; tests/support/engine.py's load_runner runs it for every"
     " model test",
     "worker_node.models.gemma2": "registered in worker_node/models/registry.py; tests/worker_node/models/"

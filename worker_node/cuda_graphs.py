@@ -10,6 +10,11 @@ Used only where it is safe: a CUDA device, the Triton backend (the torch referen
 one GPU per stage (TP 1: collectives inside a graph need NCCL graph capture, not set up here). The GPU capture
 itself is not exercised by the CPU test suite; `capture=False` runs the same padded buffers eagerly, which is
 how tests/kernels/test_decode_graphs.py checks the padding on CPU under Triton's interpreter.
+
+LoRA (`lora`, a manager with a slot bank: worker_node/lora/slot_bank.py): each token's adapter slot is one more
+static buffer (-1 for the base model and for padding), bound to the manager's hooks while a size is captured, so
+the graphs hold the adapters' kernels over the bank's fixed tensors and replay for any mix of adapters and base
+rows; a batch of base rows only replays the same graph with every slot -1.
 """
 
 from __future__ import annotations
@@ -17,10 +22,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from worker_node.attention import AttentionMetadata
 from worker_node.kv_cache import KVCache
+from worker_node.lora.manager import LoraManager
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +54,7 @@ class DecodeGraphs:
         device: torch.device,
         takes_hidden: bool,  # a pipeline stage after the first: its input is the previous stage's output
         capture: bool = True,
+        lora: LoraManager | None = None,  # LoRA on: its slot bank's updates are captured too
     ) -> None:
         if not sizes:
             raise ValueError("no CUDA graph sizes")
@@ -62,6 +70,10 @@ class DecodeGraphs:
         self.block_tables = torch.zeros((n, max_blocks), dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.hidden = torch.zeros((n, hidden_size), dtype=dtype, device=device) if takes_hidden else None
+        if lora is not None and lora.bank is None:
+            raise ValueError("LoRA in decode graphs needs the manager's slot bank (a LoraCapacity)")
+        self.lora = lora
+        self.lora_slots = torch.full((n,), -1, dtype=torch.int64, device=device) if lora is not None else None
         self._no_prefill = (
             torch.zeros((0, max_blocks), dtype=torch.int32, device=device),
             torch.zeros(1, dtype=torch.int32, device=device),
@@ -90,6 +102,13 @@ class DecodeGraphs:
         hidden = None if self.hidden is None else self.hidden[:size]
         return self.input_ids[:size], self.positions[:size], self.kv_cache, meta, hidden
 
+    def _forward(self, size: int) -> torch.Tensor:
+        """The model over the static buffers of `size` rows (what a graph of that size records)."""
+        if self.lora is None or self.lora_slots is None:
+            return self.model(*self._args(size))
+        with self.lora.bind(self.lora_slots[:size]):
+            return self.model(*self._args(size))
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first, all sharing one memory pool."""
@@ -97,17 +116,17 @@ class DecodeGraphs:
             return
         pool = None
         for size in reversed(self.sizes):
-            args = self._args(size)
             for _ in range(2):  # warm-up: autotuning and lazy allocations happen outside the capture
-                self.model(*args)
+                self._forward(size)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self.model(*args)
+                self.outputs[size] = self._forward(size)
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
-        logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+        with_lora = " with LoRA" if self.lora is not None else ""
+        logger.info("captured decode CUDA graphs%s for batch sizes %s", with_lora, self.sizes)
 
     def run(
         self,
@@ -115,9 +134,12 @@ class DecodeGraphs:
         positions: torch.Tensor,
         meta: AttentionMetadata,
         hidden: torch.Tensor | None,
+        lora_slots: np.ndarray | None = None,  # each token's LoRA slot (-1: the base model); None: all base
     ) -> torch.Tensor:
         """The model's output for a decode-only batch (`fits` must hold), replayed at the nearest size."""
         n = input_ids.shape[0]
+        if lora_slots is not None and self.lora_slots is None:
+            raise ValueError("a batch with LoRA adapters, but the decode graphs were captured without LoRA")
         size = next(s for s in self.sizes if s >= n)
         width = meta.decode_block_tables.shape[1]
         self.input_ids[:n].copy_(input_ids)
@@ -131,7 +153,13 @@ class DecodeGraphs:
         self.seq_lens[n:size].fill_(1)
         if self.hidden is not None and hidden is not None:
             self.hidden[:n].copy_(hidden)
+        if self.lora_slots is not None:
+            if lora_slots is None:
+                self.lora_slots[:size].fill_(-1)
+            else:
+                self.lora_slots[:n].copy_(torch.from_numpy(lora_slots))
+                self.lora_slots[n:size].fill_(-1)
         if size in self.graphs:
             self.graphs[size].replay()
             return self.outputs[size][:n]
-        return self.model(*self._args(size))[:n]  # capture=False: the same padded buffers, eagerly
+        return self._forward(size)[:n]  # capture=False: the same padded buffers, eagerly

@@ -30,8 +30,11 @@ from worker_node.kv_cache import (
     measure_swap_bandwidth,
 )
 from worker_node.kv_offload import DiskLayout, DiskTier, KVOffload, model_fingerprint
+from worker_node.lora.manager import LoraManager
+from worker_node.lora.slot_bank import LoraCapacity
 from worker_node.model_runner import ModelRunner
 from worker_node.models.config import ModelConfig
+from worker_node.models.decoder import CausalLM
 from worker_node.models.loader import load_model
 from worker_node.parallel import Comm, ParallelRank
 
@@ -95,6 +98,8 @@ def load_rank(
     if compact_dtype is not None:
         check_reads_quantized(backend, compact_dtype, device)
     model = load_model(a.model, backend, dtype, device, full.max_model_len, where, comm, a.quantization)
+    # Before the KV cache is sized: the LoRA slot bank's bytes come out of its budget.
+    graph_lora = lora_for_graphs(a, options, backend.name, model, dtype, device, where)
     block_bytes = bytes_per_block(config, a.block_size, kv_dtype)
     budget = kv_cache_budget(device, options.kv_cache_memory, options.gpu_memory_utilization, comm.ranks_on_host)
     limit = kv_cache_limit(device, options.kv_cache_memory, options.gpu_memory_utilization)
@@ -116,6 +121,7 @@ def load_rank(
     runner = ModelRunner(
         model, cache, a.block_size, device, host, comm, a.mode, tokenizer if tokenizer.is_file() else None, offload
     )
+    runner.lora = graph_lora
     enable_decode_graphs(runner, options.cuda_graph_sizes, backend.name, full.max_model_len)
     if a.draft_model and runner.samples_here:  # the draft runs where the tokens are sampled (draft_model.py)
         runner.draft = load_draft(
@@ -175,20 +181,50 @@ def build_offload(
     return KVOffload(allocate_host_cache(config, a.block_size, kv_dtype, device, ram_slots) if ram_slots else [], disk)
 
 
-def enable_decode_graphs(runner: ModelRunner, sizes_text: str, backend_name: str, max_model_len: int) -> None:
-    """Capture decode graphs for `runner` when asked and safe (CUDA, Triton, TP 1); else leave it eager."""
-    sizes = parse_sizes(sizes_text)
-    if not sizes or runner.device.type != "cuda":
-        return
-    where = runner.comm.where
+def graphs_apply(
+    sizes_text: str, backend_name: str, device: torch.device, where: ParallelRank, warn: bool = True
+) -> bool:
+    """Decode graphs are asked for and safe here: CUDA, the Triton backend, TP 1."""
+    if not parse_sizes(sizes_text) or device.type != "cuda":
+        return False
     if where.tp_size > 1 or backend_name != "triton":
-        logger.warning(
-            "CUDA graphs need TP 1 and the triton backend (TP %d, %s): running eagerly", where.tp_size, backend_name
-        )
+        if warn:
+            logger.warning(
+                "CUDA graphs need TP 1 and the triton backend (TP %d, %s): running eagerly", where.tp_size, backend_name
+            )
+        return False
+    return True
+
+
+def lora_for_graphs(
+    a: Assignment,
+    options: WorkerOptions,
+    backend_name: str,
+    model: CausalLM,
+    dtype: torch.dtype,
+    device: torch.device,
+    where: ParallelRank,
+) -> LoraManager | None:
+    """With LoRA on and decode graphs to capture: the LoRA manager over a slot bank of the Assignment's capacity,
+    whose updates the graphs capture (worker_node/lora/slot_bank.py); else None (made on first use, compact)."""
+    if a.max_loras < 1 or a.max_lora_rank < 1:
+        return None
+    if not graphs_apply(options.cuda_graph_sizes, backend_name, device, where, warn=False):
+        return None
+    return LoraManager(model, dtype, device, LoraCapacity(a.max_loras, a.max_lora_rank))
+
+
+def enable_decode_graphs(runner: ModelRunner, sizes_text: str, backend_name: str, max_model_len: int) -> None:
+    """Capture decode graphs for `runner` when asked and safe (CUDA, Triton, TP 1); else leave it eager. With a
+    LoRA manager over a slot bank (`runner.lora`), the graphs capture the adapters' updates too."""
+    where = runner.comm.where
+    if not graphs_apply(sizes_text, backend_name, runner.device, where):
         return
+    sizes = parse_sizes(sizes_text)
     num_blocks = runner.num_blocks
     max_blocks = min(num_blocks, -(-max_model_len // runner.block_size))
     config = runner.model.config
+    lora = runner.lora if runner.lora is not None and runner.lora.bank is not None else None
     runner.graphs = DecodeGraphs(
         runner.model,
         runner.kv_cache,
@@ -198,5 +234,6 @@ def enable_decode_graphs(runner: ModelRunner, sizes_text: str, backend_name: str
         runner.dtype,
         runner.device,
         takes_hidden=not where.is_first_stage,
+        lora=lora,
     )
     runner.graphs.capture()

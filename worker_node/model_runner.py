@@ -326,10 +326,12 @@ class ModelRunner:
             shape = (batch.input_ids.shape[0], self.model.config.hidden_size)
             hidden = self.comm.recv_from_previous_stage(shape, self.dtype)
         lora_slots = self.batch.token_lora_slots(batch) if self.lora is not None else None
-        # Graphs read the full pool only, and were captured without adapters.
-        graphs = self.graphs if batch.meta.compact is None and lora_slots is None else None
+        # Graphs read the full pool only; adapter rows replay them when they were captured with LoRA (a slot bank).
+        graphs = self.graphs if batch.meta.compact is None else None
+        if graphs is not None and lora_slots is not None and graphs.lora is None:
+            graphs = None
         if graphs is not None and graphs.fits(batch.meta, batch.input_ids.shape[0]):
-            hidden = graphs.run(batch.input_ids, batch.positions, batch.meta, hidden)
+            hidden = graphs.run(batch.input_ids, batch.positions, batch.meta, hidden, lora_slots)
         elif lora_slots is not None and self.lora is not None:
             with self.lora.step(lora_slots):
                 hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta, hidden, interrupted)

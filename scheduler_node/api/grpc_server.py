@@ -72,8 +72,12 @@ class GenerationService(pb_grpc.GenerationServicer):
             return
         stream = engine.submit(spec, request.deadline_s)
         done = False
+        taken_back = engine.draining  # admitted while draining: a request this replica migrated, back (its KV here)
         try:
             async for delta in stream:
+                if taken_back:  # its first step imported the KV it left here: the lease has done its work
+                    engine.release_kv(spec.request_id)
+                    taken_back = False
                 if delta.error is not None:
                     code = GRPC_STATUS[delta.error.status]
                     if code == grpc.StatusCode.UNAVAILABLE:
@@ -103,7 +107,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                 detail = f"model: {request.model!r} is not served here (this server serves {self.served_model_name!r})"
                 refuse(context, grpc.StatusCode.NOT_FOUND, detail)
                 return None
-        if engine is None or engine.unavailable():
+        if engine is None or (engine.unavailable() and not _taken_back(engine, request)):
             refuse(context, grpc.StatusCode.UNAVAILABLE, engine.unavailable() if engine else "workers are joining")
             return None
         try:
@@ -234,6 +238,14 @@ async def drain_timeout(request: pb.DrainRequest, context: grpc.aio.ServicerCont
     if left is not None:
         timeout = min(timeout or left, max(0.0, left - 0.25))
     return timeout
+
+
+def _taken_back(engine: EngineCore, request: pb.GenerateRequest) -> bool:
+    """A request this draining replica migrated off comes back (vllm-router found no other replica for it): it runs
+    on here from the KV still leased for it, rather than be lost."""
+    if not engine.draining or engine.failed or engine.gave_up or not request.HasField("resume"):
+        return False
+    return engine.takes_back([bytes(s.kv_source.lease) for s in request.resume.sequences])
 
 
 def _response(request_id: str, d: Delta) -> pb.GenerateResponse:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from proto import serving_pb2 as pb
+from scheduler_node.api.kv_handoff_fields import read_source, source_message
 from scheduler_node.api.validation import InvalidField
 from scheduler_node.core.migration import SequenceResume
 from scheduler_node.core.request import RequestSpec
@@ -50,7 +51,11 @@ def _sequence(state: pb.SequenceState, name: str, spec: RequestSpec, vocab_size:
         raise InvalidField(f"{name}.prompt_tokens", detail)
     if not 0 <= state.cached_tokens <= prompt:
         raise InvalidField(f"{name}.cached_tokens", f"must be in [0, {prompt}] (the prompt's tokens)")
-    return SequenceResume(state.index, outputs, state.held_text, pending, prompt, state.cached_tokens)
+    source = read_source(state.kv_source, f"{name}.kv_source") if state.HasField("kv_source") else None
+    if source is not None and source.tokens >= prompt + len(outputs):
+        detail = f"{source.tokens} positions: more than the {prompt + len(outputs) - 1} before the last token"
+        raise InvalidField(f"{name}.kv_source.tokens", detail)
+    return SequenceResume(state.index, outputs, state.held_text, pending, prompt, state.cached_tokens, source)
 
 
 def _in_vocab(ids: list[int], vocab_size: int, name: str) -> None:
@@ -61,7 +66,7 @@ def _in_vocab(ids: list[int], vocab_size: int, name: str) -> None:
 
 def state_message(state: SequenceResume) -> pb.SequenceState:
     """A migrated sequence's state, for its last GenerateResponse."""
-    return pb.SequenceState(
+    message = pb.SequenceState(
         index=state.index,
         output_token_ids=state.output_token_ids,
         held_text=state.held_text,
@@ -69,3 +74,6 @@ def state_message(state: SequenceResume) -> pb.SequenceState:
         prompt_tokens=state.prompt_tokens,
         cached_tokens=state.cached_tokens,
     )
+    if state.kv_source is not None:
+        message.kv_source.CopyFrom(source_message(state.kv_source))
+    return message

@@ -73,10 +73,10 @@ class Admission(Preemption):
                 hits = bt.match_prefix(hashes[:cacheable], fmt)
                 tiers = self.tiers if fmt is BlockFormat.FULL else None  # the tiers hold full blocks
                 loads = tiers.match(hashes[len(hits) : cacheable]) if tiers is not None else 0
+                partial = 0
                 if req.kv_source is not None:  # pulled from another replica instead (core/kv_handoff.py)
-                    held = len(req.kv_source.blocks) if fmt is BlockFormat.FULL and bt.enable_prefix_caching else 0
-                    loads = max(0, min(held, cacheable) - len(hits))
-                hit_tokens = (len(hits) + loads) * bt.block_size
+                    loads, partial = self._remote_loads(req, len(hits), cacheable, fmt)
+                hit_tokens = (len(hits) + loads) * bt.block_size + partial
                 n = min(req.num_tokens - hit_tokens, budget)
                 reused_free = sum(1 for b in hits if bt.is_free(b))
                 starts[fmt] = bt.blocks_for(hit_tokens + n) - len(hits) + reused_free, hits, loads, fmt
@@ -188,16 +188,17 @@ class Admission(Preemption):
             # Its computed blocks are back (the swap-in runs before this step reads them) under new block ids.
             bt.register(req.req_id, req.update_block_hashes(bt.block_size), 0, req.num_computed_tokens // bt.block_size)
         elif not bt.blocks_of(req.req_id):
-            hit_tokens = (len(hits) + loads) * bt.block_size
+            partial = self._remote_loads(req, len(hits), len(hits) + loads, fmt)[1] if req.kv_source else 0
+            hit_tokens = (len(hits) + loads) * bt.block_size + partial
             if req.num_preemptions == 0 and not req.output_token_ids:  # new prompts only: resumptions inflate it
                 self.counters.prefix_cache_queries += req.num_tokens
                 self.counters.prefix_cache_hits += hit_tokens
                 req.num_cached_tokens = hit_tokens
             bt.acquire(req.req_id, hits, fmt)
-            if loads:
+            if loads or partial:
                 hashes = req.update_block_hashes(bt.block_size)
                 if req.kv_source is not None:
-                    self._load_from_remote(req, len(hits), hashes[len(hits) : len(hits) + loads])
+                    self._load_from_remote(req, len(hits), hashes[len(hits) : len(hits) + loads], partial)
                 else:
                     self._load_from_tiers(req, hashes[len(hits) : len(hits) + loads])
                 bt.register(req.req_id, hashes[: len(hits) + loads])
@@ -205,13 +206,29 @@ class Admission(Preemption):
         req.kv_source = None  # used once: a request that recomputes later computes its prompt here
         return True
 
-    def _load_from_remote(self, req: Request, first: int, keys: list[BlockHash]) -> None:
+    def _remote_loads(self, req: Request, hits: int, cacheable: int, fmt: BlockFormat) -> tuple[int, int]:
+        """What a request with a KV source pulls after its `hits` cached blocks: full blocks (up to `cacheable`),
+        and the positions of a migrated sequence's partial block when every block before it is there (its
+        positions are all before the last token, which is computed here)."""
+        source, bs = req.kv_source, self.blocks.block_size
+        assert source is not None
+        if fmt is not BlockFormat.FULL or not self.blocks.enable_prefix_caching:
+            return 0, 0
+        full = source.full_blocks(bs)
+        loads = max(0, min(full, cacheable) - hits)
+        partial = source.partial_tokens(bs)
+        if not partial or hits + loads != full or full * bs + partial > req.num_tokens - 1:
+            partial = 0
+        return loads, partial
+
+    def _load_from_remote(self, req: Request, first: int, keys: list[BlockHash], partial: int = 0) -> None:
         """New blocks after the request's cached prefix, filled by the plan's KV import from the producer replica
-        (core/kv_handoff.py) instead of being computed."""
+        (core/kv_handoff.py) instead of being computed: full blocks (`keys`, registered), then `partial`
+        positions of the next block (a migrated sequence's last block; not a cacheable block)."""
         assert req.kv_source is not None
         bt = self.blocks
         start = len(bt.blocks_of(req.req_id)) * bt.block_size
-        written = bt.write(req.req_id, start, start + len(keys) * bt.block_size)
+        written = bt.write(req.req_id, start, start + len(keys) * bt.block_size + partial)
         assert written is not None, "the fit check counted these blocks"
         self.leases.import_prefix(req.kv_source, first, list(written.added), keys)
 

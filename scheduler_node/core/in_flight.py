@@ -71,6 +71,16 @@ class InFlightLedger:
         sent = self._plans.get(step_id)
         return sent.requests if sent is not None else []
 
+    def first_computed(self, req: Request) -> int | None:
+        """The first position of `req` (its current run) that a plan in flight computes; None if none does."""
+        firsts = [
+            end - n
+            for sent in self._plans.values()
+            for r, n, end, run in zip(sent.requests, sent.tokens, sent.ends, sent.runs)
+            if r is req and run == req.num_preemptions
+        ]
+        return min(firsts, default=None)
+
     @property
     def holds_any(self) -> bool:
         return bool(self._held)

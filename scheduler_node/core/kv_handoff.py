@@ -13,6 +13,12 @@ are allocated and filled by a `KVImport` in the plan (worker_node/kv_handoff.py)
 hashes, and counted as computed; the request computes the rest (at least its last prompt token, as after any
 prefix hit) and samples its own first token. A pull that fails comes back as failed loads: the scheduler forgets
 those blocks and the request computes them (`Scheduler._recompute_failed_loads`). The source is used once.
+
+Live migration (core/migration.py) uses the same path for a running sequence: the source keeps every block whose
+KV its applied steps wrote (`hold_sequence`, keyed by the sequence's id: a request's n sequences each get one),
+including the partial last block, and the state it hands over names them with `tokens`, the positions they hold;
+the target imports them all (the partial block unregistered) and computes only the last token, so the KV it reads
+is the very KV an undisturbed run reads. Those leases are shorter (`migration_lease_s`): the target pulls at once.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 LEASE_BYTES = 16
 DEFAULT_LEASE_S = 30.0  # a lease nobody pulls or releases is freed after this long
+DEFAULT_MIGRATION_LEASE_S = 10.0  # a migrated sequence's: its target pulls within a step of getting the state
 
 
 def new_lease() -> bytes:
@@ -37,11 +44,13 @@ def new_lease() -> bytes:
 @dataclass(frozen=True, slots=True)
 class KVSource:
     """Where a decode request's prompt KV waits: the producer world's KV exporters (by rank), the lease, and the
-    producer's block ids of the prompt's first full blocks, in order."""
+    producer's block ids of the prompt's first full blocks, in order. A migrated sequence's also says how many
+    positions they hold (`tokens`), its partial last block included; 0: full blocks only."""
 
     addresses: tuple[str, ...]
     lease: bytes
     blocks: tuple[int, ...]
+    tokens: int = 0
 
     def __post_init__(self) -> None:
         if len(self.lease) != LEASE_BYTES:
@@ -50,6 +59,18 @@ class KVSource:
             raise ValueError("kv_source.addresses: one HOST:PORT per producer rank, each at most 256 characters")
         if any(b < 0 for b in self.blocks):
             raise ValueError("kv_source.blocks: block ids are >= 0")
+        if self.tokens < 0:
+            raise ValueError(f"kv_source.tokens: must be >= 0, got {self.tokens}")
+
+    def full_blocks(self, block_size: int) -> int:
+        """The source's blocks that are full (the one after them, when `tokens` says so, is partial)."""
+        return self.tokens // block_size if self.tokens else len(self.blocks)
+
+    def partial_tokens(self, block_size: int) -> int:
+        """Positions of the partial block after the full ones (0: none offered)."""
+        if not self.tokens or len(self.blocks) <= self.tokens // block_size:
+            return 0
+        return self.tokens % block_size
 
 
 @dataclass(slots=True)
@@ -59,9 +80,10 @@ class Lease:
     lease: bytes
     blocks: list[int]
     expires: float
+    tokens: int = 0  # a migrated sequence's: the positions its blocks hold (0: a prefill's full blocks)
 
     def source(self, addresses: list[str]) -> KVSource:
-        return KVSource(tuple(addresses), self.lease, tuple(self.blocks))
+        return KVSource(tuple(addresses), self.lease, tuple(self.blocks), self.tokens)
 
 
 @dataclass(slots=True)
@@ -69,7 +91,8 @@ class KVLeases:
     """The leases this replica holds for other replicas, and what the next plan owes its workers."""
 
     lease_s: float = DEFAULT_LEASE_S
-    held: dict[str, Lease] = field(default_factory=dict)  # by producer request id
+    migration_lease_s: float = DEFAULT_MIGRATION_LEASE_S
+    held: dict[str, Lease] = field(default_factory=dict)  # by producer request id, or migrated sequence id
     grants: list[KVGrant] = field(default_factory=list)
     imports: list[KVImport] = field(default_factory=list)
     revokes: list[bytes] = field(default_factory=list)
@@ -99,22 +122,51 @@ class KVLeases:
         self.held[request_id] = Lease(request_id, key, lease, blocks, now + self.lease_s)
         return self.held[request_id]
 
+    def hold_sequence(self, table: BlockTable, req_id: str, tokens: int, now: float) -> Lease | None:
+        """Keep the blocks of a migrated sequence's first `tokens` positions under a new lease, granted to its
+        workers by the next plan (before `table.free(req_id)`); None when it has none."""
+        blocks = table.blocks_of(req_id)[: table.blocks_for(tokens)]
+        if not blocks:
+            return None
+        lease = new_lease()
+        key = f"lease:{lease.hex()}"
+        table.acquire(key, blocks)
+        held = Lease(req_id.rpartition("#")[0] or req_id, key, lease, blocks, now + self.migration_lease_s, tokens)
+        self.held[req_id] = held
+        self.grants.append(KVGrant(lease, blocks))
+        return held
+
+    @property
+    def num_migrations(self) -> int:
+        """Leases held for migrated sequences (their targets have not confirmed yet)."""
+        return sum(1 for lease in self.held.values() if lease.tokens)
+
     def release(self, table: BlockTable, request_id: str) -> bool:
-        """Free a lease's blocks (pulled, aborted); its workers forget it with the next plan."""
-        lease = self.held.pop(request_id, None)
-        if lease is None:
-            return False
+        """Free the leases of a request (a prefill's, or its migrated sequences'): pulled, aborted; its workers
+        forget them with the next plan."""
+        keys = [k for k, lease in self.held.items() if k == request_id or lease.request_id == request_id]
+        for key in keys:
+            self._drop(table, self.held.pop(key))
+        return bool(keys)
+
+    def release_sequence(self, table: BlockTable, req_id: str) -> None:
+        """Free one migrated sequence's lease (its state goes out without it)."""
+        lease = self.held.pop(req_id, None)
+        if lease is not None:
+            self._drop(table, lease)
+
+    def _drop(self, table: BlockTable, lease: Lease) -> None:
         table.free(lease.key)
+        self.grants = [g for g in self.grants if g.lease != lease.lease]  # not granted yet: never will be
         self.revokes.append(lease.lease)
         self.released += 1
-        return True
 
     def expire(self, table: BlockTable, now: float) -> list[str]:
         """Release the leases whose time is up; their request ids."""
         late = [rid for rid, lease in self.held.items() if lease.expires <= now]
         for rid in late:
             logger.info("KV lease of %s expired unpulled: its blocks are freed", rid)
-            self.release(table, rid)
+            self._drop(table, self.held.pop(rid))
             self.expired += 1
         return late
 
@@ -128,5 +180,6 @@ class KVLeases:
     def import_prefix(self, source: KVSource, first: int, dst: list[int], hashes: list[BlockHash]) -> None:
         """Blocks `first`.. of the source's prompt, pulled into `dst` by the next plan."""
         src = list(source.blocks[first : first + len(dst)])
-        self.imports.append(KVImport(list(source.addresses), source.lease, src, dst, list(hashes)))
+        keys = list(hashes) + [b""] * (len(dst) - len(hashes))  # a migrated sequence's partial block has no hash
+        self.imports.append(KVImport(list(source.addresses), source.lease, src, dst, keys))
         self.imported_blocks += len(dst)

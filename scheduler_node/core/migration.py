@@ -4,13 +4,17 @@ A replica draining with migrate=true ends each migratable sequence between steps
 carries it, finish_reason "migrated"); vllm-router sends the request again, to another replica, with the states of
 the sequences that were still running. The target recomputes prompt + outputs (chunked prefill and the prefix cache
 make that cheap) and samples on from the same output position: greedy and seeded draws (a hash of the seed and the
-position, worker_node/sampler.py) are exactly those of an undisturbed run. Importing the source's KV blocks
-instead of recomputing them is a later hook: the state would name the blocks, nothing else changes.
+position, worker_node/sampler.py) are exactly those of an undisturbed run. When the source's workers serve KV
+(their exporters, worker_node/kv_transfer.py), the state also names where its KV waits under a lease
+(`kv_source`, core/kv_handoff.py): the target pulls those blocks instead of recomputing them, and computes only the
+last token, so even in bfloat16 it reads the KV an undisturbed run reads. A pull that fails recomputes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from scheduler_node.core.kv_handoff import KVSource
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +27,7 @@ class SequenceResume:
     pending_token_ids: list[int] | None = None  # the tail of output_token_ids whose text is an incomplete character
     prompt_tokens: int = 0  # the prompt's length where it ran (0: not known)
     cached_tokens: int = 0  # usage: of the prompt, found in the prefix cache where it first started
+    kv_source: KVSource | None = None  # where its KV waits for the target to pull (None: the target recomputes)
 
     @property
     def started(self) -> bool:

@@ -54,7 +54,9 @@ class Scheduler(Admission, Results):
         order = list(self.running) if self.policy.stable_order else self.policy.order_running(self.running, now)
         spec = self.speculator
         if spec is not None:
-            spec.begin_step(len(self.running))
+            spec.begin_step(self.running)
+            if spec.wait:
+                budget = 0  # speculation runs one plan at a time, every request in it (speculator.py)
         # Speculating requests are held while their plan is in flight (their next tokens are not known before).
         holds = self.mode.disjoint_plans or (spec is not None and self.in_flight.holds_any)
         held = self.in_flight.held if holds else None

@@ -13,11 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from proto.wire import CachedRequest, ExecutionMode, KVGrant, StepPlan
-from scheduler_node.core.block_table import BlockTable, Written
+from scheduler_node.core.block_table import BlockFormat, BlockTable, Written
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.in_flight import InFlightLedger, SentPlan
 from scheduler_node.core.kv_events import DEVICE, KVEventSink
-from scheduler_node.core.kv_handoff import KVLeases
+from scheduler_node.core.kv_handoff import KVLeases, Lease
 from scheduler_node.core.kv_precision import CompactKV
 from scheduler_node.core.kv_tiers import KVTiers
 from scheduler_node.core.policy import Policy
@@ -153,6 +153,25 @@ class SchedulerState:
         self.blocks.free(req.req_id)
         self.view.forget(req, preempted=False)
         return req
+
+    def migrate_out(self, req_id: str, keep_kv: bool) -> tuple[Request | None, Lease | None]:
+        """End a live sequence that moves to another replica (FINISHED_MIGRATED). With `keep_kv`, the blocks whose
+        KV its applied steps wrote stay held under a lease for the target to pull (core/kv_handoff.py); without,
+        or when it has none on the device (waiting, swapped out, compact), they are freed with it."""
+        req = self.requests.get(req_id)
+        lease = None
+        if req is not None and keep_kv and (tokens := self._kv_written(req)) > 0:
+            lease = self.leases.hold_sequence(self.blocks, req_id, tokens, self.clock())
+        return self.finish(req_id, Status.FINISHED_MIGRATED), lease
+
+    def _kv_written(self, req: Request) -> int:
+        """Positions of `req` whose KV is on the device and final: all but its last token (the next step's input),
+        less what plans in flight still compute. 0 when its blocks are elsewhere."""
+        if req.status is not Status.RUNNING or req.swapped or self.blocks.format_of(req.req_id) is BlockFormat.COMPACT:
+            return 0
+        written = min(req.num_tokens - 1, req.num_computed_tokens)
+        first = self.in_flight.first_computed(req)
+        return written if first is None else min(written, first)
 
     def request_of(self, handle: int) -> Request | None:
         """The live request a plan or a result names by this handle."""

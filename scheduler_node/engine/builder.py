@@ -100,6 +100,8 @@ class WorldPlan:
             draft_model=draft,
             num_speculative_tokens=k,
             draft_max_seqs=draft_seqs,
+            max_loras=s.max_loras if c.lora.enable_lora else 0,
+            max_lora_rank=c.lora.max_lora_rank if c.lora.enable_lora else 0,
         )
 
 

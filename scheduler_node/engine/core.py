@@ -23,7 +23,7 @@ import msgspec
 
 from proto.transport import StepFailed, WorkerLost, WorkerTransport
 from proto.wire import SamplingOptions, StepPlan, StepResult
-from scheduler_node.core.kv_handoff import new_lease
+from scheduler_node.core.kv_handoff import KVSource, new_lease
 from scheduler_node.core.migration import SequenceResume
 from scheduler_node.core.request import FinishReason, Request, RequestSpec, Status, StopConditions
 from scheduler_node.core.scheduler import Scheduler
@@ -80,6 +80,9 @@ class EngineCore(Failures, Handoffs, LiveStats):
         # (scheduler_node/engine/kv_publisher.py).
         self.after_step: Callable[[], None] | None = None
         self._lease_timer: asyncio.TimerHandle | None = None  # frees KV leases nobody pulled (core/kv_handoff.py)
+        # Migrated sequences whose KV lease is not granted yet (engine/handoffs.py).
+        self._granting: dict[bytes, tuple[Request, KVSource]] = {}
+        self._leases_released = asyncio.Event()
 
     # ---- what the doors ask
 
@@ -169,7 +172,8 @@ class EngineCore(Failures, Handoffs, LiveStats):
             lora=spec.lora,
             spec=SpecState() if spec.speculate else None,  # the scheduler keeps it only if it speculates
             kv_lease=new_lease() if spec.kv_produce else b"",
-            kv_source=spec.kv_source if index == 0 else None,  # forks share the first's prompt blocks
+            # Forks share the first's prompt blocks; a migrated sequence pulls its own KV.
+            kv_source=resume.kv_source if resume else spec.kv_source if index == 0 else None,
         )
 
     def _too_long(self, spec: RequestSpec) -> str:
@@ -194,6 +198,7 @@ class EngineCore(Failures, Handoffs, LiveStats):
             req = self.scheduler.finish(req_id, Status.FINISHED_ABORTED)
             if req is not None:
                 self.outputs.end(req)
+        self._migrate_without_kv(request_id)  # its client is gone: nobody will pull what it was migrating
         self._wake.set()  # tell the workers to forget them
         return True
 
@@ -217,8 +222,11 @@ class EngineCore(Failures, Handoffs, LiveStats):
         """Take no new requests; wait until every live one finished, `timeout` seconds passed, or `hurry` is
         set. Returns how many are still live."""
         self.stop_admitting()
+        start = time.monotonic()
         waits = [self.outputs.idle.wait()] + ([hurry.wait()] if hurry is not None else [])
         await _first(*waits, timeout=timeout)
+        if not self.num_live and not (hurry and hurry.is_set()):  # migrated KV is served until its targets have it
+            await self.migrations_settled(None if timeout is None else timeout - (time.monotonic() - start))
         return self.num_live
 
     async def wait_idle(self) -> None:
@@ -276,6 +284,8 @@ class EngineCore(Failures, Handoffs, LiveStats):
         self._interrupting.discard(head.plan.step_id)
         outputs = self.scheduler.update(head.plan, result)
         self.outputs.step(outputs)
+        if head.plan.kv_grants:
+            self._granted(head.plan)
         self._arm_lease_timer()
         if self.after_step is not None:
             self.after_step()
@@ -351,6 +361,7 @@ class EngineCore(Failures, Handoffs, LiveStats):
             entry.future.cancel()
         self._inflight.clear()
         self._interrupting.clear()
+        self._migrate_without_kv()  # a grant in a dropped plan may never have run
 
     def interrupt_in_flight(self, req: Request | None = None) -> bool:
         """Have the workers skip the compute of every plan in flight (the running step stops at its next layer

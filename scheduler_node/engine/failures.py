@@ -10,7 +10,8 @@ import time
 
 from proto.transport import WorkerTransport
 from proto.wire import StepPlan
-from scheduler_node.core.request import Status
+from scheduler_node.core.kv_handoff import KVSource
+from scheduler_node.core.request import Request, Status
 from scheduler_node.core.scheduler import Scheduler
 from scheduler_node.engine.metrics import Metrics
 from scheduler_node.engine.options import EngineOptions
@@ -29,6 +30,7 @@ class Failures:
     draining: bool
     gave_up: str
     _wake: asyncio.Event
+    _granting: dict[bytes, tuple[Request, KVSource]]  # migrated sequences whose KV lease is not granted yet
 
     @property
     def num_live(self) -> int:
@@ -41,12 +43,23 @@ class Failures:
         return self.scheduler.max_model_len
 
     def end_all(self, reason: str, status: ErrorStatus) -> None:
-        """End every live request with an error and free its blocks."""
+        """End every live request with an error and free its blocks (those migrating leave with their states)."""
+        self._migrate_without_kv()
         for req_id in list(self.outputs.request_of):
             req = self.scheduler.finish(req_id, Status.FINISHED_ERROR)
             if req is not None:
                 self.outputs.end(req, EngineError(status, reason))
         self._wake.set()
+
+    def _migrate_without_kv(self, request_id: str | None = None) -> None:
+        """The plans in flight were dropped (a lost rank, a failed step), or the request was aborted: leases not
+        granted yet may never be. Their sequences (of `request_id`, or all) go out with states that recompute,
+        and their blocks are freed."""
+        for lease, (req, _) in list(self._granting.items()):
+            if request_id is None or self.outputs.request_of.get(req.req_id) == request_id:
+                del self._granting[lease]
+                self.scheduler.leases.release_sequence(self.scheduler.blocks, req.req_id)
+                self.outputs.migrate(req)
 
     async def _recover(self) -> None:
         """A rank is lost with its KV: requeue everything, wait for a replacement, resume by recompute.

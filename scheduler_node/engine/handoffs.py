@@ -1,15 +1,18 @@
 """What leaves this replica for another one: running requests moved off by a drain with migration (each ends with
-its state, finish_reason MIGRATED: scheduler_node/core/migration.py) and finished prefills' KV held under a lease
-until a decode replica pulls it (scheduler_node/core/kv_handoff.py). A part of EngineCore (engine/core.py)."""
+its state, finish_reason MIGRATED: scheduler_node/core/migration.py; their KV leased to the target) and finished
+prefills' KV held under a lease until a decode replica pulls it (scheduler_node/core/kv_handoff.py). A part of
+EngineCore (engine/core.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from proto.transport import WorkerTransport
+from proto.wire import StepPlan
 from scheduler_node.core.kv_handoff import KVSource
-from scheduler_node.core.request import Status
+from scheduler_node.core.request import Request
 from scheduler_node.core.scheduler import Scheduler
 from scheduler_node.engine.output_side import OutputSide
 
@@ -22,23 +25,38 @@ class Handoffs:
     outputs: OutputSide
     _wake: asyncio.Event
     _lease_timer: asyncio.TimerHandle | None
+    _leases_released: asyncio.Event
+
+    _granting: dict[bytes, tuple[Request, KVSource]]  # migrated sequences whose KV lease is not granted yet
 
     def migrate(self) -> int:
         """Move every live migratable request off this replica, between steps: each sequence ends with its state
-        (finish_reason MIGRATED) and its blocks are freed at once, since the target recomputes them from its
-        tokens (a KV import would free them once the target confirms). Tokens of plans in flight are dropped, as
-        an abort's are: the state holds exactly the tokens its client got. Returns how many requests moved."""
+        (finish_reason MIGRATED). When the workers serve KV, the blocks it computed stay leased to its target
+        (the state names them: the target pulls instead of recomputing) and its last delta waits until the plan
+        granting the lease has run (`_granted`); else its blocks are freed at once. Tokens of plans in flight are
+        dropped, as an abort's are: the state holds exactly the tokens its client got. Returns how many requests
+        moved."""
+        addresses = list(self.workers.capacity.kv_addresses)
+        serve = bool(addresses) and all(addresses)
         moved = 0
         for request_id in list(self.outputs.migratable):
             for req_id in list(self.outputs.requests.get(request_id, ())):
-                req = self.scheduler.finish(req_id, Status.FINISHED_MIGRATED)
-                if req is not None:
+                req, lease = self.scheduler.migrate_out(req_id, serve)
+                if req is not None and lease is not None:
+                    self._granting[lease.lease] = (req, lease.source(addresses))
+                elif req is not None:
                     self.outputs.migrate(req)
             moved += 1
         if moved:
             logger.info("migrating %d request(s) off this replica", moved)
-        self._wake.set()  # tell the workers to forget them
+        self._wake.set()  # tell the workers to forget them (and grant their leases)
         return moved
+
+    def _granted(self, plan: StepPlan) -> None:
+        """A plan's results are in: the leases it granted are served now, so their sequences' states go out."""
+        for grant in plan.kv_grants:
+            if (moving := self._granting.pop(grant.lease, None)) is not None:
+                self.outputs.migrate(*moving)
 
     def kv_source(self, request_id: str) -> KVSource | None:
         """Where another replica pulls a finished prefill's prompt KV from; None when no lease is held for it."""
@@ -47,10 +65,33 @@ class Handoffs:
         return lease.source(list(addresses)) if lease is not None and addresses else None
 
     def release_kv(self, request_id: str) -> bool:
-        """Free a finished prefill's leased blocks (pulled, or nobody will); False if none are held."""
+        """Free a request's leased blocks (a finished prefill's or its migrated sequences': pulled, or nobody
+        will); False if none are held."""
         if not self.scheduler.release_kv(request_id):
             return False
         self._wake.set()  # the workers forget the lease with the next plan
+        self._leases_released.set()
+        return True
+
+    def takes_back(self, leases: list[bytes]) -> bool:
+        """Does this replica hold every one of these KV leases (a request it migrated off, coming back)?"""
+        held = {lease.lease for lease in self.scheduler.leases.held.values()}
+        return bool(leases) and all(lease in held for lease in leases)
+
+    async def migrations_settled(self, timeout: float | None) -> bool:
+        """Until no migrated sequence's KV waits here for its target (each confirmed, or its lease expired), at
+        most `timeout` seconds: a drained replica serves the pulls before it goes. False if time ran out."""
+        leases = self.scheduler.leases
+        end = None if timeout is None else time.monotonic() + timeout
+        while leases.num_migrations:
+            self._leases_released.clear()
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._leases_released.wait(), left)
+            except TimeoutError:
+                return False
         return True
 
     def _arm_lease_timer(self) -> None:
@@ -70,4 +111,5 @@ class Handoffs:
         self._lease_timer = None
         if self.scheduler.expire_leases():
             self._wake.set()
+            self._leases_released.set()
         self._arm_lease_timer()

@@ -14,6 +14,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
+from scheduler_node.core.kv_handoff import KVSource
 from scheduler_node.core.migration import SequenceResume
 from scheduler_node.core.request import Request, RequestSpec
 from scheduler_node.core.scheduler import RequestOutput
@@ -108,13 +109,14 @@ class OutputSide:
             sequence.cached_tokens = resume.cached_tokens
         return sequence
 
-    def migrate(self, req: Request) -> None:
-        """The engine moved a live sequence off this replica (its blocks are freed): its state, in its last delta."""
+    def migrate(self, req: Request, kv_source: KVSource | None = None) -> None:
+        """The engine moved a live sequence off this replica (its blocks freed, or leased to its target at
+        `kv_source`): its state, in its last delta."""
         if req.req_id not in self.request_of:
             return
         self._forget(req.req_id)
-        prompt = len(req.prompt_token_ids)
-        self._pending.append(Migrating(req.req_id, list(req.output_token_ids), prompt, req.num_cached_tokens))
+        prompt, outputs = len(req.prompt_token_ids), list(req.output_token_ids)
+        self._pending.append(Migrating(req.req_id, outputs, prompt, req.num_cached_tokens, kv_source))
         self.flush()
 
     def scheduled(self, req_id: str) -> None:

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from scheduler_node.core.kv_handoff import KVSource
 from scheduler_node.core.migration import SequenceResume
 from scheduler_node.core.request import FinishReason
 from scheduler_node.core.scheduler import RequestOutput
@@ -81,6 +82,7 @@ class Migrating:
     output_token_ids: list[int]
     prompt_tokens: int
     cached_tokens: int
+    kv_source: KVSource | None = None  # where its KV waits for the target (None: it recomputes)
 
 
 Item = Added | Ending | Migrating | list[RequestOutput]  # a list: one step's outputs
@@ -204,7 +206,9 @@ class OutputProcessor:
             self._put(seq.sink, Delta(seq.index, released, seq.detokenizer.delta(final=False)), delivery)
         held, pending = seq.detokenizer.held()
         cached = item.cached_tokens if seq.cached_tokens is None else seq.cached_tokens
-        state = SequenceResume(seq.index, item.output_token_ids, held, pending, item.prompt_tokens, cached)
+        state = SequenceResume(
+            seq.index, item.output_token_ids, held, pending, item.prompt_tokens, cached, item.kv_source
+        )
         delta = Delta(seq.index, [], "", FinishReason.MIGRATED, migrated=state)
         delivery.ended += 1
         self._put(seq.sink, delta, delivery)

@@ -13,6 +13,7 @@ core/migration.py).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -76,6 +77,7 @@ class Forwarder:
         self.metrics = metrics
         # Asks the replicas again which LoRA adapters they serve (the prober's; None: never).
         self.refresh_adapters: Callable[[], Awaitable[None]] | None = None
+        self._releases: set[asyncio.Task[None]] = set()  # Aborts that free migrated KV on a source replica
 
     async def route(self, request: RouteRequest, failed: Sequence[Replica]) -> Route:
         """The router's decision; a name that no replica served at the last probe is looked up once more first
@@ -98,16 +100,52 @@ class Forwarder:
     ) -> AsyncIterator[pb.GenerateResponse]:
         """The replica's responses to `request` as they come (never from a replica in `exclude`); UpstreamError
         with the status it ended with."""
-        arrived, deadline_s = time.monotonic(), request.deadline_s
+        arrived = time.monotonic()
         request.migratable = True  # a draining replica hands it back (below) instead of finishing it
+        holding: Replica | None = None  # the replica that handed it back, while it keeps its KV for the target
+        try:
+            async for response in self._attempts(request, route_request, timeout, metadata, exclude, arrived):
+                if isinstance(response, Replica):  # handed back: a new target pulls that replica's KV
+                    if holding is not None:
+                        self._release(holding, request.request_id)
+                    holding = response if any(s.HasField("kv_source") for s in request.resume.sequences) else None
+                    continue
+                if response is None:  # taken back: it runs on where its KV is, which frees it itself
+                    holding = None
+                    continue
+                if holding is not None:  # the target answered: it has the KV, the source may free it
+                    self._release(holding, request.request_id)
+                    holding = None
+                yield response
+        finally:
+            if holding is not None:
+                self._release(holding, request.request_id)
+
+    async def _attempts(
+        self,
+        request: pb.GenerateRequest,
+        route_request: RouteRequest,
+        timeout: float | None,
+        metadata: Sequence[tuple[str, str]],
+        exclude: Sequence[Replica],
+        arrived: float,
+    ) -> AsyncIterator[pb.GenerateResponse | Replica | None]:
+        """`generate`'s attempts, replica after replica; between them a Replica: it handed the request back, or
+        None: the last such replica takes it back (no other took it)."""
+        deadline_s = request.deadline_s
         failed: list[Replica] = []
         moved_from: list[Replica] = []  # replicas that handed it back: never chosen again for it
+        returned = False  # sent back to the replica that handed it back, which still held its KV
         while True:
             try:
                 route = await self.route(route_request, [*exclude, *failed, *moved_from])
             except RouteError as exc:
-                earlier = f" (it failed on {failed[0].address} before its first token)" if failed else ""
-                raise UpstreamError(grpc.StatusCode[exc.code], f"{exc}{earlier}") from None
+                back = None if returned else self._take_back(request, moved_from)
+                if back is None:
+                    earlier = f" (it failed on {failed[0].address} before its first token)" if failed else ""
+                    raise UpstreamError(grpc.StatusCode[exc.code], f"{exc}{earlier}") from None
+                route, returned = back, True
+                yield None
             replica = route.replica
             left = _time_left(request, timeout, deadline_s, arrived)
             request.model = route.model
@@ -136,6 +174,16 @@ class Forwarder:
             self._migrated(request, replica, states)
             moved_from.append(replica)
             failed = []  # the target starts afresh: UNAVAILABLE before its first message is retried once more
+            yield replica
+
+    def _take_back(self, request: pb.GenerateRequest, moved_from: list[Replica]) -> Route | None:
+        """No replica took a migrated request (the targets died, none is left): the one that handed it back last
+        runs it on, from the KV it still holds for it (a draining replica takes back a request whose KV leases it
+        holds). None without KV there: the request is lost, with the routing error."""
+        if not moved_from or not any(s.HasField("kv_source") for s in request.resume.sequences):
+            return None
+        logger.info("request %s: no target took it: back to %s", request.request_id, moved_from[-1].address)
+        return Route(moved_from[-1], "take back")
 
     def _migrated(self, request: pb.GenerateRequest, replica: Replica, states: list[pb.SequenceState]) -> None:
         """`replica` handed the request back (Control.Drain with migrate): it is sent again, with where each of its
@@ -144,6 +192,19 @@ class Forwarder:
         states.sort(key=lambda state: state.index)
         request.resume.CopyFrom(pb.ResumeState(sequences=states))
         logger.info("request %s: migrating %d sequence(s) off %s", request.request_id, len(states), replica.address)
+
+    def _release(self, replica: Replica, request_id: str) -> None:
+        """Free the KV a replica kept for the request's migrated sequences (an Abort of the request there: fire
+        and forget, an unreleased lease expires on its own)."""
+        task = asyncio.ensure_future(self._abort(replica, request_id))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _abort(self, replica: Replica, request_id: str) -> None:
+        try:
+            await self.links[replica.address].generation.Abort(pb.AbortRequest(request_id=request_id), timeout=5.0)
+        except grpc.aio.AioRpcError as exc:
+            logger.info("the KV lease of %s on %s is left to expire: %s", request_id, replica.address, exc.details())
 
     def unavailable(self, replica: Replica, details: str, started: bool, failed: list[Replica]) -> bool:
         """A request failed on `replica` with UNAVAILABLE: it leaves the serving set until a probe says otherwise.

@@ -480,17 +480,19 @@ def test_kv_routing_follows_the_cached_prefix_and_never_a_restarted_replicas_sta
 
 
 def test_drain_migrate_moves_running_streams_to_the_other_replica_unnoticed(fleet: Fleet) -> None:
-    """Live migration (issue 31): streams through the router, greedy, seeded and n = 2, prompts sharing a
-    prefix; a Drain with migrate of one replica mid-stream: every stream completes with exactly the tokens and
-    usage of an undisturbed run (greedy also teacher-forced against HF), the drained replica stops with exit 0,
-    the other ends idle."""
+    """Live migration (issue 31): 32 streams through the router, greedy, seeded and n = 2, prompts sharing
+    prefixes; a Drain with migrate of one replica mid-stream (its running streams pull their KV, its waiting ones
+    start on the other): 32/32 complete with exactly the tokens and usage of an undisturbed run (greedy also
+    teacher-forced against HF), the drained replica stops with exit 0, the other ends idle."""
     victim, survivor = fleet.llamas
-    max_tokens = 96
-    shared = prompt_ids(3100, 20)
-    requests = [greedy_ids(shared + prompt_ids(3200 + i, 4), max_tokens, model="llama") for i in range(4)]
-    for i in range(3):  # seeded; the last samples two sequences (seeds 9 and 10)
-        sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=7 + i, ignore_eos=True, n=1 + i // 2)
-        prompt = pb.TokenIds(ids=prompt_ids(3300 + i))
+    max_tokens = 32
+    shared = [prompt_ids(3100, 20), prompt_ids(3101, 36)]
+    requests = [greedy_ids(shared[i % 2] + prompt_ids(3200 + i, 4), max_tokens, model="llama") for i in range(16)]
+    for i in range(16):  # seeded; every fourth samples two sequences (seeds s and s + 1)
+        sampling = pb.SamplingParams(
+            max_tokens=max_tokens, temperature=0.8, seed=7 + i, ignore_eos=True, n=1 + i % 4 // 3
+        )
+        prompt = pb.TokenIds(ids=(shared[i % 2] if i % 3 == 0 else []) + prompt_ids(3300 + i))
         requests.append(pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling, model="llama"))
     expected = Streams(pb_grpc.GenerationStub(survivor.channel), requests).join(120)
     streams = Streams(fleet.stub, requests, timeout=120)
@@ -511,6 +513,38 @@ def test_drain_migrate_moves_running_streams_to_the_other_replica_unnoticed(flee
     assert (stats.num_running, stats.num_waiting, stats.used_blocks) == (0, 0, 0), stats
     fleet.restart_llama(0)  # for the tests after this one
     wait_for(lambda: fleet.replicas()[victim.address].state == "serving", 10, "the replica comes back")
+
+
+def test_drain_migrate_with_its_target_killed_runs_the_streams_on_where_their_kv_is(fleet: Fleet) -> None:
+    """A target killed mid-migration (issue 31): the other llama is killed (kill -9) under load, then the first is
+    drained with migrate. Its streams come back to the router, whose only target is dead (UNAVAILABLE before a
+    first token, or already out of the serving set): the router sends them back to the draining replica, which
+    still holds their KV and runs them on. Every stream that did not run on the killed replica completes with the
+    tokens of an undisturbed run; none hangs."""
+    source, target = fleet.llamas
+    requests = [greedy_ids(prompt_ids(3400 + i, 12), 64, model="llama") for i in range(3)]
+    sampling = pb.SamplingParams(max_tokens=64, temperature=0.8, seed=3, ignore_eos=True, n=2)
+    requests.append(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt_ids(3500)), sampling=sampling))
+    expected = Streams(pb_grpc.GenerationStub(source.channel), requests).join(120)
+    streams = Streams(fleet.stub, requests, timeout=120)
+    wait_for(lambda: sum(len(r.tokens) >= 2 for r in streams.results) >= 3, 60, "both replicas stream")
+    target.kill()  # kill -9: its scheduler and workers
+    drained = pb_grpc.ControlStub(source.channel).Drain(pb.DrainRequest(timeout_s=30, migrate=True), timeout=40)
+    assert drained.migrated >= 1, drained
+    results = streams.join(120)
+    cut = f"replica {target.address} "  # how the router ends a stream its replica died under
+    on_source = [i for i, r in enumerate(results) if not (r.code is not None and r.details.startswith(cut))]
+    assert on_source, "some streams ran on the drained replica"
+    for i in on_source:
+        got, want = results[i], expected[i]
+        assert got.code is None, (i, got.code, got.details)
+        assert got.sequences == want.sequences and got.finish_reason == "length", i  # none lost or repeated
+    stats = wait_idle(pb_grpc.ControlStub(source.channel))
+    assert (stats.num_running, stats.num_waiting, stats.used_blocks) == (0, 0, 0), stats  # its leases released
+    assert source.stop() == [0, 0], source.logs()
+    fleet.restart_llama(0)
+    fleet.restart_llama(1)
+    wait_for(lambda: all(r.state == "serving" for r in fleet.replicas().values()), 10, "both llamas come back")
 
 
 def test_disaggregated_prefill_then_decode_and_no_lease_left_after_a_cancel(fleet: Fleet) -> None:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels import cpu_attention, torch_attention
+from kernels import cpu_attention, native_build, torch_attention
 from tests.support.paged_inputs import dense_causal_attention, make_paged_batch, rel_err
 
 pytestmark = pytest.mark.unit
@@ -109,7 +109,7 @@ def test_build_is_cached_per_source_shape_and_cpu(tmp_path, monkeypatch: pytest.
 
 def test_no_compiler_means_no_library(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CC", raising=False)
-    monkeypatch.setattr(cpu_attention.shutil, "which", lambda name: None)
+    monkeypatch.setattr(native_build.shutil, "which", lambda name: None)
     cpu_attention.load.cache_clear()
     assert cpu_attention.load() is None
     cpu_attention.load.cache_clear()

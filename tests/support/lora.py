@@ -11,6 +11,15 @@ import torch
 ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def small_config() -> Any:
+    """A two-layer Llama's ModelConfig (hidden 16, MLP 24, 4 heads over 2 KV heads) for LoRA layouts, no weights."""
+    from worker_node.models.config import ModelConfig
+
+    shape = {"hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 4}
+    extra = {"num_key_value_heads": 2, "rms_norm_eps": 1e-5, "max_position_embeddings": 64, "vocab_size": 32}
+    return ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "model_type": "llama", **shape, **extra})
+
+
 def make_adapter(
     base: Path | Any,
     out: Path,

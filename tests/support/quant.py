@@ -16,15 +16,11 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 @torch.inference_mode()
 def hf_on_dequantized(folder: Path, method: QuantMethod):  # type: ignore[no-untyped-def]
-    """HF's float32 model of `folder` whose projections (and LM head, when the method quantizes it) hold the
-    method's dequantized weights. Per-output-channel formats quantize a fused q/k/v row by row, so quantizing
+    """HF's float32 model of `folder` whose projections hold the method's dequantized weights (the LM head and
+    embedding stay as stored, as ours do). Per-output-channel formats quantize a fused q/k/v row by row, so quantizing
     q, k and v apart gives the same numbers."""
     hf = load_hf(folder)
-    head = method.quantize_head
     for name, param in hf.named_parameters():
-        module = name.rsplit(".", 2)[-2]
-        if name.endswith(".weight") and (module in PROJECTIONS or (head and name == "lm_head.weight")):
+        if name.endswith(".weight") and name.rsplit(".", 2)[-2] in PROJECTIONS:
             param.copy_(QuantLinear.quantized(method, param.detach().clone()).dequantize())
-    if head and hf.config.tie_word_embeddings:
-        hf.get_input_embeddings().weight = hf.get_output_embeddings().weight
     return hf

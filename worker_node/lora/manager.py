@@ -15,6 +15,11 @@ adapter's columns through a 0/1 mask, so a projection costs two small matmuls wh
     out += ((x @ A_stack^T) * mask[token, column]) @ B_stack^T
 (tokens of the base model have an all-zero mask row). The hooks are forward hooks on the base projections, so they
 compose with any base layer (dense or quantised) and change no parameter name the loader reads.
+
+With a `LoraCapacity` (a worker that captures decode graphs with LoRA on) the adapters live in a `SlotBank`
+instead (worker_node/lora/slot_bank.py): every slot preallocated at --max-lora-rank, loaded in place, and each
+projection's update one branch-free computation over all slots, so a captured graph replays it for any mix of
+adapters; `bind` points the hooks at the graph runner's static slot-index buffer.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from torch import nn
 
 from proto.lora import BaseShapes, inspect_adapter
 from proto.wire import LoraAdapter
+from worker_node.lora.slot_bank import BankedProjection, LoraCapacity, SlotBank
 from worker_node.lora.weights import PROJECTIONS, LayerLoras, ProjectionLora, read_adapter
 from worker_node.models.decoder import CausalLM
 
@@ -65,7 +71,9 @@ class Stack:
 
 
 class LoraManager:
-    def __init__(self, model: CausalLM, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, model: CausalLM, dtype: torch.dtype, device: torch.device, capacity: LoraCapacity | None = None
+    ) -> None:
         self.model = model
         c = model.config
         self.base = BaseShapes(
@@ -88,12 +96,18 @@ class LoraManager:
         self._active: list[int] = []  # this step's slots
         self._row_masks: dict[int, torch.Tensor] = {}  # slot -> [T, 1]: its tokens
         self._kernel = _triton_kernel() if device.type == "cuda" else None  # on CPU: the masked matmuls below
-        self._hooks = [
-            module.register_forward_hook(partial(self._hook, (i, fused)))
+        projections = [
+            ((i, fused), module)
             for i, layer in enumerate(model.layers)
             for fused, (block, _) in PROJECTIONS.items()
             if isinstance(module := getattr(getattr(layer, block, None), fused, None), nn.Module)
         ]
+        self._hooks = [module.register_forward_hook(partial(self._hook, key)) for key, module in projections]
+        self.bank: SlotBank | None = None  # the graph-safe layout, with a capacity
+        if capacity is not None:
+            keys = [key for key, _ in projections]
+            self.bank = SlotBank(keys, model.config, model.where, capacity, dtype, device)
+        self._bank_masks: dict[int, torch.Tensor] = {}  # slot width -> [T, slots * width]: each token's columns
 
     def place(self, lora: LoraAdapter) -> None:
         """Make `lora` resident in its slot if the slot holds another adapter: from the host tier, else its folder.
@@ -116,8 +130,11 @@ class LoraManager:
             )
             self.loads += 1
             where = lora.path
+        if self.bank is not None:  # in place: a captured graph keeps reading the same memory
+            layers = self.bank.load(lora.slot, layers)
+        else:
+            self._stale = True
         self.slots[lora.slot] = ResidentLora(lora.id, lora.path, layers)
-        self._stale = True
         size = sum(p.nbytes for p in layers.values()) / 2**20
         logger.info("LoRA adapter %d loaded into slot %d from %s: %.1f MiB", lora.id, lora.slot, where, size)
 
@@ -138,7 +155,9 @@ class LoraManager:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the resident adapters (in their stacks once a step has run with them)."""
+        """Bytes of the resident adapters (in their stacks once a step has run with them; a bank's, all of it)."""
+        if self.bank is not None:
+            return self.bank.nbytes
         if self._stale:
             return sum(p.nbytes for r in self.slots.values() for p in r.layers.values())
         return sum(s.a.nbytes + s.b.nbytes for s in self._stacks.values())
@@ -153,9 +172,25 @@ class LoraManager:
         try:
             yield
         finally:
-            self._token_slots = None
-            self._masks.clear()
-            self._row_masks.clear()
+            self._end_step()
+
+    @contextmanager
+    def bind(self, token_slots: torch.Tensor) -> Iterator[None]:
+        """The forward passes inside read each token's slot from `token_slots` (a device tensor, -1 for the
+        base model) when they run: a graph captured inside keeps reading that buffer at every replay."""
+        if self.bank is None:
+            raise RuntimeError("LoRA in a captured graph needs the slot bank (a LoraCapacity)")
+        self._token_slots = token_slots
+        try:
+            yield
+        finally:
+            self._end_step()
+
+    def _end_step(self) -> None:
+        self._token_slots = None
+        self._masks.clear()
+        self._row_masks.clear()
+        self._bank_masks.clear()
 
     def _restack(self) -> None:
         """Stack the resident adapters of each projection; each adapter keeps views into its stacks, so its
@@ -205,6 +240,9 @@ class LoraManager:
     def _hook(self, key: tuple[int, str], module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> Any:
         if self._token_slots is None:
             return None
+        if self.bank is not None:
+            banked = self.bank.projections.get(key)
+            return None if banked is None else self._banked(banked, args[0], out)
         stack = self._stacks.get(key)
         if stack is None:
             return None
@@ -222,6 +260,19 @@ class LoraManager:
                 xa = F.linear(x, stack.a[start:end]).mul_(self._row_mask(slot))
                 out = torch.addmm(out, xa, stack.b[:, start:end].t())
         return out
+
+    def _banked(self, proj: BankedProjection, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`out` plus each token's update from the bank: the same launches and shapes whatever the batch's adapters
+        (padding columns and empty slots hold zeros; a base-model token's mask row is all zero)."""
+        slots = self._token_slots
+        assert slots is not None
+        if self._kernel is not None and x.dim() == 2:
+            return self._kernel(out, x, proj.a, proj.b, slots, proj.starts, proj.widths, proj.width)
+        mask = self._bank_masks.get(proj.width)
+        if mask is None:
+            mask = (slots[:, None] == proj.owner[None, :]).to(self.dtype)
+            self._bank_masks[proj.width] = mask
+        return torch.addmm(out, F.linear(x, proj.a).mul_(mask), proj.b.t())
 
     def close(self) -> None:
         for hook in self._hooks:

@@ -78,6 +78,16 @@ def read_adapter(
     return out
 
 
+def projection_shape(fused: str, config: ModelConfig, where: ParallelRank) -> tuple[int, int]:
+    """(inputs, outputs) of one fused projection on this rank: the columns of its adapters' A, the rows of their B."""
+    outputs = sum(_outputs(part, config, where) for part in PROJECTIONS[fused][1])
+    if fused in ROW_PARALLEL:
+        inputs = config.num_heads * config.head_dim if fused == "o_proj" else config.intermediate_size
+        start, end = shard(inputs, where.tp_size, where.tp_rank)
+        return end - start, outputs
+    return config.hidden_size, outputs
+
+
 def _outputs(part: str, config: ModelConfig, where: ParallelRank) -> int:
     """The outputs of one HF module on this rank."""
     t, r, d = where.tp_size, where.tp_rank, config.head_dim

@@ -74,7 +74,7 @@ class CausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         head, embed = self.lm_head, self.embed_tokens
-        if self.config.tie_word_embeddings and head is not None and embed is not None and head.quant is None:
+        if self.config.tie_word_embeddings and head is not None and embed is not None:
             head.weight = embed.weight
 
     def forward(

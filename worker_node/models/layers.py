@@ -15,18 +15,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_gemm
 from kernels.interface import AttentionBackend
 from proto.parallel import kv_head_range, shard, vocab_shard
 from worker_node.attention import AttentionMetadata, paged_attention
 from worker_node.kv_cache import LayerKV
 from worker_node.models.config import ModelConfig
-from worker_node.models.quant_linear import QuantLinear
 from worker_node.parallel import Comm, ParallelRank
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
 }
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` whose decode-sized bf16 products on CPU run in kernels/cpu_gemm.py's AMX kernel (torch's
+    bf16 matmul reads the weights at a fraction of memory speed at a few rows, and leaves the second core idle)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_gemm.linear(x, self.weight, self.bias)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -116,8 +124,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = q1 - q0, kv1 - kv0, config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)  # row-parallel
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)  # row-parallel
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.scale = config.attention_scale or self.head_dim**-0.5
@@ -150,8 +158,8 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, where: ParallelRank, comm: Comm) -> None:
         super().__init__()
         self.inter = config.intermediate_size // where.tp_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)  # column-parallel
-        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False)  # row-parallel
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.inter, bias=False)  # column-parallel
+        self.down_proj = Linear(self.inter, config.hidden_size, bias=False)  # row-parallel
         self.act = ACTIVATIONS[config.hidden_act]
         self.comm = comm
 
@@ -172,28 +180,14 @@ class VocabParallelEmbedding(nn.Module):
         self.sharded = where.tp_size > 1
         self.scale = scale
         self.comm = comm
-        self.quant: QuantLinear | None = None  # a quantized LM head this embedding is tied to (its rows, looked up)
-        self.dtype = torch.float32  # the model's, for rows looked up in `quant`
-
-    def share_quantized(self, head: QuantLinear) -> None:
-        """Look rows up in the tied LM head's quantized weight instead of keeping a full-precision copy."""
-        if "weight" in self._parameters:
-            del self.weight
-        self.quant = head
-
-    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.quant is None:
-            return F.embedding(ids, self.weight)
-        return self.quant.dequantize(ids).to(self.dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if not self.sharded:
-            x = self._rows(ids)
+            x = F.embedding(ids, self.weight)
         else:
-            rows = self.quant.out_features if self.quant is not None else self.weight.shape[0]
             local = ids - self.start
-            outside = (local < 0) | (local >= rows)
-            x = self._rows(local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0.0)
+            outside = (local < 0) | (local >= self.weight.shape[0])
+            x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
             x = self.comm.all_reduce(x)
         return x if self.scale == 1.0 else x * torch.tensor(self.scale, dtype=x.dtype)
 
@@ -210,17 +204,11 @@ class ParallelLMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(end - start, hidden_size))
         self.softcap = softcap
         self.comm = comm
-        self.quant: QuantLinear | None = None  # the weight in a quantized format (--quantization)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        if self.quant is None:
-            local = F.linear(hidden, self.weight)
-            if local.dtype != torch.float32:
-                local = rescore_top_logits(local, hidden, lambda rows: self.weight[rows].float())
-        else:
-            local = self.quant(hidden)
-            if local.dtype != torch.float32:
-                local = rescore_top_logits(local, hidden, self.quant.dequantize)
+        local = cpu_gemm.linear(hidden, self.weight)
+        if local.dtype != torch.float32:
+            local = rescore_top_logits(local, hidden, lambda rows: self.weight[rows].float())
         logits = self.comm.gather_to_first(local)
         if logits is None:
             return None

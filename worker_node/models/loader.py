@@ -30,7 +30,6 @@ from worker_node.models.quantize import (
     make_method,
     prepare_model,
     quant_axes,
-    share_tied,
 )
 from worker_node.models.registry import model_class
 from worker_node.parallel import SINGLE, Comm, ParallelRank
@@ -121,7 +120,7 @@ def load_model(
     with torch.device("meta"):
         model = model_class(config.architecture)(config, backend, max_positions, where, comm)
         if method is not None:
-            prepare_model(model, method, made_on_load)
+            prepare_model(model, method)
     hf: Checkpoint = open_checkpoint(folder)
     if method is not None:
         hf = QuantizedCheckpoint(hf, method, made_on_load)
@@ -131,7 +130,6 @@ def load_model(
         hf.close()
     model.load_state_dict(state, assign=True, strict=True)
     model.tie_weights()
-    share_tied(model, dtype)
     model.rotary = model.rotary.__class__(config, max_positions)  # buffers were created on meta
     cast_model(model, device, dtype)
     model.rotary.to(dtype=torch.float32)
@@ -165,10 +163,6 @@ def _hf_tensor(
         _, index, rest = name.split(".", 2)
         name = f"layers.{int(index) + first_layer}.{rest}"
     axes = quant_axes(method, name)
-    if name.startswith(("lm_head.quant.", "embed_tokens.quant.")):  # a head quantized on load (and its tie)
-        part = name.rsplit(".", 1)[1]
-        untied = not config.tie_word_embeddings and f"lm_head.{part}" in hf
-        return _vocab_rows(hf[f"lm_head.{part}" if untied else f"model.embed_tokens.{part}"], config, where)
     if name == "lm_head.weight" and (config.tie_word_embeddings or name not in hf):
         return _vocab_rows(hf["model.embed_tokens.weight"], config, where)
     hf_name = name if name.startswith("lm_head") else f"model.{name}"

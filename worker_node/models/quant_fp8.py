@@ -30,7 +30,6 @@ def has_fp8_matmul(device: torch.device) -> bool:
 class Fp8Method(QuantMethod):
     name = "fp8"
     axes = {"weight": TensorAxes(0, 1), "weight_scale": TensorAxes(0, None)}
-    quantize_head = False  # three mantissa bits would move the logits; vLLM keeps the head too
 
     def check(self, device: torch.device, config: dict[str, Any]) -> None:
         key = "config.json quantization_config"

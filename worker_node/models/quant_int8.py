@@ -3,7 +3,10 @@
 w[n, k] ~ qweight[n, k] * scales[n], qweight in [-127, 127]. The multiplication picks its kernel by row count,
 as measured on a 2-core Sapphire Rapids (scripts/bench_quant.py --kernels, docs/benchmarks.md):
 
-- bf16 activations on CPU, up to `GEMV_ROWS` rows (decode of a few sequences): torch's packed int8 GEMV
+- bf16 activations on CPU with AMX, up to `cpu_gemm.MAX_ROWS` rows (decode steps): kernels/cpu_gemm.py's C
+  kernel, which widens the codes to bf16 in registers as it reads them (never a bf16 copy in memory) and applies
+  the scales to its float32 sums;
+- bf16 activations on other CPUs, up to `GEMV_ROWS` rows (decode of a few sequences): torch's packed int8 GEMV
   (`aten._weight_int8pack_mm`), which reads the int8 rows directly: 2-10x the bf16 matmul at one row, where
   reading the weights is the whole cost, but it walks the weights once per row, so it loses beyond a few rows;
 - otherwise: the int8 rows converted to the activations' dtype and multiplied, the scales applied to the output
@@ -15,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_gemm
 from worker_node.models.quant_linear import QuantLinear, QuantMethod, TensorAxes
 
 GEMV_ROWS = 4
@@ -37,10 +41,6 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Int8Method(QuantMethod):
     name = "int8"
-    # The LM head (and a tied embedding) stay in the model dtype, as vLLM keeps them: per-row int8 logits moved
-    # the argmax at 6 of 400 positions of SmolLM2 on their own (96.8 % top-1 agreement with bf16 against 98.3 %
-    # with the head kept; docs/benchmarks.md), and a head is one matrix of the model's ~31.
-    quantize_head = False
     axes = {"qweight": TensorAxes(0, 1), "scales": TensorAxes(0, None)}
     follows_model_dtype = ("scales",)  # the packed GEMV takes them in the activations' dtype
 
@@ -56,9 +56,21 @@ class Int8Method(QuantMethod):
 
     def forward(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         q, scales = layer.part("qweight"), layer.part("scales")
+        if x.device.type == "cpu" and x.dtype == torch.bfloat16:
+            out = cpu_gemm.linear_int8(x, q, self._float_scales(layer))
+            if out is not None:
+                return out
         if x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.shape[0] <= GEMV_ROWS:
             return torch.ops.aten._weight_int8pack_mm(x.contiguous(), q, scales.to(x.dtype))
         return F.linear(x, q.to(x.dtype)) * scales.to(x.dtype)
+
+    def _float_scales(self, layer: QuantLinear) -> torch.Tensor:
+        """The scales in float32 for the C kernel, made once (the buffer follows the model dtype; bf16 numbers
+        by construction, so widening them is exact)."""
+        scales = layer.kernel.get("scales float32")
+        if scales is None:
+            scales = layer.kernel["scales float32"] = layer.part("scales").float().contiguous()
+        return scales
 
     def dequantize(self, layer: QuantLinear, rows: torch.Tensor | None = None) -> torch.Tensor:
         q, scales = layer.part("qweight"), layer.part("scales")

@@ -8,8 +8,8 @@ scales; fp8 rows and scales) as buffers and asks its `QuantMethod` to multiply. 
   it slices a full-precision weight, scales and zero points following their channels;
 - how to make them from a full-precision weight (`quantize`, on load) when the checkpoint is not in the format;
 - how to multiply activations by them on this device (the fastest measured kernel per row count);
-- how to give back the full-precision rows they stand for (`dequantize`): the reference the fidelity tests
-  compare against, the LM head's rescored candidates and a tied embedding's lookups.
+- how to give back the full-precision weight they stand for (`dequantize`): the reference the fidelity tests
+  compare against.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ class QuantMethod:
 
     name = ""
     axes: dict[str, TensorAxes] = {}
-    quantize_head = True  # made on load: the LM head too (a checkpoint format keeps the head it stores)
     follows_model_dtype: tuple[str, ...] = ()  # tensors cast to the model dtype; the others keep their own
 
     @property

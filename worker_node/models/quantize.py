@@ -1,11 +1,9 @@
 """Putting a model's linear layers into a weight format (`--quantization`, a checkpoint's `quantization_config`).
 
-Quantized: every decoder layer's projections (fused q/k/v, o, fused gate/up, down) and, when the format is made
-on load and its method says so (`quantize_head`), the LM head (a tied embedding then looks its rows up in the
-quantized head rather than keep a full-precision copy). No format does so now: int8 and fp8 keep the head and the
-embedding in the model dtype as vLLM does (the head's int8 logits cost 1.5 points of top-1 agreement on SmolLM2),
-and checkpoint formats (AWQ) keep the LM head as they store it. Norms, biases, a MoE router and stacked experts
-stay in the model dtype.
+Quantized: every decoder layer's projections (fused q/k/v, o, fused gate/up, down). The LM head and the embedding
+stay in the model dtype in every format, as vLLM keeps them (int8 logits cost 1.5 points of top-1 agreement on
+SmolLM2: docs/benchmarks.md; AWQ checkpoints store the head unquantized), and so do norms, biases, a MoE router
+and stacked experts.
 
 The model is built on meta with `QuantLinear`s in place (`prepare_model`), and the loader fills their tensors
 through `QuantizedCheckpoint`: a checkpoint's own quantized tensors, or ones quantized from its full-precision
@@ -26,10 +24,8 @@ from worker_node.models.quant_int8 import Int8Method
 from worker_node.models.quant_linear import QuantLinear, QuantMethod, TensorAxes
 
 QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-# The checkpoint's modules behind them (and fused as some checkpoints store them); the LM head and a tied
-# embedding when the method quantizes the head.
+# The checkpoint's modules behind them (and fused as some checkpoints store them).
 CHECKPOINT_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", *QUANTIZED_LINEARS)
-HEAD_MODULES = ("lm_head", "model.embed_tokens")
 
 METHODS: dict[str, type[QuantMethod]] = {"int8": Int8Method, "awq": AwqMethod, "fp8": Fp8Method}
 
@@ -43,30 +39,13 @@ def make_method(name: str, device: torch.device, config: dict[str, Any] | None =
     return method
 
 
-def prepare_model(model: nn.Module, method: QuantMethod, made_on_load: bool) -> None:
-    """Replace the (meta) model's projections, and its LM head when made on load, by empty `method` layers."""
+def prepare_model(model: nn.Module, method: QuantMethod) -> None:
+    """Replace the (meta) model's projections by empty `method` layers."""
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and child_name in QUANTIZED_LINEARS:
                 quantized = QuantLinear.empty(method, child.out_features, child.in_features, child.bias is not None)
                 setattr(module, child_name, quantized)
-    head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
-    if head is None or not (made_on_load and method.quantize_head):
-        return
-    tied = embed is not None and embed.weight is head.weight
-    rows, hidden = head.weight.shape
-    head.quant = QuantLinear.empty(method, rows, hidden)
-    del head.weight
-    if tied and embed is not None:
-        embed.share_quantized(head.quant)
-
-
-def share_tied(model: nn.Module, dtype: torch.dtype) -> None:
-    """After loading: a tied embedding reads the LM head's quantized rows (one copy), in the model dtype."""
-    head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
-    if embed is not None and embed.quant is not None and head is not None and head.quant is not None:
-        embed.share_quantized(head.quant)
-        embed.dtype = dtype
 
 
 def cast_model(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
@@ -106,9 +85,7 @@ class QuantizedCheckpoint:
 
     def _quantized(self, prefix: str, part: str) -> bool:
         """Whether `prefix.part` is one of the format's tensors of a quantized layer (not a norm's weight)."""
-        module = prefix.rsplit(".", 1)[-1]
-        head = self.method.quantize_head and prefix in HEAD_MODULES
-        return part in self.method.axes and (module in CHECKPOINT_LINEARS or head)
+        return part in self.method.axes and prefix.rsplit(".", 1)[-1] in CHECKPOINT_LINEARS
 
     def __contains__(self, name: str) -> bool:
         prefix, _, part = name.rpartition(".")

@@ -62,6 +62,16 @@ def test_quantization_reaches_the_assignment_from_a_config_file(tmp_path: Path) 
     assert plan.assignment(0).quantization == "int8"
 
 
+def test_lora_capacity_reaches_the_assignment(tmp_path: Path) -> None:
+    """A worker that captures decode graphs sizes its LoRA slot bank from these (0 slots: LoRA off)."""
+    where = place(single_island(1), ParallelLayout(1, 1), worker_chooses_device=True)
+    flags = ["--enable-lora", "--max-loras", "3", "--max-lora-rank", "32"]
+    on = WorldPlan(engine_config(parse_args(serve_parser(), flags)), tmp_path, where).assignment(0)
+    assert (on.max_loras, on.max_lora_rank) == (3, 32)
+    off = WorldPlan(engine_config(parse_args(serve_parser(), [])), tmp_path, where).assignment(0)
+    assert (off.max_loras, off.max_lora_rank) == (0, 0)
+
+
 def test_unknown_config_key_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "c.yaml"
     config.write_text("max-num-sequences: 7\n")

@@ -101,3 +101,31 @@ def test_a_consumer_imports_what_its_cache_lacks_and_recomputes_on_failure() -> 
     req = s.requests["d#0"]
     assert req.num_computed_tokens == 0 and req.status is Status.PREEMPTED, "computes its prompt itself"
     assert s.blocks.match_prefix(imp.hashes) == [], "the failed blocks are not offered as a prefix"
+
+
+def test_migrated_sequences_lease_their_written_blocks_and_a_target_imports_the_partial_one() -> None:
+    """Live migration: each sequence of a request keeps the blocks of every position its applied steps wrote (all
+    but its last token, less what a plan in flight computes), its partial block included; the request's release
+    frees them all. A target imports them and computes only the last token."""
+    s = scheduler()
+    s.add(request("m#0", n=20, max_tokens=10))
+    s.add(request("m#1", n=20, max_tokens=10))
+    for _ in range(3):
+        step(s)  # the prompt, then two decodes: 23 tokens, positions 0..21 written
+    in_flight = s.schedule()  # one more decode in flight: it computes position 22, not needed
+    req, lease = s.migrate_out("m#0", keep_kv=True)
+    assert req is not None and req.status is Status.FINISHED_MIGRATED and in_flight.has_work
+    assert lease is not None and lease.tokens == 22 and len(lease.blocks) == 3, "two full blocks and a partial one"
+    assert s.migrate_out("m#1", keep_kv=False)[1] is None, "no exporter: freed at once, the target recomputes"
+    assert [g.lease for g in s.schedule().kv_grants] == [lease.lease]
+    assert s.leases.num_migrations == 1 and s.release_kv("m") and s.leases.num_migrations == 0
+    assert s.blocks.num_used == 0
+
+    target = scheduler()
+    outputs = [7] * 3  # the same 23 tokens
+    source = lease.source(["127.0.0.1:1"])
+    target.add(request("m#2", n=20, max_tokens=10, output_token_ids=outputs, kv_source=source))
+    plan, _ = step(target)
+    (imp,) = plan.kv_imports
+    assert imp.src == lease.blocks and len(imp.dst) == 3 and imp.hashes[2] == b"", "the partial block: no hash"
+    assert scheduled(target, plan) == {"m#2": 1}, "only the last token is computed"

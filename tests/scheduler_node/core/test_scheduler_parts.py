@@ -31,10 +31,10 @@ ARRIVALS = [
     (4, "c", 3, 25, 0),
     (9, "d", 11, 20, 0),
 ]
-# With speculation: a producer of disaggregated prefill (its 31-token prompt's last chunk is one token within its
+# With speculation: a producer of disaggregated prefill (its 22-token prompt's last chunk is one token within its
 # last block, the shape of a steady decode, and that plan grants its lease), and more requests than the policy
 # speculates for at first.
-SPEC_ARRIVALS = [*ARRIVALS, (0, "producer", 31, 1, 0)]
+SPEC_ARRIVALS = [*ARRIVALS, (0, "producer", 22, 1, 0)]
 LEASE = bytes(range(16))
 
 
@@ -132,11 +132,12 @@ def test_steady_decodes_make_the_plans_the_general_path_makes_with_speculation_a
     general, _, _ = run(fast=False, spec=True)
     assert fast == general
     plans = [t[0] for t in fast if isinstance(t, tuple)]
-    assert sum(taken) > 20, "the steady path ran (speculation off for a big batch, and for those that opt out)"
+    # (fewer than without speculation: while a request speculates, plans run one at a time)
+    assert sum(taken) > 8, "the steady path ran (speculation off for a big batch, and for those that opt out)"
     assert any(c.draft_token_ids for p in plans for c in p.cached_requests), "requests proposed"
     granting = [p for p in plans if p.kv_grants]
     assert [g.lease for p in granting for g in p.kv_grants] == [LEASE], "the producer's last chunk granted its lease"
-    last_chunk = [c for c in granting[0].cached_requests if c.num_computed_tokens == 30]
+    last_chunk = [c for c in granting[0].cached_requests if c.num_computed_tokens == 21]
     assert [(c.num_scheduled_tokens, c.new_block_ids) for c in last_chunk] == [(1, ())], "a steady decode's shape"
 
 

@@ -136,21 +136,51 @@ def test_proposals_stop_before_max_tokens_and_never_preempt() -> None:
     assert [c.draft_token_ids for c in plan.cached_requests] == [(), ()] and not s.num_preemptions
 
 
-def test_a_speculating_request_waits_for_its_tokens_and_opted_out_ones_do_not() -> None:
+def test_while_a_request_speculates_plans_run_one_at_a_time_with_every_request() -> None:
+    """A plan built before the speculated step's result (as async scheduling does) is empty, the opted-out
+    request's share included: requests taking turns would halve each step's batch. Once the result is applied the
+    next plan holds them all again."""
     s = make()
-    a, b = req("a", REPEATING), req("b", REPEATING)
-    b.spec = None  # opted out
-    s.add(a)
-    s.add(b)
+    a, b, c = req("a", REPEATING), req("b", REPEATING), req("c", REPEATING)
+    c.spec = None  # opted out
+    for r in (a, b, c):
+        s.add(r)
     plan = s.schedule()
-    s.update(plan, StepResult(plan.step_id, {a.handle: [3], b.handle: [3]}))
+    s.update(plan, StepResult(plan.step_id, {r.handle: [3] for r in (a, b, c)}))
     speculated = s.schedule()
-    following = s.schedule()  # built before the result, as async scheduling does
-    assert [c.handle for c in following.cached_requests] == [b.handle]  # a is held until its tokens are known
-    s.update(speculated, StepResult(speculated.step_id, {a.handle: [4], b.handle: [4]}))
-    assert a.num_computed_tokens == a.num_tokens - 1
-    s.update(following, StepResult(following.step_id, {b.handle: [1]}))
-    assert a.handle in [c.handle for c in s.schedule().cached_requests]
+    assert [len(x.draft_token_ids) for x in speculated.cached_requests] == [3, 3, 0]
+    following = s.schedule()
+    assert not following.has_work and not following.cached_requests
+    s.update(speculated, StepResult(speculated.step_id, {a.handle: [4], b.handle: [4, 1], c.handle: [4]}))
+    assert a.num_computed_tokens == a.num_tokens - 1 and b.num_computed_tokens == b.num_tokens - 1
+    assert [x.handle for x in s.schedule().cached_requests] == [a.handle, b.handle, c.handle]
+
+
+def test_requests_that_do_not_speculate_keep_the_overlap() -> None:
+    """With no request speculating (opted out, paused for low acceptance, or a batch over the policy's size), plans
+    overlap as without speculation."""
+    s = make()
+    a, c = req("a", REPEATING), req("c", REPEATING)
+    c.spec = None
+    for r in (a, c):
+        s.add(r)
+    plan = s.schedule()
+    s.update(plan, StepResult(plan.step_id, {r.handle: [3] for r in (a, c)}))
+    assert a.spec is not None
+    a.spec.pause = 5
+    first = s.schedule()
+    following = s.schedule()  # built before the first one's result
+    assert [x.handle for x in first.cached_requests] == [x.handle for x in following.cached_requests]
+    assert not any(x.draft_token_ids for x in first.cached_requests + following.cached_requests)
+    # nor while the batch is bigger than the policy speculates for
+    s = make(SpeculativeConfig(num_speculative_tokens=3, disable_by_batch_size=1))
+    both = [req(name, REPEATING) for name in "ab"]
+    for r in both:
+        s.add(r)
+    plan = s.schedule()
+    s.update(plan, StepResult(plan.step_id, {r.handle: [3] for r in both}))
+    first, following = s.schedule(), s.schedule()
+    assert len(first.cached_requests) == len(following.cached_requests) == 2
 
 
 def test_the_policy_pauses_a_request_whose_proposals_miss_and_big_batches() -> None:
@@ -161,7 +191,7 @@ def test_the_policy_pauses_a_request_whose_proposals_miss_and_big_batches() -> N
     for _ in range(5):
         spec.observe(r, 4, 0)
     assert r.spec is not None and r.spec.pause and spec.drafts(r, 4) == []
-    spec.begin_step(3)
+    spec.begin_step([req(str(i), REPEATING) for i in range(3)])
     fresh = req("b", REPEATING)
     spec.admit(fresh)
     assert spec.drafts(fresh, 4) == []  # three running: more than disable_by_batch_size

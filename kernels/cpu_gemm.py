@@ -1,0 +1,97 @@
+"""Skinny matrix products on CPU (kernels/csrc/skinny_gemm_cpu.c): decode steps' `x @ w.T` on AMX tiles.
+
+`linear(x, weight, bias)` is `F.linear` for every input; on a CPU with AMX-BF16 it multiplies bf16 activations of
+at most `MAX_ROWS` rows by a bf16 weight, or by int8 codes with a float32 scale per output channel
+(`linear_int8`), in the C kernel, reading the weight once from the layout torch keeps (no repacked copy). What it
+does not cover (another device or dtype, more rows, a width that is not a multiple of 32 inputs and 16 outputs)
+goes to torch. Measured against torch on SmolLM2's shapes in scripts/bench_quant.py --kernels (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu_features import cpu_flags_line
+from kernels.native_build import CFLAGS, CSRC, load_library
+
+SOURCE = CSRC / "skinny_gemm_cpu.c"
+MAX_ROWS = 64  # the kernel's limit (four accumulator tiles of 16 rows); above it torch's matmul is as fast
+BLOCK_N, BLOCK_K = 16, 32
+WEIGHT_FORMATS = {torch.bfloat16: 0, torch.int8: 1}
+NEEDED_FLAGS = frozenset({"amx_tile", "amx_bf16", "avx512_bf16"})
+DISABLE_ENV = "MINIVLLM_CPU_GEMM"  # "0": torch's matmuls only (to compare; read when the kernel is first asked for)
+
+_ptr = ctypes.c_void_p
+_i64 = ctypes.c_int64
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The kernel built for this CPU, with the AMX state granted to this process; None where it cannot run (or
+    $MINIVLLM_CPU_GEMM is 0)."""
+    if os.environ.get(DISABLE_ENV) == "0":
+        return None
+    if not NEEDED_FLAGS <= set(cpu_flags_line().partition(":")[2].split()):
+        return None
+    library = load_library(SOURCE, CFLAGS, "CPU decode matmuls")
+    if library is None:
+        return None
+    library.skinny_gemm.restype = ctypes.c_int
+    library.skinny_gemm.argtypes = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int] * 2
+    library.skinny_gemm_init.restype = ctypes.c_int
+    return library if library.skinny_gemm_init() else None
+
+
+def covers(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernel takes x [T, K] times this weight [N, K] (bf16 or int8), on this CPU."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.bfloat16
+        and x.dim() == 2
+        and 0 < x.shape[0] <= MAX_ROWS
+        and weight.dtype in WEIGHT_FORMATS
+        and weight.device.type == "cpu"
+        and weight.dim() == 2
+        and weight.shape[1] == x.shape[1]
+        and weight.shape[0] % BLOCK_N == 0
+        and weight.shape[1] % BLOCK_K == 0
+        and weight.is_contiguous()
+        and load() is not None
+    )
+
+
+def _run(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor | None:
+    library = load()
+    assert library is not None
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
+    scale_pointer = None if scales is None else scales.data_ptr()
+    rows, outputs, inputs = x.shape[0], weight.shape[0], weight.shape[1]
+    threads = torch.get_num_threads()
+    fmt = WEIGHT_FORMATS[weight.dtype]
+    status = library.skinny_gemm(
+        x.data_ptr(), weight.data_ptr(), scale_pointer, out.data_ptr(), rows, outputs, inputs, fmt, threads
+    )
+    return out if status == 0 else None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, in the kernel where it covers x and weight (bf16 both)."""
+    if weight.dtype == torch.bfloat16 and covers(x, weight):
+        out = _run(x, weight, None)
+        if out is not None:
+            return out if bias is None else out + bias
+    return F.linear(x, weight, bias)
+
+
+def linear_int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
+    """x [T, K] bf16 times int8 codes [N, K] scaled per output channel (float32 scales [N]): [T, N] bf16; None
+    where the kernel does not cover them (the caller multiplies in torch)."""
+    if not covers(x, codes) or scales.dtype != torch.float32 or not scales.is_contiguous():
+        return None
+    return _run(x, codes, scales)

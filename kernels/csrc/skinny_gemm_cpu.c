@@ -1,0 +1,271 @@
+/* Skinny matrix products for CPU decode steps: y [M, N] = x [M, K] @ w [N, K]^T, M <= 64 rows, on AMX tiles.
+ *
+ * A decode step multiplies a few rows of activations by every weight of the model, so it is bound by reading the
+ * weights; torch's bf16 matmul (oneDNN) reads them far slower than memory allows at these row counts, and its
+ * int8 weight-only paths either walk the weights once per row (`_weight_int8pack_mm`) or convert every code to
+ * bf16 in memory each step. Here each 16-output-channel x 32-input block of the weight is read once per step,
+ * straight from the layout torch keeps ([N, K] row-major: no repacking, no copy): bf16 rows are loaded into an
+ * AMX tile as they are; int8 rows are widened to bf16 in registers (exact: |code| <= 127 fits bf16's 8 bits of
+ * precision) into a 1 KiB scratch tile first, their per-channel scale applied to the output.
+ *
+ * The weight block is the tile product's A operand (16 channels x 32 inputs) and the activations are B (32
+ * inputs x 16 rows, pairs of inputs interleaved: the layout TDPBF16PS wants, made once per call in `xt`), so the
+ * accumulator holds y^T [16 channels, 16 rows]: up to 4 of them cover 64 rows, each reusing the weight tile. They
+ * are transposed in registers on the way out. Rows past M are zeros in `xt` (an accumulator is always 16 wide:
+ * AMX's cost is one tile product per 512 weights, small beside reading them). Threads (OpenMP) split the output
+ * channels. Products accumulate in float32 and round to bf16 once, as torch's bf16 matmul does.
+ *
+ * Requirements (the caller checks): K % 32 == 0, N % 16 == 0, 1 <= M <= 64, everything contiguous; x and out
+ * bf16; scales float32 [N] (int8) or NULL (bf16).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define MAX_ROWS 64
+#define GROUP_ROWS 16 /* activation rows per accumulator tile */
+#define BLOCK_N 16    /* output channels per tile */
+#define BLOCK_K 32    /* inputs per tile product (16 pairs of bf16) */
+
+/* int8 codes are read this many bytes ahead into L2: the next stripe's arrive while this one's tiles multiply
+ * (32 KiB measured best of 0, 8, 16, 32, 64 and 128 KiB on the SmolLM2 shapes). */
+#define PREFETCH_AHEAD 32768
+
+#define WEIGHT_BF16 0
+#define WEIGHT_INT8 1
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define HAVE_AMX 1
+#else
+#define HAVE_AMX 0
+#endif
+
+#if HAVE_AMX
+static void make_tables(void);
+#endif
+
+/* 1 when the tiles can be used in this process (Linux hands out AMX state on request), else 0. */
+int skinny_gemm_init(void) {
+#if HAVE_AMX
+    make_tables();
+    const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+    return 0;
+#endif
+}
+
+#if HAVE_AMX
+
+typedef struct {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Eight tiles of 16 rows x 64 bytes: accumulators (16 x 16 float32), weights and activations (16 x 32 bf16). */
+static void configure_tiles(void) {
+    tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        config.rows[t] = 16;
+        config.colsb[t] = 64;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* xt[g][p][r] = the bf16 pair x[16g + r, 2p : 2p + 2] as one 32-bit word, zero for rows past M. */
+static void interleave_rows(const uint32_t *x, uint32_t *xt, int64_t M, int64_t K, int groups) {
+    const int64_t pairs = K / 2;
+    memset(xt, 0, (size_t)groups * pairs * GROUP_ROWS * sizeof(uint32_t));
+    for (int64_t m = 0; m < M; m++) {
+        uint32_t *dst = xt + (m / GROUP_ROWS) * pairs * GROUP_ROWS + m % GROUP_ROWS;
+        const uint32_t *src = x + m * pairs;
+        for (int64_t p = 0; p < pairs; p++)
+            dst[p * GROUP_ROWS] = src[p];
+    }
+}
+
+/* bf16 bits of the integers 0..127, high and low bytes (filled by skinny_gemm_init). */
+static _Alignas(64) uint8_t high_bytes[128], low_bytes[128];
+/* Byte j of a 64-byte result: low byte (from the first operand) then high byte (64 +: the second) of code j. */
+static _Alignas(64) uint8_t interleave_first[64], interleave_second[64];
+
+static void make_tables(void) {
+    for (int i = 0; i < 128; i++) {
+        const float value = (float)i;
+        uint32_t bits;
+        memcpy(&bits, &value, sizeof bits);
+        high_bytes[i] = (uint8_t)(bits >> 24);
+        low_bytes[i] = (uint8_t)(bits >> 16);
+    }
+    for (int j = 0; j < 32; j++) {
+        interleave_first[2 * j] = (uint8_t)j, interleave_first[2 * j + 1] = (uint8_t)(64 + j);
+        interleave_second[2 * j] = (uint8_t)(32 + j), interleave_second[2 * j + 1] = (uint8_t)(96 + j);
+    }
+}
+
+/* `rows` rows of int8 codes (K each) widened to bf16 rows in `wide`, 64 codes at a time by table lookup: the
+ * bytes of bf16(|code|) from two 128-entry tables (|code| <= 127), the code's sign bit into the high byte, the
+ * bytes interleaved into two vectors of 32 bf16 (6 shuffles per 64 codes, half of converting through float32). */
+static void widen_int8_rows(const int8_t *w, int64_t rows, int64_t K, uint16_t *wide) {
+    const __m512i high0 = _mm512_load_si512(high_bytes), high1 = _mm512_load_si512(high_bytes + 64);
+    const __m512i low0 = _mm512_load_si512(low_bytes), low1 = _mm512_load_si512(low_bytes + 64);
+    const __m512i first = _mm512_load_si512(interleave_first), second = _mm512_load_si512(interleave_second);
+    const __m512i sign = _mm512_set1_epi8((char)0x80);
+    for (int64_t i = 0; i < rows * K; i += 64) {
+        _mm_prefetch((const char *)(w + i + PREFETCH_AHEAD), _MM_HINT_T1);
+        const __m512i codes = _mm512_loadu_si512(w + i), magnitude = _mm512_abs_epi8(codes);
+        const __m512i low = _mm512_permutex2var_epi8(low0, magnitude, low1);
+        const __m512i high = _mm512_or_si512(_mm512_permutex2var_epi8(high0, magnitude, high1),
+                                             _mm512_and_si512(codes, sign));
+        _mm512_store_si512(wide + i, _mm512_permutex2var_epi8(low, first, high));
+        _mm512_store_si512(wide + i + 32, _mm512_permutex2var_epi8(low, second, high));
+    }
+}
+
+/* Transpose a 16 x 16 float32 block in registers: at each step, swap the off-diagonal b x b blocks. */
+static inline void transpose16(__m512 r[16]) {
+    for (int b = 8; b >= 1; b /= 2) {
+        int lo_idx[16], hi_idx[16];
+        for (int j = 0; j < 16; j++) {
+            lo_idx[j] = (j & b) ? 16 + j - b : j;
+            hi_idx[j] = (j & b) ? 16 + j : j + b;
+        }
+        const __m512i lo = _mm512_loadu_si512(lo_idx), hi = _mm512_loadu_si512(hi_idx);
+        for (int i = 0; i < 16; i++) {
+            if (i & b)
+                continue;
+            const __m512 a = r[i], c = r[i + b];
+            r[i] = _mm512_permutex2var_ps(a, lo, c);
+            r[i + b] = _mm512_permutex2var_ps(a, hi, c);
+        }
+    }
+}
+
+/* The accumulator of one row group (y^T, 16 channels x 16 rows) out to y's rows, scaled per channel. */
+static inline void store_group(const float *acc, const float *scales, uint16_t *out, int64_t rows, int64_t N) {
+    __m512 r[16];
+    for (int i = 0; i < 16; i++)
+        r[i] = _mm512_load_ps(acc + 16 * i);
+    transpose16(r);
+    const __m512 s = scales ? _mm512_loadu_ps(scales) : _mm512_set1_ps(1.0f);
+    for (int64_t m = 0; m < rows; m++)
+        _mm256_storeu_si256((__m256i *)(out + m * N), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(r[m], s)));
+}
+
+/* One stripe of 16 or 32 output channels (`width`) from n0, for every row: the stripe's weights (widened to bf16
+ * first for int8) are tiles 4 and 5, two row groups' activations tiles 6 and 7, and four accumulators 0-3 (group
+ * x channel half) are independent, so consecutive tile products do not wait on each other. */
+static void stripe_product(const void *w, int format, const float *scales, const uint32_t *xt, uint16_t *out,
+                           int64_t M, int64_t N, int64_t K, int groups, int64_t n0, int width, uint16_t *wide,
+                           float *acc) {
+    const int64_t pairs = K / 2, stride = K * 2;
+    const uint16_t *a = (const uint16_t *)w + n0 * K;
+    if (format == WEIGHT_INT8) {
+        widen_int8_rows((const int8_t *)w + n0 * K, width, K, wide);
+        a = wide;
+    }
+    const int full = width == 2 * BLOCK_N;
+    for (int g = 0; g < groups; g += 2) {
+        const int two = groups - g > 1;
+        const uint32_t *b0 = xt + (int64_t)g * pairs * GROUP_ROWS, *b1 = b0 + pairs * GROUP_ROWS;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kb = 0; kb < K / BLOCK_K; kb++) {
+            _tile_loadd(4, a + kb * BLOCK_K, stride);
+            _tile_loadd(6, b0 + kb * 16 * GROUP_ROWS, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            if (full) {
+                _tile_loadd(5, a + 16 * K + kb * BLOCK_K, stride);
+                _tile_dpbf16ps(1, 5, 6);
+            }
+            if (two) {
+                _tile_loadd(7, b1 + kb * 16 * GROUP_ROWS, 64);
+                _tile_dpbf16ps(2, 4, 7);
+                if (full)
+                    _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        for (int t = 0; t < 4; t++) {
+            const int64_t first = (int64_t)(g + t / 2) * GROUP_ROWS, channel = n0 + (t % 2) * BLOCK_N;
+            if (first >= M || (t % 2 && !full))
+                continue;
+            switch (t) {
+            case 0: _tile_stored(0, acc, 64); break;
+            case 1: _tile_stored(1, acc, 64); break;
+            case 2: _tile_stored(2, acc, 64); break;
+            default: _tile_stored(3, acc, 64); break;
+            }
+            const int64_t rows = M - first < GROUP_ROWS ? M - first : GROUP_ROWS;
+            store_group(acc, scales ? scales + channel : NULL, out + first * N + channel, rows, N);
+        }
+    }
+}
+
+static __thread void *wide_buffer;
+static __thread size_t wide_capacity;
+
+/* This thread's buffer of at least `bytes` (kept between calls), or NULL. */
+static void *thread_buffer(void **buffer, size_t *capacity, size_t bytes) {
+    if (bytes > *capacity) {
+        free(*buffer);
+        *buffer = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        *capacity = *buffer ? bytes : 0;
+    }
+    return *buffer;
+}
+
+static __thread void *xt_buffer;
+static __thread size_t xt_capacity;
+
+#endif /* HAVE_AMX */
+
+/* y = x @ w^T (times scales per output channel for int8 weights). Returns 0 when done, -1 when this build or
+ * these shapes cannot (the caller then uses torch). */
+int skinny_gemm(const uint16_t *x, const void *w, const float *scales, uint16_t *out, int64_t M, int64_t N,
+                int64_t K, int format, int num_threads) {
+#if HAVE_AMX
+    if (M < 1 || M > MAX_ROWS || N % BLOCK_N || K % BLOCK_K || K <= 0 || N <= 0)
+        return -1;
+    const int groups = (int)((M + GROUP_ROWS - 1) / GROUP_ROWS);
+    uint32_t *xt = thread_buffer(&xt_buffer, &xt_capacity,
+                                 (size_t)groups * (K / 2) * GROUP_ROWS * sizeof(uint32_t));
+    if (!xt)
+        return -1;
+    interleave_rows((const uint32_t *)x, xt, M, K, groups);
+    const int64_t stripes = (N + 2 * BLOCK_N - 1) / (2 * BLOCK_N);
+    if (num_threads > stripes)
+        num_threads = (int)stripes;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        uint16_t *wide = NULL;
+        if (format == WEIGHT_INT8)
+            wide = thread_buffer(&wide_buffer, &wide_capacity, (size_t)2 * BLOCK_N * K * sizeof(uint16_t));
+        failed = format == WEIGHT_INT8 && !wide;
+        _Alignas(64) float acc[16 * 16];
+        configure_tiles();
+#pragma omp for schedule(static)
+        for (int64_t s = 0; s < stripes; s++) {
+            const int64_t n0 = s * 2 * BLOCK_N;
+            const int width = N - n0 < 2 * BLOCK_N ? (int)(N - n0) : 2 * BLOCK_N;
+            if (!failed)
+                stripe_product(w, format, scales, xt, out, M, N, K, groups, n0, width, wide, acc);
+        }
+        _tile_release();
+    }
+    return failed ? -1 : 0;
+#else
+    (void)x, (void)w, (void)scales, (void)out, (void)M, (void)N, (void)K, (void)format, (void)num_threads;
+    return -1;
+#endif
+}
