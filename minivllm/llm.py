@@ -504,6 +504,7 @@ class _Collector:
     task per request)."""
 
     threadsafe = True
+    incremental = False  # the output is read once it is whole: a sequence's tokens may come in one delta
 
     def __init__(self, spec: RequestSpec, text: str | None, batch: _Batch) -> None:
         self.spec, self.batch, self.unfinished = spec, batch, spec.n

@@ -96,13 +96,8 @@ class CachedRequest(Record):
     # worker scores them, samples every position, and keeps the longest prefix its samples agree with, plus the
     # token sampled after it (worker_node/spec_decode.py); the result's tokens for this request are those.
     draft_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if len(self.draft_token_ids) >= self.num_scheduled_tokens:
-            raise WireError(
-                f"request {self.handle}: {len(self.draft_token_ids)} draft_token_ids in "
-                f"{self.num_scheduled_tokens} scheduled tokens (the first must be a known one)"
-            )
+    # Its one rule (fewer drafts than scheduled tokens) is StepPlan.check's, not a __post_init__: that would be a
+    # Python call for every request of every plan, where the plan's check looks at the few with drafts.
 
 
 class TierMove(Record):
@@ -162,6 +157,13 @@ class StepPlan(Message, tag=int(Kind.PLAN)):
     propose: list[Handle] = []
 
     def check(self) -> None:
+        cached = self.cached_requests
+        for r in [r for r in cached if r.draft_token_ids]:
+            if len(r.draft_token_ids) >= r.num_scheduled_tokens:
+                raise WireError(
+                    f"cached_requests[{cached.index(r)}].draft_token_ids: {len(r.draft_token_ids)} in request "
+                    f"{r.handle}'s {r.num_scheduled_tokens} scheduled tokens (the first must be a known one)"
+                )
         for i, m in enumerate(self.tier_moves):
             if m.src_tier == m.dst_tier:
                 raise WireError(f"tier_moves[{i}]: tiers must be two different ones of 0, 1, 2, got {m.src_tier}")

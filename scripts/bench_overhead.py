@@ -170,8 +170,8 @@ class EngineProbe:
             self.thread = threading.get_ident()
             mark = self.snapshot()
             plan: StepPlan = schedule()
-            if plan.has_work:
-                steady = not plan.new_requests and len(plan.num_scheduled_tokens) == plan.total_tokens == self.num_seqs
+            if plan.has_work:  # steady: each of the row's sequences decodes one token (no dict made to see it)
+                steady = not plan.new_requests and len(plan.cached_requests) == plan.total_tokens == self.num_seqs
                 self.marks.append((plan.step_id, steady, mark))
             return plan
 

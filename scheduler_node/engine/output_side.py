@@ -83,6 +83,8 @@ class OutputSide:
                 )
                 wants = index == 0 and spec.sampling.prompt_logprobs is not None
                 sequence = SequenceOutput(sink, index, detokenizer, len(spec.prompt_token_ids), now, wants)
+                if not (sink.incremental or detokenizer.stop or wants or spec.sampling.logprobs is not None):
+                    sequence.held = []  # nothing to find or send per step: its tokens wait for its end
             else:
                 sequence = self._resumed(spec, req, resume, sink, now)
             self._pending.append(Added(req.req_id, sequence))

@@ -4,7 +4,9 @@ The engine's thread schedules, sends plans and applies results; what each step p
 turned into text and deltas here, on a thread of its own, fed one batch per step (issue 24: on the engine's
 thread this was three quarters of its host cost). The thread owns every sequence's output state; it learns of a
 sequence by an `Added` item and forgets it when it ends. Deltas for sinks read on the event loop (the servers'
-streams) go there in one call per batch; a `threadsafe` sink (the offline LLM's collectors) gets them here.
+streams) go there in one call per batch; a `threadsafe` sink (the offline LLM's collectors) gets them here. A
+sink that is not `incremental` (those collectors again) gets a sequence with nothing to look at per step (no stop
+strings, no logprobs) in one delta at its end: its tokens wait in `SequenceOutput.held`, counted and timed.
 
 A stop string is found here, after the engine went on: the sequence ends at once on this side (its text cut, its
 final delta sent, later tokens dropped), and its id goes back to the engine's loop with the batch's deltas, where
@@ -47,6 +49,9 @@ class SequenceOutput:
     last_token_at: float = 0.0  # 0 until the first token
     num_tokens: int = 0
     cached_tokens: int | None = None  # a migrated sequence's, from where it started (None: the scheduler's)
+    # For a sink that is not incremental, when no step's tokens need looking at (no stop strings, no logprobs):
+    # its tokens so far, not detokenized yet; they go out with its last delta (None: a delta per step).
+    held: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -117,8 +122,9 @@ class OutputProcessor:
 
     def _step(self, outputs: list[RequestOutput], delivery: Delivery) -> None:
         """Each sequence's new tokens (one clock reading for the step); counted once. The loop runs once per
-        sequence per step: what it calls is looked up once, and the common case (one token, no stop, a sequence
-        that already streams) calls nothing but the detokenizer and the sink."""
+        sequence per step: what it calls is looked up once; a held sequence's step is an extend and its timing,
+        and the common streamed case (one token, no stop, a sequence that already streams) calls nothing but the
+        detokenizer and the sink."""
         now, tokens, sequences = time.monotonic(), 0, self.sequences
         itl, to_loop, stop = self.metrics.itl, delivery.deltas, FinishReason.STOP
         for out in outputs:
@@ -127,6 +133,20 @@ class OutputProcessor:
             if seq is None:
                 continue  # ended here already (a stop string, an abort): later tokens are not its output
             token_ids, reason = out.new_token_ids, out.finish_reason
+            held = seq.held
+            if held is not None:
+                if reason is None:  # a sequence read whole: its tokens wait, counted and timed
+                    if n := len(token_ids):
+                        held += token_ids
+                        tokens += n
+                        seq.num_tokens += n
+                        if seq.last_token_at:
+                            itl.observe_n((now - seq.last_token_at) / n, n)
+                        else:
+                            self._first_tokens(seq, now)
+                        seq.last_token_at = now
+                    continue
+                held = self._release(seq)  # it ends: its text is made in one go, its tokens lead its last delta
             detokenizer = seq.detokenizer
             if len(token_ids) > 1 and detokenizer.stop:  # several tokens (accepted proposals) and stop strings
                 token_ids = _until_stop_string(token_ids, out.stopped_by_token, detokenizer)
@@ -147,7 +167,8 @@ class OutputProcessor:
                 else:
                     self._first_tokens(seq, now)
                 seq.last_token_at = now
-            delta = Delta(seq.index, token_ids, detokenizer.delta(final=reason is not None), logprobs=out.logprobs)
+            text = detokenizer.delta(final=reason is not None)
+            delta = Delta(seq.index, held + token_ids if held else token_ids, text, logprobs=out.logprobs)
             if seq.prompt_logprobs and n:
                 delta.prompt_logprobs = list(out.request.prompt_logprobs)  # complete once the first token is sampled
                 seq.prompt_logprobs = False
@@ -156,7 +177,7 @@ class OutputProcessor:
                 if stop_string:  # what update() copies for an ending, known here
                     out.num_output_tokens, out.cached_tokens = seq.num_tokens, out.request.num_cached_tokens
                 self._final(delta, seq, reason, out.num_output_tokens, out.cached_tokens, out.embedding, delivery)
-            elif not (n or delta.text):
+            elif not (n or text or held):
                 continue
             sink = seq.sink
             if sink.threadsafe:
@@ -170,7 +191,7 @@ class OutputProcessor:
         seq = self.sequences.pop(ending.req_id, None)
         if seq is None:
             return  # it ended here first
-        delta = Delta(seq.index, [], seq.detokenizer.delta(final=True), error=ending.error)
+        delta = Delta(seq.index, self._release(seq), seq.detokenizer.delta(final=True), error=ending.error)
         reason, completion = ending.finish_reason, ending.completion_tokens
         self._final(delta, seq, reason, completion, ending.cached_tokens, ending.embedding, delivery)
         self._put(seq.sink, delta, delivery)
@@ -181,6 +202,8 @@ class OutputProcessor:
         seq = self.sequences.pop(item.req_id, None)
         if seq is None:
             return  # a stop string ended it first: its final delta is out
+        if released := self._release(seq):  # what its sink has not had yet, before the state that follows it
+            self._put(seq.sink, Delta(seq.index, released, seq.detokenizer.delta(final=False)), delivery)
         held, pending = seq.detokenizer.held()
         cached = item.cached_tokens if seq.cached_tokens is None else seq.cached_tokens
         state = SequenceResume(
@@ -208,6 +231,15 @@ class OutputProcessor:
         delta.completion_tokens = completion_tokens
         self.metrics.finished(reason, None if delta.error else time.monotonic() - seq.arrival)
         delivery.ended += 1
+
+    @staticmethod
+    def _release(seq: SequenceOutput) -> list[int]:
+        """A sequence's held tokens, into its detokenizer at once (its text as if they came one by one: the
+        tokenizer's stream decodes a run of tokens as their joint text); from now on its deltas go per step."""
+        held, seq.held = seq.held, None
+        if held:
+            seq.detokenizer.add(held)
+        return held or []
 
     @staticmethod
     def _put(sink: DeltaSink, delta: Delta, delivery: Delivery) -> None:

@@ -49,9 +49,12 @@ class Delta:
 
 class DeltaSink(Protocol):
     """Where one request's deltas go. The output thread calls `put` itself when `threadsafe`; otherwise the
-    deltas of a step go to the engine's event loop in one call, and `put` runs there."""
+    deltas of a step go to the engine's event loop in one call, and `put` runs there. A sink that is not
+    `incremental` reads a sequence's output whole (the offline LLM's collectors): a sequence without stop strings
+    or logprobs then gets its tokens and text in one delta when it ends, not one per step."""
 
     threadsafe: bool
+    incremental: bool
 
     def put(self, delta: Delta) -> None: ...
 
@@ -63,6 +66,7 @@ class RequestStream:
     half the queue's cost. Read on the engine's event loop, so put there too (not `threadsafe`)."""
 
     threadsafe = False
+    incremental = True
 
     def __init__(self, request_id: str, n: int) -> None:
         self.request_id = request_id

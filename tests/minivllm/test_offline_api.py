@@ -88,6 +88,9 @@ def test_smollm2_text_prompts_n_logprobs_and_stop(smollm2: LLM, smollm2_dir: Pat
         for i, (token, lp) in enumerate(zip(first.token_ids, first.logprobs)):
             assert abs(lp.logprob - float(logp[i, token])) < 1e-3
             assert len(lp.top) == 3 and lp.top[0][0] == token  # greedy: the best is the one taken
+    # Without logprobs or stop strings a sequence's tokens are detokenized once, when it ends: the same text.
+    (plain,) = smollm2.generate(prompts[1], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    assert plain.outputs[0].text == smollm2.tokenizer.decode(plain.outputs[0].token_ids)
     text = outputs[0].outputs[0].text
     stop = text.split()[1]  # a word the greedy text contains: generation ends right before it
     (stopped,) = smollm2.generate(prompts[0], SamplingParams(temperature=0, max_tokens=12, stop=[stop]), use_tqdm=False)

@@ -116,6 +116,8 @@ def test_wrong_field_types_are_rejected_naming_the_field() -> None:
         decode(frame(4, 1, [], [[0, 3, 1, [], [1.5]]]))  # a cached request's new tokens must be ints
     with pytest.raises(WireError, match=r"cached_requests\[0\]\.num_scheduled_tokens: Expected `int` >= 1"):
         decode(frame(4, 1, [], [[0, 3, 0]]))
+    with pytest.raises(WireError, match=r"cached_requests\[1\]\.draft_token_ids: 2 in request 4's 2 scheduled"):
+        decode(frame(4, 1, [], [[0, 3, 1], [4, 3, 2, [], [], [7, 8]]]))  # the first scheduled token must be known
     with pytest.raises(WireError, match="Heartbeat: timeout_s"):
         decode(frame(7, 0, 1, float("nan")))
     with pytest.raises(WireError, match="at most length"):

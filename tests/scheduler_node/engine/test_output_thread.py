@@ -15,7 +15,7 @@ from scheduler_node.core.scheduler import RequestOutput
 from scheduler_node.engine.core import EngineCore, EngineOptions
 from scheduler_node.engine.metrics import Metrics
 from scheduler_node.engine.output_side import OutputSide
-from scheduler_node.engine.output_thread import Added, Delivery, OutputProcessor, SequenceOutput
+from scheduler_node.engine.output_thread import Added, Delivery, Ending, OutputProcessor, SequenceOutput
 from scheduler_node.engine.outputs import Delta
 from scheduler_node.engine.stand_in import StandInWorkers
 from scheduler_node.text.detokenizer import IncrementalDetokenizer
@@ -73,6 +73,7 @@ class Sink:
     """A threadsafe sink: records each delta and the thread that put it."""
 
     threadsafe = True
+    incremental = True
 
     def __init__(self) -> None:
         self.deltas: list[Delta] = []
@@ -141,3 +142,61 @@ def test_an_output_side_without_a_thread_delivers_at_once() -> None:
         assert side.idle.is_set() and not side.requests
 
     asyncio.run(scenario())
+
+
+class WholeSink(Sink):
+    """A sink that reads its output whole (as LLM's collectors do)."""
+
+    incremental = False
+
+
+# "Hé said 😀 café 你好 ok": characters split over several tokens (the emoji, the CJK pair) among whole ones
+MIXED = [56, 2756, 1137, 40303, 218, 37366, 216, 18645, 250, 48392, 138, 10907]
+EOS = 2
+
+
+def _follow(processor: OutputProcessor, req_id: str, sink: Sink, stop: list[str]) -> Request:
+    conditions = StopConditions(max_tokens=64)
+    detokenizer = IncrementalDetokenizer(tokenizer(), [100, 101], stop, conditions.may_stop)
+    sequence = SequenceOutput(sink, 0, detokenizer, 2, 0.0, False)
+    if not (sink.incremental or stop):
+        sequence.held = []  # as OutputSide.add makes it for such a sink
+    processor.process([Added(req_id, sequence)])
+    return Request(req_id, [100, 101], spec("x", 2, 64).sampling, conditions)
+
+
+def test_a_sink_read_whole_gets_the_text_a_stream_gets_in_one_delta() -> None:
+    """Tokens one a step, the last a stop token: the joined text and tokens of a stream and of a sink that reads
+    its output whole are the same, and the whole one gets one delta (nothing per step); an abort mid-way brings
+    it what it had too."""
+    processor = OutputProcessor(Metrics("test"))
+    stream, whole, aborted = Sink(), WholeSink(), WholeSink()
+    reqs = [_follow(processor, rid, sink, []) for rid, sink in (("s", stream), ("w", whole), ("a", aborted))]
+    for token in MIXED:
+        processor.process([[RequestOutput(req, [token]) for req in reqs]])
+        if token == MIXED[5]:  # mid-way, after "Hé said 😀 café": the engine aborts the third
+            processor.process([Ending("a", FinishReason.ABORT, 6)])
+            reqs.pop()
+    end = dict(finish_reason=FinishReason.STOP, stopped_by_token=True, num_output_tokens=13)
+    processor.process([[RequestOutput(req, [EOS], **end) for req in reqs]])  # type: ignore[arg-type]
+    text = "Hé said 😀 café 你好 ok"
+    assert "".join(d.text for d in stream.deltas) == text and len(stream.deltas) > 1
+    assert [t for d in stream.deltas for t in d.token_ids] == MIXED + [EOS]
+    (delta,) = whole.deltas
+    assert (delta.text, delta.token_ids, delta.finish_reason) == (text, MIXED + [EOS], FinishReason.STOP)
+    (delta,) = aborted.deltas
+    assert (delta.text, delta.token_ids, delta.finish_reason) == ("Hé said 😀 café", MIXED[:6], FinishReason.ABORT)
+    assert processor.metrics.generation_tokens._value.get() == 2 * 13 + 6  # counted per step all the same
+
+
+def test_a_sink_read_whole_with_a_stop_string_is_followed_per_step() -> None:
+    """A stop string is looked for at every token, whatever the sink: the output is cut there and the engine told."""
+    processor = OutputProcessor(Metrics("test"))
+    whole = WholeSink()
+    req = _follow(processor, "w", whole, ["café"])
+    stopped = []
+    for token in MIXED:
+        stopped += processor.process([[RequestOutput(req, [token])]]).stopped
+    assert stopped == ["w"]
+    assert "".join(d.text for d in whole.deltas) == "Hé said 😀 "
+    assert whole.deltas[-1].finish_reason == FinishReason.STOP
