@@ -42,17 +42,6 @@ def replica_flag(value: str | dict) -> ReplicaSpec:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _non_negative(value: str) -> int:
-    """A count of at least 0, refused with its value in argparse's words otherwise."""
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"{number} is negative")
-    return number
-
-
 def add_routing_flags(p: argparse.ArgumentParser) -> None:
     """How requests are spread over the replicas (shared with vllm-serve --data-parallel-size)."""
     p.add_argument(
@@ -100,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--disaggregate-min-prompt-tokens",
-        type=_non_negative,
+        type=int,
         default=DEFAULT_MIN_PROMPT_TOKENS,
         metavar="N",
         help="with --disaggregate, a prompt shorter than N tokens skips the prefill replica and is computed where it "
@@ -267,7 +256,10 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(build_parser(), argv)
+    parser = build_parser()
+    args = parse_args(parser, argv)
+    if args.disaggregate_min_prompt_tokens < 0:
+        parser.error(f"--disaggregate-min-prompt-tokens: {args.disaggregate_min_prompt_tokens} is negative")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return asyncio.run(serve(args))

@@ -72,3 +72,12 @@ def test_prompt_tokens_are_counted_from_ids_or_as_characters_over_four() -> None
     assert RouteRequest("m", prompt="x" * 259).estimated_prompt_tokens() == 64
     chat = RouteRequest("m", messages=[("system", "x" * 100), ("user", "y" * 28)])
     assert chat.estimated_prompt_tokens() == 32
+
+
+def test_a_negative_bar_is_refused_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    from scheduler_node.cli.router import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--disaggregate", "--disaggregate-min-prompt-tokens", "-1", "--replica", "h:1,model=m"])
+    assert exited.value.code == 2
+    assert "--disaggregate-min-prompt-tokens: -1 is negative" in capsys.readouterr().err
