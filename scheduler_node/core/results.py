@@ -71,7 +71,14 @@ class Results(Preemption):
             if req is None or req.status is not running:
                 continue  # aborted or preempted while the step ran
             req.num_placeholders -= 1  # one sampling step: one token, or with proposals the accepted ones and one
-            kept = req.append_tokens(token_ids, max_len)
+            # `Request.append_tokens`' common case, inline (every request at every step): none of them may end it.
+            out, stop = req.output_token_ids, req.stop
+            n = len(out) + len(token_ids)
+            if n < stop.max_tokens and n < max_len - len(req.prompt_token_ids) and stop.ending.isdisjoint(token_ids):
+                out += token_ids
+                kept = token_ids
+            else:
+                kept = req.append_tokens(token_ids, max_len)
             if req.forks:
                 self._start_forks(req)
             if req.status is running and not all_logprobs:

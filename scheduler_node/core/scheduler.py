@@ -200,6 +200,10 @@ class Scheduler(Admission, Results):
         interruptible: a realtime request arriving as one resumes does not wait for it."""
         return not any(p.swap_out for p in plans)
 
+    def scheduled_tokens(self, plan: StepPlan) -> int:
+        """The tokens a plan in flight computes (`plan.total_tokens`), counted as it was built: no pass over it."""
+        return self.in_flight.tokens_of(plan.step_id)
+
     def requests_in(self, plan: StepPlan) -> list[Request]:
         """The live requests a plan computes."""
         return [r for h in plan.num_scheduled_tokens if (r := self._by_handle.get(h)) is not None]
