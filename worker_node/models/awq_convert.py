@@ -12,8 +12,7 @@ model (one forward pass, the inputs of every projection recorded):
    input width equals v's output width (no grouped-query attention), as AutoAWQ does.
 2. Clipping: for each projection but q and k, the range of each (output channel, group) is shrunk by up to half
    (`GRID` steps), keeping the shrink that best preserves that group's partial dot products on sampled tokens.
-3. Round, asymmetric 4-bit, one float16 scale and zero point per group of `group` input channels, by GPTQ's
-   error-compensating rounding on the (scaled) calibration inputs (awq_rounding.py) rather than to nearest.
+3. Round to nearest, asymmetric 4-bit, one float16 scale and zero point per group of `group` input channels.
 
 Cost: one full-precision forward over the calibration tokens, then per layer GRID quantize-and-multiply passes per
 projection group (scales) and GRID / 2 per projection (clipping), over at most `MAX_TOKENS` tokens: about 20
@@ -34,7 +33,6 @@ import torch
 from torch import nn
 
 from worker_node.models.awq_calibration import CALIBRATION_TEXT
-from worker_node.models.awq_rounding import round_groups
 from worker_node.models.quant_awq import GROUP_SIZES, pack
 
 logger = logging.getLogger(__name__)
@@ -187,10 +185,10 @@ def quantize_layer(layer: Any, inputs: dict[str, torch.Tensor], group: int) -> d
         w = getattr(attn if prefix == "self_attn" else mlp, name).weight.float()
         if name not in NOT_CLIPPED:
             w = search_clip(inputs[source], w, group)
-        codes, zeros, scales = round_groups(w, inputs[source], group)
-        out[f"{prefix}.{name}.qweight"] = pack(codes.t().int())
-        out[f"{prefix}.{name}.qzeros"] = pack(zeros.t().int())
-        out[f"{prefix}.{name}.scales"] = scales.t().contiguous().half()
+        codes, zeros, scales = quantize_groups(w, group)
+        out[f"{prefix}.{name}.qweight"] = pack(codes.reshape(w.shape).t().int())
+        out[f"{prefix}.{name}.qzeros"] = pack(zeros[..., 0].t().int())
+        out[f"{prefix}.{name}.scales"] = scales[..., 0].t().contiguous().half()
     return out
 
 
