@@ -83,6 +83,7 @@ class EngineCore(Failures, Handoffs, LiveStats):
         # Migrated sequences whose KV lease is not granted yet (engine/handoffs.py).
         self._granting: dict[bytes, tuple[Request, KVSource]] = {}
         self._leases_released = asyncio.Event()
+        self._migrated_off: set[str] = set()
 
     # ---- what the doors ask
 
