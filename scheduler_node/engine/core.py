@@ -324,7 +324,7 @@ class EngineCore(Failures, Handoffs, LiveStats):
             except WorkerLost as exc:
                 logger.error("step %d could not be sent: %s", plan.step_id, exc)
                 return  # the loop sees the lost rank and recovers
-            self._inflight.append(_InFlight(plan, future, start, plan.total_tokens))
+            self._inflight.append(_InFlight(plan, future, start, self.scheduler.scheduled_tokens(plan)))
             if plan.new_requests:
                 self._collected_at_idle = False
                 if self.collector is not None:
