@@ -45,11 +45,12 @@ class Cluster:
         num_workers: int = 1,
         port: int = 0,
         http: bool = False,
+        http_port: int = 0,
     ) -> None:
         self.port = port or free_port()  # a given port: a scheduler that replaces one at the same address
         self.worker_port = free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self.http_port = free_port() if http else 0  # the OpenAI API, at self.base_url
+        self.http_port = (http_port or free_port()) if http else 0  # the OpenAI API, at self.base_url
         self.base_url = f"http://127.0.0.1:{self.http_port}/v1" if http else ""
         self.log_dir = Path(subprocess.check_output(["mktemp", "-d"], text=True).strip())
         common = ["--log-level", "INFO"]
@@ -103,10 +104,13 @@ class Cluster:
         wait_serving(self.channel, [self.scheduler, *self.workers], timeout, self.logs)
 
     def kill(self) -> None:
-        """Tear down without ceremony (tests that killed or replaced processes themselves)."""
+        """Tear down without ceremony (tests that killed or replaced processes themselves); returns once they are
+        gone, so a replacement may bind their ports."""
         for proc in [self.scheduler, *self.workers]:
             if proc.poll() is None:
                 proc.kill()
+        for proc in [self.scheduler, *self.workers]:
+            proc.wait(30)
 
     def stop(self, timeout: float = 20.0) -> list[int | None]:
         """SIGTERM the scheduler (it shuts the workers down); return every exit code."""

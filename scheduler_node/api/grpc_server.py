@@ -242,10 +242,10 @@ async def drain_timeout(request: pb.DrainRequest, context: grpc.aio.ServicerCont
 
 def _taken_back(engine: EngineCore, request: pb.GenerateRequest) -> bool:
     """A request this draining replica migrated off comes back (vllm-router found no other replica for it): it runs
-    on here from the KV still leased for it, rather than be lost."""
+    on here (from the KV still leased for it, or by recompute), rather than be lost."""
     if not engine.draining or engine.failed or engine.gave_up or not request.HasField("resume"):
         return False
-    return engine.takes_back([bytes(s.kv_source.lease) for s in request.resume.sequences])
+    return engine.takes_back(request.request_id)
 
 
 def _response(request_id: str, d: Delta) -> pb.GenerateResponse:

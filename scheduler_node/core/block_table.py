@@ -159,6 +159,13 @@ class BlockTable:
     def can_write(self, req_id: str, first: int, end: int, reserve: int = 0) -> bool:
         return self.blocks_needed(req_id, first, end) + reserve <= self.num_free_of(self.format_of(req_id))
 
+    def decode_view(self) -> tuple[dict[str, list[int]], list[int], int]:
+        """The tables, reference counts and block size, for the scheduler's steady-decode test (read only): a
+        decode at position p stays within its own last block, what `write` answers UNCHANGED without a change,
+        when its table holds block p // block_size and that block's count is 1. `write`'s first test, inline in a
+        loop that runs for every request at every step."""
+        return self._tables, self._ref_counts, self.block_size
+
     def write(self, req_id: str, first: int, end: int) -> Written | None:
         """Make positions [first, end) writable if the free blocks allow: copy shared blocks, append new ones.
 

@@ -26,6 +26,7 @@ class SentPlan:
     runs: list[int] = field(default_factory=list)
     drafts: list[int] = field(default_factory=list)  # each one's proposed tokens (speculative decoding), within tokens
     num_drafted: int = 0  # requests with proposals: none, and nothing about proposals costs a pass over the plan
+    total_tokens: int = 0  # the sum of `tokens` as sent, counted as they are added (no pass over the plan)
 
     def add(self, req: Request, tokens: int, samples: bool, drafts: int = 0) -> None:
         self.requests.append(req)
@@ -33,6 +34,7 @@ class SentPlan:
         if drafts:
             self.num_drafted += 1
         self.tokens.append(tokens)
+        self.total_tokens += tokens
         self.ends.append(req.num_computed_tokens)
         self.samples.append(samples)
         self.runs.append(req.num_preemptions)
@@ -43,13 +45,10 @@ class SentPlan:
         self.requests += reqs
         self.drafts += [0] * k
         self.tokens += [1] * k
+        self.total_tokens += k
         self.ends += [f + 1 for f in firsts]
         self.samples += [True] * k
         self.runs += [r.num_preemptions for r in reqs]
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.tokens)
 
 
 class InFlightLedger:
@@ -65,6 +64,11 @@ class InFlightLedger:
             self._held.update(r.handle for r in sent.requests)
         elif sent.num_drafted:  # a speculating request's next tokens are known only once this result is back
             self._held.update(r.handle for r, d in zip(sent.requests, sent.drafts) if d)
+
+    def tokens_of(self, step_id: int) -> int:
+        """The tokens a plan in flight computes (0 for one that computes none: it is not recorded)."""
+        sent = self._plans.get(step_id)
+        return sent.total_tokens if sent is not None else 0
 
     def requests_of(self, step_id: int) -> list[Request]:
         """The requests a plan in flight computes."""

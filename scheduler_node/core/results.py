@@ -71,7 +71,14 @@ class Results(Preemption):
             if req is None or req.status is not running:
                 continue  # aborted or preempted while the step ran
             req.num_placeholders -= 1  # one sampling step: one token, or with proposals the accepted ones and one
-            kept = req.append_tokens(token_ids, max_len)
+            # `Request.append_tokens`' common case, inline (every request at every step): none of them may end it.
+            out, stop = req.output_token_ids, req.stop
+            n = len(out) + len(token_ids)
+            if n < stop.max_tokens and n < max_len - len(req.prompt_token_ids) and stop.ending.isdisjoint(token_ids):
+                out += token_ids
+                kept = token_ids
+            else:
+                kept = req.append_tokens(token_ids, max_len)
             if req.forks:
                 self._start_forks(req)
             if req.status is running and not all_logprobs:
@@ -119,8 +126,13 @@ class Results(Preemption):
         if not bt.enable_prefix_caching:
             return
         bs = bt.block_size
-        # Those whose step filled a block, picked in one pass: most steps of a decode fill none.
-        filled = [i for i, (n, end) in enumerate(zip(sent.tokens, sent.ends)) if end // bs > (end - n) // bs]
+        # Those whose step filled a block, picked in one pass: most steps of a decode fill none. With one token
+        # each (a plan of decodes, told by a pass in C), a step fills a block where it ends on one: a cheaper test.
+        tokens, ends = sent.tokens, sent.ends
+        if tokens.count(1) == len(tokens):
+            filled = [i for i, end in enumerate(ends) if not end % bs]
+        else:
+            filled = [i for i, (n, end) in enumerate(zip(tokens, ends)) if end // bs > (end - n) // bs]
         for i in filled:
             req, n, end, run = sent.requests[i], sent.tokens[i], sent.ends[i], sent.runs[i]
             first_block, full = (end - n) // bs, end // bs

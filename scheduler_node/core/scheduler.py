@@ -65,6 +65,7 @@ class Scheduler(Admission, Results):
         # The loop runs once per running request per step: what it calls is looked up once, here.
         running, take = Status.RUNNING, self._take
         write, scheduled, unchanged = self.blocks.write, sent.requests, UNCHANGED
+        tables, refs, bs = self.blocks.decode_view()
         # Steady decodes (one token, within the request's own last block, held by the workers) are gathered here
         # and taken together (`_take_decodes`) before anything else is taken, so the plan keeps the loop's order.
         # Not a steady decode: one that may propose (`proposing`), or a producer's (`kv_lease`), whose plan may
@@ -87,6 +88,12 @@ class Scheduler(Admission, Results):
                 and (proposing is None or req.spec is None)
                 and not req.kv_lease
             ):
+                # `write(req.req_id, first, first + 1) is unchanged`, its first test inline (the common case)
+                table = tables.get(req.req_id)
+                if table is not None and first // bs < len(table) and refs[table[first // bs]] == 1:
+                    decodes.append(req)
+                    budget -= 1
+                    continue
                 written = write(req.req_id, first, first + 1)
                 if written is unchanged:
                     decodes.append(req)
@@ -199,6 +206,10 @@ class Scheduler(Admission, Results):
         runs), and a request it preempted recomputes from scratch, so plans that resume a displaced request stay
         interruptible: a realtime request arriving as one resumes does not wait for it."""
         return not any(p.swap_out for p in plans)
+
+    def scheduled_tokens(self, plan: StepPlan) -> int:
+        """The tokens a plan in flight computes (`plan.total_tokens`), counted as it was built: no pass over it."""
+        return self.in_flight.tokens_of(plan.step_id)
 
     def requests_in(self, plan: StepPlan) -> list[Request]:
         """The live requests a plan computes."""

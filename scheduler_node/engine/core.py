@@ -83,6 +83,7 @@ class EngineCore(Failures, Handoffs, LiveStats):
         # Migrated sequences whose KV lease is not granted yet (engine/handoffs.py).
         self._granting: dict[bytes, tuple[Request, KVSource]] = {}
         self._leases_released = asyncio.Event()
+        self._migrated_off: set[str] = set()
 
     # ---- what the doors ask
 
@@ -323,7 +324,7 @@ class EngineCore(Failures, Handoffs, LiveStats):
             except WorkerLost as exc:
                 logger.error("step %d could not be sent: %s", plan.step_id, exc)
                 return  # the loop sees the lost rank and recovers
-            self._inflight.append(_InFlight(plan, future, start, plan.total_tokens))
+            self._inflight.append(_InFlight(plan, future, start, self.scheduler.scheduled_tokens(plan)))
             if plan.new_requests:
                 self._collected_at_idle = False
                 if self.collector is not None:

@@ -28,6 +28,7 @@ class Handoffs:
     _leases_released: asyncio.Event
 
     _granting: dict[bytes, tuple[Request, KVSource]]  # migrated sequences whose KV lease is not granted yet
+    _migrated_off: set[str]  # requests this replica handed back (a drain runs once: bounded by what ran then)
 
     def migrate(self) -> int:
         """Move every live migratable request off this replica, between steps: each sequence ends with its state
@@ -46,6 +47,7 @@ class Handoffs:
                     self._granting[lease.lease] = (req, lease.source(addresses))
                 elif req is not None:
                     self.outputs.migrate(req)
+            self._migrated_off.add(request_id)
             moved += 1
         if moved:
             logger.info("migrating %d request(s) off this replica", moved)
@@ -73,10 +75,10 @@ class Handoffs:
         self._leases_released.set()
         return True
 
-    def takes_back(self, leases: list[bytes]) -> bool:
-        """Does this replica hold every one of these KV leases (a request it migrated off, coming back)?"""
-        held = {lease.lease for lease in self.scheduler.leases.held.values()}
-        return bool(leases) and all(lease in held for lease in leases)
+    def takes_back(self, request_id: str) -> bool:
+        """Is this a request this replica migrated off, coming back (no other replica took it)? It runs on here,
+        from the KV still leased for it where its lease is held, else by recompute, rather than be lost."""
+        return request_id in self._migrated_off
 
     async def migrations_settled(self, timeout: float | None) -> bool:
         """Until no migrated sequence's KV waits here for its target (each confirmed, or its lease expired), at

@@ -178,9 +178,9 @@ class Forwarder:
 
     def _take_back(self, request: pb.GenerateRequest, moved_from: list[Replica]) -> Route | None:
         """No replica took a migrated request (the targets died, none is left): the one that handed it back last
-        runs it on, from the KV it still holds for it (a draining replica takes back a request whose KV leases it
-        holds). None without KV there: the request is lost, with the routing error."""
-        if not moved_from or not any(s.HasField("kv_source") for s in request.resume.sequences):
+        runs it on (a draining replica takes back a request it migrated off: from the KV it still holds for it, or
+        by recompute). None when it came from no replica."""
+        if not moved_from:
             return None
         logger.info("request %s: no target took it: back to %s", request.request_id, moved_from[-1].address)
         return Route(moved_from[-1], "take back")

@@ -66,7 +66,8 @@ class Fleet:
     def restart_llama(self, i: int) -> Cluster:
         """Llama replica `i` again at the same addresses, once its old processes are gone."""
         old = self.llamas[i]
-        self.llamas[i] = Cluster(self.llama_dir, self.llama_args(i), TINY_WORKER, port=old.port)
+        args = self.llama_args(i)
+        self.llamas[i] = Cluster(self.llama_dir, args, TINY_WORKER, port=old.port, http=True, http_port=old.http_port)
         self.spawned.append(self.llamas[i])
         self.llamas[i].wait_serving()
         return self.llamas[i]
@@ -523,28 +524,31 @@ def test_drain_migrate_with_its_target_killed_runs_the_streams_on_where_their_kv
     still holds their KV and runs them on. Every stream that did not run on the killed replica completes with the
     tokens of an undisturbed run; none hangs."""
     source, target = fleet.llamas
-    requests = [greedy_ids(prompt_ids(3400 + i, 12), 64, model="llama") for i in range(3)]
-    sampling = pb.SamplingParams(max_tokens=64, temperature=0.8, seed=3, ignore_eos=True, n=2)
-    requests.append(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt_ids(3500)), sampling=sampling))
-    expected = Streams(pb_grpc.GenerationStub(source.channel), requests).join(120)
-    streams = Streams(fleet.stub, requests, timeout=120)
-    wait_for(lambda: sum(len(r.tokens) >= 2 for r in streams.results) >= 3, 60, "both replicas stream")
-    target.kill()  # kill -9: its scheduler and workers
-    drained = pb_grpc.ControlStub(source.channel).Drain(pb.DrainRequest(timeout_s=30, migrate=True), timeout=40)
-    assert drained.migrated >= 1, drained
-    results = streams.join(120)
-    cut = f"replica {target.address} "  # how the router ends a stream its replica died under
-    on_source = [i for i, r in enumerate(results) if not (r.code is not None and r.details.startswith(cut))]
-    assert on_source, "some streams ran on the drained replica"
-    for i in on_source:
-        got, want = results[i], expected[i]
-        assert got.code is None, (i, got.code, got.details)
-        assert got.sequences == want.sequences and got.finish_reason == "length", i  # none lost or repeated
-    stats = wait_idle(pb_grpc.ControlStub(source.channel))
-    assert (stats.num_running, stats.num_waiting, stats.used_blocks) == (0, 0, 0), stats  # its leases released
-    assert source.stop() == [0, 0], source.logs()
-    fleet.restart_llama(0)
-    fleet.restart_llama(1)
+    try:
+        requests = [greedy_ids(prompt_ids(3400 + i, 12), 64, model="llama") for i in range(3)]
+        sampling = pb.SamplingParams(max_tokens=64, temperature=0.8, seed=3, ignore_eos=True, n=2)
+        requests.append(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt_ids(3500)), sampling=sampling))
+        expected = Streams(pb_grpc.GenerationStub(source.channel), requests).join(120)
+        streams = Streams(fleet.stub, requests, timeout=120)
+        wait_for(lambda: sum(len(r.tokens) >= 2 for r in streams.results) >= 3, 60, "both replicas stream")
+        target.kill()  # kill -9: its scheduler and workers
+        drained = pb_grpc.ControlStub(source.channel).Drain(pb.DrainRequest(timeout_s=30, migrate=True), timeout=40)
+        assert drained.migrated >= 1, drained
+        results = streams.join(120)
+        cut = f"replica {target.address} "  # how the router ends a stream its replica died under
+        on_source = [i for i, r in enumerate(results) if not (r.code is not None and r.details.startswith(cut))]
+        assert on_source, "some streams ran on the drained replica"
+        for i in on_source:
+            got, want = results[i], expected[i]
+            assert got.code is None, (i, got.code, got.details)
+            assert got.sequences == want.sequences and got.finish_reason == "length", i  # none lost or repeated
+        stats = wait_idle(pb_grpc.ControlStub(source.channel))
+        assert (stats.num_running, stats.num_waiting, stats.used_blocks) == (0, 0, 0), stats  # its leases released
+        assert source.stop() == [0, 0], source.logs()
+    finally:  # the tests after this one need both llamas, whatever happened here
+        for i, cluster in enumerate(fleet.llamas):
+            cluster.kill()
+            fleet.restart_llama(i)
     wait_for(lambda: all(r.state == "serving" for r in fleet.replicas().values()), 10, "both llamas come back")
 
 

@@ -27,6 +27,8 @@ def test_a_sent_plan_records_each_request_as_it_stood() -> None:
     assert (sent.requests, sent.tokens, sent.ends, sent.samples, sent.runs) == (
         [a, b], [1, 2], [4, 2], [True, False], [0, 1])  # fmt: skip
     assert sent.total_tokens == 3 and SentPlan().total_tokens == 0
+    sent.add_decodes([request("c", 3, computed=7), request("d", 4, computed=9)], [7, 9])
+    assert sent.total_tokens == sum(sent.tokens) == 5  # counted as added, never summed again
 
 
 @pytest.mark.parametrize("disjoint", [False, True])
@@ -40,6 +42,7 @@ def test_plans_are_settled_by_step_and_hold_their_requests_only_when_disjoint(di
     ledger.record(1, first)
     ledger.record(2, second)
     assert len(ledger) == 2 and ledger.requests_of(1) == [a, b] and ledger.requests_of(7) == []
+    assert (ledger.tokens_of(1), ledger.tokens_of(2), ledger.tokens_of(7)) == (8, 4, 0)
     assert [ledger.held(h) for h in (1, 2, 3, 4)] == [disjoint, disjoint, disjoint, False]
     assert ledger.settle(1) is first
     assert len(ledger) == 1 and [ledger.held(h) for h in (1, 2, 3)] == [False, False, disjoint]

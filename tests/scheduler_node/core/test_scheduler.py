@@ -234,3 +234,18 @@ def test_resize_moves_live_blocks_below_the_limit() -> None:
     assert not plan.preempted
     assert all(b < 3 for r in ("r2", "r3") for b in s.blocks.blocks_of(r))
     s.blocks.check_invariants()
+
+
+def test_a_block_a_decode_fills_is_cached_by_that_step() -> None:
+    s = make()
+    r = req("a", 5, max_tokens=20)
+    s.add(r)
+    filled = 0
+    while s.has_work:
+        plan = s.schedule()
+        s.update(plan, sample_all(plan, s))
+        if r.status is Status.RUNNING:
+            full = r.num_computed_tokens // 8  # the blocks its steps so far filled (one plan in flight at most)
+            assert len(s.blocks.match_prefix(r.update_block_hashes(8)[:full])) == full
+            filled = full
+    assert filled == 2  # blocks filled by decodes (positions 8 and 16), not by the prompt

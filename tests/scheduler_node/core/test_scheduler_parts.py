@@ -107,6 +107,7 @@ def run(fast: bool, spec: bool = False) -> tuple[list[Any], list[int], int]:
         arrive(s, step, spec)
         plan = s.schedule()
         if plan.has_work:
+            assert s.scheduled_tokens(plan) == plan.total_tokens  # the ledger's count, what the engine reads
             in_flight.append(plan)
             trace.append((plan, ledger(s, plan)))
         if len(in_flight) == 2 or (in_flight and not plan.has_work):
