@@ -3,7 +3,8 @@
 Two vllm-scheduler replicas of one model, one worker each with the same threads. Colocated: a router spreads every
 request over both (`least_loaded`), so a long prompt's prefill shares steps with the decode streams on its replica.
 Disaggregated: a router with `--disaggregate` computes every prompt on replica A (kv_role=prefill) and generates on
-replica B (kv_role=decode), which pulls the prompt's KV from A's worker over the KV transfer socket. The two modes
+replica B (kv_role=decode), which pulls the prompt's KV from A's worker over the KV transfer socket; a prompt shorter
+than the router's --disaggregate-min-prompt-tokens (this script's --min-prompt-tokens) goes straight to B. The two modes
 alternate round by round (A, B, A, B, ...) over fresh prompts, so machine load drifts hit both alike.
 
 The workload of a round: `--streams` decode-heavy chat streams (short prompts, `--stream-tokens` output tokens each)
@@ -157,6 +158,12 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads of each replica's worker")
     p.add_argument("--slo-ttft", type=float, default=5.0, help="seconds: goodput counts requests under it")
     p.add_argument("--slo-itl", type=float, default=0.5, help="seconds: and every inter-token gap under this")
+    p.add_argument(
+        "--min-prompt-tokens",
+        type=int,
+        help="the disaggregating router's --disaggregate-min-prompt-tokens (default: the router's; 0 moves every "
+        "prompt, the decode streams' too)",
+    )
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     if args.smoke:  # its own defaults; flags still win
@@ -173,10 +180,13 @@ def main() -> int:
     scheduler = ["--served-model-name", NAME, "--step-timeout", "600"]
     replicas = [Cluster(model, scheduler, ["--threads", str(args.threads)]) for _ in range(2)]
     a, b = (c.address for c in replicas)
+    disaggregate = ["--disaggregate"]
+    if args.min_prompt_tokens is not None:
+        disaggregate += ["--disaggregate-min-prompt-tokens", str(args.min_prompt_tokens)]
     routers = {
         "colocated": RouterProcess([f"{a},model={NAME}", f"{b},model={NAME}"], ["--routing-strategy", "least_loaded"]),
         "disaggregated": RouterProcess(
-            [f"{a},model={NAME},kv_role=prefill", f"{b},model={NAME},kv_role=decode"], ["--disaggregate"]
+            [f"{a},model={NAME},kv_role=prefill", f"{b},model={NAME},kv_role=decode"], disaggregate
         ),
     }
     results: dict[str, list[tuple[list[Record], float]]] = {m: [] for m in MODES}

@@ -17,7 +17,7 @@ from scheduler_node.api.security import server_credentials
 from scheduler_node.cli.openai_flags import API_KEY_ENV, add_api_key_flag
 from scheduler_node.cli.operations import TOKEN_ENV, stop_signals
 from scheduler_node.router.control import RouterControl
-from scheduler_node.router.disaggregate import Disaggregator
+from scheduler_node.router.disaggregate import DEFAULT_MIN_PROMPT_TOKENS, Disaggregator
 from scheduler_node.router.grpc_door import RouterGeneration
 from scheduler_node.router.http_door import RouterHttp, build_router_app
 from scheduler_node.router.kv_index import KVIndex
@@ -86,6 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="compute each gRPC request's prompt on a replica with kv_role=prefill (or both) and generate on one "
         "with kv_role=decode (or both), which pulls the prompt's KV from the first (vllm-serve --kv-role)",
+    )
+    p.add_argument(
+        "--disaggregate-min-prompt-tokens",
+        type=int,
+        default=DEFAULT_MIN_PROMPT_TOKENS,
+        metavar="N",
+        help="with --disaggregate, a prompt shorter than N tokens skips the prefill replica and is computed where it "
+        "decodes (too few blocks to be worth moving; 0: every prompt is moved). Counted without a tokenizer: token "
+        "ids exactly, text (a chat's message contents) as its characters / 4",
     )
     p.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
     p.add_argument("--port", type=int, default=50050, help="gRPC port")
@@ -200,7 +209,7 @@ async def serve(args: argparse.Namespace) -> int:
     links = open_links(pool)
     generation = RouterGeneration(Forwarder(router, links, metrics), args.probe_timeout)
     if args.disaggregate:
-        generation.disaggregator = Disaggregator(generation.forwarder)
+        generation.disaggregator = Disaggregator(generation.forwarder, args.disaggregate_min_prompt_tokens)
     control = RouterControl(generation, args.replica_control_token)
     credentials = server_credentials(args.tls_cert, args.tls_key) if args.tls_cert else None
     server, health = build_server(generation, f"{args.host}:{args.port}", credentials, args.control_token, control)
@@ -247,7 +256,10 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(build_parser(), argv)
+    parser = build_parser()
+    args = parse_args(parser, argv)
+    if args.disaggregate_min_prompt_tokens < 0:
+        parser.error(f"--disaggregate-min-prompt-tokens: {args.disaggregate_min_prompt_tokens} is negative")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return asyncio.run(serve(args))

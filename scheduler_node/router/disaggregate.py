@@ -6,10 +6,13 @@ the request to a prefill replica under the id `<id>.prefill`, with one output to
 last response names where the prompt's KV waits (`kv_source`). The request then goes to a decode replica with that
 source, and streams from there. The prefill's lease is released (an Abort of `<id>.prefill`) once the decode
 replica's first response arrives (it pulled the blocks before computing its first token), or when the stream ends
-any other way: a client that goes away leaves no blocks leased. A prefill that fails, or has no source to offer,
-costs only time: the decode replica computes the prompt itself. A producer that dies mid-transfer makes the decode
-replica's pull fail within its timeout, and it recomputes. The OpenAI door does the same over the replicas' HTTP
-doors with `kv_transfer_params` (router/http_door.py), releasing the lease through the replica's gRPC Abort.
+any other way: a client that goes away leaves no blocks leased. A prompt shorter than `min_prompt_tokens`
+(--disaggregate-min-prompt-tokens) skips the prefill hop and goes straight to a decode replica: its few blocks are
+cheaper to compute there than to queue behind long prompts on the prefill replica and then move. A prefill that
+fails, or has no source to offer, costs only time: the decode replica computes the prompt itself. A producer that
+dies mid-transfer makes the decode replica's pull fail within its timeout, and it recomputes. The OpenAI door does
+the same over the replicas' HTTP doors with `kv_transfer_params` (router/http_door.py), releasing the lease through
+the replica's gRPC Abort.
 """
 
 from __future__ import annotations
@@ -30,15 +33,27 @@ logger = logging.getLogger(__name__)
 
 PREFILL_SUFFIX = ".prefill"
 RELEASE_TIMEOUT_S = 5.0
+# Shorter prompts (4 blocks of 16) are computed where they decode: a chat turn's prompt costs a decode replica about
+# one step, while the prefill hop queues it behind every long prompt the prefill replica holds, then adds a transfer.
+DEFAULT_MIN_PROMPT_TOKENS = 64
 
 
 class Disaggregator:
-    def __init__(self, forwarder: Forwarder) -> None:
+    def __init__(self, forwarder: Forwarder, min_prompt_tokens: int = DEFAULT_MIN_PROMPT_TOKENS) -> None:
         self.forwarder = forwarder
+        self.min_prompt_tokens = min_prompt_tokens
         self.pool = forwarder.router.pool
         self._releases: set[asyncio.Task[None]] = set()
         self.handoffs = 0  # requests decoded from a prefill's KV
         self.fallbacks = 0  # requests whose prefill failed or offered nothing: the decode replica computed them
+        self.direct = 0  # requests whose prompt was too short to move: sent straight to a decode replica
+
+    def worth_moving(self, request: RouteRequest) -> bool:
+        """Whether the request's prompt goes through a prefill replica (both doors ask); counts the ones that do not."""
+        if request.estimated_prompt_tokens() >= self.min_prompt_tokens:
+            return True
+        self.direct += 1
+        return False
 
     def _only(self, role: str) -> list[Replica]:
         return [r for r in self.pool.replicas if r.spec.kv_role == role]

@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
 
@@ -49,13 +49,27 @@ class RouterGeneration(pb_grpc.GenerationServicer):
             try:
                 timeout = context.time_remaining()
                 metadata = forwarded_metadata(headers)
-                split = self.disaggregator is not None and not request.HasField("kv_handoff")
-                generate = self.disaggregator.generate if split and self.disaggregator else self.forwarder.generate
-                async for response in generate(request, route_request, timeout, metadata):
+                async for response in self._generate(request, route_request, timeout, metadata):
                     yield response
             except UpstreamError as exc:
                 self.count_error(route_request.model, exc.code.name)
                 refuse(context, exc.code, exc.details)
+
+    def _generate(
+        self,
+        request: pb.GenerateRequest,
+        route_request: RouteRequest,
+        timeout: float | None,
+        metadata: Sequence[tuple[str, str]],
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """The request's stream: with --disaggregate, a prompt worth moving is computed on a prefill replica first,
+        a shorter one is computed and decoded on a decode replica (never a prefill-only one)."""
+        disaggregator = self.disaggregator
+        if disaggregator is None or request.HasField("kv_handoff"):
+            return self.forwarder.generate(request, route_request, timeout, metadata)
+        if disaggregator.worth_moving(route_request):
+            return disaggregator.generate(request, route_request, timeout, metadata)
+        return self.forwarder.generate(request, route_request, timeout, metadata, exclude=disaggregator.prefill_only())
 
     def _refusal(self, request: pb.GenerateRequest) -> tuple[grpc.StatusCode, str] | None:
         if self.draining:

@@ -87,7 +87,8 @@ class RouterHttp:
         stack.enter_context(self.generation.tracked(f"http-{uuid.uuid4().hex}"))
         path, disaggregator = request.url.path, self.generation.disaggregator
         split = disaggregator is not None and path in HANDOFF_PATHS and "kv_transfer_params" not in payload
-        prefill = await self._prefill(path, payload, headers, route_request) if split else None
+        moved = split and disaggregator is not None and disaggregator.worth_moving(route_request)
+        prefill = await self._prefill(path, payload, headers, route_request) if moved else None
         exclude = disaggregator.prefill_only() if split and disaggregator else []
         try:
             replica, answer, data = await self._send(path, payload, headers, route_request, stream, stack, exclude)

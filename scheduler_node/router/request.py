@@ -37,6 +37,14 @@ class RouteRequest:
             digest.update(b"text\0" + self.prompt[:chars].encode())
         return digest.digest()
 
+    def estimated_prompt_tokens(self) -> int:
+        """The prompt's length in tokens: exact for token ids, else its characters (messages' contents) / 4 (the
+        router holds no tokenizer for this; an estimate is enough to tell a short prompt from a long one)."""
+        if self.prompt_token_ids:
+            return len(self.prompt_token_ids)
+        chars = sum(len(content) for _, content in self.messages) if self.messages else len(self.prompt)
+        return chars // CHARS_PER_TOKEN
+
 
 def _leading_text(messages: Sequence[tuple[str, str]], chars: int) -> str:
     """The first `chars` characters of the conversation, each message as role, a separator, then its content."""

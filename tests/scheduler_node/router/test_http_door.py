@@ -130,9 +130,12 @@ def _handoff_door(bodies: list[dict[str, Any]], prefill_status: int) -> web.Appl
 Bodies = list[dict[str, Any]]
 
 
-async def _disaggregated(prefill_status: int) -> tuple[httpx.Response, Bodies, Bodies, list[tuple[str, str]]]:
-    """A completion through a --disaggregate router over a prefill and a decode stand-in door: the answer, each
-    door's bodies, and the leases released (replica, request id)."""
+async def _disaggregated(
+    prefill_status: int, prompt: str = "hi", min_prompt_tokens: int = 0
+) -> tuple[httpx.Response, Bodies, Bodies, list[tuple[str, str]]]:
+    """A completion of `prompt` through a --disaggregate router (--disaggregate-min-prompt-tokens
+    `min_prompt_tokens`) over a prefill and a decode stand-in door: the answer, each door's bodies, and the leases
+    released (replica, request id)."""
     from scheduler_node.router.disaggregate import Disaggregator
 
     bodies: tuple[Bodies, Bodies] = ([], [])
@@ -153,7 +156,7 @@ async def _disaggregated(prefill_status: int) -> tuple[httpx.Response, Bodies, B
             pool.set_state(replica, SERVING)
         forwarder = Forwarder(Router(pool, "round_robin"), {}, RouterMetrics())
         generation = RouterGeneration(forwarder, 1.0)
-        disaggregator = generation.disaggregator = Disaggregator(forwarder)
+        disaggregator = generation.disaggregator = Disaggregator(forwarder, min_prompt_tokens)
 
         def release(replica: Replica, prefill_id: str) -> None:  # what a gRPC Abort would free
             released.append((replica.spec.kv_role, prefill_id))
@@ -163,7 +166,7 @@ async def _disaggregated(prefill_status: int) -> tuple[httpx.Response, Bodies, B
         transport = httpx.ASGITransport(app=build_router_app(door, ""))
         try:
             async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
-                body = {"model": MODEL, "prompt": "hi", "max_tokens": 5, "n": 1, "stream": False}
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": 5, "n": 1, "stream": False}
                 answer = await client.post("/v1/completions", json=body)
         finally:
             await door.close()
@@ -188,3 +191,14 @@ def test_a_failed_prefill_leaves_the_decode_door_to_compute_the_prompt() -> None
     assert answer.status_code == 200, answer.text
     assert len(prefilled) == 1 and len(decoded) == 1 and answer.json()["got"] is None
     assert released == [], "no lease to release"
+
+
+def test_a_prompt_too_short_to_move_goes_straight_to_the_decode_door() -> None:
+    # 16 tokens as the router counts text (characters / 4) under a bar of 64: no prefill hop, no lease
+    answer, prefilled, decoded, released = asyncio.run(_disaggregated(200, "word" * 16, min_prompt_tokens=64))
+    assert answer.status_code == 200, answer.text
+    assert prefilled == [] and len(decoded) == 1 and answer.json()["got"] is None
+    assert released == []
+    # 64 tokens: at the bar, moved
+    answer, prefilled, decoded, released = asyncio.run(_disaggregated(200, "word" * 64, min_prompt_tokens=64))
+    assert len(prefilled) == 1 and answer.json()["got"] is not None and len(released) == 1
