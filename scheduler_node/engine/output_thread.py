@@ -126,7 +126,7 @@ class OutputProcessor:
         and the common streamed case (one token, no stop, a sequence that already streams) calls nothing but the
         detokenizer and the sink."""
         now, tokens, sequences = time.monotonic(), 0, self.sequences
-        itl, to_loop, stop = self.metrics.itl, delivery.deltas, FinishReason.STOP
+        to_loop, stop = delivery.deltas, FinishReason.STOP
         for out in outputs:
             req_id = out.request.req_id
             seq = sequences.get(req_id)
@@ -139,12 +139,7 @@ class OutputProcessor:
                     if n := len(token_ids):
                         held += token_ids
                         tokens += n
-                        seq.num_tokens += n
-                        if seq.last_token_at:
-                            itl.observe_n((now - seq.last_token_at) / n, n)
-                        else:
-                            self._first_tokens(seq, now)
-                        seq.last_token_at = now
+                        self._timed(seq, n, now)
                     continue
                 held = self._release(seq)  # it ends: its text is made in one go, its tokens lead its last delta
             detokenizer = seq.detokenizer
@@ -161,12 +156,7 @@ class OutputProcessor:
                 delivery.stopped.append(req_id)
             if n:
                 tokens += n
-                seq.num_tokens += n
-                if seq.last_token_at:
-                    itl.observe_n((now - seq.last_token_at) / n, n)
-                else:
-                    self._first_tokens(seq, now)
-                seq.last_token_at = now
+                self._timed(seq, n, now)
             text = detokenizer.delta(final=reason is not None)
             delta = Delta(seq.index, held + token_ids if held else token_ids, text, logprobs=out.logprobs)
             if seq.prompt_logprobs and n:
@@ -248,10 +238,16 @@ class OutputProcessor:
         else:
             delivery.deltas.append((sink, delta))
 
-    def _first_tokens(self, seq: SequenceOutput, now: float) -> None:
-        self.metrics.ttft.observe(now - seq.arrival)
-        if seq.index == 0:
-            self.metrics.prompt_tokens.inc(seq.prompt_tokens)
+    def _timed(self, seq: SequenceOutput, n: int, now: float) -> None:
+        """`n` tokens of `seq` came out at `now`: its count, and its first token's time or the gap per token."""
+        seq.num_tokens += n
+        if seq.last_token_at:
+            self.metrics.itl.observe_n((now - seq.last_token_at) / n, n)
+        else:
+            self.metrics.ttft.observe(now - seq.arrival)
+            if seq.index == 0:
+                self.metrics.prompt_tokens.inc(seq.prompt_tokens)
+        seq.last_token_at = now
 
 
 class OutputThread:
