@@ -21,7 +21,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -39,6 +39,33 @@ class DecodeConfig:
     kv_memory: str = "16GiB"
     attention_backend: str = "triton"
     cuda_graph_sizes: str = GRAPH_SIZES
+
+
+class EngineShape(Protocol):
+    """What a GPU check's config says about the engine it builds (DecodeConfig, gpu_lora's LoraCheckConfig)."""
+
+    @property
+    def device(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def kv_memory(self) -> str: ...
+    @property
+    def attention_backend(self) -> str: ...
+
+
+def engine_args(folder: str, config: EngineShape, seqs: int, cuda_graph_sizes: str) -> dict[str, Any]:
+    """`LLM`'s arguments for a decode check of `seqs` sequences (every one fits one step's token budget)."""
+    return dict(
+        model=folder,
+        device=config.device,
+        dtype=config.dtype,
+        max_num_seqs=seqs,
+        max_num_batched_tokens=max(2048, seqs * 8),
+        kv_cache_memory=config.kv_memory,
+        attention_backend=config.attention_backend,
+        cuda_graph_sizes=cuda_graph_sizes,
+    )
 
 
 def dry_run_config() -> DecodeConfig:
@@ -69,16 +96,7 @@ def engine_decode(folder: str, config: DecodeConfig, prompts: list[str]) -> dict
 
     from minivllm import LLM, SamplingParams
 
-    kwargs = dict(
-        model=folder,
-        device=config.device,
-        dtype=config.dtype,
-        max_num_seqs=len(prompts),
-        max_num_batched_tokens=max(2048, len(prompts) * 8),
-        kv_cache_memory=config.kv_memory,
-        attention_backend=config.attention_backend,
-        cuda_graph_sizes=config.cuda_graph_sizes,
-    )
+    kwargs = engine_args(folder, config, len(prompts), config.cuda_graph_sizes)
     stats, _ = engine_run(kwargs, prompts, config.output_len, config.runs)
     params = SamplingParams(max_tokens=config.output_len, temperature=0.0, ignore_eos=True)
     with LLM(**kwargs) as llm:  # type: ignore[arg-type]

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_lora import write_adapter
+from gpu_decode import engine_args
 
 from minivllm import LLM, LoRARequest, SamplingParams
 from proto.lora import BaseShapes
@@ -83,14 +84,7 @@ def engine_lora(
     """One engine: decode tok/s of the mixed batch and of the base batch, the mixed batch's tokens, and how its
     decode graphs (if any) ran adapter rows."""
     llm = LLM(
-        model=folder,
-        device=config.device,
-        dtype=config.dtype,
-        max_num_seqs=len(prompts),
-        max_num_batched_tokens=max(2048, len(prompts) * 8),
-        kv_cache_memory=config.kv_memory,
-        attention_backend=config.attention_backend,
-        cuda_graph_sizes=sizes,
+        **engine_args(folder, config, len(prompts), sizes),
         enable_lora=True,
         max_loras=config.adapters,
         max_lora_rank=config.rank,
