@@ -17,7 +17,6 @@ the replica's gRPC Abort.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 
@@ -32,7 +31,6 @@ from scheduler_node.router.upstream import Forwarder
 logger = logging.getLogger(__name__)
 
 PREFILL_SUFFIX = ".prefill"
-RELEASE_TIMEOUT_S = 5.0
 # Shorter prompts (4 blocks of 16) are computed where they decode: a chat turn's prompt costs a decode replica about
 # one step, while the prefill hop queues it behind every long prompt the prefill replica holds, then adds a transfer.
 DEFAULT_MIN_PROMPT_TOKENS = 64
@@ -43,7 +41,6 @@ class Disaggregator:
         self.forwarder = forwarder
         self.min_prompt_tokens = min_prompt_tokens
         self.pool = forwarder.router.pool
-        self._releases: set[asyncio.Task[None]] = set()
         self.handoffs = 0  # requests decoded from a prefill's KV
         self.fallbacks = 0  # requests whose prefill failed or offered nothing: the decode replica computed them
         self.direct = 0  # requests whose prompt was too short to move: sent straight to a decode replica
@@ -119,9 +116,7 @@ class Disaggregator:
 
     def release(self, replica: Replica, prefill_id: str) -> None:
         """Free a prefill's lease on `replica` (fire and forget: an unreleased lease expires on its own)."""
-        task = asyncio.ensure_future(self._abort(replica, prefill_id))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
+        self.forwarder.release(replica, prefill_id)
 
     def prefill_only(self) -> list[Replica]:
         """The replicas a decode (or any whole request) never goes to."""
@@ -130,10 +125,3 @@ class Disaggregator:
     def decode_only(self) -> list[Replica]:
         """The replicas a prefill never goes to."""
         return self._only("decode")
-
-    async def _abort(self, replica: Replica, prefill_id: str) -> None:
-        link = self.forwarder.links[replica.address]
-        try:
-            await link.generation.Abort(pb.AbortRequest(request_id=prefill_id), timeout=RELEASE_TIMEOUT_S)
-        except grpc.aio.AioRpcError as exc:
-            logger.info("the lease of %s on %s is left to expire: %s", prefill_id, replica.address, exc.details())

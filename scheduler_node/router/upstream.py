@@ -61,6 +61,9 @@ def open_links(pool: ReplicaPool) -> dict[str, Link]:
     return links
 
 
+RELEASE_TIMEOUT_S = 5.0  # an Abort that frees a lease; an unreleased lease expires on its own
+
+
 class UpstreamError(Exception):
     """How a forwarded request ended when it did not end well: the status to give the client."""
 
@@ -77,7 +80,7 @@ class Forwarder:
         self.metrics = metrics
         # Asks the replicas again which LoRA adapters they serve (the prober's; None: never).
         self.refresh_adapters: Callable[[], Awaitable[None]] | None = None
-        self._releases: set[asyncio.Task[None]] = set()  # Aborts that free migrated KV on a source replica
+        self._releases: set[asyncio.Task[None]] = set()  # Aborts that free leased KV on a replica
 
     async def route(self, request: RouteRequest, failed: Sequence[Replica]) -> Route:
         """The router's decision; a name that no replica served at the last probe is looked up once more first
@@ -107,19 +110,19 @@ class Forwarder:
             async for response in self._attempts(request, route_request, timeout, metadata, exclude, arrived):
                 if isinstance(response, Replica):  # handed back: a new target pulls that replica's KV
                     if holding is not None:
-                        self._release(holding, request.request_id)
+                        self.release(holding, request.request_id)
                     holding = response if any(s.HasField("kv_source") for s in request.resume.sequences) else None
                     continue
                 if response is None:  # taken back: it runs on where its KV is, which frees it itself
                     holding = None
                     continue
                 if holding is not None:  # the target answered: it has the KV, the source may free it
-                    self._release(holding, request.request_id)
+                    self.release(holding, request.request_id)
                     holding = None
                 yield response
         finally:
             if holding is not None:
-                self._release(holding, request.request_id)
+                self.release(holding, request.request_id)
 
     async def _attempts(
         self,
@@ -193,16 +196,18 @@ class Forwarder:
         request.resume.CopyFrom(pb.ResumeState(sequences=states))
         logger.info("request %s: migrating %d sequence(s) off %s", request.request_id, len(states), replica.address)
 
-    def _release(self, replica: Replica, request_id: str) -> None:
-        """Free the KV a replica kept for the request's migrated sequences (an Abort of the request there: fire
-        and forget, an unreleased lease expires on its own)."""
+    def release(self, replica: Replica, request_id: str) -> None:
+        """Free the KV a replica keeps leased for a request (a migrated request's sequences, a disaggregated
+        prefill's prompt) by an Abort of the request there: fire and forget, an unreleased lease expires on its
+        own."""
         task = asyncio.ensure_future(self._abort(replica, request_id))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
     async def _abort(self, replica: Replica, request_id: str) -> None:
+        abort = pb.AbortRequest(request_id=request_id)
         try:
-            await self.links[replica.address].generation.Abort(pb.AbortRequest(request_id=request_id), timeout=5.0)
+            await self.links[replica.address].generation.Abort(abort, timeout=RELEASE_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             logger.info("the KV lease of %s on %s is left to expire: %s", request_id, replica.address, exc.details())
 
