@@ -8,7 +8,7 @@ idle."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -68,13 +68,23 @@ def hand_off(p: EngineRun, d: EngineRun, prompt: list[int], max_tokens: int, rel
     return decoded.output
 
 
-def nothing_leased(p: EngineRun) -> None:
-    """The prefill's scheduler holds no block under a lease and its workers serve no lease (they learn of a
-    release with the next plan, which the engine sends for it)."""
-    exporter = p.workers.runners[0].handoff.exporter  # type: ignore[union-attr]
-    assert exporter is not None
+def nothing_leased(p: EngineRun, ranks: Sequence[ModelRunner] = ()) -> None:
+    """The prefill's scheduler holds no block under a lease and its workers (`ranks`, default its first) serve no
+    lease (they learn of a release with the next plan, which the engine sends for it)."""
+    exporters = [r.handoff.exporter for r in ranks or p.workers.runners[:1] if r.handoff is not None]
+    assert all(e is not None for e in exporters) and exporters
     leases = p.scheduler.leases
-    p.run_until(lambda: not leases.num_blocks and not leases.pending and not exporter.num_leases, "no lease left")
+
+    def none_left() -> bool:
+        return not leases.num_blocks and not leases.pending and not any(e and e.num_leases for e in exporters)
+
+    p.run_until(none_left, "no lease left")
+
+
+def close_handoffs(ranks: Sequence[ModelRunner]) -> None:
+    for r in ranks:
+        if r.handoff is not None:
+            r.handoff.close()
 
 
 @pytest.mark.parametrize(
@@ -148,13 +158,9 @@ def test_handoff_between_two_pipeline_worlds(tiny_llama_dir: Path) -> None:
         ):
             assert [hand_off(p, d, prompt, 8) for prompt in ps] == expected
             assert d.scheduler.leases.imported_blocks == sum((len(x) - 1) // BLOCK for x in ps)
-            leases = p.scheduler.leases
-            exporters = [r.handoff.exporter for r in producer if r.handoff is not None]
-            p.run_until(lambda: not leases.num_blocks and not any(e and e.num_leases for e in exporters), "no lease")
+            nothing_leased(p, producer)
     finally:
-        for r in producer + consumer:
-            if r.handoff is not None:
-                r.handoff.close()
+        close_handoffs(producer + consumer)
 
 
 def tp_world(folder: Path, tp: int, serve: bool) -> tuple[list[ModelRunner], TensorParallelRanks | None]:
@@ -185,13 +191,9 @@ def test_handoff_between_tensor_parallel_worlds(tiny_llama_dir: Path, producer_t
             outputs = [hand_off(p, d, prompt, 8) for prompt in ps]
             assert d.scheduler.leases.imported_blocks == sum((len(x) - 1) // BLOCK for x in ps)
             assert not d.scheduler.counters.preemptions_recompute, "every pull succeeded"
-            leases = p.scheduler.leases
-            exporters = [r.handoff.exporter for r in producer if r.handoff is not None]
-            p.run_until(lambda: not leases.num_blocks and not any(e and e.num_leases for e in exporters), "no lease")
+            nothing_leased(p, producer)
     finally:
-        for r in producer + consumer:
-            if r.handoff is not None:
-                r.handoff.close()
+        close_handoffs(producer + consumer)
         for w in (p_world, d_world):
             if w is not None:
                 w.close()
