@@ -78,12 +78,17 @@ def _run(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None) -> 
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
     scale_pointer = None if scales is None else scales.data_ptr()
     rows, outputs, inputs = x.shape[0], weight.shape[0], weight.shape[1]
-    threads = torch.get_num_threads()
+    threads = kernel_threads(rows)
     fmt = WEIGHT_FORMATS[weight.dtype]
     status = library.skinny_gemm(
         x.data_ptr(), weight.data_ptr(), scale_pointer, out.data_ptr(), rows, outputs, inputs, fmt, threads
     )
     return out if status == 0 else None
+
+
+def kernel_threads(rows: int) -> int:
+    """Threads for one product of `rows` rows."""
+    return torch.get_num_threads()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -146,6 +151,6 @@ def linear_int8_act(
         codes.shape[0],
         codes.shape[1],
         act_bits,
-        torch.get_num_threads(),
+        kernel_threads(x.shape[0]),
     )
     return out if status == 0 else None

@@ -65,7 +65,7 @@ def engine(model: Path, fmt: str, args: argparse.Namespace) -> LLM:
         dtype=args.dtype,
         quantization=fmt,
         max_num_seqs=64,
-        max_num_batched_tokens=512,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory,
         threads=args.threads,
     )
@@ -226,6 +226,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--kv-cache-memory", default="2GiB")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=512,
+        help="the engines' step budget; 64 makes the teacher-forced checks run in decode-sized steps (the CPU "
+        "kernels of at most 64 rows) instead of one prefill",
+    )
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--positions", type=int, default=400, help="generated positions compared with the first format")
     p.add_argument("--agreement-prompts", type=int, default=4, help="prompts those positions are generated from")

@@ -173,6 +173,19 @@ static inline void store_group(const float *acc, const float *scales, uint16_t *
         _mm256_storeu_si256((__m256i *)(out + m * N), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(r[m], s)));
 }
 
+/* While a stripe's tiles multiply, the next stripe's weights (as many bytes, right after it: rows are contiguous)
+ * are fetched into L2, a slice per k block: the tile loads' 16 rows at a stride of K are not a stream the hardware
+ * prefetchers follow well. */
+static inline void prefetch_next_stripe(const void *stripe, int64_t bytes, int64_t kb, int64_t blocks) {
+#ifndef NO_PREFETCH
+    const char *next = (const char *)stripe + bytes;
+    for (int64_t i = kb * bytes / blocks; i < (kb + 1) * bytes / blocks; i += 64)
+        _mm_prefetch(next + i, _MM_HINT_T1);
+#else
+    (void)stripe, (void)bytes, (void)kb, (void)blocks;
+#endif
+}
+
 /* One stripe of 16 or 32 output channels (`width`) from n0, for every row: the stripe's weights (widened to bf16
  * first for int8) are tiles 4 and 5, two row groups' activations tiles 6 and 7, and four accumulators 0-3 (group
  * x channel half) are independent, so consecutive tile products do not wait on each other. */
@@ -194,6 +207,8 @@ static void stripe_product(const void *w, int format, const float *scales, const
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t kb = 0; kb < K / BLOCK_K; kb++) {
+            if (g == 0 && format == WEIGHT_BF16)
+                prefetch_next_stripe(a, (int64_t)width * stride, kb, K / BLOCK_K);
             _tile_loadd(4, a + kb * BLOCK_K, stride);
             _tile_loadd(6, b0 + kb * 16 * GROUP_ROWS, 64);
             _tile_dpbf16ps(0, 4, 6);
@@ -324,6 +339,8 @@ static void stripe_int8(const int8_t *w, const float *w_scales, const uint32_t *
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t kb = 0; kb < K / QUADS_K; kb++) {
+            if (vg == 0)
+                prefetch_next_stripe(a, (int64_t)width * K, kb, K / QUADS_K);
             _tile_loadd(4, a + kb * QUADS_K, K);
             _tile_loadd(6, b0 + kb * 16 * GROUP_ROWS, 64);
             _tile_dpbssd(0, 4, 6);
@@ -382,7 +399,7 @@ int skinny_gemm(const uint16_t *x, const void *w, const float *scales, uint16_t 
         failed = format == WEIGHT_INT8 && !wide;
         _Alignas(64) float acc[16 * 16];
         configure_tiles();
-#pragma omp for schedule(static)
+#pragma omp for schedule(runtime)
         for (int64_t s = 0; s < stripes; s++) {
             const int64_t n0 = s * 2 * BLOCK_N;
             const int width = N - n0 < 2 * BLOCK_N ? (int)(N - n0) : 2 * BLOCK_N;
@@ -425,7 +442,7 @@ int int8_gemm(const uint16_t *x, const int8_t *w, const float *w_scales, uint16_
         }
         _Alignas(64) int32_t acc[16 * 16], acc_lo[16 * 16];
         configure_tiles();
-#pragma omp for schedule(static)
+#pragma omp for schedule(runtime)
         for (int64_t s = 0; s < stripes; s++) {
             const int64_t n0 = s * 2 * BLOCK_N;
             const int width = N - n0 < 2 * BLOCK_N ? (int)(N - n0) : 2 * BLOCK_N;
