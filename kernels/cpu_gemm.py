@@ -5,7 +5,8 @@ at most `MAX_ROWS` rows by a bf16 weight, or by int8 codes with a float32 scale 
 (`linear_int8`), in the C kernel, reading the weight once from the layout torch keeps (no repacked copy). What it
 does not cover (another device or dtype, more rows, a width that is not a multiple of 32 inputs and 16 outputs)
 goes to torch. `linear_int8_act` multiplies int8 codes by the activations quantized per row in the call (8 or 16
-bits; any row count; AMX-INT8, inputs a multiple of 64). Measured against torch on SmolLM2's shapes in scripts/bench_quant.py --kernels (docs/benchmarks.md).
+bits; any row count; AMX-INT8, inputs a multiple of 64). Measured against torch on SmolLM2's shapes in
+scripts/bench_quant.py --kernels (docs/benchmarks.md).
 """
 
 from __future__ import annotations

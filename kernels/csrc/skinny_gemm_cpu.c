@@ -13,7 +13,8 @@
  * accumulator holds y^T [16 channels, 16 rows]: up to 4 of them cover 64 rows, each reusing the weight tile. They
  * are transposed in registers on the way out. Rows past M are zeros in `xt` (an accumulator is always 16 wide:
  * AMX's cost is one tile product per 512 weights, small beside reading them). Threads (OpenMP) split the output
- * channels. Products accumulate in float32 and round to bf16 once, as torch's bf16 matmul does.
+ * channels, a stripe at a time as each thread comes free (dynamic: on two cores shared with the engine's own
+ * threads, a thread that is descheduled mid-call would hold a static half back, and the call with it). Products accumulate in float32 and round to bf16 once, as torch's bf16 matmul does.
  *
  * Requirements (the caller checks): K % 32 == 0, N % 16 == 0, 1 <= M <= 64, everything contiguous; x and out
  * bf16; scales float32 [N] (int8) or NULL (bf16).
@@ -399,7 +400,7 @@ int skinny_gemm(const uint16_t *x, const void *w, const float *scales, uint16_t 
         failed = format == WEIGHT_INT8 && !wide;
         _Alignas(64) float acc[16 * 16];
         configure_tiles();
-#pragma omp for schedule(runtime)
+#pragma omp for schedule(dynamic, 1)
         for (int64_t s = 0; s < stripes; s++) {
             const int64_t n0 = s * 2 * BLOCK_N;
             const int width = N - n0 < 2 * BLOCK_N ? (int)(N - n0) : 2 * BLOCK_N;
@@ -442,7 +443,7 @@ int int8_gemm(const uint16_t *x, const int8_t *w, const float *w_scales, uint16_
         }
         _Alignas(64) int32_t acc[16 * 16], acc_lo[16 * 16];
         configure_tiles();
-#pragma omp for schedule(runtime)
+#pragma omp for schedule(dynamic, 1)
         for (int64_t s = 0; s < stripes; s++) {
             const int64_t n0 = s * 2 * BLOCK_N;
             const int width = N - n0 < 2 * BLOCK_N ? (int)(N - n0) : 2 * BLOCK_N;

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import cpu_gemm
 from proto.quantization import QuantizationError
 from tests.support.awq_checkpoint import pack_columns, quantize_awq
+from worker_node.models import quant_int8
 from worker_node.models.quant_awq import AwqMethod, pack, unpack
 from worker_node.models.quant_fp8 import FP8, Fp8Method
-from kernels import cpu_gemm
-from worker_node.models import quant_int8
 from worker_node.models.quant_int8 import Int8Method
 from worker_node.models.quant_linear import QuantLinear
 from worker_node.models.quantize import QuantizedCheckpoint, weight_bytes
@@ -112,9 +112,8 @@ def test_an_int8_layer_on_amx_quantizes_its_activations_by_its_projection(
     layer.role = role
     x = torch.randn(rows, 128).bfloat16()
     scales = layer.part("scales").float()
-    if bits is None:
-        want = torch.nn.functional.linear(x, layer.part("qweight").bfloat16()) * layer.part("scales")
-    else:
+    want: torch.Tensor | None = torch.nn.functional.linear(x, layer.part("qweight").bfloat16()) * layer.part("scales")
+    if bits is not None:
         want = cpu_gemm.linear_int8_act(x, layer.part("qweight"), scales, bits)
     assert want is not None and torch.equal(layer(x), want)
 
