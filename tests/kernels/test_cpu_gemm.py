@@ -72,7 +72,7 @@ def _int8_act_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tens
 
 @needs_amx_int8
 @pytest.mark.parametrize("bits", [8, 16])
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 64, 100])
+@pytest.mark.parametrize("rows", [1, 5, 17, 64, 100])
 @pytest.mark.parametrize(("outputs", "inputs"), [(16, 64), (48, 192), (112, 128)])
 def test_int8_codes_times_quantized_activations_match_the_reference(
     bits: int, rows: int, outputs: int, inputs: int
