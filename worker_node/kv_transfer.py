@@ -33,6 +33,7 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
+import torch
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
@@ -261,6 +262,8 @@ class KVExporter:
         device's memory (no wire to corrupt them; the handle itself comes over the authenticated socket)."""
         places = export_into(self.cache, blocks, staging.tensor, heads)
         if staging.kind != "shm":
+            # the copies land before the consumer (another process, another stream) hears of the buffer
+            torch.cuda.synchronize(staging.tensor.device)
             return places, []
         data = staging.tensor.numpy()
         return places, [zlib.crc32(data[o : o + n]) for o, n in places]
@@ -419,6 +422,8 @@ class _Pull:
                 sums = [zlib.crc32(f.numpy()) for f in frames] if chunk.sums else []
                 if sums == chunk.sums:
                     import_frames(self.cache, self.dst, frames, self.heads)
+                if buffer.is_cuda:  # the copies must be done before the buffer is let go (the producer reuses it)
+                    torch.cuda.synchronize(buffer.device)
                 del frames
         except (StagingError, KVTransferError):
             self._ack(where, ok=False)
