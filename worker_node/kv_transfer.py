@@ -266,7 +266,7 @@ class KVExporter:
             torch.cuda.synchronize(staging.tensor.device)
             return places, []
         data = staging.tensor.numpy()
-        return places, [zlib.crc32(data[o : o + n]) for o, n in places]
+        return places, [zlib.crc32(data[o : o + n].data) for o, n in places]
 
     def _acked(self, ident: bytes, data: bytes) -> None:
         """A consumer is done with a staging buffer: free it, count the pull when it went well, confirm."""
@@ -419,7 +419,7 @@ class _Pull:
         try:
             with open_staging(where.kind, where.handle, where.size, self.cache[0].k.device) as buffer:
                 frames = [buffer[o : o + n] for o, n in zip(where.offsets, where.sizes, strict=True)]
-                sums = [zlib.crc32(f.numpy()) for f in frames] if chunk.sums else []
+                sums = [zlib.crc32(f.numpy().data) for f in frames] if chunk.sums else []
                 if sums == chunk.sums:
                     import_frames(self.cache, self.dst, frames, self.heads)
                 if buffer.is_cuda:  # the copies must be done before the buffer is let go (the producer reuses it)

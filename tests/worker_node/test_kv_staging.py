@@ -51,7 +51,7 @@ def test_a_malformed_handle_is_refused(kind: str, handle: list[bytes | int | boo
 def raw_staged_pull(exporter: KVExporter, lease: bytes, blocks: list[int]) -> KVStaging:
     """A same-host pull by a consumer that then vanishes without acking (killed mid-pull)."""
     layout = cache_layout(exporter.cache)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     try:
         sock.connect(f"tcp://{exporter.address}")
         sock.send(encode(KVPull(KV_TRANSFER_VERSION, lease, layout, blocks, DEFAULT_CHUNK_BYTES, [], host_id())))
