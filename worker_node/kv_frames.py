@@ -52,6 +52,16 @@ def _head_slice(t: torch.Tensor, heads: HeadRun | None) -> torch.Tensor:
     return t if heads is None else t.narrow(2, heads[0], heads[1])
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 view as the widest integer type its layout allows: index_copy_ moves elements, and on a CPU it is
+    ~20x faster moving 8-byte ones than bytes."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        size = dtype.itemsize
+        if t.shape[-1] % size == 0 and t.storage_offset() % size == 0 and all(s % size == 0 for s in t.stride()[:-1]):
+            return t.view(dtype)
+    return t
+
+
 def export_frames(cache: KVCache, blocks: Sequence[int], heads: HeadRun | None = None) -> list[np.ndarray]:
     """The blocks' bytes (of a run of this rank's KV heads), one contiguous `[len(blocks), bytes]` array per layer
     and tensor, in cache order."""
@@ -74,7 +84,8 @@ def export_into(
         for t in layer.tensors():
             part = _head_slice(t, heads).view(torch.uint8)  # heads narrow dim 2: the last stays contiguous
             size = len(blocks) * part[:1].numel()
-            torch.index_select(part, 0, index, out=buffer[offset : offset + size].view(len(blocks), *part.shape[1:]))
+            out = buffer[offset : offset + size].view(len(blocks), *part.shape[1:])
+            torch.index_select(_wide(part), 0, index, out=_wide(out))
             places.append((offset, size))
             offset = aligned(offset + size)
     return places
@@ -103,14 +114,8 @@ def import_frames(
             data = frame
         else:
             data = torch.frombuffer(bytearray(frame) if isinstance(frame, bytes) else frame, dtype=torch.uint8)
-        if heads is None:
-            rows = _byte_rows(t)
-            if data.numel() != len(blocks) * rows.shape[1]:
-                raise KVTransferError(f"a frame of {data.numel()} bytes for {len(blocks)} blocks of {rows.shape[1]}")
-            rows.index_copy_(0, index, data.view(len(blocks), -1).to(rows.device))
-            continue
-        part = _head_slice(t, heads)
-        shape = (len(blocks), *part.shape[1:])
-        if data.numel() != part[:1].numel() * part.element_size() * len(blocks):
-            raise KVTransferError(f"a frame of {data.numel()} bytes for {len(blocks)} blocks of heads {heads}")
-        part.index_copy_(0, index, data.view(t.dtype).view(shape).to(t.device))
+        part = _head_slice(t, heads).view(torch.uint8)  # heads narrow dim 2: the last stays contiguous
+        if data.numel() != len(blocks) * part[:1].numel():
+            of = f"heads {heads}" if heads is not None else str(part[:1].numel())
+            raise KVTransferError(f"a frame of {data.numel()} bytes for {len(blocks)} blocks of {of}")
+        _wide(part).index_copy_(0, index, _wide(data.view(len(blocks), *part.shape[1:]).to(part.device)))
