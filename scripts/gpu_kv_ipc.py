@@ -3,7 +3,9 @@ segment on CPU) vs frames over TCP, on the same lease sizes in one run (scripts/
 CPU benchmark on its own). This process is the producer (a `KVExporter` over a random cache of SmolLM2-135M's KV
 shape: 30 layers, 3 KV heads of 64); a child process is the consumer: it pulls each lease into its own cache,
 alternating the paths (staged, tcp, tcp, staged, ...), and reports each pull's seconds and a CRC of the blocks it
-received, which must equal the producer's.
+received, which must equal the producer's. On a busy CPU the wall time is mostly waiting for a core, so each pull's
+CPU time is reported too: the consumer process's, plus the producer process's from that pull's request to the next
+one's (its exporter and ZeroMQ threads; nothing else runs there meanwhile).
 
   python scripts/gpu_kv_ipc.py [--device cpu|cuda] [--tokens 4096] [--dtype bfloat16] [--rounds 3]
 """
@@ -32,6 +34,16 @@ from worker_node.kv_frames import block_bytes, export_frames  # noqa: E402
 from worker_node.kv_transfer import KVExporter, cache_layout, new_lease, pull_blocks  # noqa: E402
 
 PATHS = ("staged", "tcp")
+
+
+class TimedExporter(KVExporter):
+    """Notes this process's CPU time at each pull's arrival (the pulls come one after another)."""
+
+    marks: list[float]
+
+    def _answer(self, ident: bytes, data: bytes) -> None:
+        self.marks.append(time.process_time())
+        super()._answer(ident, data)
 
 
 @dataclass(frozen=True)
@@ -76,7 +88,8 @@ def kv_ipc_part(config: KVIpcConfig) -> dict[str, Any]:
     """Grant one lease per pull, let a child process pull them all, compare bytes and speeds."""
     one_thread(config)
     cache = make_cache(config, seed=0)
-    exporter = KVExporter(cache, cache_layout(cache))
+    exporter = TimedExporter(cache, cache_layout(cache))
+    exporter.marks = []
     blocks = list(range(config.tokens // config.block))
     plan = [PATHS[(i + i // 2) % 2] for i in range(2 * config.rounds)]  # staged, tcp, tcp, staged, ...
     leases = [new_lease() for _ in plan]
@@ -91,20 +104,27 @@ def kv_ipc_part(config: KVIpcConfig) -> dict[str, Any]:
         if child.returncode:
             raise RuntimeError(f"the consumer failed: {child.stderr[-2000:]}")
         result = json.loads(child.stdout.strip().splitlines()[-1])
+        marks = [*exporter.marks, time.process_time()]
     finally:
         exporter.close()
+    producer_cpu = [b - a for a, b in zip(marks, marks[1:])]
     want = digest(cache, blocks)
     nbytes = len(blocks) * block_bytes(cache)
     rows = {}
     for path in PATHS:
         seconds = [s for s, p in zip(result["seconds"], plan, strict=True) if p == path]
-        rows[path] = {"GB/s": nbytes / statistics.median(seconds) / 1e9, "ms": [round(s * 1e3, 2) for s in seconds]}
+        cpu = [c + q for c, q, p in zip(result["cpu"], producer_cpu, plan, strict=True) if p == path]
+        rows[path] = {
+            "GB/s": nbytes / statistics.median(seconds) / 1e9, "ms": [round(s * 1e3, 2) for s in seconds],
+            "GB per CPU s": nbytes / statistics.median(cpu) / 1e9, "CPU ms": [round(c * 1e3, 2) for c in cpu],
+        }  # fmt: skip
     same = all(c == want for c in result["crcs"])
     return {
         "device": config.device, "dtype": config.dtype, "tokens": config.tokens, "MB": nbytes / 1e6,
         "bytes identical": same, "staged pulls": exporter.pulls_staged, "framed pulls": exporter.pulls_framed,
         "staging kind": "cuda" if config.device.startswith("cuda") else "shm", **rows,
         "staged / tcp": rows["staged"]["GB/s"] / rows["tcp"]["GB/s"],
+        "staged / tcp, CPU": rows["staged"]["GB per CPU s"] / rows["tcp"]["GB per CPU s"],
     }  # fmt: skip
 
 
@@ -114,21 +134,22 @@ def consume(job: dict[str, Any]) -> dict[str, Any]:
     one_thread(config)
     cache = make_cache(config, seed=None)
     blocks = list(range(config.tokens // config.block))
-    seconds, crcs = [], []
+    seconds, cpu, crcs = [], [], []
     for lease, path in job["pulls"]:
         for layer in cache:
             for t in layer.tensors():
                 t.zero_()
         sync(config)
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         pull_blocks(
             job["address"], bytes.fromhex(lease), cache, cache_layout(cache), blocks, blocks, config.timeout_s,
             same_host=path == "staged",
         )  # fmt: skip
         sync(config)
         seconds.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
         crcs.append(digest(cache, blocks))
-    return {"seconds": seconds, "crcs": crcs}
+    return {"seconds": seconds, "cpu": cpu, "crcs": crcs}
 
 
 def one_thread(config: KVIpcConfig) -> None:
@@ -148,7 +169,8 @@ def summary_lines(part: dict[str, Any]) -> list[str]:
         return [f"| KV pull, same host | failed: {part['error']} |"] if part else []
     return [
         f"| KV pull, same host ({part['staging kind']}) | {part['staged']['GB/s']:.2f} GB/s vs TCP "
-        f"{part['tcp']['GB/s']:.2f} GB/s ({part['staged / tcp']:.1f}x), {part['MB']:.0f} MB, "
+        f"{part['tcp']['GB/s']:.2f} GB/s ({part['staged / tcp']:.1f}x; {part['staged / tcp, CPU']:.1f}x in CPU time), "
+        f"{part['MB']:.0f} MB, "
         f"bytes identical: {part['bytes identical']} |"
     ]
 

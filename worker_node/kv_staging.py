@@ -11,8 +11,9 @@ One mechanism, two ways to make and open the buffer, both seen as a flat uint8 t
   the producer may drop its reference at any time.
 
 Who owns what: the producer makes a `Staging` per pull and frees it (`Staging.free`: unlink the file, drop the
-mapping) on the consumer's ack, on the lease's revoke or expiry and at shutdown; the consumer only maps it for the
-duration of its copy (`open_staging`). `host_id` says whether two processes may share one (same kernel boot and
+mapping) on the lease's revoke or expiry and at shutdown, and on the consumer's ack (or renames it, `Staging.rename`,
+to keep it for the next pull: see worker_node/kv_transfer.py); the consumer only maps it for the duration of its
+copy (`open_staging`). `host_id` says whether two processes may share one (same kernel boot and
 host name).
 """
 
@@ -67,6 +68,14 @@ class Staging:
     size: int
     _mapping: mmap.mmap | None = field(default=None, repr=False)
     _path: Path | None = field(default=None, repr=False)
+
+    def rename(self) -> None:
+        """A new random name for a /dev/shm buffer kept for another pull: whoever knew the old one cannot open it."""
+        if self._path is None:
+            raise StagingError(f"a {self.kind} staging has no name")
+        name = SHM_PREFIX + secrets.token_hex(16)
+        os.rename(self._path, SHM_DIR / name)
+        self._path, self.handle = SHM_DIR / name, [name.encode()]
 
     def free(self) -> None:
         """Unlink and unmap (idempotent). The consumer's mapping, if any, stays valid until it closes it."""

@@ -16,7 +16,8 @@ Same host (worker_node/kv_staging.py): a consumer asks with its host id and a pr
 blocks into a staging buffer the consumer maps (/dev/shm on CPU, a CUDA IPC handle on GPU) instead of sending
 frames; the consumer copies them into its blocks and acks, and the producer frees the buffer on that ack, on the
 lease's revoke and at close. Frames over TCP remain the fallback: other hosts, a buffer that cannot be made or
-opened, a pull beyond `staging_limit`, or `same_host=False` on either side.
+opened, a pull beyond `staging_limit`, or `same_host=False` on either side. An acked /dev/shm buffer is kept,
+renamed, for the next pull (one spare: fresh pages cost more to fault in than to copy into).
 
 This is the one export/import path: disaggregated prefill/decode uses it, and so may live migration. The API:
 `cache_layout`, `export_frames` / `import_frames` (bytes of blocks, no socket), `KVExporter`, `pull_blocks`.
@@ -101,6 +102,7 @@ class KVExporter:
         self.host = host_id() if same_host else ""  # "": every pull gets frames
         self.staging_limit = staging_limit
         self._staged: dict[bytes, tuple[bytes, Staging, HeadRun | None]] = {}  # by id: lease, buffer, heads
+        self._spare: Staging | None = None  # an acked /dev/shm buffer, renamed, for the next pull (until close)
         self.pulls_staged = 0  # pulls answered with a staging buffer / with frames (read by tests and benchmarks)
         self.pulls_framed = 0
         self._leases: dict[bytes, frozenset[int]] = {}
@@ -161,8 +163,9 @@ class KVExporter:
         self._stop.set()
         self._thread.join(timeout=5)
         with self._lock:
-            buffers = [b for _, b, _ in self._staged.values()]
+            buffers = [b for _, b, _ in self._staged.values()] + ([self._spare] if self._spare else [])
             self._staged.clear()
+            self._spare = None
         for b in buffers:
             b.free()
         if self._auth is not None:
@@ -195,6 +198,9 @@ class KVExporter:
                 self._send(ident, KVChunk(KV_TRANSFER_VERSION, error=str(exc), layout=self.layout, done=True), [])
             except zmq.ZMQError as exc:
                 logger.warning("KV pull cut short: %s", exc)
+            except Exception as exc:  # noqa: BLE001 - one bad pull must not end the exporter (its pullers would hang)
+                logger.exception("KV pull failed")
+                self._send(ident, KVChunk(KV_TRANSFER_VERSION, error=f"exporter error: {exc}", done=True), [])
 
     def _answer(self, ident: bytes, data: bytes) -> None:
         pull = decode_pull(data)
@@ -236,7 +242,7 @@ class KVExporter:
         if held + size > self.staging_limit:
             return False
         try:
-            staging = make_staging(size, self.cache[0].k.device)
+            staging = self._buffer(size)
         except StagingError as exc:
             logger.info("KV pull by frames: %s", exc)
             return False
@@ -253,6 +259,31 @@ class KVExporter:
         self.pulls_staged += 1
         self._send(ident, KVChunk(KV_TRANSFER_VERSION, "", self.layout, 0, n, sums, True, where), [])
         return True
+
+    def _buffer(self, size: int) -> Staging:
+        """A staging buffer of at least `size` bytes: the spare when it is big enough (its pages are in: a busy host
+        spends longer faulting fresh pages in than copying into them), else a new one."""
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if spare is not None and spare.size >= size:
+            return spare
+        if spare is not None:
+            spare.free()
+        return make_staging(size, self.cache[0].k.device)
+
+    def _release(self, staging: Staging) -> None:
+        """A buffer its consumer acked: kept as the spare under a new random name when it is a /dev/shm one and there
+        is none (the name the consumer knew opens nothing any more), else freed."""
+        if staging.kind == "shm" and self._spare is None:
+            try:
+                staging.rename()
+            except OSError:
+                staging.free()
+                return
+            with self._lock:
+                self._spare = staging
+            return
+        staging.free()
 
     def _fill(
         self, staging: Staging, blocks: Sequence[int], heads: HeadRun | None
@@ -278,7 +309,7 @@ class KVExporter:
         if entry is None or entry[0] != ack.lease:
             raise KVTransferError("an ack of an unknown staging buffer (revoked or already acked)")
         _, staging, heads = entry
-        staging.free()
+        self._release(staging)
         if ack.ok and self._all_pulled(ack.lease, heads) and self.revoke(ack.lease) and self.on_pulled is not None:
             self.on_pulled(ack.lease)
         self._send(ident, KVChunk(KV_TRANSFER_VERSION, "", self.layout, done=True), [])  # after: nothing left

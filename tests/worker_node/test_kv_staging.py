@@ -78,6 +78,23 @@ def test_a_consumer_gone_mid_pull_leaves_nothing_once_the_lease_expires(exporter
     assert exporter.num_staged == 0 and not shm_path(staged[1]).exists()
 
 
+def test_an_acked_buffer_is_renamed_and_kept_for_the_next_pull(exporter_of, staged) -> None:  # type: ignore[no-untyped-def]
+    """Its pages stay in (a fresh segment's page faults cost more than the copy); the name its consumer knew opens
+    nothing; a bigger pull replaces it; close removes it (the `staged` fixture checks)."""
+    src, dst = make_cache(torch.float32, seed=4), make_cache(torch.float32, seed=None)
+    exporter = exporter_of(src)
+    for i, blocks in enumerate(([0, 1], [2], [3, 4, 5])):
+        lease = new_lease()
+        exporter.grant(lease, blocks)
+        pull_blocks(exporter.address, lease, dst, cache_layout(dst), blocks, blocks, timeout_s=10)
+        assert all(block(dst, b) == block(src, b) for b in blocks)
+        assert exporter.pulls_staged == i + 1 and len(staged) == [1, 1, 2][i], "a smaller pull reuses the spare"
+    assert staged.gone(), "the names handed out open nothing"
+    first = [staged.names[0].encode()]
+    with pytest.raises(StagingError, match="cannot open"), open_staging("shm", first, 1, torch.device("cpu")):
+        pass
+
+
 def test_other_hosts_get_frames(exporter_of, staged) -> None:  # type: ignore[no-untyped-def]
     src, dst = make_cache(torch.bfloat16, seed=2), make_cache(torch.bfloat16, seed=None)
     exporter = exporter_of(src)
@@ -122,7 +139,7 @@ def test_no_buffer_means_frames(exporter_of, staged, monkeypatch: pytest.MonkeyP
     exporter.grant(lease, [5])
     pull_blocks(exporter.address, lease, dst, cache_layout(dst), [5], [6], timeout_s=10)
     assert (exporter.pulls_staged, exporter.pulls_framed) == (1, 2) and block(dst, 6) == block(src, 5)
-    assert len(staged) == 1 and not shm_path(staged[0]).exists() and exporter.num_staged == 0
+    assert len(staged) == 1 and staged.gone() and exporter.num_staged == 0
     wait_for(lambda: pulled == [lease], 10, "the lease pulled once, by its frames")
 
 

@@ -59,19 +59,31 @@ def block(cache: KVCache, b: int) -> list[bytes]:
     return [t[b].contiguous().view(torch.uint8).numpy().tobytes() for layer in cache for t in layer.tensors()]
 
 
+class Made(list[Staging]):
+    """The staging buffers made, and the name each had when made (an acked one is renamed and kept as a spare)."""
+
+    names: list[str]
+
+    def gone(self) -> bool:
+        """No name ever handed out opens anything now."""
+        return not any((Path("/dev/shm") / n).exists() for n in self.names)
+
+
 @pytest.fixture(autouse=True)
-def staged(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Staging]]:
+def staged(monkeypatch: pytest.MonkeyPatch) -> Iterator[Made]:
     """Every staging buffer the exporters make; none may be left in /dev/shm once the test's exporters closed."""
-    made: list[Staging] = []
+    made = Made()
+    made.names = []
 
     def recording(size: int, device: torch.device) -> Staging:
         made.append(real(size, device))
+        made.names.append(made[-1].handle[0].decode())  # type: ignore[union-attr]
         return made[-1]
 
     real = kv_transfer.make_staging
     monkeypatch.setattr(kv_transfer, "make_staging", recording)
     yield made
-    assert not [s for s in made if shm_path(s).exists()], "a staging buffer left behind"
+    assert not [s for s in made if shm_path(s).exists()] and made.gone(), "a staging buffer left behind"
 
 
 def shm_path(s: Staging) -> Path:
@@ -108,7 +120,7 @@ def test_a_lease_moves_byte_for_byte_in_chunks(exporter_of, staged, dtype: torch
     )  # fmt: skip  # frames: two chunks, 2 + 1 blocks; staged: one buffer
     assert moved == 3 * block_bytes(src)
     assert (exporter.pulls_staged, exporter.pulls_framed) == ((1, 0) if same_host else (0, 1))
-    assert len(staged) == exporter.pulls_staged and not any(shm_path(s).exists() for s in staged), "freed on ack"
+    assert len(staged) == exporter.pulls_staged and staged.gone() and not exporter.num_staged, "let go on the ack"
     for s, d in [(5, 0), (1, 2), (6, 7)]:
         assert block(dst, d) == block(src, s)
     for untouched in (1, 3, 4, 5, 6):
