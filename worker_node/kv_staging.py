@@ -159,6 +159,7 @@ def _open_cuda(handle: Handle, size: int) -> torch.Tensor:
     if len(handle) != len(kinds) or not all(isinstance(h, k) for h, k in zip(handle, kinds, strict=True)):
         raise StagingError(f"not a CUDA IPC handle: {handle!r:.80}")
     try:
+        torch.cuda._lazy_init()  # type: ignore[no-untyped-call]  # as torch's own rebuild_cuda_tensor does
         storage = torch.UntypedStorage._new_shared_cuda(*handle)  # type: ignore[attr-defined]
     except RuntimeError as exc:
         raise StagingError(f"cannot open the CUDA IPC staging: {exc}") from exc

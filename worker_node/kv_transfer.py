@@ -455,7 +455,7 @@ class _Pull:
                     import_frames(self.cache, self.dst, frames, self.heads)
                 if buffer.is_cuda:  # the copies must be done before the buffer is let go (the producer reuses it)
                     torch.cuda.synchronize(buffer.device)
-                del frames
+                del frames, buffer  # no view left: the mapping (or the IPC handle) closes as the block ends
         except (StagingError, KVTransferError):
             self._ack(where, ok=False)
             raise
