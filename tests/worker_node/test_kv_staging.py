@@ -14,9 +14,10 @@ import zmq
 from proto.kv_transfer import DEFAULT_CHUNK_BYTES, KV_TRANSFER_VERSION, KVPull, KVStaging, decode_chunk, encode
 from tests.support.waiting import wait_for
 from tests.worker_node.test_kv_transfer import block, exporter_of, make_cache, shm_path, staged
-from worker_node import kv_transfer
+from worker_node import kv_pull, kv_transfer
+from worker_node.kv_pull import pull_blocks
 from worker_node.kv_staging import StagingError, host_id, make_staging, open_staging
-from worker_node.kv_transfer import KVExporter, cache_layout, new_lease, pull_blocks
+from worker_node.kv_transfer import KVExporter, cache_layout, new_lease
 
 pytestmark = pytest.mark.unit
 
@@ -133,7 +134,7 @@ def test_no_buffer_means_frames(exporter_of, staged, monkeypatch: pytest.MonkeyP
         raise StagingError("another /dev/shm")
 
     monkeypatch.setattr(kv_transfer, "make_staging", staged_recorder(staged))
-    monkeypatch.setattr(kv_transfer, "open_staging", unreachable)
+    monkeypatch.setattr(kv_pull, "open_staging", unreachable)
     pulled: list[bytes] = []
     exporter.on_pulled = pulled.append
     exporter.grant(lease, [5])
