@@ -1,5 +1,6 @@
 """Speculative decoding (n-gram proposals) changes no token: greedy and seeded output is the same with speculation
-on and off, over a mixed batch where some requests speculate and some opt out, and greedy output is HF's argmax."""
+on and off, over a mixed batch where some requests speculate and some opt out, and greedy output is HF's argmax; on
+tiny Llama, Qwen3 and Mixtral, real SmolLM2, under TP, PP and both, and with a draft model's proposals."""
 
 from __future__ import annotations
 
@@ -204,3 +205,40 @@ def test_a_draft_model_under_pipeline_parallelism_changes_no_token(tiny_llama_di
     assert same == [plain[i] for i in greedy]
     counters = r.scheduler.speculator.counters  # type: ignore[union-attr]
     assert counters.num_drafts > 0 and counters.num_accepted_tokens == counters.num_draft_tokens
+
+
+COPY_TASKS = [
+    "Repeat this sentence exactly: The committee met on Tuesday to discuss the budget for the new library and "
+    "agreed to fund the children's reading room.",
+    "Correct the spelling and write the sentence again: Our trian left the staton at seven in the morning and "
+    "reached the coast just before noon.",
+    "Rename the variable total to amount in this code and print it again:\ndef add(items):\n    total = 0\n"
+    "    for x in items:\n        total += x\n    return total",
+]
+
+
+def test_smollm2_ngram_speculation_changes_no_token(smollm2_dir: Path) -> None:
+    """Real SmolLM2 (float32) on chat prompts whose answers copy them, so that n-gram proposals come true: greedy
+    output with speculation on is the output with it off, token for token, and HF's argmax at every position."""
+    from scheduler_node.text.tokenizer import ModelTokenizer
+
+    tok = ModelTokenizer(smollm2_dir)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": task}]) for task in COPY_TASKS]
+
+    runner = load_runner(smollm2_dir, 64, BLOCK)  # one model for both runs: each engine starts from no rows
+
+    def generate(spec: SpeculativeConfig | None) -> tuple[list[list[int]], EngineRun]:
+        with EngineRun(runner, tokenizer_dir=smollm2_dir, speculative=spec) as r:
+            outs = [r.add(p, 24) for p in prompts]
+            r.run()
+        return [o.output for o in outs], r
+
+    plain, _ = generate(None)
+    speculated, r = generate(SPEC)
+    assert not runner.batch.states
+    counters = r.scheduler.speculator.counters  # type: ignore[union-attr]
+    assert counters.num_accepted_tokens > 0, "the test lost its point: no proposal came true"
+    assert speculated == plain
+    hf = load_hf(smollm2_dir)
+    for prompt, output in zip(prompts, speculated):
+        assert_teacher_forced(hf, prompt, output)
