@@ -28,9 +28,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 from scheduler_node.core.block_table import hash_block
 from scheduler_node.router.kv_index import KVIndex, ReplicaFeed
+from scheduler_node.router.kv_load import ActiveLoad
 from scheduler_node.router.replica import Replica
 from scheduler_node.router.request import RouteRequest
-from scheduler_node.router.strategies import LeastLoaded, Pick, Rotation
+from scheduler_node.router.strategies import DEFAULT_TOKENS, LeastLoaded, Pick, Rotation
 from scheduler_node.text.tokenizer import ModelTokenizer
 
 logger = logging.getLogger(__name__)
@@ -91,15 +92,17 @@ class KVAware:
         self.rotation = Rotation()
         self.least = LeastLoaded()
         self.clock = clock
+        self.active = ActiveLoad()  # the work this router sent each replica that is not done
 
     def cached(
         self, request: RouteRequest, candidates: Sequence[Replica]
-    ) -> tuple[dict[str, int], int, dict[str, list[bytes]]] | None:
+    ) -> tuple[dict[str, int], int, dict[str, list[bytes]], int] | None:
         """Each candidate's cached leading blocks of the request, its prompt's length in blocks (the block size of
-        the synchronized replicas), and its hashes per replica; None when the prompt cannot be hashed."""
+        the synchronized replicas), its hashes per replica and its length in tokens; None when the prompt cannot be
+        hashed."""
         synced = [f for r in candidates if (f := self.feeds.get(r.address)) is not None and f.synced]
         if not synced:
-            return {r.address: 0 for r in candidates}, 1, {}
+            return {r.address: 0 for r in candidates}, 1, {}, 0
         ids = self.prompts.ids(request, candidates[0].model)
         if ids is None:
             return None
@@ -113,7 +116,7 @@ class KVAware:
             counts.update(self.index.overlap(keys, names, now))
             hashes.update(dict.fromkeys(names, keys))
             prompt_blocks = max(prompt_blocks, -(-len(ids) // size))
-        return counts, prompt_blocks, hashes
+        return counts, prompt_blocks, hashes, len(ids)
 
     def _routed(self, replica: Replica, keys: list[bytes]) -> None:
         """The request's blocks will be on `replica` once it computed them: count them there meanwhile."""
@@ -124,19 +127,30 @@ class KVAware:
         found = self.cached(request, candidates)
         if found is None:
             return Pick(self.least.choose(request, candidates).replica, "untokenized")
-        counts, prompt_blocks, hashes = found
+        counts, prompt_blocks, hashes, length = found
+        if not hashes:  # no replica's index is synchronized: nothing to count in blocks
+            return Pick(self.least.choose(request, candidates).replica, "least")
         best_hit = max(counts.values())
-        if best_hit == 0:
-            pick = Pick(self.least.choose(request, candidates).replica, "least")
-            if pick.replica.address in hashes:
-                self._routed(pick.replica, hashes[pick.replica.address])
-            return pick
+        tokens = DEFAULT_TOKENS if request.max_tokens is None else request.max_tokens
+
+        def private(r: Replica) -> int:
+            """The request's own blocks on `r`: its partial last prompt block and its output."""
+            if r.address not in hashes:
+                return 0
+            return -(-(length + tokens) // self.feeds[r.address].block_size) - len(hashes[r.address])
 
         def cost(r: Replica) -> tuple[float, int]:
+            keys = hashes.get(r.address, [])
+            ahead = self.active.prefill_blocks(r.address)
+            active = self.active.active_blocks(r.address, keys) + private(r)
+            others = max(0, r.load.num_running + r.load.num_waiting - r.in_flight) * prompt_blocks
             new = prompt_blocks - counts[r.address]
-            return self.overlap_weight * new + r.queue * prompt_blocks / r.weight, -counts[r.address]
+            return self.overlap_weight * new + (ahead + active + others) / r.weight, -counts[r.address]
 
         best = min(self.rotation.order(candidates), key=cost)
-        if best.address in hashes:
-            self._routed(best, hashes[best.address])
-        return Pick(best, "overlap" if counts[best.address] == best_hit else "load")
+        keys = hashes.get(best.address, [])
+        if keys:
+            self._routed(best, keys)
+        ticket = self.active.add(best.address, keys, prompt_blocks - counts[best.address], private(best))
+        decision = "least" if best_hit == 0 else "overlap" if counts[best.address] == best_hit else "load"
+        return Pick(best, decision, ticket)
