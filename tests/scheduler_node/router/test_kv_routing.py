@@ -145,12 +145,13 @@ def test_kv_routes_to_the_cached_prefix_until_the_load_outweighs_it() -> None:
     prompt = list(range(100, 180))  # 20 blocks
     hold(feeds[b.address], prompt[:76])  # b holds 19 of them
     request = RouteRequest("m", prompt_token_ids=prompt + [1, 2], max_tokens=4)
-    hits = [kv.choose(request, [a, b]) for _ in range(3)]
-    assert [(p.replica, p.decision) for p in hits] == [(b, "overlap")] * 3
-    b.in_flight = 3  # their streams are open there
+    assert kv.overlap_weight == 4
+    hits = [kv.choose(request, [a, b]) for _ in range(5)]
+    assert [(p.replica, p.decision) for p in hits] == [(b, "overlap")] * 5
+    b.in_flight = 5  # their streams are open there
     # The first computes 2 blocks, the next 1 each (the first's are predicted on b); they share 20 blocks, 2 own.
-    assert kv.active.prefill_blocks(b.address) == 4 and kv.active.active_blocks(b.address) == 20 + 3 * 2
-    assert kv.choose(request, [a, b]).replica is b, "2 x 1 + (4 + 20 + 6 + 2) < 2 x 21 + 20 + 2: cheap hits ahead"
+    assert kv.active.prefill_blocks(b.address) == 6 and kv.active.active_blocks(b.address) == 20 + 5 * 2
+    assert kv.choose(request, [a, b]).replica is b, "4 x 1 + (6 + 20 + 10 + 2) < 4 x 21 + 20 + 2: cheap hits ahead"
     misses = [kv.choose(RouteRequest("m", prompt_token_ids=list(range(500 + 90 * i, 590 + 90 * i)), max_tokens=4),
                         [b]) for i in range(2)]  # fmt: skip
     pick = kv.choose(request, [a, b])  # two whole prompts (23 blocks each) to compute ahead of it on b
