@@ -132,6 +132,14 @@ class KVAware:
         now = self.clock()
         self.index.predict(replica.address, keys, now + PENDING_S, now)
 
+    def _own_blocks(self, replica: str, hashes: Mapping[str, list[bytes]], tokens: int, prompt_blocks: int) -> int:
+        """The blocks a request of `tokens` (prompt and output) holds on `replica` that no other request shares:
+        its partial last prompt block and its output; all its blocks where the index is resynchronizing (their
+        hashes are unknown there)."""
+        if replica not in hashes:
+            return prompt_blocks
+        return -(-tokens // self.feeds[replica].block_size) - len(hashes[replica])
+
     def choose(self, request: RouteRequest, candidates: Sequence[Replica]) -> Pick:
         found = self.cached(request, candidates)
         if found is None:
@@ -141,17 +149,11 @@ class KVAware:
             return Pick(self.least.choose(request, candidates).replica, "least")
         best_hit = max(counts.values())
         tokens = DEFAULT_TOKENS if request.max_tokens is None else request.max_tokens
-
-        def private(r: Replica) -> int:
-            """The request's own blocks on `r`: its partial last prompt block and its output."""
-            if r.address not in hashes:
-                return 0
-            return -(-(length + tokens) // self.feeds[r.address].block_size) - len(hashes[r.address])
+        own = {r.address: self._own_blocks(r.address, hashes, length + tokens, prompt_blocks) for r in candidates}
 
         def cost(r: Replica) -> tuple[float, int]:
-            keys = hashes.get(r.address, [])
             ahead = self.active.prefill_blocks(r.address)
-            active = self.active.active_blocks(r.address, keys) + private(r)
+            active = self.active.active_blocks(r.address, hashes.get(r.address, ())) + own[r.address]
             others = max(0, r.load.num_running + r.load.num_waiting - r.in_flight) * prompt_blocks
             new = prompt_blocks - counts[r.address]
             return self.overlap_weight * new + (ahead + active + others) / r.weight, -counts[r.address]
@@ -160,6 +162,6 @@ class KVAware:
         keys = hashes.get(best.address, [])
         if keys:
             self._routed(best, keys)
-        ticket = self.active.add(best.address, keys, prompt_blocks - counts[best.address], private(best))
+        ticket = self.active.add(best.address, keys, prompt_blocks - counts[best.address], own[best.address])
         decision = "least" if best_hit == 0 else "overlap" if counts[best.address] == best_hit else "load"
         return Pick(best, decision, ticket)
