@@ -18,10 +18,10 @@ streams close, this one's among them (a block that several share counts once: a 
 context), both from scheduler_node/router/kv_load.py; `others` the requests its GetStats counts beyond this
 router's open streams (another router's, direct clients), each as a prompt like this one. So a request ahead that
 is a cache hit adds no prefill, only the blocks it holds (none that this one shares), and a replica that holds the
-prefix keeps it while its work stays below what computing the prompt elsewhere would cost. A higher weight follows the cache harder (more hits, more imbalance);
-0 ignores it. Ties go to the more cached replica, then in turn; with nothing cached anywhere the cost is the load
-alone (the `least` decision). A prompt that cannot be hashed (no tokenizer for text), or no synchronized index,
-goes to the least loaded by queue.
+prefix keeps it while its work stays below what computing the prompt elsewhere would cost. A higher weight follows
+the cache harder (more hits, more imbalance); 0 ignores it. Ties go to the more cached replica, then in turn; with
+nothing cached anywhere the cost is the load alone (the `least` decision). A prompt that cannot be hashed (no
+tokenizer for text), or no synchronized index, goes to the least loaded by queue.
 """
 
 from __future__ import annotations
