@@ -124,7 +124,7 @@ class RouterHttp:
             try:
                 answer, data = await self._attempt(replica, path, payload, headers, whole=not stream)
             except UPSTREAM_ERRORS as exc:
-                self.forwarder.closed(replica)
+                self.forwarder.closed(replica, route.ticket)
                 details = _describe(exc)
                 if self.forwarder.unavailable(replica, details, False, failed):
                     logger.info("HTTP %s: retrying on another replica: %s", path, details)
@@ -133,7 +133,7 @@ class RouterHttp:
                 raise OpenAIError(503, f"replica {replica.spec.http} ({replica.model}): {details}") from None
             if answer.status == 503:
                 answer.release()
-                self.forwarder.closed(replica)
+                self.forwarder.closed(replica, route.ticket)
                 if self.forwarder.unavailable(replica, _error_message(data), False, failed):
                     logger.info("HTTP %s: retrying on another replica: %s", path, _error_message(data))
                     continue
@@ -141,11 +141,13 @@ class RouterHttp:
             if answer.status == 404 and route.adapter:
                 # The adapter was unloaded there since the last probe: another replica may still serve it.
                 answer.release()
-                self.forwarder.closed(replica)
+                self.forwarder.closed(replica, route.ticket)
                 replica.adapters -= {route.adapter}
                 failed.append(replica)
                 continue
-            stack.callback(self.forwarder.closed, replica)
+            if route.ticket is not None:
+                route.ticket.prefilled()  # the answer began (a stream's first chunk, or the whole body)
+            stack.callback(self.forwarder.closed, replica, route.ticket)
             return replica, answer, data
 
     async def _prefill(
@@ -167,7 +169,7 @@ class RouterHttp:
             try:
                 answer, data = await self._attempt(route.replica, path, body, headers, whole=True)
             finally:
-                self.forwarder.closed(route.replica)
+                self.forwarder.closed(route.replica, route.ticket)
             answer.release()
             params = json.loads(data).get("kv_transfer_params") if answer.status == 200 else None
             if answer.status != 200:
