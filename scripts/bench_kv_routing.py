@@ -1,5 +1,5 @@
 """KV-aware routing benchmark: `kv` vs `prefix` vs `round_robin` through vllm-router over replicas that publish
-their KV events (`--replicas`, 2 by default), on a multi-tenant shared-prefix workload, in one run.
+their KV events (`--replicas`, 4 by default: 2 in --smoke), on a multi-tenant shared-prefix workload, in one run.
 
 Every prompt is a platform-wide preamble (longer than `prefix`'s 256-character window, as instructions shared by
 every tenant often are), then its tenant's own long context (system prompt and documents), then a user's question.
@@ -43,7 +43,7 @@ from scheduler_node.text.tokenizer import ModelTokenizer  # noqa: E402
 
 NAME = "m"
 STRATEGIES = ("kv", "prefix", "round_robin")
-SMOKE = {"tenants": 12, "max_tokens": 4}
+SMOKE = {"tenants": 12, "max_tokens": 4, "replicas": 2}  # 2 replicas: the fewest processes CI can route between
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,8 @@ def main() -> int:
     p.add_argument("--user-words", type=int, default=12)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--clients", type=int, default=4, help="closed-loop clients")
-    p.add_argument("--replicas", type=int, default=2, help="replicas (1 thread each)")
+    p.add_argument("--replicas", type=int, default=4,
+                   help="replicas (1 thread each); with 2, chance finds half of each context")  # fmt: skip
     p.add_argument("--cache-share", type=float, default=None,
                    help="a replica's KV blocks / all tenant contexts' blocks (default: 1 / replicas)")  # fmt: skip
     p.add_argument("--kv-overlap-weight", type=weights, default=[DEFAULT_OVERLAP_WEIGHT],
