@@ -513,6 +513,8 @@ def test_drain_migrate_moves_running_streams_to_the_other_replica_unnoticed(flee
     assert victim.stop() == [0, 0], victim.logs()
     stats = wait_idle(pb_grpc.ControlStub(survivor.channel))
     assert (stats.num_running, stats.num_waiting, stats.used_blocks) == (0, 0, 0), stats
+    # The running streams resumed from the KV they left (those that waited there had none: recomputed).
+    assert stats.migrations_imported >= 2 and stats.migration_kv_tokens_imported > 0, stats
     fleet.restart_llama(0)  # for the tests after this one
     wait_for(lambda: fleet.replicas()[victim.address].state == "serving", 10, "the replica comes back")
 
