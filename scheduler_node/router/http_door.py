@@ -23,7 +23,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -43,9 +43,11 @@ from scheduler_node.api.openai_protocol import (
 from scheduler_node.api.openai_server import MAX_BODY_BYTES, model_card, model_list
 from scheduler_node.api.responses_request import ResponsesRequest
 from scheduler_node.router.grpc_door import RouterGeneration
+from scheduler_node.router.migration import Journey
 from scheduler_node.router.replica import Replica
 from scheduler_node.router.request import RouteRequest
 from scheduler_node.router.routing import Route, RouteError
+from scheduler_node.router.sse import Handback, error_event, events
 from scheduler_node.router.upstream import FORWARDED_HEADERS
 
 logger = logging.getLogger(__name__)
@@ -53,6 +55,8 @@ logger = logging.getLogger(__name__)
 UPSTREAM_ERRORS = (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError)
 HANDOFF_PATHS = ("/v1/completions", "/v1/chat/completions")  # what --disaggregate splits into prefill and decode
 PRIVATE_HEADERS = ("authorization",)  # never shown to a routing function
+Attempt = tuple[Replica, aiohttp.ClientResponse, bytes]  # the replica, its answer, its first chunk (or whole body)
+Resend = Callable[[Sequence[Replica], Route | None], Awaitable[Attempt]]  # a stream again: (exclude, route)
 
 
 class RouterHttp:
@@ -82,6 +86,8 @@ class RouterHttp:
         if self.generation.draining:
             raise OpenAIError(503, "the router is draining; retry on another")
         payload = json.loads(await request.body())
+        if stream and request.url.path in HANDOFF_PATHS:
+            payload["migratable"] = True  # a draining replica hands it back (router/migration.py): it goes on here
         headers = {**self.auth, **{k: v for k, v in request.headers.items() if k in FORWARDED_HEADERS}}
         stack = contextlib.ExitStack()  # closed when the answer has been passed on (a stream: at its end)
         stack.enter_context(self.generation.tracked(f"http-{uuid.uuid4().hex}"))
@@ -102,7 +108,12 @@ class RouterHttp:
             answer.release()
             stack.close()
             return Response(data, answer.status, media_type=answer.content_type)
-        return StreamingResponse(self._relay(replica, answer, data, stack), media_type=answer.content_type)
+
+        async def resend(exclude: Sequence[Replica], route: Route | None) -> Attempt:  # the next replica's stream
+            return await self._send(path, payload, headers, route_request, True, stack, exclude, route)
+
+        events = self._relay(replica, answer, data, stack, payload, resend)
+        return StreamingResponse(events, media_type=answer.content_type)
 
     async def _send(
         self,
@@ -112,14 +123,16 @@ class RouterHttp:
         route_request: RouteRequest,
         stream: bool,
         stack: contextlib.ExitStack,
-        exclude: list[Replica] | None = None,
-    ) -> tuple[Replica, aiohttp.ClientResponse, bytes]:
-        """The replica that answered, its response and the answer's first chunk (a stream) or whole body."""
+        exclude: Sequence[Replica] = (),
+        route: Route | None = None,
+    ) -> Attempt:
+        """The replica that answered (`route`'s, when given), its response and the answer's first chunk (a stream)
+        or whole body."""
         failed: list[Replica] = []
         while True:
-            route = await self._route(route_request, [*failed, *(exclude or [])])
-            replica = route.replica
-            payload["model"] = route.model  # the model's name, or the LoRA adapter's the request names
+            route = route or await self._route(route_request, [*failed, *exclude])
+            replica, chosen, route = route.replica, route, None  # a retry is routed afresh
+            payload["model"] = chosen.model  # the model's name, or the LoRA adapter's the request names
             self.forwarder.opened(replica)
             try:
                 answer, data = await self._attempt(replica, path, payload, headers, whole=not stream)
@@ -138,11 +151,11 @@ class RouterHttp:
                     logger.info("HTTP %s: retrying on another replica: %s", path, _error_message(data))
                     continue
                 return replica, answer, data
-            if answer.status == 404 and route.adapter:
+            if answer.status == 404 and chosen.adapter:
                 # The adapter was unloaded there since the last probe: another replica may still serve it.
                 answer.release()
                 self.forwarder.closed(replica)
-                replica.adapters -= {route.adapter}
+                replica.adapters -= {chosen.adapter}
                 failed.append(replica)
                 continue
             stack.callback(self.forwarder.closed, replica)
@@ -199,25 +212,80 @@ class RouterHttp:
         return answer, data
 
     async def _relay(
-        self, replica: Replica, answer: aiohttp.ClientResponse, first: bytes, stack: contextlib.ExitStack
+        self,
+        replica: Replica,
+        answer: aiohttp.ClientResponse,
+        first: bytes,
+        stack: contextlib.ExitStack,
+        payload: dict[str, Any],
+        resend: Resend,
     ) -> AsyncIterator[bytes]:
+        """The stream as the replica sends it; when a drain hands it back (its `migrated` event), the rest of it
+        from the replica that continues it (`resend`: the request with `resume`), so the client sees one stream."""
+        journey: Journey | None = None
+        try:
+            while True:
+                handback = None
+                async for piece in self._pass(replica, answer, first):
+                    if isinstance(piece, Handback):
+                        handback = piece
+                    else:
+                        if journey is not None:
+                            journey.answered()
+                        yield piece
+                if handback is None:
+                    return
+                if journey is None:
+                    journey = Journey(self.pool, self.forwarder.release, handback.request_id)
+                payload["resume"] = handback.params
+                journey.handed_back(replica, handback.states.sequences)
+                moved = await self._next(journey, resend)
+                if isinstance(moved, bytes):
+                    yield moved
+                    return
+                replica, answer, first = moved
+        finally:
+            if journey is not None:
+                journey.close()
+            stack.close()
+
+    async def _pass(
+        self, replica: Replica, answer: aiohttp.ClientResponse, first: bytes
+    ) -> AsyncIterator[bytes | Handback]:
+        """One replica's stream, whole events at a time; its `migrated` event (the last) as a Handback. A replica
+        that breaks off ends the stream with an error event naming it."""
         ended = False
         try:
-            yield first
-            while chunk := await answer.content.readany():
-                yield chunk
+            async for piece in events(answer, first):
+                yield piece
             ended = True
-        except UPSTREAM_ERRORS as exc:
+        except (*UPSTREAM_ERRORS, ValueError) as exc:
             details = f"replica {replica.spec.http} ({replica.model}) failed mid-stream: {_describe(exc)}"
             self.forwarder.unavailable(replica, details, True, [])
             self.generation.count_error(replica.model, "UNAVAILABLE")
-            yield f"data: {json.dumps(OpenAIError(503, details).body())}\n\n".encode()
+            yield error_event(503, details)
         finally:
             if ended:
                 answer.release()  # the connection goes back to the pool
             else:
                 answer.close()  # the client went away (or the replica did): closing makes the replica abort
-            stack.close()
+
+    async def _next(self, journey: Journey, resend: Resend) -> Attempt | bytes:
+        """The replica that continues a handed-back stream, its response and first chunk; or the error event that
+        ends the stream when none does (the last replica that handed it back takes it back first)."""
+        attempt = await _attempt_or_error(resend(journey.moved_from, None))
+        refused = isinstance(attempt, OpenAIError) or attempt[1].status == 503
+        if refused and (back := journey.take_back()) is not None:
+            if not isinstance(attempt, OpenAIError):
+                attempt[1].release()
+            attempt = await _attempt_or_error(resend((), back))
+        if isinstance(attempt, OpenAIError):
+            return error_event(attempt.status, attempt.message)
+        replica, answer, first = attempt
+        if answer.status != 200:
+            answer.release()
+            return error_event(answer.status, _error_message(first))
+        return attempt
 
     async def _route(self, route_request: RouteRequest, failed: list[Replica]) -> Route:
         model = route_request.model or self.router.default_model
@@ -325,6 +393,13 @@ def _route_request(
         cache_salt=body.cache_salt if body is not None else "",
         metadata=headers,
     )
+
+
+async def _attempt_or_error(attempt: Awaitable[Attempt]) -> Attempt | OpenAIError:
+    try:
+        return await attempt
+    except OpenAIError as exc:
+        return exc
 
 
 def _describe(exc: BaseException) -> str:
