@@ -32,6 +32,7 @@ from tests.support.ops import (
     NOT_SERVING,
     SERVING,
     TINY_WORKER,
+    OpenAIStreams,
     Streams,
     add_worker,
     greedy_ids,
@@ -516,6 +517,42 @@ def test_drain_migrate_moves_running_streams_to_the_other_replica_unnoticed(flee
     # The running streams resumed from the KV they left (those that waited there had none: recomputed).
     assert stats.migrations_imported >= 2 and stats.migration_kv_tokens_imported > 0, stats
     fleet.restart_llama(0)  # for the tests after this one
+    wait_for(lambda: fleet.replicas()[victim.address].state == "serving", 10, "the replica comes back")
+
+
+def test_drain_migrate_moves_openai_streams_through_the_router_unnoticed(fleet: Fleet) -> None:
+    """Live migration of OpenAI streams (issue 31): the official client streams a greedy completion, a seeded one
+    with n = 2 and a seeded chat through the router's HTTP door, round robin over both llamas; a Drain with migrate
+    of one mid-stream: each stream completes as one response (one id, one finish_reason per choice, one usage)
+    with the text and usage of an undisturbed run, and the moved sequences resumed from the KV they left."""
+    survivor, victim = fleet.llamas
+    chat: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a long story about the sea."}]
+    calls = [
+        ("completion", {"prompt": prompt_ids(3600, 24), "temperature": 0}),
+        ("completion", {"prompt": prompt_ids(3601, 20), "temperature": 0.8, "seed": 7, "n": 2}),
+        ("chat", {"messages": chat, "temperature": 0.8, "seed": 3}),
+    ]
+    common = {"model": "llama", "max_tokens": 48, "extra_body": {"ignore_eos": True}}
+    direct, routed = openai_client(survivor.base_url), openai_client(fleet.router.base_url)
+    expected = OpenAIStreams([(direct, kind, {**common, **args}) for kind, args in calls]).join(120)
+    before = pb_grpc.ControlStub(survivor.channel).GetStats(pb.GetStatsRequest(), timeout=5).migrations_imported
+    streams = OpenAIStreams([(routed, kind, {**common, **args}) for kind, args in calls])
+    # Three requests round robin over two replicas: each runs some (--max-num-seqs 2: all four sequences run).
+    wait_for(lambda: all(r.chunks >= 3 for r in streams.results), 60, "every stream is under way")
+    drained = pb_grpc.ControlStub(victim.channel).Drain(pb.DrainRequest(timeout_s=30, migrate=True), timeout=40)
+    assert drained.drained and drained.migrated >= 1, drained
+    for i, (got, want) in enumerate(zip(streams.join(120), expected)):
+        assert not got.error and not want.error, (i, got.error, want.error)
+        assert got.texts == want.texts and len(got.ids) == 1, i  # no token lost or repeated, one response
+        assert got.finishes == want.finishes == {c: ["length"] for c in want.texts}, i
+        assert got.usage is not None and want.usage is not None
+        usage = got.usage.prompt_tokens, got.usage.completion_tokens
+        assert usage == (want.usage.prompt_tokens, 48 * len(want.texts)), (i, got.usage)
+    assert victim.stop() == [0, 0], victim.logs()
+    stats = wait_idle(pb_grpc.ControlStub(survivor.channel))
+    assert (stats.num_running, stats.num_waiting, stats.used_blocks) == (0, 0, 0), stats
+    assert stats.migrations_imported > before, "the moved sequences resumed from their KV"
+    fleet.restart_llama(1)  # for the tests after this one
     wait_for(lambda: fleet.replicas()[victim.address].state == "serving", 10, "the replica comes back")
 
 

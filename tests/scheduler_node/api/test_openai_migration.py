@@ -99,8 +99,8 @@ def test_a_moved_completion_stream_goes_on_elsewhere_as_one_response() -> None:
         assert {chunk["created"] for chunk in chunks} == {migrated["created"]}
         want = tokenizer().decode(SCRIPT[:MAX_TOKENS])
         assert texts(chunks, lambda c: c["text"]) == {0: want, 1: want}, "no token lost or repeated"
-        finishes = [(c["index"], c["finish_reason"]) for chunk in chunks for c in chunk["choices"] if c["finish_reason"]]
-        assert sorted(finishes) == [(0, "length"), (1, "length")]
+        finishes = [(c["index"], c["finish_reason"]) for chunk in chunks for c in chunk["choices"]]
+        assert sorted(f for f in finishes if f[1]) == [(0, "length"), (1, "length")]
         sent = texts(moved, lambda c: c["text"])
         assert migrated["text_offsets"] == [len(sent[0]), len(sent[1])], "logprobs' text_offset counts on from there"
         usage = chunks[-1]["usage"]
@@ -115,7 +115,7 @@ def test_a_moved_chat_stream_sends_its_role_once() -> None:
         body = {"messages": CHAT, "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True, "migratable": True}
         moved, migrated = events(await source.post("/v1/chat/completions", json=body))
         assert migrated is not None
-        rest, _ = events(await target.post("/v1/chat/completions", json={**body, "resume": migrated}))
+        rest, __ = events(await target.post("/v1/chat/completions", json={**body, "resume": migrated}))
         chunks = [*moved, *rest[:-1]]
         roles = [c["delta"].get("role") for chunk in chunks for c in chunk["choices"]]
         assert roles.count("assistant") == 1 and roles[0] == "assistant"
@@ -149,7 +149,7 @@ def test_a_draining_replica_takes_back_a_stream_it_moved_and_nothing_else() -> N
         assert refused.status_code == 503
         stranger = {**migrated, "request_id": "cmpl-someone-else"}
         assert (await source.post("/v1/completions", json={**COMPLETION, "resume": stranger})).status_code == 503
-        rest, _ = events(await source.post("/v1/completions", json={**COMPLETION, "resume": migrated}))
+        rest, __ = events(await source.post("/v1/completions", json={**COMPLETION, "resume": migrated}))
         want = tokenizer().decode(SCRIPT[:MAX_TOKENS])
         assert texts([*moved, *rest[:-1]], lambda c: c["text"]) == {0: want, 1: want}
 
