@@ -13,18 +13,15 @@ import base64
 import binascii
 import dataclasses
 import json
-from typing import TYPE_CHECKING
 
 from google.protobuf.message import DecodeError
 
 from proto import serving_pb2 as pb
-from scheduler_node.api.openai_protocol import ChatCompletionRequest, CompletionRequest, ResumeParams
+from scheduler_node.api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from scheduler_node.api.resume import resumed, state_message
 from scheduler_node.api.validation import InvalidField
+from scheduler_node.core.migration import SequenceResume
 from scheduler_node.core.request import RequestSpec
-
-if TYPE_CHECKING:
-    from scheduler_node.api.openai_runs import Run
 
 MIGRATED_EVENT = "event: migrated\ndata: "  # a server-sent event of its own type: no OpenAI client reads it
 
@@ -52,26 +49,17 @@ def with_migration(
     return [resumed(spec, states, vocab_size, "resume.states")]
 
 
-def continue_run(run: Run, params: ResumeParams) -> None:
-    """A resumed run goes on as the response its client has: its id and time, each choice's role sent and its
-    characters counted, the completion tokens of the sequences that ended before the move in its usage."""
-    run.shape.response_id = params.request_id
-    run.shape.created = params.created or run.shape.created
-    for choice in run.choices:
-        choice.started = True
-    for choice, chars in zip(run.choices, params.text_offsets):
-        choice.num_chars = chars
-    run.usage.completion_tokens = params.completion_tokens
-
-
-def migrated_event(run: Run) -> str:
-    """The last event of a stream that moved: its state, which the router sends on as `resume`."""
-    states = pb.ResumeState(sequences=[state_message(s) for s in sorted(run.migrated, key=lambda s: s.index)])
+def migrated_event(
+    request_id: str, created: int, states: list[SequenceResume], completion_tokens: int, text_offsets: list[int]
+) -> str:
+    """The last event of a stream that moved, which the router sends on as `resume` (ResumeParams): the response's
+    id and time, its sequences' states, the completion tokens of those that had ended, each choice's characters."""
+    message = pb.ResumeState(sequences=[state_message(s) for s in sorted(states, key=lambda s: s.index)])
     body = {
-        "request_id": run.specs[0].request_id,
-        "created": run.shape.created,
-        "states": base64.b64encode(states.SerializeToString()).decode(),
-        "completion_tokens": run.usage.completion_tokens,
-        "text_offsets": [choice.num_chars for choice in run.choices],
+        "request_id": request_id,
+        "created": created,
+        "states": base64.b64encode(message.SerializeToString()).decode(),
+        "completion_tokens": completion_tokens,
+        "text_offsets": text_offsets,
     }
     return f"{MIGRATED_EVENT}{json.dumps(body, separators=(',', ':'))}\n\n"

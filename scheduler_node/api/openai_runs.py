@@ -16,6 +16,7 @@ from starlette.types import Receive, Scope, Send
 from scheduler_node.api.openai_encode import sse_event
 from scheduler_node.api.openai_errors import OpenAIError, engine_error
 from scheduler_node.api.openai_migration import migrated_event
+from scheduler_node.api.openai_protocol import ResumeParams
 from scheduler_node.api.openai_responses import Choice, Shape, Usage
 from scheduler_node.core.migration import SequenceResume
 from scheduler_node.core.request import RequestSpec
@@ -39,6 +40,18 @@ class Run:
         self.n = self.specs[0].n
         self.choices = [Choice(i, self.specs[i // self.n].prompt_token_ids) for i in range(len(self.specs) * self.n)]
         self._counted: set[int] = set()  # prompts whose tokens are in usage
+
+    def continue_from(self, params: ResumeParams) -> None:
+        """A resumed run (live migration, api/openai_migration.py) goes on as the response its client has: its id
+        and time, each choice's role sent and characters counted, the completion tokens of the sequences that
+        ended before the move in its usage."""
+        self.shape.response_id = params.request_id
+        self.shape.created = params.created or self.shape.created
+        for choice in self.choices:
+            choice.started = True
+        for choice, chars in zip(self.choices, params.text_offsets):
+            choice.num_chars = chars
+        self.usage.completion_tokens = params.completion_tokens
 
     def start(self) -> None:
         self.streams = [self.engine.submit(spec) for spec in self.specs]
@@ -84,7 +97,9 @@ class Run:
                 elif chunk is not None:
                     yield self.shape.sse(chunk)
             if self.migrated:
-                yield migrated_event(self)
+                offsets = [choice.num_chars for choice in self.choices]
+                request_id, created, tokens = self.specs[0].request_id, self.shape.created, self.usage.completion_tokens
+                yield migrated_event(request_id, created, self.migrated, tokens, offsets)
                 return
             if include_usage:
                 yield self.shape.sse(usage=self.usage)

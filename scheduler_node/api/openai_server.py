@@ -42,7 +42,7 @@ from scheduler_node.api.openai_errors import OpenAIError, engine_error, install_
 from scheduler_node.api.openai_guards import ApiKeyAuth, BodyLimit
 from scheduler_node.api.openai_inputs import chat_specs, completion_specs, template_messages
 from scheduler_node.api.openai_lora import adapter_cards, adapter_of, install_lora_routes
-from scheduler_node.api.openai_migration import continue_run, with_migration
+from scheduler_node.api.openai_migration import with_migration
 from scheduler_node.api.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -221,7 +221,7 @@ class OpenAIDoor:
         name = self.config.model_name if lora is None else lora.name  # the answer names what was asked
         run = Run(engine, specs, shape(request_id, name, self.tokenizer, *want), taken_back=engine.draining)
         if body.resume is not None:
-            continue_run(run, body.resume)
+            run.continue_from(body.resume)
         run.start()
         return run
 

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from scheduler_node.api.openai_migration import MIGRATED_EVENT
 from scheduler_node.api.openai_server import OpenAIConfig, OpenAIDoor, build_app
 from scheduler_node.engine.core import EngineCore
 from scheduler_node.engine.metrics import Metrics
@@ -70,7 +71,7 @@ def events(response: httpx.Response) -> tuple[list[Any], dict[str, Any] | None]:
     """A stream's data events ("[DONE]" kept as is) and its `migrated` event's data (None: not there)."""
     data, migrated = [], None
     for event in response.text.split("\n\n"):
-        if event.startswith("event: migrated\n"):
+        if event.startswith(MIGRATED_EVENT):
             migrated = json.loads(event.split("data: ", 1)[1])
         elif event.startswith("data: "):
             body = event.removeprefix("data: ")
