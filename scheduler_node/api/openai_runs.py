@@ -15,7 +15,7 @@ from starlette.types import Receive, Scope, Send
 
 from scheduler_node.api.openai_encode import sse_event
 from scheduler_node.api.openai_errors import OpenAIError, engine_error
-from scheduler_node.api.openai_migration import migrated_event
+from scheduler_node.api.openai_migration import migrated_event, migrated_params
 from scheduler_node.api.openai_protocol import ResumeParams
 from scheduler_node.api.openai_responses import Choice, Shape, Usage
 from scheduler_node.core.migration import SequenceResume
@@ -40,6 +40,12 @@ class Run:
         self.n = self.specs[0].n
         self.choices = [Choice(i, self.specs[i // self.n].prompt_token_ids) for i in range(len(self.specs) * self.n)]
         self._counted: set[int] = set()  # prompts whose tokens are in usage
+
+    def migrated_params(self) -> dict[str, Any]:
+        """Where a run a drain moved stopped: what the router sends on as `resume`."""
+        offsets = [choice.num_chars for choice in self.choices]
+        request_id, created, tokens = self.specs[0].request_id, self.shape.created, self.usage.completion_tokens
+        return migrated_params(request_id, created, self.migrated, tokens, offsets)
 
     def continue_from(self, params: ResumeParams) -> None:
         """A resumed run (live migration, api/openai_migration.py) goes on as the response its client has: its id
@@ -97,9 +103,7 @@ class Run:
                 elif chunk is not None:
                     yield self.shape.sse(chunk)
             if self.migrated:
-                offsets = [choice.num_chars for choice in self.choices]
-                request_id, created, tokens = self.specs[0].request_id, self.shape.created, self.usage.completion_tokens
-                yield migrated_event(request_id, created, self.migrated, tokens, offsets)
+                yield migrated_event(self.migrated_params())
                 return
             if include_usage:
                 yield self.shape.sse(usage=self.usage)

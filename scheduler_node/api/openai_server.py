@@ -42,7 +42,7 @@ from scheduler_node.api.openai_errors import OpenAIError, engine_error, install_
 from scheduler_node.api.openai_guards import ApiKeyAuth, BodyLimit
 from scheduler_node.api.openai_inputs import chat_specs, completion_specs, template_messages
 from scheduler_node.api.openai_lora import adapter_cards, adapter_of, install_lora_routes
-from scheduler_node.api.openai_migration import with_migration
+from scheduler_node.api.openai_migration import migrated_answer, with_migration
 from scheduler_node.api.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -134,6 +134,8 @@ class OpenAIDoor:
             return RunResponse(run, run.events(include_usage))
         large = run.shape.want_logprobs or run.shape.want_prompt_logprobs
         answer = await run.answer(request.receive)
+        if run.migrated:  # a drain moved it: vllm-router continues it elsewhere
+            return migrated_answer(run.migrated_params(), answer)
         spec = run.specs[0]
         if spec.kv_produce and (source := self.ready_engine().kv_source(spec.request_id)):
             answer["kv_transfer_params"] = source_params(source, spec.request_id)  # where a decode replica pulls

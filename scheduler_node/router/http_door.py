@@ -28,12 +28,13 @@ from typing import Any
 
 import aiohttp
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from scheduler_node.api.embeddings import EmbeddingRequest
 from scheduler_node.api.openai_errors import OpenAIError, install_handlers
 from scheduler_node.api.openai_guards import ApiKeyAuth, BodyLimit
+from scheduler_node.api.openai_migration import MIGRATED_HEADER
 from scheduler_node.api.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,11 +44,11 @@ from scheduler_node.api.openai_protocol import (
 from scheduler_node.api.openai_server import MAX_BODY_BYTES, model_card, model_list
 from scheduler_node.api.responses_request import ResponsesRequest
 from scheduler_node.router.grpc_door import RouterGeneration
+from scheduler_node.router.http_migration import Handback, error_event, events, merged_answer, read_handback
 from scheduler_node.router.migration import Journey
 from scheduler_node.router.replica import Replica
 from scheduler_node.router.request import RouteRequest
 from scheduler_node.router.routing import Route, RouteError
-from scheduler_node.router.sse import Handback, error_event, events
 from scheduler_node.router.upstream import FORWARDED_HEADERS
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class RouterHttp:
         if self.generation.draining:
             raise OpenAIError(503, "the router is draining; retry on another")
         payload = json.loads(await request.body())
-        if stream and request.url.path in HANDOFF_PATHS:
+        if request.url.path in HANDOFF_PATHS:
             payload["migratable"] = True  # a draining replica hands it back (router/migration.py): it goes on here
         headers = {**self.auth, **{k: v for k, v in request.headers.items() if k in FORWARDED_HEADERS}}
         stack = contextlib.ExitStack()  # closed when the answer has been passed on (a stream: at its end)
@@ -104,14 +105,18 @@ class RouterHttp:
         finally:
             if prefill is not None and disaggregator is not None:  # the decode replica pulled (or never will)
                 disaggregator.release(*prefill)
+
+        async def resend(exclude: Sequence[Replica], route: Route | None) -> Attempt:  # to the next replica
+            return await self._send(path, payload, headers, route_request, stream, stack, exclude, route)
+
         if not stream or answer.status != 200:
-            answer.release()
-            stack.close()
-            return Response(data, answer.status, media_type=answer.content_type)
-
-        async def resend(exclude: Sequence[Replica], route: Route | None) -> Attempt:  # the next replica's stream
-            return await self._send(path, payload, headers, route_request, True, stack, exclude, route)
-
+            try:
+                if answer.status == 200 and answer.headers.get(MIGRATED_HEADER):
+                    return await self._collected(replica, answer, data, payload, resend)
+                answer.release()
+                return Response(data, answer.status, media_type=answer.content_type)
+            finally:
+                stack.close()
         events = self._relay(replica, answer, data, stack, payload, resend)
         return StreamingResponse(events, media_type=answer.content_type)
 
@@ -240,8 +245,8 @@ class RouterHttp:
                 payload["resume"] = handback.params
                 journey.handed_back(replica, handback.states.sequences)
                 moved = await self._next(journey, resend)
-                if isinstance(moved, bytes):
-                    yield moved
+                if isinstance(moved, OpenAIError):
+                    yield error_event(moved.status, moved.message)
                     return
                 replica, answer, first = moved
         finally:
@@ -270,9 +275,39 @@ class RouterHttp:
             else:
                 answer.close()  # the client went away (or the replica did): closing makes the replica abort
 
-    async def _next(self, journey: Journey, resend: Resend) -> Attempt | bytes:
-        """The replica that continues a handed-back stream, its response and first chunk; or the error event that
-        ends the stream when none does (the last replica that handed it back takes it back first)."""
+    async def _collected(
+        self, replica: Replica, answer: aiohttp.ClientResponse, data: bytes, payload: dict[str, Any], resend: Resend
+    ) -> Response:
+        """An unstreamed answer a drain moved: the request goes on where a stream would, and the answers of the
+        replicas it went through are merged into one."""
+        parts: list[dict[str, Any]] = []
+        journey: Journey | None = None
+        try:
+            while answer.headers.get(MIGRATED_HEADER):
+                answer.release()
+                try:
+                    moved = json.loads(data)
+                    handback = read_handback(moved["resume"])
+                    parts.append(moved["partial"])
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise OpenAIError(503, f"replica {replica.spec.http} ({replica.model}): {exc}") from None
+                journey = journey or Journey(self.pool, self.forwarder.release, handback.request_id)
+                payload["resume"] = handback.params
+                journey.handed_back(replica, handback.states.sequences)
+                attempt = await self._next(journey, resend)
+                if isinstance(attempt, OpenAIError):
+                    raise attempt
+                replica, answer, data = attempt
+                journey.answered()
+            answer.release()
+            return JSONResponse(merged_answer([*parts, json.loads(data)]))
+        finally:
+            if journey is not None:
+                journey.close()
+
+    async def _next(self, journey: Journey, resend: Resend) -> Attempt | OpenAIError:
+        """The replica that continues a handed-back request, its response and first chunk (or whole body); or the
+        error that ends the request when none does (the last replica that handed it back takes it back first)."""
         attempt = await _attempt_or_error(resend(journey.moved_from, None))
         refused = isinstance(attempt, OpenAIError) or attempt[1].status == 503
         if refused and (back := journey.take_back()) is not None:
@@ -280,11 +315,11 @@ class RouterHttp:
                 attempt[1].release()
             attempt = await _attempt_or_error(resend((), back))
         if isinstance(attempt, OpenAIError):
-            return error_event(attempt.status, attempt.message)
+            return attempt
         replica, answer, first = attempt
         if answer.status != 200:
             answer.release()
-            return error_event(answer.status, _error_message(first))
+            return OpenAIError(answer.status, _error_message(first))
         return attempt
 
     async def _route(self, route_request: RouteRequest, failed: list[Replica]) -> Route:

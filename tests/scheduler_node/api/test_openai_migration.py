@@ -15,10 +15,11 @@ from typing import Any
 import httpx
 import pytest
 
-from scheduler_node.api.openai_migration import MIGRATED_EVENT
+from scheduler_node.api.openai_migration import MIGRATED_EVENT, MIGRATED_HEADER
 from scheduler_node.api.openai_server import OpenAIConfig, OpenAIDoor, build_app
 from scheduler_node.engine.core import EngineCore
 from scheduler_node.engine.metrics import Metrics
+from scheduler_node.router.http_migration import merged_answer
 from tests.support.stand_in import ScriptedWorkers, running, stand_in_engine, tokenizer
 
 pytestmark = pytest.mark.unit
@@ -125,18 +126,41 @@ def test_a_moved_chat_stream_sends_its_role_once() -> None:
     serve(scenario)
 
 
+def test_a_moved_unstreamed_answer_is_what_it_had_and_the_rest_comes_from_elsewhere() -> None:
+    async def scenario(source: httpx.AsyncClient, target: httpx.AsyncClient, drained: list[int]) -> None:
+        body = {**COMPLETION, "stream": False, "stream_options": None}
+        moved = await source.post("/v1/completions", json=body)
+        assert drained == [1] and moved.headers[MIGRATED_HEADER] == "true", moved.text
+        partial, params = moved.json()["partial"], moved.json()["resume"]
+        assert [c["finish_reason"] for c in partial["choices"]] == [None, None]
+        rest = await target.post("/v1/completions", json={**body, "resume": params})
+        assert MIGRATED_HEADER not in rest.headers
+        whole = merged_answer([partial, rest.json()])
+        want = tokenizer().decode(SCRIPT[:MAX_TOKENS])
+        assert [(c["text"], c["finish_reason"]) for c in whole["choices"]] == [(want, "length")] * 2
+        assert whole["id"] == partial["id"] and whole["usage"]["completion_tokens"] == 2 * MAX_TOKENS
+
+    serve(scenario)
+
+
 def test_what_cannot_move_exactly_runs_on_to_its_end() -> None:
-    """Not marked, not streamed, several prompts: the drain lets them finish where they run."""
+    """Not marked, several prompts, a chat whose tool calls a parser reads: the drain lets them finish where they
+    run."""
 
     async def scenario(source: httpx.AsyncClient, _: httpx.AsyncClient, drained: list[int]) -> None:
         unmarked = {**COMPLETION, "migratable": False}
         several = {**COMPLETION, "prompt": ["Count:", "Again:"]}
-        whole = {**COMPLETION, "stream": False, "stream_options": None}
-        answers = await asyncio.gather(*(source.post("/v1/completions", json=b) for b in (unmarked, several, whole)))
-        for answer in answers[:2]:
+        tool = {"type": "function", "function": {"name": "count", "parameters": {"type": "object"}}}
+        chat = {"messages": CHAT, "tools": [tool], "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True,
+                "migratable": True}  # fmt: skip
+        answers = await asyncio.gather(
+            source.post("/v1/completions", json=unmarked),
+            source.post("/v1/completions", json=several),
+            source.post("/v1/chat/completions", json=chat),
+        )
+        for answer in answers:
             chunks, migrated = events(answer)
             assert migrated is None and chunks[-1] == "[DONE]", chunks
-        assert {c["finish_reason"] for c in answers[2].json()["choices"]} == {"length"}
         assert drained == [0], "the drain moved none of them"
 
     serve(scenario)
@@ -175,7 +199,7 @@ def test_a_bad_resume_is_refused_naming_its_field(change: dict[str, Any], param:
         answer = await target.post("/v1/completions", json={**COMPLETION, "resume": {**migrated, **change}})
         assert answer.status_code == 400, answer.text
         assert answer.json()["error"]["param"] == param, answer.text
-        unstreamed = {**COMPLETION, "stream": False, "stream_options": None, "resume": migrated}
-        assert (await target.post("/v1/completions", json=unstreamed)).json()["error"]["param"] == "resume"
+        several = {**COMPLETION, "prompt": ["Count:", "Again:"], "resume": migrated}
+        assert (await target.post("/v1/completions", json=several)).json()["error"]["param"] == "resume"
 
     serve(scenario)

@@ -16,6 +16,7 @@ import pytest
 from aiohttp import web
 
 from proto import serving_pb2 as pb
+from scheduler_node.api.openai_migration import MIGRATED_HEADER
 from scheduler_node.router.grpc_door import RouterGeneration
 from scheduler_node.router.http_door import RouterHttp, build_router_app
 from scheduler_node.router.metrics import RouterMetrics
@@ -38,12 +39,23 @@ def chunk(text: str) -> bytes:
 
 
 def _door(bodies: list[dict[str, Any]], hands_back: int) -> web.Application:
-    """A replica's streamed /v1/completions: the first `hands_back` requests it gets are handed back after two
-    chunks (the migrated event written in two pieces), any other continues with two chunks and [DONE]."""
+    """A replica's /v1/completions: the first `hands_back` requests it gets are handed back after two chunks (the
+    migrated event written in two pieces), any other continues with two chunks and [DONE]; unstreamed, the
+    answers of that."""
 
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         bodies.append(body)
+        if not body.get("stream"):
+            text, end = (" a b", None) if len(bodies) <= hands_back else (" c d", "length")
+            answer = {
+                "id": "cmpl-1",
+                "choices": [{"index": 0, "text": text, "finish_reason": end}],
+                "usage": len(bodies),
+            }
+            if len(bodies) <= hands_back:
+                return web.json_response({"resume": PARAMS, "partial": answer}, headers={MIGRATED_HEADER: "true"})
+            return web.json_response(answer)
         answer = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await answer.prepare(request)
         if len(bodies) <= hands_back:
@@ -60,9 +72,11 @@ def _door(bodies: list[dict[str, Any]], hands_back: int) -> web.Application:
     return app
 
 
-async def _through_router(hands_back: list[int]) -> tuple[str, list[list[dict[str, Any]]], ReplicaPool, list[str]]:
-    """A streamed completion through the router over one stand-in door per entry (each handing back that many
-    requests): what the client got, each door's bodies, the pool, and the leases released (replica addresses)."""
+async def _through_router(
+    hands_back: list[int], stream: bool = True
+) -> tuple[str, list[list[dict[str, Any]]], ReplicaPool, list[str]]:
+    """A completion through the router over one stand-in door per entry (each handing back that many requests):
+    what the client got, each door's bodies, the pool, and the leases released (replica addresses)."""
     bodies: list[list[dict[str, Any]]] = [[] for _ in hands_back]
     runners = [web.AppRunner(_door(b, n)) for b, n in zip(bodies, hands_back)]
     released: list[str] = []
@@ -85,9 +99,8 @@ async def _through_router(hands_back: list[int]) -> tuple[str, list[list[dict[st
         transport = httpx.ASGITransport(app=build_router_app(door, ""))
         try:
             async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
-                body = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": True}
+                body = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": stream}
                 answer = await client.post("/v1/completions", json=body)
-                assert answer.status_code == 200, answer.text
         finally:
             await door.close()
     finally:
@@ -105,6 +118,17 @@ def test_a_handed_back_stream_goes_on_from_another_replica_as_one_stream() -> No
     assert pool.replicas[0].state == NOT_SERVING and pool.replicas[1].state == SERVING
     assert released == ["127.0.0.1:1 cmpl-1"], "its KV lease is released once the target answered"
     assert all(r.in_flight == 0 for r in pool.replicas)
+
+
+def test_a_moved_unstreamed_answer_is_merged_from_the_replicas_it_went_through() -> None:
+    text, (first, second), _, released = asyncio.run(_through_router([1, 0], stream=False))
+    answer = json.loads(text)
+    assert answer["choices"] == [{"index": 0, "text": " a b c d", "finish_reason": "length"}]
+    assert answer["usage"] == 1, "the last replica's usage (it counted the whole request)"
+    assert [b.get("resume") for b in (*first, *second)] == [None, PARAMS] and released == ["127.0.0.1:1 cmpl-1"]
+
+    text, _, _, _ = asyncio.run(_through_router([2], stream=False))  # handed back again: nowhere left to go
+    assert "serving" in json.loads(text)["error"]["message"]
 
 
 def test_with_no_other_replica_the_one_that_handed_it_back_takes_it_back_once() -> None:

@@ -1,6 +1,7 @@
-"""The router's reading of a replica's server-sent events (router/http_door.py): passed on whole events at a time,
-never parsed, except the `migrated` event a drain ends a migratable stream with (api/openai_migration.py), which
-is not the client's: its data is what the next replica continues the stream from (router/migration.py)."""
+"""Live migration at the router's HTTP door (router/http_door.py): a replica's server-sent events passed on whole
+events at a time, never parsed, except the `migrated` event a drain ends a migratable stream with
+(api/openai_migration.py), which is not the client's: its data is what the next replica continues the stream from
+(router/migration.py); and the answers of an unstreamed request that moved, merged into one."""
 
 from __future__ import annotations
 
@@ -83,13 +84,39 @@ def handback(event: bytes) -> Handback:
     """A `migrated` event read; ValueError naming what is wrong."""
     try:
         params = json.loads(event[len(MIGRATED) :].strip())
+    except ValueError as exc:
+        raise ValueError(f"a migrated event that is not well formed: {exc}") from None
+    return read_handback(params)
+
+
+def read_handback(params: Any) -> Handback:
+    """A moved request's `resume` params (a migrated event's data, or an unstreamed answer's) read; ValueError
+    naming what is wrong."""
+    try:
         states = pb.ResumeState.FromString(base64.b64decode(params["states"], validate=True))
         request_id = params["request_id"]
     except (ValueError, KeyError, TypeError, binascii.Error, DecodeError) as exc:
-        raise ValueError(f"a migrated event that is not well formed: {exc}") from None
+        raise ValueError(f"a migrated event that is not well formed: {exc!r}") from None
     if not isinstance(request_id, str) or not states.sequences:
         raise ValueError("a migrated event without a request id or sequences")
     return Handback(request_id, states, params)
+
+
+def merged_answer(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One unstreamed answer of a moved request's parts, replica after replica (the last one whole): each choice's
+    text (a chat's content) and logprobs joined, its one finish_reason, the last part's id, usage and the rest."""
+    whole = parts[-1]
+    for choice in whole.get("choices", []):
+        pieces = [c for part in parts for c in part.get("choices", []) if c.get("index") == choice.get("index")]
+        logprobs = [p["logprobs"] for p in pieces if p.get("logprobs")]
+        if "message" in choice:  # a chat's: its output is all content (api/openai_migration.py)
+            choice["message"]["content"] = "".join(p["message"].get("content") or "" for p in pieces)
+        else:
+            choice["text"] = "".join(p.get("text") or "" for p in pieces)
+        if logprobs:  # a chat's {"content": [...]}, a completion's lists by key: each joined
+            choice["logprobs"] = {key: [x for lp in logprobs for x in lp[key]] for key in logprobs[0]}
+        choice["finish_reason"] = next((p["finish_reason"] for p in pieces if p.get("finish_reason")), None)
+    return whole
 
 
 def error_event(status: int, message: str) -> bytes:

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from proto import serving_pb2 as pb
-from scheduler_node.router.sse import Handback, error_event, events
+from scheduler_node.router.http_migration import Handback, error_event, events, merged_answer
 
 pytestmark = pytest.mark.unit
 
@@ -76,3 +76,23 @@ def test_a_migrated_event_that_is_not_well_formed_is_refused(event: bytes) -> No
 def test_an_error_event_is_openais_error_body() -> None:
     body = json.loads(error_event(503, "gone").removeprefix(b"data: "))
     assert body["error"]["message"] == "gone" and body["error"]["type"] == "server_error"
+
+
+def test_a_moved_answers_parts_are_merged_choice_by_choice() -> None:
+    lp = {"tokens": ["a"], "token_logprobs": [-1.0], "top_logprobs": [{"a": -1.0}], "text_offset": [0]}
+    first = {"id": "c", "choices": [{"index": 0, "text": " one", "logprobs": lp, "finish_reason": "stop"},
+                                    {"index": 1, "text": " un", "logprobs": lp, "finish_reason": None}],
+             "usage": {"completion_tokens": 3}}  # fmt: skip
+    lp2 = {"tokens": ["b"], "token_logprobs": [-2.0], "top_logprobs": [{"b": -2.0}], "text_offset": [3]}
+    rest = {"id": "c", "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": None},
+                                   {"index": 1, "text": " deux", "logprobs": lp2, "finish_reason": "length"}],
+            "usage": {"completion_tokens": 5}}  # fmt: skip
+    whole = merged_answer([first, rest])
+    assert [(c["text"], c["finish_reason"]) for c in whole["choices"]] == [(" one", "stop"), (" un deux", "length")]
+    assert whole["choices"][1]["logprobs"]["text_offset"] == [0, 3] and whole["usage"] == {"completion_tokens": 5}
+    chat = [{"choices": [{"index": 0, "message": {"role": "assistant", "content": part},
+                          "logprobs": {"content": [{"token": part}]}, "finish_reason": end}]}
+            for part, end in (("Hello", None), (" there", "length"))]  # fmt: skip
+    (choice,) = merged_answer(chat)["choices"]
+    assert choice["message"] == {"role": "assistant", "content": "Hello there"} and choice["finish_reason"] == "length"
+    assert choice["logprobs"] == {"content": [{"token": "Hello"}, {"token": " there"}]}
