@@ -48,14 +48,11 @@ def _door(bodies: list[dict[str, Any]], hands_back: int) -> web.Application:
         bodies.append(body)
         if not body.get("stream"):
             text, end = (" a b", None) if len(bodies) <= hands_back else (" c d", "length")
-            answer = {
-                "id": "cmpl-1",
-                "choices": [{"index": 0, "text": text, "finish_reason": end}],
-                "usage": len(bodies),
-            }
+            whole = {"id": "cmpl-1", "choices": [{"index": 0, "text": text, "finish_reason": end}]}
+            whole["usage"] = len(bodies)
             if len(bodies) <= hands_back:
-                return web.json_response({"resume": PARAMS, "partial": answer}, headers={MIGRATED_HEADER: "true"})
-            return web.json_response(answer)
+                return web.json_response({"resume": PARAMS, "partial": whole}, headers={MIGRATED_HEADER: "true"})
+            return web.json_response(whole)
         answer = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await answer.prepare(request)
         if len(bodies) <= hands_back:
