@@ -48,7 +48,7 @@ def _door(bodies: list[dict[str, Any]], hands_back: int) -> web.Application:
         bodies.append(body)
         if not body.get("stream"):
             text, end = (" a b", None) if len(bodies) <= hands_back else (" c d", "length")
-            whole = {"id": "cmpl-1", "choices": [{"index": 0, "text": text, "finish_reason": end}]}
+            whole: dict[str, Any] = {"id": "cmpl-1", "choices": [{"index": 0, "text": text, "finish_reason": end}]}
             whole["usage"] = len(bodies)
             if len(bodies) <= hands_back:
                 return web.json_response({"resume": PARAMS, "partial": whole}, headers={MIGRATED_HEADER: "true"})
