@@ -145,7 +145,7 @@ class OpenAIResult:
 
 class OpenAIStreams:
     """Each (client, kind, arguments) streamed on its own thread with the official `openai` client; kind is
-    "chat" or "completion"."""
+    "chat", "completion" or "whole" (a completion, not streamed)."""
 
     def __init__(self, calls: list[tuple[Any, str, dict[str, Any]]]) -> None:
         self.results = [OpenAIResult() for _ in calls]
@@ -160,6 +160,14 @@ class OpenAIStreams:
     def _run(client: Any, kind: str, arguments: dict[str, Any], out: OpenAIResult) -> None:
         api = client.chat.completions if kind == "chat" else client.completions
         try:
+            if kind == "whole":  # an unstreamed completion
+                answer = api.create(**arguments)
+                out.ids.add(answer.id)
+                out.usage = answer.usage
+                for choice in answer.choices:
+                    out.texts[choice.index] = choice.text
+                    out.finishes[choice.index] = [choice.finish_reason]
+                return
             for chunk in api.create(**arguments, stream=True, stream_options={"include_usage": True}):
                 out.ids.add(chunk.id)
                 out.chunks += 1
