@@ -1,4 +1,4 @@
-"""The router's reading of a replica's server-sent events (router/sse.py): whole events passed on however the bytes
+"""The router's reading of a replica's server-sent events (router/http_migration.py): whole events passed on however the bytes
 arrive, a last `migrated` event read as a Handback wherever the chunks split it, and one that is not well formed
 refused."""
 

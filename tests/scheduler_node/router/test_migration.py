@@ -1,4 +1,4 @@
-"""Live migration through the router's OpenAI door (router/migration.py's Journey, router/sse.py) over stand-in
+"""Live migration through the router's OpenAI door (router/migration.py's Journey, router/http_migration.py) over stand-in
 replica doors (small aiohttp apps in this process) that hand a stream back with a `migrated` event: the client sees
 one stream, the next replica gets the event's data as `resume`, the replica that handed it back leaves the serving
 set and its KV lease is released once the next one answered; with no other replica the one that handed it back
