@@ -1,6 +1,6 @@
-"""The router's reading of a replica's server-sent events (router/http_migration.py): whole events passed on however the bytes
-arrive, a last `migrated` event read as a Handback wherever the chunks split it, and one that is not well formed
-refused."""
+"""Live migration at the router's HTTP door (router/http_migration.py): a replica's server-sent events pass whole
+events at a time however the bytes arrive, a last `migrated` event is read as a Handback wherever the chunks split
+it (one that is not well formed is refused), and a moved unstreamed answer's parts merge choice by choice."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""Live migration through the router's OpenAI door (router/migration.py's Journey, router/http_migration.py) over stand-in
-replica doors (small aiohttp apps in this process) that hand a stream back with a `migrated` event: the client sees
-one stream, the next replica gets the event's data as `resume`, the replica that handed it back leaves the serving
-set and its KV lease is released once the next one answered; with no other replica the one that handed it back
-takes it back, once."""
+"""Live migration through the router's OpenAI door (router/migration.py's Journey, router/http_migration.py) over
+stand-in replica doors (small aiohttp apps in this process) that hand a request back: a stream with a `migrated`
+event, an unstreamed answer with its state. The client sees one stream (one answer), the next replica gets the
+state as `resume`, the replica that handed it back leaves the serving set and its KV lease is released once the
+next one answered; with no other replica the one that handed it back takes it back, once."""
 
 from __future__ import annotations
 
