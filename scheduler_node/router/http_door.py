@@ -12,23 +12,23 @@ With --disaggregate a completion or chat request is first sent, unstreamed with 
 `kv_transfer_params: {"produce": true}`, to a prefill replica, whose answer says where the prompt's KV waits; the
 request then goes to a decode replica with those `kv_transfer_params` and streams from there, and the prefill's
 lease is released (a gRPC Abort) once the decode replica's answer begins. A failed prefill only costs the decode
-replica the prompt's compute.
+replica the prompt's compute. A completion or chat that a drain with migrate hands back goes on from another
+replica, the client none the wiser (live migration: router/http_migration.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aiohttp
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from scheduler_node.api.embeddings import EmbeddingRequest
@@ -44,8 +44,7 @@ from scheduler_node.api.openai_protocol import (
 from scheduler_node.api.openai_server import MAX_BODY_BYTES, model_card, model_list
 from scheduler_node.api.responses_request import ResponsesRequest
 from scheduler_node.router.grpc_door import RouterGeneration
-from scheduler_node.router.http_migration import Handback, error_event, events, merged_answer, read_handback
-from scheduler_node.router.migration import Journey
+from scheduler_node.router.http_migration import UPSTREAM_ERRORS, Attempt, MovedRequests, describe, error_message
 from scheduler_node.router.replica import Replica
 from scheduler_node.router.request import RouteRequest
 from scheduler_node.router.routing import Route, RouteError
@@ -53,11 +52,8 @@ from scheduler_node.router.upstream import FORWARDED_HEADERS
 
 logger = logging.getLogger(__name__)
 
-UPSTREAM_ERRORS = (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError)
 HANDOFF_PATHS = ("/v1/completions", "/v1/chat/completions")  # what --disaggregate splits into prefill and decode
 PRIVATE_HEADERS = ("authorization",)  # never shown to a routing function
-Attempt = tuple[Replica, aiohttp.ClientResponse, bytes]  # the replica, its answer, its first chunk (or whole body)
-Resend = Callable[[Sequence[Replica], Route | None], Awaitable[Attempt]]  # a stream again: (exclude, route)
 
 
 class RouterHttp:
@@ -71,6 +67,7 @@ class RouterHttp:
         self.auth = {"Authorization": f"Bearer {replica_api_key}"} if replica_api_key else {}
         self.connect_timeout = connect_timeout
         self._session: aiohttp.ClientSession | None = None  # made on the serving loop, at the first request
+        self.moves = MovedRequests(self.forwarder, self.generation.count_error)  # live migration
 
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -112,12 +109,12 @@ class RouterHttp:
         if not stream or answer.status != 200:
             try:
                 if answer.status == 200 and answer.headers.get(MIGRATED_HEADER):
-                    return await self._collected(replica, answer, data, payload, resend)
+                    return await self.moves.collected(replica, answer, data, payload, resend)
                 answer.release()
                 return Response(data, answer.status, media_type=answer.content_type)
             finally:
                 stack.close()
-        events = self._relay(replica, answer, data, stack, payload, resend)
+        events = self.moves.relay(replica, answer, data, stack, payload, resend)
         return StreamingResponse(events, media_type=answer.content_type)
 
     async def _send(
@@ -143,7 +140,7 @@ class RouterHttp:
                 answer, data = await self._attempt(replica, path, payload, headers, whole=not stream)
             except UPSTREAM_ERRORS as exc:
                 self.forwarder.closed(replica)
-                details = _describe(exc)
+                details = describe(exc)
                 if self.forwarder.unavailable(replica, details, False, failed):
                     logger.info("HTTP %s: retrying on another replica: %s", path, details)
                     continue
@@ -152,8 +149,8 @@ class RouterHttp:
             if answer.status == 503:
                 answer.release()
                 self.forwarder.closed(replica)
-                if self.forwarder.unavailable(replica, _error_message(data), False, failed):
-                    logger.info("HTTP %s: retrying on another replica: %s", path, _error_message(data))
+                if self.forwarder.unavailable(replica, error_message(data), False, failed):
+                    logger.info("HTTP %s: retrying on another replica: %s", path, error_message(data))
                     continue
                 return replica, answer, data
             if answer.status == 404 and chosen.adapter:
@@ -189,7 +186,7 @@ class RouterHttp:
             answer.release()
             params = json.loads(data).get("kv_transfer_params") if answer.status == 200 else None
             if answer.status != 200:
-                raise ValueError(f"HTTP {answer.status}: {_error_message(data)}")
+                raise ValueError(f"HTTP {answer.status}: {error_message(data)}")
         except (*UPSTREAM_ERRORS, OpenAIError, ValueError) as exc:
             logger.info("HTTP %s: prefill failed, the decode replica computes the prompt: %s", path, exc)
             disaggregator.fallbacks += 1
@@ -215,112 +212,6 @@ class RouterHttp:
         if streamed:
             replica.observe_ttft(time.monotonic() - sent)  # a stream's first chunk: the role or the first token
         return answer, data
-
-    async def _relay(
-        self,
-        replica: Replica,
-        answer: aiohttp.ClientResponse,
-        first: bytes,
-        stack: contextlib.ExitStack,
-        payload: dict[str, Any],
-        resend: Resend,
-    ) -> AsyncIterator[bytes]:
-        """The stream as the replica sends it; when a drain hands it back (its `migrated` event), the rest of it
-        from the replica that continues it (`resend`: the request with `resume`), so the client sees one stream."""
-        journey: Journey | None = None
-        try:
-            while True:
-                handback = None
-                async for piece in self._pass(replica, answer, first):
-                    if isinstance(piece, Handback):
-                        handback = piece
-                    else:
-                        if journey is not None:
-                            journey.answered()
-                        yield piece
-                if handback is None:
-                    return
-                if journey is None:
-                    journey = Journey(self.pool, self.forwarder.release, handback.request_id)
-                payload["resume"] = handback.params
-                journey.handed_back(replica, handback.states.sequences)
-                moved = await self._next(journey, resend)
-                if isinstance(moved, OpenAIError):
-                    yield error_event(moved.status, moved.message)
-                    return
-                replica, answer, first = moved
-        finally:
-            if journey is not None:
-                journey.close()
-            stack.close()
-
-    async def _pass(
-        self, replica: Replica, answer: aiohttp.ClientResponse, first: bytes
-    ) -> AsyncIterator[bytes | Handback]:
-        """One replica's stream, whole events at a time; its `migrated` event (the last) as a Handback. A replica
-        that breaks off ends the stream with an error event naming it."""
-        ended = False
-        try:
-            async for piece in events(answer, first):
-                yield piece
-            ended = True
-        except (*UPSTREAM_ERRORS, ValueError) as exc:
-            details = f"replica {replica.spec.http} ({replica.model}) failed mid-stream: {_describe(exc)}"
-            self.forwarder.unavailable(replica, details, True, [])
-            self.generation.count_error(replica.model, "UNAVAILABLE")
-            yield error_event(503, details)
-        finally:
-            if ended:
-                answer.release()  # the connection goes back to the pool
-            else:
-                answer.close()  # the client went away (or the replica did): closing makes the replica abort
-
-    async def _collected(
-        self, replica: Replica, answer: aiohttp.ClientResponse, data: bytes, payload: dict[str, Any], resend: Resend
-    ) -> Response:
-        """An unstreamed answer a drain moved: the request goes on where a stream would, and the answers of the
-        replicas it went through are merged into one."""
-        parts: list[dict[str, Any]] = []
-        journey: Journey | None = None
-        try:
-            while answer.headers.get(MIGRATED_HEADER):
-                answer.release()
-                try:
-                    moved = json.loads(data)
-                    handback = read_handback(moved["resume"])
-                    parts.append(moved["partial"])
-                except (ValueError, KeyError, TypeError) as exc:
-                    raise OpenAIError(503, f"replica {replica.spec.http} ({replica.model}): {exc}") from None
-                journey = journey or Journey(self.pool, self.forwarder.release, handback.request_id)
-                payload["resume"] = handback.params
-                journey.handed_back(replica, handback.states.sequences)
-                attempt = await self._next(journey, resend)
-                if isinstance(attempt, OpenAIError):
-                    raise attempt
-                replica, answer, data = attempt
-                journey.answered()
-            answer.release()
-            return JSONResponse(merged_answer([*parts, json.loads(data)]))
-        finally:
-            if journey is not None:
-                journey.close()
-
-    async def _next(self, journey: Journey, resend: Resend) -> Attempt | OpenAIError:
-        """The replica that continues a handed-back request, its response and first chunk (or whole body); or the
-        error that ends the request when none does (the last replica that handed it back takes it back first)."""
-        attempt = await _attempt_or_error(resend(journey.moved_from, None))
-        refused = isinstance(attempt, OpenAIError) or attempt[1].status == 503
-        if refused and (back := journey.take_back()) is not None:
-            if not isinstance(attempt, OpenAIError):
-                attempt[1].release()
-            attempt = await _attempt_or_error(resend((), back))
-        if isinstance(attempt, OpenAIError):
-            return attempt
-        replica, answer, first = attempt
-        if answer.status != 200:
-            answer.release()
-            return OpenAIError(answer.status, _error_message(first))
-        return attempt
 
     async def _route(self, route_request: RouteRequest, failed: list[Replica]) -> Route:
         model = route_request.model or self.router.default_model
@@ -428,22 +319,3 @@ def _route_request(
         cache_salt=body.cache_salt if body is not None else "",
         metadata=headers,
     )
-
-
-async def _attempt_or_error(attempt: Awaitable[Attempt]) -> Attempt | OpenAIError:
-    try:
-        return await attempt
-    except OpenAIError as exc:
-        return exc
-
-
-def _describe(exc: BaseException) -> str:
-    return str(exc) or type(exc).__name__
-
-
-def _error_message(body: bytes) -> str:
-    """The message of an OpenAI error body (or the body itself when it is not one)."""
-    try:
-        return str(json.loads(body)["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return body.decode(errors="replace")[:200]

@@ -5,18 +5,31 @@ events at a time, never parsed, except the `migrated` event a drain ends a migra
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import aiohttp
+from fastapi import Response
+from fastapi.responses import JSONResponse
 from google.protobuf.message import DecodeError
 
 from proto import serving_pb2 as pb
 from scheduler_node.api.openai_errors import OpenAIError
-from scheduler_node.api.openai_migration import MIGRATED_EVENT
+from scheduler_node.api.openai_migration import MIGRATED_EVENT, MIGRATED_HEADER
+from scheduler_node.router.migration import Journey
+from scheduler_node.router.replica import Replica
+from scheduler_node.router.routing import Route
+from scheduler_node.router.upstream import Forwarder
+
+UPSTREAM_ERRORS = (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError)
+Attempt = tuple[Replica, aiohttp.ClientResponse, bytes]  # the replica, its answer, its first chunk (or whole body)
+Resend = Callable[[Sequence[Replica], Route | None], Awaitable[Attempt]]  # the request again: (exclude, route)
 
 MIGRATED = MIGRATED_EVENT.encode()
 END = b"\n\n"  # ends an event: its lines never hold an empty one (JSON escapes its newlines)
@@ -122,3 +135,139 @@ def merged_answer(parts: list[dict[str, Any]]) -> dict[str, Any]:
 def error_event(status: int, message: str) -> bytes:
     """The event that ends a stream whose status line is long gone."""
     return f"data: {json.dumps(OpenAIError(status, message).body())}\n\n".encode()
+
+
+class MovedRequests:
+    """The router's HTTP door's side of live migration: a request a drain hands back goes on from the next replica
+    (the same Journey as a gRPC request's, router/migration.py), its stream spliced into one, or its unstreamed
+    answers merged into one."""
+
+    def __init__(self, forwarder: Forwarder, count_error: Callable[[str, str], None]) -> None:
+        self.forwarder = forwarder
+        self.pool = forwarder.router.pool
+        self.count_error = count_error
+
+    async def relay(
+        self,
+        replica: Replica,
+        answer: aiohttp.ClientResponse,
+        first: bytes,
+        stack: contextlib.ExitStack,
+        payload: dict[str, Any],
+        resend: Resend,
+    ) -> AsyncIterator[bytes]:
+        """The stream as the replica sends it; when a drain hands it back (its `migrated` event), the rest of it
+        from the replica that continues it (`resend`: the request with `resume`), so the client sees one stream."""
+        journey: Journey | None = None
+        try:
+            while True:
+                handback = None
+                async for piece in self._pass(replica, answer, first):
+                    if isinstance(piece, Handback):
+                        handback = piece
+                    else:
+                        if journey is not None:
+                            journey.answered()
+                        yield piece
+                if handback is None:
+                    return
+                if journey is None:
+                    journey = Journey(self.pool, self.forwarder.release, handback.request_id)
+                payload["resume"] = handback.params
+                journey.handed_back(replica, handback.states.sequences)
+                moved = await self._next(journey, resend)
+                if isinstance(moved, OpenAIError):
+                    yield error_event(moved.status, moved.message)
+                    return
+                replica, answer, first = moved
+        finally:
+            if journey is not None:
+                journey.close()
+            stack.close()
+
+    async def _pass(
+        self, replica: Replica, answer: aiohttp.ClientResponse, first: bytes
+    ) -> AsyncIterator[bytes | Handback]:
+        """One replica's stream, whole events at a time; its `migrated` event (the last) as a Handback. A replica
+        that breaks off ends the stream with an error event naming it."""
+        ended = False
+        try:
+            async for piece in events(answer, first):
+                yield piece
+            ended = True
+        except (*UPSTREAM_ERRORS, ValueError) as exc:
+            details = f"replica {replica.spec.http} ({replica.model}) failed mid-stream: {describe(exc)}"
+            self.forwarder.unavailable(replica, details, True, [])
+            self.count_error(replica.model, "UNAVAILABLE")
+            yield error_event(503, details)
+        finally:
+            if ended:
+                answer.release()  # the connection goes back to the pool
+            else:
+                answer.close()  # the client went away (or the replica did): closing makes the replica abort
+
+    async def collected(
+        self, replica: Replica, answer: aiohttp.ClientResponse, data: bytes, payload: dict[str, Any], resend: Resend
+    ) -> Response:
+        """An unstreamed answer a drain moved: the request goes on where a stream would, and the answers of the
+        replicas it went through are merged into one."""
+        parts: list[dict[str, Any]] = []
+        journey: Journey | None = None
+        try:
+            while answer.headers.get(MIGRATED_HEADER):
+                answer.release()
+                try:
+                    moved = json.loads(data)
+                    handback = read_handback(moved["resume"])
+                    parts.append(moved["partial"])
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise OpenAIError(503, f"replica {replica.spec.http} ({replica.model}): {exc}") from None
+                journey = journey or Journey(self.pool, self.forwarder.release, handback.request_id)
+                payload["resume"] = handback.params
+                journey.handed_back(replica, handback.states.sequences)
+                attempt = await self._next(journey, resend)
+                if isinstance(attempt, OpenAIError):
+                    raise attempt
+                replica, answer, data = attempt
+                journey.answered()
+            answer.release()
+            return JSONResponse(merged_answer([*parts, json.loads(data)]))
+        finally:
+            if journey is not None:
+                journey.close()
+
+    async def _next(self, journey: Journey, resend: Resend) -> Attempt | OpenAIError:
+        """The replica that continues a handed-back request, its response and first chunk (or whole body); or the
+        error that ends the request when none does (the last replica that handed it back takes it back first)."""
+        attempt = await _attempt_or_error(resend(journey.moved_from, None))
+        refused = isinstance(attempt, OpenAIError) or attempt[1].status == 503
+        if refused and (back := journey.take_back()) is not None:
+            if not isinstance(attempt, OpenAIError):
+                attempt[1].release()
+            attempt = await _attempt_or_error(resend((), back))
+        if isinstance(attempt, OpenAIError):
+            return attempt
+        replica, answer, first = attempt
+        if answer.status != 200:
+            answer.release()
+            return OpenAIError(answer.status, error_message(first))
+        return attempt
+
+
+async def _attempt_or_error(attempt: Awaitable[Attempt]) -> Attempt | OpenAIError:
+    try:
+        return await attempt
+    except OpenAIError as exc:
+        return exc
+
+
+def describe(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
+def error_message(body: bytes) -> str:
+    """The message of an OpenAI error body (or the body itself when it is not one)."""
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body.decode(errors="replace")[:200]
