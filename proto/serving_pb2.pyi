@@ -371,6 +371,18 @@ class DrainResponse(_message.Message):
     migrated: int
     def __init__(self, drained: _Optional[bool] = ..., remaining: _Optional[int] = ..., migrated: _Optional[int] = ...) -> None: ...
 
+class MigrateRequest(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class MigrateResponse(_message.Message):
+    __slots__ = ("migrated",)
+    MIGRATED_FIELD_NUMBER: _ClassVar[int]
+    migrated: int
+    def __init__(self, migrated: _Optional[int] = ...) -> None: ...
+
 class ResizeCacheRequest(_message.Message):
     __slots__ = ("num_blocks",)
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]

@@ -36,6 +36,8 @@ from scheduler_node.text.tokenizer import ModelTokenizer
 
 logger = logging.getLogger(__name__)
 
+MAX_MIGRATE_IDS = 4096  # Control.Migrate: request ids per call
+
 # How the engine's failures reach a gRPC client: one status code each.
 # UNAVAILABLE is for now, not for good: the trailer says when to try again (the HTTP doors' Retry-After).
 
@@ -209,6 +211,14 @@ class ControlService(LoraControl, pb_grpc.ControlServicer):
         stats["num_preemptions"] = stats["preemptions_recompute"] + stats["preemptions_swap"]
         loras = [pb.LoraPool(**dataclasses.asdict(m)) for m in engine.lora_memory()]
         return pb.Stats(**stats, memory=[_pool_message(p) for p in engine.kv_pools()], lora_memory=loras)
+
+    async def Migrate(  # noqa: N802
+        self, request: pb.MigrateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.MigrateResponse:
+        engine = await self._engine(context)
+        if not request.request_ids or len(request.request_ids) > MAX_MIGRATE_IDS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_ids: 1 to {MAX_MIGRATE_IDS} ids")
+        return pb.MigrateResponse(migrated=engine.migrate(set(request.request_ids)))
 
     async def ResizeCache(  # noqa: N802
         self, request: pb.ResizeCacheRequest, context: grpc.aio.ServicerContext

@@ -36,10 +36,13 @@ class Journey:
         self.holding: Replica | None = None  # the replica that handed it back, while it keeps its KV for the target
         self.returned = False  # sent back to the replica that handed it back (once)
 
-    def handed_back(self, replica: Replica, states: Sequence[pb.SequenceState]) -> pb.ResumeState:
+    def handed_back(
+        self, replica: Replica, states: Sequence[pb.SequenceState], draining: bool = True
+    ) -> pb.ResumeState:
         """`replica` handed the request back with where each running sequence stopped: what the next target
-        continues (`resume`)."""
-        self.pool.set_state(replica, NOT_SERVING, "draining: its requests migrate")
+        continues (`resume`). Not `draining`: a rebalance moved it (router/rebalance.py), the replica serves on."""
+        if draining:
+            self.pool.set_state(replica, NOT_SERVING, "draining: its requests migrate")
         self._let_go()
         if any(s.HasField("kv_source") for s in states):  # the next target pulls that replica's KV
             self.holding = replica

@@ -82,6 +82,9 @@ class Forwarder:
         # Asks the replicas again which LoRA adapters they serve (the prober's; None: never).
         self.refresh_adapters: Callable[[], Awaitable[None]] | None = None
         self._releases: set[asyncio.Task[None]] = set()  # Aborts that free leased KV on a replica
+        # Live migration: each gRPC request open on a replica (since when), and those a rebalance moves now.
+        self.streams: dict[str, tuple[Replica, float]] = {}
+        self.rebalancing: set[str] = set()
 
     async def route(self, request: RouteRequest, failed: Sequence[Replica]) -> Route:
         """The router's decision; a name that no replica served at the last probe is looked up once more first
@@ -161,7 +164,9 @@ class Forwarder:
                 raise UpstreamError(code, f"replica {replica.address} ({replica.model}): {details}") from None
             if not states:
                 return
-            request.resume.CopyFrom(journey.handed_back(replica, states))
+            draining = request.request_id not in self.rebalancing
+            self.rebalancing.discard(request.request_id)
+            request.resume.CopyFrom(journey.handed_back(replica, states, draining))
             failed = []  # the target starts afresh: UNAVAILABLE before its first message is retried once more
 
     def release(self, replica: Replica, request_id: str) -> None:
@@ -208,6 +213,7 @@ class Forwarder:
         self.opened(replica)
         call = self.links[replica.address].generation.Generate(request, timeout=timeout, metadata=metadata)
         sent = time.monotonic()
+        self.streams[request.request_id] = (replica, sent)
         first = last = 0.0
         tokens = 0  # of sequence 0: with n > 1 the sequences advance together
         try:
@@ -221,6 +227,7 @@ class Forwarder:
                 yield response
         finally:
             call.cancel()  # the client went away: the replica aborts the request (no-op once the call ended)
+            self.streams.pop(request.request_id, None)
             self.closed(replica)
             if tokens > 1:
                 replica.observe_tpot((last - first) / (tokens - 1))
