@@ -69,8 +69,9 @@ def add_routing_flags(p: argparse.ArgumentParser) -> None:
         "--kv-overlap-weight",
         type=float,
         default=DEFAULT_OVERLAP_WEIGHT,
-        help="kv: the weight of the prompt blocks a replica would compute against its queue (cost = weight x "
-        "uncached blocks + requests ahead x prompt blocks); higher follows the cache harder, 0 ignores it",
+        help="kv: what a prompt block a replica would compute costs against a block of work it has (cost = weight x "
+        "uncached blocks + prompt blocks it has yet to compute + blocks its requests hold); higher follows the "
+        "cache harder, 0 ignores it",
     )
 
 

@@ -107,12 +107,10 @@ class SchedulerState:
         self.view = WorkerView(self.mode.tokens_in_plan, config.max_loras, config.max_cpu_loras)
         self.in_flight = InFlightLedger(self.mode.disjoint_plans)
         self._step_id = 0
-        # Speculative decoding, when configured; not with tokens in plans (P > 1 stages): the stages before the
-        # last would learn how many proposals were accepted only with the next plan.
+        # Speculative decoding, when configured. With tokens in plans (P > 1 stages) the ranks learn how many
+        # proposals were accepted from the request's next plan: speculation runs one plan at a time, so that plan
+        # is built after the result (`Speculator.settle`) and carries the rolled-back computed tokens.
         spec = config.speculative
-        if spec is not None and self.mode.tokens_in_plan:
-            logger.warning("speculative decoding is off: it does not run with pipeline parallelism yet")
-            spec = None
         self.speculator = Speculator(spec) if spec is not None else None
         self.leases = KVLeases()  # disaggregated prefill/decode (core/kv_handoff.py)
 

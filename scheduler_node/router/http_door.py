@@ -139,7 +139,7 @@ class RouterHttp:
             try:
                 answer, data = await self._attempt(replica, path, payload, headers, whole=not stream)
             except UPSTREAM_ERRORS as exc:
-                self.forwarder.closed(replica)
+                self.forwarder.closed(replica, chosen.ticket)
                 details = describe(exc)
                 if self.forwarder.unavailable(replica, details, False, failed):
                     logger.info("HTTP %s: retrying on another replica: %s", path, details)
@@ -148,7 +148,7 @@ class RouterHttp:
                 raise OpenAIError(503, f"replica {replica.spec.http} ({replica.model}): {details}") from None
             if answer.status == 503:
                 answer.release()
-                self.forwarder.closed(replica)
+                self.forwarder.closed(replica, chosen.ticket)
                 if self.forwarder.unavailable(replica, error_message(data), False, failed):
                     logger.info("HTTP %s: retrying on another replica: %s", path, error_message(data))
                     continue
@@ -156,11 +156,13 @@ class RouterHttp:
             if answer.status == 404 and chosen.adapter:
                 # The adapter was unloaded there since the last probe: another replica may still serve it.
                 answer.release()
-                self.forwarder.closed(replica)
+                self.forwarder.closed(replica, chosen.ticket)
                 replica.adapters -= {chosen.adapter}
                 failed.append(replica)
                 continue
-            stack.callback(self.forwarder.closed, replica)
+            if chosen.ticket is not None:
+                chosen.ticket.prefilled()  # the answer began (a stream's first chunk, or the whole body)
+            stack.callback(self.forwarder.closed, replica, chosen.ticket)
             return replica, answer, data
 
     async def _prefill(
@@ -182,7 +184,7 @@ class RouterHttp:
             try:
                 answer, data = await self._attempt(route.replica, path, body, headers, whole=True)
             finally:
-                self.forwarder.closed(route.replica)
+                self.forwarder.closed(route.replica, route.ticket)
             answer.release()
             params = json.loads(data).get("kv_transfer_params") if answer.status == 200 else None
             if answer.status != 200:

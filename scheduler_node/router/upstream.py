@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2_grpc
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from proto.wire import MAX_MESSAGE_BYTES
+from scheduler_node.router.kv_load import Ticket
 from scheduler_node.router.metrics import RouterMetrics
 from scheduler_node.router.migration import Journey
 from scheduler_node.router.replica import NOT_SERVING, Replica, ReplicaPool
@@ -145,7 +146,7 @@ class Forwarder:
             started = False
             states: list[pb.SequenceState] = []
             try:
-                async for response in self._stream(replica, request, left, metadata):
+                async for response in self._stream(replica, request, left, metadata, route.ticket):
                     if response.HasField("migrated"):
                         states.append(response.migrated)  # not the client's: the stream goes on elsewhere
                         continue
@@ -202,14 +203,23 @@ class Forwarder:
         replica.in_flight += 1
         self.metrics.in_flight.labels(replica.model, replica.address).set(replica.in_flight)
 
-    def closed(self, replica: Replica) -> None:
+    def closed(self, replica: Replica, ticket: Ticket | None = None) -> None:
+        """The request's stream on `replica` closed (its `kv` ticket, if any, ends: its load there is gone)."""
+        if ticket is not None:
+            ticket.end()
         replica.in_flight -= 1
         self.metrics.in_flight.labels(replica.model, replica.address).set(replica.in_flight)
 
     async def _stream(
-        self, replica: Replica, request: pb.GenerateRequest, timeout: float | None, metadata: Sequence[tuple[str, str]]
+        self,
+        replica: Replica,
+        request: pb.GenerateRequest,
+        timeout: float | None,
+        metadata: Sequence[tuple[str, str]],
+        ticket: Ticket | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """One attempt on one replica, measuring its time to first token and per output token."""
+        """One attempt on one replica, measuring its time to first token and per output token (and telling the
+        route's `kv` ticket when the prompt is computed and when the stream closed)."""
         self.opened(replica)
         call = self.links[replica.address].generation.Generate(request, timeout=timeout, metadata=metadata)
         sent = time.monotonic()
@@ -222,13 +232,15 @@ class Forwarder:
                 if not first:
                     first = last
                     replica.observe_ttft(first - sent)
+                    if ticket is not None:
+                        ticket.prefilled()
                 if response.index == 0:
                     tokens += len(response.token_ids)
                 yield response
         finally:
             call.cancel()  # the client went away: the replica aborts the request (no-op once the call ended)
             self.streams.pop(request.request_id, None)
-            self.closed(replica)
+            self.closed(replica, ticket)
             if tokens > 1:
                 replica.observe_tpot((last - first) / (tokens - 1))
 
