@@ -25,6 +25,7 @@ from scheduler_node.router.kv_strategy import DEFAULT_OVERLAP_WEIGHT, KVAware, P
 from scheduler_node.router.kv_subscriber import KVSubscriber
 from scheduler_node.router.metrics import RouterMetrics
 from scheduler_node.router.probe import Prober, report_health
+from scheduler_node.router.rebalance import Rebalancer
 from scheduler_node.router.replica import ReplicaPool, ReplicaSpec, parse_replica
 from scheduler_node.router.routing import Router
 from scheduler_node.router.strategies import DEFAULT_LOAD_FACTOR, STRATEGIES
@@ -139,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a replica has to answer a health check, GetStats or Abort before it counts as down",
     )
     p.add_argument(
+        "--rebalance",
+        action="store_true",
+        help="move a replica's longest-running gRPC stream to another replica (live migration) while its queue is "
+        "long and another replica of its model is idle (needs the replicas' Control: --replica-control-token)",
+    )
+    p.add_argument(
         "--replica-control-token",
         default=os.environ.get(TOKEN_ENV, ""),
         help=f"the replicas' --control-token, for GetStats (default: ${TOKEN_ENV})",
@@ -231,6 +238,10 @@ async def serve(args: argparse.Namespace) -> int:
     ]
     if subscriber is not None:
         tasks.append(asyncio.ensure_future(subscriber.run()))
+    if args.rebalance:
+        token = args.replica_control_token
+        rebalancer = Rebalancer(generation.forwarder, args.probe_interval, args.probe_timeout, token)
+        tasks.append(asyncio.ensure_future(rebalancer.run()))
     logger.info(
         "routing on %s:%d by %s: %s",
         args.host,

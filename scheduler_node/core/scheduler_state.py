@@ -61,6 +61,11 @@ class SchedulerCounters:
     worker_idle_ms: float = 0.0  # summed over steps: the gap the workers waited between steps
     interrupted_steps: int = 0  # steps whose compute was skipped for a request that outranked them
     scheduled_tokens: int = 0  # tokens computed by the workers, recomputation included
+    # Live migration: sequences resumed here from another replica, by KV import or by recompute, and the positions
+    # whose KV they planned to import (a pull that fails later is recomputed: core/results.py).
+    migrations_imported: int = 0
+    migrations_recomputed: int = 0
+    migration_kv_tokens_imported: int = 0
 
 
 class SchedulerState:
