@@ -4,7 +4,9 @@
 at most `MAX_ROWS` rows by a bf16 weight, or by int8 codes with a float32 scale per output channel
 (`linear_int8`), in the C kernel, reading the weight once from the layout torch keeps (no repacked copy). What it
 does not cover (another device or dtype, more rows, a width that is not a multiple of 32 inputs and 16 outputs)
-goes to torch. Measured against torch on SmolLM2's shapes in scripts/bench_quant.py --kernels (docs/benchmarks.md).
+goes to torch. `linear_int8_act` multiplies int8 codes by the activations quantized per row in the call (8 or 16
+bits; any row count; AMX-INT8, inputs a multiple of 64). Measured against torch on SmolLM2's shapes in
+scripts/bench_quant.py --kernels (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ MAX_ROWS = 64  # the kernel's limit (four accumulator tiles of 16 rows); above i
 BLOCK_N, BLOCK_K = 16, 32
 WEIGHT_FORMATS = {torch.bfloat16: 0, torch.int8: 1}
 NEEDED_FLAGS = frozenset({"amx_tile", "amx_bf16", "avx512_bf16"})
+INT8_FLAG = "amx_int8"  # for `linear_int8_act` (every CPU with AMX-BF16 so far has it too)
+QUADS_K = 64  # inputs per int8 tile product
+ACT_BITS = (8, 16)
 DISABLE_ENV = "MINIVLLM_CPU_GEMM"  # "0": torch's matmuls only (to compare; read when the kernel is first asked for)
 
 _ptr = ctypes.c_void_p
@@ -43,6 +48,8 @@ def load() -> ctypes.CDLL | None:
         return None
     library.skinny_gemm.restype = ctypes.c_int
     library.skinny_gemm.argtypes = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int] * 2
+    library.int8_gemm.restype = ctypes.c_int
+    library.int8_gemm.argtypes = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int] * 2
     library.skinny_gemm_init.restype = ctypes.c_int
     return library if library.skinny_gemm_init() else None
 
@@ -72,12 +79,17 @@ def _run(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None) -> 
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
     scale_pointer = None if scales is None else scales.data_ptr()
     rows, outputs, inputs = x.shape[0], weight.shape[0], weight.shape[1]
-    threads = torch.get_num_threads()
+    threads = kernel_threads(rows)
     fmt = WEIGHT_FORMATS[weight.dtype]
     status = library.skinny_gemm(
         x.data_ptr(), weight.data_ptr(), scale_pointer, out.data_ptr(), rows, outputs, inputs, fmt, threads
     )
     return out if status == 0 else None
+
+
+def kernel_threads(rows: int) -> int:
+    """Threads for one product of `rows` rows."""
+    return torch.get_num_threads()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -95,3 +107,51 @@ def linear_int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> t
     if not covers(x, codes) or scales.dtype != torch.float32 or not scales.is_contiguous():
         return None
     return _run(x, codes, scales)
+
+
+@functools.cache
+def has_int8() -> bool:
+    """Whether `linear_int8_act` can run here (the kernel loads and the CPU has AMX-INT8)."""
+    return load() is not None and INT8_FLAG in cpu_flags_line().partition(":")[2].split()
+
+
+def linear_int8_act(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, act_bits: int = 16
+) -> torch.Tensor | None:
+    """x [T, K] bf16 quantized per row to `act_bits` (8: W8A8; 16: two int8 halves, about bf16's precision)
+    times int8 codes [N, K] scaled per output channel (float32 [N]): [T, N] bf16, any T; None where the kernel
+    does not cover them (K not a multiple of 64, no AMX-INT8: the caller uses another path)."""
+    if act_bits not in ACT_BITS:
+        raise ValueError(f"act_bits must be one of {ACT_BITS}, not {act_bits}")
+    if not (
+        x.device.type == "cpu"
+        and x.dtype == torch.bfloat16
+        and x.dim() == 2
+        and x.shape[0] > 0
+        and codes.dtype == torch.int8
+        and codes.dim() == 2
+        and codes.is_contiguous()
+        and codes.shape[1] == x.shape[1]
+        and codes.shape[0] % BLOCK_N == 0
+        and codes.shape[1] % QUADS_K == 0
+        and scales.dtype == torch.float32
+        and scales.is_contiguous()
+        and has_int8()
+    ):
+        return None
+    library = load()
+    assert library is not None
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], codes.shape[0], dtype=torch.bfloat16)
+    status = library.int8_gemm(
+        x.data_ptr(),
+        codes.data_ptr(),
+        scales.data_ptr(),
+        out.data_ptr(),
+        x.shape[0],
+        codes.shape[0],
+        codes.shape[1],
+        act_bits,
+        kernel_threads(x.shape[0]),
+    )
+    return out if status == 0 else None

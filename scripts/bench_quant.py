@@ -65,7 +65,7 @@ def engine(model: Path, fmt: str, args: argparse.Namespace) -> LLM:
         dtype=args.dtype,
         quantization=fmt,
         max_num_seqs=64,
-        max_num_batched_tokens=512,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory,
         threads=args.threads,
     )
@@ -163,7 +163,8 @@ def agreement_prompts(text_ids: list[int], n: int) -> list[list[int]]:
 def kernel_table(rows: list[int], repeats: int) -> list[dict[str, Any]]:
     """ms of one SmolLM2 decoder layer's four projections (and of the LM head) per kernel and row count: torch's
     dense matmuls, its int8 weight-only paths, fbgemm's dynamic W8A8 (measured, not used: see the guide) and the
-    AMX kernel for bf16 and int8 weights (kernels/cpu_gemm.py, where the CPU has AMX)."""
+    AMX kernel for bf16 and int8 weights, the latter also against activations quantized to 16 and 8 bits
+    (kernels/cpu_gemm.py, where the CPU has AMX)."""
     import warnings
 
     import torch
@@ -208,6 +209,13 @@ def kernel_table(rows: list[int], repeats: int) -> list[dict[str, Any]]:
             if cpu_gemm.load() is not None and n <= cpu_gemm.MAX_ROWS:  # the AMX kernel (kernels/cpu_gemm.py)
                 kernels["AMX bf16"] = lambda xs=xb, ws=bf16: [cpu_gemm.linear(x, w) for x, w in zip(xs, ws)]
                 kernels["AMX int8"] = lambda xs=xb, q=q32: [cpu_gemm.linear_int8(x, w, s) for x, (w, s) in zip(xs, q)]
+            if cpu_gemm.has_int8():  # the codes times per-row quantized activations: 16 bits (used) and 8 (W8A8)
+                kernels["AMX int8 x a16"] = lambda xs=xb, q=q32: [
+                    cpu_gemm.linear_int8_act(x, w, s, 16) for x, (w, s) in zip(xs, q)
+                ]
+                kernels["AMX int8 x a8 (W8A8)"] = lambda xs=xb, q=q32: [
+                    cpu_gemm.linear_int8_act(x, w, s, 8) for x, (w, s) in zip(xs, q)
+                ]
             table.append({"what": what, "rows": n, **{k: fastest_ms(run, repeats) for k, run in kernels.items()}})
             cells = ", ".join(f"{k} {v:.3f}" for k, v in table[-1].items() if isinstance(v, float))
             print(f"kernels {what} rows {n}: {cells}", flush=True)
@@ -226,6 +234,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--kv-cache-memory", default="2GiB")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=512,
+        help="the engines' step budget; 64 makes the teacher-forced checks run in decode-sized steps (the CPU "
+        "kernels of at most 64 rows) instead of one prefill",
+    )
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--positions", type=int, default=400, help="generated positions compared with the first format")
     p.add_argument("--agreement-prompts", type=int, default=4, help="prompts those positions are generated from")

@@ -13,10 +13,18 @@
  * accumulator holds y^T [16 channels, 16 rows]: up to 4 of them cover 64 rows, each reusing the weight tile. They
  * are transposed in registers on the way out. Rows past M are zeros in `xt` (an accumulator is always 16 wide:
  * AMX's cost is one tile product per 512 weights, small beside reading them). Threads (OpenMP) split the output
- * channels. Products accumulate in float32 and round to bf16 once, as torch's bf16 matmul does.
+ * channels, a stripe at a time as each thread comes free (dynamic: on two cores shared with the engine's own
+ * threads, a thread that is descheduled mid-call would hold a static half back, and the call with it). Products accumulate in float32 and round to bf16 once, as torch's bf16 matmul does.
  *
  * Requirements (the caller checks): K % 32 == 0, N % 16 == 0, 1 <= M <= 64, everything contiguous; x and out
  * bf16; scales float32 [N] (int8) or NULL (bf16).
+ *
+ * `int8_gemm` multiplies int8 codes by activations quantized per row on the fly (AMX-INT8, TDPBSSD: 16 x 16 x 64
+ * per tile product, half of bf16's tile products per weight, and no widening: the codes go from memory straight
+ * into the tiles). With 8-bit activations (x ~ x_scale[m] * q, |q| <= 127) it is W8A8; with 16 bits each row's
+ * codes q (|q| <= 127 * 256 + 127) are split into q = 256 hi + lo, hi and lo int8, and both multiplied (two tile
+ * products per 64 inputs, as many as bf16, but still no widening and half the weight bytes): about 15 bits per
+ * activation, as fine as bf16's own rounding for SmolLM2's outlier channels. Any row count (prefill too).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -42,6 +50,12 @@
 #else
 #define HAVE_AMX 0
 #endif
+#if HAVE_AMX && defined(__AMX_INT8__)
+#define HAVE_AMX_INT8 1
+#else
+#define HAVE_AMX_INT8 0
+#endif
+#define QUADS_K 64 /* int8 inputs per tile product (16 quads of 4) */
 
 #if HAVE_AMX
 static void make_tables(void);
@@ -160,6 +174,19 @@ static inline void store_group(const float *acc, const float *scales, uint16_t *
         _mm256_storeu_si256((__m256i *)(out + m * N), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(r[m], s)));
 }
 
+/* While a stripe's tiles multiply, the next stripe's weights (as many bytes, right after it: rows are contiguous)
+ * are fetched into L2, a slice per k block: the tile loads' 16 rows at a stride of K are not a stream the hardware
+ * prefetchers follow well. */
+static inline void prefetch_next_stripe(const void *stripe, int64_t bytes, int64_t kb, int64_t blocks) {
+#ifndef NO_PREFETCH
+    const char *next = (const char *)stripe + bytes;
+    for (int64_t i = kb * bytes / blocks; i < (kb + 1) * bytes / blocks; i += 64)
+        _mm_prefetch(next + i, _MM_HINT_T1);
+#else
+    (void)stripe, (void)bytes, (void)kb, (void)blocks;
+#endif
+}
+
 /* One stripe of 16 or 32 output channels (`width`) from n0, for every row: the stripe's weights (widened to bf16
  * first for int8) are tiles 4 and 5, two row groups' activations tiles 6 and 7, and four accumulators 0-3 (group
  * x channel half) are independent, so consecutive tile products do not wait on each other. */
@@ -181,6 +208,8 @@ static void stripe_product(const void *w, int format, const float *scales, const
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t kb = 0; kb < K / BLOCK_K; kb++) {
+            if (g == 0 && format == WEIGHT_BF16)
+                prefetch_next_stripe(a, (int64_t)width * stride, kb, K / BLOCK_K);
             _tile_loadd(4, a + kb * BLOCK_K, stride);
             _tile_loadd(6, b0 + kb * 16 * GROUP_ROWS, 64);
             _tile_dpbf16ps(0, 4, 6);
@@ -229,6 +258,123 @@ static __thread size_t xt_capacity;
 
 #endif /* HAVE_AMX */
 
+#if HAVE_AMX_INT8
+
+/* Tile `t` (0-3: a constant for the instruction) stored to `buffer`. */
+static inline void store_tile(int t, void *buffer) {
+    switch (t) {
+    case 0: _tile_stored(0, buffer, 64); break;
+    case 1: _tile_stored(1, buffer, 64); break;
+    case 2: _tile_stored(2, buffer, 64); break;
+    default: _tile_stored(3, buffer, 64); break;
+    }
+}
+
+static inline __m512 bf16x16_to_float(const uint16_t *x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
+}
+
+/* 16 int32 codes as 16 bytes, 4 inputs per 32-bit word, to `dst[0], dst[16], dst[32], dst[48]` (a tile's rows). */
+static inline void scatter_quads(__m512i codes, uint32_t *dst) {
+    _Alignas(16) uint32_t words[4];
+    _mm_store_si128((__m128i *)words, _mm512_cvtsepi32_epi8(codes));
+    for (int j = 0; j < 4; j++)
+        dst[j * GROUP_ROWS] = words[j];
+}
+
+/* One bf16 row of K quantized symmetrically into its tile column(s): `hi` (and `lo` when split: 16-bit codes cut
+ * into 256 hi + lo). Returns the row's scale (0 for an all-zero row, whose codes are all 0). */
+static float quantize_row(const uint16_t *x, int64_t K, int split, uint32_t *hi, uint32_t *lo) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16)
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(bf16x16_to_float(x + k)));
+    const float absmax = _mm512_reduce_max_ps(amax), qmax = split ? 127.0f * 256 + 127 : 127.0f;
+    const __m512 inv = _mm512_set1_ps(absmax > 0 ? qmax / absmax : 0.0f);
+    const __m512i top = _mm512_set1_epi32((int)qmax), bottom = _mm512_set1_epi32(-(int)qmax);
+    for (int64_t k = 0; k < K; k += 16) {
+        __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(bf16x16_to_float(x + k), inv)); /* to nearest */
+        q = _mm512_max_epi32(_mm512_min_epi32(q, top), bottom);
+        if (split) {
+            /* hi = floor((q + 128) / 256) in [-127, 127], lo = q - 256 hi in [-128, 127] */
+            const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(128)), 8);
+            scatter_quads(_mm512_sub_epi32(q, _mm512_slli_epi32(h, 8)), lo + k / 4 * GROUP_ROWS);
+            q = h;
+        }
+        scatter_quads(q, hi + k / 4 * GROUP_ROWS);
+    }
+    return absmax / qmax;
+}
+
+/* An int32 accumulator (y^T, 16 channels x 16 rows; plus 256 x it and `lo`'s when split) out to y's rows, scaled
+ * by the channels' and the rows' scales. */
+static inline void store_int8_group(const int32_t *acc, const int32_t *lo, const float *w_scales,
+                                    const float *x_scales, uint16_t *out, int64_t rows, int64_t N) {
+    __m512 r[16];
+    for (int i = 0; i < 16; i++) {
+        r[i] = _mm512_cvtepi32_ps(_mm512_load_si512(acc + 16 * i));
+        if (lo)
+            r[i] = _mm512_fmadd_ps(r[i], _mm512_set1_ps(256.0f), _mm512_cvtepi32_ps(_mm512_load_si512(lo + 16 * i)));
+    }
+    transpose16(r);
+    const __m512 s = _mm512_loadu_ps(w_scales);
+    for (int64_t m = 0; m < rows; m++) {
+        const __m512 y = _mm512_mul_ps(r[m], _mm512_mul_ps(s, _mm512_set1_ps(x_scales[m])));
+        _mm256_storeu_si256((__m256i *)(out + m * N), (__m256i)_mm512_cvtneps_pbh(y));
+    }
+}
+
+/* One stripe of 16 or 32 output channels from n0, for every row: the stripe's codes straight from memory are
+ * tiles 4 and 5, two "virtual groups" of activations tiles 6 and 7 (two row groups; or, split, one row group's hi
+ * and lo codes), accumulators 0-3 (virtual group x channel half). */
+static void stripe_int8(const int8_t *w, const float *w_scales, const uint32_t *xq, const float *x_scales,
+                        uint16_t *out, int64_t M, int64_t N, int64_t K, int vgroups, int split, int64_t n0,
+                        int width, int32_t *acc, int32_t *acc_lo) {
+    const int64_t quads = K / 4;
+    const int8_t *a = w + n0 * K;
+    const int full = width == 2 * BLOCK_N;
+    for (int vg = 0; vg < vgroups; vg += 2) {
+        const int two = vgroups - vg > 1;
+        const uint32_t *b0 = xq + (int64_t)vg * quads * GROUP_ROWS, *b1 = b0 + quads * GROUP_ROWS;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kb = 0; kb < K / QUADS_K; kb++) {
+            if (vg == 0)
+                prefetch_next_stripe(a, (int64_t)width * K, kb, K / QUADS_K);
+            _tile_loadd(4, a + kb * QUADS_K, K);
+            _tile_loadd(6, b0 + kb * 16 * GROUP_ROWS, 64);
+            _tile_dpbssd(0, 4, 6);
+            if (full) {
+                _tile_loadd(5, a + 16 * K + kb * QUADS_K, K);
+                _tile_dpbssd(1, 5, 6);
+            }
+            if (two) {
+                _tile_loadd(7, b1 + kb * 16 * GROUP_ROWS, 64);
+                _tile_dpbssd(2, 4, 7);
+                if (full)
+                    _tile_dpbssd(3, 5, 7);
+            }
+        }
+        for (int t = 0; t < (split ? 2 : 4); t++) {
+            const int64_t first = (int64_t)(split ? vg / 2 : vg + t / 2) * GROUP_ROWS, channel = n0 + (t % 2) * BLOCK_N;
+            if (first >= M || (t % 2 && !full))
+                continue;
+            store_tile(t, acc);
+            if (split)
+                store_tile(t + 2, acc_lo);
+            const int64_t rows = M - first < GROUP_ROWS ? M - first : GROUP_ROWS;
+            store_int8_group(acc, split ? acc_lo : NULL, w_scales + channel, x_scales + first, out + first * N + channel,
+                             rows, N);
+        }
+    }
+}
+
+static __thread void *xq_buffer, *xs_buffer;
+static __thread size_t xq_capacity, xs_capacity;
+
+#endif /* HAVE_AMX_INT8 */
+
 /* y = x @ w^T (times scales per output channel for int8 weights). Returns 0 when done, -1 when this build or
  * these shapes cannot (the caller then uses torch). */
 int skinny_gemm(const uint16_t *x, const void *w, const float *scales, uint16_t *out, int64_t M, int64_t N,
@@ -254,7 +400,7 @@ int skinny_gemm(const uint16_t *x, const void *w, const float *scales, uint16_t 
         failed = format == WEIGHT_INT8 && !wide;
         _Alignas(64) float acc[16 * 16];
         configure_tiles();
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
         for (int64_t s = 0; s < stripes; s++) {
             const int64_t n0 = s * 2 * BLOCK_N;
             const int width = N - n0 < 2 * BLOCK_N ? (int)(N - n0) : 2 * BLOCK_N;
@@ -266,6 +412,48 @@ int skinny_gemm(const uint16_t *x, const void *w, const float *scales, uint16_t 
     return failed ? -1 : 0;
 #else
     (void)x, (void)w, (void)scales, (void)out, (void)M, (void)N, (void)K, (void)format, (void)num_threads;
+    return -1;
+#endif
+}
+
+/* y = (x quantized per row to `act_bits` 8 or 16) @ w^T, times w_scales per output channel: int8 codes w [N, K],
+ * any M. Returns 0 when done, -1 when this build or these shapes cannot (the caller then uses another path). */
+int int8_gemm(const uint16_t *x, const int8_t *w, const float *w_scales, uint16_t *out, int64_t M, int64_t N,
+              int64_t K, int act_bits, int num_threads) {
+#if HAVE_AMX_INT8
+    if (M < 1 || N <= 0 || K <= 0 || N % BLOCK_N || K % QUADS_K || (act_bits != 8 && act_bits != 16))
+        return -1;
+    const int split = act_bits == 16, groups = (int)((M + GROUP_ROWS - 1) / GROUP_ROWS), vgroups = groups << split;
+    const int64_t words = K / 4 * GROUP_ROWS; /* one virtual group's tile words */
+    uint32_t *xq = thread_buffer(&xq_buffer, &xq_capacity, (size_t)vgroups * words * sizeof(uint32_t));
+    float *xs = thread_buffer(&xs_buffer, &xs_capacity, (size_t)M * sizeof(float));
+    if (!xq || !xs)
+        return -1;
+    /* the last row group's rows past M stay zero */
+    memset(xq + (int64_t)(groups - 1) * (words << split), 0, (size_t)(words << split) * sizeof(uint32_t));
+    const int64_t stripes = (N + 2 * BLOCK_N - 1) / (2 * BLOCK_N);
+    if (num_threads > stripes)
+        num_threads = (int)stripes;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            uint32_t *hi = xq + (m / GROUP_ROWS << split) * words + m % GROUP_ROWS;
+            xs[m] = quantize_row(x + m * K, K, split, hi, hi + words);
+        }
+        _Alignas(64) int32_t acc[16 * 16], acc_lo[16 * 16];
+        configure_tiles();
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t s = 0; s < stripes; s++) {
+            const int64_t n0 = s * 2 * BLOCK_N;
+            const int width = N - n0 < 2 * BLOCK_N ? (int)(N - n0) : 2 * BLOCK_N;
+            stripe_int8(w, w_scales, xq, xs, out, M, N, K, vgroups, split, n0, width, acc, acc_lo);
+        }
+        _tile_release();
+    }
+    return 0;
+#else
+    (void)x, (void)w, (void)w_scales, (void)out, (void)M, (void)N, (void)K, (void)act_bits, (void)num_threads;
     return -1;
 #endif
 }

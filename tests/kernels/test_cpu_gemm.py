@@ -11,6 +11,8 @@ pytestmark = pytest.mark.unit
 
 HAS_AMX = cpu_gemm.NEEDED_FLAGS <= set(cpu_flags_line().partition(":")[2].split())
 needs_amx = pytest.mark.skipif(not HAS_AMX, reason="the kernel needs AMX-BF16 (Sapphire Rapids or later)")
+HAS_AMX_INT8 = HAS_AMX and cpu_gemm.INT8_FLAG in cpu_flags_line().partition(":")[2].split()
+needs_amx_int8 = pytest.mark.skipif(not HAS_AMX_INT8, reason="the int8 kernel needs AMX-INT8")
 
 
 def _assert_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None) -> None:
@@ -57,6 +59,77 @@ def test_int8_weights_match_torch(rows: int, outputs: int, inputs: int) -> None:
     got = cpu_gemm.linear_int8(x, codes, scales)
     assert got is not None
     _assert_close(got, x, codes, scales)
+
+
+def _int8_act_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
+    """What the kernel computes, in float64: x quantized per row (absmax / qmax, to nearest) times the codes."""
+    qmax = 127 if bits == 8 else 127 * 256 + 127
+    xd = x.double()
+    step = xd.abs().amax(dim=1, keepdim=True) / qmax
+    qx = torch.where(step > 0, torch.round(xd / step.clamp_min(1e-300)), torch.zeros_like(xd))
+    return (qx * step) @ codes.double().t() * scales.double()
+
+
+@needs_amx_int8
+@pytest.mark.parametrize("bits", [8, 16])
+@pytest.mark.parametrize("rows", [1, 5, 17, 64, 100])
+@pytest.mark.parametrize(("outputs", "inputs"), [(16, 64), (48, 192), (112, 128)])
+def test_int8_codes_times_quantized_activations_match_the_reference(
+    bits: int, rows: int, outputs: int, inputs: int
+) -> None:
+    """Per-row activation codes, the 16-bit ones split into int8 halves; rows past 64 and partial row groups and
+    stripes; a zero row (scale 0) gives zeros."""
+    gen = torch.Generator().manual_seed(rows * 1000 + outputs + inputs + bits)
+    x = torch.randn(rows, inputs, generator=gen).bfloat16()
+    x[rows // 2] = 0
+    codes = torch.randint(-127, 128, (outputs, inputs), generator=gen, dtype=torch.int8)
+    scales = torch.rand(outputs, generator=gen) / 64
+    got = cpu_gemm.linear_int8_act(x, codes, scales, bits)
+    assert got is not None and got.dtype == torch.bfloat16 and got.shape == (rows, outputs)
+    want = _int8_act_reference(x, codes, scales, bits)
+    # bf16's half step on the output; a tie rounded the other way moves a code by one (x's step x |w|)
+    step = x.double().abs().amax(dim=1, keepdim=True) / (127 if bits == 8 else 32639)
+    slack = step * codes.double().abs().amax(dim=1) * scales.double() * 2
+    assert bool(((got.double() - want).abs() <= 2**-8 * want.abs() + slack + 1e-30).all())
+    assert bool((got[rows // 2] == 0).all())
+
+
+@needs_amx_int8
+def test_16_bit_activations_are_as_fine_as_bf16() -> None:
+    """Against the unquantized product: the 16-bit codes add about 2^-15 of a row's largest input, so even an
+    outlier channel 100x the others leaves the result within bf16's rounding; 8 bits do not."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 576, generator=gen)
+    x[:, 7] = 300.0  # an outlier channel
+    x = x.bfloat16()
+    codes = torch.randint(-127, 128, (64, 576), generator=gen, dtype=torch.int8)
+    codes[:, 7] = 0  # so the outlier sets the scale but not the result
+    scales = torch.full((64,), 1e-3)
+    exact = x.double() @ codes.double().t() * scales.double()
+    errors = {}
+    for bits in (8, 16):
+        got = cpu_gemm.linear_int8_act(x, codes, scales, bits)
+        assert got is not None
+        errors[bits] = float((got.double() - exact).norm() / exact.norm())
+    assert errors[16] < 4e-3 < errors[8], errors
+
+
+def test_what_the_int8_kernel_does_not_cover_is_refused() -> None:
+    codes, scales = torch.ones(32, 96, dtype=torch.int8), torch.ones(32)
+    assert cpu_gemm.linear_int8_act(torch.randn(4, 96).bfloat16(), codes, scales) is None  # 96 inputs: not 64s
+    assert cpu_gemm.linear_int8_act(torch.randn(4, 96), codes, scales) is None  # float32 activations
+    with pytest.raises(ValueError, match="act_bits"):
+        cpu_gemm.linear_int8_act(torch.randn(4, 64).bfloat16(), torch.ones(32, 64, dtype=torch.int8), scales, 4)
+
+
+def test_no_amx_int8_means_the_weight_only_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_gemm, "cpu_flags_line", lambda: "flags : amx_tile amx_bf16 avx512_bf16")
+    cpu_gemm.has_int8.cache_clear()
+    try:
+        codes, scales = torch.ones(32, 64, dtype=torch.int8), torch.ones(32)
+        assert cpu_gemm.linear_int8_act(torch.randn(4, 64).bfloat16(), codes, scales) is None
+    finally:
+        cpu_gemm.has_int8.cache_clear()
 
 
 @needs_amx

@@ -1,19 +1,25 @@
-"""int8 weights, one float scale per output channel (weight-only: activations stay in the model dtype).
+"""int8 weights, one float scale per output channel (activations keep about their own precision: 16-bit codes).
 
 w[n, k] ~ qweight[n, k] * scales[n], qweight in [-127, 127]. The multiplication picks its kernel by row count,
 as measured on a 2-core Sapphire Rapids (scripts/bench_quant.py --kernels, docs/benchmarks.md):
 
-- bf16 activations on CPU with AMX, up to `cpu_gemm.MAX_ROWS` rows (decode steps): kernels/cpu_gemm.py's C
-  kernel, which widens the codes to bf16 in registers as it reads them (never a bf16 copy in memory) and applies
-  the scales to its float32 sums;
+- bf16 activations on CPU with AMX-INT8, up to `cpu_gemm.MAX_ROWS` rows (decode steps), inputs a multiple of 64:
+  kernels/cpu_gemm.py's `linear_int8_act`, the codes straight from memory into AMX-INT8 tile products against the
+  activations quantized per row in the call. 16 bits per activation (two int8 halves) by default: 8 bits (W8A8)
+  halves the tile products but cost SmolLM2 its agreement with bf16 on every projection (88.5 % with all four,
+  94.5-97.5 % with any one alone, against 98.3 % here: docs/benchmarks.md), so `ACT_BITS` keeps 16 everywhere;
+- other AMX CPUs (or widths): the same C kernel with the codes widened to bf16 in registers;
 - bf16 activations on other CPUs, up to `GEMV_ROWS` rows (decode of a few sequences): torch's packed int8 GEMV
   (`aten._weight_int8pack_mm`), which reads the int8 rows directly: 2-10x the bf16 matmul at one row, where
   reading the weights is the whole cost, but it walks the weights once per row, so it loses beyond a few rows;
 - otherwise: the int8 rows converted to the activations' dtype and multiplied, the scales applied to the output
-  (x @ (q * s)^T == (x @ q^T) * s): the reference path, and the GPU's until a fused kernel exists.
+  (x @ (q * s)^T == (x @ q^T) * s): the reference path, prefill's (faster there than the kernels), and the GPU's.
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +29,22 @@ from worker_node.models.quant_linear import QuantLinear, QuantMethod, TensorAxes
 
 GEMV_ROWS = 4
 QMAX = 127
+# Activation bits per projection in the AMX-INT8 kernel (kernels/cpu_gemm.py's `linear_int8_act`): 8 is W8A8,
+# 16 about bf16's precision. $MINIVLLM_INT8_ACT_BITS overrides them to compare ("8", or "qkv_proj=8,down_proj=16").
+ACT_BITS = {"qkv_proj": 16, "o_proj": 16, "gate_up_proj": 16, "down_proj": 16}
+ACT_BITS_ENV = "MINIVLLM_INT8_ACT_BITS"
+
+
+@functools.cache
+def act_bits() -> dict[str, int]:
+    """`ACT_BITS` with $MINIVLLM_INT8_ACT_BITS's overrides (read once)."""
+    bits = dict(ACT_BITS)
+    for entry in filter(None, os.environ.get(ACT_BITS_ENV, "").split(",")):
+        role, _, value = entry.rpartition("=")
+        if not value.isdigit() or int(value) not in cpu_gemm.ACT_BITS or (role and role not in bits):
+            raise ValueError(f"${ACT_BITS_ENV}: {entry!r} is not BITS or PROJECTION=BITS (bits 8 or 16)")
+        bits.update({r: int(value) for r in ([role] if role else bits)})
+    return bits
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,12 +79,23 @@ class Int8Method(QuantMethod):
     def forward(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         q, scales = layer.part("qweight"), layer.part("scales")
         if x.device.type == "cpu" and x.dtype == torch.bfloat16:
-            out = cpu_gemm.linear_int8(x, q, self._float_scales(layer))
+            out = self._amx(layer, x)
             if out is not None:
                 return out
         if x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.shape[0] <= GEMV_ROWS:
             return torch.ops.aten._weight_int8pack_mm(x.contiguous(), q, scales.to(x.dtype))
         return F.linear(x, q.to(x.dtype)) * scales.to(x.dtype)
+
+    def _amx(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor | None:
+        """The AMX kernels' product where they cover x: activations quantized per row (8 bits at any row count;
+        16 bits up to `cpu_gemm.MAX_ROWS`, beyond which converting the codes for torch's matmul is faster), else
+        the weight-only kernel (codes widened to bf16) up to `cpu_gemm.MAX_ROWS`; None beyond."""
+        q, scales = layer.part("qweight"), self._float_scales(layer)
+        bits = act_bits().get(layer.role, 16)
+        out = None
+        if bits == 8 or x.shape[0] <= cpu_gemm.MAX_ROWS:
+            out = cpu_gemm.linear_int8_act(x, q, scales, bits)
+        return out if out is not None else cpu_gemm.linear_int8(x, q, scales)
 
     def _float_scales(self, layer: QuantLinear) -> torch.Tensor:
         """The scales in float32 for the C kernel, made once (the buffer follows the model dtype; bf16 numbers

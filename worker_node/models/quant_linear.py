@@ -88,6 +88,7 @@ class QuantLinear(nn.Module):
             self.register_buffer(name, tensors[name])
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.kernel: dict[str, Any] = {}  # what the method's kernel keeps (a repacked weight), by the method
+        self.role = ""  # which projection it is ("qkv_proj", "down_proj", ...), where a method treats them apart
 
     @classmethod
     def empty(cls, method: QuantMethod, out_features: int, in_features: int, bias: bool = False) -> QuantLinear:

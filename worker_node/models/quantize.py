@@ -45,6 +45,7 @@ def prepare_model(model: nn.Module, method: QuantMethod) -> None:
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and child_name in QUANTIZED_LINEARS:
                 quantized = QuantLinear.empty(method, child.out_features, child.in_features, child.bias is not None)
+                quantized.role = child_name
                 setattr(module, child_name, quantized)
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import cpu_gemm
 from proto.quantization import QuantizationError
 from tests.support.awq_checkpoint import pack_columns, quantize_awq
+from worker_node.models import quant_int8
 from worker_node.models.quant_awq import AwqMethod, pack, unpack
 from worker_node.models.quant_fp8 import FP8, Fp8Method
 from worker_node.models.quant_int8 import Int8Method
@@ -69,6 +71,51 @@ def test_int8_kernels_multiply_by_the_dequantized_weights(rows: int, dtype: torc
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     else:
         assert _relative_error(out, expected) < 0.01
+
+
+@pytest.mark.parametrize(
+    ("env", "changed"),
+    [("", {}), ("8", dict.fromkeys(quant_int8.ACT_BITS, 8)), ("down_proj=8", {"down_proj": 8})],
+)
+def test_activation_bits_per_projection_and_their_override(
+    monkeypatch: pytest.MonkeyPatch, env: str, changed: dict[str, int]
+) -> None:
+    monkeypatch.setenv(quant_int8.ACT_BITS_ENV, env)
+    quant_int8.act_bits.cache_clear()
+    try:
+        assert quant_int8.act_bits() == {**quant_int8.ACT_BITS, **changed}
+    finally:
+        quant_int8.act_bits.cache_clear()
+
+
+@pytest.mark.parametrize("env", ["4", "lm_head=8", "down_proj=", "down_proj=eight"])
+def test_a_bad_activation_bits_override_is_refused_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, env: str
+) -> None:
+    monkeypatch.setenv(quant_int8.ACT_BITS_ENV, env)
+    quant_int8.act_bits.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=quant_int8.ACT_BITS_ENV):
+            quant_int8.act_bits()
+    finally:
+        quant_int8.act_bits.cache_clear()
+
+
+@pytest.mark.skipif(not cpu_gemm.has_int8(), reason="the activation-quantizing kernel needs AMX-INT8")
+@pytest.mark.parametrize(("role", "rows", "bits"), [("down_proj", 16, 16), ("down_proj", 200, None), ("", 3, 16)])
+def test_an_int8_layer_on_amx_quantizes_its_activations_by_its_projection(
+    role: str, rows: int, bits: int | None
+) -> None:
+    """Decode-sized steps go to the AMX-INT8 kernel with the projection's bits; prefill-sized ones to torch."""
+    layer = QuantLinear.quantized(Int8Method(), torch.randn(48, 128))
+    layer.cast(torch.bfloat16)
+    layer.role = role
+    x = torch.randn(rows, 128).bfloat16()
+    scales = layer.part("scales").float()
+    want: torch.Tensor | None = torch.nn.functional.linear(x, layer.part("qweight").bfloat16()) * layer.part("scales")
+    if bits is not None:
+        want = cpu_gemm.linear_int8_act(x, layer.part("qweight"), scales, bits)
+    assert want is not None and torch.equal(layer(x), want)
 
 
 def _relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
