@@ -42,6 +42,8 @@ from proto.step_messages import (
     StructuredOutput,
     TierMove,
     TokenLogprobs,
+    pack_int32,
+    unpack_int32,
 )
 from proto.wire_base import BlockPair, Count, Handle, Kind, Message, Record, WireError
 
@@ -80,6 +82,8 @@ __all__ = [
     "WorkerReady",
     "decode",
     "encode",
+    "pack_int32",
+    "unpack_int32",
 ]
 
 # 2: results say whether an Interrupt reached them (a new message); cached requests carry new_token_ids, and
@@ -111,7 +115,9 @@ __all__ = [
 # prefix the scheduler counts as imported.
 # 14: a draft model (speculative decoding): Assignment.draft_model, StepPlan.propose, StepResult.drafts (a v13
 # worker would never propose, and the requests would wait on proposals that never come).
-WIRE_VERSION = 14
+# 15: a result of one token per request carries them packed (StepResult.token_handles, tokens: int32 arrays); a
+# v14 scheduler would refuse the longer record.
+WIRE_VERSION = 15
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # libzmq's own ZMTP heartbeats, set on both ends of the worker socket: a quiet connection is PINGed this often by
 # libzmq's I/O thread (so a busy Python thread does not drop it), and dropped after the heartbeat timeout.

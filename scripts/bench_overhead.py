@@ -171,7 +171,7 @@ class EngineProbe:
             mark = self.snapshot()
             plan: StepPlan = schedule()
             if plan.has_work:  # steady: each of the row's sequences decodes one token (no dict made to see it)
-                steady = not plan.new_requests and len(plan.cached_requests) == plan.total_tokens == self.num_seqs
+                steady = not plan.new_requests and plan.num_requests == plan.total_tokens == self.num_seqs
                 self.marks.append((plan.step_id, steady, mark))
             return plan
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from proto.wire import CachedRequest, ExecutionMode, StepPlan, StepResult, TierMove, TokenLogprobs
+from proto.wire import CachedRequest, ExecutionMode, StepPlan, StepResult, TierMove, TokenLogprobs, pack_int32
 from worker_node.cuda_graphs import DecodeGraphs
 from worker_node.draft_model import DraftModel
 from worker_node.input_batch import InputBatch, RequestState, StepInputs
@@ -114,8 +114,10 @@ class ModelRunner:
             self.sampler.forget(new.handle)  # penalty counts and grammar start over from its tokens
             rows.append(batch.add(new).row)
         states = batch.states
+        decode_handles, decode_computed = plan.decodes()
         try:
             held = [states[c.handle] for c in cached]
+            decoding = [states[h] for h in decode_handles]
         except KeyError as exc:
             raise ValueError(f"request {exc.args[0]}: a cached request this worker does not hold") from None
         for i in changed:
@@ -126,14 +128,15 @@ class ModelRunner:
             if cached[i].draft_token_ids:  # speculative decoding: proposals to verify this step
                 batch.set_drafts(held[i], cached[i].draft_token_ids)
         rows += [s.row for s in held]
+        rows += [s.row for s in decoding]
         plan_rows = np.array(rows, dtype=np.int64)
-        if cached:
+        if cached or decoding:
             cached_rows = plan_rows[len(plan.new_requests) :]
-            said = np.array([c.num_computed_tokens for c in cached], dtype=np.int64)
+            said = np.array([c.num_computed_tokens for c in cached] + decode_computed, dtype=np.int64)
             if self.mode.tokens_in_plan:  # proposals of the last step: this plan says how many were accepted
                 batch.settle_unverified(cached_rows, said)
             if check_progress:
-                self._check_progress(cached_rows, cached, said)
+                self._check_progress(cached_rows, said, [c.handle for c in cached] + decode_handles)
         for handle, changes in plan.block_updates.items():
             if (state := states.get(handle)) is not None:
                 for index, block in changes:
@@ -145,15 +148,13 @@ class ModelRunner:
             self.lora = LoraManager(self.model, self.dtype, self.device)
         return self.lora
 
-    def _check_progress(self, rows: np.ndarray, cached: list[CachedRequest], said: np.ndarray) -> None:
+    def _check_progress(self, rows: np.ndarray, said: np.ndarray, handles: list[int]) -> None:
         """Each cached request's computed tokens are the plan's (`said`, unless a failed tier load left it
         behind)."""
         has = self.batch.num_computed[rows]
         for i in np.flatnonzero(has != said).tolist():
-            if cached[i].handle not in self._load_failed:
-                raise RuntimeError(
-                    f"request {cached[i].handle}: worker has {has[i]} computed tokens, plan says {said[i]}"
-                )
+            if handles[i] not in self._load_failed:
+                raise RuntimeError(f"request {handles[i]}: worker has {has[i]} computed tokens, plan says {said[i]}")
 
     def _check_plan(self, plan: StepPlan, changed: list[CachedRequest]) -> None:
         """Every block id the plan names is in range (`changed`: its cached requests with new blocks or tokens)."""
@@ -220,14 +221,17 @@ class ModelRunner:
         load_skipped = self._leave_out({m.dst for m in failed_loads} | {b for i in imports.failed for b in i.dst})
         counts = np.array(
             [r.num_scheduled_tokens for r in plan.new_requests]
-            + [r.num_scheduled_tokens for r in plan.cached_requests],
+            + [r.num_scheduled_tokens for r in plan.cached_requests]
+            + [1] * plan.num_decodes,
             dtype=np.int64,
         )
         if self._load_failed:
             handles = [r.handle for r in plan.new_requests] + [r.handle for r in plan.cached_requests]
+            handles += plan.decodes()[0]
             kept = [h not in self._load_failed for h in handles]
             rows, counts = rows[kept], counts[kept]
         sampled: dict[int, list[int]] = {}
+        token_handles, packed = b"", b""  # one token each: packed (StepResult.tokens) instead of `sampled`
         logprobs: dict[int, list[TokenLogprobs]] = {}
         prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = {}
         pooled: dict[int, tuple[int, int, bytes]] = {}
@@ -257,14 +261,16 @@ class ModelRunner:
                 else:
                     if not self.mode.tokens_in_plan:
                         self.batch.append_sampled(inputs, tokens)
-                    sampled = {state.handle: [token] for state, token in zip(samplers, tokens)}
+                    if tokens:  # (a rank of an earlier pipeline stage has none)
+                        token_handles, packed = pack_int32([s.handle for s in samplers]), pack_int32(tokens)
                 if inputs.flags.logprobs.any():
                     logprobs = {state.handle: [lp] for state, lp in zip(samplers, lps) if lp is not None}
                 if plan.propose and self.draft is not None:  # a draft model's proposals for the next step
                     states = self.batch.states
-                    targets = [states[h] for h in plan.propose if h in sampled and h in states]
+                    out = sampled or {s.handle: [token] for s, token in zip(samplers, tokens)}
+                    targets = [states[h] for h in plan.propose if h in out and h in states]
                     # With tokens in plans this rank's rows get the tokens just sampled only with the next plan.
-                    drafts = self.draft.propose(targets, sampled if self.mode.tokens_in_plan else None)
+                    drafts = self.draft.propose(targets, out if self.mode.tokens_in_plan else None)
         if plan.kv_grants and self.handoff is not None:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the exporter's thread reads what this forward pass wrote
@@ -287,6 +293,8 @@ class ModelRunner:
             load_skipped=load_skipped,
             failed_stores=[m.block_hash for m in failed_stores],
             drafts=drafts,
+            token_handles=token_handles,
+            tokens=packed,
         )
 
     def _failed_anywhere(self, plan: StepPlan, here: TierRun) -> tuple[list[TierMove], list[TierMove]]:

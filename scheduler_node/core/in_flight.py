@@ -27,6 +27,10 @@ class SentPlan:
     drafts: list[int] = field(default_factory=list)  # each one's proposed tokens (speculative decoding), within tokens
     num_drafted: int = 0  # requests with proposals: none, and nothing about proposals costs a pass over the plan
     total_tokens: int = 0  # the sum of `tokens` as sent, counted as they are added (no pass over the plan)
+    # The steady decodes among them (`add_decodes`): their handles and computed tokens before the step, the plan's
+    # packed decodes once it is built (StepPlan.decode_handles, decode_computed).
+    decode_handles: list[int] = field(default_factory=list)
+    decode_firsts: list[int] = field(default_factory=list)
 
     def add(self, req: Request, tokens: int, samples: bool, drafts: int = 0) -> None:
         self.requests.append(req)
@@ -42,6 +46,8 @@ class SentPlan:
     def add_decodes(self, reqs: list[Request], firsts: list[int]) -> None:
         """Steady decodes, added together: each computes the one token after `firsts[i]` and samples it."""
         k = len(reqs)
+        self.decode_handles += [r.handle for r in reqs]
+        self.decode_firsts += firsts
         self.requests += reqs
         self.drafts += [0] * k
         self.tokens += [1] * k

@@ -66,7 +66,7 @@ class Results(Preemption):
         # Once per sampling request per step: what the loop calls is looked up once, here.
         all_logprobs, max_len, running = result.logprobs, self.max_model_len, Status.RUNNING
         live, output = self._by_handle, outputs.append
-        for handle, token_ids in result.sampled.items():
+        for handle, token_ids in result.sampled_items():
             req = live.get(handle)
             if req is None or req.status is not running:
                 continue  # aborted or preempted while the step ran

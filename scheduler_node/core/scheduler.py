@@ -17,7 +17,8 @@ speculation is the Speculator's (speculator.py).
 
 A step's Python work grows with what changed, not with what runs: a steady decode (one token, within its own
 last block, held by the workers) is one membership test and one block check in the loop, and is taken into the
-plan and the ledger with the other decodes, column by column (`_take_decodes`).
+plan and the ledger with the other decodes, column by column (`_take_decodes`), and goes out packed with them
+(two int32 arrays in the plan, `StepPlan.decode_handles`), not as a record of its own.
 """
 
 from __future__ import annotations
@@ -146,6 +147,7 @@ class Scheduler(Admission, Results):
         if proposing is not None and proposing.proposer.on_worker:
             plan.propose = proposing.to_draft(sent.requests, sent.samples)
         if sent.requests:
+            self.pack_decodes(plan, sent)
             self.in_flight.record(plan.step_id, sent)
         self.view.finish_plan(plan, self.blocks.take_ops())
         plan.compact_block_base = self.blocks.num_blocks if self.blocks.num_compact_blocks else 0

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from proto.wire import CachedRequest, ExecutionMode, KVGrant, StepPlan
+from proto.wire import ExecutionMode, KVGrant, StepPlan, pack_int32
 from scheduler_node.core.block_table import BlockFormat, BlockTable, Written
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.in_flight import InFlightLedger, SentPlan
@@ -309,14 +309,20 @@ class SchedulerState:
             req.num_placeholders += 1  # this step samples a token the scheduler learns of later
         sent.add(req, n, samples, len(drafts) if drafts else 0)
 
+    @staticmethod
+    def pack_decodes(plan: StepPlan, sent: SentPlan) -> None:
+        """The plan's steady decodes, packed (StepPlan.decode_handles): two int32 arrays, not a record each."""
+        if sent.decode_handles:
+            plan.decode_handles = pack_int32(sent.decode_handles)
+            plan.decode_computed = pack_int32(sent.decode_firsts)
+
     def _take_decodes(self, reqs: list[Request], plan: StepPlan, sent: SentPlan) -> None:
         """`_take` of steady decodes, together: each computes one token within its own last block (no block
         added or copied) and samples; the workers hold each one (one stage: they append its tokens themselves).
         None proposes or is a producer's (no drafts, no KV grant: the loop in `schedule` leaves those to `_take`).
-        Column by column, so a step's Python work per decode is a few list operations, not calls."""
+        Column by column, so a step's Python work per decode is a few list operations, not calls; the plan gets
+        them packed when it is complete (`pack_decodes`)."""
         firsts = [r.num_computed_tokens for r in reqs]
-        handles = [r.handle for r in reqs]
-        plan.cached_requests.extend(map(CachedRequest, handles, firsts, itertools.repeat(1, len(reqs))))
         for req in reqs:
             req.num_computed_tokens += 1
             req.num_placeholders += 1  # this step samples a token the scheduler learns of later

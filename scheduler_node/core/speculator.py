@@ -87,7 +87,7 @@ class Speculator:
         for i, (req, proposed) in enumerate(zip(sent.requests, sent.drafts)):
             if not proposed:
                 continue
-            tokens = result.sampled.get(req.handle)
+            tokens = result.tokens_of(req.handle)
             accepted = len(tokens) - 1 if tokens else 0
             rejected = proposed - accepted
             sent.ends[i] -= rejected

@@ -107,7 +107,7 @@ class StandInWorkers:
             tokens = len(new.prompt_token_ids) + len(new.output_token_ids)
             self.held[new.handle] = _Held(tokens, new.num_computed_tokens, len(new.block_ids))
         drafts: dict[int, int] = {}
-        for cached in plan.cached_requests:
+        for cached in plan.all_cached_requests:
             if cached.draft_token_ids:
                 drafts[cached.handle] = len(cached.draft_token_ids)
             held = self.held.get(cached.handle)

@@ -28,6 +28,8 @@ from proto.wire import (
     WorkerReady,
     decode,
     encode,
+    pack_int32,
+    unpack_int32,
 )
 
 pytestmark = pytest.mark.unit
@@ -51,6 +53,7 @@ MESSAGES = [
     StepResult(7, {0: [5]}, {0: [TokenLogprobs(-0.5, [(5, -0.5), (6, -1.5)])]}, 3.25, 0.5),
     StepResult(8, {}, {}, 1.0, 0.0, interrupted=True),
     StepResult(9, {}, {}, 1.0, 0.0, prompt_logprobs={0: (3, [TokenLogprobs(-2.0, [(7, -0.1)])])}),
+    StepResult(10, {}, token_handles=pack_int32([3, 0, 70000]), tokens=pack_int32([49151, 5, 0])),
     Interrupt(7, 9),
     Heartbeat(0, 3, 5.0),
     StepError(7, 0, "no"),
@@ -122,6 +125,31 @@ def test_wrong_field_types_are_rejected_naming_the_field() -> None:
         decode(frame(7, 0, 1, float("nan")))
     with pytest.raises(WireError, match="at most length"):
         decode(frame(9, 1, 2, 3))  # a field too many
+
+
+def test_packed_tokens_read_as_the_map_of_lists() -> None:
+    """A result of one token per request packs them (two int32 bins); its readers see what `sampled` would say."""
+    packed = decode(encode(StepResult(3, {}, token_handles=pack_int32([9, 2]), tokens=pack_int32([300, 49151]))))
+    assert isinstance(packed, StepResult)
+    assert list(packed.sampled_items()) == [(9, [300]), (2, [49151])]
+    assert (packed.tokens_of(2), packed.tokens_of(5)) == ([49151], None)
+    plain = StepResult(3, {9: [300], 2: [1, 2]})
+    assert list(plain.sampled_items()) == [(9, [300]), (2, [1, 2])] and plain.tokens_of(2) == [1, 2]
+    assert unpack_int32(pack_int32([-1, 2**31 - 1])) == [-1, 2**31 - 1]
+
+
+@pytest.mark.parametrize(
+    ("fields", "error"),
+    [
+        ({"token_handles": pack_int32([1, 2]), "tokens": pack_int32([5])}, "one int32 each per request"),
+        ({"token_handles": b"abc", "tokens": b"abc"}, "one int32 each per request"),
+        ({"token_handles": pack_int32([1]), "tokens": pack_int32([5]), "sampled": {1: [5]}}, "not both"),
+    ],
+)
+def test_malformed_packed_tokens_are_rejected(fields: dict, error: str) -> None:
+    sampled = fields.pop("sampled", {})
+    with pytest.raises(WireError, match=f"malformed StepResult: .*{error}"):
+        decode(encode(StepResult(1, sampled, **fields)))
 
 
 @pytest.mark.parametrize(

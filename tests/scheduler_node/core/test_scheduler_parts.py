@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 
 from proto.wire import ExecutionMode, SamplingOptions, StepPlan, StepResult
@@ -98,6 +99,14 @@ def result(s: Scheduler, plan: StepPlan, spec: bool) -> StepResult:
     return StepResult(plan.step_id, tokens)
 
 
+def whole(plan: StepPlan) -> StepPlan:
+    """The plan with its packed steady decodes as cached requests, all by handle: what the worker is told, the same
+    whether the steady path packed a decode or the general path made its record (the order is not the worker's
+    concern; the ledger keeps the loop's)."""
+    cached = sorted(plan.all_cached_requests, key=lambda c: c.handle)
+    return msgspec.structs.replace(plan, cached_requests=cached, decode_handles=b"", decode_computed=b"")
+
+
 def run(fast: bool, spec: bool = False) -> tuple[list[Any], list[int], int]:
     """Every plan, ledger and output of the scenario, the decodes the steady path took, and the preemptions."""
     s, taken = make(fast, spec)
@@ -109,7 +118,7 @@ def run(fast: bool, spec: bool = False) -> tuple[list[Any], list[int], int]:
         if plan.has_work:
             assert s.scheduled_tokens(plan) == plan.total_tokens  # the ledger's count, what the engine reads
             in_flight.append(plan)
-            trace.append((plan, ledger(s, plan)))
+            trace.append((whole(plan), ledger(s, plan)))
         if len(in_flight) == 2 or (in_flight and not plan.has_work):
             head = in_flight.pop(0)
             outputs = s.update(head, result(s, head, spec))
@@ -125,6 +134,16 @@ def test_steady_decodes_make_the_plans_the_general_path_makes() -> None:
     general, not_taken, _ = run(fast=False)
     assert fast == general
     assert sum(taken) > 100 and not not_taken  # the steady path ran, and only where it was on
+    # and its decodes went out packed: the plans of a run with the steady path on carry them so
+    s, _ = make(fast=True, spec=False)
+    arrive(s, 0, spec=False)
+    first, second, third = s.schedule(), s.schedule(), s.schedule()  # prompts, then decodes (two plans ahead)
+    handles = [r.handle for r in s.running]
+    assert len(first.new_requests) == 3 and not first.num_decodes and not second.cached_requests
+    assert second.decodes() == (handles, [5, 7, 6])  # a, b, fork: each its prompt computed
+    assert third.decodes() == ([handles[0], handles[2]], [6, 7])  # b's next token starts a block: a record
+    records = [(c.handle, c.num_computed_tokens, c.new_block_ids) for c in third.cached_requests]
+    assert records == [(handles[1], 8, (3,))]
     assert preemptions > 0  # blocks ran short: decodes and preemption met
 
 

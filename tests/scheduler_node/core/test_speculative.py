@@ -102,10 +102,10 @@ def test_a_speculating_decode_schedules_its_proposals_and_rolls_back_the_rejecte
     r = req("a", REPEATING)
     s.add(r)
     first = s.schedule()  # the prompt
-    assert not first.cached_requests
+    assert not first.all_cached_requests
     s.update(first, StepResult(first.step_id, {r.handle: [3]}))  # ... 1, 2, 3
     plan = s.schedule()
-    (cached,) = plan.cached_requests
+    (cached,) = plan.all_cached_requests
     assert cached.draft_token_ids == (4, 1, 2) and cached.num_scheduled_tokens == 4
     assert r.num_computed_tokens == len(REPEATING) + 1 + 3
     # the worker accepted 4 and 1, and sampled 9 after them
@@ -124,7 +124,7 @@ def test_proposals_stop_before_max_tokens_and_never_preempt() -> None:
     plan = s.schedule()
     s.update(plan, StepResult(plan.step_id, {r.handle: [3]}))
     plan = s.schedule()
-    assert plan.cached_requests[0].draft_token_ids == (4,)  # 3 tokens at most: one proposal and one sampled
+    assert plan.all_cached_requests[0].draft_token_ids == (4,)  # 3 tokens at most: one proposal and one sampled
     # with no block to spare, requests decode without proposals (which would need a third block each)
     s = make(blocks=4)
     both = [req(name, [1, 2, 3, 4] * 3 + [1, 2]) for name in "bc"]  # with their first tokens, 15 each
@@ -133,7 +133,7 @@ def test_proposals_stop_before_max_tokens_and_never_preempt() -> None:
     plan = s.schedule()
     s.update(plan, StepResult(plan.step_id, {r.handle: [3] for r in both}))
     plan = s.schedule()
-    assert [c.draft_token_ids for c in plan.cached_requests] == [(), ()] and not s.num_preemptions
+    assert [c.draft_token_ids for c in plan.all_cached_requests] == [(), ()] and not s.num_preemptions
 
 
 def test_while_a_request_speculates_plans_run_one_at_a_time_with_every_request() -> None:
@@ -148,12 +148,12 @@ def test_while_a_request_speculates_plans_run_one_at_a_time_with_every_request()
     plan = s.schedule()
     s.update(plan, StepResult(plan.step_id, {r.handle: [3] for r in (a, b, c)}))
     speculated = s.schedule()
-    assert [len(x.draft_token_ids) for x in speculated.cached_requests] == [3, 3, 0]
+    assert [len(x.draft_token_ids) for x in speculated.all_cached_requests] == [3, 3, 0]
     following = s.schedule()
-    assert not following.has_work and not following.cached_requests
+    assert not following.has_work and not following.all_cached_requests
     s.update(speculated, StepResult(speculated.step_id, {a.handle: [4], b.handle: [4, 1], c.handle: [4]}))
     assert a.num_computed_tokens == a.num_tokens - 1 and b.num_computed_tokens == b.num_tokens - 1
-    assert [x.handle for x in s.schedule().cached_requests] == [a.handle, b.handle, c.handle]
+    assert [x.handle for x in s.schedule().all_cached_requests] == [a.handle, b.handle, c.handle]
 
 
 def test_under_pipeline_parallelism_one_plan_holds_every_speculating_request() -> None:
@@ -197,8 +197,8 @@ def test_requests_that_do_not_speculate_keep_the_overlap() -> None:
     a.spec.pause = 5
     first = s.schedule()
     following = s.schedule()  # built before the first one's result
-    assert [x.handle for x in first.cached_requests] == [x.handle for x in following.cached_requests]
-    assert not any(x.draft_token_ids for x in first.cached_requests + following.cached_requests)
+    assert [x.handle for x in first.all_cached_requests] == [x.handle for x in following.all_cached_requests]
+    assert not any(x.draft_token_ids for x in first.all_cached_requests + following.all_cached_requests)
     # nor while the batch is bigger than the policy speculates for
     s = make(SpeculativeConfig(num_speculative_tokens=3, disable_by_batch_size=1))
     both = [req(name, REPEATING) for name in "ab"]
@@ -207,7 +207,7 @@ def test_requests_that_do_not_speculate_keep_the_overlap() -> None:
     plan = s.schedule()
     s.update(plan, StepResult(plan.step_id, {r.handle: [3] for r in both}))
     first, following = s.schedule(), s.schedule()
-    assert len(first.cached_requests) == len(following.cached_requests) == 2
+    assert len(first.all_cached_requests) == len(following.all_cached_requests) == 2
 
 
 def test_the_policy_pauses_a_request_whose_proposals_miss_and_big_batches() -> None:
@@ -246,7 +246,7 @@ def test_with_the_policy_off_speculation_costs_nothing_per_request(monkeypatch: 
     monkeypatch.setattr(s.speculator, "drafts", never)
     for _ in range(3):
         plan = s.schedule()
-        assert len(plan.cached_requests) == 3 and not any(c.draft_token_ids for c in plan.cached_requests)
+        assert len(plan.all_cached_requests) == 3 and not any(c.draft_token_ids for c in plan.all_cached_requests)
         assert plan.propose == []
         s.update(plan, StepResult(plan.step_id, {r.handle: [4] for r in rs}))
 
@@ -263,10 +263,10 @@ def test_a_draft_model_proposes_what_the_worker_sent_while_it_follows_the_tokens
     assert plan.propose == [a.handle]
     s.update(plan, StepResult(plan.step_id, {a.handle: [8], b.handle: [8]}, drafts={a.handle: [9, 10, 11]}))
     plan = s.schedule()
-    assert [c.draft_token_ids for c in plan.cached_requests] == [(9, 10, 11), ()]
+    assert [c.draft_token_ids for c in plan.all_cached_requests] == [(9, 10, 11), ()]
     assert plan.propose == [a.handle]
     s.update(plan, StepResult(plan.step_id, {a.handle: [9, 12], b.handle: [9]}, drafts={a.handle: [13, 14, 15]}))
     assert a.output_token_ids == [8, 9, 12] and a.num_computed_tokens == a.num_tokens - 1
     a.spec.drafted_at -= 1  # type: ignore[union-attr]  # as if a token arrived after the proposals were made
     plan = s.schedule()
-    assert [c.draft_token_ids for c in plan.cached_requests] == [(), ()]
+    assert [c.draft_token_ids for c in plan.all_cached_requests] == [(), ()]

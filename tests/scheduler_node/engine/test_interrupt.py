@@ -92,7 +92,7 @@ def test_undo_puts_requests_back_where_they_were() -> None:
     assert s.counters.interrupted_steps == 2
     plan = s.schedule()
     assert scheduled(s, plan) == {"b0": 1, "b1": 1, "b2": 1, "rt": 20}
-    assert [c.num_computed_tokens for c in plan.cached_requests] == [20, 20, 20]  # the workers' view agrees
+    assert [c.num_computed_tokens for c in plan.all_cached_requests] == [20, 20, 20]  # the workers' view agrees
 
 
 def test_only_a_request_that_outranks_every_one_in_flight_interrupts() -> None:
