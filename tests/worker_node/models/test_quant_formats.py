@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from proto.quantization import QuantizationError
 from kernels import cpu_gemm_awq
+from proto.quantization import QuantizationError
 from tests.support.awq_checkpoint import pack_columns, quantize_awq
 from worker_node.models.quant_awq import AwqMethod, pack, unpack
 from worker_node.models.quant_fp8 import FP8, Fp8Method
