@@ -13,6 +13,13 @@ the rank's place in it (rank r of one world pulls from rank r of the other). Wor
 PP shape) pair head by head instead: a pull names a run of the producer rank's KV heads (`KVPull.heads`), the
 model's KV heads must agree, and each consumer rank pulls its heads from the producer rank(s) holding them
 (`head_sources`), slicing or concatenating them. msgpack only; no pickle.
+
+Same host: a consumer that sends its host id (`KVPull.host`, worker_node/kv_staging.py `host_id`) asks for the
+blocks in a staging buffer it can map instead of frames; a producer of the same host id may grant it (it may also
+refuse, silently: it answers with frames as usual). The one reply then names the buffer (`KVChunk.staging`: its
+kind, handle and each frame's offset and size) and carries no frames; the consumer copies from it and answers with
+a `KVStagingAck` (sent as [`ACK_MARK`, ack]: `ok` false when it could not use the buffer and pulls again with
+frames), which the producer confirms with a bare `done` chunk after freeing the buffer.
 """
 
 from __future__ import annotations
@@ -24,10 +31,12 @@ from msgspec import Meta
 
 from proto.parallel import kv_head_range
 
-KV_TRANSFER_VERSION = 1
+KV_TRANSFER_VERSION = 2  # 2: same-host staging
 MAX_PULL_BYTES = 1024 * 1024  # a KVPull: a lease, a layout and block ids
 DEFAULT_CHUNK_BYTES = 32 * 1024 * 1024  # the largest reply a consumer takes unless told otherwise
 LEASE_BYTES = 16  # a lease's secret: whoever holds it may read the lease's blocks (over CURVE when configured)
+STAGING_ID_BYTES = 16
+ACK_MARK = b"ack"  # the frame before a KVStagingAck (a pull is a single frame)
 
 Count = Annotated[int, Meta(ge=0)]
 
@@ -106,6 +115,27 @@ class KVPull(msgspec.Struct, frozen=True, array_like=True):
     blocks: list[Count]  # the producer's block ids, a subset of the lease's, in the order the consumer wants them
     max_chunk_bytes: Annotated[int, Meta(ge=1)] = DEFAULT_CHUNK_BYTES
     heads: list[Count] = []  # [first, count] of the producer rank's KV heads (worlds of other TP sizes); [] = all
+    host: Annotated[str, Meta(max_length=512)] = ""  # the consumer's host id: asks for same-host staging; "" = frames
+
+
+class KVStaging(msgspec.Struct, frozen=True, array_like=True):
+    """Where a same-host reply's frames are: a buffer the consumer maps (worker_node/kv_staging.py)."""
+
+    kind: str  # "shm" (a /dev/shm file) or "cuda" (a CUDA IPC handle)
+    ident: Annotated[bytes, Meta(min_length=STAGING_ID_BYTES, max_length=STAGING_ID_BYTES)]  # for the ack
+    handle: Annotated[list[bytes | int | bool], Meta(max_length=16)]  # shm: [name]; cuda: _share_cuda_()
+    size: Count  # bytes of the buffer
+    offsets: list[Count]  # of each (layer, tensor) frame in the buffer, in cache order
+    sizes: list[Count]  # bytes of each frame
+
+
+class KVStagingAck(msgspec.Struct, frozen=True, array_like=True):
+    """The consumer is done with a staging buffer: the producer frees it (and, when `ok`, counts the pull)."""
+
+    version: int
+    lease: Annotated[bytes, Meta(min_length=LEASE_BYTES, max_length=LEASE_BYTES)]
+    ident: Annotated[bytes, Meta(min_length=STAGING_ID_BYTES, max_length=STAGING_ID_BYTES)]
+    ok: bool  # False: the consumer could not use the buffer (it pulls again with frames) or it was corrupt
 
 
 class KVChunk(msgspec.Struct, frozen=True, array_like=True):
@@ -114,17 +144,19 @@ class KVChunk(msgspec.Struct, frozen=True, array_like=True):
     layout: KVLayout | None = None  # the producer's (in the first chunk)
     first: Count = 0  # index into KVPull.blocks of this chunk's first block
     count: Count = 0  # blocks in this chunk
-    sums: list[Count] = []  # CRC-32 of each raw frame after this header
+    sums: list[Count] = []  # CRC-32 of each raw frame after this header (or in the staging; none on a GPU)
     done: bool = False
+    staging: KVStaging | None = None  # same host: the frames are in this buffer, not after the header
 
 
-M = TypeVar("M", KVPull, KVChunk)
+M = TypeVar("M", KVPull, KVChunk, KVStagingAck)
 
 _pull_decoder = msgspec.msgpack.Decoder(KVPull)
 _chunk_decoder = msgspec.msgpack.Decoder(KVChunk)
+_ack_decoder = msgspec.msgpack.Decoder(KVStagingAck)
 
 
-def encode(message: KVPull | KVChunk) -> bytes:
+def encode(message: KVPull | KVChunk | KVStagingAck) -> bytes:
     return msgspec.msgpack.encode(message)
 
 
@@ -137,6 +169,12 @@ def decode_pull(data: bytes) -> KVPull:
 
 def decode_chunk(data: bytes) -> KVChunk:
     return _check(_decode(_chunk_decoder, data))
+
+
+def decode_ack(data: bytes) -> KVStagingAck:
+    if len(data) > MAX_PULL_BYTES:
+        raise KVTransferError(f"a KV staging ack of {len(data)} bytes exceeds the {MAX_PULL_BYTES}-byte limit")
+    return _check(_decode(_ack_decoder, data))
 
 
 def _decode(decoder: msgspec.msgpack.Decoder[M], data: bytes) -> M:

@@ -167,6 +167,11 @@ class ControlStub:
                 request_serializer=serving__pb2.DrainRequest.SerializeToString,
                 response_deserializer=serving__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Migrate = channel.unary_unary(
+                '/minivllm.v1.Control/Migrate',
+                request_serializer=serving__pb2.MigrateRequest.SerializeToString,
+                response_deserializer=serving__pb2.MigrateResponse.FromString,
+                _registered_method=True)
         self.ResizeCache = channel.unary_unary(
                 '/minivllm.v1.Control/ResizeCache',
                 request_serializer=serving__pb2.ResizeCacheRequest.SerializeToString,
@@ -213,6 +218,14 @@ class ControlServicer:
     def Drain(self, request, context):
         """Stop admitting (new requests get UNAVAILABLE), finish what runs (or, with migrate, hand the migratable
         requests back to the router), then answer drained=true.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Migrate(self, request, context):
+        """Live migration of some requests (vllm-router --rebalance): each ends with its state, as in a Drain with
+        migrate, and the router resumes it elsewhere; the replica goes on serving.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -270,6 +283,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=serving__pb2.DrainRequest.FromString,
                     response_serializer=serving__pb2.DrainResponse.SerializeToString,
+            ),
+            'Migrate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Migrate,
+                    request_deserializer=serving__pb2.MigrateRequest.FromString,
+                    response_serializer=serving__pb2.MigrateResponse.SerializeToString,
             ),
             'ResizeCache': grpc.unary_unary_rpc_method_handler(
                     servicer.ResizeCache,
@@ -379,6 +397,33 @@ class Control:
             '/minivllm.v1.Control/Drain',
             serving__pb2.DrainRequest.SerializeToString,
             serving__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Migrate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/minivllm.v1.Control/Migrate',
+            serving__pb2.MigrateRequest.SerializeToString,
+            serving__pb2.MigrateResponse.FromString,
             options,
             channel_credentials,
             insecure,

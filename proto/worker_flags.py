@@ -33,6 +33,7 @@ class WorkerOptions:
     kv_offload_disk_size: float = 4.0  # GiB of that folder's file
     kv_role: str = "both"  # disaggregated prefill/decode: prefill and both serve KV leases; every role pulls
     kv_transfer_host: str = "127.0.0.1"  # where a serving rank's KV exporter binds (a free port)
+    kv_transfer_mode: str = "auto"  # auto: a staging buffer between processes of one host, else frames; tcp: frames
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> WorkerOptions:
@@ -59,8 +60,10 @@ WORKER_FLAGS = (
     "kv_offload_disk_size",
     "kv_role",
     "kv_transfer_host",
+    "kv_transfer_mode",
 )
 KV_ROLES = ("prefill", "decode", "both")
+KV_TRANSFER_MODES = ("auto", "tcp")
 
 
 def parse_size(text: str) -> int:
@@ -183,6 +186,13 @@ def add_kv_offload_flags(p: argparse.ArgumentParser) -> None:
         default=DEFAULTS.kv_transfer_host,
         help="the address a rank's KV exporter binds (a free port; reported to the scheduler); other hosts' decode "
         "workers must reach it",
+    )
+    p.add_argument(
+        "--kv-transfer-mode",
+        choices=KV_TRANSFER_MODES,
+        default=DEFAULTS.kv_transfer_mode,
+        help="auto: KV pulls between processes of one host go through a staging buffer (/dev/shm on CPU, CUDA IPC "
+        "on GPU), other hosts' by frames over the KV socket; tcp: always frames (either side may choose it)",
     )
 
 

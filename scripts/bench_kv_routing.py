@@ -1,18 +1,19 @@
-"""KV-aware routing benchmark: `kv` vs `prefix` vs `round_robin` through vllm-router over two replicas that publish
-their KV events, on a multi-tenant shared-prefix workload, in one run.
+"""KV-aware routing benchmark: `kv` vs `prefix` vs `round_robin` through vllm-router over replicas that publish
+their KV events (`--replicas`, 4 by default: 2 in --smoke), on a multi-tenant shared-prefix workload, in one run.
 
 Every prompt is a platform-wide preamble (longer than `prefix`'s 256-character window, as instructions shared by
 every tenant often are), then its tenant's own long context (system prompt and documents), then a user's question.
 Tenants x users requests go in a shuffled order from closed-loop clients. Each replica's KV cache holds
-`--cache-share` of all tenant contexts: a router that gives each tenant one replica keeps them cached, one that
-spreads a tenant over both thrashes. `prefix` hashes the first 256 characters, which are the preamble for all,
-so it sees one key (its load cap then spills tenants at random); `kv` sees the blocks each replica holds. Each
-strategy gets its own preamble and tenants (no run finds another's blocks).
+`--cache-share` of all tenant contexts (by default 1 / replicas: the fleet holds each context once): a router that
+gives each tenant one replica keeps them cached, one that spreads a tenant over several thrashes (and finds a
+context where it sent it by chance: about one time in `--replicas`). `prefix` hashes the first 256 characters,
+which are the preamble for all, so it sees one key (its load cap then spills tenants at random); `kv` sees the
+blocks each replica holds. Each strategy gets its own preamble and tenants (no run finds another's blocks).
 
 Reports the replicas' prefix-cache hit rate (tokens found / tokens looked up, their GetStats), the client's time to
 first token, and throughput (requests and output tokens per second of the run).
 
-    .venv/bin/python scripts/bench_kv_routing.py [--smoke] [--model DIR] [--json out.json]
+    .venv/bin/python scripts/bench_kv_routing.py [--smoke] [--model DIR] [--replicas N] [--json out.json]
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from scheduler_node.text.tokenizer import ModelTokenizer  # noqa: E402
 
 NAME = "m"
 STRATEGIES = ("kv", "prefix", "round_robin")
-SMOKE = {"tenants": 12, "max_tokens": 4}
+SMOKE = {"tenants": 12, "max_tokens": 4, "replicas": 2}  # 2 replicas: the fewest processes CI can route between
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class Workload:
         rng.shuffle(prompts)
         return prompts
 
-    def kv_blocks(self, tokenizer: ModelTokenizer, cache_share: float, block_size: int) -> int:
+    def kv_blocks(self, tokenizer: ModelTokenizer, cache_share: float, block_size: int, replicas: int) -> int:
         """A replica's blocks: the preamble's, `cache_share` of all tenant contexts' (what stays cached), and each
         running request of its share of the clients (a tenant context and its own tail; a replica that gets more
         makes them wait or preempts)."""
@@ -81,7 +82,7 @@ class Workload:
         shared = len(tokenizer.encode(preamble)) // block_size
         tenant = sum(len(tokenizer.encode(f"{preamble}\n{t}")) // block_size - shared for t in tenants)
         own = (3 * self.user_words + self.max_tokens) // block_size + 2
-        return shared + int(cache_share * tenant) + (self.clients // 2 + 1) * (tenant // len(tenants) + own)
+        return shared + int(cache_share * tenant) + (self.clients // replicas + 1) * (tenant // len(tenants) + own)
 
 
 def measure(strategy: str, replicas: list[Cluster], events: list[tuple[int, int]], model: Path,
@@ -143,7 +144,10 @@ def main() -> int:
     p.add_argument("--user-words", type=int, default=12)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--clients", type=int, default=4, help="closed-loop clients")
-    p.add_argument("--cache-share", type=float, default=0.5, help="a replica's KV blocks / all tenant contexts' blocks")
+    p.add_argument("--replicas", type=int, default=4,
+                   help="replicas (1 thread each); with 2, chance finds half of each context")  # fmt: skip
+    p.add_argument("--cache-share", type=float, default=None,
+                   help="a replica's KV blocks / all tenant contexts' blocks (default: 1 / replicas)")  # fmt: skip
     p.add_argument("--kv-overlap-weight", type=weights, default=[DEFAULT_OVERLAP_WEIGHT],
                    help="the kv router's; several (comma-separated): one kv row each, in the same run")  # fmt: skip
     p.add_argument("--json", type=Path)
@@ -153,12 +157,15 @@ def main() -> int:
         args = p.parse_args()
     from scheduler_node.engine.model_path import resolve_model
 
+    if args.replicas < 2:
+        p.error(f"--replicas must be >= 2 (routing needs a choice), got {args.replicas}")
+    cache_share = 1 / args.replicas if args.cache_share is None else args.cache_share
     model = resolve_model(args.model)
     workload = Workload(args.tenants, args.users, args.preamble_words, args.tenant_words, args.user_words,
                         args.max_tokens, args.clients)  # fmt: skip
     block_size = 16
-    blocks = workload.kv_blocks(ModelTokenizer(model), args.cache_share, block_size)
-    events = [(free_port(), free_port()) for _ in range(2)]
+    blocks = workload.kv_blocks(ModelTokenizer(model), cache_share, block_size, args.replicas)
+    events = [(free_port(), free_port()) for _ in range(args.replicas)]
     replicas = [
         Cluster(model, ["--served-model-name", NAME, "--step-timeout", "600",  # an overloaded CPU: no lost rank
                         "--block-size", str(block_size), "--num-kv-blocks", str(blocks),
@@ -183,8 +190,8 @@ def main() -> int:
     load = os.getloadavg()[0]
     print(
         f"{workload.tenants} tenants x {workload.users} users ({args.preamble_words}-word shared preamble, "
-        f"{args.tenant_words}-word tenant contexts), {workload.clients} clients, 2 replicas x 1 thread, {blocks} KV "
-        f"blocks each ({args.cache_share:g} of the tenant contexts); load average {load:.1f}"
+        f"{args.tenant_words}-word tenant contexts), {workload.clients} clients, {args.replicas} replicas x 1 thread, "
+        f"{blocks} KV blocks each ({cache_share:.2g} of the tenant contexts); load average {load:.1f}"
     )
     print("| strategy | hit rate | mean TTFT (s) | P90 TTFT (s) | requests/s | output tokens/s | per replica | "
           "decisions |")  # fmt: skip

@@ -8,9 +8,10 @@ its first tokens, replica A is drained and stopped as a rolling upgrade does it:
 - **drain --migrate, then stop**: `Control.Drain(migrate=true)` hands A's streams to the router, which resumes
   them on B; then SIGTERM.
 A comes back between the two runs. Reports streams completed and cut, each stream's largest gap between two
-tokens (the client's view of the hand-off), and the time from the start of the drain until A exited.
+tokens (the client's view of the hand-off), and the time from the start of the drain until A exited. With
+`--openai` the streams are OpenAI completions through the router's HTTP door (server-sent events) instead of gRPC.
 
-    .venv/bin/python scripts/bench_migrate.py [--smoke] [--model DIR] [--json out.json] [--plot out.png]
+    .venv/bin/python scripts/bench_migrate.py [--smoke] [--openai] [--model DIR] [--json out.json] [--plot out.png]
 """
 
 from __future__ import annotations
@@ -50,11 +51,15 @@ class Stream:
         return max((b - a for a, b in zip(self.times, self.times[1:])), default=0.0)
 
 
-def start_streams(router: RouterProcess, count: int, max_tokens: int) -> tuple[list[Stream], list[threading.Thread]]:
+def start_streams(
+    router: RouterProcess, count: int, max_tokens: int, openai: bool = False
+) -> tuple[list[Stream], list[threading.Thread]]:
     stub = pb_grpc.GenerationStub(router.channel)
     streams = [Stream() for _ in range(count)]
 
     def run(i: int, out: Stream) -> None:
+        if openai:
+            return run_openai(i, out)
         seeded = i % 2 == 1
         sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=0.8 if seeded else 0.0, ignore_eos=True)
         if seeded:
@@ -68,6 +73,23 @@ def start_streams(router: RouterProcess, count: int, max_tokens: int) -> tuple[l
         except grpc.RpcError as exc:
             out.error = exc.code().name
 
+    def run_openai(i: int, out: Stream) -> None:
+        import openai as client_lib
+
+        client = client_lib.OpenAI(base_url=router.base_url, api_key="none", max_retries=0, timeout=600)
+        try:
+            prompt, extra = f"Story {i}: once upon a time", {"ignore_eos": True}
+            chunks = client.completions.create(
+                model=NAME, prompt=prompt, stream=True, max_tokens=max_tokens, extra_body=extra,
+                temperature=0.8 if i % 2 else 0.0, seed=i if i % 2 else None,
+            )  # fmt: skip
+            for chunk in chunks:
+                if chunk.choices and chunk.choices[0].text:
+                    out.times.append(time.monotonic())
+                    out.tokens += 1  # a chunk a token (no stop string holds text back here)
+        except client_lib.APIError as exc:
+            out.error = type(exc).__name__
+
     threads = [threading.Thread(target=run, args=(i, s), daemon=True) for i, s in enumerate(streams)]
     for t in threads:
         t.start()
@@ -76,7 +98,7 @@ def start_streams(router: RouterProcess, count: int, max_tokens: int) -> tuple[l
 
 def rolling_restart(replica: Cluster, router: RouterProcess, args: argparse.Namespace, migrate: bool) -> dict:
     """Load through the router, then drain and stop `replica` (with or without migration); the streams' fate."""
-    streams, threads = start_streams(router, args.streams, args.max_tokens)
+    streams, threads = start_streams(router, args.streams, args.max_tokens, args.openai)
     deadline = time.monotonic() + 120
     while not all(s.tokens >= 2 or s.error for s in streams) and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -119,6 +141,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--grace", type=float, default=5.0, help="each replica's --shutdown-timeout (a pod's grace)")
     p.add_argument("--kv-cache-memory", default="", help="each worker's KV cache (a size; '': the worker's default)")
+    p.add_argument("--openai", action="store_true", help="OpenAI completions (SSE) through the router, not gRPC")
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path, help="also write bar charts here (PNG, needs matplotlib)")
     args = p.parse_args()
@@ -130,15 +153,18 @@ def main() -> int:
     model = resolve_model(args.model)
     flags = ["--served-model-name", NAME, "--shutdown-timeout", str(args.grace)]
     worker = ["--threads", "1"] + (["--kv-cache-memory", args.kv_cache_memory] if args.kv_cache_memory else [])
-    pair = [Cluster(model, flags, worker) for _ in range(2)]
-    router = RouterProcess([f"{c.address},model={NAME}" for c in pair], ["--probe-interval", "0.2"])
+    pair = [Cluster(model, flags, worker, http=args.openai) for _ in range(2)]
+    http = [f",http=127.0.0.1:{c.http_port}" if args.openai else "" for c in pair]
+    router = RouterProcess([f"{c.address},model={NAME}{h}" for c, h in zip(pair, http)], ["--probe-interval", "0.2"],
+                           http=args.openai)  # fmt: skip
     rows = []
     try:
         for c in pair:
             c.wait_serving()
         router.wait_serving(60)
         rows.append(rolling_restart(pair[0], router, args, migrate=False))
-        pair[0] = Cluster(model, flags, worker, port=pair[0].port)  # the upgraded replica
+        old = pair[0]  # the upgraded replica, at the same addresses
+        pair[0] = Cluster(model, flags, worker, port=old.port, http=args.openai, http_port=old.http_port)
         pair[0].wait_serving()
         _wait_routed(router)
         rows.append(rolling_restart(pair[0], router, args, migrate=True))
@@ -146,7 +172,9 @@ def main() -> int:
         router.stop()
         for c in pair:
             c.kill()
-    print(f"{args.streams} streams of {args.max_tokens} tokens over 2 replicas; load average {os.getloadavg()[0]:.1f}")
+    kind = "OpenAI (SSE)" if args.openai else "gRPC"
+    print(f"{args.streams} {kind} streams of {args.max_tokens} tokens over 2 replicas; load average "
+          f"{os.getloadavg()[0]:.1f}")  # fmt: skip
     print("| rolling restart of one replica | completed | cut | migrated | largest gap (s) | median largest gap (s) "
           "| drain to exit (s) | exit codes |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")

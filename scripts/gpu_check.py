@@ -7,11 +7,13 @@ bf16 with Triton + CUDA graphs vs the torch backend (through `minivllm.LLM`); a 
 over NCCL when a second GPU is visible; is decode GPU-bound (scripts/gpu_decode.py: the engine's decode tok/s at 64
 and 256 sequences in bf16 with CUDA graphs, the share of the time the GPU is idle, HF generate on the same GPU as a
 peer); LoRA adapter rows inside the captured decode graphs (scripts/gpu_lora.py: graphs captured with the slot bank,
-tokens vs the eager engine, mixed vs base decode tok/s). Writes gpu_check.json and summary.md into --out.
+tokens vs the eager engine, mixed vs base decode tok/s); KV pulls between two processes on the one GPU through a
+CUDA IPC staging buffer vs frames over TCP (scripts/gpu_kv_ipc.py: bytes identical, GB/s of each). Writes
+gpu_check.json and summary.md into --out.
 
 `--dry-run` (CPU, CI): parses the arguments, imports everything the parts import, converts the default model if
 needed, and runs the engine and decode parts' own code (`minivllm.LLM`, the profiler, HF generate) on a tiny CPU
-workload, and the LoRA part's code on a tiny CPU workload.
+workload, the LoRA part's code on a tiny CPU workload, and the KV IPC part's code with a /dev/shm staging buffer.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import bench_kernels  # noqa: E402
 import gpu_decode  # noqa: E402
+import gpu_kv_ipc  # noqa: E402
 import gpu_lora  # noqa: E402
 import torch  # noqa: E402
 
@@ -45,7 +48,7 @@ MODULES += ("prometheus_client", "yaml", "jinja2", "proto.serving_pb2_grpc", "sc
 MODULES += ("worker_node.worker", "kernels.triton_attention")
 
 
-PARTS = ("kernels", "engine", "decode", "lora", "tp")
+PARTS = ("kernels", "engine", "decode", "lora", "kv_ipc", "tp")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -206,6 +209,7 @@ def summary(report: dict[str, Any]) -> str:
     if "error" in report.get("decode", {}):
         lines.append(f"| decode | failed: {report['decode']['error']} |")
     lines += gpu_lora.summary_lines(report.get("lora", {}))
+    lines += gpu_kv_ipc.summary_lines(report.get("kv_ipc", {}))
     tp = report.get("tp", {})
     if tp:
         result = tp.get("error") or tp.get("skipped") or f"{tp['tokens']} tokens in {tp['seconds']:.1f} s"
@@ -234,6 +238,8 @@ def dry_run(args: argparse.Namespace, report: dict[str, Any]) -> None:
     if "lora" in report["parts"]:
         model = str(args.model) if "decode" in report["parts"] else None  # the tiny llama when there is one
         report["lora_dry_run"] = gpu_lora.lora_part(model, gpu_lora.dry_run_config())
+    if "kv_ipc" in report["parts"]:
+        report["kv_ipc_dry_run"] = gpu_kv_ipc.kv_ipc_part(gpu_kv_ipc.dry_run_config())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -255,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             "engine": lambda: engine_part(args),
             "decode": lambda: decode_part(args),
             "lora": lambda: gpu_lora.lora_part(str(args.model) if args.model else None, gpu_lora.LoraCheckConfig()),
+            "kv_ipc": lambda: gpu_kv_ipc.kv_ipc_part(gpu_kv_ipc.KVIpcConfig(rounds=5)),
             "tp": lambda: tp_part(args),
         }
         for name, part in parts.items():

@@ -4,7 +4,8 @@
 # bandwidth vs a device copy, prefill TFLOP/s, engine decode tok/s with Triton + CUDA graphs vs torch; the decode
 # part of scripts/gpu_decode.py: decode tok/s at 64 and 256 sequences in bf16 with CUDA graphs, the share of the
 # time the GPU is idle, HF generate on the same GPU as a peer; LoRA adapter rows replayed inside the captured
-# decode graphs, tokens vs eager, from scripts/gpu_lora.py; a TP-2 NCCL attempt when two GPUs are visible) and
+# decode graphs, tokens vs eager, from scripts/gpu_lora.py; KV pulls between two processes through a CUDA IPC
+# staging buffer vs TCP frames, from scripts/gpu_kv_ipc.py; a TP-2 NCCL attempt when two GPUs are visible) and
 # writes gpu_check.json and summary.md into the output folder. --dry-run runs the same code at a tiny size on CPU.
 #
 #   scripts/gpu_check.sh [--dry-run] [--out DIR] [gpu_check.py flags]    # DIR: $OUT, else bench-results/gpu-check
@@ -43,7 +44,7 @@ while [ $# -gt 0 ]; do
     --dry-run) dry_run=1; args+=("$1") ;;
     --out) out="$2"; shift ;;
     --out=*) out="${1#--out=}" ;;
-    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
     *) args+=("$1") ;;
   esac
   shift

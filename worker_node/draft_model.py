@@ -54,11 +54,12 @@ class DraftModel:
                 self.batch.remove(handle)
 
     @torch.inference_mode()
-    def propose(self, targets: list[RequestState]) -> dict[int, list[int]]:
-        """k greedy tokens of the draft after each of these requests' tokens (the target's rows, as they are now);
-        a request the draft's cache has no room for proposes nothing."""
+    def propose(self, targets: list[RequestState], pending: dict[int, list[int]] | None = None) -> dict[int, list[int]]:
+        """k greedy tokens of the draft after each of these requests' tokens (the target's rows, as they are now,
+        then their `pending` tokens: sampled this step, not yet in the rows where tokens travel in plans); a
+        request the draft's cache has no room for proposes nothing."""
         asking = {s.handle for s in targets}
-        states = [s for t in targets if (s := self._sync(t, asking)) is not None]
+        states = [s for t in targets if (s := self._sync(t, asking, pending)) is not None]
         if not states:
             return {}
         rows = np.array([s.row for s in states], dtype=np.int64)
@@ -76,10 +77,15 @@ class DraftModel:
             counts = np.ones(len(rows), dtype=np.int64)
         return out
 
-    def _sync(self, target: RequestState, asking: set[int]) -> RequestState | None:
-        """The draft's row of `target`, its tokens made the target's: its computed tokens roll back to the prefix
-        both share (its proposals the target rejected); with blocks for k more tokens. None: no room."""
+    def _sync(
+        self, target: RequestState, asking: set[int], pending: dict[int, list[int]] | None
+    ) -> RequestState | None:
+        """The draft's row of `target`, its tokens made the target's (and its `pending` ones): its computed
+        tokens roll back to the prefix both share (its proposals the target rejected); with blocks for k more
+        tokens. None: no room."""
         batch, tokens = self.batch, target.token_ids
+        if pending is not None:
+            tokens = tokens + pending.get(target.handle, [])
         state = batch.states.get(target.handle)
         if state is None:
             state = batch.add(NewRequest(target.handle, list(tokens), [], GREEDY, [], 0, 1))

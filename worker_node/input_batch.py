@@ -70,7 +70,7 @@ class StepInputs:
 
 _ROW_ARRAYS = (
     "token_ids", "num_tokens", "num_computed", "num_prompt", "block_table", "num_blocks", "wants_prompt_logprobs",
-    "plain", "wants_logprobs", "pools", "num_drafts", "lora_slot",
+    "plain", "wants_logprobs", "pools", "num_drafts", "num_unverified", "lora_slot",
 )  # fmt: skip
 
 
@@ -93,6 +93,9 @@ class InputBatch:
         self.pools = np.zeros(rows, dtype=bool)  # an embedding request
         self.lora_slot = np.zeros(rows, dtype=np.int64)  # its LoRA adapter's slot + 1 (0: the base model)
         self.num_drafts = np.zeros(rows, dtype=np.int64)  # proposals held past num_tokens for this step only
+        # Tokens in plans (P > 1 stages): proposals computed in the last step that included the row, counted as
+        # computed until the next plan that includes it says how many were accepted (`settle_unverified`).
+        self.num_unverified = np.zeros(rows, dtype=np.int64)
 
     # ---- rows: written by a plan's diffs
 
@@ -119,6 +122,7 @@ class InputBatch:
         self.pools[row] = bool(r.sampling.pooling)
         self.lora_slot[row] = 0 if r.lora is None else r.lora.slot + 1
         self.num_drafts[row] = 0
+        self.num_unverified[row] = 0
         return state
 
     def remove(self, handle: int) -> None:
@@ -174,6 +178,26 @@ class InputBatch:
                 self.num_computed[row] -= drafts - (len(tokens) - 1)
                 self.num_drafts[row] = 0
             self.append_tokens(state, tokens)
+
+    def defer_drafts(self, inputs: StepInputs) -> None:
+        """A step with proposals where sampled tokens travel in plans (P > 1 stages): no rank appends the
+        accepted ones (the next plan brings them), and only the rank that samples knows how many there are, so
+        every rank keeps its rows' proposals computed until the next plan says (`settle_unverified`)."""
+        rows = inputs.rows
+        self.num_unverified[rows] = self.num_drafts[rows]
+        self.num_drafts[rows] = 0
+
+    def settle_unverified(self, rows: np.ndarray, computed: np.ndarray) -> None:
+        """The plan's computed tokens of its cached requests (in `rows`): a row whose proposals await it rolls
+        back to that figure, its rejected proposals, if it is lower by at most its proposals; any other figure
+        is left for the progress check to refuse."""
+        pending = self.num_unverified[rows]
+        if not pending.any():
+            return
+        back = self.num_computed[rows] - computed
+        ok = (pending > 0) & (back >= 0) & (back <= pending)
+        self.num_computed[rows[ok]] = computed[ok]
+        self.num_unverified[rows] = 0
 
     def append_sampled(self, inputs: StepInputs, tokens: list[int]) -> None:
         """One sampled token for each of a step's samplers, at once."""

@@ -6,7 +6,8 @@ last prompt chunk grants a lease on its blocks once the forward pass has written
 request's prefix from the producer's rank r (its `KVImport`) after the plan's block operations (from a producer world
 of another TP size, each rank pulls its KV heads from the producer ranks of its stage holding them); a pull that fails
 (the producer gone, the lease expired, a corrupted chunk, a timeout) is reported, and the scheduler has the
-request compute those blocks instead (`StepResult.failed_loads`, as a failed disk-tier load).
+request compute those blocks instead (`StepResult.failed_loads`, as a failed disk-tier load). Between processes
+of one host a pull goes through a staging buffer (`same_host`, `--kv-transfer-mode auto`), else by frames.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class KVHandoff:
         exporter: KVExporter | None = None,
         curve_dir: str | Path | None = None,
         timeout_s: float = PULL_TIMEOUT_S,
+        same_host: bool = True,
     ) -> None:
         self.cache = cache
         self.layout = layout
@@ -54,6 +56,7 @@ class KVHandoff:
         self.exporter = exporter
         self.curve_dir = curve_dir
         self.timeout_s = timeout_s
+        self.same_host = same_host  # ask a producer of this host for a staging buffer (--kv-transfer-mode auto)
 
     @property
     def address(self) -> str:
@@ -94,14 +97,14 @@ class KVHandoff:
         if producer_tp == self.layout.tensor_parallel_size:
             return pull_blocks(
                 imp.addresses[self.rank], imp.lease, self.cache, self.layout, imp.src, imp.dst,
-                self.timeout_s, self.curve_dir,
+                self.timeout_s, self.curve_dir, same_host=self.same_host,
             )  # fmt: skip
         moved = 0
         for tp_rank, heads, dst_heads in head_sources(self.layout, producer_tp):
             address = imp.addresses[self.layout.pipeline_rank * producer_tp + tp_rank]
             moved += pull_blocks(
                 address, imp.lease, self.cache, self.layout, imp.src, imp.dst, self.timeout_s, self.curve_dir,
-                heads=heads, dst_heads=dst_heads,
+                heads=heads, dst_heads=dst_heads, same_host=self.same_host,
             )  # fmt: skip
         return moved
 
@@ -119,11 +122,13 @@ def make_handoff(
     curve_dir: str | Path | None = None,
     model: str = "",
     total_kv_heads: int = 0,
+    same_host: bool = True,
 ) -> KVHandoff:
     """A rank's KV hand-off (a runner's `handoff`): it pulls prefixes, and with `serve` also serves leases on an
     exporter bound at host:port (0: a free port) on its device cache. `total_kv_heads`: the model's (needed to pair
-    with a world of another TP size when KV heads are replicated)."""
+    with a world of another TP size when KV heads are replicated). `same_host`: pulls between processes of one host
+    go through a staging buffer (worker_node/kv_staging.py); False: frames over TCP only, both ways."""
     pp = where.layout.pipeline_parallel_size
     layout = cache_layout(cache, where.tp_size, where.tp_rank, pp, where.stage, model, total_kv_heads)
-    exporter = KVExporter(cache, layout, host, port, curve_dir) if serve else None
-    return KVHandoff(cache, layout, where.rank, exporter, curve_dir)
+    exporter = KVExporter(cache, layout, host, port, curve_dir, same_host=same_host) if serve else None
+    return KVHandoff(cache, layout, where.rank, exporter, curve_dir, same_host=same_host)

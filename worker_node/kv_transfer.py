@@ -12,8 +12,16 @@ same KV format, block size, layers, KV heads and TP/PP place; anything else is r
 worlds of different TP sizes a pull names a run of the producer rank's heads (`heads`), sent sliced and written
 into a run of the consumer rank's heads (`dst_heads`).
 
+Same host (worker_node/kv_staging.py): a consumer asks with its host id and a producer of the same host copies the
+blocks into a staging buffer the consumer maps (/dev/shm on CPU, a CUDA IPC handle on GPU) instead of sending
+frames; the consumer copies them into its blocks and acks, and the producer frees the buffer on that ack, on the
+lease's revoke and at close. Frames over TCP remain the fallback: other hosts, a buffer that cannot be made or
+opened, a pull beyond `staging_limit`, or `same_host=False` on either side. An acked /dev/shm buffer is kept,
+renamed, for the next pull (one spare: fresh pages cost more to fault in than to copy into).
+
 This is the one export/import path: disaggregated prefill/decode uses it, and so may live migration. The API:
-`cache_layout`, `export_frames` / `import_frames` (bytes of blocks, no socket), `KVExporter`, `pull_blocks`.
+`cache_layout`, `export_frames` / `import_frames` (bytes of blocks, no socket: worker_node/kv_frames.py),
+`KVExporter`, `pull_blocks` (the consumer's side: worker_node/kv_pull.py).
 """
 
 from __future__ import annotations
@@ -21,7 +29,6 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
-import time
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -31,104 +38,46 @@ import torch
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from kernels.kv_quant import format_name
-from proto.curve import configure_client, configure_server
+from proto.curve import configure_server
 from proto.kv_transfer import (
-    DEFAULT_CHUNK_BYTES,
+    ACK_MARK,
     KV_TRANSFER_VERSION,
     LEASE_BYTES,
     MAX_PULL_BYTES,
+    STAGING_ID_BYTES,
     HeadRun,
     KVChunk,
     KVLayout,
     KVPull,
+    KVStaging,
     KVTransferError,
-    decode_chunk,
+    decode_ack,
     decode_pull,
     encode,
     pairing_problem,
 )
 from worker_node.kv_cache import KVCache
+from worker_node.kv_frames import (
+    block_bytes,
+    cache_layout,
+    export_frames,
+    export_into,
+    import_frames,
+    staging_bytes,
+)
+from worker_node.kv_pull import pull_blocks
+from worker_node.kv_staging import Staging, StagingError, host_id, make_staging
+
+__all__ = ["KVExporter", "block_bytes", "cache_layout", "export_frames", "import_frames", "new_lease", "pull_blocks"]
 
 logger = logging.getLogger(__name__)
 
 POLL_MS = 100
+DEFAULT_STAGING_LIMIT = 2 * 1024**3  # bytes of staging buffers an exporter holds at once; beyond: frames
 
 
 def new_lease() -> bytes:
     return secrets.token_bytes(LEASE_BYTES)
-
-
-def cache_layout(
-    cache: KVCache,
-    tp_size: int = 1,
-    tp_rank: int = 0,
-    pp_size: int = 1,
-    pp_rank: int = 0,
-    model: str = "",
-    total_kv_heads: int = 0,
-) -> KVLayout:
-    """The layout of this rank's device cache (the full pool; a compact pool's blocks are not exported).
-    `total_kv_heads`: the model's (0: this rank's x `tp_size`, right unless KV heads are replicated)."""
-    _n, block_size, heads, head_dim = cache[0].k.shape
-    return KVLayout(
-        format_name(cache[0].k.dtype), block_size, len(cache), heads, head_dim, tp_size, tp_rank,
-        pp_size, pp_rank, model, total_kv_heads,
-    )  # fmt: skip
-
-
-def _byte_rows(t: torch.Tensor) -> torch.Tensor:
-    """A cache tensor as uint8 rows, one per block (a view: writes go through)."""
-    return t.view(torch.uint8).view(t.shape[0], -1)
-
-
-def block_bytes(cache: KVCache, heads: HeadRun | None = None) -> int:
-    """Bytes of one block over this rank's layers and tensors (of a run of its heads): what a transfer moves."""
-    share = heads[1] / cache[0].k.shape[2] if heads is not None else 1
-    return int(sum(_byte_rows(t).shape[1] for layer in cache for t in layer.tensors()) * share)
-
-
-def _head_slice(t: torch.Tensor, heads: HeadRun | None) -> torch.Tensor:
-    """A cache tensor ([N, block_size, heads, ...]) narrowed to a run of its heads (a view)."""
-    return t if heads is None else t.narrow(2, heads[0], heads[1])
-
-
-def export_frames(cache: KVCache, blocks: Sequence[int], heads: HeadRun | None = None) -> list[np.ndarray]:
-    """The blocks' bytes (of a run of this rank's KV heads), one contiguous `[len(blocks), bytes]` array per layer
-    and tensor, in cache order."""
-    index = torch.tensor(list(blocks), dtype=torch.long, device=cache[0].k.device)
-    return [
-        _byte_rows(_head_slice(t, heads).index_select(0, index).contiguous()).cpu().numpy()
-        for layer in cache
-        for t in layer.tensors()
-    ]
-
-
-def import_frames(
-    cache: KVCache,
-    blocks: Sequence[int],
-    frames: Sequence[memoryview | bytes | np.ndarray],
-    heads: HeadRun | None = None,
-) -> None:
-    """Write frames (as `export_frames` makes them, for as many blocks) into these blocks of `cache` (into a run of
-    its KV heads)."""
-    tensors = [t for layer in cache for t in layer.tensors()]
-    if len(frames) != len(tensors):
-        raise KVTransferError(f"{len(frames)} frames for a cache of {len(tensors)} tensors")
-    index = torch.tensor(list(blocks), dtype=torch.long, device=cache[0].k.device)
-    for t, frame in zip(tensors, frames, strict=True):
-        data = torch.frombuffer(bytearray(frame) if isinstance(frame, bytes) else frame, dtype=torch.uint8)
-        if heads is None:
-            rows = _byte_rows(t)
-            if data.numel() != len(blocks) * rows.shape[1]:
-                raise KVTransferError(f"a frame of {data.numel()} bytes for {len(blocks)} blocks of {rows.shape[1]}")
-            rows.index_copy_(0, index, data.view(len(blocks), -1).to(rows.device))
-            continue
-        part = _head_slice(t, heads)
-        shape = (len(blocks), *part.shape[1:])
-        if data.numel() != part[:1].numel() * part.element_size() * len(blocks):
-            raise KVTransferError(f"a frame of {data.numel()} bytes for {len(blocks)} blocks of heads {heads}")
-        part.index_copy_(0, index, data.view(t.dtype).view(shape).to(t.device))
 
 
 class KVExporter:
@@ -142,10 +91,18 @@ class KVExporter:
         port: int = 0,
         curve_dir: str | Path | None = None,
         on_pulled: Callable[[bytes], None] | None = None,
+        same_host: bool = True,
+        staging_limit: int = DEFAULT_STAGING_LIMIT,
     ) -> None:
         self.cache = cache
         self.layout = layout
         self.on_pulled = on_pulled
+        self.host = host_id() if same_host else ""  # "": every pull gets frames
+        self.staging_limit = staging_limit
+        self._staged: dict[bytes, tuple[bytes, Staging, HeadRun | None]] = {}  # by id: lease, buffer, heads
+        self._spare: Staging | None = None  # an acked /dev/shm buffer, renamed, for the next pull (until close)
+        self.pulls_staged = 0  # pulls answered with a staging buffer / with frames (read by tests and benchmarks)
+        self.pulls_framed = 0
         self._leases: dict[bytes, frozenset[int]] = {}
         self._heads_pulled: dict[bytes, set[int]] = {}  # by lease: heads sent by pulls of head runs so far
         self._lock = threading.Lock()
@@ -179,19 +136,36 @@ class KVExporter:
             self._leases[lease] = frozenset(blocks)
 
     def revoke(self, lease: bytes) -> bool:
-        """Forget a lease (freed, aborted or timed out); True when it was held."""
+        """Forget a lease (freed, aborted or timed out) and free its staging buffers; True when it was held."""
         with self._lock:
             self._heads_pulled.pop(lease, None)
-            return self._leases.pop(lease, None) is not None
+            held = self._leases.pop(lease, None) is not None
+            gone = [i for i, (owner, _, _) in self._staged.items() if owner == lease]
+            buffers = [self._staged.pop(i)[1] for i in gone]
+        for b in buffers:
+            b.free()
+        return held
 
     @property
     def num_leases(self) -> int:
         with self._lock:
             return len(self._leases)
 
+    @property
+    def num_staged(self) -> int:
+        """Staging buffers handed out and not yet acked (nor revoked)."""
+        with self._lock:
+            return len(self._staged)
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        with self._lock:
+            buffers = [b for _, b, _ in self._staged.values()] + ([self._spare] if self._spare else [])
+            self._staged.clear()
+            self._spare = None
+        for b in buffers:
+            b.free()
         if self._auth is not None:
             self._auth.stop()
         self._sock.close(linger=0)
@@ -207,16 +181,24 @@ class KVExporter:
                 parts = self._sock.recv_multipart()
             except zmq.ZMQError:
                 continue
-            if len(parts) != 2:
-                continue  # a DEALER's pull is [identity, pull]; anything else is not ours to answer
-            ident, data = parts
+            if len(parts) == 3 and parts[1] == ACK_MARK:
+                ident, data = parts[0], parts[2]
+                handle: Callable[[bytes, bytes], None] = self._acked
+            elif len(parts) == 2:  # a DEALER's pull is [identity, pull]; anything else is not ours to answer
+                ident, data = parts
+                handle = self._answer
+            else:
+                continue
             try:
-                self._answer(ident, data)
+                handle(ident, data)
             except KVTransferError as exc:
                 logger.warning("KV pull refused: %s", exc)
                 self._send(ident, KVChunk(KV_TRANSFER_VERSION, error=str(exc), layout=self.layout, done=True), [])
             except zmq.ZMQError as exc:
                 logger.warning("KV pull cut short: %s", exc)
+            except Exception as exc:  # noqa: BLE001 - one bad pull must not end the exporter (its pullers would hang)
+                logger.exception("KV pull failed")
+                self._send(ident, KVChunk(KV_TRANSFER_VERSION, error=f"exporter error: {exc}", done=True), [])
 
     def _answer(self, ident: bytes, data: bytes) -> None:
         pull = decode_pull(data)
@@ -233,6 +215,9 @@ class KVExporter:
         per_block = max(1, block_bytes(self.cache, heads))
         if per_block > pull.max_chunk_bytes:
             raise KVTransferError(f"one block is {per_block} bytes, over the pull's max_chunk_bytes")
+        if pull.host and pull.host == self.host and pull.blocks and self._staged_reply(ident, pull, heads):
+            return
+        self.pulls_framed += 1
         step = pull.max_chunk_bytes // per_block
         for first in range(0, max(1, len(pull.blocks)), step):
             ids = pull.blocks[first : first + step]
@@ -245,6 +230,87 @@ class KVExporter:
             self._send(ident, KVChunk(KV_TRANSFER_VERSION, "", self.layout, first, len(ids), sums, done), frames)
         if self._all_pulled(pull.lease, heads) and self.revoke(pull.lease) and self.on_pulled is not None:
             self.on_pulled(pull.lease)
+
+    def _staged_reply(self, ident: bytes, pull: KVPull, heads: HeadRun | None) -> bool:
+        """Answer a same-host pull with a staging buffer holding its blocks; False (frames instead) when no buffer
+        can be made or the pull would take this exporter past `staging_limit`."""
+        size = staging_bytes(self.cache, len(pull.blocks), heads)
+        with self._lock:
+            held = sum(b.size for _, b, _ in self._staged.values())
+        if held + size > self.staging_limit:
+            return False
+        try:
+            staging = self._buffer(size)
+        except StagingError as exc:
+            logger.info("KV pull by frames: %s", exc)
+            return False
+        ident_bytes = secrets.token_bytes(STAGING_ID_BYTES)
+        with self._lock:  # as for frames: a revoke waits for this read
+            if pull.lease not in self._leases:
+                staging.free()
+                raise KVTransferError("the KV lease was revoked during the pull")
+            places, sums = self._fill(staging, pull.blocks, heads)
+            self._staged[ident_bytes] = (pull.lease, staging, heads)
+        offsets, sizes = [o for o, _ in places], [n for _, n in places]
+        where = KVStaging(staging.kind, ident_bytes, staging.handle, size, offsets, sizes)
+        n = len(pull.blocks)
+        self.pulls_staged += 1
+        self._send(ident, KVChunk(KV_TRANSFER_VERSION, "", self.layout, 0, n, sums, True, where), [])
+        return True
+
+    def _buffer(self, size: int) -> Staging:
+        """A staging buffer of at least `size` bytes: the spare when it is big enough (its pages are in: a busy host
+        spends longer faulting fresh pages in than copying into them), else a new one."""
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if spare is not None and spare.size >= size:
+            return spare
+        if spare is not None:
+            spare.free()
+        return make_staging(size, self.cache[0].k.device)
+
+    def _release(self, staging: Staging) -> None:
+        """A buffer its consumer acked: kept as the spare under a new random name when it is a /dev/shm one and there
+        is none (the name the consumer knew opens nothing any more), else freed."""
+        if staging.kind == "shm" and self._spare is None:
+            try:
+                staging.rename()
+            except OSError:
+                staging.free()
+                return
+            with self._lock:
+                self._spare = staging
+            return
+        staging.free()
+
+    def _fill(
+        self, staging: Staging, blocks: Sequence[int], heads: HeadRun | None
+    ) -> tuple[list[tuple[int, int]], list[int]]:
+        """Copy the blocks into the buffer: each frame's (offset, bytes), and CRC-32s on CPU. None on a GPU: a CRC
+        there would copy every byte to the host, which is what the staging avoids, and the bytes never leave the
+        device's memory (no wire to corrupt them; the handle itself comes over the authenticated socket)."""
+        places = export_into(self.cache, blocks, staging.tensor, heads)
+        if staging.kind != "shm":
+            # the copies land before the consumer (another process, another stream) hears of the buffer
+            torch.cuda.synchronize(staging.tensor.device)
+            return places, []
+        data = staging.tensor.numpy()
+        return places, [zlib.crc32(data[o : o + n].data) for o, n in places]
+
+    def _acked(self, ident: bytes, data: bytes) -> None:
+        """A consumer is done with a staging buffer: free it, count the pull when it went well, confirm."""
+        ack = decode_ack(data)
+        with self._lock:
+            entry = self._staged.get(ack.ident)
+            if entry is not None and entry[0] == ack.lease:
+                del self._staged[ack.ident]
+        if entry is None or entry[0] != ack.lease:
+            raise KVTransferError("an ack of an unknown staging buffer (revoked or already acked)")
+        _, staging, heads = entry
+        self._release(staging)
+        if ack.ok and self._all_pulled(ack.lease, heads) and self.revoke(ack.lease) and self.on_pulled is not None:
+            self.on_pulled(ack.lease)
+        self._send(ident, KVChunk(KV_TRANSFER_VERSION, "", self.layout, done=True), [])  # after: nothing left
 
     def _all_pulled(self, lease: bytes, heads: HeadRun | None) -> bool:
         """Whether every head of the lease's blocks has been sent (a consumer rank of another TP size takes a run)."""
@@ -265,77 +331,3 @@ class KVExporter:
 
     def _send(self, ident: bytes, header: KVChunk, frames: list[np.ndarray]) -> None:
         self._sock.send_multipart([ident, encode(header), *(f.data for f in frames)], copy=False)
-
-
-def pull_blocks(
-    address: str,
-    lease: bytes,
-    cache: KVCache,
-    layout: KVLayout,
-    src_blocks: Sequence[int],
-    dst_blocks: Sequence[int],
-    timeout_s: float = 10.0,
-    curve_dir: str | Path | None = None,
-    max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    heads: HeadRun | None = None,
-    dst_heads: HeadRun | None = None,
-) -> int:
-    """Pull a lease's `src_blocks` from the exporter at `address` into `dst_blocks` of `cache`; return the bytes
-    moved. Raise KVTransferError when refused, corrupted, cut short, or silent for `timeout_s`. Between worlds of
-    different TP sizes: the producer rank's run of KV `heads` goes into this rank's run `dst_heads`."""
-    if len(src_blocks) != len(dst_blocks):
-        raise ValueError(f"{len(src_blocks)} source blocks for {len(dst_blocks)} destinations")
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, max_chunk_bytes + MAX_PULL_BYTES)
-    if curve_dir:
-        configure_client(sock, curve_dir)
-    try:
-        sock.connect(f"tcp://{address}")
-        if (heads is None) != (dst_heads is None) or (heads is not None and heads[1] != dst_heads[1]):  # type: ignore[index]
-            raise ValueError(f"heads {heads} do not fit destination heads {dst_heads}")
-        run = list(heads) if heads is not None else []
-        sock.send(encode(KVPull(KV_TRANSFER_VERSION, lease, layout, list(src_blocks), max_chunk_bytes, run)))
-        return _receive(sock, cache, layout, list(dst_blocks), timeout_s, address, dst_heads)
-    finally:
-        sock.close(linger=0)
-
-
-def _receive(
-    sock: zmq.Socket,
-    cache: KVCache,
-    layout: KVLayout,
-    dst: list[int],
-    timeout_s: float,
-    address: str,
-    heads: HeadRun | None = None,
-) -> int:
-    moved, received = 0, 0
-    while True:
-        deadline = time.monotonic() + timeout_s
-        if not sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
-            raise KVTransferError(f"the KV exporter at {address} was silent for {timeout_s:g} s")
-        header, *frames = sock.recv_multipart(copy=False)
-        chunk = decode_chunk(header.bytes)
-        if chunk.error:
-            raise KVTransferError(f"the KV exporter at {address} refused: {chunk.error}")
-        by_heads = heads is not None
-        problem: str | None = "no layout in the reply"
-        if chunk.layout is not None:
-            problem = pairing_problem(layout, chunk.layout, by_heads)
-        if problem:
-            raise KVTransferError(problem)
-        if chunk.first != received or chunk.first + chunk.count > len(dst) or len(chunk.sums) != len(frames):
-            raise KVTransferError(f"an out-of-order or malformed KV chunk from {address}")
-        buffers = [f.buffer for f in frames]
-        if any(zlib.crc32(b) != s for b, s in zip(buffers, chunk.sums, strict=True)):
-            raise KVTransferError(f"a KV chunk from {address} failed its checksum")
-        if chunk.count:
-            import_frames(cache, dst[chunk.first : chunk.first + chunk.count], buffers, heads)
-        moved += sum(len(b) for b in buffers)
-        received += chunk.count
-        if chunk.done:
-            if received != len(dst):
-                raise KVTransferError(f"the KV exporter at {address} sent {received} of {len(dst)} blocks")
-            return moved

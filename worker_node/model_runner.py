@@ -127,8 +127,13 @@ class ModelRunner:
                 batch.set_drafts(held[i], cached[i].draft_token_ids)
         rows += [s.row for s in held]
         plan_rows = np.array(rows, dtype=np.int64)
-        if check_progress and cached:
-            self._check_progress(plan_rows[len(plan.new_requests) :], cached)
+        if cached:
+            cached_rows = plan_rows[len(plan.new_requests) :]
+            said = np.array([c.num_computed_tokens for c in cached], dtype=np.int64)
+            if self.mode.tokens_in_plan:  # proposals of the last step: this plan says how many were accepted
+                batch.settle_unverified(cached_rows, said)
+            if check_progress:
+                self._check_progress(cached_rows, cached, said)
         for handle, changes in plan.block_updates.items():
             if (state := states.get(handle)) is not None:
                 for index, block in changes:
@@ -140,9 +145,9 @@ class ModelRunner:
             self.lora = LoraManager(self.model, self.dtype, self.device)
         return self.lora
 
-    def _check_progress(self, rows: np.ndarray, cached: list[CachedRequest]) -> None:
-        """Each cached request's computed tokens are the plan's (unless a failed tier load left it behind)."""
-        said = np.array([c.num_computed_tokens for c in cached], dtype=np.int64)
+    def _check_progress(self, rows: np.ndarray, cached: list[CachedRequest], said: np.ndarray) -> None:
+        """Each cached request's computed tokens are the plan's (`said`, unless a failed tier load left it
+        behind)."""
         has = self.batch.num_computed[rows]
         for i in np.flatnonzero(has != said).tolist():
             if cached[i].handle not in self._load_failed:
@@ -242,8 +247,11 @@ class ModelRunner:
             else:
                 samplers = inputs.samplers
                 if inputs.draft_rows is not None:  # speculative decoding: keep what each sampler's draws accept
-                    outputs = accept(tokens, inputs.draft_rows)
-                    self.batch.append_outputs(inputs, outputs)
+                    outputs = accept(tokens, inputs.draft_rows) if tokens else []
+                    if self.mode.tokens_in_plan:  # the next plan brings the accepted tokens to every rank
+                        self.batch.defer_drafts(inputs)
+                    else:
+                        self.batch.append_outputs(inputs, outputs)
                     sampled = {state.handle: out for state, out in zip(samplers, outputs)}
                     lps = [lps[i] for i in inputs.draft_rows.firsts.tolist()] if lps else lps
                 else:
@@ -254,7 +262,9 @@ class ModelRunner:
                     logprobs = {state.handle: [lp] for state, lp in zip(samplers, lps) if lp is not None}
                 if plan.propose and self.draft is not None:  # a draft model's proposals for the next step
                     states = self.batch.states
-                    drafts = self.draft.propose([states[h] for h in plan.propose if h in sampled and h in states])
+                    targets = [states[h] for h in plan.propose if h in sampled and h in states]
+                    # With tokens in plans this rank's rows get the tokens just sampled only with the next plan.
+                    drafts = self.draft.propose(targets, sampled if self.mode.tokens_in_plan else None)
         if plan.kv_grants and self.handoff is not None:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the exporter's thread reads what this forward pass wrote

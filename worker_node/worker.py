@@ -131,7 +131,7 @@ class Worker:
         serve = self.options.kv_role != "decode"
         handoff = make_handoff(
             self.runner.kv_cache, where, serve, self.options.kv_transfer_host, 0, self.options.zmq_curve_dir,
-            total_kv_heads=self.runner.model.config.num_kv_heads,
+            total_kv_heads=self.runner.model.config.num_kv_heads, same_host=self.options.kv_transfer_mode == "auto",
         )  # fmt: skip
         self.runner.handoff = handoff
         return msgspec.structs.replace(ready, kv_address=handoff.address)

@@ -24,7 +24,7 @@ from scheduler_node.api.grpc_status import RETRY_AFTER, refuse
 from scheduler_node.api.heap import TRIM_ABOVE_BYTES, HeapTrimmer
 from scheduler_node.api.kv_handoff_fields import kv_fields, source_message
 from scheduler_node.api.request_bounds import MAX_REQUEST_BYTES, check_prompt_logprobs
-from scheduler_node.api.resume import state_message, with_resume
+from scheduler_node.api.resume import state_message, taken_back, with_resume
 from scheduler_node.api.security import ControlAuth
 from scheduler_node.api.validation import InvalidField, validate
 from scheduler_node.core.request import RequestSpec
@@ -35,6 +35,8 @@ from scheduler_node.engine.worker_link import WorkerLink
 from scheduler_node.text.tokenizer import ModelTokenizer
 
 logger = logging.getLogger(__name__)
+
+MAX_MIGRATE_IDS = 4096  # Control.Migrate: request ids per call
 
 # How the engine's failures reach a gRPC client: one status code each.
 # UNAVAILABLE is for now, not for good: the trailer says when to try again (the HTTP doors' Retry-After).
@@ -107,7 +109,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                 detail = f"model: {request.model!r} is not served here (this server serves {self.served_model_name!r})"
                 refuse(context, grpc.StatusCode.NOT_FOUND, detail)
                 return None
-        if engine is None or (engine.unavailable() and not _taken_back(engine, request)):
+        back = engine is not None and taken_back(engine, request.request_id, request.HasField("resume"))
+        if engine is None or (engine.unavailable() and not back):
             refuse(context, grpc.StatusCode.UNAVAILABLE, engine.unavailable() if engine else "workers are joining")
             return None
         try:
@@ -209,6 +212,14 @@ class ControlService(LoraControl, pb_grpc.ControlServicer):
         loras = [pb.LoraPool(**dataclasses.asdict(m)) for m in engine.lora_memory()]
         return pb.Stats(**stats, memory=[_pool_message(p) for p in engine.kv_pools()], lora_memory=loras)
 
+    async def Migrate(  # noqa: N802
+        self, request: pb.MigrateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.MigrateResponse:
+        engine = await self._engine(context)
+        if not request.request_ids or len(request.request_ids) > MAX_MIGRATE_IDS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_ids: 1 to {MAX_MIGRATE_IDS} ids")
+        return pb.MigrateResponse(migrated=engine.migrate(set(request.request_ids)))
+
     async def ResizeCache(  # noqa: N802
         self, request: pb.ResizeCacheRequest, context: grpc.aio.ServicerContext
     ) -> pb.ResizeCacheResponse:
@@ -238,14 +249,6 @@ async def drain_timeout(request: pb.DrainRequest, context: grpc.aio.ServicerCont
     if left is not None:
         timeout = min(timeout or left, max(0.0, left - 0.25))
     return timeout
-
-
-def _taken_back(engine: EngineCore, request: pb.GenerateRequest) -> bool:
-    """A request this draining replica migrated off comes back (vllm-router found no other replica for it): it runs
-    on here (from the KV still leased for it, or by recompute), rather than be lost."""
-    if not engine.draining or engine.failed or engine.gave_up or not request.HasField("resume"):
-        return False
-    return engine.takes_back(request.request_id)
 
 
 def _response(request_id: str, d: Delta) -> pb.GenerateResponse:

@@ -180,6 +180,19 @@ class KVTransferParams(_Strict):
     blocks: list[Int32] = Field(default_factory=list)
 
 
+class ResumeParams(_Strict):
+    """Live migration through vllm-router (scheduler_node/api/openai_migration.py): a stream's `migrated` event,
+    sent back as `resume` to the replica that continues it. `states` is a minivllm.v1.ResumeState, serialized and
+    base64-encoded; the rest is what the client already got: the response's id and time, the completion tokens of
+    sequences that ended before the move, each choice's characters so far (completions' text_offset)."""
+
+    request_id: str = Field(min_length=1, max_length=256)
+    created: Int64 = 0
+    states: str = Field(min_length=1)
+    completion_tokens: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
+    text_offsets: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] = Field(default_factory=list)
+
+
 class _GenerationRequest(_Body):
     """What chat and completions share: OpenAI's sampling fields and vLLM's extensions."""
 
@@ -213,6 +226,8 @@ class _GenerationRequest(_Body):
     cache_salt: str = ""
     kv_precision: str = ""  # auto (empty), full or compact: the format of the request's KV blocks
     kv_transfer_params: KVTransferParams | None = None  # disaggregated prefill/decode through the router
+    migratable: bool = False  # live migration: a drain with migrate ends the stream with its state (vllm-router)
+    resume: ResumeParams | None = None  # live migration: continue a stream another replica handed back
 
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingFields:
         if self.stream_options is not None and not self.stream:

@@ -15,7 +15,10 @@ from starlette.types import Receive, Scope, Send
 
 from scheduler_node.api.openai_encode import sse_event
 from scheduler_node.api.openai_errors import OpenAIError, engine_error
+from scheduler_node.api.openai_migration import migrated_event, migrated_params
+from scheduler_node.api.openai_protocol import ResumeParams
 from scheduler_node.api.openai_responses import Choice, Shape, Usage
+from scheduler_node.core.migration import SequenceResume
 from scheduler_node.core.request import RequestSpec
 from scheduler_node.engine.core import EngineCore
 from scheduler_node.engine.outputs import Delta, RequestStream
@@ -30,17 +33,39 @@ class Run:
     shape: Shape
     streams: list[RequestStream] = field(default_factory=list)
     usage: Usage = field(default_factory=Usage)
+    migrated: list[SequenceResume] = field(default_factory=list)  # its sequences' states, when a drain moved it
+    taken_back: bool = False  # a request this draining replica migrated off, back: its KV lease is released here
 
     def __post_init__(self) -> None:
         self.n = self.specs[0].n
         self.choices = [Choice(i, self.specs[i // self.n].prompt_token_ids) for i in range(len(self.specs) * self.n)]
         self._counted: set[int] = set()  # prompts whose tokens are in usage
 
+    def migrated_params(self) -> dict[str, Any]:
+        """Where a run a drain moved stopped: what the router sends on as `resume`."""
+        offsets = [choice.num_chars for choice in self.choices]
+        request_id, created, tokens = self.specs[0].request_id, self.shape.created, self.usage.completion_tokens
+        return migrated_params(request_id, created, self.migrated, tokens, offsets)
+
+    def continue_from(self, params: ResumeParams) -> None:
+        """A resumed run (live migration, api/openai_migration.py) goes on as the response its client has: its id
+        and time, each choice's role sent and characters counted, the completion tokens of the sequences that
+        ended before the move in its usage."""
+        self.shape.response_id = params.request_id
+        self.shape.created = params.created or self.shape.created
+        for choice in self.choices:
+            choice.started = True
+        for choice, chars in zip(self.choices, params.text_offsets):
+            choice.num_chars = chars
+        self.usage.completion_tokens = params.completion_tokens
+
     def start(self) -> None:
         self.streams = [self.engine.submit(spec) for spec in self.specs]
 
     def abort(self, keep_leases: bool = False) -> None:
         """`keep_leases`: a finished prefill for another replica keeps its KV lease (an abort would release it)."""
+        if self.migrated:  # its KV waits under a lease for the target: the router releases it (an Abort)
+            return
         for spec in self.specs:
             if not (keep_leases and spec.kv_produce):
                 self.engine.abort(spec.request_id)  # False, and nothing done, for a finished one
@@ -48,8 +73,14 @@ class Run:
     async def deltas(self) -> AsyncIterator[tuple[Choice, Delta]]:
         """Every sequence's deltas with the choice they belong to; raises OpenAIError when the engine failed one."""
         async for prompt, delta in _merged(self.streams):
+            if self.taken_back:  # its first step imported the KV it left here: the lease has done its work
+                self.engine.release_kv(self.specs[0].request_id)
+                self.taken_back = False
             if delta.error is not None:
                 raise engine_error(delta.error)
+            if delta.migrated is not None:  # not the client's: the router continues it on another replica
+                self.migrated.append(delta.migrated)
+                continue
             if delta.finish_reason:
                 self.usage.add(delta, prompt not in self._counted)
                 self._counted.add(prompt)
@@ -63,7 +94,7 @@ class Run:
 
     async def events(self, include_usage: bool) -> AsyncIterator[str]:
         """The answer as server-sent events, ending with `data: [DONE]`; an engine failure mid-stream is an
-        error event (the status line is long gone)."""
+        error event (the status line is long gone). A stream a drain moved ends with its `migrated` event."""
         try:
             async for choice, delta in self.deltas():
                 chunk = self.shape.stream_choice(choice, delta)
@@ -71,6 +102,9 @@ class Run:
                     yield await asyncio.to_thread(sse_event, self.shape.envelope(self.shape.chunk_name, [chunk], None))
                 elif chunk is not None:
                     yield self.shape.sse(chunk)
+            if self.migrated:
+                yield migrated_event(self.migrated_params())
+                return
             if include_usage:
                 yield self.shape.sse(usage=self.usage)
         except OpenAIError as exc:

@@ -42,6 +42,7 @@ from scheduler_node.api.openai_errors import OpenAIError, engine_error, install_
 from scheduler_node.api.openai_guards import ApiKeyAuth, BodyLimit
 from scheduler_node.api.openai_inputs import chat_specs, completion_specs, template_messages
 from scheduler_node.api.openai_lora import adapter_cards, adapter_of, install_lora_routes
+from scheduler_node.api.openai_migration import migrated_answer, with_migration
 from scheduler_node.api.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -54,6 +55,7 @@ from scheduler_node.api.reasoning_parsers import ReasoningParser, ReasoningStrea
 from scheduler_node.api.request_bounds import MAX_REQUEST_BYTES, check_prompt_logprobs
 from scheduler_node.api.responses_request import ResponsesRequest, responses_error
 from scheduler_node.api.responses_shape import ResponseBuilder, response_answer, response_events
+from scheduler_node.api.resume import taken_back
 from scheduler_node.api.tool_parsers import tool_parser_class
 from scheduler_node.api.tools import ToolPlan
 from scheduler_node.api.validation import (
@@ -104,12 +106,14 @@ class OpenAIDoor:
         reasoning = None if self.reasoning_parser is None else ReasoningStream(self.reasoning_parser())
         return None if calls is None and reasoning is None else ChatOutput(reasoning, calls)
 
-    def ready_engine(self) -> EngineCore:
+    def ready_engine(self, resume_id: str = "") -> EngineCore:
+        """The engine, or 503 naming why not. `resume_id`: a migrated request's, which a draining replica that
+        moved it off takes back (vllm-router found no other replica for it)."""
         engine = self.engine
         if engine is None:
             raise OpenAIError(503, "the workers are joining; retry later")
         reason = engine.unavailable() or ("" if engine.workers.all_ready else "a worker is not ready")
-        if reason:
+        if reason and not taken_back(engine, resume_id, bool(resume_id)):
             raise OpenAIError(503, reason)
         return engine
 
@@ -130,6 +134,8 @@ class OpenAIDoor:
             return RunResponse(run, run.events(include_usage))
         large = run.shape.want_logprobs or run.shape.want_prompt_logprobs
         answer = await run.answer(request.receive)
+        if run.migrated:  # a drain moved it: vllm-router continues it elsewhere
+            return migrated_answer(run.migrated_params(), answer)
         spec = run.specs[0]
         if spec.kv_produce and (source := self.ready_engine().kv_source(spec.request_id)):
             answer["kv_transfer_params"] = source_params(source, spec.request_id)  # where a decode replica pulls
@@ -184,13 +190,16 @@ class OpenAIDoor:
     ) -> Run:
         """The request checked, tokenized and submitted (OpenAIError when it cannot be)."""
         lora = self.check_model(body.model)
-        engine = self.ready_engine()
+        resume_id = body.resume.request_id if body.resume is not None else ""
+        engine = self.ready_engine(resume_id)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
+        plain = True  # its output is all content: a migrated stream continues it exactly
         make: MakeSpecs = chat_specs if isinstance(body, ChatCompletionRequest) else completion_specs
         try:
             if isinstance(body, ChatCompletionRequest):
                 plan = body.tool_plan()
                 shape = functools.partial(ChatShape, outputs=lambda: self.chat_output(plan))
+                plain = self.chat_output(plan) is None
             priority = priority_from(body.priority, request.headers.get("x-priority"))
             # Off the event loop: tokenizing a long prompt must not stall other requests' streams.
             specs = await asyncio.to_thread(
@@ -202,16 +211,19 @@ class OpenAIDoor:
             specs = _with_kv_transfer(body, specs, bool(engine.workers.capacity.kv_addresses))
             if self.reasoning_parser is not None:  # a constraint applies to the answer after the reasoning
                 specs = [_after_reasoning(spec, self.reasoning_parser) for spec in specs]
+            specs = with_migration(body, specs, plain, self.tokenizer.vocab_size)
         except InvalidField as exc:
             raise OpenAIError(400, str(exc), exc.field) from None
-        engine = self.ready_engine()  # it may have started draining meanwhile
+        engine = self.ready_engine(resume_id)  # it may have started draining meanwhile
         if engine.queue_full(sum(spec.n for spec in specs)):
             limit = engine.options.max_waiting_requests
             raise OpenAIError(429, f"the waiting queue is full (--max-waiting-requests {limit}); retry later")
         sampling = specs[0].sampling
         want = sampling.logprobs is not None, sampling.prompt_logprobs is not None
         name = self.config.model_name if lora is None else lora.name  # the answer names what was asked
-        run = Run(engine, specs, shape(request_id, name, self.tokenizer, *want))
+        run = Run(engine, specs, shape(request_id, name, self.tokenizer, *want), taken_back=engine.draining)
+        if body.resume is not None:
+            run.continue_from(body.resume)
         run.start()
         return run
 

@@ -1,5 +1,6 @@
-"""A migrated request's states, as the gRPC door reads them (GenerateRequest.resume): checked field by field
-against the request they resume, then handed to the engine as `RequestSpec.resume` (core/migration.py)."""
+"""A migrated request's states, as the doors read them (gRPC's GenerateRequest.resume, the OpenAI door's `resume`:
+api/openai_migration.py): checked field by field against the request they resume, then handed to the engine as
+`RequestSpec.resume` (core/migration.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from scheduler_node.api.kv_handoff_fields import read_source, source_message
 from scheduler_node.api.validation import InvalidField
 from scheduler_node.core.migration import SequenceResume
 from scheduler_node.core.request import RequestSpec
+from scheduler_node.engine.core import EngineCore
 
 MAX_HELD_CHARS = 4096  # held-back text is at most the longest stop string (request_bounds keep those short)
 MAX_PENDING_TOKENS = 8  # an incomplete UTF-8 character spans at most four byte tokens
@@ -18,14 +20,25 @@ MAX_PENDING_TOKENS = 8  # an incomplete UTF-8 character spans at most four byte 
 def with_resume(request: pb.GenerateRequest, spec: RequestSpec, vocab_size: int) -> RequestSpec:
     """`spec` with the request's migration fields: `migratable`, and the states of a resumed request."""
     spec = dataclasses.replace(spec, migratable=request.migratable)
-    if not request.HasField("resume"):
-        return spec
-    states = request.resume.sequences
+    return resumed(spec, request.resume, vocab_size) if request.HasField("resume") else spec
+
+
+def resumed(spec: RequestSpec, resume: pb.ResumeState, vocab_size: int, name: str = "resume") -> RequestSpec:
+    """`spec` continuing the sequences `resume` names (both doors: `name` is the field's name in errors)."""
+    states = resume.sequences
     if not states:
-        raise InvalidField("resume.sequences", "must not be empty (a resumed request runs at least one sequence)")
+        raise InvalidField(f"{name}.sequences", "must not be empty (a resumed request runs at least one sequence)")
     seen: set[int] = set()
-    resumes = tuple(_sequence(s, f"resume.sequences[{i}]", spec, vocab_size, seen) for i, s in enumerate(states))
+    resumes = tuple(_sequence(s, f"{name}.sequences[{i}]", spec, vocab_size, seen) for i, s in enumerate(states))
     return dataclasses.replace(spec, resume=resumes)
+
+
+def taken_back(engine: EngineCore, request_id: str, resumes: bool) -> bool:
+    """A request this draining replica migrated off comes back (vllm-router found no other replica for it): it runs
+    on here (from the KV still leased for it, or by recompute), rather than be lost."""
+    if not resumes or not engine.draining or engine.failed or engine.gave_up:
+        return False
+    return engine.takes_back(request_id)
 
 
 def _sequence(state: pb.SequenceState, name: str, spec: RequestSpec, vocab_size: int, seen: set[int]) -> SequenceResume:

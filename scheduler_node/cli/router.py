@@ -25,6 +25,7 @@ from scheduler_node.router.kv_strategy import DEFAULT_OVERLAP_WEIGHT, KVAware, P
 from scheduler_node.router.kv_subscriber import KVSubscriber
 from scheduler_node.router.metrics import RouterMetrics
 from scheduler_node.router.probe import Prober, report_health
+from scheduler_node.router.rebalance import Rebalancer
 from scheduler_node.router.replica import ReplicaPool, ReplicaSpec, parse_replica
 from scheduler_node.router.routing import Router
 from scheduler_node.router.strategies import DEFAULT_LOAD_FACTOR, STRATEGIES
@@ -68,8 +69,9 @@ def add_routing_flags(p: argparse.ArgumentParser) -> None:
         "--kv-overlap-weight",
         type=float,
         default=DEFAULT_OVERLAP_WEIGHT,
-        help="kv: the weight of the prompt blocks a replica would compute against its queue (cost = weight x "
-        "uncached blocks + requests ahead x prompt blocks); higher follows the cache harder, 0 ignores it",
+        help="kv: what a prompt block a replica would compute costs against a block of work it has (cost = weight x "
+        "uncached blocks + prompt blocks it has yet to compute + blocks its requests hold); higher follows the "
+        "cache harder, 0 ignores it",
     )
 
 
@@ -136,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=1.0,
         help="seconds a replica has to answer a health check, GetStats or Abort before it counts as down",
+    )
+    p.add_argument(
+        "--rebalance",
+        action="store_true",
+        help="move a replica's longest-running gRPC stream to another replica (live migration) while its queue is "
+        "long and another replica of its model is idle (needs the replicas' Control: --replica-control-token)",
     )
     p.add_argument(
         "--replica-control-token",
@@ -230,6 +238,10 @@ async def serve(args: argparse.Namespace) -> int:
     ]
     if subscriber is not None:
         tasks.append(asyncio.ensure_future(subscriber.run()))
+    if args.rebalance:
+        token = args.replica_control_token
+        rebalancer = Rebalancer(generation.forwarder, args.probe_interval, args.probe_timeout, token)
+        tasks.append(asyncio.ensure_future(rebalancer.run()))
     logger.info(
         "routing on %s:%d by %s: %s",
         args.host,

@@ -202,9 +202,23 @@ class Admission(Preemption):
                 else:
                     self._load_from_tiers(req, hashes[len(hits) : len(hits) + loads])
                 bt.register(req.req_id, hashes[: len(hits) + loads])
+            if req.migrated_in:
+                self._count_migration(req, hit_tokens, loads * bt.block_size + partial if req.kv_source else 0)
             req.num_computed_tokens = hit_tokens
         req.kv_source = None  # used once: a request that recomputes later computes its prompt here
         return True
+
+    def _count_migration(self, req: Request, ready: int, imported: int) -> None:
+        """A migrated sequence starts here with `ready` positions' KV in place, `imported` of them pulled from its
+        source: an import when they cover what its source held (the prefix cache may hold some), else a recompute."""
+        req.migrated_in = False  # once: a later preemption recomputes it as any request
+        source = req.kv_source
+        if source is not None and source.tokens and ready >= source.tokens:
+            self.counters.migrations_imported += 1
+            req.migration_imports = True
+        else:
+            self.counters.migrations_recomputed += 1
+        self.counters.migration_kv_tokens_imported += imported
 
     def _remote_loads(self, req: Request, hits: int, cacheable: int, fmt: BlockFormat) -> tuple[int, int]:
         """What a request with a KV source pulls after its `hits` cached blocks: full blocks (up to `cacheable`),

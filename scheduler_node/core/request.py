@@ -117,6 +117,10 @@ class Request:
     # where a consumer pulls its prompt's KV from (used once, at its first start).
     kv_lease: bytes = b""
     kv_source: KVSource | None = None
+    # Live migration: resumed here from another replica (counted at its first start), and then whether it was
+    # counted as importing its KV (a pull that fails moves it to the recomputed count).
+    migrated_in: bool = False
+    migration_imports: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -111,6 +111,10 @@ class Results(Preemption):
         readers = [r for h in result.load_skipped if (r := self._by_handle.get(h)) is not None]
         readers += [r for r in self.running if not bad.isdisjoint(self.blocks.blocks_of(r.req_id))]
         for req in dict.fromkeys(readers):
+            if req.migration_imports:  # a migrated sequence whose pull failed: it recomputes after all
+                req.migration_imports = False
+                self.counters.migrations_imported -= 1
+                self.counters.migrations_recomputed += 1
             if req.status is Status.RUNNING:
                 self._preempt(req, PreemptionMode.RECOMPUTE)
             elif req.swapped:  # swapped out since, with the bad block: its copy is dropped too

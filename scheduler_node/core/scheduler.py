@@ -47,7 +47,6 @@ class Scheduler(Admission, Results):
         plan = StepPlan(self._step_id)
         sent = SentPlan()
         budget = self.config.max_num_batched_tokens
-        seats = self._seats_per_plan()
         self._displace_for_priority(now, budget)
         floor = self._prefill_floor(now)
         preempted = False
@@ -57,6 +56,7 @@ class Scheduler(Admission, Results):
             spec.begin_step(self.running)
             if spec.wait:
                 budget = 0  # speculation runs one plan at a time, every request in it (speculator.py)
+        seats = self._seats_per_plan()  # after `begin_step`: speculation's lockstep gives one plan every seat
         # Speculating requests are held while their plan is in flight (their next tokens are not known before).
         holds = self.mode.disjoint_plans or (spec is not None and self.in_flight.holds_any)
         held = self.in_flight.held if holds else None
@@ -164,8 +164,9 @@ class Scheduler(Admission, Results):
 
     def _seats_per_plan(self) -> int:
         """Requests one plan may hold. With disjoint plans, a 1/N share of what can run at once for N plans in
-        flight: a plan that took every request would leave the next one empty and the stages in lock-step."""
-        if not self.mode.disjoint_plans:
+        flight: a plan that took every request would leave the next one empty and the stages in lock-step. Not
+        while requests speculate: plans run one at a time then, each with every request (speculator.py)."""
+        if not self.mode.disjoint_plans or (self.speculator is not None and self.speculator.lockstep):
             return self.config.max_num_seqs
         runnable = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
         return max(1, -(-runnable // self.mode.plans_in_flight))

@@ -61,6 +61,11 @@ class SchedulerCounters:
     worker_idle_ms: float = 0.0  # summed over steps: the gap the workers waited between steps
     interrupted_steps: int = 0  # steps whose compute was skipped for a request that outranked them
     scheduled_tokens: int = 0  # tokens computed by the workers, recomputation included
+    # Live migration: sequences resumed here from another replica, by KV import or by recompute, and the positions
+    # whose KV they planned to import (a pull that fails later is recomputed: core/results.py).
+    migrations_imported: int = 0
+    migrations_recomputed: int = 0
+    migration_kv_tokens_imported: int = 0
 
 
 class SchedulerState:
@@ -102,12 +107,10 @@ class SchedulerState:
         self.view = WorkerView(self.mode.tokens_in_plan, config.max_loras, config.max_cpu_loras)
         self.in_flight = InFlightLedger(self.mode.disjoint_plans)
         self._step_id = 0
-        # Speculative decoding, when configured; not with tokens in plans (P > 1 stages): the stages before the
-        # last would learn how many proposals were accepted only with the next plan.
+        # Speculative decoding, when configured. With tokens in plans (P > 1 stages) the ranks learn how many
+        # proposals were accepted from the request's next plan: speculation runs one plan at a time, so that plan
+        # is built after the result (`Speculator.settle`) and carries the rolled-back computed tokens.
         spec = config.speculative
-        if spec is not None and self.mode.tokens_in_plan:
-            logger.warning("speculative decoding is off: it does not run with pipeline parallelism yet")
-            spec = None
         self.speculator = Speculator(spec) if spec is not None else None
         self.leases = KVLeases()  # disaggregated prefill/decode (core/kv_handoff.py)
 

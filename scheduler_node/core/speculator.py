@@ -33,6 +33,7 @@ class Speculator:
         self.proposer: Proposer = make_proposer(config)
         self.counters = SpecCounters()
         self.active = True  # this step's batch is small enough to speculate (`begin_step`)
+        self.lockstep = False  # some request speculates: plans run one at a time (`begin_step`)
         self.wait = False  # some request speculates and a token is in flight: this plan is empty (`begin_step`)
 
     def admit(self, req: Request) -> None:
@@ -43,11 +44,8 @@ class Speculator:
     def begin_step(self, running: list[Request]) -> None:
         self.active = len(running) <= self.config.disable_by_batch_size
         # Passes over at most disable_by_batch_size requests, and none at all while the policy is off.
-        self.wait = (
-            self.active
-            and any(r.num_placeholders for r in running)
-            and any(r.spec is not None and not r.spec.pause for r in running)
-        )
+        self.lockstep = self.active and any(r.spec is not None and not r.spec.pause for r in running)
+        self.wait = self.lockstep and any(r.num_placeholders for r in running)
 
     def drafts(self, req: Request, limit: int) -> list[int] | None:
         """The tokens `req` proposes in this plan, a decode of a request the workers hold: at most `limit` (and k);

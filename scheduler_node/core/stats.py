@@ -32,6 +32,10 @@ class SchedulerStats:
     max_model_len: int
     mean_worker_idle_ms: float  # between consecutive steps, as the workers measured it
     interrupted_steps: int  # skipped for a request that outranked every request in them
+    # Live migration: sequences resumed here by KV import or by recompute, and the KV positions imported.
+    migrations_imported: int = 0
+    migrations_recomputed: int = 0
+    migration_kv_tokens_imported: int = 0
     # Speculative decoding (core/speculative.py SpecCounters), vLLM's names; zero when it is off.
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
@@ -74,6 +78,9 @@ def snapshot(s: Scheduler) -> SchedulerStats:
         max_model_len=s.max_model_len,
         mean_worker_idle_ms=c.worker_idle_ms / c.steps if c.steps else 0.0,
         interrupted_steps=c.interrupted_steps,
+        migrations_imported=c.migrations_imported,
+        migrations_recomputed=c.migrations_recomputed,
+        migration_kv_tokens_imported=c.migration_kv_tokens_imported,
         spec_decode_num_drafts=spec.num_drafts,
         spec_decode_num_draft_tokens=spec.num_draft_tokens,
         spec_decode_num_accepted_tokens=spec.num_accepted_tokens,

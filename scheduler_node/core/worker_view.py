@@ -57,13 +57,14 @@ class WorkerView:
             return
         if written.replaced:
             self._block_updates.setdefault(req.handle, []).extend(written.replaced)
-        if drafts:
-            added = tuple(written.added)
-            plan.cached_requests.append(CachedRequest(req.handle, first, n, added, draft_token_ids=tuple(drafts)))
-        elif self.tokens_in_plan:
+        if self.tokens_in_plan:
             missing = tuple(req.output_token_ids[held - len(req.prompt_token_ids) :])
             self._tokens_held[req.handle] = req.num_tokens
-            plan.cached_requests.append(CachedRequest(req.handle, first, n, tuple(written.added), missing))
+            proposed = tuple(drafts) if drafts else ()
+            plan.cached_requests.append(CachedRequest(req.handle, first, n, tuple(written.added), missing, proposed))
+        elif drafts:
+            added = tuple(written.added)
+            plan.cached_requests.append(CachedRequest(req.handle, first, n, added, draft_token_ids=tuple(drafts)))
         elif written.added:
             plan.cached_requests.append(CachedRequest(req.handle, first, n, tuple(written.added)))
         else:

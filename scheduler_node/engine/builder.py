@@ -116,17 +116,11 @@ def draft_assignment(s: SchedulerConfig) -> tuple[str, int, int]:
     return model, spec.num_speculative_tokens, min(s.max_num_seqs, spec.disable_by_batch_size)
 
 
-def check_speculative(folder: Path, spec: SpeculativeConfig | None, layout: ParallelLayout) -> None:
-    """ValueError, before any worker loads, when speculative decoding cannot run as configured: with pipeline
-    parallelism (the stages before the last would learn the accepted proposals only with the next plan), or with a
-    draft model whose vocabulary or tokenizer is not the target's (its tokens would mean other words)."""
+def check_speculative(folder: Path, spec: SpeculativeConfig | None) -> None:
+    """ValueError, before any worker loads, when speculative decoding cannot run as configured: with a draft
+    model whose vocabulary or tokenizer is not the target's (its tokens would mean other words)."""
     if spec is None:
         return
-    if layout.pipeline_parallel_size > 1:
-        raise ValueError(
-            f"speculative_config: not supported with pipeline parallelism (pipeline_parallel_size "
-            f"{layout.pipeline_parallel_size}); use tensor parallelism or no speculation"
-        )
     if spec.method != "draft_model":
         return
     draft = Path(spec.model)
@@ -198,7 +192,7 @@ def check_model_split(
     """ValueError when the model's heads, MLP or layers do not split over this layout, or its checkpoint cannot
     run in the `quantization` asked for, or speculative decoding as configured (before any worker loads it)."""
     resolve_quantization(quantization, folder)
-    check_speculative(folder, speculative, layout)
+    check_speculative(folder, speculative)
     c = json.loads((folder / "config.json").read_text())
     heads = int(c["num_attention_heads"])
     layout.check_model(

@@ -175,6 +175,7 @@ class EngineCore(Failures, Handoffs, LiveStats):
             kv_lease=new_lease() if spec.kv_produce else b"",
             # Forks share the first's prompt blocks; a migrated sequence pulls its own KV.
             kv_source=resume.kv_source if resume else spec.kv_source if index == 0 else None,
+            migrated_in=resume is not None,
         )
 
     def _too_long(self, spec: RequestSpec) -> str:

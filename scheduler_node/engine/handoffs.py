@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Collection
 
 from proto.transport import WorkerTransport
 from proto.wire import StepPlan
@@ -30,8 +31,9 @@ class Handoffs:
     _granting: dict[bytes, tuple[Request, KVSource]]  # migrated sequences whose KV lease is not granted yet
     _migrated_off: set[str]  # requests this replica handed back (a drain runs once: bounded by what ran then)
 
-    def migrate(self) -> int:
-        """Move every live migratable request off this replica, between steps: each sequence ends with its state
+    def migrate(self, request_ids: Collection[str] | None = None) -> int:
+        """Move every live migratable request off this replica (those of `request_ids` only: a rebalance, which
+        takes none back), between steps: each sequence ends with its state
         (finish_reason MIGRATED). When the workers serve KV, the blocks it computed stay leased to its target
         (the state names them: the target pulls instead of recomputing) and its last delta waits until the plan
         granting the lease has run (`_granted`); else its blocks are freed at once. Tokens of plans in flight are
@@ -40,14 +42,16 @@ class Handoffs:
         addresses = list(self.workers.capacity.kv_addresses)
         serve = bool(addresses) and all(addresses)
         moved = 0
-        for request_id in list(self.outputs.migratable):
+        chosen = [r for r in self.outputs.migratable if request_ids is None or r in request_ids]
+        for request_id in chosen:
             for req_id in list(self.outputs.requests.get(request_id, ())):
                 req, lease = self.scheduler.migrate_out(req_id, serve)
                 if req is not None and lease is not None:
                     self._granting[lease.lease] = (req, lease.source(addresses))
                 elif req is not None:
                     self.outputs.migrate(req)
-            self._migrated_off.add(request_id)
+            if request_ids is None:
+                self._migrated_off.add(request_id)
             moved += 1
         if moved:
             logger.info("migrating %d request(s) off this replica", moved)

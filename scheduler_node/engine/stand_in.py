@@ -138,7 +138,8 @@ class StandInWorkers:
                 accepted = self.acceptance.randint(0, proposed) if self.acceptance is not None else proposed
                 held.num_computed -= proposed - accepted
                 sampled[handle] = [self.token] * (accepted + 1)
-                held.num_tokens += accepted + 1
+                if not self.tokens_in_plan:  # else the next plan brings them
+                    held.num_tokens += accepted + 1
             elif held.num_computed == held.num_tokens:
                 sampled[handle] = [self.token]
                 if not self.tokens_in_plan:

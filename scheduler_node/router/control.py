@@ -18,7 +18,8 @@ from scheduler_node.router.replica import DOWN
 SUMMED = (
     "total_blocks", "used_blocks", "free_blocks", "num_running", "num_waiting", "num_preemptions",
     "cached_free_blocks", "prefix_cache_queries", "prefix_cache_hits", "preemptions_recompute", "preemptions_swap",
-    "swap_blocks_used", "swap_blocks_total", "usable_blocks", "interrupted_steps",
+    "swap_blocks_used", "swap_blocks_total", "usable_blocks", "interrupted_steps", "migrations_imported",
+    "migrations_recomputed", "migration_kv_tokens_imported",
 )  # fmt: skip
 
 

@@ -98,9 +98,10 @@ class Disaggregator:
         prefill.kv_handoff.produce = True
         source: pb.KVHandoff | None = None
         try:
-            replica = self.forwarder.router.route(route_request, self._only("decode")).replica
+            route = self.forwarder.router.route(route_request, self._only("decode"))
+            replica = route.replica
             prefill.model = replica.model
-            async for response in self.forwarder._stream(replica, prefill, timeout, metadata):
+            async for response in self.forwarder._stream(replica, prefill, timeout, metadata, route.ticket):
                 if response.HasField("kv_source") and response.kv_source.lease:
                     source = response.kv_source
         except (grpc.aio.AioRpcError, RouteError) as exc:

@@ -12,18 +12,18 @@ With --disaggregate a completion or chat request is first sent, unstreamed with 
 `kv_transfer_params: {"produce": true}`, to a prefill replica, whose answer says where the prompt's KV waits; the
 request then goes to a decode replica with those `kv_transfer_params` and streams from there, and the prefill's
 lease is released (a gRPC Abort) once the decode replica's answer begins. A failed prefill only costs the decode
-replica the prompt's compute.
+replica the prompt's compute. A completion or chat that a drain with migrate hands back goes on from another
+replica, the client none the wiser (live migration: router/http_migration.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -34,6 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from scheduler_node.api.embeddings import EmbeddingRequest
 from scheduler_node.api.openai_errors import OpenAIError, install_handlers
 from scheduler_node.api.openai_guards import ApiKeyAuth, BodyLimit
+from scheduler_node.api.openai_migration import MIGRATED_HEADER
 from scheduler_node.api.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,6 +44,7 @@ from scheduler_node.api.openai_protocol import (
 from scheduler_node.api.openai_server import MAX_BODY_BYTES, model_card, model_list
 from scheduler_node.api.responses_request import ResponsesRequest
 from scheduler_node.router.grpc_door import RouterGeneration
+from scheduler_node.router.http_migration import UPSTREAM_ERRORS, Attempt, MovedRequests, describe, error_message
 from scheduler_node.router.replica import Replica
 from scheduler_node.router.request import RouteRequest
 from scheduler_node.router.routing import Route, RouteError
@@ -50,7 +52,6 @@ from scheduler_node.router.upstream import FORWARDED_HEADERS
 
 logger = logging.getLogger(__name__)
 
-UPSTREAM_ERRORS = (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError)
 HANDOFF_PATHS = ("/v1/completions", "/v1/chat/completions")  # what --disaggregate splits into prefill and decode
 PRIVATE_HEADERS = ("authorization",)  # never shown to a routing function
 
@@ -66,6 +67,7 @@ class RouterHttp:
         self.auth = {"Authorization": f"Bearer {replica_api_key}"} if replica_api_key else {}
         self.connect_timeout = connect_timeout
         self._session: aiohttp.ClientSession | None = None  # made on the serving loop, at the first request
+        self.moves = MovedRequests(self.forwarder, self.generation.count_error)  # live migration
 
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -82,6 +84,8 @@ class RouterHttp:
         if self.generation.draining:
             raise OpenAIError(503, "the router is draining; retry on another")
         payload = json.loads(await request.body())
+        if request.url.path in HANDOFF_PATHS:
+            payload["migratable"] = True  # a draining replica hands it back (router/migration.py): it goes on here
         headers = {**self.auth, **{k: v for k, v in request.headers.items() if k in FORWARDED_HEADERS}}
         stack = contextlib.ExitStack()  # closed when the answer has been passed on (a stream: at its end)
         stack.enter_context(self.generation.tracked(f"http-{uuid.uuid4().hex}"))
@@ -98,11 +102,20 @@ class RouterHttp:
         finally:
             if prefill is not None and disaggregator is not None:  # the decode replica pulled (or never will)
                 disaggregator.release(*prefill)
+
+        async def resend(exclude: Sequence[Replica], route: Route | None) -> Attempt:  # to the next replica
+            return await self._send(path, payload, headers, route_request, stream, stack, exclude, route)
+
         if not stream or answer.status != 200:
-            answer.release()
-            stack.close()
-            return Response(data, answer.status, media_type=answer.content_type)
-        return StreamingResponse(self._relay(replica, answer, data, stack), media_type=answer.content_type)
+            try:
+                if answer.status == 200 and answer.headers.get(MIGRATED_HEADER):
+                    return await self.moves.collected(replica, answer, data, payload, resend)
+                answer.release()
+                return Response(data, answer.status, media_type=answer.content_type)
+            finally:
+                stack.close()
+        events = self.moves.relay(replica, answer, data, stack, payload, resend)
+        return StreamingResponse(events, media_type=answer.content_type)
 
     async def _send(
         self,
@@ -112,20 +125,22 @@ class RouterHttp:
         route_request: RouteRequest,
         stream: bool,
         stack: contextlib.ExitStack,
-        exclude: list[Replica] | None = None,
-    ) -> tuple[Replica, aiohttp.ClientResponse, bytes]:
-        """The replica that answered, its response and the answer's first chunk (a stream) or whole body."""
+        exclude: Sequence[Replica] = (),
+        route: Route | None = None,
+    ) -> Attempt:
+        """The replica that answered (`route`'s, when given), its response and the answer's first chunk (a stream)
+        or whole body."""
         failed: list[Replica] = []
         while True:
-            route = await self._route(route_request, [*failed, *(exclude or [])])
-            replica = route.replica
-            payload["model"] = route.model  # the model's name, or the LoRA adapter's the request names
+            route = route or await self._route(route_request, [*failed, *exclude])
+            replica, chosen, route = route.replica, route, None  # a retry is routed afresh
+            payload["model"] = chosen.model  # the model's name, or the LoRA adapter's the request names
             self.forwarder.opened(replica)
             try:
                 answer, data = await self._attempt(replica, path, payload, headers, whole=not stream)
             except UPSTREAM_ERRORS as exc:
-                self.forwarder.closed(replica)
-                details = _describe(exc)
+                self.forwarder.closed(replica, chosen.ticket)
+                details = describe(exc)
                 if self.forwarder.unavailable(replica, details, False, failed):
                     logger.info("HTTP %s: retrying on another replica: %s", path, details)
                     continue
@@ -133,19 +148,21 @@ class RouterHttp:
                 raise OpenAIError(503, f"replica {replica.spec.http} ({replica.model}): {details}") from None
             if answer.status == 503:
                 answer.release()
-                self.forwarder.closed(replica)
-                if self.forwarder.unavailable(replica, _error_message(data), False, failed):
-                    logger.info("HTTP %s: retrying on another replica: %s", path, _error_message(data))
+                self.forwarder.closed(replica, chosen.ticket)
+                if self.forwarder.unavailable(replica, error_message(data), False, failed):
+                    logger.info("HTTP %s: retrying on another replica: %s", path, error_message(data))
                     continue
                 return replica, answer, data
-            if answer.status == 404 and route.adapter:
+            if answer.status == 404 and chosen.adapter:
                 # The adapter was unloaded there since the last probe: another replica may still serve it.
                 answer.release()
-                self.forwarder.closed(replica)
-                replica.adapters -= {route.adapter}
+                self.forwarder.closed(replica, chosen.ticket)
+                replica.adapters -= {chosen.adapter}
                 failed.append(replica)
                 continue
-            stack.callback(self.forwarder.closed, replica)
+            if chosen.ticket is not None:
+                chosen.ticket.prefilled()  # the answer began (a stream's first chunk, or the whole body)
+            stack.callback(self.forwarder.closed, replica, chosen.ticket)
             return replica, answer, data
 
     async def _prefill(
@@ -167,11 +184,11 @@ class RouterHttp:
             try:
                 answer, data = await self._attempt(route.replica, path, body, headers, whole=True)
             finally:
-                self.forwarder.closed(route.replica)
+                self.forwarder.closed(route.replica, route.ticket)
             answer.release()
             params = json.loads(data).get("kv_transfer_params") if answer.status == 200 else None
             if answer.status != 200:
-                raise ValueError(f"HTTP {answer.status}: {_error_message(data)}")
+                raise ValueError(f"HTTP {answer.status}: {error_message(data)}")
         except (*UPSTREAM_ERRORS, OpenAIError, ValueError) as exc:
             logger.info("HTTP %s: prefill failed, the decode replica computes the prompt: %s", path, exc)
             disaggregator.fallbacks += 1
@@ -197,27 +214,6 @@ class RouterHttp:
         if streamed:
             replica.observe_ttft(time.monotonic() - sent)  # a stream's first chunk: the role or the first token
         return answer, data
-
-    async def _relay(
-        self, replica: Replica, answer: aiohttp.ClientResponse, first: bytes, stack: contextlib.ExitStack
-    ) -> AsyncIterator[bytes]:
-        ended = False
-        try:
-            yield first
-            while chunk := await answer.content.readany():
-                yield chunk
-            ended = True
-        except UPSTREAM_ERRORS as exc:
-            details = f"replica {replica.spec.http} ({replica.model}) failed mid-stream: {_describe(exc)}"
-            self.forwarder.unavailable(replica, details, True, [])
-            self.generation.count_error(replica.model, "UNAVAILABLE")
-            yield f"data: {json.dumps(OpenAIError(503, details).body())}\n\n".encode()
-        finally:
-            if ended:
-                answer.release()  # the connection goes back to the pool
-            else:
-                answer.close()  # the client went away (or the replica did): closing makes the replica abort
-            stack.close()
 
     async def _route(self, route_request: RouteRequest, failed: list[Replica]) -> Route:
         model = route_request.model or self.router.default_model
@@ -325,15 +321,3 @@ def _route_request(
         cache_salt=body.cache_salt if body is not None else "",
         metadata=headers,
     )
-
-
-def _describe(exc: BaseException) -> str:
-    return str(exc) or type(exc).__name__
-
-
-def _error_message(body: bytes) -> str:
-    """The message of an OpenAI error body (or the body itself when it is not one)."""
-    try:
-        return str(json.loads(body)["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return body.decode(errors="replace")[:200]

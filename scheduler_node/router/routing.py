@@ -18,6 +18,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from proto.plugins import load_named
+from scheduler_node.router.kv_load import Ticket
 from scheduler_node.router.metrics import RouterMetrics
 from scheduler_node.router.replica import Replica, ReplicaPool
 from scheduler_node.router.request import RouteRequest
@@ -39,6 +40,7 @@ class Route:
     replica: Replica
     decision: str
     adapter: str = ""  # a LoRA adapter of the replica's model that the request names
+    ticket: Ticket | None = None  # `kv`: ended (Forwarder.closed) when the request's stream on the replica closes
 
     @property
     def model(self) -> str:
@@ -88,7 +90,7 @@ class Router:
             self.metrics.decided(self.strategy_name, pick.decision)
         own = request.model or self.default_model
         adapter = own if own not in self.pool.models and own in pick.replica.adapters else ""
-        return Route(pick.replica, pick.decision, adapter)
+        return Route(pick.replica, pick.decision, adapter, pick.ticket)
 
     def _candidates(self, model: str, exclude: Collection[Replica]) -> list[Replica]:
         """The serving replicas of `model`: a model's, or those that serve a LoRA adapter of that name."""

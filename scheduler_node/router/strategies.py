@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from scheduler_node.router.kv_load import Ticket
 from scheduler_node.router.replica import Replica
 from scheduler_node.router.request import RouteRequest
 from scheduler_node.router.ring import HashRing
@@ -36,6 +37,7 @@ MAX_RINGS = 64  # `prefix`: rings kept, one per set of candidates (a retry exclu
 class Pick:
     replica: Replica
     decision: str  # why, for the routing-decisions metric: "next", "least", "affinity", "overflow", ...
+    ticket: Ticket | None = None  # `kv`: the request's share of the replica's load, ended when its stream closes
 
 
 class Strategy(Protocol):

@@ -8,7 +8,7 @@ would repeat tokens the client already has. A LoRA adapter's request that a repl
 there since the last probe) goes to another replica that lists it, or ends NOT_FOUND. A replica drained with
 migrate=true hands its running requests back (their sequences end "migrated", with their state): each is sent to
 another replica with those states in `resume`, and the client's stream goes on as one request (live migration,
-core/migration.py).
+router/migration.py, shared with the HTTP door).
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from grpc_health.v1 import health_pb2_grpc
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from proto.wire import MAX_MESSAGE_BYTES
+from scheduler_node.router.kv_load import Ticket
 from scheduler_node.router.metrics import RouterMetrics
+from scheduler_node.router.migration import Journey
 from scheduler_node.router.replica import NOT_SERVING, Replica, ReplicaPool
 from scheduler_node.router.request import RouteRequest
 from scheduler_node.router.routing import Route, RouteError, Router
@@ -81,6 +83,9 @@ class Forwarder:
         # Asks the replicas again which LoRA adapters they serve (the prober's; None: never).
         self.refresh_adapters: Callable[[], Awaitable[None]] | None = None
         self._releases: set[asyncio.Task[None]] = set()  # Aborts that free leased KV on a replica
+        # Live migration: each gRPC request open on a replica (since when), and those a rebalance moves now.
+        self.streams: dict[str, tuple[Replica, float]] = {}
+        self.rebalancing: set[str] = set()
 
     async def route(self, request: RouteRequest, failed: Sequence[Replica]) -> Route:
         """The router's decision; a name that no replica served at the last probe is looked up once more first
@@ -104,25 +109,14 @@ class Forwarder:
         """The replica's responses to `request` as they come (never from a replica in `exclude`); UpstreamError
         with the status it ended with."""
         arrived = time.monotonic()
-        request.migratable = True  # a draining replica hands it back (below) instead of finishing it
-        holding: Replica | None = None  # the replica that handed it back, while it keeps its KV for the target
+        request.migratable = True  # a draining replica hands it back (router/migration.py) instead of finishing it
+        journey = Journey(self.router.pool, self.release, request.request_id)
         try:
-            async for response in self._attempts(request, route_request, timeout, metadata, exclude, arrived):
-                if isinstance(response, Replica):  # handed back: a new target pulls that replica's KV
-                    if holding is not None:
-                        self.release(holding, request.request_id)
-                    holding = response if any(s.HasField("kv_source") for s in request.resume.sequences) else None
-                    continue
-                if response is None:  # taken back: it runs on where its KV is, which frees it itself
-                    holding = None
-                    continue
-                if holding is not None:  # the target answered: it has the KV, the source may free it
-                    self.release(holding, request.request_id)
-                    holding = None
+            async for response in self._attempts(request, route_request, timeout, metadata, exclude, arrived, journey):
+                journey.answered()
                 yield response
         finally:
-            if holding is not None:
-                self.release(holding, request.request_id)
+            journey.close()
 
     async def _attempts(
         self,
@@ -132,30 +126,27 @@ class Forwarder:
         metadata: Sequence[tuple[str, str]],
         exclude: Sequence[Replica],
         arrived: float,
-    ) -> AsyncIterator[pb.GenerateResponse | Replica | None]:
-        """`generate`'s attempts, replica after replica; between them a Replica: it handed the request back, or
-        None: the last such replica takes it back (no other took it)."""
+        journey: Journey,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """`generate`'s attempts, replica after replica as they fail before a first message or hand it back."""
         deadline_s = request.deadline_s
         failed: list[Replica] = []
-        moved_from: list[Replica] = []  # replicas that handed it back: never chosen again for it
-        returned = False  # sent back to the replica that handed it back, which still held its KV
         while True:
             try:
-                route = await self.route(route_request, [*exclude, *failed, *moved_from])
+                route = await self.route(route_request, [*exclude, *failed, *journey.moved_from])
             except RouteError as exc:
-                back = None if returned else self._take_back(request, moved_from)
+                back = journey.take_back()
                 if back is None:
                     earlier = f" (it failed on {failed[0].address} before its first token)" if failed else ""
                     raise UpstreamError(grpc.StatusCode[exc.code], f"{exc}{earlier}") from None
-                route, returned = back, True
-                yield None
+                route = back
             replica = route.replica
             left = _time_left(request, timeout, deadline_s, arrived)
             request.model = route.model
             started = False
             states: list[pb.SequenceState] = []
             try:
-                async for response in self._stream(replica, request, left, metadata):
+                async for response in self._stream(replica, request, left, metadata, route.ticket):
                     if response.HasField("migrated"):
                         states.append(response.migrated)  # not the client's: the stream goes on elsewhere
                         continue
@@ -174,27 +165,10 @@ class Forwarder:
                 raise UpstreamError(code, f"replica {replica.address} ({replica.model}): {details}") from None
             if not states:
                 return
-            self._migrated(request, replica, states)
-            moved_from.append(replica)
+            draining = request.request_id not in self.rebalancing
+            self.rebalancing.discard(request.request_id)
+            request.resume.CopyFrom(journey.handed_back(replica, states, draining))
             failed = []  # the target starts afresh: UNAVAILABLE before its first message is retried once more
-            yield replica
-
-    def _take_back(self, request: pb.GenerateRequest, moved_from: list[Replica]) -> Route | None:
-        """No replica took a migrated request (the targets died, none is left): the one that handed it back last
-        runs it on (a draining replica takes back a request it migrated off: from the KV it still holds for it, or
-        by recompute). None when it came from no replica."""
-        if not moved_from:
-            return None
-        logger.info("request %s: no target took it: back to %s", request.request_id, moved_from[-1].address)
-        return Route(moved_from[-1], "take back")
-
-    def _migrated(self, request: pb.GenerateRequest, replica: Replica, states: list[pb.SequenceState]) -> None:
-        """`replica` handed the request back (Control.Drain with migrate): it is sent again, with where each of its
-        running sequences stopped, to another replica, which continues them at the same output position."""
-        self.router.pool.set_state(replica, NOT_SERVING, "draining: its requests migrate")
-        states.sort(key=lambda state: state.index)
-        request.resume.CopyFrom(pb.ResumeState(sequences=states))
-        logger.info("request %s: migrating %d sequence(s) off %s", request.request_id, len(states), replica.address)
 
     def release(self, replica: Replica, request_id: str) -> None:
         """Free the KV a replica keeps leased for a request (a migrated request's sequences, a disaggregated
@@ -229,17 +203,27 @@ class Forwarder:
         replica.in_flight += 1
         self.metrics.in_flight.labels(replica.model, replica.address).set(replica.in_flight)
 
-    def closed(self, replica: Replica) -> None:
+    def closed(self, replica: Replica, ticket: Ticket | None = None) -> None:
+        """The request's stream on `replica` closed (its `kv` ticket, if any, ends: its load there is gone)."""
+        if ticket is not None:
+            ticket.end()
         replica.in_flight -= 1
         self.metrics.in_flight.labels(replica.model, replica.address).set(replica.in_flight)
 
     async def _stream(
-        self, replica: Replica, request: pb.GenerateRequest, timeout: float | None, metadata: Sequence[tuple[str, str]]
+        self,
+        replica: Replica,
+        request: pb.GenerateRequest,
+        timeout: float | None,
+        metadata: Sequence[tuple[str, str]],
+        ticket: Ticket | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """One attempt on one replica, measuring its time to first token and per output token."""
+        """One attempt on one replica, measuring its time to first token and per output token (and telling the
+        route's `kv` ticket when the prompt is computed and when the stream closed)."""
         self.opened(replica)
         call = self.links[replica.address].generation.Generate(request, timeout=timeout, metadata=metadata)
         sent = time.monotonic()
+        self.streams[request.request_id] = (replica, sent)
         first = last = 0.0
         tokens = 0  # of sequence 0: with n > 1 the sequences advance together
         try:
@@ -248,12 +232,15 @@ class Forwarder:
                 if not first:
                     first = last
                     replica.observe_ttft(first - sent)
+                    if ticket is not None:
+                        ticket.prefilled()
                 if response.index == 0:
                     tokens += len(response.token_ids)
                 yield response
         finally:
             call.cancel()  # the client went away: the replica aborts the request (no-op once the call ended)
-            self.closed(replica)
+            self.streams.pop(request.request_id, None)
+            self.closed(replica, ticket)
             if tokens > 1:
                 replica.observe_tpot((last - first) / (tokens - 1))
 

@@ -32,6 +32,7 @@ from tests.support.ops import (
     NOT_SERVING,
     SERVING,
     TINY_WORKER,
+    OpenAIStreams,
     Streams,
     add_worker,
     greedy_ids,
@@ -513,7 +514,58 @@ def test_drain_migrate_moves_running_streams_to_the_other_replica_unnoticed(flee
     assert victim.stop() == [0, 0], victim.logs()
     stats = wait_idle(pb_grpc.ControlStub(survivor.channel))
     assert (stats.num_running, stats.num_waiting, stats.used_blocks) == (0, 0, 0), stats
+    # The running streams resumed from the KV they left (those that waited there had none: recomputed).
+    assert stats.migrations_imported >= 2 and stats.migration_kv_tokens_imported > 0, stats
     fleet.restart_llama(0)  # for the tests after this one
+    wait_for(lambda: fleet.replicas()[victim.address].state == "serving", 10, "the replica comes back")
+
+
+def test_drain_migrate_moves_openai_streams_through_the_router_unnoticed(fleet: Fleet) -> None:
+    """Live migration of OpenAI requests (issue 31): the official client sends a greedy completion, a seeded one
+    with n = 2, a seeded chat (streams) and a greedy completion (not streamed) through the router's HTTP door,
+    round robin over both llamas; a Drain with migrate of the one running the n = 2 stream, mid-stream: each
+    request completes as one response (one id, one finish_reason per choice, one usage) with the text and usage of
+    an undisturbed run, and the moved sequences resumed from the KV they left."""
+    chat: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a long story about the sea."}]
+    calls = [
+        ("completion", {"prompt": prompt_ids(3600, 24), "temperature": 0}),
+        ("completion", {"prompt": prompt_ids(3601, 20), "temperature": 0.8, "seed": 7, "n": 2}),
+        ("chat", {"messages": chat, "temperature": 0.8, "seed": 3}),
+        ("whole", {"prompt": prompt_ids(3602, 16), "temperature": 0}),
+    ]
+    common = {"model": "llama", "max_tokens": 48, "extra_body": {"ignore_eos": True}}
+    direct, routed = openai_client(fleet.llamas[0].base_url), openai_client(fleet.router.base_url)
+    expected = OpenAIStreams([(direct, kind, {**common, **args}) for kind, args in calls]).join(120)
+    streams: list[OpenAIStreams] = []
+    placed: list[Cluster] = []  # one at a time, each request's replica: round robin alternates
+    for kind, args in calls:
+        was = {c.address: fleet.replicas()[c.address].in_flight for c in fleet.llamas}
+        streams.append(OpenAIStreams([(routed, kind, {**common, **args})]))
+        wait_for(lambda: sum(r.in_flight for r in fleet.replicas().values()) == len(streams), 30, "routed")
+        placed.append(next(c for c in fleet.llamas if fleet.replicas()[c.address].in_flight > was[c.address]))
+    victim = placed[1]  # the n = 2 stream and the unstreamed completion (--max-num-seqs 2: one of them waits)
+    assert placed == [placed[0], victim, placed[0], victim] and placed[0] is not victim, placed
+    survivor = next(c for c in fleet.llamas if c is not victim)
+    before = pb_grpc.ControlStub(survivor.channel).GetStats(pb.GetStatsRequest(), timeout=5)
+    wait_for(lambda: streams[1].results[0].chunks >= 3, 60, "the n = 2 stream is under way")
+    drained = pb_grpc.ControlStub(victim.channel).Drain(pb.DrainRequest(timeout_s=30, migrate=True), timeout=40)
+    assert drained.drained and drained.migrated == 2, drained
+    for i, (stream, want) in enumerate(zip(streams, expected)):
+        [got] = stream.join(120)
+        assert not got.error and not want.error, (i, got.error, want.error)
+        assert got.texts == want.texts and len(got.ids) == 1, i  # no token lost or repeated, one response
+        assert got.finishes == want.finishes == {c: ["length"] for c in want.texts}, i
+        assert got.usage is not None and want.usage is not None
+        usage = got.usage.prompt_tokens, got.usage.completion_tokens
+        assert usage == (want.usage.prompt_tokens, 48 * len(want.texts)), (i, got.usage)
+    assert victim.stop() == [0, 0], victim.logs()
+    stats = wait_idle(pb_grpc.ControlStub(survivor.channel))
+    assert (stats.num_running, stats.num_waiting, stats.used_blocks) == (0, 0, 0), stats
+    # Each moved sequence counted once where it resumed: those that ran on the victim from the KV they left there.
+    assert stats.migrations_imported > before.migrations_imported, stats
+    moved = stats.migrations_imported + stats.migrations_recomputed
+    assert moved == before.migrations_imported + before.migrations_recomputed + 3, stats
+    fleet.restart_llama(fleet.llamas.index(victim))  # for the tests after this one
     wait_for(lambda: fleet.replicas()[victim.address].state == "serving", 10, "the replica comes back")
 
 

@@ -3,7 +3,8 @@ lease, a decode engine pulls them over the KV transfer socket and generates. Gre
 colocated engine's, in float32, bf16 and int8 KV, between PP 2 worlds and between TP 2 worlds or worlds of TP 1 and
 TP 2 (each consumer rank pulls its KV heads from the producer rank(s) holding them); a producer gone mid-hand-off
 or a lease released before the pull makes the decode side compute the prompt itself; no block stays leased at
-idle."""
+idle. Both engines sit on one host, so the pulls go through staging buffers (worker_node/kv_staging.py), as by
+default; one case moves them by frames over TCP (`--kv-transfer-mode tcp`)."""
 
 from __future__ import annotations
 
@@ -37,10 +38,11 @@ def runner(folder: Path, dtype: str, kv: str) -> ModelRunner:
 
 @pytest.fixture
 def pair(tiny_llama_dir: Path, request: pytest.FixtureRequest) -> Iterator[tuple[EngineRun, EngineRun]]:
-    dtype, kv = getattr(request, "param", ("float32", "auto"))
+    dtype, kv, *mode = getattr(request, "param", ("float32", "auto"))
+    same_host = mode != ["tcp"]
     producer, consumer = runner(tiny_llama_dir, dtype, kv), runner(tiny_llama_dir, dtype, kv)
-    producer.handoff = make_handoff(producer.kv_cache, producer.comm.where, serve=True)
-    consumer.handoff = make_handoff(consumer.kv_cache, consumer.comm.where, serve=False)
+    producer.handoff = make_handoff(producer.kv_cache, producer.comm.where, serve=True, same_host=same_host)
+    consumer.handoff = make_handoff(consumer.kv_cache, consumer.comm.where, serve=False, same_host=same_host)
     with EngineRun(producer, tokenizer_dir=tiny_llama_dir) as p, EngineRun(consumer, tokenizer_dir=tiny_llama_dir) as d:
         yield p, d
     for r in (producer, consumer):
@@ -81,6 +83,12 @@ def nothing_leased(p: EngineRun, ranks: Sequence[ModelRunner] = ()) -> None:
     p.run_until(none_left, "no lease left")
 
 
+def pulls(ranks: Sequence[ModelRunner]) -> tuple[int, int]:
+    """Pulls the producer ranks answered with a staging buffer, and by frames."""
+    exporters = [r.handoff.exporter for r in ranks if r.handoff is not None and r.handoff.exporter is not None]
+    return sum(e.pulls_staged for e in exporters), sum(e.pulls_framed for e in exporters)
+
+
 def close_handoffs(ranks: Sequence[ModelRunner]) -> None:
     for r in ranks:
         if r.handoff is not None:
@@ -89,19 +97,20 @@ def close_handoffs(ranks: Sequence[ModelRunner]) -> None:
 
 @pytest.mark.parametrize(
     "pair",
-    [("float32", "auto"), ("bfloat16", "auto"), ("float32", "int8")],
+    [("float32", "auto"), ("bfloat16", "auto"), ("float32", "int8"), ("bfloat16", "auto", "tcp")],
     indirect=True,
-    ids=["fp32", "bf16", "int8"],
+    ids=["fp32", "bf16", "int8", "bf16-tcp"],
 )
 def test_handoff_is_token_identical_to_colocated(pair, tiny_llama_dir: Path, request) -> None:  # type: ignore[no-untyped-def]
     p, d = pair
-    dtype, kv = request.node.callspec.params["pair"]
+    dtype, kv, *mode = request.node.callspec.params["pair"]
     ps = prompts(1)
     expected = colocated(tiny_llama_dir, dtype, kv, ps, 12)
     outputs = [hand_off(p, d, prompt, 12) for prompt in ps]
     assert outputs == expected
     assert d.scheduler.leases.imported_blocks == sum((len(x) - 1) // BLOCK for x in ps), "every full block pulled"
     assert d.scheduler.counters.prefix_cache_hits == d.scheduler.leases.imported_blocks * BLOCK
+    assert pulls(p.workers.runners) == ((0, len(ps)) if mode == ["tcp"] else (len(ps), 0)), "one host: staged"
     nothing_leased(p)
 
 
@@ -191,6 +200,8 @@ def test_handoff_between_tensor_parallel_worlds(tiny_llama_dir: Path, producer_t
             outputs = [hand_off(p, d, prompt, 8) for prompt in ps]
             assert d.scheduler.leases.imported_blocks == sum((len(x) - 1) // BLOCK for x in ps)
             assert not d.scheduler.counters.preemptions_recompute, "every pull succeeded"
+            staged, framed = pulls(producer)
+            assert staged >= len(ps) and not framed, "one host: every rank's pulls go through staging buffers"
             nothing_leased(p, producer)
     finally:
         close_handoffs(producer + consumer)

@@ -53,13 +53,16 @@ def test_gpu_check_dry_run_imports_every_part(tmp_path: Path) -> None:
     assert report["dry_run"] is True
     assert "kernels.triton_attention" in report["imports"] and "zmq" in report["imports"]
     assert (Path(report["model"]) / "config.json").is_file(), "the default model converts without a hub"
-    assert report["parts"] == ["kernels", "engine", "decode", "lora"]
+    assert report["parts"] == ["kernels", "engine", "decode", "lora", "kv_ipc"]
     rows = report["decode_dry_run"]["rows"]  # the decode part's code, at a tiny size on the CPU
     assert [r["seqs"] for r in rows] == [2, 4]
     assert all(r["decode tok/s"] > 0 and r["HF decode tok/s"] > 0 and r["vs HF"] > 0 for r in rows)
     lora = report["lora_dry_run"]  # LoRA in decode graphs: its code on the CPU, where nothing is captured
     assert lora["same as eager"] == "4/4" and lora["mixed decode tok/s"] > 0 and lora["base decode tok/s"] > 0
     assert lora["graphs with LoRA"] is False and lora["graph steps with adapter rows"] == 0
+    kv = report["kv_ipc_dry_run"]  # two processes, the staging path through /dev/shm here (CUDA IPC on a GPU)
+    assert kv["bytes identical"] is True and kv["staging kind"] == "shm"
+    assert (kv["staged pulls"], kv["framed pulls"]) == (1, 1) and kv["staged"]["GB/s"] > 0 and kv["tcp"]["GB/s"] > 0
 
 
 def test_gpu_check_rejects_an_unknown_part(tmp_path: Path) -> None:

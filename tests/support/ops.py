@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -128,3 +129,60 @@ def child_pids(pid: int) -> list[int]:
 def alive(pid: int) -> bool:
     state = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
     return bool(state) and not state.startswith("Z")
+
+
+@dataclass
+class OpenAIResult:
+    """One OpenAI stream as its client saw it: each choice's text and finish reasons, the response ids, usage."""
+
+    texts: dict[int, str] = field(default_factory=dict)
+    finishes: dict[int, list[str]] = field(default_factory=dict)
+    ids: set[str] = field(default_factory=set)
+    chunks: int = 0
+    usage: Any = None
+    error: str = ""
+
+
+class OpenAIStreams:
+    """Each (client, kind, arguments) streamed on its own thread with the official `openai` client; kind is
+    "chat", "completion" or "whole" (a completion, not streamed)."""
+
+    def __init__(self, calls: list[tuple[Any, str, dict[str, Any]]]) -> None:
+        self.results = [OpenAIResult() for _ in calls]
+        self.threads = [
+            threading.Thread(target=self._run, args=(*call, self.results[i]), daemon=True)
+            for i, call in enumerate(calls)
+        ]
+        for t in self.threads:
+            t.start()
+
+    @staticmethod
+    def _run(client: Any, kind: str, arguments: dict[str, Any], out: OpenAIResult) -> None:
+        api = client.chat.completions if kind == "chat" else client.completions
+        try:
+            if kind == "whole":  # an unstreamed completion
+                answer = api.create(**arguments)
+                out.ids.add(answer.id)
+                out.usage = answer.usage
+                for choice in answer.choices:
+                    out.texts[choice.index] = choice.text
+                    out.finishes[choice.index] = [choice.finish_reason]
+                return
+            for chunk in api.create(**arguments, stream=True, stream_options={"include_usage": True}):
+                out.ids.add(chunk.id)
+                out.chunks += 1
+                out.usage = chunk.usage or out.usage
+                for choice in chunk.choices:
+                    text = choice.delta.content if kind == "chat" else choice.text
+                    out.texts[choice.index] = out.texts.get(choice.index, "") + (text or "")
+                    if choice.finish_reason:
+                        out.finishes.setdefault(choice.index, []).append(choice.finish_reason)
+        except Exception as exc:  # the test reports it
+            out.error = f"{type(exc).__name__}: {exc}"
+
+    def join(self, timeout: float = 120) -> list[OpenAIResult]:
+        deadline = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(max(0.1, deadline - time.monotonic()))
+        assert not any(t.is_alive() for t in self.threads), "a stream hangs"
+        return self.results

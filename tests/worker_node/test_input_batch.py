@@ -182,3 +182,23 @@ def test_out_of_range_block_index_is_an_error() -> None:
         batch.set_block(state, 1, 9)
     batch.set_block(state, 0, 9)
     assert batch.blocks(state) == [9]
+
+
+def test_unverified_proposals_roll_back_to_the_next_plan_only_downwards_by_at_most_their_count() -> None:
+    """Tokens in plans (P > 1 stages): a rank keeps a verified row's proposals computed until the request's next
+    plan says how many were accepted; it rolls back to that figure only if it is lower by at most its proposals
+    (any other figure stays, for the progress check to refuse), and only once."""
+    batch = InputBatch(BS, torch.device("cpu"))
+    states = [batch.add(NewRequest(h, [5, 6, 7, 8, 9], [], SamplingOptions(), [h, 10 + h], 4, 1)) for h in range(4)]
+    rows = np.array([s.row for s in states], dtype=np.int64)
+    for s in states:
+        batch.set_drafts(s, [20, 21, 22])
+    inputs = batch.gather(rows, np.full(4, 4, dtype=np.int64), 0)
+    assert inputs.draft_rows is not None and batch.num_computed[rows].tolist() == [8, 8, 8, 8]
+    batch.defer_drafts(inputs)
+    assert not batch.num_drafts[rows].any()
+    # 2 accepted, all 3, rolled back by 4 (more than its proposals), and a figure above what the row computed
+    batch.settle_unverified(rows, np.array([7, 8, 4, 9], dtype=np.int64))
+    assert batch.num_computed[rows].tolist() == [7, 8, 8, 8]
+    batch.settle_unverified(rows, np.array([6, 6, 6, 6], dtype=np.int64))  # settled already: nothing to roll back
+    assert batch.num_computed[rows].tolist() == [7, 8, 8, 8]

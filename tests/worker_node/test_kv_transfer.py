@@ -1,7 +1,9 @@
 """Worker-to-worker KV transfer (worker_node/kv_transfer.py): a lease's blocks move byte for byte in every KV
 format, batched into chunks; a layout that does not pair, an unknown lease, a corrupted frame, a silent exporter and
 a client without CURVE keys are refused with a clear error and write nothing. Worlds of different TP sizes move
-runs of KV heads: each consumer rank gets exactly its heads' bytes."""
+runs of KV heads: each consumer rank gets exactly its heads' bytes. Each of these holds for both paths: frames over
+TCP and, between processes of one host, a shared-memory staging buffer (`staged`: every buffer made is gone at the
+test's end; tests/worker_node/test_kv_staging.py has the rest of that path)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,6 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import zmq
@@ -18,8 +19,11 @@ from kernels.kv_quant import SCALE_DTYPE
 from proto.curve import ensure_keys
 from proto.kv_transfer import KVLayout, KVTransferError, head_sources, pairing_problem
 from tests.support.waiting import wait_for
+from worker_node import kv_transfer
 from worker_node.kv_cache import KVCache, LayerKV
-from worker_node.kv_transfer import KVExporter, block_bytes, cache_layout, new_lease, pull_blocks
+from worker_node.kv_frames import block_bytes
+from worker_node.kv_staging import Staging
+from worker_node.kv_transfer import KVExporter, cache_layout, new_lease, pull_blocks
 
 pytestmark = pytest.mark.unit
 
@@ -54,6 +58,37 @@ def block(cache: KVCache, b: int) -> list[bytes]:
     return [t[b].contiguous().view(torch.uint8).numpy().tobytes() for layer in cache for t in layer.tensors()]
 
 
+class Made(list[Staging]):
+    """The staging buffers made, and the name each had when made (an acked one is renamed and kept as a spare)."""
+
+    names: list[str]
+
+    def gone(self) -> bool:
+        """No name ever handed out opens anything now."""
+        return not any((Path("/dev/shm") / n).exists() for n in self.names)
+
+
+@pytest.fixture(autouse=True)
+def staged(monkeypatch: pytest.MonkeyPatch) -> Iterator[Made]:
+    """Every staging buffer the exporters make; none may be left in /dev/shm once the test's exporters closed."""
+    made = Made()
+    made.names = []
+
+    def recording(size: int, device: torch.device) -> Staging:
+        made.append(real(size, device))
+        made.names.append(made[-1].handle[0].decode())  # type: ignore[union-attr]
+        return made[-1]
+
+    real = kv_transfer.make_staging
+    monkeypatch.setattr(kv_transfer, "make_staging", recording)
+    yield made
+    assert not [s for s in made if shm_path(s).exists()] and made.gone(), "a staging buffer left behind"
+
+
+def shm_path(s: Staging) -> Path:
+    return Path("/dev/shm") / s.handle[0].decode()  # type: ignore[union-attr]
+
+
 @pytest.fixture
 def exporter_of() -> Iterator:  # type: ignore[type-arg]
     made: list[KVExporter] = []
@@ -67,22 +102,30 @@ def exporter_of() -> Iterator:  # type: ignore[type-arg]
         e.close()
 
 
+PATHS = pytest.mark.parametrize("same_host", [True, False], ids=["shm", "tcp"])
+
+
+@PATHS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn])
-def test_a_lease_moves_byte_for_byte_in_chunks(exporter_of, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+def test_a_lease_moves_byte_for_byte_in_chunks(exporter_of, staged, dtype: torch.dtype, same_host: bool) -> None:  # type: ignore[no-untyped-def]
     src, dst = make_cache(dtype, seed=1), make_cache(dtype, seed=None)
     pulled: list[bytes] = []
     exporter = exporter_of(src, on_pulled=pulled.append)
     lease = new_lease()
     exporter.grant(lease, [1, 3, 5, 6])
     moved = pull_blocks(
-        exporter.address, lease, dst, cache_layout(dst), [5, 1, 6], [0, 2, 7], max_chunk_bytes=2 * block_bytes(src)
-    )  # two chunks: 2 + 1 blocks
+        exporter.address, lease, dst, cache_layout(dst), [5, 1, 6], [0, 2, 7], max_chunk_bytes=2 * block_bytes(src),
+        same_host=same_host,
+    )  # fmt: skip  # frames: two chunks, 2 + 1 blocks; staged: one buffer
     assert moved == 3 * block_bytes(src)
+    assert (exporter.pulls_staged, exporter.pulls_framed) == ((1, 0) if same_host else (0, 1))
+    assert len(staged) == exporter.pulls_staged and staged.gone() and not exporter.num_staged, "let go on the ack"
     for s, d in [(5, 0), (1, 2), (6, 7)]:
         assert block(dst, d) == block(src, s)
     for untouched in (1, 3, 4, 5, 6):
         assert not any(any(x) for x in block(dst, untouched))
-    assert pulled == [lease] and exporter.num_leases == 0, "a complete pull frees the lease"
+    # by frames the exporter revokes after its last send, which the pull may beat: wait (staged: before the ack's reply)
+    wait_for(lambda: pulled == [lease] and exporter.num_leases == 0, 10, "a complete pull frees the lease")
     with pytest.raises(KVTransferError, match="unknown or expired"):
         pull_blocks(exporter.address, lease, dst, cache_layout(dst), [5], [0], timeout_s=5)
 
@@ -133,16 +176,25 @@ class CorruptingExporter(KVExporter):
             frames[0].reshape(-1)[0] ^= 0xFF
         super()._send(ident, header, frames)
 
+    def _fill(self, staging, blocks, heads):  # type: ignore[no-untyped-def]
+        places, sums = super()._fill(staging, blocks, heads)
+        staging.tensor[places[0][0]] ^= 0xFF  # after the CRCs were taken
+        return places, sums
 
-def test_a_corrupted_frame_fails_its_checksum() -> None:
+
+@PATHS
+def test_a_corrupted_frame_fails_its_checksum(same_host: bool) -> None:
     src, dst = make_cache(torch.float32, 4), make_cache(torch.float32, None)
     exporter = CorruptingExporter(src, cache_layout(src))
     try:
         lease = new_lease()
         exporter.grant(lease, [0])
         with pytest.raises(KVTransferError, match="checksum"):
-            pull_blocks(exporter.address, lease, dst, cache_layout(dst), [0], [0], timeout_s=5)
+            pull_blocks(exporter.address, lease, dst, cache_layout(dst), [0], [0], timeout_s=5, same_host=same_host)
         assert not any(any(x) for x in block(dst, 0))
+        assert exporter.num_staged == 0, "a corrupt staging buffer is freed"
+        # only the staged path hears of the failure (its ack): it keeps the lease; frames sent count as pulled
+        wait_for(lambda: exporter.num_leases == same_host, 10, "the lease kept by the staged path only")
     finally:
         exporter.close()
 
@@ -195,7 +247,7 @@ def test_concurrent_pulls_of_two_leases(exporter_of) -> None:  # type: ignore[no
     assert not errors
     assert all(block(dsts[0], b) == block(src, b) for b in (0, 1, 2))
     assert all(block(dsts[1], b) == block(src, b) for b in (5, 6, 7))
-    assert np.all(exporter.num_leases == 0)
+    wait_for(lambda: exporter.num_leases == 0, 10, "both leases pulled")
 
 
 def test_head_sources_cover_each_head_once() -> None:
@@ -215,8 +267,9 @@ def heads_of(cache: KVCache, first: int, count: int) -> list[torch.Tensor]:
     return [t.narrow(2, first, count) for layer in cache for t in layer.tensors()]
 
 
+@PATHS
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
-def test_worlds_of_other_tp_sizes_move_runs_of_heads(exporter_of, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+def test_worlds_of_other_tp_sizes_move_runs_of_heads(exporter_of, dtype: torch.dtype, same_host: bool) -> None:  # type: ignore[no-untyped-def]
     """TP 1 -> TP 2 (each consumer rank slices out its head) and TP 2 -> TP 1 (the consumer concatenates both)."""
     whole = make_cache(dtype, seed=7)
     halves = [make_cache(dtype, seed=None, heads=1) for _ in range(2)]
@@ -227,7 +280,11 @@ def test_worlds_of_other_tp_sizes_move_runs_of_heads(exporter_of, dtype: torch.d
         layout = cache_layout(half, tp_size=2, tp_rank=rank)
         [(producer, heads, dst_heads)] = head_sources(layout, 1)
         assert producer == 0 and exporter.num_leases == 1, "the lease stays until every head was pulled"
-        pull_blocks(exporter.address, lease, half, layout, [1, 4], [2, 3], 5, heads=heads, dst_heads=dst_heads)
+        pull_blocks(
+            exporter.address, lease, half, layout, [1, 4], [2, 3], 5, heads=heads, dst_heads=dst_heads,
+            same_host=same_host,
+        )  # fmt: skip
+    assert (exporter.pulls_staged, exporter.pulls_framed) == ((2, 0) if same_host else (0, 2))
     wait_for(lambda: exporter.num_leases == 0, 10, "both heads pulled: the lease is done")
     for rank, half in enumerate(halves):
         for got, want in zip(heads_of(half, 0, 1), heads_of(whole, rank, 1), strict=True):
@@ -238,7 +295,11 @@ def test_worlds_of_other_tp_sizes_move_runs_of_heads(exporter_of, dtype: torch.d
     try:
         for (rank, heads, dst_heads), e in zip(head_sources(layout, 2), exporters, strict=True):
             e.grant(lease, [2, 3])
-            pull_blocks(e.address, lease, back, layout, [2, 3], [5, 6], 5, heads=heads, dst_heads=dst_heads)
+            pull_blocks(
+                e.address, lease, back, layout, [2, 3], [5, 6], 5, heads=heads, dst_heads=dst_heads,
+                same_host=same_host,
+            )  # fmt: skip
+            assert e.pulls_staged == same_host
             assert rank == exporters.index(e)
             wait_for(lambda: e.num_leases == 0, 10, "its only head pulled: the lease is done")  # noqa: B023
     finally:

@@ -201,6 +201,9 @@ def test_control_reports_resizes_and_drains() -> None:
         assert code == grpc.StatusCode.INVALID_ARGUMENT and details == "num_blocks: must be in [1, 64]"
         code, details = await status_of(d.control.Drain(pb.DrainRequest(timeout_s=-1)))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("timeout_s:")
+        code, details = await status_of(d.control.Migrate(pb.MigrateRequest()))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("request_ids:")
+        assert (await d.control.Migrate(pb.MigrateRequest(request_ids=["gone"]))).migrated == 0  # and serves on
         drained = await d.control.Drain(pb.DrainRequest(timeout_s=5))
         assert (drained.drained, drained.remaining) == (True, 0)
         code, details = await status_of(read_all(d.stub.Generate(greedy(PROMPT, 2))))

@@ -8,7 +8,7 @@ import argparse
 
 import pytest
 
-from proto.wire import SamplingOptions, StepResult
+from proto.wire import ExecutionMode, SamplingOptions, StepResult
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.proposers import NgramProposer
 from scheduler_node.core.request import Request, StopConditions
@@ -89,9 +89,9 @@ def test_only_options_the_worker_verifies_exactly_speculate() -> None:
         assert not eligible(SamplingOptions(0.0, **bad))  # type: ignore[arg-type]
 
 
-def make(spec: SpeculativeConfig | None = NGRAM, blocks: int = 64) -> Scheduler:
+def make(spec: SpeculativeConfig | None = NGRAM, blocks: int = 64, mode: ExecutionMode | None = None) -> Scheduler:
     config = SchedulerConfig(block_size=8, max_num_batched_tokens=64, max_model_len=512, speculative=spec)
-    return Scheduler(config, blocks)
+    return Scheduler(config, blocks, mode=mode)
 
 
 REPEATING = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
@@ -154,6 +154,33 @@ def test_while_a_request_speculates_plans_run_one_at_a_time_with_every_request()
     s.update(speculated, StepResult(speculated.step_id, {a.handle: [4], b.handle: [4, 1], c.handle: [4]}))
     assert a.num_computed_tokens == a.num_tokens - 1 and b.num_computed_tokens == b.num_tokens - 1
     assert [x.handle for x in s.schedule().cached_requests] == [a.handle, b.handle, c.handle]
+
+
+def test_under_pipeline_parallelism_one_plan_holds_every_speculating_request() -> None:
+    """PP 2 (disjoint plans, tokens in plans): once requests speculate, one plan holds them all (in halves, each
+    half would wait for the other's turn) and the plan after it is empty; each request's next plan brings the
+    tokens its verify step accepted, its computed tokens rolled back, and its next proposals."""
+    s = make(mode=ExecutionMode.for_world(1, 2, async_scheduling=True))
+    rs = [req(name, REPEATING) for name in "abcd"]
+    for r in rs:
+        s.add(r)
+    first = s.schedule()  # nothing runs yet: a plan's share of the seats, half
+    assert [n.handle for n in first.new_requests] == [rs[0].handle, rs[1].handle]
+    assert not s.schedule().has_work
+    s.update(first, StepResult(first.step_id, {r.handle: [3] for r in rs[:2]}))
+    every = s.schedule()  # the two speculate, the other two start: all four in one plan
+    assert [(c.new_token_ids, c.draft_token_ids) for c in every.cached_requests] == [((3,), (4, 1, 2))] * 2
+    assert [n.handle for n in every.new_requests] == [rs[2].handle, rs[3].handle]
+    assert not s.schedule().has_work
+    s.update(every, StepResult(every.step_id, {r.handle: [4, 7] if r in rs[:2] else [3] for r in rs}))
+    assert [r.num_computed_tokens == r.num_tokens - 1 for r in rs] == [True] * 4
+    following = s.schedule()
+    assert [(c.handle, c.num_computed_tokens, c.new_token_ids) for c in following.cached_requests] == [
+        (rs[0].handle, 12, (4, 7)),
+        (rs[1].handle, 12, (4, 7)),
+        (rs[2].handle, 10, (3,)),
+        (rs[3].handle, 10, (3,)),
+    ]
 
 
 def test_requests_that_do_not_speculate_keep_the_overlap() -> None:

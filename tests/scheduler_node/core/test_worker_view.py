@@ -64,6 +64,27 @@ def test_where_plans_carry_tokens_each_goes_out_once() -> None:
     assert step(view, blocks, req, 12, 1).cached_requests == [CachedRequest(5, 12, 1, (3,), (8, 9))]
 
 
+def test_where_plans_carry_tokens_proposals_travel_with_the_tokens_before_them() -> None:
+    """Speculation under PP: the stages learn the tokens a verify step accepted from the request's next plan, which
+    may carry its next proposals too; both go out, each once."""
+    view, blocks = WorkerView(tokens_in_plan=True), BlockTable(16, BS)
+    req = request("a", 5)
+    step(view, blocks, req, 0, 10)
+    decoded(req, 7)
+
+    def propose(first: int, drafts: tuple[int, ...]) -> list[CachedRequest]:
+        written = blocks.write(req.req_id, first, first + 1 + len(drafts))
+        assert written is not None
+        plan = StepPlan(3)
+        view.add_to_plan(req, plan, first, 1 + len(drafts), blocks, written, list(drafts))
+        return plan.cached_requests
+
+    assert propose(10, (40, 41)) == [CachedRequest(5, 10, 3, (3,), (7,), (40, 41))]  # position 12: a new block
+    req.output_token_ids += [40, 8]  # one proposal accepted, then a token of its own
+    req.num_computed_tokens = 12
+    assert propose(12, (50,)) == [CachedRequest(5, 12, 2, (), (40, 8), (50,))]
+
+
 def test_copy_on_write_and_moved_blocks_reach_only_tables_the_workers_hold() -> None:
     view, blocks = WorkerView(tokens_in_plan=False), BlockTable(16, BS)
     parent, child = request("p", 1, prompt=6), request("c", 2, prompt=6)

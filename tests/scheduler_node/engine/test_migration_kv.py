@@ -123,6 +123,10 @@ def test_migrated_sequences_pull_their_kv_and_match_an_undisturbed_run_in_bf16(e
     left = sum(MAX_TOKENS - len(s.output_token_ids) for s in states if s is not None)
     assert target.scheduler.counters.scheduled_tokens == left
     assert 0 < target.scheduler.leases.imported_blocks <= leased, "the rest were in its prefix cache already"
+    counted = target.scheduler.counters
+    assert (counted.migrations_imported, counted.migrations_recomputed) == (len(states), 0)
+    pulled = counted.migration_kv_tokens_imported
+    assert 0 < pulled <= sum(s.kv_source.tokens for s in states if s and s.kv_source), pulled
 
     for i in range(len(CASES)):  # the router's Abort once the target answered
         assert source.engine.release_kv(f"m{i}")
@@ -142,5 +146,8 @@ def test_a_pull_that_fails_recomputes(engines) -> None:  # type: ignore[no-untyp
     resume_all(target, moved)
     for seqs in moved:
         assert all((s.finish_reason, len(s.token_ids)) == (FinishReason.LENGTH, MAX_TOKENS) for s in seqs)
-    assert target.scheduler.counters.preemptions_recompute >= 1
+    counted = target.scheduler.counters
+    assert counted.preemptions_recompute >= 1
+    assert counted.migrations_recomputed >= 1, "a failed pull counts as a recompute"
+    assert counted.migrations_imported + counted.migrations_recomputed == sum(c[2] for c in CASES)
     source.workers.runners[0].handoff.exporter = None  # type: ignore[union-attr]  # closed above

@@ -5,8 +5,14 @@ chat messages, and a replica's real publisher feeding the real subscriber over l
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 
+from proto import serving_pb2 as pb
 from proto.kv_events import (
     DEVICE,
     RAM,
@@ -22,9 +28,13 @@ from proto.kv_events import (
 from proto.wire import SamplingOptions
 from scheduler_node.core.request import Request, StopConditions
 from scheduler_node.router.kv_index import KVIndex, ReplicaFeed
+from scheduler_node.router.kv_load import ActiveLoad
 from scheduler_node.router.kv_strategy import PENDING_S, KVAware, PromptTokens, block_hashes
+from scheduler_node.router.metrics import RouterMetrics
 from scheduler_node.router.replica import SERVING, ReplicaPool, parse_replica
 from scheduler_node.router.request import RouteRequest
+from scheduler_node.router.routing import Router
+from scheduler_node.router.upstream import Forwarder
 from tests.support.stand_in import tokenizer
 
 pytestmark = pytest.mark.unit
@@ -127,21 +137,102 @@ def hold(feed: ReplicaFeed, ids: list[int], salt: str = "") -> None:
 
 
 def test_kv_routes_to_the_cached_prefix_until_the_load_outweighs_it() -> None:
+    """The load is the work sent to a replica and not done, in blocks: cheap hits ahead on the replica holding the
+    prefix cost it little (a queue-length cost counted each as a whole prompt and sent the request away); long
+    prompts it must compute first do outweigh the cache, until they are computed or end."""
     pool, _, feeds, kv = kv_pool()
     a, b = pool.replicas
-    prompt = list(range(100, 132))  # 8 blocks
-    hold(feeds[b.address], prompt[:24])  # b holds 6 of them
-    request = RouteRequest("m", prompt_token_ids=prompt + [1, 2])
-    assert kv.choose(request, [a, b]).replica is b and kv.choose(request, [a, b]).decision == "overlap"
-    b.in_flight = 1  # 9 blocks: 2 x 3 to compute + 9 for the stream ahead < 2 x 9 to compute on a
-    assert kv.choose(request, [a, b]).replica is b
-    b.in_flight = 2  # 2 x 3 + 2 x 9 > 2 x 9
-    pick = kv.choose(request, [a, b])
+    prompt = list(range(100, 180))  # 20 blocks
+    hold(feeds[b.address], prompt[:76])  # b holds 19 of them
+    request = RouteRequest("m", prompt_token_ids=prompt + [1, 2], max_tokens=4)
+    assert kv.overlap_weight == 4
+    hits = [kv.choose(request, [a, b]) for _ in range(5)]
+    assert [(p.replica, p.decision) for p in hits] == [(b, "overlap")] * 5
+    b.in_flight = 5  # their streams are open there
+    # The first computes 2 blocks, the next 1 each (the first's are predicted on b); they share 20 blocks, 2 own.
+    assert kv.active.prefill_blocks(b.address) == 6 and kv.active.active_blocks(b.address) == 20 + 5 * 2
+    assert kv.choose(request, [a, b]).replica is b, "4 x 1 + (6 + 20 + 10 + 2) < 4 x 21 + 20 + 2: cheap hits ahead"
+    misses = [kv.choose(RouteRequest("m", prompt_token_ids=list(range(500 + 90 * i, 590 + 90 * i)), max_tokens=4),
+                        [b]) for i in range(2)]  # fmt: skip
+    pick = kv.choose(request, [a, b])  # two whole prompts (23 blocks each) to compute ahead of it on b
     assert (pick.replica, pick.decision) == (a, "load")
+    NOW[0] += PENDING_S + 1  # the copy of the prompt predicted on a is forgotten (no event confirmed it)
+    for miss in misses:
+        assert miss.ticket is not None
+        miss.ticket.end()  # their streams closed
+    assert kv.choose(request, [a, b]).replica is b
     assert kv.choose(RouteRequest("m", prompt_token_ids=prompt, cache_salt="tenant"), [a, b]).decision == "least"
     NOW[0] += PENDING_S + 1  # what was routed to a (its blocks were never confirmed by events) is forgotten
     feeds[b.address].distrust()  # resynchronizing: holds nothing
     assert kv.choose(request, [a, b]).decision == "least"
+
+
+def test_a_routed_request_counts_on_its_replica_until_its_stream_closes() -> None:
+    """Its prompt blocks to compute count until its first token (prefilled), the blocks it holds until it ends
+    (a prefix shared by several requests counts once); ending twice changes nothing."""
+    load = ActiveLoad()
+    first = load.add("r", [h(1), h(2), h(3)], prefill=3, private=2)
+    second = load.add("r", [h(1), h(2), h(4)], prefill=1, private=2)
+    assert load.prefill_blocks("r") == 4 and load.active_blocks("r") == 4 + 4
+    assert load.active_blocks("r", [h(1), h(5)]) == 9, "a new request's blocks count where they are not held yet"
+    first.prefilled()
+    first.prefilled()
+    assert load.prefill_blocks("r") == 1 and load.active_blocks("r") == 8
+    first.end()
+    first.end()
+    assert load.prefill_blocks("r") == 1 and load.active_blocks("r") == 3 + 2
+    second.end()
+    assert load.prefill_blocks("r") == 0 and load.active_blocks("r") == 0 and load.active_blocks("other") == 0
+
+
+def test_the_forwarder_ends_a_routed_requests_load_when_its_stream_closes() -> None:
+    """Through the router's forwarding: the prompt's blocks to compute go at the first token, every block at the
+    stream's end, whether it ended well or the client went away."""
+    pool, _, feeds, kv = kv_pool()
+    a, b = pool.replicas
+    prompt = list(range(300, 340))
+    hold(feeds[b.address], prompt[:20])
+    events: dict[str, asyncio.Event] = {}  # one per scenario (an Event belongs to its loop)
+
+    class Call:  # a replica's Generate stream: a first token, then the rest once the test says so
+        def __aiter__(self) -> AsyncIterator[pb.GenerateResponse]:
+            return self.responses()
+
+        async def responses(self) -> AsyncIterator[pb.GenerateResponse]:
+            yield pb.GenerateResponse(token_ids=[7])
+            await events["release"].wait()
+            yield pb.GenerateResponse(token_ids=[8])
+
+        def cancel(self) -> None:
+            pass
+
+    link: Any = SimpleNamespace(generation=SimpleNamespace(Generate=lambda request, timeout, metadata: Call()))
+    forwarder = Forwarder(Router(pool, "kv", kv=kv), {r.address: link for r in pool.replicas}, RouterMetrics())
+    route_request = RouteRequest("m", prompt_token_ids=prompt + [1], max_tokens=2)
+
+    async def scenario(stop_early: bool) -> None:
+        events["release"] = release = asyncio.Event()
+        first = asyncio.Event()
+        tokens: list[int] = []
+
+        async def client() -> None:
+            async for response in forwarder.generate(pb.GenerateRequest(request_id="r"), route_request, None):
+                tokens.extend(response.token_ids)
+                first.set()
+
+        task = asyncio.ensure_future(client())
+        await asyncio.wait_for(first.wait(), 10)
+        assert kv.active.prefill_blocks(b.address) == 0 and kv.active.active_blocks(b.address) > 0
+        if stop_early:
+            task.cancel()  # the client went away (its call is cancelled)
+        else:
+            release.set()
+        await asyncio.gather(task, return_exceptions=True)
+        assert tokens == ([7] if stop_early else [7, 8])
+        assert kv.active.active_blocks(b.address) == 0 and b.in_flight == 0
+
+    asyncio.run(scenario(stop_early=False))
+    asyncio.run(scenario(stop_early=True))
 
 
 def test_a_prefix_follows_the_request_routed_before_it_until_its_replica_restarts() -> None:
@@ -149,9 +240,9 @@ def test_a_prefix_follows_the_request_routed_before_it_until_its_replica_restart
     first went; once that replica restarted (a new epoch), what was sent to it counts for nothing."""
     pool, _, feeds, kv = kv_pool()
     prompt = list(range(200, 240))
-    first = kv.choose(RouteRequest("m", prompt_token_ids=prompt + [1]), pool.replicas)
+    first = kv.choose(RouteRequest("m", prompt_token_ids=prompt + [1], max_tokens=4), pool.replicas)
     assert first.decision == "least"
-    second = kv.choose(RouteRequest("m", prompt_token_ids=prompt + [2]), pool.replicas)
+    second = kv.choose(RouteRequest("m", prompt_token_ids=prompt + [2], max_tokens=4), pool.replicas)
     assert (second.replica, second.decision) == (first.replica, "overlap")
     feed = feeds[first.replica.address]
     feed.on_batch(batch(1, epoch=OTHER))  # restarted

@@ -313,3 +313,6 @@ def test_stats_are_summed_and_ratios_recomputed() -> None:
     assert total.fragmentation == pytest.approx((0.2 * 50 + 0.1 * 150) / 200)
     assert (total.block_size, total.max_model_len) == (16, 4096)
     assert aggregate([]) == pb.Stats()
+    moved = aggregate([pb.Stats(migrations_imported=2, migration_kv_tokens_imported=40), pb.Stats(migrations_imported=1,
+                       migrations_recomputed=1, migration_kv_tokens_imported=8)])  # fmt: skip
+    assert (moved.migrations_imported, moved.migrations_recomputed, moved.migration_kv_tokens_imported) == (3, 1, 48)
