@@ -71,11 +71,15 @@ def engine(model: Path, fmt: str, args: argparse.Namespace) -> LLM:
     )
 
 
-def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> float:
+def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: list[int], cpu: list[float] | None = None) -> float:
+    """Wall seconds of one generate call; its CPU seconds (this process's, every thread: the engine runs in it)
+    appended to `cpu` when given (steadier than wall time on a loaded machine)."""
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    if cpu is not None:
+        cpu.append(time.process_time() - start_cpu)
     if [len(o.outputs[0].token_ids) for o in outs] != max_tokens:
         raise RuntimeError("an engine stopped short of the tokens it was asked for")
     return elapsed
@@ -139,8 +143,12 @@ def measure(
         timed_generate(llm, [[5, 6, 7]], [2])  # warm-up
         for n in [] if args.fidelity_only else args.decode_seqs:
             prompts = [[rng.randrange(3, vocab) for _ in range(16)] for _ in range(n)]
-            row[f"decode_{n}_tok_s"] = n * args.decode_tokens / timed_generate(llm, prompts, [args.decode_tokens] * n)
-        if args.fidelity_only:
+            cpu: list[float] = []
+            row[f"decode_{n}_tok_s"] = (
+                n * args.decode_tokens / timed_generate(llm, prompts, [args.decode_tokens] * n, cpu)
+            )
+            row[f"decode_{n}_tok_per_cpu_s"] = n * args.decode_tokens / cpu[0]
+        if args.fidelity_only or args.decode_only:
             _, logprobs = next_token_scores(llm, [text_ids])
             row["perplexity"] = math.exp(-sum(logprobs[0]) / len(logprobs[0]))
             return row
@@ -160,18 +168,38 @@ def agreement_prompts(text_ids: list[int], n: int) -> list[list[int]]:
     return [text_ids[i * step : i * step + 24] for i in range(n)]
 
 
+def awq_tensors(w: Any, group: int, gen: Any) -> tuple[Any, Any, Any]:
+    """Random AWQ codes [K, N], zero points and scales [K/G, N] of w's shape [N, K] (the kernels' speed does not
+    depend on the values)."""
+    import torch
+
+    n, k = w.shape
+    codes = torch.randint(0, 16, (k, n), generator=gen)
+    zeros = torch.randint(0, 16, (k // group, n), generator=gen)
+    return codes, zeros, torch.rand(k // group, n, generator=gen) / 500
+
+
+def int4_layout(codes: Any, zeros: Any, scales: Any) -> tuple[Any, Any]:
+    """torch's int4 layout and bf16 (scale, offset) pairs, as quant_awq makes them for torch's kernel."""
+    import torch
+
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.t().contiguous().int(), 1)
+    return packed, torch.stack([scales, (8 - zeros).float() * scales], dim=-1).bfloat16()
+
+
 def kernel_table(rows: list[int], repeats: int) -> list[dict[str, Any]]:
     """ms of one SmolLM2 decoder layer's four projections (and of the LM head) per kernel and row count: torch's
-    dense matmuls, its int8 weight-only paths, fbgemm's dynamic W8A8 (measured, not used: see the guide) and the
-    AMX kernel for bf16 and int8 weights, the latter also against activations quantized to 16 and 8 bits
-    (kernels/cpu_gemm.py, where the CPU has AMX)."""
+    dense matmuls, its int8 weight-only paths, fbgemm's dynamic W8A8 (measured, not used: see the guide), its int4
+    kernel (AWQ's fallback), the AMX kernel for bf16 and int8 weights, the latter also against activations
+    quantized to 16 and 8 bits (kernels/cpu_gemm.py), and the AWQ int4 kernel (kernels/cpu_gemm_awq.py), the last
+    two where the CPU has AMX."""
     import warnings
 
     import torch
     import torch.nn.functional as F
     from bench_cpu_dtypes import fastest_ms  # this script's sibling: the dense matmuls' own table
 
-    from kernels import cpu_gemm
+    from kernels import cpu_gemm, cpu_gemm_awq
     from worker_node.models.quant_int8 import quantize_rows
 
     def fbgemm(q: torch.Tensor, s: torch.Tensor) -> Any:
@@ -190,6 +218,9 @@ def kernel_table(rows: list[int], repeats: int) -> list[dict[str, Any]]:
         q = [(qw, s.bfloat16()) for qw, s in map(quantize_rows, full)]
         q32 = [(qw, s.float()) for qw, s in q]
         packed = [fbgemm(qw, s.float()) for qw, s in q]
+        awq_parts = [awq_tensors(w, 64, gen) for w in full]
+        awq = [cpu_gemm_awq.repack(*parts) for parts in awq_parts]
+        int4 = [int4_layout(*parts) for parts in awq_parts]
         for n in rows:
             xs = [torch.randn(n, w.shape[1], generator=gen) for w in full]
             xb = [x.bfloat16() for x in xs]
@@ -206,6 +237,9 @@ def kernel_table(rows: list[int], repeats: int) -> list[dict[str, Any]]:
                     torch.ops.quantized.linear_dynamic(x, w) for x, w in zip(xs, p)
                 ],
             }
+            kernels["int4pack_mm (AWQ g64)"] = lambda xs=xb, q=int4: [
+                torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, 64, p) for x, (w, p) in zip(xs, q)
+            ]
             if cpu_gemm.load() is not None and n <= cpu_gemm.MAX_ROWS:  # the AMX kernel (kernels/cpu_gemm.py)
                 kernels["AMX bf16"] = lambda xs=xb, ws=bf16: [cpu_gemm.linear(x, w) for x, w in zip(xs, ws)]
                 kernels["AMX int8"] = lambda xs=xb, q=q32: [cpu_gemm.linear_int8(x, w, s) for x, (w, s) in zip(xs, q)]
@@ -216,6 +250,8 @@ def kernel_table(rows: list[int], repeats: int) -> list[dict[str, Any]]:
                 kernels["AMX int8 x a8 (W8A8)"] = lambda xs=xb, q=q32: [
                     cpu_gemm.linear_int8_act(x, w, s, 8) for x, (w, s) in zip(xs, q)
                 ]
+            if cpu_gemm_awq.load() is not None:  # the AWQ int4 kernel (kernels/cpu_gemm_awq.py)
+                kernels["AWQ int4 (g64)"] = lambda xs=xb, q=awq: [cpu_gemm_awq.linear(x, *p) for x, p in zip(xs, q)]
             table.append({"what": what, "rows": n, **{k: fastest_ms(run, repeats) for k, run in kernels.items()}})
             cells = ", ".join(f"{k} {v:.3f}" for k, v in table[-1].items() if isinstance(v, float))
             print(f"kernels {what} rows {n}: {cells}", flush=True)
@@ -242,6 +278,8 @@ def parse_args() -> argparse.Namespace:
         "kernels of at most 64 rows) instead of one prefill",
     )
     p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--decode-seqs", default="1,16,64", help="sequence counts of the decode figures, comma-separated")
+    p.add_argument("--decode-only", action="store_true", help="agreement and decode figures; no prefill or mixed")
     p.add_argument("--positions", type=int, default=400, help="generated positions compared with the first format")
     p.add_argument("--agreement-prompts", type=int, default=4, help="prompts those positions are generated from")
     p.add_argument("--fidelity-only", action="store_true", help="weight bytes, agreement and perplexity; no speeds")
@@ -249,7 +287,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="a tiny model and tiny sizes: checks the script (CI)")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args()
-    args.decode_seqs, args.prefill_seqs, args.prefill_len = [1, 16, 64], 8, 256
+    args.decode_seqs, args.prefill_seqs, args.prefill_len = [int(n) for n in args.decode_seqs.split(",")], 8, 256
     args.mixed_requests, args.mixed_ranges = 48, ((32, 512), (16, 256))
     if args.smoke:
         args.decode_seqs, args.decode_tokens, args.prefill_seqs, args.prefill_len = [1, 4], 4, 2, 32
@@ -291,10 +329,14 @@ def print_table(report: dict[str, Any], args: argparse.Namespace) -> None:
     rows, base = report["rows"], report["rows"][0]
     print(f"\n{report['date']}, {args.threads} threads, {args.dtype} activations, load {report['load_average']}")
     decode = [f"decode {n} seqs" for n in args.decode_seqs]
-    head = ["format", "weight MB", *decode, "prefill", "mixed", "top-1 agreement", "perplexity"]
+    decode_cpu = [f"decode {n} (tok per CPU s)" for n in args.decode_seqs]
+    head = ["format", "weight MB", *decode, *decode_cpu, "prefill", "mixed", "top-1 agreement", "perplexity"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in rows:
-        speeds = [f"decode_{n}_tok_s" for n in args.decode_seqs] + ["prefill_tok_s", "mixed_tok_s"]
+        speeds = [f"decode_{n}_tok_s" for n in args.decode_seqs] + [
+            f"decode_{n}_tok_per_cpu_s" for n in args.decode_seqs
+        ]
+        speeds += ["prefill_tok_s", "mixed_tok_s"]
         cells = [f"{r[k]:.1f} ({r[k] / base[k]:.2f}x)" if k in r else "-" for k in speeds]
         print(
             f"| {r['format']} | {r['weight_MB']:.0f} | "

@@ -11,7 +11,9 @@ Per linear layer, for a weight [N out, K in] and groups of G input channels (con
 and w[n, k] = (code[k, n] - zero[k // G, n]) * scale[k // G, n]. Tensor parallelism cuts output channels in
 eights (packed columns) and input channels in whole groups.
 
-On CPU the codes are repacked once at load into torch's int4 layout and multiplied by
+On CPU the codes are repacked once at load: where the CPU has AMX-BF16 (and the widths fit), into the layout of
+the C kernel kernels/cpu_gemm_awq.py, which widens the codes in registers and multiplies bf16 activations; else
+(or for float32 activations, made on first use) into torch's int4 layout, multiplied by
 `aten._weight_int4pack_mm_for_cpu`, whose dequantization is (code - 8) * scale + offset: the AWQ zero point becomes
 offset = (8 - zero) * scale, exact in float32. Elsewhere (GPU until a fused kernel exists) each step dequantizes to
 the activations' dtype and multiplies: the torch reference path.
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_gemm_awq
 from proto.quantization import QuantizationError
 from worker_node.models.quant_linear import QuantLinear, QuantMethod, TensorAxes
 
@@ -103,27 +106,44 @@ class AwqMethod(QuantMethod):
         return unpack(layer.part("qweight")), unpack(layer.part("qzeros")), layer.part("scales").float()
 
     def dequantize(self, layer: QuantLinear, rows: torch.Tensor | None = None) -> torch.Tensor:
-        if "int4" in layer.kernel:  # repacked: what the kernel multiplies by, read back through it
+        if "awq codes" in layer.kernel:  # the C kernel's layout holds the same numbers
+            codes, zeros, scales = cpu_gemm_awq.awq_tensors(layer.kernel["awq codes"], layer.kernel["awq scales"])
+            w = self._weight(codes, zeros, scales)
+        elif "int4" in layer.kernel:  # repacked: what the kernel multiplies by, read back through it
             k = layer.in_features
             eye = torch.eye(k, dtype=torch.float32, device=layer.kernel["int4"].device)
             w = self._int4_mm(layer, eye).t()
         else:
-            codes, zeros, scales = self._codes(layer)
-            g = self.group_size
-            w = ((codes - zeros.repeat_interleave(g, 0)).float() * scales.repeat_interleave(g, 0)).t()  # [N, K]
+            w = self._weight(*self._codes(layer))
         return w if rows is None else w[rows]
 
+    def _weight(self, codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """w [N, K] float32 = (code - zero) * scale, from codes [K, N], zeros and scales [K/G, N]."""
+        g = self.group_size
+        return ((codes - zeros.repeat_interleave(g, 0)).float() * scales.repeat_interleave(g, 0)).t()
+
     def after_load(self, layer: QuantLinear) -> None:
-        """On CPU: torch's int4 layout and (scale, offset) pairs; the AWQ tensors are released."""
+        """On CPU: the C kernel's layout where it runs, else torch's int4 layout and (scale, offset) pairs; the AWQ
+        tensors are released."""
         if layer.part("qweight").device.type != "cpu":
             return
         codes, zeros, scales = self._codes(layer)
-        layer.kernel["int4"] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.t().contiguous(), 1)
-        layer.kernel["pairs float32"] = torch.stack([scales, (8 - zeros).float() * scales], dim=-1)  # [K/G, N, 2]
+        if cpu_gemm_awq.load() is not None and cpu_gemm_awq.fits(
+            layer.out_features, layer.in_features, self.group_size
+        ):
+            layer.kernel["awq codes"], layer.kernel["awq scales"] = cpu_gemm_awq.repack(codes, zeros, scales)
+        else:
+            self._make_int4(layer, codes, zeros, scales)
         for name in self.tensor_names:
             layer._buffers[name] = None
 
+    def _make_int4(self, layer: QuantLinear, codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> None:
+        layer.kernel["int4"] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.t().contiguous(), 1)
+        layer.kernel["pairs float32"] = torch.stack([scales, (8 - zeros).float() * scales], dim=-1)  # [K/G, N, 2]
+
     def _int4_mm(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        if "int4" not in layer.kernel:  # activations the C kernel does not take (float32): torch's layout, once
+            self._make_int4(layer, *cpu_gemm_awq.awq_tensors(layer.kernel["awq codes"], layer.kernel["awq scales"]))
         key = f"pairs {x.dtype}".replace("torch.", "")
         pairs = layer.kernel.get(key)
         if pairs is None:  # the (scale, offset) pairs in the activations' dtype, made once
@@ -131,6 +151,10 @@ class AwqMethod(QuantMethod):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), layer.kernel["int4"], self.group_size, pairs)
 
     def forward(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-        if "int4" in layer.kernel:
+        if "awq codes" in layer.kernel:
+            out = cpu_gemm_awq.linear(x, layer.kernel["awq codes"], layer.kernel["awq scales"])
+            if out is not None:
+                return out
+        if "int4" in layer.kernel or "awq codes" in layer.kernel:
             return self._int4_mm(layer, x)
         return F.linear(x, self.dequantize(layer).to(x.dtype))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_gemm
+from kernels import cpu_gemm, cpu_gemm_awq
 from proto.quantization import QuantizationError
 from tests.support.awq_checkpoint import pack_columns, quantize_awq
 from worker_node.models import quant_int8
@@ -46,13 +46,15 @@ def test_awq_int4_kernel_multiplies_by_the_checkpoint_weights(rows: int) -> None
     layer, dequantized = _awq_layer(48, 256, 128)
     assert torch.equal(layer.dequantize(), dequantized)
     x = torch.randn(rows, 256)
-    layer.method.after_load(layer)  # repacked for torch's int4 kernel, the AWQ tensors released
-    assert "int4" in layer.kernel and layer._buffers["qweight"] is None
+    layer.method.after_load(layer)  # repacked for the C kernel (AMX) or torch's int4 one, the AWQ tensors released
+    kernel = "awq codes" if cpu_gemm_awq.load() is not None else "int4"
+    assert kernel in layer.kernel and layer._buffers["qweight"] is None
     torch.testing.assert_close(layer(x), x @ dequantized.t(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(layer.dequantize(), dequantized, rtol=0, atol=1e-6)
     bf16 = layer(x.bfloat16())
     assert bf16.dtype == torch.bfloat16
     assert _relative_error(bf16, x.bfloat16().float() @ dequantized.t()) < 0.01
+    assert "int4" in layer.kernel  # float32 activations made torch's layout (the C kernel takes bf16 only)
 
 
 @pytest.mark.parametrize("rows", [1, 4, 5, 64])  # the packed GEMV up to 4 rows, convert-and-multiply beyond
