@@ -14,6 +14,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,23 +37,29 @@ _ptr = ctypes.c_void_p
 _i64 = ctypes.c_int64
 
 
-@functools.cache
-def load() -> ctypes.CDLL | None:
-    """The kernel built for this CPU, with the AMX state granted to this process; None where it cannot run (or
-    $MINIVLLM_CPU_GEMM is 0)."""
+def load_amx_library(source: Path, what: str, init: str, entries: dict[str, list[Any]]) -> ctypes.CDLL | None:
+    """A kernel of kernels/csrc on AMX tiles, built for this CPU, its `entries` typed (each returns an int) and its
+    `init` run (which asks Linux for the AMX state); None where it cannot run here or $MINIVLLM_CPU_GEMM is 0."""
     if os.environ.get(DISABLE_ENV) == "0":
         return None
     if not NEEDED_FLAGS <= set(cpu_flags_line().partition(":")[2].split()):
         return None
-    library = load_library(SOURCE, CFLAGS, "CPU decode matmuls")
+    library = load_library(source, CFLAGS, what)
     if library is None:
         return None
-    library.skinny_gemm.restype = ctypes.c_int
-    library.skinny_gemm.argtypes = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int] * 2
-    library.int8_gemm.restype = ctypes.c_int
-    library.int8_gemm.argtypes = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int] * 2
-    library.skinny_gemm_init.restype = ctypes.c_int
-    return library if library.skinny_gemm_init() else None
+    for name, argtypes in {init: [], **entries}.items():
+        getattr(library, name).restype = ctypes.c_int
+        if argtypes:
+            getattr(library, name).argtypes = argtypes
+    return library if getattr(library, init)() else None
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The kernel built for this CPU, with the AMX state granted to this process; None where it cannot run (or
+    $MINIVLLM_CPU_GEMM is 0)."""
+    gemm = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int] * 2
+    return load_amx_library(SOURCE, "CPU decode matmuls", "skinny_gemm_init", {"skinny_gemm": gemm, "int8_gemm": gemm})
 
 
 def covers(x: torch.Tensor, weight: torch.Tensor) -> bool:

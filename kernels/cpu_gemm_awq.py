@@ -14,18 +14,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 
-from kernels.cpu_features import cpu_flags_line
-from kernels.native_build import CFLAGS, CSRC, load_library
+from kernels.cpu_gemm import load_amx_library
+from kernels.native_build import CSRC
 
 SOURCE = CSRC / "awq_gemm_cpu.c"
 MAX_ROWS = 64  # the kernel's rows per call; more go in slices
 BLOCK_N, BLOCK_K = 16, 32
-NEEDED_FLAGS = frozenset({"amx_tile", "amx_bf16", "avx512_bf16"})
-DISABLE_ENV = "MINIVLLM_CPU_GEMM"  # "0": torch's matmuls only, as for kernels/cpu_gemm.py
 
 _ptr = ctypes.c_void_p
 _i64 = ctypes.c_int64
@@ -35,17 +32,8 @@ _i64 = ctypes.c_int64
 def load() -> ctypes.CDLL | None:
     """The kernel built for this CPU, with the AMX state granted; None where it cannot run (or
     $MINIVLLM_CPU_GEMM is 0)."""
-    if os.environ.get(DISABLE_ENV) == "0":
-        return None
-    if not NEEDED_FLAGS <= set(cpu_flags_line().partition(":")[2].split()):
-        return None
-    library = load_library(SOURCE, CFLAGS, "AWQ int4 matmuls")
-    if library is None:
-        return None
-    library.awq_gemm.restype = ctypes.c_int
-    library.awq_gemm.argtypes = [_ptr] * 4 + [_i64] * 4 + [ctypes.c_int]
-    library.awq_gemm_init.restype = ctypes.c_int
-    return library if library.awq_gemm_init() else None
+    gemm = [_ptr] * 4 + [_i64] * 4 + [ctypes.c_int]
+    return load_amx_library(SOURCE, "AWQ int4 matmuls", "awq_gemm_init", {"awq_gemm": gemm})
 
 
 def fits(out_features: int, in_features: int, group: int) -> bool:

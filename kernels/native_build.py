@@ -1,8 +1,8 @@
 """Building and loading the C kernels of kernels/csrc for this CPU (ctypes, no Python extension).
 
-A library is built once per source, compiler, flags and CPU feature set into the minivllm cache folder, so a
-worker starts in milliseconds after the first build (about a second with gcc). Where no C compiler is found or
-the build fails, `load_library` returns None (logged) and the caller keeps its torch path.
+A library is built once per source (with the headers beside it), compiler, flags and CPU feature set into the
+minivllm cache folder, so a worker starts in milliseconds after the first build (about a second with gcc). Where
+no C compiler is found or the build fails, `load_library` returns None (logged) and the caller keeps its torch path.
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ def compiler() -> str | None:
 
 def library_path(source: Path, compiler: str, flags: tuple[str, ...]) -> Path:
     key = hashlib.sha256()
-    for part in (source.read_bytes(), compiler.encode(), " ".join(flags + LDFLAGS).encode(), cpu_flags_line().encode()):
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what a source may #include
+    for part in (source.read_bytes(), *headers, compiler.encode(), " ".join(flags + LDFLAGS).encode()):
         key.update(part)
+    key.update(cpu_flags_line().encode())
     return cache_dir() / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"
 
 

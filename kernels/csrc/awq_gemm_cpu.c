@@ -24,12 +24,9 @@
  * Requirements (the caller checks): K % 32 == 0, G % 32 == 0 and K % G == 0, N % 16 == 0, 1 <= M <= 64,
  * everything contiguous.
  */
-#include <immintrin.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "amx_tiles.h"
 
 #define MAX_ROWS 64
 #define DOT_ROWS 4    /* rows up to which broadcast dot products beat tiles */
@@ -43,17 +40,11 @@
 #define PREFETCH_AHEAD 4096
 #endif
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define HAVE_AMX 1
-#else
-#define HAVE_AMX 0
-#endif
 
 /* 1 when the kernel can run in this process (Linux hands out AMX state on request), else 0. */
 int awq_gemm_init(void) {
 #if HAVE_AMX
-    const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return amx_request_permission();
 #else
     return 0;
 #endif
@@ -136,26 +127,6 @@ static void dot_rows(const uint32_t *xp, const uint8_t *codes, const float *scal
     case 3: dot_block(xp, codes, scales, sums, out, 3, N, K, G); break;
     default: dot_block(xp, codes, scales, sums, out, 4, N, K, G); break;
     }
-}
-
-typedef struct {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* Eight tiles of 16 rows x 64 bytes: accumulators (16 x 16 float32), activations and weights (16 x 32 bf16). */
-static void configure_tiles(void) {
-    tile_config config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        config.rows[t] = 16;
-        config.colsb[t] = 64;
-    }
-    _tile_loadconfig(&config);
 }
 
 /* y[16 rg + r] += scale * acc[r] + bias * sums[row][g] for the rows of row group rg (acc: one stored tile). */

@@ -26,12 +26,9 @@
  * products per 64 inputs, as many as bf16, but still no widening and half the weight bytes): about 15 bits per
  * activation, as fine as bf16's own rounding for SmolLM2's outlier channels. Any row count (prefill too).
  */
-#include <immintrin.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "amx_tiles.h"
 
 #define MAX_ROWS 64
 #define GROUP_ROWS 16 /* activation rows per accumulator tile */
@@ -45,11 +42,6 @@
 #define WEIGHT_BF16 0
 #define WEIGHT_INT8 1
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define HAVE_AMX 1
-#else
-#define HAVE_AMX 0
-#endif
 #if HAVE_AMX && defined(__AMX_INT8__)
 #define HAVE_AMX_INT8 1
 #else
@@ -65,34 +57,13 @@ static void make_tables(void);
 int skinny_gemm_init(void) {
 #if HAVE_AMX
     make_tables();
-    const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return amx_request_permission();
 #else
     return 0;
 #endif
 }
 
 #if HAVE_AMX
-
-typedef struct {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* Eight tiles of 16 rows x 64 bytes: accumulators (16 x 16 float32), weights and activations (16 x 32 bf16). */
-static void configure_tiles(void) {
-    tile_config config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        config.rows[t] = 16;
-        config.colsb[t] = 64;
-    }
-    _tile_loadconfig(&config);
-}
 
 /* xt[g][p][r] = the bf16 pair x[16g + r, 2p : 2p + 2] as one 32-bit word, zero for rows past M. */
 static void interleave_rows(const uint32_t *x, uint32_t *xt, int64_t M, int64_t K, int groups) {

@@ -4,12 +4,12 @@ it leaves to torch."""
 import pytest
 import torch
 
-from kernels import cpu_gemm_awq
+from kernels import cpu_gemm, cpu_gemm_awq
 from kernels.cpu_features import cpu_flags_line
 
 pytestmark = pytest.mark.unit
 
-HAS_AMX = cpu_gemm_awq.NEEDED_FLAGS <= set(cpu_flags_line().partition(":")[2].split())
+HAS_AMX = cpu_gemm.NEEDED_FLAGS <= set(cpu_flags_line().partition(":")[2].split())
 needs_amx = pytest.mark.skipif(not HAS_AMX, reason="the kernel needs AMX-BF16 (Sapphire Rapids or later)")
 
 
