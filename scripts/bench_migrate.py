@@ -81,12 +81,14 @@ def start_streams(
             prompt, extra = f"Story {i}: once upon a time", {"ignore_eos": True}
             chunks = client.completions.create(
                 model=NAME, prompt=prompt, stream=True, max_tokens=max_tokens, extra_body=extra,
-                temperature=0.8 if i % 2 else 0.0, seed=i if i % 2 else None,
+                temperature=0.8 if i % 2 else 0.0, seed=i if i % 2 else None, stream_options={"include_usage": True},
             )  # fmt: skip
             for chunk in chunks:
                 if chunk.choices and chunk.choices[0].text:
                     out.times.append(time.monotonic())
-                    out.tokens += 1  # a chunk a token (no stop string holds text back here)
+                    out.tokens += 1  # a chunk a token while it runs (no stop string holds text back here) ...
+                if chunk.usage is not None:  # ... and at the end the tokens it had, text or not (a byte of a
+                    out.tokens = chunk.usage.completion_tokens  # character: a tiny model's random tokens)
         except client_lib.APIError as exc:
             out.error = type(exc).__name__
 
