@@ -482,6 +482,12 @@ def test_kv_routing_follows_the_cached_prefix_and_never_a_restarted_replicas_sta
         router.stop()
 
 
+def migration_counts(replica: Cluster) -> tuple[int, int, int]:
+    """A replica's migrated sequences imported with their KV, recomputed, and KV tokens imported."""
+    stats = pb_grpc.ControlStub(replica.channel).GetStats(pb.GetStatsRequest(), timeout=5)
+    return stats.migrations_imported, stats.migrations_recomputed, stats.migration_kv_tokens_imported
+
+
 def test_drain_migrate_moves_running_streams_to_the_other_replica_unnoticed(fleet: Fleet) -> None:
     """Live migration (issue 31): 32 streams through the router, greedy, seeded and n = 2, prompts sharing
     prefixes; a Drain with migrate of one replica mid-stream (its running streams pull their KV, its waiting ones
@@ -498,26 +504,30 @@ def test_drain_migrate_moves_running_streams_to_the_other_replica_unnoticed(flee
         prompt = pb.TokenIds(ids=(shared[i % 2] if i % 3 == 0 else []) + prompt_ids(3300 + i))
         requests.append(pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling, model="llama"))
     expected = Streams(pb_grpc.GenerationStub(survivor.channel), requests).join(120)
-    streams = Streams(fleet.stub, requests, timeout=120)
-    # Round robin: half on each replica, two running on each (--max-num-seqs 2), the rest waiting there.
-    wait_for(lambda: sum(len(r.tokens) >= 2 for r in streams.results) >= 4, 60, "both replicas stream")
-    drained = pb_grpc.ControlStub(victim.channel).Drain(pb.DrainRequest(timeout_s=30, migrate=True), timeout=40)
-    assert drained.drained and drained.migrated >= 2, drained  # what it ran and what waited there
-    results = streams.join(120)
-    hf = load_hf(fleet.llama_dir)
-    for i, (request, got, want) in enumerate(zip(requests, results, expected)):
-        assert got.code is None, (i, got.code, got.details)
-        assert got.sequences == want.sequences and got.finish_reason == "length", i  # no token lost or repeated
-        assert got.completion_tokens == want.completion_tokens == max_tokens * len(want.sequences), i
-        if request.sampling.temperature == 0:
-            assert_teacher_forced(hf, list(request.prompt_token_ids.ids), got.tokens)
-    assert victim.stop() == [0, 0], victim.logs()
-    stats = wait_idle(pb_grpc.ControlStub(survivor.channel))
-    assert (stats.num_running, stats.num_waiting, stats.used_blocks) == (0, 0, 0), stats
-    # The running streams resumed from the KV they left (those that waited there had none: recomputed).
-    assert stats.migrations_imported >= 2 and stats.migration_kv_tokens_imported > 0, stats
-    fleet.restart_llama(0)  # for the tests after this one
-    wait_for(lambda: fleet.replicas()[victim.address].state == "serving", 10, "the replica comes back")
+    try:
+        streams = Streams(fleet.stub, requests, timeout=120)
+        # Round robin: half on each replica, two running on each (--max-num-seqs 2), the rest waiting there.
+        wait_for(lambda: sum(len(r.tokens) >= 2 for r in streams.results) >= 4, 60, "both replicas stream")
+        drained = pb_grpc.ControlStub(victim.channel).Drain(pb.DrainRequest(timeout_s=30, migrate=True), timeout=40)
+        assert drained.drained and drained.migrated >= 2, drained  # what it ran and what waited there
+        results = streams.join(120)
+        hf = load_hf(fleet.llama_dir)
+        for i, (request, got, want) in enumerate(zip(requests, results, expected)):
+            assert got.code is None, (i, got.code, got.details)
+            # no token lost or repeated (on failure: were the moved sequences imported or recomputed?)
+            assert got.sequences == want.sequences and got.finish_reason == "length", (i, migration_counts(survivor))
+            assert got.completion_tokens == want.completion_tokens == max_tokens * len(want.sequences), i
+            if request.sampling.temperature == 0:
+                assert_teacher_forced(hf, list(request.prompt_token_ids.ids), got.tokens)
+        assert victim.stop() == [0, 0], victim.logs()
+        stats = wait_idle(pb_grpc.ControlStub(survivor.channel))
+        assert (stats.num_running, stats.num_waiting, stats.used_blocks) == (0, 0, 0), stats
+        # The running streams resumed from the KV they left (those that waited there had none: recomputed).
+        assert stats.migrations_imported >= 2 and stats.migration_kv_tokens_imported > 0, stats
+    finally:  # for the tests after this one, also when this one fails
+        victim.stop()
+        fleet.restart_llama(0)
+        wait_for(lambda: fleet.replicas()[victim.address].state == "serving", 10, "the replica comes back")
 
 
 def test_drain_migrate_moves_openai_streams_through_the_router_unnoticed(fleet: Fleet) -> None:
