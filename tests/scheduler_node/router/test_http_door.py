@@ -21,6 +21,7 @@ from scheduler_node.router.metrics import RouterMetrics
 from scheduler_node.router.replica import SERVING, Replica, ReplicaPool, ReplicaSpec
 from scheduler_node.router.routing import Router
 from scheduler_node.router.upstream import Forwarder
+from tests.support.http_doors import serve_apps
 
 pytestmark = pytest.mark.unit
 
@@ -45,18 +46,8 @@ def _replica_door(served: set[str]) -> web.Application:
 @asynccontextmanager
 async def _doors(*served: set[str]) -> AsyncIterator[list[int]]:
     """One stand-in replica door per set of served names; their ports."""
-    runners = [web.AppRunner(_replica_door(names)) for names in served]
-    try:
-        ports = []
-        for runner in runners:
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            ports.append(runner.addresses[0][1])
+    async with serve_apps([_replica_door(names) for names in served]) as ports:
         yield ports
-    finally:
-        for runner in runners:
-            await runner.cleanup()
 
 
 async def _scenario(served: list[set[str]], model: str) -> tuple[list[int], httpx.Response, ReplicaPool]:
@@ -139,14 +130,8 @@ async def _disaggregated(
     from scheduler_node.router.disaggregate import Disaggregator
 
     bodies: tuple[Bodies, Bodies] = ([], [])
-    runners = [web.AppRunner(_handoff_door(b, prefill_status)) for b in bodies]
     released: list[tuple[str, str]] = []
-    try:
-        ports = []
-        for runner in runners:
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", 0).start()
-            ports.append(runner.addresses[0][1])
+    async with serve_apps([_handoff_door(b, prefill_status) for b in bodies]) as ports:
         roles = ("prefill", "decode")
         pool = ReplicaPool(
             ReplicaSpec(f"127.0.0.1:{i + 1}", MODEL, http=f"127.0.0.1:{p}", kv_role=role)
@@ -170,9 +155,6 @@ async def _disaggregated(
                 answer = await client.post("/v1/completions", json=body)
         finally:
             await door.close()
-    finally:
-        for runner in runners:
-            await runner.cleanup()
     return answer, *bodies, released
 
 

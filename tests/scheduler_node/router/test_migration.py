@@ -24,6 +24,7 @@ from scheduler_node.router.migration import Journey
 from scheduler_node.router.replica import NOT_SERVING, SERVING, Replica, ReplicaPool, ReplicaSpec
 from scheduler_node.router.routing import Router
 from scheduler_node.router.upstream import Forwarder
+from tests.support.http_doors import serve_apps
 
 pytestmark = pytest.mark.unit
 
@@ -75,14 +76,8 @@ async def _through_router(
     """A completion through the router over one stand-in door per entry (each handing back that many requests):
     what the client got, each door's bodies, the pool, and the leases released (replica addresses)."""
     bodies: list[list[dict[str, Any]]] = [[] for _ in hands_back]
-    runners = [web.AppRunner(_door(b, n)) for b, n in zip(bodies, hands_back)]
     released: list[str] = []
-    try:
-        ports = []
-        for runner in runners:
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", 0).start()
-            ports.append(runner.addresses[0][1])
+    async with serve_apps([_door(b, n) for b, n in zip(bodies, hands_back)]) as ports:
         pool = ReplicaPool(ReplicaSpec(f"127.0.0.1:{i + 1}", MODEL, http=f"127.0.0.1:{p}") for i, p in enumerate(ports))
         for replica in pool.replicas:
             pool.set_state(replica, SERVING)
@@ -100,9 +95,6 @@ async def _through_router(
                 answer = await client.post("/v1/completions", json=body)
         finally:
             await door.close()
-    finally:
-        for runner in runners:
-            await runner.cleanup()
     return answer.text, bodies, pool, released
 
 
