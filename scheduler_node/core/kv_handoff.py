@@ -155,6 +155,14 @@ class KVLeases:
         if lease is not None:
             self._drop(table, lease)
 
+    def release_lease(self, table: BlockTable, lease: bytes) -> bool:
+        """Free the lease with these bytes if this replica holds it (its target is this replica: it pulled)."""
+        key = next((k for k, held in self.held.items() if held.lease == lease), None)
+        if key is None:
+            return False
+        self._drop(table, self.held.pop(key))
+        return True
+
     def _drop(self, table: BlockTable, lease: Lease) -> None:
         table.free(lease.key)
         self.grants = [g for g in self.grants if g.lease != lease.lease]  # not granted yet: never will be
