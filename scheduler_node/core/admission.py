@@ -146,8 +146,11 @@ class Admission(Preemption):
             if req.pulling:
                 continue
             holds_blocks = req in holding
-            if self.policy.effective_priority(req, now) < floor and not holds_blocks:
-                break  # waiting is in policy order: the rest rank lower still
+            if self.policy.effective_priority(req, now) < floor:
+                if not holds_blocks:
+                    break  # waiting is in policy order: the rest rank lower still
+                if req.output_token_ids:
+                    continue  # a migrated sequence holding its KV (no fork has outputs): it yields to a class above
             if self.in_flight.held(req.handle):
                 continue  # preempted while its plan runs: it comes back once that result is applied
             if req.lora is not None and not self.view.lora_slots.fits(req.lora):

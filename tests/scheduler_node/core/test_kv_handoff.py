@@ -10,6 +10,7 @@ import pytest
 from proto.wire import SamplingOptions, StepPlan, StepResult
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.kv_handoff import KVSource, new_lease
+from scheduler_node.core.policy import PriorityPolicy
 from scheduler_node.core.request import Request, Status, StopConditions
 from scheduler_node.core.scheduler import Scheduler
 from tests.support.plans import scheduled
@@ -247,3 +248,24 @@ def test_a_sequence_taken_back_releases_its_own_lease_once_it_pulled() -> None:
     assert [i.lease for i in plan.kv_imports] == [kv.lease]
     assert s.leases.num_migrations == 0 and kv.lease in s.schedule().kv_revokes, "released at once"
     assert s.counters.migrations_imported == 1
+
+
+def test_a_migrated_sequence_holding_its_kv_still_yields_to_a_higher_priority_class() -> None:
+    """Under `priority`, a realtime request waiting to compute its prompt starts before a batch-class migrated
+    sequence that pulled its KV on arrival (it holds blocks, yet ranks below), which follows."""
+    config = SchedulerConfig(block_size=BS, max_model_len=256, max_num_seqs=1)
+    s = Scheduler(config, 32, policy=PriorityPolicy(), clock=Clock())
+    s.add(request("busy#0", n=8, max_tokens=3, priority=90))
+    named_step(s)
+    kv = KVSource(("127.0.0.1:1",), new_lease(), (5, 6, 7), 22)
+    s.add(request("m#0", n=20, max_tokens=6, output_token_ids=[7, 7, 7], kv_source=kv, migrated_in=True, priority=30))
+    s.add(request("rt#0", n=8, max_tokens=2, priority=90))
+    started: list[str] = []
+    for _ in range(20):
+        plan, names = named_step(s)
+        assert not plan.kv_imports or s.requests["m#0"].num_computed_tokens == 22, "pulled on arrival"
+        started += [r for r in names if r not in started]
+        if not s.has_work:
+            break
+    assert started == ["busy#0", "rt#0", "m#0"]
+    assert s.counters.migrations_imported == 1 and s.num_preemptions == 0
