@@ -1,5 +1,6 @@
 """vllm-serve starts a scheduler and its workers, serves gRPC and the OpenAI API, drains on SIGTERM (HTTP answers
-503 meanwhile while the live stream finishes) and stops them all cleanly."""
+503 meanwhile while the live stream finishes) and stops them all cleanly; with --data-parallel-size, SIGHUP
+restarts the replicas one at a time, their streams migrated."""
 
 from __future__ import annotations
 
