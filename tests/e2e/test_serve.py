@@ -208,5 +208,7 @@ def rolling_restart_loses_no_stream(serve: subprocess.Popen, stub: pb_grpc.Gener
     assert len(after) == 2 and not set(after) & set(before), (before, after)
     migrated = re.search(r"replica 0 \(.*\): (\d+) request\(s\) migrated", log.read_text())
     assert migrated and int(migrated.group(1)) >= 1, "replica 0 ran streams when the SIGHUP came"
+    text = log.read_text()  # each exited by itself once drained (--exit-after-drain), not at a SIGTERM
+    assert text.count("exiting (--exit-after-drain)") == 2 and "stopping it with SIGTERM" not in text
     (again,) = Streams(stub, [greedy_ids(prompt_ids(500), 16)]).join(60)
     assert again.tokens == expected[0].tokens[:16]
