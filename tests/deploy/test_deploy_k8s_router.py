@@ -86,6 +86,7 @@ def test_each_replica_migrates_its_streams_away_before_it_stops(fleet: World, tm
     grace = spec["terminationGracePeriodSeconds"]
     assert replica.shutdown_timeout <= drain.timeout and drain.timeout + replica.shutdown_timeout < grace
     assert replica.worker_host == "127.0.0.1", "the workers live in the replica's pod"
+    assert not replica.exit_after_drain, "vllm-serve would start the drained scheduler again in a stopping pod"
     assert container["args"][-1] == "--kv-transfer-host=$(POD_IP)", "other pods pull a migrated stream's KV here"
     env = {e["name"]: e for e in container["env"]}
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
