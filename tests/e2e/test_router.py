@@ -581,10 +581,10 @@ def test_drain_migrate_moves_openai_streams_through_the_router_unnoticed(fleet: 
     assert victim.stop() == [0, 0], victim.logs()
     stats = wait_idle(pb_grpc.ControlStub(survivor.channel))
     assert (stats.num_running, stats.num_waiting, stats.used_blocks) == (0, 0, 0), stats
-    # Each moved sequence counted once where it resumed: those that ran on the victim from the KV they left there.
-    assert stats.migrations_imported > before.migrations_imported, stats
-    moved = stats.migrations_imported + stats.migrations_recomputed
-    assert moved == before.migrations_imported + before.migrations_recomputed + 3, stats
+    # Each moved sequence counted once where it resumed: the n = 2 pair from the KV it left on the victim (both pull
+    # on arrival, though the survivor's seats are taken), the completion that waited there by recompute.
+    imported = stats.migrations_imported - before.migrations_imported
+    assert (imported, stats.migrations_recomputed - before.migrations_recomputed) == (2, 1), stats
     fleet.restart_llama(fleet.llamas.index(victim))  # for the tests after this one
     wait_for(lambda: fleet.replicas()[victim.address].state == "serving", 10, "the replica comes back")
 
@@ -625,6 +625,47 @@ def test_the_k8s_fleets_prestop_migrates_a_replicas_streams_and_it_exits_0(
         victim.stop()
         fleet.restart_llama(0)
         wait_for(lambda: fleet.replicas()[victim.address].state == "serving", 10, "the replica comes back")
+
+
+def test_rebalance_moves_a_long_runner_off_a_long_queue_to_the_idle_replica_unnoticed(fleet: Fleet) -> None:
+    """`vllm-router --rebalance` (issue 31) over the two llamas: a stream through it runs on one of them, whose
+    queue then fills with requests sent to it directly (--max-num-seqs 2: one runs beside the stream, two wait)
+    while the other idles: the router moves the stream there (Control.Migrate), its KV pulled, and the client gets
+    the tokens of an undisturbed run (teacher-forced against HF) in one stream; the source, which serves on, frees
+    its lease once the target answered. Greedy: moved this way, a seeded stream (seed 5, temperature 0.8) parted
+    from its undisturbed run at output 107 in 7 runs of 19, after an import, wherever it moved (22 to 102): a
+    cause not found yet (issue 31)."""
+    prompt = prompt_ids(3750, 24)
+    request = greedy_ids(prompt, 256, model="llama")
+    router = RouterProcess([f"{c.address},model=llama" for c in fleet.llamas], ["--rebalance", *PROBE])
+    try:
+        expected = Streams(pb_grpc.GenerationStub(fleet.llamas[1].channel), [request]).join(120)[0]
+        router.wait_serving(30)
+        control = pb_grpc.ControlStub(router.channel)
+
+        def idle_llamas() -> bool:
+            replicas = control.ListReplicas(pb.ListReplicasRequest(), timeout=5).replicas
+            return all(r.state == "serving" and not r.num_running and not r.num_waiting for r in replicas)
+
+        wait_for(idle_llamas, 10, "the router sees both llamas idle")
+        routed = Streams(pb_grpc.GenerationStub(router.channel), [request])
+        wait_for(lambda: len(routed.results[0].tokens) >= 2, 60, "the stream runs")
+        home, idle = sorted(fleet.llamas, key=lambda c: -control_stats(c).num_running)
+        before = migration_counts(idle)
+        fillers = [greedy_ids(prompt_ids(3760 + i, 8), 256) for i in range(3)]
+        queue = Streams(pb_grpc.GenerationStub(home.channel), fillers)
+        [got] = routed.join(120)
+        queue.join(120)
+        assert got.code is None and got.finish_reason == "length", (got.code, got.details)
+        assert got.tokens == expected.tokens and got.completion_tokens == 256
+        assert_teacher_forced(load_hf(fleet.llama_dir), prompt, got.tokens)
+        imported, recomputed, _ = migration_counts(idle)
+        assert (imported - before[0], recomputed - before[1]) == (1, 0), "moved, from the KV it left"
+        for c in fleet.llamas:  # the source freed the lease once the target answered
+            stats = wait_idle(pb_grpc.ControlStub(c.channel))
+            assert (stats.num_running, stats.num_waiting, stats.used_blocks) == (0, 0, 0), (c.address, stats)
+    finally:
+        router.stop()
 
 
 def test_drain_migrate_with_its_target_killed_runs_the_streams_on_where_their_kv_is(fleet: Fleet) -> None:
