@@ -124,8 +124,13 @@ def linear(
 
 def _run_chunks(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """The kernel's product of more than `MAX_ROWS` rows, `MAX_ROWS` at a time."""
-    parts = [_run(chunk, weight, None) for chunk in x.split(MAX_ROWS)]
-    return None if any(part is None for part in parts) else torch.cat(parts)  # type: ignore[misc]
+    parts = []
+    for chunk in x.split(MAX_ROWS):
+        part = _run(chunk, weight, None)
+        if part is None:
+            return None
+        parts.append(part)
+    return torch.cat(parts)
 
 
 def _padded_chunks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
