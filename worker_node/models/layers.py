@@ -253,6 +253,27 @@ def rescore_top_logits(
     rows, whose union holds the global top) are cheap to score exactly, the rest keep their rounded values.
     `weight_rows(ids)`: those vocab rows of the weight in float32 (an int8 head's: of the weight it was made from).
     """
-    top = logits.topk(min(count, logits.shape[-1]), dim=-1).indices  # [B, k]
+    top = top_candidates(logits, min(count, logits.shape[-1]))  # [B, k]
     exact = torch.einsum("bd,bkd->bk", hidden.float(), weight_rows(top))
     return logits.float().scatter_(1, top, exact)
+
+
+CANDIDATE_CHUNK = 256
+
+
+def top_candidates(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of each row's k largest values ([B, k], in no particular order; of tied values, any).
+
+    torch's topk over a 49,152-token vocab took 6.8 ms at 64 rows (one thread): as long as the LM head's own
+    int8 product. Cut into chunks of CANDIDATE_CHUNK, the k largest values lie in the k chunks of largest maxima (a
+    value among them in any other chunk would have k chunk maxima, each in a different chunk, above it), so one
+    max per chunk, a topk over the maxima and one over k chunks find them: 2.5 ms at 64 rows."""
+    rows, width = logits.shape
+    chunks = width // CANDIDATE_CHUNK
+    if width % CANDIDATE_CHUNK or chunks <= k or not logits.is_contiguous():
+        return logits.topk(k, dim=-1).indices
+    blocks = logits.view(rows, chunks, CANDIDATE_CHUNK)
+    best_chunks = blocks.amax(dim=-1).topk(k, dim=-1).indices  # [B, k]
+    candidates = blocks.gather(1, best_chunks.unsqueeze(-1).expand(rows, k, CANDIDATE_CHUNK))
+    within = candidates.reshape(rows, k * CANDIDATE_CHUNK).topk(k, dim=-1).indices
+    return best_chunks.gather(1, within // CANDIDATE_CHUNK) * CANDIDATE_CHUNK + within % CANDIDATE_CHUNK
