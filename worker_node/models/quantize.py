@@ -21,9 +21,9 @@ from torch import nn
 
 from kernels import cpu_gemm
 from proto.quantization import QuantizationError
+from worker_node.models.layers import ParallelLMHead
 from worker_node.models.quant_awq import AwqMethod
 from worker_node.models.quant_fp8 import Fp8Method
-from worker_node.models.layers import ParallelLMHead
 from worker_node.models.quant_int8 import Int8Method, quantize_rows
 from worker_node.models.quant_linear import QuantLinear, QuantMethod, TensorAxes
 

@@ -10,11 +10,11 @@ from kernels import cpu_gemm, cpu_gemm_awq
 from proto.quantization import QuantizationError
 from tests.support.awq_checkpoint import pack_columns, quantize_awq
 from worker_node.models import quant_int8
+from worker_node.models.layers import RESCORED_INT8_LOGITS, ParallelLMHead
 from worker_node.models.quant_awq import AwqMethod, pack, unpack
 from worker_node.models.quant_fp8 import FP8, Fp8Method
 from worker_node.models.quant_int8 import Int8Method
 from worker_node.models.quant_linear import QuantLinear
-from worker_node.models.layers import RESCORED_INT8_LOGITS, ParallelLMHead
 from worker_node.models.quantize import QuantizedCheckpoint, quantize_head, weight_bytes
 from worker_node.parallel import SINGLE, Comm
 
