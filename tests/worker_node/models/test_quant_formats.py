@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kernels import cpu_gemm, cpu_gemm_awq
 from proto.quantization import QuantizationError
 from tests.support.awq_checkpoint import pack_columns, quantize_awq
 from worker_node.models import quant_int8
-from worker_node.models.layers import RESCORED_INT8_LOGITS, ParallelLMHead
+from worker_node.models.layers import RESCORED_INT8_LOGITS, ParallelLMHead, silu_gated_product
 from worker_node.models.quant_awq import AwqMethod, pack, unpack
 from worker_node.models.quant_fp8 import FP8, Fp8Method
 from worker_node.models.quant_int8 import Int8Method
@@ -248,3 +249,20 @@ class _Model(torch.nn.Module):
     def __init__(self, head: ParallelLMHead) -> None:
         super().__init__()
         self.lm_head = head
+
+
+@pytest.mark.skipif(not cpu_gemm.has_int8(), reason="the fused gated product runs on the AMX-INT8 kernel only")
+def test_an_int8_down_projection_takes_the_gated_activation_in_its_kernel() -> None:
+    down = QuantLinear.quantized(Int8Method(), torch.randn(64, 128) * 0.05)
+    down.role = "down_proj"
+    down.cast(torch.bfloat16)
+    gate_up = torch.randn(16, 256).bfloat16()
+    fused = silu_gated_product(down, gate_up)
+    gate, up = gate_up.split(128, dim=-1)
+    assert fused is not None
+    assert _relative_error(fused, down(F.silu(gate) * up).float()) < 0.01  # the unfused path: torch's two steps
+    assert silu_gated_product(down, gate_up.float()) is None  # float32: not the kernel's
+    assert silu_gated_product(down, torch.randn(65, 256).bfloat16()) is None  # past the kernel's rows at 16 bits
+    down.register_forward_hook(lambda module, args, out: out)  # (what a LoRA adapter does)
+    assert silu_gated_product(down, gate_up) is None  # the hook must see the call: the MLP calls down itself
+    assert silu_gated_product(torch.nn.Linear(128, 64), gate_up) is None  # another weight: no fused path
