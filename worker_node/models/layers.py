@@ -21,6 +21,7 @@ from proto.parallel import kv_head_range, shard, vocab_shard
 from worker_node.attention import AttentionMetadata, paged_attention
 from worker_node.kv_cache import LayerKV
 from worker_node.models.config import ModelConfig
+from worker_node.models.quant_head import int8_scores
 from worker_node.parallel import Comm, ParallelRank
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -204,9 +205,14 @@ class ParallelLMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(end - start, hidden_size))
         self.softcap = softcap
         self.comm = comm
+        # An int8 copy scoring decode steps' vocabulary where the format asks for it (quant_head.py); the weight
+        # still rescores the top candidates exactly.
+        self.int8: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        local = cpu_gemm.linear(hidden, self.weight)
+        local = int8_scores(hidden, self.int8)
+        if local is None:
+            local = cpu_gemm.linear(hidden, self.weight)
         if local.dtype != torch.float32:
             local = rescore_top_logits(local, hidden, lambda rows: self.weight[rows].float())
         logits = self.comm.gather_to_first(local)

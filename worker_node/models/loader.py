@@ -22,6 +22,7 @@ from proto.parallel import kv_head_range, shard, vocab_shard
 from proto.quantization import checkpoint_quantization, resolve_quantization
 from worker_node.models.config import ModelConfig
 from worker_node.models.decoder import CausalLM
+from worker_node.models.quant_head import int8_head
 from worker_node.models.quant_linear import QuantMethod, TensorAxes
 from worker_node.models.quantize import (
     QuantizedCheckpoint,
@@ -134,6 +135,8 @@ def load_model(
     cast_model(model, device, dtype)
     model.rotary.to(dtype=torch.float32)
     after_load(model)
+    if method is not None and method.int8_head and model.lm_head is not None:
+        model.lm_head.int8 = int8_head(model.lm_head.weight.data)
     model.eval()
     logger.info(
         "loaded %s (%s, %d of %d layers, TP rank %d of %d) in %s%s",
