@@ -3,7 +3,7 @@
 Quantized: every decoder layer's projections (fused q/k/v, o, fused gate/up, down). The LM head and the embedding
 stay in the model dtype in every format, as vLLM keeps them (int8 logits cost 1.5 points of top-1 agreement on
 SmolLM2: docs/benchmarks.md; AWQ checkpoints store the head unquantized), and so do norms, biases, a MoE router
-and stacked experts.
+and stacked experts. An AWQ model's head also gets an int8 copy that only picks candidates (quant_head.py).
 
 The model is built on meta with `QuantLinear`s in place (`prepare_model`), and the loader fills their tensors
 through `QuantizedCheckpoint`: a checkpoint's own quantized tensors, or ones quantized from its full-precision
