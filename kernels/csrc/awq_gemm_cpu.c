@@ -20,7 +20,7 @@
  * horizontal sums). More rows: the activations (row-major as they come, zero-padded to 16 rows) are AMX's A
  * operand and the widened weights its B, so an accumulator tile is y's 16 rows x 16 channels of one group, stored
  * and scaled per group (up to 16 rows the rows' float32 sums stay in registers between groups). Threads (OpenMP)
- * split the channel blocks.
+ * take the channel blocks in pairs as they come free.
  *
  * Requirements (the caller checks): K % 32 == 0, G % 32 == 0 and K % G == 0, N % 16 == 0, 1 <= M <= 64,
  * everything contiguous.
@@ -294,7 +294,9 @@ int awq_gemm(const uint16_t *x, const uint8_t *codes, const float *scales, uint1
             failed = !wide;
             configure_tiles();
         }
-#pragma omp for schedule(static)
+        /* Threads take pairs of blocks as they come free: on cores shared with the engine's own threads a thread
+         * descheduled mid-call would hold back a static half (the bf16 kernel measured the same). */
+#pragma omp for schedule(dynamic, 2)
         for (int64_t b = 0; b < blocks; b++) {
             const uint8_t *block_codes = codes + b * (K / 4) * 32;
             const float *block_scales = scales + b * groups * 32;
