@@ -118,6 +118,7 @@ def weight_bytes(model: nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, QuantLinear):
             tensors.update({t.data_ptr(): t for t in module.held_tensors()})
-        if isinstance(getattr(module, "int8", None), tuple):  # an LM head's int8 copy (quant_head.py)
-            tensors.update({t.data_ptr(): t for t in module.int8})
+        copy = getattr(module, "int8", None)
+        if isinstance(copy, tuple):  # an LM head's int8 copy (quant_head.py)
+            tensors.update({t.data_ptr(): t for t in copy})
     return sum(t.numel() * t.element_size() for t in tensors.values())
