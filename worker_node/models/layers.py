@@ -235,6 +235,25 @@ def rescore_top_logits(
     rows, whose union holds the global top) are cheap to score exactly, the rest keep their rounded values.
     `weight_rows(ids)`: those vocab rows of the weight in float32 (a quantized head's, dequantized).
     """
-    top = logits.topk(min(RESCORED_LOGITS, logits.shape[-1]), dim=-1).indices  # [B, k]
+    top = top_indices(logits, min(RESCORED_LOGITS, logits.shape[-1]))  # [B, k]
     exact = torch.einsum("bd,bkd->bk", hidden.float(), weight_rows(top))
     return logits.float().scatter_(1, top, exact)
+
+
+TOP_CHUNK = 256
+
+
+def top_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of each row's k largest logits (in no set order), as `topk` finds them but about 3x faster over
+    a vocabulary: torch's bf16 `topk` takes 0.1 ms a row over 49,152 logits on one core (5 ms at 48 rows, a step's
+    worth of sampling). The k best lie in the k chunks of `TOP_CHUNK` logits with the largest maxima (a value
+    outside them has k chunk maxima, each a distinct logit, above it), so only those chunks are searched."""
+    rows, vocab = logits.shape
+    chunks = vocab // TOP_CHUNK
+    if vocab % TOP_CHUNK or chunks < 2 * k:
+        return logits.topk(k, dim=-1).indices
+    blocks = logits.float().view(rows, chunks, TOP_CHUNK)
+    best = blocks.amax(-1).topk(k, dim=-1).indices  # [B, k] chunk numbers
+    candidates = blocks.gather(1, best.unsqueeze(-1).expand(rows, k, TOP_CHUNK)).reshape(rows, k * TOP_CHUNK)
+    inside = candidates.topk(k, dim=-1).indices
+    return best.gather(1, inside // TOP_CHUNK) * TOP_CHUNK + inside % TOP_CHUNK
