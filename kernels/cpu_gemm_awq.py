@@ -3,7 +3,7 @@
 `repack` turns AWQ's codes, zero points and group scales into the kernel's layout once at load (described in the
 C source): codes uint8 [N/16, K/4, 32], 16 channels x 4 inputs per 32 bytes, and float32 [N/16, K/G, 2, 16], per
 block of 16 channels and group their scales and biases -(zero + 128) * scale. `linear` multiplies bf16 activations
-by them on a CPU with AMX-BF16: up to 4 rows by AVX-512 BF16 dot products, up to 64 on AMX tiles, more in slices
+by them on a CPU with AMX-BF16: up to 2 rows by AVX-512 BF16 dot products, up to 64 on AMX tiles, more in slices
 of 64 rows. What it does not cover (another dtype or device, a width that is not a multiple of 32 inputs and 16
 outputs, a group that is not a multiple of 32) is left to the caller (None). `awq_tensors` reads the layout back
 (the dequantized reference, and torch's int4 layout for float32 activations). Measured in scripts/bench_quant.py
