@@ -63,6 +63,7 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Int8Method(QuantMethod):
     name = "int8"
+    int8_head = True  # the head's int8 codes pick candidates (quantize.quantize_head)
     axes = {"qweight": TensorAxes(0, 1), "scales": TensorAxes(0, None)}
     follows_model_dtype = ("scales",)  # the packed GEMV takes them in the activations' dtype
 

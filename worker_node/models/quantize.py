@@ -3,8 +3,8 @@
 Quantized: every decoder layer's projections (fused q/k/v, o, fused gate/up, down). The LM head and the embedding
 stay in the model dtype in every format, as vLLM keeps them (int8 logits alone cost 1.5 points of top-1 agreement
 on SmolLM2: docs/benchmarks.md; AWQ checkpoints store the head unquantized), and so do norms, biases, a MoE router
-and stacked experts. One addition for int8 where the AMX-INT8 kernel runs (`quantize_head`): the head also gets
-int8 codes of its rows, which score every token, the top candidates rescored from the kept weight (layers.py's
+and stacked experts. One addition for int8 and AWQ where the AMX-INT8 kernel runs (`quantize_head`): the head also
+gets int8 codes of its rows, which score every token, the top candidates rescored from the kept weight (layers.py's
 `ParallelLMHead`): a decode step reads half the head's bytes, for 1 byte per head weight more memory.
 
 The model is built on meta with `QuantLinear`s in place (`prepare_model`), and the loader fills their tensors
@@ -71,10 +71,11 @@ def after_load(model: nn.Module) -> None:
 
 
 def quantize_head(model: nn.Module, method: QuantMethod | None) -> bool:
-    """int8 codes for the LM head beside its weight (int8 models, bf16 on a CPU with the AMX-INT8 kernel, which
-    alone makes them pay: elsewhere the head stays as it is). Whether the head got them."""
+    """int8 codes for the LM head beside its weight (formats with `int8_head`: int8, and AWQ, whose 4-bit projections
+    leave the bf16 head half of a decode step's bytes; bf16 on a CPU with the AMX-INT8 kernel, which alone makes
+    them pay: elsewhere the head stays as it is). Whether the head got them."""
     head = getattr(model, "lm_head", None)
-    if not isinstance(method, Int8Method) or not isinstance(head, ParallelLMHead):
+    if method is None or not method.int8_head or not isinstance(head, ParallelLMHead):
         return False
     weight = head.weight
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not cpu_gemm.has_int8():
