@@ -114,10 +114,10 @@ class ModelRunner:
             self.sampler.forget(new.handle)  # penalty counts and grammar start over from its tokens
             rows.append(batch.add(new).row)
         states = batch.states
-        decode_handles, decode_computed = plan.decodes()
+        decode_handles = np.frombuffer(plan.decode_handles, dtype="<i4").astype(np.int64)
         try:
             held = [states[c.handle] for c in cached]
-            decoding = [states[h] for h in decode_handles]
+            decode_rows = batch.rows_of(decode_handles)
         except KeyError as exc:
             raise ValueError(f"request {exc.args[0]}: a cached request this worker does not hold") from None
         for i in changed:
@@ -128,15 +128,19 @@ class ModelRunner:
             if cached[i].draft_token_ids:  # speculative decoding: proposals to verify this step
                 batch.set_drafts(held[i], cached[i].draft_token_ids)
         rows += [s.row for s in held]
-        rows += [s.row for s in decoding]
-        plan_rows = np.array(rows, dtype=np.int64)
-        if cached or decoding:
+        plan_rows = np.concatenate((np.array(rows, dtype=np.int64), decode_rows))
+        if cached or len(decode_rows):
             cached_rows = plan_rows[len(plan.new_requests) :]
-            said = np.array([c.num_computed_tokens for c in cached] + decode_computed, dtype=np.int64)
+            said = np.concatenate(
+                (
+                    np.array([c.num_computed_tokens for c in cached], dtype=np.int64),
+                    np.frombuffer(plan.decode_computed, dtype="<i4"),
+                )
+            )
             if self.mode.tokens_in_plan:  # proposals of the last step: this plan says how many were accepted
                 batch.settle_unverified(cached_rows, said)
             if check_progress:
-                self._check_progress(cached_rows, said, [c.handle for c in cached] + decode_handles)
+                self._check_progress(cached_rows, said, [c.handle for c in cached] + decode_handles.tolist())
         for handle, changes in plan.block_updates.items():
             if (state := states.get(handle)) is not None:
                 for index, block in changes:
@@ -219,12 +223,11 @@ class ModelRunner:
         imports = self._pull_imports(plan)
         failed_loads, failed_stores = self._failed_anywhere(plan, tiers)
         load_skipped = self._leave_out({m.dst for m in failed_loads} | {b for i in imports.failed for b in i.dst})
-        counts = np.array(
-            [r.num_scheduled_tokens for r in plan.new_requests]
-            + [r.num_scheduled_tokens for r in plan.cached_requests]
-            + [1] * plan.num_decodes,
-            dtype=np.int64,
-        )
+        counts = np.ones(len(rows), dtype=np.int64)  # the packed decodes (last) compute one token each
+        listed = [r.num_scheduled_tokens for r in plan.new_requests] + [
+            r.num_scheduled_tokens for r in plan.cached_requests
+        ]
+        counts[: len(listed)] = listed
         if self._load_failed:
             handles = [r.handle for r in plan.new_requests] + [r.handle for r in plan.cached_requests]
             handles += plan.decodes()[0]
@@ -262,7 +265,8 @@ class ModelRunner:
                     if not self.mode.tokens_in_plan:
                         self.batch.append_sampled(inputs, tokens)
                     if tokens:  # (a rank of an earlier pipeline stage has none)
-                        token_handles, packed = pack_int32([s.handle for s in samplers]), pack_int32(tokens)
+                        token_handles = self.batch.handle[inputs.sampler_rows].astype("<i4").tobytes()
+                        packed = pack_int32(tokens)
                 if inputs.flags.logprobs.any():
                     logprobs = {state.handle: [lp] for state, lp in zip(samplers, lps) if lp is not None}
                 if plan.propose and self.draft is not None:  # a draft model's proposals for the next step

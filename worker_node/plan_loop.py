@@ -39,6 +39,7 @@ SILENCE_FACTOR = 2.0
 EXIT_WORLD_BROKEN = 3  # the exit status of a worker whose torch.distributed world broke under a step
 RETRY_SEND_S = 0.05  # how soon an answer the socket would not take is tried again (besides its POLLOUT)
 STEP_GRACE_S = 1.0  # how long a leaving worker lets a running step finish before it exits without it
+_IN, _IN_OUT = int(zmq.POLLIN), int(zmq.POLLIN | zmq.POLLOUT)  # plain ints: no enum arithmetic per step
 
 
 class StepThread(threading.Thread):
@@ -58,7 +59,7 @@ class StepThread(threading.Thread):
         self.deliver = deliver
         self.setup = setup
         self.scheduler_lost = scheduler_lost
-        self.inbox: queue.Queue[StepPlan | None] = queue.Queue()
+        self.inbox: queue.SimpleQueue[StepPlan | None] = queue.SimpleQueue()  # in C: no Python lock per plan
 
     def run(self) -> None:
         self.setup()
@@ -128,6 +129,7 @@ class PlanLoop:
         poller.register(monitor, zmq.POLLIN)
         last_heard = next_beat = time.monotonic()
         seq = 0
+        watching_out = False
         try:
             while True:
                 now = time.monotonic()
@@ -142,11 +144,14 @@ class PlanLoop:
                 events = dict(poller.poll(int(max(0.0, wait) * 1000) + 1))
                 if wake_r in events:
                     _drain_pipe(wake_r)
-                self._flush(outbox)
-                poller.modify(self.sock, zmq.POLLIN | (zmq.POLLOUT if outbox else 0))
+                if outbox:
+                    self._flush(outbox)
+                if bool(outbox) is not watching_out:  # POLLOUT only while answers wait for the socket
+                    watching_out = bool(outbox)
+                    poller.modify(self.sock, _IN_OUT if watching_out else _IN)
                 if monitor in events:
                     self._connected = _connection_events(monitor, self._connected)
-                if events.get(self.sock, 0) & zmq.POLLIN:
+                if events.get(self.sock, 0) & _IN:
                     for message in self._recv_all():
                         last_heard = time.monotonic()
                         if isinstance(message, Shutdown):
@@ -177,12 +182,15 @@ class PlanLoop:
     def _recv_all(self) -> list[Message | None]:
         """Every message waiting on the socket; None for each one that was dropped as malformed."""
         out: list[Message | None] = []
-        while True:
+        sock = self.sock
+        # EVENTS before each receive: an empty socket costs no raised zmq.Again (a step's plan is usually alone).
+        while int(sock.getsockopt(zmq.EVENTS)) & _IN:
             try:
-                data = self.sock.recv(zmq.NOBLOCK)
+                data = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
-                return out
+                break
             out.append(decode_or_none(data))
+        return out
 
     def _flush(self, outbox: collections.deque[Message]) -> None:
         """Send the step thread's answers in order. One the socket would block on stays first in the outbox: a
@@ -240,8 +248,9 @@ def _connection_events(monitor: zmq.Socket, connected: bool) -> bool:
 
 
 def _drain_pipe(fd: int) -> None:
+    """Read the wake-ups written so far: one read takes them all unless it filled its buffer."""
     try:
-        while os.read(fd, 4096):
+        while len(os.read(fd, 4096)) == 4096:
             pass
     except BlockingIOError:
         pass
