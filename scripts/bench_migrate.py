@@ -10,8 +10,12 @@ its first tokens, replica A is drained and stopped as a rolling upgrade does it:
 A comes back between the two runs. Reports streams completed and cut, each stream's largest gap between two
 tokens (the client's view of the hand-off), and the time from the start of the drain until A exited. With
 `--openai` the streams are OpenAI completions through the router's HTTP door (server-sent events) instead of gRPC.
+With `--serve` the pair is one `vllm-serve --data-parallel-size 2` and the restart its own (SIGHUP: both replicas,
+one at a time, drained with migrate and started again); "drain to exit" is then the whole round, until the second
+replica serves again.
 
-    .venv/bin/python scripts/bench_migrate.py [--smoke] [--openai] [--model DIR] [--json out.json] [--plot out.png]
+    .venv/bin/python scripts/bench_migrate.py [--smoke] [--openai] [--serve] [--model DIR] [--json out.json]
+        [--plot out.png]
 """
 
 from __future__ import annotations
@@ -19,8 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 import grpc  # noqa: E402
 
-from minivllm.cluster import Cluster, RouterProcess  # noqa: E402
+from minivllm.cluster import Cluster, RouterProcess, free_port  # noqa: E402
 from proto import serving_pb2 as pb  # noqa: E402
 from proto import serving_pb2_grpc as pb_grpc  # noqa: E402
 from scheduler_node.bench.report import bar_panels  # noqa: E402
@@ -51,8 +59,40 @@ class Stream:
         return max((b - a for a, b in zip(self.times, self.times[1:])), default=0.0)
 
 
+class ServeProcess:
+    """`vllm-serve --data-parallel-size 2` on free loopback ports: its router's gRPC at .channel, its OpenAI API at
+    .base_url; its log (and its children's) in .log."""
+
+    def __init__(self, model: Path, flags: list[str], openai: bool) -> None:
+        port, http_port = free_port(), free_port() if openai else 0
+        self.base_url = f"http://127.0.0.1:{http_port}/v1" if openai else ""
+        self.log = Path(tempfile.mkstemp(suffix=".log")[1])
+        argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--model", str(model), "--data-parallel-size", "2",
+                "--port", str(port), "--worker-port", str(free_port()), "--openai-port", str(http_port),
+                "--routing-strategy", "round_robin", "--log-level", "INFO", *flags]  # fmt: skip
+        with open(self.log, "w") as log:
+            self.process = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+
+    def wait_routed(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                _wait_routed(self.channel, 5.0)
+                return
+            except (grpc.RpcError, TimeoutError):
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"vllm-serve exited with {self.process.returncode}") from None
+        raise TimeoutError("vllm-serve's replicas did not serve")
+
+    def stop(self) -> int:
+        self.channel.close()
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(120)
+
+
 def start_streams(
-    router: RouterProcess, count: int, max_tokens: int, openai: bool = False
+    router: RouterProcess | ServeProcess, count: int, max_tokens: int, openai: bool = False
 ) -> tuple[list[Stream], list[threading.Thread]]:
     stub = pb_grpc.GenerationStub(router.channel)
     streams = [Stream() for _ in range(count)]
@@ -113,9 +153,36 @@ def rolling_restart(replica: Cluster, router: RouterProcess, args: argparse.Name
     drain_s = time.perf_counter() - start
     for t in threads:
         t.join(600)
+    return outcome(streams, args, "drain --migrate, then stop" if migrate else f"stop ({args.grace:g} s grace)",
+                   migrated, drain_s, codes)  # fmt: skip
+
+
+def serve_rolling_restart(serve: ServeProcess, args: argparse.Namespace) -> dict:
+    """Load through vllm-serve's router, then SIGHUP: both replicas restarted in turn, their streams migrated."""
+    streams, threads = start_streams(serve, args.streams, args.max_tokens, args.openai)
+    deadline = time.monotonic() + 120
+    while not all(s.tokens >= 2 or s.error for s in streams) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    start = time.perf_counter()
+    serve.process.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 600
+    while "rolling restart done" not in serve.log.read_text() and time.monotonic() < deadline:
+        if serve.process.poll() is not None or "rolling restart stopped" in serve.log.read_text():
+            raise RuntimeError(f"the rolling restart failed; see {serve.log}")
+        time.sleep(0.05)
+    round_s = time.perf_counter() - start
+    for t in threads:
+        t.join(600)
+    migrated = sum(int(n) for n in re.findall(r"(\d+) request\(s\) migrated", serve.log.read_text()))
+    return outcome(streams, args, "vllm-serve SIGHUP: both replicas in turn", migrated, round_s, [])
+
+
+def outcome(
+    streams: list[Stream], args: argparse.Namespace, mode: str, migrated: int, drain_s: float, codes: list
+) -> dict:
     gaps = sorted(s.largest_gap for s in streams if not s.error)
     return {
-        "mode": "drain --migrate, then stop" if migrate else f"stop ({args.grace:g} s grace)",
+        "mode": mode,
         "streams": len(streams),
         "completed": sum(not s.error and s.tokens == args.max_tokens for s in streams),
         "cut": sum(bool(s.error) for s in streams),
@@ -144,6 +211,7 @@ def main() -> int:
     p.add_argument("--grace", type=float, default=5.0, help="each replica's --shutdown-timeout (a pod's grace)")
     p.add_argument("--kv-cache-memory", default="", help="each worker's KV cache (a size; '': the worker's default)")
     p.add_argument("--openai", action="store_true", help="OpenAI completions (SSE) through the router, not gRPC")
+    p.add_argument("--serve", action="store_true", help="vllm-serve --data-parallel-size 2 and its SIGHUP restart")
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path, help="also write bar charts here (PNG, needs matplotlib)")
     args = p.parse_args()
@@ -155,6 +223,24 @@ def main() -> int:
     model = resolve_model(args.model)
     flags = ["--served-model-name", NAME, "--shutdown-timeout", str(args.grace)]
     worker = ["--threads", "1"] + (["--kv-cache-memory", args.kv_cache_memory] if args.kv_cache_memory else [])
+    rows = serve_rows(model, flags + worker, args) if args.serve else pair_rows(model, flags, worker, args)
+    report(rows, args)
+    return 0
+
+
+def serve_rows(model: Path, flags: list[str], args: argparse.Namespace) -> list[dict]:
+    serve = ServeProcess(model, flags, args.openai)
+    try:
+        serve.wait_routed()
+        row = serve_rolling_restart(serve, args)
+        row["exit_codes"] = [serve.stop()]
+        return [row]
+    finally:
+        if serve.process.poll() is None:  # it failed: its children stop with it
+            serve.stop()
+
+
+def pair_rows(model: Path, flags: list[str], worker: list[str], args: argparse.Namespace) -> list[dict]:
     pair = [Cluster(model, flags, worker, http=args.openai) for _ in range(2)]
     http = [f",http=127.0.0.1:{c.http_port}" if args.openai else "" for c in pair]
     router = RouterProcess([f"{c.address},model={NAME}{h}" for c, h in zip(pair, http)], ["--probe-interval", "0.2"],
@@ -168,17 +254,23 @@ def main() -> int:
         old = pair[0]  # the upgraded replica, at the same addresses
         pair[0] = Cluster(model, flags, worker, port=old.port, http=args.openai, http_port=old.http_port)
         pair[0].wait_serving()
-        _wait_routed(router)
+        _wait_routed(router.channel)
         rows.append(rolling_restart(pair[0], router, args, migrate=True))
     finally:
         router.stop()
         for c in pair:
             c.kill()
+    return rows
+
+
+def report(rows: list[dict], args: argparse.Namespace) -> None:
     kind = "OpenAI (SSE)" if args.openai else "gRPC"
     print(f"{args.streams} {kind} streams of {args.max_tokens} tokens over 2 replicas; load average "
           f"{os.getloadavg()[0]:.1f}")  # fmt: skip
-    print("| rolling restart of one replica | completed | cut | migrated | largest gap (s) | median largest gap (s) "
-          "| drain to exit (s) | exit codes |")  # fmt: skip
+    what, took = ("vllm-serve's rolling restart", "the round") if args.serve else ("rolling restart of one replica",
+                                                                               "drain to exit")  # fmt: skip
+    print(f"| {what} | completed | cut | migrated | largest gap (s) | median largest gap (s) | {took} (s) "
+          "| exit codes |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
@@ -189,12 +281,11 @@ def main() -> int:
         args.json.write_text(json.dumps(rows, indent=2))
     if args.plot:
         plot(rows, args.plot)
-    return 0
 
 
-def _wait_routed(router: RouterProcess, timeout: float = 30.0) -> None:
+def _wait_routed(channel: grpc.Channel, timeout: float = 30.0) -> None:
     """Until the router serves on both replicas again (its probe found the new one)."""
-    control = pb_grpc.ControlStub(router.channel)
+    control = pb_grpc.ControlStub(channel)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         listed = control.ListReplicas(pb.ListReplicasRequest(), timeout=5).replicas

@@ -161,7 +161,6 @@ TESTED_ELSEWHERE: dict[str, str] = {
     " tests/e2e/test_faults.py; its state machine is rank_registry.py (test_rank_registry.py)",
     "scheduler_node.router.kv_subscriber": "fed by a replica's real publisher in tests/scheduler_node/engine/"
     "test_kv_publisher.py, and through vllm-router in tests/e2e/test_router.py",
-    "scheduler_node.router.probe": "health probes of real replicas: tests/e2e/test_router.py",
     "scheduler_node.router.strategies": "through scheduler_node.router.routing (tests/scheduler_node/router/"
     "test_routing.py) and scripts/bench_router.py --smoke (tests/scripts/test_bench_router.py)",
     "worker_node.attention": "the attention metadata, tested with the decode graphs and kernels"

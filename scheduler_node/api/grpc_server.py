@@ -8,6 +8,7 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Callable
 from typing import AsyncIterator
 
 import grpc
@@ -62,6 +63,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         self.engine: EngineCore | None = None  # set once the workers have joined
         self.link: WorkerLink | None = None
         self.heap = HeapTrimmer()
+        self.on_drained: Callable[[], None] | None = None  # --exit-after-drain: a drained Control.Drain stops us
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -201,6 +203,8 @@ class ControlService(LoraControl, pb_grpc.ControlServicer):
         engine.stop_admitting()  # first: a migrated request sent back here at once is refused
         migrated = engine.migrate() if request.migrate else 0
         remaining = await engine.drain(timeout)
+        if remaining == 0 and self.generation.on_drained is not None:
+            self.generation.on_drained()  # the server stops with a grace: this answer still goes out
         return pb.DrainResponse(drained=remaining == 0, remaining=remaining, migrated=migrated)
 
     async def GetStats(  # noqa: N802

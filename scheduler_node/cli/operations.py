@@ -51,6 +51,14 @@ def add_operations_flags(p: argparse.ArgumentParser) -> None:
         "drain as Control.Drain; --drain-timeout is its former name",
     )
     p.add_argument(
+        "--exit-after-drain",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="exit 0 once a Control.Drain answers 'drained' (nothing left running), as after SIGTERM: the "
+        "replica of a rolling restart, which vllm-serve starts again (vllm-serve --data-parallel-size turns it on "
+        "for its replicas)",
+    )
+    p.add_argument(
         "--max-waiting-requests",
         type=int,
         default=ENGINE.max_waiting_requests,

@@ -232,6 +232,8 @@ async def serve(args: argparse.Namespace) -> int:
     link.output_rank = layout.output_rank
 
     stop, hurry = stop_signals()  # the first signal drains, a second ends the drain
+    if args.exit_after_drain:
+        service.on_drained = lambda: _stop_after_drain(stop)
     gather = asyncio.ensure_future(link.start(world.assignment, args.worker_join_timeout))
     stopper = asyncio.ensure_future(stop.wait())
     await asyncio.wait({gather, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -281,6 +283,11 @@ async def serve(args: argparse.Namespace) -> int:
     await _shutdown(server, link, "scheduler shutting down", http)
     metrics.close()
     return code
+
+
+def _stop_after_drain(stop: asyncio.Event) -> None:
+    logger.info("Control.Drain drained this scheduler: exiting (--exit-after-drain)")
+    stop.set()
 
 
 def publish_kv_events(engine: EngineCore, args: argparse.Namespace) -> asyncio.Future:

@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 class Admission(Preemption):
     def _waiting_head(self, now: float) -> Request | None:
         """The waiting request the policy ranks first, leaving out those held by a plan in flight."""
-        candidates = (r for r in self.waiting if not self.in_flight.held(r.handle))
+        candidates = (r for r in self.waiting if not self.in_flight.held(r.handle) and not r.pulling)
         if self.policy.stable_order:
             return next(candidates, None)  # waiting is in the policy's order
         return min(candidates, key=lambda r: self.policy.sort_key(r, now), default=None)
@@ -137,14 +137,20 @@ class Admission(Preemption):
         if not self._room(budget, seats, sent):
             return []  # nothing can start: the queue is not even looked at (something runs, so no fork must let go)
         ordered = list(self.waiting) if self.policy.stable_order else self.policy.order_waiting(self.waiting, now)
-        holders = [r for r in ordered if not r.swapped and self.blocks.blocks_of(r.req_id)]
+        # A migrated sequence pulling its KV holds blocks too, but starts only once its pull is done (`pulling`).
+        holders = [r for r in ordered if not r.swapped and not r.pulling and self.blocks.blocks_of(r.req_id)]
         holding = set(holders)
         for req in holders + [r for r in ordered if r not in holding]:
             if not self._room(budget, seats, sent):
                 break
+            if req.pulling:
+                continue
             holds_blocks = req in holding
-            if self.policy.effective_priority(req, now) < floor and not holds_blocks:
-                break  # waiting is in policy order: the rest rank lower still
+            if self.policy.effective_priority(req, now) < floor:
+                if not holds_blocks:
+                    break  # waiting is in policy order: the rest rank lower still
+                if req.output_token_ids:
+                    continue  # a migrated sequence holding its KV (no fork has outputs): it yields to a class above
             if self.in_flight.held(req.handle):
                 continue  # preempted while its plan runs: it comes back once that result is applied
             if req.lora is not None and not self.view.lora_slots.fits(req.lora):
@@ -199,6 +205,8 @@ class Admission(Preemption):
                 hashes = req.update_block_hashes(bt.block_size)
                 if req.kv_source is not None:
                     self._load_from_remote(req, len(hits), hashes[len(hits) : len(hits) + loads], partial)
+                    if req.migrated_in:  # its import's result settles it (`Results._settle_pulls`)
+                        self._pulls.append((req, self.leases.imports[-1]))
                 else:
                     self._load_from_tiers(req, hashes[len(hits) : len(hits) + loads])
                 bt.register(req.req_id, hashes[: len(hits) + loads])
@@ -218,7 +226,29 @@ class Admission(Preemption):
             req.migration_imports = True
         else:
             self.counters.migrations_recomputed += 1
+            if source is None:
+                why = "its source offered no KV (no exporter there, or it held no device blocks)"
+            else:  # another KV format here, prefix caching off, or a layout whose partial block does not fit
+                why = f"{ready} of the {source.tokens} positions its source holds can be imported here"
+            logger.info("%s: migrated in, recomputes: %s", req.req_id, why)
         self.counters.migration_kv_tokens_imported += imported
+
+    def _pin_arrivals(self) -> None:
+        """Migrated sequences that arrived with their KV leased on the source and did not start in this plan claim
+        their blocks now and pull their KV with this plan, seat or no seat: the source's lease lasts seconds and a
+        seat here may take longer (every seat held by long runs), and an Abort from the router, once a sibling
+        (n > 1) answered, releases it too. Holding its blocks, a sequence starts before waiting requests that hold
+        none (`_admit_pass`), as a preempted one resumes before new ones. Without blocks now (admission's fit
+        rule, the watermark kept), it tries again each step; its lease may run out meanwhile: it then recomputes."""
+        for req, told in list(self._arrivals.items()):
+            if self._by_handle.get(req.handle) is not req or req.kv_source is None:
+                del self._arrivals[req]  # ended, or started (admission pulled its KV in that plan)
+            elif self._claim_blocks(req, self.config.max_num_batched_tokens):
+                del self._arrivals[req]
+                req.pulling = bool(self._pulls) and self._pulls[-1][0] is req
+            elif not told:
+                self._arrivals[req] = True
+                logger.info("%s: migrated in, no free blocks to pull its KV into yet: it tries each step", req.req_id)
 
     def _remote_loads(self, req: Request, hits: int, cacheable: int, fmt: BlockFormat) -> tuple[int, int]:
         """What a request with a KV source pulls after its `hits` cached blocks: full blocks (up to `cacheable`),

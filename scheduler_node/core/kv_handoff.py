@@ -18,7 +18,8 @@ Live migration (core/migration.py) uses the same path for a running sequence: th
 KV its applied steps wrote (`hold_sequence`, keyed by the sequence's id: a request's n sequences each get one),
 including the partial last block, and the state it hands over names them with `tokens`, the positions they hold;
 the target imports them all (the partial block unregistered) and computes only the last token, so the KV it reads
-is the very KV an undisturbed run reads. Those leases are shorter (`migration_lease_s`): the target pulls at once.
+is the very KV an undisturbed run reads. Those leases are shorter (`migration_lease_s`): the target pulls on
+arrival, seat or no seat (`Admission._pin_arrivals`), and one that pulls from its own lease releases it then.
 """
 
 from __future__ import annotations
@@ -154,6 +155,14 @@ class KVLeases:
         lease = self.held.pop(req_id, None)
         if lease is not None:
             self._drop(table, lease)
+
+    def release_lease(self, table: BlockTable, lease: bytes) -> bool:
+        """Free the lease with these bytes if this replica holds it (its target is this replica: it pulled)."""
+        key = next((k for k, held in self.held.items() if held.lease == lease), None)
+        if key is None:
+            return False
+        self._drop(table, self.held.pop(key))
+        return True
 
     def _drop(self, table: BlockTable, lease: Lease) -> None:
         table.free(lease.key)

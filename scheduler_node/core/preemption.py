@@ -84,6 +84,8 @@ class Preemption(SchedulerState):
             req.num_computed_tokens = 0
             req.num_placeholders = 0
             req.swapped = False
+            req.pulling = False  # its import's plan is dropped with the blocks it filled
+        self._pulls, self._pulls_sent = [], {}
         if workers_lost:
             self.view.forget_all()
         else:

@@ -121,6 +121,9 @@ class Request:
     # counted as importing its KV (a pull that fails moves it to the recomputed count).
     migrated_in: bool = False
     migration_imports: bool = False
+    # A migrated sequence that claimed its blocks on arrival while it waits for a seat: its KV import is in a plan
+    # whose result is not back (it starts only after: a pull that failed must not be read).
+    pulling: bool = False
 
     @property
     def num_tokens(self) -> int:

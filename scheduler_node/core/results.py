@@ -41,6 +41,8 @@ class Results(Preemption):
         sent = self.in_flight.settle(plan.step_id)
         if result.failed_loads:
             self._recompute_failed_loads(result)
+        if self._pulls_sent:
+            self._settle_pulls(plan.step_id, result)
         if result.failed_stores and self.tiers is not None:
             self.tiers.drop_failed_stores(result.failed_stores)
         if result.interrupted:
@@ -151,15 +153,37 @@ class Results(Preemption):
         readers += [r for r in self.running if not bad.isdisjoint(self.blocks.blocks_of(r.req_id))]
         for req in dict.fromkeys(readers):
             if req.migration_imports:  # a migrated sequence whose pull failed: it recomputes after all
-                req.migration_imports = False
-                self.counters.migrations_imported -= 1
-                self.counters.migrations_recomputed += 1
+                self._pull_failed(req)
             if req.status is Status.RUNNING:
                 self._preempt(req, PreemptionMode.RECOMPUTE)
             elif req.swapped:  # swapped out since, with the bad block: its copy is dropped too
                 self.blocks.free(req.req_id)
                 req.swapped = False
                 req.num_computed_tokens = 0
+
+    def _settle_pulls(self, step_id: int, result: StepResult) -> None:
+        """The KV imports of migrated sequences that this plan carried are done. One that claimed its blocks while
+        waiting (`_pin_arrivals`) and whose pull failed lets them go and will compute its tokens (a running one is
+        left out by the workers and preempted: `_recompute_failed_loads`). A pull from a lease this replica holds
+        itself (a request it migrated off, back) releases that lease at once: its KV is here twice."""
+        failed = set(result.failed_loads)
+        for req, imp in self._pulls_sent.pop(step_id, []):
+            pinned, req.pulling = req.pulling, False
+            # A partial block's key is b"" in any import: a failed one marks every import with one (a recompute).
+            if failed.isdisjoint(imp.hashes):
+                self.leases.release_lease(self.blocks, imp.lease)
+            elif pinned and self._by_handle.get(req.handle) is req and req.status is not Status.RUNNING:
+                self.blocks.free(req.req_id)
+                req.num_computed_tokens = 0
+                if req.migration_imports:
+                    self._pull_failed(req)
+
+    def _pull_failed(self, req: Request) -> None:
+        """A migrated sequence counted as importing its KV recomputes after all: its pull failed."""
+        req.migration_imports = False
+        self.counters.migrations_imported -= 1
+        self.counters.migrations_recomputed += 1
+        logger.info("%s: migrated in, recomputes: its KV pull failed (the worker's log says why)", req.req_id)
 
     def _register_filled_blocks(self, sent: SentPlan) -> None:
         """The blocks each request's step filled (one in block_size decode steps) get their hashes. This step's

@@ -160,6 +160,7 @@ class Scheduler(Admission, Results):
             self._take_decodes(decodes, firsts, plan, sent)
         if not preempted or not self.running:  # a request that preempted itself leaves the cache to the others
             self._admit(budget, seats, floor, plan, sent, now)
+        self._pin_arrivals()  # migrated sequences that did not start pull their KV now, seat or no seat
         if proposing is not None and proposing.proposer.on_worker:
             plan.propose = proposing.to_draft(sent.requests, sent.samples)
         if sent.requests:
@@ -179,6 +180,8 @@ class Scheduler(Admission, Results):
             leases.expire(self.blocks, now)
         plan.kv_revokes, plan.kv_grants, plan.kv_imports = leases.revokes, leases.grants, leases.imports
         leases.revokes, leases.grants, leases.imports = [], [], []
+        if self._pulls:  # a plan with imports has work: it is sent
+            self._pulls_sent[plan.step_id], self._pulls = self._pulls, []
 
     def _seats_per_plan(self) -> int:
         """Requests one plan may hold. With disjoint plans, a 1/N share of what can run at once for N plans in

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from proto.wire import ExecutionMode, KVGrant, StepPlan, pack_int32
+from proto.wire import ExecutionMode, KVGrant, KVImport, StepPlan, pack_int32
 from scheduler_node.core.block_table import BlockFormat, BlockTable, Written
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.in_flight import InFlightLedger, SentPlan
@@ -113,6 +113,12 @@ class SchedulerState:
         spec = config.speculative
         self.speculator = Speculator(spec) if spec is not None else None
         self.leases = KVLeases()  # disaggregated prefill/decode (core/kv_handoff.py)
+        # Live migration in (`Admission._pin_arrivals`): migrated sequences with a KV source that hold no blocks yet
+        # (each with whether its wait for blocks was logged), and the KV imports of migrated sequences, not sent
+        # yet, then by the plan that carries them until its result is back (`Results._settle_pulls`).
+        self._arrivals: dict[Request, bool] = {}
+        self._pulls: list[tuple[Request, KVImport]] = []
+        self._pulls_sent: dict[int, list[tuple[Request, KVImport]]] = {}
 
     @property
     def num_preemptions(self) -> int:
@@ -132,6 +138,8 @@ class SchedulerState:
                 self.speculator.admit(r)
             self.requests[r.req_id] = r
             self._by_handle[r.handle] = r
+            if r.migrated_in and r.kv_source is not None:
+                self._arrivals[r] = False
         self._enqueue(req)
 
     def finish(self, req_id: str, status: Status) -> Request | None:

@@ -129,7 +129,10 @@ class EngineCore(Intake, LiveStats):
             return
         self._inflight.popleft()
         self._interrupting.discard(head.plan.step_id)
+        released = self.scheduler.leases.released
         outputs = self.scheduler.update(head.plan, result)
+        if self.scheduler.leases.released != released:  # a request taken back pulled the KV it left here
+            self._leases_released.set()
         self.outputs.step(outputs)
         if head.plan.kv_grants:
             self._granted(head.plan)

@@ -1,7 +1,13 @@
 """Each replica probed every interval: grpc.health.v1 says whether it serves (unreachable: down), then its
 Control.GetStats gives the load `least_loaded` reads, and its Control.ListLoraAdapters the LoRA adapters it serves.
 A dead replica leaves the routing within one interval plus the probe's timeout (or at once, when a stream to it
-fails); it comes back on its first SERVING answer."""
+fails); it comes back on its first SERVING answer.
+
+A replica unreachable (UNAVAILABLE) for REOPEN_AFTER_S gets a fresh channel, again every REOPEN_AFTER_S while it
+stays so: a channel whose DNS name stopped resolving (a Kubernetes pod being replaced: its name is gone until the
+new pod exists) retries the resolution with gRPC's own backoff, growing to 2 min, so a replica back under its name
+would be seen tens of seconds late, after a rolling upgrade had moved on to drain the next one. A fresh channel
+resolves at its first call."""
 
 from __future__ import annotations
 
@@ -18,11 +24,13 @@ from proto import serving_pb2 as pb
 from scheduler_node.api.health import set_serving
 from scheduler_node.router.metrics import RouterMetrics
 from scheduler_node.router.replica import DOWN, NOT_SERVING, SERVING, Load, Replica, ReplicaPool
-from scheduler_node.router.upstream import Link
+from scheduler_node.router.upstream import Link, open_link
 
 logger = logging.getLogger(__name__)
 
 REFRESH_GAP_S = 0.5
+# Longer than a scheduler's gRPC shutdown grace (2 s): the old channel is closed, and no stream may be left on it.
+REOPEN_AFTER_S = 3.0
 
 
 class Prober:
@@ -34,8 +42,10 @@ class Prober:
         interval: float,
         timeout: float,
         control_token: str = "",
+        reopen_after: float = REOPEN_AFTER_S,
     ) -> None:
         self.pool = pool
+        self.reopen_after = reopen_after
         self.links = links
         self.metrics = metrics
         self.interval = interval
@@ -44,6 +54,7 @@ class Prober:
         self._stats_refused: set[str] = set()  # replicas whose GetStats said no (logged once)
         self._refresh_lock = asyncio.Lock()
         self._refreshed = -math.inf
+        self._unreachable: dict[str, float] = {}  # replica address -> since when (or its last reopen) UNAVAILABLE
 
     async def run(self) -> None:
         await asyncio.gather(*(self._watch(r) for r in self.pool.replicas))
@@ -64,7 +75,12 @@ class Prober:
             answer = await link.health.Check(health_pb2.HealthCheckRequest(), timeout=self.timeout)
         except grpc.aio.AioRpcError as exc:
             self.pool.set_state(replica, DOWN, f"{exc.code().name}: {exc.details()}")
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                await self._reopen_if_unreachable(replica)
+            else:  # DEADLINE_EXCEEDED: connected but slow; its streams may live on this channel
+                self._unreachable.pop(replica.address, None)
             return
+        self._unreachable.pop(replica.address, None)
         if answer.status != health_pb2.HealthCheckResponse.SERVING:
             self.pool.set_state(replica, NOT_SERVING, health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status))
             return
@@ -80,6 +96,17 @@ class Prober:
             return
         replica.load = Load(stats.num_running, stats.num_waiting, stats.kv_usage, stats.max_model_len)
         await self.learn_adapters(replica)
+
+    async def _reopen_if_unreachable(self, replica: Replica) -> None:
+        now = time.monotonic()
+        since = self._unreachable.setdefault(replica.address, now)
+        if now - since < self.reopen_after:
+            return
+        old = self.links[replica.address]
+        self.links[replica.address] = open_link(replica.address)  # every caller looks the link up per call
+        self._unreachable[replica.address] = now
+        logger.debug("replica %s unreachable for %.1f s: a fresh channel", replica.address, now - since)
+        await old.channel.close()
 
     async def learn_adapters(self, replica: Replica) -> None:
         """The LoRA adapters `replica` serves now (none from a replica without LoRA, or one that refuses)."""

@@ -53,14 +53,16 @@ class Link:
     health: health_pb2_grpc.HealthStub
 
 
+def open_link(address: str) -> Link:
+    channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return Link(
+        channel, pb_grpc.GenerationStub(channel), pb_grpc.ControlStub(channel), health_pb2_grpc.HealthStub(channel)
+    )
+
+
 def open_links(pool: ReplicaPool) -> dict[str, Link]:
-    links = {}
-    for r in pool.replicas:
-        channel = grpc.aio.insecure_channel(r.address, options=CHANNEL_OPTIONS)
-        links[r.address] = Link(
-            channel, pb_grpc.GenerationStub(channel), pb_grpc.ControlStub(channel), health_pb2_grpc.HealthStub(channel)
-        )
-    return links
+    """One link per replica; whoever calls a replica looks its link up at each call (the prober may replace it)."""
+    return {r.address: open_link(r.address) for r in pool.replicas}
 
 
 RELEASE_TIMEOUT_S = 5.0  # an Abort that frees a lease; an unreleased lease expires on its own

@@ -7,105 +7,26 @@ scheduler Service; secrets are mounted where the flags look; the topology names 
 from __future__ import annotations
 
 import argparse
-import importlib
-import os
 import re
 import shutil
-import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
 
-from proto.cli_config import parse_args
 from proto.parallel import ParallelLayout
 from scheduler_node.api.health import LIVENESS
 from scheduler_node.cli.operations import TOKEN_ENV
 from scheduler_node.engine.placement import place
 from scheduler_node.engine.topology import parse_topology
+from tests.support.k8s import K8S, World, files_in, mounts, parse_command, pod_spec, render, resolve
 from tests.support.paths import REPO
 
-K8S = REPO / "deploy" / "k8s"
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir())
 CRD_GROUPS = ("monitoring.coreos.com/",)  # no schema shipped by kubernetes-validate
-COMMANDS = {"vllm-scheduler": "scheduler_node.cli.scheduler", "vllm-serve": "scheduler_node.cli.serve",
-            "vllm-worker": "worker_node.worker", "vllm-client": "scheduler_node.cli.client"}  # fmt: skip
 PORT_FLAGS = {"grpc": "port", "workers": "worker_port", "metrics": "metrics_port", "http": "openai_port"}
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")]
-
-
-def render(*kustomizations: Path, tmp: Path | None = None, components: tuple[Path, ...] = ()) -> list[dict]:
-    target = kustomizations[0]
-    if components:  # an overlay plus components: a kustomization of our own around them
-        assert tmp is not None
-        relative = [os.path.relpath(k, tmp) for k in kustomizations]  # kustomize refuses absolute roots
-        text = {"resources": relative, "components": [os.path.relpath(c, tmp) for c in components]}
-        (tmp / "kustomization.yaml").write_text(yaml.safe_dump(text))
-        target = tmp
-    out = subprocess.run(["kubectl", "kustomize", str(target)], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
-
-
-@dataclass
-class World:
-    docs: list[dict]
-
-    def one(self, kind: str, name: str | None = None) -> dict:
-        found = [d for d in self.docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
-        assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
-        return found[0]
-
-    def maybe(self, kind: str) -> dict | None:
-        found = [d for d in self.docs if d["kind"] == kind]
-        return found[0] if found else None
-
-    def config_data(self, volume: dict) -> dict[str, str]:
-        name = volume["configMap"]["name"]
-        return self.one("ConfigMap", name)["data"]
-
-
-def pod_spec(workload: dict) -> dict:
-    return workload["spec"]["template"]["spec"]
-
-
-def mounts(spec: dict, container: dict) -> dict[str, dict]:
-    """mount path -> its volume."""
-    volumes = {v["name"]: v for v in spec.get("volumes", [])}
-    return {m["mountPath"]: volumes[m["name"]] for m in container.get("volumeMounts", [])}
-
-
-def files_in(volume: dict, world: World) -> set[str]:
-    """The file names a volume shows (ConfigMap keys, or a Secret's items' paths)."""
-    if "configMap" in volume:
-        return set(world.config_data(volume))
-    items = volume["secret"].get("items")
-    return {i["path"] for i in items} if items else {"tls.crt", "tls.key", "ca.crt"}  # a kubernetes.io/tls secret
-
-
-def resolve(path: str, spec: dict, container: dict, world: World) -> tuple[dict, str]:
-    """The volume a file path lies in and the file's name inside it; fails when nothing mounted holds it."""
-    for mount_path, volume in mounts(spec, container).items():
-        if path.startswith(mount_path.rstrip("/") + "/"):
-            name = path[len(mount_path.rstrip("/")) + 1 :]
-            assert name in files_in(volume, world), f"{path}: {name} is not in volume {volume['name']}"
-            return volume, name
-    raise AssertionError(f"{path} is not on any volume of container {container['name']}")
-
-
-def parse_command(argv: list[str], spec: dict, container: dict, world: World, tmp: Path) -> argparse.Namespace:
-    """Parse a container's command line with the command's own parser, --config read from its ConfigMap."""
-    command, *rest = argv
-    argv = list(rest)
-    if "--config" in argv:
-        i = argv.index("--config") + 1
-        volume, name = resolve(argv[i], spec, container, world)
-        local = tmp / f"{command}-{name}"
-        local.write_text(world.config_data(volume)[name])
-        argv[i] = str(local)
-    return parse_args(importlib.import_module(COMMANDS[command]).build_parser(), argv)
 
 
 def scheduler_of(world: World, tmp: Path) -> tuple[dict, dict, argparse.Namespace]:

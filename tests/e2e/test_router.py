@@ -5,12 +5,14 @@ Routing by model, greedy outputs through the router equal to a replica's own (gR
 official client), NOT_FOUND for other models at the router and at a scheduler, Abort fanned out, Control
 (ListReplicas, summed GetStats, Drain), health per model, metrics, TLS and the Control token, retry before the
 first token over HTTP, `kv` routing on the llamas' KV events through a replica's restart, live migration off a
-replica drained with migrate, and `kill -9` of one replica under load (the last test: it kills a replica of the
-shared fleet).
+replica drained with migrate (also by the preStop of the Kubernetes fleet kit, deploy/k8s/router), and `kill -9`
+of one replica under load (the last test: it kills a replica of the shared fleet).
 """
 
 from __future__ import annotations
 
+import importlib
+import shutil
 import subprocess
 import sys
 import urllib.request
@@ -27,6 +29,8 @@ from openai.types.chat import ChatCompletionMessageParam
 from minivllm.cluster import REPO, Cluster, RouterProcess, free_port
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
+from scheduler_node.cli.operations import TOKEN_ENV
+from tests.support.k8s import COMMANDS, FLEET, World, fleet_prestop, render
 from tests.support.models import assert_teacher_forced, load_hf
 from tests.support.ops import (
     NOT_SERVING,
@@ -482,6 +486,10 @@ def test_kv_routing_follows_the_cached_prefix_and_never_a_restarted_replicas_sta
         router.stop()
 
 
+def control_stats(replica: Cluster) -> pb.Stats:
+    return pb_grpc.ControlStub(replica.channel).GetStats(pb.GetStatsRequest(), timeout=5)
+
+
 def migration_counts(replica: Cluster) -> tuple[int, int, int]:
     """A replica's migrated sequences imported with their KV, recomputed, and KV tokens imported."""
     stats = pb_grpc.ControlStub(replica.channel).GetStats(pb.GetStatsRequest(), timeout=5)
@@ -508,6 +516,8 @@ def test_drain_migrate_moves_running_streams_to_the_other_replica_unnoticed(flee
         streams = Streams(fleet.stub, requests, timeout=120)
         # Round robin: half on each replica, two running on each (--max-num-seqs 2), the rest waiting there.
         wait_for(lambda: sum(len(r.tokens) >= 2 for r in streams.results) >= 4, 60, "both replicas stream")
+        # Under load its requests arrive late: one that comes after the Drain is retried elsewhere, not migrated.
+        wait_for(lambda: (s := control_stats(victim)).num_running + s.num_waiting >= 4, 60, "the victim has a queue")
         drained = pb_grpc.ControlStub(victim.channel).Drain(pb.DrainRequest(timeout_s=30, migrate=True), timeout=40)
         assert drained.drained and drained.migrated >= 2, drained  # what it ran and what waited there
         results = streams.join(120)
@@ -571,12 +581,91 @@ def test_drain_migrate_moves_openai_streams_through_the_router_unnoticed(fleet: 
     assert victim.stop() == [0, 0], victim.logs()
     stats = wait_idle(pb_grpc.ControlStub(survivor.channel))
     assert (stats.num_running, stats.num_waiting, stats.used_blocks) == (0, 0, 0), stats
-    # Each moved sequence counted once where it resumed: those that ran on the victim from the KV they left there.
-    assert stats.migrations_imported > before.migrations_imported, stats
-    moved = stats.migrations_imported + stats.migrations_recomputed
-    assert moved == before.migrations_imported + before.migrations_recomputed + 3, stats
+    # Each moved sequence counted once where it resumed: the n = 2 pair from the KV it left on the victim (both pull
+    # on arrival, though the survivor's seats are taken), the completion that waited there by recompute.
+    imported = stats.migrations_imported - before.migrations_imported
+    assert (imported, stats.migrations_recomputed - before.migrations_recomputed) == (2, 1), stats
     fleet.restart_llama(fleet.llamas.index(victim))  # for the tests after this one
     wait_for(lambda: fleet.replicas()[victim.address].state == "serving", 10, "the replica comes back")
+
+
+def test_the_k8s_fleets_prestop_migrates_a_replicas_streams_and_it_exits_0(
+    fleet: Fleet, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rolling-upgrade step of deploy/k8s/router (issue 31): the preStop command taken from the rendered
+    manifest (`vllm-client drain --migrate ...`, pointed at the replica's port instead of the pod's 50051) runs
+    against one llama mid-stream, then SIGTERM as the kubelet sends it: the streams complete with the tokens of
+    an undisturbed run, the moved ones resumed on the other llama, the hook exits 0 and so does the replica. The
+    hook runs vllm-client's own main in this process: a new process's start-up could outlast the streams."""
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed")
+    prestop = fleet_prestop(World(render(FLEET)))
+    assert prestop[0] == "vllm-client" and "--migrate" in prestop, prestop
+    monkeypatch.delenv(TOKEN_ENV, raising=False)  # the pod's token; the fleet's replicas have none
+    victim, survivor = fleet.llamas
+    requests = [greedy_ids(prompt_ids(3700 + i, 12), 96, model="llama") for i in range(2)]
+    sampling = pb.SamplingParams(max_tokens=96, temperature=0.8, seed=11, ignore_eos=True)
+    requests += [pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt_ids(3710 + i)), sampling=sampling,
+                                    model="llama") for i in range(2)]  # fmt: skip
+    expected = Streams(pb_grpc.GenerationStub(survivor.channel), requests).join(120)
+    before = sum(migration_counts(survivor)[:2])
+    try:
+        streams = Streams(fleet.stub, requests, timeout=120)
+        wait_for(lambda: all(len(r.tokens) >= 2 for r in streams.results), 60, "every stream is under way")
+        assert control_stats(victim).num_running == 2, "round robin: two of the four run on the victim"
+        capsys.readouterr()
+        code = importlib.import_module(COMMANDS[prestop[0]]).main([*prestop[1:], "--port", str(victim.port)])
+        assert code == 0 and capsys.readouterr().out.strip() == "drained"
+        assert victim.stop() == [0, 0], victim.logs()  # SIGTERM after the preStop: nothing left to wait for
+        for i, (got, want) in enumerate(zip(streams.join(120), expected)):
+            assert got.code is None, (i, got.code, got.details)
+            assert got.sequences == want.sequences and got.finish_reason == "length", (i, migration_counts(survivor))
+        assert sum(migration_counts(survivor)[:2]) == before + 2, "the victim's two streams moved"
+    finally:  # the tests after this one need both llamas
+        victim.stop()
+        fleet.restart_llama(0)
+        wait_for(lambda: fleet.replicas()[victim.address].state == "serving", 10, "the replica comes back")
+
+
+def test_rebalance_moves_a_long_runner_off_a_long_queue_to_the_idle_replica_unnoticed(fleet: Fleet) -> None:
+    """`vllm-router --rebalance` (issue 31) over the two llamas: a stream through it runs on one of them, whose
+    queue then fills with requests sent to it directly (--max-num-seqs 2: one runs beside the stream, two wait)
+    while the other idles: the router moves the stream there (Control.Migrate), its KV pulled, and the client gets
+    the tokens of an undisturbed run (teacher-forced against HF) in one stream; the source, which serves on, frees
+    its lease once the target answered. Greedy: moved this way, a seeded stream (seed 5, temperature 0.8) parted
+    from its undisturbed run at output 107 in 7 runs of 19, after an import, wherever it moved (22 to 102): a
+    cause not found yet (issue 31)."""
+    prompt = prompt_ids(3750, 24)
+    request = greedy_ids(prompt, 256, model="llama")
+    router = RouterProcess([f"{c.address},model=llama" for c in fleet.llamas], ["--rebalance", *PROBE])
+    try:
+        expected = Streams(pb_grpc.GenerationStub(fleet.llamas[1].channel), [request]).join(120)[0]
+        router.wait_serving(30)
+        control = pb_grpc.ControlStub(router.channel)
+
+        def idle_llamas() -> bool:
+            replicas = control.ListReplicas(pb.ListReplicasRequest(), timeout=5).replicas
+            return all(r.state == "serving" and not r.num_running and not r.num_waiting for r in replicas)
+
+        wait_for(idle_llamas, 10, "the router sees both llamas idle")
+        routed = Streams(pb_grpc.GenerationStub(router.channel), [request])
+        wait_for(lambda: len(routed.results[0].tokens) >= 2, 60, "the stream runs")
+        home, idle = sorted(fleet.llamas, key=lambda c: -control_stats(c).num_running)
+        before = migration_counts(idle)
+        fillers = [greedy_ids(prompt_ids(3760 + i, 8), 256) for i in range(3)]
+        queue = Streams(pb_grpc.GenerationStub(home.channel), fillers)
+        [got] = routed.join(120)
+        queue.join(120)
+        assert got.code is None and got.finish_reason == "length", (got.code, got.details)
+        assert got.tokens == expected.tokens and got.completion_tokens == 256
+        assert_teacher_forced(load_hf(fleet.llama_dir), prompt, got.tokens)
+        imported, recomputed, _ = migration_counts(idle)
+        assert (imported - before[0], recomputed - before[1]) == (1, 0), "moved, from the KV it left"
+        for c in fleet.llamas:  # the source freed the lease once the target answered
+            stats = wait_idle(pb_grpc.ControlStub(c.channel))
+            assert (stats.num_running, stats.num_waiting, stats.used_blocks) == (0, 0, 0), (c.address, stats)
+    finally:
+        router.stop()
 
 
 def test_drain_migrate_with_its_target_killed_runs_the_streams_on_where_their_kv_is(fleet: Fleet) -> None:

@@ -1,10 +1,12 @@
 """vllm-serve starts a scheduler and its workers, serves gRPC and the OpenAI API, drains on SIGTERM (HTTP answers
-503 meanwhile while the live stream finishes) and stops them all cleanly."""
+503 meanwhile while the live stream finishes) and stops them all cleanly; with --data-parallel-size, SIGHUP
+restarts the replicas one at a time, their streams migrated."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -141,13 +143,21 @@ def test_sigterm_refuses_new_work_with_retry_after_then_ends_what_outlasts_shutd
             serve.kill()
 
 
-def test_serve_data_parallel_replicas_behind_a_router_balance_and_stop_on_ctrl_c(tiny_llama_dir: Path) -> None:
+def scheduler_pids(serve: subprocess.Popen) -> list[int]:
+    return sorted(pid for pid in child_pids(serve.pid) if "scheduler_node.cli.scheduler" in command_line(pid))
+
+
+def test_serve_data_parallel_replicas_behind_a_router_balance_restart_on_sighup_and_stop(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
     port, worker_port, http_port = free_port(), free_port(), free_port()
     argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--model", str(tiny_llama_dir), "--data-parallel-size",
             "2", "--routing-strategy", "least_loaded", "--kv-cache-memory", "16MiB", "--threads", "1", "--log-level",
-            "WARNING", "--port", str(port), "--worker-port", str(worker_port),
+            "INFO", "--port", str(port), "--worker-port", str(worker_port),
             "--openai-port", str(http_port)]  # fmt: skip
-    serve = subprocess.Popen(argv, cwd=REPO, env={**os.environ, "MINIVLLM_API_KEY": KEY})
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:  # the children write here too
+        serve = subprocess.Popen(argv, cwd=REPO, env={**os.environ, "MINIVLLM_API_KEY": KEY}, stderr=out)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             assert wait_ready(channel, 120), "the router never became SERVING"
@@ -169,7 +179,36 @@ def test_serve_data_parallel_replicas_behind_a_router_balance_and_stop_on_ctrl_c
         answer = client.completions.create(model=tiny_llama_dir.name, prompt="hi", max_tokens=5, temperature=0)
         assert answer.usage is not None and answer.usage.completion_tokens == 5
         assert httpx.get(f"http://127.0.0.1:{http_port}/v1/models").status_code == 401  # the router checks the key
-        assert_stops_with_its_children(serve, signal.SIGINT, 5)  # the router, two schedulers, a worker each
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            rolling_restart_loses_no_stream(serve, pb_grpc.GenerationStub(channel), log)
+        assert_stops_with_its_children(serve, signal.SIGTERM, 5)  # the router, two schedulers, a worker each
     finally:
         if serve.poll() is None:
             serve.kill()
+
+
+def rolling_restart_loses_no_stream(serve: subprocess.Popen, stub: pb_grpc.GenerationStub, log: Path) -> None:
+    """SIGHUP mid-stream (issue 31): each replica in turn drained with migrate, restarted (a new scheduler) and
+    routed again; every greedy and seeded stream ends with the tokens of an undisturbed run, vllm-serve runs on."""
+    requests = [greedy_ids(prompt_ids(500 + i), 128) for i in range(4)]
+    for i in range(4):
+        sampling = pb.SamplingParams(max_tokens=128, temperature=0.8, seed=7 + i, ignore_eos=True)
+        requests.append(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt_ids(600 + i)), sampling=sampling))
+    expected = Streams(stub, requests).join(120)
+    before = scheduler_pids(serve)
+    streams = Streams(stub, requests, timeout=300)
+    wait_for(lambda: all(len(r.tokens) >= 2 for r in streams.results), 60, "every stream runs")
+    serve.send_signal(signal.SIGHUP)
+    for i, (got, want) in enumerate(zip(streams.join(300), expected)):
+        assert got.code is None, (i, got.code, got.details)
+        assert got.tokens == want.tokens and got.finish_reason == "length", i
+    wait_for(lambda: "rolling restart done: 2 replicas restarted" in log.read_text(), 120, "the restart ends")
+    assert serve.poll() is None
+    after = scheduler_pids(serve)
+    assert len(after) == 2 and not set(after) & set(before), (before, after)
+    migrated = re.search(r"replica 0 \(.*\): (\d+) request\(s\) migrated", log.read_text())
+    assert migrated and int(migrated.group(1)) >= 1, "replica 0 ran streams when the SIGHUP came"
+    text = log.read_text()  # each exited by itself once drained (--exit-after-drain), not at a SIGTERM
+    assert text.count("exiting (--exit-after-drain)") == 2 and "stopping it with SIGTERM" not in text
+    (again,) = Streams(stub, [greedy_ids(prompt_ids(500), 16)]).join(60)
+    assert again.tokens == expected[0].tokens[:16]

@@ -199,13 +199,15 @@ def test_control_reports_resizes_and_drains() -> None:
         assert resized.usable_blocks == 32 == engine.scheduler.blocks.usable_blocks
         code, details = await status_of(d.control.ResizeCache(pb.ResizeCacheRequest(num_blocks=65)))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and details == "num_blocks: must be in [1, 64]"
+        exits: list[str] = []
+        d.service.on_drained = lambda: exits.append("drained")  # --exit-after-drain
         code, details = await status_of(d.control.Drain(pb.DrainRequest(timeout_s=-1)))
-        assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("timeout_s:")
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("timeout_s:") and not exits
         code, details = await status_of(d.control.Migrate(pb.MigrateRequest()))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("request_ids:")
         assert (await d.control.Migrate(pb.MigrateRequest(request_ids=["gone"]))).migrated == 0  # and serves on
         drained = await d.control.Drain(pb.DrainRequest(timeout_s=5))
-        assert (drained.drained, drained.remaining) == (True, 0)
+        assert (drained.drained, drained.remaining) == (True, 0) and exits == ["drained"]
         code, details = await status_of(read_all(d.stub.Generate(greedy(PROMPT, 2))))
         assert code == grpc.StatusCode.UNAVAILABLE and "draining" in details
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from proto.wire import SamplingOptions, StepResult
+from proto.wire import SamplingOptions, StepPlan, StepResult
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.kv_handoff import KVSource, new_lease
+from scheduler_node.core.policy import PriorityPolicy
 from scheduler_node.core.request import Request, Status, StopConditions
 from scheduler_node.core.scheduler import Scheduler
 from tests.support.plans import scheduled
@@ -129,3 +130,142 @@ def test_migrated_sequences_lease_their_written_blocks_and_a_target_imports_the_
     (imp,) = plan.kv_imports
     assert imp.src == lease.blocks and len(imp.dst) == 3 and imp.hashes[2] == b"", "the partial block: no hash"
     assert scheduled(target, plan) == {"m#2": 1}, "only the last token is computed"
+
+
+def named_step(s: Scheduler) -> tuple[StepPlan, dict[str, int]]:
+    """`step`, and the tokens each request computed by name (taken before the result ends any of them)."""
+    plan = s.schedule()
+    names = scheduled(s, plan)
+    live = [s.request_of(h) for h in plan.num_scheduled_tokens]
+    done = {r.handle: [7] for r in live if r is not None and r.num_computed_tokens == r.num_tokens}
+    s.update(plan, StepResult(plan.step_id, done))
+    return plan, names
+
+
+def leased_sequence(clock: Clock) -> tuple[Scheduler, KVSource, list[int]]:
+    """A source that ran `m#0` (20 prompt tokens, 3 outputs) and migrated it off with its KV leased (10 s): the
+    source, where its KV waits, and its outputs."""
+    source = scheduler(clock)
+    source.add(request("m#0", n=20, max_tokens=10))
+    for _ in range(3):
+        step(source)
+    req, lease = source.migrate_out("m#0", keep_kv=True)
+    assert req is not None and lease is not None and lease.tokens == 22
+    source.schedule()  # grants the lease
+    return source, lease.source(["127.0.0.1:1"]), list(req.output_token_ids)
+
+
+def busy_target(clock: Clock, seats: int, runs: int) -> Scheduler:
+    """A target whose `seats` are all taken by requests of `runs` more tokens, with a request of its own waiting."""
+    s = Scheduler(SchedulerConfig(block_size=BS, max_model_len=256, max_num_seqs=seats), 32, clock=clock)
+    for i in range(seats):
+        s.add(request(f"busy{i}#0", n=8, max_tokens=runs))
+    step(s)
+    s.add(request("own#0", n=8, max_tokens=2))
+    return s
+
+
+def test_a_migrated_sequence_pulls_on_arrival_and_starts_before_the_targets_waiting_requests() -> None:
+    """Issue 31: a migrated running sequence arrives at a target whose seats are taken and whose own request
+    waits. It claims its blocks and pulls its KV with the next plan, seat or no seat, while the source's lease
+    (10 s) still holds it; it then starts before that waiting request, as a preempted one resumes. (It used to
+    wait in arrival order for a seat, its KV unpulled: behind 12 s of steps here, the lease was gone first and
+    it recomputed.)"""
+    clock = Clock()
+    source, kv, outputs = leased_sequence(clock)
+    target = busy_target(clock, seats=1, runs=12)
+    target.add(request("m#0", n=20, max_tokens=10, output_token_ids=outputs, kv_source=kv, migrated_in=True))
+    started: list[str] = []
+    pulled_while_leased = None
+    for _ in range(40):
+        clock.now += 1.0  # a step a second: a loaded machine
+        source.expire_leases()
+        plan, names = named_step(target)
+        if any(i.lease == kv.lease for i in plan.kv_imports):
+            pulled_while_leased = bool(source.leases.held)
+        started += [r for r in names if r not in started]
+        if not target.has_work:
+            break
+    assert pulled_while_leased is True, "the pull went out while the source still held the KV"
+    assert started == ["busy0#0", "m#0", "own#0"], "the migrated sequence resumes first"
+    counted = target.counters
+    assert (counted.migrations_imported, counted.migrations_recomputed) == (1, 0)
+    assert target.blocks.num_used == 0
+
+
+def test_sibling_sequences_all_pull_in_the_first_plan_with_one_seat() -> None:
+    """n = 2 moved to a target with one free seat: the router releases the source's leases (an Abort of the
+    request) once the target's first token comes, so the sibling that waits for a seat must have pulled by then
+    (it used to pull only when it started: after the release, and it recomputed)."""
+    clock = Clock()
+    target = Scheduler(SchedulerConfig(block_size=BS, max_model_len=256, max_num_seqs=1), 32, clock=clock)
+    sources = [KVSource(("127.0.0.1:1",), new_lease(), (5 + 3 * i, 6 + 3 * i, 7 + 3 * i), 22) for i in range(2)]
+    for i, kv in enumerate(sources):
+        outputs = [7, 8 + i, 9]
+        target.add(request(f"m#{i}", n=20, max_tokens=10, output_token_ids=outputs, kv_source=kv, migrated_in=True))
+    plan = target.schedule()
+    assert sorted(i.lease for i in plan.kv_imports) == sorted(kv.lease for kv in sources), "both pull now"
+    assert scheduled(target, plan) == {"m#0": 1}, "one seat: the other waits, its KV pulled"
+    assert target.requests["m#1"].pulling
+    done = {target.requests["m#0"].handle: [7]}
+    target.update(plan, StepResult(plan.step_id, done))
+    assert not target.requests["m#1"].pulling and target.requests["m#1"].num_computed_tokens == 22
+
+
+def test_a_waiting_sequence_whose_pull_failed_lets_its_blocks_go_and_recomputes() -> None:
+    """A migrated sequence that pulled while it waited for a seat, and whose pull failed (the source gone, its lease
+    released): it never starts from the blocks the pull should have filled; it recomputes, counted so."""
+    clock = Clock()
+    target = busy_target(clock, seats=1, runs=3)
+    kv = KVSource(("127.0.0.1:1",), new_lease(), (5, 6, 7), 22)
+    target.add(request("m#0", n=20, max_tokens=10, output_token_ids=[7, 7, 7], kv_source=kv, migrated_in=True))
+    plan = target.schedule()
+    (imp,) = plan.kv_imports
+    req = target.requests["m#0"]
+    busy = target.requests["busy0#0"].handle
+    after = target.schedule()  # built before the pull's result is back
+    assert req.pulling and after.kv_imports == [] and scheduled(target, after) == {"busy0#0": 1}, "it waits"
+    target.update(plan, StepResult(plan.step_id, {busy: [7]}, failed_loads=imp.hashes))
+    target.update(after, StepResult(after.step_id, {busy: [7]}))
+    assert not req.pulling and req.num_computed_tokens == 0 and not target.blocks.blocks_of("m#0")
+    assert (target.counters.migrations_imported, target.counters.migrations_recomputed) == (0, 1)
+    computed = 0
+    for _ in range(40):
+        computed += named_step(target)[1].get("m#0", 0)
+        if "m#0" not in target.requests:
+            break
+    assert computed >= 20, "it computed prompt + outputs itself"
+
+
+def test_a_sequence_taken_back_releases_its_own_lease_once_it_pulled() -> None:
+    """A replica whose migrated sequence comes back to it (no other replica took it; a rebalance's source serves
+    on) pulls from its own lease: that lease is released as soon as the pull is done, not after 10 s."""
+    clock = Clock()
+    s, kv, outputs = leased_sequence(clock)
+    assert s.leases.num_migrations == 1
+    s.add(request("m#1", n=20, max_tokens=10, output_token_ids=outputs, kv_source=kv, migrated_in=True))
+    plan, _ = step(s)
+    assert [i.lease for i in plan.kv_imports] == [kv.lease]
+    assert s.leases.num_migrations == 0 and kv.lease in s.schedule().kv_revokes, "released at once"
+    assert s.counters.migrations_imported == 1
+
+
+def test_a_migrated_sequence_holding_its_kv_still_yields_to_a_higher_priority_class() -> None:
+    """Under `priority`, a realtime request waiting to compute its prompt starts before a batch-class migrated
+    sequence that pulled its KV on arrival (it holds blocks, yet ranks below), which follows."""
+    config = SchedulerConfig(block_size=BS, max_model_len=256, max_num_seqs=1)
+    s = Scheduler(config, 32, policy=PriorityPolicy(), clock=Clock())
+    s.add(request("busy#0", n=8, max_tokens=3, priority=90))
+    named_step(s)
+    kv = KVSource(("127.0.0.1:1",), new_lease(), (5, 6, 7), 22)
+    s.add(request("m#0", n=20, max_tokens=6, output_token_ids=[7, 7, 7], kv_source=kv, migrated_in=True, priority=30))
+    s.add(request("rt#0", n=8, max_tokens=2, priority=90))
+    started: list[str] = []
+    for _ in range(20):
+        plan, names = named_step(s)
+        assert not plan.kv_imports or s.requests["m#0"].num_computed_tokens == 22, "pulled on arrival"
+        started += [r for r in names if r not in started]
+        if not s.has_work:
+            break
+    assert started == ["busy#0", "rt#0", "m#0"]
+    assert s.counters.migrations_imported == 1 and s.num_preemptions == 0
