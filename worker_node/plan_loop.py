@@ -39,7 +39,6 @@ SILENCE_FACTOR = 2.0
 EXIT_WORLD_BROKEN = 3  # the exit status of a worker whose torch.distributed world broke under a step
 RETRY_SEND_S = 0.05  # how soon an answer the socket would not take is tried again (besides its POLLOUT)
 STEP_GRACE_S = 1.0  # how long a leaving worker lets a running step finish before it exits without it
-_IN, _IN_OUT = int(zmq.POLLIN), int(zmq.POLLIN | zmq.POLLOUT)  # plain ints: no enum arithmetic per step
 
 
 class StepThread(threading.Thread):
@@ -59,7 +58,7 @@ class StepThread(threading.Thread):
         self.deliver = deliver
         self.setup = setup
         self.scheduler_lost = scheduler_lost
-        self.inbox: queue.SimpleQueue[StepPlan | None] = queue.SimpleQueue()  # in C: no Python lock per plan
+        self.inbox: queue.Queue[StepPlan | None] = queue.Queue()
 
     def run(self) -> None:
         self.setup()
@@ -129,7 +128,6 @@ class PlanLoop:
         poller.register(monitor, zmq.POLLIN)
         last_heard = next_beat = time.monotonic()
         seq = 0
-        watching_out = False
         try:
             while True:
                 now = time.monotonic()
@@ -144,14 +142,11 @@ class PlanLoop:
                 events = dict(poller.poll(int(max(0.0, wait) * 1000) + 1))
                 if wake_r in events:
                     _drain_pipe(wake_r)
-                if outbox:
-                    self._flush(outbox)
-                if bool(outbox) is not watching_out:  # POLLOUT only while answers wait for the socket
-                    watching_out = bool(outbox)
-                    poller.modify(self.sock, _IN_OUT if watching_out else _IN)
+                self._flush(outbox)
+                poller.modify(self.sock, zmq.POLLIN | (zmq.POLLOUT if outbox else 0))
                 if monitor in events:
                     self._connected = _connection_events(monitor, self._connected)
-                if events.get(self.sock, 0) & _IN:
+                if events.get(self.sock, 0) & zmq.POLLIN:
                     for message in self._recv_all():
                         last_heard = time.monotonic()
                         if isinstance(message, Shutdown):
@@ -182,15 +177,12 @@ class PlanLoop:
     def _recv_all(self) -> list[Message | None]:
         """Every message waiting on the socket; None for each one that was dropped as malformed."""
         out: list[Message | None] = []
-        sock = self.sock
-        # EVENTS before each receive: an empty socket costs no raised zmq.Again (a step's plan is usually alone).
-        while int(sock.getsockopt(zmq.EVENTS)) & _IN:
+        while True:
             try:
-                data = sock.recv(zmq.NOBLOCK)
+                data = self.sock.recv(zmq.NOBLOCK)
             except zmq.Again:
-                break
+                return out
             out.append(decode_or_none(data))
-        return out
 
     def _flush(self, outbox: collections.deque[Message]) -> None:
         """Send the step thread's answers in order. One the socket would block on stays first in the outbox: a
@@ -248,9 +240,8 @@ def _connection_events(monitor: zmq.Socket, connected: bool) -> bool:
 
 
 def _drain_pipe(fd: int) -> None:
-    """Read the wake-ups written so far: one read takes them all unless it filled its buffer."""
     try:
-        while len(os.read(fd, 4096)) == 4096:
+        while os.read(fd, 4096):
             pass
     except BlockingIOError:
         pass

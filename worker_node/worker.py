@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import os
 import secrets
@@ -76,10 +75,6 @@ class Worker:
         except RendezvousAborted as exc:
             logger.warning("left the torch.distributed rendezvous: %s", exc)
             return 0
-        # The model, its KV cache and the modules live as long as the process: no collection walks them again
-        # (a full one would, at a step's expense).
-        gc.collect()
-        gc.freeze()
         self._send(ready)
         self.beats.ready()
         logger.info("rank %d ready with %d KV blocks", assignment.rank, ready.num_kv_blocks)
