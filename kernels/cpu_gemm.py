@@ -60,7 +60,8 @@ def load() -> ctypes.CDLL | None:
     """The kernel built for this CPU, with the AMX state granted to this process; None where it cannot run (or
     $MINIVLLM_CPU_GEMM is 0)."""
     gemm = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int] * 2
-    return load_amx_library(SOURCE, "CPU decode matmuls", "skinny_gemm_init", {"skinny_gemm": gemm, "int8_gemm": gemm})
+    entries = {"skinny_gemm": gemm, "int8_gemm": gemm, "int8_gemm_silu_gated": gemm}
+    return load_amx_library(SOURCE, "CPU decode matmuls", "skinny_gemm_init", entries)
 
 
 def covers(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -159,11 +160,13 @@ def has_int8() -> bool:
 
 
 def linear_int8_act(
-    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, act_bits: int = 16
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, act_bits: int = 16, silu_gated: bool = False
 ) -> torch.Tensor | None:
     """x [T, K] bf16 quantized per row to `act_bits` (8: W8A8; 16: two int8 halves, about bf16's precision)
     times int8 codes [N, K] scaled per output channel (float32 [N]): [T, N] bf16, any T; None where the kernel
-    does not cover them (K not a multiple of 64, no AMX-INT8: the caller uses another path)."""
+    does not cover them (K not a multiple of 64, no AMX-INT8: the caller uses another path). `silu_gated`: x is
+    a gated MLP's [T, 2K] (gate, then up) and the product takes silu(gate) * up, made as the rows are quantized
+    (in float32, without the bf16 rounding of torch's two steps)."""
     if act_bits not in ACT_BITS:
         raise ValueError(f"act_bits must be one of {ACT_BITS}, not {act_bits}")
     if not (
@@ -174,7 +177,7 @@ def linear_int8_act(
         and codes.dtype == torch.int8
         and codes.dim() == 2
         and codes.is_contiguous()
-        and codes.shape[1] == x.shape[1]
+        and codes.shape[1] * (2 if silu_gated else 1) == x.shape[1]
         and codes.shape[0] % BLOCK_N == 0
         and codes.shape[1] % QUADS_K == 0
         and scales.dtype == torch.float32
@@ -186,7 +189,8 @@ def linear_int8_act(
     assert library is not None
     x = x.contiguous()
     out = torch.empty(x.shape[0], codes.shape[0], dtype=torch.bfloat16)
-    status = library.int8_gemm(
+    entry = library.int8_gemm_silu_gated if silu_gated else library.int8_gemm
+    status = entry(
         x.data_ptr(),
         codes.data_ptr(),
         scales.data_ptr(),

@@ -3,7 +3,7 @@
 `repack` turns AWQ's codes, zero points and group scales into the kernel's layout once at load (described in the
 C source): codes uint8 [N/16, K/4, 32], 16 channels x 4 inputs per 32 bytes, and float32 [N/16, K/G, 2, 16], per
 block of 16 channels and group their scales and biases -(zero + 128) * scale. `linear` multiplies bf16 activations
-by them on a CPU with AMX-BF16: up to 4 rows by AVX-512 BF16 dot products, up to 64 on AMX tiles, more in slices
+by them on a CPU with AMX-BF16: up to 2 rows by AVX-512 BF16 dot products, up to 64 on AMX tiles, more in slices
 of 64 rows. What it does not cover (another dtype or device, a width that is not a multiple of 32 inputs and 16
 outputs, a group that is not a multiple of 32) is left to the caller (None). `awq_tensors` reads the layout back
 (the dequantized reference, and torch's int4 layout for float32 activations). Measured in scripts/bench_quant.py
@@ -69,27 +69,40 @@ def awq_tensors(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tenso
 
 def linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
     """x [T, K] bf16 times the weight of `repack`'s layout, transposed: [T, N] bf16; None where the kernel does not
-    cover them (the caller multiplies in torch)."""
-    n, k = packed.shape[0] * BLOCK_N, packed.shape[1] * 4
+    cover them (the caller multiplies in torch). Called per projection per step: its checks are kept few and
+    cheap (a one-sequence step makes 120 calls of tens of microseconds each)."""
+    library = load()
+    n, k, groups = packed.shape[0] * BLOCK_N, packed.shape[1] * 4, scales.shape[1]
+    rows = x.shape[0] if x.dim() == 2 else 0
     if (
-        x.device.type != "cpu"
+        library is None
+        or rows < 1
         or x.dtype != torch.bfloat16
-        or x.dim() != 2
-        or x.shape[0] < 1
         or x.shape[1] != k
-        or not fits(n, k, k // scales.shape[1])
-        or load() is None
+        or x.is_cuda
+        or k % groups
+        or (k // groups) % BLOCK_K
     ):
         return None
-    library = load()
-    assert library is not None
     x = x.contiguous()
-    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
-    threads, group = torch.get_num_threads(), k // scales.shape[1]
-    for first in range(0, x.shape[0], MAX_ROWS):
-        rows = min(MAX_ROWS, x.shape[0] - first)
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
+    threads, group = torch.get_num_threads(), k // groups
+    if rows <= MAX_ROWS:  # a decode step: one call
         status = library.awq_gemm(
-            x[first].data_ptr(), packed.data_ptr(), scales.data_ptr(), out[first].data_ptr(), rows, n, k, group, threads
+            x.data_ptr(), packed.data_ptr(), scales.data_ptr(), out.data_ptr(), rows, n, k, group, threads
+        )
+        return out if status == 0 else None
+    for first in range(0, rows, MAX_ROWS):
+        status = library.awq_gemm(
+            x[first].data_ptr(),
+            packed.data_ptr(),
+            scales.data_ptr(),
+            out[first].data_ptr(),
+            min(MAX_ROWS, rows - first),
+            n,
+            k,
+            group,
+            threads,
         )
         if status != 0:
             return None

@@ -344,7 +344,7 @@ def measure_scheduler(num_seqs: int, steps: int, reps: int) -> dict:
     """`schedule()` and `update()` alone over `num_seqs` steady decodes with two plans in flight (async scheduling,
     as the engine runs them) and made-up results: thread CPU ms of each per step, the median of the steps after
     the first 20, the best of `reps` runs (what the scheduler costs, without the other threads' noise)."""
-    from proto.wire import ExecutionMode, StepResult
+    from proto.wire import ExecutionMode, StepResult, pack_int32
     from scheduler_node.core.config import SchedulerConfig
     from scheduler_node.core.request import Request, StopConditions
     from scheduler_node.core.scheduler import Scheduler
@@ -363,9 +363,9 @@ def measure_scheduler(num_seqs: int, steps: int, reps: int) -> dict:
             times[0].append(time.thread_time() - start)
             if len(in_flight) == 2:
                 plan = in_flight.pop(0)
-                result = StepResult(
-                    plan.step_id, {h: [300 + (h + plan.step_id) % 997] for h in plan.num_scheduled_tokens}
-                )
+                handles = list(plan.num_scheduled_tokens)  # one token each, packed as the workers send them
+                tokens = [300 + (h + plan.step_id) % 997 for h in handles]
+                result = StepResult(plan.step_id, {}, token_handles=pack_int32(handles), tokens=pack_int32(tokens))
                 start = time.thread_time()
                 s.update(plan, result)
                 times[1].append(time.thread_time() - start)

@@ -1,5 +1,5 @@
-"""Runs a StepPlan: its diffs and block operations, one forward pass over the inputs the InputBatch gathers
-(worker_node/input_batch.py), then sampling."""
+"""Runs a StepPlan: its diffs (worker_node/plan_diffs.py) and block operations, one forward pass over the inputs
+the InputBatch gathers (worker_node/input_batch.py, worker_node/step_inputs.py), then sampling."""
 
 from __future__ import annotations
 
@@ -12,18 +12,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from proto.wire import CachedRequest, ExecutionMode, StepPlan, StepResult, TierMove, TokenLogprobs, pack_int32
+from proto.wire import ExecutionMode, StepPlan, StepResult, TierMove, TokenLogprobs, pack_int32
 from worker_node.cuda_graphs import DecodeGraphs
 from worker_node.draft_model import DraftModel
-from worker_node.input_batch import InputBatch, RequestState, StepInputs
+from worker_node.input_batch import InputBatch, RequestState
 from worker_node.kv_cache import KVCache, copy_blocks
 from worker_node.kv_handoff import ImportRun, KVHandoff
 from worker_node.kv_offload import DISK, KVOffload, TierRun
 from worker_node.lora.manager import LoraManager
 from worker_node.models.decoder import CausalLM, StepInterrupted
 from worker_node.parallel import SINGLE, Comm
+from worker_node.plan_diffs import PlanDiffs
 from worker_node.sampler import Sampler, token_logprobs
 from worker_node.spec_decode import accept
+from worker_node.step_inputs import StepInputs
 
 # Prompt rows scored at once for prompt_logprobs: bounds the [rows, vocab] logits a long prefill chunk would need.
 PROMPT_LOGITS_ROWS = 256
@@ -46,7 +48,7 @@ class StepInterrupts:
             return any(first <= step_id for first, _ in self._ranges)
 
 
-class ModelRunner:
+class ModelRunner(PlanDiffs):
     def __init__(
         self,
         model: CausalLM,
@@ -92,103 +94,6 @@ class ModelRunner:
         self.handoff: KVHandoff | None = None  # disaggregated prefill/decode: leases served, prefixes pulled
         self.draft: DraftModel | None = None  # speculative decoding's draft model, on the rank that samples
 
-    def apply_diffs(self, plan: StepPlan, check_progress: bool = True) -> np.ndarray:
-        """Update the requests this worker holds; their rows, the plan's new requests then its cached ones. Every
-        block id is range-checked first: the decode kernel reads the cache through them without bounds checks, so
-        a bad plan must fail here (a StepError), not segfault."""
-        cached = plan.cached_requests
-        changed = [i for i, c in enumerate(cached) if c.new_block_ids or c.new_token_ids or c.draft_token_ids]
-        self._check_plan(plan, [cached[i] for i in changed])
-        batch = self.batch
-        batch.clear_drafts()
-        if self.draft is not None and (plan.finished or plan.preempted):
-            self.draft.forget(plan.finished + plan.preempted)
-        for handle in plan.finished + plan.preempted:
-            batch.remove(handle)
-            self._load_failed.discard(handle)
-            self.sampler.forget(handle)
-        rows = []
-        for new in plan.new_requests:
-            if new.lora is not None:
-                self._lora_manager().place(new.lora)
-            self.sampler.forget(new.handle)  # penalty counts and grammar start over from its tokens
-            rows.append(batch.add(new).row)
-        states = batch.states
-        decode_handles, decode_computed = plan.decodes()
-        try:
-            held = [states[c.handle] for c in cached]
-            decoding = [states[h] for h in decode_handles]
-        except KeyError as exc:
-            raise ValueError(f"request {exc.args[0]}: a cached request this worker does not hold") from None
-        for i in changed:
-            if cached[i].new_block_ids:
-                batch.append_blocks(held[i], cached[i].new_block_ids)
-            if cached[i].new_token_ids:  # with P > 1 stages: the output rank's samples
-                batch.append_tokens(held[i], cached[i].new_token_ids)
-            if cached[i].draft_token_ids:  # speculative decoding: proposals to verify this step
-                batch.set_drafts(held[i], cached[i].draft_token_ids)
-        rows += [s.row for s in held]
-        rows += [s.row for s in decoding]
-        plan_rows = np.array(rows, dtype=np.int64)
-        if cached or decoding:
-            cached_rows = plan_rows[len(plan.new_requests) :]
-            said = np.array([c.num_computed_tokens for c in cached] + decode_computed, dtype=np.int64)
-            if self.mode.tokens_in_plan:  # proposals of the last step: this plan says how many were accepted
-                batch.settle_unverified(cached_rows, said)
-            if check_progress:
-                self._check_progress(cached_rows, said, [c.handle for c in cached] + decode_handles)
-        for handle, changes in plan.block_updates.items():
-            if (state := states.get(handle)) is not None:
-                for index, block in changes:
-                    batch.set_block(state, index, block)
-        return plan_rows
-
-    def _lora_manager(self) -> LoraManager:
-        if self.lora is None:
-            self.lora = LoraManager(self.model, self.dtype, self.device)
-        return self.lora
-
-    def _check_progress(self, rows: np.ndarray, said: np.ndarray, handles: list[int]) -> None:
-        """Each cached request's computed tokens are the plan's (`said`, unless a failed tier load left it
-        behind)."""
-        has = self.batch.num_computed[rows]
-        for i in np.flatnonzero(has != said).tolist():
-            if handles[i] not in self._load_failed:
-                raise RuntimeError(f"request {handles[i]}: worker has {has[i]} computed tokens, plan says {said[i]}")
-
-    def _check_plan(self, plan: StepPlan, changed: list[CachedRequest]) -> None:
-        """Every block id the plan names is in range (`changed`: its cached requests with new blocks or tokens)."""
-        device_ids = [b for r in plan.new_requests for b in r.block_ids]
-        device_ids += [b for r in changed for b in r.new_block_ids]
-        device_ids += [b for changes in plan.block_updates.values() for _, b in changes]
-        device_ids += [b for pair in plan.block_copies for b in pair]
-        base = plan.compact_block_base
-        if base and not self.compact_cache:
-            raise ValueError("the plan addresses compact KV blocks but this worker has no compact pool")
-        full_limit = min(base, self.num_blocks) if base else self.num_blocks
-        if base:  # ids from the base on are the compact pool's
-            compact = [b - base for b in device_ids if b >= base]
-            _check_range(compact, self.num_compact_blocks, f"compact block id (from {base})")
-            device_ids = [b for b in device_ids if b < base]
-            crossing = next(((s, d) for s, d in plan.block_copies if (s >= base) != (d >= base)), None)
-            if crossing is not None:
-                raise ValueError(f"block copy {crossing} crosses KV formats")
-        _check_range(device_ids, full_limit, "block id")
-        swapped = [d for d, _ in plan.swap_out] + [d for _, d in plan.swap_in]
-        _check_range(swapped, full_limit, "swapped block id (full blocks only)")
-        _check_range([h for _, h in plan.swap_out] + [h for h, _ in plan.swap_in], self.num_host_blocks, "swap block")
-        if plan.kv_imports or plan.kv_grants:
-            if self.handoff is None:
-                raise ValueError("the plan moves KV between worlds but this worker has no KV transfer set up")
-            _check_range([b for imp in plan.kv_imports for b in imp.dst], full_limit, "imported block id")
-            _check_range([b for g in plan.kv_grants for b in g.blocks], full_limit, "leased block id")
-        if plan.tier_moves:
-            if self.offload is None:
-                raise ValueError("the plan moves KV tier blocks but this worker has no offload tiers")
-            self.offload.check(plan.tier_moves, full_limit)
-        for r in plan.new_requests:
-            _check_range([r.num_computed_tokens], len(r.prompt_token_ids) + len(r.output_token_ids) + 1, "computed")
-
     def run_block_ops(self, plan: StepPlan) -> TierRun:
         """Swap out, KV tier moves, copy (copy-on-write, compaction), swap in: before the forward pass reads any
         block. Tier moves follow the swap-out (a load may fill a block the swap-out reads) and precede the copies
@@ -219,12 +124,11 @@ class ModelRunner:
         imports = self._pull_imports(plan)
         failed_loads, failed_stores = self._failed_anywhere(plan, tiers)
         load_skipped = self._leave_out({m.dst for m in failed_loads} | {b for i in imports.failed for b in i.dst})
-        counts = np.array(
-            [r.num_scheduled_tokens for r in plan.new_requests]
-            + [r.num_scheduled_tokens for r in plan.cached_requests]
-            + [1] * plan.num_decodes,
-            dtype=np.int64,
-        )
+        counts = np.ones(len(rows), dtype=np.int64)  # the packed decodes (last) compute one token each
+        listed = [r.num_scheduled_tokens for r in plan.new_requests] + [
+            r.num_scheduled_tokens for r in plan.cached_requests
+        ]
+        counts[: len(listed)] = listed
         if self._load_failed:
             handles = [r.handle for r in plan.new_requests] + [r.handle for r in plan.cached_requests]
             handles += plan.decodes()[0]
@@ -262,7 +166,8 @@ class ModelRunner:
                     if not self.mode.tokens_in_plan:
                         self.batch.append_sampled(inputs, tokens)
                     if tokens:  # (a rank of an earlier pipeline stage has none)
-                        token_handles, packed = pack_int32([s.handle for s in samplers]), pack_int32(tokens)
+                        token_handles = self.batch.handle[inputs.sampler_rows].astype("<i4").tobytes()
+                        packed = pack_int32(tokens)
                 if inputs.flags.logprobs.any():
                     logprobs = {state.handle: [lp] for state, lp in zip(samplers, lps) if lp is not None}
                 if plan.propose and self.draft is not None:  # a draft model's proposals for the next step
@@ -413,9 +318,3 @@ def pool(hidden: torch.Tensor, rows: list[tuple[RequestState, int, int, int]]) -
         vector = states.sum(0) if state.sampling.pooling == "mean" else states[-1]
         out[state.handle] = (first, count, vector.cpu().numpy().astype("<f4").tobytes())
     return out
-
-
-def _check_range(values: list[int], limit: int, what: str) -> None:
-    bad = next((v for v in values if not 0 <= v < limit), None)
-    if bad is not None:
-        raise ValueError(f"{what} {bad} is outside [0, {limit})")

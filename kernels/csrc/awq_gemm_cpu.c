@@ -19,7 +19,8 @@
  * Up to DOT_ROWS rows: AVX-512 BF16 dot products, each activation pair broadcast against 16 channels (no
  * horizontal sums). More rows: the activations (row-major as they come, zero-padded to 16 rows) are AMX's A
  * operand and the widened weights its B, so an accumulator tile is y's 16 rows x 16 channels of one group, stored
- * and scaled per group. Threads (OpenMP) split the channel blocks.
+ * and scaled per group (up to 16 rows the rows' float32 sums stay in registers between groups). Threads (OpenMP)
+ * take the channel blocks in pairs as they come free.
  *
  * Requirements (the caller checks): K % 32 == 0, G % 32 == 0 and K % G == 0, N % 16 == 0, 1 <= M <= 64,
  * everything contiguous.
@@ -29,7 +30,8 @@
 #include "amx_tiles.h"
 
 #define MAX_ROWS 64
-#define DOT_ROWS 4    /* rows up to which broadcast dot products beat tiles */
+#define DOT_ROWS 2    /* rows up to which broadcast dot products beat tiles (measured: 2 rows 8.8 vs 10.0 ms a
+                       * pass, 3 rows 11.5 vs 10.5, 4 rows 14.1 vs 10.7) */
 #define GROUP_ROWS 16 /* activation rows per accumulator tile */
 #define BLOCK_N 16    /* output channels per block (one tile's columns, one vector's lanes) */
 #define BLOCK_K 32    /* inputs per tile product */
@@ -123,9 +125,7 @@ static void dot_rows(const uint32_t *xp, const uint8_t *codes, const float *scal
                      uint16_t *out, int64_t M, int64_t N, int64_t K, int64_t G) {
     switch (M) {
     case 1: dot_block(xp, codes, scales, sums, out, 1, N, K, G); break;
-    case 2: dot_block(xp, codes, scales, sums, out, 2, N, K, G); break;
-    case 3: dot_block(xp, codes, scales, sums, out, 3, N, K, G); break;
-    default: dot_block(xp, codes, scales, sums, out, 4, N, K, G); break;
+    default: dot_block(xp, codes, scales, sums, out, 2, N, K, G); break;
     }
 }
 
@@ -193,6 +193,54 @@ static void tile_block(const uint16_t *xpad, const uint8_t *codes, const float *
         _mm256_storeu_si256((__m256i *)(out + m * N), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(y + 16 * m)));
 }
 
+/* The tile products of group g into accumulator tile T (activations tile A, weights tile B), stored to acc, then
+ * scaled into the 16 rows y (registers). */
+#define ONE_GROUP(T, A, B, g)                                                                                       \
+    do {                                                                                                            \
+        _tile_zero(T);                                                                                              \
+        for (int64_t kb = (g) * G / BLOCK_K; kb < ((g) + 1) * G / BLOCK_K; kb++) {                                  \
+            _tile_loadd(B, wide + kb * 16 * 16, 64);                                                                \
+            _tile_loadd(A, xpad + kb * BLOCK_K, stride);                                                            \
+            _tile_dpbf16ps(T, A, B);                                                                                \
+        }                                                                                                           \
+        _tile_stored(T, acc, 64);                                                                                   \
+        const __m512 scale = _mm512_loadu_ps(scales + (g) * 32), bias = _mm512_loadu_ps(scales + (g) * 32 + 16);   \
+        for (int r = 0; r < R; r++) {                                                                               \
+            y[r] = _mm512_fmadd_ps(_mm512_load_ps(acc + 16 * r), scale, y[r]);                                      \
+            y[r] = _mm512_fmadd_ps(bias, _mm512_set1_ps(sums[r * groups + (g)]), y[r]);                             \
+        }                                                                                                           \
+    } while (0)
+
+/* tile_block for at most R <= 16 rows (one row group; `sums` has R rows, zeros past M; the tile reads 16, zeros
+ * past M too): the rows' float32 sums stay in registers between groups instead of going through memory (at 16 rows,
+ * scaling each group's tile costs as much as its products). R is a constant where inlined (8 or 16). */
+static inline __attribute__((always_inline)) void tile_block_regs(const uint16_t *xpad, const uint8_t *codes,
+                                                                  const float *scales, const float *sums,
+                                                                  uint16_t *out, int64_t M, int64_t N, int64_t K,
+                                                                  int64_t G, uint32_t *wide, float *acc, const int R) {
+    const int64_t groups = K / G, stride = K * 2;
+    for (int64_t q = 0; q < K / 4; q++) {
+        __m512i low, high;
+        if (q % 2 == 0)
+            _mm_prefetch((const char *)(codes + q * 32 + PREFETCH_AHEAD), _MM_HINT_T1);
+        widen_chunk(codes + q * 32, &low, &high);
+        _mm512_store_si512(wide + (2 * q) * 16, low);
+        _mm512_store_si512(wide + (2 * q + 1) * 16, high);
+    }
+    __m512 y[GROUP_ROWS];
+    for (int r = 0; r < R; r++)
+        y[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++)
+        ONE_GROUP(0, 4, 6, g);
+    for (int64_t m = 0; m < M; m++)
+        _mm256_storeu_si256((__m256i *)(out + m * N), (__m256i)_mm512_cvtneps_pbh(y[m]));
+}
+
+/* Rows a tile_block_regs call keeps in registers for M rows (0: more than one row group, tile_block's). */
+static inline int register_rows(int64_t M) {
+    return M <= GROUP_ROWS / 2 ? GROUP_ROWS / 2 : M <= GROUP_ROWS ? GROUP_ROWS : 0;
+}
+
 /* This thread's buffer of at least `bytes` (kept between calls), or NULL. */
 static void *thread_buffer(void **buffer, size_t *capacity, size_t bytes) {
     if (bytes > *capacity) {
@@ -216,10 +264,12 @@ int awq_gemm(const uint16_t *x, const uint8_t *codes, const float *scales, uint1
     if (M < 1 || M > MAX_ROWS || N <= 0 || N % BLOCK_N || K <= 0 || K % BLOCK_K || G <= 0 || G % BLOCK_K || K % G)
         return -1;
     const int64_t blocks = N / BLOCK_N, groups = K / G, rows = (M + GROUP_ROWS - 1) / GROUP_ROWS * GROUP_ROWS;
-    float *sums = thread_buffer(&sum_buffer, &sum_capacity, (size_t)M * groups * sizeof(float));
+    const int64_t sum_rows = M > DOT_ROWS && register_rows(M) > M ? register_rows(M) : M; /* zero rows read */
+    float *sums = thread_buffer(&sum_buffer, &sum_capacity, (size_t)sum_rows * groups * sizeof(float));
     if (!sums)
         return -1;
     group_sums(x, sums, M, K, G);
+    memset(sums + M * groups, 0, (size_t)(sum_rows - M) * groups * sizeof(float));
     const uint16_t *xpad = x;
     if (M > DOT_ROWS && M < rows) { /* the tiles read whole groups of 16 rows: zeros past M */
         uint16_t *pad = thread_buffer(&pad_buffer, &pad_capacity, (size_t)rows * K * sizeof(uint16_t));
@@ -243,13 +293,19 @@ int awq_gemm(const uint16_t *x, const uint8_t *codes, const float *scales, uint1
             failed = !wide;
             configure_tiles();
         }
-#pragma omp for schedule(static)
+        /* Threads take pairs of blocks as they come free: on cores shared with the engine's own threads a thread
+         * descheduled mid-call would hold back a static half (the bf16 kernel measured the same). */
+#pragma omp for schedule(dynamic, 2)
         for (int64_t b = 0; b < blocks; b++) {
             const uint8_t *block_codes = codes + b * (K / 4) * 32;
             const float *block_scales = scales + b * groups * 32;
             uint16_t *block_out = out + b * BLOCK_N;
             if (M <= DOT_ROWS)
                 dot_rows((const uint32_t *)x, block_codes, block_scales, sums, block_out, M, N, K, G);
+            else if (!failed && register_rows(M) == GROUP_ROWS / 2)
+                tile_block_regs(xpad, block_codes, block_scales, sums, block_out, M, N, K, G, wide, acc, 8);
+            else if (!failed && register_rows(M) == GROUP_ROWS)
+                tile_block_regs(xpad, block_codes, block_scales, sums, block_out, M, N, K, G, wide, acc, 16);
             else if (!failed)
                 tile_block(xpad, block_codes, block_scales, sums, block_out, M, N, K, G, wide, acc, y);
         }

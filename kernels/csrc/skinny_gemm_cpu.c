@@ -253,17 +253,48 @@ static inline void scatter_quads(__m512i codes, uint32_t *dst) {
         dst[j * GROUP_ROWS] = words[j];
 }
 
-/* One bf16 row of K quantized symmetrically into its tile column(s): `hi` (and `lo` when split: 16-bit codes cut
- * into 256 hi + lo). Returns the row's scale (0 for an all-zero row, whose codes are all 0). */
-static float quantize_row(const uint16_t *x, int64_t K, int split, uint32_t *hi, uint32_t *lo) {
+/* e^x for 16 floats: 2^n * 2^f with n = round(x log2 e), f in [-1/2, 1/2] by a degree-7 polynomial (relative
+ * error about 1e-8, below float32's own rounding). */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    static const float c[] = {1.0f, 0.693147181f, 0.240226507f, 0.0555041087f, 0.00961812911f, 0.00133335581f,
+                              0.000154035304f, 1.52527338e-5f};
+    __m512 p = _mm512_set1_ps(c[7]);
+    for (int i = 6; i >= 0; i--)
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Inputs k..k+15 of an activation row: bf16 as they are, or silu(gate) * up from a gated MLP's [gate | up] row
+ * (`gated`: up starts K elements after gate), in float32 (no bf16 rounding between the two, unlike torch's). */
+static inline __m512 load_inputs(const uint16_t *x, int64_t k, int64_t K, int gated) {
+    const __m512 v = bf16x16_to_float(x + k);
+    if (!gated)
+        return v;
+    const __m512 silu = _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), v))));
+    return _mm512_mul_ps(silu, bf16x16_to_float(x + K + k));
+}
+
+/* One row of K inputs (bf16, or a gated MLP's: `load_inputs`, kept in `gated` [K] between the two passes)
+ * quantized symmetrically into its tile column(s): `hi` (and `lo` when split: 16-bit codes cut into 256 hi + lo).
+ * Returns the row's scale (0 for an all-zero row, whose codes are all 0). */
+static float quantize_row(const uint16_t *x, int64_t K, float *gated, int split, uint32_t *hi, uint32_t *lo) {
     __m512 amax = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16)
-        amax = _mm512_max_ps(amax, _mm512_abs_ps(bf16x16_to_float(x + k)));
+    for (int64_t k = 0; k < K; k += 16) {
+        const __m512 v = load_inputs(x, k, K, gated != NULL);
+        if (gated)
+            _mm512_store_ps(gated + k, v);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+    }
     const float absmax = _mm512_reduce_max_ps(amax), qmax = split ? 127.0f * 256 + 127 : 127.0f;
     const __m512 inv = _mm512_set1_ps(absmax > 0 ? qmax / absmax : 0.0f);
     const __m512i top = _mm512_set1_epi32((int)qmax), bottom = _mm512_set1_epi32(-(int)qmax);
     for (int64_t k = 0; k < K; k += 16) {
-        __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(bf16x16_to_float(x + k), inv)); /* to nearest */
+        const __m512 v = gated ? _mm512_load_ps(gated + k) : bf16x16_to_float(x + k);
+        __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv)); /* to nearest */
         q = _mm512_max_epi32(_mm512_min_epi32(q, top), bottom);
         if (split) {
             /* hi = floor((q + 128) / 256) in [-127, 127], lo = q - 256 hi in [-128, 127] */
@@ -341,8 +372,8 @@ static void stripe_int8(const int8_t *w, const float *w_scales, const uint32_t *
     }
 }
 
-static __thread void *xq_buffer, *xs_buffer;
-static __thread size_t xq_capacity, xs_capacity;
+static __thread void *xq_buffer, *xs_buffer, *gated_buffer;
+static __thread size_t xq_capacity, xs_capacity, gated_capacity;
 
 #endif /* HAVE_AMX_INT8 */
 
@@ -387,11 +418,39 @@ int skinny_gemm(const uint16_t *x, const void *w, const float *scales, uint16_t 
 #endif
 }
 
+#if HAVE_AMX_INT8
+static int int8_product(const uint16_t *x, const int8_t *w, const float *w_scales, uint16_t *out, int64_t M,
+                        int64_t N, int64_t K, int gated, int act_bits, int num_threads);
+#endif
+
 /* y = (x quantized per row to `act_bits` 8 or 16) @ w^T, times w_scales per output channel: int8 codes w [N, K],
  * any M. Returns 0 when done, -1 when this build or these shapes cannot (the caller then uses another path). */
 int int8_gemm(const uint16_t *x, const int8_t *w, const float *w_scales, uint16_t *out, int64_t M, int64_t N,
               int64_t K, int act_bits, int num_threads) {
 #if HAVE_AMX_INT8
+    return int8_product(x, w, w_scales, out, M, N, K, 0, act_bits, num_threads);
+#else
+    (void)x, (void)w, (void)w_scales, (void)out, (void)M, (void)N, (void)K, (void)act_bits, (void)num_threads;
+    return -1;
+#endif
+}
+
+/* `int8_gemm` of a gated MLP's down projection: x [M, 2K] holds each row's gate then up halves, and the product
+ * takes silu(gate) * up, made while the row is quantized (the activation and the multiply are not separate
+ * passes over memory). */
+int int8_gemm_silu_gated(const uint16_t *x, const int8_t *w, const float *w_scales, uint16_t *out, int64_t M,
+                         int64_t N, int64_t K, int act_bits, int num_threads) {
+#if HAVE_AMX_INT8
+    return int8_product(x, w, w_scales, out, M, N, K, 1, act_bits, num_threads);
+#else
+    (void)x, (void)w, (void)w_scales, (void)out, (void)M, (void)N, (void)K, (void)act_bits, (void)num_threads;
+    return -1;
+#endif
+}
+
+#if HAVE_AMX_INT8
+static int int8_product(const uint16_t *x, const int8_t *w, const float *w_scales, uint16_t *out, int64_t M,
+                        int64_t N, int64_t K, int gated, int act_bits, int num_threads) {
     if (M < 1 || N <= 0 || K <= 0 || N % BLOCK_N || K % QUADS_K || (act_bits != 8 && act_bits != 16))
         return -1;
     const int split = act_bits == 16, groups = (int)((M + GROUP_ROWS - 1) / GROUP_ROWS), vgroups = groups << split;
@@ -405,12 +464,15 @@ int int8_gemm(const uint16_t *x, const int8_t *w, const float *w_scales, uint16_
     const int64_t stripes = (N + 2 * BLOCK_N - 1) / (2 * BLOCK_N);
     if (num_threads > stripes)
         num_threads = (int)stripes;
-#pragma omp parallel num_threads(num_threads)
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
+        float *values = gated ? thread_buffer(&gated_buffer, &gated_capacity, (size_t)K * sizeof(float)) : NULL;
+        failed = gated && !values;
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) {
             uint32_t *hi = xq + (m / GROUP_ROWS << split) * words + m % GROUP_ROWS;
-            xs[m] = quantize_row(x + m * K, K, split, hi, hi + words);
+            xs[m] = failed ? 0.0f : quantize_row(x + m * (K << gated), K, values, split, hi, hi + words);
         }
         _Alignas(64) int32_t acc[16 * 16], acc_lo[16 * 16];
         configure_tiles();
@@ -422,9 +484,6 @@ int int8_gemm(const uint16_t *x, const int8_t *w, const float *w_scales, uint16_
         }
         _tile_release();
     }
-    return 0;
-#else
-    (void)x, (void)w, (void)w_scales, (void)out, (void)M, (void)N, (void)K, (void)act_bits, (void)num_threads;
-    return -1;
-#endif
+    return failed ? -1 : 0;
 }
+#endif

@@ -10,9 +10,13 @@ columns appended to as the plan is built: no per-request object.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 from scheduler_node.core.request import Request
+
+_HANDLE, _PREEMPTIONS = operator.attrgetter("handle"), operator.attrgetter("num_preemptions")
+_NEXT = (1).__add__
 
 
 @dataclass(slots=True)
@@ -46,15 +50,15 @@ class SentPlan:
     def add_decodes(self, reqs: list[Request], firsts: list[int]) -> None:
         """Steady decodes, added together: each computes the one token after `firsts[i]` and samples it."""
         k = len(reqs)
-        self.decode_handles += [r.handle for r in reqs]
+        self.decode_handles += map(_HANDLE, reqs)  # the columns in C: no Python frame per request
         self.decode_firsts += firsts
         self.requests += reqs
         self.drafts += [0] * k
         self.tokens += [1] * k
         self.total_tokens += k
-        self.ends += [f + 1 for f in firsts]
+        self.ends += map(_NEXT, firsts)
         self.samples += [True] * k
-        self.runs += [r.num_preemptions for r in reqs]
+        self.runs += map(_PREEMPTIONS, reqs)
 
 
 class InFlightLedger:

@@ -5,10 +5,11 @@ KV imports that failed) and what an interrupted step undoes."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 import msgspec
 
-from proto.wire import StepPlan, StepResult, TokenLogprobs
+from proto.wire import StepPlan, StepResult, TokenLogprobs, unpack_int32
 from scheduler_node.core.config import PreemptionMode
 from scheduler_node.core.in_flight import SentPlan
 from scheduler_node.core.preemption import Preemption
@@ -17,11 +18,12 @@ from scheduler_node.core.request import FinishReason, Request, Status
 logger = logging.getLogger(__name__)
 
 
-class RequestOutput(msgspec.Struct):
+class RequestOutput(msgspec.Struct, gc=False):
     """What one step produced for one request. The output side reads it on its own thread while the engine goes
     on changing the request: what ends it is copied here when it ends, and the rest of the request is only read
     for what no later step changes (its id, its prompt, its complete prompt logprobs). A Struct, never encoded:
-    made for every request at every step, it is built in C (a third of a dataclass's cost)."""
+    made for every request at every step, it is built in C (a third of a dataclass's cost), untracked by the
+    collector (nothing refers back to it: it is in no cycle)."""
 
     request: Request
     new_token_ids: list[int]  # the step's tokens (several with speculative decoding), up to the one that ended it
@@ -64,11 +66,54 @@ class Results(Preemption):
         for handle, (first, count, data) in result.pooled.items():
             if (req := self._by_handle.get(handle)) is not None:
                 req.add_pooled(first, count, data)
+        all_logprobs = result.logprobs
+        if result.tokens and not all_logprobs:
+            outputs = self._apply_packed(result)
+        else:
+            outputs = self._apply_sampled(result.sampled_items(), all_logprobs)
+        if self.speculator is not None:
+            if sent.num_drafted:
+                self._register_filled_blocks(sent)  # the blocks filled by accepted proposals: hashable only now
+            live, running = self._by_handle, Status.RUNNING
+            for handle, drafted in result.drafts.items():  # a draft model's proposals for the next step
+                if (req := live.get(handle)) is not None and req.status is running:
+                    self.speculator.drafted(req, drafted)
+        return outputs
+
+    def _apply_packed(self, result: StepResult) -> list[RequestOutput]:
+        """A result of one token per request and no logprobs (StepResult.tokens): the common step of a batch of
+        decodes, each request's token appended with a few operations (`_apply_sampled` for one that may end)."""
+        outputs: list[RequestOutput] = []
+        max_len, running, live, output = self.max_model_len, Status.RUNNING, self._by_handle, outputs.append
+        ends: list[tuple[int, list[int]]] = []
+        for handle, token in zip(unpack_int32(result.token_handles), unpack_int32(result.tokens)):
+            req = live.get(handle)
+            if req is None or req.status is not running:
+                continue  # aborted or preempted while the step ran
+            out, stop = req.output_token_ids, req.stop
+            n = len(out) + 1
+            if n < stop.max_tokens and n < max_len - len(req.prompt_token_ids) and token not in stop.ending:
+                req.num_placeholders -= 1
+                out.append(token)
+                if req.forks:
+                    self._start_forks(req)
+                output(RequestOutput(req, [token]))
+            else:
+                ends.append((handle, [token]))  # it may end: the general way, in this result's order after these
+        if ends:
+            outputs += self._apply_sampled(ends, {})
+        return outputs
+
+    def _apply_sampled(
+        self, items: Iterable[tuple[int, list[int]]], all_logprobs: dict[int, list[TokenLogprobs]]
+    ) -> list[RequestOutput]:
+        """Each sampling request's tokens (several with proposals) appended up to the one that ends it, with their
+        logprobs; the requests they ended finish."""
         outputs: list[RequestOutput] = []
         # Once per sampling request per step: what the loop calls is looked up once, here.
-        all_logprobs, max_len, running = result.logprobs, self.max_model_len, Status.RUNNING
+        max_len, running = self.max_model_len, Status.RUNNING
         live, output = self._by_handle, outputs.append
-        for handle, token_ids in result.sampled_items():
+        for handle, token_ids in items:
             req = live.get(handle)
             if req is None or req.status is not running:
                 continue  # aborted or preempted while the step ran
@@ -93,12 +138,6 @@ class Results(Preemption):
             end = req.status  # it finished
             outputs.append(RequestOutput(req, kept, logprobs, *_ending(req)))
             self.finish(req.req_id, end)
-        if self.speculator is not None:
-            if sent.num_drafted:
-                self._register_filled_blocks(sent)  # the blocks filled by accepted proposals: hashable only now
-            for handle, drafted in result.drafts.items():  # a draft model's proposals for the next step
-                if (req := live.get(handle)) is not None and req.status is running:
-                    self.speculator.drafted(req, drafted)
         return outputs
 
     def _recompute_failed_loads(self, result: StepResult) -> None:

@@ -27,7 +27,7 @@ import time
 
 from proto.wire import StepPlan
 from scheduler_node.core.admission import Admission
-from scheduler_node.core.block_table import UNCHANGED
+from scheduler_node.core.block_table import UNCHANGED, Written
 from scheduler_node.core.in_flight import SentPlan
 from scheduler_node.core.request import Request, Status
 from scheduler_node.core.results import RequestOutput, Results
@@ -72,10 +72,16 @@ class Scheduler(Admission, Results):
         # Not a steady decode: one that may propose (`proposing`), or a producer's (`kv_lease`), whose plan may
         # grant its lease (`_take`).
         decodes: list[Request] = []
+        firsts: list[int] = []  # theirs: computed tokens before this step
         plain = self.view.plain_decodes()
+        # Requests the loop may still take before it looks at the budget and the seats again: a steady decode
+        # counts it down; any other take sets it to 0, so the next request looks again.
+        room = 0
         for i, req in enumerate(order):
-            if budget <= 0 or len(scheduled) + len(decodes) >= seats:
-                break
+            if room <= 0:
+                room = min(budget, seats - len(scheduled) - len(decodes))
+                if room <= 0:
+                    break
             if req.status is not running or (held is not None and held(req.handle)):
                 continue  # preempted for a request before it in this step, or in a plan in flight
             first = req.num_computed_tokens
@@ -91,28 +97,38 @@ class Scheduler(Admission, Results):
             ):
                 # `write(req.req_id, first, first + 1) is unchanged`, its first test inline (the common case)
                 table = tables.get(req.req_id)
-                if table is not None and first // bs < len(table) and refs[table[first // bs]] == 1:
-                    decodes.append(req)
-                    budget -= 1
-                    continue
-                written = write(req.req_id, first, first + 1)
+                block = first // bs
+                written: Written | None
+                if table is not None and block < len(table) and refs[table[block]] == 1:
+                    written = unchanged
+                else:
+                    written = write(req.req_id, first, first + 1)  # None when no block is free
                 if written is unchanged:
+                    # `_take` of a steady decode, its request's part inline: it computes one token and samples it
+                    # (a token the scheduler learns of later); the plan and the ledger get them together later
+                    # (`_take_decodes`), before anything else is taken, so the plan keeps the loop's order
+                    req.num_computed_tokens = first + 1
+                    req.num_placeholders += 1
                     decodes.append(req)
+                    firsts.append(first)
                     budget -= 1
+                    room -= 1
                     continue
+                room = 0
                 if written is not None:  # a decode that starts a block (or copies a shared one): taken alone
                     if decodes:
-                        self._take_decodes(decodes, plan, sent)
-                        decodes = []
+                        self._take_decodes(decodes, firsts, plan, sent)
+                        decodes, firsts = [], []
                     take(req, 1, True, plan, sent, written)
                     budget -= 1
                     continue
+            room = 0
             n = todo if todo <= budget else budget
             if n <= 0 or (n > 1 and self.policy.effective_priority(req, now) < floor):
                 continue
             if decodes:
-                self._take_decodes(decodes, plan, sent)
-                decodes = []
+                self._take_decodes(decodes, firsts, plan, sent)
+                decodes, firsts = [], []
             drafts: list[int] | None = []
             if proposing is not None and todo == 1 and req.spec is not None and self.view.holds(req.handle):
                 drafts = proposing.drafts(req, proposing.room(req, budget, self.max_model_len))
@@ -141,7 +157,7 @@ class Scheduler(Admission, Results):
                 take(req, n, n == todo, plan, sent, written)
                 budget -= n
         if decodes:
-            self._take_decodes(decodes, plan, sent)
+            self._take_decodes(decodes, firsts, plan, sent)
         if not preempted or not self.running:  # a request that preempted itself leaves the cache to the others
             self._admit(budget, seats, floor, plan, sent, now)
         self._pin_arrivals()  # migrated sequences that did not start pull their KV now, seat or no seat

@@ -324,14 +324,10 @@ class SchedulerState:
             plan.decode_handles = pack_int32(sent.decode_handles)
             plan.decode_computed = pack_int32(sent.decode_firsts)
 
-    def _take_decodes(self, reqs: list[Request], plan: StepPlan, sent: SentPlan) -> None:
-        """`_take` of steady decodes, together: each computes one token within its own last block (no block
-        added or copied) and samples; the workers hold each one (one stage: they append its tokens themselves).
-        None proposes or is a producer's (no drafts, no KV grant: the loop in `schedule` leaves those to `_take`).
-        Column by column, so a step's Python work per decode is a few list operations, not calls; the plan gets
-        them packed when it is complete (`pack_decodes`)."""
-        firsts = [r.num_computed_tokens for r in reqs]
-        for req in reqs:
-            req.num_computed_tokens += 1
-            req.num_placeholders += 1  # this step samples a token the scheduler learns of later
+    def _take_decodes(self, reqs: list[Request], firsts: list[int], plan: StepPlan, sent: SentPlan) -> None:
+        """`_take` of steady decodes, together: each computed one token within its own last block (no block
+        added or copied) from `firsts[i]` and samples; the workers hold each one (one stage: they append its tokens
+        themselves). None proposes or is a producer's (no drafts, no KV grant: the loop in `schedule` leaves those
+        to `_take`). The loop advanced each request already (its computed tokens and placeholder); here the ledger
+        takes them column by column, and the plan gets them packed when it is complete (`pack_decodes`)."""
         sent.add_decodes(reqs, firsts)

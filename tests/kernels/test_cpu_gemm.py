@@ -114,6 +114,30 @@ def test_16_bit_activations_are_as_fine_as_bf16() -> None:
     assert errors[16] < 4e-3 < errors[8], errors
 
 
+@needs_amx_int8
+@pytest.mark.parametrize("bits", [8, 16])
+@pytest.mark.parametrize("rows", [1, 17, 64, 100])
+def test_a_gated_mlp_s_activation_is_made_in_the_int8_kernel(bits: int, rows: int) -> None:
+    """silu(gate) * up of [gate | up] rows, made in float32 as each row is quantized: the product of those
+    values quantized as the plain kernel quantizes a row, zero rows (an all-zero up) giving zeros."""
+    gen = torch.Generator().manual_seed(rows * 10 + bits)
+    gate_up = (torch.randn(rows, 2 * 192, generator=gen) * 3).bfloat16()  # silu's tails: e^-x from -9 to 9
+    gate_up[rows // 2, 192:] = 0
+    codes = torch.randint(-127, 128, (48, 192), generator=gen, dtype=torch.int8)
+    scales = torch.rand(48, generator=gen) / 64
+    got = cpu_gemm.linear_int8_act(gate_up, codes, scales, bits, silu_gated=True)
+    assert got is not None and got.shape == (rows, 48)
+    gate, up = gate_up.double().split(192, dim=-1)
+    x = F.silu(gate) * up  # float64: the kernel's float32 exp is within 1e-7 of it
+    want = _int8_act_reference(x, codes, scales, bits)
+    step = x.abs().amax(dim=1, keepdim=True) / (127 if bits == 8 else 32639)
+    slack = step * codes.double().abs().amax(dim=1) * scales.double() * 2
+    assert bool(((got.double() - want).abs() <= 2**-8 * want.abs() + slack + 1e-30).all())
+    assert bool((got[rows // 2] == 0).all())
+    plain = torch.randn(rows, 192).bfloat16()  # the inputs' width must be twice the codes'
+    assert cpu_gemm.linear_int8_act(plain, codes, scales, bits, silu_gated=True) is None
+
+
 def test_what_the_int8_kernel_does_not_cover_is_refused() -> None:
     codes, scales = torch.ones(32, 96, dtype=torch.int8), torch.ones(32)
     assert cpu_gemm.linear_int8_act(torch.randn(4, 96).bfloat16(), codes, scales) is None  # 96 inputs: not 64s

@@ -44,7 +44,7 @@ def test_the_kernel_builds_where_the_cpu_has_amx() -> None:
 
 
 @needs_amx
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 64, 70])  # dot products to 4 rows, tiles beyond, slices
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 12, 16, 17, 64, 70])  # dots to 2, tiles (sums in registers), slices
 @pytest.mark.parametrize(("outputs", "inputs", "group"), [(16, 32, 32), (48, 192, 64), (80, 256, 128)])
 def test_the_kernel_multiplies_by_the_dequantized_weights(rows: int, outputs: int, inputs: int, group: int) -> None:
     """Against the same bf16 activations times the exact weights in float64: the kernel rounds each weight to

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from proto.wire import NewRequest, SamplingOptions
-from worker_node.input_batch import InputBatch, StepInputs
+from worker_node.input_batch import InputBatch
+from worker_node.step_inputs import StepInputs
 
 pytestmark = pytest.mark.unit
 
@@ -202,3 +203,21 @@ def test_unverified_proposals_roll_back_to_the_next_plan_only_downwards_by_at_mo
     assert batch.num_computed[rows].tolist() == [7, 8, 8, 8]
     batch.settle_unverified(rows, np.array([6, 6, 6, 6], dtype=np.int64))  # settled already: nothing to roll back
     assert batch.num_computed[rows].tolist() == [7, 8, 8, 8]
+
+
+def test_rows_of_finds_held_handles_as_requests_come_and_go() -> None:
+    """A plan's packed decodes are looked up in one search (`rows_of`): right after requests came and went, in any
+    order, and a handle the worker does not hold is a KeyError naming it, never another request's row."""
+    batch = InputBatch(BS, torch.device("cpu"), rows=2)  # rows grow as requests come
+    for handle in (7, 3, 90, 12):
+        batch.add(NewRequest(handle, [5, 6], [], SamplingOptions(), [handle], 1, 1))
+    rows = {h: batch.states[h].row for h in (7, 3, 90, 12)}
+    assert batch.rows_of(np.array([90, 3, 12, 7])).tolist() == [rows[90], rows[3], rows[12], rows[7]]
+    batch.remove(3)
+    batch.add(NewRequest(5, [5, 6], [], SamplingOptions(), [5], 1, 1))  # takes the freed row
+    assert batch.rows_of(np.array([5, 12])).tolist() == [batch.states[5].row, rows[12]]
+    for missing in ([3], [12, 4], [1000], [0]):
+        with pytest.raises(KeyError) as err:
+            batch.rows_of(np.array(missing))
+        assert err.value.args[0] == [h for h in missing if h not in batch.states][0]
+    assert batch.rows_of(np.array([], dtype=np.int64)).tolist() == []

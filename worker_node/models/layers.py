@@ -176,8 +176,23 @@ class MLP(nn.Module):
         self.comm = comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.comm.all_reduce(self.down_proj(self.act(gate) * up))
+        gate_up = self.gate_up_proj(x)
+        out = silu_gated_product(self.down_proj, gate_up) if self.act is F.silu else None
+        if out is None:
+            gate, up = gate_up.split(self.inter, dim=-1)
+            out = self.down_proj(self.act(gate) * up)
+        return self.comm.all_reduce(out)
+
+
+def silu_gated_product(down: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | None:
+    """down(silu(gate) * up) in one kernel call where down's weight format has one for these inputs (int8 on
+    AMX-INT8: quant_int8.py's `forward_silu_gated`); None elsewhere, and where a hook watches down (a LoRA
+    adapter adds its own product to down's output through one)."""
+    fused = getattr(getattr(down, "method", None), "forward_silu_gated", None)
+    if fused is None or down._forward_hooks or down._forward_pre_hooks:
+        return None
+    out: torch.Tensor | None = fused(down, gate_up)
+    return out
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -207,7 +222,12 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(nn.Module):
     """Each TP rank scores its vocab rows; TP rank 0 gathers the full logits (the others get None).
 
-    `softcap`: logits become cap * tanh(logits / cap) (Gemma 2's final soft-capping); 0 leaves them."""
+    `softcap`: logits become cap * tanh(logits / cap) (Gemma 2's final soft-capping); 0 leaves them.
+    `int8` (set by worker_node/models/quantize.py's `quantize_head` for `--quantization int8` on AMX-INT8 CPUs):
+    int8 codes of this rank's rows and their float32 scales. The head then scores every row from the codes (half
+    the bytes of bf16: at decode sizes the head reads its weight from memory) and rescores each row's top
+    `RESCORED_INT8_LOGITS` exactly from the model-dtype weight, which stays (the tied embedding reads it): the
+    argmax and the sampled top candidates are the unquantized head's; the others carry int8's rounding."""
 
     def __init__(self, vocab_size: int, hidden_size: int, where: ParallelRank, comm: Comm, softcap: float = 0.0):
         super().__init__()
@@ -216,33 +236,73 @@ class ParallelLMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(end - start, hidden_size))
         self.softcap = softcap
         self.comm = comm
+        self.int8: tuple[torch.Tensor, torch.Tensor] | None = None
 
     invariant = False  # `set_batch_invariant`
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        local = cpu_gemm.linear(hidden, self.weight, invariant=self.invariant)
-        if local.dtype != torch.float32:
-            local = rescore_top_logits(local, hidden, lambda rows: self.weight[rows].float())
+        local = self._int8_scores(hidden)
+        if local is not None:
+            local = rescore_top_logits(local, hidden, self._exact_rows, RESCORED_INT8_LOGITS)
+        else:
+            local = cpu_gemm.linear(hidden, self.weight, invariant=self.invariant)
+            if local.dtype != torch.float32:
+                local = rescore_top_logits(local, hidden, self._exact_rows)
         logits = self.comm.gather_to_first(local)
         if logits is None:
             return None
         logits = logits[:, : self.vocab_size].float()
         return logits if not self.softcap else torch.tanh(logits / self.softcap) * self.softcap
 
+    def _int8_scores(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """This rank's logits from the int8 codes (bf16), or None (no codes, or the kernel does not cover hidden)."""
+        if self.int8 is None or hidden.dtype != torch.bfloat16:
+            return None
+        return cpu_gemm.linear_int8_act(hidden, *self.int8)
+
+    def _exact_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.weight[rows].float()
+
 
 RESCORED_LOGITS = 8
+# An int8 logit is off by up to about 1 % of the row's scale: more candidates, so that the exact best is among them.
+RESCORED_INT8_LOGITS = 16
 
 
 def rescore_top_logits(
-    logits: torch.Tensor, hidden: torch.Tensor, weight_rows: Callable[[torch.Tensor], torch.Tensor]
+    logits: torch.Tensor,
+    hidden: torch.Tensor,
+    weight_rows: Callable[[torch.Tensor], torch.Tensor],
+    count: int = RESCORED_LOGITS,
 ) -> torch.Tensor:
     """Float32 logits whose top candidates are recomputed in float32 from the same bf16/fp16 operands.
 
     A bf16 logit is rounded to a step of 1/16 to 1/8 at the magnitudes of a model's best tokens (8 to 32), so
     near-ties would resolve by token id instead of by score; the top few of each row (each TP rank's own vocab
     rows, whose union holds the global top) are cheap to score exactly, the rest keep their rounded values.
-    `weight_rows(ids)`: those vocab rows of the weight in float32 (a quantized head's, dequantized).
+    `weight_rows(ids)`: those vocab rows of the weight in float32 (an int8 head's: of the weight it was made from).
     """
-    top = logits.topk(min(RESCORED_LOGITS, logits.shape[-1]), dim=-1).indices  # [B, k]
+    top = top_candidates(logits, min(count, logits.shape[-1]))  # [B, k]
     exact = torch.einsum("bd,bkd->bk", hidden.float(), weight_rows(top))
     return logits.float().scatter_(1, top, exact)
+
+
+CANDIDATE_CHUNK = 256
+
+
+def top_candidates(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of each row's k largest values ([B, k], in no particular order; of tied values, any).
+
+    torch's topk over a 49,152-token vocab took 6.8 ms at 64 rows (one thread): as long as the LM head's own
+    int8 product. Cut into chunks of CANDIDATE_CHUNK, the k largest values lie in the k chunks of largest maxima (a
+    value among them in any other chunk would have k chunk maxima, each in a different chunk, above it), so one
+    max per chunk, a topk over the maxima and one over k chunks find them: 2.5 ms at 64 rows."""
+    rows, width = logits.shape
+    chunks = width // CANDIDATE_CHUNK
+    if width % CANDIDATE_CHUNK or chunks <= k or not logits.is_contiguous():
+        return logits.topk(k, dim=-1).indices
+    blocks = logits.view(rows, chunks, CANDIDATE_CHUNK)
+    best_chunks = blocks.amax(dim=-1).topk(k, dim=-1).indices  # [B, k]
+    candidates = blocks.gather(1, best_chunks.unsqueeze(-1).expand(rows, k, CANDIDATE_CHUNK))
+    within = candidates.reshape(rows, k * CANDIDATE_CHUNK).topk(k, dim=-1).indices
+    return best_chunks.gather(1, within // CANDIDATE_CHUNK) * CANDIDATE_CHUNK + within % CANDIDATE_CHUNK

@@ -30,6 +30,7 @@ from worker_node.models.quantize import (
     make_method,
     prepare_model,
     quant_axes,
+    quantize_head,
 )
 from worker_node.models.registry import model_class
 from worker_node.parallel import SINGLE, Comm, ParallelRank
@@ -134,6 +135,7 @@ def load_model(
     cast_model(model, device, dtype)
     model.rotary.to(dtype=torch.float32)
     after_load(model)
+    quantize_head(model, method)
     model.eval()
     logger.info(
         "loaded %s (%s, %d of %d layers, TP rank %d of %d) in %s%s",

@@ -55,6 +55,7 @@ def pack(codes: torch.Tensor) -> torch.Tensor:
 
 class AwqMethod(QuantMethod):
     name = "awq"
+    int8_head = True  # with 4-bit projections the bf16 head is half of a decode step's bytes (quantize.quantize_head)
 
     def __init__(self, group_size: int = 128) -> None:
         self.group_size = group_size

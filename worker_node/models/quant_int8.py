@@ -63,6 +63,7 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Int8Method(QuantMethod):
     name = "int8"
+    int8_head = True  # the head's int8 codes pick candidates (quantize.quantize_head)
     axes = {"qweight": TensorAxes(0, 1), "scales": TensorAxes(0, None)}
     follows_model_dtype = ("scales",)  # the packed GEMV takes them in the activations' dtype
 
@@ -96,6 +97,17 @@ class Int8Method(QuantMethod):
         if bits == 8 or x.shape[0] <= cpu_gemm.MAX_ROWS:
             out = cpu_gemm.linear_int8_act(x, q, scales, bits)
         return out if out is not None else cpu_gemm.linear_int8(x, q, scales)
+
+    def forward_silu_gated(self, layer: QuantLinear, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """The layer (a gated MLP's down projection) times silu(gate) * up of the MLP's [T, 2K] gate/up output,
+        in one AMX-INT8 call where `_amx` would run the kernel (the activation made as the rows are quantized:
+        two elementwise passes and a temporary fewer); None elsewhere (the caller multiplies as usual)."""
+        bits = act_bits().get(layer.role, 16)
+        cpu_bf16 = gate_up.device.type == "cpu" and gate_up.dtype == torch.bfloat16
+        if not cpu_bf16 or layer.bias is not None or (bits != 8 and gate_up.shape[0] > cpu_gemm.MAX_ROWS):
+            return None
+        q, scales = layer.part("qweight"), self._float_scales(layer)
+        return cpu_gemm.linear_int8_act(gate_up, q, scales, bits, silu_gated=True)
 
     def _float_scales(self, layer: QuantLinear) -> torch.Tensor:
         """The scales in float32 for the C kernel, made once (the buffer follows the model dtype; bf16 numbers

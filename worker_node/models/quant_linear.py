@@ -37,6 +37,7 @@ class QuantMethod:
     name = ""
     axes: dict[str, TensorAxes] = {}
     follows_model_dtype: tuple[str, ...] = ()  # tensors cast to the model dtype; the others keep their own
+    int8_head = False  # whether the LM head gets an int8 copy that picks candidates (quantize.quantize_head)
 
     @property
     def tensor_names(self) -> tuple[str, ...]:

@@ -51,9 +51,9 @@ def make(fast: bool, spec: bool) -> tuple[Scheduler, list[int]]:
     taken: list[int] = []
     take_decodes = s._take_decodes
 
-    def counted(reqs: list[Request], plan: StepPlan, sent: Any) -> None:
+    def counted(reqs: list[Request], firsts: list[int], plan: StepPlan, sent: Any) -> None:
         taken.append(len(reqs))
-        take_decodes(reqs, plan, sent)
+        take_decodes(reqs, firsts, plan, sent)
 
     s._take_decodes = counted  # type: ignore[method-assign]
     if not fast:

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kernels import cpu_gemm, cpu_gemm_awq
 from proto.quantization import QuantizationError
 from tests.support.awq_checkpoint import pack_columns, quantize_awq
 from worker_node.models import quant_int8
+from worker_node.models.layers import RESCORED_INT8_LOGITS, ParallelLMHead, silu_gated_product
 from worker_node.models.quant_awq import AwqMethod, pack, unpack
 from worker_node.models.quant_fp8 import FP8, Fp8Method
 from worker_node.models.quant_int8 import Int8Method
 from worker_node.models.quant_linear import QuantLinear
-from worker_node.models.quantize import QuantizedCheckpoint, weight_bytes
+from worker_node.models.quantize import QuantizedCheckpoint, quantize_head, weight_bytes
+from worker_node.parallel import SINGLE, Comm
 
 pytestmark = pytest.mark.unit
 
@@ -195,3 +198,71 @@ def test_quantizing_on_load_makes_a_projection_s_tensors_and_passes_a_norm_throu
 def test_weight_bytes_count_a_quantized_layer_s_codes_and_scales() -> None:
     layer = QuantLinear.quantized(Int8Method(), torch.randn(8, 16))
     assert weight_bytes(layer) == 8 * 16 + 8 * 4
+
+
+def _head(vocab: int, hidden: int) -> ParallelLMHead:
+    head = ParallelLMHead(vocab, hidden, SINGLE, Comm(SINGLE))
+    head.weight.data = (torch.randn(vocab, hidden) * 0.05).bfloat16()
+    return head
+
+
+@pytest.mark.skipif(not cpu_gemm.has_int8(), reason="the int8 LM head runs on the AMX-INT8 kernel only")
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_an_int8_lm_head_scores_from_its_codes_and_rescores_the_top_exactly(rows: int) -> None:
+    head = _head(4096, 128)
+    hidden = torch.randn(rows, 128).bfloat16()
+    exact = hidden.float() @ head.weight.float().t()  # what the bf16 head's top candidates are rescored to
+    assert quantize_head(_Model(head), Int8Method())
+    assert head.int8 is not None and head.int8[0].dtype == torch.int8
+    logits = head(hidden)
+    assert logits is not None
+    # the codes score every token: int8's rounding, about a step per row against the dequantized weight
+    codes, scales = head.int8
+    dequantized = hidden.float() @ (codes.float() * scales[:, None]).t()
+    torch.testing.assert_close(logits, dequantized, rtol=0.02, atol=0.02)
+    # each row's top candidates carry the exact float32 score of the kept weight: the argmax is the bf16 head's
+    scores = cpu_gemm.linear_int8_act(hidden, codes, scales)
+    assert scores is not None
+    top = scores.topk(RESCORED_INT8_LOGITS, dim=-1).indices
+    torch.testing.assert_close(logits.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-5)
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    assert not torch.equal(logits, exact)  # (the rest are int8's: this is the int8 path)
+
+
+def test_the_lm_head_keeps_its_weight_without_the_int8_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    head = _head(64, 64)
+    assert not quantize_head(_Model(head), Fp8Method())  # another format: the head as it is
+    monkeypatch.setattr(cpu_gemm, "has_int8", lambda: False)
+    assert not quantize_head(_Model(head), Int8Method())  # no AMX-INT8: no codes, nothing more held
+    assert head.int8 is None
+
+
+@pytest.mark.skipif(not cpu_gemm.has_int8(), reason="the int8 LM head runs on the AMX-INT8 kernel only")
+def test_weight_bytes_count_an_int8_head_s_codes_beside_its_weight() -> None:
+    model = _Model(_head(64, 64))
+    assert weight_bytes(model) == 64 * 64 * 2
+    assert quantize_head(model, Int8Method())
+    assert weight_bytes(model) == 64 * 64 * 2 + 64 * 64 + 64 * 4
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, head: ParallelLMHead) -> None:
+        super().__init__()
+        self.lm_head = head
+
+
+@pytest.mark.skipif(not cpu_gemm.has_int8(), reason="the fused gated product runs on the AMX-INT8 kernel only")
+def test_an_int8_down_projection_takes_the_gated_activation_in_its_kernel() -> None:
+    down = QuantLinear.quantized(Int8Method(), torch.randn(64, 128) * 0.05)
+    down.role = "down_proj"
+    down.cast(torch.bfloat16)
+    gate_up = torch.randn(16, 256).bfloat16()
+    fused = silu_gated_product(down, gate_up)
+    gate, up = gate_up.split(128, dim=-1)
+    assert fused is not None
+    assert _relative_error(fused, down(F.silu(gate) * up).float()) < 0.01  # the unfused path: torch's two steps
+    assert silu_gated_product(down, gate_up.float()) is None  # float32: not the kernel's
+    assert silu_gated_product(down, torch.randn(65, 256).bfloat16()) is None  # past the kernel's rows at 16 bits
+    down.register_forward_hook(lambda module, args, out: out)  # (what a LoRA adapter does)
+    assert silu_gated_product(down, gate_up) is None  # the hook must see the call: the MLP calls down itself
+    assert silu_gated_product(torch.nn.Linear(128, 64), gate_up) is None  # another weight: no fused path

@@ -10,10 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kernels import cpu_gemm
 from kernels.backend import select_attention_backend
 from proto.quantization import QuantizationError
 from tests.support.awq_checkpoint import write_awq_checkpoint
 from worker_node.models.loader import load_model
+from worker_node.models.quantize import weight_bytes
 
 pytestmark = pytest.mark.model
 
@@ -68,3 +70,19 @@ def test_a_group_size_the_layers_do_not_split_into_is_named(awq_dir: Path, tmp_p
         _load(folder)
     with pytest.raises(QuantizationError, match="--quantization int8: .* awq checkpoint"):
         _load(awq_dir, "int8")
+
+
+def test_an_awq_models_head_gets_its_int8_copy_in_bf16(awq_dir: Path) -> None:
+    """bf16 with AMX-INT8: the head (tied to the embedding, kept bf16) gains int8 codes, counted in the weights
+    held; float32 models and other CPUs keep the bf16 head alone (quantize.quantize_head)."""
+    backend = select_attention_backend("torch", CPU)
+    model = load_model(awq_dir, backend, torch.bfloat16, CPU, 64, quantization="auto")
+    assert model.lm_head is not None and model.lm_head.weight.dtype == torch.bfloat16
+    assert (model.lm_head.int8 is not None) == cpu_gemm.has_int8()
+    assert load_model(awq_dir, backend, torch.float32, CPU, 64, quantization="auto").lm_head.int8 is None  # type: ignore[union-attr]
+    if model.lm_head.int8 is not None:
+        codes, scales = model.lm_head.int8
+        assert codes.shape == model.lm_head.weight.shape and codes.dtype == torch.int8
+        with_codes = weight_bytes(model)
+        model.lm_head.int8 = None
+        assert with_codes - weight_bytes(model) == codes.numel() + scales.numel() * scales.element_size()

@@ -1,0 +1,258 @@
+"""A step's inputs, gathered from the rows of the InputBatch (worker_node/input_batch.py) in a few vectorised
+operations: ids, positions, slot mapping, block tables and sequence lengths (the attention metadata), the rows that
+sample and their flags, proposals to verify, prompt rows to score or pool. Its Python work is a few operations per
+request, not a rebuild of every tensor from lists. A part of InputBatch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from proto.wire import SamplingOptions
+from worker_node.attention import AttentionMetadata
+from worker_node.sampler import RowFlags, SamplingRequest
+from worker_node.spec_decode import DraftRows, expand
+
+
+@dataclass(slots=True)
+class RequestState:
+    """What the worker keeps of a request besides its row's arrays (what the sampler reads, see SamplingRequest)."""
+
+    handle: int  # the request's id on the wire
+    token_ids: list[int]  # prompt + output so far
+    num_prompt_tokens: int
+    sampling: SamplingOptions
+    row: int  # its row in the InputBatch
+    resumed: bool = False  # came back with output tokens: its prompt logprobs were delivered already
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's inputs, in batch order: full-pool sequences then compact ones; in each, decodes then prefills."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # token index of each sequence that samples
+    all_sample: bool  # every token samples, in order: sample_rows is every row of the hidden states
+    samplers: list[RequestState]  # the sequences that sample, in the same order
+    flags: RowFlags  # theirs
+    sampler_rows: np.ndarray  # their rows
+    rows: np.ndarray  # the batch's rows
+    starts: np.ndarray  # their computed tokens before the step (restored when it is interrupted)
+    # prompt_logprobs: (request, first token row, rows, position of the first prompt token they score)
+    prompt_rows: list[tuple[RequestState, int, int, int]] = field(default_factory=list)
+    # embedding requests: (request, first token row, rows, position of the first) of the prompt rows they pool
+    pool_rows: list[tuple[RequestState, int, int, int]] = field(default_factory=list)
+    # Speculative decoding: the sampling rows of a step where some samplers have proposals (None: one row each);
+    # sample_rows then lists every row to score, and these say whose each is.
+    draft_rows: DraftRows | None = None
+
+    @property
+    def row_requests(self) -> list[SamplingRequest]:
+        """The request of each row the sampler draws at."""
+        return self.draft_rows.requests if self.draft_rows is not None else self.samplers  # type: ignore[return-value]
+
+    @property
+    def row_flags(self) -> RowFlags:
+        return self.draft_rows.flags if self.draft_rows is not None else self.flags
+
+
+class StepGather:
+    """Reads the rows a step computes (InputBatch's arrays, declared here) into its StepInputs."""
+
+    block_size: int
+    device: torch.device
+    owners: list[RequestState | None]
+    token_ids: np.ndarray
+    num_tokens: np.ndarray
+    num_computed: np.ndarray
+    num_prompt: np.ndarray
+    block_table: np.ndarray
+    num_blocks: np.ndarray
+    wants_prompt_logprobs: np.ndarray
+    plain: np.ndarray
+    wants_logprobs: np.ndarray
+    pools: np.ndarray
+    num_drafts: np.ndarray
+    lora_slot: np.ndarray
+
+    def gather(self, rows: np.ndarray, n: np.ndarray, compact_base: int) -> StepInputs:
+        """The inputs of a step that computes n[i] tokens of the request in row rows[i], from its computed tokens
+        on; advances their computed tokens (`restore` undoes it). Blocks from `compact_base` on are the compact
+        pool's (0: no compact pool)."""
+        compact = self.block_table[rows, 0] >= compact_base if compact_base else np.zeros(len(rows), dtype=bool)
+        drafted = self.num_drafts[rows] > 0
+        # Rows with proposals are verified as decodes: each of their tokens a query of its own over its prefix.
+        key = compact * 2 + ((n != 1) & ~drafted)
+        if key.any():  # full-pool decodes first, then prefills, then the compact pool's
+            order = np.argsort(key, kind="stable")
+            rows, n, compact, drafted = rows[order], n[order], compact[order], drafted[order]
+        start = self.num_computed[rows]
+        end = start + n
+        held = self.num_tokens[rows] + self.num_drafts[rows]
+        self._check(rows, end, held)
+        cu = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(n, out=cu[1:])
+        total = int(cu[-1])
+        if total == len(rows):  # decodes only: one token each
+            owner, positions = np.arange(len(rows)), start
+        else:
+            owner = np.repeat(np.arange(len(rows)), n)
+            positions = np.arange(total) - cu[:-1][owner] + start[owner]
+        ids = self.token_ids[rows[owner], positions].astype(np.int64)
+        samples = end == held
+        all_sample = total == len(rows) and bool(samples.all())
+        sample_rows = cu[1:][samples] - 1
+        sampler_rows = rows[samples]
+        owners = self.owners
+        samplers: list[RequestState] = [owners[r] for r in sampler_rows.tolist()]  # type: ignore[misc]
+        flags = RowFlags(self.plain[sampler_rows], self.wants_logprobs[sampler_rows])
+        draft_rows = None
+        if self.num_drafts[sampler_rows].any():
+            drafts = [self._drafts_of(s) for s in samplers]
+            sample_rows, draft_rows = expand(samplers, flags, drafts, sample_rows)  # type: ignore[arg-type]
+        prompt_rows = self._prompt_rows(rows, start, end, cu)
+        pool_rows = self._pool_rows(rows, start, end, cu)
+        self.num_computed[rows] = end
+        num_full = int(len(rows) - compact.sum())
+        full_tokens = int(cu[num_full])
+        decode_like = (n == 1) | drafted
+        meta = self._attention_meta(
+            rows[:num_full], n[:num_full], positions[:full_tokens], end[:num_full], 0, decode_like[:num_full]
+        )
+        if num_full < len(rows):
+            meta.compact = self._attention_meta(
+                rows[num_full:],
+                n[num_full:],
+                positions[full_tokens:],
+                end[num_full:],
+                compact_base,
+                decode_like[num_full:],
+            )
+            meta.num_full_tokens = full_tokens
+        dev = self.device
+        return StepInputs(
+            torch.from_numpy(ids).to(dev),
+            torch.from_numpy(positions.astype(np.int64, copy=False)).to(dev),
+            meta,
+            torch.from_numpy(sample_rows).to(dev),
+            all_sample,
+            samplers,
+            flags,
+            sampler_rows,
+            rows,
+            start,
+            prompt_rows,
+            pool_rows,
+            draft_rows,
+        )
+
+    def token_lora_slots(self, inputs: StepInputs) -> np.ndarray | None:
+        """Each of a step's tokens' LoRA slot (-1: the base model), in batch order; None when none has one."""
+        slots = self.lora_slot[inputs.rows]
+        if not slots.any():
+            return None
+        counts = self.num_computed[inputs.rows] - inputs.starts  # gather advanced them by the step's tokens
+        return np.repeat(slots - 1, counts)
+
+    def _drafts_of(self, state: RequestState) -> list[int]:
+        n = len(state.token_ids)
+        return self.token_ids[state.row, n : n + int(self.num_drafts[state.row])].tolist()
+
+    def restore(self, inputs: StepInputs) -> None:
+        """The step did not run (interrupted): its requests' computed tokens are what they were, and their
+        proposals are dropped."""
+        self.num_computed[inputs.rows] = inputs.starts
+        self.num_drafts[inputs.rows] = 0
+
+    def _check(self, rows: np.ndarray, end: np.ndarray, held: np.ndarray) -> None:
+        bad = np.flatnonzero(end > held)
+        if len(bad):
+            i = int(bad[0])
+            state = self.owners[int(rows[i])]
+            assert state is not None
+            raise RuntimeError(f"request {state.handle}: the plan computes {end[i]} tokens, the worker holds {held[i]}")
+        blocks = self.num_blocks[rows]
+        short = np.flatnonzero(-(-end // self.block_size) > blocks)
+        if len(short):
+            i = int(short[0])
+            state = self.owners[int(rows[i])]
+            assert state is not None
+            raise ValueError(f"request {state.handle}: {end[i]} tokens need more than its {blocks[i]} blocks")
+
+    def _prompt_rows(
+        self, rows: np.ndarray, start: np.ndarray, end: np.ndarray, cu: np.ndarray
+    ) -> list[tuple[RequestState, int, int, int]]:
+        """The prompt rows each request that asked for prompt logprobs scores this step (rows whose next token is
+        the prompt's)."""
+        wants = self.wants_prompt_logprobs[rows]
+        if not wants.any():
+            return []
+        scored = np.minimum(end, self.num_prompt[rows] - 1) - start
+        out = []
+        for i in np.flatnonzero(wants & (scored > 0)).tolist():
+            state = self.owners[int(rows[i])]
+            assert state is not None
+            out.append((state, int(cu[i]), int(scored[i]), int(start[i]) + 1))
+        return out
+
+    def _pool_rows(
+        self, rows: np.ndarray, start: np.ndarray, end: np.ndarray, cu: np.ndarray
+    ) -> list[tuple[RequestState, int, int, int]]:
+        """The prompt rows each embedding request computes this step ("last" pooling: only the step that
+        computes the prompt's last token)."""
+        pools = self.pools[rows]
+        if not pools.any():
+            return []
+        out = []
+        for i in np.flatnonzero(pools).tolist():
+            state = self.owners[int(rows[i])]
+            assert state is not None
+            count = min(int(end[i]), state.num_prompt_tokens) - int(start[i])
+            if count > 0 and (state.sampling.pooling == "mean" or int(end[i]) >= state.num_prompt_tokens):
+                out.append((state, int(cu[i]), count, int(start[i])))
+        return out
+
+    def _attention_meta(
+        self,
+        rows: np.ndarray,
+        n: np.ndarray,
+        positions: np.ndarray,
+        seq_lens: np.ndarray,
+        base: int,
+        decode_like: np.ndarray,
+    ) -> AttentionMetadata:
+        """The attention metadata of sequences of one pool, decodes first: their tables (ids from `base` on are
+        that pool's own), lengths, and the tokens each computes (`n`, at `positions`). `decode_like` rows (first)
+        are decodes, or proposals to verify: each of their tokens attends as a decode at its position (the step
+        writes every token's K/V before attending, so token i sees the ones before it and itself)."""
+        dev = self.device
+        bs = self.block_size
+        num_decodes = int(decode_like.sum())
+        width = max(1, int(self.num_blocks[rows].max())) if len(rows) else 1
+        tables = self.block_table[rows, :width]
+        if base:  # the compact pool's own ids; the padding stays zero
+            tables = np.where(np.arange(width) < self.num_blocks[rows][:, None], tables - base, 0).astype(np.int32)
+        owner = np.repeat(np.arange(len(rows)), n)
+        slots = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
+        cu_q = np.zeros(len(rows) - num_decodes + 1, dtype=np.int32)
+        np.cumsum(n[num_decodes:], out=cu_q[1:])
+        lens = seq_lens.astype(np.int32)
+        decode_tables, decode_lens = tables[:num_decodes], lens[:num_decodes]
+        decode_tokens = int(n[:num_decodes].sum())
+        if decode_tokens != num_decodes:  # proposals: a query per token, with its own row's table
+            decode_tables = tables[owner[:decode_tokens]]
+            decode_lens = (positions[:decode_tokens] + 1).astype(np.int32)
+        t = torch.from_numpy
+        return AttentionMetadata(
+            slot_mapping=t(slots).to(dev),
+            num_decode_tokens=decode_tokens,
+            decode_block_tables=t(decode_tables).to(dev),
+            decode_seq_lens=t(decode_lens).to(dev),
+            prefill_block_tables=t(tables[num_decodes:]).to(dev),
+            prefill_cu_seqlens_q=t(cu_q).to(dev),
+            prefill_seq_lens=t(lens[num_decodes:]).to(dev),
+        )
