@@ -32,6 +32,7 @@ INT8_FLAG = "amx_int8"  # for `linear_int8_act` (every CPU with AMX-BF16 so far 
 QUADS_K = 64  # inputs per int8 tile product
 ACT_BITS = (8, 16)
 DISABLE_ENV = "MINIVLLM_CPU_GEMM"  # "0": torch's matmuls only (to compare; read when the kernel is first asked for)
+INVARIANT_ROWS = 16  # batch-invariant mode: torch multiplies every call in chunks of exactly this many rows
 
 _ptr = ctypes.c_void_p
 _i64 = ctypes.c_int64
@@ -101,13 +102,47 @@ def kernel_threads(rows: int) -> int:
     return torch.get_num_threads()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, in the kernel where it covers x and weight (bf16 both)."""
-    if weight.dtype == torch.bfloat16 and covers(x, weight):
-        out = _run(x, weight, None)
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, invariant: bool = False
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, in the kernel where it covers x and weight (bf16 both).
+
+    `invariant`: batch-invariant, each row's result depends on that row's values only, never on how many rows
+    share the call. torch's CPU matmul picks its algorithm by row count (one row: a gemv; a few, or many: other
+    blockings, which sum in other orders), so without it a sequence's logits move by ~1e-6 whenever what shares
+    its batch changes: enough to flip a seeded draw that lies near a boundary of its distribution's CDF. The
+    AMX kernel is invariant by construction (each output channel sums its 32-input blocks in order, whatever
+    the rows; threads split the channels): it takes `MAX_ROWS` rows at a time; torch takes calls of exactly
+    `INVARIANT_ROWS` rows, the last padded with zeros."""
+    if weight.dtype == torch.bfloat16 and covers(x[:MAX_ROWS] if invariant else x, weight):
+        out = _run(x, weight, None) if x.shape[0] <= MAX_ROWS else _run_chunks(x, weight)
         if out is not None:
             return out if bias is None else out + bias
+    if invariant and x.dim() == 2 and 0 < x.shape[0] != INVARIANT_ROWS:
+        return _padded_chunks(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _run_chunks(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """The kernel's product of more than `MAX_ROWS` rows, `MAX_ROWS` at a time."""
+    parts = []
+    for chunk in x.split(MAX_ROWS):
+        part = _run(chunk, weight, None)
+        if part is None:
+            return None
+        parts.append(part)
+    return torch.cat(parts)
+
+
+def _padded_chunks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """torch's product in calls of exactly `INVARIANT_ROWS` rows (the last padded with zeros): torch's result for
+    a row depends on the call's row count, not on the row's place in it nor on the other rows."""
+    rows = x.shape[0]
+    padded = -(-rows // INVARIANT_ROWS) * INVARIANT_ROWS
+    if padded != rows:
+        x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+    out = torch.cat([F.linear(chunk, weight, bias) for chunk in x.split(INVARIANT_ROWS)])
+    return out[:rows]
 
 
 def linear_int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:

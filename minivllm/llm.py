@@ -122,6 +122,7 @@ class LLM:
         kv_compact_dtype: str = _ENGINE.kv_compact.dtype,
         cuda_graph_sizes: str = _WORKER.cuda_graph_sizes,
         threads: int = _WORKER.threads,
+        batch_invariant: bool = _WORKER.batch_invariant,
         block_size: int = _SCHEDULER.block_size,
         max_num_seqs: int = _SCHEDULER.max_num_seqs,
         max_num_batched_tokens: int = _SCHEDULER.max_num_batched_tokens,
@@ -165,6 +166,7 @@ class LLM:
             kv_offload_disk_size=kv_offload_disk_size,
             cuda_graph_sizes=cuda_graph_sizes,
             kv_cache_dtype=kv_cache_dtype,
+            batch_invariant=batch_invariant,
         )
         self.config = EngineConfig(
             dtype=dtype,

@@ -34,6 +34,7 @@ class WorkerOptions:
     kv_role: str = "both"  # disaggregated prefill/decode: prefill and both serve KV leases; every role pulls
     kv_transfer_host: str = "127.0.0.1"  # where a serving rank's KV exporter binds (a free port)
     kv_transfer_mode: str = "auto"  # auto: a staging buffer between processes of one host, else frames; tcp: frames
+    batch_invariant: bool = False  # dense products in fixed-size row chunks: a row's bits independent of its batch
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> WorkerOptions:
@@ -61,6 +62,7 @@ WORKER_FLAGS = (
     "kv_role",
     "kv_transfer_host",
     "kv_transfer_mode",
+    "batch_invariant",
 )
 KV_ROLES = ("prefill", "decode", "both")
 KV_TRANSFER_MODES = ("auto", "tcp")
@@ -143,6 +145,14 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
         "at head_dim 64; fp8 with triton needs compute capability 8.9+)",
     )
 
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        default=None,
+        help="every dense product and the LM head in fixed-size row chunks, so a sequence's logits, and a seeded "
+        "stream's draws, do not depend on what shares its batch (a migration, other arrivals); CPU; costs "
+        "decode throughput at few sequences (docs/guide.md)",
+    )
     add_kv_offload_flags(p)
 
 
@@ -233,7 +243,9 @@ def worker_argv(settings: argparse.Namespace | WorkerOptions) -> list[str]:
     set, not None or empty."""
     argv = []
     for name in WORKER_FLAGS:
-        value = getattr(settings, name)
-        if value is not None and value != "":
-            argv += [f"--{name.replace('_', '-')}", str(value)]
+        value, flag = getattr(settings, name), f"--{name.replace('_', '-')}"
+        if value is True:  # a switch
+            argv.append(flag)
+        elif value is not None and value is not False and value != "":
+            argv += [flag, str(value)]
     return argv

@@ -35,6 +35,7 @@ from worker_node.lora.slot_bank import LoraCapacity
 from worker_node.model_runner import ModelRunner
 from worker_node.models.config import ModelConfig
 from worker_node.models.decoder import CausalLM
+from worker_node.models.layers import set_batch_invariant
 from worker_node.models.loader import load_model
 from worker_node.parallel import Comm, ParallelRank
 
@@ -98,6 +99,7 @@ def load_rank(
     if compact_dtype is not None:
         check_reads_quantized(backend, compact_dtype, device)
     model = load_model(a.model, backend, dtype, device, full.max_model_len, where, comm, a.quantization)
+    set_batch_invariant(model, options.batch_invariant)
     # Before the KV cache is sized: the LoRA slot bank's bytes come out of its budget.
     graph_lora = lora_for_graphs(a, options, backend.name, model, dtype, device, where)
     block_bytes = bytes_per_block(config, a.block_size, kv_dtype)

@@ -147,6 +147,17 @@ static inline void attend_block(HeadState *st, const kv_t *keys, const kv_t *val
     memcpy(st->acc, acc, sizeof(acc));
 }
 
+/* One kv head's query heads out: the accumulator over the softmax's denominator. A function of its own, never
+ * inlined: inlined into a loop over heads, the compiler vectorizes the divisions across heads (-ffast-math: an
+ * approximate reciprocal refined once) where one head alone is divided exactly, and a head's result would depend
+ * on whether its work item holds one head or all of them, which the batch's size decides (--batch-invariant). */
+static __attribute__((noinline)) void finish_head(const HeadState *st, float *out) {
+    for (int g = 0; g < GROUP; ++g) {
+        const float inv = 1.0f / st->denom[g];
+        for (int d = 0; d < HEAD_DIM; ++d) out[g * HEAD_DIM + d] = st->acc[g][d] * inv;
+    }
+}
+
 /* Kv heads [h0, h1) of one sequence; q and out point at the sequence's first query head. */
 static void attend(const Shape *s, const float *q, const kv_t *k_cache, const kv_t *v_cache, const float *k_scales,
                    const float *v_scales, const int32_t *blocks, int64_t seq_len, int64_t h0, int64_t h1,
@@ -185,13 +196,7 @@ static void attend(const Shape *s, const float *q, const kv_t *k_cache, const kv
                          s->row_stride, s->num_kv_heads, s->softcap);
         }
     }
-    for (int64_t h = h0; h < h1; ++h) {
-        const HeadState *st = &heads[h - h0];
-        for (int g = 0; g < GROUP; ++g) {
-            const float inv = 1.0f / st->denom[g];
-            for (int d = 0; d < HEAD_DIM; ++d) out[(h * GROUP + g) * HEAD_DIM + d] = st->acc[g][d] * inv;
-        }
-    }
+    for (int64_t h = h0; h < h1; ++h) finish_head(&heads[h - h0], out + h * GROUP * HEAD_DIM);
 }
 
 void paged_decode_attention(const float *q, const kv_t *k_cache, const kv_t *v_cache, const float *k_scales,

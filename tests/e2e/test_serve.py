@@ -151,10 +151,13 @@ def test_serve_data_parallel_replicas_behind_a_router_balance_restart_on_sighup_
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
     port, worker_port, http_port = free_port(), free_port(), free_port()
+    # --batch-invariant: the seeded streams a restart migrates keep the bits of an undisturbed run, whatever shares
+    # their batch before and after.
     argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--model", str(tiny_llama_dir), "--data-parallel-size",
             "2", "--routing-strategy", "least_loaded", "--kv-cache-memory", "16MiB", "--threads", "1", "--log-level",
             "INFO", "--port", str(port), "--worker-port", str(worker_port),
-            "--openai-port", str(http_port)]  # fmt: skip
+            "--openai-port", str(http_port),
+            "--batch-invariant"]  # fmt: skip
     log = tmp_path / "serve.log"
     with log.open("wb") as out:  # the children write here too
         serve = subprocess.Popen(argv, cwd=REPO, env={**os.environ, "MINIVLLM_API_KEY": KEY}, stderr=out)

@@ -31,10 +31,22 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 class Linear(nn.Linear):
     """`nn.Linear` whose decode-sized bf16 products on CPU run in kernels/cpu_gemm.py's AMX kernel (torch's
-    bf16 matmul reads the weights at a fraction of memory speed at a few rows, and leaves the second core idle)."""
+    bf16 matmul reads the weights at a fraction of memory speed at a few rows, and leaves the second core idle).
+
+    `invariant` (set by `set_batch_invariant`): each row's result independent of the other rows of the call."""
+
+    invariant = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_gemm.linear(x, self.weight, self.bias)
+        return cpu_gemm.linear(x, self.weight, self.bias, self.invariant)
+
+
+def set_batch_invariant(model: nn.Module, on: bool) -> None:
+    """Make every dense product of `model` (its `Linear`s and LM head) batch-invariant, or not: a sequence's
+    logits then do not depend on what shares its batch (kernels/cpu_gemm.py's `linear`, `invariant`)."""
+    for module in model.modules():
+        if isinstance(module, (Linear, ParallelLMHead)):
+            module.invariant = on
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -226,12 +238,14 @@ class ParallelLMHead(nn.Module):
         self.comm = comm
         self.int8: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    invariant = False  # `set_batch_invariant`
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         local = self._int8_scores(hidden)
         if local is not None:
             local = rescore_top_logits(local, hidden, self._exact_rows, RESCORED_INT8_LOGITS)
         else:
-            local = cpu_gemm.linear(hidden, self.weight)
+            local = cpu_gemm.linear(hidden, self.weight, invariant=self.invariant)
             if local.dtype != torch.float32:
                 local = rescore_top_logits(local, hidden, self._exact_rows)
         logits = self.comm.gather_to_first(local)
