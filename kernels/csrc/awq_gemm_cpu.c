@@ -140,12 +140,8 @@ static inline void scale_tile(const float *acc, __m512 scale, __m512 bias, const
     }
 }
 
-/* Channels n0 .. n0 + 15 of every row on tiles: the block's codes widened into `wide` (K/2 pair rows x 16
- * channels), then per group one accumulator per row group (tiles 0-3), activations tiles 4-5, weights tile 6. */
-static void tile_block(const uint16_t *xpad, const uint8_t *codes, const float *scales, const float *sums,
-                       uint16_t *out, int64_t M, int64_t N, int64_t K, int64_t G, uint32_t *wide, float *acc,
-                       float *y) {
-    const int64_t groups = K / G, row_groups = (M + GROUP_ROWS - 1) / GROUP_ROWS, stride = K * 2;
+/* A 16-channel block's K codes widened into `wide` (K/2 pair rows x 16 channels), the tiles' weight operand. */
+static inline void widen_block(const uint8_t *codes, int64_t K, uint32_t *wide) {
     for (int64_t q = 0; q < K / 4; q++) {
         __m512i low, high;
         if (q % 2 == 0)
@@ -154,6 +150,15 @@ static void tile_block(const uint16_t *xpad, const uint8_t *codes, const float *
         _mm512_store_si512(wide + (2 * q) * 16, low);
         _mm512_store_si512(wide + (2 * q + 1) * 16, high);
     }
+}
+
+/* Channels n0 .. n0 + 15 of every row on tiles: the block's codes widened into `wide` (K/2 pair rows x 16
+ * channels), then per group one accumulator per row group (tiles 0-3), activations tiles 4-5, weights tile 6. */
+static void tile_block(const uint16_t *xpad, const uint8_t *codes, const float *scales, const float *sums,
+                       uint16_t *out, int64_t M, int64_t N, int64_t K, int64_t G, uint32_t *wide, float *acc,
+                       float *y) {
+    const int64_t groups = K / G, row_groups = (M + GROUP_ROWS - 1) / GROUP_ROWS, stride = K * 2;
+    widen_block(codes, K, wide);
     memset(y, 0, (size_t)M * 16 * sizeof(float));
     for (int64_t g = 0; g < groups; g++) {
         _tile_zero(0);
@@ -219,14 +224,7 @@ static inline __attribute__((always_inline)) void tile_block_regs(const uint16_t
                                                                   uint16_t *out, int64_t M, int64_t N, int64_t K,
                                                                   int64_t G, uint32_t *wide, float *acc, const int R) {
     const int64_t groups = K / G, stride = K * 2;
-    for (int64_t q = 0; q < K / 4; q++) {
-        __m512i low, high;
-        if (q % 2 == 0)
-            _mm_prefetch((const char *)(codes + q * 32 + PREFETCH_AHEAD), _MM_HINT_T1);
-        widen_chunk(codes + q * 32, &low, &high);
-        _mm512_store_si512(wide + (2 * q) * 16, low);
-        _mm512_store_si512(wide + (2 * q + 1) * 16, high);
-    }
+    widen_block(codes, K, wide);
     __m512 y[GROUP_ROWS];
     for (int r = 0; r < R; r++)
         y[r] = _mm512_setzero_ps();
