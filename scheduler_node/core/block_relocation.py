@@ -5,6 +5,8 @@ into the lowest free ones, so a later shrink has less to move).
 A move is a device copy the workers do before the step's forward pass (`BlockOps.copy`); the block keeps its ref
 count and its prefix-cache hash, and every request's table points at the new id. The answer, per request, is the
 (index, block) replacements, which the scheduler passes on to its view of the workers. Compact blocks never move.
+These functions are a part of BlockTable in a file of their own: they work on its bookkeeping (free list, ref
+counts, hashes) directly, as its methods would.
 """
 
 from __future__ import annotations
