@@ -7,5 +7,6 @@ ruff check .
 ruff format --check .
 mypy scheduler_node proto kernels worker_node minivllm tests scripts
 # Two test processes (TEST_WORKERS; 0: one, in this process), each taking whole modules (their shared clusters and
-# fixtures stay in one process): much of an end-to-end test is waiting on processes, timeouts and cut links.
-python -m pytest -q --durations=15 -n "${TEST_WORKERS:-2}" --dist loadfile "$@"
+# fixtures stay in one process): much of an end-to-end test is waiting on processes, timeouts and cut links. The
+# modules go out in the order tests/conftest.py sorts them (the slow ones first), not by their count of tests.
+python -m pytest -q --durations=15 -n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"

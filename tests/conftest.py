@@ -51,10 +51,23 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) 
 _KINDS = ("unit", "model", "e2e")
 
 
+# The modules run slowest kind first: those with a `slow` test, then e2e, model and unit ones, each kind in
+# collection order. scripts/test.sh's two processes take whole modules in this order (--dist loadfile
+# --no-loadscope-reorder), the next one when at most two tests of their own are left: a slow module taken last keeps
+# one process busy for a minute or two while the other has nothing left (xdist's own order, by test count, ended
+# with the one-test modules: the Ray launcher's and the soak's, about 100 s each).
+_RUN_ORDER = ("slow", "e2e", "model", "unit")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     undeclared = [item.nodeid for item in items if sum(1 for k in _KINDS if item.get_closest_marker(k)) != 1]
     if undeclared:
         raise pytest.UsageError(f"declare exactly one of {_KINDS} (pytestmark) on: {undeclared[:10]}")
+    rank: dict[Path, int] = {}
+    for item in items:
+        cost = min(i for i, mark in enumerate(_RUN_ORDER) if item.get_closest_marker(mark))
+        rank[item.path] = min(cost, rank.get(item.path, cost))
+    items.sort(key=lambda item: rank[item.path])  # stable: a module's tests stay together, in their order
 
 
 @pytest.fixture(scope="session")

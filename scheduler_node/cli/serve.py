@@ -1,34 +1,30 @@
 """vllm-serve: one scheduler plus its TP x PP workers (child processes, or Ray actors with --launcher ray), or with
 --data-parallel-size N, N such replicas behind a vllm-router; all stopped together on Ctrl-C/SIGTERM. A scheduler
 that exits 0 (drained: --exit-after-drain, or stopped by a signal of its own) is started again, with the same
-flags; SIGHUP restarts the replicas one at a time, migrating their streams (scheduler_node/cli/rolling.py)."""
+flags; SIGHUP restarts the replicas one at a time, migrating their streams (scheduler_node/cli/rolling.py). This module
+builds the children's flags and starts them; scheduler_node/cli/supervisor.py watches over them."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
-import signal
-import subprocess
 import sys
-import threading
-import time
 
 from proto.cli_config import add_config_flag, parse_args
 from proto.curve import ensure_keys
 from proto.parallel import ParallelLayout
-from proto.worker_flags import EXIT_BAD_FLAGS, add_worker_flags, offload_dir_problem, worker_argv
+from proto.worker_flags import add_worker_flags, offload_dir_problem, worker_argv
 from scheduler_node.cli.openai_flags import API_KEY_ENV, SERVE_OPENAI_PORT
 from scheduler_node.cli.operations import TOKEN_ENV
-from scheduler_node.cli.rolling import Deadlines, RollingRestart, ServeFleet
 from scheduler_node.cli.router import add_routing_flags
 from scheduler_node.cli.scheduler import add_scheduler_flags
+from scheduler_node.cli.supervisor import Supervisor, spawn
 from scheduler_node.cli.world_flags import resolve_parallel
 from scheduler_node.engine.builder import free_port
 from scheduler_node.engine.data_parallel import ReplicaPlan, plan_replicas
 from scheduler_node.engine.launchers import add_launcher_flags, make_launcher
 from scheduler_node.engine.model_path import resolve_model, served_name
-from scheduler_node.engine.processes import Restarts, terminate
 from scheduler_node.engine.topology import load_topology
 
 logger = logging.getLogger("vllm-serve")
@@ -155,104 +151,16 @@ def main(argv: list[str] | None = None) -> int:
     env[API_KEY_ENV] = args.api_key
     if args.zmq_curve_dir:
         ensure_keys(args.zmq_curve_dir)  # before the workers look for them
-    # Children get their own session, so a terminal's Ctrl-C reaches only vllm-serve, which drains in order.
     flags = [
         _without_secrets(replica_argv(args, p, len(plans))) + r.scheduler_flags() for p, r in zip(plans, launchers)
     ]
-    schedulers = [_spawn("scheduler_node.cli.scheduler", f, env) for f in flags]
+    schedulers = [spawn("scheduler_node.cli.scheduler", f, env) for f in flags]
     worker_flags = ["--log-level", args.log_level, *worker_argv(args)]
     worker_flags += ["--zmq-curve-dir", args.zmq_curve_dir] if args.zmq_curve_dir else []
     for plan, launcher in zip(plans, launchers):
         launcher.start(f"{args.worker_host}:{plan.worker_port}", worker_flags)
-    routers = [_spawn("scheduler_node.cli.router", router_argv(args, plans), env)] if len(plans) > 1 else []
-    signals = hangups = 0
-
-    def on_hangup(_signum: int, _frame: object) -> None:
-        nonlocal hangups
-        hangups += 1
-
-    def on_signal(signum: int, _frame: object) -> None:
-        nonlocal signals
-        signals += 1
-        if signals > 1:  # a second signal: the router and the schedulers end their drains at once
-            for proc in [*routers, *schedulers]:
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGHUP, on_hangup)
-    restarts = [Restarts() for _ in plans]
-    cancelled, rolling = threading.Event(), None
-    code = 0
-    while not signals and not code:
-        if hangups:
-            hangups = 0
-            rolling = _roll(args, plans, schedulers, rolling, cancelled)
-        for i, proc in enumerate(schedulers):
-            if proc.poll() == 0 and restarts[i].due(f"replica {i}: scheduler pid {proc.pid} exited with 0"):
-                schedulers[i] = _spawn("scheduler_node.cli.scheduler", flags[i], env)  # its workers rejoin it
-                logger.info("replica %d: scheduler started again as pid %d", i, schedulers[i].pid)
-        for proc in [*routers, *schedulers]:
-            if proc.poll() is not None and (proc in routers or proc.returncode != 0):  # a crash, or the router
-                code = proc.returncode or 1
-                logger.error("pid %d exited with %s; stopping the others", proc.pid, code)
-        for launcher in launchers:
-            launcher.keep_alive()
-            if launcher.gave_up:
-                logger.error("%s; stopping the others", launcher.gave_up)
-                code = EXIT_BAD_FLAGS
-        time.sleep(0.2)
-    cancelled.set()  # a rolling restart under way stops at its next step
-    terminate(routers, args.shutdown_timeout + 15.0)  # the router drains its streams first
-    terminate(schedulers, args.shutdown_timeout + 15.0)  # each drains, then tells its workers to shut down
-    for launcher in launchers:
-        launcher.stop(10.0)
-    return 0 if signals else code
-
-
-def _roll(
-    args: argparse.Namespace,
-    plans: list[ReplicaPlan],
-    schedulers: list[subprocess.Popen],
-    running: threading.Thread | None,
-    cancelled: threading.Event,
-) -> threading.Thread | None:
-    """SIGHUP: start a rolling restart of the replicas on a thread (not with one replica, nor twice at once)."""
-    if len(plans) == 1:
-        logger.warning("SIGHUP ignored: a rolling restart needs --data-parallel-size >= 2 (a single replica has no "
-                       "other to move its streams to; restart vllm-serve, or SIGTERM its scheduler)")  # fmt: skip
-        return running
-    if running is not None and running.is_alive():
-        logger.warning("SIGHUP ignored: a rolling restart is under way")
-        return running
-    fleet = ServeFleet([p.address for p in plans], schedulers, _router_address(args), args.control_token,
-                       args.shutdown_timeout)  # fmt: skip
-    stop_s = args.shutdown_timeout + 60 if args.shutdown_timeout else float("inf")
-    deadlines = Deadlines(exit_s=60.0, stop_s=stop_s, back_s=args.worker_join_timeout + 60)
-    rolling = RollingRestart(fleet, deadlines, cancelled)
-
-    def run() -> None:
-        try:
-            rolling.run()
-        finally:
-            fleet.close()
-
-    thread = threading.Thread(target=run, name="rolling-restart", daemon=True)
-    thread.start()
-    return thread
-
-
-def _router_address(args: argparse.Namespace) -> str | None:
-    """Where vllm-serve asks its router for its view of the replicas (None: it serves TLS)."""
-    if args.tls_cert:
-        return None
-    host = "127.0.0.1" if args.host in ("", "0.0.0.0", "::") else args.host
-    return f"[{host}]:{args.port}" if ":" in host else f"{host}:{args.port}"
-
-
-def _spawn(module: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", module, *argv], env=env, start_new_session=True)
+    routers = [spawn("scheduler_node.cli.router", router_argv(args, plans), env)] if len(plans) > 1 else []
+    return Supervisor(args, plans, launchers, schedulers, flags, routers, env).run()
 
 
 def _without_secrets(argv: list[str]) -> list[str]:

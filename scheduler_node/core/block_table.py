@@ -10,7 +10,7 @@ Two formats (per-request KV precision, core/kv_precision.py): ids [0, num_blocks
 cache, so a request holds blocks of one format only, copy-on-write copies within a pool, and a prefix hit never
 crosses formats (the hashes stay format-neutral; the cache a hash is looked up in is the format's). Compact blocks
 are never swapped (their requests are preempted by recompute) nor offloaded to the tiers (which hold full blocks),
-and resizing or compaction moves full blocks only.
+and resizing or compaction (core/block_relocation.py) moves full blocks only.
 """
 
 from __future__ import annotations
@@ -297,67 +297,6 @@ class BlockTable:
         self._host_free.extend(host)
         self._tables[req_id] = blocks
         return len(blocks)
-
-    # ---- resizing and compaction
-
-    def resize(self, usable: int) -> dict[str, list[tuple[int, int]]]:
-        """Set the usable block count; live blocks at or above it move below (device copies).
-
-        Returns, per request, the (index, block) replacements. Raises MemoryError when the live blocks do
-        not fit under the new limit."""
-        if not 1 <= usable <= self.num_blocks:
-            raise ValueError(f"usable blocks must be in [1, {self.num_blocks}], got {usable}")
-        live_above = [b for b in range(usable, self.usable_blocks) if self._ref_counts[b] > 0]
-        free_below = sum(1 for b in self._free if b < usable)
-        if len(live_above) > free_below:
-            raise MemoryError(f"{self.num_used} live blocks do not fit in {usable}")
-        for b in range(usable, self.usable_blocks):  # drop the free ones above the limit
-            if b in self._free:
-                del self._free[b]
-                self._evict(b)
-        for b in range(self.usable_blocks, usable):  # or bring blocks back
-            self._free[b] = None
-        self.usable_blocks = usable
-        return self._relocate(live_above)
-
-    def compact(self, max_moves: int) -> dict[str, list[tuple[int, int]]]:
-        """Move up to `max_moves` of the highest live blocks into the lowest free ones below them."""
-        free_low = sorted(self._free)
-        moves: list[int] = []
-        for block in range(self.usable_blocks - 1, -1, -1):
-            if len(moves) == max_moves or not free_low or free_low[0] > block:
-                break
-            if self._ref_counts[block] > 0:
-                moves.append(block)
-                free_low.pop(0)
-        return self._relocate(moves)
-
-    def _relocate(self, blocks: list[int]) -> dict[str, list[tuple[int, int]]]:
-        if not blocks:
-            return {}
-        moving = set(blocks)
-        lowest_free = sorted(b for b in self._free)
-        target = {}
-        for block in sorted(moving):
-            dst = lowest_free.pop(0)
-            del self._free[dst]
-            self._evict(dst)  # its cached content is overwritten
-            target[block] = dst
-            self.ops.copy.append((block, dst))
-            self._ref_counts[dst], self._ref_counts[block] = self._ref_counts[block], 0
-            h = self._hash_of[block]
-            if h is not None:
-                self._hash_of[dst], self._hash_of[block] = h, None
-                self._cached[h] = dst
-            if block < self.usable_blocks:
-                self._free[block] = None
-        updates: dict[str, list[tuple[int, int]]] = {}
-        for req_id, table in self._tables.items():
-            for i, block in enumerate(table):
-                if block in target:
-                    table[i] = target[block]
-                    updates.setdefault(req_id, []).append((i, target[block]))
-        return updates
 
     # ---- internals
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from scheduler_node.core import block_relocation
 from scheduler_node.core.config import PreemptionMode
 from scheduler_node.core.request import Request, Status
 from scheduler_node.core.scheduler_state import SchedulerState
@@ -101,7 +102,7 @@ class Preemption(SchedulerState):
     def fit_capacity(self, num_blocks: int, num_host_blocks: int, num_compact_blocks: int | None = None) -> None:
         """The world came back holding fewer blocks than before (a replacement could not allocate the world's
         size): only that many are handed out from now on. Called on an empty table, right after `requeue_all`."""
-        self.blocks.resize(min(num_blocks, self.blocks.usable_blocks))
+        block_relocation.resize(self.blocks, min(num_blocks, self.blocks.usable_blocks))
         compact = self.blocks.num_compact_blocks if num_compact_blocks is None else num_compact_blocks
         if num_host_blocks < self.blocks.num_host_blocks or compact < self.blocks.num_compact_blocks:
             bt = self.blocks

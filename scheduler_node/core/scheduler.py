@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 
 from proto.wire import StepPlan
+from scheduler_node.core import block_relocation
 from scheduler_node.core.admission import Admission
 from scheduler_node.core.block_table import UNCHANGED, Written
 from scheduler_node.core.in_flight import SentPlan
@@ -197,7 +198,8 @@ class Scheduler(Admission, Results):
         if not interval or self._step_id % interval:
             return
         start = time.perf_counter()
-        moved = self.view.replace_blocks(self._by_handles(self.blocks.compact(self.config.compaction_max_moves)))
+        moves = block_relocation.compact(self.blocks, self.config.compaction_max_moves)
+        moved = self.view.replace_blocks(self._by_handles(moves))
         self.counters.compaction_moves += moved
         self.counters.compaction_seconds += time.perf_counter() - start
 

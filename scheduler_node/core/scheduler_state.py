@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from proto.wire import ExecutionMode, KVGrant, KVImport, StepPlan, pack_int32
+from scheduler_node.core import block_relocation
 from scheduler_node.core.block_table import BlockFormat, BlockTable, Written
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.in_flight import InFlightLedger, SentPlan
@@ -199,7 +200,7 @@ class SchedulerState:
                 f"{len(stranded)} live sequence(s) may grow to {need} tokens (prompt + max_tokens), more than "
                 f"{num_blocks} block(s) hold ({holds} tokens): let them finish or abort them"
             )
-        return self.view.replace_blocks(self._by_handles(self.blocks.resize(num_blocks)))
+        return self.view.replace_blocks(self._by_handles(block_relocation.resize(self.blocks, num_blocks)))
 
     @property
     def max_model_len(self) -> int:
@@ -281,7 +282,7 @@ class SchedulerState:
         self.blocks = BlockTable(
             old.num_blocks, old.block_size, old.enable_prefix_caching, num_host_blocks, num_compact_blocks
         )
-        self.blocks.resize(old.usable_blocks)
+        block_relocation.resize(self.blocks, old.usable_blocks)
         if self.kv_events is not None:
             self.kv_events.cleared(DEVICE)
 

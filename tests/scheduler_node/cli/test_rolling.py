@@ -12,7 +12,8 @@ import pytest
 
 from proto import serving_pb2 as pb
 from scheduler_node.cli.rolling import Deadlines, RollingRestart
-from scheduler_node.cli.serve import _roll, _router_address, build_parser, replica_argv, replica_plans
+from scheduler_node.cli.serve import build_parser, replica_argv, replica_plans
+from scheduler_node.cli.supervisor import _roll, _router_address
 
 pytestmark = pytest.mark.unit
 

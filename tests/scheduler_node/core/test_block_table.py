@@ -1,4 +1,5 @@
-"""The block table under random operations, against a model of what each block would hold on the workers."""
+"""The block table under random operations (resizing and compaction, core/block_relocation.py, among them), against
+a model of what each block would hold on the workers."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from scheduler_node.core import block_relocation
 from scheduler_node.core.block_table import BlockTable, hash_block
 from scheduler_node.core.kv_precision import BlockFormat
 
@@ -204,14 +206,14 @@ class BlockTableMachine(RuleBasedStateMachine):
     @rule(usable=st.integers(1, 12))
     def resize(self, usable: int) -> None:
         try:
-            self.table.resize(usable)
+            block_relocation.resize(self.table, usable)
         except MemoryError:
             return
         self._apply_ops()
 
     @rule()
     def compact(self) -> None:
-        self.table.compact(max_moves=3)
+        block_relocation.compact(self.table, max_moves=3)
         self._apply_ops()
 
     def _drop(self, rid: str) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from scheduler_node.core import block_relocation
 from scheduler_node.core.block_table import BlockTable, hash_block
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.kv_events import CLEARED, DEVICE, DISK, RAM, REMOVED, STORED, KVEventSink
@@ -60,7 +61,7 @@ def test_a_cached_block_handed_out_again_is_removed_and_resize_drops_free_ones()
     assert sink.take() == [(REMOVED, DEVICE, hashes[2], None)]
     assert sink.held[DEVICE] == device_cached(bt)
     before = device_cached(bt)
-    bt.resize(2)  # b's blocks move below 2, over the cached ones there
+    block_relocation.resize(bt, 2)  # b's blocks move below 2, over the cached ones there
     removed = [e[2] for e in sink.take() if e[0] == REMOVED and e[2] is not None]
     assert sorted(removed) == sorted(before - device_cached(bt)) and len(removed) == 2
     assert sink.held[DEVICE] == device_cached(bt)
