@@ -186,25 +186,38 @@ class EngineCore(Intake, LiveStats):
         step, not a slow one)."""
         timeout = self.options.step_timeout + STEP_SECONDS_PER_TOKEN * head.tokens
         deadline = time.monotonic() + timeout
-        while not head.future.done():
+        reason = f"step {head.plan.step_id} ran past its {timeout:.0f} s deadline"
+        while len(self._inflight) < self.mode.plans_in_flight and not self._interrupting and not head.future.done():
             left = deadline - time.monotonic()
             if left <= 0:
-                reason = f"step {head.plan.step_id} ran past its {timeout:.0f} s deadline"
-                self.workers.declare_lost(reason)
-                raise WorkerLost(reason)
-            room = len(self._inflight) < self.mode.plans_in_flight and not self._interrupting
-            waits: set[asyncio.Future[Any]] = {head.future}
-            if room:
-                self._wake.clear()
-                waits.add(asyncio.ensure_future(self._wake.wait()))
+                self._past_deadline(head, reason)
+                break
+            self._wake.clear()
+            wake: asyncio.Future[Any] = asyncio.ensure_future(self._wake.wait())
             try:
-                await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait((head.future, wake), timeout=left, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                for w in waits - {head.future}:
-                    w.cancel()
-            if room and not head.future.done() and self._wake.is_set():
+                wake.cancel()
+            if not head.future.done() and self._wake.is_set():
                 self._fill_pipeline()
+        if not head.future.done():
+            # No room (the common case: the pipeline is full): the result's future wakes this task itself (no
+            # asyncio.wait in between: one hop of the loop less per step), and a timer fails it at the deadline.
+            left = max(0.0, deadline - time.monotonic())
+            expire = asyncio.get_running_loop().call_later(left, self._past_deadline, head, reason)
+            try:
+                await head.future
+            finally:
+                expire.cancel()
         return head.future.result()
+
+    def _past_deadline(self, head: _InFlight, reason: str) -> None:
+        """The head's step hung: the ranks that owe it an answer are lost, and it fails with WorkerLost."""
+        if head.future.done():
+            return
+        self.workers.declare_lost(reason)
+        if not head.future.done():
+            head.future.set_exception(WorkerLost(reason))
 
     def _drop_inflight(self) -> None:
         for entry in self._inflight:

@@ -1,6 +1,9 @@
 """The ZeroMQ transport (proto/transport.py): worker handshake and rejoin, heartbeats, plans out, results back.
 
-One reader task owns the receive side and routes every message: Hello and Ready to the rank registry
+The socket is read and written from the event loop's thread without futures: a reader callback on its file
+descriptor drains every waiting message, and sends are plain non-blocking calls (a few microseconds each, where
+zmq.asyncio's future and the wake-up it schedules after every send cost tens: issue 24, a send per step). The
+reader routes every message: Hello and Ready to the rank registry
 (scheduler_node/engine/rank_registry.py: who holds which rank, in what state, and the world's capacity),
 heartbeats to the liveness clock, results to the step waiting for them; anything malformed is dropped and
 logged. A rank is lost when its connection drops (the socket monitor, confirmed by a probe), when it is silent
@@ -17,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import zmq
 import zmq.asyncio
@@ -72,6 +75,10 @@ class WorkerLink:
             self._auth.start()
             self._auth.configure_curve(domain="*", location=str(authorized))  # only these worker keys get in
         self._sock.bind(f"tcp://{address}")
+        # The same socket, plain (not owning it): what the reader callback and the sends use (`_drain`).
+        self._raw: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)
+        self._reading: asyncio.AbstractEventLoop | None = None  # the loop whose reader drains the socket
+        self._closed = False  # the shadow must not touch the socket once its owner closed it
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.registry = RankRegistry(self._send_message, heartbeat_timeout, on_lost=self._fail_steps)
         self.registry.name = address
@@ -127,7 +134,9 @@ class WorkerLink:
         """Wait until the world's workers said hello, got their rank and reported their KV capacity."""
         self.registry.assemble(assignment, timeout)
         loop = asyncio.get_running_loop()
-        for job in (self._read_loop(), self._heartbeat_loop(), self._watch_disconnects()):
+        self._reading = loop
+        loop.add_reader(self._raw.FD, self._drain)
+        for job in (self._heartbeat_loop(), self._watch_disconnects()):
             self._tasks.append(loop.create_task(job))
         if not await self.wait_ready(timeout):
             raise TimeoutError(self.registry.not_ready(timeout))
@@ -201,25 +210,39 @@ class WorkerLink:
 
     # ---- the socket
 
-    async def _read_loop(self) -> None:
-        while True:
+    def _drain(self) -> None:
+        """Every message waiting. ZeroMQ's descriptor is edge-triggered, and any operation on the socket (a send
+        too) may consume its edge: it is read until empty, and each send looks again (`_send_bytes`)."""
+        raw = self._raw
+        while not self._closed:
             try:
-                frames = await self._sock.recv_multipart(copy=False)
+                if not self._readable():
+                    return
+                frames = raw.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
             except zmq.ZMQError:
                 return  # closed
-            if len(frames) != 2:
-                logger.warning("dropped a message of %d frames", len(frames))
-                continue
-            identity, data = frames[0].bytes, frames[1].bytes
-            try:
-                msg = decode(data)
-            except Exception as exc:  # WireError, or whatever a hostile payload provokes: never fatal
-                logger.warning("dropped a malformed message (%d bytes): %s", len(data), exc)
-                continue
-            try:
-                self._dispatch(identity, msg, _peer_address(frames[1]))
-            except Exception:
-                logger.exception("failed to handle a %s", type(msg).__name__)
+            self._receive(frames)
+
+    def _readable(self) -> bool:
+        events = self._raw.getsockopt(zmq.EVENTS)
+        return isinstance(events, int) and bool(events & zmq.POLLIN)
+
+    def _receive(self, frames: list[zmq.Frame]) -> None:
+        if len(frames) != 2:
+            logger.warning("dropped a message of %d frames", len(frames))
+            return
+        identity, data = frames[0].bytes, frames[1].bytes
+        try:
+            msg = decode(data)
+        except Exception as exc:  # WireError, or whatever a hostile payload provokes: never fatal
+            logger.warning("dropped a malformed message (%d bytes): %s", len(data), exc)
+            return
+        try:
+            self._dispatch(identity, msg, _peer_address(frames[1]))
+        except Exception:
+            logger.exception("failed to handle a %s", type(msg).__name__)
 
     def _dispatch(self, identity: bytes, msg: Message, address: str) -> None:
         info = self.registry.seen(identity)
@@ -241,21 +264,29 @@ class WorkerLink:
 
     def _send_bytes(self, identity: bytes, data: bytes) -> str:
         """Send without waiting; return why it failed ("" when sent)."""
-        sent = asyncio.ensure_future(self._sock.send_multipart([identity, data], flags=zmq.NOBLOCK))
-        if not sent.done():  # queued behind another send: its failure, if any, goes to the log
-            sent.add_done_callback(_log_send_failure)
-            return ""
-        error = sent.exception()
-        return f"{type(error).__name__}: {error}" if error else ""
+        if self._closed:
+            return "the link is closed"
+        try:
+            self._raw.send_multipart([identity, data], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as error:
+            return f"{type(error).__name__}: {error}"
+        finally:
+            if self._reading is not None and self._readable():
+                self._reading.call_soon(self._drain)  # the send may have consumed the edge of a waiting message
+        return ""
 
     async def close(self, reason: str) -> None:
         self.registry.shutdown_all(reason)
+        if self._reading is not None:
+            self._reading.remove_reader(self._raw.FD)
+            self._reading = None
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._steps.cancel_all()
         if self._auth is not None:
             self._auth.stop()
+        self._closed = True
         self._monitor.close(linger=0)
         self._sock.close(linger=1000)  # let the Shutdown messages leave
         self._ctx.term()
@@ -266,8 +297,3 @@ def _peer_address(frame: zmq.Frame) -> str:
         return str(frame.get("Peer-Address"))
     except zmq.ZMQError:
         return ""
-
-
-def _log_send_failure(sent: asyncio.Future[Any]) -> None:
-    if not sent.cancelled() and sent.exception() is not None:
-        logger.debug("a queued send failed: %s", sent.exception())
