@@ -35,8 +35,9 @@ class Gemma2DecoderLayer(DecoderLayer):
         self.post_feedforward_layernorm = RMSNorm(h, eps, NORM_OFFSET)
 
     def forward(self, x: torch.Tensor, angles: RopeAngles, kv_cache: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), angles, kv_cache, meta))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        attended = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), angles, kv_cache, meta))
+        h, x = self.pre_feedforward_layernorm.add(x, attended)
+        return x + self.post_feedforward_layernorm(self.mlp(h))
 
 
 class Gemma2ForCausalLM(CausalLM):

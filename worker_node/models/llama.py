@@ -35,8 +35,8 @@ class LlamaDecoderLayer(DecoderLayer):
         self.mlp = MLP(config, where, comm)
 
     def forward(self, x: torch.Tensor, angles: RopeAngles, kv_cache: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), angles, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, x = self.post_attention_layernorm.add(x, self.self_attn(self.input_layernorm(x), angles, kv_cache, meta))
+        return x + self.mlp(h)
 
 
 class LlamaForCausalLM(CausalLM):

@@ -80,8 +80,8 @@ class MixtralDecoderLayer(DecoderLayer):
         self.block_sparse_moe = SparseMoE(config, where, comm)
 
     def forward(self, x: torch.Tensor, angles: RopeAngles, kv_cache: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), angles, kv_cache, meta)
-        return x + self.block_sparse_moe(self.post_attention_layernorm(x))
+        h, x = self.post_attention_layernorm.add(x, self.self_attn(self.input_layernorm(x), angles, kv_cache, meta))
+        return x + self.block_sparse_moe(h)
 
 
 class MixtralForCausalLM(CausalLM):
