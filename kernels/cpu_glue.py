@@ -45,17 +45,16 @@ def load(dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
     return library
 
 
-def _library(*tensors: torch.Tensor) -> ctypes.CDLL | None:
-    """The kernels for these tensors' common dtype, when every one is on the CPU and that dtype has a build."""
-    dtype = tensors[0].dtype
-    if dtype not in ELEMENTS or any(t.device.type != "cpu" or t.dtype != dtype for t in tensors):
+def _library(x: torch.Tensor, *others: torch.Tensor) -> ctypes.CDLL | None:
+    """The kernels for x's dtype when x is on the CPU, that dtype has a build and `others` share it."""
+    if x.device.type != "cpu" or x.dtype not in ELEMENTS or any(t.dtype != x.dtype for t in others):
         return None
-    return load(dtype)
+    return load(x.dtype)
 
 
-def _rows(x: torch.Tensor) -> bool:
-    """A 2-D tensor whose rows are contiguous (the rows themselves may be apart, as in a view of wider rows)."""
-    return x.dim() == 2 and x.stride(1) == 1
+def _rows(x: torch.Tensor, width: int) -> bool:
+    """[rows, width] with contiguous rows (the rows themselves may lie apart, as in a view of wider rows)."""
+    return x.dim() == 2 and x.shape[1] == width and x.stride(1) == 1
 
 
 def rms_norm(
@@ -63,32 +62,31 @@ def rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(x + delta), x + delta): the RMSNorm scaled by `offset + weight`, computed in float32 and rounded
     once to x's dtype, and the residual it normed (x itself when `delta` is None, else a new tensor)."""
-    library = _library(x, weight, *(() if delta is None else (delta,)))
-    flat = x.reshape(-1, x.shape[-1])
-    ok = library is not None and _rows(flat) and weight.is_contiguous() and (delta is None or delta.shape == x.shape)
-    if not ok or library is None:
+    width = x.shape[-1]
+    if x.dim() != 2 and delta is None:  # per-head norms (Qwen3's q and k): one row per head
+        return rms_norm(x.reshape(-1, width), weight, eps, offset)[0].view(x.shape), x
+    library = _library(x, weight) if delta is None else _library(x, weight, delta)
+    if library is None or not _rows(x, width) or not weight.is_contiguous():
         return _torch_rms_norm(x, weight, eps, offset, delta)
-    if delta is not None:
-        delta = delta.reshape(flat.shape)
-        if not _rows(delta):
-            delta = delta.contiguous()
-    out = torch.empty(flat.shape, dtype=x.dtype)
-    residual = flat if delta is None else torch.empty(flat.shape, dtype=x.dtype)
+    if delta is not None and (delta.shape != x.shape or delta.stride(1) != 1):
+        return _torch_rms_norm(x, weight, eps, offset, delta)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    residual = x if delta is None else torch.empty_like(out)
     library.add_rms_norm(
-        flat.data_ptr(),
-        flat.stride(0),
+        x.data_ptr(),
+        x.stride(0),
         None if delta is None else delta.data_ptr(),
         0 if delta is None else delta.stride(0),
         weight.data_ptr(),
         out.data_ptr(),
         None if delta is None else residual.data_ptr(),
-        flat.shape[0],
-        flat.shape[1],
+        x.shape[0],
+        width,
         eps,
         offset,
         torch.get_num_threads(),
     )
-    return out.view(x.shape), x if delta is None else residual.view(x.shape)
+    return out, residual
 
 
 def _torch_rms_norm(
