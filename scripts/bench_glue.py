@@ -85,6 +85,13 @@ def cpu_us(glue: Glue, iters: int) -> float:
     return (time.thread_time() - start) / iters * 1e6
 
 
+def agree(args: argparse.Namespace, rows: int, dtype: torch.dtype) -> bool:
+    """The two paths' results on fresh inputs (the fused rotary rotates q and k in place), within bf16 rounding."""
+    inputs = LayerInputs(args, rows, dtype)
+    want = torch_glue(inputs)
+    return torch.allclose(fused_glue(inputs).float(), want.float(), atol=5e-2, rtol=2e-2)
+
+
 def measure(args: argparse.Namespace, rows: int, dtype: torch.dtype) -> tuple[float, float]:
     inputs = LayerInputs(args, rows, dtype)
     paths = (lambda: torch_glue(inputs), lambda: fused_glue(inputs))
@@ -117,11 +124,12 @@ def main() -> None:
     if not all(cpu_glue.load(getattr(torch, name)) is not None for name in args.dtypes.split(",")):
         raise SystemExit("the glue kernel could not be built here (see the warning above)")
     print(f"threads {args.threads}, load {os.getloadavg()[0]:.2f}; thread CPU us per layer, best of {args.repeats}")
-    print(f"{'dtype':>9} {'rows':>5} {'torch':>9} {'fused':>9} {'speed-up':>9}")
+    print(f"{'dtype':>9} {'rows':>5} {'torch':>9} {'fused':>9} {'speed-up':>9} {'agree':>6}")
     for name in args.dtypes.split(","):
         for rows in (int(r) for r in args.rows.split(",")):
+            same = agree(args, rows, getattr(torch, name))
             before, after = measure(args, rows, getattr(torch, name))
-            print(f"{name:>9} {rows:>5} {before:>9.1f} {after:>9.1f} {before / after:>8.2f}x")
+            print(f"{name:>9} {rows:>5} {before:>9.1f} {after:>9.1f} {before / after:>8.2f}x {str(same):>6}")
 
 
 if __name__ == "__main__":

@@ -77,7 +77,10 @@ def angles(tokens: int, rot: int, dtype: torch.dtype, gen: torch.Generator) -> t
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("tokens", "heads", "kv_heads", "head_dim", "rot"), [(1, 9, 3, 64, 64), (5, 3, 1, 34, 34), (70, 9, 3, 64, 64), (4, 4, 2, 32, 16)])
+@pytest.mark.parametrize(
+    ("tokens", "heads", "kv_heads", "head_dim", "rot"),
+    [(1, 9, 3, 64, 64), (5, 3, 1, 34, 34), (70, 9, 3, 64, 64), (4, 4, 2, 32, 16)],
+)
 def test_rotary_matches_apply_rope(
     dtype: torch.dtype, tokens: int, heads: int, kv_heads: int, head_dim: int, rot: int
 ) -> None:
