@@ -12,9 +12,10 @@ pytestmark = pytest.mark.unit
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def tolerance(dtype: torch.dtype) -> dict[str, float]:
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
     """float32: float32 rounding; bf16: one rounding of the result (torch's chain may round a step more)."""
-    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1.6e-2}
+    atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else (1e-2, 1.6e-2)
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -39,9 +40,9 @@ def test_rms_norm_matches_reference(dtype: torch.dtype, rows: int, width: int, o
     weight = torch.randn(width, generator=gen).to(dtype)
     out, residual = cpu_glue.rms_norm(x, weight, 1e-5, offset)
     assert residual is x and out.dtype == dtype
-    torch.testing.assert_close(out.double(), reference_norm(x, weight, 1e-5, offset), **tolerance(dtype))
+    assert_close(out.double(), reference_norm(x, weight, 1e-5, offset), dtype)
     # and the torch path's result (what runs where the kernel does not)
-    torch.testing.assert_close(out, cpu_glue._torch_rms_norm(x, weight, 1e-5, offset, None)[0], **tolerance(dtype))
+    assert_close(out, cpu_glue._torch_rms_norm(x, weight, 1e-5, offset, None)[0], dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -54,7 +55,7 @@ def test_add_rms_norm_returns_the_sum_and_its_norm(dtype: torch.dtype, rows: int
     out, residual = cpu_glue.rms_norm(x, weight, 1e-6, 0.0, delta)
     assert torch.equal(x, before), "the input residual is left as it was"
     assert torch.equal(residual, x + delta), "the sum is torch's, rounded the same way"
-    torch.testing.assert_close(out.double(), reference_norm(x + delta, weight, 1e-6, 0.0), **tolerance(dtype))
+    assert_close(out.double(), reference_norm(x + delta, weight, 1e-6, 0.0), dtype)
 
 
 def test_rms_norm_reads_strided_rows_and_3d() -> None:
@@ -93,8 +94,8 @@ def test_rotary_matches_apply_rope(
     cos, sin = angles(tokens, rot, dtype, gen)
     want_q, want_k = (apply_rope(t.double(), (cos.double(), sin.double())) for t in (q, k))
     assert cpu_glue.rotary_(q, k, cos, sin)
-    torch.testing.assert_close(q.double(), want_q, **tolerance(dtype))
-    torch.testing.assert_close(k.double(), want_k, **tolerance(dtype))
+    assert_close(q.double(), want_q, dtype)
+    assert_close(k.double(), want_k, dtype)
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before), "v is not touched"
 
 
@@ -115,7 +116,7 @@ def test_silu_mul_matches_torch(dtype: torch.dtype, rows: int, width: int) -> No
     gate, up = gate_up.double().split(width, dim=-1)
     out = cpu_glue.silu_mul(gate_up)
     assert out.shape == (rows, width) and out.dtype == dtype
-    torch.testing.assert_close(out.double(), F.silu(gate) * up, **tolerance(dtype))
+    assert_close(out.double(), F.silu(gate) * up, dtype)
 
 
 def test_other_dtypes_and_layouts_take_the_torch_path() -> None:
