@@ -114,9 +114,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_glue.rms_norm(x, self.weight, self.eps, self.offset)[0]
 
-    def add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + delta), x + delta): a sub-block's output added to the residual stream, and the next
-        sub-block's input."""
+        sub-block's input (delta None: x's norm, and x)."""
         return cpu_glue.rms_norm(x, self.weight, self.eps, self.offset, delta)
 
 
