@@ -22,8 +22,12 @@
 #define ELEMENT ELEMENT_FLOAT32
 #endif
 
-/* Below this many elements a call runs on the calling thread: waking the pool costs more than the pass. */
-#define PARALLEL_ELEMENTS 65536
+/* Below this many elements (a decode step's sizes: 64 rows of a 1,536-wide MLP are 98,304) a call runs on the
+ * calling thread: a pass over them takes tens of microseconds, and waking the pool costs more than it saves, far
+ * more on a loaded machine, where the caller waits at the barrier for a thread that is not running (measured with
+ * the pool woken from 65,536: scripts/bench_glue.py's 64 rows of float32 glue took 6.9 ms of CPU with 2 threads,
+ * 0.6 ms with 1, on a machine loaded 12 on 2 cores). */
+#define PARALLEL_ELEMENTS 262144
 
 #if ELEMENT == ELEMENT_BFLOAT16
 typedef uint16_t elem_t;
