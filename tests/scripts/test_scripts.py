@@ -113,6 +113,14 @@ def test_bench_scheduler_smoke(tmp_path: Path, smollm2_dir: Path) -> None:
     assert "| fcfs | 32 | 40 |" in run.stdout and "| new requests |" in run.stdout
 
 
+def test_bench_glue_smoke() -> None:
+    run = _run_script("scripts/bench_glue.py", "--smoke")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = [line.split() for line in run.stdout.splitlines()[2:]]
+    assert [row[0] for row in rows] == ["float32", "bfloat16"]
+    assert all(row[-1] == "True" for row in rows), run.stdout  # the fused glue gives torch's results
+
+
 def test_bench_wire_smoke() -> None:
     run = _run_script("scripts/bench_wire.py", "--smoke")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

@@ -25,9 +25,18 @@ class StepInterrupted(Exception):
 
 
 class DecoderLayer(nn.Module):
-    """The interface of a family's layer: hidden states in, hidden states out (residuals inside)."""
+    """The interface of a family's layer: the residual stream in and out, as a pair (x, delta) whose sum it is
+    (delta None: x alone). The last add of a layer is left to the next one, whose first RMSNorm makes it in the
+    same pass (`RMSNorm.add`), and so on to the final norm."""
 
-    def forward(self, x: torch.Tensor, angles: RopeAngles, kv_cache: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        angles: RopeAngles,
+        kv_cache: LayerKV,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
 
@@ -98,11 +107,14 @@ class CausalLM(nn.Module):
                 if group.decode_plan is None:
                     block_size = kv_caches[0].k.shape[1]  # once per step, for every layer
                     group.decode_plan = self.plan_decode(group.decode_block_tables, group.decode_seq_lens, block_size)
+        delta: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             if interrupted is not None and interrupted():
                 raise StepInterrupted
-            x = layer(x, angles, kv_cache, meta)
-        return x if self.norm is None else self.norm(x)
+            x, delta = layer(x, delta, angles, kv_cache, meta)
+        if self.norm is None:
+            return x if delta is None else x + delta
+        return self.norm.add(x, delta)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits on the output rank; None on the other TP ranks of the last stage."""

@@ -34,9 +34,18 @@ class Gemma2DecoderLayer(DecoderLayer):
         self.mlp = MLP(config, where, comm)
         self.post_feedforward_layernorm = RMSNorm(h, eps, NORM_OFFSET)
 
-    def forward(self, x: torch.Tensor, angles: RopeAngles, kv_cache: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), angles, kv_cache, meta))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+    def forward(
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        angles: RopeAngles,
+        kv_cache: LayerKV,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, x = self.input_layernorm.add(x, delta)
+        attended = self.post_attention_layernorm(self.self_attn(h, angles, kv_cache, meta))
+        h, x = self.pre_feedforward_layernorm.add(x, attended)
+        return x, self.post_feedforward_layernorm(self.mlp(h))
 
 
 class Gemma2ForCausalLM(CausalLM):

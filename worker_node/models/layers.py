@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_gemm
+from kernels import cpu_gemm, cpu_glue
 from kernels.interface import AttentionBackend
 from proto.parallel import kv_head_range, shard, vocab_shard
 from worker_node.attention import AttentionMetadata, paged_attention
@@ -101,7 +101,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight. Gemma stores `weight - 1` (`offset=1`) and normalises in float32, as HF does."""
+    """x / rms(x) * weight. Gemma stores `weight - 1` (`offset=1`) and normalises in float32, as HF does.
+
+    On CPU one pass of kernels/cpu_glue.py's kernel; `add` also folds in the residual add before it."""
 
     def __init__(self, size: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
@@ -110,10 +112,12 @@ class RMSNorm(nn.Module):
         self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.offset:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return (normed * (self.offset + self.weight.float())).to(x.dtype)
+        return cpu_glue.rms_norm(x, self.weight, self.eps, self.offset)[0]
+
+    def add(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + delta), x + delta): a sub-block's output added to the residual stream, and the next
+        sub-block's input (delta None: x's norm, and x)."""
+        return cpu_glue.rms_norm(x, self.weight, self.eps, self.offset, delta)
 
 
 class Attention(nn.Module):
@@ -159,7 +163,8 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, angles), apply_rope(k, angles)
+        if not cpu_glue.rotary_(q, k, *angles):  # in place, on CPU; elsewhere torch's ops
+            q, k = apply_rope(q, angles), apply_rope(k, angles)
         out = paged_attention(self.backend, q, k, v, kv_cache, meta, self.scale, self.window, self.softcap)
         return self.comm.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
@@ -178,7 +183,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         out = silu_gated_product(self.down_proj, gate_up) if self.act is F.silu else None
-        if out is None:
+        if out is None and self.act is F.silu:
+            out = self.down_proj(cpu_glue.silu_mul(gate_up))
+        elif out is None:
             gate, up = gate_up.split(self.inter, dim=-1)
             out = self.down_proj(self.act(gate) * up)
         return self.comm.all_reduce(out)

@@ -34,9 +34,17 @@ class LlamaDecoderLayer(DecoderLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, where, comm)
 
-    def forward(self, x: torch.Tensor, angles: RopeAngles, kv_cache: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), angles, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        angles: RopeAngles,
+        kv_cache: LayerKV,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, x = self.input_layernorm.add(x, delta)
+        h, x = self.post_attention_layernorm.add(x, self.self_attn(h, angles, kv_cache, meta))
+        return x, self.mlp(h)
 
 
 class LlamaForCausalLM(CausalLM):

@@ -79,9 +79,17 @@ class MixtralDecoderLayer(DecoderLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.block_sparse_moe = SparseMoE(config, where, comm)
 
-    def forward(self, x: torch.Tensor, angles: RopeAngles, kv_cache: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), angles, kv_cache, meta)
-        return x + self.block_sparse_moe(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        angles: RopeAngles,
+        kv_cache: LayerKV,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, x = self.input_layernorm.add(x, delta)
+        h, x = self.post_attention_layernorm.add(x, self.self_attn(h, angles, kv_cache, meta))
+        return x, self.block_sparse_moe(h)
 
 
 class MixtralForCausalLM(CausalLM):

@@ -1,0 +1,141 @@
+"""A decoder layer's element-wise glue on CPU in one pass each (kernels/csrc/glue_cpu.c, loaded with ctypes):
+residual add + RMSNorm, rotary on q and k together, silu(gate) * up.
+
+Each function takes the torch path where the C one does not apply (no C compiler, not on the CPU, a dtype other
+than float32 / bfloat16, layouts the kernel does not read) and returns what that path returns, within float32's
+rounding (bf16: the kernel rounds once where torch's chain of bf16 ops rounds after each).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from kernels.native_build import CFLAGS, CSRC, load_library
+
+SOURCE = CSRC / "glue_cpu.c"
+
+# The element types the kernel is built for (-DELEMENT, the values of the C source's ELEMENT_* names).
+ELEMENTS = {torch.float32: 0, torch.bfloat16: 1}
+
+_i64 = ctypes.c_int64
+_ptr = ctypes.c_void_p
+_int = ctypes.c_int
+_f32 = ctypes.c_float
+
+
+@functools.cache
+def load(dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
+    """The kernels built for `dtype` elements (building them first if needed); None where they cannot be built."""
+    library = load_library(SOURCE, (*CFLAGS, f"-DELEMENT={ELEMENTS[dtype]}"), "the CPU layer glue")
+    if library is None:
+        return None
+    signatures = {
+        "add_rms_norm": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _f32, _f32, _int],
+        "rotary": [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _int],
+        "silu_mul": [_ptr, _ptr, _i64, _i64, _int],
+    }
+    for name, argtypes in signatures.items():
+        function = getattr(library, name)
+        function.restype = None
+        function.argtypes = argtypes
+    return library
+
+
+def _library(x: torch.Tensor, *others: torch.Tensor) -> ctypes.CDLL | None:
+    """The kernels for x's dtype when x is on the CPU, that dtype has a build and `others` share it."""
+    if x.device.type != "cpu" or x.dtype not in ELEMENTS or any(t.dtype != x.dtype for t in others):
+        return None
+    return load(x.dtype)
+
+
+def _rows(x: torch.Tensor, width: int) -> bool:
+    """[rows, width] with contiguous rows (the rows themselves may lie apart, as in a view of wider rows)."""
+    return x.dim() == 2 and x.shape[1] == width and x.stride(1) == 1
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0, delta: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + delta), x + delta): the RMSNorm scaled by `offset + weight`, computed in float32 and rounded
+    once to x's dtype, and the residual it normed (x itself when `delta` is None, else a new tensor)."""
+    width = x.shape[-1]
+    if x.dim() != 2 and delta is None:  # per-head norms (Qwen3's q and k): one row per head
+        return rms_norm(x.reshape(-1, width), weight, eps, offset)[0].view(x.shape), x
+    library = _library(x, weight) if delta is None else _library(x, weight, delta)
+    if library is None or not _rows(x, width) or not weight.is_contiguous():
+        return _torch_rms_norm(x, weight, eps, offset, delta)
+    if delta is not None and (delta.shape != x.shape or delta.stride(1) != 1):
+        return _torch_rms_norm(x, weight, eps, offset, delta)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    residual = x if delta is None else torch.empty_like(out)
+    library.add_rms_norm(
+        x.data_ptr(),
+        x.stride(0),
+        None if delta is None else delta.data_ptr(),
+        0 if delta is None else delta.stride(0),
+        weight.data_ptr(),
+        out.data_ptr(),
+        None if delta is None else residual.data_ptr(),
+        x.shape[0],
+        width,
+        eps,
+        offset,
+        torch.get_num_threads(),
+    )
+    return out, residual
+
+
+def _torch_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, delta: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if delta is not None:
+        x = x + delta
+    if not offset:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps), x
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return (normed * (offset + weight.float())).to(x.dtype), x
+
+
+def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Rotate q [T, H, D] and k [T, Hkv, D] in place by cos / sin [T, 1, rot] (in their dtype): the first `rot`
+    dims of each head, in NeoX's halves layout. False (nothing done) where the kernel does not apply."""
+    library = _library(q, k, cos, sin)
+    if library is None or q.dim() != 3 or k.dim() != 3 or q.shape[-1] != k.shape[-1]:
+        return False
+    tokens, head_dim, rot = q.shape[0], q.shape[-1], cos.shape[-1]
+    heads_contiguous = all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (q, k))
+    if not heads_contiguous or not cos.is_contiguous() or not sin.is_contiguous() or k.shape[0] != tokens:
+        return False
+    if cos.numel() != tokens * rot or sin.shape != cos.shape or rot % 2 or rot > head_dim:
+        return False
+    library.rotary(
+        q.data_ptr(),
+        q.stride(0),
+        q.shape[1],
+        k.data_ptr(),
+        k.stride(0),
+        k.shape[1],
+        cos.data_ptr(),
+        sin.data_ptr(),
+        tokens,
+        head_dim,
+        rot,
+        torch.get_num_threads(),
+    )
+    return True
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of [..., 2 * I] rows holding gate then up."""
+    library = _library(gate_up)
+    width = gate_up.shape[-1] // 2
+    if library is None or not gate_up.is_contiguous():
+        gate, up = gate_up.split(width, dim=-1)
+        return F.silu(gate) * up
+    out = torch.empty((*gate_up.shape[:-1], width), dtype=gate_up.dtype)
+    library.silu_mul(gate_up.data_ptr(), out.data_ptr(), out.numel() // max(width, 1), width, torch.get_num_threads())
+    return out

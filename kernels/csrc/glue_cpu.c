@@ -1,0 +1,119 @@
+/* The element-wise "glue" of a decoder layer on CPU, one pass over the rows per call instead of torch's chain of
+ * small ops (each its own dispatch, its own pass over memory and its own temporary):
+ *
+ *   add_rms_norm  sum = x + delta (when delta is given), then out = sum / rms(sum) * (offset + weight)
+ *   rotary        q and k rotated in place by their token's cos/sin (the NeoX halves layout, maybe partial)
+ *   silu_mul      out = silu(gate) * up, from the fused gate/up projection's rows
+ *
+ * Each element type is its own build (-DELEMENT: 0 float32, 1 bfloat16). bf16 elements are widened to float32 as
+ * they are read (a shift) and rounded to nearest even once when written: the arithmetic between stays in float32
+ * (torch's own bf16 rms_norm does the same; its chains of bf16 ops round after every op, so a bf16 result here is
+ * the same value or within one rounding of it). A bf16 residual is rounded before it is normed, as torch's add
+ * then norm does. Rows go to OpenMP threads when there is enough work to pay for waking them.
+ * -ffast-math vectorizes the sums and expf (libmvec); the one reciprocal square root per row is taken in double.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define ELEMENT_FLOAT32 0
+#define ELEMENT_BFLOAT16 1
+#ifndef ELEMENT
+#define ELEMENT ELEMENT_FLOAT32
+#endif
+
+/* Below this many elements (a decode step's sizes: 64 rows of a 1,536-wide MLP are 98,304) a call runs on the
+ * calling thread: a pass over them takes tens of microseconds, and waking the pool costs more than it saves, far
+ * more on a loaded machine, where the caller waits at the barrier for a thread that is not running (measured with
+ * the pool woken from 65,536: scripts/bench_glue.py's 64 rows of float32 glue took 6.9 ms of CPU with 2 threads,
+ * 0.6 ms with 1, on a machine loaded 12 on 2 cores). */
+#define PARALLEL_ELEMENTS 262144
+
+#if ELEMENT == ELEMENT_BFLOAT16
+typedef uint16_t elem_t;
+typedef union {
+    uint32_t bits;
+    float value;
+} f32_bits;
+static inline float load(const elem_t *p, int64_t i) {
+    const f32_bits x = {(uint32_t)p[i] << 16};
+    return x.value;
+}
+static inline void store(elem_t *p, int64_t i, float v) {
+    const f32_bits x = {.value = v};
+    /* Round to nearest even; a NaN keeps its sign and stays a (quiet) NaN. Integer tests: -ffast-math may drop
+     * a float NaN test. */
+    const uint32_t nan = (x.bits & 0x7FFFFFFFu) > 0x7F800000u;
+    const uint32_t rounded = (x.bits + 0x7FFFu + ((x.bits >> 16) & 1u)) >> 16;
+    p[i] = (elem_t)(nan ? (x.bits >> 16) | 0x40u : rounded);
+}
+#else
+typedef float elem_t;
+static inline float load(const elem_t *p, int64_t i) { return p[i]; }
+static inline void store(elem_t *p, int64_t i, float v) { p[i] = v; }
+#endif
+
+/* x [rows, width] (rows x_stride elements apart), delta [rows, width] (delta_stride apart) or NULL, weight
+ * [width]; out [rows, width] and, with delta, sum [rows, width] (x + delta, the new residual) contiguous. */
+void add_rms_norm(const elem_t *x, int64_t x_stride, const elem_t *delta, int64_t delta_stride, const elem_t *weight,
+                  elem_t *out, elem_t *sum, int64_t rows, int64_t width, float eps, float offset, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * width >= PARALLEL_ELEMENTS) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const elem_t *row = x + r * x_stride;
+        if (delta != NULL) {
+            const elem_t *d = delta + r * delta_stride;
+            elem_t *s = sum + r * width;
+            for (int64_t i = 0; i < width; i++)
+                store(s, i, load(row, i) + load(d, i));
+            row = s;
+        }
+        float squares = 0.0f;
+        for (int64_t i = 0; i < width; i++) {
+            const float v = load(row, i);
+            squares += v * v;
+        }
+        const float inv_rms = (float)(1.0 / sqrt((double)squares / (double)width + (double)eps));
+        elem_t *y = out + r * width;
+        for (int64_t i = 0; i < width; i++)
+            store(y, i, load(row, i) * inv_rms * (offset + load(weight, i)));
+    }
+}
+
+/* One head's first `rot` dims rotated: the pairs (i, i + rot/2) by the angle whose cos/sin are c[i], s[i]. */
+static inline void rotate_head(elem_t *x, const elem_t *c, const elem_t *s, int64_t half) {
+    for (int64_t i = 0; i < half; i++) {
+        const float a = load(x, i), b = load(x, i + half), cos_i = load(c, i), sin_i = load(s, i);
+        store(x, i, a * cos_i - b * sin_i);
+        store(x, i + half, b * cos_i + a * sin_i);
+    }
+}
+
+/* q [tokens, q_heads, head_dim] and k [tokens, k_heads, head_dim], heads contiguous inside a token, tokens
+ * q_stride / k_stride elements apart (views into the fused QKV projection's rows); cos / sin [tokens, rot]
+ * contiguous (only their first rot/2 columns are read: the second half repeats them). */
+void rotary(elem_t *q, int64_t q_stride, int64_t q_heads, elem_t *k, int64_t k_stride, int64_t k_heads,
+            const elem_t *cos, const elem_t *sin, int64_t tokens, int64_t head_dim, int64_t rot, int threads) {
+    const int64_t half = rot / 2;
+#pragma omp parallel for num_threads(threads) if (tokens * (q_heads + k_heads) * rot >= PARALLEL_ELEMENTS)          \
+    schedule(static)
+    for (int64_t t = 0; t < tokens; t++) {
+        const elem_t *c = cos + t * rot, *s = sin + t * rot;
+        for (int64_t h = 0; h < q_heads; h++)
+            rotate_head(q + t * q_stride + h * head_dim, c, s, half);
+        for (int64_t h = 0; h < k_heads; h++)
+            rotate_head(k + t * k_stride + h * head_dim, c, s, half);
+    }
+}
+
+/* gate_up [rows, 2 * width] contiguous (gate then up), out [rows, width] contiguous. */
+void silu_mul(const elem_t *gate_up, elem_t *out, int64_t rows, int64_t width, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * width >= PARALLEL_ELEMENTS) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const elem_t *gate = gate_up + r * 2 * width, *up = gate + width;
+        elem_t *y = out + r * width;
+        for (int64_t i = 0; i < width; i++) {
+            const float g = load(gate, i);
+            store(y, i, g / (1.0f + expf(-g)) * load(up, i));
+        }
+    }
+}
