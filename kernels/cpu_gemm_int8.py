@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from kernels.cpu_gemm import DISABLE_ENV
+from kernels import cpu_gemm
 from kernels.native_build import CSRC, load_library
 
 SOURCE = CSRC / "int8_gemm_cpu.c"
@@ -34,9 +34,14 @@ _i64 = ctypes.c_int64
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The kernel built for this CPU; None where it cannot be (no compiler) or $MINIVLLM_CPU_GEMM is 0."""
-    if os.environ.get(DISABLE_ENV) == "0":
+    if os.environ.get(cpu_gemm.DISABLE_ENV) == "0":
         return None
-    library = load_library(SOURCE, FLAGS, "int8 weight-only matmuls")
+    return build(FLAGS)
+
+
+def build(flags: tuple[str, ...]) -> ctypes.CDLL | None:
+    """The kernel built with these compiler flags, its entry typed (tests build other vector widths too)."""
+    library = load_library(SOURCE, flags, "int8 weight-only matmuls")
     if library is not None:
         library.int8_weight_gemm.restype = ctypes.c_int
         library.int8_weight_gemm.argtypes = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int] * 2
@@ -72,18 +77,24 @@ def linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.
         return None
     library = load()
     assert library is not None
+    return multiply(library, x, codes, scales)
+
+
+def multiply(library: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
+    """`linear` in this build of the kernel, on inputs `covers` accepts."""
     x = x.contiguous()
     out = torch.empty(x.shape[0], codes.shape[0], dtype=x.dtype)
     rows, outputs, inputs = x.shape[0], codes.shape[0], codes.shape[1]
+    kind, threads = ACTIVATIONS[x.dtype], torch.get_num_threads()
     status = library.int8_weight_gemm(
-        x.data_ptr(),
-        codes.data_ptr(),
-        scales.data_ptr(),
-        out.data_ptr(),
-        rows,
-        outputs,
-        inputs,
-        ACTIVATIONS[x.dtype],
-        torch.get_num_threads(),
+        x.data_ptr(), codes.data_ptr(), scales.data_ptr(), out.data_ptr(), rows, outputs, inputs, kind, threads
     )
     return out if status == 0 else None
+
+
+def scores(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
+    """x times int8 codes scaled per output channel in a C kernel (an int8 LM head's logits): AMX-INT8 with bf16
+    activations quantized per row where it runs (kernels/cpu_gemm.py), else this kernel; None where neither
+    covers them."""
+    out = cpu_gemm.linear_int8_act(x, codes, scales) if x.dtype == torch.bfloat16 else None
+    return out if out is not None else linear(x, codes, scales)
