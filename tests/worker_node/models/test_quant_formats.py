@@ -203,6 +203,18 @@ def test_weight_bytes_count_a_quantized_layer_s_codes_and_scales() -> None:
     assert weight_bytes(layer) == 8 * 16 + 8 * 4
 
 
+@pytest.mark.skipif(cpu_gemm_int8.load() is None, reason="the portable int8 kernel needs a C compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_int8_layer_runs_the_portable_kernel_where_amx_does_not(dtype: torch.dtype) -> None:
+    if dtype == torch.bfloat16 and cpu_gemm.has_int8():
+        pytest.skip("bf16 rows go to the AMX-INT8 kernel first on this CPU")
+    layer = QuantLinear.quantized(Int8Method(), torch.randn(40, 96))
+    layer.cast(dtype)
+    x = torch.randn(17, 96).to(dtype)
+    want = cpu_gemm_int8.linear(x, layer.part("qweight"), layer.part("scales").float())
+    assert want is not None and torch.equal(layer(x), want)
+
+
 def _head(vocab: int, hidden: int, dtype: torch.dtype = torch.bfloat16) -> ParallelLMHead:
     head = ParallelLMHead(vocab, hidden, SINGLE, Comm(SINGLE))
     head.weight.data = (torch.randn(vocab, hidden) * 0.05).to(dtype)
