@@ -1,9 +1,9 @@
-"""Quantized weights vs the model in --dtype (auto: bf16, or float32 on CPUs without bf16 dot products) on one CPU,
-in one run: per format, the weight bytes a rank holds, decode tok/s at 1, 16 and 64 sequences, prefill tok/s, the
-mixed workload of bench_throughput.py, and fidelity to the first format (the reference, the unquantized model): top-1 agreement over --positions generated positions (the reference generates
-greedily from prompts cut from a fixed text; each format is teacher-forced on those sequences and its argmax at each
-generated position compared with the reference's token, the first format's own figure being the prefill vs decode
-noise floor) and perplexity on the fixed text.
+"""Quantized weights vs the model in --dtype (auto: bf16, or float32 on CPUs without bf16 dot products) on one CPU, in
+one run: per format, the weight bytes a rank holds, decode tok/s at 1, 16 and 64 sequences, prefill tok/s, the mixed
+workload of bench_throughput.py, and fidelity to the first format (the reference, the unquantized model): top-1
+agreement over --positions generated positions (the reference generates greedily from prompts cut from a fixed text;
+each format is teacher-forced on those sequences and its argmax at each generated position compared with the reference's
+token, the first format's own figure being the prefill vs decode noise floor) and perplexity on the fixed text.
 
     .venv/bin/python scripts/bench_quant.py                      # SmolLM2-135M, none (--dtype auto) and int8
     .venv/bin/python scripts/bench_quant.py --kernels            # also the int8 kernels per row count
