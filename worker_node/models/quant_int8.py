@@ -9,9 +9,9 @@ as measured on a 2-core Sapphire Rapids (scripts/bench_quant.py --kernels, docs/
   halves the tile products but cost SmolLM2 its agreement with bf16 on every projection (88.5 % with all four,
   94.5-97.5 % with any one alone, against 98.3 % here: docs/benchmarks.md), so `ACT_BITS` keeps 16 everywhere;
 - other AMX CPUs (or widths): the same C kernel with the codes widened to bf16 in registers;
-- float32 or bf16 activations on other CPUs (AVX2, AVX-512 without AMX), up to `cpu_gemm_int8.MAX_ROWS` rows:
+- float32 activations on any CPU, bf16 on others (AVX2, AVX-512 without AMX), up to `cpu_gemm_int8.MAX_ROWS` rows:
   kernels/cpu_gemm_int8.py's portable kernel, the codes widened to float32 in registers, each read once per
-  call (measured on a 2-core Zen 3: 4x float32's matmul at 1 to 16 rows, as fast at 64: docs/benchmarks.md);
+  call (on a loaded 2-core Zen 3, one thread: 1.6-2.7x float32's matmul at 1 to 64 rows: docs/benchmarks.md);
 - bf16 activations where no C kernel loads, up to `GEMV_ROWS` rows: torch's packed int8 GEMV
   (`aten._weight_int8pack_mm`), which reads the int8 rows directly but walks them once per row;
 - otherwise: the int8 rows converted to the activations' dtype and multiplied, the scales applied to the output
