@@ -1,11 +1,11 @@
-"""Quantized weights vs bf16 on one CPU, in one run: per format, the weight bytes a rank holds, decode tok/s at 1,
-16 and 64 sequences, prefill tok/s, the mixed workload of bench_throughput.py, and fidelity to the first format (the
-reference, bf16): top-1 agreement over --positions generated positions (the reference generates
-greedily from prompts cut from a fixed text; each format is teacher-forced on those sequences and its argmax at each
-generated position compared with the reference's token, the first format's own figure being the prefill vs decode
-noise floor) and perplexity on the fixed text.
+"""Quantized weights vs the model in --dtype (auto: bf16, or float32 on CPUs without bf16 dot products) on one CPU, in
+one run: per format, the weight bytes a rank holds, decode tok/s at 1, 16 and 64 sequences, prefill tok/s, the mixed
+workload of bench_throughput.py, and fidelity to the first format (the reference, the unquantized model): top-1
+agreement over --positions generated positions (the reference generates greedily from prompts cut from a fixed text;
+each format is teacher-forced on those sequences and its argmax at each generated position compared with the reference's
+token, the first format's own figure being the prefill vs decode noise floor) and perplexity on the fixed text.
 
-    .venv/bin/python scripts/bench_quant.py                      # SmolLM2-135M, none (bf16) and int8
+    .venv/bin/python scripts/bench_quant.py                      # SmolLM2-135M, none (--dtype auto) and int8
     .venv/bin/python scripts/bench_quant.py --kernels            # also the int8 kernels per row count
     .venv/bin/python scripts/bench_quant.py --smoke              # what CI runs: a tiny model, tiny sizes
 
@@ -192,14 +192,14 @@ def kernel_table(rows: list[int], repeats: int) -> list[dict[str, Any]]:
     dense matmuls, its int8 weight-only paths, fbgemm's dynamic W8A8 (measured, not used: see the guide), its int4
     kernel (AWQ's fallback), the AMX kernel for bf16 and int8 weights, the latter also against activations
     quantized to 16 and 8 bits (kernels/cpu_gemm.py), and the AWQ int4 kernel (kernels/cpu_gemm_awq.py), the last
-    two where the CPU has AMX."""
+    two where the CPU has AMX; the portable int8 kernel (kernels/cpu_gemm_int8.py) on float32 and bf16 rows."""
     import warnings
 
     import torch
     import torch.nn.functional as F
     from bench_cpu_dtypes import fastest_ms  # this script's sibling: the dense matmuls' own table
 
-    from kernels import cpu_gemm, cpu_gemm_awq
+    from kernels import cpu_gemm, cpu_gemm_awq, cpu_gemm_int8
     from worker_node.models.quant_int8 import quantize_rows
 
     def fbgemm(q: torch.Tensor, s: torch.Tensor) -> Any:
@@ -233,6 +233,7 @@ def kernel_table(rows: list[int], repeats: int) -> list[dict[str, Any]]:
                 "int8 -> bf16, matmul": lambda xs=xb, q=q: [
                     F.linear(x, w.to(torch.bfloat16)) * s for x, (w, s) in zip(xs, q)
                 ],
+                "int8 -> fp32, matmul": lambda xs=xs, q=q32: [F.linear(x, w.float()) * s for x, (w, s) in zip(xs, q)],
                 "W8A8 fbgemm dynamic": lambda xs=xs, p=packed: [
                     torch.ops.quantized.linear_dynamic(x, w) for x, w in zip(xs, p)
                 ],
@@ -249,6 +250,13 @@ def kernel_table(rows: list[int], repeats: int) -> list[dict[str, Any]]:
                 ]
                 kernels["AMX int8 x a8 (W8A8)"] = lambda xs=xb, q=q32: [
                     cpu_gemm.linear_int8_act(x, w, s, 8) for x, (w, s) in zip(xs, q)
+                ]
+            if cpu_gemm_int8.load() is not None and n <= cpu_gemm_int8.MAX_ROWS:  # the portable int8 kernel
+                kernels["int8 portable, fp32"] = lambda xs=xs, q=q32: [
+                    cpu_gemm_int8.linear(x, w, s) for x, (w, s) in zip(xs, q)
+                ]
+                kernels["int8 portable, bf16"] = lambda xs=xb, q=q32: [
+                    cpu_gemm_int8.linear(x, w, s) for x, (w, s) in zip(xs, q)
                 ]
             if cpu_gemm_awq.load() is not None:  # the AWQ int4 kernel (kernels/cpu_gemm_awq.py)
                 kernels["AWQ int4 (g64)"] = lambda xs=xb, q=awq: [cpu_gemm_awq.linear(x, *p) for x, p in zip(xs, q)]
@@ -267,7 +275,11 @@ def parse_args() -> argparse.Namespace:
         help="--quantization values, comma-separated, the first the reference; FORMAT@FOLDER runs a checkpoint "
         "in that format (e.g. awq@./smollm2-awq)",
     )
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="the engines' --dtype; auto: the worker's (bf16 where the CPU has bf16 dot products, else float32)",
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--kv-cache-memory", default="2GiB")
     p.add_argument(

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_gemm, cpu_glue
+from kernels import cpu_gemm, cpu_gemm_int8, cpu_glue
 from kernels.interface import AttentionBackend
 from proto.parallel import kv_head_range, shard, vocab_shard
 from worker_node.attention import AttentionMetadata, paged_attention
@@ -230,9 +230,10 @@ class ParallelLMHead(nn.Module):
     """Each TP rank scores its vocab rows; TP rank 0 gathers the full logits (the others get None).
 
     `softcap`: logits become cap * tanh(logits / cap) (Gemma 2's final soft-capping); 0 leaves them.
-    `int8` (set by worker_node/models/quantize.py's `quantize_head` for `--quantization int8` on AMX-INT8 CPUs):
-    int8 codes of this rank's rows and their float32 scales. The head then scores every row from the codes (half
-    the bytes of bf16: at decode sizes the head reads its weight from memory) and rescores each row's top
+    `int8` (set by worker_node/models/quantize.py's `quantize_head` for `--quantization int8` on CPUs where a C
+    int8 kernel runs): int8 codes of this rank's rows and their float32 scales. The head then scores every row
+    from the codes (half the bytes of bf16, a quarter of float32's: at decode sizes the head reads its weight from
+    memory) and rescores each row's top
     `RESCORED_INT8_LOGITS` exactly from the model-dtype weight, which stays (the tied embedding reads it): the
     argmax and the sampled top candidates are the unquantized head's; the others carry int8's rounding."""
 
@@ -262,10 +263,10 @@ class ParallelLMHead(nn.Module):
         return logits if not self.softcap else torch.tanh(logits / self.softcap) * self.softcap
 
     def _int8_scores(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """This rank's logits from the int8 codes (bf16), or None (no codes, or the kernel does not cover hidden)."""
-        if self.int8 is None or hidden.dtype != torch.bfloat16:
+        """This rank's logits from the int8 codes, or None (no codes, or no kernel covers hidden)."""
+        if self.int8 is None:
             return None
-        return cpu_gemm.linear_int8_act(hidden, *self.int8)
+        return cpu_gemm_int8.scores(hidden, *self.int8)
 
     def _exact_rows(self, rows: torch.Tensor) -> torch.Tensor:
         return self.weight[rows].float()

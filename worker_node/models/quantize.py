@@ -3,9 +3,10 @@
 Quantized: every decoder layer's projections (fused q/k/v, o, fused gate/up, down). The LM head and the embedding
 stay in the model dtype in every format, as vLLM keeps them (int8 logits alone cost 1.5 points of top-1 agreement
 on SmolLM2: docs/benchmarks.md; AWQ checkpoints store the head unquantized), and so do norms, biases, a MoE router
-and stacked experts. One addition for int8 and AWQ where the AMX-INT8 kernel runs (`quantize_head`): the head also
-gets int8 codes of its rows, which score every token, the top candidates rescored from the kept weight (layers.py's
-`ParallelLMHead`): a decode step reads half the head's bytes, for 1 byte per head weight more memory.
+and stacked experts. One addition for int8 and AWQ where a C int8 kernel runs on CPU (`quantize_head`: AMX-INT8,
+or the portable kernel of kernels/cpu_gemm_int8.py): the head also gets int8 codes of its rows, which score every
+token, the top candidates rescored from the kept weight (layers.py's `ParallelLMHead`): a decode step reads half
+the head's bytes (a quarter in float32), for 1 byte per head weight more memory.
 
 The model is built on meta with `QuantLinear`s in place (`prepare_model`), and the loader fills their tensors
 through `QuantizedCheckpoint`: a checkpoint's own quantized tensors, or ones quantized from its full-precision
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels import cpu_gemm
+from kernels import cpu_gemm, cpu_gemm_int8
 from proto.quantization import QuantizationError
 from worker_node.models.layers import ParallelLMHead
 from worker_node.models.quant_awq import AwqMethod
@@ -72,16 +73,16 @@ def after_load(model: nn.Module) -> None:
 
 def quantize_head(model: nn.Module, method: QuantMethod | None) -> bool:
     """int8 codes for the LM head beside its weight (formats with `int8_head`: int8, and AWQ, whose 4-bit projections
-    leave the bf16 head half of a decode step's bytes; bf16 on a CPU with the AMX-INT8 kernel, which alone makes
-    them pay: elsewhere the head stays as it is). Whether the head got them."""
+    leave the head half of a decode step's bytes; on a CPU where a C kernel multiplies them, which alone makes them
+    pay: elsewhere the head stays as it is). Whether the head got them."""
     head = getattr(model, "lm_head", None)
     if method is None or not method.int8_head or not isinstance(head, ParallelLMHead):
         return False
     weight = head.weight
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not cpu_gemm.has_int8():
+    if weight.device.type != "cpu" or cpu_gemm_int8.load() is None and not cpu_gemm.has_int8():
         return False
     codes, scales = quantize_rows(weight)
-    if cpu_gemm.linear_int8_act(weight[:1], codes, scales) is None:  # a width the kernel does not take
+    if cpu_gemm_int8.scores(weight[:1], codes, scales) is None:  # a dtype or width the kernels do not take
         return False
     head.int8 = (codes, scales.contiguous())
     return True

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_gemm, cpu_gemm_awq
+from kernels import cpu_gemm, cpu_gemm_awq, cpu_gemm_int8
 from proto.quantization import QuantizationError
 from tests.support.awq_checkpoint import pack_columns, quantize_awq
 from worker_node.models import quant_int8
@@ -22,6 +22,7 @@ from worker_node.parallel import SINGLE, Comm
 pytestmark = pytest.mark.unit
 
 CPU = torch.device("cpu")
+HAS_INT8_KERNEL = cpu_gemm.has_int8() or cpu_gemm_int8.load() is not None
 
 
 def test_awq_nibbles_follow_autoawq_order() -> None:
@@ -202,17 +203,30 @@ def test_weight_bytes_count_a_quantized_layer_s_codes_and_scales() -> None:
     assert weight_bytes(layer) == 8 * 16 + 8 * 4
 
 
-def _head(vocab: int, hidden: int) -> ParallelLMHead:
+@pytest.mark.skipif(cpu_gemm_int8.load() is None, reason="the portable int8 kernel needs a C compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_int8_layer_runs_the_portable_kernel_where_amx_does_not(dtype: torch.dtype) -> None:
+    if dtype == torch.bfloat16 and cpu_gemm.has_int8():
+        pytest.skip("bf16 rows go to the AMX-INT8 kernel first on this CPU")
+    layer = QuantLinear.quantized(Int8Method(), torch.randn(40, 96))
+    layer.cast(dtype)
+    x = torch.randn(17, 96).to(dtype)
+    want = cpu_gemm_int8.linear(x, layer.part("qweight"), layer.part("scales").float())
+    assert want is not None and torch.equal(layer(x), want)
+
+
+def _head(vocab: int, hidden: int, dtype: torch.dtype = torch.bfloat16) -> ParallelLMHead:
     head = ParallelLMHead(vocab, hidden, SINGLE, Comm(SINGLE))
-    head.weight.data = (torch.randn(vocab, hidden) * 0.05).bfloat16()
+    head.weight.data = (torch.randn(vocab, hidden) * 0.05).to(dtype)
     return head
 
 
-@pytest.mark.skipif(not cpu_gemm.has_int8(), reason="the int8 LM head runs on the AMX-INT8 kernel only")
+@pytest.mark.skipif(not HAS_INT8_KERNEL, reason="the int8 LM head needs a C int8 kernel (a compiler)")
 @pytest.mark.parametrize("rows", [1, 16, 64])
-def test_an_int8_lm_head_scores_from_its_codes_and_rescores_the_top_exactly(rows: int) -> None:
-    head = _head(4096, 128)
-    hidden = torch.randn(rows, 128).bfloat16()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_an_int8_lm_head_scores_from_its_codes_and_rescores_the_top_exactly(rows: int, dtype: torch.dtype) -> None:
+    head = _head(4096, 128, dtype)
+    hidden = torch.randn(rows, 128).to(dtype)
     exact = hidden.float() @ head.weight.float().t()  # what the bf16 head's top candidates are rescored to
     assert quantize_head(_Model(head), Int8Method())
     assert head.int8 is not None and head.int8[0].dtype == torch.int8
@@ -223,7 +237,7 @@ def test_an_int8_lm_head_scores_from_its_codes_and_rescores_the_top_exactly(rows
     dequantized = hidden.float() @ (codes.float() * scales[:, None]).t()
     torch.testing.assert_close(logits, dequantized, rtol=0.02, atol=0.02)
     # each row's top candidates carry the exact float32 score of the kept weight: the argmax is the bf16 head's
-    scores = cpu_gemm.linear_int8_act(hidden, codes, scales)
+    scores = cpu_gemm_int8.scores(hidden, codes, scales)
     assert scores is not None
     top = scores.topk(RESCORED_INT8_LOGITS, dim=-1).indices
     torch.testing.assert_close(logits.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-5)
@@ -235,11 +249,12 @@ def test_the_lm_head_keeps_its_weight_without_the_int8_kernel(monkeypatch: pytes
     head = _head(64, 64)
     assert not quantize_head(_Model(head), Fp8Method())  # another format: the head as it is
     monkeypatch.setattr(cpu_gemm, "has_int8", lambda: False)
-    assert not quantize_head(_Model(head), Int8Method())  # no AMX-INT8: no codes, nothing more held
+    monkeypatch.setattr(cpu_gemm_int8, "load", lambda: None)
+    assert not quantize_head(_Model(head), Int8Method())  # no C int8 kernel: no codes, nothing more held
     assert head.int8 is None
 
 
-@pytest.mark.skipif(not cpu_gemm.has_int8(), reason="the int8 LM head runs on the AMX-INT8 kernel only")
+@pytest.mark.skipif(not HAS_INT8_KERNEL, reason="the int8 LM head needs a C int8 kernel (a compiler)")
 def test_weight_bytes_count_an_int8_head_s_codes_beside_its_weight() -> None:
     model = _Model(_head(64, 64))
     assert weight_bytes(model) == 64 * 64 * 2

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels import cpu_gemm
+from kernels import cpu_gemm, cpu_gemm_int8
 from kernels.backend import select_attention_backend
 from proto.quantization import QuantizationError
 from tests.support.awq_checkpoint import write_awq_checkpoint
@@ -72,14 +72,17 @@ def test_a_group_size_the_layers_do_not_split_into_is_named(awq_dir: Path, tmp_p
         _load(awq_dir, "int8")
 
 
-def test_an_awq_models_head_gets_its_int8_copy_in_bf16(awq_dir: Path) -> None:
-    """bf16 with AMX-INT8: the head (tied to the embedding, kept bf16) gains int8 codes, counted in the weights
-    held; float32 models and other CPUs keep the bf16 head alone (quantize.quantize_head)."""
+def test_an_awq_models_head_gets_its_int8_copy_where_a_kernel_multiplies_it(awq_dir: Path) -> None:
+    """bf16 with AMX-INT8, or either dtype where the portable int8 kernel builds: the head (tied to the embedding,
+    kept in the model dtype) gains int8 codes, counted in the weights held; elsewhere the head stays alone
+    (quantize.quantize_head)."""
     backend = select_attention_backend("torch", CPU)
     model = load_model(awq_dir, backend, torch.bfloat16, CPU, 64, quantization="auto")
+    portable = cpu_gemm_int8.load() is not None
     assert model.lm_head is not None and model.lm_head.weight.dtype == torch.bfloat16
-    assert (model.lm_head.int8 is not None) == cpu_gemm.has_int8()
-    assert load_model(awq_dir, backend, torch.float32, CPU, 64, quantization="auto").lm_head.int8 is None  # type: ignore[union-attr]
+    assert (model.lm_head.int8 is not None) == (cpu_gemm.has_int8() or portable)
+    float32 = load_model(awq_dir, backend, torch.float32, CPU, 64, quantization="auto")
+    assert (float32.lm_head.int8 is not None) == portable  # type: ignore[union-attr]
     if model.lm_head.int8 is not None:
         codes, scales = model.lm_head.int8
         assert codes.shape == model.lm_head.weight.shape and codes.dtype == torch.int8
