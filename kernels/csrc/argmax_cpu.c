@@ -1,0 +1,136 @@
+/* Greedy sampling's argmax over the rows of a [rows, cols] logits matrix, for CPU workers.
+ *
+ * At 256 rows of a 49,152-token vocabulary the logits are 50 MB of float32: the argmax is bound by reading them,
+ * so each row is read once, rows are shared between the threads, and a bfloat16 matrix is read as it is (half the
+ * bytes; widening a bfloat16 to float32 is exact, so the result is that of the widened row).
+ *
+ * The answer is torch's: the first maximum on ties, and a row with a NaN answers its first NaN (NaN is greater
+ * than everything). Hence no -ffast-math here (it would let the compiler assume there is no NaN).
+ *
+ * The AVX2 loop keeps, per lane, the largest value seen and its first index (a strict "greater than" never moves
+ * the index on a tie); blocks of 32 values are first reduced to one vector with max, and only a block that beats
+ * some lane's best is walked again in order to update the indices (after the first few blocks, rarely). Lanes are
+ * merged at the end: the largest value, then the smallest index holding it. Any NaN in a row is noted on the way
+ * and its first one found by a scalar pass over that row alone.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+static inline float bf16_value(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+/* The scalar path (short rows, rows with a NaN, CPUs without AVX2): the first NaN if any, else the first maximum. */
+#define SCALAR_ARGMAX(NAME, T, LOAD)                                                    \
+    static int64_t NAME(const T *x, int64_t n) {                                        \
+        int64_t best = 0;                                                               \
+        float best_value = LOAD(x, 0);                                                  \
+        if (isnan(best_value)) return 0;                                                \
+        for (int64_t i = 1; i < n; i++) {                                               \
+            const float v = LOAD(x, i);                                                 \
+            if (isnan(v)) return i;                                                     \
+            if (v > best_value) {                                                       \
+                best_value = v;                                                         \
+                best = i;                                                               \
+            }                                                                           \
+        }                                                                               \
+        return best;                                                                    \
+    }
+
+#define LOAD_F32(x, i) ((x)[i])
+#define LOAD_BF16(x, i) bf16_value((x)[i])
+SCALAR_ARGMAX(scalar_f32, float, LOAD_F32)
+SCALAR_ARGMAX(scalar_bf16, uint16_t, LOAD_BF16)
+
+#ifdef __AVX2__
+static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
+
+static inline __m256 load8_bf16(const uint16_t *p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+#define BLOCK 32 /* values per block: four vectors */
+
+/* Lanes whose value in `v` (values i..i+7) beats their best take it and its index. */
+static inline void update(__m256 v, int64_t i, __m256 *best, __m256i *best_index) {
+    const __m256 gt = _mm256_cmp_ps(v, *best, _CMP_GT_OQ);
+    const __m256i index = _mm256_add_epi32(_mm256_set1_epi32((int32_t)i), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    *best = _mm256_blendv_ps(*best, v, gt);
+    *best_index = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(*best_index), _mm256_castsi256_ps(index), gt));
+}
+
+static inline __m256 unordered(__m256 a, __m256 b) { return _mm256_cmp_ps(a, b, _CMP_UNORD_Q); }
+
+#define VECTOR_ARGMAX(NAME, T, LOAD8, SCALAR, LOAD)                                                \
+    static int64_t NAME(const T *x, int64_t n) {                                                   \
+        if (n < 2 * BLOCK || n > INT32_MAX) return SCALAR(x, n);                                   \
+        __m256 best = LOAD8(x);                                                                    \
+        __m256i best_index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);                            \
+        __m256 nan = unordered(best, best);                                                        \
+        for (int64_t i = 8; i < BLOCK; i += 8) {                                                   \
+            const __m256 v = LOAD8(x + i);                                                         \
+            nan = _mm256_or_ps(nan, unordered(v, v));                                              \
+            update(v, i, &best, &best_index);                                                      \
+        }                                                                                          \
+        const int64_t whole = n / BLOCK * BLOCK;                                                   \
+        for (int64_t i = BLOCK; i < whole; i += BLOCK) {                                           \
+            const __m256 a = LOAD8(x + i), b = LOAD8(x + i + 8);                                   \
+            const __m256 c = LOAD8(x + i + 16), d = LOAD8(x + i + 24);                             \
+            nan = _mm256_or_ps(nan, _mm256_or_ps(unordered(a, b), unordered(c, d)));               \
+            const __m256 top = _mm256_max_ps(_mm256_max_ps(a, b), _mm256_max_ps(c, d));            \
+            if (!_mm256_movemask_ps(_mm256_cmp_ps(top, best, _CMP_GT_OQ))) continue;               \
+            update(a, i, &best, &best_index);                                                      \
+            update(b, i + 8, &best, &best_index);                                                  \
+            update(c, i + 16, &best, &best_index);                                                 \
+            update(d, i + 24, &best, &best_index);                                                 \
+        }                                                                                          \
+        if (_mm256_movemask_ps(nan)) return SCALAR(x, n);                                          \
+        float values[8];                                                                           \
+        int32_t indices[8];                                                                        \
+        _mm256_storeu_ps(values, best);                                                            \
+        _mm256_storeu_si256((__m256i *)indices, best_index);                                       \
+        float best_value = values[0];                                                              \
+        int64_t best_at = indices[0];                                                              \
+        for (int k = 1; k < 8; k++) {                                                              \
+            if (values[k] > best_value || (values[k] == best_value && indices[k] < best_at)) {     \
+                best_value = values[k];                                                            \
+                best_at = indices[k];                                                              \
+            }                                                                                      \
+        }                                                                                          \
+        for (int64_t i = whole; i < n; i++) { /* the tail: past every lane's index */              \
+            const float v = LOAD(x, i);                                                            \
+            if (isnan(v)) return i; /* the first NaN: none came before the tail */                 \
+            if (v > best_value) {                                                                  \
+                best_value = v;                                                                    \
+                best_at = i;                                                                       \
+            }                                                                                      \
+        }                                                                                          \
+        return best_at;                                                                            \
+    }
+
+VECTOR_ARGMAX(row_f32, float, load8_f32, scalar_f32, LOAD_F32)
+VECTOR_ARGMAX(row_bf16, uint16_t, load8_bf16, scalar_bf16, LOAD_BF16)
+#else
+#define row_f32 scalar_f32
+#define row_bf16 scalar_bf16
+#endif
+
+/* out[r] = the argmax of row r of `logits` ([rows, cols], rows `stride` elements apart; bfloat16 when `bf16`). */
+void argmax_rows(const void *logits, int64_t rows, int64_t cols, int64_t stride, int bf16, int64_t *out,
+                 int threads) {
+    const int parallel = threads > 1 && rows > 1 && rows * cols >= (1 << 18);
+#pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
+    for (int64_t r = 0; r < rows; r++) {
+        out[r] = bf16 ? row_bf16((const uint16_t *)logits + r * stride, cols)
+                      : row_f32((const float *)logits + r * stride, cols);
+    }
+}
