@@ -180,9 +180,9 @@ class Sampler:
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax, the first one on ties and the first NaN of a row with one (as torch's and HF's). On the
-    CPU, kernels/csrc/argmax_cpu.c's: it reads float32 or bfloat16 logits once, rows shared by torch's threads
-    (torch's argmax over rows is not vectorised: 31 ms for 256 x 49,152 where this takes a few). Without a C
-    compiler, numpy's for float32 (one thread, the same single pass)."""
+    CPU, kernels/csrc/argmax_cpu.c's: it reads float32 or bfloat16 logits once, in place (torch's argmax over rows
+    is not vectorised: 31 ms for 256 x 49,152 where this takes a few). Without a C compiler, numpy's for float32
+    (the same single pass, float32 only)."""
     if logits.device.type == "cpu":
         native = argmax_rows(logits)
         if native is not None:

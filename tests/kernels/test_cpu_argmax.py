@@ -70,13 +70,3 @@ def test_strided_rows_and_what_it_declines() -> None:
     assert cpu_argmax.argmax_rows(x.double()) is None
     assert cpu_argmax.argmax_rows(x[0]) is None  # one dimension
     assert cpu_argmax.argmax_rows(torch.empty(4, 0)) is None
-
-
-@pytest.mark.parametrize("threads", [1, 2, 3])
-def test_rows_shared_by_threads(threads: int) -> None:
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        check(torch.randn(37, 8192, generator=torch.Generator().manual_seed(threads)))
-    finally:
-        torch.set_num_threads(before)
