@@ -182,7 +182,7 @@ class PlanLoop:
     def _recv_all(self) -> list[Message | None]:
         """Every message waiting on the socket; None for each one that was dropped as malformed."""
         out: list[Message | None] = []
-        while self.sock.get(_EVENTS) & _POLLIN:  # asked first: a recv that raises zmq.Again costs more
+        while int(self.sock.get(_EVENTS)) & _POLLIN:  # asked first: a recv that raises zmq.Again costs more
             try:
                 data = self.sock.recv(zmq.NOBLOCK)
             except zmq.Again:
