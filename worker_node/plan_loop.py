@@ -39,8 +39,6 @@ SILENCE_FACTOR = 2.0
 EXIT_WORLD_BROKEN = 3  # the exit status of a worker whose torch.distributed world broke under a step
 RETRY_SEND_S = 0.05  # how soon an answer the socket would not take is tried again (besides its POLLOUT)
 STEP_GRACE_S = 1.0  # how long a leaving worker lets a running step finish before it exits without it
-# Plain ints: an operation on pyzmq's flag enums costs microseconds of Python, and this loop runs twice a step.
-_POLLIN, _POLLOUT, _EVENTS = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.EVENTS)
 
 
 class StepThread(threading.Thread):
@@ -125,10 +123,9 @@ class PlanLoop:
         steps.start()
         monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         poller = zmq.Poller()
-        poller.register(self.sock, _POLLIN)
-        poller.register(wake_r, _POLLIN)
-        poller.register(monitor, _POLLIN)
-        watching_out = False  # whether the poll also waits for the socket to take answers
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(wake_r, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         last_heard = next_beat = time.monotonic()
         seq = 0
         try:
@@ -146,12 +143,10 @@ class PlanLoop:
                 if wake_r in events:
                     _drain_pipe(wake_r)
                 self._flush(outbox)
-                if watching_out != bool(outbox):
-                    watching_out = bool(outbox)
-                    poller.modify(self.sock, _POLLIN | (_POLLOUT if watching_out else 0))
+                poller.modify(self.sock, zmq.POLLIN | (zmq.POLLOUT if outbox else 0))
                 if monitor in events:
                     self._connected = _connection_events(monitor, self._connected)
-                if events.get(self.sock, 0) & _POLLIN:
+                if events.get(self.sock, 0) & zmq.POLLIN:
                     for message in self._recv_all():
                         last_heard = time.monotonic()
                         if isinstance(message, Shutdown):
@@ -182,13 +177,12 @@ class PlanLoop:
     def _recv_all(self) -> list[Message | None]:
         """Every message waiting on the socket; None for each one that was dropped as malformed."""
         out: list[Message | None] = []
-        while int(self.sock.get(_EVENTS)) & _POLLIN:  # asked first: a recv that raises zmq.Again costs more
+        while True:
             try:
                 data = self.sock.recv(zmq.NOBLOCK)
             except zmq.Again:
-                break
+                return out
             out.append(decode_or_none(data))
-        return out
 
     def _flush(self, outbox: collections.deque[Message]) -> None:
         """Send the step thread's answers in order. One the socket would block on stays first in the outbox: a
@@ -246,9 +240,8 @@ def _connection_events(monitor: zmq.Socket, connected: bool) -> bool:
 
 
 def _drain_pipe(fd: int) -> None:
-    """One read: the step thread writes a byte per answer, so this takes every wake-up but after thousands (those
-    leave the pipe readable, and the next poll comes back at once for them)."""
     try:
-        os.read(fd, 4096)
+        while os.read(fd, 4096):
+            pass
     except BlockingIOError:
         pass
