@@ -7,10 +7,10 @@
  * The answer is torch's: the first maximum on ties, and a row with a NaN answers its first NaN (NaN is greater
  * than everything). Hence no -ffast-math here (it would let the compiler assume there is no NaN).
  *
- * With AVX2 each row takes two passes: its largest value (noting any NaN on the way: a row with one is handed to
- * the scalar path, which answers its first NaN), then the first index that holds it. A 49,152-token row is 192 KB
- * of float32, so the second pass reads the core's cache, not the memory: the memory is read once. Keeping an
- * index per lane in one pass (a blend per vector) measured slower on rows that fit the cache.
+ * With AVX2 a row is read once, a block of 32 values at a time (described at VECTOR_ARGMAX), then one block of it
+ * again from the cache; a row with a NaN goes to the scalar path, which answers its first NaN. Measured against a
+ * first pass for the maximum and a second for its index, and against an index kept per value: no slower at 49,152
+ * columns, faster on rows that fit the cache (docs/benchmarks.md).
  */
 #include <math.h>
 #include <stdint.h>
@@ -61,51 +61,50 @@ static inline __m256 load8_bf16(const uint16_t *p) {
 
 static inline __m256 unordered(__m256 a, __m256 b) { return _mm256_cmp_ps(a, b, _CMP_UNORD_Q); }
 
-static inline float horizontal_max(__m256 v) {
-    float lanes[8];
-    _mm256_storeu_ps(lanes, v);
-    float top = lanes[0];
-    for (int k = 1; k < 8; k++) top = lanes[k] > top ? lanes[k] : top;
-    return top;
-}
-
-/* Pass one: the largest value of the whole blocks (four independent maxima), noting any NaN; then the tail's.
- * Pass two: the first index holding that value, four vectors compared at a time. */
+/* One pass over the whole blocks: each block's four vectors reduced to one with max; each lane keeps the largest
+ * value it has seen and the first block where it saw it (a strict "greater than": a tie keeps the earlier block),
+ * noting any NaN. The row's first maximum lies in the earliest block that some lane holding the row's maximum
+ * recorded (an earlier occurrence would have been recorded first), and one scan of that block finds it. */
 #define VECTOR_ARGMAX(NAME, T, LOAD8, SCALAR, LOAD)                                               \
     static int64_t NAME(const T *x, int64_t n) {                                                  \
         if (n < BLOCK || n > INT32_MAX) return SCALAR(x, n);                                      \
         const int64_t whole = n / BLOCK * BLOCK;                                                  \
-        __m256 m0 = LOAD8(x), m1 = LOAD8(x + 8), m2 = LOAD8(x + 16), m3 = LOAD8(x + 24);          \
-        __m256 nan = _mm256_or_ps(unordered(m0, m1), unordered(m2, m3));                          \
-        for (int64_t i = BLOCK; i < whole; i += BLOCK) {                                          \
+        __m256 best = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();                       \
+        __m256i best_block = _mm256_setzero_si256();                                              \
+        for (int64_t i = 0; i < whole; i += BLOCK) {                                              \
             const __m256 a = LOAD8(x + i), b = LOAD8(x + i + 8);                                  \
             const __m256 c = LOAD8(x + i + 16), d = LOAD8(x + i + 24);                            \
             nan = _mm256_or_ps(nan, _mm256_or_ps(unordered(a, b), unordered(c, d)));              \
-            m0 = _mm256_max_ps(m0, a);                                                            \
-            m1 = _mm256_max_ps(m1, b);                                                            \
-            m2 = _mm256_max_ps(m2, c);                                                            \
-            m3 = _mm256_max_ps(m3, d);                                                            \
+            const __m256 top = _mm256_max_ps(_mm256_max_ps(a, b), _mm256_max_ps(c, d));           \
+            const __m256 gt = _mm256_cmp_ps(top, best, _CMP_GT_OQ);                               \
+            best = _mm256_blendv_ps(best, top, gt);                                               \
+            best_block = _mm256_castps_si256(_mm256_blendv_ps(                                    \
+                _mm256_castsi256_ps(best_block), _mm256_castsi256_ps(_mm256_set1_epi32((int32_t)i)), gt)); \
         }                                                                                         \
         if (_mm256_movemask_ps(nan)) return SCALAR(x, n);                                         \
-        float top = horizontal_max(_mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));  \
-        for (int64_t i = whole; i < n; i++) {                                                     \
+        float values[8];                                                                          \
+        int32_t blocks[8];                                                                        \
+        _mm256_storeu_ps(values, best);                                                           \
+        _mm256_storeu_si256((__m256i *)blocks, best_block);                                       \
+        float top = values[0];                                                                    \
+        int64_t first = blocks[0];                                                                \
+        for (int k = 1; k < 8; k++) {                                                             \
+            if (values[k] > top || (values[k] == top && blocks[k] < first)) {                     \
+                top = values[k];                                                                  \
+                first = blocks[k];                                                                \
+            }                                                                                     \
+        }                                                                                         \
+        int64_t at = first;                                                                       \
+        while (LOAD(x, at) != top) at++; /* within the block: it holds `top` */                  \
+        for (int64_t i = whole; i < n; i++) { /* the tail: past every block */                    \
             const float v = LOAD(x, i);                                                           \
             if (isnan(v)) return i; /* the first NaN: the blocks have none */                     \
-            top = v > top ? v : top;                                                              \
+            if (v > top) {                                                                        \
+                top = v;                                                                          \
+                at = i;                                                                           \
+            }                                                                                     \
         }                                                                                         \
-        const __m256 target = _mm256_set1_ps(top);                                                \
-        for (int64_t i = 0; i < whole; i += BLOCK) {                                              \
-            const __m256 a = _mm256_cmp_ps(LOAD8(x + i), target, _CMP_EQ_OQ);                     \
-            const __m256 b = _mm256_cmp_ps(LOAD8(x + i + 8), target, _CMP_EQ_OQ);                 \
-            const __m256 c = _mm256_cmp_ps(LOAD8(x + i + 16), target, _CMP_EQ_OQ);                \
-            const __m256 d = _mm256_cmp_ps(LOAD8(x + i + 24), target, _CMP_EQ_OQ);                \
-            const uint32_t found = (uint32_t)_mm256_movemask_ps(a) | (uint32_t)_mm256_movemask_ps(b) << 8 | \
-                                   (uint32_t)_mm256_movemask_ps(c) << 16 | (uint32_t)_mm256_movemask_ps(d) << 24; \
-            if (found) return i + __builtin_ctz(found);                                           \
-        }                                                                                         \
-        for (int64_t i = whole;; i++) {                                                           \
-            if (LOAD(x, i) == top) return i;                                                      \
-        }                                                                                         \
+        return at;                                                                                \
     }
 
 VECTOR_ARGMAX(row_f32, float, load8_f32, scalar_f32, LOAD_F32)
