@@ -16,6 +16,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from kernels.cpu_argmax import argmax_rows
 from proto.wire import SamplingOptions, TokenLogprobs
 from worker_node import logits_processors as lp
 from worker_node.structured import GrammarMasks, GrammarRow
@@ -178,10 +179,16 @@ class Sampler:
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax, the first one on ties (as torch's and HF's). On the CPU, numpy's: torch's argmax over
-    rows is not vectorised (it took 31 ms for 256 x 49,152 where numpy took 6, the copy-free max pass it needs)."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1]:
-        return torch.from_numpy(logits.detach().numpy().argmax(axis=1))
+    """Each row's argmax, the first one on ties and the first NaN of a row with one (as torch's and HF's). On the
+    CPU, kernels/csrc/argmax_cpu.c's: it reads float32 or bfloat16 logits once, in place (torch's argmax over rows
+    is not vectorised: 31 ms for 256 x 49,152 where this takes a few). Without a C compiler, numpy's for float32
+    (the same single pass, float32 only)."""
+    if logits.device.type == "cpu":
+        native = argmax_rows(logits)
+        if native is not None:
+            return native
+        if logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1]:
+            return torch.from_numpy(logits.detach().numpy().argmax(axis=1))
     return logits.argmax(dim=-1)
 
 

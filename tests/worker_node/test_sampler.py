@@ -8,7 +8,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from kernels import cpu_argmax
 from proto.wire import SamplingOptions, TokenLogprobs
+from worker_node import sampler as sampler_module
 from worker_node.sampler import Sampler, seeded_uniform
 
 pytestmark = pytest.mark.unit
@@ -41,6 +43,21 @@ def test_greedy_rows_take_the_argmax() -> None:
     tokens, lps = sample(logits, [SamplingOptions(temperature=0.0)] * 5, [0] * 5)
     assert tokens == logits.argmax(-1).tolist()
     assert lps == [None] * 5
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_is_torchs_with_or_without_the_kernel(
+    native: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compiled argmax, or without a C compiler numpy's (float32) or torch's: the first maximum on ties,
+    the first NaN of a row with one."""
+    if not native:
+        monkeypatch.setattr(cpu_argmax, "load", lambda: None)
+    logits = torch.randint(0, 4, (9, 300), generator=torch.Generator().manual_seed(1)).to(dtype)  # ties
+    logits[1, 7] = logits[1, 200] = float("nan")
+    logits[2] = float("-inf")
+    assert sampler_module.argmax(logits).tolist() == logits.argmax(-1).tolist()
 
 
 def test_a_seeded_row_draws_the_same_token_in_any_batch() -> None:

@@ -1,0 +1,51 @@
+"""Greedy sampling's argmax over logits rows, compiled for this CPU (kernels/csrc/argmax_cpu.c), loaded with ctypes.
+
+Reads float32 or bfloat16 logits once, in place, on the calling thread; the answer is torch.argmax's (first maximum on
+ties, the first NaN of a row with one). Where no C compiler is found `load()` returns None and `argmax_rows`
+answers None: the caller keeps its own path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from kernels.native_build import CSRC, load_library
+
+SOURCE = CSRC / "argmax_cpu.c"
+# Not the other kernels' -ffast-math: it would let the compiler assume no NaN, and a NaN row must answer its NaN.
+FLAGS = ("-O3", "-march=native", "-fPIC")
+DTYPES = (torch.float32, torch.bfloat16)
+
+_i64 = ctypes.c_int64
+_ptr = ctypes.c_void_p
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The kernel, built first if needed; None when it cannot be built here (logged once)."""
+    library = load_library(SOURCE, FLAGS, "greedy sampling's argmax")
+    if library is None:
+        return None
+    library.argmax_rows.restype = None
+    library.argmax_rows.argtypes = [_ptr, _i64, _i64, _i64, ctypes.c_int, _ptr]
+    return library
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
+    """Each row's argmax (int64 [rows]) of a [rows, cols] float32 or bfloat16 CPU tensor whose rows are contiguous;
+    None for any other tensor, or where the kernel cannot be built."""
+    if logits.device.type != "cpu" or logits.dtype not in DTYPES or logits.dim() != 2:
+        return None
+    rows, cols = logits.shape
+    if not cols or logits.stride(1) != 1 or (rows > 1 and logits.stride(0) < cols):
+        return None
+    library = load()
+    if library is None:
+        return None
+    out = torch.empty(rows, dtype=torch.int64)
+    bf16 = int(logits.dtype == torch.bfloat16)
+    library.argmax_rows(logits.data_ptr(), rows, cols, logits.stride(0), bf16, out.data_ptr())
+    return out

@@ -1,0 +1,72 @@
+"""The compiled argmax against torch.argmax: ties, NaN, infinities, float32 and bfloat16, one row and many."""
+
+import pytest
+import torch
+
+from kernels import cpu_argmax
+
+pytestmark = pytest.mark.unit
+
+# Widths either side of the kernel's 32-value blocks and its short-row cut-off (64), and a vocabulary.
+WIDTHS = [1, 7, 63, 64, 65, 95, 1000, 49152]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    assert cpu_argmax.load() is not None, "the C kernel must build on the test machines (gcc is in the set-up)"
+
+
+def check(logits: torch.Tensor) -> None:
+    got = cpu_argmax.argmax_rows(logits)
+    assert got is not None and got.dtype == torch.int64
+    assert got.tolist() == logits.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cols", WIDTHS)
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_random_rows(rows: int, cols: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(rows * 100003 + cols)
+    check(torch.randn(rows, cols, generator=gen).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cols", WIDTHS[1:])
+def test_ties_take_the_first(cols: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(cols)
+    few = torch.randint(0, 3, (6, cols), generator=gen).to(dtype)  # a third of each row ties at its maximum
+    same = torch.full((2, cols), 0.5, dtype=dtype)  # every value the maximum: index 0
+    last = torch.zeros(2, cols, dtype=dtype)
+    last[:, -2:] = 1.0  # two at the end, past the blocks: the first of them
+    check(torch.cat([few, same, last]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cols", WIDTHS[1:])
+def test_nan_and_infinities(cols: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(cols + 1)
+    x = torch.randn(8, cols, generator=gen).to(dtype)
+    x[0, cols // 2] = float("nan")  # NaN beats everything ...
+    x[0, cols // 3] = float("inf")
+    x[1, -1] = float("nan")  # ... even in the tail
+    x[1, 0] = float("inf")
+    x[2, :] = float("-inf")  # all -inf: the first
+    x[3, cols // 2] = float("inf")
+    x[3, -1] = float("inf")  # +inf twice: the first
+    x[4, :] = float("nan")  # all NaN: the first
+    x[5, cols // 4] = float("nan")
+    x[5, cols // 2] = float("nan")  # two NaN: the first
+    x[6, : cols // 2] = float("-inf")
+    check(x)
+
+
+def test_strided_rows_and_what_it_declines() -> None:
+    """Rows apart by more than their width (a slice of columns) are read in place; other layouts, dtypes and
+    devices answer None (the caller's path)."""
+    x = torch.randn(9, 300, generator=torch.Generator().manual_seed(3))
+    check(x[:, :250])
+    check(x[::2])
+    assert cpu_argmax.argmax_rows(x.t()) is None  # columns not contiguous
+    assert cpu_argmax.argmax_rows(x.double()) is None
+    assert cpu_argmax.argmax_rows(x[0]) is None  # one dimension
+    assert cpu_argmax.argmax_rows(torch.empty(4, 0)) is None
