@@ -1,8 +1,9 @@
 /* Greedy sampling's argmax over the rows of a [rows, cols] logits matrix, for CPU workers.
  *
  * At 256 rows of a 49,152-token vocabulary the logits are 50 MB of float32: the argmax is bound by reading them,
- * so each row is read once, and a bfloat16 matrix is read as it is (half the bytes; widening a bfloat16 to float32
- * is exact, so the result is that of the widened row).
+ * so each row is read once, rows are shared by the threads when the matrix outgrows the cache, and a bfloat16
+ * matrix is read as it is (half the bytes; widening a bfloat16 to float32 is exact, so the result is that of the
+ * widened row).
  *
  * The answer is torch's: the first maximum on ties, and a row with a NaN answers its first NaN (NaN is greater
  * than everything). Hence no -ffast-math here (it would let the compiler assume there is no NaN).
@@ -117,7 +118,12 @@ VECTOR_ARGMAX(row_bf16, uint16_t, load8_bf16, scalar_bf16, LOAD_BF16)
 /* out[r] = the argmax of row r of `logits` ([rows, cols], rows `stride` elements apart; bfloat16 when `bf16`).
  * One thread: rows shared between two threads measured slower on a shared 2-core machine, in wall time and CPU
  * (docs/benchmarks.md); one core's reads come close to what the memory gives. */
-void argmax_rows(const void *logits, int64_t rows, int64_t cols, int64_t stride, int bf16, int64_t *out) {
+void argmax_rows(const void *logits, int64_t rows, int64_t cols, int64_t stride, int bf16, int64_t *out,
+                 int threads) {
+    /* Rows shared by `threads` only when the matrix is far larger than the cache: below, the fork and join cost
+     * more than a second core's bandwidth brings (256 x 1,024 float32 takes ~50 us on one). */
+    const int parallel = threads > 1 && rows > 1 && rows * cols >= (1 << 20);
+#pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
     for (int64_t r = 0; r < rows; r++) {
         out[r] = bf16 ? row_bf16((const uint16_t *)logits + r * stride, cols)
                       : row_f32((const float *)logits + r * stride, cols);

@@ -70,3 +70,21 @@ def test_strided_rows_and_what_it_declines() -> None:
     assert cpu_argmax.argmax_rows(x.double()) is None
     assert cpu_argmax.argmax_rows(x[0]) is None  # one dimension
     assert cpu_argmax.argmax_rows(torch.empty(4, 0)) is None
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_shared_by_threads_answer_as_one(threads: int, dtype: torch.dtype) -> None:
+    """A matrix past the kernel's parallel cut-off (1 M values): rows split between threads, ties and NaN rows
+    among them, the same answers as torch whatever the thread count."""
+    gen = torch.Generator().manual_seed(threads)
+    logits = torch.randint(0, 4, (67, 16384), generator=gen).to(dtype)  # 1.1 M values, many ties per row
+    logits[5, 9000] = float("nan")
+    logits[40, 3] = float("nan")
+    logits[66, -1] = 10.0
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check(logits)
+    finally:
+        torch.set_num_threads(before)
