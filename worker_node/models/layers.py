@@ -182,10 +182,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        out = silu_gated_product(self.down_proj, gate_up) if self.act is F.silu else None
-        if out is None and self.act is F.silu:
-            out = self.down_proj(cpu_glue.silu_mul(gate_up))
-        elif out is None:
+        if self.act is F.silu:
+            out = silu_gated_product(self.down_proj, gate_up)
+            if out is None:
+                out = self.down_proj(cpu_glue.silu_mul(gate_up))
+        else:
             gate, up = gate_up.split(self.inter, dim=-1)
             out = self.down_proj(self.act(gate) * up)
         return self.comm.all_reduce(out)
