@@ -25,7 +25,14 @@ from minivllm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOut
 from minivllm.sampling_params import SamplingParams
 from proto.quantization import check_quantization
 from proto.wire import WORKER_JOIN_TIMEOUT_S
-from proto.worker_flags import KV_CACHE_DTYPES, WorkerOptions, offload_dir_problem, parse_size, worker_argv
+from proto.worker_flags import (
+    KV_CACHE_DTYPES,
+    OVERLAP_CHOICES,
+    WorkerOptions,
+    offload_dir_problem,
+    parse_size,
+    worker_argv,
+)
 from scheduler_node.api.embeddings import (
     POOLINGS,
     EngineFailed,
@@ -123,6 +130,7 @@ class LLM:
         cuda_graph_sizes: str = _WORKER.cuda_graph_sizes,
         threads: int = _WORKER.threads,
         batch_invariant: bool = _WORKER.batch_invariant,
+        overlap_steps: str = _WORKER.overlap_steps,
         block_size: int = _SCHEDULER.block_size,
         max_num_seqs: int = _SCHEDULER.max_num_seqs,
         max_num_batched_tokens: int = _SCHEDULER.max_num_batched_tokens,
@@ -144,6 +152,8 @@ class LLM:
         check_quantization(quantization)
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+        if overlap_steps not in OVERLAP_CHOICES:
+            raise ValueError(f"overlap_steps: must be one of {OVERLAP_CHOICES}, got {overlap_steps!r}")
         world = tensor_parallel_size * pipeline_parallel_size
         if worker_backend == "inprocess" and world > 1:
             raise ValueError(f"worker_backend: 'inprocess' runs a world of one; this one has {world} ranks")
@@ -167,6 +177,7 @@ class LLM:
             cuda_graph_sizes=cuda_graph_sizes,
             kv_cache_dtype=kv_cache_dtype,
             batch_invariant=batch_invariant,
+            overlap_steps=overlap_steps,
         )
         self.config = EngineConfig(
             dtype=dtype,

@@ -35,6 +35,7 @@ class WorkerOptions:
     kv_transfer_host: str = "127.0.0.1"  # where a serving rank's KV exporter binds (a free port)
     kv_transfer_mode: str = "auto"  # auto: a staging buffer between processes of one host, else frames; tcp: frames
     batch_invariant: bool = False  # dense products in fixed-size row chunks: a row's bits independent of its batch
+    overlap_steps: str = "auto"  # launch the next plan before a step's tokens reach the host (auto: on CUDA)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> WorkerOptions:
@@ -63,7 +64,9 @@ WORKER_FLAGS = (
     "kv_transfer_host",
     "kv_transfer_mode",
     "batch_invariant",
+    "overlap_steps",
 )
+OVERLAP_CHOICES = ("auto", "on", "off")
 KV_ROLES = ("prefill", "decode", "both")
 KV_TRANSFER_MODES = ("auto", "tcp")
 
@@ -152,6 +155,15 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
         help="every dense product and the LM head in fixed-size row chunks, so a sequence's logits, and a seeded "
         "stream's draws, do not depend on what shares its batch (a migration, other arrivals); CPU; costs "
         "decode throughput at few sequences (docs/guide.md)",
+    )
+    p.add_argument(
+        "--overlap-steps",
+        choices=OVERLAP_CHOICES,
+        default=DEFAULTS.overlap_steps,
+        help="launch the next plan before this step's sampled tokens reach the host, its decodes reading them on "
+        "the device (steps whose rows need no logits processor or logprobs): the GPU no longer waits for the "
+        "host's part of each step. auto (the default): on for CUDA devices; on a CPU a step computes while it is "
+        "launched, so overlapping only delays its result",
     )
     add_kv_offload_flags(p)
 

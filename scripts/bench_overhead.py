@@ -78,6 +78,7 @@ class WorkerProbe:
 
     prepare: float = 0.0
     sample: float = 0.0
+    sampling: bool = False  # inside the sampler (sample calls sample_tokens: timed once)
     marks: dict[int, tuple[float, float, float, float, float]] = field(default_factory=dict)
 
 
@@ -89,12 +90,12 @@ def install_worker_probe(vocab: int) -> None:
     import worker_node.loading
 
     worker_node.loading.load_model = zero_cost_loader(vocab)  # type: ignore[assignment]
-    execute, prepare, sample = ModelRunner.execute, ModelRunner._prepare, Sampler.sample
+    launch, prepare = ModelRunner.launch, ModelRunner._prepare
 
-    def timed_execute(self: ModelRunner, plan: StepPlan) -> Any:
+    def timed_launch(self: ModelRunner, plan: StepPlan) -> Any:  # (execute is launch, then finish)
         w = WORKER
         w.marks[plan.step_id] = (time.thread_time(), time.process_time(), w.prepare, w.sample, time.perf_counter())
-        return execute(self, plan)
+        return launch(self, plan)
 
     def timed_prepare(self: ModelRunner, *args: Any) -> Any:
         start = time.thread_time()
@@ -103,16 +104,25 @@ def install_worker_probe(vocab: int) -> None:
         finally:
             WORKER.prepare += time.thread_time() - start
 
-    def timed_sample(self: Sampler, *args: Any) -> Any:
-        start = time.thread_time()
-        try:
-            return sample(self, *args)
-        finally:
-            WORKER.sample += time.thread_time() - start
+    def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
+        """The sampler's time: `sample`, or `sample_tokens` alone (an overlapped step's; `sample` calls it)."""
 
-    ModelRunner.execute = timed_execute  # type: ignore[method-assign]
+        def wrapper(self: Sampler, *args: Any) -> Any:
+            if WORKER.sampling:
+                return fn(self, *args)
+            WORKER.sampling, start = True, time.thread_time()
+            try:
+                return fn(self, *args)
+            finally:
+                WORKER.sample += time.thread_time() - start
+                WORKER.sampling = False
+
+        return wrapper
+
+    ModelRunner.launch = timed_launch  # type: ignore[method-assign]
     ModelRunner._prepare = timed_prepare  # type: ignore[method-assign,assignment]
-    Sampler.sample = timed_sample  # type: ignore[method-assign,assignment]
+    Sampler.sample = timed(Sampler.sample)  # type: ignore[method-assign]
+    Sampler.sample_tokens = timed(Sampler.sample_tokens)  # type: ignore[method-assign]
 
 
 def run_as_worker(argv: list[str]) -> int:
@@ -264,6 +274,7 @@ def measure(path: str, num_seqs: int, folder: Path, args: argparse.Namespace, sc
         swap_space=0.0,
         threads=args.threads,
         worker_backend=backend,
+        overlap_steps=args.overlap_steps,
     )
     probe = EngineProbe(num_seqs)
     try:
@@ -437,6 +448,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sampler-rows", type=int, default=256, help="rows of the sampler table")
     p.add_argument("--sampler-vocab", type=int, default=49152, help="vocabulary of the sampler table")
     p.add_argument("--sampler-reps", type=int, default=20, help="timed calls of the sampler table")
+    p.add_argument(
+        "--overlap-steps",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the worker's --overlap-steps (auto: off on a CPU); on measures the host cost of the path a GPU takes",
+    )
     p.add_argument("--json", type=Path, help="also write the figures here")
     p.add_argument("--scheduler-only", action="store_true", help="only the scheduler-alone table (no engine)")
     p.add_argument("--smoke", action="store_true", help="8 sequences of 24 tokens, both paths (CI)")
@@ -480,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads_label": f"{args.threads} torch threads" if args.threads else "torch's default threads",
         "load": f"{load:.1f} before, {os.getloadavg()[0]:.1f} after",
         "vocab": args.vocab,
+        "overlap_steps": args.overlap_steps,
         "prompt_tokens": args.prompt_tokens,
         "output_tokens": args.output_tokens,
         "rows": [median_row(runs[cell]) for cell in cells],

@@ -8,6 +8,8 @@ from CUDA graphs, through `minivllm.LLM` (the engine core, its worker in this pr
 - the share of the run's time the device was idle: one more run under the torch profiler; the union of the
   device's kernel intervals against the span from its first to its last (prefill included: one step of
   `output_len`; the profiler sees the kernels of every thread's launches); nan on a CPU dry run;
+- the same decode with every step finished before the next is launched (`overlap_steps="off"`): what the
+  overlapped steps (worker_node/step_overlap.py, on by default on CUDA) buy;
 - HF `generate` on the same device, same prompts, same dtype, greedy to `output_len` tokens (eos ignored), as
   a peer: its decode tokens/s the same way, and minivllm's ratio to it.
 
@@ -84,6 +86,7 @@ def decode_part(model: str | None, config: DecodeConfig, prompts_of: Callable[[i
         prompts = prompts_of(n)
         row: dict[str, Any] = {"seqs": n}
         row |= engine_decode(folder, config, prompts)
+        row["decode tok/s, not overlapped"] = sequential_decode(folder, config, prompts)
         row |= hf_decode(folder, config, prompts)
         row["vs HF"] = row["decode tok/s"] / row["HF decode tok/s"]
         rows.append(row)
@@ -104,6 +107,16 @@ def engine_decode(folder: str, config: DecodeConfig, prompts: list[str]) -> dict
         with profiler(config.device) as prof:
             llm.generate(prompts, params, use_tqdm=False)
     return {"decode tok/s": stats["decode tok/s"], "device idle": idle_share(prof, config.device)}
+
+
+def sequential_decode(folder: str, config: DecodeConfig, prompts: list[str]) -> float:
+    """The decode tokens/s with every step finished before the next is launched (`overlap_steps="off"`; the
+    default overlaps them on CUDA, worker_node/step_overlap.py): what overlapping buys, in the same run."""
+    from bench_kernels import engine_run
+
+    kwargs = engine_args(folder, config, len(prompts), config.cuda_graph_sizes) | {"overlap_steps": "off"}
+    stats, _ = engine_run(kwargs, prompts, config.output_len, config.runs)
+    return float(stats["decode tok/s"])
 
 
 def profiler(device: str) -> torch.profiler.profile:
@@ -172,6 +185,7 @@ def sync(device: str) -> None:
 def summary_lines(part: dict[str, Any]) -> list[str]:
     return [
         f"| decode {r['seqs']} seqs | {r['decode tok/s']:.0f} tok/s, device idle {100 * r['device idle']:.0f}%, "
+        f"steps not overlapped {r['decode tok/s, not overlapped']:.0f} tok/s, "
         f"HF generate {r['HF decode tok/s']:.0f} tok/s ({r['vs HF']:.2f}x) |"
         for r in part.get("rows", [])
     ]

@@ -81,7 +81,8 @@ class InProcessWorkers:
         else:
             self._capacity = _capacity_of(self.runners)
         for rank, runner in enumerate(self.runners):
-            thread = StepThread(rank, runner.execute, self._deliver_from(rank), self._thread_setup)
+            overlap = runner if runner.overlap else None
+            thread = StepThread(rank, runner.execute, self._deliver_from(rank), self._thread_setup, overlap=overlap)
             thread.start()
             self._threads.append(thread)
         self.changed.set()

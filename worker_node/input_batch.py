@@ -17,12 +17,12 @@ import numpy as np
 import torch
 
 from proto.wire import NewRequest
-from worker_node.sampler import is_plain
+from worker_node.sampler import is_plain, runs_on_device
 from worker_node.step_inputs import RequestState, StepGather, StepInputs
 
 _ROW_ARRAYS = (
     "token_ids", "num_tokens", "num_computed", "num_prompt", "block_table", "num_blocks", "wants_prompt_logprobs",
-    "plain", "wants_logprobs", "pools", "num_drafts", "num_unverified", "lora_slot", "handle", "held",
+    "plain", "on_device", "wants_logprobs", "pools", "num_drafts", "num_unverified", "lora_slot", "handle", "held",
 )  # fmt: skip
 
 
@@ -41,6 +41,7 @@ class InputBatch(StepGather):
         self.num_blocks = np.zeros(rows, dtype=np.int64)
         self.wants_prompt_logprobs = np.zeros(rows, dtype=bool)
         self.plain = np.zeros(rows, dtype=bool)  # the sampler's RowFlags
+        self.on_device = np.zeros(rows, dtype=bool)  # its token needs nothing of the host (sampler.runs_on_device)
         self.wants_logprobs = np.zeros(rows, dtype=bool)
         self.pools = np.zeros(rows, dtype=bool)  # an embedding request
         self.lora_slot = np.zeros(rows, dtype=np.int64)  # its LoRA adapter's slot + 1 (0: the base model)
@@ -53,6 +54,9 @@ class InputBatch(StepGather):
         # The held handles sorted, and their rows: `rows_of` looks a plan's packed decodes up in them with one
         # search. Rebuilt (vectorised) on the first lookup after a request came or went; None until then.
         self._index: tuple[np.ndarray, np.ndarray] | None = None
+        # The tokens of the last step launched before the host read them (worker_node/step_overlap.py): until then
+        # its samplers' rows hold a placeholder -(i + 1) for token i of this tensor, which `gather` reads here.
+        self.in_flight: torch.Tensor | None = None
 
     # ---- rows: written by a plan's diffs
 
@@ -75,6 +79,7 @@ class InputBatch(StepGather):
         self.num_blocks[row] = len(r.block_ids)
         self.wants_prompt_logprobs[row] = r.sampling.prompt_logprobs is not None and not state.resumed
         self.plain[row] = is_plain(r.sampling)
+        self.on_device[row] = runs_on_device(r.sampling)
         self.wants_logprobs[row] = r.sampling.logprobs is not None
         self.pools[row] = bool(r.sampling.pooling)
         self.lora_slot[row] = 0 if r.lora is None else r.lora.slot + 1
@@ -187,6 +192,34 @@ class InputBatch(StepGather):
         self._fit(int(ends.max()) + 1, 0)
         self.token_ids[rows, ends] = tokens
         self.num_tokens[rows] = ends + 1
+
+    def reserve(self, inputs: StepInputs, tokens: torch.Tensor) -> list[tuple[RequestState, int]]:
+        """A step's samplers get their tokens' places before the host knows them: `tokens` (on the device) is
+        their tokens, and each row holds the placeholder -(i + 1) for its token i until `fill` (the next step's
+        `gather` reads such a token from the device). Returns each sampler with its token's position."""
+        places = []
+        for i, state in enumerate(inputs.samplers):
+            places.append((state, len(state.token_ids)))
+            state.token_ids.append(-(i + 1))
+        rows = inputs.sampler_rows
+        ends = self.num_tokens[rows]
+        self._fit(int(ends.max()) + 1, 0)
+        self.token_ids[rows, ends] = -np.arange(1, len(rows) + 1, dtype=np.int32)
+        self.num_tokens[rows] = ends + 1
+        self.in_flight = tokens
+        return places
+
+    def fill(self, places: list[tuple[RequestState, int]], tokens: list[int], launched: torch.Tensor) -> None:
+        """The host has a reserved step's tokens (`launched`: as `reserve` was given them): each goes in its place,
+        for the requests this batch still holds as they were (a later plan may have finished or preempted one, or
+        given its row to another)."""
+        owners = self.owners
+        for (state, position), token in zip(places, tokens):
+            if owners[state.row] is state and state.token_ids[position] < 0:
+                state.token_ids[position] = token
+                self.token_ids[state.row, position] = token
+        if self.in_flight is launched:
+            self.in_flight = None
 
     def blocks(self, state: RequestState) -> list[int]:
         return self.block_table[state.row, : self.num_blocks[state.row]].tolist()

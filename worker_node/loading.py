@@ -38,6 +38,7 @@ from worker_node.models.decoder import CausalLM
 from worker_node.models.layers import set_batch_invariant
 from worker_node.models.loader import load_model
 from worker_node.parallel import Comm, ParallelRank
+from worker_node.step_overlap import overlaps_on
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +122,16 @@ def load_rank(
     tokenizer = Path(a.model) / "tokenizer.json"
     offload = build_offload(options, a, config, kv_dtype, device, block_bytes)
     runner = ModelRunner(
-        model, cache, a.block_size, device, host, comm, a.mode, tokenizer if tokenizer.is_file() else None, offload
+        model,
+        cache,
+        a.block_size,
+        device,
+        host,
+        comm,
+        a.mode,
+        tokenizer if tokenizer.is_file() else None,
+        offload,
+        overlaps_on(options.overlap_steps, device),
     )
     runner.lora = graph_lora
     enable_decode_graphs(runner, options.cuda_graph_sizes, backend.name, full.max_model_len)

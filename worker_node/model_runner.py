@@ -26,6 +26,7 @@ from worker_node.plan_diffs import PlanDiffs
 from worker_node.sampler import Sampler, token_logprobs
 from worker_node.spec_decode import accept
 from worker_node.step_inputs import StepInputs
+from worker_node.step_overlap import DeviceTokens, Launched, may_follow
 
 # Prompt rows scored at once for prompt_logprobs: bounds the [rows, vocab] logits a long prefill chunk would need.
 PROMPT_LOGITS_ROWS = 256
@@ -60,6 +61,7 @@ class ModelRunner(PlanDiffs):
         mode: ExecutionMode | None = None,
         tokenizer_file: Path | None = None,  # the model's tokenizer.json: structured output needs it
         offload: KVOffload | None = None,  # KV offload tiers (host RAM, disk): the plans' tier moves
+        overlap: bool = False,  # launch the next plan before this step's tokens reach the host (step_overlap.py)
     ) -> None:
         self.model = model
         self.comm = comm or Comm(SINGLE)  # every rank runs every plan; only the output rank samples
@@ -93,6 +95,8 @@ class ModelRunner(PlanDiffs):
         self.lora: LoraManager | None = None  # made when the first request with a LoRA adapter arrives
         self.handoff: KVHandoff | None = None  # disaggregated prefill/decode: leases served, prefixes pulled
         self.draft: DraftModel | None = None  # speculative decoding's draft model, on the rank that samples
+        self.overlap = overlap
+        self.overlapped = 0  # steps launched with their tokens left on the device
 
     def run_block_ops(self, plan: StepPlan) -> TierRun:
         """Swap out, KV tier moves, copy (copy-on-write, compaction), swap in: before the forward pass reads any
@@ -112,8 +116,14 @@ class ModelRunner(PlanDiffs):
         copy_blocks(self.host_cache, self.kv_cache, plan.swap_in)
         return tiers
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        """Run the plan to its reply."""
+        return self.launch(plan).finish()
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> Launched:
+        """Run the plan up to its reply. With `overlap`, a step whose tokens need nothing of the host leaves
+        them on the device: its `finish` reads them, and the next plan may be launched first (step_overlap.py)."""
         start = time.perf_counter()
         # An interrupted plan was built on steps before it that may not have run: their progress is not checked.
         skip = self._interrupted(plan.step_id)
@@ -135,6 +145,7 @@ class ModelRunner(PlanDiffs):
             kept = [h not in self._load_failed for h in handles]
             rows, counts = rows[kept], counts[kept]
         sampled: dict[int, list[int]] = {}
+        in_flight: tuple[DeviceTokens, list[tuple[RequestState, int]]] | None = None
         token_handles, packed = b"", b""  # one token each: packed (StepResult.tokens) instead of `sampled`
         logprobs: dict[int, list[TokenLogprobs]] = {}
         prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = {}
@@ -144,9 +155,10 @@ class ModelRunner(PlanDiffs):
             inputs = self._prepare(rows, counts, plan.compact_block_base)
             if self.samples_here:
                 self.sampler.start(inputs.samplers, inputs.flags)  # grammar masks while the forward pass runs
+            on_device = self._overlaps(plan, inputs)
             try:
                 tokens, lps, prompt_logprobs, pooled = self._run_and_sample(
-                    inputs, lambda: self._interrupted(plan.step_id)
+                    inputs, lambda: self._interrupted(plan.step_id), on_device
                 )
             except StepInterrupted:
                 self.sampler.cancel()
@@ -154,7 +166,10 @@ class ModelRunner(PlanDiffs):
                 skip = True
             else:
                 samplers = inputs.samplers
-                if inputs.draft_rows is not None:  # speculative decoding: keep what each sampler's draws accept
+                if isinstance(tokens, DeviceTokens):  # overlapped: the rows hold their tokens' places
+                    in_flight = (tokens, self.batch.reserve(inputs, tokens.tokens))
+                    token_handles = self.batch.handle[inputs.sampler_rows].astype("<i4").tobytes()
+                elif inputs.draft_rows is not None:  # speculative decoding: keep what each sampler's draws accept
                     outputs = accept(tokens, inputs.draft_rows) if tokens else []
                     if self.mode.tokens_in_plan:  # the next plan brings the accepted tokens to every rank
                         self.batch.defer_drafts(inputs)
@@ -171,6 +186,7 @@ class ModelRunner(PlanDiffs):
                 if inputs.flags.logprobs.any():
                     logprobs = {state.handle: [lp] for state, lp in zip(samplers, lps) if lp is not None}
                 if plan.propose and self.draft is not None:  # a draft model's proposals for the next step
+                    assert not isinstance(tokens, DeviceTokens)  # (a step that proposes does not overlap)
                     states = self.batch.states
                     out = sampled or {s.handle: [token] for s, token in zip(samplers, tokens)}
                     targets = [states[h] for h in plan.propose if h in out and h in states]
@@ -183,7 +199,7 @@ class ModelRunner(PlanDiffs):
         end = time.perf_counter()
         idle = (start - self._last_step_end) * 1e3 if self._last_step_end is not None else 0.0
         self._last_step_end = end
-        return StepResult(
+        result = StepResult(
             plan.step_id,
             sampled,
             logprobs,
@@ -201,6 +217,28 @@ class ModelRunner(PlanDiffs):
             token_handles=token_handles,
             tokens=packed,
         )
+        if in_flight is None:
+            return Launched(plan.step_id, lambda: result)
+        self.overlapped += 1
+        return Launched(plan.step_id, lambda: self._finish(result, *in_flight), overlaps=True)
+
+    def _finish(self, result: StepResult, tokens: DeviceTokens, places: list[tuple[RequestState, int]]) -> StepResult:
+        """An overlapped step's reply, once its tokens reach the host; they take their places in the batch."""
+        values = tokens.values()
+        self.batch.fill(places, values, tokens.tokens)
+        result.tokens = pack_int32(values)
+        return result
+
+    def may_follow(self, plan: StepPlan) -> bool:
+        """Whether `plan` may be launched while the last launched step's tokens are still on the device."""
+        return may_follow(plan)
+
+    def _overlaps(self, plan: StepPlan, inputs: StepInputs) -> bool:
+        """Whether this step's tokens stay on the device (step_overlap.py): every sampler's token needs nothing
+        of the host, and none travels in plans, verifies proposals or feeds a draft model."""
+        if not self.overlap or self.mode.tokens_in_plan or plan.propose or inputs.draft_rows is not None:
+            return False
+        return bool(inputs.samplers) and bool(self.batch.on_device[inputs.sampler_rows].all())
 
     def _failed_anywhere(self, plan: StepPlan, here: TierRun) -> tuple[list[TierMove], list[TierMove]]:
         """The plan's disk loads and disk writes that failed on any rank: every rank must leave out the same
@@ -239,10 +277,16 @@ class ModelRunner(PlanDiffs):
         return self.interruptible and self.interrupts.covers(step_id)
 
     def _run_and_sample(
-        self, batch: StepInputs, interrupted: Callable[[], bool] | None = None
-    ) -> tuple[list[int], list[TokenLogprobs | None], dict[int, tuple[int, list[TokenLogprobs]]], dict[int, Pooled]]:
+        self, batch: StepInputs, interrupted: Callable[[], bool] | None = None, on_device: bool = False
+    ) -> tuple[
+        list[int] | DeviceTokens,
+        list[TokenLogprobs | None],
+        dict[int, tuple[int, list[TokenLogprobs]]],
+        dict[int, Pooled],
+    ]:
         """This rank's stage of the forward pass; the output rank samples. With one stage every rank learns
-        the tokens now; with more, only the output rank has them (the others get them with the next plan)."""
+        the tokens now (`on_device`: where they are, as DeviceTokens, their copy to the host under way); with more,
+        only the output rank has them (the others get them with the next plan)."""
         where = self.comm.where
         hidden = None
         if not where.is_first_stage:
@@ -265,16 +309,22 @@ class ModelRunner(PlanDiffs):
         tokens: list[int] = []
         lps: list[TokenLogprobs | None] = [None] * len(batch.row_requests)
         prompt: dict[int, tuple[int, list[TokenLogprobs]]] = {}
+        drawn: torch.Tensor | None = None
         if where.is_last_stage and batch.samplers:
             rows = hidden if batch.all_sample else hidden[batch.sample_rows]
             logits = self.model.logits(rows)  # a collective over the TP group
-            if logits is not None:
+            if logits is not None and on_device:
+                drawn = self.sampler.sample_tokens(logits, batch.row_requests, batch.row_flags)
+            elif logits is not None:
                 tokens, lps = self.sampler.sample(logits, batch.row_requests, batch.row_flags)
         if where.is_last_stage and batch.prompt_rows:
             prompt = self._prompt_logprobs(hidden, batch.prompt_rows)
         pooled = pool(hidden, batch.pool_rows) if where.is_last_stage and batch.pool_rows else {}
         if self.mode.tokens_in_plan:
             return tokens, lps, prompt, pooled
+        if on_device:  # (every rank: each embeds them next)
+            shared = self.comm.share_sampled_on_device(drawn, len(batch.row_requests))
+            return DeviceTokens(shared), lps, prompt, pooled
         return self.comm.share_sampled(tokens, len(batch.row_requests)), lps, prompt, pooled
 
     def _prompt_logprobs(

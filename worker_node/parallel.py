@@ -131,14 +131,24 @@ class Comm:
         across stages they travel in the next plan, so that no stage waits for the last one."""
         if self._world is None or count == 0:
             return tokens
+        mine = torch.tensor(tokens, dtype=torch.int64, device=self._device) if self.where.is_output_rank else None
+        return self.share_sampled_on_device(mine, count).tolist()
+
+    def share_sampled_on_device(self, tokens: torch.Tensor | None, count: int) -> torch.Tensor:
+        """`share_sampled` for tokens left where they were sampled (int64; None on the ranks that do not
+        sample): on NCCL the broadcast is queued on the device, and the host waits for nothing."""
+        if self._world is None or count == 0:
+            assert tokens is not None, "a world of one samples on its only rank"
+            return tokens
         if self.where.is_output_rank:
-            t = torch.tensor(tokens, dtype=torch.int64, device=self._device)
+            assert tokens is not None
+            t = tokens.to(torch.int64)
         else:
             t = torch.empty(count, dtype=torch.int64, device=self._device)
         opts = dist.BroadcastOptions()
         opts.rootRank = self.where.layout.output_rank
         _wait(self._world.broadcast([t], opts))
-        return t.tolist()
+        return t
 
     def any_rank(self, flags: list[bool]) -> list[bool]:
         """Each flag, set if it is set on any rank of the world (a sum over every rank)."""

@@ -17,20 +17,23 @@ once instead of waiting out the collective: only then can its replacement rejoin
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import queue
 import threading
 import time
-from typing import Callable, NoReturn
+from typing import Callable, NoReturn, Protocol, TypeVar
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from proto.wire import Heartbeat, Interrupt, Message, Shutdown, StepError, StepPlan, decode, encode
 from worker_node.parallel import WorldBroken
+from worker_node.step_overlap import Launched
 
 logger = logging.getLogger(__name__)
+R = TypeVar("R")
 
 
 # The scheduler declares a silent worker lost after its heartbeat timeout; a worker gives a silent scheduler
@@ -41,8 +44,19 @@ RETRY_SEND_S = 0.05  # how soon an answer the socket would not take is tried aga
 STEP_GRACE_S = 1.0  # how long a leaving worker lets a running step finish before it exits without it
 
 
+class Overlapping(Protocol):
+    """A runner whose steps may overlap (worker_node/step_overlap.py): ModelRunner."""
+
+    def launch(self, plan: StepPlan) -> Launched: ...
+
+    def may_follow(self, plan: StepPlan) -> bool: ...
+
+
 class StepThread(threading.Thread):
-    """Runs plans one at a time, in arrival order, and hands each reply to `deliver` (from this thread)."""
+    """Runs plans one at a time, in arrival order, and hands each reply to `deliver` (from this thread), in order.
+
+    With `overlap`, a launched step whose tokens are still on the device is finished only after the next plan is
+    launched, when that plan is already waiting and may follow it; with none waiting, at once."""
 
     def __init__(
         self,
@@ -51,6 +65,7 @@ class StepThread(threading.Thread):
         deliver: Callable[[Message], None],
         setup: Callable[[], None] = lambda: None,
         scheduler_lost: Callable[[], bool] = lambda: False,
+        overlap: Overlapping | None = None,
     ) -> None:
         super().__init__(name=f"step-{rank}", daemon=True)  # a hung step must not keep the process from exiting
         self.rank = rank
@@ -58,19 +73,60 @@ class StepThread(threading.Thread):
         self.deliver = deliver
         self.setup = setup
         self.scheduler_lost = scheduler_lost
+        self.overlap = overlap
         self.inbox: queue.Queue[StepPlan | None] = queue.Queue()
 
     def run(self) -> None:
         self.setup()
+        if self.overlap is not None:
+            self._run_overlapped(self.overlap)
+            return
         while (plan := self.inbox.get()) is not None:
-            try:
-                reply = self.execute(plan)
-            except WorldBroken as exc:
-                self._leave_broken(plan.step_id, exc)
-            except Exception as exc:  # a plan this worker cannot run: say so, stay alive
-                logger.exception("step %d failed", plan.step_id)
-                reply = StepError(plan.step_id, self.rank, f"{type(exc).__name__}: {exc}")
-            self.deliver(reply)
+            self.deliver(self._guarded(plan.step_id, functools.partial(self.execute, plan)))
+
+    def _run_overlapped(self, runner: Overlapping) -> None:
+        held: Launched | None = None  # launched, its tokens still on the device
+        while True:
+            if held is None:
+                plan = self.inbox.get()
+            else:
+                try:
+                    plan = self.inbox.get_nowait()
+                except queue.Empty:  # nothing to launch behind it: finish it now
+                    self._finish(held)
+                    held = None
+                    continue
+            if plan is None:
+                break
+            if held is not None and not runner.may_follow(plan):
+                self._finish(held)
+                held = None
+            launched = self._guarded(plan.step_id, functools.partial(runner.launch, plan))
+            if held is not None:  # its tokens reach the host while the device runs the plan just launched
+                self._finish(held)
+                held = None
+            if not isinstance(launched, Launched):
+                self.deliver(launched)  # the StepError of a plan that could not be launched
+            elif launched.overlaps:
+                held = launched
+            else:
+                self._finish(launched)
+        if held is not None:
+            self._finish(held)
+
+    def _finish(self, launched: Launched) -> None:
+        self.deliver(self._guarded(launched.step_id, launched.finish))
+
+    def _guarded(self, step_id: int, work: Callable[[], R]) -> R | StepError:
+        """`work`'s outcome, or the StepError of a step this worker cannot run (it stays alive); a collective
+        that failed leaves the world (`_leave_broken`)."""
+        try:
+            return work()
+        except WorldBroken as exc:
+            self._leave_broken(step_id, exc)
+        except Exception as exc:  # a plan this worker cannot run: say so, stay alive
+            logger.exception("step %d failed", step_id)
+            return StepError(step_id, self.rank, f"{type(exc).__name__}: {exc}")
 
     def stop(self) -> None:
         self.inbox.put(None)
@@ -98,8 +154,10 @@ class PlanLoop:
         initial_timeout: float,
         setup: Callable[[], None] = lambda: None,
         interrupt: Callable[[int, int], None] = lambda first, last: None,
+        overlap: Overlapping | None = None,
     ) -> None:
         self.sock = sock
+        self.overlap = overlap
         self.rank = rank
         self.execute = execute
         self.timeout = initial_timeout  # until the scheduler's first heartbeat says otherwise
@@ -119,7 +177,7 @@ class PlanLoop:
             outbox.append(reply)
             os.write(wake_w, b"\0")
 
-        steps = StepThread(self.rank, self.execute, deliver, self.setup, lambda: not self._connected)
+        steps = StepThread(self.rank, self.execute, deliver, self.setup, lambda: not self._connected, self.overlap)
         steps.start()
         monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         poller = zmq.Poller()

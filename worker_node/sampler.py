@@ -91,15 +91,7 @@ class Sampler:
         given); `start` was called with them. `logits` is only read: plain rows take its argmax where it lies, the
         other rows are copied out (only they: the vocabulary is never copied for a row that needs no processor)."""
         flags = flags or RowFlags.of(requests)
-        special = np.flatnonzero(~flags.plain).tolist()
-        if len(special) == len(requests):
-            tokens = self._sample_special(logits, requests, None)
-        else:
-            tokens = argmax(logits)
-            if special:
-                index = torch.tensor(special, device=logits.device)
-                tokens[index] = self._sample_special(logits, requests, index)
-        token_list = tokens.tolist()
+        token_list = self.sample_tokens(logits, requests, flags).tolist()
         wanted = np.flatnonzero(flags.logprobs).tolist()
         out: list[TokenLogprobs | None] = [None] * len(requests)
         if wanted:
@@ -109,12 +101,29 @@ class Sampler:
                 out[i] = value
         return token_list, out
 
+    def sample_tokens(self, logits: torch.Tensor, requests: Sequence[SamplingRequest], flags: RowFlags) -> torch.Tensor:
+        """`sample`'s tokens, where the logits are (int64 [B]). Nothing here waits for the device unless a
+        processor must (a grammar row that every other processor left without a token): a step whose rows need
+        no processor leaves its tokens on a GPU for the next step to read there (worker_node/step_overlap.py)."""
+        special = np.flatnonzero(~flags.plain).tolist()
+        if len(special) == len(requests):
+            return self._sample_special(logits, requests, None)
+        tokens = argmax(logits)
+        if special:
+            index = torch.tensor(special, device=logits.device)
+            tokens[index] = self._sample_special(logits, requests, index, special)
+        return tokens
+
     def _sample_special(
-        self, logits: torch.Tensor, requests: Sequence[SamplingRequest], index: torch.Tensor | None
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[SamplingRequest],
+        index: torch.Tensor | None,
+        picked: list[int] | None = None,
     ) -> torch.Tensor:
-        """The tokens of the rows `index` of `logits` (every row when None): processed, then the argmax for greedy
-        rows and a draw for the others."""
-        chosen = requests if index is None else [requests[i] for i in index.tolist()]
+        """The tokens of the rows `index` of `logits` (every row when None; `picked`: the same, on the host):
+        processed, then the argmax for greedy rows and a draw for the others."""
+        chosen = requests if picked is None else [requests[i] for i in picked]
         if index is not None:
             part = logits[index]  # a copy of these rows: the processors write it
         elif any(_processes(r.sampling) for r in chosen):
@@ -195,6 +204,12 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 def is_plain(o: SamplingOptions) -> bool:
     """A greedy row that no processor changes: its token is the argmax of the model's own logits."""
     return o.temperature == 0.0 and not _processes(o)
+
+
+def runs_on_device(o: SamplingOptions) -> bool:
+    """A row whose token the device can draw alone, with nothing read back on the host: no processor (they read
+    the request's tokens there) and no logprobs. Greedy, temperature, top-k/p, min-p and seeds qualify."""
+    return o.logprobs is None and not _processes(o)
 
 
 def _processes(o: SamplingOptions) -> bool:

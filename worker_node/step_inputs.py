@@ -78,6 +78,7 @@ class StepGather:
     pools: np.ndarray
     num_drafts: np.ndarray
     lora_slot: np.ndarray
+    in_flight: torch.Tensor | None
 
     def gather(self, rows: np.ndarray, n: np.ndarray, compact_base: int) -> StepInputs:
         """The inputs of a step that computes n[i] tokens of the request in row rows[i], from its computed tokens
@@ -135,7 +136,7 @@ class StepGather:
             meta.num_full_tokens = full_tokens
         dev = self.device
         return StepInputs(
-            torch.from_numpy(ids).to(dev),
+            self._input_ids(ids),
             torch.from_numpy(positions.astype(np.int64, copy=False)).to(dev),
             meta,
             torch.from_numpy(sample_rows).to(dev),
@@ -149,6 +150,18 @@ class StepGather:
             pool_rows,
             draft_rows,
         )
+
+    def _input_ids(self, ids: np.ndarray) -> torch.Tensor:
+        """The step's token ids on the device. A token the host does not have yet (a placeholder -(i + 1): the
+        last launched step's token i, see InputBatch.reserve) is read where that step left it, on the device."""
+        input_ids = torch.from_numpy(ids).to(self.device)
+        missing = np.flatnonzero(ids < 0)
+        if len(missing):
+            if self.in_flight is None:
+                raise RuntimeError("the step reads a token that no launched step is sampling")
+            at = torch.from_numpy(missing).to(self.device)
+            input_ids[at] = self.in_flight[torch.from_numpy(-ids[missing] - 1).to(self.device)]
+        return input_ids
 
     def token_lora_slots(self, inputs: StepInputs) -> np.ndarray | None:
         """Each of a step's tokens' LoRA slot (-1: the base model), in batch order; None when none has one."""

@@ -87,6 +87,7 @@ class Worker:
             self.options.connect_timeout,
             self._thread_setup,
             runner.interrupts.add,
+            runner if runner.overlap else None,
         )
         return loop.run()
 

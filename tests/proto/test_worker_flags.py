@@ -40,7 +40,8 @@ def test_the_flags_defaults_are_the_settings_defaults() -> None:
 def test_settings_survive_the_command_line() -> None:
     options = WorkerOptions(device="cpu", kv_cache_memory=2**24, swap_space=0.5, threads=2, kv_cache_dtype="int8",
                             kv_offload_ram=0.25, kv_offload_disk="/tmp/kv", kv_offload_disk_size=1.5,
-                            cuda_graph_sizes="1,2", local_address="10.0.0.2", batch_invariant=True)  # fmt: skip
+                            cuda_graph_sizes="1,2", local_address="10.0.0.2", batch_invariant=True,
+                            overlap_steps="on")  # fmt: skip
     assert WorkerOptions.from_args(parser().parse_args(worker_argv(options))) == options
     assert "--batch-invariant" in worker_argv(options), "a switch that is on is passed bare"
     assert "--kv-offload-disk" not in worker_argv(WorkerOptions()), "an empty setting is left out"

@@ -57,6 +57,7 @@ def test_gpu_check_dry_run_imports_every_part(tmp_path: Path) -> None:
     rows = report["decode_dry_run"]["rows"]  # the decode part's code, at a tiny size on the CPU
     assert [r["seqs"] for r in rows] == [2, 4]
     assert all(r["decode tok/s"] > 0 and r["HF decode tok/s"] > 0 and r["vs HF"] > 0 for r in rows)
+    assert all(r["decode tok/s, not overlapped"] > 0 for r in rows), "overlapping's A/B runs too"
     lora = report["lora_dry_run"]  # LoRA in decode graphs: its code on the CPU, where nothing is captured
     assert lora["same as eager"] == "4/4" and lora["mixed decode tok/s"] > 0 and lora["base decode tok/s"] > 0
     assert lora["graphs with LoRA"] is False and lora["graph steps with adapter rows"] == 0
