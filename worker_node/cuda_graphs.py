@@ -157,7 +157,7 @@ class DecodeGraphs:
             if lora_slots is None:
                 self.lora_slots[:size].fill_(-1)
             else:
-                self.lora_slots[:n].copy_(torch.from_numpy(lora_slots))
+                self.lora_slots[:n].copy_(torch.from_numpy(lora_slots), non_blocking=True)  # (host_copy.py)
                 self.lora_slots[n:size].fill_(-1)
         if size in self.graphs:
             self.graphs[size].replay()

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from worker_node.host_copy import to_device
+
 NEG_INF = float("-inf")
 
 
@@ -19,7 +21,7 @@ def add_bias(logits: torch.Tensor, rows: list[int], tokens: list[int], bias: lis
     """logits[rows[i], tokens[i]] += bias[i], in place (HF SequenceBiasLogitsProcessor on one-token sequences)."""
     if rows:
         index = (_index(rows, logits), _index(tokens, logits))
-        logits.index_put_(index, torch.tensor(bias, dtype=logits.dtype, device=logits.device), accumulate=True)
+        logits.index_put_(index, to_device(bias, logits.device, logits.dtype), accumulate=True)
 
 
 def ban(logits: torch.Tensor, rows: list[int], tokens: list[int]) -> None:
@@ -78,8 +80,8 @@ def min_p(logits: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
 
 
 def _column(values: list[float] | list[int], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype or like.dtype, device=like.device).unsqueeze(1)
+    return to_device(values, like.device, dtype or like.dtype).unsqueeze(1)
 
 
 def _index(values: list[int], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=like.device)
+    return to_device(values, like.device, torch.int64)

@@ -19,6 +19,7 @@ import torch
 from kernels.cpu_argmax import argmax_rows
 from proto.wire import SamplingOptions, TokenLogprobs
 from worker_node import logits_processors as lp
+from worker_node.host_copy import to_device
 from worker_node.structured import GrammarMasks, GrammarRow
 from worker_node.token_counts import TokenCounts
 
@@ -110,7 +111,7 @@ class Sampler:
             return self._sample_special(logits, requests, None)
         tokens = argmax(logits)
         if special:
-            index = torch.tensor(special, device=logits.device)
+            index = to_device(special, logits.device, torch.int64)
             tokens[index] = self._sample_special(logits, requests, index, special)
         return tokens
 
@@ -135,7 +136,7 @@ class Sampler:
         tokens = argmax(processed)
         random_rows = [i for i, o in enumerate(options) if not o.greedy]
         if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
+            rows = to_device(random_rows, logits.device, torch.int64)
             warped = processed if len(random_rows) == len(options) else processed[rows]
             probs = _warp(warped, [options[i] for i in random_rows]).softmax(dim=-1)
             outputs = [len(chosen[i].token_ids) - chosen[i].num_prompt_tokens for i in random_rows]
@@ -160,7 +161,7 @@ class Sampler:
         if self.grammars is not None and any(o.structured is not None for o in options):
             constrained = [i for i, o in enumerate(options) if o.structured is not None]
             allowed = self.grammars.allowed(out.device)
-            rows = torch.tensor(constrained, device=out.device)
+            rows = to_device(constrained, out.device, torch.int64)
             out[rows] = out[rows].masked_fill(~allowed, lp.NEG_INF)
             _revive(out, raw, index, rows, allowed)
         return out
@@ -172,7 +173,7 @@ class Sampler:
         chosen = [requests[i] for i in penalised]
         slots = self.counts.rows([(r.handle, r.token_ids, r.num_prompt_tokens) for r in chosen])
         counts = self.counts.output[slots]
-        rows = torch.tensor(penalised, device=logits.device)
+        rows = to_device(penalised, logits.device, torch.int64)
         part = logits[rows]
         options = [r.sampling for r in chosen]
         if any(o.repetition_penalty != 1.0 for o in options):
@@ -264,7 +265,7 @@ def _warp(logits: torch.Tensor, options: list[SamplingOptions]) -> torch.Tensor:
     ):
         rows = [i for i, o in enumerate(options) if active(o)]
         if rows:
-            index = torch.tensor(rows, device=logits.device)
+            index = to_device(rows, logits.device, torch.int64)
             logits[index] = warp(logits[index], [value(options[i]) for i in rows])
     return logits
 
@@ -276,7 +277,7 @@ def _draw(probs: torch.Tensor, seeds: list[int | None], positions: list[int]) ->
     drawn = torch.rand(len(seeds), dtype=torch.float64).tolist()  # unseeded rows: torch's generator
     uniforms = [u if seed is None else seeded_uniform(seed, pos) for u, seed, pos in zip(drawn, seeds, positions)]
     cdf = probs.double().cumsum(dim=-1)  # float64: the last of 50k+ summands still moves the sum
-    targets = (torch.tensor(uniforms, dtype=torch.float64, device=probs.device) * cdf[:, -1]).unsqueeze(1)
+    targets = (to_device(uniforms, probs.device, torch.float64) * cdf[:, -1]).unsqueeze(1)
     index = torch.searchsorted(cdf, targets, right=True).squeeze(1)
     return index.clamp_(max=probs.shape[-1] - 1)
 
@@ -297,4 +298,4 @@ def _grammar_row(r: SamplingRequest) -> GrammarRow:
 
 
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+    return to_device(values, like.device, like.dtype).unsqueeze(1)

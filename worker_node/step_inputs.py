@@ -12,6 +12,7 @@ import torch
 
 from proto.wire import SamplingOptions
 from worker_node.attention import AttentionMetadata
+from worker_node.host_copy import to_device
 from worker_node.sampler import RowFlags, SamplingRequest
 from worker_node.spec_decode import DraftRows, expand
 
@@ -137,9 +138,9 @@ class StepGather:
         dev = self.device
         return StepInputs(
             self._input_ids(ids),
-            torch.from_numpy(positions.astype(np.int64, copy=False)).to(dev),
+            to_device(positions.astype(np.int64, copy=False), dev),
             meta,
-            torch.from_numpy(sample_rows).to(dev),
+            to_device(sample_rows, dev),
             all_sample,
             samplers,
             flags,
@@ -154,13 +155,13 @@ class StepGather:
     def _input_ids(self, ids: np.ndarray) -> torch.Tensor:
         """The step's token ids on the device. A token the host does not have yet (a placeholder -(i + 1): the
         last launched step's token i, see InputBatch.reserve) is read where that step left it, on the device."""
-        input_ids = torch.from_numpy(ids).to(self.device)
+        input_ids = to_device(ids, self.device)
         missing = np.flatnonzero(ids < 0)
         if len(missing):
             if self.in_flight is None:
                 raise RuntimeError("the step reads a token that no launched step is sampling")
-            at = torch.from_numpy(missing).to(self.device)
-            input_ids[at] = self.in_flight[torch.from_numpy(-ids[missing] - 1).to(self.device)]
+            at = to_device(missing, self.device)
+            input_ids[at] = self.in_flight[to_device(-ids[missing] - 1, self.device)]
         return input_ids
 
     def token_lora_slots(self, inputs: StepInputs) -> np.ndarray | None:
@@ -259,13 +260,12 @@ class StepGather:
         if decode_tokens != num_decodes:  # proposals: a query per token, with its own row's table
             decode_tables = tables[owner[:decode_tokens]]
             decode_lens = (positions[:decode_tokens] + 1).astype(np.int32)
-        t = torch.from_numpy
         return AttentionMetadata(
-            slot_mapping=t(slots).to(dev),
+            slot_mapping=to_device(slots, dev),
             num_decode_tokens=decode_tokens,
-            decode_block_tables=t(decode_tables).to(dev),
-            decode_seq_lens=t(decode_lens).to(dev),
-            prefill_block_tables=t(tables[num_decodes:]).to(dev),
-            prefill_cu_seqlens_q=t(cu_q).to(dev),
-            prefill_seq_lens=t(lens[num_decodes:]).to(dev),
+            decode_block_tables=to_device(np.ascontiguousarray(decode_tables), dev),
+            decode_seq_lens=to_device(decode_lens, dev),
+            prefill_block_tables=to_device(np.ascontiguousarray(tables[num_decodes:]), dev),
+            prefill_cu_seqlens_q=to_device(cu_q, dev),
+            prefill_seq_lens=to_device(lens[num_decodes:], dev),
         )

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+from worker_node.host_copy import to_device
+
 
 class TokenCounts:
     def __init__(self, vocab_size: int, device: torch.device) -> None:
@@ -29,16 +31,16 @@ class TokenCounts:
             row = self._rows.get(handle)
             if row is None:
                 row = self._take(handle)
-                self.prompt[row, torch.tensor(token_ids[:num_prompt], dtype=torch.int64, device=self.device)] = True
+                self.prompt[row, to_device(token_ids[:num_prompt], self.device, torch.int64)] = True
             new = token_ids[num_prompt + self._counted[handle] :]
             self._counted[handle] += len(new)
             tokens += new
             added += [row] * len(new)
             slots.append(row)
         if tokens:
-            index = (torch.tensor(added, device=self.device), torch.tensor(tokens, device=self.device))
+            index = (to_device(added, self.device, torch.int64), to_device(tokens, self.device, torch.int64))
             self.output.index_put_(index, torch.ones(len(tokens), dtype=torch.int32, device=self.device), True)
-        return torch.tensor(slots, dtype=torch.int64, device=self.device)
+        return to_device(slots, self.device, torch.int64)
 
     def release(self, handle: int) -> None:
         row = self._rows.pop(handle, None)

@@ -40,6 +40,7 @@ from torch import nn
 
 from proto.lora import BaseShapes, inspect_adapter
 from proto.wire import LoraAdapter
+from worker_node.host_copy import to_device
 from worker_node.lora.slot_bank import BankedProjection, LoraCapacity, SlotBank
 from worker_node.lora.weights import PROJECTIONS, LayerLoras, ProjectionLora, read_adapter
 from worker_node.models.decoder import CausalLM
@@ -167,7 +168,7 @@ class LoraManager:
         """The forward passes inside see each token's adapter (`token_slots[t]`: its slot, -1 for the base)."""
         if self._stale:
             self._restack()
-        self._token_slots = torch.from_numpy(token_slots).to(self.device)
+        self._token_slots = to_device(token_slots, self.device)
         self._active = np.unique(token_slots[token_slots >= 0]).tolist()
         try:
             yield
