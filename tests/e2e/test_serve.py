@@ -203,11 +203,12 @@ def test_serve_data_parallel_replicas_behind_a_router_balance_restart_on_sighup_
 def rolling_restart_loses_no_stream(serve: subprocess.Popen, stub: pb_grpc.GenerationStub, log: Path) -> None:
     """SIGHUP mid-stream (issue 31): each replica in turn drained with migrate, restarted (a new scheduler) and
     routed again; every greedy and seeded stream ends with the tokens of an undisturbed run, vllm-serve runs on."""
-    # 256 tokens: the streams still run when the rolling thread drains replica 0 on a loaded machine (at 128 one
-    # run in four saw replica 0's streams end first).
-    requests = [greedy_ids(prompt_ids(500 + i), 256) for i in range(4)]
+    # 960 tokens (the tiny model's 1,024 positions less the prompt): the streams still run when the rolling thread
+    # drains replica 0, ~60 ms after the signal. At 128 one loaded run in four saw replica 0's streams end first; at
+    # 256 an idle Sapphire Rapids (about 0.4 ms a step for this model) ran them out between two polls.
+    requests = [greedy_ids(prompt_ids(500 + i), 960) for i in range(4)]
     for i in range(4):
-        sampling = pb.SamplingParams(max_tokens=256, temperature=0.8, seed=7 + i, ignore_eos=True)
+        sampling = pb.SamplingParams(max_tokens=960, temperature=0.8, seed=7 + i, ignore_eos=True)
         requests.append(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt_ids(600 + i)), sampling=sampling))
     expected = Streams(stub, requests).join(120)
     before = scheduler_pids(serve)

@@ -39,17 +39,22 @@ def engine() -> EngineCore:
     return stand_in_engine(workers=ScriptedWorkers(SCRIPT, min(tokenizer().eos_token_ids)), max_num_seqs=16)
 
 
-def serve(scenario: Scenario) -> None:
-    """`scenario` with a client of a source door, whose engine drains with migrate once its sequences have MOVE_AT
-    outputs, and of a target door; and what that drain moved (requests), once it ran."""
+def serve(scenario: Scenario, sequences: int = 1) -> None:
+    """`scenario` with a client of a source door, whose engine drains with migrate once it has run at least
+    `sequences` sequences and each running one has MOVE_AT outputs (a request the scenario sends at once with others
+    may reach the engine a few steps after them on a loaded machine), and of a target door; and what that drain
+    moved (requests), once it ran."""
 
     async def main() -> None:
         source, target = engine(), engine()
         moved: list[int] = []
 
+        seen: set[object] = set()  # the sequences the source has run
+
         def drain() -> None:
             live = source.scheduler.requests.values()
-            if live and all(len(r.output_token_ids) >= MOVE_AT for r in live):
+            seen.update(source.scheduler.requests)
+            if live and len(seen) >= sequences and all(len(r.output_token_ids) >= MOVE_AT for r in live):
                 source.after_step = None
                 source.stop_admitting()  # as Control.Drain(migrate=true)
                 moved.append(source.migrate())
@@ -163,7 +168,7 @@ def test_what_cannot_move_exactly_runs_on_to_its_end() -> None:
             assert migrated is None and chunks[-1] == "[DONE]", chunks
         assert drained == [0], "the drain moved none of them"
 
-    serve(scenario)
+    serve(scenario, sequences=7)  # n=2, two prompts of n=2, one chat: the drain comes with all of them running
 
 
 def test_a_draining_replica_takes_back_a_stream_it_moved_and_nothing_else() -> None:
