@@ -220,11 +220,15 @@ class ModelRunner(PlanDiffs):
         if in_flight is None:
             return Launched(plan.step_id, lambda: result)
         self.overlapped += 1
-        return Launched(plan.step_id, lambda: self._finish(result, *in_flight), overlaps=True)
+        return Launched(plan.step_id, lambda: self._finish(result, start, *in_flight), overlaps=True)
 
-    def _finish(self, result: StepResult, tokens: DeviceTokens, places: list[tuple[RequestState, int]]) -> StepResult:
-        """An overlapped step's reply, once its tokens reach the host; they take their places in the batch."""
+    def _finish(
+        self, result: StepResult, start: float, tokens: DeviceTokens, places: list[tuple[RequestState, int]]
+    ) -> StepResult:
+        """An overlapped step's reply, once its tokens reach the host; they take their places in the batch. Its
+        execute_ms runs to then: the launch alone would say nothing of the device's time (preemption weighs it)."""
         values = tokens.values()
+        result.execute_ms = (time.perf_counter() - start) * 1e3
         self.batch.fill(places, values, tokens.tokens)
         result.tokens = pack_int32(values)
         return result
