@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from minivllm.cluster import REPO, free_port
+from minivllm.tiny_models import build_tiny_model
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from scheduler_node.cli.client import wait_ready
@@ -87,18 +88,26 @@ def test_serve_runs_and_stops_all_children_on_sigterm(tiny_llama_dir: Path, tmp_
 
 
 SHUTDOWN_TIMEOUT = 3.0
+ENDLESS = 6000  # tokens of the streams that must outlast the shutdown timeout
+
+
+@pytest.fixture(scope="module")
+def long_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """The tiny llama with room for ENDLESS tokens: 1,000 could finish within the shutdown timeout on a fast idle
+    CPU (seven streams at ~3 ms a step), so the streams that must outlast it are longer than that can hold."""
+    return build_tiny_model("llama", tmp_path_factory.mktemp("long-llama"), smollm2_dir, max_position_embeddings=8192)
 
 
 def test_sigterm_refuses_new_work_with_retry_after_then_ends_what_outlasts_shutdown_timeout(
-    tiny_llama_dir: Path,
+    long_llama_dir: Path,
 ) -> None:
     """Graceful shutdown as an orchestrator does it: SIGTERM to vllm-serve. New requests are refused at once (gRPC
     UNAVAILABLE with a retry-after trailer, HTTP 503 with Retry-After); running streams that can finish within
     --shutdown-timeout do; the rest end with UNAVAILABLE saying why (gRPC status, an error event in the SSE
     stream); vllm-serve exits 0 with its children."""
     port, http_port = free_port(), free_port()
-    argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--model", str(tiny_llama_dir), "--kv-cache-memory",
-            "16MiB", "--threads", "1", "--log-level", "WARNING", "--port", str(port), "--worker-port",
+    argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--model", str(long_llama_dir), "--kv-cache-memory",
+            "64MiB", "--threads", "1", "--log-level", "WARNING", "--port", str(port), "--worker-port",
             str(free_port()), "--openai-port", str(http_port), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]  # fmt: skip
     serve = subprocess.Popen(argv, cwd=REPO)
     url = f"http://127.0.0.1:{http_port}"
@@ -107,9 +116,9 @@ def test_sigterm_refuses_new_work_with_retry_after_then_ends_what_outlasts_shutd
             assert wait_ready(channel, 120), "vllm-serve never became SERVING"
             stub = pb_grpc.GenerationStub(channel)
             short = [greedy_ids(prompt_ids(70 + i), 8) for i in range(2)]
-            endless = [greedy_ids(prompt_ids(80 + i), 1000) for i in range(6)]  # cannot finish in 3 s on a CPU
+            endless = [greedy_ids(prompt_ids(80 + i), ENDLESS) for i in range(6)]  # cannot finish in 3 s on a CPU
             streams = Streams(stub, short + endless)
-            body = {"prompt": "hi", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+            body = {"prompt": "hi", "max_tokens": ENDLESS, "ignore_eos": True, "stream": True}
             with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as live:
                 lines = live.iter_lines()
                 assert next(lines).startswith("data: ")
@@ -130,7 +139,7 @@ def test_sigterm_refuses_new_work_with_retry_after_then_ends_what_outlasts_shutd
         for r in results[:2]:
             assert (r.code, r.finish_reason, len(r.tokens)) == (None, "length", 8), r.details
         for r in results[2:]:
-            assert r.code == grpc.StatusCode.UNAVAILABLE and len(r.tokens) < 1000, (r.code, len(r.tokens))
+            assert r.code == grpc.StatusCode.UNAVAILABLE and len(r.tokens) < ENDLESS, (r.code, len(r.tokens))
             assert "shutting down: --shutdown-timeout (3 s) passed" in r.details, r.details
             assert r.ended_at - signalled < SHUTDOWN_TIMEOUT + 10
         assert tail[-1] == "data: [DONE]"
