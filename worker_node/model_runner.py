@@ -26,7 +26,7 @@ from worker_node.plan_diffs import PlanDiffs
 from worker_node.sampler import Sampler, token_logprobs
 from worker_node.spec_decode import accept
 from worker_node.step_inputs import StepInputs
-from worker_node.step_overlap import DeviceTokens, Launched, may_follow
+from worker_node.step_overlap import DeviceTokens, Launched
 
 # Prompt rows scored at once for prompt_logprobs: bounds the [rows, vocab] logits a long prefill chunk would need.
 PROMPT_LOGITS_ROWS = 256
@@ -232,10 +232,6 @@ class ModelRunner(PlanDiffs):
         self.batch.fill(places, values, tokens.tokens)
         result.tokens = pack_int32(values)
         return result
-
-    def may_follow(self, plan: StepPlan) -> bool:
-        """Whether `plan` may be launched while the last launched step's tokens are still on the device."""
-        return may_follow(plan)
 
     def _overlaps(self, plan: StepPlan, inputs: StepInputs) -> bool:
         """Whether this step's tokens stay on the device (step_overlap.py): every sampler's token needs nothing

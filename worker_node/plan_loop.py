@@ -30,7 +30,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from proto.wire import Heartbeat, Interrupt, Message, Shutdown, StepError, StepPlan, decode, encode
 from worker_node.parallel import WorldBroken
-from worker_node.step_overlap import Launched
+from worker_node.step_overlap import Launched, may_follow
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -48,8 +48,6 @@ class Overlapping(Protocol):
     """A runner whose steps may overlap (worker_node/step_overlap.py): ModelRunner."""
 
     def launch(self, plan: StepPlan) -> Launched: ...
-
-    def may_follow(self, plan: StepPlan) -> bool: ...
 
 
 class StepThread(threading.Thread):
@@ -98,7 +96,7 @@ class StepThread(threading.Thread):
                     continue
             if plan is None:
                 break
-            if held is not None and not runner.may_follow(plan):
+            if held is not None and not may_follow(plan):
                 self._finish(held)
                 held = None
             launched = self._guarded(plan.step_id, functools.partial(runner.launch, plan))

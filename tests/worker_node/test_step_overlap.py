@@ -89,7 +89,7 @@ def test_the_choice_and_its_errors() -> None:
 
 
 class Recorder:
-    """A runner whose plans overlap when their step id is even; plan 5 cannot follow; plan 7 fails to launch."""
+    """A runner whose plans overlap when their step id is even; plan 7 fails to launch."""
 
     def __init__(self) -> None:
         self.log: list[str] = []
@@ -106,9 +106,6 @@ class Recorder:
 
         return Launched(step_id, finish, overlaps=step_id % 2 == 0)
 
-    def may_follow(self, plan: StepPlan) -> bool:
-        return plan.step_id != 5
-
     def execute(self, plan: StepPlan) -> Message:
         raise AssertionError("an overlapping step thread launches")
 
@@ -119,7 +116,7 @@ def test_the_step_thread_answers_in_order_and_finishes_behind_the_next_launch() 
     replies: queue.Queue[Message] = queue.Queue()
     thread = StepThread(0, runner.execute, replies.put, overlap=runner)
     for step_id in (2, 4, 5, 6, 7, 8):  # all queued before the thread starts: each finds the next one waiting
-        thread.inbox.put(StepPlan(step_id))
+        thread.inbox.put(StepPlan(step_id, propose=[1] if step_id == 5 else []))  # 5 asks the draft model
     thread.start()
     answers = [replies.get(timeout=10) for _ in range(6)]
     assert [a.step_id for a in answers] == [2, 4, 5, 6, 7, 8], "one reply per plan, in order"  # type: ignore[attr-defined]
