@@ -13,7 +13,6 @@ router = RouterProcess([f"{cluster.address},model={name}" for cluster, name in .
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,14 +25,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from scheduler_node.cli.client import wait_ready
+from scheduler_node.engine.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent  # the processes run from the checkout
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Cluster:

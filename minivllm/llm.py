@@ -54,12 +54,13 @@ from scheduler_node.core.kv_precision import CompactKV
 from scheduler_node.core.lora_slots import LoraRef
 from scheduler_node.core.request import RequestSpec
 from scheduler_node.core.speculative import SpeculativeConfig
-from scheduler_node.engine.builder import EngineConfig, WorldPlan, check_model_split, free_port, make_engine
+from scheduler_node.engine.builder import EngineConfig, WorldPlan, check_model_split, make_engine
 from scheduler_node.engine.core import EngineCore, EngineOptions
 from scheduler_node.engine.launchers import LocalLauncher
 from scheduler_node.engine.lora_registry import DEFAULT_MAX_LORA_RANK, LoraConfig
 from scheduler_node.engine.model_path import DEFAULT, resolve_model
 from scheduler_node.engine.placement import place
+from scheduler_node.engine.ports import free_port
 from scheduler_node.engine.topology import single_island
 from scheduler_node.engine.worker_link import WorkerLink
 from scheduler_node.text.tokenizer import ModelTokenizer

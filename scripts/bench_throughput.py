@@ -22,7 +22,6 @@ import os
 import platform
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,7 @@ from workload import send_all, stream_workload  # noqa: E402
 
 from proto import serving_pb2 as pb  # noqa: E402
 from proto import serving_pb2_grpc as pb_grpc  # noqa: E402
+from scheduler_node.engine.ports import free_port  # noqa: E402
 
 Work = list[tuple[list[int], int]]  # (prompt token ids, output tokens) per request
 
@@ -52,12 +52,6 @@ def workload(n: int, seed: int, vocab: int, prompt_range: tuple[int, int], outpu
         ([rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_range))], rng.randint(*output_range))
         for _ in range(n)
     ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def figures(counts: list[int], elapsed: float, work: Work, **extra: Any) -> dict:

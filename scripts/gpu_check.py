@@ -42,6 +42,8 @@ import gpu_kv_ipc  # noqa: E402
 import gpu_lora  # noqa: E402
 import torch  # noqa: E402
 
+from scheduler_node.engine.ports import free_port  # noqa: E402
+
 MODULES: tuple[str, ...]
 MODULES = ("grpc", "grpc_health.v1.health_pb2", "zmq", "msgpack", "safetensors", "tokenizers", "transformers", "gguf")
 MODULES += ("prometheus_client", "yaml", "jinja2", "proto.serving_pb2_grpc", "scheduler_node.cli.serve")
@@ -141,7 +143,7 @@ def tp_part(args: argparse.Namespace) -> dict[str, Any]:
     from proto import serving_pb2 as pb
     from proto import serving_pb2_grpc as pb_grpc
 
-    port, worker_port = _free_port(), _free_port()
+    port, worker_port = free_port(), free_port()
     argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--tensor-parallel-size", "2", "--device", "cuda"]
     argv += ["--dtype", "bfloat16", "--port", str(port), "--worker-port", str(worker_port), "--openai-port", "0"]
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
@@ -164,14 +166,6 @@ def tp_part(args: argparse.Namespace) -> dict[str, Any]:
             server.wait(30)
         except subprocess.TimeoutExpired:
             server.kill()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_part(name: str, part: Callable[[], dict[str, Any]], report: dict[str, Any]) -> None:

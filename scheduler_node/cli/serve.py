@@ -21,10 +21,10 @@ from scheduler_node.cli.router import add_routing_flags
 from scheduler_node.cli.scheduler import add_scheduler_flags
 from scheduler_node.cli.supervisor import Supervisor, spawn
 from scheduler_node.cli.world_flags import resolve_parallel
-from scheduler_node.engine.builder import free_port
 from scheduler_node.engine.data_parallel import ReplicaPlan, plan_replicas
 from scheduler_node.engine.launchers import add_launcher_flags, make_launcher
 from scheduler_node.engine.model_path import resolve_model, served_name
+from scheduler_node.engine.ports import free_port
 from scheduler_node.engine.topology import load_topology
 
 logger = logging.getLogger("vllm-serve")

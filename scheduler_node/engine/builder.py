@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from scheduler_node.engine.core import EngineCore, EngineOptions
 from scheduler_node.engine.lora_registry import LoraConfig, LoraRegistry
 from scheduler_node.engine.metrics import Metrics
 from scheduler_node.engine.placement import Placement, RankAssigner
+from scheduler_node.engine.ports import free_port
 from scheduler_node.text.tokenizer import ModelTokenizer
 
 logger = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class WorldPlan:
         self.folder = folder
         self.layout = placement.layout
         self.assigner = RankAssigner(placement)
-        port = distributed_port or free_port()
+        port = distributed_port or free_port("")
         self.rendezvous = f"{self.assigner.rendezvous_host}:{port}" if self.layout.world_size > 1 else ""
         self.claim = self.assigner.claim
 
@@ -198,12 +198,6 @@ def check_model_split(
     layout.check_model(
         heads, int(c.get("num_key_value_heads") or heads), int(c["intermediate_size"]), int(c["num_hidden_layers"])
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 def resolve_max_model_len(requested: int, model_limit: int, num_blocks: int, block_size: int) -> int:

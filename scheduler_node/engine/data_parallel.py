@@ -19,8 +19,8 @@ from typing import Any
 import yaml
 
 from proto.parallel import ParallelLayout
-from scheduler_node.engine.builder import free_port
 from scheduler_node.engine.placement import Placement, place
+from scheduler_node.engine.ports import free_port
 from scheduler_node.engine.topology import Group, Topology, TopologyError, single_island
 
 

@@ -36,6 +36,7 @@ class StandInWorkers:
         tokens_in_plan: bool = False,
         block_size: int = 16,
         acceptance: random.Random | None = None,
+        step_seconds: float = 0.0,
     ) -> None:
         self._capacity = WorldCapacity(num_kv_blocks, num_swap_blocks, 1, 1e12)
         self.token = token
@@ -43,6 +44,10 @@ class StandInWorkers:
         self.block_size = block_size
         # Speculative decoding: how many of a request's proposals are accepted, drawn from this (all when None).
         self.acceptance = acceptance
+        # How long a step's answer takes, as a real worker's does. One that comes at once never lets the event loop
+        # block, and a thread waiting for the GIL (the output thread) may then not run until the engine is idle:
+        # every poll of the loop releases and retakes the GIL before the waiter's switch interval ends.
+        self.step_seconds = step_seconds
         self.lost = asyncio.Event()
         self.changed = asyncio.Event()
         self.held: dict[int, _Held] = {}  # by handle
@@ -84,7 +89,10 @@ class StandInWorkers:
             outcome = StepFailed(f"stand-in could not run step {plan.step_id}: {exc}")
         self._pending.add(future)
         future.add_done_callback(self._pending.discard)
-        loop.call_soon(_settle, future, outcome)
+        if self.step_seconds:
+            loop.call_later(self.step_seconds, _settle, future, outcome)
+        else:
+            loop.call_soon(_settle, future, outcome)
         return future
 
     def replace_rank(self, num_kv_blocks: int) -> None:

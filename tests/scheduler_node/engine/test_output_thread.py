@@ -26,8 +26,8 @@ pytestmark = pytest.mark.unit
 CAT = 2644  # " cat" in the default model's vocabulary
 
 
-def cat_engine(threaded: bool, num_blocks: int = 64) -> EngineCore:
-    workers = StandInWorkers(num_blocks, token=CAT, block_size=BLOCK)
+def cat_engine(threaded: bool, num_blocks: int = 64, step_seconds: float = 0.0) -> EngineCore:
+    workers = StandInWorkers(num_blocks, token=CAT, block_size=BLOCK, step_seconds=step_seconds)
     return stand_in_engine(EngineOptions(output_thread=threaded), workers=workers, num_blocks=num_blocks)
 
 
@@ -36,9 +36,10 @@ def test_stop_strings_end_sequences_as_they_did_inline_and_free_their_blocks() -
     the output path on its thread as inline, the stopped one cut before the stop string, every block back."""
 
     async def scenario(threaded: bool) -> list[list[Delta]]:
-        engine = cat_engine(threaded, num_blocks=256)
-        # Long enough that the engine, which goes on while the output thread finds the stop string, learns of it
-        # long before the length would end it (the thread gets the GIL within a switch interval, 5 ms).
+        # Steps that take a millisecond, as a fast device's do: the loop waits for each, so the output thread gets the
+        # GIL. The engine goes on while the thread finds the stop string; 1,000 tokens are long enough that it learns
+        # of it long before the length would end the sequence.
+        engine = cat_engine(threaded, num_blocks=256, step_seconds=0.001)
         stopping = dataclasses.replace(spec("s", 20, 1000, n=2), prompt_token_ids=[CAT] * 20, stop=["cat cat cat"])
         finishes: list[Status] = []
         finish = engine.scheduler.finish
