@@ -16,6 +16,7 @@ import torch
 from kernels.backend import check_reads_quantized, select_attention_backend
 from kernels.cpu_features import has_fast_bf16
 from kernels.kv_quant import cache_dtype, format_name, is_quantized
+from kernels.openmp import release_thread_pool
 from proto.wire import Assignment, WorkerReady
 from proto.worker_flags import WorkerOptions
 from worker_node.cuda_graphs import DecodeGraphs, parse_sizes
@@ -148,6 +149,7 @@ def load_rank(
             a.draft_max_seqs,
         )
     bandwidth = measure_swap_bandwidth(cache, host, block_bytes)
+    release_thread_pool()  # the step thread runs the model; this one's OpenMP workers would slow it (kernels/openmp.py)
     ready = WorkerReady(a.rank, num_blocks, num_blocks * block_bytes, swap_blocks, bandwidth, format_name(kv_dtype))
     if compact_dtype is not None:
         ready = msgspec.structs.replace(
