@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypedDict, TypeVar
 
+from kernels.openmp import release_thread_pool
 from minivllm.collect import Batch, Collector, Progress
 from minivllm.lora_request import LoRARequest
 from minivllm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
@@ -462,6 +463,9 @@ class LLM:
     def _call(self, coro: Awaitable[T], timeout: float | None = None) -> T:
         """Run `coro` on the engine's loop and wait for it. Interrupted (Ctrl-C) or timed out, the coroutine is
         cancelled, so a `generate` left behind aborts its requests instead of running on."""
+        # This thread only waits: OpenMP workers it kept from its own torch work would slow every parallel region
+        # of the step thread (kernels/openmp.py), so they go (its next parallel work makes them again).
+        release_thread_pool()
         future: Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
         try:
             return future.result(timeout)
