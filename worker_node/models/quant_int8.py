@@ -3,7 +3,7 @@
 w[n, k] ~ qweight[n, k] * scales[n], qweight in [-127, 127]. The multiplication picks its kernel by row count,
 as measured on a 2-core Sapphire Rapids (scripts/bench_quant.py --kernels, docs/benchmarks.md):
 
-- bf16 activations on CPU with AMX-INT8, up to `cpu_gemm.MAX_ROWS` rows (decode steps), inputs a multiple of 64:
+- bf16 activations on CPU with AMX-INT8, inputs a multiple of 64, any row count (decode steps and prefill):
   kernels/cpu_gemm.py's `linear_int8_act`, the codes straight from memory into AMX-INT8 tile products against the
   activations quantized per row in the call. 16 bits per activation (two int8 halves) by default: 8 bits (W8A8)
   halves the tile products but cost SmolLM2 its agreement with bf16 on every projection (88.5 % with all four,
@@ -15,7 +15,7 @@ as measured on a 2-core Sapphire Rapids (scripts/bench_quant.py --kernels, docs/
 - bf16 activations where no C kernel loads, up to `GEMV_ROWS` rows: torch's packed int8 GEMV
   (`aten._weight_int8pack_mm`), which reads the int8 rows directly but walks them once per row;
 - otherwise: the int8 rows converted to the activations' dtype and multiplied, the scales applied to the output
-  (x @ (q * s)^T == (x @ q^T) * s): the reference path, prefill's (faster there than the kernels), and the GPU's.
+  (x @ (q * s)^T == (x @ q^T) * s): the reference path, prefill's without AMX-INT8, and the GPU's.
 """
 
 from __future__ import annotations
@@ -92,26 +92,22 @@ class Int8Method(QuantMethod):
         return F.linear(x, q.to(x.dtype)) * scales.to(x.dtype)
 
     def _amx(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor | None:
-        """The AMX kernels' product where they cover x: activations quantized per row (8 bits at any row count;
-        16 bits up to `cpu_gemm.MAX_ROWS`, beyond which converting the codes for torch's matmul is faster), else
-        the weight-only kernel (codes widened to bf16) up to `cpu_gemm.MAX_ROWS`; None beyond."""
+        """The AMX kernels' product where they cover x: activations quantized per row (8 or 16 bits, any row
+        count: at prefill's 128-512 rows one call beat converting the codes for torch's matmul, 0.69 vs 1.21 ms
+        a layer at 128 and even at 512, docs/benchmarks.md), else the weight-only kernel (codes widened to bf16)
+        up to `cpu_gemm.MAX_ROWS`; None beyond."""
         q, scales = layer.part("qweight"), self._float_scales(layer)
-        bits = act_bits().get(layer.role, 16)
-        out = None
-        if bits == 8 or x.shape[0] <= cpu_gemm.MAX_ROWS:
-            out = cpu_gemm.linear_int8_act(x, q, scales, bits)
+        out = cpu_gemm.linear_int8_act(x, q, scales, act_bits().get(layer.role, 16))
         return out if out is not None else cpu_gemm.linear_int8(x, q, scales)
 
     def forward_silu_gated(self, layer: QuantLinear, gate_up: torch.Tensor) -> torch.Tensor | None:
         """The layer (a gated MLP's down projection) times silu(gate) * up of the MLP's [T, 2K] gate/up output,
         in one AMX-INT8 call where `_amx` would run the kernel (the activation made as the rows are quantized:
         two elementwise passes and a temporary fewer); None elsewhere (the caller multiplies as usual)."""
-        bits = act_bits().get(layer.role, 16)
-        cpu_bf16 = gate_up.device.type == "cpu" and gate_up.dtype == torch.bfloat16
-        if not cpu_bf16 or layer.bias is not None or (bits != 8 and gate_up.shape[0] > cpu_gemm.MAX_ROWS):
+        if gate_up.device.type != "cpu" or gate_up.dtype != torch.bfloat16 or layer.bias is not None:
             return None
         q, scales = layer.part("qweight"), self._float_scales(layer)
-        return cpu_gemm.linear_int8_act(gate_up, q, scales, bits, silu_gated=True)
+        return cpu_gemm.linear_int8_act(gate_up, q, scales, act_bits().get(layer.role, 16), silu_gated=True)
 
     def _float_scales(self, layer: QuantLinear) -> torch.Tensor:
         """The scales in float32 for the C kernel, made once (the buffer follows the model dtype; bf16 numbers

@@ -110,20 +110,18 @@ def test_a_bad_activation_bits_override_is_refused_naming_the_variable(
 
 
 @pytest.mark.skipif(not cpu_gemm.has_int8(), reason="the activation-quantizing kernel needs AMX-INT8")
-@pytest.mark.parametrize(("role", "rows", "bits"), [("down_proj", 16, 16), ("down_proj", 200, None), ("", 3, 16)])
-def test_an_int8_layer_on_amx_quantizes_its_activations_by_its_projection(
-    role: str, rows: int, bits: int | None
-) -> None:
-    """Decode-sized steps go to the AMX-INT8 kernel with the projection's bits; prefill-sized ones to torch."""
+@pytest.mark.parametrize(("role", "rows"), [("down_proj", 16), ("down_proj", 200), ("", 3)])
+def test_an_int8_layer_on_amx_quantizes_its_activations_by_its_projection(role: str, rows: int) -> None:
+    """Decode steps and prefill alike go to the AMX-INT8 kernel with the projection's bits (16 by default)."""
     layer = QuantLinear.quantized(Int8Method(), torch.randn(48, 128))
     layer.cast(torch.bfloat16)
     layer.role = role
     x = torch.randn(rows, 128).bfloat16()
     scales = layer.part("scales").float()
-    want: torch.Tensor | None = torch.nn.functional.linear(x, layer.part("qweight").bfloat16()) * layer.part("scales")
-    if bits is not None:
-        want = cpu_gemm.linear_int8_act(x, layer.part("qweight"), scales, bits)
+    want = cpu_gemm.linear_int8_act(x, layer.part("qweight"), scales, quant_int8.act_bits().get(role, 16))
     assert want is not None and torch.equal(layer(x), want)
+    converted = torch.nn.functional.linear(x, layer.part("qweight").bfloat16()) * layer.part("scales")
+    assert _relative_error(want, converted.float()) < 0.01  # what torch's matmul of the converted codes gives
 
 
 def _relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
@@ -279,7 +277,10 @@ def test_an_int8_down_projection_takes_the_gated_activation_in_its_kernel() -> N
     assert fused is not None
     assert _relative_error(fused, down(F.silu(gate) * up).float()) < 0.01  # the unfused path: torch's two steps
     assert silu_gated_product(down, gate_up.float()) is None  # float32: not the kernel's
-    assert silu_gated_product(down, torch.randn(65, 256).bfloat16()) is None  # past the kernel's rows at 16 bits
+    prefill = torch.randn(200, 256).bfloat16()  # prefill's rows too
+    gate, up = prefill.split(128, dim=-1)
+    fused = silu_gated_product(down, prefill)
+    assert fused is not None and _relative_error(fused, down(F.silu(gate) * up).float()) < 0.01
     down.register_forward_hook(lambda module, args, out: out)  # (what a LoRA adapter does)
     assert silu_gated_product(down, gate_up) is None  # the hook must see the call: the MLP calls down itself
     assert silu_gated_product(torch.nn.Linear(128, 64), gate_up) is None  # another weight: no fused path
