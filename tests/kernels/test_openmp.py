@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from kernels.openmp import release_thread_pool
 
 pytestmark = pytest.mark.unit
 
@@ -47,3 +50,9 @@ def test_a_thread_s_openmp_workers_go_when_released_and_come_back_for_more_work(
     assert released == "True"
     assert int(after) == int(before), "released, the worker exited"
     assert int(again) == int(with_pool), "more parallel work makes the pool again"
+
+
+def test_releasing_outside_a_parallel_region_is_accepted_by_the_loaded_runtime() -> None:
+    torch.ones(1 << 16).sum()  # torch loaded its OpenMP runtime; this thread may have a pool
+    assert release_thread_pool() is True, "the runtime torch loaded has omp_pause_resource_all and accepted it"
+    assert torch.ones(4).sum().item() == 4.0, "torch still works on this thread after its pool went"
