@@ -32,7 +32,7 @@ class Journey:
         self.pool = pool
         self.release = release
         self.request_id = request_id
-        self.moved_from: list[Replica] = []  # never chosen again for this request
+        self._moved_from: list[tuple[Replica, int]] = []  # each replica it left, and that replica's epoch then
         self.holding: Replica | None = None  # the replica that handed it back, while it keeps its KV for the target
         self.returned = False  # sent back to the replica that handed it back (once)
 
@@ -46,10 +46,16 @@ class Journey:
         self._let_go()
         if any(s.HasField("kv_source") for s in states):  # the next target pulls that replica's KV
             self.holding = replica
-        self.moved_from.append(replica)
+        self._moved_from.append((replica, replica.epoch))
         logger.info("request %s: migrating %d sequence(s) off %s", self.request_id, len(states), replica.address)
         ordered: list[pb.SequenceState] = sorted(states, key=lambda state: state.index)
         return pb.ResumeState(sequences=ordered)
+
+    @property
+    def moved_from(self) -> list[Replica]:
+        """The replicas this request left, never chosen again for it while they are the schedulers it left (one
+        that drained and came back serving, a rolling restart's, is a target again)."""
+        return [replica for replica, epoch in self._moved_from if replica.epoch == epoch]
 
     def answered(self) -> None:
         """The target answered: it has the KV, the replica that held it may free it."""
@@ -58,11 +64,12 @@ class Journey:
     def take_back(self) -> Route | None:
         """No replica took the request (the targets died, none is left): the one that handed it back last runs it
         on, once; it frees its KV itself. None when it came from no replica, or went back already."""
-        if self.returned or not self.moved_from:
+        if self.returned or not self._moved_from:
             return None
         self.returned, self.holding = True, None
-        logger.info("request %s: no target took it: back to %s", self.request_id, self.moved_from[-1].address)
-        return Route(self.moved_from[-1], "take back")
+        last = self._moved_from[-1][0]
+        logger.info("request %s: no target took it: back to %s", self.request_id, last.address)
+        return Route(last, "take back")
 
     def close(self) -> None:
         """The request ended (or its client went away): nobody will pull what a replica still holds for it."""

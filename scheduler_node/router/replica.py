@@ -114,6 +114,9 @@ class Replica:
     ttft_ewma: float | None = None  # seconds, measured by the router (None until a first token came back)
     tpot_ewma: float | None = None
     adapters: frozenset[str] = frozenset()  # the LoRA adapters it serves (its Control.ListLoraAdapters)
+    # Times it became SERVING: one that drained and came back at its address (a rolling restart) is a new scheduler,
+    # a target again for the requests it handed back.
+    epoch: int = 0
 
     @property
     def address(self) -> str:
@@ -173,6 +176,7 @@ class ReplicaPool:
         because = f" ({why})" if why else ""
         log("replica %s (%s): %s -> %s%s", replica.address, replica.model, replica.state, state, because)
         replica.state = state
+        replica.epoch += state == SERVING
         self.changed.set()
 
     @property

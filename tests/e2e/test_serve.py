@@ -89,6 +89,7 @@ def test_serve_runs_and_stops_all_children_on_sigterm(tiny_llama_dir: Path, tmp_
 
 SHUTDOWN_TIMEOUT = 3.0
 ENDLESS = 6000  # tokens of the streams that must outlast the shutdown timeout
+ROLLING_TOKENS = 3000  # tokens of the streams that must outlast the SIGHUP's first drain (about 1.2 s at 0.4 ms a step)
 
 
 @pytest.fixture(scope="module")
@@ -168,13 +169,13 @@ def scheduler_pids(serve: subprocess.Popen) -> list[int]:
 
 
 def test_serve_data_parallel_replicas_behind_a_router_balance_restart_on_sighup_and_stop(
-    tiny_llama_dir: Path, tmp_path: Path
+    long_llama_dir: Path, tmp_path: Path
 ) -> None:
     port, worker_port, http_port = free_port(), free_port(), free_port()
     # --batch-invariant: the seeded streams a restart migrates keep the bits of an undisturbed run, whatever shares
     # their batch before and after.
-    argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--model", str(tiny_llama_dir), "--data-parallel-size",
-            "2", "--routing-strategy", "least_loaded", "--kv-cache-memory", "16MiB", "--threads", "1", "--log-level",
+    argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--model", str(long_llama_dir), "--data-parallel-size",
+            "2", "--routing-strategy", "least_loaded", "--kv-cache-memory", "32MiB", "--threads", "1", "--log-level",
             "INFO", "--port", str(port), "--worker-port", str(worker_port),
             "--openai-port", str(http_port),
             "--batch-invariant"]  # fmt: skip
@@ -190,7 +191,7 @@ def test_serve_data_parallel_replicas_behind_a_router_balance_restart_on_sighup_
                 return list(control.ListReplicas(pb.ListReplicasRequest(), timeout=5).replicas)
 
             wait_for(lambda: [r.state for r in replicas()] == ["serving", "serving"], 120, "both replicas serving")
-            assert {r.model for r in replicas()} == {tiny_llama_dir.name}
+            assert {r.model for r in replicas()} == {long_llama_dir.name}
             requests = [greedy_ids(prompt_ids(i), 16) for i in range(40)]
             results = Streams(pb_grpc.GenerationStub(channel), requests).join(120)
             assert all(r.finish_reason == "length" and len(r.tokens) == 16 for r in results)
@@ -198,8 +199,8 @@ def test_serve_data_parallel_replicas_behind_a_router_balance_restart_on_sighup_
             assert sum(counts) == 40 and all(abs(c - 20) <= 0.2 * 20 for c in counts), counts  # within 20 %
         # The OpenAI API is the router's too: it lists the model and forwards to a replica with the replicas' key.
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key=KEY, max_retries=0, timeout=60)
-        assert [m.id for m in client.models.list().data] == [tiny_llama_dir.name]
-        answer = client.completions.create(model=tiny_llama_dir.name, prompt="hi", max_tokens=5, temperature=0)
+        assert [m.id for m in client.models.list().data] == [long_llama_dir.name]
+        answer = client.completions.create(model=long_llama_dir.name, prompt="hi", max_tokens=5, temperature=0)
         assert answer.usage is not None and answer.usage.completion_tokens == 5
         assert httpx.get(f"http://127.0.0.1:{http_port}/v1/models").status_code == 401  # the router checks the key
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -212,12 +213,13 @@ def test_serve_data_parallel_replicas_behind_a_router_balance_restart_on_sighup_
 def rolling_restart_loses_no_stream(serve: subprocess.Popen, stub: pb_grpc.GenerationStub, log: Path) -> None:
     """SIGHUP mid-stream (issue 31): each replica in turn drained with migrate, restarted (a new scheduler) and
     routed again; every greedy and seeded stream ends with the tokens of an undisturbed run, vllm-serve runs on."""
-    # 960 tokens (the tiny model's 1,024 positions less the prompt): the streams still run when the rolling thread
-    # drains replica 0, ~60 ms after the signal. At 128 one loaded run in four saw replica 0's streams end first; at
-    # 256 an idle Sapphire Rapids (about 0.4 ms a step for this model) ran them out between two polls.
-    requests = [greedy_ids(prompt_ids(500 + i), 960) for i in range(4)]
+    # The streams must still run when the rolling thread drains replica 0, ~60 ms after the signal on an idle
+    # machine. At 128 tokens one loaded run in four saw replica 0's streams end first; at 256 an idle Sapphire
+    # Rapids (about 0.4 ms a step for this model) ran them out between two polls; at 960 a CI run under load
+    # drained replica 0 after its streams had ended.
+    requests = [greedy_ids(prompt_ids(500 + i), ROLLING_TOKENS) for i in range(4)]
     for i in range(4):
-        sampling = pb.SamplingParams(max_tokens=960, temperature=0.8, seed=7 + i, ignore_eos=True)
+        sampling = pb.SamplingParams(max_tokens=ROLLING_TOKENS, temperature=0.8, seed=7 + i, ignore_eos=True)
         requests.append(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt_ids(600 + i)), sampling=sampling))
     expected = Streams(stub, requests).join(120)
     before = scheduler_pids(serve)
@@ -231,9 +233,11 @@ def rolling_restart_loses_no_stream(serve: subprocess.Popen, stub: pb_grpc.Gener
     assert serve.poll() is None
     after = scheduler_pids(serve)
     assert len(after) == 2 and not set(after) & set(before), (before, after)
-    migrated = re.search(r"replica 0 \(.*\): (\d+) request\(s\) migrated", log.read_text())
-    assert migrated and int(migrated.group(1)) >= 1, "replica 0 ran streams when the SIGHUP came"
-    text = log.read_text()  # each exited by itself once drained (--exit-after-drain), not at a SIGTERM
+    text = log.read_text()
+    migrated = re.search(r"replica 0 \(.*\): (\d+) request\(s\) migrated", text)
+    rolling = "\n".join(line for line in text.splitlines() if "rolling" in line or "route" in line)
+    assert migrated and int(migrated.group(1)) >= 1, f"replica 0 ran streams when the SIGHUP came:\n{rolling}"
+    # each exited by itself once drained (--exit-after-drain), not at a SIGTERM
     assert text.count("exiting (--exit-after-drain)") == 2 and "stopping it with SIGTERM" not in text
     (again,) = Streams(stub, [greedy_ids(prompt_ids(500), 16)]).join(60)
     assert again.tokens == expected[0].tokens[:16]

@@ -122,5 +122,7 @@ def test_bench_quant_smoke_measures_every_format_against_the_first(tiny_llama_di
     assert rows["int8"]["weight_MB"] - head_codes < rows["none"]["weight_MB"]
     for row in rows.values():
         assert row["decode_1_tok_s"] > 0 and row["prefill_tok_s"] > 0 and row["mixed_tok_s"] > 0, row
-        assert 0 <= row["top1_agreement"] <= 1 and row["perplexity"] > 1, row
+        assert 0 <= row["top1_vs_generated"] <= 1 and row["perplexity"] > 1, row
+    assert rows["none"]["top1_agreement"] == 1.0, "the reference's argmax against itself, on the same path"
+    assert 0 <= rows["int8"]["top1_agreement"] <= 1
     assert "| int8 |" in stdout

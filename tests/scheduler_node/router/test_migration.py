@@ -132,6 +132,23 @@ def test_with_no_other_replica_the_one_that_handed_it_back_takes_it_back_once() 
     assert error["type"] == "server_error" and "serving" in error["message"], error
 
 
+def test_a_replica_that_drained_and_came_back_serving_is_a_target_again() -> None:
+    """A rolling restart drains replica 0 (its requests move to 1), restarts it at its address, then drains 1: the
+    requests that left 0 may go back to the new scheduler there, not to 1 again."""
+    pool = ReplicaPool([ReplicaSpec("h:1", MODEL), ReplicaSpec("h:2", MODEL)])
+    first, second = pool.replicas
+    for replica in pool.replicas:
+        pool.set_state(replica, SERVING)
+    journey = Journey(pool, lambda replica, request_id: None, "r")
+    journey.handed_back(first, [pb.SequenceState(index=0)])
+    assert journey.moved_from == [first], "the draining scheduler is never chosen again"
+    pool.set_state(first, SERVING)  # restarted and probed: another scheduler at the same address
+    journey.handed_back(second, [pb.SequenceState(index=0)])
+    assert journey.moved_from == [second]
+    route = journey.take_back()
+    assert route is not None and route.replica is second, "taken back by the one that handed it back last"
+
+
 def test_a_journey_holds_leased_kv_until_the_target_answers() -> None:
     pool = ReplicaPool([ReplicaSpec("h:1", MODEL), ReplicaSpec("h:2", MODEL)])
     released: list[str] = []
