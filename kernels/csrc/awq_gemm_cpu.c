@@ -27,7 +27,10 @@
  */
 #include <stdlib.h>
 
+#include <omp.h>
+
 #include "amx_tiles.h"
+#include "stripes.h"
 
 #define MAX_ROWS 64
 #define DOT_ROWS 2    /* rows up to which broadcast dot products beat tiles (measured: 2 rows 8.8 vs 10.0 ms a
@@ -277,8 +280,10 @@ int awq_gemm(const uint16_t *x, const uint8_t *codes, const float *scales, uint1
         memset(pad + M * K, 0, (size_t)(rows - M) * K * sizeof(uint16_t));
         xpad = pad;
     }
-    if (num_threads > blocks)
-        num_threads = (int)blocks;
+    const int64_t stripes = (blocks + 1) / 2; /* two blocks each */
+    num_threads = team_size(num_threads, stripes);
+    StripeRun runs[MAX_STRIPE_THREADS];
+    stripe_runs_init(runs, stripes, num_threads);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -291,21 +296,24 @@ int awq_gemm(const uint16_t *x, const uint8_t *codes, const float *scales, uint1
             failed = !wide;
             configure_tiles();
         }
-        /* Threads take pairs of blocks as they come free: on cores shared with the engine's own threads a thread
-         * descheduled mid-call would hold back a static half (the bf16 kernel measured the same). */
-#pragma omp for schedule(dynamic, 2)
-        for (int64_t b = 0; b < blocks; b++) {
-            const uint8_t *block_codes = codes + b * (K / 4) * 32;
-            const float *block_scales = scales + b * groups * 32;
-            uint16_t *block_out = out + b * BLOCK_N;
-            if (M <= DOT_ROWS)
-                dot_rows((const uint32_t *)x, block_codes, block_scales, sums, block_out, M, N, K, G);
-            else if (!failed && register_rows(M) == GROUP_ROWS / 2)
-                tile_block_regs(xpad, block_codes, block_scales, sums, block_out, M, N, K, G, wide, acc, 8);
-            else if (!failed && register_rows(M) == GROUP_ROWS)
-                tile_block_regs(xpad, block_codes, block_scales, sums, block_out, M, N, K, G, wide, acc, 16);
-            else if (!failed)
-                tile_block(xpad, block_codes, block_scales, sums, block_out, M, N, K, G, wide, acc, y);
+        /* Each thread its own run of block pairs, then pairs from the back of another's (stripes.h): the codes
+         * PREFETCH_AHEAD bytes on are then mostly its own next ones, and a thread descheduled mid-call on cores
+         * shared with the engine's threads holds back one pair. */
+        int64_t pair, next;
+        while ((pair = stripe_take(runs, num_threads, omp_get_thread_num(), &next)) >= 0) {
+            for (int64_t b = 2 * pair; b < 2 * pair + 2 && b < blocks; b++) {
+                const uint8_t *block_codes = codes + b * (K / 4) * 32;
+                const float *block_scales = scales + b * groups * 32;
+                uint16_t *block_out = out + b * BLOCK_N;
+                if (M <= DOT_ROWS)
+                    dot_rows((const uint32_t *)x, block_codes, block_scales, sums, block_out, M, N, K, G);
+                else if (!failed && register_rows(M) == GROUP_ROWS / 2)
+                    tile_block_regs(xpad, block_codes, block_scales, sums, block_out, M, N, K, G, wide, acc, 8);
+                else if (!failed && register_rows(M) == GROUP_ROWS)
+                    tile_block_regs(xpad, block_codes, block_scales, sums, block_out, M, N, K, G, wide, acc, 16);
+                else if (!failed)
+                    tile_block(xpad, block_codes, block_scales, sums, block_out, M, N, K, G, wide, acc, y);
+            }
         }
         if (M > DOT_ROWS)
             _tile_release();

@@ -13,8 +13,9 @@
  * accumulator holds y^T [16 channels, 16 rows]: up to 4 of them cover 64 rows, each reusing the weight tile. They
  * are transposed in registers on the way out. Rows past M are zeros in `xt` (an accumulator is always 16 wide:
  * AMX's cost is one tile product per 512 weights, small beside reading them). Threads (OpenMP) split the output
- * channels, a stripe at a time as each thread comes free (dynamic: on two cores shared with the engine's own
- * threads, a thread that is descheduled mid-call would hold a static half back, and the call with it). Products accumulate in float32 and round to bf16 once, as torch's bf16 matmul does.
+ * channels in stripes of 32: each its own run of them, prefetching its next stripe while one multiplies, then
+ * stripes from the back of another's run (stripes.h). Products accumulate in float32 and round to bf16 once, as
+ * torch's bf16 matmul does.
  *
  * Requirements (the caller checks): K % 32 == 0, N % 16 == 0, 1 <= M <= 64, everything contiguous; x and out
  * bf16; scales float32 [N] (int8) or NULL (bf16).
@@ -28,7 +29,10 @@
  */
 #include <stdlib.h>
 
+#include <omp.h>
+
 #include "amx_tiles.h"
+#include "stripes.h"
 
 #define MAX_ROWS 64
 #define GROUP_ROWS 16 /* activation rows per accumulator tile */
@@ -145,16 +149,27 @@ static inline void store_group(const float *acc, const float *scales, uint16_t *
         _mm256_storeu_si256((__m256i *)(out + m * N), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(r[m], s)));
 }
 
-/* While a stripe's tiles multiply, the next stripe's weights (as many bytes, right after it: rows are contiguous)
- * are fetched into L2, a slice per k block: the tile loads' 16 rows at a stride of K are not a stream the hardware
- * prefetchers follow well. */
-static inline void prefetch_next_stripe(const void *stripe, int64_t bytes, int64_t kb, int64_t blocks) {
+/* The weights a thread will multiply next (`Ahead`: its next stripe, stripes.h; bytes 0: none), fetched into L2
+ * while a stripe's tiles multiply, a slice per k block: the tile loads' 16 rows at a stride of K are not a stream
+ * the hardware prefetchers follow well. */
+typedef struct {
+    const char *start;
+    int64_t bytes;
+} Ahead;
+
+static inline Ahead ahead_of(const void *w, int64_t stripe, int64_t N, int64_t row_bytes) {
+    if (stripe < 0)
+        return (Ahead){NULL, 0};
+    const int64_t n0 = stripe * 2 * BLOCK_N, width = N - n0 < 2 * BLOCK_N ? N - n0 : 2 * BLOCK_N;
+    return (Ahead){(const char *)w + n0 * row_bytes, width * row_bytes};
+}
+
+static inline void prefetch_slice(Ahead ahead, int64_t kb, int64_t blocks) {
 #ifndef NO_PREFETCH
-    const char *next = (const char *)stripe + bytes;
-    for (int64_t i = kb * bytes / blocks; i < (kb + 1) * bytes / blocks; i += 64)
-        _mm_prefetch(next + i, _MM_HINT_T1);
+    for (int64_t i = kb * ahead.bytes / blocks; i < (kb + 1) * ahead.bytes / blocks; i += 64)
+        _mm_prefetch(ahead.start + i, _MM_HINT_T1);
 #else
-    (void)stripe, (void)bytes, (void)kb, (void)blocks;
+    (void)ahead, (void)kb, (void)blocks;
 #endif
 }
 
@@ -163,7 +178,7 @@ static inline void prefetch_next_stripe(const void *stripe, int64_t bytes, int64
  * x channel half) are independent, so consecutive tile products do not wait on each other. */
 static void stripe_product(const void *w, int format, const float *scales, const uint32_t *xt, uint16_t *out,
                            int64_t M, int64_t N, int64_t K, int groups, int64_t n0, int width, uint16_t *wide,
-                           float *acc) {
+                           float *acc, Ahead ahead) {
     const int64_t pairs = K / 2, stride = K * 2;
     const uint16_t *a = (const uint16_t *)w + n0 * K;
     if (format == WEIGHT_INT8) {
@@ -180,7 +195,7 @@ static void stripe_product(const void *w, int format, const float *scales, const
         _tile_zero(3);
         for (int64_t kb = 0; kb < K / BLOCK_K; kb++) {
             if (g == 0 && format == WEIGHT_BF16)
-                prefetch_next_stripe(a, (int64_t)width * stride, kb, K / BLOCK_K);
+                prefetch_slice(ahead, kb, K / BLOCK_K);
             _tile_loadd(4, a + kb * BLOCK_K, stride);
             _tile_loadd(6, b0 + kb * 16 * GROUP_ROWS, 64);
             _tile_dpbf16ps(0, 4, 6);
@@ -330,7 +345,7 @@ static inline void store_int8_group(const int32_t *acc, const int32_t *lo, const
  * and lo codes), accumulators 0-3 (virtual group x channel half). */
 static void stripe_int8(const int8_t *w, const float *w_scales, const uint32_t *xq, const float *x_scales,
                         uint16_t *out, int64_t M, int64_t N, int64_t K, int vgroups, int split, int64_t n0,
-                        int width, int32_t *acc, int32_t *acc_lo) {
+                        int width, int32_t *acc, int32_t *acc_lo, Ahead ahead) {
     const int64_t quads = K / 4;
     const int8_t *a = w + n0 * K;
     const int full = width == 2 * BLOCK_N;
@@ -343,7 +358,7 @@ static void stripe_int8(const int8_t *w, const float *w_scales, const uint32_t *
         _tile_zero(3);
         for (int64_t kb = 0; kb < K / QUADS_K; kb++) {
             if (vg == 0)
-                prefetch_next_stripe(a, (int64_t)width * K, kb, K / QUADS_K);
+                prefetch_slice(ahead, kb, K / QUADS_K);
             _tile_loadd(4, a + kb * QUADS_K, K);
             _tile_loadd(6, b0 + kb * 16 * GROUP_ROWS, 64);
             _tile_dpbssd(0, 4, 6);
@@ -391,8 +406,10 @@ int skinny_gemm(const uint16_t *x, const void *w, const float *scales, uint16_t 
         return -1;
     interleave_rows((const uint32_t *)x, xt, M, K, groups);
     const int64_t stripes = (N + 2 * BLOCK_N - 1) / (2 * BLOCK_N);
-    if (num_threads > stripes)
-        num_threads = (int)stripes;
+    num_threads = team_size(num_threads, stripes);
+    StripeRun runs[MAX_STRIPE_THREADS];
+    stripe_runs_init(runs, stripes, num_threads);
+    const int64_t row_bytes = format == WEIGHT_INT8 ? K : 2 * K;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -402,12 +419,13 @@ int skinny_gemm(const uint16_t *x, const void *w, const float *scales, uint16_t 
         failed = format == WEIGHT_INT8 && !wide;
         _Alignas(64) float acc[16 * 16];
         configure_tiles();
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t s = 0; s < stripes; s++) {
+        int64_t s, next;
+        while ((s = stripe_take(runs, num_threads, omp_get_thread_num(), &next)) >= 0) {
             const int64_t n0 = s * 2 * BLOCK_N;
             const int width = N - n0 < 2 * BLOCK_N ? (int)(N - n0) : 2 * BLOCK_N;
             if (!failed)
-                stripe_product(w, format, scales, xt, out, M, N, K, groups, n0, width, wide, acc);
+                stripe_product(w, format, scales, xt, out, M, N, K, groups, n0, width, wide, acc,
+                               ahead_of(w, next, N, row_bytes));
         }
         _tile_release();
     }
@@ -462,8 +480,9 @@ static int int8_product(const uint16_t *x, const int8_t *w, const float *w_scale
     /* the last row group's rows past M stay zero */
     memset(xq + (int64_t)(groups - 1) * (words << split), 0, (size_t)(words << split) * sizeof(uint32_t));
     const int64_t stripes = (N + 2 * BLOCK_N - 1) / (2 * BLOCK_N);
-    if (num_threads > stripes)
-        num_threads = (int)stripes;
+    num_threads = team_size(num_threads, stripes);
+    StripeRun runs[MAX_STRIPE_THREADS];
+    stripe_runs_init(runs, stripes, num_threads);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -482,11 +501,12 @@ static int int8_product(const uint16_t *x, const int8_t *w, const float *w_scale
         }
         _Alignas(64) int32_t acc[16 * 16], acc_lo[16 * 16];
         configure_tiles();
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t s = 0; s < stripes; s++) {
+        int64_t s, next;
+        while ((s = stripe_take(runs, num_threads, omp_get_thread_num(), &next)) >= 0) {
             const int64_t n0 = s * 2 * BLOCK_N;
             const int width = N - n0 < 2 * BLOCK_N ? (int)(N - n0) : 2 * BLOCK_N;
-            stripe_int8(w, w_scales, xq, xs, out, M, N, K, vgroups, split, n0, width, acc, acc_lo);
+            stripe_int8(w, w_scales, xq, xs, out, M, N, K, vgroups, split, n0, width, acc, acc_lo,
+                        ahead_of(w, next, N, K));
         }
         _tile_release();
     }

@@ -191,3 +191,31 @@ def test_no_amx_means_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
         assert torch.equal(cpu_gemm.linear(x, w), F.linear(x, w))
     finally:
         cpu_gemm.load.cache_clear()
+
+
+@needs_amx_int8
+@pytest.mark.parametrize("threads", [2, 3, 7])
+def test_every_stripe_is_multiplied_once_whatever_the_threads(threads: int) -> None:
+    """The threads share the stripes of 32 channels in runs and take from each other's back (kernels/csrc/stripes.h):
+    with more threads than cores, some descheduled mid-call, every channel is still computed once, in the same
+    order: the outputs are one thread's, bit for bit (bf16 and int8 weights; 37 stripes, the last half wide)."""
+    gen = torch.Generator().manual_seed(threads)
+    x = torch.randn(16, 128, generator=gen).bfloat16()
+    w = torch.randn(37 * 32 - 16, 128, generator=gen).bfloat16()
+    codes = torch.randint(-127, 128, tuple(w.shape), generator=gen, dtype=torch.int8)
+    scales = torch.rand(w.shape[0], generator=gen) / 64
+    products = {
+        "bf16": lambda: cpu_gemm.linear(x, w),
+        "int8 widened": lambda: cpu_gemm.linear_int8(x, codes, scales),
+        "int8 a16": lambda: cpu_gemm.linear_int8_act(x, codes, scales, 16),
+    }
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = {name: run() for name, run in products.items()}
+        torch.set_num_threads(threads)
+        for _ in range(20):
+            for name, run in products.items():
+                assert torch.equal(run(), alone[name]), name
+    finally:
+        torch.set_num_threads(before)

@@ -67,3 +67,23 @@ def test_what_the_kernel_does_not_cover_is_left_to_torch() -> None:
     assert cpu_gemm_awq.linear(torch.randn(2, 96).bfloat16(), packed, block_scales) is None  # the wrong width
     assert not cpu_gemm_awq.fits(40, 192, 64) and not cpu_gemm_awq.fits(48, 200, 40)
     assert cpu_gemm_awq.fits(48, 192, 64)
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 16])
+def test_every_block_is_multiplied_once_whatever_the_threads(rows: int) -> None:
+    """Pairs of 16-channel blocks shared in runs, taken from each other's back (kernels/csrc/stripes.h): with more
+    threads than cores the outputs are one thread's, bit for bit (37 blocks: the last pair is one block)."""
+    codes, zeros, scales = _awq(37 * 16, 128, 64, seed=rows)
+    packed = cpu_gemm_awq.repack(codes, zeros, scales)
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = cpu_gemm_awq.linear(x, *packed)
+        torch.set_num_threads(5)
+        for _ in range(20):
+            got = cpu_gemm_awq.linear(x, *packed)
+            assert got is not None and alone is not None and torch.equal(got, alone)
+    finally:
+        torch.set_num_threads(before)
