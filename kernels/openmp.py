@@ -11,7 +11,6 @@ loaded: the step thread's is then the only one, and its workers spin between reg
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 
 logger = logging.getLogger(__name__)
@@ -20,9 +19,20 @@ RUNTIMES = ("libgomp", "libiomp", "libomp")  # GNU's (torch's Linux wheels), Int
 OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: let the threads go, keep what can be restarted
 
 
-@functools.cache
+_found: list[ctypes.CDLL] = []  # the runtime, once found (not found is not kept: torch may load it later)
+
+
 def _runtime() -> ctypes.CDLL | None:
-    """The OpenMP runtime already loaded in this process (opened again by its path: the same library), or None."""
+    """The OpenMP runtime already loaded in this process (opened again by its path: the same library), or None.
+    Looked for again until found: `LLM` releases its caller's pool before the engine thread has imported torch."""
+    if not _found:
+        library = _loaded_runtime()
+        if library is not None:
+            _found.append(library)
+    return _found[0] if _found else None
+
+
+def _loaded_runtime() -> ctypes.CDLL | None:
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
             paths = {line.split()[-1] for line in maps if ".so" in line}
