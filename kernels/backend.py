@@ -55,6 +55,7 @@ def _native_backend() -> AttentionBackend | None:
         torch_attention.write_kv,
         cpu_attention.NativeDecodeAttention(torch_attention.paged_decode_attention),
         torch_attention.paged_prefill_attention,
+        plan_decode=cpu_attention.plan_decode,
     )
 
 

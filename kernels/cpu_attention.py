@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -40,21 +41,34 @@ def load(head_dim: int = 64, group: int = 1, kv_dtype: torch.dtype = torch.float
         return None
     library.paged_decode_attention.restype = None
     library.paged_decode_attention.argtypes = (
-        [_ptr] * 8 + [_i64] * 4 + [ctypes.c_float, ctypes.c_int, _i64, ctypes.c_float]
+        [_ptr] * 8 + [_i64] * 4 + [ctypes.c_float, ctypes.c_int, _i64, ctypes.c_float, ctypes.c_int]
     )
     library.paged_attention_limits.restype = ctypes.c_int
     library.paged_attention_limits.argtypes = [_i64] * 2
     return library
 
 
+@dataclass(frozen=True, slots=True)
+class NativePlan:
+    """A step's decode tables as the kernel reads them (int32, contiguous): made once, read by every layer."""
+
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32
+
+
+def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> NativePlan:
+    """The backend's `plan_decode` (kernels/interface.py): the tables converted once per step, not per layer."""
+    return NativePlan(block_tables.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous())
+
+
 class NativeDecodeAttention:
     """`paged_decode_attention` with the signature of `kernels.torch_attention.paged_decode_attention`.
 
     The cache may be float32 or bfloat16 (read as it is, accumulated in float32), or int8 / float8_e4m3fn with
-    its float32 scales; the queries go in as float32 and the output comes back in the queries' dtype. Shapes or
-    dtypes the kernel does not cover (caches of another dtype or not contiguous, not on the CPU, more than 16
-    query heads per kv head, heads wider than 256) go to `fallback`; sliding windows and soft-caps run in the
-    kernel.
+    its float32 scales; bf16 queries go in as they are (others as float32), the output comes back in their
+    dtype. Shapes or dtypes the kernel does not cover (caches of another dtype or not contiguous, not on the CPU,
+    more than 16 query heads per kv head, heads wider than 256) go to `fallback`; sliding windows and soft-caps
+    run in the kernel.
     """
 
     def __init__(self, fallback: DecodeAttention) -> None:
@@ -93,6 +107,7 @@ class NativeDecodeAttention:
         softcap: float = 0.0,
         k_scales: torch.Tensor | None = None,  # [N, block_size, Hkv] float32: a quantized cache's scales
         v_scales: torch.Tensor | None = None,
+        plan: NativePlan | None = None,  # plan_decode of these tables (the fallback makes its own)
     ) -> torch.Tensor:
         scales = tuple(t for t in (k_scales, v_scales) if t is not None)
         library = self._library(q, k_cache, v_cache, scales)
@@ -101,9 +116,10 @@ class NativeDecodeAttention:
             return self._fallback(
                 q, k_cache, v_cache, block_tables, seq_lens, scale, window=window, softcap=softcap, **options
             )
-        block_tables = block_tables.to(torch.int32).contiguous()
-        seq_lens = seq_lens.to(torch.int32).contiguous()
-        query = q.to(torch.float32).contiguous()  # [B, H, D] is small: widened once, not per block
+        if plan is None:
+            plan = plan_decode(block_tables, seq_lens, k_cache.shape[1])
+        bf16_io = q.dtype == torch.bfloat16  # the kernel widens q and rounds its output itself
+        query = (q if bf16_io else q.to(torch.float32)).contiguous()  # [B, H, D] is small: widened once
         out = torch.empty_like(query)
         scale_pointers: list[int | None] = [t.data_ptr() for t in scales] or [None, None]  # NULL: full precision
         library.paged_decode_attention(
@@ -111,16 +127,17 @@ class NativeDecodeAttention:
             k_cache.data_ptr(),
             v_cache.data_ptr(),
             *scale_pointers,
-            block_tables.data_ptr(),
-            seq_lens.data_ptr(),
+            plan.block_tables.data_ptr(),
+            plan.seq_lens.data_ptr(),
             out.data_ptr(),
             q.shape[0],
             k_cache.shape[2],
             k_cache.shape[1],
-            block_tables.shape[1],
+            plan.block_tables.shape[1],
             scale,
             torch.get_num_threads(),
             window,
             softcap,
+            bf16_io,
         )
-        return out.to(q.dtype)
+        return out if bf16_io else out.to(q.dtype)

@@ -16,7 +16,9 @@
  * each score s into softcap * tanh(s / softcap) before the softmax.
  *
  * Layouts are those of kernels/torch_attention.py: q [B, H, D], cache [num_blocks, block_size, Hkv, D],
- * block_tables [B, max_blocks] int32, seq_lens [B] int32, out [B, H, D]; all contiguous. q and out are float32.
+ * block_tables [B, max_blocks] int32, seq_lens [B] int32, out [B, H, D]; all contiguous. q and out are float32, or
+ * both bfloat16 (`bf16_io`: q widened as it is read, out rounded to nearest even once, as torch's conversions do;
+ * the conversions in torch cost more than the attention of a short sequence).
  * The cache's format is chosen when building (-DKV_FORMAT): float32; bfloat16, each K/V element widened to
  * float32 as it is read (a shift, vectorized with the loop), so a bf16 cache halves the memory traffic and every
  * product, the softmax and the accumulator stay in float32 (AVX-512 BF16's dot-product instruction is not used:
@@ -82,7 +84,18 @@ int paged_attention_limits(int64_t num_kv_heads, int64_t block_size) {
 typedef struct {
     int64_t block_size, row_stride, block_stride, num_kv_heads, window;
     float scale, softcap;
+    int bf16_io;
 } Shape;
+
+static inline float bf16_to_float(uint16_t x) {
+    const f32_bits b = {(uint32_t)x << 16};
+    return b.value;
+}
+
+static inline uint16_t float_to_bf16(float x) { /* round to nearest even; the kernel makes no NaNs */
+    const f32_bits b = {.value = x};
+    return (uint16_t)((b.bits + 0x7FFFu + ((b.bits >> 16) & 1u)) >> 16);
+}
 
 typedef struct {
     float q[GROUP][HEAD_DIM], acc[GROUP][HEAD_DIM], probs[GROUP][MAX_BLOCK_SIZE];
@@ -151,22 +164,28 @@ static inline void attend_block(HeadState *st, const kv_t *keys, const kv_t *val
  * inlined: inlined into a loop over heads, the compiler vectorizes the divisions across heads (-ffast-math: an
  * approximate reciprocal refined once) where one head alone is divided exactly, and a head's result would depend
  * on whether its work item holds one head or all of them, which the batch's size decides (--batch-invariant). */
-static __attribute__((noinline)) void finish_head(const HeadState *st, float *out) {
+static __attribute__((noinline)) void finish_head(const HeadState *st, void *out, int bf16_io) {
     for (int g = 0; g < GROUP; ++g) {
         const float inv = 1.0f / st->denom[g];
-        for (int d = 0; d < HEAD_DIM; ++d) out[g * HEAD_DIM + d] = st->acc[g][d] * inv;
+        if (bf16_io)
+            for (int d = 0; d < HEAD_DIM; ++d) ((uint16_t *)out)[g * HEAD_DIM + d] = float_to_bf16(st->acc[g][d] * inv);
+        else
+            for (int d = 0; d < HEAD_DIM; ++d) ((float *)out)[g * HEAD_DIM + d] = st->acc[g][d] * inv;
     }
 }
 
 /* Kv heads [h0, h1) of one sequence; q and out point at the sequence's first query head. */
-static void attend(const Shape *s, const float *q, const kv_t *k_cache, const kv_t *v_cache, const float *k_scales,
+static void attend(const Shape *s, const void *q, const kv_t *k_cache, const kv_t *v_cache, const float *k_scales,
                    const float *v_scales, const int32_t *blocks, int64_t seq_len, int64_t h0, int64_t h1,
-                   float *out) {
+                   void *out) {
     HeadState heads[MAX_KV_HEADS];
     for (int64_t h = h0; h < h1; ++h) {
         HeadState *st = &heads[h - h0];
         for (int g = 0; g < GROUP; ++g) {
-            for (int d = 0; d < HEAD_DIM; ++d) st->q[g][d] = q[(h * GROUP + g) * HEAD_DIM + d] * s->scale;
+            const int64_t first = (h * GROUP + g) * HEAD_DIM;
+            for (int d = 0; d < HEAD_DIM; ++d)
+                st->q[g][d] = (s->bf16_io ? bf16_to_float(((const uint16_t *)q)[first + d])
+                                          : ((const float *)q)[first + d]) * s->scale;
             memset(st->acc[g], 0, sizeof(st->acc[g]));
             st->running_max[g] = -FLT_MAX; /* built with -ffast-math: no infinities; expf(-FLT_MAX - m) is 0 */
             st->denom[g] = 0.0f;
@@ -196,22 +215,25 @@ static void attend(const Shape *s, const float *q, const kv_t *k_cache, const kv
                          s->row_stride, s->num_kv_heads, s->softcap);
         }
     }
-    for (int64_t h = h0; h < h1; ++h) finish_head(&heads[h - h0], out + h * GROUP * HEAD_DIM);
+    const int64_t element = s->bf16_io ? 2 : 4;
+    for (int64_t h = h0; h < h1; ++h)
+        finish_head(&heads[h - h0], (char *)out + h * GROUP * HEAD_DIM * element, s->bf16_io);
 }
 
-void paged_decode_attention(const float *q, const kv_t *k_cache, const kv_t *v_cache, const float *k_scales,
-                            const float *v_scales, const int32_t *block_tables, const int32_t *seq_lens, float *out,
+void paged_decode_attention(const void *q, const kv_t *k_cache, const kv_t *v_cache, const float *k_scales,
+                            const float *v_scales, const int32_t *block_tables, const int32_t *seq_lens, void *out,
                             int64_t batch, int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, float scale,
-                            int num_threads, int64_t window, float softcap) {
+                            int num_threads, int64_t window, float softcap, int bf16_io) {
     const int64_t row_stride = num_kv_heads * HEAD_DIM;
-    const Shape s = {block_size, row_stride, block_size * row_stride, num_kv_heads, window, scale, softcap};
+    const Shape s = {block_size, row_stride, block_size * row_stride, num_kv_heads, window, scale, softcap, bf16_io};
+    const int64_t element = bf16_io ? 2 : 4;
     const int64_t heads_per_item = batch >= 2 * num_threads ? num_kv_heads : 1;
     const int64_t items_per_seq = num_kv_heads / heads_per_item;
-    const int64_t seq_floats = num_kv_heads * GROUP * HEAD_DIM;
+    const int64_t seq_elements = num_kv_heads * GROUP * HEAD_DIM;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
     for (int64_t w = 0; w < batch * items_per_seq; ++w) {
         const int64_t b = w / items_per_seq, h0 = (w % items_per_seq) * heads_per_item;
-        attend(&s, q + b * seq_floats, k_cache, v_cache, k_scales, v_scales, block_tables + b * max_blocks,
-               seq_lens[b], h0, h0 + heads_per_item, out + b * seq_floats);
+        attend(&s, (const char *)q + b * seq_elements * element, k_cache, v_cache, k_scales, v_scales,
+               block_tables + b * max_blocks, seq_lens[b], h0, h0 + heads_per_item, (char *)out + b * seq_elements * element);
     }
 }

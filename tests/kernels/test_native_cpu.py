@@ -53,6 +53,20 @@ def test_bf16_cache_is_read_in_float32(native: cpu_attention.NativeDecodeAttenti
         assert rel_err(out[i : i + 1], want) < 1e-5, f"sequence {i} of length {n}"
 
 
+def test_bf16_queries_in_and_out_are_the_float32_path_rounded_once(native: cpu_attention.NativeDecodeAttention) -> None:
+    """bf16 queries go into the kernel as they are and it rounds its own output (to nearest even): bit for bit what
+    widening them in torch and rounding the float32 output there gives; with the step's plan or without."""
+    gen = torch.Generator().manual_seed(13)
+    lens = [1, 3, 40, 17, 33]
+    batch = make_paged_batch(lens, lens, 3, 64, 16, torch.bfloat16, gen)
+    q = (torch.randn(len(lens), 9, 64, generator=gen) * 3).bfloat16()
+    args = (batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125)
+    widened = native(q.float(), *args).to(torch.bfloat16)
+    plan = cpu_attention.plan_decode(batch.block_tables, batch.seq_lens, 16)
+    for out in (native(q, *args), native(q, *args, plan=plan)):
+        assert out.dtype == torch.bfloat16 and torch.equal(out, widened)
+
+
 @pytest.mark.parametrize(("window", "softcap"), [(5, 0.0), (21, 0.0), (16, 0.0), (0, 2.0), (21, 2.0)])
 def test_window_and_softcap_match_dense(
     native: cpu_attention.NativeDecodeAttention, window: int, softcap: float
