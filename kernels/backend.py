@@ -45,14 +45,15 @@ def _torch_backend() -> AttentionBackend:
 
 
 def _native_backend() -> AttentionBackend | None:
-    """The torch backend with decode attention swapped for the compiled CPU kernel; None if it cannot build."""
-    from kernels import cpu_attention, torch_attention
+    """The torch backend with decode attention and the KV write swapped for compiled CPU kernels; None if they
+    cannot build."""
+    from kernels import cpu_attention, cpu_glue, torch_attention
 
     if cpu_attention.load() is None:  # a probe build: the model's own shape is built on the first decode
         return None
     return AttentionBackend(
         "native",
-        torch_attention.write_kv,
+        cpu_glue.write_kv,
         cpu_attention.NativeDecodeAttention(torch_attention.paged_decode_attention),
         torch_attention.paged_prefill_attention,
         plan_decode=cpu_attention.plan_decode,

@@ -1,5 +1,5 @@
 """A decoder layer's element-wise glue on CPU in one pass each (kernels/csrc/glue_cpu.c, loaded with ctypes):
-residual add + RMSNorm, rotary on q and k together, silu(gate) * up.
+residual add + RMSNorm, rotary on q and k together, silu(gate) * up, the new tokens' K/V into their cache slots.
 
 Each function takes the torch path where the C one does not apply (no C compiler, not on the CPU, a dtype other
 than float32 / bfloat16, layouts the kernel does not read) and returns what that path returns, within float32's
@@ -37,10 +37,11 @@ def load(dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
         "add_rms_norm": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _f32, _f32, _int],
         "rotary": [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _int],
         "silu_mul": [_ptr, _ptr, _i64, _i64, _int],
+        "write_kv": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
     }
     for name, argtypes in signatures.items():
         function = getattr(library, name)
-        function.restype = None
+        function.restype = ctypes.c_int if name == "write_kv" else None
         function.argtypes = argtypes
     return library
 
@@ -139,3 +140,54 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((*gate_up.shape[:-1], width), dtype=gate_up.dtype)
     library.silu_mul(gate_up.data_ptr(), out.data_ptr(), out.numel() // max(width, 1), width, torch.get_num_threads())
     return out
+
+
+def write_kv(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,
+    k_cache: torch.Tensor,  # [N, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64
+    *,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+) -> None:
+    """`kernels.torch_attention.write_kv`: the new tokens' keys and values into their cache slots, copied in C
+    where the cache holds them as they are (float32 or bf16, the rows' own dtype, each token's heads contiguous);
+    a quantized cache, or anything else, goes to torch."""
+    from kernels import torch_attention
+
+    library = _library(key, value, k_cache, v_cache)
+    width = k_cache.shape[2] * k_cache.shape[3] if k_cache.dim() == 4 else 0
+    if (
+        library is None
+        or k_scales is not None
+        or v_scales is not None
+        or not all(_heads_in_rows(t, width) for t in (key, value))
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape)
+        or slot_mapping.dtype != torch.int64
+        or not slot_mapping.is_contiguous()
+        or slot_mapping.shape != key.shape[:1]
+    ):
+        torch_attention.write_kv(key, value, k_cache, v_cache, slot_mapping, k_scales=k_scales, v_scales=v_scales)
+        return
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    status = library.write_kv(
+        key.data_ptr(),
+        key.stride(0),
+        value.data_ptr(),
+        value.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slot_mapping.data_ptr(),
+        key.shape[0],
+        width,
+        num_slots,
+    )
+    if status != 0:
+        raise IndexError(f"write_kv: a slot of {slot_mapping.tolist()} is outside the cache's {num_slots} slots")
+
+
+def _heads_in_rows(x: torch.Tensor, width: int) -> bool:
+    """[T, H, D] whose H x D elements of each token are contiguous (`width` of them); tokens may lie apart."""
+    return x.dim() == 3 and x.shape[1] * x.shape[2] == width and x.stride(2) == 1 and x.stride(1) == x.shape[2]

@@ -4,6 +4,8 @@
  *   add_rms_norm  sum = x + delta (when delta is given), then out = sum / rms(sum) * (offset + weight)
  *   rotary        q and k rotated in place by their token's cos/sin (the NeoX halves layout, maybe partial)
  *   silu_mul      out = silu(gate) * up, from the fused gate/up projection's rows
+ *   write_kv      a step's new keys and values copied into their cache slots (torch's index_copy_ twice, each
+ *                 with its dispatch, cost more than the copy of a decode step's few rows)
  *
  * Each element type is its own build (-DELEMENT: 0 float32, 1 bfloat16). bf16 elements are widened to float32 as
  * they are read (a shift) and rounded to nearest even once when written: the arithmetic between stays in float32
@@ -15,6 +17,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #define ELEMENT_FLOAT32 0
 #define ELEMENT_BFLOAT16 1
@@ -116,4 +119,19 @@ void silu_mul(const elem_t *gate_up, elem_t *out, int64_t rows, int64_t width, i
             store(y, i, g / (1.0f + expf(-g)) * load(up, i));
         }
     }
+}
+
+/* Rows [rows, width] of k and v (rows k_stride / v_stride elements apart: views of the fused QKV projection's
+ * output) copied to rows slots[t] of k_cache and v_cache ([num_slots, width] contiguous). Returns 0, or -1 with
+ * nothing written when a slot is out of range. */
+int write_kv(const elem_t *k, int64_t k_stride, const elem_t *v, int64_t v_stride, elem_t *k_cache, elem_t *v_cache,
+             const int64_t *slots, int64_t rows, int64_t width, int64_t num_slots) {
+    for (int64_t t = 0; t < rows; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots)
+            return -1;
+    for (int64_t t = 0; t < rows; t++) {
+        memcpy(k_cache + slots[t] * width, k + t * k_stride, (size_t)width * sizeof(elem_t));
+        memcpy(v_cache + slots[t] * width, v + t * v_stride, (size_t)width * sizeof(elem_t));
+    }
+    return 0;
 }

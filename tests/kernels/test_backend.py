@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from kernels import backend, torch_attention
+from kernels import backend, cpu_attention, cpu_glue, torch_attention
 from kernels.backend import select_attention_backend
 
 pytestmark = pytest.mark.model
@@ -31,7 +31,8 @@ def test_cpu_gets_the_torch_reference_when_asked() -> None:
 def test_cpu_gets_the_native_kernel(name: str) -> None:
     chosen = select_attention_backend(name, CPU)
     assert chosen.name == "native"
-    assert chosen.write_kv is torch_attention.write_kv
+    assert chosen.write_kv is cpu_glue.write_kv  # the C copy, torch's for a quantized cache
+    assert chosen.plan_decode is cpu_attention.plan_decode
     assert chosen.prefill_attention is torch_attention.paged_prefill_attention
 
 

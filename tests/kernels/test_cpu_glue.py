@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_glue
+from kernels import cpu_glue, torch_attention
 from worker_node.models.layers import apply_rope
 
 pytestmark = pytest.mark.unit
@@ -129,3 +129,41 @@ def test_other_dtypes_and_layouts_take_the_torch_path() -> None:
     torch.testing.assert_close(cpu_glue.silu_mul(strided), F.silu(gate) * up)
     x, weight = torch.randn(3, 5, generator=gen, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
     torch.testing.assert_close(cpu_glue.rms_norm(x, weight, 1e-5)[0], reference_norm(x, weight, 1e-5, 0.0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_puts_each_token_s_rows_where_torch_does(dtype: torch.dtype) -> None:
+    """The new tokens' K/V (views of a fused QKV output: rows lie apart) into their slots, bit for bit torch's."""
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(5, 4 * 16 + 2 * 2 * 16, generator=gen).to(dtype)
+    key = qkv[:, 64:96].view(5, 2, 16)
+    value = qkv[:, 96:].view(5, 2, 16)
+    slots = torch.tensor([7, 0, 33, 12, 63])
+    caches = [torch.zeros(4, 16, 2, 16, dtype=dtype) for _ in range(4)]
+    cpu_glue.write_kv(key, value, caches[0], caches[1], slots)
+    torch_attention.write_kv(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert torch.equal(caches[0].view(-1, 2, 16)[33], key[2])
+
+
+def test_write_kv_refuses_a_slot_outside_the_cache_and_writes_nothing() -> None:
+    key = torch.ones(2, 2, 16)
+    k_cache, v_cache = torch.zeros(4, 16, 2, 16), torch.zeros(4, 16, 2, 16)
+    with pytest.raises(IndexError, match="outside the cache's 64 slots"):
+        cpu_glue.write_kv(key, key, k_cache, v_cache, torch.tensor([3, 64]))
+    assert not k_cache.any() and not v_cache.any()
+
+
+def test_a_quantized_cache_is_written_by_torch() -> None:
+    """int8 codes and their scales: what torch's write makes (the C copy holds rows as they are)."""
+    gen = torch.Generator().manual_seed(5)
+    key, value = torch.randn(3, 2, 16, generator=gen), torch.randn(3, 2, 16, generator=gen)
+    slots = torch.tensor([1, 20, 5])
+    made = []
+    for write in (cpu_glue.write_kv, torch_attention.write_kv):
+        caches = [torch.zeros(4, 16, 2, 16, dtype=torch.int8) for _ in range(2)]
+        scales = [torch.zeros(4, 16, 2) for _ in range(2)]
+        write(key, value, *caches, slots, k_scales=scales[0], v_scales=scales[1])
+        made.append((caches, scales))
+    for (c1, s1), (c2, s2) in [made]:
+        assert all(torch.equal(a, b) for a, b in zip(c1 + s1, c2 + s2))
