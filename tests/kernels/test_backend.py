@@ -37,8 +37,6 @@ def test_cpu_gets_the_native_kernel(name: str) -> None:
 
 
 def test_auto_on_cpu_without_a_compiler_is_torch(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kernels import cpu_attention
-
     monkeypatch.setattr(cpu_attention, "load", lambda *shape: None)
     assert select_attention_backend("auto", CPU).name == "torch"
     with pytest.raises(ValueError, match="could not be built"):

@@ -163,7 +163,7 @@ def test_a_quantized_cache_is_written_by_torch() -> None:
     for write in (cpu_glue.write_kv, torch_attention.write_kv):
         caches = [torch.zeros(4, 16, 2, 16, dtype=torch.int8) for _ in range(2)]
         scales = [torch.zeros(4, 16, 2) for _ in range(2)]
-        write(key, value, *caches, slots, k_scales=scales[0], v_scales=scales[1])
+        write(key, value, caches[0], caches[1], slots, k_scales=scales[0], v_scales=scales[1])
         made.append((caches, scales))
-    for (c1, s1), (c2, s2) in [made]:
-        assert all(torch.equal(a, b) for a, b in zip(c1 + s1, c2 + s2))
+    (c1, s1), (c2, s2) = made
+    assert all(torch.equal(a, b) for a, b in zip(c1 + s1, c2 + s2))
