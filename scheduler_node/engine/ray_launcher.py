@@ -186,8 +186,12 @@ class RayLauncher:
         if slot.ping is not None:
             answered, _ = self.ray.wait([slot.ping], timeout=0)
             if answered:
+                was_ready = slot.ready
                 silent, slot.ready = self.ray.get(slot.ping)
                 slot.ping, slot.answered = None, now
+                if slot.ready and not was_ready:
+                    logger.info("the worker actor of bundle %d is ready: a stall now ends it after %g s "
+                                "(--heartbeat-timeout)", slot.bundle, self.heartbeat_timeout)  # fmt: skip
             elif now - slot.asked > (self.heartbeat_timeout if slot.ready else self.join_timeout):
                 silent = now - slot.answered  # the actor itself does not answer: stopped, or the GIL held
         if silent:

@@ -110,6 +110,13 @@ def test_ray_tp2_serves_the_tokens_of_vllm_serve_and_recovers_a_killed_actor(
         assert "the worker actor of bundle 0 died" in log or "the worker actor of bundle 1 died" in log, log
         assert "'host': '127.0.0.2'" in log, "the topology names the node Ray placed the ranks on"
 
+        def launcher_saw_every_actor_ready() -> bool:
+            """Until the launcher knows it, an actor's unanswered ping is bounded by the join timeout, not the
+            heartbeat's (a SIGSTOP a moment after the scheduler saw the rank ready once waited past 60 s)."""
+            text = served.log.read_text()
+            return text.count("is ready: a stall now ends it") >= 2 + text.count("a replacement starts")
+
+        wait_for(launcher_saw_every_actor_ready, 30, "the launcher saw every actor's worker ready")
         stopped = next(w for w in served.workers() if w.rank == 1).pid
         os.kill(stopped, signal.SIGSTOP)  # alive to Ray, silent to everyone: its actor must be replaced
         wait_for(lambda: any(w.rank == 1 and w.state == "ready" and w.pid != stopped for w in served.workers()),

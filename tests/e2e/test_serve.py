@@ -89,7 +89,7 @@ def test_serve_runs_and_stops_all_children_on_sigterm(tiny_llama_dir: Path, tmp_
 
 SHUTDOWN_TIMEOUT = 3.0
 ENDLESS = 6000  # tokens of the streams that must outlast the shutdown timeout
-ROLLING_TOKENS = 3000  # tokens of the streams that must outlast the SIGHUP's first drain (about 1.2 s at 0.4 ms a step)
+ROLLING_TOKENS = 2000  # tokens of the streams that must outlast the SIGHUP's first drain (about 0.8 s at 0.4 ms a step)
 
 
 @pytest.fixture(scope="module")
