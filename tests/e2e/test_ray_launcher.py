@@ -22,7 +22,7 @@ from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from scheduler_node.cli.client import wait_ready
 from tests.support.models import assert_teacher_forced, load_hf
-from tests.support.ops import Streams, alive, child_pids, greedy_ids, prompt_ids, wait_for
+from tests.support.ops import Streams, alive, child_pids, greedy_ids, kill_with_children, prompt_ids, wait_for
 
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[dev]' brings it)")
 
@@ -64,9 +64,7 @@ class Serve:
 
     def kill(self) -> None:
         self.channel.close()
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        kill_with_children(self.proc)  # its scheduler too, which a failed test left running
 
 
 @pytest.fixture(scope="module")

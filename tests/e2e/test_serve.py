@@ -24,7 +24,17 @@ from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from scheduler_node.cli.client import wait_ready
 from scheduler_node.cli.serve import build_parser
-from tests.support.ops import SERVING, Streams, alive, child_pids, greedy_ids, health_status, prompt_ids, wait_for
+from tests.support.ops import (
+    SERVING,
+    Streams,
+    alive,
+    child_pids,
+    greedy_ids,
+    health_status,
+    kill_with_children,
+    prompt_ids,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -151,17 +161,6 @@ def test_sigterm_refuses_new_work_with_retry_after_then_ends_what_outlasts_shutd
     finally:
         if serve.poll() is None:
             serve.kill()
-
-
-def kill_with_children(serve: subprocess.Popen) -> None:
-    """After a failure: vllm-serve's children run in sessions of their own, so killing it alone would leave them."""
-    if serve.poll() is None:
-        for pid in child_pids(serve.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        serve.kill()
 
 
 def scheduler_pids(serve: subprocess.Popen) -> list[int]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -124,6 +126,18 @@ def rank0(cluster: Cluster, metadata: tuple = ()) -> pb.WorkerStatus:
 def child_pids(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
     return [int(x) for x in out.stdout.split()]
+
+
+def kill_with_children(serve: subprocess.Popen) -> None:
+    """After a failure: vllm-serve's children run in sessions of their own, so killing it alone would leave them."""
+    if serve.poll() is None:
+        for pid in child_pids(serve.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        serve.kill()
+        serve.wait()
 
 
 def alive(pid: int) -> bool:
