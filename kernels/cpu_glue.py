@@ -14,6 +14,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from kernels import torch_attention
 from kernels.native_build import CFLAGS, CSRC, load_library
 
 SOURCE = CSRC / "glue_cpu.c"
@@ -155,8 +156,6 @@ def write_kv(
     """`kernels.torch_attention.write_kv`: the new tokens' keys and values into their cache slots, copied in C
     where the cache holds them as they are (float32 or bf16, the rows' own dtype, each token's heads contiguous);
     a quantized cache, or anything else, goes to torch."""
-    from kernels import torch_attention
-
     library = _library(key, value, k_cache, v_cache)
     width = k_cache.shape[2] * k_cache.shape[3] if k_cache.dim() == 4 else 0
     if (

@@ -105,16 +105,14 @@ def greedy(llm: LLM, prompts: list[list[int]], tokens: int) -> list[list[int]]:
 def agreement(best: list[list[int]], prompts: list[list[int]], expected: list[list[int]]) -> float:
     """Share of the generated positions where this model's argmax (teacher-forced on the reference's sequences)
     is the expected token there: `expected[i][j]` for the j-th generated position of sequence i."""
-    same = total = 0
-    for argmax, prompt, tokens in zip(best, prompts, expected):
-        start = len(prompt) - 1  # argmax[i] predicts token i + 1
-        same += sum(a == t for a, t in zip(argmax[start : start + len(tokens)], tokens))
-        total += len(tokens)
-    return same / total
+    found = generated_positions(best, prompts, expected)
+    same = sum(a == t for argmaxes, tokens in zip(found, expected) for a, t in zip(argmaxes, tokens))
+    return same / sum(len(tokens) for tokens in expected)
 
 
 def generated_positions(best: list[list[int]], prompts: list[list[int]], outputs: list[list[int]]) -> list[list[int]]:
-    """The argmaxes of `best` (teacher-forced scores) at the generated positions of each sequence."""
+    """The argmaxes of `best` (teacher-forced scores) at the generated positions of each sequence (argmax[i]
+    predicts token i + 1, so a sequence's first generated token is its prompt's last position's)."""
     return [argmax[len(p) - 1 : len(p) - 1 + len(o)] for argmax, p, o in zip(best, prompts, outputs)]
 
 

@@ -51,12 +51,14 @@ typedef union {
     float value;
 } f32_bits;
 
-#if KV_FORMAT == KV_BFLOAT16
-typedef uint16_t kv_t; /* bfloat16: the upper half of a float32 */
-static inline float kv_load(const kv_t *p, int64_t i) {
-    const f32_bits x = {(uint32_t)p[i] << 16};
-    return x.value;
+static inline float bf16_to_float(uint16_t x) { /* bfloat16: the upper half of a float32 */
+    const f32_bits b = {(uint32_t)x << 16};
+    return b.value;
 }
+
+#if KV_FORMAT == KV_BFLOAT16
+typedef uint16_t kv_t;
+static inline float kv_load(const kv_t *p, int64_t i) { return bf16_to_float(p[i]); }
 #elif KV_FORMAT == KV_INT8
 typedef int8_t kv_t;
 static inline float kv_load(const kv_t *p, int64_t i) { return (float)p[i]; }
@@ -86,11 +88,6 @@ typedef struct {
     float scale, softcap;
     int bf16_io;
 } Shape;
-
-static inline float bf16_to_float(uint16_t x) {
-    const f32_bits b = {(uint32_t)x << 16};
-    return b.value;
-}
 
 static inline uint16_t float_to_bf16(float x) { /* round to nearest even; the kernel makes no NaNs */
     const f32_bits b = {.value = x};
