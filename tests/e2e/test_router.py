@@ -30,6 +30,7 @@ from minivllm.cluster import REPO, Cluster, RouterProcess, free_port
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from scheduler_node.cli.operations import TOKEN_ENV
+from tests.support.clusters import control_stats
 from tests.support.k8s import COMMANDS, FLEET, World, fleet_prestop, render
 from tests.support.models import assert_teacher_forced, load_hf
 from tests.support.ops import (
@@ -489,10 +490,6 @@ def test_kv_routing_follows_the_cached_prefix_and_never_a_restarted_replicas_sta
         router.stop()
 
 
-def control_stats(replica: Cluster) -> pb.Stats:
-    return pb_grpc.ControlStub(replica.channel).GetStats(pb.GetStatsRequest(), timeout=5)
-
-
 def migration_counts(replica: Cluster) -> tuple[int, int, int]:
     """A replica's migrated sequences imported with their KV, recomputed, and KV tokens imported."""
     stats = pb_grpc.ControlStub(replica.channel).GetStats(pb.GetStatsRequest(), timeout=5)
@@ -571,27 +568,35 @@ def test_drain_migrate_moves_openai_streams_through_the_router_unnoticed(fleet: 
     victim = placed[1]  # the n = 2 stream and the unstreamed completion (--max-num-seqs 2: one of them waits)
     assert placed == [placed[0], victim, placed[0], victim] and placed[0] is not victim, placed
     survivor = next(c for c in fleet.llamas if c is not victim)
-    before = pb_grpc.ControlStub(survivor.channel).GetStats(pb.GetStatsRequest(), timeout=5)
-    wait_for(lambda: streams[1].results[0].chunks >= 3, 60, "the n = 2 stream is under way")
-    drained = pb_grpc.ControlStub(victim.channel).Drain(pb.DrainRequest(timeout_s=30, migrate=True), timeout=40)
-    assert drained.drained and drained.migrated == 2, drained
-    for i, (stream, want) in enumerate(zip(streams, expected)):
-        [got] = stream.join(120)
-        assert not got.error and not want.error, (i, got.error, want.error)
-        assert got.texts == want.texts and len(got.ids) == 1, i  # no token lost or repeated, one response
-        assert got.finishes == want.finishes == {c: ["length"] for c in want.texts}, i
-        assert got.usage is not None and want.usage is not None
-        usage = got.usage.prompt_tokens, got.usage.completion_tokens
-        assert usage == (want.usage.prompt_tokens, MOVED_TOKENS * len(want.texts)), (i, got.usage)
-    assert victim.stop() == [0, 0], victim.logs()
-    stats = wait_idle(pb_grpc.ControlStub(survivor.channel))
-    assert (stats.num_running, stats.num_waiting, stats.used_blocks) == (0, 0, 0), stats
-    # Each moved sequence counted once where it resumed: the n = 2 pair from the KV it left on the victim (both pull
-    # on arrival, though the survivor's seats are taken), the completion that waited there by recompute.
-    imported = stats.migrations_imported - before.migrations_imported
-    assert (imported, stats.migrations_recomputed - before.migrations_recomputed) == (2, 1), stats
-    fleet.restart_llama(fleet.llamas.index(victim))  # for the tests after this one
-    wait_for(lambda: fleet.replicas()[victim.address].state == "serving", 10, "the replica comes back")
+    before = control_stats(survivor)
+    try:
+        wait_for(lambda: streams[1].results[0].chunks >= 3, 60, "the n = 2 stream is under way")
+        # The router counts a request in flight when it sends it; under load the unstreamed one reached the
+        # victim's engine only after a drain (then it was refused there and retried, not migrated).
+        wait_for(lambda: control_stats(victim).num_waiting == 1, 30, "the unstreamed completion waits on the victim")
+        drained = pb_grpc.ControlStub(victim.channel).Drain(pb.DrainRequest(timeout_s=30, migrate=True), timeout=40)
+        assert drained.drained and drained.migrated == 2, drained
+        for i, (stream, want) in enumerate(zip(streams, expected)):
+            [got] = stream.join(120)
+            assert not got.error and not want.error, (i, got.error, want.error)
+            assert got.texts == want.texts and len(got.ids) == 1, i  # no token lost or repeated, one response
+            assert got.finishes == want.finishes == {c: ["length"] for c in want.texts}, i
+            assert got.usage is not None and want.usage is not None
+            usage = got.usage.prompt_tokens, got.usage.completion_tokens
+            assert usage == (want.usage.prompt_tokens, MOVED_TOKENS * len(want.texts)), (i, got.usage)
+        assert victim.stop() == [0, 0], victim.logs()
+        stats = wait_idle(pb_grpc.ControlStub(survivor.channel))
+        assert (stats.num_running, stats.num_waiting, stats.used_blocks) == (0, 0, 0), stats
+        # Each moved sequence counted once where it resumed: the n = 2 pair from the KV it left on the victim (both
+        # pull on arrival, though the survivor's seats are taken), the completion that waited there by recompute.
+        imported = stats.migrations_imported - before.migrations_imported
+        assert (imported, stats.migrations_recomputed - before.migrations_recomputed) == (2, 1), stats
+    finally:  # the tests after this one need both llamas (and none of these streams), also when this one fails
+        victim.stop()
+        for thread in (t for stream in streams for t in stream.threads):
+            thread.join(60)  # not join(): its assertion would hide this test's failure
+        fleet.restart_llama(fleet.llamas.index(victim))
+        wait_for(lambda: fleet.replicas()[victim.address].state == "serving", 10, "the replica comes back")
 
 
 def test_the_k8s_fleets_prestop_migrates_a_replicas_streams_and_it_exits_0(
