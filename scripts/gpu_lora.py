@@ -55,7 +55,12 @@ def lora_part(model: str | None, config: LoraCheckConfig) -> dict[str, Any]:
     from worker_node.default_model import ensure_default_model
 
     folder = model or str(ensure_default_model())
-    root = Path(tempfile.mkdtemp(prefix="gpu-lora-"))
+    with tempfile.TemporaryDirectory(prefix="gpu-lora-") as root:
+        return lora_runs(folder, Path(root), config)
+
+
+def lora_runs(folder: str, root: Path, config: LoraCheckConfig) -> dict[str, Any]:
+    """`lora_part` with its adapters written under `root`."""
     shapes = BaseShapes.from_folder(Path(folder))
     paths = [write_adapter(root / f"a{i}", shapes, config.rank, seed=i) for i in range(config.adapters)]
     adapters = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(paths)]

@@ -10,7 +10,9 @@ ports (the router is the door); the workers of replica i join at --worker-port +
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,6 +86,8 @@ def plan_replicas(
             for i in range(count)
         ]
     folder = Path(tempfile.mkdtemp(prefix="minivllm-dp-"))
+    # Kept while this process lives (a restarted replica reads its file again), removed when it exits.
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     plans = []
     for i, placement in enumerate(place_replicas(topology, layout, count, allow_cross_island)):
         path = folder / f"topology-{i}.yaml"
