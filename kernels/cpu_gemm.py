@@ -15,7 +15,7 @@ import ctypes
 import functools
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -64,17 +64,46 @@ def load() -> ctypes.CDLL | None:
     return load_amx_library(SOURCE, "CPU decode matmuls", "skinny_gemm_init", entries)
 
 
+class NativeGemm(NamedTuple):
+    """A projection of bf16 rows as one kernel call, what kernels/csrc/decode_layers_cpu.c's `Gemm` holds: the
+    function's address, its signature (`kind`: 0, a last int argument; 1, an int64 one), the weight's and scales'
+    addresses, that last argument and the widths. `gated`: the kernel takes a gated MLP's [T, 2K] gate/up rows."""
+
+    fn: int
+    kind: int
+    weight: int
+    scales: int
+    arg: int
+    n: int
+    k: int
+    gated: bool = False
+
+
+def address(library: ctypes.CDLL, name: str) -> int:
+    """A loaded kernel's function address (for a C caller)."""
+    value = ctypes.cast(getattr(library, name), ctypes.c_void_p).value
+    assert value is not None
+    return value
+
+
 def covers(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the kernel takes x [T, K] times this weight [N, K] (bf16 or int8), on this CPU."""
     return (
         x.device.type == "cpu"
         and x.dtype == torch.bfloat16
         and x.dim() == 2
-        and 0 < x.shape[0] <= MAX_ROWS
+        and x.shape[1] == weight.shape[-1]
+        and covers_weight(x.shape[0], weight)
+    )
+
+
+def covers_weight(rows: int, weight: torch.Tensor) -> bool:
+    """Whether the kernel takes `rows` bf16 rows times this weight [N, K] (bf16 or int8), on this CPU."""
+    return (
+        0 < rows <= MAX_ROWS
         and weight.dtype in WEIGHT_FORMATS
         and weight.device.type == "cpu"
         and weight.dim() == 2
-        and weight.shape[1] == x.shape[1]
         and weight.shape[0] % BLOCK_N == 0
         and weight.shape[1] % BLOCK_K == 0
         and weight.is_contiguous()
@@ -174,15 +203,9 @@ def linear_int8_act(
         and x.dtype == torch.bfloat16
         and x.dim() == 2
         and x.shape[0] > 0
-        and codes.dtype == torch.int8
         and codes.dim() == 2
-        and codes.is_contiguous()
         and codes.shape[1] * (2 if silu_gated else 1) == x.shape[1]
-        and codes.shape[0] % BLOCK_N == 0
-        and codes.shape[1] % QUADS_K == 0
-        and scales.dtype == torch.float32
-        and scales.is_contiguous()
-        and has_int8()
+        and covers_int8_act(codes, scales)
     ):
         return None
     library = load()
@@ -202,3 +225,46 @@ def linear_int8_act(
         kernel_threads(x.shape[0]),
     )
     return out if status == 0 else None
+
+
+def covers_int8_act(codes: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether `linear_int8_act` takes these int8 codes [N, K] and float32 scales [N] (for any bf16 rows)."""
+    return (
+        codes.dtype == torch.int8
+        and codes.device.type == "cpu"
+        and codes.dim() == 2
+        and codes.is_contiguous()
+        and codes.shape[0] % BLOCK_N == 0
+        and codes.shape[1] % QUADS_K == 0
+        and scales.dtype == torch.float32
+        and scales.is_contiguous()
+        and has_int8()
+    )
+
+
+def native_linear(weight: torch.Tensor, rows: int, scales: torch.Tensor | None = None) -> NativeGemm | None:
+    """The call `linear` (bf16 weight) or `linear_int8` (int8 codes, float32 scales) makes for `rows` rows; None
+    where they would not call the kernel."""
+    if not covers_weight(rows, weight) or (weight.dtype == torch.int8) != (scales is not None):
+        return None
+    if scales is not None and (scales.dtype != torch.float32 or not scales.is_contiguous()):
+        return None
+    library = load()
+    assert library is not None
+    n, k = weight.shape
+    scale_pointer = 0 if scales is None else scales.data_ptr()
+    fmt = WEIGHT_FORMATS[weight.dtype]
+    return NativeGemm(address(library, "skinny_gemm"), 0, weight.data_ptr(), scale_pointer, fmt, n, k)
+
+
+def native_int8_act(
+    codes: torch.Tensor, scales: torch.Tensor, act_bits: int, silu_gated: bool = False
+) -> NativeGemm | None:
+    """The call `linear_int8_act` makes (any rows); None where it would not call the kernel."""
+    if act_bits not in ACT_BITS or not covers_int8_act(codes, scales):
+        return None
+    library = load()
+    assert library is not None
+    name = "int8_gemm_silu_gated" if silu_gated else "int8_gemm"
+    n, k = codes.shape
+    return NativeGemm(address(library, name), 0, codes.data_ptr(), scales.data_ptr(), act_bits, n, k, silu_gated)

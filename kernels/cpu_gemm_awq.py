@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from kernels.cpu_gemm import load_amx_library
+from kernels.cpu_gemm import NativeGemm, address, load_amx_library
 from kernels.native_build import CSRC
 
 SOURCE = CSRC / "awq_gemm_cpu.c"
@@ -107,3 +107,12 @@ def linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch
         if status != 0:
             return None
     return out
+
+
+def native_linear(packed: torch.Tensor, scales: torch.Tensor, rows: int) -> NativeGemm | None:
+    """The one call `linear` makes for `rows` bf16 rows (at most `MAX_ROWS`); None where it would make none."""
+    library = load()
+    n, k, groups = packed.shape[0] * BLOCK_N, packed.shape[1] * 4, scales.shape[1]
+    if library is None or not 0 < rows <= MAX_ROWS or packed.is_cuda or k % groups or (k // groups) % BLOCK_K:
+        return None
+    return NativeGemm(address(library, "awq_gemm"), 1, packed.data_ptr(), scales.data_ptr(), k // groups, n, k)

@@ -7,6 +7,7 @@ checkpoint's layer `first_layer + i`); the first stage embeds, the last one norm
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -17,7 +18,10 @@ from worker_node.attention import AttentionMetadata
 from worker_node.kv_cache import LayerKV
 from worker_node.models.config import ModelConfig
 from worker_node.models.layers import ParallelLMHead, RMSNorm, RopeAngles, Rotary, VocabParallelEmbedding
+from worker_node.models.native_decode import NativeDecode
 from worker_node.parallel import SINGLE, Comm, ParallelRank
+
+NATIVE_DECODE_ENV = "MINIVLLM_NATIVE_DECODE"  # "0": decode steps run the Python layers (to compare)
 
 
 class StepInterrupted(Exception):
@@ -70,6 +74,8 @@ class CausalLM(nn.Module):
         self.lm_head = ParallelLMHead(v, h, where, comm, config.final_logit_softcap) if where.is_last_stage else None
         self.tie_weights()
         self.rotary = Rotary(config, max_positions)
+        self._native: NativeDecode | None = None
+        self._native_checked = False
 
     def make_layer(
         self, config: ModelConfig, layer: int, backend: AttentionBackend, where: ParallelRank, comm: Comm
@@ -108,7 +114,15 @@ class CausalLM(nn.Module):
                     block_size = kv_caches[0].k.shape[1]  # once per step, for every layer
                     group.decode_plan = self.plan_decode(group.decode_block_tables, group.decode_seq_lens, block_size)
         delta: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        native = self._native_decode()
+        ran = None
+        if native is not None and x.device.type == "cpu":
+            if interrupted is not None and interrupted():  # the C call runs every layer: asked once
+                raise StepInterrupted
+            ran = native.run(x, angles, kv_caches, meta)
+        if ran is not None:
+            x, delta = ran
+        for layer, kv_cache in zip(self.layers if ran is None else (), kv_caches):
             if interrupted is not None and interrupted():
                 raise StepInterrupted
             x, delta = layer(x, delta, angles, kv_cache, meta)
@@ -116,8 +130,21 @@ class CausalLM(nn.Module):
             return x if delta is None else x + delta
         return self.norm.add(x, delta)[0]
 
+    def _native_decode(self) -> NativeDecode | None:
+        """The C runner of this stage's layers (worker_node/models/native_decode.py), made at the first step (the
+        weights are in their final layout by then); None where the layers do not qualify."""
+        if not self._native_checked:
+            self._native_checked = True
+            if os.environ.get(NATIVE_DECODE_ENV) != "0" and self.layers and _on_cpu(self):
+                self._native = NativeDecode.build(self.layers, self.where.tp_size)
+        return self._native
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits on the output rank; None on the other TP ranks of the last stage."""
         if self.lm_head is None:
             raise RuntimeError("only the last pipeline stage computes logits")
         return self.lm_head(hidden)
+
+
+def _on_cpu(model: nn.Module) -> bool:
+    return all(p.device.type == "cpu" for p in model.parameters())

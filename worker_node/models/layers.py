@@ -40,6 +40,12 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_gemm.linear(x, self.weight, self.bias, self.invariant)
 
+    def native_gemm(self, rows: int, silu_gated: bool = False) -> cpu_gemm.NativeGemm | None:
+        """The kernel call `forward` makes for `rows` bf16 rows on CPU (none with a bias, or fused with silu)."""
+        if silu_gated or self.bias is not None or self.weight.dtype != torch.bfloat16:
+            return None
+        return cpu_gemm.native_linear(self.weight, rows)
+
 
 def set_batch_invariant(model: nn.Module, on: bool) -> None:
     """Make every dense product of `model` (its `Linear`s and LM head) batch-invariant, or not: a sequence's

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_gemm_awq
+from kernels.cpu_gemm import NativeGemm
 from proto.quantization import QuantizationError
 from worker_node.models.quant_linear import QuantLinear, QuantMethod, TensorAxes
 
@@ -150,6 +151,11 @@ class AwqMethod(QuantMethod):
         if pairs is None:  # the (scale, offset) pairs in the activations' dtype, made once
             pairs = layer.kernel[key] = layer.kernel["pairs float32"].to(x.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), layer.kernel["int4"], self.group_size, pairs)
+
+    def native_gemm(self, layer: QuantLinear, rows: int, silu_gated: bool = False) -> NativeGemm | None:
+        if silu_gated or "awq codes" not in layer.kernel:
+            return None
+        return cpu_gemm_awq.native_linear(layer.kernel["awq codes"], layer.kernel["awq scales"], rows)
 
     def forward(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         if "awq codes" in layer.kernel:

@@ -109,6 +109,14 @@ class Int8Method(QuantMethod):
         q, scales = layer.part("qweight"), self._float_scales(layer)
         return cpu_gemm.linear_int8_act(gate_up, q, scales, act_bits().get(layer.role, 16), silu_gated=True)
 
+    def native_gemm(self, layer: QuantLinear, rows: int, silu_gated: bool = False) -> cpu_gemm.NativeGemm | None:
+        q, scales = layer.part("qweight"), self._float_scales(layer)
+        bits = act_bits().get(layer.role, 16)
+        native = cpu_gemm.native_int8_act(q, scales, bits, silu_gated)
+        if native is not None or silu_gated:
+            return native
+        return cpu_gemm.native_linear(q, rows, scales)
+
     def _float_scales(self, layer: QuantLinear) -> torch.Tensor:
         """The scales in float32 for the C kernel, made once (the buffer follows the model dtype; bf16 numbers
         by construction, so widening them is exact)."""

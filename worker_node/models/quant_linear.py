@@ -20,6 +20,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from kernels.cpu_gemm import NativeGemm
+
 
 class TensorAxes(NamedTuple):
     """Where a quantized tensor keeps its channels: the dim of output channels and of input channels (None: not
@@ -69,6 +71,11 @@ class QuantMethod:
 
     def after_load(self, layer: QuantLinear) -> None:
         """Once the layer is on its device in its dtype: repack for the kernel if needed."""
+
+    def native_gemm(self, layer: QuantLinear, rows: int, silu_gated: bool = False) -> NativeGemm | None:
+        """The one kernel call `forward` (or, `silu_gated`, `forward_silu_gated`) makes for `rows` bf16 rows on
+        CPU, for kernels/csrc/decode_layers_cpu.c to make; None where it makes another (or several)."""
+        return None
 
 
 class QuantLinear(nn.Module):
@@ -127,6 +134,9 @@ class QuantLinear(nn.Module):
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         return self.method.dequantize(self, rows)
+
+    def native_gemm(self, rows: int, silu_gated: bool = False) -> NativeGemm | None:
+        return None if self.bias is not None else self.method.native_gemm(self, rows, silu_gated)
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.method.name}"
