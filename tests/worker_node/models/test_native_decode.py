@@ -34,6 +34,7 @@ def generate(
     folder: Path,
     native: bool,
     prompts: list[list[int]] = PROMPTS,
+    *,
     lora: LoRARequest | None = None,
     **engine: Any,
 ) -> tuple[list[tuple[list[int], list[float]]], int]:
@@ -51,7 +52,7 @@ def generate(
     monkeypatch.setattr(native_decode.NativeDecode, "run", counted)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
     with LLM(str(folder), dtype="bfloat16", num_kv_blocks=256, **engine) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=lora)
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
     results = []
     for o in outs:
         c = o.outputs[0]
@@ -71,7 +72,7 @@ def test_the_runner_gives_the_python_layers_tokens_and_logprobs_bit_for_bit(
     monkeypatch: pytest.MonkeyPatch, amx: None, tiny_llama_dir: Path, awq_dir: Path, fmt: str
 ) -> None:
     folder = awq_dir if fmt == "awq" else tiny_llama_dir
-    engine = {"quantization": "int8"} if fmt == "int8" else {}
+    engine: dict[str, Any] = {"quantization": "int8"} if fmt == "int8" else {}
     python, none_ran = generate(monkeypatch, folder, False, **engine)
     native, ran = generate(monkeypatch, folder, True, **engine)
     assert none_ran == 0 and ran >= 11, ran  # every decode step of the 12 tokens but the prefill's
@@ -88,7 +89,7 @@ def test_it_steps_aside_for_a_quantized_cache_lora_and_more_rows_than_the_kernel
     native, ran = generate(monkeypatch, tiny_llama_dir, True, many, max_num_seqs=128)
     assert native == python and ran == 0, "70 rows per step: the Python layers"
     adapter = LoRARequest("a", 1, str(make_adapter(load_base(tiny_llama_dir), tmp_path / "a", seed=3, rank=4)))
-    lora = {"enable_lora": True, "max_loras": 1}
-    python, _ = generate(monkeypatch, tiny_llama_dir, False, PROMPTS[:2], adapter, **lora)
-    native, ran = generate(monkeypatch, tiny_llama_dir, True, PROMPTS[:2], adapter, **lora)
+    lora: dict[str, Any] = {"enable_lora": True, "max_loras": 1}
+    python, _ = generate(monkeypatch, tiny_llama_dir, False, PROMPTS[:2], lora=adapter, **lora)
+    native, ran = generate(monkeypatch, tiny_llama_dir, True, PROMPTS[:2], lora=adapter, **lora)
     assert native == python and ran == 0, "LoRA hooks on the projections: the Python layers"
