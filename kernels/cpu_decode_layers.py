@@ -61,7 +61,12 @@ class Step(ctypes.Structure):
         *((name, _ptr) for name in ("block_tables", "seq_lens")),
         *((name, _ptr) for name in ("x", "residual", "delta", "h", "qkv", "q", "attn", "gate_up", "act")),
         ("threads", ctypes.c_int),
+        ("phase_seconds", _ptr),
     ]
+
+
+# What `Step.phase_seconds` adds up, per phase of a layer (the C source's PHASES, in order).
+PHASES = ("input norm", "qkv", "rotary + KV write", "attention", "o", "post norm", "gate/up", "silu + down")
 
 
 @functools.cache

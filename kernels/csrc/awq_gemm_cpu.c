@@ -143,34 +143,40 @@ static inline void scale_tile(const float *acc, __m512 scale, __m512 bias, const
     }
 }
 
-/* A 16-channel block's K codes widened into `wide` (K/2 pair rows x 16 channels), the tiles' weight operand. */
-static inline void widen_block(const uint8_t *codes, int64_t K, uint32_t *wide) {
-    for (int64_t q = 0; q < K / 4; q++) {
+/* Group g's codes of a 16-channel block (G inputs) widened into `wide` (G/2 pair rows x 16 channels), the tiles'
+ * weight operand. A group at a time, just before its products, into one of two 2-4 KiB slices: widening the whole
+ * block first (K = 1536: 48 KiB) beside the activations' rows pushed both out of L1 (the down projection took 73 %
+ * of the time of gate/up, which has twice its weights). */
+static inline uint32_t *widen_group(const uint8_t *codes, int64_t g, int64_t G, uint32_t *wide) {
+    uint32_t *slice = wide + (g % 2) * (G / 2) * 16;
+    for (int64_t q = g * G / 4; q < (g + 1) * G / 4; q++) {
         __m512i low, high;
         if (q % 2 == 0)
             _mm_prefetch((const char *)(codes + q * 32 + PREFETCH_AHEAD), _MM_HINT_T1);
         widen_chunk(codes + q * 32, &low, &high);
-        _mm512_store_si512(wide + (2 * q) * 16, low);
-        _mm512_store_si512(wide + (2 * q + 1) * 16, high);
+        const int64_t row = 2 * (q - g * G / 4);
+        _mm512_store_si512(slice + row * 16, low);
+        _mm512_store_si512(slice + (row + 1) * 16, high);
     }
+    return slice;
 }
 
-/* Channels n0 .. n0 + 15 of every row on tiles: the block's codes widened into `wide` (K/2 pair rows x 16
- * channels), then per group one accumulator per row group (tiles 0-3), activations tiles 4-5, weights tile 6. */
+/* Channels n0 .. n0 + 15 of every row on tiles: per group, its codes widened into a slice of `wide` (G/2 pair
+ * rows x 16 channels), one accumulator per row group (tiles 0-3), activations tiles 4-5, weights tile 6. */
 static void tile_block(const uint16_t *xpad, const uint8_t *codes, const float *scales, const float *sums,
                        uint16_t *out, int64_t M, int64_t N, int64_t K, int64_t G, uint32_t *wide, float *acc,
                        float *y) {
     const int64_t groups = K / G, row_groups = (M + GROUP_ROWS - 1) / GROUP_ROWS, stride = K * 2;
-    widen_block(codes, K, wide);
     memset(y, 0, (size_t)M * 16 * sizeof(float));
     for (int64_t g = 0; g < groups; g++) {
+        const uint32_t *slice = widen_group(codes, g, G, wide);
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t kb = g * G / BLOCK_K; kb < (g + 1) * G / BLOCK_K; kb++) {
             const uint16_t *a = xpad + kb * BLOCK_K;
-            _tile_loadd(6, wide + kb * 16 * 16, 64);
+            _tile_loadd(6, slice + (kb - g * G / BLOCK_K) * 16 * 16, 64);
             _tile_loadd(4, a, stride);
             _tile_dpbf16ps(0, 4, 6);
             if (row_groups > 1) {
@@ -205,9 +211,10 @@ static void tile_block(const uint16_t *xpad, const uint8_t *codes, const float *
  * scaled into the 16 rows y (registers). */
 #define ONE_GROUP(T, A, B, g)                                                                                       \
     do {                                                                                                            \
+        const uint32_t *slice = widen_group(codes, (g), G, wide);                                                  \
         _tile_zero(T);                                                                                              \
         for (int64_t kb = (g) * G / BLOCK_K; kb < ((g) + 1) * G / BLOCK_K; kb++) {                                  \
-            _tile_loadd(B, wide + kb * 16 * 16, 64);                                                                \
+            _tile_loadd(B, slice + (kb - (g) * G / BLOCK_K) * 16 * 16, 64);                                         \
             _tile_loadd(A, xpad + kb * BLOCK_K, stride);                                                            \
             _tile_dpbf16ps(T, A, B);                                                                                \
         }                                                                                                           \
@@ -227,7 +234,6 @@ static inline __attribute__((always_inline)) void tile_block_regs(const uint16_t
                                                                   uint16_t *out, int64_t M, int64_t N, int64_t K,
                                                                   int64_t G, uint32_t *wide, float *acc, const int R) {
     const int64_t groups = K / G, stride = K * 2;
-    widen_block(codes, K, wide);
     __m512 y[GROUP_ROWS];
     for (int r = 0; r < R; r++)
         y[r] = _mm512_setzero_ps();

@@ -14,6 +14,7 @@
  */
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 typedef uint16_t bf16_t;
 
@@ -76,7 +77,26 @@ typedef struct {
     bf16_t *delta;    /* [rows, hidden]: the last layer's MLP output out */
     bf16_t *h, *qkv, *q, *attn, *gate_up, *act; /* scratch: [rows, hidden], [rows, q + 2 kv], [rows, q] x 2, ... */
     int threads;
+    double *phase_seconds; /* NULL, or [PHASES] seconds added per phase (a profile: scripts/bench_quant.py) */
 } Step;
+
+/* qkv norm, qkv, rotary + KV write + query copy, attention, o, post norm, gate/up, silu + down */
+#define PHASES 8
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* Adds the time since *last to phase `i` (when profiling) and restarts the clock. */
+static inline void lap(const Step *s, int i, double *last) {
+    if (!s->phase_seconds)
+        return;
+    const double t = now();
+    s->phase_seconds[i] += t - *last;
+    *last = t;
+}
 
 static int gemm(const Gemm *g, const void *x, void *out, int64_t rows, int threads) {
     if (g->kind == GEMM_I64_ARG)
@@ -91,6 +111,7 @@ int run_decode_layers(const Kernels *kernels, const Layer *layers, int64_t num_l
     const int64_t qkv_width = q_size + 2 * kv_size;
     const bf16_t *x = s->x;
     const bf16_t *delta = NULL;
+    double last = s->phase_seconds ? now() : 0.0;
     for (int64_t i = 0; i < num_layers; i++) {
         const Layer *l = layers + i;
         /* x + delta into the residual buffer (in place after the first layer: an element is read, then written) */
@@ -98,23 +119,30 @@ int run_decode_layers(const Kernels *kernels, const Layer *layers, int64_t num_l
                       s->eps, 0.0f, s->threads);
         if (delta)
             x = s->residual;
+        lap(s, 0, &last);
         if (gemm(&l->qkv, s->h, s->qkv, m, s->threads))
             return 1 + 4 * (int)i;
+        lap(s, 1, &last);
         bf16_t *q = s->qkv, *k = s->qkv + q_size, *v = k + kv_size;
         kernels->rotary(q, qkv_width, s->heads, k, qkv_width, s->kv_heads, s->cos, s->sin, m, d, s->rot, s->threads);
         if (kernels->write_kv(k, qkv_width, v, qkv_width, l->k_cache, l->v_cache, s->slots, m, kv_size, s->num_slots))
             return -1;
         for (int64_t r = 0; r < m; r++) /* the attention kernel reads contiguous queries */
             memcpy(s->q + r * q_size, q + r * qkv_width, (size_t)q_size * sizeof(bf16_t));
+        lap(s, 2, &last);
         kernels->attention(s->q, l->k_cache, l->v_cache, NULL, NULL, s->block_tables, s->seq_lens, s->attn, m,
                            s->kv_heads, s->block_size, s->max_blocks, s->scale, s->threads, 0, 0.0f, 1);
+        lap(s, 3, &last);
         if (gemm(&l->o, s->attn, s->delta, m, s->threads))
             return 2 + 4 * (int)i;
+        lap(s, 4, &last);
         kernels->norm(x, s->hidden, s->delta, s->hidden, l->post_norm, s->h, s->residual, m, s->hidden, s->eps, 0.0f,
                       s->threads);
         x = s->residual;
+        lap(s, 5, &last);
         if (gemm(&l->gate_up, s->h, s->gate_up, m, s->threads))
             return 3 + 4 * (int)i;
+        lap(s, 6, &last);
         const void *down_in = s->gate_up;
         if (!l->down.gated) {
             kernels->silu_mul(s->gate_up, s->act, m, s->inter, s->threads);
@@ -122,6 +150,7 @@ int run_decode_layers(const Kernels *kernels, const Layer *layers, int64_t num_l
         }
         if (gemm(&l->down, down_in, s->delta, m, s->threads))
             return 4 + 4 * (int)i;
+        lap(s, 7, &last);
         delta = s->delta;
     }
     return 0;

@@ -61,6 +61,8 @@ class NativeDecode:
         runner = cpu_decode_layers.load()
         assert runner is not None  # build checked it
         self.runner = runner
+        # Set to a float64 tensor [len(PHASES)] to add each step's seconds per phase of a layer (a profile).
+        self.phase_seconds: torch.Tensor | None = None
         self.kernels = Kernels(
             *(cpu_gemm.address(glue, name) for name in ("add_rms_norm", "rotary", "silu_mul", "write_kv")), None
         )
@@ -141,7 +143,7 @@ class NativeDecode:
             k.shape[0] * k.shape[1], k.shape[1], plan.block_tables.shape[1],
             plan.block_tables.data_ptr(), plan.seq_lens.data_ptr(), x.data_ptr(),
             *(buffers[name].data_ptr() for name in ("residual", "delta", "h", "qkv", "q", "attn", "gate_up", "act")),
-            torch.get_num_threads(),
+            torch.get_num_threads(), None if self.phase_seconds is None else self.phase_seconds.data_ptr(),
         )  # fmt: skip
         status = self.runner.run_decode_layers(
             ctypes.byref(self.kernels), self.layers, len(self.layers), ctypes.byref(step)
