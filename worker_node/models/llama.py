@@ -19,6 +19,8 @@ from worker_node.parallel import Comm, ParallelRank
 
 
 class LlamaDecoderLayer(DecoderLayer):
+    runs_natively = True  # worker_node/models/native_decode.py runs this forward in C (a subclass must say so too)
+
     def __init__(
         self,
         config: ModelConfig,

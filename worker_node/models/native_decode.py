@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,18 +30,13 @@ from worker_node.attention import AttentionMetadata
 from worker_node.kv_cache import LayerKV
 from worker_node.models.layers import Attention, RopeAngles
 
-if TYPE_CHECKING:
-    from worker_node.models.llama import LlamaDecoderLayer
-
 MAX_ROWS = min(cpu_gemm.MAX_ROWS, cpu_gemm_awq.MAX_ROWS)  # rows the matmul kernels take in one call
 
 
 class NativeDecode:
     """The layers' C tables, built once; `run` one step."""
 
-    def __init__(
-        self, layers: Sequence[LlamaDecoderLayer], tables: list[tuple[NativeGemm, ...]], glue: ctypes.CDLL
-    ) -> None:
+    def __init__(self, layers: Sequence[Any], tables: list[tuple[NativeGemm, ...]], glue: ctypes.CDLL) -> None:
         first: Attention = layers[0].self_attn
         attention = first.backend.decode_attention
         assert isinstance(attention, cpu_attention.NativeDecodeAttention)  # _plain checked it
@@ -70,14 +65,14 @@ class NativeDecode:
     @classmethod
     def build(cls, layers: nn.ModuleList, tp_size: int) -> NativeDecode | None:
         """The runner for these layers, or None where they do not qualify (see the module's docstring)."""
-        from worker_node.models.llama import LlamaDecoderLayer  # llama.py imports the decoder, which imports this
-
         glue = cpu_glue.load(torch.bfloat16)
         if tp_size != 1 or not len(layers) or glue is None or cpu_decode_layers.load() is None:
             return None
         tables, plain = [], []
+        layer: Any  # a LlamaDecoderLayer (llama.py imports the decoder, which imports this module)
         for layer in layers:
-            if type(layer) is not LlamaDecoderLayer or not _plain(layer):
+            # Only a class that says so itself (not a subclass, whose forward may differ): llama.py's layer.
+            if not type(layer).__dict__.get("runs_natively") or not _plain(layer):
                 return None
             plain.append(layer)
             attn, mlp = layer.self_attn, layer.mlp
@@ -156,7 +151,7 @@ class NativeDecode:
         return buffers["residual"], buffers["delta"]
 
 
-def _plain(layer: LlamaDecoderLayer) -> bool:
+def _plain(layer: Any) -> bool:
     """A Llama layer as decode_layers_cpu.c runs it: no QK norm, window, soft-cap or bias; silu; norms without
     offset and of one epsilon."""
     attn, mlp = layer.self_attn, layer.mlp
