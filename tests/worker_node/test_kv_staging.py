@@ -124,11 +124,15 @@ def test_no_buffer_means_frames(exporter_of, staged, monkeypatch: pytest.MonkeyP
     def no_room(size: int, device: torch.device) -> None:
         raise StagingError("no room")
 
+    # Recorded from the exporter's first pull: it calls on_pulled on its own thread after the last frame is sent, so
+    # a hook set between two pulls could still hear of the first one.
+    pulled: list[bytes] = []
     exporter = exporter_of(src)
+    exporter.on_pulled = pulled.append
     monkeypatch.setattr(kv_transfer, "make_staging", no_room)
     # A fresh lease per grant, as the scheduler makes them: the exporter forgets a pulled lease on its own thread,
     # which may come after the test's next grant of the same bytes.
-    lease = new_lease()
+    lease = first = new_lease()
     exporter.grant(lease, [2])
     pull_blocks(exporter.address, lease, dst, cache_layout(dst), [2], [2], timeout_s=10)
     assert exporter.pulls_framed == 1 and block(dst, 2) == block(src, 2)
@@ -138,14 +142,12 @@ def test_no_buffer_means_frames(exporter_of, staged, monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(kv_transfer, "make_staging", staged_recorder(staged))
     monkeypatch.setattr(kv_pull, "open_staging", unreachable)
-    pulled: list[bytes] = []
-    exporter.on_pulled = pulled.append
     lease = new_lease()
     exporter.grant(lease, [5])
     pull_blocks(exporter.address, lease, dst, cache_layout(dst), [5], [6], timeout_s=10)
     assert (exporter.pulls_staged, exporter.pulls_framed) == (1, 2) and block(dst, 6) == block(src, 5)
     assert len(staged) == 1 and staged.gone() and exporter.num_staged == 0
-    wait_for(lambda: pulled == [lease], 10, "the lease pulled once, by its frames")
+    wait_for(lambda: pulled == [first, lease], 10, "each lease pulled once, by its frames")
 
 
 def staged_recorder(made: list) -> object:  # type: ignore[type-arg]
