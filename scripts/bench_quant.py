@@ -202,14 +202,15 @@ def kernel_table(rows: list[int], repeats: int) -> list[dict[str, Any]]:
     dense matmuls, its int8 weight-only paths, fbgemm's dynamic W8A8 (measured, not used: see the guide), its int4
     kernel (AWQ's fallback), the AMX kernel for bf16 and int8 weights, the latter also against activations
     quantized to 16 and 8 bits (kernels/cpu_gemm.py), and the AWQ int4 kernel (kernels/cpu_gemm_awq.py), the last
-    two where the CPU has AMX; the portable int8 kernel (kernels/cpu_gemm_int8.py) on float32 and bf16 rows."""
+    two where the CPU has AMX; the portable kernel (kernels/cpu_gemm_portable.py): int8 on float32 and bf16 rows,
+    AWQ int4 on float32 rows."""
     import warnings
 
     import torch
     import torch.nn.functional as F
     from bench_cpu_dtypes import fastest_ms  # this script's sibling: the dense matmuls' own table
 
-    from kernels import cpu_gemm, cpu_gemm_awq, cpu_gemm_int8
+    from kernels import cpu_gemm, cpu_gemm_awq, cpu_gemm_portable
     from worker_node.models.quant_int8 import quantize_rows
 
     def fbgemm(q: torch.Tensor, s: torch.Tensor) -> Any:
@@ -231,6 +232,8 @@ def kernel_table(rows: list[int], repeats: int) -> list[dict[str, Any]]:
         awq_parts = [awq_tensors(w, 64, gen) for w in full]
         awq = [cpu_gemm_awq.repack(*parts) for parts in awq_parts]
         int4 = [int4_layout(*parts) for parts in awq_parts]
+        chunk = cpu_gemm_portable.int4_chunk()
+        portable4 = [cpu_gemm_portable.repack_int4(*parts, chunk) for parts in awq_parts] if chunk else []
         for n in rows:
             xs = [torch.randn(n, w.shape[1], generator=gen) for w in full]
             xb = [x.bfloat16() for x in xs]
@@ -261,12 +264,16 @@ def kernel_table(rows: list[int], repeats: int) -> list[dict[str, Any]]:
                 kernels["AMX int8 x a8 (W8A8)"] = lambda xs=xb, q=q32: [
                     cpu_gemm.linear_int8_act(x, w, s, 8) for x, (w, s) in zip(xs, q)
                 ]
-            if cpu_gemm_int8.load() is not None and n <= cpu_gemm_int8.MAX_ROWS:  # the portable int8 kernel
+            if cpu_gemm_portable.load() is not None and n <= cpu_gemm_portable.MAX_ROWS:  # the portable int8 kernel
                 kernels["int8 portable, fp32"] = lambda xs=xs, q=q32: [
-                    cpu_gemm_int8.linear(x, w, s) for x, (w, s) in zip(xs, q)
+                    cpu_gemm_portable.linear(x, w, s) for x, (w, s) in zip(xs, q)
                 ]
                 kernels["int8 portable, bf16"] = lambda xs=xb, q=q32: [
-                    cpu_gemm_int8.linear(x, w, s) for x, (w, s) in zip(xs, q)
+                    cpu_gemm_portable.linear(x, w, s) for x, (w, s) in zip(xs, q)
+                ]
+            if chunk is not None:  # the portable kernel's AWQ entry (CPUs without AMX)
+                kernels["AWQ int4 portable (g64), fp32"] = lambda xs=xs, q=portable4: [
+                    cpu_gemm_portable.linear_int4(x, *p) for x, p in zip(xs, q)
                 ]
             if cpu_gemm_awq.load() is not None:  # the AWQ int4 kernel (kernels/cpu_gemm_awq.py)
                 kernels["AWQ int4 (g64)"] = lambda xs=xb, q=awq: [cpu_gemm_awq.linear(x, *p) for x, p in zip(xs, q)]

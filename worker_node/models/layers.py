@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_gemm, cpu_gemm_int8, cpu_glue
+from kernels import cpu_gemm, cpu_gemm_portable, cpu_glue
 from kernels.interface import AttentionBackend
 from proto.parallel import kv_head_range, shard, vocab_shard
 from worker_node.attention import AttentionMetadata, paged_attention
@@ -273,7 +273,7 @@ class ParallelLMHead(nn.Module):
         """This rank's logits from the int8 codes, or None (no codes, or no kernel covers hidden)."""
         if self.int8 is None:
             return None
-        return cpu_gemm_int8.scores(hidden, *self.int8)
+        return cpu_gemm_portable.scores(hidden, *self.int8)
 
     def _exact_rows(self, rows: torch.Tensor) -> torch.Tensor:
         return self.weight[rows].float()

@@ -12,9 +12,12 @@ and w[n, k] = (code[k, n] - zero[k // G, n]) * scale[k // G, n]. Tensor parallel
 eights (packed columns) and input channels in whole groups.
 
 On CPU the codes are repacked once at load: where the CPU has AMX-BF16 (and the widths fit), into the layout of
-the C kernel kernels/cpu_gemm_awq.py, which widens the codes in registers and multiplies bf16 activations; else
-(or for float32 activations, made on first use) into torch's int4 layout, multiplied by
-`aten._weight_int4pack_mm_for_cpu`, whose dequantization is (code - 8) * scale + offset: the AWQ zero point becomes
+the C kernel kernels/cpu_gemm_awq.py, which widens the codes in registers and multiplies bf16 activations; on
+other CPUs (AVX2, AVX-512 without AMX) into the portable kernel's (kernels/cpu_gemm_portable.py `repack_int4`),
+which widens them to float32 in registers for float32 or bf16 activations, any row count: torch's
+`aten._weight_int4pack_mm_for_cpu` ran 10-60x slower than float32's matmul on a Zen 3 (docs/benchmarks.md). Else
+(or for float32 activations on an AMX CPU, made on first use) into torch's int4 layout, multiplied by
+`_weight_int4pack_mm_for_cpu`, whose dequantization is (code - 8) * scale + offset: the AWQ zero point becomes
 offset = (8 - zero) * scale, exact in float32. Elsewhere (GPU until a fused kernel exists) each step dequantizes to
 the activations' dtype and multiplies: the torch reference path.
 """
@@ -26,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_gemm_awq
+from kernels import cpu_gemm_awq, cpu_gemm_portable
 from kernels.cpu_gemm import NativeGemm
 from proto.quantization import QuantizationError
 from worker_node.models.quant_linear import QuantLinear, QuantMethod, TensorAxes
@@ -111,9 +114,10 @@ class AwqMethod(QuantMethod):
         if "awq codes" in layer.kernel:  # the C kernel's layout holds the same numbers
             codes, zeros, scales = cpu_gemm_awq.awq_tensors(layer.kernel["awq codes"], layer.kernel["awq scales"])
             w = self._weight(codes, zeros, scales)
+        elif "int4 codes" in layer.kernel:  # the portable kernel's numbers, widened by the kernel
+            w = self._widened(layer)
         elif "int4" in layer.kernel:  # repacked: what the kernel multiplies by, read back through it
-            k = layer.in_features
-            eye = torch.eye(k, dtype=torch.float32, device=layer.kernel["int4"].device)
+            eye = torch.eye(layer.in_features, dtype=torch.float32, device=layer.kernel["int4"].device)
             w = self._int4_mm(layer, eye).t()
         else:
             w = self._weight(*self._codes(layer))
@@ -130,10 +134,13 @@ class AwqMethod(QuantMethod):
         if layer.part("qweight").device.type != "cpu":
             return
         codes, zeros, scales = self._codes(layer)
-        if cpu_gemm_awq.load() is not None and cpu_gemm_awq.fits(
-            layer.out_features, layer.in_features, self.group_size
-        ):
+        widths = (layer.out_features, layer.in_features, self.group_size)
+        chunk = cpu_gemm_portable.int4_chunk()
+        if cpu_gemm_awq.load() is not None and cpu_gemm_awq.fits(*widths):
             layer.kernel["awq codes"], layer.kernel["awq scales"] = cpu_gemm_awq.repack(codes, zeros, scales)
+        elif chunk is not None and cpu_gemm_portable.fits_int4(*widths):
+            packed, pairs = cpu_gemm_portable.repack_int4(codes, zeros, scales, chunk)
+            layer.kernel["int4 codes"], layer.kernel["int4 pairs"] = packed, pairs
         else:
             self._make_int4(layer, codes, zeros, scales)
         for name in self.tensor_names:
@@ -157,7 +164,21 @@ class AwqMethod(QuantMethod):
             return None
         return cpu_gemm_awq.native_linear(layer.kernel["awq codes"], layer.kernel["awq scales"], rows)
 
+    def _widened(self, layer: QuantLinear) -> torch.Tensor:
+        w = cpu_gemm_portable.widen_int4(layer.kernel["int4 codes"], layer.kernel["int4 pairs"])
+        if w is None:  # after_load made this layout only where the kernel takes it
+            raise RuntimeError(f"{layer}: the portable kernel refused its own layout")
+        return w
+
     def forward(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        if "int4 codes" in layer.kernel:
+            # float32 prefill: widening the codes once and torch's matmul beat the kernel past 64 rows
+            # (docs/benchmarks.md); bf16 rows, whose matmul is slow on these CPUs, stay with the kernel
+            if x.dtype != torch.float32 or x.shape[0] <= cpu_gemm_portable.MAX_ROWS:
+                out = cpu_gemm_portable.linear_int4(x, layer.kernel["int4 codes"], layer.kernel["int4 pairs"])
+                if out is not None:
+                    return out
+            return F.linear(x, self._widened(layer).to(x.dtype))
         if "awq codes" in layer.kernel:
             out = cpu_gemm_awq.linear(x, layer.kernel["awq codes"], layer.kernel["awq scales"])
             if out is not None:

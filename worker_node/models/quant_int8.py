@@ -9,8 +9,8 @@ as measured on a 2-core Sapphire Rapids (scripts/bench_quant.py --kernels, docs/
   halves the tile products but cost SmolLM2 its agreement with bf16 on every projection (88.5 % with all four,
   94.5-97.5 % with any one alone, against 98.3 % here: docs/benchmarks.md), so `ACT_BITS` keeps 16 everywhere;
 - other AMX CPUs (or widths): the same C kernel with the codes widened to bf16 in registers;
-- float32 activations on any CPU, bf16 on others (AVX2, AVX-512 without AMX), up to `cpu_gemm_int8.MAX_ROWS` rows:
-  kernels/cpu_gemm_int8.py's portable kernel, the codes widened to float32 in registers, each read once per
+- float32 activations on any CPU, bf16 on others (AVX2, AVX-512 without AMX), up to `cpu_gemm_portable.MAX_ROWS` rows:
+  kernels/cpu_gemm_portable.py's portable kernel, the codes widened to float32 in registers, each read once per
   call (on a loaded 2-core Zen 3, one thread: 1.6-2.7x float32's matmul at 1 to 64 rows: docs/benchmarks.md);
 - bf16 activations where no C kernel loads, up to `GEMV_ROWS` rows: torch's packed int8 GEMV
   (`aten._weight_int8pack_mm`), which reads the int8 rows directly but walks them once per row;
@@ -26,7 +26,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_gemm, cpu_gemm_int8
+from kernels import cpu_gemm, cpu_gemm_portable
 from worker_node.models.quant_linear import QuantLinear, QuantMethod, TensorAxes
 
 GEMV_ROWS = 4
@@ -84,7 +84,7 @@ class Int8Method(QuantMethod):
         if x.device.type == "cpu":
             out = self._amx(layer, x) if x.dtype == torch.bfloat16 else None
             if out is None:
-                out = cpu_gemm_int8.linear(x, q, self._float_scales(layer))
+                out = cpu_gemm_portable.linear(x, q, self._float_scales(layer))
             if out is not None:
                 return out
         if x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.shape[0] <= GEMV_ROWS:

@@ -4,7 +4,7 @@ Quantized: every decoder layer's projections (fused q/k/v, o, fused gate/up, dow
 stay in the model dtype in every format, as vLLM keeps them (int8 logits alone cost 1.5 points of top-1 agreement
 on SmolLM2: docs/benchmarks.md; AWQ checkpoints store the head unquantized), and so do norms, biases, a MoE router
 and stacked experts. One addition for int8 and AWQ where a C int8 kernel runs on CPU (`quantize_head`: AMX-INT8,
-or the portable kernel of kernels/cpu_gemm_int8.py): the head also gets int8 codes of its rows, which score every
+or the portable kernel of kernels/cpu_gemm_portable.py): the head also gets int8 codes of its rows, which score every
 token, the top candidates rescored from the kept weight (layers.py's `ParallelLMHead`): a decode step reads half
 the head's bytes (a quarter in float32), for 1 byte per head weight more memory.
 
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels import cpu_gemm, cpu_gemm_int8
+from kernels import cpu_gemm, cpu_gemm_portable
 from proto.quantization import QuantizationError
 from worker_node.models.layers import ParallelLMHead
 from worker_node.models.quant_awq import AwqMethod
@@ -79,10 +79,10 @@ def quantize_head(model: nn.Module, method: QuantMethod | None) -> bool:
     if method is None or not method.int8_head or not isinstance(head, ParallelLMHead):
         return False
     weight = head.weight
-    if weight.device.type != "cpu" or cpu_gemm_int8.load() is None and not cpu_gemm.has_int8():
+    if weight.device.type != "cpu" or cpu_gemm_portable.load() is None and not cpu_gemm.has_int8():
         return False
     codes, scales = quantize_rows(weight)
-    if cpu_gemm_int8.scores(weight[:1], codes, scales) is None:  # a dtype or width the kernels do not take
+    if cpu_gemm_portable.scores(weight[:1], codes, scales) is None:  # a dtype or width the kernels do not take
         return False
     head.int8 = (codes, scales.contiguous())
     return True

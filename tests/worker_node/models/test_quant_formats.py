@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_gemm, cpu_gemm_awq, cpu_gemm_int8
+from kernels import cpu_gemm, cpu_gemm_awq, cpu_gemm_portable
 from proto.quantization import QuantizationError
 from tests.support.awq_checkpoint import pack_columns, quantize_awq
 from worker_node.models import quant_int8
@@ -22,7 +22,7 @@ from worker_node.parallel import SINGLE, Comm
 pytestmark = pytest.mark.unit
 
 CPU = torch.device("cpu")
-HAS_INT8_KERNEL = cpu_gemm.has_int8() or cpu_gemm_int8.load() is not None
+HAS_INT8_KERNEL = cpu_gemm.has_int8() or cpu_gemm_portable.load() is not None
 
 
 def test_awq_nibbles_follow_autoawq_order() -> None:
@@ -45,13 +45,14 @@ def _awq_layer(out_features: int, in_features: int, group: int) -> tuple[QuantLi
     return QuantLinear(method, tensors, out_features, in_features), dequantized
 
 
-@pytest.mark.parametrize("rows", [1, 7])
+@pytest.mark.parametrize("rows", [1, 7, 70])  # 70: past 64 float32 rows, the widened codes times torch's matmul
 def test_awq_int4_kernel_multiplies_by_the_checkpoint_weights(rows: int) -> None:
     layer, dequantized = _awq_layer(48, 256, 128)
     assert torch.equal(layer.dequantize(), dequantized)
     x = torch.randn(rows, 256)
-    layer.method.after_load(layer)  # repacked for the C kernel (AMX) or torch's int4 one, the AWQ tensors released
-    kernel = "awq codes" if cpu_gemm_awq.load() is not None else "int4"
+    layer.method.after_load(layer)  # repacked for a C kernel (AMX's, the portable one) or torch's, the AWQ tensors
+    amx, portable = cpu_gemm_awq.load() is not None, cpu_gemm_portable.load() is not None  # released
+    kernel = "awq codes" if amx else "int4 codes" if portable else "int4"
     assert kernel in layer.kernel and layer._buffers["qweight"] is None
     # float32 sums of 256 products (|terms| up to ~10) in another order than `@`'s: ~1e-5 apart (one CI run saw
     # 1.3e-5); a wrong code, zero or scale is off by the weights' size (>= 1e-2)
@@ -60,7 +61,8 @@ def test_awq_int4_kernel_multiplies_by_the_checkpoint_weights(rows: int) -> None
     bf16 = layer(x.bfloat16())
     assert bf16.dtype == torch.bfloat16
     assert _relative_error(bf16, x.bfloat16().float() @ dequantized.t()) < 0.01
-    assert "int4" in layer.kernel  # float32 activations made torch's layout (the C kernel takes bf16 only)
+    # float32 activations made torch's layout on AMX CPUs (the AMX kernel takes bf16 only); the portable one takes both
+    assert ("int4" in layer.kernel) == (amx or not portable)
 
 
 @pytest.mark.parametrize("rows", [1, 4, 5, 64])  # the packed GEMV up to 4 rows, convert-and-multiply beyond
@@ -201,7 +203,7 @@ def test_weight_bytes_count_a_quantized_layer_s_codes_and_scales() -> None:
     assert weight_bytes(layer) == 8 * 16 + 8 * 4
 
 
-@pytest.mark.skipif(cpu_gemm_int8.load() is None, reason="the portable int8 kernel needs a C compiler")
+@pytest.mark.skipif(cpu_gemm_portable.load() is None, reason="the portable int8 kernel needs a C compiler")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_an_int8_layer_runs_the_portable_kernel_where_amx_does_not(dtype: torch.dtype) -> None:
     if dtype == torch.bfloat16 and cpu_gemm.has_int8():
@@ -209,7 +211,7 @@ def test_an_int8_layer_runs_the_portable_kernel_where_amx_does_not(dtype: torch.
     layer = QuantLinear.quantized(Int8Method(), torch.randn(40, 96))
     layer.cast(dtype)
     x = torch.randn(17, 96).to(dtype)
-    want = cpu_gemm_int8.linear(x, layer.part("qweight"), layer.part("scales").float())
+    want = cpu_gemm_portable.linear(x, layer.part("qweight"), layer.part("scales").float())
     assert want is not None and torch.equal(layer(x), want)
 
 
@@ -235,7 +237,7 @@ def test_an_int8_lm_head_scores_from_its_codes_and_rescores_the_top_exactly(rows
     dequantized = hidden.float() @ (codes.float() * scales[:, None]).t()
     torch.testing.assert_close(logits, dequantized, rtol=0.02, atol=0.02)
     # each row's top candidates carry the exact float32 score of the kept weight: the argmax is the bf16 head's
-    scores = cpu_gemm_int8.scores(hidden, codes, scales)
+    scores = cpu_gemm_portable.scores(hidden, codes, scales)
     assert scores is not None
     top = scores.topk(RESCORED_INT8_LOGITS, dim=-1).indices
     torch.testing.assert_close(logits.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-5)
@@ -247,7 +249,7 @@ def test_the_lm_head_keeps_its_weight_without_the_int8_kernel(monkeypatch: pytes
     head = _head(64, 64)
     assert not quantize_head(_Model(head), Fp8Method())  # another format: the head as it is
     monkeypatch.setattr(cpu_gemm, "has_int8", lambda: False)
-    monkeypatch.setattr(cpu_gemm_int8, "load", lambda: None)
+    monkeypatch.setattr(cpu_gemm_portable, "load", lambda: None)
     assert not quantize_head(_Model(head), Int8Method())  # no C int8 kernel: no codes, nothing more held
     assert head.int8 is None
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels import cpu_gemm, cpu_gemm_int8
+from kernels import cpu_gemm, cpu_gemm_portable
 from kernels.backend import select_attention_backend
 from proto.quantization import QuantizationError
 from tests.support.awq_checkpoint import write_awq_checkpoint
@@ -78,7 +78,7 @@ def test_an_awq_models_head_gets_its_int8_copy_where_a_kernel_multiplies_it(awq_
     (quantize.quantize_head)."""
     backend = select_attention_backend("torch", CPU)
     model = load_model(awq_dir, backend, torch.bfloat16, CPU, 64, quantization="auto")
-    portable = cpu_gemm_int8.load() is not None
+    portable = cpu_gemm_portable.load() is not None
     assert model.lm_head is not None and model.lm_head.weight.dtype == torch.bfloat16
     assert (model.lm_head.int8 is not None) == (cpu_gemm.has_int8() or portable)
     float32 = load_model(awq_dir, backend, torch.float32, CPU, 64, quantization="auto")
