@@ -6,9 +6,9 @@
  *
  * A decode step reads every weight once for a few rows of activations, so it is bound by reading them: int8 codes
  * are a quarter of float32's bytes, int4 an eighth. torch's fallbacks convert all codes to the activations' dtype
- * in memory every call (writing and reading the weight again at 2-4x its bytes), or, for int4 on CPUs without
- * AVX-512 (`_weight_int4pack_mm_for_cpu`), run 10-25x slower than float32's matmul; here the codes are widened
- * to float32 in registers as they are loaded.
+ * in memory every call (writing and reading the weight again at 2-4x its bytes), or, for int4 with float32
+ * activations on an AVX2 CPU (`_weight_int4pack_mm_for_cpu`), run 9-55x slower than float32's matmul; here the
+ * codes are widened to float32 in registers as they are loaded.
  *
  * Portable: GCC's vector extensions, no intrinsics but for the codes' widening. Built with -march=native
  * (kernels/native_build.py), a vector is 8 floats on AVX2 (Zen 3) and 16 on AVX-512 (Zen 4): the same source,

@@ -15,7 +15,8 @@ On CPU the codes are repacked once at load: where the CPU has AMX-BF16 (and the 
 the C kernel kernels/cpu_gemm_awq.py, which widens the codes in registers and multiplies bf16 activations; on
 other CPUs (AVX2, AVX-512 without AMX) into the portable kernel's (kernels/cpu_gemm_portable.py `repack_int4`),
 which widens them to float32 in registers for float32 or bf16 activations, any row count: torch's
-`aten._weight_int4pack_mm_for_cpu` ran 10-60x slower than float32's matmul on a Zen 3 (docs/benchmarks.md). Else
+`aten._weight_int4pack_mm_for_cpu` with float32 activations (those CPUs' default dtype) ran 9-55x slower than
+float32's matmul on an AVX2 EPYC (docs/benchmarks.md). Else
 (or for float32 activations on an AMX CPU, made on first use) into torch's int4 layout, multiplied by
 `_weight_int4pack_mm_for_cpu`, whose dequantization is (code - 8) * scale + offset: the AWQ zero point becomes
 offset = (8 - zero) * scale, exact in float32. Elsewhere (GPU until a fused kernel exists) each step dequantizes to
