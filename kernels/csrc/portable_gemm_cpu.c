@@ -138,21 +138,25 @@ typedef struct {
     int64_t group;
 } Weights;
 
-/* int8: rows m0 .. m0 + R - 1 times channels n0 .. n0 + C - 1 (R and C constants where inlined: the accumulators
- * stay in registers). */
-static inline __attribute__((always_inline)) void block8(const float *x, const Weights *w, void *out, int act,
-                                                         int64_t m0, int64_t n0, int64_t N, int64_t K, const int R,
-                                                         const int C) {
+/* One vector of a weight row: int8 codes widened, or floats (int4 codes widened already, `widen_channels`). */
+static inline __attribute__((always_inline)) vfloat weight_vector(const void *w, int64_t index, const int FLOATS) {
+    return FLOATS ? load_floats((const float *)w + index) : widen_codes((const int8_t *)w + index);
+}
+
+/* Rows m0 .. m0 + R - 1 times C channels whose weight rows [C, K] start at `w` (R and C constants where inlined:
+ * the accumulators stay in registers); each result times s[c] where there are scales (int8). */
+static inline __attribute__((always_inline)) void block(const float *x, const void *w, const float *s, void *out,
+                                                        int act, int64_t m0, int64_t n0, int64_t N, int64_t K,
+                                                        const int R, const int C, const int FLOATS) {
     vfloat acc[6][8]; /* R x C used (at most 6 rows, 8 channels) */
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++)
             acc[r][c] = (vfloat){0};
     const float *xr = x + m0 * K;
-    const int8_t *qc = w->q + n0 * K;
     for (int64_t k = 0; k < K; k += LANES) {
         vfloat wide[8];
         for (int c = 0; c < C; c++)
-            wide[c] = widen_codes(qc + c * K + k);
+            wide[c] = weight_vector(w, c * K + k, FLOATS);
         for (int r = 0; r < R; r++) {
             const vfloat a = load_floats(xr + r * K + k);
             for (int c = 0; c < C; c++)
@@ -161,7 +165,7 @@ static inline __attribute__((always_inline)) void block8(const float *x, const W
     }
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++)
-            store(out, (m0 + r) * N + n0 + c, lane_sum(acc[r][c]) * w->s[n0 + c], act);
+            store(out, (m0 + r) * N + n0 + c, s ? lane_sum(acc[r][c]) * s[c] : lane_sum(acc[r][c]), act);
 }
 
 /* int4: the same block, each group's codes widened as code * s + (-z * s) (one FMA) before their products. */
@@ -203,7 +207,8 @@ static inline __attribute__((always_inline)) void block4(const float *x, const W
 }
 
 /* int4 for more rows than one block: the codes of C channels widened once (by block4's arithmetic, so to the same
- * numbers) into `wide` [C, K] float32, which stays in L1 while every block of rows multiplies by it. */
+ * numbers) into `wide` [C, K] float32, which stays in L1 while `block` multiplies every block of rows by it, in
+ * block4's order (the same sums whatever the rows around them). */
 static void widen_channels(const Weights *w, float *wide, int64_t n0, int64_t K, const int C) {
     const int64_t G = w->group, groups = K / G;
     for (int c = 0; c < C; c++)
@@ -221,30 +226,6 @@ static void widen_channels(const Weights *w, float *wide, int64_t n0, int64_t K,
         }
 }
 
-/* Rows m0 .. m0 + R - 1 times C channels of widened weights `wide` [C, K]: block4's sums in block4's order. */
-static inline __attribute__((always_inline)) void block_wide(const float *x, const float *wide, void *out, int act,
-                                                             int64_t m0, int64_t n0, int64_t N, int64_t K,
-                                                             const int R, const int C) {
-    vfloat acc[6][2]; /* R x C used (at most 6 rows, 2 channels) */
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++)
-            acc[r][c] = (vfloat){0};
-    const float *xr = x + m0 * K;
-    for (int64_t k = 0; k < K; k += LANES) {
-        vfloat v[2];
-        for (int c = 0; c < C; c++)
-            v[c] = load_floats(wide + c * K + k);
-        for (int r = 0; r < R; r++) {
-            const vfloat a = load_floats(xr + r * K + k);
-            for (int c = 0; c < C; c++)
-                acc[r][c] += a * v[c];
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++)
-            store(out, (m0 + r) * N + n0 + c, lane_sum(acc[r][c]), act);
-}
-
 /* Channels per block for R rows: int8 8 for one row, else the most (of 4 and 2) with R x C <= ACCUMULATORS; int4,
  * whose widened codes take two registers per channel, 4 for one row and 2 for more. Rows per block: 6 / 4. */
 #define BLOCK_CHANNELS(R, BITS) ((BITS) == 8 ? ((R) == 1 ? 8 : (R) <= 3 ? 4 : 2) : ((R) == 1 ? 4 : 2))
@@ -256,7 +237,7 @@ static inline __attribute__((always_inline)) void stripe_rows(const float *x, co
                                                               int64_t K, const int R, const int BITS) {
     for (int64_t n = n0; n < n1; n += BLOCK_CHANNELS(R, BITS)) {
         if (BITS == 8)
-            block8(x, w, out, act, m0, n, N, K, R, BLOCK_CHANNELS(R, BITS));
+            block(x, w->q + n * K, w->s + n, out, act, m0, n, N, K, R, BLOCK_CHANNELS(R, BITS), 0);
         else
             block4(x, w, out, act, m0, n, N, K, R, BLOCK_CHANNELS(R, BITS));
     }
@@ -281,13 +262,13 @@ static int stripe_wide(const float *x, const Weights *w, void *out, int act, int
         widen_channels(w, wide_w, n, K, 2);
         int64_t m = m0;
         for (; m + 6 <= m1; m += 6)
-            block_wide(x, wide_w, out, act, m, n, N, K, 6, 2);
+            block(x, wide_w, NULL, out, act, m, n, N, K, 6, 2, 1);
         switch (m1 - m) {
-        case 5: block_wide(x, wide_w, out, act, m, n, N, K, 5, 2); break;
-        case 4: block_wide(x, wide_w, out, act, m, n, N, K, 4, 2); break;
-        case 3: block_wide(x, wide_w, out, act, m, n, N, K, 3, 2); break;
-        case 2: block_wide(x, wide_w, out, act, m, n, N, K, 2, 2); break;
-        case 1: block_wide(x, wide_w, out, act, m, n, N, K, 1, 2); break;
+        case 5: block(x, wide_w, NULL, out, act, m, n, N, K, 5, 2, 1); break;
+        case 4: block(x, wide_w, NULL, out, act, m, n, N, K, 4, 2, 1); break;
+        case 3: block(x, wide_w, NULL, out, act, m, n, N, K, 3, 2, 1); break;
+        case 2: block(x, wide_w, NULL, out, act, m, n, N, K, 2, 2, 1); break;
+        case 1: block(x, wide_w, NULL, out, act, m, n, N, K, 1, 2, 1); break;
         default: break;
         }
     }
