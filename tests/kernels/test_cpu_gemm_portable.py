@@ -202,7 +202,8 @@ def test_the_widened_int4_weight_is_the_one_the_product_multiplies_by() -> None:
     packed, pairs = cpu_gemm_portable.repack_int4(codes, zeros, scales, cpu_gemm_portable.int4_chunk() or 0)
     wide = cpu_gemm_portable.widen_int4(packed, pairs)
     assert wide is not None and wide.shape == (40, 128) and wide.dtype == torch.float32
-    assert torch.equal(wide.t(), cpu_gemm_portable.linear_int4(torch.eye(128), packed, pairs))
+    through = cpu_gemm_portable.linear_int4(torch.eye(128), packed, pairs)
+    assert through is not None and torch.equal(wide.t(), through)
     torch.testing.assert_close(wide.double(), weight, rtol=1e-6, atol=1e-7)
     assert cpu_gemm_portable.widen_int4(packed.t(), pairs) is None  # not the layout
     assert cpu_gemm_portable.widen_int4(packed, pairs[:, :3].contiguous()) is None  # 3 groups do not split 128
