@@ -172,21 +172,21 @@ static inline __attribute__((always_inline)) void block(const float *x, const vo
 static inline __attribute__((always_inline)) void block4(const float *x, const Weights *w, void *out, int act,
                                                          int64_t m0, int64_t n0, int64_t N, int64_t K, const int R,
                                                          const int C) {
-    vfloat acc[6][4]; /* R x C used (at most 4 rows, 4 channels; 6 rows compiled, never called) */
+    vfloat acc[6][2]; /* R x C used (at most 4 rows, 2 channels; 6 rows compiled, never called) */
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++)
             acc[r][c] = (vfloat){0};
     const float *xr = x + m0 * K;
     const int64_t G = w->group, groups = K / G;
     for (int64_t g = 0; g < groups; g++) {
-        vfloat scale[4], bias[4];
+        vfloat scale[2], bias[2];
         for (int c = 0; c < C; c++) {
             const float *pair = w->pairs + ((n0 + c) * groups + g) * 2;
             scale[c] = (vfloat){0} + pair[0];
             bias[c] = (vfloat){0} + pair[1];
         }
         for (int64_t k = g * G; k < (g + 1) * G; k += 2 * LANES) {
-            vfloat low[4], high[4];
+            vfloat low[2], high[2];
             for (int c = 0; c < C; c++) {
                 widen_nibbles(w->c4 + (n0 + c) * (K / 2) + k / 2, &low[c], &high[c]);
                 low[c] = low[c] * scale[c] + bias[c];
@@ -227,8 +227,9 @@ static void widen_channels(const Weights *w, float *wide, int64_t n0, int64_t K,
 }
 
 /* Channels per block for R rows: int8 8 for one row, else the most (of 4 and 2) with R x C <= ACCUMULATORS; int4,
- * whose widened codes take two registers per channel, 4 for one row and 2 for more. Rows per block: 6 / 4. */
-#define BLOCK_CHANNELS(R, BITS) ((BITS) == 8 ? ((R) == 1 ? 8 : (R) <= 3 ? 4 : 2) : ((R) == 1 ? 4 : 2))
+ * whose widened codes and group pairs take four registers per channel, 2 (with 4 at one row gcc spilled the
+ * accumulators: 8.4-8.9 -> 9.6-9.8 G weights/s at one row, one thread, AVX2). Rows per block: 6 / 4. */
+#define BLOCK_CHANNELS(R, BITS) ((BITS) == 8 ? ((R) == 1 ? 8 : (R) <= 3 ? 4 : 2) : 2)
 #define BLOCK_ROWS(BITS) ((BITS) == 8 ? 6 : 4)
 
 /* Rows m0 .. m0 + R - 1 of one stripe of channels [n0, n1). */
