@@ -26,7 +26,9 @@ SOURCE = CSRC / "portable_gemm_cpu.c"
 # Not -ffast-math: gcc must keep each sum's order (batch invariance; the same result at every row count).
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC")
 BLOCK_N, BLOCK_K = 8, 16
-MAX_ROWS = 64  # int8: beyond it (prefill) converting the codes once for torch's matmul is faster: docs/benchmarks.md
+# Rows per int8 call, and AWQ's float32 rows per kernel call: beyond them (prefill) converting the codes once for
+# torch's matmul is faster (docs/benchmarks.md)
+MAX_ROWS = 64
 ACTIVATIONS = {torch.float32: 0, torch.bfloat16: 1}
 
 _ptr = ctypes.c_void_p
@@ -140,17 +142,10 @@ def linear_int4(
     """x [T, K] (float32 or bf16, any T) times `repack_int4`'s weight, transposed: [T, N] in x's dtype; None where
     the kernel does not take them (the caller multiplies in torch)."""
     library = library or load()
+    if library is None or not _int4_layout(packed, pairs):
+        return None
     n, k, groups = packed.shape[0], packed.shape[1] * 2, pairs.shape[1]
-    if (
-        library is None
-        or x.device.type != "cpu"
-        or x.dtype not in ACTIVATIONS
-        or x.dim() != 2
-        or x.shape[0] < 1
-        or x.shape[1] != k
-        or k % groups
-        or not _int4_layout(packed, pairs)
-    ):
+    if x.device.type != "cpu" or x.dtype not in ACTIVATIONS or x.dim() != 2 or x.shape[0] < 1 or x.shape[1] != k:
         return None
     x = x.contiguous()
     out = torch.empty(x.shape[0], n, dtype=x.dtype)
@@ -173,9 +168,9 @@ def widen_int4(packed: torch.Tensor, pairs: torch.Tensor, library: ctypes.CDLL |
     """The float32 weight [N, K] that `linear_int4` multiplies by (the same numbers), for torch's matmul where it is
     faster; None where the kernel is not built or refuses the shapes."""
     library = library or load()
-    n, k, groups = packed.shape[0], packed.shape[1] * 2, pairs.shape[1]
-    if library is None or k % groups or not _int4_layout(packed, pairs):
+    if library is None or not _int4_layout(packed, pairs):
         return None
+    n, k, groups = packed.shape[0], packed.shape[1] * 2, pairs.shape[1]
     out = torch.empty(n, k)
     status = library.int4_widen(
         packed.data_ptr(),
@@ -190,11 +185,15 @@ def widen_int4(packed: torch.Tensor, pairs: torch.Tensor, library: ctypes.CDLL |
 
 
 def _int4_layout(packed: torch.Tensor, pairs: torch.Tensor) -> bool:
-    """Whether these are `repack_int4`'s tensors as the kernel reads them: CPU, contiguous, of matching shapes."""
+    """Whether these are `repack_int4`'s tensors as the kernel reads them: CPU, contiguous, of matching shapes, the
+    inputs split into whole groups."""
     return (
-        packed.device.type == "cpu"
+        packed.dim() == 2
+        and pairs.dim() == 3
+        and pairs.shape[1] > 0
+        and (packed.shape[1] * 2) % pairs.shape[1] == 0
+        and packed.device.type == "cpu"
         and packed.dtype == torch.uint8
-        and packed.dim() == 2
         and packed.is_contiguous()
         and pairs.device.type == "cpu"
         and pairs.dtype == torch.float32

@@ -352,12 +352,16 @@ int int8_weight_gemm(const void *x, const int8_t *q, const float *s, void *out, 
     return product(x, &w, out, M, N, K, act, num_threads, 8);
 }
 
+/* Whether N channels of K inputs in groups of `group` have the int4 layout's shape in this build. */
+static int int4_shape(int64_t N, int64_t K, int64_t group) {
+    return N >= 8 && N % 8 == 0 && group >= 2 * LANES && group % (2 * LANES) == 0 && K >= group && K % group == 0;
+}
+
 /* y = x @ w^T for AWQ int4 codes in the layout above, w = code * pair[0] + pair[1] per channel and group of
  * `group` inputs; x float32 or bf16, y in x's dtype. 0 when done, -1 when these shapes or this memory cannot. */
 int int4_weight_gemm(const void *x, const uint8_t *codes, const float *pairs, void *out, int64_t M, int64_t N,
                      int64_t K, int64_t group, int act, int num_threads) {
-    if (M < 1 || N < 8 || N % 8 || group < 2 * LANES || group % (2 * LANES) || K < group || K % group ||
-        (act != ACT_FLOAT32 && act != ACT_BF16))
+    if (M < 1 || !int4_shape(N, K, group) || (act != ACT_FLOAT32 && act != ACT_BF16))
         return -1;
     const Weights w = {NULL, NULL, codes, pairs, group};
     return product(x, &w, out, M, N, K, act, num_threads, 4);
@@ -367,7 +371,7 @@ int int4_weight_gemm(const void *x, const uint8_t *codes, const float *pairs, vo
  * (prefill's many rows). 0 when done, -1 when these shapes cannot. */
 int int4_widen(const uint8_t *codes, const float *pairs, float *out, int64_t N, int64_t K, int64_t group,
                int num_threads) {
-    if (N < 1 || group < 2 * LANES || group % (2 * LANES) || K < group || K % group)
+    if (!int4_shape(N, K, group))
         return -1;
     const Weights w = {NULL, NULL, codes, pairs, group};
 #pragma omp parallel for num_threads(num_threads < 1 ? 1 : num_threads) schedule(static)
