@@ -203,15 +203,16 @@ def test_serve_data_parallel_replicas_behind_a_router_balance_restart_on_sighup_
         assert answer.usage is not None and answer.usage.completion_tokens == 5
         assert httpx.get(f"http://127.0.0.1:{http_port}/v1/models").status_code == 401  # the router checks the key
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            rolling_restart_loses_no_stream(serve, pb_grpc.GenerationStub(channel), log)
+            rolling_restart_loses_no_stream(serve, channel, log)
         assert_stops_with_its_children(serve, signal.SIGTERM, 5)  # the router, two schedulers, a worker each
     finally:
         kill_with_children(serve)
 
 
-def rolling_restart_loses_no_stream(serve: subprocess.Popen, stub: pb_grpc.GenerationStub, log: Path) -> None:
+def rolling_restart_loses_no_stream(serve: subprocess.Popen, channel: grpc.Channel, log: Path) -> None:
     """SIGHUP mid-stream (issue 31): each replica in turn drained with migrate, restarted (a new scheduler) and
     routed again; every greedy and seeded stream ends with the tokens of an undisturbed run, vllm-serve runs on."""
+    stub, control = pb_grpc.GenerationStub(channel), pb_grpc.ControlStub(channel)
     # The streams must still run when the rolling thread drains replica 0, ~60 ms after the signal on an idle
     # machine. At 128 tokens one loaded run in four saw replica 0's streams end first; at 256 an idle Sapphire
     # Rapids (about 0.4 ms a step for this model) ran them out between two polls; at 960 a CI run under load
@@ -221,6 +222,10 @@ def rolling_restart_loses_no_stream(serve: subprocess.Popen, stub: pb_grpc.Gener
         sampling = pb.SamplingParams(max_tokens=ROLLING_TOKENS, temperature=0.8, seed=7 + i, ignore_eos=True)
         requests.append(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt_ids(600 + i)), sampling=sampling))
     expected = Streams(stub, requests).join(120)
+    # least_loaded reads each replica's polled queue until its next poll: a poll taken while `expected` ran would
+    # send every stream below to the other replica (CI once saw all eight on replica 1, none to migrate off 0).
+    wait_for(lambda: all(r.num_running + r.num_waiting + r.in_flight == 0 for r in
+                         control.ListReplicas(pb.ListReplicasRequest(), timeout=5).replicas), 30, "replicas idle")
     before = scheduler_pids(serve)
     streams = Streams(stub, requests, timeout=300)
     wait_for(lambda: all(len(r.tokens) >= 2 for r in streams.results), 60, "every stream runs")
