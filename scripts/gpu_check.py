@@ -6,7 +6,9 @@ bandwidth as a share of a device-to-device copy; prefill TFLOP/s; the engine's d
 bf16 with Triton + CUDA graphs vs the torch backend (through `minivllm.LLM`); a 2-process tensor-parallel run
 over NCCL when a second GPU is visible; is decode GPU-bound (scripts/gpu_decode.py: the engine's decode tok/s at 64
 and 256 sequences in bf16 with CUDA graphs, the share of the time the GPU is idle, HF generate on the same GPU as a
-peer); LoRA adapter rows inside the captured decode graphs (scripts/gpu_lora.py: graphs captured with the slot bank,
+peer); quantized weights (scripts/gpu_quant.py: the int8, fp8 and AWQ layers against float64 references, their
+products' time against bf16's, and each format through the engine with its decode CUDA graphs); LoRA adapter rows
+inside the captured decode graphs (scripts/gpu_lora.py: graphs captured with the slot bank,
 tokens vs the eager engine, mixed vs base decode tok/s); KV pulls between two processes on the one GPU through a
 CUDA IPC staging buffer vs frames over TCP (scripts/gpu_kv_ipc.py: bytes identical, GB/s of each). Writes
 gpu_check.json and summary.md into --out.
@@ -40,6 +42,7 @@ import bench_kernels  # noqa: E402
 import gpu_decode  # noqa: E402
 import gpu_kv_ipc  # noqa: E402
 import gpu_lora  # noqa: E402
+import gpu_quant  # noqa: E402
 import torch  # noqa: E402
 
 from scheduler_node.engine.ports import free_port  # noqa: E402
@@ -50,7 +53,7 @@ MODULES += ("prometheus_client", "yaml", "jinja2", "proto.serving_pb2_grpc", "sc
 MODULES += ("worker_node.worker", "kernels.triton_attention")
 
 
-PARTS = ("kernels", "engine", "decode", "lora", "kv_ipc", "tp")
+PARTS = ("kernels", "engine", "quant", "decode", "lora", "kv_ipc", "tp")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -202,6 +205,7 @@ def summary(report: dict[str, Any]) -> str:
     lines += gpu_decode.summary_lines(report.get("decode", {}))
     if "error" in report.get("decode", {}):
         lines.append(f"| decode | failed: {report['decode']['error']} |")
+    lines += gpu_quant.summary_lines(report.get("quant", {}))
     lines += gpu_lora.summary_lines(report.get("lora", {}))
     lines += gpu_kv_ipc.summary_lines(report.get("kv_ipc", {}))
     tp = report.get("tp", {})
@@ -229,6 +233,9 @@ def dry_run(args: argparse.Namespace, report: dict[str, Any]) -> None:
 
         args.model = build_tiny_model("llama", Path(tempfile.mkdtemp()) / "tiny-llama", ensure_default_model())
         report["decode_dry_run"] = decode_part(args, gpu_decode.dry_run_config())
+    if "quant" in report["parts"]:
+        model = str(args.model) if "decode" in report["parts"] else None  # the tiny llama when there is one
+        report["quant_dry_run"] = gpu_quant.quant_part(model, gpu_quant.dry_run_config())
     if "lora" in report["parts"]:
         model = str(args.model) if "decode" in report["parts"] else None  # the tiny llama when there is one
         report["lora_dry_run"] = gpu_lora.lora_part(model, gpu_lora.dry_run_config())
@@ -254,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
             "kernels": lambda: kernels_part(args),
             "engine": lambda: engine_part(args),
             "decode": lambda: decode_part(args),
+            "quant": lambda: gpu_quant.quant_part(
+                str(args.model) if args.model else None, gpu_quant.QuantCheckConfig()
+            ),
             "lora": lambda: gpu_lora.lora_part(str(args.model) if args.model else None, gpu_lora.LoraCheckConfig()),
             "kv_ipc": lambda: gpu_kv_ipc.kv_ipc_part(gpu_kv_ipc.KVIpcConfig(rounds=5)),
             "tp": lambda: tp_part(args),
@@ -262,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
             if name not in args.skip.split(","):
                 run_part(name, part, report)
                 torch.cuda.empty_cache()
+                # each part's figures on disk as soon as they exist: a run cut short by its time limit keeps them
+                (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
         text = summary(report)
         (args.out / "summary.md").write_text(text + "\n")
         print("\n" + text)

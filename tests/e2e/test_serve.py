@@ -224,8 +224,14 @@ def rolling_restart_loses_no_stream(serve: subprocess.Popen, channel: grpc.Chann
     expected = Streams(stub, requests).join(120)
     # least_loaded reads each replica's polled queue until its next poll: a poll taken while `expected` ran would
     # send every stream below to the other replica (CI once saw all eight on replica 1, none to migrate off 0).
-    wait_for(lambda: all(r.num_running + r.num_waiting + r.in_flight == 0 for r in
-                         control.ListReplicas(pb.ListReplicasRequest(), timeout=5).replicas), 30, "replicas idle")
+    wait_for(
+        lambda: all(
+            r.num_running + r.num_waiting + r.in_flight == 0
+            for r in control.ListReplicas(pb.ListReplicasRequest(), timeout=5).replicas
+        ),
+        30,
+        "replicas idle",
+    )
     before = scheduler_pids(serve)
     streams = Streams(stub, requests, timeout=300)
     wait_for(lambda: all(len(r.tokens) >= 2 for r in streams.results), 60, "every stream runs")

@@ -53,7 +53,12 @@ def test_gpu_check_dry_run_imports_every_part(tmp_path: Path) -> None:
     assert report["dry_run"] is True
     assert "kernels.triton_attention" in report["imports"] and "zmq" in report["imports"]
     assert (Path(report["model"]) / "config.json").is_file(), "the default model converts without a hub"
-    assert report["parts"] == ["kernels", "engine", "decode", "lora", "kv_ipc"]
+    assert report["parts"] == ["kernels", "engine", "quant", "decode", "lora", "kv_ipc"]
+    quant = report["quant_dry_run"]  # quantized weights: the layers' CPU kernels vs float64, each format's engine
+    assert quant["kernels"] and all(c["ok"] for c in quant["kernels"]), quant["kernels"]
+    engines = {row["format"]: row for row in quant["engine"]}
+    assert list(engines) == ["none", "int8", "fp8", "awq"] and not any("error" in row for row in engines.values())
+    assert all(row["graphs same as eager"] == "2/2" and row["decode tok/s, 2 seqs"] > 0 for row in engines.values())
     rows = report["decode_dry_run"]["rows"]  # the decode part's code, at a tiny size on the CPU
     assert [r["seqs"] for r in rows] == [2, 4]
     assert all(r["decode tok/s"] > 0 and r["HF decode tok/s"] > 0 and r["vs HF"] > 0 for r in rows)

@@ -32,8 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels.torch_quant_gemm import pack
 from worker_node.models.awq_calibration import CALIBRATION_TEXT
-from worker_node.models.quant_awq import GROUP_SIZES, pack
+from worker_node.models.quant_awq import GROUP_SIZES
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,9 @@ which widens them to float32 in registers for float32 or bf16 activations, any r
 float32's matmul on an AVX2 EPYC (docs/benchmarks.md). Else
 (or for float32 activations on an AMX CPU, made on first use) into torch's int4 layout, multiplied by
 `_weight_int4pack_mm_for_cpu`, whose dequantization is (code - 8) * scale + offset: the AWQ zero point becomes
-offset = (8 - zero) * scale, exact in float32. Elsewhere (GPU until a fused kernel exists) each step dequantizes to
-the activations' dtype and multiplies: the torch reference path.
+offset = (8 - zero) * scale, exact in float32. On a GPU kernels/triton_quant_gemm.py multiplies the checkpoint's
+tensors as stored, each code widened in registers; where Triton is missing each step dequantizes to the
+activations' dtype and multiplies: the torch reference path.
 """
 
 from __future__ import annotations
@@ -32,30 +33,11 @@ import torch.nn.functional as F
 
 from kernels import cpu_gemm_awq, cpu_gemm_portable
 from kernels.cpu_gemm import NativeGemm
+from kernels.torch_quant_gemm import PACK, awq_weight, unpack
 from proto.quantization import QuantizationError
-from worker_node.models.quant_linear import QuantLinear, QuantMethod, TensorAxes
+from worker_node.models.quant_linear import QuantLinear, QuantMethod, TensorAxes, gpu_kernels
 
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a packed int32 holds output channel AWQ_ORDER[i] of its eight
-PACK = 8
 GROUP_SIZES = (32, 64, 128)  # torch's int4 kernel's (and AutoAWQ's usual) groups
-
-
-def unpack(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [R, C] of AWQ-packed nibbles -> int32 [R, 8C] codes 0..15 in channel order."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF  # [R, C, 8]: nibble i is channel AWQ_ORDER[i]
-    codes = torch.empty_like(nibbles)
-    codes[..., list(AWQ_ORDER)] = nibbles
-    return codes.reshape(packed.shape[0], -1)
-
-
-def pack(codes: torch.Tensor) -> torch.Tensor:
-    """int [R, 8C] codes 0..15 in channel order -> int32 [R, C] packed as AutoAWQ packs them (the inverse of unpack)."""
-    rows, cols = codes.shape
-    grouped = codes.to(torch.int64).reshape(rows, cols // PACK, PACK)[..., list(AWQ_ORDER)]
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=codes.device)
-    words = (grouped << shifts).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the top nibble is the sign bit
 
 
 class AwqMethod(QuantMethod):
@@ -125,14 +107,14 @@ class AwqMethod(QuantMethod):
         return w if rows is None else w[rows]
 
     def _weight(self, codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        """w [N, K] float32 = (code - zero) * scale, from codes [K, N], zeros and scales [K/G, N]."""
-        g = self.group_size
-        return ((codes - zeros.repeat_interleave(g, 0)).float() * scales.repeat_interleave(g, 0)).t()
+        return awq_weight(codes, zeros, scales, self.group_size)
 
     def after_load(self, layer: QuantLinear) -> None:
         """On CPU: the C kernel's layout where it runs, else torch's int4 layout and (scale, offset) pairs; the AWQ
         tensors are released."""
-        if layer.part("qweight").device.type != "cpu":
+        if layer.part("qweight").device.type != "cpu":  # the GPU kernel reads them as stored, contiguous
+            for name in self.tensor_names:
+                layer._buffers[name] = layer.part(name).contiguous()
             return
         codes, zeros, scales = self._codes(layer)
         widths = (layer.out_features, layer.in_features, self.group_size)
@@ -172,6 +154,10 @@ class AwqMethod(QuantMethod):
         return w
 
     def forward(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        gpu = gpu_kernels() if x.is_cuda else None
+        if gpu is not None:
+            parts = (layer.part("qweight"), layer.part("qzeros"), layer.part("scales"))
+            return gpu.awq_gemm(x, *parts, self.group_size)  # type: ignore[no-any-return]
         if "int4 codes" in layer.kernel:
             # float32 prefill: widening the codes once and torch's matmul beat the kernel past 64 rows
             # (docs/benchmarks.md); bf16 rows, whose matmul is slow on these CPUs, stay with the kernel

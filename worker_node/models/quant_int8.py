@@ -14,8 +14,9 @@ as measured on a 2-core Sapphire Rapids (scripts/bench_quant.py --kernels, docs/
   call (on a loaded 2-core Zen 3, one thread: 1.6-2.7x float32's matmul at 1 to 64 rows: docs/benchmarks.md);
 - bf16 activations where no C kernel loads, up to `GEMV_ROWS` rows: torch's packed int8 GEMV
   (`aten._weight_int8pack_mm`), which reads the int8 rows directly but walks them once per row;
+- on a GPU: kernels/triton_quant_gemm.py, the codes widened in registers, the scales applied to the float32 sums;
 - otherwise: the int8 rows converted to the activations' dtype and multiplied, the scales applied to the output
-  (x @ (q * s)^T == (x @ q^T) * s): the reference path, prefill's without AMX-INT8, and the GPU's.
+  (x @ (q * s)^T == (x @ q^T) * s): the reference path, prefill's without AMX-INT8, and a GPU's without Triton.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_gemm, cpu_gemm_portable
-from worker_node.models.quant_linear import QuantLinear, QuantMethod, TensorAxes
+from worker_node.models.quant_linear import QuantLinear, QuantMethod, TensorAxes, gpu_kernels
 
 GEMV_ROWS = 4
 QMAX = 127
@@ -87,6 +88,9 @@ class Int8Method(QuantMethod):
                 out = cpu_gemm_portable.linear(x, q, self._float_scales(layer))
             if out is not None:
                 return out
+        gpu = gpu_kernels() if x.is_cuda else None
+        if gpu is not None:
+            return gpu.int8_gemm(x, q, self._float_scales(layer))  # type: ignore[no-any-return]
         if x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.shape[0] <= GEMV_ROWS:
             return torch.ops.aten._weight_int8pack_mm(x.contiguous(), q, scales.to(x.dtype))
         return F.linear(x, q.to(x.dtype)) * scales.to(x.dtype)

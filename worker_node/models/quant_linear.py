@@ -14,13 +14,26 @@ scales; fp8 rows and scales) as buffers and asks its `QuantMethod` to multiply. 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from kernels.cpu_gemm import NativeGemm
+
+
+@functools.cache
+def gpu_kernels() -> ModuleType | None:
+    """kernels/triton_quant_gemm (the GPU path of AWQ and int8 weights) where Triton imports; None elsewhere (the
+    layers then dequantize and multiply, the reference path)."""
+    try:
+        from kernels import triton_quant_gemm
+    except ImportError:
+        return None
+    return triton_quant_gemm
 
 
 class TensorAxes(NamedTuple):

@@ -8,11 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_gemm, cpu_gemm_awq, cpu_gemm_portable
+from kernels.torch_quant_gemm import pack, unpack
 from proto.quantization import QuantizationError
 from tests.support.awq_checkpoint import pack_columns, quantize_awq
 from worker_node.models import quant_int8
 from worker_node.models.layers import RESCORED_INT8_LOGITS, ParallelLMHead, silu_gated_product
-from worker_node.models.quant_awq import AwqMethod, pack, unpack
+from worker_node.models.quant_awq import AwqMethod
 from worker_node.models.quant_fp8 import FP8, Fp8Method
 from worker_node.models.quant_int8 import Int8Method
 from worker_node.models.quant_linear import QuantLinear
