@@ -20,6 +20,8 @@ same inputs give the same bits). Importing this module imports triton.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -51,7 +53,7 @@ def _quant_gemm_kernel(
     x_ptr, w_ptr, zeros_ptr, scales_ptr, out_ptr,
     M, N, K, k_per_split,
     stride_xm, stride_om, stride_os,
-    GROUP: tl.constexpr, FORMAT: tl.constexpr,
+    GROUP: tl.constexpr, FORMAT: tl.constexpr, GATHER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
@@ -66,24 +68,31 @@ def _quant_gemm_kernel(
     k_end = tl.minimum(k_start + k_per_split, K)
     if FORMAT == 0:
         shifts = _awq_nibble_shift(cols)
-        # each word is read once and widened in registers to the eight channels it packs
-        packed_cols = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
-        pmask = packed_cols < N // 8
+        if GATHER:  # each word loaded once per channel it packs (the repeats hit the L1)
+            packed_cols = cols // 8
+            pmask = cmask
+        else:  # each word loaded once and widened in registers to the eight channels it packs
+            packed_cols = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+            pmask = packed_cols < N // 8
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         kmask = ks < k_end
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :], rmask[:, None] & kmask[None, :], 0.0)
-        wmask = kmask[:, None] & cmask[None, :]
         if FORMAT == 0:
             words = tl.load(w_ptr + ks[:, None].to(tl.int64) * (N // 8) + packed_cols[None, :],
                             kmask[:, None] & pmask[None, :], 0)  # fmt: skip
-            codes = (_widen8(words) >> shifts[None, :]) & 0xF
             group = k0 // GROUP
             zero_words = tl.load(zeros_ptr + group * (N // 8) + packed_cols, pmask, 0)
-            zeros = (_widen8(zero_words) >> shifts) & 0xF
+            if not GATHER:
+                words = _widen8(words)
+                zero_words = _widen8(zero_words)
+            codes = (words >> shifts[None, :]) & 0xF
             scales = tl.load(scales_ptr + group * N + cols, cmask, 0.0).to(tl.float32)
-            w = ((codes - zeros[None, :]).to(tl.float32) * scales[None, :]).to(x.dtype)
+            offsets = -((zero_words >> shifts) & 0xF).to(tl.float32) * scales
+            # code * scale - zero * scale: one FMA, and exactly (code - zero) * scale (both products are exact)
+            w = (codes.to(tl.float32) * scales[None, :] + offsets[None, :]).to(x.dtype)
         else:
+            wmask = kmask[:, None] & cmask[None, :]
             w = tl.load(w_ptr + cols[None, :].to(tl.int64) * K + ks[:, None], wmask, 0).to(x.dtype)
         # "ieee" keeps float32 inputs off TF32 (the reference's precision); 16-bit inputs ignore it
         acc += tl.dot(x, w, input_precision="ieee")
@@ -93,13 +102,25 @@ def _quant_gemm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), rmask[:, None] & cmask[None, :])
 
 
-def tiles(rows: int, group: int | None) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) for `rows` activations: 16 rows (the smallest tl.dot) for decode, 64 for
-    prefill; K tiles of at most 64 inside one AWQ group."""
+class Tiles(NamedTuple):
+    """A launch's shape: rows, outputs and inputs per program's tile, warps, pipeline stages, and (AWQ) whether
+    each packed word is loaded once per channel (`gather`) or once and widened in registers."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int = 4
+    stages: int = 3
+    gather: bool = False
+
+
+def tiles(rows: int, group: int | None) -> Tiles:
+    """The tiles for `rows` activations: 16 rows (the smallest tl.dot) for decode, 64 for prefill; K tiles of at
+    most 64 inside one AWQ group."""
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     block_n = 64 if rows <= 64 else 128
     block_k = 64 if group is None else min(64, group)
-    return block_m, block_n, block_k
+    return Tiles(block_m, block_n, block_k)
 
 
 def choose_split(device: torch.device, output_tiles: int, k_tiles: int) -> int:
@@ -118,9 +139,11 @@ def _launch(
     group: int | None,
     fmt: str,
     split_k: int | None,
+    tile: Tiles | None,
 ) -> torch.Tensor:
     m, k = x.shape
-    block_m, block_n, block_k = tiles(m, group)
+    tile = tile or tiles(m, group)
+    block_m, block_n, block_k = tile.block_m, tile.block_n, tile.block_k
     grid_m, grid_n = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
     k_tiles = triton.cdiv(k, block_k)
     split = split_k if split_k is not None else choose_split(x.device, grid_m * grid_n, k_tiles)
@@ -132,8 +155,8 @@ def _launch(
         x, w, zeros if zeros is not None else scales, scales, out,
         m, n, k, k_per_split,
         x.stride(0), out.stride(1), out.stride(0),
-        GROUP=group or block_k, FORMAT=FORMATS[fmt],
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        GROUP=group or block_k, FORMAT=FORMATS[fmt], GATHER=tile.gather,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=tile.warps, num_stages=tile.stages,
     )  # fmt: skip
     return out[0] if split == 1 else out.sum(0).to(x.dtype)
 
@@ -153,6 +176,7 @@ def awq_gemm(
     scales: torch.Tensor,
     group_size: int,
     split_k: int | None = None,
+    tile: Tiles | None = None,
 ) -> torch.Tensor:
     """x [M, K] times the AWQ weight (w[n, k] = (code[k, n] - zero[k // G, n]) * scale[k // G, n]): [M, N]."""
     k, packed = qweight.shape
@@ -169,14 +193,22 @@ def awq_gemm(
         )
     if not (qweight.is_contiguous() and qzeros.is_contiguous() and scales.is_contiguous()):
         raise ValueError("qweight, qzeros and scales must be contiguous")
-    return _launch(_check_x(x, k), qweight, qzeros, scales, n, group_size, "awq", split_k)
+    if tile is not None and group_size % tile.block_k:
+        raise ValueError(f"tile.block_k {tile.block_k} must divide group_size {group_size}")
+    return _launch(_check_x(x, k), qweight, qzeros, scales, n, group_size, "awq", split_k, tile)
 
 
-def int8_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, split_k: int | None = None) -> torch.Tensor:
+def int8_gemm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    split_k: int | None = None,
+    tile: Tiles | None = None,
+) -> torch.Tensor:
     """x [M, K] times the int8 weight (w[n, k] = q[n, k] * scale[n]): [M, N]."""
     n, k = qweight.shape
     if qweight.dtype != torch.int8 or not qweight.is_contiguous():
         raise ValueError(f"qweight must be contiguous int8 [N, K], got {qweight.dtype}")
     if scales.shape != (n,) or not scales.is_contiguous():
         raise ValueError(f"scales must be contiguous [{n}], got {tuple(scales.shape)}")
-    return _launch(_check_x(x, k), qweight, None, scales, n, None, "int8", split_k)
+    return _launch(_check_x(x, k), qweight, None, scales, n, None, "int8", split_k, tile)

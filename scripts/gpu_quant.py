@@ -300,3 +300,89 @@ def summary_lines(part: dict[str, Any]) -> list[str]:
             f"decode tok/s {rates} |"
         )
     return lines
+
+
+def sweep(config: QuantCheckConfig) -> list[dict[str, Any]]:
+    """The quantized GEMMs' tiles at the timed shapes (AWQ in groups of 128, as 8B checkpoints are): each row count's
+    candidates against the default tiles and bf16's matmul, then the best one's K split from 1 to 16. Prints the
+    fastest of each; returns every row."""
+    config = dataclasses.replace(config, awq_group=128)
+    dtype = getattr(torch, config.dtype)
+    rows: list[dict[str, Any]] = []
+    for name, k, n in config.shapes:
+        if name not in config.timed_shapes:
+            continue
+        weights = [torch.randn(n, k, device=config.device) * 0.02 for _ in range(3)]
+        plain = [make_layer("none", w, config, dtype) for w in weights]
+        for fmt in ("awq", "int8"):
+            layers = [make_layer(fmt, w, config, dtype) for w in weights]
+            for m in config.check_rows:
+                x = torch.randn(m, k, device=config.device, dtype=dtype)
+                bf16_us = graph_time(lambda i, x=x, plain=plain: plain[i % 3](x)) * 1e6
+                r: dict[str, Any] = {"shape": name, "format": fmt, "rows": m, "bf16 us": bf16_us}
+                rows.append(r | sweep_tiles(fmt, layers, x))
+                r = rows[-1]
+                print(f"sweep {name:10} {fmt:4} {m:4} rows: bf16 {bf16_us:6.1f} us, default {r['default us']:6.1f}, "
+                      f"best {r['best us']:6.1f} {r['best tile']}; splits {r['splits us']}", flush=True)  # fmt: skip
+            torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_tiles(fmt: str, layers: list[Any], x: torch.Tensor) -> dict[str, Any]:
+    """The default tiles' time, every candidate's, the best one and its time at each K split, for x [M, K]."""
+    from kernels import triton_quant_gemm as qg
+
+    def timed(tile: Any, split: int | None = None) -> float:
+        def call(i: int) -> torch.Tensor:
+            layer = layers[i % 3]
+            if fmt == "awq":
+                parts = (layer.part("qweight"), layer.part("qzeros"), layer.part("scales"))
+                return qg.awq_gemm(x, *parts, layer.method.group_size, split_k=split, tile=tile)
+            return qg.int8_gemm(x, layer.part("qweight"), layer.method._float_scales(layer), split_k=split, tile=tile)
+
+        return graph_time(call) * 1e6
+
+    found = []
+    for tile in [None, *candidates(fmt, x.shape[0])]:
+        try:
+            found.append((timed(tile), tile))
+        except Exception as exc:  # noqa: BLE001 - a tile the compiler refuses (shared memory) is skipped
+            print(f"sweep {fmt} {x.shape[0]}: {tile} failed: {type(exc).__name__}: {exc}"[:300], flush=True)
+    default_us = next(us for us, t in found if t is None)
+    best_us, best = min(found, key=lambda t: t[0])
+    splits = {s: round(timed(best, s), 1) for s in (1, 2, 4, 8, 16)}
+    return {"default us": default_us, "best us": best_us, "best tile": best, "splits us": splits}
+
+
+def candidates(fmt: str, rows: int) -> list[Any]:
+    """Tiles to try at `rows` rows: decode's 16-row tiles by outputs, inputs and warps (AWQ: words gathered or
+    widened); prefill's larger ones."""
+    from kernels.triton_quant_gemm import Tiles
+
+    block_m = 16 if rows <= 16 else 64
+    gathers = (False, True) if fmt == "awq" else (False,)
+    if rows <= 64:
+        shapes = ((64, 64), (128, 64), (256, 64), (128, 128), (256, 128), (64, 128))
+        return [Tiles(block_m, n, k, w, 3, g) for g in gathers for n, k in shapes for w in (4, 8)]
+    return [Tiles(bm, n, 64, w, s, g) for g in gathers for bm in (64, 128) for n in (128, 256) for w in (4, 8)
+            for s in (3, 4)]  # fmt: skip
+
+
+def main() -> int:
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sweep", action="store_true", help="time the quantized GEMMs' candidate tiles (a GPU)")
+    p.add_argument("--rows", default="1,16,64,256", help="row counts, comma-separated")
+    p.add_argument("--out", type=Path, help="a JSON file for the rows")
+    args = p.parse_args()
+    config = QuantCheckConfig(check_rows=tuple(int(r) for r in args.rows.split(",")))
+    result: Any = sweep(config) if args.sweep else quant_part(None, config)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("triton")
 
 from kernels.torch_quant_gemm import awq_gemm_reference, int8_gemm_reference, pack, unpack  # noqa: E402
-from kernels.triton_quant_gemm import awq_gemm, choose_split, int8_gemm  # noqa: E402
+from kernels.triton_quant_gemm import Tiles, awq_gemm, choose_split, int8_gemm  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
@@ -77,6 +77,18 @@ def test_int8_gemm_matches_the_torch_reference(dtype: torch.dtype, rows: int, sp
     scales = torch.rand(n, generator=gen) * 0.01 + 0.001
     x = torch.randn(rows, k, generator=gen).to(dtype)
     _close(int8_gemm(x, qweight, scales, split_k=split), int8_gemm_reference(x, qweight, scales), dtype)
+
+
+@pytest.mark.parametrize("tile", [Tiles(16, 32, 32, gather=True), Tiles(32, 16, 16, warps=2, stages=2)])
+def test_awq_gemm_takes_other_tiles_and_the_gathered_words(tile: Tiles) -> None:
+    """The tiles a sweep tries (scripts/gpu_quant.py --sweep) compute the same product: words loaded once per
+    channel or widened in registers, K tiles smaller than the group."""
+    qweight, qzeros, scales = _awq(64, 48, 32)
+    x = torch.randn(18, 64, generator=torch.Generator().manual_seed(4))
+    want = awq_gemm_reference(x, qweight, qzeros, scales, 32)
+    _close(awq_gemm(x, qweight, qzeros, scales, 32, split_k=2, tile=tile), want, torch.float32)
+    with pytest.raises(ValueError, match="must divide group_size"):
+        awq_gemm(x, qweight, qzeros, scales, 32, tile=Tiles(16, 16, 64))
 
 
 def test_the_same_inputs_give_the_same_bits() -> None:
