@@ -115,12 +115,16 @@ class Tiles(NamedTuple):
 
 
 def tiles(rows: int, group: int | None) -> Tiles:
-    """The tiles for `rows` activations: 16 rows (the smallest tl.dot) for decode, 64 for prefill; K tiles of at
-    most 64 inside one AWQ group."""
-    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    block_n = 64 if rows <= 64 else 128
-    block_k = 64 if group is None else min(64, group)
-    return Tiles(block_m, block_n, block_k)
+    """The tiles for `rows` activations (`group`: AWQ's group size; None: int8), the fastest of
+    `scripts/gpu_quant.py --sweep` on an H200 at a Llama-3-8B MLP's two shapes (docs/benchmarks.md): 16 rows (the
+    smallest tl.dot) up to 16, 32 or 64 up to 64, 128 beyond; K tiles of 128 (AWQ: at most one group) in decode,
+    64 in prefill; int8's outputs 128 to a tile, AWQ's 64 in decode (its widening costs registers)."""
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 64 else 128
+    if rows > 64:
+        return Tiles(block_m, 128, 64 if group is None else min(64, group))
+    if group is None:
+        return Tiles(block_m, 128, 128)
+    return Tiles(block_m, 64, min(128, group))
 
 
 def choose_split(device: torch.device, output_tiles: int, k_tiles: int) -> int:

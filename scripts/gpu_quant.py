@@ -79,8 +79,7 @@ def make_layer(fmt: str, weight: torch.Tensor, config: QuantCheckConfig, dtype: 
     (`none`: a plain linear)."""
     from torch import nn
 
-    from kernels.torch_quant_gemm import pack
-    from worker_node.models.awq_convert import quantize_groups
+    from worker_node.models.awq_convert import awq_tensors
     from worker_node.models.quant_awq import AwqMethod
     from worker_node.models.quant_linear import QuantLinear
     from worker_node.models.quantize import METHODS
@@ -91,14 +90,8 @@ def make_layer(fmt: str, weight: torch.Tensor, config: QuantCheckConfig, dtype: 
         linear.weight.data = weight.to(device, dtype)
         return linear
     if fmt == "awq":
-        codes, zeros, scales = quantize_groups(weight, config.awq_group)  # [N, K/G, G or 1]
         n, k = weight.shape
-        tensors = {
-            "qweight": pack(codes.reshape(n, k).t().to(torch.int64)),
-            "qzeros": pack(zeros.reshape(n, -1).t().to(torch.int64)),
-            "scales": scales.reshape(n, -1).t().contiguous().half(),
-        }
-        layer = QuantLinear(AwqMethod(config.awq_group), tensors, n, k)
+        layer = QuantLinear(AwqMethod(config.awq_group), awq_tensors(weight, config.awq_group), n, k)
     else:
         layer = QuantLinear.quantized(METHODS[fmt](), weight)
     layer.to(device)
@@ -199,10 +192,7 @@ def graph_time(call: Any, calls: int = 30, replays: int = 10) -> float:
 
 def engine_checks(folder: str, root: Path, config: QuantCheckConfig) -> list[dict[str, Any]]:
     """Per format: graphs captured and replayed, tokens graphs vs eager and vs bf16, decode tok/s per batch size."""
-    from tests.support.awq_checkpoint import write_awq_checkpoint
-
-    awq = root / "awq"
-    write_awq_checkpoint(Path(folder), awq, config.awq_group)
+    awq = rounded_awq_folder(Path(folder), root / "awq", config.awq_group)
     prompts = [[3 + (i * 7919 + j * 104729) % 4000 for j in range(config.prompt_len)] for i in range(max(config.seqs))]
     rows, bf16_tokens = [], None
     for fmt in FORMATS:
@@ -221,6 +211,32 @@ def engine_checks(folder: str, root: Path, config: QuantCheckConfig) -> list[dic
         print(f"engine {row}", flush=True)
         rows.append(row)
     return rows
+
+
+def rounded_awq_folder(source: Path, folder: Path, group: int) -> Path:
+    """`source` (an HF safetensors folder) with every projection rounded to 4 bits (no activation-aware search: the
+    weights here are random) and written in AutoAWQ's GEMM layout into `folder`."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from worker_node.models.awq_convert import awq_tensors
+    from worker_node.models.quantize import CHECKPOINT_LINEARS
+
+    shutil.copytree(source, folder)
+    tensors = {}
+    for name, tensor in load_file(str(source / "model.safetensors")).items():
+        prefix, _, kind = name.rpartition(".")
+        if kind != "weight" or prefix.rsplit(".", 1)[-1] not in CHECKPOINT_LINEARS:
+            tensors[name] = tensor
+            continue
+        tensors |= {f"{prefix}.{part}": t for part, t in awq_tensors(tensor.float(), group).items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm"}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
 
 
 def engine_format(model: str, quantization: str, config: QuantCheckConfig, prompts: list[list[int]]) -> dict[str, Any]:

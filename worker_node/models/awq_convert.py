@@ -180,17 +180,24 @@ def quantize_layer(layer: Any, inputs: dict[str, torch.Tensor], group: int) -> d
     attn, mlp = layer.self_attn, layer.mlp
     reads = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o"}
     reads |= {"gate_proj": "gate_up", "up_proj": "gate_up", "down_proj": "down"}
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for name, source in reads.items():
         prefix = "self_attn" if source in ("qkv", "o") else "mlp"
         w = getattr(attn if prefix == "self_attn" else mlp, name).weight.float()
         if name not in NOT_CLIPPED:
             w = search_clip(inputs[source], w, group)
-        codes, zeros, scales = quantize_groups(w, group)
-        out[f"{prefix}.{name}.qweight"] = pack(codes.reshape(w.shape).t().int())
-        out[f"{prefix}.{name}.qzeros"] = pack(zeros[..., 0].t().int())
-        out[f"{prefix}.{name}.scales"] = scales[..., 0].t().contiguous().half()
+        out |= {f"{prefix}.{name}.{part}": t for part, t in awq_tensors(w, group).items()}
     return out
+
+
+def awq_tensors(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
+    """AutoAWQ's qweight, qzeros and scales of w [N, K] rounded to nearest (`quantize_groups`)."""
+    codes, zeros, scales = quantize_groups(w, group)
+    return {
+        "qweight": pack(codes.reshape(w.shape).t().int()),
+        "qzeros": pack(zeros[..., 0].t().int()),
+        "scales": scales[..., 0].t().contiguous().half(),
+    }
 
 
 def calibration_ids(tokenizer: object, text: str, rows: int = 512) -> torch.Tensor:
