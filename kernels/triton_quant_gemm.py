@@ -146,6 +146,8 @@ def _launch(
     tile: Tiles | None,
 ) -> torch.Tensor:
     m, k = x.shape
+    if m == 0:  # no grid of zero programs
+        return x.new_empty(0, n)
     tile = tile or tiles(m, group)
     block_m, block_n, block_k = tile.block_m, tile.block_n, tile.block_k
     grid_m, grid_n = triton.cdiv(m, block_m), triton.cdiv(n, block_n)

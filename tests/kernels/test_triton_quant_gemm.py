@@ -4,13 +4,18 @@ group scales, int8 rows with a scale each; row and column counts that are no mul
 over programs and not. Shapes stay tiny: the interpreter runs in Python. bf16 is checked on a GPU only
 (scripts/gpu_quant.py), because the interpreter's `tl.dot` multiplies raw bf16 bit patterns."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from kernels import triton_quant_gemm  # noqa: E402
 from kernels.torch_quant_gemm import awq_gemm_reference, int8_gemm_reference, pack, unpack  # noqa: E402
 from kernels.triton_quant_gemm import Tiles, awq_gemm, choose_split, int8_gemm  # noqa: E402
+from worker_node.models import quant_awq, quant_int8  # noqa: E402
+from worker_node.models.quant_linear import QuantLinear  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
@@ -91,6 +96,12 @@ def test_awq_gemm_takes_other_tiles_and_the_gathered_words(tile: Tiles) -> None:
         awq_gemm(x, qweight, qzeros, scales, 32, tile=Tiles(16, 16, 64))
 
 
+def test_no_rows_give_an_empty_product() -> None:
+    qweight, qzeros, scales = _awq(64, 16, 32)
+    assert awq_gemm(torch.randn(0, 64), qweight, qzeros, scales, 32).shape == (0, 16)
+    assert int8_gemm(torch.randn(0, 64), torch.zeros(8, 64, dtype=torch.int8), torch.ones(8)).shape == (0, 8)
+
+
 def test_the_same_inputs_give_the_same_bits() -> None:
     qweight, qzeros, scales = _awq(128, 16, 32)
     x = torch.randn(2, 128)
@@ -122,3 +133,27 @@ def test_bad_shapes_and_dtypes_are_refused_with_the_field_named() -> None:
         int8_gemm(x, torch.zeros(8, 64, dtype=torch.int16), torch.ones(8))
     with pytest.raises(ValueError, match=r"scales must be contiguous \[8\]"):
         int8_gemm(x, torch.zeros(8, 64, dtype=torch.int8), torch.ones(9))
+
+
+def test_the_layers_gpu_path_calls_the_kernels_with_their_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What AWQ and int8 layers hand the kernels where x is on a GPU (here: the interpreter stands in): the
+    product of the weight they stand for, from one kernel call each."""
+    calls: list[str] = []
+
+    def spy(name: str):  # type: ignore[no-untyped-def]
+        def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+            calls.append(name)
+            return getattr(triton_quant_gemm, name)(*args, **kwargs)
+
+        return call
+
+    kernels = SimpleNamespace(awq_gemm=spy("awq_gemm"), int8_gemm=spy("int8_gemm"))
+    for module in (quant_awq, quant_int8):
+        monkeypatch.setattr(module, "gpu_kernels", lambda x: kernels)
+    qweight, qzeros, scales = _awq(64, 24, 32)
+    awq = QuantLinear(quant_awq.AwqMethod(32), {"qweight": qweight, "qzeros": qzeros, "scales": scales}, 24, 64)
+    int8 = QuantLinear.quantized(quant_int8.Int8Method(), torch.randn(40, 64))
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
+    for layer in (awq, int8):
+        _close(layer(x), x @ layer.dequantize().t(), torch.float32)
+    assert calls == ["awq_gemm", "int8_gemm"]

@@ -154,7 +154,7 @@ class AwqMethod(QuantMethod):
         return w
 
     def forward(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-        gpu = gpu_kernels() if x.is_cuda else None
+        gpu = gpu_kernels(x)
         if gpu is not None:
             parts = (layer.part("qweight"), layer.part("qzeros"), layer.part("scales"))
             return gpu.awq_gemm(x, *parts, self.group_size)  # type: ignore[no-any-return]

@@ -82,15 +82,15 @@ class Int8Method(QuantMethod):
 
     def forward(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         q, scales = layer.part("qweight"), layer.part("scales")
+        gpu = gpu_kernels(x)
+        if gpu is not None:
+            return gpu.int8_gemm(x, q, self._float_scales(layer))  # type: ignore[no-any-return]
         if x.device.type == "cpu":
             out = self._amx(layer, x) if x.dtype == torch.bfloat16 else None
             if out is None:
                 out = cpu_gemm_portable.linear(x, q, self._float_scales(layer))
             if out is not None:
                 return out
-        gpu = gpu_kernels() if x.is_cuda else None
-        if gpu is not None:
-            return gpu.int8_gemm(x, q, self._float_scales(layer))  # type: ignore[no-any-return]
         if x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.shape[0] <= GEMV_ROWS:
             return torch.ops.aten._weight_int8pack_mm(x.contiguous(), q, scales.to(x.dtype))
         return F.linear(x, q.to(x.dtype)) * scales.to(x.dtype)

@@ -25,10 +25,14 @@ from torch import nn
 from kernels.cpu_gemm import NativeGemm
 
 
+def gpu_kernels(x: torch.Tensor) -> ModuleType | None:
+    """kernels/triton_quant_gemm (the GPU path of AWQ and int8 weights) for activations `x` on a GPU where Triton
+    imports; None elsewhere (on a GPU without Triton the layers dequantize and multiply, the reference path)."""
+    return _triton_quant_gemm() if x.is_cuda else None
+
+
 @functools.cache
-def gpu_kernels() -> ModuleType | None:
-    """kernels/triton_quant_gemm (the GPU path of AWQ and int8 weights) where Triton imports; None elsewhere (the
-    layers then dequantize and multiply, the reference path)."""
+def _triton_quant_gemm() -> ModuleType | None:
     try:
         from kernels import triton_quant_gemm
     except ImportError:
