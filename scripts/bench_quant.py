@@ -13,7 +13,10 @@ of the latter being its prefill vs decode noise floor) and perplexity on the fix
 Every engine runs in-process (minivllm.LLM), one format at a time, with --threads threads. Decode figures count
 output tokens over the whole generate call of N sequences (16-token prompts prefilled first); prefill figures are
 prompt tokens over a generate call that asks for one output token each. The machine is shared: only ratios
-inside one run mean much.
+inside one run mean much. `--rounds N` measures the decode figures N times, the formats in turn each round (a fresh
+engine each time), and reports each format's median and the spread of its per-round ratios to the first format:
+this machine's memory bandwidth drifts by tens of percent within minutes, which one pass per format cannot tell
+from a format's speed.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -131,12 +135,41 @@ def weight_bytes(model: Path, fmt: str, dtype: str) -> int:
     return held(loaded)
 
 
+def decode_round(model: Path, fmt: str, args: argparse.Namespace, vocab: int, row: dict[str, Any]) -> None:
+    """One more round of `row`'s decode figures, in a fresh engine (appended to its `decode_*_rounds` lists)."""
+    with engine(model, fmt, args) as llm:
+        timed_generate(llm, [[5, 6, 7]], [2])  # warm-up
+        decode_figures(llm, args, vocab, row)
+
+
+def decode_figures(llm: LLM, args: argparse.Namespace, vocab: int, row: dict[str, Any]) -> None:
+    """Decode tok/s and tok per CPU second at each of --decode-seqs, appended to `row`'s lists of rounds."""
+    rng = random.Random(0)
+    for n in args.decode_seqs:
+        prompts = [[rng.randrange(3, vocab) for _ in range(16)] for _ in range(n)]
+        cpu: list[float] = []
+        wall = timed_generate(llm, prompts, [args.decode_tokens] * n, cpu)
+        row.setdefault(f"decode_{n}_tok_s_rounds", []).append(n * args.decode_tokens / wall)
+        row.setdefault(f"decode_{n}_tok_per_cpu_s_rounds", []).append(n * args.decode_tokens / cpu[0])
+
+
+def settle_rounds(rows: list[dict[str, Any]]) -> None:
+    """Each decode figure as the median of its rounds, and the range of its per-round ratios to the first row's."""
+    for key in [k for k in rows[0] if k.endswith("_rounds")]:
+        figure = key.removesuffix("_rounds")
+        for row in rows:
+            row[figure] = statistics.median(row[key])
+            ratios = [a / b for a, b in zip(row[key], rows[0][key])]
+            row[f"{figure}_ratio_range"] = (min(ratios), max(ratios))
+
+
 def measure(
     model: Path, fmt: str, args: argparse.Namespace, text_ids: list[int], vocab: int, reference: dict[str, Any]
 ) -> dict[str, Any]:
-    """One format's row; the first format generates the reference tokens (`reference`, filled in)."""
+    """One format's row, its first round of decode figures included; the first format generates the reference
+    tokens (`reference`, filled in)."""
     row: dict[str, Any] = {"format": fmt, "weight_MB": weight_bytes(model, fmt, args.dtype) / 1e6}
-    rng = random.Random(0)
+    rng = random.Random(1)
     with engine(model, fmt, args) as llm:
         if not reference:
             reference["prompts"] = prompts = agreement_prompts(text_ids, args.agreement_prompts)
@@ -151,13 +184,8 @@ def measure(
         row["top1_agreement"] = agreement(best, reference["prompts"], reference["best"])
         row["top1_vs_generated"] = agreement(best, reference["prompts"], reference["outputs"])
         timed_generate(llm, [[5, 6, 7]], [2])  # warm-up
-        for n in [] if args.fidelity_only else args.decode_seqs:
-            prompts = [[rng.randrange(3, vocab) for _ in range(16)] for _ in range(n)]
-            cpu: list[float] = []
-            row[f"decode_{n}_tok_s"] = (
-                n * args.decode_tokens / timed_generate(llm, prompts, [args.decode_tokens] * n, cpu)
-            )
-            row[f"decode_{n}_tok_per_cpu_s"] = n * args.decode_tokens / cpu[0]
+        if not args.fidelity_only:
+            decode_figures(llm, args, vocab, row)
         if args.fidelity_only or args.decode_only:
             _, logprobs = next_token_scores(llm, [text_ids])
             row["perplexity"] = math.exp(-sum(logprobs[0]) / len(logprobs[0]))
@@ -309,6 +337,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--decode-seqs", default="1,16,64", help="sequence counts of the decode figures, comma-separated")
     p.add_argument("--decode-only", action="store_true", help="agreement and decode figures; no prefill or mixed")
+    p.add_argument(
+        "--rounds", type=int, default=1, help="decode figures measured this many times, the formats in turn each round"
+    )
     p.add_argument("--positions", type=int, default=400, help="generated positions compared with the first format")
     p.add_argument("--agreement-prompts", type=int, default=4, help="prompts those positions are generated from")
     p.add_argument("--fidelity-only", action="store_true", help="weight bytes, agreement and perplexity; no speeds")
@@ -343,10 +374,15 @@ def main() -> int:
     if args.kernels:
         report["kernels"] = kernel_table([1, 4, 16, 64, 256] if not args.smoke else [1, 16], 3 if args.smoke else 20)
     rows, reference = report["rows"], dict[str, Any]()
-    for entry in args.formats.split(","):
-        fmt, _, folder = entry.partition("@")  # awq@FOLDER: a checkpoint in that format (the same model)
-        rows.append(measure(Path(folder) if folder else model, fmt, args, text_ids, tokenizer.vocab_size, reference))
+    entries = [entry.partition("@") for entry in args.formats.split(",")]
+    formats = [(fmt, Path(folder) if folder else model) for fmt, _, folder in entries]  # awq@FOLDER: a checkpoint
+    for fmt, folder in formats:
+        rows.append(measure(folder, fmt, args, text_ids, tokenizer.vocab_size, reference))
         print(f"{fmt}: " + ", ".join(f"{k} {v:.3f}" for k, v in rows[-1].items() if isinstance(v, float)), flush=True)
+    for _ in range(1, 0 if args.fidelity_only else args.rounds):
+        for (fmt, folder), row in zip(formats, rows):
+            decode_round(folder, fmt, args, tokenizer.vocab_size, row)
+    settle_rounds(rows)
     report["load_average_after"] = os.getloadavg()
     print_table(report, args)
     if args.json:
@@ -367,12 +403,21 @@ def print_table(report: dict[str, Any], args: argparse.Namespace) -> None:
             f"decode_{n}_tok_per_cpu_s" for n in args.decode_seqs
         ]
         speeds += ["prefill_tok_s", "mixed_tok_s"]
-        cells = [f"{r[k]:.1f} ({r[k] / base[k]:.2f}x)" if k in r else "-" for k in speeds]
+        cells = [cell(r, base, k) for k in speeds]
         print(
             f"| {r['format']} | {r['weight_MB']:.0f} | "
             + " | ".join(cells)
             + f" | {100 * r['top1_agreement']:.1f}% | {100 * r['top1_vs_generated']:.1f}% | {r['perplexity']:.2f} |"
         )
+
+
+def cell(row: dict[str, Any], base: dict[str, Any], key: str) -> str:
+    """A figure and its ratio to the first row's; with several rounds, the median and the rounds' range of ratios."""
+    if key not in row:
+        return "-"
+    text = f"{row[key]:.1f} ({row[key] / base[key]:.2f}x"
+    low, high = row.get(f"{key}_ratio_range", (0.0, 0.0))
+    return text + (f", {low:.2f}-{high:.2f}x)" if high > low else ")")
 
 
 if __name__ == "__main__":

@@ -20,11 +20,11 @@ from minivllm.cluster import REPO
 pytestmark = pytest.mark.e2e
 
 
-def _smoke(script: str, model: Path, out: Path) -> tuple[str, Any]:
+def _smoke(script: str, model: Path, out: Path, *flags: str) -> tuple[str, Any]:
     """Run `scripts/<script> --smoke` on `model` with no GPU visible; its stdout and its JSON report (as written)."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     run = subprocess.run(
-        [sys.executable, f"scripts/{script}", "--smoke", "--model", str(model), "--json", str(out)],
+        [sys.executable, f"scripts/{script}", "--smoke", "--model", str(model), "--json", str(out), *flags],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -112,7 +112,7 @@ def test_bench_lora_smoke_runs_base_and_mixed_adapter_batches(tiny_llama_dir: Pa
 
 @pytest.mark.slow
 def test_bench_quant_smoke_measures_every_format_against_the_first(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    stdout, report = _smoke("bench_quant.py", tiny_llama_dir, tmp_path / "quant.json")
+    stdout, report = _smoke("bench_quant.py", tiny_llama_dir, tmp_path / "quant.json", "--rounds", "2")
     rows = {row["format"]: row for row in report["rows"]}
     assert list(rows) == ["none", "int8"]
     # the projections in int8; where a C int8 kernel runs, the LM head's codes and scales beside its weight, which stays
@@ -126,3 +126,9 @@ def test_bench_quant_smoke_measures_every_format_against_the_first(tiny_llama_di
     assert rows["none"]["top1_agreement"] == 1.0, "the reference's argmax against itself, on the same path"
     assert 0 <= rows["int8"]["top1_agreement"] <= 1
     assert "| int8 |" in stdout
+    # two rounds of decode figures, the formats in turn: each figure their median, beside the range of its ratios
+    for row in rows.values():
+        rounds = row["decode_4_tok_s_rounds"]
+        assert len(rounds) == 2 and row["decode_4_tok_s"] == sum(rounds) / 2, row
+    low, high = rows["int8"]["decode_4_tok_s_ratio_range"]
+    assert 0 < low <= high and rows["none"]["decode_4_tok_s_ratio_range"] == [1.0, 1.0]
