@@ -35,8 +35,8 @@ def pack(codes: torch.Tensor) -> torch.Tensor:
 
 def awq_weight(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
     """w [N, K] float32 = (code - zero) * scale, from codes [K, N], zeros and scales [K/G, N]."""
-    expand = group_size
-    return ((codes - zeros.repeat_interleave(expand, 0)).float() * scales.float().repeat_interleave(expand, 0)).t()
+    g = group_size
+    return ((codes - zeros.repeat_interleave(g, 0)).float() * scales.float().repeat_interleave(g, 0)).t()
 
 
 def awq_gemm_reference(
