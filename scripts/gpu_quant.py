@@ -12,6 +12,8 @@
   decode tokens/s (a run to `output_len` tokens less a run to one token) at each batch size.
 
 `dry_run_config` runs the same code on the CPU at a tiny size (the layers' CPU kernels; no graphs there).
+`python scripts/gpu_quant.py --sweep` (a GPU) times the Triton GEMMs' candidate tiles and K splits at the 8B
+shapes against bf16: how `kernels/triton_quant_gemm.py`'s `tiles()` was chosen.
 """
 
 from __future__ import annotations
