@@ -32,6 +32,8 @@ def load() -> ctypes.CDLL | None:
         return None
     library.argmax_rows.restype = None
     library.argmax_rows.argtypes = [_ptr, _i64, _i64, _i64, ctypes.c_int, _ptr, ctypes.c_int]
+    library.top_rows.restype = ctypes.c_int
+    library.top_rows.argtypes = [_ptr, _i64, _i64, _i64, ctypes.c_int, ctypes.c_int, _ptr, ctypes.c_int]
     return library
 
 
@@ -50,3 +52,23 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
     bf16 = int(logits.dtype == torch.bfloat16)
     library.argmax_rows(logits.data_ptr(), rows, cols, logits.stride(0), bf16, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def top_rows(logits: torch.Tensor, k: int) -> torch.Tensor | None:
+    """The indices of each row's k largest values (int64 [rows, k], in no particular order; of tied values, any) of
+    a [rows, cols] float32 or bfloat16 CPU tensor with contiguous rows, cols a multiple of 256 and more than k
+    chunks of 256, k <= 64; None for any other tensor, a row with a NaN (torch's topk ranks it first), or where
+    the kernel cannot be built."""
+    if logits.device.type != "cpu" or logits.dtype not in DTYPES or logits.dim() != 2:
+        return None
+    rows, cols = logits.shape
+    if not rows or logits.stride(1) != 1 or (rows > 1 and logits.stride(0) < cols):
+        return None
+    library = load()
+    if library is None:
+        return None
+    out = torch.empty(rows, k, dtype=torch.int64)
+    bf16 = int(logits.dtype == torch.bfloat16)
+    threads = torch.get_num_threads()
+    status = library.top_rows(logits.data_ptr(), rows, cols, logits.stride(0), bf16, k, out.data_ptr(), threads)
+    return out if status == 0 else None

@@ -129,3 +129,100 @@ void argmax_rows(const void *logits, int64_t rows, int64_t cols, int64_t stride,
                       : row_f32((const float *)logits + r * stride, cols);
     }
 }
+
+/* The k (<= MAX_TOP) largest values of a row, for the LM head's rescoring (worker_node/models/layers.py
+ * `top_candidates`): the row's maxima per chunk of TOP_CHUNK values, the k chunks of largest maxima (the k largest
+ * values lie in them: a value in any other chunk has k chunk maxima above it), then those chunks' values kept in a
+ * small sorted list. Returns 0, or -1 for a row with a NaN (the caller's torch path ranks NaN first). */
+#define MAX_TOP 64
+#define TOP_CHUNK 256
+
+/* Insert (value, index) into the descending list of `count` (< capacity, or dropping the last). */
+static inline int top_insert(float *values, int64_t *indices, int count, int capacity, float value, int64_t index) {
+    int at = count < capacity ? count : capacity - 1;
+    while (at > 0 && values[at - 1] < value) {
+        if (at < capacity) {
+            values[at] = values[at - 1];
+            indices[at] = indices[at - 1];
+        }
+        at--;
+    }
+    values[at] = value;
+    indices[at] = index;
+    return count < capacity ? count + 1 : count;
+}
+
+/* A chunk's maximum, or NaN when it holds one. */
+#define CHUNK_MAX(NAME, T, LOAD, LOAD8)                                                                          \
+    static inline float NAME(const T *x) {                                                                      \
+        CHUNK_MAX_BODY(LOAD, LOAD8)                                                                             \
+    }
+#ifdef __AVX2__
+#define CHUNK_MAX_BODY(LOAD, LOAD8)                                                                              \
+    __m256 top = LOAD8(x), nan = unordered(top, top);                                                          \
+    for (int i = 8; i < TOP_CHUNK; i += 8) {                                                                    \
+        const __m256 v = LOAD8(x + i);                                                                          \
+        nan = _mm256_or_ps(nan, unordered(v, v));                                                               \
+        top = _mm256_max_ps(top, v);                                                                            \
+    }                                                                                                           \
+    if (_mm256_movemask_ps(nan)) return NAN;                                                                    \
+    float lanes[8];                                                                                             \
+    _mm256_storeu_ps(lanes, top);                                                                               \
+    float best = lanes[0];                                                                                      \
+    for (int l = 1; l < 8; l++) best = lanes[l] > best ? lanes[l] : best;                                       \
+    return best;
+#else
+#define CHUNK_MAX_BODY(LOAD, LOAD8)                                                                              \
+    float best = -INFINITY;                                                                                     \
+    for (int i = 0; i < TOP_CHUNK; i++) {                                                                       \
+        const float v = LOAD(x, i);                                                                             \
+        if (v != v) return NAN;                                                                                 \
+        best = v > best ? v : best;                                                                             \
+    }                                                                                                           \
+    return best;
+#define load8_f32 0
+#define load8_bf16 0
+#endif
+CHUNK_MAX(chunk_max_f32, float, LOAD_F32, load8_f32)
+CHUNK_MAX(chunk_max_bf16, uint16_t, LOAD_BF16, load8_bf16)
+
+#define TOP_ROW(NAME, T, LOAD, CHUNK)                                                                            \
+    static int NAME(const T *x, int64_t cols, int k, int64_t *out) {                                           \
+        const int64_t chunks = cols / TOP_CHUNK;                                                                \
+        float chunk_values[MAX_TOP], values[MAX_TOP];                                                           \
+        int64_t chunk_ids[MAX_TOP];                                                                             \
+        int kept = 0;                                                                                           \
+        for (int64_t c = 0; c < chunks; c++) {                                                                  \
+            const float top = CHUNK(x + c * TOP_CHUNK);                                                         \
+            if (top != top) return -1;                                                                          \
+            if (kept < k || top > chunk_values[kept - 1])                                                       \
+                kept = top_insert(chunk_values, chunk_ids, kept, k, top, c);                                    \
+        }                                                                                                       \
+        int found = 0;                                                                                          \
+        for (int j = 0; j < kept; j++)                                                                          \
+            for (int64_t i = chunk_ids[j] * TOP_CHUNK; i < (chunk_ids[j] + 1) * TOP_CHUNK; i++) {               \
+                const float v = LOAD(x, i);                                                                     \
+                if (found < k || v > values[found - 1]) found = top_insert(values, out, found, k, v, i);       \
+            }                                                                                                   \
+        return 0;                                                                                               \
+    }
+
+TOP_ROW(top_row_f32, float, LOAD_F32, chunk_max_f32)
+TOP_ROW(top_row_bf16, uint16_t, LOAD_BF16, chunk_max_bf16)
+
+/* out[r, :k] = the indices of the k largest values of row r (any order; of tied values, any), for rows of whole
+ * TOP_CHUNKs, more than k of them, k <= MAX_TOP. Returns 0, or -1 (nothing promised in out) when a row holds a
+ * NaN or the shape is not covered. Rows shared by the threads as argmax_rows shares them. */
+int top_rows(const void *logits, int64_t rows, int64_t cols, int64_t stride, int bf16, int k, int64_t *out,
+             int threads) {
+    if (k < 1 || k > MAX_TOP || cols % TOP_CHUNK || cols / TOP_CHUNK <= k)
+        return -1;
+    const int parallel = threads > 1 && rows > 1 && rows * cols >= (1 << 19);
+    int failed = 0;
+#pragma omp parallel for schedule(static) num_threads(threads) if (parallel) reduction(| : failed)
+    for (int64_t r = 0; r < rows; r++) {
+        failed |= bf16 ? top_row_bf16((const uint16_t *)logits + r * stride, cols, k, out + r * k)
+                       : top_row_f32((const float *)logits + r * stride, cols, k, out + r * k);
+    }
+    return failed ? -1 : 0;
+}

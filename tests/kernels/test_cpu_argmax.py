@@ -1,4 +1,5 @@
-"""The compiled argmax against torch.argmax: ties, NaN, infinities, float32 and bfloat16, one row and many."""
+"""The compiled argmax against torch.argmax: ties, NaN, infinities, float32 and bfloat16, one row and many; the
+compiled top-k rows (the LM head's rescoring candidates) against torch.topk's values."""
 
 import pytest
 import torch
@@ -88,3 +89,49 @@ def test_rows_shared_by_threads_answer_as_one(threads: int, dtype: torch.dtype) 
         check(logits)
     finally:
         torch.set_num_threads(before)
+
+
+def check_top(logits: torch.Tensor, k: int) -> None:
+    got = cpu_argmax.top_rows(logits, k)
+    assert got is not None and got.shape == (logits.shape[0], k)
+    assert all(len(set(row)) == k for row in got.tolist())  # k distinct tokens
+    want = logits.float().topk(k, dim=-1).values.sort(dim=-1).values
+    assert torch.equal(logits.float().gather(1, got).sort(dim=-1).values, want)  # of tied values, any
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [1, 8, 16, 64])
+def test_top_rows_hold_the_k_largest_values(threads: int, dtype: torch.dtype, k: int) -> None:
+    """Rows past and below the parallel cut-off (512 K values), many ties (bf16), a row whose best values all lie
+    in one chunk, a row of infinities among finite values."""
+    gen = torch.Generator().manual_seed(threads * 100 + k)
+    logits = (torch.randn(21, 65 * 256, generator=gen) * 4).to(dtype)
+    logits[0, 256:512] = logits[0].max() + 1  # the whole row's best k in one chunk, tied
+    logits[3, ::1000] = float("inf")
+    logits[4, :300] = float("-inf")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_top(logits, k)  # 1.1 M values: rows shared by the threads
+        check_top(logits[:2], k)  # one thread
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_top_rows_decline_nan_rows_and_shapes_they_do_not_cover() -> None:
+    """None (the caller's torch path, which ranks NaN first) for a row with a NaN, widths not of whole 256-value
+    chunks, no more chunks than k, k past 64, other dtypes and layouts."""
+    x = torch.randn(3, 40 * 256, generator=torch.Generator().manual_seed(5))
+    check_top(x[:, : 20 * 256], 8)  # rows apart by more than their width
+    nan = x.clone()
+    nan[1, 7000] = float("nan")
+    assert cpu_argmax.top_rows(nan, 8) is None
+    nan[1, 7000], nan[2, 3] = 0.0, float("nan")  # in a chunk's first vector
+    assert cpu_argmax.top_rows(nan, 8) is None
+    assert cpu_argmax.top_rows(x[:, :1000], 8) is None  # not whole chunks
+    assert cpu_argmax.top_rows(x[:, : 8 * 256], 8) is None  # no more chunks than k
+    assert cpu_argmax.top_rows(x, 65) is None
+    assert cpu_argmax.top_rows(x.double(), 8) is None
+    assert cpu_argmax.top_rows(x.t(), 8) is None
+    assert cpu_argmax.top_rows(torch.empty(0, 40 * 256), 8) is None
