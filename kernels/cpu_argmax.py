@@ -37,17 +37,24 @@ def load() -> ctypes.CDLL | None:
     return library
 
 
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
-    """Each row's argmax (int64 [rows]) of a [rows, cols] float32 or bfloat16 CPU tensor whose rows are contiguous;
-    None for any other tensor, or where the kernel cannot be built."""
+def _library_for(logits: torch.Tensor) -> ctypes.CDLL | None:
+    """The kernels' library where they read `logits` as it is: a [rows, cols] float32 or bfloat16 CPU tensor whose
+    rows are contiguous and do not overlap; None for any other tensor, or where the library cannot be built."""
     if logits.device.type != "cpu" or logits.dtype not in DTYPES or logits.dim() != 2:
         return None
     rows, cols = logits.shape
-    if not cols or logits.stride(1) != 1 or (rows > 1 and logits.stride(0) < cols):
+    if logits.stride(1) != 1 or (rows > 1 and logits.stride(0) < cols):
         return None
-    library = load()
-    if library is None:
+    return load()
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
+    """Each row's argmax (int64 [rows]) of a [rows, cols] float32 or bfloat16 CPU tensor whose rows are contiguous;
+    None for any other tensor, or where the kernel cannot be built."""
+    library = _library_for(logits)
+    if library is None or not logits.shape[1]:
         return None
+    rows, cols = logits.shape
     out = torch.empty(rows, dtype=torch.int64)
     bf16 = int(logits.dtype == torch.bfloat16)
     library.argmax_rows(logits.data_ptr(), rows, cols, logits.stride(0), bf16, out.data_ptr(), torch.get_num_threads())
@@ -59,14 +66,10 @@ def top_rows(logits: torch.Tensor, k: int) -> torch.Tensor | None:
     a [rows, cols] float32 or bfloat16 CPU tensor with contiguous rows, cols a multiple of 256 and more than k
     chunks of 256, k <= 64; None for any other tensor, a row with a NaN (torch's topk ranks it first), or where
     the kernel cannot be built."""
-    if logits.device.type != "cpu" or logits.dtype not in DTYPES or logits.dim() != 2:
+    library = _library_for(logits)
+    if library is None or not logits.shape[0]:
         return None
     rows, cols = logits.shape
-    if not rows or logits.stride(1) != 1 or (rows > 1 and logits.stride(0) < cols):
-        return None
-    library = load()
-    if library is None:
-        return None
     out = torch.empty(rows, k, dtype=torch.int64)
     bf16 = int(logits.dtype == torch.bfloat16)
     threads = torch.get_num_threads()

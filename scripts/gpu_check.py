@@ -233,11 +233,10 @@ def dry_run(args: argparse.Namespace, report: dict[str, Any]) -> None:
 
         args.model = build_tiny_model("llama", Path(tempfile.mkdtemp()) / "tiny-llama", ensure_default_model())
         report["decode_dry_run"] = decode_part(args, gpu_decode.dry_run_config())
+    model = str(args.model) if "decode" in report["parts"] else None  # the tiny llama when there is one
     if "quant" in report["parts"]:
-        model = str(args.model) if "decode" in report["parts"] else None  # the tiny llama when there is one
         report["quant_dry_run"] = gpu_quant.quant_part(model, gpu_quant.dry_run_config())
     if "lora" in report["parts"]:
-        model = str(args.model) if "decode" in report["parts"] else None  # the tiny llama when there is one
         report["lora_dry_run"] = gpu_lora.lora_part(model, gpu_lora.dry_run_config())
     if "kv_ipc" in report["parts"]:
         report["kv_ipc_dry_run"] = gpu_kv_ipc.kv_ipc_part(gpu_kv_ipc.dry_run_config())

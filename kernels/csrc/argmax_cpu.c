@@ -180,8 +180,6 @@ static inline int top_insert(float *values, int64_t *indices, int count, int cap
         best = v > best ? v : best;                                                                             \
     }                                                                                                           \
     return best;
-#define load8_f32 0
-#define load8_bf16 0
 #endif
 CHUNK_MAX(chunk_max_f32, float, LOAD_F32, load8_f32)
 CHUNK_MAX(chunk_max_bf16, uint16_t, LOAD_BF16, load8_bf16)
