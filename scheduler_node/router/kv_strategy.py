@@ -154,7 +154,7 @@ class KVAware:
         def cost(r: Replica) -> tuple[float, int]:
             ahead = self.active.prefill_blocks(r.address)
             active = self.active.active_blocks(r.address, hashes.get(r.address, ())) + own[r.address]
-            others = max(0, r.load.num_running + r.load.num_waiting - r.in_flight) * prompt_blocks
+            others = r.others * prompt_blocks
             new = prompt_blocks - counts[r.address]
             return self.overlap_weight * new + (ahead + active + others) / r.weight, -counts[r.address]
 

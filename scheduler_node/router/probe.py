@@ -94,7 +94,9 @@ class Prober:
                     why = f"replica {replica.address} refused GetStats ({exc.details()}); set --replica-control-token"
                     logger.warning("%s; least_loaded counts only the router's own streams on it", why)
             return
-        replica.load = Load(stats.num_running, stats.num_waiting, stats.kv_usage, stats.max_model_len)
+        replica.load = Load(
+            stats.num_running, stats.num_waiting, stats.kv_usage, stats.max_model_len, replica.in_flight
+        )
         await self.learn_adapters(replica)
 
     async def _reopen_if_unreachable(self, replica: Replica) -> None:

@@ -99,6 +99,7 @@ class Load:
     num_waiting: int = 0
     kv_usage: float = 0.0
     max_model_len: int = 0
+    own_streams: int = 0  # the router's streams open on the replica when the answer came: counted in the two above
 
 
 @dataclass(slots=True, eq=False)
@@ -131,10 +132,17 @@ class Replica:
         return self.spec.weight
 
     @property
+    def others(self) -> int:
+        """Requests of the replica's other clients, as of the last poll: its queue less the router's own streams
+        then open on it."""
+        return max(0, self.load.num_running + self.load.num_waiting - self.load.own_streams)
+
+    @property
     def queue(self) -> int:
-        """Requests ahead of a new one: the polled queue, or the router's own open streams when those are more
-        (the poll lags a burst; the replica may have clients besides the router)."""
-        return max(self.in_flight, self.load.num_running + self.load.num_waiting)
+        """Requests ahead of a new one: the router's own open streams (exact now) and the other clients' (as polled).
+        The poll lags both a burst and the end of one; counting the router's streams from its own ledger keeps a
+        replica whose streams just ended from looking busy until its next poll."""
+        return self.in_flight + self.others
 
     def observe_ttft(self, seconds: float) -> None:
         self.ttft_ewma = _ewma(self.ttft_ewma, seconds)

@@ -12,7 +12,7 @@ import pytest
 from proto import serving_pb2 as pb
 from scheduler_node.router.control import aggregate
 from scheduler_node.router.metrics import RouterMetrics
-from scheduler_node.router.replica import DOWN, SERVING, Replica, ReplicaPool, ReplicaSpec, parse_replica
+from scheduler_node.router.replica import DOWN, SERVING, Load, Replica, ReplicaPool, ReplicaSpec, parse_replica
 from scheduler_node.router.request import RouteRequest
 from scheduler_node.router.ring import HashRing
 from scheduler_node.router.routing import RouteError, Router
@@ -170,6 +170,20 @@ def test_least_loaded_spreads_a_burst_and_prefers_the_shorter_queue() -> None:
     assert {router.route(RouteRequest("m")).replica.address for _ in range(5)} == {"h:2"}
     a.load.num_waiting, a.load.kv_usage = 0, 0.9
     assert router.route(RouteRequest("m")).replica is b  # equal queues: the lower KV usage
+
+
+def test_least_loaded_does_not_count_the_routers_ended_streams_of_a_stale_poll() -> None:
+    """A poll taken while the router had 8 streams open on h:1 says 8 running until the next poll; once those
+    streams have ended the replica is idle, and a burst splits evenly (CI saw 25/15 of 40 when the stale count
+    was taken as the queue)."""
+    pool = pool_of("h:1,model=m", "h:2,model=m")
+    router = Router(pool, "least_loaded")
+    a, b = pool.replicas
+    a.load = Load(num_running=8, own_streams=8)  # polled while the router's 8 streams ran there; they have ended
+    assert Counter(send(router, RouteRequest("m")).address for _ in range(10)) == {"h:1": 5, "h:2": 5}
+    a.in_flight = b.in_flight = 0
+    a.load = Load(num_running=6, own_streams=4)  # 2 of another client's beside the router's 4
+    assert Counter(send(router, RouteRequest("m")).address for _ in range(10)) == {"h:1": 4, "h:2": 6}
 
 
 def test_least_loaded_counts_weight_as_capacity() -> None:
