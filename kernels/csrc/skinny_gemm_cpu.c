@@ -293,21 +293,30 @@ static inline __m512 load_inputs(const uint16_t *x, int64_t k, int64_t K, int ga
     return _mm512_mul_ps(silu, bf16x16_to_float(x + K + k));
 }
 
-/* One row of K inputs (bf16, or a gated MLP's: `load_inputs`, kept in `gated` [K] between the two passes)
- * quantized symmetrically into its tile column(s): `hi` (and `lo` when split: 16-bit codes cut into 256 hi + lo).
- * Returns the row's scale (0 for an all-zero row, whose codes are all 0). */
-static float quantize_row(const uint16_t *x, int64_t K, float *gated, int split, uint32_t *hi, uint32_t *lo) {
+/* The largest |input| of inputs [k0, k1) of an activation row (bf16, or a gated MLP's: `load_inputs`, those
+ * kept in `gated` [K] for `quantize_inputs`). */
+static float inputs_absmax(const uint16_t *x, int64_t k0, int64_t k1, int64_t K, float *gated) {
     __m512 amax = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
+    for (int64_t k = k0; k < k1; k += 16) {
         const __m512 v = load_inputs(x, k, K, gated != NULL);
         if (gated)
             _mm512_store_ps(gated + k, v);
         amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
     }
-    const float absmax = _mm512_reduce_max_ps(amax), qmax = split ? 127.0f * 256 + 127 : 127.0f;
+    return _mm512_reduce_max_ps(amax);
+}
+
+static inline float code_limit(int split) { return split ? 127.0f * 256 + 127 : 127.0f; }
+
+/* Inputs [k0, k1) of one row quantized symmetrically (|input| <= absmax) into its tile column(s): `hi` (and `lo`
+ * when split: 16-bit codes cut into 256 hi + lo). k0 and k1 are multiples of 16, so a call writes only the tile
+ * words of its own inputs (4 per word). */
+static void quantize_inputs(const uint16_t *x, int64_t k0, int64_t k1, const float *gated, float absmax, int split,
+                            uint32_t *hi, uint32_t *lo) {
+    const float qmax = code_limit(split);
     const __m512 inv = _mm512_set1_ps(absmax > 0 ? qmax / absmax : 0.0f);
     const __m512i top = _mm512_set1_epi32((int)qmax), bottom = _mm512_set1_epi32(-(int)qmax);
-    for (int64_t k = 0; k < K; k += 16) {
+    for (int64_t k = k0; k < k1; k += 16) {
         const __m512 v = gated ? _mm512_load_ps(gated + k) : bf16x16_to_float(x + k);
         __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv)); /* to nearest */
         q = _mm512_max_epi32(_mm512_min_epi32(q, top), bottom);
@@ -319,7 +328,6 @@ static float quantize_row(const uint16_t *x, int64_t K, float *gated, int split,
         }
         scatter_quads(q, hi + k / 4 * GROUP_ROWS);
     }
-    return absmax / qmax;
 }
 
 /* An int32 accumulator (y^T, 16 channels x 16 rows; plus 256 x it and `lo`'s when split) out to y's rows, scaled
@@ -467,6 +475,45 @@ int int8_gemm_silu_gated(const uint16_t *x, const int8_t *w, const float *w_scal
 }
 
 #if HAVE_AMX_INT8
+/* A call's activation rows and the tile words they are quantized into. */
+typedef struct {
+    const uint16_t *x;
+    int64_t K;
+    int gated, split;
+    uint32_t *xq;
+    int64_t words; /* one virtual group's tile words */
+} Activations;
+
+static inline const uint16_t *row_inputs(Activations a, int64_t m) { return a.x + m * (a.K << a.gated); }
+
+/* Row m's column of its group's hi tile words (its lo words follow `words` later). */
+static inline uint32_t *row_codes(Activations a, int64_t m) {
+    return a.xq + ((m / GROUP_ROWS) << a.split) * a.words + m % GROUP_ROWS;
+}
+
+/* Rows [0, M) quantized by the whole team, thread t of `team` a slice of every row's inputs (slices of 16 inputs
+ * are whole cache lines of the tile words: no line is written by two threads): each slice's maximum to
+ * `partial`, a barrier, then each row's codes from the maximum of its slices'. `values` NULL: skip (a failed
+ * buffer; the call fails). Ends with a barrier: every code is written when it returns. */
+static void quantize_slices(Activations a, int64_t M, float *values, float *xs, float partial[][MAX_ROWS], int t,
+                            int team) {
+    const int64_t slices = a.K / 16, k0 = t * slices / team * 16, k1 = (t + 1) * slices / team * 16;
+    const int skip = a.gated && !values;
+    for (int64_t m = 0; m < M && !skip; m++)
+        partial[t][m] = inputs_absmax(row_inputs(a, m), k0, k1, a.K, a.gated ? values + m * a.K : NULL);
+#pragma omp barrier
+    for (int64_t m = 0; m < M && !skip; m++) {
+        float absmax = 0.0f;
+        for (int j = 0; j < team; j++)
+            absmax = partial[j][m] > absmax ? partial[j][m] : absmax;
+        quantize_inputs(row_inputs(a, m), k0, k1, a.gated ? values + m * a.K : NULL, absmax, a.split,
+                        row_codes(a, m), row_codes(a, m) + a.words);
+        if (t == 0)
+            xs[m] = absmax / code_limit(a.split);
+    }
+#pragma omp barrier
+}
+
 static int int8_product(const uint16_t *x, const int8_t *w, const float *w_scales, uint16_t *out, int64_t M,
                         int64_t N, int64_t K, int gated, int act_bits, int num_threads) {
     if (M < 1 || N <= 0 || K <= 0 || N % BLOCK_N || K % QUADS_K || (act_bits != 8 && act_bits != 16))
@@ -483,20 +530,33 @@ static int int8_product(const uint16_t *x, const int8_t *w, const float *w_scale
     num_threads = team_size(num_threads, stripes);
     StripeRun runs[MAX_STRIPE_THREADS];
     stripe_runs_init(runs, stripes, num_threads);
+    /* Fewer row groups than threads (decode's 16 rows or fewer): the threads quantize slices of the inputs
+     * instead, each row's slices' maxima shared through `partial`. */
+    const int sliced = groups < num_threads && M <= MAX_ROWS;
+    _Alignas(64) float partial[MAX_STRIPE_THREADS][MAX_ROWS];
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        float *values = gated ? thread_buffer(&gated_buffer, &gated_capacity, (size_t)K * sizeof(float)) : NULL;
+        const int t = omp_get_thread_num(), team = omp_get_num_threads();
+        const size_t kept = gated ? (size_t)(sliced ? M : 1) * K * sizeof(float) : 0;
+        float *values = gated ? thread_buffer(&gated_buffer, &gated_capacity, kept) : NULL;
         failed = gated && !values;
-        /* A thread quantizes whole row groups: a group's rows share the cache lines of its tile words (row m is
-         * word m % 16 of each), so two threads on one group would pass every line back and forth (16 rows on two
-         * threads took 2.7x one thread's time). */
+        const Activations a = {x, K, gated, split, xq, words};
+        if (sliced) {
+            quantize_slices(a, M, failed ? NULL : values, xs, partial, t, team);
+        } else {
+            /* A thread quantizes whole row groups: a group's rows share the cache lines of its tile words (row m
+             * is word m % 16 of each), so two threads on one group would pass every line back and forth (16 rows
+             * on two threads took 2.7x one thread's time). */
 #pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++) {
-            const int64_t end = (g + 1) * GROUP_ROWS < M ? (g + 1) * GROUP_ROWS : M;
-            for (int64_t m = g * GROUP_ROWS; m < end; m++) {
-                uint32_t *hi = xq + (g << split) * words + m % GROUP_ROWS;
-                xs[m] = failed ? 0.0f : quantize_row(x + m * (K << gated), K, values, split, hi, hi + words);
+            for (int64_t g = 0; g < groups; g++) {
+                const int64_t end = (g + 1) * GROUP_ROWS < M ? (g + 1) * GROUP_ROWS : M;
+                for (int64_t m = g * GROUP_ROWS; m < end && !failed; m++) {
+                    const float absmax = inputs_absmax(row_inputs(a, m), 0, K, K, values);
+                    quantize_inputs(row_inputs(a, m), 0, K, values, absmax, split, row_codes(a, m),
+                                    row_codes(a, m) + words);
+                    xs[m] = absmax / code_limit(split);
+                }
             }
         }
         _Alignas(64) int32_t acc[16 * 16], acc_lo[16 * 16];

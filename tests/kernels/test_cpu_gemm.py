@@ -198,9 +198,11 @@ def test_no_amx_means_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_every_stripe_is_multiplied_once_whatever_the_threads(threads: int) -> None:
     """The threads share the stripes of 32 channels in runs and take from each other's back (kernels/csrc/stripes.h):
     with more threads than cores, some descheduled mid-call, every channel is still computed once, in the same
-    order: the outputs are one thread's, bit for bit (bf16 and int8 weights; 37 stripes, the last half wide)."""
+    order: the outputs are one thread's, bit for bit (bf16 and int8 weights; 37 stripes, the last half wide). With
+    fewer row groups than threads the int8 kernel's threads quantize slices of each row's inputs: the same codes."""
     gen = torch.Generator().manual_seed(threads)
     x = torch.randn(16, 128, generator=gen).bfloat16()
+    gate_up = (torch.randn(16, 256, generator=gen) * 3).bfloat16()
     w = torch.randn(37 * 32 - 16, 128, generator=gen).bfloat16()
     codes = torch.randint(-127, 128, tuple(w.shape), generator=gen, dtype=torch.int8)
     scales = torch.rand(w.shape[0], generator=gen) / 64
@@ -208,6 +210,8 @@ def test_every_stripe_is_multiplied_once_whatever_the_threads(threads: int) -> N
         "bf16": lambda: cpu_gemm.linear(x, w),
         "int8 widened": lambda: cpu_gemm.linear_int8(x, codes, scales),
         "int8 a16": lambda: cpu_gemm.linear_int8_act(x, codes, scales, 16),
+        "int8 a16 gated": lambda: cpu_gemm.linear_int8_act(gate_up, codes, scales, 16, silu_gated=True),
+        "int8 a8, 3 rows": lambda: cpu_gemm.linear_int8_act(x[:3], codes, scales, 8),
     }
     before = torch.get_num_threads()
     try:
