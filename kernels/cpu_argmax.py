@@ -34,6 +34,9 @@ def load() -> ctypes.CDLL | None:
     library.argmax_rows.argtypes = [_ptr, _i64, _i64, _i64, ctypes.c_int, _ptr, ctypes.c_int]
     library.top_rows.restype = ctypes.c_int
     library.top_rows.argtypes = [_ptr, _i64, _i64, _i64, ctypes.c_int, ctypes.c_int, _ptr, ctypes.c_int]
+    library.rescore_rows.restype = ctypes.c_int
+    library.rescore_rows.argtypes = [_ptr, _ptr, _i64, _i64, _i64, ctypes.c_int, _ptr, ctypes.c_int, _ptr, _i64]
+    library.rescore_rows.argtypes += [ctypes.c_int]
     return library
 
 
@@ -75,3 +78,35 @@ def top_rows(logits: torch.Tensor, k: int) -> torch.Tensor | None:
     threads = torch.get_num_threads()
     status = library.top_rows(logits.data_ptr(), rows, cols, logits.stride(0), bf16, k, out.data_ptr(), threads)
     return out if status == 0 else None
+
+
+def rescore_rows(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, top: torch.Tensor) -> bool:
+    """logits[r, top[r, j]] = hidden[r] . weight[top[r, j]] in float32, in place, for float32 logits [rows, vocab]
+    (contiguous rows), hidden [rows, dim] and weight [vocab, dim] both bfloat16 or both float32 (contiguous), top
+    int64 [rows, k]: the LM head's rescoring without gathering the rows. False (nothing written) for other tensors,
+    a candidate outside the vocab, or where the kernel cannot be built."""
+    library = _library_for(logits)
+    if (
+        library is None
+        or logits.dtype != torch.float32
+        or hidden.dtype not in DTYPES
+        or weight.dtype != hidden.dtype
+        or top.dtype != torch.int64
+        or top.dim() != 2
+        or hidden.dim() != 2
+        or weight.dim() != 2
+        or top.shape[0] != logits.shape[0]
+        or hidden.shape[0] != logits.shape[0]
+        or hidden.shape[1] != weight.shape[1]
+        or weight.shape[0] > logits.shape[1]
+        or not (hidden.is_contiguous() and weight.is_contiguous() and top.is_contiguous())
+        or any(t.device.type != "cpu" for t in (hidden, weight, top))
+    ):
+        return False
+    rows, k = top.shape
+    bf16 = int(hidden.dtype == torch.bfloat16)
+    status = library.rescore_rows(
+        hidden.data_ptr(), weight.data_ptr(), rows, hidden.shape[1], weight.shape[0], bf16, top.data_ptr(), k,
+        logits.data_ptr(), logits.stride(0), torch.get_num_threads(),
+    )  # fmt: skip
+    return status == 0

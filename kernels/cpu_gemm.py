@@ -60,7 +60,7 @@ def load() -> ctypes.CDLL | None:
     """The kernel built for this CPU, with the AMX state granted to this process; None where it cannot run (or
     $MINIVLLM_CPU_GEMM is 0)."""
     gemm = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int] * 2
-    entries = {"skinny_gemm": gemm, "int8_gemm": gemm, "int8_gemm_silu_gated": gemm}
+    entries = {"skinny_gemm": gemm, "int8_gemm": gemm, "int8_gemm_f32": gemm, "int8_gemm_silu_gated": gemm}
     return load_amx_library(SOURCE, "CPU decode matmuls", "skinny_gemm_init", entries)
 
 
@@ -189,13 +189,19 @@ def has_int8() -> bool:
 
 
 def linear_int8_act(
-    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, act_bits: int = 16, silu_gated: bool = False
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    act_bits: int = 16,
+    silu_gated: bool = False,
+    out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor | None:
     """x [T, K] bf16 quantized per row to `act_bits` (8: W8A8; 16: two int8 halves, about bf16's precision)
     times int8 codes [N, K] scaled per output channel (float32 [N]): [T, N] bf16, any T; None where the kernel
     does not cover them (K not a multiple of 64, no AMX-INT8: the caller uses another path). `silu_gated`: x is
     a gated MLP's [T, 2K] (gate, then up) and the product takes silu(gate) * up, made as the rows are quantized
-    (in float32, without the bf16 rounding of torch's two steps)."""
+    (in float32, without the bf16 rounding of torch's two steps). `out_dtype` float32: the sums unrounded (an LM
+    head's logits; not with `silu_gated`)."""
     if act_bits not in ACT_BITS:
         raise ValueError(f"act_bits must be one of {ACT_BITS}, not {act_bits}")
     if not (
@@ -206,13 +212,17 @@ def linear_int8_act(
         and codes.dim() == 2
         and codes.shape[1] * (2 if silu_gated else 1) == x.shape[1]
         and covers_int8_act(codes, scales)
+        and out_dtype in (torch.bfloat16, torch.float32)
+        and not (silu_gated and out_dtype == torch.float32)
     ):
         return None
     library = load()
     assert library is not None
     x = x.contiguous()
-    out = torch.empty(x.shape[0], codes.shape[0], dtype=torch.bfloat16)
+    out = torch.empty(x.shape[0], codes.shape[0], dtype=out_dtype)
     entry = library.int8_gemm_silu_gated if silu_gated else library.int8_gemm
+    if out_dtype == torch.float32:
+        entry = library.int8_gemm_f32
     status = entry(
         x.data_ptr(),
         codes.data_ptr(),

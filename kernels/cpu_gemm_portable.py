@@ -104,9 +104,10 @@ def multiply(library: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scales:
 
 def scores(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
     """x times int8 codes scaled per output channel in a C kernel (an int8 LM head's logits): AMX-INT8 with bf16
-    activations quantized per row where it runs (kernels/cpu_gemm.py), else this kernel; None where neither
-    covers them."""
-    out = cpu_gemm.linear_int8_act(x, codes, scales) if x.dtype == torch.bfloat16 else None
+    activations quantized per row where it runs (kernels/cpu_gemm.py; float32 out: the logits are not rounded to
+    bf16 and converted back), else this kernel; None where neither covers them."""
+    bf16 = x.dtype == torch.bfloat16
+    out = cpu_gemm.linear_int8_act(x, codes, scales, out_dtype=torch.float32) if bf16 else None
     return out if out is not None else linear(x, codes, scales)
 
 

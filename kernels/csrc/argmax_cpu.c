@@ -224,3 +224,52 @@ int top_rows(const void *logits, int64_t rows, int64_t cols, int64_t stride, int
     }
     return failed ? -1 : 0;
 }
+
+/* A dot product of n float32 sums of exact products (bf16 x bf16 and the widened values are exact in float32). */
+#if defined(__AVX2__) && defined(__FMA__)
+#define DOT_BODY(LOAD8, LOAD)                                                                                    \
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                                               \
+    int64_t i = 0;                                                                                               \
+    for (; i + 16 <= n; i += 16) {                                                                               \
+        acc0 = _mm256_fmadd_ps(LOAD8(a + i), LOAD8(b + i), acc0);                                                \
+        acc1 = _mm256_fmadd_ps(LOAD8(a + i + 8), LOAD8(b + i + 8), acc1);                                        \
+    }                                                                                                            \
+    __m256 acc = _mm256_add_ps(acc0, acc1);                                                                      \
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));                        \
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));                                                          \
+    float sum = _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));                                          \
+    for (; i < n; i++)                                                                                           \
+        sum += LOAD(a, i) * LOAD(b, i);                                                                          \
+    return sum;
+#else
+#define DOT_BODY(LOAD8, LOAD)                                                                                    \
+    float sum = 0.0f;                                                                                            \
+    for (int64_t i = 0; i < n; i++)                                                                              \
+        sum += LOAD(a, i) * LOAD(b, i);                                                                          \
+    return sum;
+#endif
+
+static float dot_f32(const float *a, const float *b, int64_t n) { DOT_BODY(load8_f32, LOAD_F32) }
+static float dot_bf16(const uint16_t *a, const uint16_t *b, int64_t n) { DOT_BODY(load8_bf16, LOAD_BF16) }
+
+/* The LM head's rescoring (worker_node/models/layers.py): logits[r, top[r, j]] = hidden[r] . weight[top[r, j]] in
+ * float32, for each row r and j < k, from the hidden states and weight rows as they are (bf16 or float32, both the
+ * same; [rows, dim] and [vocab, dim], contiguous), without gathering the rows first. Returns 0, or -1 (nothing
+ * written) when a candidate is outside [0, vocab). */
+int rescore_rows(const void *hidden, const void *weight, int64_t rows, int64_t dim, int64_t vocab, int bf16,
+                 const int64_t *top, int k, float *logits, int64_t stride, int threads) {
+    for (int64_t i = 0; i < rows * k; i++)
+        if (top[i] < 0 || top[i] >= vocab)
+            return -1;
+    const int parallel = threads > 1 && rows > 1 && rows * k * dim >= (1 << 16);
+#pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int j = 0; j < k; j++) {
+            const int64_t v = top[r * k + j];
+            logits[r * stride + v] =
+                bf16 ? dot_bf16((const uint16_t *)hidden + r * dim, (const uint16_t *)weight + v * dim, dim)
+                     : dot_f32((const float *)hidden + r * dim, (const float *)weight + v * dim, dim);
+        }
+    }
+    return 0;
+}

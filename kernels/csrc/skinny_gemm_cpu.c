@@ -331,9 +331,9 @@ static void quantize_inputs(const uint16_t *x, int64_t k0, int64_t k1, const flo
 }
 
 /* An int32 accumulator (y^T, 16 channels x 16 rows; plus 256 x it and `lo`'s when split) out to y's rows, scaled
- * by the channels' and the rows' scales. */
+ * by the channels' and the rows' scales: bf16, or float32 (`out_f32`: an LM head's logits, kept unrounded). */
 static inline void store_int8_group(const int32_t *acc, const int32_t *lo, const float *w_scales,
-                                    const float *x_scales, uint16_t *out, int64_t rows, int64_t N) {
+                                    const float *x_scales, void *out, int out_f32, int64_t rows, int64_t N) {
     __m512 r[16];
     for (int i = 0; i < 16; i++) {
         r[i] = _mm512_cvtepi32_ps(_mm512_load_si512(acc + 16 * i));
@@ -344,7 +344,10 @@ static inline void store_int8_group(const int32_t *acc, const int32_t *lo, const
     const __m512 s = _mm512_loadu_ps(w_scales);
     for (int64_t m = 0; m < rows; m++) {
         const __m512 y = _mm512_mul_ps(r[m], _mm512_mul_ps(s, _mm512_set1_ps(x_scales[m])));
-        _mm256_storeu_si256((__m256i *)(out + m * N), (__m256i)_mm512_cvtneps_pbh(y));
+        if (out_f32)
+            _mm512_storeu_ps((float *)out + m * N, y);
+        else
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + m * N), (__m256i)_mm512_cvtneps_pbh(y));
     }
 }
 
@@ -352,7 +355,7 @@ static inline void store_int8_group(const int32_t *acc, const int32_t *lo, const
  * tiles 4 and 5, two "virtual groups" of activations tiles 6 and 7 (two row groups; or, split, one row group's hi
  * and lo codes), accumulators 0-3 (virtual group x channel half). */
 static void stripe_int8(const int8_t *w, const float *w_scales, const uint32_t *xq, const float *x_scales,
-                        uint16_t *out, int64_t M, int64_t N, int64_t K, int vgroups, int split, int64_t n0,
+                        void *out, int out_f32, int64_t M, int64_t N, int64_t K, int vgroups, int split, int64_t n0,
                         int width, int32_t *acc, int32_t *acc_lo, Ahead ahead) {
     const int64_t quads = K / 4;
     const int8_t *a = w + n0 * K;
@@ -389,8 +392,9 @@ static void stripe_int8(const int8_t *w, const float *w_scales, const uint32_t *
             if (split)
                 store_tile(t + 2, acc_lo);
             const int64_t rows = M - first < GROUP_ROWS ? M - first : GROUP_ROWS;
-            store_int8_group(acc, split ? acc_lo : NULL, w_scales + channel, x_scales + first, out + first * N + channel,
-                             rows, N);
+            const int64_t at = first * N + channel;
+            store_int8_group(acc, split ? acc_lo : NULL, w_scales + channel, x_scales + first,
+                             out_f32 ? (void *)((float *)out + at) : (void *)((uint16_t *)out + at), out_f32, rows, N);
         }
     }
 }
@@ -445,8 +449,8 @@ int skinny_gemm(const uint16_t *x, const void *w, const float *scales, uint16_t 
 }
 
 #if HAVE_AMX_INT8
-static int int8_product(const uint16_t *x, const int8_t *w, const float *w_scales, uint16_t *out, int64_t M,
-                        int64_t N, int64_t K, int gated, int act_bits, int num_threads);
+static int int8_product(const uint16_t *x, const int8_t *w, const float *w_scales, void *out, int out_f32,
+                        int64_t M, int64_t N, int64_t K, int gated, int act_bits, int num_threads);
 #endif
 
 /* y = (x quantized per row to `act_bits` 8 or 16) @ w^T, times w_scales per output channel: int8 codes w [N, K],
@@ -454,7 +458,18 @@ static int int8_product(const uint16_t *x, const int8_t *w, const float *w_scale
 int int8_gemm(const uint16_t *x, const int8_t *w, const float *w_scales, uint16_t *out, int64_t M, int64_t N,
               int64_t K, int act_bits, int num_threads) {
 #if HAVE_AMX_INT8
-    return int8_product(x, w, w_scales, out, M, N, K, 0, act_bits, num_threads);
+    return int8_product(x, w, w_scales, out, 0, M, N, K, 0, act_bits, num_threads);
+#else
+    (void)x, (void)w, (void)w_scales, (void)out, (void)M, (void)N, (void)K, (void)act_bits, (void)num_threads;
+    return -1;
+#endif
+}
+
+/* `int8_gemm` with float32 outputs (an LM head's logits: no bf16 rounding, no conversion after). */
+int int8_gemm_f32(const uint16_t *x, const int8_t *w, const float *w_scales, float *out, int64_t M, int64_t N,
+                  int64_t K, int act_bits, int num_threads) {
+#if HAVE_AMX_INT8
+    return int8_product(x, w, w_scales, out, 1, M, N, K, 0, act_bits, num_threads);
 #else
     (void)x, (void)w, (void)w_scales, (void)out, (void)M, (void)N, (void)K, (void)act_bits, (void)num_threads;
     return -1;
@@ -467,7 +482,7 @@ int int8_gemm(const uint16_t *x, const int8_t *w, const float *w_scales, uint16_
 int int8_gemm_silu_gated(const uint16_t *x, const int8_t *w, const float *w_scales, uint16_t *out, int64_t M,
                          int64_t N, int64_t K, int act_bits, int num_threads) {
 #if HAVE_AMX_INT8
-    return int8_product(x, w, w_scales, out, M, N, K, 1, act_bits, num_threads);
+    return int8_product(x, w, w_scales, out, 0, M, N, K, 1, act_bits, num_threads);
 #else
     (void)x, (void)w, (void)w_scales, (void)out, (void)M, (void)N, (void)K, (void)act_bits, (void)num_threads;
     return -1;
@@ -514,8 +529,8 @@ static void quantize_slices(Activations a, int64_t M, float *values, float *xs, 
 #pragma omp barrier
 }
 
-static int int8_product(const uint16_t *x, const int8_t *w, const float *w_scales, uint16_t *out, int64_t M,
-                        int64_t N, int64_t K, int gated, int act_bits, int num_threads) {
+static int int8_product(const uint16_t *x, const int8_t *w, const float *w_scales, void *out, int out_f32,
+                        int64_t M, int64_t N, int64_t K, int gated, int act_bits, int num_threads) {
     if (M < 1 || N <= 0 || K <= 0 || N % BLOCK_N || K % QUADS_K || (act_bits != 8 && act_bits != 16))
         return -1;
     const int split = act_bits == 16, groups = (int)((M + GROUP_ROWS - 1) / GROUP_ROWS), vgroups = groups << split;
@@ -565,7 +580,7 @@ static int int8_product(const uint16_t *x, const int8_t *w, const float *w_scale
         while ((s = stripe_take(runs, num_threads, omp_get_thread_num(), &next)) >= 0) {
             const int64_t n0 = s * 2 * BLOCK_N;
             const int width = N - n0 < 2 * BLOCK_N ? (int)(N - n0) : 2 * BLOCK_N;
-            stripe_int8(w, w_scales, xq, xs, out, M, N, K, vgroups, split, n0, width, acc, acc_lo,
+            stripe_int8(w, w_scales, xq, xs, out, out_f32, M, N, K, vgroups, split, n0, width, acc, acc_lo,
                         ahead_of(w, next, N, K));
         }
         _tile_release();

@@ -78,7 +78,7 @@ def test_int8_codes_times_quantized_activations_match_the_reference(
     bits: int, rows: int, outputs: int, inputs: int
 ) -> None:
     """Per-row activation codes, the 16-bit ones split into int8 halves; rows past 64 and partial row groups and
-    stripes; a zero row (scale 0) gives zeros."""
+    stripes; a zero row (scale 0) gives zeros. float32 outputs (an LM head's) are the sums the bf16 ones round."""
     gen = torch.Generator().manual_seed(rows * 1000 + outputs + inputs + bits)
     x = torch.randn(rows, inputs, generator=gen).bfloat16()
     x[rows // 2] = 0
@@ -92,6 +92,8 @@ def test_int8_codes_times_quantized_activations_match_the_reference(
     slack = step * codes.double().abs().amax(dim=1) * scales.double() * 2
     assert bool(((got.double() - want).abs() <= 2**-8 * want.abs() + slack + 1e-30).all())
     assert bool((got[rows // 2] == 0).all())
+    sums = cpu_gemm.linear_int8_act(x, codes, scales, bits, out_dtype=torch.float32)
+    assert sums is not None and sums.dtype == torch.float32 and torch.equal(sums.bfloat16(), got)
 
 
 @needs_amx_int8

@@ -258,11 +258,11 @@ class ParallelLMHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         local = self._int8_scores(hidden)
         if local is not None:
-            local = rescore_top_logits(local, hidden, self._exact_rows, RESCORED_INT8_LOGITS)
+            local = rescore_top_logits(local, hidden, self.weight, RESCORED_INT8_LOGITS)
         else:
             local = cpu_gemm.linear(hidden, self.weight, invariant=self.invariant)
             if local.dtype != torch.float32:
-                local = rescore_top_logits(local, hidden, self._exact_rows)
+                local = rescore_top_logits(local, hidden, self.weight)
         logits = self.comm.gather_to_first(local)
         if logits is None:
             return None
@@ -275,9 +275,6 @@ class ParallelLMHead(nn.Module):
             return None
         return cpu_gemm_portable.scores(hidden, *self.int8)
 
-    def _exact_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.weight[rows].float()
-
 
 RESCORED_LOGITS = 8
 # An int8 logit is off by up to about 1 % of the row's scale: more candidates, so that the exact best is among them.
@@ -285,21 +282,23 @@ RESCORED_INT8_LOGITS = 16
 
 
 def rescore_top_logits(
-    logits: torch.Tensor,
-    hidden: torch.Tensor,
-    weight_rows: Callable[[torch.Tensor], torch.Tensor],
-    count: int = RESCORED_LOGITS,
+    logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, count: int = RESCORED_LOGITS
 ) -> torch.Tensor:
     """Float32 logits whose top candidates are recomputed in float32 from the same bf16/fp16 operands.
 
     A bf16 logit is rounded to a step of 1/16 to 1/8 at the magnitudes of a model's best tokens (8 to 32), so
     near-ties would resolve by token id instead of by score; the top few of each row (each TP rank's own vocab
     rows, whose union holds the global top) are cheap to score exactly, the rest keep their rounded values.
-    `weight_rows(ids)`: those vocab rows of the weight in float32 (an int8 head's: of the weight it was made from).
+    `weight`: this rank's vocab rows of the head (an int8 head's: the weight it was made from). On CPU one C pass
+    scores the candidates from the weight's rows where they lie (kernels/cpu_argmax.py `rescore_rows`); else
+    torch gathers them first.
     """
     top = top_candidates(logits, min(count, logits.shape[-1]))  # [B, k]
-    exact = torch.einsum("bd,bkd->bk", hidden.float(), weight_rows(top))
-    return logits.float().scatter_(1, top, exact)
+    scores = logits.float()
+    if cpu_argmax.rescore_rows(scores, hidden, weight, top):
+        return scores
+    exact = torch.einsum("bd,bkd->bk", hidden.float(), weight[top].float())
+    return scores.scatter_(1, top, exact)
 
 
 CANDIDATE_CHUNK = 256

@@ -1,5 +1,5 @@
-"""The LM head's candidate search (worker_node/models/layers.py): the C pass and the chunked torch path, each
-against torch's top-k."""
+"""The LM head's candidate search and rescoring (worker_node/models/layers.py): the C passes and the torch paths,
+each against torch's top-k or float64 sums."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels import cpu_argmax
-from worker_node.models.layers import CANDIDATE_CHUNK, rescore_top_logits, top_candidates
+from worker_node.models.layers import CANDIDATE_CHUNK, RESCORED_LOGITS, rescore_top_logits, top_candidates
 
 pytestmark = pytest.mark.unit
 
@@ -39,10 +39,38 @@ def test_widths_the_chunks_do_not_serve_take_torchs_topk(width: int, search: str
     assert torch.equal(top_candidates(logits, 8).sort(-1).values, logits.topk(8, dim=-1).indices.sort(-1).values)
 
 
-def test_rescoring_puts_the_exact_scores_of_the_top_candidates() -> None:
-    weight, hidden = torch.randn(4 * CANDIDATE_CHUNK * 10, 32).bfloat16(), torch.randn(2, 32).bfloat16()
-    exact = hidden.float() @ weight.float().t()
-    logits = rescore_top_logits(exact.bfloat16(), hidden, lambda rows: weight[rows].float())
-    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
-    top = exact.topk(4, dim=-1).indices
-    torch.testing.assert_close(logits.gather(1, top), exact.gather(1, top), rtol=1e-6, atol=1e-5)
+@pytest.mark.parametrize("path", ["C", "torch"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rescoring_puts_the_exact_scores_of_the_top_candidates(
+    path: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both paths (kernels/cpu_argmax.py's C pass, torch's gather where it declines): the top candidates carry
+    float32 sums of the exact products, the others their rounded scores."""
+    if path == "torch":
+        monkeypatch.setattr(cpu_argmax, "rescore_rows", lambda *args: False)
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(4 * CANDIDATE_CHUNK * 10, 72, generator=gen).to(dtype)
+    hidden = torch.randn(3, 72, generator=gen).to(dtype)
+    exact = hidden.double() @ weight.double().t()
+    rounded = exact.bfloat16() if dtype == torch.bfloat16 else (exact + 1e-3).float()
+    logits = rescore_top_logits(rounded, hidden, weight)
+    assert logits.dtype == torch.float32 and torch.equal(logits.argmax(-1), exact.argmax(-1))
+    top = top_candidates(rounded, RESCORED_LOGITS)  # the candidates (rounded scores pick them)
+    torch.testing.assert_close(logits.gather(1, top).double(), exact.gather(1, top), rtol=1e-6, atol=1e-5)
+    assert (logits.double() != exact).float().mean() > 0.9  # the others keep their rounded scores
+    rest = torch.ones_like(logits, dtype=torch.bool).scatter_(1, top, False)
+    assert torch.equal(logits[rest], rounded.float()[rest])
+
+
+def test_the_c_rescoring_refuses_what_it_does_not_read() -> None:
+    weight, hidden = torch.randn(512, 32).bfloat16(), torch.randn(2, 32).bfloat16()
+    logits, top = torch.zeros(2, 512), torch.tensor([[1, 2], [3, 512]])
+    assert not cpu_argmax.rescore_rows(logits, hidden, weight, top)  # a candidate past the vocab
+    assert torch.equal(logits, torch.zeros(2, 512))  # nothing written
+    top[1, 1] = 4
+    assert not cpu_argmax.rescore_rows(logits, hidden.float(), weight, top)  # mixed dtypes
+    assert not cpu_argmax.rescore_rows(logits.bfloat16(), hidden, weight, top)  # bf16 logits
+    assert not cpu_argmax.rescore_rows(logits, hidden, weight.t(), top)  # weight not [vocab, dim] contiguous
+    if cpu_argmax.load() is not None:
+        assert cpu_argmax.rescore_rows(logits, hidden, weight, top)
+        assert torch.count_nonzero(logits) == 4
