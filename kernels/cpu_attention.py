@@ -26,6 +26,11 @@ _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
 
 
+# GCC vectorizes in 256-bit registers on AVX-512 CPUs unless told otherwise; whole 512-bit ones for a head's rows
+# (64 bf16 values: one load, two conversions, four FMAs per query head and token) took a SmolLM2 decode step's
+# attention from 8.8 to 8.1 ms at 64 sequences (docs/benchmarks.md). Only a preference: ignored without AVX-512.
+VECTOR_WIDTH = "-mprefer-vector-width=512"
+
 # The cache dtypes the kernel reads, each its own build (-DKV_FORMAT, the values of the C source's KV_* names).
 KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}
 
@@ -35,7 +40,8 @@ def load(head_dim: int = 64, group: int = 1, kv_dtype: torch.dtype = torch.float
     """The kernel compiled for this head size, query heads per kv head and cache dtype (float32, bfloat16, or
     int8 / float8_e4m3fn with scales), building it first if needed; None when it cannot be built here (logged
     once)."""
-    flags = (*CFLAGS, f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}", f"-DKV_FORMAT={KV_FORMATS[kv_dtype]}")
+    shape = (f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}", f"-DKV_FORMAT={KV_FORMATS[kv_dtype]}")
+    flags = (*CFLAGS, VECTOR_WIDTH, *shape)
     library = load_library(SOURCE, flags, "CPU decode attention")
     if library is None:
         return None
