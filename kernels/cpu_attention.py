@@ -15,7 +15,7 @@ import torch
 
 from kernels.interface import DecodeAttention
 from kernels.kv_quant import SCALE_DTYPE, is_quantized
-from kernels.native_build import CFLAGS, CSRC, load_library
+from kernels.native_build import CFLAGS, CSRC, VECTOR_WIDTH, load_library
 
 SOURCE = CSRC / "paged_attention_cpu.c"
 
@@ -25,11 +25,6 @@ MAX_HEAD_DIM = 256
 _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
 
-
-# GCC vectorizes in 256-bit registers on AVX-512 CPUs unless told otherwise; whole 512-bit ones for a head's rows
-# (64 bf16 values: one load, two conversions, four FMAs per query head and token) took a SmolLM2 decode step's
-# attention from 8.8 to 8.1 ms at 64 sequences (docs/benchmarks.md). Only a preference: ignored without AVX-512.
-VECTOR_WIDTH = "-mprefer-vector-width=512"
 
 # The cache dtypes the kernel reads, each its own build (-DKV_FORMAT, the values of the C source's KV_* names).
 KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}
