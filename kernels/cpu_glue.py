@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import torch_attention
-from kernels.native_build import CFLAGS, CSRC, VECTOR_WIDTH, load_library
+from kernels.native_build import CFLAGS, CSRC, load_library
 
 SOURCE = CSRC / "glue_cpu.c"
 
@@ -31,7 +31,7 @@ _f32 = ctypes.c_float
 @functools.cache
 def load(dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
     """The kernels built for `dtype` elements (building them first if needed); None where they cannot be built."""
-    library = load_library(SOURCE, (*CFLAGS, VECTOR_WIDTH, f"-DELEMENT={ELEMENTS[dtype]}"), "the CPU layer glue")
+    library = load_library(SOURCE, (*CFLAGS, f"-DELEMENT={ELEMENTS[dtype]}"), "the CPU layer glue")
     if library is None:
         return None
     signatures = {

@@ -25,9 +25,11 @@ CSRC = Path(__file__).with_name("csrc")
 # -ffast-math lets gcc vectorize the reductions and expf (libmvec), but only when compiling: at link time it
 # would add crtfastmath.o, which flushes subnormals to zero for the whole process the moment the library loads.
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
-# GCC vectorizes in 256-bit registers on AVX-512 CPUs unless told otherwise. The loops the compiler vectorizes
-# itself (the attention kernel's rows, the glue's silu) run faster in whole 512-bit ones: a SmolLM2 decode step's
-# attention 8.8 -> 8.1 ms at 64 sequences (docs/benchmarks.md). Only a preference: ignored without AVX-512.
+# GCC vectorizes in 256-bit registers on AVX-512 CPUs unless told otherwise. The attention kernel's rows run faster
+# in whole 512-bit ones (a SmolLM2 decode step's attention 8.8 -> 8.1 ms at 64 sequences, docs/benchmarks.md). Not
+# the glue: built so, its norms and silu gained 0.1 ms a step, and their other rounding (the sums' order, libmvec's
+# 16-wide expf) moved a SmolLM2 bf16 greedy token 0.14 below HF's best in tests/fidelity (bar 0.05), though each
+# op was as close to float64 as before. Only a preference: ignored without AVX-512.
 VECTOR_WIDTH = "-mprefer-vector-width=512"
 LDFLAGS = ("-shared", "-fopenmp", "-lmvec", "-lm")
 
