@@ -113,10 +113,13 @@ def test_draws_follow_the_distribution() -> None:
     counts = torch.bincount(torch.tensor(tokens), minlength=VOCAB).double()
     expected = probs.double() * rows
     sigma = (expected * (1 - probs.double())).sqrt()
-    assert bool(((counts - expected).abs() <= 5 * sigma + 1).all()), (counts - expected).abs().max()
+    # 5 sigma, plus 3 for the tokens expected less than once or twice: their counts have Poisson tails (with + 1, a
+    # token expected 0.4 times drawn 5 times failed the unseeded check about once in a thousand runs)
+    bound = 5 * sigma + 3
+    assert bool(((counts - expected).abs() <= bound).all()), (counts - expected).abs().max()
     unseeded, _ = sample(logits, [SamplingOptions(temperature=0.8)] * rows, [0] * rows)
     counts = torch.bincount(torch.tensor(unseeded), minlength=VOCAB).double()
-    assert bool(((counts - expected).abs() <= 5 * sigma + 1).all())
+    assert bool(((counts - expected).abs() <= bound).all()), (counts - expected).abs().max()
 
 
 def test_filters_are_never_crossed() -> None:
