@@ -25,8 +25,8 @@
  * V: it would round the probabilities to bf16 before they weight V; the gain is measured by
  * scripts/bench_cpu_dtypes.py, docs/benchmarks.md). With bf16 queries too (`bf16_io`) and AVX-512 BF16, the scores
  * are that instruction's dot products of the stored bits (pairs of exact products summed in float32, no widening),
- * 16 tokens at a time, then scaled: attention 8 % faster in a SmolLM2 decode step (scores_bf16); or int8 / fp8 e4m3 with one float32 scale per token and kv
- * head (kernels/kv_quant.py; scales [num_blocks, block_size, Hkv]). A quantized element is widened exactly
+ * 16 tokens at a time, then scaled: attention 8 % faster in a SmolLM2 decode step (scores_bf16). Or int8 / fp8
+ * e4m3 with one float32 scale per token and kv head (kernels/kv_quant.py; scales [num_blocks, block_size, Hkv]). A quantized element is widened exactly
  * (int8 by conversion, e4m3 by moving its exponent and mantissa bits into a float32's), and the scales never
  * touch the D-wide rows: a key's scale multiplies its score, a value's scale the probability that weighs it.
  */
