@@ -35,8 +35,10 @@ def load() -> ctypes.CDLL | None:
     library.top_rows.restype = ctypes.c_int
     library.top_rows.argtypes = [_ptr, _i64, _i64, _i64, ctypes.c_int, ctypes.c_int, _ptr, ctypes.c_int]
     library.rescore_rows.restype = ctypes.c_int
-    library.rescore_rows.argtypes = [_ptr, _ptr, _i64, _i64, _i64, ctypes.c_int, _ptr, ctypes.c_int, _ptr, _i64]
-    library.rescore_rows.argtypes += [ctypes.c_int]
+    library.rescore_rows.argtypes = [
+        *(_ptr, _ptr, _i64, _i64, _i64, ctypes.c_int),  # hidden, weight, rows, dim, vocab, bf16
+        *(_ptr, ctypes.c_int, _ptr, _i64, ctypes.c_int),  # top, k, logits, stride, threads
+    ]
     return library
 
 

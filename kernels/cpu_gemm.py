@@ -220,9 +220,10 @@ def linear_int8_act(
     assert library is not None
     x = x.contiguous()
     out = torch.empty(x.shape[0], codes.shape[0], dtype=out_dtype)
-    entry = library.int8_gemm_silu_gated if silu_gated else library.int8_gemm
     if out_dtype == torch.float32:
         entry = library.int8_gemm_f32
+    else:
+        entry = library.int8_gemm_silu_gated if silu_gated else library.int8_gemm
     status = entry(
         x.data_ptr(),
         codes.data_ptr(),

@@ -506,6 +506,13 @@ static inline uint32_t *row_codes(Activations a, int64_t m) {
     return a.xq + ((m / GROUP_ROWS) << a.split) * a.words + m % GROUP_ROWS;
 }
 
+/* Inputs [k0, k1) of row m quantized into its tile words, given the row's largest |input| (`kept`: the row's gated
+ * inputs as inputs_absmax kept them, or NULL). */
+static inline void quantize_row_part(Activations a, int64_t m, int64_t k0, int64_t k1, const float *kept,
+                                     float absmax) {
+    quantize_inputs(row_inputs(a, m), k0, k1, kept, absmax, a.split, row_codes(a, m), row_codes(a, m) + a.words);
+}
+
 /* Rows [0, M) quantized by the whole team, thread t of `team` a slice of every row's inputs (slices of 16 inputs
  * are whole cache lines of the tile words: no line is written by two threads): each slice's maximum to
  * `partial`, a barrier, then each row's codes from the maximum of its slices'. `values` NULL: skip (a failed
@@ -521,8 +528,7 @@ static void quantize_slices(Activations a, int64_t M, float *values, float *xs, 
         float absmax = 0.0f;
         for (int j = 0; j < team; j++)
             absmax = partial[j][m] > absmax ? partial[j][m] : absmax;
-        quantize_inputs(row_inputs(a, m), k0, k1, a.gated ? values + m * a.K : NULL, absmax, a.split,
-                        row_codes(a, m), row_codes(a, m) + a.words);
+        quantize_row_part(a, m, k0, k1, a.gated ? values + m * a.K : NULL, absmax);
         if (t == 0)
             xs[m] = absmax / code_limit(a.split);
     }
@@ -568,8 +574,7 @@ static int int8_product(const uint16_t *x, const int8_t *w, const float *w_scale
                 const int64_t end = (g + 1) * GROUP_ROWS < M ? (g + 1) * GROUP_ROWS : M;
                 for (int64_t m = g * GROUP_ROWS; m < end && !failed; m++) {
                     const float absmax = inputs_absmax(row_inputs(a, m), 0, K, K, values);
-                    quantize_inputs(row_inputs(a, m), 0, K, values, absmax, split, row_codes(a, m),
-                                    row_codes(a, m) + words);
+                    quantize_row_part(a, m, 0, K, values, absmax);
                     xs[m] = absmax / code_limit(split);
                 }
             }
@@ -577,7 +582,7 @@ static int int8_product(const uint16_t *x, const int8_t *w, const float *w_scale
         _Alignas(64) int32_t acc[16 * 16], acc_lo[16 * 16];
         configure_tiles();
         int64_t s, next;
-        while ((s = stripe_take(runs, num_threads, omp_get_thread_num(), &next)) >= 0) {
+        while ((s = stripe_take(runs, num_threads, t, &next)) >= 0) {
             const int64_t n0 = s * 2 * BLOCK_N;
             const int width = N - n0 < 2 * BLOCK_N ? (int)(N - n0) : 2 * BLOCK_N;
             stripe_int8(w, w_scales, xq, xs, out, out_f32, M, N, K, vgroups, split, n0, width, acc, acc_lo,
