@@ -60,7 +60,8 @@ def load() -> ctypes.CDLL | None:
     """The kernel built for this CPU, with the AMX state granted to this process; None where it cannot run (or
     $MINIVLLM_CPU_GEMM is 0)."""
     gemm = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int] * 2
-    entries = {"skinny_gemm": gemm, "int8_gemm": gemm, "int8_gemm_f32": gemm, "int8_gemm_silu_gated": gemm}
+    names = ("skinny_gemm", "skinny_gemm_f32", "int8_gemm", "int8_gemm_f32", "int8_gemm_silu_gated")
+    entries = {name: gemm for name in names}
     return load_amx_library(SOURCE, "CPU decode matmuls", "skinny_gemm_init", entries)
 
 
@@ -111,18 +112,19 @@ def covers_weight(rows: int, weight: torch.Tensor) -> bool:
     )
 
 
-def _run(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor | None:
+def _run(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor | None:
     library = load()
     assert library is not None
     x = x.contiguous()
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype)
     scale_pointer = None if scales is None else scales.data_ptr()
     rows, outputs, inputs = x.shape[0], weight.shape[0], weight.shape[1]
     threads = kernel_threads(rows)
     fmt = WEIGHT_FORMATS[weight.dtype]
-    status = library.skinny_gemm(
-        x.data_ptr(), weight.data_ptr(), scale_pointer, out.data_ptr(), rows, outputs, inputs, fmt, threads
-    )
+    entry = library.skinny_gemm_f32 if out_dtype == torch.float32 else library.skinny_gemm
+    status = entry(x.data_ptr(), weight.data_ptr(), scale_pointer, out.data_ptr(), rows, outputs, inputs, fmt, threads)
     return out if status == 0 else None
 
 
@@ -152,11 +154,21 @@ def linear(
     return F.linear(x, weight, bias)
 
 
-def _run_chunks(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """The kernel's product of more than `MAX_ROWS` rows, `MAX_ROWS` at a time."""
+def scores(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """x @ weight^T (bf16 both) with float32 results, the sums unrounded: an LM head's logits, whose near-ties
+    bf16's rounding would settle by token id. None where the kernel does not cover them."""
+    if weight.dtype != torch.bfloat16 or not covers(x[:MAX_ROWS], weight):
+        return None
+    return _run_chunks(x, weight, torch.float32)
+
+
+def _run_chunks(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:
+    """The kernel's product of any rows, `MAX_ROWS` at a time."""
+    if x.shape[0] <= MAX_ROWS:
+        return _run(x, weight, None, out_dtype)
     parts = []
     for chunk in x.split(MAX_ROWS):
-        part = _run(chunk, weight, None)
+        part = _run(chunk, weight, None, out_dtype)
         if part is None:
             return None
         parts.append(part)

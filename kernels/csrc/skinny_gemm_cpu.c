@@ -149,15 +149,25 @@ static inline __attribute__((always_inline)) void transpose16(__m512 r[16]) {
     transpose_stage(r, 1, STAGE_INDEX(STAGE_LOW, 1), STAGE_INDEX(STAGE_HIGH, 1));
 }
 
-/* The accumulator of one row group (y^T, 16 channels x 16 rows) out to y's rows, scaled per channel. */
-static inline void store_group(const float *acc, const float *scales, uint16_t *out, int64_t rows, int64_t N) {
+/* 16 float32 results to `out` + at: rounded to bf16, or as they are (`out_f32`). */
+static inline void store_row(__m512 y, void *out, int out_f32, int64_t at) {
+    if (out_f32)
+        _mm512_storeu_ps((float *)out + at, y);
+    else
+        _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), (__m256i)_mm512_cvtneps_pbh(y));
+}
+
+/* The accumulator of one row group (y^T, 16 channels x 16 rows) out to y's rows (`out` + the group's first
+ * element), scaled per channel. */
+static inline void store_group(const float *acc, const float *scales, void *out, int out_f32, int64_t first,
+                               int64_t rows, int64_t N) {
     __m512 r[16];
     for (int i = 0; i < 16; i++)
         r[i] = _mm512_load_ps(acc + 16 * i);
     transpose16(r);
     const __m512 s = scales ? _mm512_loadu_ps(scales) : _mm512_set1_ps(1.0f);
     for (int64_t m = 0; m < rows; m++)
-        _mm256_storeu_si256((__m256i *)(out + m * N), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(r[m], s)));
+        store_row(_mm512_mul_ps(r[m], s), out, out_f32, first + m * N);
 }
 
 /* The weights a thread will multiply next (`Ahead`: its next stripe, stripes.h; bytes 0: none), fetched into L2
@@ -187,8 +197,8 @@ static inline void prefetch_slice(Ahead ahead, int64_t kb, int64_t blocks) {
 /* One stripe of 16 or 32 output channels (`width`) from n0, for every row: the stripe's weights (widened to bf16
  * first for int8) are tiles 4 and 5, two row groups' activations tiles 6 and 7, and four accumulators 0-3 (group
  * x channel half) are independent, so consecutive tile products do not wait on each other. */
-static void stripe_product(const void *w, int format, const float *scales, const uint32_t *xt, uint16_t *out,
-                           int64_t M, int64_t N, int64_t K, int groups, int64_t n0, int width, uint16_t *wide,
+static void stripe_product(const void *w, int format, const float *scales, const uint32_t *xt, void *out,
+                           int out_f32, int64_t M, int64_t N, int64_t K, int groups, int64_t n0, int width, uint16_t *wide,
                            float *acc, Ahead ahead) {
     const int64_t pairs = K / 2, stride = K * 2;
     const uint16_t *a = (const uint16_t *)w + n0 * K;
@@ -232,7 +242,7 @@ static void stripe_product(const void *w, int format, const float *scales, const
             default: _tile_stored(3, acc, 64); break;
             }
             const int64_t rows = M - first < GROUP_ROWS ? M - first : GROUP_ROWS;
-            store_group(acc, scales ? scales + channel : NULL, out + first * N + channel, rows, N);
+            store_group(acc, scales ? scales + channel : NULL, out, out_f32, first * N + channel, rows, N);
         }
     }
 }
@@ -341,10 +351,12 @@ static void quantize_inputs(const uint16_t *x, int64_t k0, int64_t k1, const flo
     }
 }
 
-/* An int32 accumulator (y^T, 16 channels x 16 rows; plus 256 x it and `lo`'s when split) out to y's rows, scaled
- * by the channels' and the rows' scales: bf16, or float32 (`out_f32`: an LM head's logits, kept unrounded). */
+/* An int32 accumulator (y^T, 16 channels x 16 rows; plus 256 x it and `lo`'s when split) out to y's rows (`out`
+ * + at: the group's first element), scaled by the channels' and the rows' scales: bf16, or float32 (`out_f32`:
+ * an LM head's logits, kept unrounded). */
 static inline void store_int8_group(const int32_t *acc, const int32_t *lo, const float *w_scales,
-                                    const float *x_scales, void *out, int out_f32, int64_t rows, int64_t N) {
+                                    const float *x_scales, void *out, int out_f32, int64_t at, int64_t rows,
+                                    int64_t N) {
     __m512 r[16];
     for (int i = 0; i < 16; i++) {
         r[i] = _mm512_cvtepi32_ps(_mm512_load_si512(acc + 16 * i));
@@ -353,13 +365,8 @@ static inline void store_int8_group(const int32_t *acc, const int32_t *lo, const
     }
     transpose16(r);
     const __m512 s = _mm512_loadu_ps(w_scales);
-    for (int64_t m = 0; m < rows; m++) {
-        const __m512 y = _mm512_mul_ps(r[m], _mm512_mul_ps(s, _mm512_set1_ps(x_scales[m])));
-        if (out_f32)
-            _mm512_storeu_ps((float *)out + m * N, y);
-        else
-            _mm256_storeu_si256((__m256i *)((uint16_t *)out + m * N), (__m256i)_mm512_cvtneps_pbh(y));
-    }
+    for (int64_t m = 0; m < rows; m++)
+        store_row(_mm512_mul_ps(r[m], _mm512_mul_ps(s, _mm512_set1_ps(x_scales[m]))), out, out_f32, at + m * N);
 }
 
 /* One stripe of 16 or 32 output channels from n0, for every row: the stripe's codes straight from memory are
@@ -403,9 +410,8 @@ static void stripe_int8(const int8_t *w, const float *w_scales, const uint32_t *
             if (split)
                 store_tile(t + 2, acc_lo);
             const int64_t rows = M - first < GROUP_ROWS ? M - first : GROUP_ROWS;
-            const int64_t at = first * N + channel;
-            store_int8_group(acc, split ? acc_lo : NULL, w_scales + channel, x_scales + first,
-                             out_f32 ? (void *)((float *)out + at) : (void *)((uint16_t *)out + at), out_f32, rows, N);
+            store_int8_group(acc, split ? acc_lo : NULL, w_scales + channel, x_scales + first, out, out_f32,
+                             first * N + channel, rows, N);
         }
     }
 }
@@ -415,11 +421,37 @@ static __thread size_t xq_capacity, xs_capacity, gated_capacity;
 
 #endif /* HAVE_AMX_INT8 */
 
-/* y = x @ w^T (times scales per output channel for int8 weights). Returns 0 when done, -1 when this build or
+#if HAVE_AMX
+static int skinny_product(const uint16_t *x, const void *w, const float *scales, void *out, int out_f32, int64_t M,
+                          int64_t N, int64_t K, int format, int num_threads);
+#endif
+
+/* y = x @ w^T (times scales per output channel for int8 weights), bf16. Returns 0 when done, -1 when this build or
  * these shapes cannot (the caller then uses torch). */
 int skinny_gemm(const uint16_t *x, const void *w, const float *scales, uint16_t *out, int64_t M, int64_t N,
                 int64_t K, int format, int num_threads) {
 #if HAVE_AMX
+    return skinny_product(x, w, scales, out, 0, M, N, K, format, num_threads);
+#else
+    (void)x, (void)w, (void)scales, (void)out, (void)M, (void)N, (void)K, (void)format, (void)num_threads;
+    return -1;
+#endif
+}
+
+/* `skinny_gemm` with float32 outputs, the sums unrounded (an LM head's logits: no rescoring of rounded ones). */
+int skinny_gemm_f32(const uint16_t *x, const void *w, const float *scales, float *out, int64_t M, int64_t N,
+                    int64_t K, int format, int num_threads) {
+#if HAVE_AMX
+    return skinny_product(x, w, scales, out, 1, M, N, K, format, num_threads);
+#else
+    (void)x, (void)w, (void)scales, (void)out, (void)M, (void)N, (void)K, (void)format, (void)num_threads;
+    return -1;
+#endif
+}
+
+#if HAVE_AMX
+static int skinny_product(const uint16_t *x, const void *w, const float *scales, void *out, int out_f32, int64_t M,
+                          int64_t N, int64_t K, int format, int num_threads) {
     if (M < 1 || M > MAX_ROWS || N % BLOCK_N || K % BLOCK_K || K <= 0 || N <= 0)
         return -1;
     const int groups = (int)((M + GROUP_ROWS - 1) / GROUP_ROWS);
@@ -447,17 +479,14 @@ int skinny_gemm(const uint16_t *x, const void *w, const float *scales, uint16_t 
             const int64_t n0 = s * 2 * BLOCK_N;
             const int width = N - n0 < 2 * BLOCK_N ? (int)(N - n0) : 2 * BLOCK_N;
             if (!failed)
-                stripe_product(w, format, scales, xt, out, M, N, K, groups, n0, width, wide, acc,
+                stripe_product(w, format, scales, xt, out, out_f32, M, N, K, groups, n0, width, wide, acc,
                                ahead_of(w, next, N, row_bytes));
         }
         _tile_release();
     }
     return failed ? -1 : 0;
-#else
-    (void)x, (void)w, (void)scales, (void)out, (void)M, (void)N, (void)K, (void)format, (void)num_threads;
-    return -1;
-#endif
 }
+#endif
 
 #if HAVE_AMX_INT8
 static int int8_product(const uint16_t *x, const int8_t *w, const float *w_scales, void *out, int out_f32,

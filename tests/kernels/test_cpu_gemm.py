@@ -47,6 +47,33 @@ def test_bf16_weights_match_torch(rows: int, outputs: int, inputs: int) -> None:
 
 
 @needs_amx
+@pytest.mark.parametrize("rows", [1, 17, 64, 150])
+def test_float32_scores_are_the_unrounded_sums(rows: int) -> None:
+    """An LM head's logits (`scores`): float32 sums of the bf16 products, not rounded to bf16's step (which
+    the bf16 product's results are), any rows (past 64, in calls of 64)."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen).bfloat16()
+    w = torch.randn(80, 96, generator=gen).bfloat16()
+    got = cpu_gemm.scores(x, w)
+    assert got is not None and got.dtype == torch.float32 and got.shape == (rows, 80)
+    want = x.double() @ w.double().t()
+    magnitude = x.double().abs() @ w.double().abs().t()
+    assert bool(((got.double() - want).abs() <= 1e-5 * magnitude + 1e-30).all())
+    rounded = cpu_gemm.linear(x, w)
+    assert torch.equal(got.bfloat16(), rounded)  # the same sums, rounded once
+    assert not torch.equal(got, rounded.float())
+
+
+@needs_amx
+def test_float32_scores_refuse_what_the_kernel_does_not_take() -> None:
+    x = torch.randn(4, 96).bfloat16()
+    assert cpu_gemm.scores(x.float(), torch.randn(80, 96)) is None
+    assert cpu_gemm.scores(x, torch.randn(80, 96).bfloat16()[:, :64]) is None  # widths differ
+    assert cpu_gemm.scores(x, torch.randint(-9, 9, (80, 96), dtype=torch.int8)) is None  # codes: linear_int8_act
+    assert cpu_gemm.scores(torch.randn(4, 100).bfloat16(), torch.randn(80, 100).bfloat16()) is None  # K % 32
+
+
+@needs_amx
 @pytest.mark.parametrize("rows", [1, 5, 16, 33, 64])
 @pytest.mark.parametrize(("outputs", "inputs"), [(16, 64), (48, 96), (112, 160)])
 def test_int8_weights_match_torch(rows: int, outputs: int, inputs: int) -> None:

@@ -237,6 +237,8 @@ class ParallelLMHead(nn.Module):
     """Each TP rank scores its vocab rows; TP rank 0 gathers the full logits (the others get None).
 
     `softcap`: logits become cap * tanh(logits / cap) (Gemma 2's final soft-capping); 0 leaves them.
+    A bf16 head on CPU scores in the AMX kernel with float32 results (kernels/cpu_gemm.py `scores`); elsewhere a
+    bf16 product's rounded logits have their top candidates rescored (`rescore_top_logits`).
     `int8` (set by worker_node/models/quantize.py's `quantize_head` for `--quantization int8` on CPUs where a C
     int8 kernel runs): int8 codes of this rank's rows and their float32 scales. The head then scores every row
     from the codes (half the bytes of bf16, a quarter of float32's: at decode sizes the head reads its weight from
@@ -259,7 +261,7 @@ class ParallelLMHead(nn.Module):
         local = self._int8_scores(hidden)
         if local is not None:
             local = rescore_top_logits(local, hidden, self.weight, RESCORED_INT8_LOGITS)
-        else:
+        elif (local := cpu_gemm.scores(hidden, self.weight)) is None:
             local = cpu_gemm.linear(hidden, self.weight, invariant=self.invariant)
             if local.dtype != torch.float32:
                 local = rescore_top_logits(local, hidden, self.weight)

@@ -6,8 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_argmax
-from worker_node.models.layers import CANDIDATE_CHUNK, RESCORED_LOGITS, rescore_top_logits, top_candidates
+from kernels import cpu_argmax, cpu_gemm
+from worker_node.models.layers import (
+    CANDIDATE_CHUNK,
+    RESCORED_LOGITS,
+    ParallelLMHead,
+    rescore_top_logits,
+    top_candidates,
+)
+from worker_node.parallel import SINGLE, Comm
 
 pytestmark = pytest.mark.unit
 
@@ -74,3 +81,24 @@ def test_the_c_rescoring_refuses_what_it_does_not_read() -> None:
     if cpu_argmax.load() is not None:
         assert cpu_argmax.rescore_rows(logits, hidden, weight, top)
         assert torch.count_nonzero(logits) == 4
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_a_bf16_head_s_best_logits_are_float32_sums(kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The AMX kernel scores every token in float32 (`cpu_gemm.scores`); without it, torch's bf16 logits have
+    their top candidates rescored. Either way each row's best logits are the unrounded sums."""
+    if kernel and cpu_gemm.load() is None:
+        pytest.skip("the AMX kernel needs AMX-BF16")
+    if not kernel:
+        monkeypatch.setattr(cpu_gemm, "scores", lambda *args: None)
+    head = ParallelLMHead(1024, 64, SINGLE, Comm(SINGLE))
+    head.weight.data = (torch.randn(1024, 64) * 0.1).bfloat16()
+    hidden = torch.randn(20, 64).bfloat16()
+    logits = head(hidden)
+    assert logits is not None and logits.dtype == torch.float32
+    exact = hidden.double() @ head.weight.double().t()
+    best = exact.topk(2, dim=-1).indices  # (torch's rounded top 8 hold them)
+    torch.testing.assert_close(logits.gather(1, best).double(), exact.gather(1, best), rtol=1e-5, atol=1e-5)
+    # the kernel's every logit is a float32 sum; torch's others keep bf16's step
+    off_grid = (logits != logits.bfloat16().float()).sum(-1)
+    assert bool((off_grid > RESCORED_LOGITS).all() if kernel else (off_grid <= RESCORED_LOGITS).all())
