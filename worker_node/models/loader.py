@@ -20,6 +20,7 @@ from kernels.interface import AttentionBackend
 from proto.checkpoints import GGUF, weight_files
 from proto.parallel import kv_head_range, shard, vocab_shard
 from proto.quantization import checkpoint_quantization, resolve_quantization
+from worker_node import huge_pages
 from worker_node.models.config import ModelConfig
 from worker_node.models.decoder import CausalLM
 from worker_node.models.quant_linear import QuantMethod, TensorAxes
@@ -137,6 +138,8 @@ def load_model(
     after_load(model)
     quantize_head(model, method)
     model.eval()
+    if device.type == "cpu":
+        huge_pages.collapse(huge_pages.module_tensors(model))
     logger.info(
         "loaded %s (%s, %d of %d layers, TP rank %d of %d) in %s%s",
         folder.name,
