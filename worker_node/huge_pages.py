@@ -1,7 +1,7 @@
 """Transparent huge pages for the weights a CPU decode step streams.
 
-A decode step reads every weight once. On 4 KiB pages that is a TLB miss every 4 KiB and a hardware prefetcher
-that stops at each page's end; on 2 MiB pages neither. Linux gives huge pages to anonymous memory only where asked
+A decode step reads every weight once: on 4 KiB pages, a TLB miss (a page walk) every 4 KiB of the stream; on 2 MiB
+pages, one every 2 MiB. Linux gives huge pages to anonymous memory only where asked
 (`/sys/kernel/mm/transparent_hugepage/enabled` is `madvise` on most distributions), and the weights are written as
 they load, many tensors, most under 2 MiB, packed side by side by the allocator: so once loaded they are collapsed
 into huge pages where they lie (MADV_COLLAPSE, Linux 6.1+: the kernel copies them into huge pages in place, the

@@ -198,8 +198,8 @@ static inline void prefetch_slice(Ahead ahead, int64_t kb, int64_t blocks) {
  * first for int8) are tiles 4 and 5, two row groups' activations tiles 6 and 7, and four accumulators 0-3 (group
  * x channel half) are independent, so consecutive tile products do not wait on each other. */
 static void stripe_product(const void *w, int format, const float *scales, const uint32_t *xt, void *out,
-                           int out_f32, int64_t M, int64_t N, int64_t K, int groups, int64_t n0, int width, uint16_t *wide,
-                           float *acc, Ahead ahead) {
+                           int out_f32, int64_t M, int64_t N, int64_t K, int groups, int64_t n0, int width,
+                           uint16_t *wide, float *acc, Ahead ahead) {
     const int64_t pairs = K / 2, stride = K * 2;
     const uint16_t *a = (const uint16_t *)w + n0 * K;
     if (format == WEIGHT_INT8) {
