@@ -163,16 +163,17 @@ static inline void scores_bf16(HeadState *st, const kv_t *keys, int64_t n, int64
 
 /* One kv head over n consecutive tokens of a block: scores, online softmax, then V into the registers'
  * accumulator. For a quantized cache, k_scales/v_scales point at the first token's scales (stride num_kv_heads);
- * otherwise they are unused. `bf16_scale` > 0: the scores from st->q_bits times it (scores_bf16). */
+ * otherwise they are unused. `bf16_scores`: the scores from st->q_bits times `scale` (scores_bf16; the other path's
+ * queries carry the scale already). */
 static inline void attend_block(HeadState *st, const kv_t *keys, const kv_t *values, const float *k_scales,
                                 const float *v_scales, int64_t n, int64_t row_stride, int64_t scale_stride,
-                                float softcap, float bf16_scale) {
+                                float softcap, int bf16_scores, float scale) {
 #if BF16_SCORES
-    if (bf16_scale > 0.0f)
-        scores_bf16(st, keys, n, row_stride, bf16_scale);
-    for (int64_t t = 0; t < n && bf16_scale <= 0.0f; ++t) {
+    if (bf16_scores)
+        scores_bf16(st, keys, n, row_stride, scale);
+    for (int64_t t = 0; t < n && !bf16_scores; ++t) {
 #else
-    (void)bf16_scale;
+    (void)bf16_scores, (void)scale;
     for (int64_t t = 0; t < n; ++t) {
 #endif
         const kv_t *key = keys + t * row_stride;
@@ -283,7 +284,7 @@ static void attend(const Shape *s, const void *q, const kv_t *k_cache, const kv_
             const int64_t scale_offset = QUANTIZED ? row * s->num_kv_heads + h : 0;
             attend_block(&heads[h - h0], k_cache + offset + h * HEAD_DIM, v_cache + offset + h * HEAD_DIM,
                          QUANTIZED ? k_scales + scale_offset : NULL, QUANTIZED ? v_scales + scale_offset : NULL, n,
-                         s->row_stride, s->num_kv_heads, s->softcap, BF16_SCORES && s->bf16_io ? s->scale : 0.0f);
+                         s->row_stride, s->num_kv_heads, s->softcap, BF16_SCORES && s->bf16_io, s->scale);
         }
     }
     const int64_t element = s->bf16_io ? 2 : 4;
