@@ -5,9 +5,10 @@ pages, one every 2 MiB. Linux gives huge pages to anonymous memory only where as
 (`/sys/kernel/mm/transparent_hugepage/enabled` is `madvise` on most distributions), and the weights are written as
 they load, many tensors, most under 2 MiB, packed side by side by the allocator: so once loaded they are collapsed
 into huge pages where they lie (MADV_COLLAPSE, Linux 6.1+: the kernel copies them into huge pages in place, the
-addresses unchanged; about 0.1 s for SmolLM2's 300 MiB). SmolLM2 bf16, 16 sequences, 2 threads: a decode step
-19.4 -> 16.9 ms (docs/benchmarks.md). The KV cache stays on small pages: advised before its zeroing it took 0.35 s
-more per GiB at start (the 5.4 GiB default: 1-3 s) for a step ~3 % faster at 64 sequences of 256 tokens.
+addresses unchanged; about 0.25 s per GiB, 0.1 s for SmolLM2's 300 MiB). SmolLM2 bf16, 16 sequences, 2 threads: a
+decode step 19.4 -> 16.9 ms (docs/benchmarks.md). The KV cache stays on small pages: advised before its zeroing it
+took 0.35 s more per GiB at start (the 5.4 GiB default: 1-3 s) for a step ~3 % faster at 64 sequences of 256
+tokens.
 
 It is advice: where the kernel refuses (older kernels, THP off, memory too fragmented) nothing changes but speed.
 `$MINIVLLM_HUGE_PAGES=0` turns it off.
