@@ -423,34 +423,6 @@ static __thread size_t xq_capacity, xs_capacity, gated_capacity;
 
 #if HAVE_AMX
 static int skinny_product(const uint16_t *x, const void *w, const float *scales, void *out, int out_f32, int64_t M,
-                          int64_t N, int64_t K, int format, int num_threads);
-#endif
-
-/* y = x @ w^T (times scales per output channel for int8 weights), bf16. Returns 0 when done, -1 when this build or
- * these shapes cannot (the caller then uses torch). */
-int skinny_gemm(const uint16_t *x, const void *w, const float *scales, uint16_t *out, int64_t M, int64_t N,
-                int64_t K, int format, int num_threads) {
-#if HAVE_AMX
-    return skinny_product(x, w, scales, out, 0, M, N, K, format, num_threads);
-#else
-    (void)x, (void)w, (void)scales, (void)out, (void)M, (void)N, (void)K, (void)format, (void)num_threads;
-    return -1;
-#endif
-}
-
-/* `skinny_gemm` with float32 outputs, the sums unrounded (an LM head's logits: no rescoring of rounded ones). */
-int skinny_gemm_f32(const uint16_t *x, const void *w, const float *scales, float *out, int64_t M, int64_t N,
-                    int64_t K, int format, int num_threads) {
-#if HAVE_AMX
-    return skinny_product(x, w, scales, out, 1, M, N, K, format, num_threads);
-#else
-    (void)x, (void)w, (void)scales, (void)out, (void)M, (void)N, (void)K, (void)format, (void)num_threads;
-    return -1;
-#endif
-}
-
-#if HAVE_AMX
-static int skinny_product(const uint16_t *x, const void *w, const float *scales, void *out, int out_f32, int64_t M,
                           int64_t N, int64_t K, int format, int num_threads) {
     if (M < 1 || M > MAX_ROWS || N % BLOCK_N || K % BLOCK_K || K <= 0 || N <= 0)
         return -1;
@@ -487,47 +459,6 @@ static int skinny_product(const uint16_t *x, const void *w, const float *scales,
     return failed ? -1 : 0;
 }
 #endif
-
-#if HAVE_AMX_INT8
-static int int8_product(const uint16_t *x, const int8_t *w, const float *w_scales, void *out, int out_f32,
-                        int64_t M, int64_t N, int64_t K, int gated, int act_bits, int num_threads);
-#endif
-
-/* y = (x quantized per row to `act_bits` 8 or 16) @ w^T, times w_scales per output channel: int8 codes w [N, K],
- * any M. Returns 0 when done, -1 when this build or these shapes cannot (the caller then uses another path). */
-int int8_gemm(const uint16_t *x, const int8_t *w, const float *w_scales, uint16_t *out, int64_t M, int64_t N,
-              int64_t K, int act_bits, int num_threads) {
-#if HAVE_AMX_INT8
-    return int8_product(x, w, w_scales, out, 0, M, N, K, 0, act_bits, num_threads);
-#else
-    (void)x, (void)w, (void)w_scales, (void)out, (void)M, (void)N, (void)K, (void)act_bits, (void)num_threads;
-    return -1;
-#endif
-}
-
-/* `int8_gemm` with float32 outputs (an LM head's logits: no bf16 rounding, no conversion after). */
-int int8_gemm_f32(const uint16_t *x, const int8_t *w, const float *w_scales, float *out, int64_t M, int64_t N,
-                  int64_t K, int act_bits, int num_threads) {
-#if HAVE_AMX_INT8
-    return int8_product(x, w, w_scales, out, 1, M, N, K, 0, act_bits, num_threads);
-#else
-    (void)x, (void)w, (void)w_scales, (void)out, (void)M, (void)N, (void)K, (void)act_bits, (void)num_threads;
-    return -1;
-#endif
-}
-
-/* `int8_gemm` of a gated MLP's down projection: x [M, 2K] holds each row's gate then up halves, and the product
- * takes silu(gate) * up, made while the row is quantized (the activation and the multiply are not separate
- * passes over memory). */
-int int8_gemm_silu_gated(const uint16_t *x, const int8_t *w, const float *w_scales, uint16_t *out, int64_t M,
-                         int64_t N, int64_t K, int act_bits, int num_threads) {
-#if HAVE_AMX_INT8
-    return int8_product(x, w, w_scales, out, 0, M, N, K, 1, act_bits, num_threads);
-#else
-    (void)x, (void)w, (void)w_scales, (void)out, (void)M, (void)N, (void)K, (void)act_bits, (void)num_threads;
-    return -1;
-#endif
-}
 
 #if HAVE_AMX_INT8
 /* A call's activation rows and the tile words they are quantized into. */
@@ -633,3 +564,55 @@ static int int8_product(const uint16_t *x, const int8_t *w, const float *w_scale
     return failed ? -1 : 0;
 }
 #endif
+
+/* Builds without the tiles (or AMX-INT8): every entry declines, and the caller uses another path. */
+#if !HAVE_AMX
+static int skinny_product(const uint16_t *x, const void *w, const float *scales, void *out, int out_f32, int64_t M,
+                          int64_t N, int64_t K, int format, int num_threads) {
+    (void)x, (void)w, (void)scales, (void)out, (void)out_f32, (void)M, (void)N, (void)K, (void)format,
+        (void)num_threads;
+    return -1;
+}
+#endif
+#if !HAVE_AMX_INT8
+static int int8_product(const uint16_t *x, const int8_t *w, const float *w_scales, void *out, int out_f32,
+                        int64_t M, int64_t N, int64_t K, int gated, int act_bits, int num_threads) {
+    (void)x, (void)w, (void)w_scales, (void)out, (void)out_f32, (void)M, (void)N, (void)K, (void)gated,
+        (void)act_bits, (void)num_threads;
+    return -1;
+}
+#endif
+
+/* y = x @ w^T (times scales per output channel for int8 weights), bf16. Returns 0 when done, -1 when this build or
+ * these shapes cannot (the caller then uses torch). */
+int skinny_gemm(const uint16_t *x, const void *w, const float *scales, uint16_t *out, int64_t M, int64_t N,
+                int64_t K, int format, int num_threads) {
+    return skinny_product(x, w, scales, out, 0, M, N, K, format, num_threads);
+}
+
+/* `skinny_gemm` with float32 outputs, the sums unrounded (an LM head's logits: no rescoring of rounded ones). */
+int skinny_gemm_f32(const uint16_t *x, const void *w, const float *scales, float *out, int64_t M, int64_t N,
+                    int64_t K, int format, int num_threads) {
+    return skinny_product(x, w, scales, out, 1, M, N, K, format, num_threads);
+}
+
+/* y = (x quantized per row to `act_bits` 8 or 16) @ w^T, times w_scales per output channel: int8 codes w [N, K],
+ * any M. Returns 0 when done, -1 when this build or these shapes cannot (the caller then uses another path). */
+int int8_gemm(const uint16_t *x, const int8_t *w, const float *w_scales, uint16_t *out, int64_t M, int64_t N,
+              int64_t K, int act_bits, int num_threads) {
+    return int8_product(x, w, w_scales, out, 0, M, N, K, 0, act_bits, num_threads);
+}
+
+/* `int8_gemm` with float32 outputs (an LM head's logits: no bf16 rounding, no conversion after). */
+int int8_gemm_f32(const uint16_t *x, const int8_t *w, const float *w_scales, float *out, int64_t M, int64_t N,
+                  int64_t K, int act_bits, int num_threads) {
+    return int8_product(x, w, w_scales, out, 1, M, N, K, 0, act_bits, num_threads);
+}
+
+/* `int8_gemm` of a gated MLP's down projection: x [M, 2K] holds each row's gate then up halves, and the product
+ * takes silu(gate) * up, made while the row is quantized (the activation and the multiply are not separate
+ * passes over memory). */
+int int8_gemm_silu_gated(const uint16_t *x, const int8_t *w, const float *w_scales, uint16_t *out, int64_t M,
+                         int64_t N, int64_t K, int act_bits, int num_threads) {
+    return int8_product(x, w, w_scales, out, 0, M, N, K, 1, act_bits, num_threads);
+}
