@@ -32,6 +32,7 @@
 #include <omp.h>
 
 #include "amx_tiles.h"
+#include "bf16_vectors.h"
 #include "stripes.h"
 
 #define MAX_ROWS 64
@@ -154,7 +155,7 @@ static inline void store_row(__m512 y, void *out, int out_f32, int64_t at) {
     if (out_f32)
         _mm512_storeu_ps((float *)out + at, y);
     else
-        _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), (__m256i)_mm512_cvtneps_pbh(y));
+        float_to_bf16x16((uint16_t *)out + at, y);
 }
 
 /* The accumulator of one row group (y^T, 16 channels x 16 rows) out to y's rows (`out` + the group's first
@@ -277,10 +278,6 @@ static inline void store_tile(int t, void *buffer) {
     }
 }
 
-static inline __m512 bf16x16_to_float(const uint16_t *x) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
-}
-
 /* 16 int32 codes as 16 bytes, 4 inputs per 32-bit word, to `dst[0], dst[16], dst[32], dst[48]` (a tile's rows). */
 static inline void scatter_quads(__m512i codes, uint32_t *dst) {
     _Alignas(16) uint32_t words[4];
@@ -289,29 +286,13 @@ static inline void scatter_quads(__m512i codes, uint32_t *dst) {
         dst[j * GROUP_ROWS] = words[j];
 }
 
-/* e^x for 16 floats: 2^n * 2^f with n = round(x log2 e), f in [-1/2, 1/2] by a degree-7 polynomial (relative
- * error about 1e-8, below float32's own rounding). */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    static const float c[] = {1.0f, 0.693147181f, 0.240226507f, 0.0555041087f, 0.00961812911f, 0.00133335581f,
-                              0.000154035304f, 1.52527338e-5f};
-    __m512 p = _mm512_set1_ps(c[7]);
-    for (int i = 6; i >= 0; i--)
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* Inputs k..k+15 of an activation row: bf16 as they are, or silu(gate) * up from a gated MLP's [gate | up] row
  * (`gated`: up starts K elements after gate), in float32 (no bf16 rounding between the two, unlike torch's). */
 static inline __m512 load_inputs(const uint16_t *x, int64_t k, int64_t K, int gated) {
     const __m512 v = bf16x16_to_float(x + k);
     if (!gated)
         return v;
-    const __m512 silu = _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), v))));
-    return _mm512_mul_ps(silu, bf16x16_to_float(x + K + k));
+    return silu_mul16(v, bf16x16_to_float(x + K + k));
 }
 
 /* The largest |input| of inputs [k0, k1) of an activation row (bf16, or a gated MLP's: `load_inputs`, those
