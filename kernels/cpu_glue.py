@@ -36,6 +36,7 @@ def load(dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
         return None
     signatures = {
         "add_rms_norm": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _f32, _f32, _int],
+        "add_rms_norm_f32": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _f32, _f32, _int],
         "rotary": [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _int],
         "silu_mul": [_ptr, _ptr, _i64, _i64, _int],
         "write_kv": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
@@ -63,18 +64,22 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0, delta: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(x + delta), x + delta): the RMSNorm scaled by `offset + weight`, computed in float32 and rounded
-    once to x's dtype, and the residual it normed (x itself when `delta` is None, else a new tensor)."""
+    once to the weight's dtype, and the residual it normed (x itself when `delta` is None, else a new tensor in
+    x's dtype). x may be a 16-bit model's float32 residual stream, delta and weight in the model's dtype: the sum
+    is then float32, unrounded."""
     width = x.shape[-1]
     if x.dim() != 2 and delta is None:  # per-head norms (Qwen3's q and k): one row per head
         return rms_norm(x.reshape(-1, width), weight, eps, offset)[0].view(x.shape), x
-    library = _library(x, weight) if delta is None else _library(x, weight, delta)
+    wide = x.dtype == torch.float32 and weight.dtype != torch.float32  # a float32 residual stream
+    library = _library(weight) if wide else _library(x, weight)
+    if delta is not None and (delta.dtype != weight.dtype or delta.shape != x.shape or delta.stride(1) != 1):
+        library = None
     if library is None or not _rows(x, width) or not weight.is_contiguous():
         return _torch_rms_norm(x, weight, eps, offset, delta)
-    if delta is not None and (delta.shape != x.shape or delta.stride(1) != 1):
-        return _torch_rms_norm(x, weight, eps, offset, delta)
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    residual = x if delta is None else torch.empty_like(out)
-    library.add_rms_norm(
+    out = torch.empty(x.shape, dtype=weight.dtype)
+    residual = x if delta is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    entry = library.add_rms_norm_f32 if wide else library.add_rms_norm
+    entry(
         x.data_ptr(),
         x.stride(0),
         None if delta is None else delta.data_ptr(),
@@ -95,11 +100,11 @@ def _torch_rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, delta: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if delta is not None:
-        x = x + delta
-    if not offset:
+        x = x + delta.to(x.dtype)
+    if not offset and x.dtype == weight.dtype:
         return F.rms_norm(x, (x.shape[-1],), weight, eps), x
     normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
-    return (normed * (offset + weight.float())).to(x.dtype), x
+    return (normed * (offset + weight.float())).to(weight.dtype), x
 
 
 def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:

@@ -50,7 +50,7 @@ from scheduler_node.engine.ports import free_port  # noqa: E402
 MODULES: tuple[str, ...]
 MODULES = ("grpc", "grpc_health.v1.health_pb2", "zmq", "msgpack", "safetensors", "tokenizers", "transformers", "gguf")
 MODULES += ("prometheus_client", "yaml", "jinja2", "proto.serving_pb2_grpc", "scheduler_node.cli.serve")
-MODULES += ("worker_node.worker", "kernels.triton_attention")
+MODULES += ("worker_node.worker", "kernels.triton_attention", "kernels.triton_norm")
 
 
 PARTS = ("kernels", "engine", "quant", "decode", "lora", "kv_ipc", "tp")

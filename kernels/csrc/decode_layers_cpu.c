@@ -7,7 +7,8 @@
  * caller (kernels/cpu_decode_layers.py) hands over the addresses of the functions the Python path would call,
  * and the decision of which kernel serves a projection stays with that projection's Python code.
  *
- * One layer, with x the residual stream and delta the previous layer's MLP output (NULL before the first):
+ * One layer, with x the residual stream (float32: worker_node/models/decoder.py's `residual_stream`) and delta the
+ * previous layer's MLP output (NULL before the first):
  *   h = norm1(x + delta), x = x + delta;  qkv = h Wqkv;  rotary(q, k);  cache[slots] = k, v;
  *   a = attention(q);  h = norm2(x + a Wo), x = x + a Wo;  delta = down(silu(gate) * up) of h Wgate_up.
  * The last delta is left to the caller's final norm, as in worker_node/models/decoder.py.
@@ -23,8 +24,9 @@ typedef int (*gemm_int_fn)(const void *, const void *, const float *, void *, in
 /* awq_gemm: (x, codes, scales, out, M, N, K, group, threads) */
 typedef int (*gemm_i64_fn)(const void *, const void *, const float *, void *, int64_t, int64_t, int64_t, int64_t,
                            int);
-typedef void (*norm_fn)(const bf16_t *, int64_t, const bf16_t *, int64_t, const bf16_t *, bf16_t *, bf16_t *,
-                        int64_t, int64_t, float, float, int);
+/* add_rms_norm_f32: (x float32, stride, delta, stride, weight, out, sum float32, rows, width, eps, offset, threads) */
+typedef void (*norm_fn)(const float *, int64_t, const bf16_t *, int64_t, const bf16_t *, bf16_t *, float *, int64_t,
+                        int64_t, float, float, int);
 typedef void (*rotary_fn)(bf16_t *, int64_t, int64_t, bf16_t *, int64_t, int64_t, const bf16_t *, const bf16_t *,
                           int64_t, int64_t, int64_t, int);
 typedef void (*silu_fn)(const bf16_t *, bf16_t *, int64_t, int64_t, int);
@@ -64,7 +66,8 @@ typedef struct {
     attention_fn attention;
 } Kernels;
 
-/* The step: `rows` decode tokens, one per sequence, and the buffers each layer writes (all contiguous bf16). */
+/* The step: `rows` decode tokens, one per sequence, and the buffers each layer writes (contiguous; bf16 but for
+ * the float32 residual stream, x and residual). */
 typedef struct {
     int64_t rows, hidden, heads, kv_heads, head_dim, rot, inter;
     float eps, scale;
@@ -72,8 +75,8 @@ typedef struct {
     const int64_t *slots;     /* [rows] */
     int64_t num_slots, block_size, max_blocks;
     const int32_t *block_tables, *seq_lens;
-    bf16_t *x;        /* [rows, hidden]: the embeddings in; not written */
-    bf16_t *residual; /* [rows, hidden]: the residual stream out */
+    const float *x;   /* [rows, hidden]: the embeddings in, float32; not written */
+    float *residual;  /* [rows, hidden]: the residual stream out, float32 */
     bf16_t *delta;    /* [rows, hidden]: the last layer's MLP output out */
     bf16_t *h, *qkv, *q, *attn, *gate_up, *act; /* scratch: [rows, hidden], [rows, q + 2 kv], [rows, q] x 2, ... */
     int threads;
@@ -109,7 +112,7 @@ static int gemm(const Gemm *g, const void *x, void *out, int64_t rows, int threa
 int run_decode_layers(const Kernels *kernels, const Layer *layers, int64_t num_layers, const Step *s) {
     const int64_t m = s->rows, d = s->head_dim, q_size = s->heads * d, kv_size = s->kv_heads * d;
     const int64_t qkv_width = q_size + 2 * kv_size;
-    const bf16_t *x = s->x;
+    const float *x = s->x;
     const bf16_t *delta = NULL;
     double last = s->phase_seconds ? now() : 0.0;
     for (int64_t i = 0; i < num_layers; i++) {

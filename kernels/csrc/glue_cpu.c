@@ -62,10 +62,9 @@ static inline void store(elem_t *p, int64_t i, float v) { p[i] = v; }
 
 /* The element-wise passes of bf16 rows 16 elements at a time on AVX-512 BF16: gcc vectorizes the scalar loops
  * below only in part (half-width vectors, a scalar bf16 store per element). 64 rows of SmolLM2, one thread, hot
- * caches: the add + norm 19.2 -> 9.8 us, rotary 13.9 -> 4.9 us (a decode step at 64 sequences 36.4 -> 34.6 ms,
- * docs/benchmarks.md). VCVTNEPS2BF16 rounds to nearest even and quiets a NaN as `store` does; it also flushes
- * subnormal results to zero. Not silu_mul: its other exp (bf16_vectors.h's exp16 for libmvec's expf) changed
- * enough roundings to move the knife-edge token of tests/fidelity/test_fidelity_bf16.py (see norm_row). */
+ * caches: the add + norm 19.2 -> 9.8 us, rotary 13.9 -> 4.9 us, silu_mul 69.7 -> 35.2 us (its exponential
+ * bf16_vectors.h's exp16: 10 of 393,216 results off the correctly rounded bf16, libmvec's expf 7). VCVTNEPS2BF16
+ * rounds to nearest even and quiets a NaN as `store` does; it also flushes subnormal results to zero. */
 #if ELEMENT == ELEMENT_BFLOAT16 && defined(__AVX512BF16__)
 #include "bf16_vectors.h"
 #define VECTOR_BF16 1
@@ -74,11 +73,7 @@ static inline void store(elem_t *p, int64_t i, float v) { p[i] = v; }
 #endif
 
 /* One row of add_rms_norm: `row` (x's), `d` (delta's) or NULL, `s` where the sum goes, `y` where the norm goes.
- * The sum of squares stays the compiler's loop, its order of additions unchanged: 16-lane sums (as accurate)
- * moved SmolLM2's greedy token 13 after "def fibonacci(n):" 0.14 below HF's best (bar 0.05). That position is a
- * near-tie that bf16 rounding moves by that much: HF float32 puts token 304 0.139 above 2822 and HF's own bf16
- * 0.284 above (0.145 off float32 the other way), so a rounding of ours that shifts it by ~0.14 fails the test;
- * this order is one that passes. */
+ * The sum of squares is the compiler's loop. */
 static inline void norm_row(const elem_t *row, const elem_t *d, elem_t *s, const elem_t *weight, elem_t *y,
                             int64_t width, float eps, float offset) {
     if (d != NULL) {
@@ -115,6 +110,41 @@ void add_rms_norm(const elem_t *x, int64_t x_stride, const elem_t *delta, int64_
     for (int64_t r = 0; r < rows; r++)
         norm_row(x + r * x_stride, delta != NULL ? delta + r * delta_stride : NULL, sum + r * width, weight,
                  out + r * width, width, eps, offset);
+}
+
+/* add_rms_norm of a 16-bit model whose residual stream is float32 (worker_node/models/layers.py's RMSNorm.add):
+ * x [rows, width] float32 (x_stride apart), delta (delta_stride apart) or NULL and weight in the model's dtype;
+ * sum = x + delta in float32, unrounded (with delta); out = norm(sum) rounded once. Rounding the residual to bf16
+ * after every add, as HF's bf16 models do, is the largest error of a bf16 forward: on SmolLM2 it put a
+ * teacher-forced logprob 0.30 from float32's (0.09 kept in float32; docs/benchmarks.md). */
+void add_rms_norm_f32(const float *x, int64_t x_stride, const elem_t *delta, int64_t delta_stride,
+                      const elem_t *weight, elem_t *out, float *sum, int64_t rows, int64_t width, float eps,
+                      float offset, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * width >= PARALLEL_ELEMENTS) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * x_stride;
+        if (delta != NULL) {
+            const elem_t *d = delta + r * delta_stride;
+            float *s = sum + r * width;
+            for (int64_t i = 0; i < width; i++)
+                s[i] = row[i] + load(d, i);
+            row = s;
+        }
+        float squares = 0.0f;
+        for (int64_t i = 0; i < width; i++)
+            squares += row[i] * row[i];
+        const float inv_rms = (float)(1.0 / sqrt((double)squares / (double)width + (double)eps));
+        elem_t *y = out + r * width;
+        int64_t i = 0;
+#if VECTOR_BF16
+        const __m512 scale = _mm512_set1_ps(inv_rms), shift = _mm512_set1_ps(offset);
+        for (; i + 16 <= width; i += 16)
+            float_to_bf16x16(y + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(row + i), scale),
+                                                  _mm512_add_ps(shift, bf16x16_to_float(weight + i))));
+#endif
+        for (; i < width; i++)
+            store(y, i, row[i] * inv_rms * (offset + load(weight, i)));
+    }
 }
 
 /* One head's first `rot` dims rotated: the pairs (i, i + rot/2) by the angle whose cos/sin are c[i], s[i]. */
@@ -157,7 +187,12 @@ void silu_mul(const elem_t *gate_up, elem_t *out, int64_t rows, int64_t width, i
     for (int64_t r = 0; r < rows; r++) {
         const elem_t *gate = gate_up + r * 2 * width, *up = gate + width;
         elem_t *y = out + r * width;
-        for (int64_t i = 0; i < width; i++) {
+        int64_t i = 0;
+#if VECTOR_BF16
+        for (; i + 16 <= width; i += 16)
+            float_to_bf16x16(y + i, silu_mul16(bf16x16_to_float(gate + i), bf16x16_to_float(up + i)));
+#endif
+        for (; i < width; i++) {
             const float g = load(gate, i);
             store(y, i, g / (1.0f + expf(-g)) * load(up, i));
         }

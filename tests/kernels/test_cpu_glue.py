@@ -58,6 +58,23 @@ def test_add_rms_norm_returns_the_sum_and_its_norm(dtype: torch.dtype, rows: int
     assert_close(out.double(), reference_norm(x + delta, weight, 1e-6, 0.0), dtype)
 
 
+@pytest.mark.parametrize(("rows", "width"), [(1, 576), (5, 33), (300, 1000)])  # 300 x 1000: threads
+def test_a_float32_residual_stream_is_summed_unrounded_and_normed_in_the_weights_dtype(rows: int, width: int) -> None:
+    """A bf16 model's residual stream is float32 (decoder.residual_stream): the sum stays float32, the norm is bf16."""
+    gen = torch.Generator().manual_seed(5 * rows + width)
+    x = torch.randn(rows, width, generator=gen) * 2
+    delta = (torch.randn(rows, width, generator=gen) * 2).bfloat16()
+    weight = torch.randn(width, generator=gen).bfloat16()
+    out, residual = cpu_glue.rms_norm(x, weight, 1e-6, 0.0, delta)
+    assert residual.dtype == torch.float32 and out.dtype == torch.bfloat16
+    assert torch.equal(residual, x + delta.float()), "the sum is float32's, not rounded to bf16"
+    assert_close(out.double(), reference_norm(residual, weight, 1e-6, 0.0), torch.bfloat16)
+    assert_close(out, cpu_glue._torch_rms_norm(x, weight, 1e-6, 0.0, delta)[0], torch.bfloat16)
+    alone, same = cpu_glue.rms_norm(x, weight, 1e-6, 1.0)  # the first layer's: no delta, Gemma's offset
+    assert same is x and alone.dtype == torch.bfloat16
+    assert_close(alone.double(), reference_norm(x, weight, 1e-6, 1.0), torch.bfloat16)
+
+
 def test_rms_norm_reads_strided_rows_and_3d() -> None:
     gen = torch.Generator().manual_seed(5)
     wide = torch.randn(7, 40, generator=gen)

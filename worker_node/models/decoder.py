@@ -31,7 +31,8 @@ class StepInterrupted(Exception):
 class DecoderLayer(nn.Module):
     """The interface of a family's layer: the residual stream in and out, as a pair (x, delta) whose sum it is
     (delta None: x alone). The last add of a layer is left to the next one, whose first RMSNorm makes it in the
-    same pass (`RMSNorm.add`), and so on to the final norm."""
+    same pass (`RMSNorm.add`), and so on to the final norm. x is float32 in every model (`residual_stream`); delta
+    and everything a sub-block computes are in the model's dtype."""
 
     def forward(
         self,
@@ -106,8 +107,9 @@ class CausalLM(nn.Module):
             if self.embed_tokens is None:
                 raise RuntimeError("a stage after the first needs the previous stage's hidden states")
             hidden = self.embed_tokens(input_ids)
-        x = hidden
-        angles = self.rotary(positions, x.dtype)
+        dtype = hidden.dtype
+        x = residual_stream(hidden)
+        angles = self.rotary(positions, dtype)
         for group in (meta, meta.compact):  # the full pool's sequences, then the compact pool's
             if self.plan_decode is not None and group is not None and group.num_decode_tokens and kv_caches:
                 if group.decode_plan is None:
@@ -126,8 +128,8 @@ class CausalLM(nn.Module):
             if interrupted is not None and interrupted():
                 raise StepInterrupted
             x, delta = layer(x, delta, angles, kv_cache, meta)
-        if self.norm is None:
-            return x if delta is None else x + delta
+        if self.norm is None:  # the next stage's input, in the model's dtype (the wire's and its buffers')
+            return (x if delta is None else x + delta).to(dtype)
         return self.norm.add(x, delta)[0]
 
     def _native_decode(self) -> NativeDecode | None:
@@ -144,6 +146,15 @@ class CausalLM(nn.Module):
         if self.lm_head is None:
             raise RuntimeError("only the last pipeline stage computes logits")
         return self.lm_head(hidden)
+
+
+def residual_stream(hidden: torch.Tensor) -> torch.Tensor:
+    """The residual stream's start: the embeddings (or a previous stage's output) in float32. A 16-bit model
+    keeps its sub-blocks in its dtype but sums their outputs in float32: rounding the stream to bf16 after every
+    add, as HF's bf16 models do, was the largest error of a bf16 forward (SmolLM2's teacher-forced logprobs:
+    0.30 from float32's at worst, 0.09 kept in float32; docs/benchmarks.md). A pipeline stage hands the next one
+    its output rounded to the model's dtype (the one rounding a pipeline adds)."""
+    return hidden.float()
 
 
 def _on_cpu(model: nn.Module) -> bool:

@@ -7,9 +7,11 @@ collective is a no-op and each block is the plain one.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from functools import partial
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -109,7 +111,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class RMSNorm(nn.Module):
     """x / rms(x) * weight. Gemma stores `weight - 1` (`offset=1`) and normalises in float32, as HF does.
 
-    On CPU one pass of kernels/cpu_glue.py's kernel; `add` also folds in the residual add before it."""
+    On CPU one pass of kernels/cpu_glue.py's kernel, on a GPU one launch of kernels/triton_norm.py's (where Triton
+    imports; else torch's ops); `add` also folds in the residual add before it."""
 
     def __init__(self, size: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
@@ -118,12 +121,36 @@ class RMSNorm(nn.Module):
         self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_glue.rms_norm(x, self.weight, self.eps, self.offset)[0]
+        return _rms_norm(x, self.weight, self.eps, self.offset)[0]
 
     def add(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + delta), x + delta): a sub-block's output added to the residual stream, and the next
-        sub-block's input (delta None: x's norm, and x)."""
-        return cpu_glue.rms_norm(x, self.weight, self.eps, self.offset, delta)
+        sub-block's input (delta None: x's norm, and x). x is the float32 residual stream (decoder.py's
+        `residual_stream`); the norm comes out in the weight's dtype, the model's."""
+        return _rms_norm(x, self.weight, self.eps, self.offset, delta)
+
+
+def _rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, delta: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The norm on x's device: Triton's kernel on a GPU where it reads x (else torch's ops), the C glue's on CPU."""
+    readable = x.dim() == 2 and x.stride(1) == 1 and x.dtype in (torch.float32, weight.dtype)
+    if delta is not None:
+        readable = readable and delta.shape == x.shape and delta.stride(1) == 1 and delta.dtype == weight.dtype
+    triton_norm = _triton_norm() if x.is_cuda and readable else None
+    if triton_norm is not None:
+        return triton_norm.add_rms_norm(x, weight, eps, offset, delta)  # type: ignore[no-any-return]
+    return cpu_glue.rms_norm(x, weight, eps, offset, delta)
+
+
+@functools.cache
+def _triton_norm() -> ModuleType | None:
+    """kernels/triton_norm.py where Triton imports, else None (torch's ops then)."""
+    try:
+        from kernels import triton_norm
+    except ImportError:
+        return None
+    return triton_norm
 
 
 class Attention(nn.Module):

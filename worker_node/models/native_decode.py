@@ -16,6 +16,7 @@ else runs the Python layers, as before.
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,7 +60,7 @@ class NativeDecode:
         # Set to a float64 tensor [len(PHASES)] to add each step's seconds per phase of a layer (a profile).
         self.phase_seconds: torch.Tensor | None = None
         self.kernels = Kernels(
-            *(cpu_gemm.address(glue, name) for name in ("add_rms_norm", "rotary", "silu_mul", "write_kv")), None
+            *(cpu_gemm.address(glue, name) for name in ("add_rms_norm_f32", "rotary", "silu_mul", "write_kv")), None
         )
 
     @classmethod
@@ -87,7 +88,7 @@ class NativeDecode:
         self, x: torch.Tensor, angles: RopeAngles, kv_caches: list[LayerKV], meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(residual stream, last MLP output) after every layer, as the Python layers return them; None when the
-        step does not qualify (nothing done)."""
+        step does not qualify (nothing done). x: the float32 residual stream's start (decoder.py)."""
         rows = x.shape[0]
         cos, sin = angles
         plan = meta.decode_plan
@@ -96,7 +97,7 @@ class NativeDecode:
             and meta.compact is None
             and meta.num_decode_tokens == rows
             and isinstance(plan, cpu_attention.NativePlan)
-            and x.dtype == torch.bfloat16
+            and x.dtype == torch.float32
             and x.device.type == "cpu"
             and x.is_contiguous()
             and cos.dtype == sin.dtype == torch.bfloat16
@@ -121,15 +122,16 @@ class NativeDecode:
         for row, cache in zip(self.layers, kv_caches):
             row.k_cache, row.v_cache = cache.k.data_ptr(), cache.v.data_ptr()
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        bf16 = functools.partial(torch.empty, dtype=torch.bfloat16)
         buffers = {
             "residual": torch.empty_like(x),
-            "delta": torch.empty_like(x),
-            "h": torch.empty_like(x),
-            "qkv": x.new_empty(rows, q_size + 2 * kv_size),
-            "q": x.new_empty(rows, q_size),
-            "attn": x.new_empty(rows, q_size),
-            "gate_up": x.new_empty(rows, 2 * self.inter),
-            "act": x.new_empty(rows, self.inter),
+            "delta": bf16(rows, self.hidden),
+            "h": bf16(rows, self.hidden),
+            "qkv": bf16(rows, q_size + 2 * kv_size),
+            "q": bf16(rows, q_size),
+            "attn": bf16(rows, q_size),
+            "gate_up": bf16(rows, 2 * self.inter),
+            "act": bf16(rows, self.inter),
         }
         k = first.k
         step = Step(
