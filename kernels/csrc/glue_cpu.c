@@ -13,7 +13,7 @@
  * the same value or within one rounding of it). A bf16 residual is rounded before it is normed, as torch's add
  * then norm does. Rows go to OpenMP threads when there is enough work to pay for waking them.
  * -ffast-math vectorizes the sums and expf (libmvec); the one reciprocal square root per row is taken in double.
- * bf16 builds on AVX-512 BF16 run the norm's and rotary's element-wise passes in whole vectors (below).
+ * bf16 builds on AVX-512 BF16 run the element-wise passes in whole vectors (below).
  */
 #include <math.h>
 #include <stddef.h>
@@ -96,7 +96,8 @@ static inline void norm_row(const elem_t *row, const elem_t *d, elem_t *s, const
 #if VECTOR_BF16
     const __m512 scale = _mm512_set1_ps(inv_rms), shift = _mm512_set1_ps(offset);
     for (; i + 16 <= width; i += 16)
-        float_to_bf16x16(y + i, _mm512_mul_ps(_mm512_mul_ps(bf16x16_to_float(row + i), scale), _mm512_add_ps(shift, bf16x16_to_float(weight + i))));
+        float_to_bf16x16(y + i, _mm512_mul_ps(_mm512_mul_ps(bf16x16_to_float(row + i), scale),
+                                              _mm512_add_ps(shift, bf16x16_to_float(weight + i))));
 #endif
     for (; i < width; i++)
         store(y, i, load(row, i) * inv_rms * (offset + load(weight, i)));
@@ -152,7 +153,8 @@ static inline void rotate_head(elem_t *x, const elem_t *c, const elem_t *s, int6
     int64_t i = 0;
 #if VECTOR_BF16
     for (; i + 16 <= half; i += 16) {
-        const __m512 a = bf16x16_to_float(x + i), b = bf16x16_to_float(x + i + half), cos_i = bf16x16_to_float(c + i), sin_i = bf16x16_to_float(s + i);
+        const __m512 a = bf16x16_to_float(x + i), b = bf16x16_to_float(x + i + half);
+        const __m512 cos_i = bf16x16_to_float(c + i), sin_i = bf16x16_to_float(s + i);
         float_to_bf16x16(x + i, _mm512_sub_ps(_mm512_mul_ps(a, cos_i), _mm512_mul_ps(b, sin_i)));
         float_to_bf16x16(x + i + half, _mm512_add_ps(_mm512_mul_ps(b, cos_i), _mm512_mul_ps(a, sin_i)));
     }
