@@ -72,6 +72,28 @@ static inline void store(elem_t *p, int64_t i, float v) { p[i] = v; }
 #define VECTOR_BF16 0
 #endif
 
+/* 1 / rms of a row from its sum of squares (the one reciprocal square root, in double). */
+static inline float inverse_rms(float squares, int64_t width, float eps) {
+    return (float)(1.0 / sqrt((double)squares / (double)width + (double)eps));
+}
+
+/* y = row * inv_rms * (offset + weight), rounded once: the row in the elements' dtype (`row`) or, where `wide` is
+ * not NULL, in float32 (a 16-bit model's residual stream). */
+static inline void scaled_row(elem_t *y, const elem_t *row, const float *wide, const elem_t *weight, int64_t width,
+                              float inv_rms, float offset) {
+    int64_t i = 0;
+#if VECTOR_BF16
+    const __m512 scale = _mm512_set1_ps(inv_rms), shift = _mm512_set1_ps(offset);
+    for (; i + 16 <= width; i += 16) {
+        const __m512 v = wide ? _mm512_loadu_ps(wide + i) : bf16x16_to_float(row + i);
+        const __m512 w = _mm512_add_ps(shift, bf16x16_to_float(weight + i));
+        float_to_bf16x16(y + i, _mm512_mul_ps(_mm512_mul_ps(v, scale), w));
+    }
+#endif
+    for (; i < width; i++)
+        store(y, i, (wide ? wide[i] : load(row, i)) * inv_rms * (offset + load(weight, i)));
+}
+
 /* One row of add_rms_norm: `row` (x's), `d` (delta's) or NULL, `s` where the sum goes, `y` where the norm goes.
  * The sum of squares is the compiler's loop. */
 static inline void norm_row(const elem_t *row, const elem_t *d, elem_t *s, const elem_t *weight, elem_t *y,
@@ -91,16 +113,7 @@ static inline void norm_row(const elem_t *row, const elem_t *d, elem_t *s, const
         const float v = load(row, i);
         squares += v * v;
     }
-    const float inv_rms = (float)(1.0 / sqrt((double)squares / (double)width + (double)eps));
-    int64_t i = 0;
-#if VECTOR_BF16
-    const __m512 scale = _mm512_set1_ps(inv_rms), shift = _mm512_set1_ps(offset);
-    for (; i + 16 <= width; i += 16)
-        float_to_bf16x16(y + i, _mm512_mul_ps(_mm512_mul_ps(bf16x16_to_float(row + i), scale),
-                                              _mm512_add_ps(shift, bf16x16_to_float(weight + i))));
-#endif
-    for (; i < width; i++)
-        store(y, i, load(row, i) * inv_rms * (offset + load(weight, i)));
+    scaled_row(y, row, NULL, weight, width, inverse_rms(squares, width, eps), offset);
 }
 
 /* x [rows, width] (rows x_stride elements apart), delta [rows, width] (delta_stride apart) or NULL, weight
@@ -134,17 +147,7 @@ void add_rms_norm_f32(const float *x, int64_t x_stride, const elem_t *delta, int
         float squares = 0.0f;
         for (int64_t i = 0; i < width; i++)
             squares += row[i] * row[i];
-        const float inv_rms = (float)(1.0 / sqrt((double)squares / (double)width + (double)eps));
-        elem_t *y = out + r * width;
-        int64_t i = 0;
-#if VECTOR_BF16
-        const __m512 scale = _mm512_set1_ps(inv_rms), shift = _mm512_set1_ps(offset);
-        for (; i + 16 <= width; i += 16)
-            float_to_bf16x16(y + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(row + i), scale),
-                                                  _mm512_add_ps(shift, bf16x16_to_float(weight + i))));
-#endif
-        for (; i < width; i++)
-            store(y, i, row[i] * inv_rms * (offset + load(weight, i)));
+        scaled_row(out + r * width, NULL, row, weight, width, inverse_rms(squares, width, eps), offset);
     }
 }
 
