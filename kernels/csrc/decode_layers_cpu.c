@@ -80,7 +80,7 @@ typedef struct {
     bf16_t *delta;    /* [rows, hidden]: the last layer's MLP output out */
     bf16_t *h, *qkv, *q, *attn, *gate_up, *act; /* scratch: [rows, hidden], [rows, q + 2 kv], [rows, q] x 2, ... */
     int threads;
-    double *phase_seconds; /* NULL, or [PHASES] seconds added per phase (a profile: scripts/bench_quant.py) */
+    double *phase_seconds; /* NULL, or [PHASES] seconds added per phase (a profile: scripts/bench_decode_phases.py) */
 } Step;
 
 /* qkv norm, qkv, rotary + KV write + query copy, attention, o, post norm, gate/up, silu + down */

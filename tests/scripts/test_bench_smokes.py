@@ -132,3 +132,22 @@ def test_bench_quant_smoke_measures_every_format_against_the_first(tiny_llama_di
         assert len(rounds) == 2 and row["decode_4_tok_s"] == sum(rounds) / 2, row
     low, high = rows["int8"]["decode_4_tok_s_ratio_range"]
     assert 0 < low <= high and rows["none"]["decode_4_tok_s_ratio_range"] == [1.0, 1.0]
+
+
+@pytest.mark.slow
+def test_bench_decode_phases_smoke_times_every_phase_where_the_runner_runs(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    stdout, report = _smoke(
+        "bench_decode_phases.py", tiny_llama_dir, tmp_path / "phases.json", "--formats", "none,int8"
+    )
+    rows = report["rows"]
+    assert [(row["format"], row["seqs"]) for row in rows] == [("none", 2), ("int8", 2)]
+    for row in rows:
+        assert row["step_ms"] > 0, row
+        # the C runner takes bf16 Llama layers on CPUs with the AMX kernels; elsewhere the report says it did not run
+        if cpu_gemm.load() is None:
+            assert row["phases_ms"] is None and "the C runner did not run" in stdout
+        else:
+            assert all(ms > 0 for ms in row["phases_ms"].values()), row
+    assert "| format | seqs | step ms | layers ms | input norm |" in stdout

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +34,20 @@ from worker_node.kv_cache import LayerKV
 from worker_node.models.layers import Attention, RopeAngles
 
 MAX_ROWS = min(cpu_gemm.MAX_ROWS, cpu_gemm_awq.MAX_ROWS)  # rows the matmul kernels take in one call
+# "1": every runner made from then on adds each step's seconds per phase of a layer (cpu_decode_layers.PHASES), read
+# with `phase_seconds()` (scripts/bench_decode_phases.py); two clock reads per phase, so off by default.
+PHASES_ENV = "MINIVLLM_DECODE_PHASES"
+_profiled: weakref.WeakSet[NativeDecode] = weakref.WeakSet()
+
+
+def phase_seconds() -> torch.Tensor:
+    """Seconds per phase of a layer (float64 [len(PHASES)]) that the runners made under $MINIVLLM_DECODE_PHASES=1 and
+    still alive have added up, every layer and step together."""
+    total = torch.zeros(len(cpu_decode_layers.PHASES), dtype=torch.float64)
+    for runner in list(_profiled):
+        if runner.phase_seconds is not None:
+            total += runner.phase_seconds
+    return total
 
 
 class NativeDecode:
@@ -57,8 +73,11 @@ class NativeDecode:
         runner = cpu_decode_layers.load()
         assert runner is not None  # build checked it
         self.runner = runner
-        # Set to a float64 tensor [len(PHASES)] to add each step's seconds per phase of a layer (a profile).
+        # A float64 tensor [len(PHASES)] to add each step's seconds per phase of a layer to (a profile), or None.
         self.phase_seconds: torch.Tensor | None = None
+        if os.environ.get(PHASES_ENV) == "1":
+            self.phase_seconds = torch.zeros(len(cpu_decode_layers.PHASES), dtype=torch.float64)
+            _profiled.add(self)
         self.kernels = Kernels(
             *(cpu_gemm.address(glue, name) for name in ("add_rms_norm_f32", "rotary", "silu_mul", "write_kv")), None
         )

@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from kernels import cpu_gemm
+from kernels.cpu_decode_layers import PHASES
 from minivllm import LLM, LoRARequest, SamplingParams
 from tests.support.awq_checkpoint import write_awq_checkpoint
 from tests.support.lora import load_base, make_adapter
@@ -77,6 +79,20 @@ def test_the_runner_gives_the_python_layers_tokens_and_logprobs_bit_for_bit(
     native, ran = generate(monkeypatch, folder, True, **engine)
     assert none_ran == 0 and ran >= 11, ran  # every decode step of the 12 tokens but the prefill's
     assert native == python
+
+
+def test_under_the_profile_switch_every_phase_of_every_step_adds_up(
+    monkeypatch: pytest.MonkeyPatch, amx: None, tiny_llama_dir: Path
+) -> None:
+    """$MINIVLLM_DECODE_PHASES=1: the runners made from then on time their phases (scripts/bench_decode_phases.py);
+    off, none does (the clock reads cost a step time)."""
+    before = native_decode.phase_seconds()
+    _, ran = generate(monkeypatch, tiny_llama_dir, True)
+    assert ran >= 11 and torch.equal(native_decode.phase_seconds(), before), "off by default: nothing timed"
+    monkeypatch.setenv(native_decode.PHASES_ENV, "1")
+    _, ran = generate(monkeypatch, tiny_llama_dir, True)
+    added = native_decode.phase_seconds() - before
+    assert ran >= 11 and added.shape == (len(PHASES),) and bool((added > 0).all()), added
 
 
 def test_it_steps_aside_for_a_quantized_cache_lora_and_more_rows_than_the_kernels_take(
