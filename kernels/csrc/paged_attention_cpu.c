@@ -8,7 +8,8 @@
  *
  * A work item is one sequence and a range of its kv heads. With all heads in one item, each cache block
  * (block_size rows of every kv head) is read front to back; the next block is prefetched by hand since blocks
- * are scattered. Batches too small to keep every thread busy are split by kv head instead. Softmax is online,
+ * are scattered, and each thread's next sequence's first block while it reads its current one's last (items are
+ * dealt round-robin). Batches too small to keep every thread busy are split by kv head instead. Softmax is online,
  * rescaled once per block (as the split-KV GPU kernel does per segment).
  *
  * A sliding window (`window` > 0: the query sees its last `window` tokens) starts the walk at the window's first
@@ -26,14 +27,17 @@
  * scripts/bench_cpu_dtypes.py, docs/benchmarks.md). With bf16 queries too (`bf16_io`) and AVX-512 BF16, the scores
  * are that instruction's dot products of the stored bits (pairs of exact products summed in float32, no widening),
  * 16 tokens at a time, then scaled: attention 8 % faster in a SmolLM2 decode step (scores_bf16). Or int8 / fp8
- * e4m3 with one float32 scale per token and kv head (kernels/kv_quant.py; scales [num_blocks, block_size, Hkv]). A quantized element is widened exactly
- * (int8 by conversion, e4m3 by moving its exponent and mantissa bits into a float32's), and the scales never
- * touch the D-wide rows: a key's scale multiplies its score, a value's scale the probability that weighs it.
+ * e4m3 with one float32 scale per token and kv head (kernels/kv_quant.py; scales [num_blocks, block_size, Hkv]).
+ * A quantized element is widened exactly (int8 by conversion, e4m3 by moving its exponent and mantissa bits into a
+ * float32's), and the scales never touch the D-wide rows: a key's scale multiplies its score, a value's scale the
+ * probability that weighs it.
  */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include <omp.h>
 
 #if !defined(HEAD_DIM) || !defined(GROUP)
 #error "compile with -DHEAD_DIM=<head dim> -DGROUP=<query heads per kv head>"
@@ -237,10 +241,19 @@ static __attribute__((noinline)) void finish_head(const HeadState *st, void *out
     }
 }
 
-/* Kv heads [h0, h1) of one sequence; q and out point at the sequence's first query head. */
+/* The first cache block a sequence's attention reads (its window's, with a sliding window), or -1 for none. */
+static inline int64_t first_block(const Shape *s, const int32_t *blocks, int64_t seq_len) {
+    if (seq_len <= 0)
+        return -1;
+    const int64_t first = s->window > 0 && seq_len > s->window ? seq_len - s->window : 0;
+    return blocks[first / s->block_size];
+}
+
+/* Kv heads [h0, h1) of one sequence; q and out point at the sequence's first query head. `follow`: the block to
+ * prefetch during the last one (the first block of this thread's next sequence), or -1. */
 static void attend(const Shape *s, const void *q, const kv_t *k_cache, const kv_t *v_cache, const float *k_scales,
                    const float *v_scales, const int32_t *blocks, int64_t seq_len, int64_t h0, int64_t h1,
-                   void *out) {
+                   int64_t follow, void *out) {
     HeadState heads[MAX_KV_HEADS];
     for (int64_t h = h0; h < h1; ++h) {
         HeadState *st = &heads[h - h0];
@@ -262,7 +275,7 @@ static void attend(const Shape *s, const void *q, const kv_t *k_cache, const kv_
         const int64_t row = (int64_t)blocks[start / s->block_size] * s->block_size + skip; /* its first slot */
         const int64_t offset = row * s->row_stride;
         const int64_t n = (seq_len - start < s->block_size ? seq_len - start : s->block_size) - skip;
-        const int64_t next = start + s->block_size < seq_len ? blocks[start / s->block_size + 1] : -1;
+        const int64_t next = start + s->block_size < seq_len ? blocks[start / s->block_size + 1] : follow;
 #if QUANTIZED
         if (next >= 0) {
             const int64_t scales = s->block_size * s->num_kv_heads;
@@ -302,10 +315,22 @@ void paged_decode_attention(const void *q, const kv_t *k_cache, const kv_t *v_ca
     const int64_t heads_per_item = batch >= 2 * num_threads ? num_kv_heads : 1;
     const int64_t items_per_seq = num_kv_heads / heads_per_item;
     const int64_t seq_elements = num_kv_heads * GROUP * HEAD_DIM;
-#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
-    for (int64_t w = 0; w < batch * items_per_seq; ++w) {
-        const int64_t b = w / items_per_seq, h0 = (w % items_per_seq) * heads_per_item;
-        attend(&s, (const char *)q + b * seq_elements * element, k_cache, v_cache, k_scales, v_scales,
-               block_tables + b * max_blocks, seq_lens[b], h0, h0 + heads_per_item, (char *)out + b * seq_elements * element);
+    const int64_t items = batch * items_per_seq;
+    /* Items dealt round-robin (static, 1), so each thread knows its next one and prefetches that sequence's first
+     * block while it reads its current sequence's last: no sequence starts on a cold block (with dynamic items,
+     * the attention of a SmolLM2 decode step took 8.1-8.3 ms at 64 sequences, 1.95-2.0 at 16; now 7.5-7.7 and
+     * 1.8-1.85, docs/benchmarks.md). */
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t team = omp_get_num_threads();
+#pragma omp for schedule(static, 1)
+        for (int64_t w = 0; w < items; ++w) {
+            const int64_t b = w / items_per_seq, h0 = (w % items_per_seq) * heads_per_item;
+            const int64_t after = w + team < items ? (w + team) / items_per_seq : -1;
+            attend(&s, (const char *)q + b * seq_elements * element, k_cache, v_cache, k_scales, v_scales,
+                   block_tables + b * max_blocks, seq_lens[b], h0, h0 + heads_per_item,
+                   after >= 0 ? first_block(&s, block_tables + after * max_blocks, seq_lens[after]) : -1,
+                   (char *)out + b * seq_elements * element);
+        }
     }
 }
