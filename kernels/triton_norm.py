@@ -48,6 +48,14 @@ def _add_rms_norm_kernel(
     tl.store(out_ptr + row * width + cols, (x * inv_rms * (offset + weight)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def reads(x: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | None) -> bool:
+    """Whether `add_rms_norm` takes these: x [T, H] float32 or in the weight's dtype, with contiguous rows; a
+    contiguous weight; delta None, or of x's shape in the weight's dtype with contiguous rows."""
+    if x.dim() != 2 or x.dtype not in (torch.float32, weight.dtype) or x.stride(1) != 1 or not weight.is_contiguous():
+        return False
+    return delta is None or (delta.shape == x.shape and delta.dtype == weight.dtype and delta.stride(1) == 1)
+
+
 def add_rms_norm(
     x: torch.Tensor,  # [T, H]: float32, or the weight's dtype; rows contiguous
     weight: torch.Tensor,  # [H]
@@ -57,11 +65,11 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(x + delta), x + delta): the norm in the weight's dtype, the sum (a new tensor) in x's; delta None:
     x's norm, and x itself."""
-    rows, width = x.shape
-    if x.dtype not in (torch.float32, weight.dtype) or x.stride(1) != 1 or not weight.is_contiguous():
+    if not reads(x, weight, None):
         raise ValueError(f"x must be float32 or {weight.dtype} with contiguous rows, got {x.dtype}, {x.stride()}")
-    if delta is not None and (delta.shape != x.shape or delta.dtype != weight.dtype or delta.stride(1) != 1):
+    if not reads(x, weight, delta):
         raise ValueError(f"delta must be {weight.dtype} of x's shape {tuple(x.shape)} with contiguous rows")
+    rows, width = x.shape
     out = torch.empty(rows, width, dtype=weight.dtype, device=x.device)
     total = x if delta is None else torch.empty(rows, width, dtype=x.dtype, device=x.device)
     if rows:

@@ -134,11 +134,8 @@ def _rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, delta: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The norm on x's device: Triton's kernel on a GPU where it reads x (else torch's ops), the C glue's on CPU."""
-    readable = x.dim() == 2 and x.stride(1) == 1 and x.dtype in (torch.float32, weight.dtype)
-    if delta is not None:
-        readable = readable and delta.shape == x.shape and delta.stride(1) == 1 and delta.dtype == weight.dtype
-    triton_norm = _triton_norm() if x.is_cuda and readable else None
-    if triton_norm is not None:
+    triton_norm = _triton_norm() if x.is_cuda else None
+    if triton_norm is not None and triton_norm.reads(x, weight, delta):
         return triton_norm.add_rms_norm(x, weight, eps, offset, delta)  # type: ignore[no-any-return]
     return cpu_glue.rms_norm(x, weight, eps, offset, delta)
 
