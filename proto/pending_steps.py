@@ -59,7 +59,8 @@ class PendingSteps(Generic[Rank]):
             return
         if isinstance(msg, StepError):
             del self._steps[msg.step_id]
-            step.future.set_exception(StepFailed(f"rank {msg.rank} could not run step {msg.step_id}: {msg.reason}"))
+            reason = f"rank {msg.rank} could not run step {msg.step_id}: {msg.reason}"
+            step.future.set_exception(StepFailed(reason, tuple(msg.handles)))
             return
         if rank == step.output:
             step.result = msg

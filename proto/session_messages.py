@@ -8,7 +8,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from proto.wire_base import Count, Kind, Message, WireError
+from proto.wire_base import Count, Handle, Kind, Message, WireError
 
 
 class ExecutionMode(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True, gc=False):
@@ -135,6 +135,9 @@ class StepError(Message, tag=int(Kind.STEP_ERROR)):
     step_id: int
     rank: int
     reason: str
+    # The requests whose own inputs made the plan fail (an adapter that cannot be read, a grammar that cannot be
+    # compiled): they fail alone and the others are recomputed. Empty: the worker cannot tell whose fault it was.
+    handles: list[Handle] = []
 
 
 class Interrupt(Message, tag=int(Kind.INTERRUPT)):

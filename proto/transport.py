@@ -20,7 +20,12 @@ class WorkerLost(RuntimeError):
 
 
 class StepFailed(RuntimeError):
-    """A rank could not execute a plan (it answered StepError); it keeps running."""
+    """A rank could not execute a plan (it answered StepError); it keeps running. `handles`: the requests the
+    rank blamed (StepError.handles), empty when it could not tell."""
+
+    def __init__(self, message: str, handles: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.handles = handles
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from proto.wire import Heartbeat, Interrupt, Message, Shutdown, StepError, StepPlan, decode, encode
+from worker_node.faults import RequestFault
 from worker_node.parallel import WorldBroken
 from worker_node.step_overlap import Launched, may_follow
 
@@ -122,6 +123,9 @@ class StepThread(threading.Thread):
             return work()
         except WorldBroken as exc:
             self._leave_broken(step_id, exc)
+        except RequestFault as exc:  # some requests' own fault: they fail alone
+            logger.warning("step %d: request(s) %s cannot run: %s", step_id, exc.handles, exc.reason)
+            return StepError(step_id, self.rank, exc.reason, handles=exc.handles)
         except Exception as exc:  # a plan this worker cannot run: say so, stay alive
             logger.exception("step %d failed", step_id)
             return StepError(step_id, self.rank, f"{type(exc).__name__}: {exc}")
