@@ -298,6 +298,9 @@ class StepResult(Message, tag=int(Kind.RESULT)):
     # the worker and the scheduler microseconds to encode and decode, not a fifth of a millisecond each.
     token_handles: bytes = b""
     tokens: bytes = b""
+    # Requests whose own computation failed this step (their logits were not finite), with why: each fails alone,
+    # its tokens above ignored; every other request of the step is unaffected (a row never reaches another).
+    faulted: dict[Handle, Annotated[str, Meta(max_length=1024)]] = {}
 
     def check(self) -> None:
         handles, tokens = len(self.token_handles), len(self.tokens)

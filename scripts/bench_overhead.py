@@ -78,7 +78,7 @@ class WorkerProbe:
 
     prepare: float = 0.0
     sample: float = 0.0
-    sampling: bool = False  # inside the sampler (sample calls sample_tokens: timed once)
+    sampling: bool = False  # inside the sampler (sample calls draw: timed once)
     marks: dict[int, tuple[float, float, float, float, float]] = field(default_factory=dict)
 
 
@@ -105,7 +105,7 @@ def install_worker_probe(vocab: int) -> None:
             WORKER.prepare += time.thread_time() - start
 
     def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
-        """The sampler's time: `sample`, or `sample_tokens` alone (an overlapped step's; `sample` calls it)."""
+        """The sampler's time: `sample`, or `draw` and `logprobs` (the worker's calls; `sample` makes both)."""
 
         def wrapper(self: Sampler, *args: Any) -> Any:
             if WORKER.sampling:
@@ -122,7 +122,8 @@ def install_worker_probe(vocab: int) -> None:
     ModelRunner.launch = timed_launch  # type: ignore[method-assign]
     ModelRunner._prepare = timed_prepare  # type: ignore[method-assign,assignment]
     Sampler.sample = timed(Sampler.sample)  # type: ignore[method-assign]
-    Sampler.sample_tokens = timed(Sampler.sample_tokens)  # type: ignore[method-assign]
+    Sampler.draw = timed(Sampler.draw)  # type: ignore[method-assign]
+    Sampler.logprobs = timed(Sampler.logprobs)  # type: ignore[method-assign]
 
 
 def run_as_worker(argv: list[str]) -> int:

@@ -23,7 +23,7 @@ from worker_node.lora.manager import LoraManager
 from worker_node.models.decoder import CausalLM, StepInterrupted
 from worker_node.parallel import SINGLE, Comm
 from worker_node.plan_diffs import PlanDiffs
-from worker_node.sampler import Sampler, token_logprobs
+from worker_node.sampler import Drawn, Sampler, token_logprobs
 from worker_node.spec_decode import accept
 from worker_node.step_inputs import StepInputs
 from worker_node.step_overlap import DeviceTokens, Launched
@@ -151,13 +151,14 @@ class ModelRunner(PlanDiffs):
         prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = {}
         pooled: dict[int, tuple[int, int, bytes]] = {}
         drafts: dict[int, list[int]] = {}
+        faulted: list[int] = []
         if len(rows) and not skip:
             inputs = self._prepare(rows, counts, plan.compact_block_base)
             if self.samples_here:
                 self.sampler.start(inputs.samplers, inputs.flags)  # grammar masks while the forward pass runs
             on_device = self._overlaps(plan, inputs)
             try:
-                tokens, lps, prompt_logprobs, pooled = self._run_and_sample(
+                tokens, lps, prompt_logprobs, pooled, faulted = self._run_and_sample(
                     inputs, lambda: self._interrupted(plan.step_id), on_device
                 )
             except StepInterrupted:
@@ -216,6 +217,7 @@ class ModelRunner(PlanDiffs):
             drafts=drafts,
             token_handles=token_handles,
             tokens=packed,
+            faulted=dict.fromkeys(faulted, NON_FINITE),
         )
         if in_flight is None:
             return Launched(plan.step_id, lambda: result)
@@ -228,6 +230,7 @@ class ModelRunner(PlanDiffs):
         """An overlapped step's reply, once its tokens reach the host; they take their places in the batch. Its
         execute_ms runs to then: the launch alone would say nothing of the device's time (preemption weighs it)."""
         values = tokens.values()
+        result.faulted = dict.fromkeys(tokens.faulted_handles(), NON_FINITE)
         result.execute_ms = (time.perf_counter() - start) * 1e3
         self.batch.fill(places, values, tokens.tokens)
         result.tokens = pack_int32(values)
@@ -283,10 +286,13 @@ class ModelRunner(PlanDiffs):
         list[TokenLogprobs | None],
         dict[int, tuple[int, list[TokenLogprobs]]],
         dict[int, Pooled],
+        list[int],
     ]:
         """This rank's stage of the forward pass; the output rank samples. With one stage every rank learns
         the tokens now (`on_device`: where they are, as DeviceTokens, their copy to the host under way); with more,
-        only the output rank has them (the others get them with the next plan)."""
+        only the output rank has them (the others get them with the next plan). Last: the handles of the requests
+        whose logits were not finite (on the output rank; DeviceTokens knows them when the tokens stay on the
+        device), which fail alone."""
         where = self.comm.where
         hidden = None
         if not where.is_first_stage:
@@ -309,23 +315,27 @@ class ModelRunner(PlanDiffs):
         tokens: list[int] = []
         lps: list[TokenLogprobs | None] = [None] * len(batch.row_requests)
         prompt: dict[int, tuple[int, list[TokenLogprobs]]] = {}
-        drawn: torch.Tensor | None = None
+        drawn: Drawn | None = None
+        faulted: list[int] = []
         if where.is_last_stage and batch.samplers:
             rows = hidden if batch.all_sample else hidden[batch.sample_rows]
             logits = self.model.logits(rows)  # a collective over the TP group
-            if logits is not None and on_device:
-                drawn = self.sampler.sample_tokens(logits, batch.row_requests, batch.row_flags)
-            elif logits is not None:
-                tokens, lps = self.sampler.sample(logits, batch.row_requests, batch.row_flags)
+            if logits is not None:
+                drawn = self.sampler.draw(logits, batch.row_requests, batch.row_flags)
+            if drawn is not None and logits is not None and not on_device:
+                tokens, faulted = _to_host(drawn)
+                lps = self.sampler.logprobs(logits, tokens, batch.row_requests, batch.row_flags)
         if where.is_last_stage and batch.prompt_rows:
             prompt = self._prompt_logprobs(hidden, batch.prompt_rows)
         pooled = pool(hidden, batch.pool_rows) if where.is_last_stage and batch.pool_rows else {}
+        handles = [batch.row_requests[i].handle for i in faulted]
         if self.mode.tokens_in_plan:
-            return tokens, lps, prompt, pooled
+            return tokens, lps, prompt, pooled, handles
         if on_device:  # (every rank: each embeds them next)
-            shared = self.comm.share_sampled_on_device(drawn, len(batch.row_requests))
-            return DeviceTokens(shared), lps, prompt, pooled
-        return self.comm.share_sampled(tokens, len(batch.row_requests)), lps, prompt, pooled
+            shared = self.comm.share_sampled_on_device(drawn.tokens if drawn else None, len(batch.row_requests))
+            faults = drawn.faulted if drawn is not None else None
+            return DeviceTokens(shared, faults, batch.row_requests), lps, prompt, pooled, []
+        return self.comm.share_sampled(tokens, len(batch.row_requests)), lps, prompt, pooled, handles
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, rows: list[tuple[RequestState, int, int, int]]
@@ -357,6 +367,13 @@ class ModelRunner(PlanDiffs):
 
 
 Pooled = tuple[int, int, bytes]
+NON_FINITE = "the model's logits for this request are not finite (NaN or infinity), so no token can be sampled"
+
+
+def _to_host(drawn: Drawn) -> tuple[list[int], list[int]]:
+    """The tokens and the faulted rows' indices, read back in one copy."""
+    both = torch.stack((drawn.tokens, drawn.faulted.to(drawn.tokens.dtype))).tolist()
+    return both[0], [i for i, bad in enumerate(both[1]) if bad]
 
 
 def pool(hidden: torch.Tensor, rows: list[tuple[RequestState, int, int, int]]) -> dict[int, Pooled]:

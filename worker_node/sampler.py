@@ -59,6 +59,14 @@ class RowFlags:
         return cls(plain, wants)
 
 
+@dataclass(frozen=True, slots=True)
+class Drawn:
+    """A step's sampled tokens and which rows' logits were not finite, both where the logits are."""
+
+    tokens: torch.Tensor  # int64 [B]
+    faulted: torch.Tensor  # bool [B]: the row's logits are not finite (NaN or infinite): its request must fail
+
+
 class Sampler:
     """Samples the next token of each request; keeps what spans steps (token counts, grammar matchers)."""
 
@@ -89,31 +97,44 @@ class Sampler:
         self, logits: torch.Tensor, requests: Sequence[SamplingRequest], flags: RowFlags | None = None
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """One token per row of `logits` ([B, V] float32, row i for requests[i], whose `flags` these are when
-        given); `start` was called with them. `logits` is only read: plain rows take its argmax where it lies, the
-        other rows are copied out (only they: the vocabulary is never copied for a row that needs no processor)."""
+        given), with the logprobs the rows want; `start` was called with them. `logits` is only read: plain rows
+        take its argmax where it lies, the other rows are copied out (only they: the vocabulary is never copied
+        for a row that needs no processor). `draw` says which rows' logits were not finite as well."""
         flags = flags or RowFlags.of(requests)
-        token_list = self.sample_tokens(logits, requests, flags).tolist()
+        token_list = self.draw(logits, requests, flags).tokens.tolist()
+        return token_list, self.logprobs(logits, token_list, requests, flags)
+
+    def logprobs(
+        self, logits: torch.Tensor, tokens: list[int], requests: Sequence[SamplingRequest], flags: RowFlags
+    ) -> list[TokenLogprobs | None]:
+        """The model's logprob of each row's token and its top alternatives, for the rows that want them."""
         wanted = np.flatnonzero(flags.logprobs).tolist()
         out: list[TokenLogprobs | None] = [None] * len(requests)
         if wanted:
             ks = [requests[i].sampling.logprobs or 0 for i in wanted]
-            lps = token_logprobs(logits[wanted], [token_list[i] for i in wanted], ks)
+            lps = token_logprobs(logits[wanted], [tokens[i] for i in wanted], ks)
             for i, value in zip(wanted, lps):
                 out[i] = value
-        return token_list, out
+        return out
 
-    def sample_tokens(self, logits: torch.Tensor, requests: Sequence[SamplingRequest], flags: RowFlags) -> torch.Tensor:
-        """`sample`'s tokens, where the logits are (int64 [B]). Nothing here waits for the device unless a
-        processor must (a grammar row that every other processor left without a token): a step whose rows need
-        no processor leaves its tokens on a GPU for the next step to read there (worker_node/step_overlap.py)."""
+    def draw(self, logits: torch.Tensor, requests: Sequence[SamplingRequest], flags: RowFlags) -> Drawn:
+        """`sample`'s tokens, where the logits are (int64 [B]), and the rows whose logits are not finite. Nothing
+        here waits for the device unless a processor must (a grammar row that every other processor left without
+        a token): a step whose rows need no processor leaves its tokens on a GPU for the next step to read there
+        (worker_node/step_overlap.py).
+
+        A row is faulted when its maximum is not finite: a NaN anywhere (argmax answers a row's first NaN), an
+        infinity, or nothing but -inf. Its token is meaningless and its request must fail alone; the check reads one
+        logit a row, the one argmax found, so it costs nothing beside the argmax itself."""
         special = np.flatnonzero(~flags.plain).tolist()
+        best = argmax(logits)  # of the model's own logits: the plain rows' tokens
+        faulted = ~torch.isfinite(logits.gather(1, best.unsqueeze(1)).squeeze(1))
         if len(special) == len(requests):
-            return self._sample_special(logits, requests, None)
-        tokens = argmax(logits)
+            return Drawn(self._sample_special(logits, requests, None), faulted)
         if special:
             index = to_device(special, logits.device, torch.int64)
-            tokens[index] = self._sample_special(logits, requests, index, special)
-        return tokens
+            best[index] = self._sample_special(logits, requests, index, special)
+        return Drawn(best, faulted)
 
     def _sample_special(
         self,

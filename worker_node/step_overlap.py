@@ -17,8 +17,9 @@ result back would only delay it (`--overlap-steps`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -33,26 +34,48 @@ def overlaps_on(choice: str, device: torch.device) -> bool:
     return choice == "on" or (choice == "auto" and device.type == "cuda")
 
 
+class HasHandle(Protocol):
+    @property
+    def handle(self) -> int: ...
+
+
 class DeviceTokens:
     """A step's sampled tokens where they were sampled, and their copy to the host under way: on a GPU into
     pinned memory behind the step's own work (an event marks its end), so reading them waits for this step only,
-    not for the steps launched after it."""
+    not for the steps launched after it. On the rank that sampled, `faulted` (which rows' logits were not finite)
+    travels in the same copy, and `faulted_handles` names those rows' requests."""
 
-    def __init__(self, tokens: torch.Tensor) -> None:
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        faulted: torch.Tensor | None = None,
+        rows: Sequence[HasHandle] = (),
+    ) -> None:
         self.tokens = tokens
+        self._rows = rows
+        both = tokens if faulted is None else torch.cat((tokens, faulted.to(tokens.dtype)))
         self._event: torch.cuda.Event | None = None
         if tokens.device.type == "cuda":
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
+            self._host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            self._host.copy_(both, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
         else:
-            self._host = tokens
+            self._host = both
+        self._count = tokens.shape[0]
 
     def values(self) -> list[int]:
         if self._event is not None:
             self._event.synchronize()
-        return self._host.tolist()
+        return self._host[: self._count].tolist()
+
+    def faulted_handles(self) -> list[int]:
+        """The handles of the rows whose logits were not finite (after `values`; none on a rank that did not
+        sample)."""
+        if self._host.shape[0] == self._count:
+            return []
+        flags = self._host[self._count :].tolist()
+        return [self._rows[i].handle for i, bad in enumerate(flags) if bad]
 
 
 @dataclass(slots=True)

@@ -46,6 +46,7 @@ GRPC_STATUS: dict[ErrorStatus, grpc.StatusCode] = {
     ErrorStatus.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     ErrorStatus.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
     ErrorStatus.INTERNAL: grpc.StatusCode.INTERNAL,
+    ErrorStatus.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 SERVICE_NAMES = (

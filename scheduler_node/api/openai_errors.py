@@ -19,6 +19,7 @@ KINDS: dict[int, tuple[str, str | None]] = {
     404: ("invalid_request_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
     413: ("invalid_request_error", "request_too_large"),
+    422: ("invalid_request_error", "unprocessable_request"),
     429: ("requests", "rate_limit_exceeded"),
     500: ("server_error", "internal_error"),
     503: ("server_error", "service_unavailable"),
@@ -35,6 +36,7 @@ HTTP_STATUS: dict[ErrorStatus, int] = {
     ErrorStatus.UNAVAILABLE: 503,
     ErrorStatus.DEADLINE_EXCEEDED: 504,
     ErrorStatus.INTERNAL: 500,
+    ErrorStatus.FAILED_PRECONDITION: 422,
 }
 
 

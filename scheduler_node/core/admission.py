@@ -5,6 +5,7 @@ way, and displacement of running requests by a waiting one that outranks them.""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from proto.wire import StepPlan
 from scheduler_node.core.block_table import BlockHash
@@ -121,17 +122,33 @@ class Admission(Preemption):
             return float("-inf")
         return max(self.policy.effective_priority(r, now) for r in pending) - self.policy.preemption_margin
 
-    def _admit(self, budget: int, seats: int, floor: float, plan: StepPlan, sent: SentPlan, now: float) -> None:
+    def _admit(
+        self,
+        budget: int,
+        seats: int,
+        floor: float,
+        plan: StepPlan,
+        sent: SentPlan,
+        now: float,
+        excluded: Callable[[Request], bool] | None = None,
+    ) -> None:
         """Start waiting requests in policy order while budget, seats and blocks last. Forks (n > 1) that wait
         while holding their parent's prompt blocks go first: left waiting, they would keep those blocks from a
         request that needs the whole cache, which would then preempt itself over and over. When nothing runs and
         none of them can start, they let go one by one until one does (or none holds blocks): a step that starts
         nothing while nothing runs would leave the engine nothing to wait for."""
-        while (holders := self._admit_pass(budget, seats, floor, plan, sent, now)) and not self.running:
+        while (holders := self._admit_pass(budget, seats, floor, plan, sent, now, excluded)) and not self.running:
             self._release_blocks(holders[-1])  # nothing started: the budget and seats are as they were
 
     def _admit_pass(
-        self, budget: int, seats: int, floor: float, plan: StepPlan, sent: SentPlan, now: float
+        self,
+        budget: int,
+        seats: int,
+        floor: float,
+        plan: StepPlan,
+        sent: SentPlan,
+        now: float,
+        excluded: Callable[[Request], bool] | None = None,
     ) -> list[Request]:
         """One pass over the waiting queue (see `_admit`); returns the waiting requests that hold blocks."""
         if not self._room(budget, seats, sent):
@@ -143,8 +160,8 @@ class Admission(Preemption):
         for req in holders + [r for r in ordered if r not in holding]:
             if not self._room(budget, seats, sent):
                 break
-            if req.pulling:
-                continue
+            if req.pulling or (excluded is not None and excluded(req)):
+                continue  # (a suspect outside its own step, or another request in a suspect's step: quarantine.py)
             holds_blocks = req in holding
             if self.policy.effective_priority(req, now) < floor:
                 if not holds_blocks:

@@ -62,6 +62,7 @@ class Scheduler(Admission, Results):
         # Speculating requests are held while their plan is in flight (their next tokens are not known before).
         holds = self.mode.disjoint_plans or (spec is not None and self.in_flight.holds_any)
         held = self.in_flight.held if holds else None
+        excluded = self.quarantine.excluded()  # None unless a step failed with nobody blamed
         # With the policy off (a big batch) speculation costs nothing per request: no proposal is even considered.
         proposing = spec if spec is not None and spec.active else None
         # The loop runs once per running request per step: what it calls is looked up once, here.
@@ -85,6 +86,8 @@ class Scheduler(Admission, Results):
                     break
             if req.status is not running or (held is not None and held(req.handle)):
                 continue  # preempted for a request before it in this step, or in a plan in flight
+            if excluded is not None and excluded(req):
+                continue  # a suspect outside its own step, or another request in a suspect's step
             first = req.num_computed_tokens
             # `_tokens_to_schedule`, inline: this line runs for every running request at every step
             num_out = len(req.output_token_ids) + req.num_placeholders
@@ -160,7 +163,7 @@ class Scheduler(Admission, Results):
         if decodes:
             self._take_decodes(decodes, firsts, plan, sent)
         if not preempted or not self.running:  # a request that preempted itself leaves the cache to the others
-            self._admit(budget, seats, floor, plan, sent, now)
+            self._admit(budget, seats, floor, plan, sent, now, excluded)
         self._pin_arrivals()  # migrated sequences that did not start pull their KV now, seat or no seat
         if proposing is not None and proposing.proposer.on_worker:
             plan.propose = proposing.to_draft(sent.requests, sent.samples)

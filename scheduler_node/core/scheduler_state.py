@@ -22,6 +22,7 @@ from scheduler_node.core.kv_handoff import KVLeases, Lease
 from scheduler_node.core.kv_precision import CompactKV
 from scheduler_node.core.kv_tiers import KVTiers
 from scheduler_node.core.policy import Policy
+from scheduler_node.core.quarantine import Quarantine
 from scheduler_node.core.request import Request, Status
 from scheduler_node.core.speculator import Speculator
 from scheduler_node.core.worker_view import WorkerView
@@ -107,6 +108,7 @@ class SchedulerState:
         self._catching_up: set[Request] = set()
         self.view = WorkerView(self.mode.tokens_in_plan, config.max_loras, config.max_cpu_loras)
         self.in_flight = InFlightLedger(self.mode.disjoint_plans)
+        self.quarantine = Quarantine()  # suspects of a step that failed with nobody blamed (core/quarantine.py)
         self._step_id = 0
         # Speculative decoding, when configured. With tokens in plans (P > 1 stages) the ranks learn how many
         # proposals were accepted from the request's next plan: speculation runs one plan at a time, so that plan
@@ -162,6 +164,7 @@ class SchedulerState:
                 self.leases.revokes.append(req.kv_lease)
         if not req.finished:
             req.status = status
+        self.quarantine.release(req_id)
         self.blocks.free(req.req_id)
         self.view.forget(req, preempted=False)
         return req

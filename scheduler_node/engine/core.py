@@ -125,10 +125,14 @@ class EngineCore(Intake, LiveStats):
             return
         except StepFailed as exc:
             self._drop_inflight()
-            self._fail_step(head.plan, str(exc))
+            self._fail_step(head.plan, exc)
             return
         self._inflight.popleft()
         self._interrupting.discard(head.plan.step_id)
+        if result.faulted:
+            self._fail_faulted(result.faulted)
+        if self.scheduler.quarantine.active:
+            self._clear_suspects(head.plan, result)
         released = self.scheduler.leases.released
         outputs = self.scheduler.update(head.plan, result)
         if self.scheduler.leases.released != released:  # a request taken back pulled the KV it left here
@@ -164,6 +168,8 @@ class EngineCore(Intake, LiveStats):
         while len(self._inflight) < self.mode.plans_in_flight and self.scheduler.has_work and not self._interrupting:
             start = time.perf_counter()
             plan = self.scheduler.schedule()
+            if self.scheduler.quarantine.planned(plan.has_work):
+                continue  # a suspect's turn (or the others') with nothing to run: the next turn at once
             if not plan.has_work:
                 break  # every running request waits for an in-flight result
             self.metrics.schedule_time.observe(time.perf_counter() - start)

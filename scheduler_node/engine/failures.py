@@ -8,8 +8,8 @@ import asyncio
 import logging
 import time
 
-from proto.transport import WorkerTransport
-from proto.wire import StepPlan
+from proto.transport import StepFailed, WorkerTransport
+from proto.wire import StepPlan, StepResult
 from scheduler_node.core.kv_handoff import KVSource
 from scheduler_node.core.request import Request, Status
 from scheduler_node.core.scheduler import Scheduler
@@ -134,17 +134,52 @@ class Failures:
             self.scheduler.finish(req.req_id, Status.FINISHED_ERROR)
             self.outputs.end(req, EngineError(ErrorStatus.INTERNAL, message))
 
-    def _fail_step(self, plan: StepPlan, reason: str) -> None:
-        """A worker could not run the plan: its requests fail, the rest are recomputed (worker state is suspect).
-        Siblings (n > 1) still waiting for a failed prompt fail with it: nothing would ever start them. The
-        workers are alive and keep what they hold, so they are told to forget all of it."""
-        failed = self.scheduler.requests_in(plan)
-        failed += [fork for req in failed for fork in req.forks]
-        logger.error("%s; failing the %d request(s) of that step", reason, len(failed))
-        for req in failed:
-            if self.scheduler.finish(req.req_id, Status.FINISHED_ERROR) is not None:
-                self.outputs.end(req, EngineError(ErrorStatus.INTERNAL, reason))
+    def _fail_step(self, plan: StepPlan, exc: StepFailed) -> None:
+        """A worker could not run the plan. The requests it blamed (StepError.handles) fail alone; with nobody
+        blamed, a request that ran alone fails, and the requests of a larger step become suspects that run alone
+        until each has sampled (core/quarantine.py): one request's problem never fails another. Everything else is
+        recomputed (worker state is suspect): the workers are alive and keep what they hold, so they are told to
+        forget all of it."""
+        requests = self.scheduler.requests_in(plan)
+        if exc.handles:
+            blamed = set(exc.handles)
+            culprits = [r for r in requests if r.handle in blamed]
+            status = ErrorStatus.FAILED_PRECONDITION
+        elif len(requests) == 1:
+            culprits, status = requests, ErrorStatus.INTERNAL
+        else:
+            culprits, status = [], ErrorStatus.INTERNAL
+            self.scheduler.quarantine.add(r.req_id for r in requests)
+            logger.error("%s; its %d request(s) will run alone until each has sampled", exc, len(requests))
+        if culprits:
+            logger.error("%s; failing %s", exc, ", ".join(r.req_id for r in culprits))
+        for req in culprits:
+            self._fail_request(req, EngineError(status, str(exc)))
         self.scheduler.requeue_all(workers_lost=False)
+
+    def _fail_faulted(self, faulted: dict[int, str]) -> None:
+        """The requests whose own computation failed in a step that otherwise went through (their logits were not
+        finite): they fail alone, before the step's result is applied, so nothing of theirs is kept."""
+        for handle, reason in faulted.items():
+            req = self.scheduler.request_of(handle)
+            if req is not None:
+                adapter = f" (adapter {req.lora.name!r})" if req.lora is not None else ""
+                logger.error("%s: %s%s", req.req_id, reason, adapter)
+                self._fail_request(req, EngineError(ErrorStatus.FAILED_PRECONDITION, reason + adapter))
+
+    def _fail_request(self, req: Request, error: EngineError) -> None:
+        """End one sequence with an error, and its siblings (n > 1) still waiting for its prompt: nothing would
+        ever start them."""
+        for r in [req, *req.forks]:
+            if self.scheduler.finish(r.req_id, Status.FINISHED_ERROR) is not None:
+                self.outputs.end(r, EngineError(error.status, error.message))
+
+    def _clear_suspects(self, plan: StepPlan, result: StepResult) -> None:
+        """Suspects run alone: one that sampled in this step, which went through, is innocent."""
+        quarantine = self.scheduler.quarantine
+        for req in self.scheduler.requests_in(plan):
+            if req.req_id in quarantine and result.tokens_of(req.handle):
+                quarantine.release(req.req_id)
 
     def _expire(self, request_id: str, deadline_s: float) -> None:
         self.outputs.deadlines.pop(request_id, None)

@@ -21,6 +21,9 @@ class ErrorStatus(enum.Enum):
     UNAVAILABLE = enum.auto()  # no world to run it: ranks lost past the rejoin timeout, draining, KV shrank below it
     DEADLINE_EXCEEDED = enum.auto()  # its deadline_s passed
     INTERNAL = enum.auto()  # a worker could not run its step, or the engine loop failed
+    # The workers could not compute this request for a reason of its own (its adapter cannot be read, its logits
+    # are not finite): it failed alone, every other request went on; the same request would fail again.
+    FAILED_PRECONDITION = enum.auto()
 
 
 @dataclass(frozen=True, slots=True)

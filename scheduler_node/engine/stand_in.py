@@ -55,6 +55,14 @@ class StandInWorkers:
         self.on_plan: Callable[[StepPlan], None] | None = None
         self._pending: set[asyncio.Future[StepResult]] = set()  # answers not delivered yet
         self._replacement: int | None = None  # KV blocks of the worker that replaces a lost rank (`replace_rank`)
+        # Faults a test injects. `poison`: that many of the next requests to sample get non-finite logits
+        # (StepResult.faulted). `crash`: the next plan that computes something fails with nobody blamed, and so does
+        # every later plan that computes its first request (a culprit the worker cannot name). `blamed` hears
+        # each request made a culprit (its handle), while it is live.
+        self.poison = 0
+        self.crash = 0
+        self.crashing: set[int] = set()
+        self.blamed: Callable[[int], None] = lambda handle: None
 
     @property
     def all_ready(self) -> bool:
@@ -84,7 +92,7 @@ class StandInWorkers:
         if self.on_plan is not None:
             self.on_plan(plan)
         try:
-            outcome: StepResult | Exception = self.execute(plan)
+            outcome: StepResult | Exception = self._crash(plan) or self.execute(plan)
         except ValueError as exc:
             outcome = StepFailed(f"stand-in could not run step {plan.step_id}: {exc}")
         self._pending.add(future)
@@ -152,7 +160,33 @@ class StandInWorkers:
                 sampled[handle] = [self.token]
                 if not self.tokens_in_plan:
                     held.num_tokens += 1
-        return StepResult(plan.step_id, sampled)
+        return StepResult(plan.step_id, sampled, faulted=self._poisoned(sampled) if self.poison else {})
+
+    def _crash(self, plan: StepPlan) -> StepFailed | None:
+        """The failure of a plan that computes a crashing request (`crash`), raised after its notices are applied
+        (a worker drops the requests a plan says are gone before it computes anything)."""
+        if self.crash and plan.num_scheduled_tokens:
+            self.crash -= 1
+            handle = next(iter(plan.num_scheduled_tokens))
+            self.crashing.add(handle)
+            self.blamed(handle)
+        if self.crashing.isdisjoint(plan.num_scheduled_tokens):
+            return None
+        for handle in plan.finished + plan.preempted:
+            self.held.pop(handle, None)
+        return StepFailed(f"stand-in could not run step {plan.step_id}: it crashed")
+
+    def _poisoned(self, sampled: dict[int, list[int]]) -> dict[int, str]:
+        """The requests of `sampled` whose logits `poison` makes non-finite."""
+        faulted: dict[int, str] = {}
+        for handle in sampled:
+            if self.poison <= 0:
+                break
+            self.poison -= 1
+            faulted[handle] = "stand-in logits are not finite"
+            sampled[handle] = [self.token + 1]  # what the argmax of a NaN row gives: anything
+            self.blamed(handle)
+        return faulted
 
     def _check_blocks(self, blocks: Sequence[int]) -> None:
         bad = next((b for b in blocks if not 0 <= b < self._capacity.num_kv_blocks), None)

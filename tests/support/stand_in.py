@@ -140,6 +140,7 @@ class ControlledWorkers(StandInWorkers):
         super().__init__(num_kv_blocks, token=TOKEN, block_size=BLOCK)
         self.hold = hold
         self.fail_next = ""
+        self.blame: tuple[int, ...] = ()  # the handles the next failure names (StepError.handles)
         self.pending: list[tuple[StepPlan, asyncio.Future[StepResult]]] = []
         self.declared: list[str] = []  # the engine's declare_lost reasons
         self._ready = asyncio.Event()
@@ -167,8 +168,8 @@ class ControlledWorkers(StandInWorkers):
             if future.done():
                 continue  # the engine dropped it
             if self.fail_next:  # the plans behind it are dropped by the engine: never answered
-                future.set_exception(StepFailed(self.fail_next))
-                self.fail_next = ""
+                future.set_exception(StepFailed(self.fail_next, self.blame))
+                self.fail_next, self.blame = "", ()
                 return
             future.set_result(self.execute(plan))
 

@@ -26,6 +26,7 @@ def test_every_door_maps_every_status() -> None:
         (ErrorStatus.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE, 503),
         (ErrorStatus.DEADLINE_EXCEEDED, grpc.StatusCode.DEADLINE_EXCEEDED, 504),
         (ErrorStatus.INTERNAL, grpc.StatusCode.INTERNAL, 500),
+        (ErrorStatus.FAILED_PRECONDITION, grpc.StatusCode.FAILED_PRECONDITION, 422),
     ],
 )
 def test_what_a_client_sees(status: ErrorStatus, grpc_code: grpc.StatusCode, http: int) -> None:
@@ -33,7 +34,9 @@ def test_what_a_client_sees(status: ErrorStatus, grpc_code: grpc.StatusCode, htt
     assert GRPC_STATUS[status] == grpc_code and grpc_code.name == status.name
     error = engine_error(EngineError(status, "why"))
     assert error.status == http
-    assert error.body()["error"] == {"message": "why", "type": "server_error", "param": None, "code": KINDS[http][1]}
+    kind, code = KINDS[http]
+    assert error.body()["error"] == {"message": "why", "type": kind, "param": None, "code": code}
+    assert kind == ("invalid_request_error" if http < 500 else "server_error")
 
 
 def test_every_end_of_a_request_has_a_finish_reason() -> None:

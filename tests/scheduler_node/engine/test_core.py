@@ -165,6 +165,55 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on() -> None:
     asyncio.run(scenario())
 
 
+def test_a_step_that_fails_for_one_request_fails_it_alone_and_recomputes_the_others() -> None:
+    """The worker names the request whose own inputs failed the step (StepError.handles: its adapter could not be
+    read, say): that one fails with FAILED_PRECONDITION, the others of the step finish as if nothing happened."""
+
+    async def scenario() -> None:
+        workers = ControlledWorkers(hold=True)
+        engine = stand_in_engine(workers=workers)
+        async with running(engine):
+            streams = [engine.submit(spec(f"r{i}", 20, 5, first=100 + 1000 * i)) for i in range(4)]
+            await workers.until_sent()
+            culprit = next(r.handle for r in engine.scheduler.requests.values() if r.req_id.startswith("r2"))
+            workers.fail_next, workers.blame = "rank 0 could not run step 1: adapter 'bad' cannot be read", (culprit,)
+            workers.release()
+            results = [await asyncio.wait_for(collect(s), 10) for s in streams]
+        for i, deltas in enumerate(results):
+            if i == 2:
+                status, message = failure(ending(deltas))
+                assert status == ErrorStatus.FAILED_PRECONDITION and "cannot be read" in message
+            else:
+                assert ending(deltas).finish_reason == "length" and tokens_of(deltas) == [TOKEN] * 5, i
+        assert engine.scheduler.blocks.num_used == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_step_that_fails_with_nobody_blamed_fails_only_the_request_that_fails_alone() -> None:
+    """No worker can say whose fault it was: the step's requests run alone until each has sampled; the one whose
+    own step fails again is the culprit (INTERNAL), the others finish untouched (core/quarantine.py)."""
+
+    async def scenario() -> None:
+        workers = ControlledWorkers()
+        engine = stand_in_engine(workers=workers)
+        async with running(engine):
+            workers.crash = 1  # the first request of the next plan that computes: every plan with it fails
+            streams = [engine.submit(spec(f"r{i}", 20, 5, first=100 + 1000 * i)) for i in range(4)]
+            results = [await asyncio.wait_for(collect(s), 10) for s in streams]
+        assert workers.crashing, "the fault was injected"
+        failed = [i for i, deltas in enumerate(results) if ending(deltas).finish_reason == "error"]
+        assert len(failed) == 1
+        status, message = failure(ending(results[failed[0]]))
+        assert status == ErrorStatus.INTERNAL and "crashed" in message
+        for i, deltas in enumerate(results):
+            if i not in failed:
+                assert ending(deltas).finish_reason == "length" and tokens_of(deltas) == [TOKEN] * 5, i
+        assert not engine.scheduler.quarantine.active and engine.scheduler.blocks.num_used == 0
+
+    asyncio.run(scenario())
+
+
 def test_a_lost_rank_that_rejoins_in_time_resumes_every_request_by_recompute() -> None:
     async def scenario() -> None:
         workers = ControlledWorkers(hold=True)

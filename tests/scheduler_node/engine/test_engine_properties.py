@@ -1,10 +1,11 @@
 """The engine core under random worlds and clients: whatever the KV size, block size, budget, max_model_len,
 execution mode, policy and preemption mode, and whatever clients send (prompt and output lengths, n, priorities,
 aborts, speculative decoding with proposals accepted at random) while an operator resizes the cache and a rank is
-replaced by a smaller one, the loop never dies, every request ends (finished, aborted, or refused at the door with
-the field that is wrong), and at idle no block is held. The real EngineCore and Scheduler run over stand-in workers
-(scheduler_node/engine/stand_in.py): no model, milliseconds a step. Requests pass the gRPC door's validation first,
-as a client's would.
+replaced by a smaller one, and while one request's logits turn non-finite or its steps crash with nobody blamed, the
+loop never dies, every request ends (finished, aborted, or refused at the door with the field that is wrong), every
+request but the faulty ones ends exactly as it would have, and at idle no block is held. The real EngineCore and
+Scheduler run over stand-in workers (scheduler_node/engine/stand_in.py): no model, milliseconds a step. Requests pass
+the gRPC door's validation first, as a client's would.
 
 CI runs 200 examples (seconds); `MINIVLLM_PROPERTY_EXAMPLES=10000` runs more (docs/operations.md). On the code
 before issue 25 it found, among others: a prompt that fills the cache never started under a watermark and the
@@ -29,8 +30,8 @@ from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.speculative import SpeculativeConfig
 from scheduler_node.engine.builder import resolve_max_model_len
 from scheduler_node.engine.core import EngineCore, EngineOptions
-from scheduler_node.engine.outputs import ErrorStatus
-from tests.support.stand_in import StandInRun, tokenizer
+from scheduler_node.engine.outputs import Delta, ErrorStatus
+from tests.support.stand_in import TOKEN, StandInRun, tokenizer
 
 pytestmark = pytest.mark.unit
 
@@ -107,7 +108,18 @@ class Replace:
     num_blocks: int | None  # a rank is lost; its replacement holds this many blocks (modulo the world's; None: all)
 
 
-Event = Arrive | Abort | Resize | Replace
+@dataclass(frozen=True)
+class Poison:
+    """The next request to sample gets non-finite logits (the worker reports it: StepResult.faulted)."""
+
+
+@dataclass(frozen=True)
+class Crash:
+    """The first request of the next plan that computes something makes every plan with it fail, and the worker
+    cannot say whose fault it is (the engine must find it by running its step's requests alone)."""
+
+
+Event = Arrive | Abort | Resize | Replace | Poison | Crash
 
 arrivals = st.builds(
     Arrive,
@@ -126,6 +138,8 @@ events = st.one_of(  # mostly clients; now and then an operator or a fault
     st.builds(Abort, st.integers(0, 1_000)),
     st.builds(Resize, st.integers(1, 1_000)),
     st.builds(Replace, st.one_of(st.none(), st.integers(1, 1_000))),
+    st.builds(Poison),
+    st.builds(Crash),
 )
 
 
@@ -144,6 +158,7 @@ class Run:
     accepted: list[Accepted] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)  # the field each refused request named
     shrunk_to: list[int] = field(default_factory=list)  # tokens the world held after each smaller replacement
+    culprits: set[str] = field(default_factory=set)  # requests given non-finite logits or a crash (Poison, Crash)
     steps: int = 200  # bounds the steps a run may take: 10 x what each request takes alone, and some
 
     @property
@@ -165,7 +180,7 @@ def make_run(world: World) -> Run:
         if world.speculative_tokens
         else None,
     )
-    return Run(
+    run = Run(
         StandInRun.build(
             config,
             world.num_blocks,
@@ -175,6 +190,14 @@ def make_run(world: World) -> Run:
             options=EngineOptions(max_waiting_requests=world.max_waiting),
         )
     )
+
+    def blamed(handle: int) -> None:
+        req = run.engine.scheduler.request_of(handle)
+        assert req is not None, f"handle {handle}: a culprit that is not live"
+        run.culprits.add(run.engine.outputs.request_of[req.req_id])
+
+    run.run.workers.blamed = blamed
+    return run
 
 
 def arrive(run: Run, ev: Arrive, index: int) -> None:
@@ -223,14 +246,25 @@ def apply(run: Run, ev: Event, index: int) -> None:
         if blocks < held:
             run.shrunk_to.append(blocks * engine.scheduler.blocks.block_size)
         workers.replace_rank(blocks)
+    elif isinstance(ev, Poison):
+        workers.poison += 1
+    elif isinstance(ev, Crash):
+        workers.crash += 1
+        run.steps += 100 + 20 * sum(a.n for a in run.accepted)  # its step's requests then run one at a time
 
 
 def check_ends(run: Run) -> None:
     """Every sequence of every accepted request ended exactly once, with a status it may end with."""
     for a in run.accepted:
-        ends = run.run.ends(a.request_id)
+        deltas = run.run.streams[a.request_id].take_ready()
+        # The stand-in samples TOKEN, and something else for a row whose logits it made non-finite: that never
+        # reaches a client.
+        assert {t for d in deltas for t in d.token_ids} <= {TOKEN}, (a.request_id, deltas)
+        ends = [d for d in deltas if d.finish_reason]
         assert len(ends) == a.n, f"{a.request_id}: {len(ends)} of {a.n} sequences ended"
         for d in ends:
+            if d.finish_reason == "error" and a.request_id in run.culprits and _its_own_fault(d):
+                continue  # a faulty request fails alone: non-finite logits, or a crash found by running it alone
             if d.finish_reason == "error":
                 # The one error a valid request may end with: a smaller replacement left it no room.
                 assert d.error is not None and d.error.status is ErrorStatus.UNAVAILABLE, (a.request_id, d)
@@ -241,6 +275,14 @@ def check_ends(run: Run) -> None:
             else:
                 assert d.finish_reason == "length", (a.request_id, d)
                 assert d.completion_tokens == a.max_tokens, (a.request_id, d)
+
+
+def _its_own_fault(d: Delta) -> bool:
+    """The error a faulty request ends with: its logits were not finite, or its steps crashed."""
+    assert d.error is not None, d
+    if d.error.status is ErrorStatus.FAILED_PRECONDITION:
+        return "not finite" in d.error.message
+    return d.error.status is ErrorStatus.INTERNAL and "crashed" in d.error.message
 
 
 def check_idle(run: Run) -> None:
