@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from proto.wire import SamplingOptions
+from proto.wire import Message, SamplingOptions, StepError, StepPlan
 from tests.support.engine import EngineRun, load_runner
+from worker_node.faults import RequestFault
+from worker_node.plan_loop import StepThread
 from worker_node.sampler import RowFlags, Sampler, SamplingRequest
 from worker_node.step_overlap import DeviceTokens
 
@@ -61,6 +63,28 @@ def test_device_tokens_carry_the_faulted_rows_in_the_same_copy() -> None:
     assert tokens.values() == [7, 8, 9]
     assert tokens.faulted_handles() == [41]
     assert DeviceTokens(torch.tensor([7])).faulted_handles() == []
+
+
+@pytest.mark.unit
+def test_a_request_fault_is_answered_with_the_requests_it_names() -> None:
+    """A plan that fails for some requests' own reasons is answered with a StepError naming them (the engine then
+    fails those alone); the step thread goes on with the next plan."""
+    replies: list[Message] = []
+
+    def execute(plan: StepPlan) -> Message:
+        if plan.step_id == 1:
+            raise RequestFault([9, 4, 9], "adapter 'bad' cannot be read")
+        raise RuntimeError("something else")
+
+    steps = StepThread(0, execute, replies.append)
+    steps.start()
+    steps.inbox.put(StepPlan(1))
+    steps.inbox.put(StepPlan(2))
+    steps.stop()
+    steps.join(10)
+    first, second = replies
+    assert isinstance(first, StepError) and first.handles == [4, 9] and "cannot be read" in first.reason
+    assert isinstance(second, StepError) and second.handles == [] and "something else" in second.reason
 
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18], [19, 20, 21, 22, 23, 24]]
