@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from proto.drop_log import DropLog
 from proto.kv_transfer import KVLayout, KVTransferError, head_sources
 from proto.wire import KVGrant, KVImport
 from worker_node.kv_cache import KVCache
@@ -57,6 +58,9 @@ class KVHandoff:
         self.curve_dir = curve_dir
         self.timeout_s = timeout_s
         self.same_host = same_host  # ask a producer of this host for a staging buffer (--kv-transfer-mode auto)
+        # Imports that failed: a producer that answers garbage (or is gone) fails every import of every plan, so they
+        # are counted and logged at a bounded rate (proto/drop_log.py); each one is reported to the scheduler anyway.
+        self.failures = DropLog("kv_imports", logger)
 
     @property
     def address(self) -> str:
@@ -82,7 +86,7 @@ class KVHandoff:
             try:
                 run.bytes += self._pull_one(imp)
             except (KVTransferError, OSError) as exc:
-                logger.warning("KV import of %d block(s) failed (recomputed instead): %s", len(imp.dst), exc)
+                self.failures.drop("a KV import of %d block(s) failed (recomputed instead): %s", len(imp.dst), exc)
                 run.failed.append(imp)
         run.ms = (time.perf_counter() - start) * 1e3
         return run
@@ -109,6 +113,7 @@ class KVHandoff:
         return moved
 
     def close(self) -> None:
+        self.failures.flush()
         if self.exporter is not None:
             self.exporter.close()
 

@@ -39,6 +39,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from proto.curve import configure_server
+from proto.drop_log import DropLog
 from proto.kv_transfer import (
     ACK_MARK,
     KV_TRANSFER_VERSION,
@@ -103,6 +104,9 @@ class KVExporter:
         self._spare: Staging | None = None  # an acked /dev/shm buffer, renamed, for the next pull (until close)
         self.pulls_staged = 0  # pulls answered with a staging buffer / with frames (read by tests and benchmarks)
         self.pulls_framed = 0
+        # Pulls and acks refused or dropped (malformed, unknown lease, ...): anyone who reaches the port may send
+        # them (without CURVE), so they are counted and logged at a bounded rate (proto/drop_log.py).
+        self.drops = DropLog("kv_transfer", logger)
         self._leases: dict[bytes, frozenset[int]] = {}
         self._heads_pulled: dict[bytes, set[int]] = {}  # by lease: heads sent by pulls of head runs so far
         self._lock = threading.Lock()
@@ -160,6 +164,7 @@ class KVExporter:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        self.drops.flush()
         with self._lock:
             buffers = [b for _, b, _ in self._staged.values()] + ([self._spare] if self._spare else [])
             self._staged.clear()
@@ -188,11 +193,12 @@ class KVExporter:
                 ident, data = parts
                 handle = self._answer
             else:
+                self.drops.drop("a message of %d frames", len(parts))
                 continue
             try:
                 handle(ident, data)
             except KVTransferError as exc:
-                logger.warning("KV pull refused: %s", exc)
+                self.drops.drop("KV pull refused: %s", exc)
                 self._send(ident, KVChunk(KV_TRANSFER_VERSION, error=str(exc), layout=self.layout, done=True), [])
             except zmq.ZMQError as exc:
                 logger.warning("KV pull cut short: %s", exc)

@@ -1,7 +1,8 @@
 """The worker's serving loop: this thread owns the ZMQ socket, a step thread runs the plans.
 
 Because the socket thread never blocks on the model, it answers heartbeats during long steps, notices a
-scheduler that is gone (and exits cleanly), and drops anything malformed without disturbing the step.
+scheduler that is gone (and exits cleanly), and drops anything malformed without disturbing the step (counted, and
+logged at a bounded rate: proto/drop_log.py).
 A plan that fails on the worker is answered with a StepError instead of killing the process — unless a collective
 failed (WorldBroken): then the process exits with EXIT_WORLD_BROKEN, the scheduler sees the rank lost, and every
 rank of the world restarts (an answer would leave the world half-broken and the request failed). A collective that
@@ -28,6 +29,7 @@ from typing import Callable, NoReturn, Protocol, TypeVar
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from proto.drop_log import DropLog
 from proto.wire import Heartbeat, Interrupt, Message, Shutdown, StepError, StepPlan, decode, encode
 from worker_node.faults import RequestFault
 from worker_node.parallel import WorldBroken
@@ -157,9 +159,12 @@ class PlanLoop:
         setup: Callable[[], None] = lambda: None,
         interrupt: Callable[[int, int], None] = lambda first, last: None,
         overlap: Overlapping | None = None,
+        drops: DropLog | None = None,
     ) -> None:
         self.sock = sock
         self.overlap = overlap
+        # What the socket dropped (malformed, unexpected): counted, logged at a bounded rate (proto/drop_log.py).
+        self.drops = drops if drops is not None else DropLog("scheduler", logger)
         self.rank = rank
         self.execute = execute
         self.timeout = initial_timeout  # until the scheduler's first heartbeat says otherwise
@@ -220,11 +225,12 @@ class PlanLoop:
                         elif isinstance(message, Interrupt):
                             self.interrupt(message.first_step_id, message.last_step_id)
                         elif message is not None:
-                            logger.warning("ignoring an unexpected %s", type(message).__name__)
+                            self.drops.drop("an unexpected %s", type(message).__name__)
                 elif not events and time.monotonic() > give_up and not self._connected:  # after the poll: none queued
                     logger.error("no word from the scheduler for %.1f s; exiting", time.monotonic() - last_heard)
                     return 0
         finally:
+            self.drops.flush()
             self.sock.disable_monitor()
             monitor.close(linger=0)
             steps.stop()
@@ -242,7 +248,7 @@ class PlanLoop:
                 data = self.sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return out
-            out.append(decode_or_none(data))
+            out.append(decode_or_none(data, self.drops))
 
     def _flush(self, outbox: collections.deque[Message]) -> None:
         """Send the step thread's answers in order. One the socket would block on stays first in the outbox: a
@@ -278,12 +284,12 @@ def _leave_with_a_step_running(rank: int) -> NoReturn:
     os._exit(0)
 
 
-def decode_or_none(data: bytes) -> Message | None:
-    """The message, or None (logged) when it is malformed, oversized or of an unknown kind."""
+def decode_or_none(data: bytes, drops: DropLog) -> Message | None:
+    """The message, or None (counted in `drops`) when it is malformed, oversized or of an unknown kind."""
     try:
         return decode(data)
     except Exception as exc:  # WireError, or anything a hostile payload could provoke: never fatal
-        logger.warning("dropped a malformed message (%d bytes): %s", len(data), exc)
+        drops.drop("a malformed message (%d bytes): %s", len(data), exc)
         return None
 
 

@@ -18,6 +18,7 @@ import zmq
 
 from proto.cli_config import add_config_flag, parse_args
 from proto.curve import CurveError, configure_client
+from proto.drop_log import DropLog
 from proto.liveness import Beats
 from proto.parallel import ParallelLayout
 from proto.wire import (
@@ -64,6 +65,7 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.comm: Comm | None = None
         self._rendezvous_monitor: zmq.Socket | None = None
+        self.drops = DropLog("scheduler", logger)  # what the socket dropped, before and after the assignment
 
     def run(self) -> int:
         self._send(WorkerHello(socket.gethostname(), os.getpid(), str(self.device)))
@@ -88,6 +90,7 @@ class Worker:
             self._thread_setup,
             runner.interrupts.add,
             runner if runner.overlap else None,
+            self.drops,
         )
         return loop.run()
 
@@ -102,7 +105,7 @@ class Worker:
                 logger.info("the scheduler turned this worker away: %s", message.reason)
                 return message
             if message is not None:
-                logger.warning("ignoring %s before the assignment", type(message).__name__)
+                self.drops.drop("%s before the assignment", type(message).__name__)
         logger.error("no assignment from the scheduler at %s", self.options.scheduler_address)
         return None
 
@@ -153,7 +156,7 @@ class Worker:
         """The next message within `timeout` seconds; None on timeout or when it was malformed (dropped)."""
         if not self._sock.poll(max(1, int(timeout * 1000))):
             return None
-        return decode_or_none(self._sock.recv())
+        return decode_or_none(self._sock.recv(), self.drops)
 
     def close(self) -> None:
         if self.runner is not None and self.runner.handoff is not None:

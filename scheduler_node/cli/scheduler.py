@@ -208,6 +208,7 @@ async def serve(args: argparse.Namespace) -> int:
     credentials = server_credentials(args.tls_cert, args.tls_key) if args.tls_cert else None
     server, health = build_server(service, f"{args.host}:{args.port}", credentials, args.control_token)
     metrics = Metrics(service.served_model_name)
+    metrics.count_drops(link.drops)
     http_config = openai_config(args, service.served_model_name)
     door = OpenAIDoor(http_config, tokenizer, metrics) if http_config else None
     http = OpenAIServer(build_app(door), door.config.host, door.config.port) if door else None  # binds now
@@ -298,6 +299,7 @@ def publish_kv_events(engine: EngineCore, args: argparse.Namespace) -> asyncio.F
     publisher = KVEventPublisher(sink, blocks.block_size, args.kv_events_host, args.kv_events_port,
                                  args.kv_events_snapshot_port)  # fmt: skip
     engine.after_step = publisher.publish
+    engine.metrics.count_drops(publisher.drops)
     logger.info("KV events on %s (snapshots on %s)", publisher.address, publisher.snapshot_address)
     return asyncio.ensure_future(publisher.run())
 

@@ -22,6 +22,7 @@ import time
 import zmq
 import zmq.asyncio
 
+from proto.drop_log import DropLog
 from proto.kv_events import MAX_EVENTS_PER_BATCH, SNAPSHOT_REQUEST, encode_batch, encode_snapshot
 from scheduler_node.core.kv_events import KVEventSink
 
@@ -44,6 +45,7 @@ class KVEventPublisher:
         self.epoch = os.urandom(8)  # this process's: a restarted replica starts a new epoch
         self.seq = 0
         self._last = time.monotonic()
+        self.drops = DropLog("kv_snapshots", logger)  # requests that are not `snapshot`: counted, logged rarely
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, SNDHWM)
@@ -89,13 +91,14 @@ class KVEventPublisher:
 
     async def _answer(self, frames: list[bytes]) -> None:
         if len(frames) != 2 or frames[1] != SNAPSHOT_REQUEST:
-            logger.warning("KV events: ignored a request that is not %r", SNAPSHOT_REQUEST)
+            self.drops.drop("KV events: a request that is not %r", SNAPSHOT_REQUEST)
             return
         self.publish()  # what is pending goes out first, so the snapshot is exactly the state after self.seq
         reply = encode_snapshot(self.epoch, self.seq, self.block_size, self.sink.snapshot())
         await self._snapshots.send_multipart([frames[0], reply])
 
     def close(self) -> None:
+        self.drops.flush()
         self._pub.close(0)
         self._snapshots.close(0)
         self._ctx.term()

@@ -21,6 +21,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from proto.drop_log import DropLog
+
 # A scrape's live values: name -> value, or (for LABELLED_GAUGES) name -> label values -> value
 LiveSample = dict[str, float | dict[tuple[str, ...], float]]
 LiveValues = Callable[[], LiveSample]  # the gauges and scheduler counters, read on the event loop's thread
@@ -42,6 +44,18 @@ class Exporter:
 
     registry: CollectorRegistry
     _server: Any = None
+    _drops: DropCounts | None = None
+
+    def count_drops(self, *logs: DropLog) -> None:
+        """Export what these sockets dropped (proto/drop_log.py) as minivllm:dropped_messages, by socket."""
+        if self._drops is None:
+            self._drops = DropCounts(self.fixed_labels())
+            self.registry.register(self._drops)
+        self._drops.logs.extend(logs)
+
+    def fixed_labels(self) -> dict[str, str]:
+        """Labels every series of this exporter's own collectors carries (beside their own)."""
+        return {}
 
     def serve(self, host: str, port: int) -> None:
         self._server, _ = start_http_server(port, addr=host, registry=self.registry)
@@ -86,6 +100,9 @@ class Metrics(Exporter):
         self.loop: asyncio.AbstractEventLoop | None = None
         self.registry.register(_LiveCollector(self))
         ProcessCollector(registry=self.registry)  # process_open_fds, process_resident_memory_bytes, ...
+
+    def fixed_labels(self) -> dict[str, str]:
+        return {"model_name": self.model_name}
 
     def _counter(self, name: str, doc: str) -> Any:
         return Counter(name, doc, ["model_name"], registry=self.registry).labels(self.model_name)
@@ -197,6 +214,27 @@ class LoopHistogram(Collector):
         cumulative = list(itertools.accumulate(counts))
         buckets = [(floatToGoString(b), c) for b, c in zip(self.bounds, cumulative)] + [("+Inf", cumulative[-1])]
         family.add_metric([self.model_name], buckets, total)
+        yield family
+
+
+class DropCounts(Collector):
+    """minivllm:dropped_messages: the messages each socket's DropLog counted, read at scrape time (a plain int per
+    socket, so the socket's thread pays nothing for the metric)."""
+
+    NAME = "minivllm:dropped_messages"
+    DOC = "Messages a socket dropped: malformed, oversized, unexpected from their sender, or refused"
+
+    def __init__(self, fixed: dict[str, str]) -> None:
+        self.fixed = fixed
+        self.logs: list[DropLog] = []
+
+    def collect(self) -> Iterator[Metric]:
+        totals: dict[str, int] = {}
+        for log in self.logs:  # two logs of one socket (a test's two links) add up: one series per socket
+            totals[log.socket] = totals.get(log.socket, 0) + log.total
+        family = CounterMetricFamily(self.NAME, self.DOC, labels=[*self.fixed, "socket"])
+        for socket, total in sorted(totals.items()):
+            family.add_metric([*self.fixed.values(), socket], total)
         yield family
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from proto.drop_log import DropLog
 from proto.transport import WorldCapacity
 from proto.wire import (
     WORKER_JOIN_TIMEOUT_S,
@@ -75,8 +76,12 @@ class RankRegistry:
         heartbeat_timeout: float,
         on_lost: Callable[[str], None] = lambda reason: None,
         clock: Callable[[], float] = time.monotonic,
+        drops: DropLog | None = None,
     ) -> None:
         self._send_to = send
+        # Hellos and Readies it ignores: anyone who reaches the worker port may send them (without CURVE), so they
+        # are counted and logged at a bounded rate, with the transport's malformed messages (proto/drop_log.py).
+        self.drops = drops if drops is not None else DropLog("workers", logger)
         self.heartbeat_timeout = heartbeat_timeout
         self._on_lost = on_lost  # the transport fails the steps in flight
         self._clock = clock
@@ -148,12 +153,12 @@ class RankRegistry:
 
     def hello(self, identity: bytes, msg: WorkerHello, address: str) -> None:
         if identity in self._by_identity:
-            logger.warning("ignoring a second Hello from pid %d", msg.pid)
+            self.drops.drop("a second Hello from pid %d", msg.pid)
             return
         free = self.free_ranks()
         rank = self.claim(msg, address, free) if free else None
         if rank is None or rank not in free or self._assignment is None:
-            logger.warning("turning away pid %d on %s: every rank is taken", msg.pid, msg.host)
+            self.drops.drop("turning away pid %d on %s: every rank is taken", msg.pid, msg.host)
             self.tell(identity, Shutdown(f"all {self.world_size} ranks of {self.name} are taken"))
             return
         a = self._assignment(rank)
@@ -175,7 +180,7 @@ class RankRegistry:
     def ready(self, identity: bytes, msg: WorkerReady) -> None:
         info = self._by_identity.get(identity)
         if info is None or info.state != JOINING or msg.rank != info.rank:
-            logger.warning("ignoring Ready (rank %d) from a worker that was not assigned it", msg.rank)
+            self.drops.drop("Ready (rank %d) from a worker that was not assigned it", msg.rank)
             return
         info.num_kv_blocks = msg.num_kv_blocks
         info.num_host_blocks = msg.num_host_blocks

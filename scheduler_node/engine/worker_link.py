@@ -5,9 +5,10 @@ descriptor drains every waiting message, and sends are plain non-blocking calls 
 zmq.asyncio's future and the wake-up it schedules after every send cost tens: issue 24, a send per step). The
 reader routes every message: Hello and Ready to the rank registry
 (scheduler_node/engine/rank_registry.py: who holds which rank, in what state, and the world's capacity),
-heartbeats to the liveness clock, results to the step waiting for them; anything malformed is dropped and
-logged. A rank is lost when its connection drops (the socket monitor, confirmed by a probe), when it is silent
-for `heartbeat_timeout` (a stalled process), or when the engine finds a step of it past its deadline (a hung step
+heartbeats to the liveness clock, results to the step waiting for them; anything malformed or unexpected is
+dropped, counted and logged at a bounded rate (`drops`, proto/drop_log.py; the metric minivllm:dropped_messages).
+A rank is lost when its connection drops (the socket monitor, confirmed by a probe), when it is silent for
+`heartbeat_timeout` (a stalled process), or when the engine finds a step of it past its deadline (a hung step
 thread whose socket thread still heartbeats); the steps in flight then fail with WorkerLost, and the rank is free
 for a replacement worker to say Hello.
 
@@ -27,6 +28,7 @@ import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from proto.curve import configure_server
+from proto.drop_log import DropLog
 from proto.pending_steps import PendingSteps
 from proto.transport import WorkerLost, WorldCapacity
 from proto.wire import (
@@ -80,7 +82,8 @@ class WorkerLink:
         self._reading: asyncio.AbstractEventLoop | None = None  # the loop whose reader drains the socket
         self._closed = False  # the shadow must not touch the socket once its owner closed it
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.registry = RankRegistry(self._send_message, heartbeat_timeout, on_lost=self._fail_steps)
+        self.drops = DropLog("workers", logger)  # malformed or unexpected messages, and Hellos turned away
+        self.registry = RankRegistry(self._send_message, heartbeat_timeout, self._fail_steps, drops=self.drops)
         self.registry.name = address
         self.output_rank = 0  # whose StepResult step() returns
         self._steps: PendingSteps[bytes] = PendingSteps()
@@ -231,13 +234,13 @@ class WorkerLink:
 
     def _receive(self, frames: list[zmq.Frame]) -> None:
         if len(frames) != 2:
-            logger.warning("dropped a message of %d frames", len(frames))
+            self.drops.drop("a message of %d frames", len(frames))
             return
         identity, data = frames[0].bytes, frames[1].bytes
         try:
             msg = decode(data)
         except Exception as exc:  # WireError, or whatever a hostile payload provokes: never fatal
-            logger.warning("dropped a malformed message (%d bytes): %s", len(data), exc)
+            self.drops.drop("a malformed message (%d bytes): %s", len(data), exc)
             return
         try:
             self._dispatch(identity, msg, _peer_address(frames[1]))
@@ -257,7 +260,7 @@ class WorkerLink:
             if info is None:  # a worker this scheduler does not know (declared lost, or of a previous scheduler)
                 self.registry.tell(identity, Shutdown("unknown to this scheduler; start again to join"))
         else:
-            logger.warning("ignoring an unexpected %s", type(msg).__name__)
+            self.drops.drop("an unexpected %s", type(msg).__name__)
 
     def _send_message(self, identity: bytes, message: Message) -> str:
         return self._send_bytes(identity, encode(message))
@@ -287,6 +290,7 @@ class WorkerLink:
         if self._auth is not None:
             self._auth.stop()
         self._closed = True
+        self.drops.flush()
         self._monitor.close(linger=0)
         self._sock.close(linger=1000)  # let the Shutdown messages leave
         self._ctx.term()

@@ -15,6 +15,7 @@ import time
 import zmq
 import zmq.asyncio
 
+from proto.drop_log import DropLog
 from proto.kv_events import MAX_KV_MESSAGE_BYTES, SNAPSHOT_REQUEST, KVWireError, decode_batch, decode_snapshot
 from scheduler_node.router.kv_index import KVIndex, ReplicaFeed
 from scheduler_node.router.metrics import RouterMetrics
@@ -34,12 +35,17 @@ class KVSubscriber:
         self.metrics = metrics
         self.replicas = [r for r in pool.replicas if r.spec.kv_events]
         self.feeds = {r.address: ReplicaFeed(r.address, index) for r in self.replicas}
+        # Batches and snapshots it could not read: counted, logged at a bounded rate (proto/drop_log.py).
+        self.drops = DropLog("kv_events", logger)
+        if metrics is not None:
+            metrics.count_drops(self.drops)
         self._ctx = zmq.asyncio.Context()
 
     async def run(self) -> None:
         try:
             await asyncio.gather(*(self._follow(r) for r in self.replicas))
         finally:
+            self.drops.flush()
             self._ctx.destroy(linger=0)
 
     async def _follow(self, replica: Replica) -> None:
@@ -79,7 +85,7 @@ class KVSubscriber:
         try:
             batch = decode_batch(data)
         except KVWireError as exc:
-            logger.warning("KV events of %s: %s; resynchronizing", feed.name, exc)
+            self.drops.drop("KV events of %s: %s; resynchronizing", feed.name, exc)
             feed.distrust()
             return
         was_synced = feed.synced
@@ -104,6 +110,6 @@ class KVSubscriber:
             logger.info("KV index of %s: snapshot of %d blocks at seq %d", replica.address, len(snapshot.entries),
                         snapshot.seq)  # fmt: skip
         except KVWireError as exc:
-            logger.warning("KV snapshot of %s: %s", replica.address, exc)
+            self.drops.drop("KV snapshot of %s: %s", replica.address, exc)
         finally:
             sock.close(0)

@@ -69,10 +69,14 @@ def test_service_ports_probes_and_secrets_match_the_scheduler_flags(overlay: tup
         assert number == getattr(args, PORT_FLAGS[port_name]), f"{name}: containerPort {port_name} != its flag"
     for p in service["spec"]["ports"]:
         assert p["targetPort"] in ports and p["port"] == ports[p["targetPort"]], f"{name}: Service port {p}"
-    binds = {"grpc": args.host, "http": args.host, "metrics": args.metrics_host, "workers": args.worker_host}
+    binds = {"grpc": args.host, "http": args.host, "metrics": args.metrics_host}
     exposed = {p["targetPort"] for p in service["spec"]["ports"]}
     for port_name in exposed & binds.keys():
         assert binds[port_name] in ("0.0.0.0", "::"), f"{name}: {port_name} is behind a Service but bound locally"
+    if "workers" in exposed:  # the pod's IP (the Service's target), not every interface: issue 45
+        env = {e["name"]: e for e in container.get("env", [])}
+        assert args.worker_host == "$(POD_IP)", f"{name}: the workers' port binds {args.worker_host}"
+        assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
 
     grace = spec["terminationGracePeriodSeconds"]
     for kind in ("readinessProbe", "livenessProbe"):

@@ -1,9 +1,15 @@
 """The KV events wire (proto/kv_events.py): batches and snapshots round-trip; another version, a short hash, an
-unknown tier and garbage are refused with KVWireError, never half-read."""
+unknown tier and garbage are refused with KVWireError, never half-read; fuzzed (tests/support/fuzz.py), the decoders
+return a message or raise KVWireError, quickly and with their allocation linear in the input."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from datetime import timedelta
+
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from proto.kv_events import (
     CLEARED,
@@ -18,6 +24,7 @@ from proto.kv_events import (
     encode_batch,
     encode_snapshot,
 )
+from tests.support.fuzz import mutated, refused_within_bounds, unpacked, with_a_field_changed
 
 pytestmark = pytest.mark.unit
 
@@ -50,3 +57,32 @@ def test_the_wire_round_trips_and_refuses_what_it_cannot_trust() -> None:
         decode_snapshot(b"\x01")
     snapshot = decode_snapshot(encode_snapshot(EPOCH, 4, BS, [(RAM, h(1))]))
     assert (snapshot.seq, snapshot.entries) == (4, [(RAM, h(1))])
+
+
+FUZZ = settings(max_examples=200, deadline=timedelta(milliseconds=500), suppress_health_check=[HealthCheck.too_slow])
+BATCHES = [
+    encode_batch(EPOCH, 1, BS, []),
+    encode_batch(EPOCH, 9, BS, [stored(1), stored(2), (REMOVED, RAM, h(2), None), (CLEARED, DEVICE, None, None)]),
+]
+SNAPSHOTS = [encode_snapshot(EPOCH, 0, BS, []), encode_snapshot(EPOCH, 4, BS, [(RAM, h(1)), (DEVICE, h(2))])]
+DECODERS = [(decode_batch, BATCHES), (decode_snapshot, SNAPSHOTS)]
+
+
+@FUZZ
+@given(st.sampled_from(DECODERS).flatmap(lambda d: st.tuples(st.just(d[0]), st.binary(max_size=256) | mutated(d[1]))))
+def test_random_and_mutated_messages_are_refused_with_kv_wire_error_only(
+    case: tuple[Callable[[bytes], object], bytes],
+) -> None:
+    decoder, data = case
+    refused_within_bounds(decoder, data, KVWireError)
+
+
+@FUZZ
+@given(st.sampled_from(DECODERS).flatmap(lambda d: st.tuples(st.just(d[0]), with_a_field_changed(unpacked(d[1])))))
+def test_a_message_with_any_value_in_a_field_is_read_whole_or_refused(
+    case: tuple[Callable[[bytes], object], bytes],
+) -> None:
+    decoder, data = case
+    message = refused_within_bounds(decoder, data, KVWireError)
+    if isinstance(message, KVEventBatch):  # what got through holds only events of the schema
+        assert all(kind <= CLEARED and (e_hash is None or len(e_hash) == 16) for kind, _, e_hash, _ in message.events)

@@ -7,6 +7,7 @@ test's end; tests/worker_node/test_kv_staging.py has the rest of that path)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,11 +18,22 @@ import zmq
 
 from kernels.kv_quant import SCALE_DTYPE
 from proto.curve import ensure_keys
-from proto.kv_transfer import KVLayout, KVTransferError, head_sources, pairing_problem
+from proto.kv_transfer import (
+    ACK_MARK,
+    KV_TRANSFER_VERSION,
+    KVLayout,
+    KVPull,
+    KVTransferError,
+    head_sources,
+    pairing_problem,
+)
+from proto.kv_transfer import encode as encode_pull
+from proto.wire import KVImport
 from tests.support.waiting import wait_for
 from worker_node import kv_transfer
 from worker_node.kv_cache import KVCache, LayerKV
 from worker_node.kv_frames import block_bytes
+from worker_node.kv_handoff import KVHandoff
 from worker_node.kv_staging import Staging
 from worker_node.kv_transfer import KVExporter, cache_layout, new_lease, pull_blocks
 
@@ -309,3 +321,49 @@ def test_worlds_of_other_tp_sizes_move_runs_of_heads(exporter_of, dtype: torch.d
     with pytest.raises(KVTransferError, match=r"heads \[1, 2\]: not a run"):
         exporter.grant(lease, [1])
         pull_blocks(exporter.address, lease, back, layout, [1], [0], 5, heads=(1, 2), dst_heads=(0, 2))
+
+
+FLOOD = 20_000
+
+
+def test_a_flood_of_malformed_pulls_is_counted_in_a_few_log_lines(exporter_of, caplog) -> None:  # type: ignore[no-untyped-def]
+    """Issue 45: without CURVE anyone who reaches the exporter's port may send it anything. 20,000 malformed pulls,
+    acks and frames of the wrong shape are each counted, cost the log a line or two, and a real pull after them
+    still moves its blocks."""
+    src, dst = make_cache(torch.float32, seed=5), make_cache(torch.float32, seed=None)
+    exporter = exporter_of(src)
+    garbage = [[b"\xc1"], [bytes(range(40))], [ACK_MARK, b"\xc1"], [b"a", b"b", b"c"], [encode_pull(KVPull(
+        KV_TRANSFER_VERSION, new_lease(), cache_layout(dst), [0]))]]  # fmt: skip  # the last: an unknown lease
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)  # the whole flood queues (the refusals it gets back are never read)
+    sock.connect(f"tcp://{exporter.address}")
+    try:
+        with caplog.at_level(logging.WARNING, "worker_node.kv_transfer"):
+            for i in range(FLOOD):
+                sock.send_multipart(garbage[i % len(garbage)])
+            wait_for(lambda: exporter.drops.total >= FLOOD, 60, "every malformed pull counted")
+            lease = new_lease()
+            exporter.grant(lease, [2])
+            pull_blocks(exporter.address, lease, dst, cache_layout(dst), [2], [0], timeout_s=10)
+        logged = [r for r in caplog.records if r.name == "worker_node.kv_transfer"]
+        assert len(logged) <= 2, f"{len(logged)} lines for {FLOOD} malformed pulls"
+        assert exporter.drops.total == FLOOD
+        assert block(dst, 0) == block(src, 2), "the exporter still serves"
+    finally:
+        sock.close()
+
+
+def test_failed_imports_are_each_reported_and_logged_in_a_few_lines(exporter_of, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A producer that refuses every pull (here: leases it never granted) fails every import of every plan: each
+    one is reported, for the scheduler to recompute, and the log grows by a line or two."""
+    src, dst = make_cache(torch.float32, seed=6), make_cache(torch.float32, seed=None)
+    exporter = exporter_of(src)
+    handoff = KVHandoff(dst, cache_layout(dst), rank=0)
+    imports = [KVImport([exporter.address], new_lease(), [0], [1], [b"h"]) for _ in range(300)]
+    with caplog.at_level(logging.WARNING, "worker_node.kv_handoff"):
+        run = handoff.pull(imports)
+    assert run.failed == imports and handoff.failures.total == len(imports)
+    logged = [r for r in caplog.records if r.name == "worker_node.kv_handoff"]
+    assert len(logged) <= 2, f"{len(logged)} lines for {len(imports)} failed imports"

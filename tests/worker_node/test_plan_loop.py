@@ -1,8 +1,10 @@
 """The worker's plan loop keeps an answer the socket would not take (zmq.Again) and sends it once it can: a dropped
-StepResult would leave the scheduler waiting out its step deadline and declaring a healthy rank lost."""
+StepResult would leave the scheduler waiting out its step deadline and declaring a healthy rank lost. A flood of
+malformed messages is counted and costs the log a line or two, not one line each."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
@@ -10,7 +12,7 @@ from typing import Any
 import pytest
 import zmq
 
-from proto.wire import Message, Shutdown, StepPlan, StepResult, decode, encode
+from proto.wire import Message, Shutdown, StepPlan, StepResult, WorkerHello, decode, encode
 from worker_node.plan_loop import PlanLoop
 
 pytestmark = pytest.mark.unit
@@ -71,3 +73,43 @@ def _next_of(router: zmq.Socket, wanted: Any, timeout: float = 10.0) -> tuple[by
             if wanted(message):
                 return identity, message
     raise AssertionError(f"no such message from the worker within {timeout} s")
+
+
+FLOOD = 20_000
+
+
+def test_a_flood_of_malformed_messages_is_counted_in_a_few_log_lines(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 45: one warning per malformed message let a flood fill the disk. 20,000 of them (random garbage and
+    messages of kinds a worker never takes) are each counted, logged in a line or two, and the worker still answers
+    the plan that follows them."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.SNDHWM, 0)  # the whole flood queues (a ROUTER drops at its high-water mark): all arrive
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.RCVHWM, 0)
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    loop = PlanLoop(dealer, 0, _answer, initial_timeout=30.0)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    identity = b""
+    try:
+        with caplog.at_level(logging.WARNING, "worker_node.plan_loop"):
+            thread.start()
+            identity = _next_of(router, lambda m: True)[0]
+            garbage = [b"\xc1", encode(WorkerHello("h", 1, "cpu")), bytes(range(40)), b""]
+            for i in range(FLOOD):
+                router.send_multipart([identity, garbage[i % len(garbage)]])
+            router.send_multipart([identity, encode(StepPlan(1))])
+            assert _next_of(router, lambda m: isinstance(m, StepResult))[1].step_id == 1, "it still serves"
+        logged = [r for r in caplog.records if r.name == "worker_node.plan_loop"]
+        assert len(logged) <= 2, f"{len(logged)} lines for {FLOOD} malformed messages"
+        assert loop.drops.total == FLOOD
+    finally:
+        if identity:
+            router.send_multipart([identity, encode(Shutdown("done"))])
+        thread.join(10)
+        dealer.close()
+        router.close()
+        ctx.term()

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from scheduler_node.engine.metrics import ITL_BUCKETS, LoopHistogram
+from proto.drop_log import DropLog
+from scheduler_node.engine.metrics import ITL_BUCKETS, LoopHistogram, Metrics
 
 pytestmark = pytest.mark.unit
+LOGGER = logging.getLogger(__name__)
 
 
 def test_loop_histogram_exposes_what_prometheus_client_does() -> None:
@@ -63,3 +67,21 @@ def test_speculative_decoding_counters_reach_prometheus_and_get_stats() -> None:
     assert 0 < accepted < proposed <= 3 * drafts and sum(per_pos) == accepted
     assert per_pos == sorted(per_pos, reverse=True)  # position i is accepted only after i - 1
     assert stats.spec_decode_num_drafts == drafts and stats.spec_decode_num_accepted_tokens_per_pos == per_pos  # type: ignore[attr-defined]
+
+
+def test_dropped_messages_are_one_counter_series_per_socket() -> None:
+    """minivllm:dropped_messages: the DropLogs of one socket add up (a scheduler has one of each; a test may make
+    two), each socket its own series, under the exporter's model label."""
+    logs = [DropLog("workers", LOGGER) for _ in range(2)] + [DropLog("kv_snapshots", LOGGER)]
+    for log, n in zip(logs, (3, 4, 5), strict=True):
+        for _ in range(n):
+            log.drop("junk")
+    metrics = Metrics("m")
+    metrics.count_drops(*logs[:2])
+    metrics.count_drops(logs[2])
+    (family,) = (f for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+                 if f.name == "minivllm:dropped_messages")  # fmt: skip
+    assert {(s.labels["model_name"], s.labels["socket"]): s.value for s in family.samples} == {
+        ("m", "workers"): 7.0,
+        ("m", "kv_snapshots"): 5.0,
+    }
