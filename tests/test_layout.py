@@ -117,10 +117,6 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "minivllm.sampling_params": "re-exported by minivllm/__init__.py, whence tests/minivllm/ imports it",
     "scheduler_node.cli.lora_flags": "the LoRA flags, beside the registry they fill:"
     " tests/scheduler_node/engine/test_lora_registry.py",
-    "proto.kv_transfer": "the KV transfer messages, beside the worker that speaks them:"
-    " tests/worker_node/test_kv_transfer.py",
-    "worker_node.kv_handoff": "a rank's part in disaggregated prefill/decode, run by two in-process engines:"
-    " tests/fidelity/test_disagg_handoff.py",
     "proto.wire_base": "the wire's building blocks, re-exported by proto.wire (tests/proto/test_wire.py)",
     "proto.step_messages": "the step's plan and result, re-exported by proto.wire (tests/proto/test_wire.py)",
     "proto.session_messages": "hand-shake and control messages, re-exported by proto.wire (tests/proto/test_wire.py)",
@@ -157,8 +153,6 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "scheduler_node.engine.processes": "through scheduler_node.engine.launchers"
     " (tests/scheduler_node/engine/test_launchers.py)",
     "scheduler_node.engine.ray_launcher": "needs ray: tests/e2e/test_ray_launcher.py",
-    "scheduler_node.engine.worker_link": "its socket side, against fake workers over loopback ZeroMQ, in"
-    " tests/e2e/test_faults.py; its state machine is rank_registry.py (test_rank_registry.py)",
     "scheduler_node.router.kv_subscriber": "fed by a replica's real publisher in tests/scheduler_node/engine/"
     "test_kv_publisher.py, and through vllm-router in tests/e2e/test_router.py",
     "scheduler_node.router.strategies": "through scheduler_node.router.routing (tests/scheduler_node/router/"
