@@ -21,7 +21,8 @@ Per cell: decode tok/s (tokens after each request's first, over the time some re
 acceptance length (tokens per speculated step: accepted proposals + 1) and how many steps speculated; the process
 CPU time per decoded token (every thread's: less sensitive to other jobs on the machine than wall time); the load
 average at the end of the cell. A cell whose greedy outputs differ between the engines says so (speculation must
-change no token; in bf16 a verify step's other batch shape may flip a near-tie, see docs/benchmarks.md).
+change no token; in bf16 a verify step's other batch shape may flip a near-tie, see
+docs/benchmarks/history/speculative-decoding.md).
 """
 
 from __future__ import annotations

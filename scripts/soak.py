@@ -5,7 +5,7 @@ cancelled by its client, failed with a status, or lost (no end within --bound se
 KV blocks free at idle and the scheduler's and worker's resident memory and open files after the warm-up and at
 the end (a leak shows as growth; the bar is < 5 %).
 
-    .venv/bin/python scripts/soak.py --minutes 20 [--json soak.json]   # the README's run (SmolLM2, defaults)
+    .venv/bin/python scripts/soak.py --minutes 20 [--json soak.json]   # docs/benchmarks.md's run (SmolLM2, defaults)
     .venv/bin/python scripts/soak.py --smoke --model FOLDER            # CI: under a minute, one kill
 """
 

@@ -70,8 +70,8 @@ def test_smollm2_bf16_greedy_matches_hf_bf16(smollm2_dir) -> None:  # type: igno
 def test_a_float32_residual_stream_brings_bf16_closer_to_float32(smollm2_dir, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """SmolLM2's teacher-forced logprobs of a fixed text in bf16 against float32's, with the residual stream summed
     in float32 (decoder.residual_stream) and rounded to bf16 after every add as HF's bf16 models do. On the Xeon
-    of docs/benchmarks.md the float32 stream took the mean error 0.0253 -> 0.0176 and the 99th percentile 0.147 ->
-    0.097: each must come out at least 15 % smaller here."""
+    of docs/benchmarks/history/quantized-weights.md the float32 stream took the mean error 0.0253 -> 0.0176 and the
+    99th percentile 0.147 -> 0.097: each must come out at least 15 % smaller here."""
     from minivllm import LLM, SamplingParams
     from scheduler_node.text.tokenizer import ModelTokenizer
     from worker_node.models import decoder
