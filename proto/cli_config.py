@@ -13,6 +13,8 @@ from typing import Any, Sequence
 
 import yaml
 
+from proto.nesting import TooDeep, parse_nested
+
 
 def add_config_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -66,8 +68,8 @@ def _parse_known_without_required(
 
 def _load(parser: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
+        data = parse_nested(yaml.safe_load, path.read_text(), "its YAML") or {}
+    except (OSError, yaml.YAMLError, TooDeep) as exc:
         parser.error(f"cannot read config {path}: {exc}")
     if not isinstance(data, dict):
         parser.error(f"config {path} must be a mapping of flag names to values")

@@ -25,7 +25,7 @@ MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+?)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+?)\.lora_([AB])(?:\.[\w-]+)?\.weight\Z")
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 _MAX_HEADER = 100 << 20
 

@@ -33,7 +33,7 @@ import torch
 
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "minivllm-kv-"
-_SHM_NAME = re.compile(rf"^{SHM_PREFIX}[0-9a-f]{{32}}$")
+_SHM_NAME = re.compile(rf"{SHM_PREFIX}[0-9a-f]{{32}}")  # fullmatch: `$` would pass a final newline
 ALIGN = 64  # every frame starts at a multiple of this: a uint8 slice views as any cache dtype (and coalesces)
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
@@ -129,7 +129,7 @@ def open_staging(kind: str, handle: Handle, size: int, device: torch.device) -> 
         yield _open_cuda(handle, size)
         return
     name = handle[0].decode("ascii", "replace") if len(handle) == 1 and isinstance(handle[0], bytes) else ""
-    if kind != "shm" or not _SHM_NAME.match(name):
+    if kind != "shm" or not _SHM_NAME.fullmatch(name):
         raise StagingError(f"not a staging handle: {kind} {handle!r:.80}")
     if device.type != "cpu":
         raise StagingError(f"a shared-memory staging for a cache on {device.type}")

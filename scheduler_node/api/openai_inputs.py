@@ -11,6 +11,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+from proto.nesting import parse_nested
 from proto.structured import grammar_error
 from proto.wire import StructuredOutput
 from scheduler_node.api.openai_protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, MessageToolCall
@@ -93,8 +94,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 def _template_call(call: MessageToolCall, name: str) -> dict[str, Any]:
     try:
-        arguments = json.loads(call.function.arguments)
-    except json.JSONDecodeError:
+        arguments = parse_nested(json.loads, call.function.arguments, name)
+    except ValueError:  # not JSON, or nested too deeply to parse
         arguments = None
     if not isinstance(arguments, dict):
         raise InvalidField(f"{name}.function.arguments", "must be the JSON text of an object")

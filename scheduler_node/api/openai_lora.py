@@ -1,5 +1,9 @@
-"""The OpenAI door's LoRA routes, as vLLM spells them: `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`
-(behind the API key like every route), and the adapters' cards in `GET /v1/models` (each with its `parent`)."""
+"""The OpenAI door's LoRA routes, as vLLM spells them: `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`,
+and the adapters' cards in `GET /v1/models` (each with its `parent`).
+
+Loading reads server-side paths a client names, so the two are control routes (api/openai_guards.py): with
+`--control-token` they need `Authorization: Bearer <control token>` (the API key does not open them), as their gRPC
+twins in the Control service need it; without one, the API key like every route."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from pydantic import BaseModel, ConfigDict
 
 from proto.lora import AdapterError
 from scheduler_node.api.openai_errors import OpenAIError
+from scheduler_node.api.openai_guards import CONTROL_TAG
 from scheduler_node.core.lora_slots import LoraRef
 from scheduler_node.engine.core import EngineCore
 from scheduler_node.engine.lora_registry import LoraRegistry, UnknownAdapter
@@ -64,8 +69,10 @@ def install_lora_routes(app: FastAPI, engine_of: Any, base_name: str) -> None:
             raise OpenAIError(400, "LoRA is off: start the server with --enable-lora")
         return engine.loras
 
-    @app.post("/v1/load_lora_adapter")
+    @app.post("/v1/load_lora_adapter", tags=[CONTROL_TAG])
     async def load_lora_adapter(body: LoadLoraRequest) -> PlainTextResponse:
+        """Register the adapter at `lora_path` under `lora_name`. A control route: with --control-token it needs
+        `Authorization: Bearer <control token>`, else the API key when one is set."""
         loras = registry()
         if body.lora_name == base_name:
             raise OpenAIError(400, f"lora_name `{base_name}` is the base model's name", "lora_name")
@@ -77,8 +84,9 @@ def install_lora_routes(app: FastAPI, engine_of: Any, base_name: str) -> None:
             raise OpenAIError(400, str(exc), "lora_name") from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter")
+    @app.post("/v1/unload_lora_adapter", tags=[CONTROL_TAG])
     async def unload_lora_adapter(body: UnloadLoraRequest) -> PlainTextResponse:
+        """Stop new requests from naming the adapter. A control route, guarded as load_lora_adapter."""
         try:
             registry().remove(body.lora_name)
         except UnknownAdapter:

@@ -5,7 +5,8 @@ POST /v1/chat/completions (tools: api/tools.py), /v1/responses (api/responses_re
 (api/embeddings.py), /v1/completions
 (streamed as server-sent events with `stream: true`), GET /v1/models; vLLM's POST /tokenize and /detokenize;
 GET /health (200 exactly while gRPC health is SERVING) and /metrics (the registry `--metrics-port` serves). With an
-API key every path but /health and /metrics (probes, Prometheus) needs `Authorization: Bearer KEY`.
+API key every path but /health and /metrics (probes, Prometheus) needs `Authorization: Bearer KEY`; with a control
+token the control routes (loading and unloading LoRA adapters) need `Authorization: Bearer TOKEN` instead.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from scheduler_node.api.embeddings import (
 from scheduler_node.api.kv_handoff_fields import http_kv_fields, source_params
 from scheduler_node.api.openai_encode import json_response
 from scheduler_node.api.openai_errors import OpenAIError, engine_error, install_handlers
-from scheduler_node.api.openai_guards import ApiKeyAuth, BodyLimit
+from scheduler_node.api.openai_guards import BearerAuth, BodyLimit, control_routes
 from scheduler_node.api.openai_inputs import chat_specs, completion_specs, template_messages
 from scheduler_node.api.openai_lora import adapter_cards, adapter_of, install_lora_routes
 from scheduler_node.api.openai_migration import migrated_answer, with_migration
@@ -84,6 +85,7 @@ class OpenAIConfig:
     port: int
     model_name: str  # what /v1/models lists and `model` must name
     api_key: str = ""  # "": no authentication
+    control_token: str = ""  # the control routes' credential ("": the API key's, like every route)
     tool_call_parser: str = "hermes"  # how tool_choice auto reads calls: a TOOL_PARSERS name or module:Class
     reasoning_parser: str = ""  # "": off; a REASONING_PARSERS name or module:Class
     embedding_pooling: str = "last"  # how /v1/embeddings pools a prompt's hidden states: last or mean
@@ -231,8 +233,6 @@ class OpenAIDoor:
 def build_app(door: OpenAIDoor) -> FastAPI:
     app = FastAPI(title="minivllm", summary="OpenAI-compatible API")
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
-    if door.config.api_key:
-        app.add_middleware(ApiKeyAuth, key=door.config.api_key)  # added last: runs first
     install_handlers(app)
 
     @app.post("/v1/chat/completions")
@@ -289,6 +289,10 @@ def build_app(door: OpenAIDoor) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(door.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    config = door.config
+    if config.api_key or config.control_token:  # added last: runs first; once the routes it tells apart are in
+        app.add_middleware(BearerAuth, api_key=config.api_key, control_token=config.control_token,
+                           control_routes=control_routes(app))  # fmt: skip
     return app
 
 

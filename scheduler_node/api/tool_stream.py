@@ -9,6 +9,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from proto.nesting import parse_nested
 from scheduler_node.api.tool_parsers import PartialCall, ToolParser
 
 
@@ -87,6 +88,6 @@ class ToolCallStream:
 
 def _is_object(text: str) -> bool:
     try:
-        return isinstance(json.loads(text), dict)
-    except json.JSONDecodeError:
+        return isinstance(parse_nested(json.loads, text, "arguments"), dict)
+    except ValueError:  # not JSON, or nested too deeply to parse
         return False

@@ -50,7 +50,7 @@ class NamedToolChoice(_Strict):
 
 
 MAX_TOOLS = 128  # OpenAI's limit
-_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # fullmatch: `$` would pass a final newline
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
@@ -125,7 +125,7 @@ def _functions(tools: Sequence[Tool]) -> dict[str, dict[str, Any]]:
     functions: dict[str, dict[str, Any]] = {}
     for i, tool in enumerate(tools):
         function = tool.function
-        if not _NAME.match(function.name):
+        if not _NAME.fullmatch(function.name):
             raise InvalidField(f"tools[{i}].function.name", "must be 1 to 64 letters, digits, _ . : or -")
         if function.name in functions:
             raise InvalidField(f"tools[{i}].function.name", f"{function.name!r} is given twice")

@@ -69,5 +69,13 @@ def openai_config(args: argparse.Namespace, served_model_name: str) -> OpenAICon
         return None
     tool_parser_class(args.tool_call_parser)  # ValueErrors naming them
     reasoning_parser_class(args.reasoning_parser)
-    return OpenAIConfig(args.host, args.openai_port, served_model_name, args.api_key, args.tool_call_parser,
-                        args.reasoning_parser, args.embedding_pooling)  # fmt: skip
+    return OpenAIConfig(
+        args.host,
+        args.openai_port,
+        served_model_name,
+        api_key=args.api_key,
+        control_token=args.control_token,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        embedding_pooling=args.embedding_pooling,
+    )

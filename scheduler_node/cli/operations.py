@@ -90,7 +90,9 @@ def add_operations_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--control-token",
         default=os.environ.get(TOKEN_ENV, ""),
-        help=f"Control RPCs need metadata 'authorization: Bearer TOKEN' (default: ${TOKEN_ENV}; empty: open)",
+        help="Control RPCs need metadata 'authorization: Bearer TOKEN', and the HTTP control routes (POST "
+        "/v1/load_lora_adapter, /v1/unload_lora_adapter) the header 'Authorization: Bearer TOKEN', not the API key "
+        f"(default: ${TOKEN_ENV}; empty: Control is open, the HTTP routes behind --api-key like every route)",
     )
     add_curve_flag(p)
 

@@ -49,7 +49,13 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address of gRPC and the HTTP API")
     p.add_argument("--port", type=int, default=50051, help="gRPC port")
     p.add_argument("--worker-host", default="127.0.0.1", help="bind address of the ZMQ socket workers join")
-    p.add_argument("--worker-port", type=int, default=50061, help="port of the ZMQ socket workers join")
+    p.add_argument(
+        "--worker-port",
+        type=int,
+        default=50061,
+        help="port of the ZMQ socket workers join (vllm-serve's default is 0: a free port, as its workers are its "
+        "own children; with --data-parallel-size, replica i's workers join at this + i)",
+    )
     add_world_flags(p)
     p.add_argument(
         "--num-kv-blocks",

@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_flag(p)
     add_scheduler_flags(p)
-    p.set_defaults(openai_port=SERVE_OPENAI_PORT)
+    p.set_defaults(openai_port=SERVE_OPENAI_PORT, worker_port=0)  # 0: a free port (its workers are its children)
     add_worker_flags(p)
     add_launcher_flags(p)
     p.add_argument(
@@ -73,10 +73,14 @@ def scheduler_argv(args: argparse.Namespace) -> list[str]:
 
 
 def replica_plans(args: argparse.Namespace) -> list[ReplicaPlan]:
-    """One plan per replica: the world of a single replica at --port (no router), or N on loopback behind one."""
+    """One plan per replica: the world of a single replica at --port (no router), or N on loopback behind one.
+
+    Without --worker-port (0) each replica's workers join at a free port: they are this process's children, so no
+    one else needs to know it, and a fixed one made a second vllm-serve on the host fail to bind it while its
+    workers joined the first one's scheduler."""
     if args.data_parallel_size == 1:
         placement = resolve_parallel(args)
-        return [ReplicaPlan(0, placement, args.port, args.worker_port)]
+        return [ReplicaPlan(0, placement, args.port, args.worker_port or free_port())]
     if args.launcher == "ray":
         raise ValueError("--data-parallel-size > 1 runs its replicas with --launcher local (ray: one world only)")
     layout = ParallelLayout(args.tensor_parallel_size, args.pipeline_parallel_size)
@@ -92,10 +96,11 @@ def replica_plans(args: argparse.Namespace) -> list[ReplicaPlan]:
 
 def replica_argv(args: argparse.Namespace, plan: ReplicaPlan, count: int) -> list[str]:
     """The scheduler flags of one replica: with data parallelism, on loopback behind the router (which does TLS)."""
-    if count == 1:
-        return scheduler_argv(args)
     mine = argparse.Namespace(**vars(args))
-    mine.host, mine.port, mine.worker_port = "127.0.0.1", plan.port, plan.worker_port
+    mine.worker_port = plan.worker_port  # where its workers are told to join (without --worker-port: a free port)
+    if count == 1:
+        return scheduler_argv(mine)
+    mine.host, mine.port = "127.0.0.1", plan.port
     mine.openai_port = plan.http_port
     mine.kv_events_host = "127.0.0.1"
     mine.kv_events_port, mine.kv_events_snapshot_port = plan.kv_events_port, plan.kv_snapshot_port

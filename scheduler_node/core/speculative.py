@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from proto.nesting import parse_nested
 from proto.wire import SamplingOptions
 
 SPEC_METHODS = ("ngram", "draft_model")
@@ -73,7 +74,7 @@ class SpeculativeConfig:
             if not value.strip():
                 return None
             try:
-                value = json.loads(value)
+                value = parse_nested(json.loads, value, "speculative_config")
             except json.JSONDecodeError as exc:
                 raise ValueError(f"speculative_config: not a JSON object: {exc}") from None
         if not isinstance(value, Mapping):

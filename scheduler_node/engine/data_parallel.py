@@ -5,7 +5,8 @@ With --topology, replica after replica is placed on what the previous ones left 
 inside one fast island and a replica that fills an island has it alone), and each scheduler gets a topology of
 just its own devices. Without one, the workers of replica i see the i-th slice of the host's GPUs
 (CUDA_VISIBLE_DEVICES) and pick within it as a single world's workers do. Replicas listen on loopback at free
-ports (the router is the door); the workers of replica i join at --worker-port + i.
+ports (the router is the door); the workers of replica i join at --worker-port + i, or without one (vllm-serve's
+default, 0) at a free port each.
 """
 
 from __future__ import annotations
@@ -76,13 +77,18 @@ def plan_replicas(
     allow_cross_island: bool,
     gpus: bool,
 ) -> list[ReplicaPlan]:
-    """Where each replica runs; `gpus`: its workers may use GPUs (so each replica gets its own slice of them)."""
+    """Where each replica runs; `gpus`: its workers may use GPUs (so each replica gets its own slice of them);
+    `worker_port`: replica i's workers join at worker_port + i (0: at a free port each)."""
     if count < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {count}")
+
+    def joins_at(i: int) -> int:
+        return worker_port + i if worker_port else free_port()
+
     if topology is None:
         one = place(single_island(layout.world_size), layout, worker_chooses_device=True)
         return [
-            ReplicaPlan(i, one, free_port(), worker_port + i, None, _gpu_slice(i, layout.world_size) if gpus else {})
+            ReplicaPlan(i, one, free_port(), joins_at(i), None, _gpu_slice(i, layout.world_size) if gpus else {})
             for i in range(count)
         ]
     folder = Path(tempfile.mkdtemp(prefix="minivllm-dp-"))
@@ -92,7 +98,7 @@ def plan_replicas(
     for i, placement in enumerate(place_replicas(topology, layout, count, allow_cross_island)):
         path = folder / f"topology-{i}.yaml"
         path.write_text(yaml.safe_dump(topology_dict(placement.topology), sort_keys=False))
-        plans.append(ReplicaPlan(i, placement, free_port(), worker_port + i, path))
+        plans.append(ReplicaPlan(i, placement, free_port(), joins_at(i), path))
     return plans
 
 

@@ -24,7 +24,7 @@ from proto.model_cache import DEFAULT_MODEL_NAME, cache_dir, default_model_dir
 logger = logging.getLogger(__name__)
 
 DEFAULT = "default"
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name, fullmatch (`$` would pass a final newline)
 
 
 def resolve_model(model: str, hub_cache: Path | None = None) -> Path:
@@ -37,7 +37,7 @@ def resolve_model(model: str, hub_cache: Path | None = None) -> Path:
         folder = _file_model(path.resolve(), model)
     elif path.is_dir():
         folder = path.resolve()
-    elif _HUB_ID.match(model):
+    elif _HUB_ID.fullmatch(model):
         folder = _hub_snapshot(model, hub_cache)
     else:
         raise FileNotFoundError(f"--model {model}: no such file or folder, and not an HF hub id (org/name)")
@@ -50,7 +50,7 @@ def served_name(model: str) -> str:
     if model == DEFAULT:
         return DEFAULT_MODEL_NAME
     path = Path(model).expanduser()
-    if not path.exists() and _HUB_ID.match(model):
+    if not path.exists() and _HUB_ID.fullmatch(model):
         return model
     return path.stem if path.suffix == ".gguf" else path.resolve().name
 

@@ -33,7 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from scheduler_node.api.embeddings import EmbeddingRequest
 from scheduler_node.api.openai_errors import OpenAIError, install_handlers
-from scheduler_node.api.openai_guards import ApiKeyAuth, BodyLimit
+from scheduler_node.api.openai_guards import BearerAuth, BodyLimit
 from scheduler_node.api.openai_migration import MIGRATED_HEADER
 from scheduler_node.api.openai_protocol import (
     ChatCompletionRequest,
@@ -233,7 +233,7 @@ def build_router_app(door: RouterHttp, api_key: str) -> FastAPI:
     app = FastAPI(title="minivllm router", summary="OpenAI-compatible API over several schedulers")
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
     if api_key:
-        app.add_middleware(ApiKeyAuth, key=api_key)  # added last: runs first
+        app.add_middleware(BearerAuth, api_key=api_key)  # added last: runs first
     install_handlers(app)
 
     @app.post("/v1/chat/completions")

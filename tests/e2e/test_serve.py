@@ -23,7 +23,7 @@ from minivllm.tiny_models import build_tiny_model
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from scheduler_node.cli.client import wait_ready
-from scheduler_node.cli.serve import build_parser
+from scheduler_node.cli.serve import build_parser, replica_argv, replica_plans
 from tests.support.ops import (
     SERVING,
     Streams,
@@ -57,6 +57,43 @@ def command_line(pid: int) -> str:
 
 def test_serve_turns_the_openai_api_on_at_8000() -> None:
     assert build_parser().parse_args([]).openai_port == 8000
+
+
+def test_serve_picks_a_free_worker_port_unless_one_is_given() -> None:
+    for flags, expected in (([], None), (["--worker-port", "6000"], 6000)):
+        args = build_parser().parse_args(flags)
+        (plan,) = replica_plans(args)
+        assert plan.worker_port == expected or (expected is None and plan.worker_port not in (0, 50061)), flags
+        argv = replica_argv(args, plan, 1)
+        assert argv[argv.index("--worker-port") + 1] == str(plan.worker_port)  # the scheduler binds where they join
+
+
+def serve_with_default_worker_port(model: Path, port: int, http_port: int) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--model", str(model), "--kv-cache-memory", "16MiB",
+            "--threads", "1", "--log-level", "WARNING", "--port", str(port),
+            "--openai-port", str(http_port)]  # fmt: skip
+    return subprocess.Popen(argv, cwd=REPO)
+
+
+def test_two_serves_on_one_host_with_default_worker_ports_each_serve(tiny_llama_dir: Path) -> None:
+    """A fixed worker port made the second fail to bind it ("Address already in use") while its worker joined the
+    first one's scheduler ("every rank is taken")."""
+    ports = [(free_port(), free_port()) for _ in range(2)]
+    serves = [serve_with_default_worker_port(tiny_llama_dir, port, http_port) for port, http_port in ports]
+    try:
+        for (port, http_port), serve in zip(ports, serves):
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                assert wait_ready(channel, 120), f"vllm-serve at {port} never became SERVING"
+            body = {"prompt": "hi", "max_tokens": 3, "ignore_eos": True}
+            answer = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", json=body, timeout=60)
+            assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3, answer.text
+            assert len(child_pids(serve.pid)) == 2  # its own scheduler and worker, none restarted
+        for serve in serves:
+            serve.send_signal(signal.SIGTERM)
+        assert [serve.wait(30) for serve in serves] == [0, 0]
+    finally:
+        for serve in serves:
+            kill_with_children(serve)
 
 
 def test_serve_runs_and_stops_all_children_on_sigterm(tiny_llama_dir: Path, tmp_path: Path) -> None:

@@ -42,7 +42,13 @@ def test_a_segment_is_private_random_and_freed() -> None:
 
 @pytest.mark.parametrize(
     ("kind", "handle"),
-    [("shm", [b"../../etc/passwd"]), ("shm", [b"minivllm-kv-" + b"0" * 31]), ("gloo", [b"x"]), ("cuda", [1, 2])],
+    [
+        ("shm", [b"../../etc/passwd"]),
+        ("shm", [b"minivllm-kv-" + b"0" * 31]),
+        ("shm", [b"minivllm-kv-" + b"0" * 32 + b"\n"]),  # `$` matched before a final newline
+        ("gloo", [b"x"]),
+        ("cuda", [1, 2]),
+    ],
 )
 def test_a_malformed_handle_is_refused(kind: str, handle: list[bytes | int | bool]) -> None:
     with pytest.raises(StagingError, match="not a"), open_staging(kind, handle, 1, torch.device("cpu")):

@@ -247,6 +247,20 @@ def test_control_needs_the_token_when_one_is_set_and_generation_does_not() -> No
         server_credentials("cert.pem", "")
 
 
+def test_every_control_rpc_needs_the_token() -> None:
+    """Each method of the Control service, those added later included, not just GetStats: none answers without it."""
+    methods = pb.DESCRIPTOR.services_by_name["Control"].methods
+
+    async def scenario(d: Door) -> None:
+        for method in methods:
+            call = getattr(d.control, method.name)(getattr(pb, method.input_type.name)())
+            code, _ = await status_of(call)
+            assert code == grpc.StatusCode.UNAUTHENTICATED, method.name
+
+    assert {m.name for m in methods} >= {"GetStats", "Drain", "LoadLoraAdapter"}
+    serve(stand_in_engine(), scenario, control_token="s3cret")
+
+
 def test_health_is_serving_exactly_while_the_engine_takes_requests() -> None:
     workers = ControlledWorkers()
     engine = stand_in_engine(EngineOptions(rejoin_timeout=60), workers=workers)

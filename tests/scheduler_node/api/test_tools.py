@@ -153,6 +153,9 @@ def test_bad_tools_and_choices_are_400s_naming_the_field() -> None:
         ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
         ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "x", "type": "function",
           "function": {"name": "f", "arguments": "{oops"}}]}]}, "messages[0].tool_calls[0].function.arguments"),
+        ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "x", "type": "function",
+          "function": {"name": "f", "arguments": "[" * 30_000 + "]" * 30_000}}]}]},
+         "messages[0].tool_calls[0].function.arguments"),  # deeper than Python's parser recurses: was a 500
     ]  # fmt: skip
 
     async def scenario(client: openai.AsyncOpenAI, raw: httpx.AsyncClient) -> None:

@@ -90,6 +90,34 @@ def test_scheduler_never_imports_torch() -> None:
     assert out.stdout.strip() == "False"
 
 
+# Nested 30,000 deep: Python's JSON and YAML parsers recurse once a level. A command line's argument holds at most
+# 128 KiB, which lists fit in; the objects go through a config file.
+DEEP_LIST = "[" * 30_000 + "]" * 30_000
+DEEP_OBJECT = '{"a":' * 30_000 + "1" + "}" * 30_000
+
+
+@pytest.mark.parametrize(
+    "flags, config, words",
+    [
+        (["--speculative-config", DEEP_LIST], "", "argument --speculative-config: speculative_config: nested too"),
+        ([], f"speculative-config: '{DEEP_OBJECT}'\n", "speculative-config in CONFIG: speculative_config: nested too"),
+        ([], f"speculative-config: {DEEP_LIST}\n", "cannot read config CONFIG: its YAML: nested too deeply"),
+    ],
+    ids=["flag", "config-json", "config-yaml"],
+)
+def test_text_nested_too_deeply_is_a_one_line_usage_error(
+    flags: list[str], config: str, words: str, tmp_path: Path
+) -> None:
+    """Not a RecursionError traceback and exit 1: argparse's error line naming the flag or file, and exit 2."""
+    path = tmp_path / "deep.yaml"
+    path.write_text(config)
+    argv = [*flags, "--config", str(path)] if config else flags
+    out = subprocess.run([sys.executable, "-m", "scheduler_node.cli.serve", *argv], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.splitlines()[-1].startswith("vllm-serve: error: " + words.replace("CONFIG", str(path)))
+
+
 @pytest.mark.parametrize(
     "argv, words",
     [

@@ -73,6 +73,14 @@ def test_without_a_topology_each_replica_sees_its_slice_of_the_gpus(monkeypatch:
     assert all(p.worker_env == {} for p in plan_replicas(3, ParallelLayout(2), 50061, None, False, False))  # CPU
 
 
+def test_without_a_worker_port_each_replica_joins_at_a_free_port_of_its_own() -> None:
+    """vllm-serve's default (0): a fixed base made two vllm-serves on one host share their replicas' ports."""
+    ports = [p.worker_port for p in plan_replicas(3, ParallelLayout(1), 0, None, False, False)]
+    assert len(set(ports)) == 3 and all(port > 1024 for port in ports), ports
+    twin = [p.worker_port for p in plan_replicas(3, ParallelLayout(1), 0, None, False, False)]
+    assert not set(ports) & set(twin), (ports, twin)
+
+
 def test_serve_prints_each_replicas_placement() -> None:
     argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--data-parallel-size", "2", "--tensor-parallel-size",
             "4", "--topology", str(TOPOLOGIES / "8gpu-2x4-nvlink.yaml"), "--print-placement"]  # fmt: skip
