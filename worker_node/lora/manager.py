@@ -16,6 +16,10 @@ adapter's columns through a 0/1 mask, so a projection costs two small matmuls wh
 (tokens of the base model have an all-zero mask row). The hooks are forward hooks on the base projections, so they
 compose with any base layer (dense or quantised) and change no parameter name the loader reads.
 
+An adapter that cannot be placed (its files gone, cut short or changed since the scheduler checked them, or not
+finite) raises `AdapterUnusable` and leaves its slot empty, as the scheduler counts it: the slot's last adapter
+evicted, the new one not resident (a later request naming it tries its folder again).
+
 With a `LoraCapacity` (a worker that captures decode graphs with LoRA on) the adapters live in a `SlotBank`
 instead (worker_node/lora/slot_bank.py): every slot preallocated at --max-lora-rank, loaded in place, and each
 projection's update one branch-free computation over all slots, so a captured graph replays it for any mix of
@@ -38,11 +42,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from proto.lora import BaseShapes, inspect_adapter
+from proto.lora import BaseShapes
 from proto.wire import LoraAdapter
 from worker_node.host_copy import to_device
+from worker_node.lora.checked_read import AdapterUnusable, check_finite, read_checked
 from worker_node.lora.slot_bank import BankedProjection, LoraCapacity, SlotBank
-from worker_node.lora.weights import PROJECTIONS, LayerLoras, ProjectionLora, read_adapter
+from worker_node.lora.weights import PROJECTIONS, LayerLoras, ProjectionLora, adapter_updates
 from worker_node.models.decoder import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -112,32 +117,60 @@ class LoraManager:
 
     def place(self, lora: LoraAdapter) -> None:
         """Make `lora` resident in its slot if the slot holds another adapter: from the host tier, else its folder.
-        The adapter it replaces goes to the host tier (`lora.host_slots` of them, the oldest out first)."""
+        The adapter it replaces goes to the host tier (`lora.host_slots` of them, the oldest out first).
+        AdapterUnusable when its folder no longer holds what the scheduler checked: the slot is then empty."""
         held = self.slots.get(lora.slot)
         if held is not None and held.id == lora.id:
             return
         kept = self.host.pop(lora.id, None)  # before the evicted adapter goes in: it must not push this one out
         if held is not None:
             self._to_host(held, lora.host_slots)
+        try:
+            layers = self._load(lora, kept)
+        except AdapterUnusable:
+            self._empty(lora.slot)  # as the scheduler counts it: the last adapter evicted, this one not resident
+            raise
+        self.slots[lora.slot] = ResidentLora(lora.id, lora.path, layers)
+
+    def _load(self, lora: LoraAdapter, kept: LayerLoras | None) -> LayerLoras:
+        """The adapter's updates, from the host tier (`kept`) or its folder, in the bank's slot if there is one."""
         if kept is not None:
             layers = {k: ProjectionLora(p.a.to(self.device), p.b.to(self.device)) for k, p in kept.items()}
             self.host_loads += 1
             where = "host memory"
         else:
-            info = inspect_adapter(lora.path, self.base, MAX_RANK)
-            model = self.model
-            layers = read_adapter(
-                info, model.config, model.where, model.first_layer, len(model.layers), self.dtype, self.device
-            )
+            layers = self._read(lora)
             self.loads += 1
             where = lora.path
         if self.bank is not None:  # in place: a captured graph keeps reading the same memory
-            layers = self.bank.load(lora.slot, layers)
+            try:
+                layers = self.bank.load(lora.slot, layers)
+            except ValueError as exc:  # it does not fit the slot (checked before anything is written)
+                raise AdapterUnusable(lora, str(exc)) from None
         else:
             self._stale = True
-        self.slots[lora.slot] = ResidentLora(lora.id, lora.path, layers)
         size = sum(p.nbytes for p in layers.values()) / 2**20
         logger.info("LoRA adapter %d loaded into slot %d from %s: %.1f MiB", lora.id, lora.slot, where, size)
+        return layers
+
+    def _read(self, lora: LoraAdapter) -> LayerLoras:
+        """The adapter's updates from its folder, read whole once and checked (AdapterUnusable)."""
+        model = self.model
+        info, tensors = read_checked(lora, self.base, MAX_RANK)
+        layers = adapter_updates(
+            info, tensors, model.config, model.where, model.first_layer, len(model.layers), self.dtype, self.device
+        )
+        check_finite(lora, layers, model.first_layer)
+        return layers
+
+    def _empty(self, slot: int) -> None:
+        """The slot holds no adapter (its last one was evicted, the new one could not be read)."""
+        if self.slots.pop(slot, None) is None:
+            return
+        if self.bank is not None:
+            self.bank.clear(slot)
+        else:
+            self._stale = True
 
     def _to_host(self, held: ResidentLora, host_slots: int) -> None:
         """Copy an evicted adapter to host memory (its layers may be views into the device stacks: copied out)."""
