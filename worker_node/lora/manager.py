@@ -10,11 +10,14 @@ adapter that a request the workers hold still uses), so every rank of a world ho
 slots and the worker needs no capacity setting of its own: a slot holding another adapter is reloaded from disk.
 
 The batched segment computation: per fused projection, the resident adapters' A are stacked along the rank
-([sum of ranks, in]) and their B beside each other ([out, sum of ranks]); a step's tokens see only their own
-adapter's columns through a 0/1 mask, so a projection costs two small matmuls whatever the mix of adapters:
-    out += ((x @ A_stack^T) * mask[token, column]) @ B_stack^T
-(tokens of the base model have an all-zero mask row). The hooks are forward hooks on the base projections, so they
-compose with any base layer (dense or quantised) and change no parameter name the loader reads.
+([sum of ranks, in]) and their B beside each other ([out, sum of ranks]); a step's tokens keep only their own
+adapter's columns of the shrink, so a projection costs two small matmuls whatever the mix of adapters:
+    out += where(mine[token, column], x @ A_stack^T, 0) @ B_stack^T
+(tokens of the base model keep no column). Selected, not multiplied by a 0/1 mask: 0 * NaN is NaN, so a non-finite
+shrink of one adapter would reach every token of the step. (A non-finite B still would, through the expand: every
+adapter is checked finite before it is placed, worker_node/lora/checked_read.py, and the scheduler checked it when
+registering it.) The hooks are forward hooks on the base projections, so they compose with any base layer (dense
+or quantised) and change no parameter name the loader reads.
 
 An adapter that cannot be placed (its files gone, cut short or changed since the scheduler checked them, or not
 finite) raises `AdapterUnusable` and leaves its slot empty, as the scheduler counts it: the slot's last adapter
@@ -98,9 +101,9 @@ class LoraManager:
         self._stacks: dict[tuple[int, str], Stack] = {}
         self._stale = False
         self._token_slots: torch.Tensor | None = None  # this step's slot of each token (-1: the base model)
-        self._masks: dict[tuple[tuple[int, int], ...], torch.Tensor] = {}
+        self._masks: dict[tuple[tuple[int, int], ...], torch.Tensor] = {}  # -> [T, W] bool: not the token's column
         self._active: list[int] = []  # this step's slots
-        self._row_masks: dict[int, torch.Tensor] = {}  # slot -> [T, 1]: its tokens
+        self._row_masks: dict[int, torch.Tensor] = {}  # slot -> [T, 1] bool: the tokens not of that slot
         self._kernel = _triton_kernel() if device.type == "cuda" else None  # on CPU: the masked matmuls below
         projections = [
             ((i, fused), module)
@@ -113,7 +116,7 @@ class LoraManager:
         if capacity is not None:
             keys = [key for key, _ in projections]
             self.bank = SlotBank(keys, model.config, model.where, capacity, dtype, device)
-        self._bank_masks: dict[int, torch.Tensor] = {}  # slot width -> [T, slots * width]: each token's columns
+        self._bank_masks: dict[int, torch.Tensor] = {}  # slot width -> [T, slots * width] bool: not the token's
 
     def place(self, lora: LoraAdapter) -> None:
         """Make `lora` resident in its slot if the slot holds another adapter: from the host tier, else its folder.
@@ -256,18 +259,20 @@ class LoraManager:
         self._stale = False
 
     def _mask(self, stack: Stack) -> torch.Tensor:
+        """[T, W]: True where a column of the stack is not the token's adapter's (its shrink is dropped there)."""
         mask = self._masks.get(stack.key)
         if mask is None:
             assert self._token_slots is not None
-            mask = (self._token_slots[:, None] == stack.owner[None, :]).to(self.dtype)
+            mask = self._token_slots[:, None] != stack.owner[None, :]
             self._masks[stack.key] = mask
         return mask
 
     def _row_mask(self, slot: int) -> torch.Tensor:
+        """[T, 1]: True for the tokens of another slot than `slot` (or of the base model)."""
         mask = self._row_masks.get(slot)
         if mask is None:
             assert self._token_slots is not None
-            mask = (self._token_slots == slot).to(self.dtype)[:, None]
+            mask = (self._token_slots != slot)[:, None]
             self._row_masks[slot] = mask
         return mask
 
@@ -285,28 +290,29 @@ class LoraManager:
             slots = self._token_slots
             return self._kernel(out, x, stack.a, stack.b, slots, stack.starts, stack.widths, stack.max_width)
         # Out of place: a base layer may return a view of a buffer of its own (a quantized kernel's workspace).
+        # masked_fill_, not a multiply by 0/1: what another token's adapter computed is replaced, NaN included.
         if 2 * len(self._active) > len(stack.key):  # most resident adapters run: the whole stack at once
-            return torch.addmm(out, F.linear(x, stack.a).mul_(self._mask(stack)), stack.b.t())
+            return torch.addmm(out, F.linear(x, stack.a).masked_fill_(self._mask(stack), 0), stack.b.t())
         for slot in self._active:  # a few of many: each one's columns of the stack, not every adapter's
             span = stack.spans.get(slot)
             if span is not None:
                 start, end = span
-                xa = F.linear(x, stack.a[start:end]).mul_(self._row_mask(slot))
+                xa = F.linear(x, stack.a[start:end]).masked_fill_(self._row_mask(slot), 0)
                 out = torch.addmm(out, xa, stack.b[:, start:end].t())
         return out
 
     def _banked(self, proj: BankedProjection, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` plus each token's update from the bank: the same launches and shapes whatever the batch's adapters
-        (padding columns and empty slots hold zeros; a base-model token's mask row is all zero)."""
+        (padding columns and empty slots hold zeros; a base-model token keeps no column of the shrink)."""
         slots = self._token_slots
         assert slots is not None
         if self._kernel is not None and x.dim() == 2:
             return self._kernel(out, x, proj.a, proj.b, slots, proj.starts, proj.widths, proj.width)
         mask = self._bank_masks.get(proj.width)
         if mask is None:
-            mask = (slots[:, None] == proj.owner[None, :]).to(self.dtype)
+            mask = slots[:, None] != proj.owner[None, :]
             self._bank_masks[proj.width] = mask
-        return torch.addmm(out, F.linear(x, proj.a).mul_(mask), proj.b.t())
+        return torch.addmm(out, F.linear(x, proj.a).masked_fill_(mask, 0), proj.b.t())
 
     def close(self) -> None:
         for hook in self._hooks:

@@ -1,6 +1,7 @@
-"""The LoRA manager's placement over the tiny Llama: an adapter that cannot be read for its slot (gone, changed since
-registered, overflowing the serving dtype) is an AdapterUnusable naming it, not its path, and leaves its slot empty
-as the scheduler counts it."""
+"""The LoRA manager's hooks and placement over the tiny Llama: an adapter with non-finite weights in one slot (forced
+past every check) changes no other token's output, on every path (the whole stack, a few adapters' columns, the
+slot bank); an adapter that cannot be read for its slot (gone, changed since registered, overflowing the serving
+dtype) is an AdapterUnusable naming it, not its path, and leaves its slot empty as the scheduler counts it."""
 
 from __future__ import annotations
 
@@ -8,15 +9,17 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from proto.lora import BaseShapes, inspect_adapter
 from proto.wire import LoraAdapter
 from tests.support.engine import load_runner
-from tests.support.lora import write_adapter
+from tests.support.lora import poison, write_adapter
 from worker_node.lora.checked_read import AdapterUnusable
 from worker_node.lora.manager import LoraManager
+from worker_node.lora.slot_bank import LoraCapacity
 
 pytestmark = pytest.mark.model
 
@@ -31,6 +34,47 @@ def model(tiny_llama_dir: Path) -> Any:
 @pytest.fixture(scope="module")
 def base(tiny_llama_dir: Path) -> BaseShapes:
     return BaseShapes.from_folder(tiny_llama_dir)
+
+
+# Each path's slots of the step's tokens (-1: the base model); slot 0 holds the non-finite adapter, 1 and 2 good ones.
+PATHS = {
+    "whole stack": (None, [-1, 0, 1, -1, 2, 1]),  # most resident adapters run: one masked matmul over them all
+    "few of many": (None, [-1, 0, -1, -1]),  # one of three: its own columns, masked by rows
+    "slot bank": (LoraCapacity(max_loras=3, max_rank=8), [-1, 0, 1, -1, 2]),  # the graph-safe layout
+}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_a_non_finite_adapter_reaches_no_other_token(
+    model: Any, base: BaseShapes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    capacity, token_slots = PATHS[path]
+    good = [write_adapter(tmp_path / f"good{i}", base, rank=8, seed=i) for i in range(3)]
+    nan = poison(write_adapter(tmp_path / "nan", base, rank=8, seed=0), "A")
+
+    def manager(slot0: Path) -> LoraManager:
+        m = LoraManager(model, torch.float32, CPU, capacity)
+        for slot, folder in enumerate((slot0, good[1], good[2])):
+            m.place(LoraAdapter(10 + slot, str(folder), slot))
+        return m
+
+    clean = manager(good[0])  # slot 0 finite: the same stacks' shapes, so every other row's arithmetic is the same
+    monkeypatch.setattr("proto.lora._check_finite", lambda *args: None)  # forced past the scheduler's check
+    monkeypatch.setattr("worker_node.lora.manager.check_finite", lambda *args: None)  # and the worker's
+    poisoned = manager(nan)
+    proj = model.layers[0].self_attn.qkv_proj
+    x = torch.randn(len(token_slots), model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    plain = proj(x)  # outside a step: the base projection alone
+    slots = np.array(token_slots, dtype=np.int64)
+    outputs = []
+    for m in (clean, poisoned):
+        with m.step(slots):
+            outputs.append(proj(x))
+    want, got = outputs
+    assert torch.isnan(got[slots == 0]).all(), "the forced adapter runs on its own token"
+    assert torch.equal(got[slots == -1], plain[slots == -1])
+    others = slots != 0
+    assert torch.equal(got[others], want[others]) and torch.isfinite(got[others]).all()
 
 
 def _placed(model: Any, dtype: torch.dtype = torch.float32) -> LoraManager:
