@@ -85,7 +85,8 @@ class SamplingOptions(Record):
 
 class LoraAdapter(Record):
     """The LoRA adapter a request runs with: its id (never reused for other weights), its PEFT folder, and the worker
-    slot the scheduler placed it in; a worker whose slot holds another id loads it from the folder first."""
+    slot the scheduler placed it in; a worker whose slot holds another id loads it from the folder first, and
+    checks it read the files the scheduler checked (`sha256`)."""
 
     id: Annotated[int, Meta(ge=1)]
     path: Annotated[str, Meta(max_length=4096)]
@@ -93,6 +94,9 @@ class LoraAdapter(Record):
     # Adapters evicted from a slot that the workers keep in host memory (least recently used first out), so
     # a reload skips the disk: --max-cpu-loras, the same for every request (the scheduler mirrors the tier).
     host_slots: Annotated[int, Meta(ge=0, le=4096)] = 0
+    name: Annotated[str, Meta(max_length=128)] = ""  # its served name: the errors its clients see name it, not its path
+    # Its files' checksum when registered (proto/lora.py AdapterFiles.sha256); "": not checked.
+    sha256: Annotated[str, Meta(max_length=64)] = ""
 
 
 class NewRequest(Record):

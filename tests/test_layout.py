@@ -160,7 +160,6 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "worker_node.attention": "the attention metadata, tested with the decode graphs and kernels"
     " (tests/kernels/test_decode_graphs.py)",
     "worker_node.cuda_graphs": "tests/kernels/test_decode_graphs.py (with the kernels it captures)",
-    "worker_node.lora.manager": "each row's adapter in a mixed batch, against HF + PEFT: tests/fidelity/test_lora.py",
     "worker_node.loading": "loads a rank as a worker does; tests/support/engine.py's load_runner runs it for every"
     " model test",
     "worker_node.models.gemma2": "registered in worker_node/models/registry.py; tests/worker_node/models/"

@@ -1,20 +1,23 @@
 """A plan's diffs applied to the requests a worker holds (their rows of the InputBatch: new requests, finished and
 preempted ones, new blocks, tokens and proposals, block replacements; the packed steady decodes looked up in one
 search), after every block id and count in the plan has been checked: the decode kernel reads the cache through
-them without bounds checks, so a bad plan fails here, as a StepError, not as a crash. A part of ModelRunner
-(worker_node/model_runner.py)."""
+them without bounds checks, so a bad plan fails here, as a StepError, not as a crash. A new request's LoRA adapter
+that cannot be read fails only the requests naming it (a RequestFault), before any new request joins the batch.
+A part of ModelRunner (worker_node/model_runner.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from proto.wire import CachedRequest, ExecutionMode, StepPlan
+from proto.wire import CachedRequest, ExecutionMode, NewRequest, StepPlan
 from worker_node.draft_model import DraftModel
+from worker_node.faults import RequestFault
 from worker_node.input_batch import InputBatch
 from worker_node.kv_cache import KVCache
 from worker_node.kv_handoff import KVHandoff
 from worker_node.kv_offload import KVOffload
+from worker_node.lora.checked_read import AdapterUnusable
 from worker_node.lora.manager import LoraManager
 from worker_node.models.decoder import CausalLM
 from worker_node.sampler import Sampler
@@ -58,10 +61,9 @@ class PlanDiffs:
             batch.remove(handle)
             self._load_failed.discard(handle)
             self.sampler.forget(handle)
+        self._place_adapters(plan.new_requests)
         rows = []
         for new in plan.new_requests:
-            if new.lora is not None:
-                self._lora_manager().place(new.lora)
             self.sampler.forget(new.handle)  # penalty counts and grammar start over from its tokens
             rows.append(batch.add(new).row)
         states = batch.states
@@ -97,6 +99,21 @@ class PlanDiffs:
                 for index, block in changes:
                     batch.set_block(state, index, block)
         return plan_rows
+
+    def _place_adapters(self, new_requests: list[NewRequest]) -> None:
+        """Each new request's adapter resident in its slot. One that cannot be read fails the plan's requests naming
+        it, and only those (RequestFault: the others are recomputed); none of the plan's new requests has joined
+        the batch yet, and the plan's finished and preempted requests have left it, as the scheduler counts. A
+        fault names one adapter (its reason reaches that adapter's clients only): another unusable one in the same
+        plan fails its requests when they are planned again."""
+        for new in new_requests:
+            if new.lora is None:
+                continue
+            try:
+                self._lora_manager().place(new.lora)
+            except AdapterUnusable as exc:
+                handles = [r.handle for r in new_requests if r.lora is not None and r.lora.id == exc.lora_id]
+                raise RequestFault(handles, exc.reason) from exc
 
     def _check_progress(self, rows: np.ndarray, said: np.ndarray, handles: list[int]) -> None:
         """Each cached request's computed tokens are the plan's (`said`, unless a failed tier load left it

@@ -46,7 +46,7 @@ class LoraControl:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lora_path: must not be empty")
         if request.lora_name == self.parent:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"lora_name: {self.parent!r} is the base model's")
-        try:  # reads the adapter's config and its safetensors header: off the event loop
+        try:  # reads the whole adapter and checks every value: off the event loop
             ref = await asyncio.to_thread(loras.add, request.lora_name, request.lora_path)
         except AdapterError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"lora_path: {exc}")

@@ -76,7 +76,7 @@ def install_lora_routes(app: FastAPI, engine_of: Any, base_name: str) -> None:
         loras = registry()
         if body.lora_name == base_name:
             raise OpenAIError(400, f"lora_name `{base_name}` is the base model's name", "lora_name")
-        try:  # reads the adapter's config and its safetensors header: off the event loop
+        try:  # reads the whole adapter and checks every value: off the event loop
             await asyncio.to_thread(loras.add, body.lora_name, body.lora_path)
         except AdapterError as exc:
             raise OpenAIError(400, str(exc), "lora_path") from None

@@ -28,12 +28,15 @@ class LoraRef:
     name: str
     id: int
     path: str
-    fingerprint: str = ""  # seeds its requests' prefix-cache hashes: blocks are never shared across adapters
+    # Its files' checksum when registered (proto/lora.py AdapterFiles.sha256): the workers check that they read the
+    # same bytes, and it seeds its requests' prefix-cache hashes, so blocks are shared only by the same content (a
+    # changed file under the same path, after a restart: the disk tier, is another adapter).
+    sha256: str = ""
     nbytes: int = 0  # its tensors' bytes as its file stores them (the memory stats)
 
     @property
     def cache_salt(self) -> str:
-        return f"\x00lora:{self.fingerprint or self.id}"
+        return f"\x00lora:{self.sha256 or self.id}"
 
 
 class _HasLora(Protocol):
@@ -100,7 +103,7 @@ class LoraSlots:
             self._holder[slot], self._bytes[lora.id] = lora.id, lora.nbytes
         self._pins[slot] += 1
         self._used[slot] = next(self._clock)
-        return LoraAdapter(lora.id, lora.path, slot, self.host_slots)
+        return LoraAdapter(lora.id, lora.path, slot, self.host_slots, lora.name, lora.sha256)
 
     def _evict(self, slot: int) -> None:
         """The slot's adapter goes to the host tier (its oldest one out when full)."""

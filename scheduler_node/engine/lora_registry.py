@@ -1,9 +1,10 @@
 """The LoRA adapters a server serves, by name: from `--lora-modules` at start, or loaded and unloaded at run time
 (`POST /v1/load_lora_adapter`, `LLM.generate(..., lora_request=...)`).
 
-Registering checks the adapter against the base model (proto/lora.py: rank, modules, shapes, no pickle) without
-reading its tensors; the workers read them when a request first runs with it. Unloading only stops new requests
-from naming it: requests already running with it finish.
+Registering reads the adapter whole and checks it against the base model (proto/lora.py: rank, modules, shapes,
+finite values and scale, no pickle), and keeps its content's checksum: the workers read it again when a request
+first runs with it and check they read the same bytes, so a file changed or cut after registering fails only the
+requests naming it. Unloading only stops new requests from naming it: requests already running with it finish.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 from proto.lora import BaseShapes, inspect_adapter
 from scheduler_node.core.lora_slots import LoraRef
 
-_NAME = re.compile(r"^[\w.:/@+-]{1,128}$")
+_NAME = re.compile(r"[\w.:/@+-]{1,128}")  # whole names only: fullmatch, so no "x\n"
 DEFAULT_MAX_LORA_RANK = 16
 
 
@@ -61,18 +62,14 @@ class LoraRegistry:
 
     def add(self, name: str, path: str) -> LoraRef:
         """Register an adapter (ValueError naming what is wrong: name, folder, config, tensors)."""
-        if not _NAME.match(name):
+        if not _NAME.fullmatch(name):
             raise ValueError(f"lora_name {name!r}: 1 to 128 letters, digits or ._:/@+-")
         if name == self.base_name:
             raise ValueError(f"lora_name {name!r} is the base model's name")
         if name in self._by_name:
             raise AdapterExists(f"lora_name {name!r} is loaded already; unload it first")
         info = inspect_adapter(path, self.base, self.max_rank)
-        stat = info.weights.stat()
-        # The prefix cache's salt: a changed file under the same path (after a restart: the disk tier) is another
-        # adapter, whose KV blocks must not be shared.
-        fingerprint = f"{info.folder}:{stat.st_size}:{stat.st_mtime_ns}"
-        ref = LoraRef(name, next(self._ids), str(Path(info.folder).resolve()), fingerprint, info.nbytes)
+        ref = LoraRef(name, next(self._ids), str(Path(info.folder).resolve()), info.sha256, info.nbytes)
         self._by_name[name] = ref
         return ref
 

@@ -1,17 +1,20 @@
-"""PEFT adapters are checked against the base model before any tensor is read, with errors naming the problem."""
+"""PEFT adapters are read whole and checked against the base model when registered, with errors naming the
+problem: shapes, every value finite, a finite positive scale, a safetensors header safetensors can load; and the
+checksum the workers check their own read against follows the content."""
 
 from __future__ import annotations
 
 import json
 import math
+import struct
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
-from proto.lora import AdapterError, BaseShapes, inspect_adapter
+from proto.lora import AdapterError, BaseShapes, inspect_adapter, read_adapter_files
 
 pytestmark = pytest.mark.unit
 
@@ -102,3 +105,103 @@ def test_base_shapes_come_from_the_model_config() -> None:
     config = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
               "num_hidden_layers": 2}  # fmt: skip
     assert BaseShapes.from_config(config) == BASE
+
+
+def _set(folder: Path, short: str, value: float, dtype: torch.dtype = torch.float32) -> None:
+    """One value of the tensor whose key contains `short` set to `value`, every tensor saved as `dtype`."""
+    path = folder / "adapter_model.safetensors"
+    tensors = {k: t.to(dtype) for k, t in load_file(str(path)).items()}
+    name = next(k for k in tensors if short in k)
+    tensors[name].view(-1)[3] = value
+    save_file(tensors, str(path))
+
+
+@pytest.mark.parametrize(
+    ("short", "value", "dtype"),
+    [
+        ("layers.1.self_attn.q_proj.lora_A", float("nan"), torch.float32),
+        ("layers.0.mlp.down_proj.lora_B", float("inf"), torch.float32),
+        ("layers.0.self_attn.q_proj.lora_B", float("-inf"), torch.float16),
+        ("layers.1.mlp.down_proj.lora_A", float("nan"), torch.bfloat16),
+        ("layers.0.self_attn.q_proj.lora_A", float("nan"), torch.float64),
+    ],
+)
+def test_a_non_finite_value_is_refused_naming_its_tensor(
+    tmp_path: Path, short: str, value: float, dtype: torch.dtype
+) -> None:
+    folder = adapter(tmp_path / "a")
+    _set(folder, short, value, dtype)
+    with pytest.raises(AdapterError, match=rf"tensor \S*{short}.weight: 1 of its \d+ values are NaN or infinite"):
+        inspect_adapter(folder, BASE, 8)
+    _set(folder, short, 1e4, dtype)  # the same file with a finite value there: served
+    inspect_adapter(folder, BASE, 8)
+
+
+@pytest.mark.parametrize("alpha", [float("nan"), float("inf"), 0, -16, True, "16"])
+def test_a_non_finite_or_non_positive_lora_alpha_is_refused(tmp_path: Path, alpha: Any) -> None:
+    folder = adapter(tmp_path / "a")
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps(config | {"lora_alpha": alpha}))  # NaN, Infinity: JSON5
+    with pytest.raises(AdapterError, match=r"adapter_config.json: lora_alpha must be a finite number > 0, got"):
+        inspect_adapter(folder, BASE, 8)
+
+
+def test_a_rank_of_true_is_no_rank(tmp_path: Path) -> None:
+    with pytest.raises(AdapterError, match="r must be a positive integer, got True"):
+        inspect_adapter(adapter(tmp_path / "a", config={"r": True}), BASE, 8)
+
+
+A0 = f"{PREFIX}.0.self_attn.q_proj.lora_A.weight"
+
+
+def _raw(header: dict[str, Any], data: bytes) -> bytes:
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + data
+
+
+@pytest.mark.parametrize(
+    ("entry", "error"),
+    [
+        (5, rf"tensor {A0}: its header entry is 5, not an object"),
+        ({"dtype": "I64", "shape": [4, 64], "data_offsets": [0, 2048]}, rf"tensor {A0}: dtype 'I64' \(float"),
+        ({"dtype": 7, "shape": [4, 64], "data_offsets": [0, 1024]}, rf"tensor {A0}: dtype 7"),
+        ({"dtype": "F32", "shape": "4x64", "data_offsets": [0, 1024]}, rf"tensor {A0}: shape '4x64' is not"),
+        ({"dtype": "F32", "shape": [4, 64], "data_offsets": [0]}, rf"tensor {A0}: data_offsets \[0\] is not"),
+        ({"dtype": "F32", "shape": [4, 64], "data_offsets": [0, 4096]}, rf"tensor {A0}: data_offsets .* outside"),
+        ({"dtype": "F32", "shape": [4, 64], "data_offsets": [-8, 1016]}, rf"tensor {A0}: data_offsets .* outside"),
+        ({"dtype": "F32", "shape": [4, 32], "data_offsets": [0, 1024]}, r"hold 1024 bytes, not 512"),
+    ],
+)
+def test_a_malformed_header_entry_is_refused_naming_its_key(tmp_path: Path, entry: Any, error: str) -> None:
+    folder = adapter(tmp_path / "a")
+    (folder / "adapter_model.safetensors").write_bytes(_raw({A0: entry}, bytes(1024)))
+    with pytest.raises(AdapterError, match=error):
+        inspect_adapter(folder, BASE, 8)
+
+
+def test_a_file_cut_short_or_with_gaps_is_refused(tmp_path: Path) -> None:
+    folder = adapter(tmp_path / "a")
+    weights = folder / "adapter_model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(AdapterError, match=r"data_offsets .* outside the file's \d+ bytes of tensor data"):
+        inspect_adapter(folder, BASE, 8)
+    weights.write_bytes(whole[:20])
+    with pytest.raises(AdapterError, match="not a safetensors file"):
+        inspect_adapter(folder, BASE, 8)
+    entry = {"dtype": "F32", "shape": [4, 64], "data_offsets": [8, 1032]}
+    weights.write_bytes(_raw({A0: entry}, bytes(1032)))
+    with pytest.raises(AdapterError, match=rf"tensor {A0}: its data starts at byte"):
+        inspect_adapter(folder, BASE, 8)
+    weights.write_bytes(_raw({"__metadata__": [1]}, b""))
+    with pytest.raises(AdapterError, match="__metadata__ is not an object"):
+        inspect_adapter(folder, BASE, 8)
+
+
+def test_the_checksum_follows_the_content(tmp_path: Path) -> None:
+    first = inspect_adapter(adapter(tmp_path / "a"), BASE, 8)
+    assert first.sha256 == read_adapter_files(tmp_path / "a").sha256 and len(first.sha256) == 64
+    assert inspect_adapter(adapter(tmp_path / "b"), BASE, 8).sha256 == first.sha256  # the same bytes elsewhere
+    assert inspect_adapter(adapter(tmp_path / "c", config={"lora_alpha": 32}), BASE, 8).sha256 != first.sha256
+    _set(tmp_path / "b", "layers.0.self_attn.q_proj.lora_B", 0.5)
+    assert inspect_adapter(tmp_path / "b", BASE, 8).sha256 != first.sha256

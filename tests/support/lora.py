@@ -123,22 +123,44 @@ def load_base(base: Path):  # type: ignore[no-untyped-def]
 _base = load_base
 
 
-def write_adapter(folder: Path, base: Any, rank: int = 4, modules: tuple[str, ...] = ("q_proj", "v_proj")) -> Path:
-    """A PEFT-shaped adapter of `base` (proto.lora.BaseShapes) with zero tensors, written without peft or a model:
-    for the doors' and the registry's tests, which check the adapter's shapes but never run it."""
+def write_adapter(
+    folder: Path,
+    base: Any,
+    rank: int = 4,
+    modules: tuple[str, ...] = ("q_proj", "v_proj"),
+    seed: int | None = None,
+    alpha: float = 8,
+) -> Path:
+    """A PEFT-shaped adapter of `base` (proto.lora.BaseShapes) written without peft or a model: zero tensors (for
+    the doors' and the registry's tests, which check the adapter's shapes but never run it), or with a `seed`
+    random ones that change the output."""
     import json
 
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 8}))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(base.num_layers):
         for module in modules:
             inputs, outputs = base.io(module)
             block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.zeros(rank, inputs)
-            tensors[f"{prefix}.lora_B.weight"] = torch.zeros(outputs, rank)
+            for which, shape in (("A", (rank, inputs)), ("B", (outputs, rank))):
+                value = torch.zeros(shape) if generator is None else torch.randn(shape, generator=generator) * 0.3
+                tensors[f"{prefix}.lora_{which}.weight"] = value
     save_file(tensors, str(folder / "adapter_model.safetensors"))
+    return folder
+
+
+def poison(folder: Path, which: str = "A", value: float = float("nan")) -> Path:
+    """Set every lora_`which` tensor of the adapter in `folder` to `value`, in place (a file no check has seen)."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    tensors = {k: torch.full_like(t, value) if f".lora_{which}." in k else t for k, t in tensors.items()}
+    save_file(tensors, str(path))
     return folder

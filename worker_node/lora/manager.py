@@ -10,11 +10,18 @@ adapter that a request the workers hold still uses), so every rank of a world ho
 slots and the worker needs no capacity setting of its own: a slot holding another adapter is reloaded from disk.
 
 The batched segment computation: per fused projection, the resident adapters' A are stacked along the rank
-([sum of ranks, in]) and their B beside each other ([out, sum of ranks]); a step's tokens see only their own
-adapter's columns through a 0/1 mask, so a projection costs two small matmuls whatever the mix of adapters:
-    out += ((x @ A_stack^T) * mask[token, column]) @ B_stack^T
-(tokens of the base model have an all-zero mask row). The hooks are forward hooks on the base projections, so they
-compose with any base layer (dense or quantised) and change no parameter name the loader reads.
+([sum of ranks, in]) and their B beside each other ([out, sum of ranks]); a step's tokens keep only their own
+adapter's columns of the shrink, so a projection costs two small matmuls whatever the mix of adapters:
+    out += where(mine[token, column], x @ A_stack^T, 0) @ B_stack^T
+(tokens of the base model keep no column). Selected, not multiplied by a 0/1 mask: 0 * NaN is NaN, so a non-finite
+shrink of one adapter would reach every token of the step. (A non-finite B still would, through the expand: every
+adapter is checked finite before it is placed, worker_node/lora/checked_read.py, and the scheduler checked it when
+registering it.) The hooks are forward hooks on the base projections, so they compose with any base layer (dense
+or quantised) and change no parameter name the loader reads.
+
+An adapter that cannot be placed (its files gone, cut short or changed since the scheduler checked them, or not
+finite) raises `AdapterUnusable` and leaves its slot empty, as the scheduler counts it: the slot's last adapter
+evicted, the new one not resident (a later request naming it tries its folder again).
 
 With a `LoraCapacity` (a worker that captures decode graphs with LoRA on) the adapters live in a `SlotBank`
 instead (worker_node/lora/slot_bank.py): every slot preallocated at --max-lora-rank, loaded in place, and each
@@ -38,11 +45,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from proto.lora import BaseShapes, inspect_adapter
+from proto.lora import BaseShapes
 from proto.wire import LoraAdapter
 from worker_node.host_copy import to_device
+from worker_node.lora.checked_read import AdapterUnusable, check_finite, read_checked
 from worker_node.lora.slot_bank import BankedProjection, LoraCapacity, SlotBank
-from worker_node.lora.weights import PROJECTIONS, LayerLoras, ProjectionLora, read_adapter
+from worker_node.lora.weights import PROJECTIONS, LayerLoras, ProjectionLora, adapter_updates
 from worker_node.models.decoder import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -93,9 +101,9 @@ class LoraManager:
         self._stacks: dict[tuple[int, str], Stack] = {}
         self._stale = False
         self._token_slots: torch.Tensor | None = None  # this step's slot of each token (-1: the base model)
-        self._masks: dict[tuple[tuple[int, int], ...], torch.Tensor] = {}
+        self._masks: dict[tuple[tuple[int, int], ...], torch.Tensor] = {}  # -> [T, W] bool: not the token's column
         self._active: list[int] = []  # this step's slots
-        self._row_masks: dict[int, torch.Tensor] = {}  # slot -> [T, 1]: its tokens
+        self._row_masks: dict[int, torch.Tensor] = {}  # slot -> [T, 1] bool: the tokens not of that slot
         self._kernel = _triton_kernel() if device.type == "cuda" else None  # on CPU: the masked matmuls below
         projections = [
             ((i, fused), module)
@@ -108,36 +116,64 @@ class LoraManager:
         if capacity is not None:
             keys = [key for key, _ in projections]
             self.bank = SlotBank(keys, model.config, model.where, capacity, dtype, device)
-        self._bank_masks: dict[int, torch.Tensor] = {}  # slot width -> [T, slots * width]: each token's columns
+        self._bank_masks: dict[int, torch.Tensor] = {}  # slot width -> [T, slots * width] bool: not the token's
 
     def place(self, lora: LoraAdapter) -> None:
         """Make `lora` resident in its slot if the slot holds another adapter: from the host tier, else its folder.
-        The adapter it replaces goes to the host tier (`lora.host_slots` of them, the oldest out first)."""
+        The adapter it replaces goes to the host tier (`lora.host_slots` of them, the oldest out first).
+        AdapterUnusable when its folder no longer holds what the scheduler checked: the slot is then empty."""
         held = self.slots.get(lora.slot)
         if held is not None and held.id == lora.id:
             return
         kept = self.host.pop(lora.id, None)  # before the evicted adapter goes in: it must not push this one out
         if held is not None:
             self._to_host(held, lora.host_slots)
+        try:
+            layers = self._load(lora, kept)
+        except AdapterUnusable:
+            self._empty(lora.slot)  # as the scheduler counts it: the last adapter evicted, this one not resident
+            raise
+        self.slots[lora.slot] = ResidentLora(lora.id, lora.path, layers)
+
+    def _load(self, lora: LoraAdapter, kept: LayerLoras | None) -> LayerLoras:
+        """The adapter's updates, from the host tier (`kept`) or its folder, in the bank's slot if there is one."""
         if kept is not None:
             layers = {k: ProjectionLora(p.a.to(self.device), p.b.to(self.device)) for k, p in kept.items()}
             self.host_loads += 1
             where = "host memory"
         else:
-            info = inspect_adapter(lora.path, self.base, MAX_RANK)
-            model = self.model
-            layers = read_adapter(
-                info, model.config, model.where, model.first_layer, len(model.layers), self.dtype, self.device
-            )
+            layers = self._read(lora)
             self.loads += 1
             where = lora.path
         if self.bank is not None:  # in place: a captured graph keeps reading the same memory
-            layers = self.bank.load(lora.slot, layers)
+            try:
+                layers = self.bank.load(lora.slot, layers)
+            except ValueError as exc:  # it does not fit the slot (checked before anything is written)
+                raise AdapterUnusable(lora, str(exc)) from None
         else:
             self._stale = True
-        self.slots[lora.slot] = ResidentLora(lora.id, lora.path, layers)
         size = sum(p.nbytes for p in layers.values()) / 2**20
         logger.info("LoRA adapter %d loaded into slot %d from %s: %.1f MiB", lora.id, lora.slot, where, size)
+        return layers
+
+    def _read(self, lora: LoraAdapter) -> LayerLoras:
+        """The adapter's updates from its folder, read whole once and checked (AdapterUnusable)."""
+        model = self.model
+        info, tensors = read_checked(lora, self.base, MAX_RANK)
+        layers = adapter_updates(
+            info, tensors, model.config, model.where, model.first_layer, len(model.layers), self.dtype, self.device
+        )
+        check_finite(lora, layers, model.first_layer)
+        return layers
+
+    def _empty(self, slot: int) -> None:
+        """The slot holds no adapter (its last one was evicted, the new one could not be read)."""
+        if self.slots.pop(slot, None) is None:
+            return
+        if self.bank is not None:
+            self.bank.clear(slot)
+        else:
+            self._stale = True
 
     def _to_host(self, held: ResidentLora, host_slots: int) -> None:
         """Copy an evicted adapter to host memory (its layers may be views into the device stacks: copied out)."""
@@ -223,18 +259,20 @@ class LoraManager:
         self._stale = False
 
     def _mask(self, stack: Stack) -> torch.Tensor:
+        """[T, W]: True where a column of the stack is not the token's adapter's (its shrink is dropped there)."""
         mask = self._masks.get(stack.key)
         if mask is None:
             assert self._token_slots is not None
-            mask = (self._token_slots[:, None] == stack.owner[None, :]).to(self.dtype)
+            mask = self._token_slots[:, None] != stack.owner[None, :]
             self._masks[stack.key] = mask
         return mask
 
     def _row_mask(self, slot: int) -> torch.Tensor:
+        """[T, 1]: True for the tokens of another slot than `slot` (or of the base model)."""
         mask = self._row_masks.get(slot)
         if mask is None:
             assert self._token_slots is not None
-            mask = (self._token_slots == slot).to(self.dtype)[:, None]
+            mask = (self._token_slots != slot)[:, None]
             self._row_masks[slot] = mask
         return mask
 
@@ -252,28 +290,29 @@ class LoraManager:
             slots = self._token_slots
             return self._kernel(out, x, stack.a, stack.b, slots, stack.starts, stack.widths, stack.max_width)
         # Out of place: a base layer may return a view of a buffer of its own (a quantized kernel's workspace).
+        # masked_fill_, not a multiply by 0/1: what another token's adapter computed is replaced, NaN included.
         if 2 * len(self._active) > len(stack.key):  # most resident adapters run: the whole stack at once
-            return torch.addmm(out, F.linear(x, stack.a).mul_(self._mask(stack)), stack.b.t())
+            return torch.addmm(out, F.linear(x, stack.a).masked_fill_(self._mask(stack), 0), stack.b.t())
         for slot in self._active:  # a few of many: each one's columns of the stack, not every adapter's
             span = stack.spans.get(slot)
             if span is not None:
                 start, end = span
-                xa = F.linear(x, stack.a[start:end]).mul_(self._row_mask(slot))
+                xa = F.linear(x, stack.a[start:end]).masked_fill_(self._row_mask(slot), 0)
                 out = torch.addmm(out, xa, stack.b[:, start:end].t())
         return out
 
     def _banked(self, proj: BankedProjection, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` plus each token's update from the bank: the same launches and shapes whatever the batch's adapters
-        (padding columns and empty slots hold zeros; a base-model token's mask row is all zero)."""
+        (padding columns and empty slots hold zeros; a base-model token keeps no column of the shrink)."""
         slots = self._token_slots
         assert slots is not None
         if self._kernel is not None and x.dim() == 2:
             return self._kernel(out, x, proj.a, proj.b, slots, proj.starts, proj.widths, proj.width)
         mask = self._bank_masks.get(proj.width)
         if mask is None:
-            mask = (slots[:, None] == proj.owner[None, :]).to(self.dtype)
+            mask = slots[:, None] != proj.owner[None, :]
             self._bank_masks[proj.width] = mask
-        return torch.addmm(out, F.linear(x, proj.a).mul_(mask), proj.b.t())
+        return torch.addmm(out, F.linear(x, proj.a).masked_fill_(mask, 0), proj.b.t())
 
     def close(self) -> None:
         for hook in self._hooks:

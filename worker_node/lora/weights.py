@@ -1,4 +1,5 @@
-"""One LoRA adapter's tensors, read from its safetensors file and laid out for our fused projections on this rank.
+"""One LoRA adapter's tensors (read and checked: worker_node/lora/checked_read.py) laid out for our fused projections
+on this rank.
 
 Our models fuse q/k/v and gate/up; an adapter adapts HF's separate modules. For each fused projection an adapter
 gets one `ProjectionLora`: A is its parts' A stacked ([sum of r, in]), B is [this rank's outputs, sum of r] with
@@ -10,10 +11,10 @@ it adds their partial base outputs.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
 
 from proto.lora import AdapterInfo
 from proto.parallel import kv_head_range, shard
@@ -45,8 +46,9 @@ class ProjectionLora:
 LayerLoras = dict[tuple[int, str], ProjectionLora]  # (this stage's layer index, fused projection) -> its update
 
 
-def read_adapter(
+def adapter_updates(
     info: AdapterInfo,
+    tensors: Mapping[str, torch.Tensor],
     config: ModelConfig,
     where: ParallelRank,
     first_layer: int,
@@ -54,27 +56,27 @@ def read_adapter(
     dtype: torch.dtype,
     device: torch.device,
 ) -> LayerLoras:
-    """The updates of this stage's layers (`first_layer` on, `num_layers` of them), this rank's slices."""
+    """The updates of this stage's layers (`first_layer` on, `num_layers` of them), this rank's slices, from the
+    adapter's checked tensors (worker_node/lora/checked_read.py: read whole, once, never from the file here)."""
     out: LayerLoras = {}
-    with safe_open(str(info.weights), framework="pt") as f:
-        for fused, (_, parts) in PROJECTIONS.items():
-            for layer in range(first_layer, first_layer + num_layers):
-                found = [(p, info.modules[(layer, p)]) for p in parts if (layer, p) in info.modules]
-                if not found:
-                    continue
-                sizes = [_outputs(p, config, where) for p in parts]
-                a_parts, b_parts = [], []
-                for part, (a_name, b_name) in found:
-                    a, b = f.get_tensor(a_name).float(), f.get_tensor(b_name).float() * info.scale
-                    a, b = _slice(part, a, b, config, where)
-                    offset = sum(sizes[: parts.index(part)])
-                    full_b = torch.zeros(sum(sizes), b.shape[1])
-                    full_b[offset : offset + b.shape[0]] = b
-                    a_parts.append(a)
-                    b_parts.append(full_b)
-                a = torch.cat(a_parts).to(device=device, dtype=dtype)
-                b = torch.cat(b_parts, dim=1).to(device=device, dtype=dtype)
-                out[(layer - first_layer, fused)] = ProjectionLora(a, b)
+    for fused, (_, parts) in PROJECTIONS.items():
+        for layer in range(first_layer, first_layer + num_layers):
+            found = [(p, info.modules[(layer, p)]) for p in parts if (layer, p) in info.modules]
+            if not found:
+                continue
+            sizes = [_outputs(p, config, where) for p in parts]
+            a_parts, b_parts = [], []
+            for part, (a_name, b_name) in found:
+                a, b = tensors[a_name].float(), tensors[b_name].float() * info.scale
+                a, b = _slice(part, a, b, config, where)
+                offset = sum(sizes[: parts.index(part)])
+                full_b = torch.zeros(sum(sizes), b.shape[1])
+                full_b[offset : offset + b.shape[0]] = b
+                a_parts.append(a)
+                b_parts.append(full_b)
+            a = torch.cat(a_parts).to(device=device, dtype=dtype)
+            b = torch.cat(b_parts, dim=1).to(device=device, dtype=dtype)
+            out[(layer - first_layer, fused)] = ProjectionLora(a, b)
     return out
 
 

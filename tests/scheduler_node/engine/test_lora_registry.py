@@ -1,4 +1,5 @@
-"""The adapters a server serves by name: checked when registered, ids never reused, names unique; the flags."""
+"""The adapters a server serves by name: checked when registered (read whole: every value), ids never reused,
+names unique and whole; their content's checksum carried to the workers; the flags."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from safetensors.torch import save_file
 
 from proto.lora import AdapterError, BaseShapes
 from scheduler_node.cli.lora_flags import add_lora_flags, lora_config
+from scheduler_node.core.lora_slots import LoraSlots
+from scheduler_node.engine.builder import lora_registry
 from scheduler_node.engine.lora_registry import LoraConfig, LoraRegistry, UnknownAdapter, parse_lora_module
+from tests.support.lora import poison
 
 pytestmark = pytest.mark.unit
 
@@ -44,6 +48,35 @@ def test_names_are_unique_and_ids_are_never_reused(tmp_path: Path) -> None:
     again = registry.add("a", str(tmp_path / "a"))
     assert again.id != first.id and again.cache_salt == first.cache_salt  # same files: the same KV
     assert [r.name for r in registry.refs()] == ["a"]
+
+
+@pytest.mark.parametrize("name", ["x\n", "x\ny", "\nx", "a b", "", "x" * 129])
+def test_a_name_must_be_whole(tmp_path: Path, name: str) -> None:
+    with pytest.raises(ValueError, match="lora_name"):
+        LoraRegistry(BASE, max_rank=8).add(name, str(adapter(tmp_path / "a")))
+
+
+def test_the_checksum_goes_to_the_workers_and_salts_the_cache(tmp_path: Path) -> None:
+    registry = LoraRegistry(BASE, max_rank=8)
+    ref = registry.add("a", str(adapter(tmp_path / "a")))
+    copy = registry.add("b", str(adapter(tmp_path / "b")))  # the same content in another folder: the same KV
+    assert len(ref.sha256) == 64 and copy.sha256 == ref.sha256 and copy.cache_salt == ref.cache_salt
+    wire = LoraSlots(2).pin(ref)
+    assert (wire.name, wire.sha256, wire.path) == ("a", ref.sha256, str((tmp_path / "a").resolve()))
+
+
+def test_a_nan_adapter_is_refused_at_registration(tmp_path: Path) -> None:
+    registry = LoraRegistry(BASE, max_rank=8)
+    with pytest.raises(AdapterError, match=r"v_proj.lora_A.weight: \d+ of its \d+ values are NaN"):
+        registry.add("nan", str(poison(adapter(tmp_path / "a"), "A")))
+    assert registry.get("nan") is None
+    model = tmp_path / "model"  # --lora-modules: the server does not start
+    model.mkdir()
+    shape = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}
+    (model / "config.json").write_text(json.dumps(shape | {"num_hidden_layers": 1}))
+    assert lora_registry(LoraConfig(True, (("ok", str(adapter(tmp_path / "ok"))),)), model) is not None
+    with pytest.raises(AdapterError, match="values are NaN"):
+        lora_registry(LoraConfig(True, (("nan", str(tmp_path / "a")),)), model)
 
 
 def test_the_flags_as_vllm_spells_them(tmp_path: Path) -> None:

@@ -68,7 +68,8 @@ def test_the_bank_with_its_starts_and_widths_gives_each_token_its_adapter() -> N
     x, base = torch.randn(6, 16, generator=gen), torch.randn(6, 16, generator=gen)
     slots = torch.tensor([0, -1, 2, 1, 2, -1])  # slot 1 is empty: its token gets nothing, as the base rows
     got = lora_add_reference(base, x, proj.a, proj.b, slots, proj.starts, proj.widths)
-    masked = base + (x @ proj.a.t() * (slots[:, None] == proj.owner[None, :])) @ proj.b.t()  # the branch-free form
+    mine = slots[:, None] == proj.owner[None, :]
+    masked = base + (x @ proj.a.t()).masked_fill(~mine, 0) @ proj.b.t()  # the manager's branch-free form
     for t, slot in enumerate(slots.tolist()):
         want = base[t] + (x[t] @ updates[slot].a.t() @ updates[slot].b.t() if slot in updates else 0)
         torch.testing.assert_close(got[t], want)
