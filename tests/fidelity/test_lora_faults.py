@@ -88,12 +88,6 @@ def test_an_adapter_unusable_at_first_use_fails_its_request_and_the_server_goes_
         assert_teacher_forced(reference, prompt, request.output)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs the engine to fail only StepError.handles and recompute the step's other requests (the main "
-    "session's change to scheduler_node/engine/failures.py); until then every request of the step fails. Remove "
-    "this mark when that lands.",
-)
 @pytest.mark.parametrize("damage", list(DAMAGES))
 def test_innocent_requests_beside_an_unusable_adapter_complete_as_without_it(
     tiny_llama_dir: Path, tmp_path: Path, base_model: Any, good: tuple[Path, Any], damage: str

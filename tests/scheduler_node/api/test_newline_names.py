@@ -29,9 +29,6 @@ MODEL = "tiny"
 BASE = BaseShapes(hidden=16, q_size=16, kv_size=8, intermediate=32, num_layers=2)
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER_NL: Any = {"type": "function", "function": {"name": "get_weather\n"}}
-LORA_ON_WT_LORA = pytest.mark.xfail(
-    strict=True, reason="fixed on wt-lora (scheduler_node/engine/lora_registry.py's _NAME is that branch's)"
-)
 
 
 def with_loras() -> EngineCore:
@@ -66,14 +63,12 @@ def test_tool_and_model_names_ending_in_a_newline_are_refused() -> None:
         assert answer.json()["error"]["param"] == param, (path, answer.text)
 
 
-@LORA_ON_WT_LORA
 def test_a_lora_name_ending_in_a_newline_is_refused_over_http(tmp_path: Path) -> None:
     adapter = str(write_adapter(tmp_path / "x", BASE))
     (answer,) = post_all(with_loras(), [("/v1/load_lora_adapter", {"lora_name": "x\n", "lora_path": adapter})])
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "lora_name", answer.text
 
 
-@LORA_ON_WT_LORA
 def test_a_lora_name_ending_in_a_newline_is_refused_over_grpc(tmp_path: Path) -> None:
     load = pb.LoadLoraAdapterRequest(lora_name="x\n", lora_path=str(write_adapter(tmp_path / "x", BASE)))
 
