@@ -60,7 +60,7 @@ class PendingSteps(Generic[Rank]):
         if isinstance(msg, StepError):
             del self._steps[msg.step_id]
             reason = f"rank {msg.rank} could not run step {msg.step_id}: {msg.reason}"
-            step.future.set_exception(StepFailed(reason, tuple(msg.handles)))
+            step.future.set_exception(StepFailed(reason, tuple(msg.handles), tuple(msg.adapters)))
             return
         if rank == step.output:
             step.result = msg

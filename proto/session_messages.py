@@ -138,6 +138,9 @@ class StepError(Message, tag=int(Kind.STEP_ERROR)):
     # The requests whose own inputs made the plan fail (an adapter that cannot be read, a grammar that cannot be
     # compiled): they fail alone and the others are recomputed. Empty: the worker cannot tell whose fault it was.
     handles: list[Handle] = []
+    # LoRA adapters (ids) the worker cannot use: the engine refuses later requests naming them (they are loaded again
+    # under a new id).
+    adapters: list[Annotated[int, Meta(ge=1)]] = []
 
 
 class Interrupt(Message, tag=int(Kind.INTERRUPT)):

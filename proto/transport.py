@@ -21,11 +21,12 @@ class WorkerLost(RuntimeError):
 
 class StepFailed(RuntimeError):
     """A rank could not execute a plan (it answered StepError); it keeps running. `handles`: the requests the
-    rank blamed (StepError.handles), empty when it could not tell."""
+    rank blamed (StepError.handles), empty when it could not tell; `adapters`: the LoRA adapters it cannot use."""
 
-    def __init__(self, message: str, handles: tuple[int, ...] = ()) -> None:
+    def __init__(self, message: str, handles: tuple[int, ...] = (), adapters: tuple[int, ...] = ()) -> None:
         super().__init__(message)
         self.handles = handles
+        self.adapters = adapters
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,9 +12,12 @@ from collections.abc import Iterable
 
 
 class RequestFault(Exception):
-    """The plan cannot run because of these requests (handles); the reason is shown to their clients."""
+    """The plan cannot run because of these requests (handles); the reason is shown to their clients. `adapters`:
+    the LoRA adapters (ids) that cannot be used, so that later requests naming them are refused at once instead of
+    failing a step each."""
 
-    def __init__(self, handles: Iterable[int], reason: str) -> None:
+    def __init__(self, handles: Iterable[int], reason: str, adapters: Iterable[int] = ()) -> None:
         super().__init__(reason)
         self.handles = sorted(set(handles))
         self.reason = reason
+        self.adapters = sorted(set(adapters))

@@ -113,7 +113,7 @@ class PlanDiffs:
                 self._lora_manager().place(new.lora)
             except AdapterUnusable as exc:
                 handles = [r.handle for r in new_requests if r.lora is not None and r.lora.id == exc.lora_id]
-                raise RequestFault(handles, exc.reason) from exc
+                raise RequestFault(handles, exc.reason, [exc.lora_id]) from exc
 
     def _check_progress(self, rows: np.ndarray, said: np.ndarray, handles: list[int]) -> None:
         """Each cached request's computed tokens are the plan's (`said`, unless a failed tier load left it

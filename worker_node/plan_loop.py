@@ -127,7 +127,7 @@ class StepThread(threading.Thread):
             self._leave_broken(step_id, exc)
         except RequestFault as exc:  # some requests' own fault: they fail alone
             logger.warning("step %d: request(s) %s cannot run: %s", step_id, exc.handles, exc.reason)
-            return StepError(step_id, self.rank, exc.reason, handles=exc.handles)
+            return StepError(step_id, self.rank, exc.reason, handles=exc.handles, adapters=exc.adapters)
         except Exception as exc:  # a plan this worker cannot run: say so, stay alive
             logger.exception("step %d failed", step_id)
             return StepError(step_id, self.rank, f"{type(exc).__name__}: {exc}")

@@ -71,6 +71,9 @@ class EngineCore(Intake, LiveStats):
         self.collector = CollectorSchedule() if self.options.schedule_gc else None
         self._collected_at_idle = True  # nothing ran since the last idle collection
         self.loras: LoraRegistry | None = None  # the adapters served by name (None: LoRA is off)
+        # Adapters a worker could not use (StepError.adapters), by id: a request naming one ends at once. Loading
+        # the adapter again gives it a new id.
+        self.unusable_loras: dict[int, str] = {}
         # Called after each step's result is applied: a replica publishing KV events sends the step's batch
         # (scheduler_node/engine/kv_publisher.py).
         self.after_step: Callable[[], None] | None = None

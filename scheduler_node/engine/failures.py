@@ -31,6 +31,7 @@ class Failures:
     gave_up: str
     _wake: asyncio.Event
     _granting: dict[bytes, tuple[Request, KVSource]]  # migrated sequences whose KV lease is not granted yet
+    unusable_loras: dict[int, str]  # LoRA adapter ids the workers cannot use, with why
 
     @property
     def num_live(self) -> int:
@@ -141,6 +142,8 @@ class Failures:
         recomputed (worker state is suspect): the workers are alive and keep what they hold, so they are told to
         forget all of it."""
         requests = self.scheduler.requests_in(plan)
+        for adapter in exc.adapters:  # refused from now on, at the door: it would fail a step each time
+            self.unusable_loras[adapter] = str(exc)
         if exc.handles:
             blamed = set(exc.handles)
             culprits = [r for r in requests if r.handle in blamed]

@@ -83,10 +83,10 @@ class Intake(Failures, Handoffs):
             raise ValueError(f"kv_produce: a prefill for another replica computes one sequence, not n = {spec.n}")
         if self.failed:
             raise RuntimeError(self.failed)
-        if too_long := self._too_long(spec):
-            error = EngineError(ErrorStatus.UNAVAILABLE, too_long)
+        refused = self._refusal(spec)
+        if refused is not None:
             for index, _ in _sequences_of(spec):  # ends at once, engine untouched: no sequence would ever start
-                stream.put(Delta(index, [], "", FinishReason.ERROR, error=error))
+                stream.put(Delta(index, [], "", FinishReason.ERROR, error=refused))
             return
         eos = frozenset() if spec.ignore_eos else self.tokenizer.eos_token_ids
         stop = StopConditions(spec.max_tokens, eos, frozenset(spec.stop_token_ids), spec.sampling.min_tokens)
@@ -104,6 +104,14 @@ class Intake(Failures, Handoffs):
             expire = asyncio.get_running_loop().call_later(deadline_s, self._expire, spec.request_id, deadline_s)
             self.outputs.deadlines[spec.request_id] = expire
         self._wake.set()
+
+    def _refusal(self, spec: RequestSpec) -> EngineError | None:
+        """Why a valid request ends at once, engine untouched (None: it is queued)."""
+        if too_long := self._too_long(spec):
+            return EngineError(ErrorStatus.UNAVAILABLE, too_long)
+        if spec.lora is not None and (why := self.unusable_loras.get(spec.lora.id)):
+            return EngineError(ErrorStatus.FAILED_PRECONDITION, why)
+        return None
 
     def _sequence(
         self,

@@ -141,6 +141,7 @@ class ControlledWorkers(StandInWorkers):
         self.hold = hold
         self.fail_next = ""
         self.blame: tuple[int, ...] = ()  # the handles the next failure names (StepError.handles)
+        self.unusable: tuple[int, ...] = ()  # the adapters the next failure says cannot be used (StepError.adapters)
         self.pending: list[tuple[StepPlan, asyncio.Future[StepResult]]] = []
         self.declared: list[str] = []  # the engine's declare_lost reasons
         self._ready = asyncio.Event()
@@ -168,8 +169,8 @@ class ControlledWorkers(StandInWorkers):
             if future.done():
                 continue  # the engine dropped it
             if self.fail_next:  # the plans behind it are dropped by the engine: never answered
-                future.set_exception(StepFailed(self.fail_next, self.blame))
-                self.fail_next, self.blame = "", ()
+                future.set_exception(StepFailed(self.fail_next, self.blame, self.unusable))
+                self.fail_next, self.blame, self.unusable = "", (), ()
                 return
             future.set_result(self.execute(plan))
 

@@ -86,7 +86,7 @@ def test_an_adapter_unreadable_at_first_use_faults_exactly_the_requests_naming_i
     runner = load_runner(tiny_llama_dir, 16, 16)
     with pytest.raises(RequestFault) as fault:
         runner.execute(plan(1, list(names)))
-    assert fault.value.handles == [3, 5]
+    assert fault.value.handles == [3, 5] and fault.value.adapters == [2]
     assert fault.value.reason.startswith("LoRA adapter 'bad' (id 2) cannot be used: ")
     assert str(tmp_path) not in fault.value.reason
     assert runner.batch.states == {}  # no new request joined the batch: nothing half-added to forget

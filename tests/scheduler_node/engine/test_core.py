@@ -5,10 +5,12 @@ its deadline, the loop itself failing). The scheduler and the loop are real; onl
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
 from proto.wire import StepPlan, StepResult
+from scheduler_node.core.lora_slots import LoraRef
 from scheduler_node.core.request import FinishReason
 from scheduler_node.engine.options import EngineOptions
 from scheduler_node.engine.outputs import Delta, ErrorStatus
@@ -172,13 +174,23 @@ def test_a_step_that_fails_for_one_request_fails_it_alone_and_recomputes_the_oth
     async def scenario() -> None:
         workers = ControlledWorkers(hold=True)
         engine = stand_in_engine(workers=workers)
+        bad = LoraRef("bad", 7, "/adapters/bad")
         async with running(engine):
-            streams = [engine.submit(spec(f"r{i}", 20, 5, first=100 + 1000 * i)) for i in range(4)]
+            specs = [spec(f"r{i}", 20, 5, first=100 + 1000 * i) for i in range(4)]
+            specs[2] = dataclasses.replace(specs[2], lora=bad)
+            streams = [engine.submit(s) for s in specs]
             await workers.until_sent()
             culprit = next(r.handle for r in engine.scheduler.requests.values() if r.req_id.startswith("r2"))
-            workers.fail_next, workers.blame = "rank 0 could not run step 1: adapter 'bad' cannot be read", (culprit,)
+            workers.fail_next = "rank 0 could not run step 1: adapter 'bad' cannot be read"
+            workers.blame, workers.unusable = (culprit,), (bad.id,)
             workers.release()
             results = [await asyncio.wait_for(collect(s), 10) for s in streams]
+            plans = workers.plans
+            later = dataclasses.replace(specs[2], request_id="later")
+            again = await asyncio.wait_for(collect(engine.submit(later)), 10)
+            assert workers.plans == plans, "a request naming an adapter the workers cannot use runs no step"
+            status, message = failure(ending(again))
+            assert status == ErrorStatus.FAILED_PRECONDITION and "cannot be read" in message
         for i, deltas in enumerate(results):
             if i == 2:
                 status, message = failure(ending(deltas))
