@@ -137,7 +137,6 @@ TESTED_ELSEWHERE: dict[str, str] = {
     " tests/scheduler_node/bench/test_bench.py",
     "scheduler_node.bench.mixed": "the chaos workload, run by tests/e2e/test_chaos.py",
     "scheduler_node.cli.bench": "vllm-bench's entry point, run by tests/scheduler_node/bench/test_bench.py",
-    "scheduler_node.cli.monitor": "vllm-monitor, run as a program by tests/e2e/test_metrics.py",
     "scheduler_node.cli.world_flags": "the world's flags, through the scheduler's parser"
     " (tests/scheduler_node/cli/test_cli.py, tests/scheduler_node/engine/test_topology.py)",
     "scheduler_node.cli.kv_flags": "the KV flags, through the scheduler's parser"

@@ -4,14 +4,15 @@
 
 A gauge prints its value; a counter its total and its rate since the previous scrape; a histogram its count,
 mean and the rate of new observations. Names are the series names (`vllm:generation_tokens` or
-`vllm:generation_tokens_total` both work), or one of the short names of ALIASES:
+`vllm:generation_tokens_total` both work), or one of the short names of ALIASES (--help lists them):
 
-    vllm-monitor --metric cache_hit_rate --metric memory_usage
+    vllm-monitor --metric memory_usage --metric cache_hit_rate --metric fragmentation
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 import time
 import urllib.error
@@ -22,10 +23,18 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proto.cli_config import add_config_flag, parse_args
 
-# short name -> the series it prints
+# short name -> the series it prints (the design article's names: memory_usage, cache_hit_rate, fragmentation)
 ALIASES = {
     "cache_hit_rate": ["minivllm:cache_hit_rate"],  # per tier: prompt tokens found / looked up, since start
-    "memory_usage": ["minivllm:kv_cache_used_bytes", "minivllm:kv_cache_allocated_bytes"],  # per tier and format
+    "memory_usage": [  # KV bytes per tier and format, the share of blocks in use, and their fragmentation
+        "minivllm:kv_cache_used_bytes",
+        "minivllm:kv_cache_allocated_bytes",
+        "vllm:kv_cache_usage_perc",
+        "minivllm:kv_fragmentation",
+    ],
+    # 1 - tokens stored / slots of the blocks held: mostly each sequence's partly filled last block. Above 0.2 for
+    # long, a smaller --block-size packs tighter.
+    "fragmentation": ["minivllm:kv_fragmentation"],
     "spec_decode": [  # speculative decoding: proposals, accepted tokens, and accepted per position
         "vllm:spec_decode_num_drafts",
         "vllm:spec_decode_num_draft_tokens",
@@ -46,7 +55,13 @@ class Reading:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vllm-monitor", description="Print live values of a minivllm server's metrics.")
+    p = argparse.ArgumentParser(
+        prog="vllm-monitor",
+        description="Print live values of a minivllm server's metrics.",
+        epilog="short names for --metric:\n"
+        + "\n".join(f"  {name:<15} {', '.join(series)}" for name, series in ALIASES.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_config_flag(p)
     p.add_argument(
         "--metric",
@@ -108,8 +123,20 @@ def describe(name: str, now: Reading, before: Reading | None, seconds: float) ->
 
 
 def expand(names: list[str]) -> list[str]:
-    """The series names asked for, aliases replaced by what they stand for."""
-    return [series for name in names for series in ALIASES.get(name, [name])]
+    """The series names asked for, aliases replaced by what they stand for (each series once)."""
+    return list(dict.fromkeys(series for name in names for series in ALIASES.get(name, [name])))
+
+
+def unknown(missing: list[str], text: str, url: str) -> str:
+    """The error for names the endpoint does not have: the close ones, the short names and the series there."""
+    there = sorted({family.name for family in text_string_to_metric_families(text)})
+    lines = [f"error: no metric {', '.join(missing)} at {url}"]
+    for name in missing:
+        close = difflib.get_close_matches(_base(name), [*ALIASES, *there], n=3, cutoff=0.6)
+        lines += [f"  {name}: did you mean {' or '.join(close)}?"] if close else []
+    lines.append(f"  short names: {', '.join(ALIASES)}")
+    lines.append(f"  series at {url}: {', '.join(there)}")
+    return "\n".join(lines)
 
 
 def _base(name: str) -> str:
@@ -138,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                 current = readings(text, metrics)
                 missing = [n for n in metrics if n not in current]
                 if missing:
-                    print(f"error: no metric {', '.join(missing)} at {url}", file=sys.stderr)
+                    print(unknown(missing, text, url), file=sys.stderr)
                     return 2
                 stamp = time.strftime("%H:%M:%S")
                 for name in metrics:
