@@ -1,5 +1,6 @@
 """Choosing the attention implementation: Triton kernels on CUDA, the compiled CPU kernel on CPU, the torch
-reference wherever neither applies, or a user's own as `module:Class`.
+reference wherever neither applies, a user's own as `module:Class`, or a user's compiled library by the name it
+was registered under (kernels/custom_kernels.py; the setting's forms are proto/attention_setting.py's).
 
 Triton is imported only when its backend is chosen, so CPU-only installs never need it.
 """
@@ -16,12 +17,10 @@ from collections.abc import Callable
 import torch
 
 from kernels.interface import AttentionBackend
+from proto.attention_setting import parse_setting
 from proto.plugins import load_named
-from proto.worker_flags import ATTENTION_BACKENDS
 
 logger = logging.getLogger(__name__)
-
-BACKEND_NAMES = ATTENTION_BACKENDS  # the built-in names; anything with a colon is a user's module:Class
 
 
 def triton_available() -> bool:
@@ -93,14 +92,18 @@ def select_attention_backend(name: str, device: torch.device) -> AttentionBacken
     `triton`/`native`/`torch`: as named; `module:Class`: the user's backend (see `_user_backend`).
 
     `triton` on a CPU device runs the kernels in Triton's interpreter, so it needs `TRITON_INTERPRET=1`.
+    Any other name is a compiled kernel's: registered in this process, or given with its library (`NAME=PATH.so`,
+    or the JSON form with params).
     """
     device = torch.device(device)
+    choice = parse_setting(name)
+    if choice.compiled:
+        from kernels.compiled_attention import compiled_backend
+
+        return compiled_backend(choice)
+    name = choice.type  # the JSON form may name a built-in backend or module:Class too
     if ":" in name:
         return _user_backend(name)
-    if name not in BACKEND_NAMES:
-        raise ValueError(
-            f"unknown attention backend {name!r}; expected one of {', '.join(BACKEND_NAMES)} or module:Class"
-        )
     if name == "torch":
         return _torch_backend()
     if name == "native" or (name == "auto" and device.type == "cpu"):
@@ -139,6 +142,17 @@ def _takes_scales(op: Callable[..., object]) -> bool:
         return True
     names = {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
     return any(p.kind == p.VAR_KEYWORD for p in params) or {"k_scales", "v_scales"} <= names
+
+
+def check_cache_dtype(backend: AttentionBackend, kv_dtype: torch.dtype) -> None:
+    """Refuse, before any memory is taken, a KV cache dtype that `backend` says it cannot read (`cache_dtypes`: a
+    compiled kernel reads float32 only)."""
+    if backend.cache_dtypes and kv_dtype not in backend.cache_dtypes:
+        readable = ", ".join(str(d).removeprefix("torch.") for d in backend.cache_dtypes)
+        raise ValueError(
+            f"attention backend {backend.name!r} reads {readable} KV caches only, this worker's would be "
+            f"{str(kv_dtype).removeprefix('torch.')}: run the model with dtype {readable} and --kv-cache-dtype auto"
+        )
 
 
 def check_reads_quantized(backend: AttentionBackend, kv_dtype: torch.dtype, device: torch.device) -> None:

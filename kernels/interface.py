@@ -87,10 +87,12 @@ class PlanDecode(Protocol):
 @dataclass(frozen=True, slots=True)
 class AttentionBackend:
     """The three attention operations; signatures are those of `kernels.torch_attention`. With `plan_decode`,
-    `decode_attention` also takes its result as the keyword `plan`."""
+    `decode_attention` also takes its result as the keyword `plan`. `cache_dtypes`: the KV cache dtypes the
+    operations read, when not every one (a compiled kernel's ABI is float32): the worker refuses others at start."""
 
     name: str
     write_kv: WriteKV
     decode_attention: DecodeAttention
     prefill_attention: PrefillAttention
     plan_decode: PlanDecode | None = None
+    cache_dtypes: tuple[torch.dtype, ...] = ()  # empty: any

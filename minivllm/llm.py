@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypedDict, TypeVar
 
+from kernels.custom_kernels import worker_setting
 from kernels.openmp import release_thread_pool
 from minivllm.collect import Batch, Collector, Progress
 from minivllm.lora_request import LoRARequest
@@ -125,6 +126,7 @@ class LLM:
         kv_offload_disk_size: float = _WORKER.kv_offload_disk_size,
         kv_offload_policy: str = _SCHEDULER.kv_offload_policy,
         attention_backend: str = _WORKER.attention_backend,
+        attention: Mapping[str, Any] | None = None,  # the article's model config section: {"type": ..., "params": ...}
         kv_cache_dtype: str = _WORKER.kv_cache_dtype,
         kv_compact_under_pressure: bool = _ENGINE.kv_compact.under_pressure,
         kv_compact_fraction: float | None = None,
@@ -170,7 +172,7 @@ class LLM:
         self.options = WorkerOptions(
             device=device,
             kv_cache_memory=memory,
-            attention_backend=attention_backend,
+            attention_backend=worker_setting(attention_backend, attention),  # a kernel's name gains its path
             swap_space=swap_space,
             threads=threads,
             kv_offload_ram=kv_offload_ram,

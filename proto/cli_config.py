@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 import yaml
 
+from proto.attention_setting import from_mapping
 from proto.nesting import TooDeep, parse_nested
 
 
@@ -77,6 +78,8 @@ def _load(parser: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
     aliases = _alias_keys(parser)
     if "engine" in data and "quantization" in known:  # the article's engine.mixed_precision section
         data = _with_mixed_precision(parser, path, data)
+    if "attention" in data and "attention_backend" in known:  # the article's model config section
+        data = _with_attention(parser, path, data)
     values: dict[str, Any] = {}
     for key, value in data.items():
         action = known.get(str(key).replace("-", "_")) or aliases.get(str(key).replace("-", "_"))
@@ -98,6 +101,24 @@ def _load(parser: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
             parser.error(f"{key} in {path}: {value!r} is not one of {list(action.choices)}")
         values[dest] = value
     return values
+
+
+def _with_attention(parser: argparse.ArgumentParser, path: Path, data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with its `attention:` section (`type`, and a compiled kernel's `library` and `params`) replaced by the
+    `attention_backend` setting it stands for (proto/attention_setting.py)."""
+    rest = {k: v for k, v in data.items() if k != "attention"}
+    if any(str(k).replace("-", "_") == "attention_backend" for k in rest):
+        parser.error(f"{path}: attention and attention_backend both choose the attention backend; keep one")
+    try:
+        choice = from_mapping(data["attention"])
+    except ValueError as exc:
+        parser.error(f"{path}: {exc}")
+    if choice.compiled and not choice.library:
+        parser.error(
+            f"{path}: attention.library: give the path of the shared library of kernel {choice.type!r} (a "
+            "command has no registered kernels)"
+        )
+    return {**rest, "attention_backend": choice.setting()}
 
 
 def _with_mixed_precision(parser: argparse.ArgumentParser, path: Path, data: dict[str, Any]) -> dict[str, Any]:

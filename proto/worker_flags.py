@@ -7,6 +7,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from proto.attention_setting import BUILT_IN, parse_setting
+
 # A worker that exits with this status was started with flags it cannot run with (argparse's own status): starting
 # it again cannot help, so a supervisor gives up instead of restarting it forever.
 EXIT_BAD_FLAGS = 2
@@ -81,16 +83,24 @@ def parse_size(text: str) -> int:
     return int(float(lowered))
 
 
-ATTENTION_BACKENDS = ("auto", "triton", "native", "torch")
+ATTENTION_BACKENDS = BUILT_IN
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # kernels/kv_quant.py: the formats behind the last two
 
 
 def _attention_backend(text: str) -> str:
-    """A built-in backend name or `module:Class` (loaded by the worker, which may run elsewhere)."""
-    module, _, cls = text.partition(":")
-    if text in ATTENTION_BACKENDS or (module and cls.isidentifier()):
-        return text
-    raise argparse.ArgumentTypeError(f"expected one of {', '.join(ATTENTION_BACKENDS)} or module:Class, got {text!r}")
+    """A built-in backend name, `module:Class`, or a compiled kernel with its library (`NAME=PATH.so` or the JSON
+    form, proto/attention_setting.py): what the worker, which may run elsewhere, loads. A bare kernel name is
+    refused: no process that parses flags has registered one."""
+    try:
+        choice = parse_setting(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    if choice.compiled and not choice.library:
+        raise argparse.ArgumentTypeError(
+            f"expected one of {', '.join(ATTENTION_BACKENDS)}, module:Class or NAME=PATH.so (a compiled kernel), "
+            f"got {text!r}"
+        )
+    return text
 
 
 def add_worker_flags(p: argparse.ArgumentParser) -> None:
@@ -114,7 +124,9 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
         type=_attention_backend,
         default=DEFAULTS.attention_backend,
         help="auto: triton on CUDA; on CPU native (a C kernel built once with the system compiler), torch if "
-        "it cannot be built; or module:Class, your own backend (example: deploy/custom_attention.py)",
+        "it cannot be built; or module:Class, your own backend (example: deploy/custom_attention.py); or "
+        "NAME=PATH.so, your compiled kernel (kernels/csrc/custom_attention_abi.h, example: "
+        "deploy/custom_attention_kernel.c)",
     )
     p.add_argument(
         "--swap-space",

@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 import torch
 
-from kernels.backend import check_reads_quantized, select_attention_backend
+from kernels.backend import check_cache_dtype, check_reads_quantized, select_attention_backend
 from kernels.cpu_features import has_fast_bf16
 from kernels.kv_quant import cache_dtype, format_name, is_quantized
 from kernels.openmp import release_thread_pool
@@ -95,10 +95,12 @@ def load_rank(
     config = shard_config(full, where)  # what this rank's KV cache holds: its layers, its KV heads
     backend = select_attention_backend(options.attention_backend, device)
     kv_dtype = cache_dtype(options.kv_cache_dtype, dtype)
+    check_cache_dtype(backend, kv_dtype)
     if is_quantized(kv_dtype):
         check_reads_quantized(backend, kv_dtype, device)
     compact_dtype = cache_dtype(a.kv_compact_dtype, dtype) if a.kv_compact_fraction > 0 else None
     if compact_dtype is not None:
+        check_cache_dtype(backend, compact_dtype)
         check_reads_quantized(backend, compact_dtype, device)
     model = load_model(a.model, backend, dtype, device, full.max_model_len, where, comm, a.quantization)
     set_batch_invariant(model, options.batch_invariant)

@@ -135,12 +135,22 @@ def test_the_example_users_backend_matches_hf(tiny_llama_dir) -> None:  # type: 
         assert_teacher_forced(hf, prompt, output)
 
 
-def test_the_worker_flag_takes_names_and_module_class(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_worker_flag_takes_names_module_class_and_kernels_with_their_library(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     from worker_node.worker import build_parser
 
     parser = build_parser()
-    for value in ("native", "deploy.custom_attention:PaddedDecodeAttention"):
-        assert parser.parse_args(["--attention-backend", value]).attention_backend == value
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--attention-backend", "flash"])
-    assert "expected one of auto, triton, native, torch or module:Class, got 'flash'" in capsys.readouterr().err
+    kernel = '{"library":"/x/lib.so","params":{"tile":4},"type":"mine"}'
+    for value in ("native", "deploy.custom_attention:PaddedDecodeAttention", "mine=/x/lib.so", kernel):
+        assert parser.parse_args(["--attention-backend", value]).attention_backend == value  # loaded by the worker
+    refusals = {
+        "flash": "expected one of auto, triton, native, torch, module:Class or NAME=PATH.so (a compiled kernel), "
+        "got 'flash'",  # a bare name: no process that parses flags has registered a kernel
+        "mine=": "NAME=PATH needs the library's path after '='",
+        '{"type": "mine"': "is not valid JSON",
+    }
+    for value, message in refusals.items():
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--attention-backend", value])
+        assert message in capsys.readouterr().err
