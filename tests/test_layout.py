@@ -125,6 +125,8 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "scheduler_node.engine.live_stats": "a part of EngineCore, read by tests/scheduler_node/engine/test_metrics.py",
     "scheduler_node.engine.intake": "a part of EngineCore (submit, abort, drain): every engine test submits through"
     " it, e.g. tests/scheduler_node/engine/test_engine_errors.py",
+    "minivllm.model_executor.layers.attention": "the article's `PagedAttention.supports` line, run as written by"
+    " tests/minivllm/test_custom_ops.py; the check itself: tests/worker_node/models/test_attention_support.py",
     "minivllm.collect": "LLM.generate's collectors, through tests/minivllm/test_offline_api.py",
     "proto.serving_pb2": "generated from proto/serving.proto by grpcio-tools; every gRPC test speaks it",
     "proto.serving_pb2_grpc": "generated from proto/serving.proto by grpcio-tools; every gRPC test speaks it",
