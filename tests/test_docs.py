@@ -21,7 +21,16 @@ TOP_LEVEL = {p.name for p in REPO.iterdir() if not p.name.startswith(".")}
 CODE_SPAN = re.compile(r"`([^`\n]+)`")
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 # Programs whose own flags the documents show: a flag belongs to the nearest program named before it on its line.
-OTHER_PROGRAMS = ("docker", "kubectl", "helm", "ray start", "systemctl", "systemd-analyze", "pip install", "llama-server")
+OTHER_PROGRAMS = (
+    "docker",
+    "kubectl",
+    "helm",
+    "ray start",
+    "systemctl",
+    "systemd-analyze",
+    "pip install",
+    "llama-server",
+)
 OURS = re.compile(r"(?<![\w-])vllm-[a-z]+|scripts/[\w/]+\.py")
 OTHER = re.compile(r"(?<![\w-])(?:" + "|".join(re.escape(p) for p in OTHER_PROGRAMS) + ")")
 SCRIPT_FLAG = re.compile(r'add_argument\(\s*"(--[a-z][a-z0-9-]*)"')
