@@ -17,7 +17,7 @@ import torch
 
 from kernels.interface import AttentionBackend
 from proto.plugins import load_named
-from proto.worker_flags import ATTENTION_BACKENDS
+from settings.worker import ATTENTION_BACKENDS
 
 logger = logging.getLogger(__name__)
 

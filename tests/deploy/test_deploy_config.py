@@ -13,9 +13,9 @@ import pytest
 import tomllib
 import yaml
 
-from proto.cli_config import config_keys, parse_args
-from proto.worker_flags import parse_size
-from scheduler_node.core.speculative import speculative_config_flag
+from settings.config_file import config_keys, parse_args
+from settings.speculative import speculative_text
+from settings.worker import parse_size
 from tests.support.paths import REPO
 
 pytestmark = pytest.mark.unit
@@ -132,7 +132,7 @@ def _other_value(action: argparse.Action, value: Any) -> tuple[list[str], Any]:
         return [flag, other], other
     if action.dest == "speculative_config":  # JSON, checked when parsed
         other = '{"method": "ngram", "num_speculative_tokens": 3}'
-        return [flag, other], speculative_config_flag(other)
+        return [flag, other], speculative_text(other)
     if action.nargs == "+":  # one or more values (--lora-modules name=path ...)
         return [flag, "from-the-command-line"], ["from-the-command-line"]
     return [flag, "from-the-command-line"], "from-the-command-line"

@@ -1,4 +1,5 @@
-"""The adapters a server serves by name: checked when registered, ids never reused, names unique; the flags."""
+"""The adapters a server serves by name: checked when registered, ids never reused, names unique (the LoRA flags:
+tests/settings/test_groups.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from proto.lora import AdapterError, BaseShapes
-from scheduler_node.cli.lora_flags import add_lora_flags, lora_config
-from scheduler_node.engine.lora_registry import LoraConfig, LoraRegistry, UnknownAdapter, parse_lora_module
+from scheduler_node.engine.lora_registry import LoraRegistry, UnknownAdapter
 
 pytestmark = pytest.mark.unit
 
@@ -44,16 +44,3 @@ def test_names_are_unique_and_ids_are_never_reused(tmp_path: Path) -> None:
     again = registry.add("a", str(tmp_path / "a"))
     assert again.id != first.id and again.cache_salt == first.cache_salt  # same files: the same KV
     assert [r.name for r in registry.refs()] == ["a"]
-
-
-def test_the_flags_as_vllm_spells_them(tmp_path: Path) -> None:
-    import argparse
-
-    p = argparse.ArgumentParser()
-    add_lora_flags(p)
-    args = p.parse_args(["--enable-lora", "--lora-modules", "a=/x", "b=/y/z", "--max-lora-rank", "64"])
-    assert lora_config(args) == LoraConfig(True, (("a", "/x"), ("b", "/y/z")), 64)
-    with pytest.raises(ValueError, match="expected name=path"):
-        parse_lora_module("just-a-name")
-    with pytest.raises(ValueError, match="needs --enable-lora"):
-        lora_config(p.parse_args(["--lora-modules", "a=/x"]))

@@ -103,7 +103,7 @@ def _load(parser: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
 def _with_mixed_precision(parser: argparse.ArgumentParser, path: Path, data: dict[str, Any]) -> dict[str, Any]:
     """`data` with its `engine:` section replaced by the flags it stands for; a flat key naming the same flag
     with another value is refused (two answers to one question)."""
-    from proto.mixed_precision import MixedPrecisionError, mixed_precision_flags
+    from settings.mixed_precision import MixedPrecisionError, mixed_precision_flags
 
     rest = {k: v for k, v in data.items() if k != "engine"}
     try:

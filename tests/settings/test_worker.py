@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from proto.worker_flags import (
+from settings.worker import (
     WORKER_FLAGS,
     WorkerOptions,
     add_curve_flag,
