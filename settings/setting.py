@@ -230,14 +230,15 @@ def check(settings: object) -> None:
 
 
 def _problem(entry: Entry, value: Any) -> str:
+    kind = KIND_WORDS.get(entry.kind, f"a {entry.kind.__name__}")
     if value is None:
-        return "" if entry.optional else f"a {entry.kind.__name__}"
+        return "" if entry.optional else kind
     values = value if entry.items else (value,)
     if entry.items and not isinstance(value, tuple):
         return "a tuple"
     for v in values:
         if not _has_kind(v, entry.kind):
-            return KIND_WORDS.get(entry.kind, f"a {entry.kind.__name__}")
+            return kind
         if entry.spec.choices is not None and v not in entry.spec.choices:
             return "one of " + ", ".join(str(c) for c in entry.spec.choices)
         if entry.spec.bounds is not None and not entry.spec.bounds.contains(v):

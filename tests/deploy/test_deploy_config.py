@@ -125,11 +125,13 @@ def _other_value(action: argparse.Action, value: Any) -> tuple[list[str], Any]:
         return [flag, str((value or 0) + 1)], (value or 0) + 1
     if action.type is float:
         return [flag, str((value or 0) + 0.5)], (value or 0) + 0.5
-    if action.type is parse_size:
+    if action.type is parse_size or getattr(action.type, "__name__", "") == parse_size.__name__:
         return [flag, "3MiB"], 3 * 2**20
     if action.dest == "attention_backend":  # a built-in name or module:Class, checked when parsed
         other = "deploy.custom_attention:PaddedDecodeAttention"
         return [flag, other], other
+    if action.dest == "int8_act_bits":  # BITS or PROJECTION=BITS, checked when parsed
+        return [flag, "down_proj=8"], "down_proj=8"
     if action.dest == "speculative_config":  # JSON, checked when parsed
         other = '{"method": "ngram", "num_speculative_tokens": 3}'
         return [flag, other], speculative_text(other)
