@@ -67,6 +67,25 @@ def _groups(cls: type, skip: tuple[str, ...]) -> list[tuple[type, list[Entry]]]:
     return found
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A command's parser that builds its groups from what it parsed: a value out of range, or two that do not go
+    together, is a usage error naming the flag, as a malformed value is (whether it came from the command line, a
+    config file or the environment)."""
+
+    def __init__(self, *args: Any, parts: Sequence[Part] = (), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.parts = tuple(parts)
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        parsed = super().parse_args(args, namespace)
+        for part in self.parts:
+            try:
+                from_args(part.group, parsed)
+            except ValueError as exc:
+                self.error(str(exc))
+        return parsed
+
+
 def add_settings(
     parser: argparse.ArgumentParser, parts: Sequence[Part], defaults: Mapping[str, Any] | None = None
 ) -> None:

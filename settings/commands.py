@@ -3,13 +3,12 @@ takes (the engine's and its workers' settings). The commands' parsers, the docs'
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from settings.bench import BenchLoad, BenchOutput, BenchTarget, BenchWorkload
-from settings.cli import Part, add_settings, from_args
+from settings.cli import CommandParser, Part, add_settings
 from settings.config_file import add_config_flag
 from settings.engine import EngineConfig
 from settings.process import ApiKey, Logging, MetricsEndpoint, Tls
@@ -69,17 +68,11 @@ COMMANDS: dict[str, Command] = {
 }
 
 
-def check_args(prog: str, args: argparse.Namespace) -> None:
-    """ValueError naming the flag whose value is out of range: every group of the command, built once to check it
-    (a command that reads its settings off the namespace still gets each group's checks)."""
-    for part in COMMANDS[prog].parts:
-        from_args(part.group, args)
-
-
-def command_parser(prog: str, description: str, **options: Any) -> argparse.ArgumentParser:
-    """A command's parser: --config, then a section of flags per group of its settings."""
-    parser = argparse.ArgumentParser(prog=prog, description=description, **options)
-    add_config_flag(parser)
+def command_parser(prog: str, description: str, **options: Any) -> CommandParser:
+    """A command's parser: --config, then a section of flags per group of its settings; parsing checks each group
+    (a command that reads its settings off the namespace still gets every group's checks)."""
     command = COMMANDS[prog]
+    parser = CommandParser(prog=prog, description=description, parts=command.parts, **options)
+    add_config_flag(parser)
     add_settings(parser, command.parts, command.defaults)
     return parser

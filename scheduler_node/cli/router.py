@@ -27,7 +27,7 @@ from scheduler_node.router.replica import ReplicaPool
 from scheduler_node.router.routing import Router
 from scheduler_node.router.upstream import Forwarder, open_links
 from scheduler_node.text.tokenizer import ModelTokenizer
-from settings.commands import check_args, command_parser
+from settings.commands import command_parser
 from settings.config_file import parse_args
 
 logger = logging.getLogger("vllm-router")
@@ -62,7 +62,6 @@ def kv_routing(pool: ReplicaPool, args: argparse.Namespace, metrics: RouterMetri
 
 
 async def serve(args: argparse.Namespace) -> int:
-    check_args("vllm-router", args)
     pool = ReplicaPool(args.replica)
     metrics = RouterMetrics()
     kv, subscriber = kv_routing(pool, args, metrics) if args.routing_strategy == "kv" else (None, None)

@@ -29,7 +29,7 @@ from scheduler_node.engine.worker_link import WorkerLink
 from scheduler_node.text.tokenizer import ModelTokenizer
 from settings.build import names
 from settings.cli import from_args
-from settings.commands import check_args, command_parser
+from settings.commands import command_parser
 from settings.config_file import parse_args
 from settings.engine import EngineConfig
 from settings.engine_args import engine_settings
@@ -86,7 +86,6 @@ def openai_config(args: argparse.Namespace, served_model_name: str) -> OpenAICon
 
 
 async def serve(args: argparse.Namespace) -> int:
-    check_args("vllm-scheduler", args)
     config = engine_config(args)
     placement = resolve_parallel(args)
     layout = placement.layout
