@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from settings.server import DEFAULT_MODEL
 from settings.setting import setting
 
 ENDPOINTS = ("completions", "chat")
@@ -46,7 +47,7 @@ class BenchWorkload:
         help='jsonl: lines of {"prompt": ...} or {"messages": [...]}, each with an optional "max_tokens"',
     )
     tokenizer: str = setting(
-        "default",
+        DEFAULT_MODEL,
         readers=BENCH,
         help="model folder whose vocabulary random prompts are drawn from "
         "(use the served model's; default: SmolLM2-135M)",

@@ -9,6 +9,7 @@ from proto.wire import HEARTBEAT_TIMEOUT_S
 from settings.process import TOKEN_ENV
 from settings.setting import check, setting
 
+DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct, converted once (scheduler_node/engine/model_path.py)
 POOLINGS = ("last", "mean")  # how /v1/embeddings pools a prompt's final hidden states
 SERVE_OPENAI_PORT = 8000  # vllm-serve's default (vllm-scheduler's is 0: off)
 
@@ -18,7 +19,7 @@ class SchedulerServer:
     """Where the scheduler listens, and the model it serves."""
 
     model: str = setting(
-        "default",
+        DEFAULT_MODEL,
         readers="scheduler",
         help="HF folder (safetensors, or a linked GGUF), a .gguf file, an HF hub id (org/name) already in the local "
         "HF cache, or 'default' (SmolLM2-135M-Instruct)",

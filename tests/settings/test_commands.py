@@ -8,9 +8,10 @@ import argparse
 import ast
 import importlib
 import re
-import tomllib
+from collections.abc import Iterable
 
 import pytest
+import tomllib
 
 from settings.cli import help_text, sections
 from settings.commands import COMMANDS
@@ -87,7 +88,7 @@ def test_help_names_every_value_a_registry_defines() -> None:
     from scheduler_node.router.strategies import STRATEGIES
 
     helps = {e.name: e.spec.help for cmd in COMMANDS.values() for _, group in sections(cmd.parts) for e in group}
-    registries = {
+    registries: dict[str, Iterable[str]] = {
         "scheduling_policy": POLICIES,
         "tool_call_parser": TOOL_PARSERS,
         "reasoning_parser": REASONING_PARSERS,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -127,7 +128,12 @@ def test_the_loader_collapses_a_cpu_model_unless_told_not(
 ) -> None:
     """A worker's --no-huge-pages (settings/fast_paths.py) reaches the loader, which then leaves the weights be."""
     collapsed: list[int] = []
-    monkeypatch.setattr(loader, "collapse", lambda tensors: collapsed.append(len(list(tensors))) or 0)
+
+    def collapse(tensors: Iterable[torch.Tensor]) -> int:
+        collapsed.append(len(list(tensors)))
+        return 0
+
+    monkeypatch.setattr(loader, "collapse", collapse)
     backend = select_attention_backend("torch", torch.device("cpu"))
     for on in (True, False):
         loader.load_model(tiny_llama_dir, backend, torch.float32, torch.device("cpu"), 64, huge_pages=on)
