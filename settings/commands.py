@@ -1,5 +1,6 @@
-"""The settings tree's index: which groups each command takes (its flags and config keys), and what `LLM(...)`
-takes (the engine's and its workers' settings). The commands' parsers, the docs' table and the tests read it."""
+"""The settings tree's index: which groups each console script takes (its flags, --help sections and config keys),
+and the defaults it changes. Its parsers, docs/settings.md and the tests read it; what `LLM(...)` takes is
+settings/engine_args.py's EngineSettings."""
 
 from __future__ import annotations
 

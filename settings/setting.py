@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # Who reads a setting: the process (or API) whose code uses its value.
-READERS = ("scheduler", "worker", "router", "serve", "client", "monitor", "bench", "convert", "LLM")
+READERS = ("scheduler", "worker", "router", "serve", "client", "monitor", "bench", "convert")
 _SPEC, _GROUP = "setting", "group"
 KIND_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
@@ -69,7 +69,7 @@ class Spec:
 
 
 def setting(
-    default: Any = dataclasses.MISSING,
+    default: Any,
     *,
     help: str,
     readers: tuple[str, ...] | str,
@@ -147,12 +147,7 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"expected 1/0, true/false, yes/no or on/off, got {text!r}")
 
 
-def is_group(cls: Any) -> bool:
-    return dataclasses.is_dataclass(cls) and any(_SPEC in f.metadata or _GROUP in f.metadata for f in _fields(cls))
-
-
-def _fields(cls: Any) -> tuple[dataclasses.Field, ...]:
-    return dataclasses.fields(cls)
+_ENTRIES: dict[type, tuple[Entry, ...]] = {}  # a group's, read once (its type hints resolved)
 
 
 def entries(cls: type) -> tuple[Entry, ...]:
@@ -163,25 +158,21 @@ def entries(cls: type) -> tuple[Entry, ...]:
     return found
 
 
-_ENTRIES: dict[type, tuple[Entry, ...]] = {}
-
-
 def _entries(cls: type) -> tuple[Entry, ...]:
     hints = typing.get_type_hints(cls)
     found = []
-    for f in _fields(cls):
+    for f in dataclasses.fields(cls):
         spec = f.metadata.get(_SPEC)
         if spec is None:
             continue
         kind, optional, items = _kind(hints[f.name])
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc,operator]
-        found.append(Entry(cls, f.name, spec.name or f.name, kind, optional, items, default, spec))
+        found.append(Entry(cls, f.name, spec.name or f.name, kind, optional, items, f.default, spec))
     return tuple(found)
 
 
 def subgroups(cls: type) -> tuple[tuple[str, type, tuple[str, ...]], ...]:
     """(field, group, names skipped) of each nested group."""
-    return tuple((f.name, *f.metadata[_GROUP]) for f in _fields(cls) if _GROUP in f.metadata)
+    return tuple((f.name, *f.metadata[_GROUP]) for f in dataclasses.fields(cls) if _GROUP in f.metadata)
 
 
 def walk(cls: type, skip: tuple[str, ...] = ()) -> Iterator[Entry]:
