@@ -123,8 +123,9 @@ def _other_value(action: argparse.Action, value: Any) -> tuple[list[str], Any]:
         return [flag, str(other)], other
     if action.type is int:
         return [flag, str((value or 0) + 1)], (value or 0) + 1
-    if action.type is float:
-        return [flag, str((value or 0) + 0.5)], (value or 0) + 0.5
+    if action.type is float:  # another value in range (a fraction stays one)
+        other = value / 2 if value else 0.5
+        return [flag, str(other)], other
     if action.type is parse_size or getattr(action.type, "__name__", "") == parse_size.__name__:
         return [flag, "3MiB"], 3 * 2**20
     if action.dest == "attention_backend":  # a built-in name or module:Class, checked when parsed
@@ -135,6 +136,8 @@ def _other_value(action: argparse.Action, value: Any) -> tuple[list[str], Any]:
     if action.dest == "speculative_config":  # JSON, checked when parsed
         other = '{"method": "ngram", "num_speculative_tokens": 3}'
         return [flag, other], speculative_text(other)
-    if action.nargs == "+":  # one or more values (--lora-modules name=path ...)
-        return [flag, "from-the-command-line"], ["from-the-command-line"]
+    if action.dest in ("tls_cert", "tls_key"):  # they go together (checked when parsed)
+        return ["--tls-cert", "cert.pem", "--tls-key", "key.pem"], f"{action.dest[4:]}.pem"
+    if action.dest == "lora_modules":  # name=path, with --enable-lora (checked when parsed)
+        return [flag, "a=/adapters/a", "--enable-lora"], ["a=/adapters/a"]
     return [flag, "from-the-command-line"], "from-the-command-line"
