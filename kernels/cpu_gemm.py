@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 
 from kernels.cpu_features import cpu_flags_line
 from kernels.native_build import CFLAGS, CSRC, load_library
+from settings.fast_paths import ACT_BITS  # what the int8 kernel quantizes activations to
 
 SOURCE = CSRC / "skinny_gemm_cpu.c"
 MAX_ROWS = 64  # the kernel's limit (four accumulator tiles of 16 rows); above it torch's matmul is as fast
@@ -30,19 +30,30 @@ WEIGHT_FORMATS = {torch.bfloat16: 0, torch.int8: 1}
 NEEDED_FLAGS = frozenset({"amx_tile", "amx_bf16", "avx512_bf16"})
 INT8_FLAG = "amx_int8"  # for `linear_int8_act` (every CPU with AMX-BF16 so far has it too)
 QUADS_K = 64  # inputs per int8 tile product
-ACT_BITS = (8, 16)
-DISABLE_ENV = "MINIVLLM_CPU_GEMM"  # "0": torch's matmuls only (to compare; read when the kernel is first asked for)
 INVARIANT_ROWS = 16  # batch-invariant mode: torch multiplies every call in chunks of exactly this many rows
 
 _ptr = ctypes.c_void_p
 _i64 = ctypes.c_int64
 
 
+# Whether the C matmul kernels (this one, kernels/cpu_gemm_portable.py, kernels/cpu_gemm_awq.py) may be used: a
+# worker's --cpu-gemm (settings/fast_paths.py), set as a rank loads (worker_node/loading.py). A module-level switch,
+# not an argument: the kernels are asked for deep in the layers' weight packing and products.
+_enabled = [True]
+
+
+def set_enabled(on: bool) -> None:
+    """Turn the C matmul kernels on or off (off: torch's matmuls only, to compare), for what is loaded next."""
+    _enabled[0] = on
+
+
+def enabled() -> bool:
+    return _enabled[0]
+
+
 def load_amx_library(source: Path, what: str, init: str, entries: dict[str, list[Any]]) -> ctypes.CDLL | None:
     """A kernel of kernels/csrc on AMX tiles, built for this CPU, its `entries` typed (each returns an int) and its
-    `init` run (which asks Linux for the AMX state); None where it cannot run here or $MINIVLLM_CPU_GEMM is 0."""
-    if os.environ.get(DISABLE_ENV) == "0":
-        return None
+    `init` run (which asks Linux for the AMX state); None where it cannot run here."""
     if not NEEDED_FLAGS <= set(cpu_flags_line().partition(":")[2].split()):
         return None
     library = load_library(source, CFLAGS, what)
@@ -55,10 +66,14 @@ def load_amx_library(source: Path, what: str, init: str, entries: dict[str, list
     return library if getattr(library, init)() else None
 
 
-@functools.cache
 def load() -> ctypes.CDLL | None:
     """The kernel built for this CPU, with the AMX state granted to this process; None where it cannot run (or
-    $MINIVLLM_CPU_GEMM is 0)."""
+    the kernels are switched off)."""
+    return _load() if enabled() else None
+
+
+@functools.cache
+def _load() -> ctypes.CDLL | None:
     gemm = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int] * 2
     names = ("skinny_gemm", "skinny_gemm_f32", "int8_gemm", "int8_gemm_f32", "int8_gemm_silu_gated")
     entries = {name: gemm for name in names}

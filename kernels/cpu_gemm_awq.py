@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from kernels.cpu_gemm import NativeGemm, address, load_amx_library
+from kernels.cpu_gemm import NativeGemm, address, enabled, load_amx_library
 from kernels.native_build import CSRC
 
 SOURCE = CSRC / "awq_gemm_cpu.c"
@@ -28,10 +28,14 @@ _ptr = ctypes.c_void_p
 _i64 = ctypes.c_int64
 
 
-@functools.cache
 def load() -> ctypes.CDLL | None:
-    """The kernel built for this CPU, with the AMX state granted; None where it cannot run (or
-    $MINIVLLM_CPU_GEMM is 0)."""
+    """The kernel built for this CPU, with the AMX state granted; None where it cannot run (or the kernels are
+    switched off: kernels/cpu_gemm.py `set_enabled`)."""
+    return _load() if enabled() else None
+
+
+@functools.cache
+def _load() -> ctypes.CDLL | None:
     gemm = [_ptr] * 4 + [_i64] * 4 + [ctypes.c_int]
     return load_amx_library(SOURCE, "AWQ int4 matmuls", "awq_gemm_init", {"awq_gemm": gemm})
 

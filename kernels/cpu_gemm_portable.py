@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 
@@ -35,11 +34,14 @@ _ptr = ctypes.c_void_p
 _i64 = ctypes.c_int64
 
 
-@functools.cache
 def load() -> ctypes.CDLL | None:
-    """The kernel built for this CPU; None where it cannot be (no compiler) or $MINIVLLM_CPU_GEMM is 0."""
-    if os.environ.get(cpu_gemm.DISABLE_ENV) == "0":
-        return None
+    """The kernel built for this CPU; None where it cannot be (no compiler) or the kernels are switched off
+    (kernels/cpu_gemm.py `set_enabled`)."""
+    return _load() if cpu_gemm.enabled() else None
+
+
+@functools.cache
+def _load() -> ctypes.CDLL | None:
     return build(FLAGS)
 
 

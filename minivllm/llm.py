@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import dataclasses
+import inspect
 import itertools
 import logging
 import sys
@@ -25,18 +26,7 @@ from minivllm.collect import Batch, Collector, Progress
 from minivllm.lora_request import LoRARequest
 from minivllm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
-from proto.quantization import check_quantization
-from proto.wire import WORKER_JOIN_TIMEOUT_S
-from proto.worker_flags import (
-    KV_CACHE_DTYPES,
-    OVERLAP_CHOICES,
-    WorkerOptions,
-    offload_dir_problem,
-    parse_size,
-    worker_argv,
-)
 from scheduler_node.api.embeddings import (
-    POOLINGS,
     EngineFailed,
     check_dimensions,
     embedding_spec,
@@ -51,21 +41,20 @@ from scheduler_node.api.validation import (
     prompt_from_messages,
     prompt_from_text,
 )
-from scheduler_node.core.config import SchedulerConfig
-from scheduler_node.core.kv_precision import CompactKV
 from scheduler_node.core.lora_slots import LoraRef
 from scheduler_node.core.request import RequestSpec
-from scheduler_node.core.speculative import SpeculativeConfig
-from scheduler_node.engine.builder import EngineConfig, WorldPlan, check_model_split, make_engine
-from scheduler_node.engine.core import EngineCore, EngineOptions
+from scheduler_node.engine.builder import WorldPlan, check_model_split, make_engine
+from scheduler_node.engine.core import EngineCore
 from scheduler_node.engine.launchers import LocalLauncher
-from scheduler_node.engine.lora_registry import DEFAULT_MAX_LORA_RANK, LoraConfig
 from scheduler_node.engine.model_path import DEFAULT, resolve_model
 from scheduler_node.engine.placement import place
 from scheduler_node.engine.ports import free_port
 from scheduler_node.engine.topology import single_island
 from scheduler_node.engine.worker_link import WorkerLink
 from scheduler_node.text.tokenizer import ModelTokenizer
+from settings.engine_args import engine_settings, keyword_parameters
+from settings.server import POOLINGS
+from settings.worker import offload_dir_problem, worker_argv
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +62,6 @@ T = TypeVar("T")
 # inprocess: the worker runs in this process (a world of one); processes: one vllm-worker process per rank, over
 # ZeroMQ on loopback (any world); auto: inprocess for a world of one, else processes.
 WORKER_BACKENDS = ("auto", "inprocess", "processes")
-# The arguments' defaults are the settings' own (each written once, where the setting is declared).
-_ENGINE = EngineConfig()
-_SCHEDULER = _ENGINE.scheduler
-_WORKER = WorkerOptions()
 
 
 class TextPrompt(TypedDict):
@@ -113,104 +98,34 @@ class LLM:
         self,
         model: str | None = None,
         *,
-        tensor_parallel_size: int = _ENGINE.tensor_parallel_size,
-        pipeline_parallel_size: int = _ENGINE.pipeline_parallel_size,
-        dtype: str = _ENGINE.dtype,
-        quantization: str = _ENGINE.quantization,
-        device: str = _WORKER.device,
-        kv_cache_memory: int | str | None = _WORKER.kv_cache_memory,
-        num_kv_blocks: int = _ENGINE.num_kv_blocks,
-        swap_space: float = _WORKER.swap_space,
-        kv_offload_ram: float = _WORKER.kv_offload_ram,
-        kv_offload_disk: str = _WORKER.kv_offload_disk,
-        kv_offload_disk_size: float = _WORKER.kv_offload_disk_size,
-        kv_offload_policy: str = _SCHEDULER.kv_offload_policy,
-        attention_backend: str = _WORKER.attention_backend,
-        attention: Mapping[str, Any] | None = None,  # the article's model config section: {"type": ..., "params": ...}
-        kv_cache_dtype: str = _WORKER.kv_cache_dtype,
-        kv_compact_under_pressure: bool = _ENGINE.kv_compact.under_pressure,
-        kv_compact_fraction: float | None = None,
-        kv_compact_dtype: str = _ENGINE.kv_compact.dtype,
-        cuda_graph_sizes: str = _WORKER.cuda_graph_sizes,
-        threads: int = _WORKER.threads,
-        batch_invariant: bool = _WORKER.batch_invariant,
-        overlap_steps: str = _WORKER.overlap_steps,
-        block_size: int = _SCHEDULER.block_size,
-        max_num_seqs: int = _SCHEDULER.max_num_seqs,
-        max_num_batched_tokens: int = _SCHEDULER.max_num_batched_tokens,
-        max_model_len: int = _SCHEDULER.max_model_len,
-        enable_prefix_caching: bool = _SCHEDULER.enable_prefix_caching,
-        preemption_mode: str = _SCHEDULER.preemption_mode.value,
-        scheduling_policy: str = _ENGINE.scheduling_policy,
-        async_scheduling: bool = _ENGINE.async_scheduling,
         worker_backend: str = "auto",
-        worker_join_timeout: float = WORKER_JOIN_TIMEOUT_S,
-        enable_lora: bool = False,
-        max_loras: int = _SCHEDULER.max_loras,
-        max_cpu_loras: int = _SCHEDULER.max_cpu_loras,
-        max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
-        speculative_config: str | Mapping[str, Any] | SpeculativeConfig | None = None,
+        attention: Mapping[str, Any] | None = None,
+        **settings: Any,
     ) -> None:
+        """`model`: as vllm-scheduler's --model. `settings`: any setting of the engine and its workers by name, as
+        the flags spell them with underscores (`max_num_seqs=8`, `kv_cache_memory="4GiB"`,
+        `speculative_config={"method": "ngram"}`; docs/settings.md lists them, `inspect.signature(LLM)` too);
+        a setting not given takes its environment override, else its default. TypeError naming an unknown
+        setting, ValueError naming one out of range. `attention`: a model config's attention section
+        (`{"type": NAME, "params": {...}}`), a kernel registered with `minivllm._custom_ops.register_kernel`."""
         if worker_backend not in WORKER_BACKENDS:
             raise ValueError(f"worker_backend: must be one of {WORKER_BACKENDS}, got {worker_backend!r}")
-        check_quantization(quantization)
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
-        if overlap_steps not in OVERLAP_CHOICES:
-            raise ValueError(f"overlap_steps: must be one of {OVERLAP_CHOICES}, got {overlap_steps!r}")
-        world = tensor_parallel_size * pipeline_parallel_size
+        if attention is not None or "attention_backend" in settings:  # a registered kernel's name gains its path
+            settings["attention_backend"] = worker_setting(settings.get("attention_backend", "auto"), attention)
+        built = engine_settings(settings)
+        self.config, self.options = built.engine, built.worker
+        world = self.config.layout.world_size
         if worker_backend == "inprocess" and world > 1:
             raise ValueError(f"worker_backend: 'inprocess' runs a world of one; this one has {world} ranks")
         self.worker_backend = (
             ("inprocess" if world == 1 else "processes") if worker_backend == "auto" else worker_backend
         )
-
-        problem = offload_dir_problem(kv_offload_disk, "kv_offload_disk:") if kv_offload_disk else ""
+        disk = self.options.kv_offload_disk
+        problem = offload_dir_problem(disk, "kv_offload_disk:") if disk else ""
         if problem:
             raise ValueError(problem)
-        memory = parse_size(kv_cache_memory) if isinstance(kv_cache_memory, str) else kv_cache_memory
-        self.options = WorkerOptions(
-            device=device,
-            kv_cache_memory=memory,
-            attention_backend=worker_setting(attention_backend, attention),  # a kernel's name gains its path
-            swap_space=swap_space,
-            threads=threads,
-            kv_offload_ram=kv_offload_ram,
-            kv_offload_disk=kv_offload_disk,
-            kv_offload_disk_size=kv_offload_disk_size,
-            cuda_graph_sizes=cuda_graph_sizes,
-            kv_cache_dtype=kv_cache_dtype,
-            batch_invariant=batch_invariant,
-            overlap_steps=overlap_steps,
-        )
-        self.config = EngineConfig(
-            dtype=dtype,
-            quantization=quantization,
-            scheduler=SchedulerConfig(
-                block_size=block_size,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_num_seqs=max_num_seqs,
-                max_model_len=max_model_len,
-                enable_prefix_caching=enable_prefix_caching,
-                preemption_mode=preemption_mode,  # type: ignore[arg-type]
-                kv_offload_policy=kv_offload_policy,
-                max_loras=max_loras,
-                max_cpu_loras=max_cpu_loras,
-                speculative=SpeculativeConfig.parse(speculative_config),
-            ),
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            async_scheduling=async_scheduling,
-            scheduling_policy=scheduling_policy,
-            num_kv_blocks=num_kv_blocks,
-            kv_compact=CompactKV.from_flags(kv_compact_under_pressure, kv_compact_fraction, dtype=kv_compact_dtype),
-            lora=LoraConfig(enable_lora=enable_lora, max_lora_rank=max_lora_rank),
-            # The servers' collector policy (engine/collector.py): at 1,024 sequences the default one doubles the
-            # engine's cost per step.
-            options=EngineOptions(schedule_gc=True),
-        )
         self.folder = resolve_model(model or DEFAULT)
-        check_model_split(self.folder, self.config.layout, quantization, self.config.scheduler.speculative)
+        check_model_split(self.folder, self.config.layout, self.config.quantization, self.config.scheduler.speculative)
         self.tokenizer = ModelTokenizer(self.folder)
         self._ids = itertools.count()
         self._launcher: LocalLauncher | None = None
@@ -221,7 +136,7 @@ class LLM:
         self._thread.start()
         _OPEN.add(self)
         try:
-            self._call(self._start(worker_join_timeout))
+            self._call(self._start(self.config.worker_join_timeout))
         except BaseException:
             self.close()
             raise
@@ -474,6 +389,17 @@ class LLM:
         except BaseException:
             future.cancel()
             raise
+
+
+# What help(LLM) and inspect.signature(LLM) show: every setting a keyword with its default (the tree's).
+LLM.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [
+        inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None),
+        inspect.Parameter("worker_backend", inspect.Parameter.KEYWORD_ONLY, default="auto"),
+        inspect.Parameter("attention", inspect.Parameter.KEYWORD_ONLY, default=None),
+        *keyword_parameters(),
+    ]
+)
 
 
 def _unwrap(prompt: Any, name: str) -> tuple[Any, str]:

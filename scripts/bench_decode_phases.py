@@ -1,7 +1,7 @@
 """Where a CPU decode step's time goes: per phase of a decoder layer, per weight format and batch size.
 
 The C decode runner (worker_node/models/native_decode.py, kernels/csrc/decode_layers_cpu.c) times each phase of
-each layer when $MINIVLLM_DECODE_PHASES=1 (`native_decode.phase_seconds`); this script sets it, decodes N
+each layer under `LLM(decode_phases=True)` (`native_decode.phase_seconds`); this script sets it, decodes N
 sequences of 16-token random prompts for --tokens tokens each in an in-process engine per format, and prints the
 milliseconds per step of the whole step (wall time, the engine and the prefill of the prompts included) and of each
 phase summed over the layers, medians of --rounds runs. The runner takes bf16 Llama-family models on CPUs with the
@@ -54,7 +54,9 @@ def measure(model: str, fmt: str, args: argparse.Namespace) -> list[dict[str, An
     quantization = "auto" if "@" in fmt else fmt
     folder = fmt.partition("@")[2] or model
     rows = []
-    with LLM(folder, quantization=quantization, max_num_seqs=max(args.seqs), threads=args.threads) as llm:
+    with LLM(
+        folder, quantization=quantization, max_num_seqs=max(args.seqs), threads=args.threads, decode_phases=True
+    ) as llm:
         params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
         llm.generate([[5, 6, 7]], [SamplingParams(max_tokens=2, temperature=0.0)], use_tqdm=False)  # warm-up
         vocab = llm.tokenizer.vocab_size
@@ -76,7 +78,6 @@ def measure(model: str, fmt: str, args: argparse.Namespace) -> list[dict[str, An
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ[native_decode.PHASES_ENV] = "1"
     from scheduler_node.engine.model_path import resolve_model
 
     model = str(resolve_model(args.model))

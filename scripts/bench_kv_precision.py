@@ -32,8 +32,8 @@ sys.path.insert(0, str(REPO))
 
 from minivllm import LLM, SamplingParams  # noqa: E402
 from minivllm.tiny_models import build_tiny_model  # noqa: E402
-from proto.worker_flags import parse_size  # noqa: E402
 from scheduler_node.core.scheduler import Scheduler  # noqa: E402
+from settings.worker import parse_size  # noqa: E402
 
 
 def _burst(n: int, prompt_len: int, seed: int = 0) -> list[list[int]]:

@@ -38,8 +38,8 @@ from bench_router import WORDS, drive, prefix_cache  # noqa: E402
 from minivllm.cluster import Cluster, RouterProcess, free_port  # noqa: E402
 from proto import serving_pb2 as pb  # noqa: E402
 from proto import serving_pb2_grpc as pb_grpc  # noqa: E402
-from scheduler_node.router.kv_strategy import DEFAULT_OVERLAP_WEIGHT  # noqa: E402
 from scheduler_node.text.tokenizer import ModelTokenizer  # noqa: E402
+from settings.router import DEFAULT_OVERLAP_WEIGHT  # noqa: E402
 
 NAME = "m"
 STRATEGIES = ("kv", "prefix", "round_robin")

@@ -32,9 +32,10 @@ from proto import serving_pb2 as pb  # noqa: E402
 from proto import serving_pb2_grpc as pb_grpc  # noqa: E402
 from scheduler_node.core.config import PreemptionMode, SchedulerConfig  # noqa: E402
 from scheduler_node.core.stats import snapshot  # noqa: E402
-from scheduler_node.engine.builder import EngineConfig, make_engine  # noqa: E402
+from scheduler_node.engine.builder import make_engine  # noqa: E402
 from scheduler_node.engine.stand_in import StandInWorkers  # noqa: E402
 from scheduler_node.text.tokenizer import ModelTokenizer  # noqa: E402
+from settings.engine import EngineConfig  # noqa: E402
 
 
 def shared_prefix(model: Path, caching: bool, n: int, system_len: int) -> dict:

@@ -33,8 +33,8 @@ from minivllm.cluster import Cluster, RouterProcess  # noqa: E402
 from proto import serving_pb2 as pb  # noqa: E402
 from proto import serving_pb2_grpc as pb_grpc  # noqa: E402
 from scheduler_node.bench.report import bar_panels  # noqa: E402
-from scheduler_node.router.strategies import DEFAULT_LOAD_FACTOR  # noqa: E402
 from scheduler_node.text.tokenizer import ModelTokenizer  # noqa: E402
+from settings.router import DEFAULT_LOAD_FACTOR  # noqa: E402
 
 WORDS = (
     "the of and to in is you that it he was for on are as with his they at be this have from or one had by word "

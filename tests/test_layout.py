@@ -13,7 +13,7 @@ from tests.support.paths import REPO
 
 pytestmark = pytest.mark.unit
 
-PACKAGES = ("proto", "scheduler_node", "worker_node", "kernels", "minivllm")
+PACKAGES = ("proto", "settings", "scheduler_node", "worker_node", "kernels", "minivllm")
 
 
 def module_name(path: Path) -> str:
@@ -93,6 +93,42 @@ def test_scripts_import_nothing_from_tests() -> None:
     assert not {name: mods for name, mods in offenders.items() if mods}
 
 
+# The bottom layers: proto (the contracts) imports none of ours; settings (the settings tree) only proto, and
+# neither torch nor grpc, as the scheduler and the worker both read it (proto's generated gRPC stubs are the
+# scheduler side's alone).
+BOTTOM = {"proto": {"proto"}, "settings": {"proto", "settings"}}
+NEITHER_SIDE = {"settings"}
+
+
+def layer_breaches(graph: dict[str, set[str]], third_party: dict[str, set[str]]) -> list[str]:
+    """`module -> import` for each import of a bottom layer's module outside what its layer may use."""
+    found = []
+    for name, imports in graph.items():
+        allowed = BOTTOM.get(name.split(".")[0])
+        if allowed is None:
+            continue
+        found += [f"{name} -> {m}" for m in sorted(imports) if m.split(".")[0] not in allowed]
+        if name.split(".")[0] in NEITHER_SIDE:
+            found += [f"{name} -> {m}" for m in sorted(third_party[name]) if m in ("torch", "grpc", "grpc_health")]
+    return found
+
+
+def test_proto_and_settings_are_bottom_layers() -> None:
+    modules = our_modules()
+    roots = {name: {m.split(".")[0] for m in imports_of(path)} for name, path in modules.items()}
+    assert layer_breaches(import_graph(), roots) == []
+
+
+def test_the_layer_check_finds_a_breach() -> None:
+    graph = {"settings.a": {"proto.wire", "scheduler_node.core"}, "proto.b": {"settings.a"}, "minivllm.c": {"x"}}
+    roots = {"settings.a": {"torch"}, "proto.b": {"grpc"}, "minivllm.c": {"torch"}}
+    assert layer_breaches(graph, roots) == [
+        "settings.a -> scheduler_node.core",
+        "settings.a -> torch",
+        "proto.b -> settings.a",
+    ]
+
+
 def test_the_scheduler_never_imports_torch_and_the_worker_never_imports_grpc() -> None:
     for name, path in our_modules().items():
         roots = {m.split(".")[0] for m in imports_of(path)}
@@ -115,8 +151,6 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "minivllm.lora_request": "re-exported by minivllm/__init__.py, whence tests/minivllm/test_lora.py imports it",
     "minivllm.outputs": "re-exported by minivllm/__init__.py, whence tests/minivllm/test_offline_api.py imports it",
     "minivllm.sampling_params": "re-exported by minivllm/__init__.py, whence tests/minivllm/ imports it",
-    "scheduler_node.cli.lora_flags": "the LoRA flags, beside the registry they fill:"
-    " tests/scheduler_node/engine/test_lora_registry.py",
     "proto.wire_base": "the wire's building blocks, re-exported by proto.wire (tests/proto/test_wire.py)",
     "proto.step_messages": "the step's plan and result, re-exported by proto.wire (tests/proto/test_wire.py)",
     "proto.session_messages": "hand-shake and control messages, re-exported by proto.wire (tests/proto/test_wire.py)",
@@ -139,14 +173,8 @@ TESTED_ELSEWHERE: dict[str, str] = {
     " tests/scheduler_node/bench/test_bench.py",
     "scheduler_node.bench.mixed": "the chaos workload, run by tests/e2e/test_chaos.py",
     "scheduler_node.cli.bench": "vllm-bench's entry point, run by tests/scheduler_node/bench/test_bench.py",
-    "scheduler_node.cli.world_flags": "the world's flags, through the scheduler's parser"
-    " (tests/scheduler_node/cli/test_cli.py, tests/scheduler_node/engine/test_topology.py)",
-    "scheduler_node.cli.kv_flags": "the KV flags, through the scheduler's parser"
-    " (tests/scheduler_node/cli/test_cli.py)",
-    "scheduler_node.cli.openai_flags": "the OpenAI door's flags, through the scheduler's and vllm-serve's parsers"
-    " (tests/scheduler_node/cli/test_cli.py) and tests/e2e/test_serve.py",
-    "scheduler_node.cli.operations": "the operations flags, through the scheduler's parser"
-    " (tests/scheduler_node/cli/test_cli.py) and tests/deploy/test_deploy_k8s.py",
+    "scheduler_node.cli.signals": "the servers' drain on SIGTERM, through vllm-scheduler as a program:"
+    " tests/e2e/test_control.py",
     "scheduler_node.cli.router": "vllm-router, run as a program by tests/e2e/test_router.py and"
     " tests/scripts/test_bench_router.py",
     "scheduler_node.engine.failures": "a part of EngineCore: its failures, in tests/scheduler_node/engine/"

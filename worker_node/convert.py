@@ -10,42 +10,20 @@ import sys
 import tempfile
 from pathlib import Path
 
-from proto.cli_config import add_config_flag, parse_args
+from settings.commands import command_parser
+from settings.config_file import parse_args
 from worker_node.models.gguf import convert
 
 logger = logging.getLogger("vllm-convert")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="vllm-convert",
-        description="Convert a GGUF file to an HF folder: config.json, generation_config.json, the tokenizer and "
-        "the tensors dequantised to model.safetensors (or, with --link, a link to the GGUF file); with "
-        "--quantization awq, quantize a GGUF file or an HF folder to AutoAWQ's 4-bit layout.",
+    return command_parser(
+        "vllm-convert",
+        "Convert a GGUF file to an HF folder: config.json, generation_config.json, the tokenizer and the tensors "
+        "dequantised to model.safetensors (or, with --link, a link to the GGUF file); with --quantization awq, "
+        "quantize a GGUF file or an HF folder to AutoAWQ's 4-bit layout.",
     )
-    add_config_flag(p)
-    p.add_argument("--input", required=True, help="the .gguf file (or, with --quantization awq, an HF folder)")
-    p.add_argument("--output", required=True, help="the folder to write (must not exist yet)")
-    p.add_argument(
-        "--link",
-        action="store_true",
-        help="keep the weights in the GGUF file (linked from the folder), dequantised at each load",
-    )
-    p.add_argument(
-        "--quantization",
-        choices=["none", "awq"],
-        default="none",
-        help="awq: 4-bit AWQ with activation-aware scales searched on a calibration text (AutoAWQ GEMM layout)",
-    )
-    p.add_argument(
-        "--group-size",
-        type=int,
-        default=None,
-        help="AWQ: input channels per scale (32, 64 or 128; default the largest that splits every projection)",
-    )
-    p.add_argument("--calib-file", help="AWQ: a text file to calibrate on (default: a built-in sample)")
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

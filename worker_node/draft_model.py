@@ -130,15 +130,17 @@ def load_draft(
     block_size: int,
     k: int,
     max_seqs: int,
+    huge_pages: bool = True,
 ) -> DraftModel:
-    """The draft model at TP 1, with a KV cache for `max_seqs` requests of `max_model_len` tokens and k more."""
+    """The draft model at TP 1, with a KV cache for `max_seqs` requests of `max_model_len` tokens and k more
+    (`huge_pages`: as load_model's)."""
     config = ModelConfig.from_folder(folder)
     if config.vocab_size != target_vocab:
         raise ValueError(
             f"speculative_config.model: the draft's vocabulary ({config.vocab_size} tokens, {folder}) is not the "
             f"target's ({target_vocab})"
         )
-    model = load_model(folder, backend, dtype, device, max_model_len + k)
+    model = load_model(folder, backend, dtype, device, max_model_len + k, huge_pages=huge_pages)
     per_seq = -(-(max_model_len + k) // block_size)
     cache = allocate_kv_cache(config, block_size, dtype, device, max(1, max_seqs) * per_seq)
     return DraftModel(model, cache, block_size, device, k)

@@ -11,7 +11,7 @@ took 0.35 s more per GiB at start (the 5.4 GiB default: 1-3 s) for a step ~3 % f
 tokens.
 
 It is advice: where the kernel refuses (older kernels, THP off, memory too fragmented) nothing changes but speed.
-`$MINIVLLM_HUGE_PAGES=0` turns it off.
+A worker's --no-huge-pages (settings/fast_paths.py) skips it: the loader is told not to call `collapse`.
 """
 
 from __future__ import annotations
@@ -30,13 +30,12 @@ logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 MADV_COLLAPSE = 25
-ENV = "MINIVLLM_HUGE_PAGES"
 
 
 @functools.cache
 def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """libc's madvise where this is Linux and huge pages are not turned off; else None."""
-    if not sys.platform.startswith("linux") or os.environ.get(ENV) == "0":
+    """libc's madvise where this is Linux; else None."""
+    if not sys.platform.startswith("linux"):
         return None
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     madvise = libc.madvise

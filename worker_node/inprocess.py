@@ -19,7 +19,8 @@ from kernels.kv_quant import format_name
 from proto.pending_steps import PendingSteps
 from proto.transport import WorkerLost, WorldCapacity
 from proto.wire import Assignment, Message, StepError, StepPlan, StepResult, WorkerReady, decode, encode
-from worker_node.loading import WorkerOptions, load_rank, pick_device
+from settings.worker import WorkerOptions
+from worker_node.loading import load_rank, pick_device
 from worker_node.model_runner import ModelRunner
 from worker_node.parallel import SINGLE, Comm
 from worker_node.plan_loop import StepThread

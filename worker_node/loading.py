@@ -13,12 +13,14 @@ from pathlib import Path
 import msgspec
 import torch
 
+from kernels import cpu_gemm
 from kernels.backend import check_cache_dtype, check_reads_quantized, select_attention_backend
 from kernels.cpu_features import has_fast_bf16
 from kernels.kv_quant import cache_dtype, format_name, is_quantized
 from kernels.openmp import release_thread_pool
 from proto.wire import Assignment, WorkerReady
-from proto.worker_flags import WorkerOptions
+from settings.fast_paths import FastPaths
+from settings.worker import WorkerOptions
 from worker_node.cuda_graphs import DecodeGraphs, parse_sizes
 from worker_node.draft_model import load_draft
 from worker_node.kv_cache import (
@@ -35,9 +37,10 @@ from worker_node.lora.manager import LoraManager
 from worker_node.lora.slot_bank import LoraCapacity
 from worker_node.model_runner import ModelRunner
 from worker_node.models.config import ModelConfig
-from worker_node.models.decoder import CausalLM
+from worker_node.models.decoder import CausalLM, set_native_decode
 from worker_node.models.layers import set_batch_invariant
 from worker_node.models.loader import load_model
+from worker_node.models.quant_int8 import set_act_bits
 from worker_node.parallel import Comm, ParallelRank
 from worker_node.step_overlap import overlaps_on
 
@@ -89,6 +92,8 @@ def load_rank(
     a: Assignment, options: WorkerOptions, device: torch.device, comm: Comm
 ) -> tuple[ModelRunner, WorkerReady]:
     """Load this rank's shard and size its caches; the runner and the Ready message that reports them."""
+    fast = options.fast_paths
+    set_kernel_switches(fast)
     dtype = pick_dtype(a.dtype, device)
     where = comm.where
     full = ModelConfig.from_folder(a.model)
@@ -102,8 +107,11 @@ def load_rank(
     if compact_dtype is not None:
         check_cache_dtype(backend, compact_dtype)
         check_reads_quantized(backend, compact_dtype, device)
-    model = load_model(a.model, backend, dtype, device, full.max_model_len, where, comm, a.quantization)
+    model = load_model(
+        a.model, backend, dtype, device, full.max_model_len, where, comm, a.quantization, huge_pages=fast.huge_pages
+    )
     set_batch_invariant(model, options.batch_invariant)
+    set_native_decode(model, fast.native_decode, fast.decode_phases)
     # Before the KV cache is sized: the LoRA slot bank's bytes come out of its budget.
     graph_lora = lora_for_graphs(a, options, backend.name, model, dtype, device, where)
     block_bytes = bytes_per_block(config, a.block_size, kv_dtype)
@@ -149,7 +157,9 @@ def load_rank(
             a.block_size,
             a.num_speculative_tokens,
             a.draft_max_seqs,
+            fast.huge_pages,
         )
+        set_native_decode(runner.draft.model, fast.native_decode, fast.decode_phases)
     bandwidth = measure_swap_bandwidth(cache, host, block_bytes)
     release_thread_pool()  # the step thread runs the model; this one's OpenMP workers would slow it (kernels/openmp.py)
     ready = WorkerReady(a.rank, num_blocks, num_blocks * block_bytes, swap_blocks, bandwidth, format_name(kv_dtype))
@@ -161,6 +171,13 @@ def load_rank(
             compact_format=format_name(compact_dtype),
         )
     return runner, offload.report(ready) if offload is not None else ready
+
+
+def set_kernel_switches(fast: FastPaths) -> None:
+    """The CPU kernels' module-level switches, set as a rank loads (what is loaded from then on follows them): the C
+    matmul kernels on or off, the int8 kernel's activation bits (settings/fast_paths.py)."""
+    cpu_gemm.set_enabled(fast.cpu_gemm)
+    set_act_bits(fast.int8_act_bits)
 
 
 def build_offload(

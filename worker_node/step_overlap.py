@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 
 from proto.wire import StepPlan, StepResult
-from proto.worker_flags import OVERLAP_CHOICES
+from settings.worker import OVERLAP_CHOICES
 
 
 def overlaps_on(choice: str, device: torch.device) -> bool:

@@ -16,7 +16,6 @@ import msgspec
 import torch
 import zmq
 
-from proto.cli_config import add_config_flag, parse_args
 from proto.curve import CurveError, configure_client
 from proto.drop_log import DropLog
 from proto.liveness import Beats
@@ -32,9 +31,12 @@ from proto.wire import (
     WorkerReady,
     encode,
 )
-from proto.worker_flags import EXIT_BAD_FLAGS, add_curve_flag, add_worker_flags, offload_dir_problem
+from settings.cli import from_args
+from settings.commands import command_parser
+from settings.config_file import parse_args
+from settings.worker import EXIT_BAD_FLAGS, WorkerOptions, offload_dir_problem
 from worker_node.kv_handoff import make_handoff
-from worker_node.loading import WorkerOptions, load_rank, pick_device
+from worker_node.loading import load_rank, pick_device
 from worker_node.model_runner import ModelRunner
 from worker_node.parallel import Comm, ParallelRank, RendezvousAborted, connect
 from worker_node.plan_loop import PlanLoop, decode_or_none
@@ -168,17 +170,11 @@ class Worker:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="vllm-worker",
-        description="Run one model shard: connects to vllm-scheduler, receives step plans over ZMQ, "
-        "runs the model on its device and returns sampled tokens.",
+    return command_parser(
+        "vllm-worker",
+        "Run one model shard: connects to vllm-scheduler, receives step plans over ZMQ, runs the model on its "
+        "device and returns sampled tokens.",
     )
-    add_config_flag(p)
-    p.add_argument("--scheduler-address", default="127.0.0.1:50061", help="HOST:PORT of the scheduler's worker socket")
-    add_worker_flags(p)
-    add_curve_flag(p)
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
-    return p
 
 
 def _exit_cleanly(signum: int, frame: object) -> None:
@@ -190,7 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    options = WorkerOptions.from_args(args)
+    try:
+        options = from_args(WorkerOptions, args)
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return EXIT_BAD_FLAGS
     if threading.current_thread() is threading.main_thread():  # not in a Ray actor's thread: Ray handles signals
         signal.signal(signal.SIGTERM, _exit_cleanly)
     problem = offload_dir_problem(options.kv_offload_disk) if options.kv_offload_disk else ""

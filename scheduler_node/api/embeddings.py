@@ -30,8 +30,6 @@ from scheduler_node.engine.core import EngineCore
 from scheduler_node.engine.outputs import EngineError, ErrorStatus
 from scheduler_node.text.tokenizer import ModelTokenizer
 
-POOLINGS = ("last", "mean")
-
 
 class EmbeddingRequest(_Body):
     input: Prompts

@@ -71,24 +71,29 @@ from scheduler_node.core.request import RequestSpec
 from scheduler_node.engine.core import EngineCore
 from scheduler_node.engine.metrics import Metrics
 from scheduler_node.text.tokenizer import ModelTokenizer
+from settings.server import OpenAIApi
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = MAX_REQUEST_BYTES  # as the gRPC door's messages
 
 MakeSpecs = Callable[[Any, ModelTokenizer, int, str, int, int], list[RequestSpec]]
+_API = OpenAIApi()  # the door's settings' defaults (settings/server.py)
 
 
 @dataclass(frozen=True, slots=True)
 class OpenAIConfig:
+    """What the door is built with: where it listens and the name it answers to (resolved by the scheduler), its
+    credentials, and its settings (settings/server.py OpenAIApi)."""
+
     host: str
     port: int
     model_name: str  # what /v1/models lists and `model` must name
     api_key: str = ""  # "": no authentication
     control_token: str = ""  # the control routes' credential ("": the API key's, like every route)
-    tool_call_parser: str = "hermes"  # how tool_choice auto reads calls: a TOOL_PARSERS name or module:Class
-    reasoning_parser: str = ""  # "": off; a REASONING_PARSERS name or module:Class
-    embedding_pooling: str = "last"  # how /v1/embeddings pools a prompt's hidden states: last or mean
+    tool_call_parser: str = _API.tool_call_parser
+    reasoning_parser: str = _API.reasoning_parser
+    embedding_pooling: str = _API.embedding_pooling
 
 
 class OpenAIDoor:

@@ -16,8 +16,6 @@ from proto import serving_pb2_grpc as pb_grpc
 from proto.wire import MAX_MESSAGE_BYTES
 from scheduler_node.bench.workload import BenchRequest
 
-ENDPOINTS = ("completions", "chat")
-
 
 @dataclass(frozen=True, slots=True)
 class SendOptions:

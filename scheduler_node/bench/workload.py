@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from scheduler_node.text.tokenizer import ModelTokenizer
-
-LENGTH_DISTRIBUTIONS = ("fixed", "uniform", "lognormal")
+from settings.bench import LENGTH_DISTRIBUTIONS
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,105 +12,25 @@ import argparse
 import asyncio
 import logging
 import math
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from proto.cli_config import add_config_flag, parse_args
-from scheduler_node.bench.backends import ENDPOINTS, Backend, GrpcBackend, OpenAIBackend, RequestResult, SendOptions
+from scheduler_node.bench.backends import Backend, GrpcBackend, OpenAIBackend, RequestResult, SendOptions
 from scheduler_node.bench.load import LoadOptions, run_load
 from scheduler_node.bench.report import plot, table, write_json
 from scheduler_node.bench.results import RunSummary, parse_slos, summarize
-from scheduler_node.bench.workload import (
-    LENGTH_DISTRIBUTIONS,
-    BenchRequest,
-    Lengths,
-    jsonl_requests,
-    prefix_requests,
-    random_requests,
-)
-from scheduler_node.engine.model_path import DEFAULT, resolve_model
+from scheduler_node.bench.workload import BenchRequest, Lengths, jsonl_requests, prefix_requests, random_requests
+from scheduler_node.engine.model_path import resolve_model
 from scheduler_node.text.tokenizer import ModelTokenizer
+from settings.commands import command_parser
+from settings.config_file import parse_args
 
 logger = logging.getLogger("vllm-bench")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vllm-bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    add_config_flag(p)
-    p.add_argument("--backend", choices=("openai", "grpc"), default="openai", help="the protocol to measure")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="openai: the API's base URL")
-    p.add_argument("--grpc-address", default="127.0.0.1:50051", help="grpc: minivllm's HOST:PORT")
-    p.add_argument("--endpoint", choices=ENDPOINTS, default="completions", help="completions, or chat (template)")
-    p.add_argument("--model", default="", help="openai: the model name to request (default: the server's first)")
-    p.add_argument(
-        "--api-key", default=os.environ.get("OPENAI_API_KEY", ""), help="openai: bearer key (default: $OPENAI_API_KEY)"
-    )
-    p.add_argument(
-        "--send-text",
-        action="store_true",
-        help="openai: send prompts as text even where token ids are known (for servers that take no token-id prompts)",
-    )
-    p.add_argument(
-        "--dataset",
-        choices=("random", "prefix", "jsonl"),
-        default="random",
-        help="random token prompts; prefix: shared prefixes + random suffixes; jsonl: --dataset-path",
-    )
-    p.add_argument(
-        "--dataset-path",
-        default=None,
-        help='jsonl: lines of {"prompt": ...} or {"messages": [...]}, each with an optional "max_tokens"',
-    )
-    p.add_argument(
-        "--tokenizer",
-        default=DEFAULT,
-        help="model folder whose vocabulary random prompts are drawn from "
-        "(use the served model's; default: SmolLM2-135M)",
-    )
-    p.add_argument("--num-prompts", type=int, default=100, help="requests per request rate")
-    p.add_argument("--input-len", type=int, default=128, help="random/prefix: mean prompt tokens (prefix: suffix)")
-    p.add_argument("--output-len", type=int, default=64, help="mean output tokens (jsonl: where a line sets none)")
-    p.add_argument("--length-dist", choices=LENGTH_DISTRIBUTIONS, default="uniform", help="how lengths vary")
-    p.add_argument(
-        "--range-ratio", type=float, default=0.0, help="uniform: lengths in mean x [1-r, 1+r]; lognormal: sigma"
-    )
-    p.add_argument("--prefix-len", type=int, default=256, help="prefix: tokens of each shared prefix")
-    p.add_argument("--num-prefixes", type=int, default=4, help="prefix: distinct prefixes, used round robin")
-    p.add_argument("--request-rate", default="inf", help="requests/s, or a sweep: 1,2,4,inf (inf: all at once)")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps: 1 Poisson, <1 burstier")
-    p.add_argument("--max-concurrency", type=int, default=0, help="requests in flight at most (0: no cap)")
-    p.add_argument(
-        "--duration",
-        type=float,
-        default=0.0,
-        help="seconds per rate after which no new request is sent (0: send all --num-prompts)",
-    )
-    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    p.add_argument(
-        "--ignore-eos",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="run outputs to their set length (vLLM's extension; --no-ignore-eos: strict servers)",
-    )
-    p.add_argument(
-        "--goodput",
-        action="extend",
-        nargs="+",
-        default=[],
-        metavar="KEY:MS",
-        help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:2000 (milliseconds; repeatable)",
-    )
-    p.add_argument(
-        "--seed", type=int, default=0, help="seeds the prompts, lengths and arrival times (rate i of a sweep: seed + i)"
-    )
-    p.add_argument("--json", default=None, metavar="FILE", help="write settings, summaries and per-request timings")
-    p.add_argument("--plot", default=None, metavar="DIR", help="write latency_vs_rate.png and itl_cdf.png here")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="tqdm progress bars")
-    p.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR")
-    return p
+    return command_parser("vllm-bench", __doc__ or "", formatter_class=argparse.RawTextHelpFormatter)
 
 
 def parse_rates(text: str) -> list[float]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -13,78 +12,24 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
-from proto.cli_config import add_config_flag, parse_args
 from scheduler_node.api.validation import NO_CHAT_TEMPLATE
+from settings.commands import command_parser
+from settings.config_file import parse_args
 
 # A newcomer's first command should answer in seconds, not ramble to the end of an 8,192-token context.
-DEFAULT_MAX_TOKENS = 256
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="vllm-client",
-        description="Stream an answer from a minivllm server: the prompt goes through the model's chat template "
-        "when it has one (--no-chat sends it as raw text to complete), and at most --max-tokens (256) come back. "
-        "`vllm-client stats` prints the server's KV-cache and queue statistics instead; `vllm-client health` "
-        "checks grpc.health.v1 (exit 0: SERVING); `vllm-client drain` stops admitting and waits up to --timeout "
-        "for running requests (--migrate: moves them to other replicas behind vllm-router).",
+    p = command_parser(
+        "vllm-client",
+        "Stream an answer from a minivllm server: the prompt goes through the model's chat template when it has "
+        "one (--no-chat sends it as raw text to complete), and at most --max-tokens (256) come back. `vllm-client "
+        "stats` prints the server's KV-cache and queue statistics instead; `vllm-client health` checks "
+        "grpc.health.v1 (exit 0: SERVING); `vllm-client drain` stops admitting and waits up to --timeout for "
+        "running requests (--migrate: moves them to other replicas behind vllm-router).",
     )
-    add_config_flag(p)
+    # The one argument that is no setting: what this call asks (no config key, no environment).
     p.add_argument("prompt", nargs="?", help="the prompt text (read from stdin when omitted)")
-    p.add_argument("--host", default="127.0.0.1", help="server address")
-    p.add_argument("--port", type=int, default=50051, help="server gRPC port")
-    p.add_argument(
-        "--chat",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="--chat: send the prompt as one user message through the chat template (an error if the model has "
-        "none); --no-chat: send it as raw text to complete; default: the chat template when the model has one",
-    )
-    p.add_argument("--model", default="", help="the model to ask for (a vllm-router routes by it; '': the default)")
-    p.add_argument(
-        "--max-tokens",
-        type=int,
-        default=DEFAULT_MAX_TOKENS,
-        help=f"tokens to generate at most (default {DEFAULT_MAX_TOKENS}; the server allows up to the context end)",
-    )
-    p.add_argument("--temperature", type=float, default=None, help="0 for greedy (server default 1.0)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
-    p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens (-1: off)")
-    p.add_argument("--seed", type=int, default=None, help="per-request seed for reproducible sampling")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--n", type=int, default=None, help="sequences to sample")
-    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
-    p.add_argument("--request-id", default="", help="request id (default: assigned by the server)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
-    p.add_argument(
-        "--migrate",
-        action="store_true",
-        help="`vllm-client drain`: hand the requests that came through vllm-router back to it at once (it resumes "
-        "them on another replica: live migration); the others still run to their end",
-    )
-    p.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's root certificates")
-    p.add_argument("--tls-ca", default=None, metavar="PEM", help="connect with TLS, trusting this CA (implies --tls)")
-    p.add_argument(
-        "--tls-server-name", default=None, help="the name the server's certificate must carry (default: --host)"
-    )
-    p.add_argument(
-        "--control-token",
-        default=os.environ.get("MINIVLLM_CONTROL_TOKEN", ""),
-        help="bearer token for Control RPCs such as `stats` (default: $MINIVLLM_CONTROL_TOKEN)",
-    )
-    p.add_argument(
-        "--wait-ready",
-        type=float,
-        default=0.0,
-        metavar="SECONDS",
-        help="first wait up to this long for the server to report SERVING (health check)",
-    )
-    p.add_argument(
-        "--health-service",
-        default="",
-        help="`vllm-client health`: the grpc.health.v1 service to check ('': the whole server, ready to serve; "
-        "minivllm.liveness: the scheduler answers)",
-    )
     return p
 
 

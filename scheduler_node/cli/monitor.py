@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from proto.cli_config import add_config_flag, parse_args
+from settings.commands import command_parser
+from settings.config_file import parse_args
 
 # short name -> the series it prints (the design article's names: memory_usage, cache_hit_rate, fragmentation)
 ALIASES = {
@@ -55,25 +56,11 @@ class Reading:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="vllm-monitor",
-        description="Print live values of a minivllm server's metrics.",
-        epilog="short names for --metric:\n"
-        + "\n".join(f"  {name:<15} {', '.join(series)}" for name, series in ALIASES.items()),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = command_parser("vllm-monitor", "Print live values of a minivllm server's metrics.")
+    p.epilog = "short names for --metric:\n" + "\n".join(
+        f"  {name:<15} {', '.join(series)}" for name, series in ALIASES.items()
     )
-    add_config_flag(p)
-    p.add_argument(
-        "--metric",
-        action="append",
-        required=True,
-        help=f"metric name (repeatable), or one of {', '.join(ALIASES)}: what they stand for is printed",
-    )
-    p.add_argument("--interval", type=float, default=1.0, help="seconds between scrapes")
-    p.add_argument("--host", default="127.0.0.1", help="the scheduler's --metrics-host")
-    p.add_argument("--metrics-port", type=int, default=8000, help="the scheduler's --metrics-port")
-    p.add_argument("--url", default="", help="the full endpoint URL (overrides --host and --metrics-port)")
-    p.add_argument("--count", type=int, default=0, help="stop after this many scrapes (0: until Ctrl-C)")
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
     return p
 
 

@@ -11,65 +11,38 @@ import logging
 import os
 import sys
 
-from proto.cli_config import add_config_flag, parse_args
 from proto.curve import ensure_keys
 from proto.parallel import ParallelLayout
-from proto.worker_flags import add_worker_flags, offload_dir_problem, worker_argv
-from scheduler_node.cli.openai_flags import API_KEY_ENV, SERVE_OPENAI_PORT
-from scheduler_node.cli.operations import TOKEN_ENV
-from scheduler_node.cli.router import add_routing_flags
-from scheduler_node.cli.scheduler import add_scheduler_flags
+from scheduler_node.cli.scheduler import resolve_parallel
 from scheduler_node.cli.supervisor import Supervisor, spawn
-from scheduler_node.cli.world_flags import resolve_parallel
 from scheduler_node.engine.data_parallel import ReplicaPlan, plan_replicas
-from scheduler_node.engine.launchers import add_launcher_flags, make_launcher
+from scheduler_node.engine.launchers import make_launcher
 from scheduler_node.engine.model_path import resolve_model, served_name
 from scheduler_node.engine.ports import free_port
 from scheduler_node.engine.topology import load_topology
+from settings.cli import to_argv
+from settings.commands import COMMANDS, command_parser
+from settings.config_file import parse_args
+from settings.process import API_KEY_ENV, TOKEN_ENV
+from settings.worker import offload_dir_problem, worker_argv
 
 logger = logging.getLogger("vllm-serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="vllm-serve",
-        description="Start vllm-scheduler and --tensor-parallel-size x --pipeline-parallel-size vllm-worker "
-        "processes, on this host or as Ray actors (scheduler and worker flags below); Ctrl-C or SIGTERM stops "
-        "them all. A scheduler that exits 0 (drained, with --exit-after-drain) is started again. SIGHUP, with "
-        "--data-parallel-size >= 2: a rolling restart, each replica in turn drained with migrate (its streams go "
-        "on on the others), restarted and back in the routing before the next (with one replica: ignored).",
+    return command_parser(
+        "vllm-serve",
+        "Start vllm-scheduler and --tensor-parallel-size x --pipeline-parallel-size vllm-worker processes, on this "
+        "host or as Ray actors (scheduler and worker flags below); Ctrl-C or SIGTERM stops them all. A scheduler "
+        "that exits 0 (drained, with --exit-after-drain) is started again. SIGHUP, with --data-parallel-size >= 2: a "
+        "rolling restart, each replica in turn drained with migrate (its streams go on on the others), restarted "
+        "and back in the routing before the next (with one replica: ignored).",
     )
-    add_config_flag(p)
-    add_scheduler_flags(p)
-    p.set_defaults(openai_port=SERVE_OPENAI_PORT, worker_port=0)  # 0: a free port (its workers are its children)
-    add_worker_flags(p)
-    add_launcher_flags(p)
-    p.add_argument(
-        "--data-parallel-size",
-        type=int,
-        default=1,
-        help="replicas of the model, each its own scheduler and TP x PP world on devices of its own, behind a "
-        "vllm-router at --host:--port (the replicas listen on loopback)",
-    )
-    add_routing_flags(p)
-    return p
 
 
 def scheduler_argv(args: argparse.Namespace) -> list[str]:
     """The scheduler's flags in `args`, in command-line form (every flag the scheduler knows)."""
-    parser = argparse.ArgumentParser(add_help=False)
-    add_scheduler_flags(parser)
-    argv = []
-    for action in parser._actions:
-        value = getattr(args, action.dest)
-        flag = action.option_strings[0]
-        if isinstance(action, argparse.BooleanOptionalAction):
-            argv.append(flag if value else "--no-" + flag[2:])
-        elif isinstance(value, list):  # nargs="+": the flag once with every value, or not at all
-            argv += [flag, *map(str, value)] if value else []
-        elif value is not None:
-            argv += [flag, str(value)]
-    return argv
+    return to_argv(COMMANDS["vllm-scheduler"].parts, vars(args))
 
 
 def replica_plans(args: argparse.Namespace) -> list[ReplicaPlan]:
@@ -161,7 +134,6 @@ def main(argv: list[str] | None = None) -> int:
     ]
     schedulers = [spawn("scheduler_node.cli.scheduler", f, env) for f in flags]
     worker_flags = ["--log-level", args.log_level, *worker_argv(args)]
-    worker_flags += ["--zmq-curve-dir", args.zmq_curve_dir] if args.zmq_curve_dir else []
     for plan, launcher in zip(plans, launchers):
         launcher.start(f"{args.worker_host}:{plan.worker_port}", worker_flags)
     routers = [spawn("scheduler_node.cli.router", router_argv(args, plans), env)] if len(plans) > 1 else []

@@ -13,11 +13,11 @@ import sys
 import threading
 import time
 
-from proto.worker_flags import EXIT_BAD_FLAGS
 from scheduler_node.cli.rolling import Deadlines, RollingRestart, ServeFleet
 from scheduler_node.engine.data_parallel import ReplicaPlan
 from scheduler_node.engine.launchers import Launcher
 from scheduler_node.engine.processes import Restarts, terminate
+from settings.worker import EXIT_BAD_FLAGS
 
 logger = logging.getLogger("vllm-serve")
 

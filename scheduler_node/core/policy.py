@@ -38,9 +38,7 @@ from typing import Any
 
 from proto.plugins import load_subclass
 from scheduler_node.core.request import Request
-
-AGING_INTERVAL_S = 10.0  # seconds of age worth one priority point (dynamic, hybrid)
-PREEMPTION_MARGIN = 5.0  # priority points a request must beat another by to displace it
+from settings.engine import AGING_INTERVAL_S, PREEMPTION_MARGIN
 
 
 class Policy:

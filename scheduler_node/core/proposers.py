@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Protocol
 
 from scheduler_node.core.request import Request
-from scheduler_node.core.speculative import SpecState, SpeculativeConfig
+from scheduler_node.core.speculative import SpecState
+from settings.speculative import SpeculativeConfig
 
 
 class Proposer(Protocol):

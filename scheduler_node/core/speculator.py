@@ -22,7 +22,8 @@ from proto.wire import StepResult
 from scheduler_node.core.in_flight import SentPlan
 from scheduler_node.core.proposers import Proposer, make_proposer
 from scheduler_node.core.request import Request, Status
-from scheduler_node.core.speculative import SpecCounters, SpeculativeConfig, eligible
+from scheduler_node.core.speculative import SpecCounters, eligible
+from settings.speculative import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 

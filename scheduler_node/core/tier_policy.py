@@ -8,8 +8,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from scheduler_node.core.block_table import BlockHash
-
-KV_OFFLOAD_POLICIES = ("arc", "lru")
+from settings.scheduler import KV_OFFLOAD_POLICIES
 
 
 def _oldest_unprotected(entries: OrderedDict[BlockHash, None], protected: set[BlockHash]) -> BlockHash | None:

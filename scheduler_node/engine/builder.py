@@ -1,7 +1,8 @@
 """Assembling an engine core: the world's assignments, the scheduler sized to the world, the engine on top.
 
 The same steps for every door: vllm-scheduler (workers over ZeroMQ) and the offline `LLM` (in-process, or worker
-processes for TP/PP worlds). The transport assembles the world; `make_engine` sizes the scheduler from what it holds.
+processes for TP/PP worlds), from the same settings (settings/engine.py's EngineConfig). The transport assembles the
+world; `make_engine` sizes the scheduler from what it holds.
 """
 
 from __future__ import annotations
@@ -9,57 +10,28 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from proto.lora import BaseShapes
 from proto.parallel import ParallelLayout
 from proto.quantization import resolve_quantization
 from proto.transport import WorkerTransport, WorldCapacity
-from proto.wire import Assignment, ExecutionMode
-from scheduler_node.core.config import SchedulerConfig
-from scheduler_node.core.kv_precision import CompactKV
+from proto.wire import Assignment
 from scheduler_node.core.kv_tiers import KVTiers
-from scheduler_node.core.policy import AGING_INTERVAL_S, PREEMPTION_MARGIN, make_policy
+from scheduler_node.core.policy import make_policy
 from scheduler_node.core.scheduler import PreemptionCosts, Scheduler
-from scheduler_node.core.speculative import SpeculativeConfig
-from scheduler_node.engine.core import EngineCore, EngineOptions
-from scheduler_node.engine.lora_registry import LoraConfig, LoraRegistry
+from scheduler_node.engine.core import EngineCore
+from scheduler_node.engine.lora_registry import LoraRegistry
 from scheduler_node.engine.metrics import Metrics
 from scheduler_node.engine.placement import Placement, RankAssigner
 from scheduler_node.engine.ports import free_port
 from scheduler_node.text.tokenizer import ModelTokenizer
+from settings.engine import EngineConfig
+from settings.lora import LoraConfig
+from settings.scheduler import SchedulerConfig
+from settings.speculative import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """How an engine core and its world are built: the flags of vllm-scheduler, the arguments of `LLM`."""
-
-    dtype: str = "auto"
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    async_scheduling: bool = True
-    scheduling_policy: str = "fcfs"
-    aging_interval: float = AGING_INTERVAL_S
-    preemption_margin: float = PREEMPTION_MARGIN
-    options: EngineOptions = field(default_factory=EngineOptions)
-    num_kv_blocks: int = 0  # 0: as the workers' memory allows; else every rank holds exactly this many
-    num_swap_blocks: int = -1  # -1: as the workers' --swap-space allows; else at most this many
-    distributed_timeout: float = 300.0
-    kv_compact: CompactKV = field(default_factory=CompactKV)  # per-request KV precision: the compact pool
-    quantization: str = "auto"  # the weights' format (proto/quantization.py)
-    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (scheduler_node/engine/lora_registry.py)
-
-    @property
-    def layout(self) -> ParallelLayout:
-        return ParallelLayout(self.tensor_parallel_size, self.pipeline_parallel_size)
-
-    @property
-    def mode(self) -> ExecutionMode:
-        return ExecutionMode.for_world(self.tensor_parallel_size, self.pipeline_parallel_size, self.async_scheduling)
 
 
 class WorldPlan:
@@ -181,7 +153,7 @@ def lora_registry(config: LoraConfig, folder: Path) -> LoraRegistry | None:
     if not config.enable_lora:
         return None
     registry = LoraRegistry(BaseShapes.from_folder(folder), config.max_lora_rank)
-    for name, path in config.lora_modules:
+    for name, path in config.modules:
         registry.add(name, path)
     return registry
 

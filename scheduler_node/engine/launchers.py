@@ -17,12 +17,10 @@ from typing import Protocol
 from proto.liveness import Pulse
 from proto.parallel import ParallelLayout
 from proto.wire import HEARTBEAT_TIMEOUT_S, WORKER_JOIN_TIMEOUT_S
-from proto.worker_flags import EXIT_BAD_FLAGS
 from scheduler_node.engine.processes import Restarts, terminate
+from settings.worker import EXIT_BAD_FLAGS
 
 logger = logging.getLogger(__name__)
-
-LAUNCHERS = ("local", "ray")
 
 
 class Launcher(Protocol):
@@ -43,22 +41,6 @@ class Launcher(Protocol):
     def stop(self, grace: float) -> None:
         """The scheduler told the workers to shut down: give them `grace` seconds, then end what is left."""
         ...
-
-
-def add_launcher_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--launcher",
-        choices=LAUNCHERS,
-        default="local",
-        help="local: the workers are child processes of vllm-serve on this host; ray: Ray actors in a placement "
-        "group of the Ray cluster at --ray-address, each TP group packed on one node",
-    )
-    p.add_argument(
-        "--ray-address",
-        default=None,
-        help="--launcher ray: the Ray cluster to join (HOST:PORT of its GCS, or 'auto'); default: $RAY_ADDRESS, "
-        "else a new local Ray instance on this host",
-    )
 
 
 def make_launcher(args: argparse.Namespace, layout: ParallelLayout, env: dict[str, str] | None = None) -> Launcher:

@@ -11,37 +11,12 @@ from __future__ import annotations
 
 import itertools
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 from proto.lora import BaseShapes, inspect_adapter
 from scheduler_node.core.lora_slots import LoraRef
 
 _NAME = re.compile(r"[\w.:/@+-]{1,128}")  # whole names only: fullmatch, so no "x\n"
-DEFAULT_MAX_LORA_RANK = 16
-
-
-@dataclass(frozen=True, slots=True)
-class LoraConfig:
-    """The LoRA flags besides --max-loras (a scheduler setting: scheduler_node/core/config.py)."""
-
-    enable_lora: bool = False
-    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) registered at start
-    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
-
-    def __post_init__(self) -> None:
-        if self.max_lora_rank < 1:
-            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
-        if self.lora_modules and not self.enable_lora:
-            raise ValueError("--lora-modules needs --enable-lora")
-
-
-def parse_lora_module(text: str) -> tuple[str, str]:
-    """`name=path` (vLLM's --lora-modules spelling) as (name, path)."""
-    name, sep, path = text.partition("=")
-    if not sep or not name or not path:
-        raise ValueError(f"--lora-modules {text!r}: expected name=path")
-    return name, path
 
 
 class UnknownAdapter(KeyError):

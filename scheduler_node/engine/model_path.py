@@ -20,10 +20,11 @@ from pathlib import Path
 from proto.architectures import architecture_of
 from proto.checkpoints import PICKLE_SUFFIXES, pickle_refusal, weight_files
 from proto.model_cache import DEFAULT_MODEL_NAME, cache_dir, default_model_dir
+from settings.server import DEFAULT_MODEL
 
 logger = logging.getLogger(__name__)
 
-DEFAULT = "default"
+DEFAULT = DEFAULT_MODEL
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name, fullmatch (`$` would pass a final newline)
 
 

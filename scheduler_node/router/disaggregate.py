@@ -27,13 +27,13 @@ from scheduler_node.router.replica import Replica
 from scheduler_node.router.request import RouteRequest
 from scheduler_node.router.routing import RouteError
 from scheduler_node.router.upstream import Forwarder
+from settings.router import DEFAULT_MIN_PROMPT_TOKENS
 
 logger = logging.getLogger(__name__)
 
 PREFILL_SUFFIX = ".prefill"
 # Shorter prompts (4 blocks of 16) are computed where they decode: a chat turn's prompt costs a decode replica about
 # one step, while the prefill hop queues it behind every long prompt the prefill replica holds, then adds a transfer.
-DEFAULT_MIN_PROMPT_TOKENS = 64
 
 
 class Disaggregator:

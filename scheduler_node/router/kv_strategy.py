@@ -37,6 +37,7 @@ from scheduler_node.router.replica import Replica
 from scheduler_node.router.request import RouteRequest
 from scheduler_node.router.strategies import DEFAULT_TOKENS, LeastLoaded, Pick, Rotation
 from scheduler_node.text.tokenizer import ModelTokenizer
+from settings.router import DEFAULT_OVERLAP_WEIGHT
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,6 @@ logger = logging.getLogger(__name__)
 # Dynamo's 1 0.63-0.82; at 4 every replica got between 2/3 and 4/3 of an even share. The price is balance when
 # one prefix dominates: a replica holding a 60-block prompt takes its requests until it runs about 240 blocks
 # more than another (e.g. 15 more streams of 16 blocks each).
-DEFAULT_OVERLAP_WEIGHT = 4.0
 # A routed request's blocks count as held by its replica until their events come, at most this long (and not
 # past a restart), so the next request of the prefix follows it while the first still computes it.
 PENDING_S = 10.0

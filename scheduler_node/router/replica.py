@@ -1,4 +1,5 @@
-"""The schedulers a router fronts: what the config names (ReplicaSpec) and what the router knows of each (Replica).
+"""The schedulers a router fronts: what the config names (ReplicaSpec, settings/router.py) and what the router
+knows of each (Replica).
 
 A replica is one vllm-scheduler (with its own TP x PP world) serving one model under a name. Its state comes from
 probes (grpc.health.v1) and from the streams the router sends it; its load from its Control.GetStats (polled) and
@@ -9,86 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+
+from settings.router import ReplicaSpec
 
 logger = logging.getLogger(__name__)
 
 STARTING, SERVING, NOT_SERVING, DOWN = "starting", "serving", "not_serving", "down"
-KV_ROLES = ("prefill", "decode", "both")
 EWMA_ALPHA = 0.3  # weight of the newest latency sample: a replica's slowdown shows within a few requests
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaSpec:
-    address: str  # HOST:PORT of the scheduler's gRPC server
-    model: str  # the name it serves (its --served-model-name)
-    weight: float = 1.0  # its share relative to the other replicas of its model (capacity)
-    http: str = ""  # HOST:PORT of its OpenAI HTTP API (its --openai-port), where the router's HTTP door forwards
-    kv_events: str = ""  # HOST:PORT of its KV events (its --kv-events-port), for --routing-strategy kv
-    kv_snapshot: str = ""  # HOST:PORT of its KV snapshots (its --kv-events-snapshot-port; default: kv_events + 1)
-    tokenizer: str = ""  # the model's folder (tokenizer.json, chat template): kv hashes text prompts like it
-    kv_role: str = "both"  # prefill, decode or both (its vllm-serve --kv-role), for --disaggregate
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "kv_role", self.kv_role or "both")
-        if self.kv_role not in KV_ROLES:
-            raise ValueError(
-                f"replica {self.address}: kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}"
-            )
-        for key in ("address", "http", "kv_events", "kv_snapshot"):
-            address = getattr(self, key)
-            host, _, port = address.rpartition(":")
-            if (address or key == "address") and (not host or not port.isdigit() or not 0 < int(port) < 65536):
-                raise ValueError(f"replica {key} must be HOST:PORT, got {address!r}")
-        if self.kv_snapshot and not self.kv_events:
-            raise ValueError(f"replica {self.address}: kv_snapshot needs kv_events")
-        if self.kv_events and not self.kv_snapshot:
-            host, _, port = self.kv_events.rpartition(":")
-            if int(port) == 65535:
-                raise ValueError(f"replica {self.address}: give kv_snapshot (kv_events' port + 1 is not a port)")
-            object.__setattr__(self, "kv_snapshot", f"{host}:{int(port) + 1}")
-        if not self.model:
-            raise ValueError(f"replica {self.address}: model must not be empty")
-        if not self.weight > 0:
-            raise ValueError(f"replica {self.address}: weight must be > 0, got {self.weight}")
-
-
-OPTIONAL = (
-    "http",
-    "kv_events",
-    "kv_snapshot",
-    "tokenizer",
-    "kv_role",
-)  # the keys of --replica besides address, model, weight
-
-
-def parse_replica(value: str | Mapping[str, Any]) -> ReplicaSpec:
-    """`HOST:PORT,model=NAME[,weight=W][,http=HOST:PORT][,kv_events=HOST:PORT][,kv_snapshot=HOST:PORT]
-    [,tokenizer=DIR][,kv_role=prefill|decode|both]` (the command line) or a mapping of those keys (a config file)."""
-    if isinstance(value, Mapping):
-        fields = {str(k): v for k, v in value.items()}
-    else:
-        address, *pairs = str(value).split(",")
-        fields = {"address": address}
-        for pair in pairs:
-            key, sep, v = pair.partition("=")
-            if not sep:
-                raise ValueError(f"replica {value!r}: expected key=value after the address, got {pair!r}")
-            fields[key.strip()] = v.strip()
-    unknown = set(fields) - {"address", "model", "weight", *OPTIONAL}
-    if unknown:
-        raise ValueError(f"replica {value!r}: unknown keys {sorted(unknown)}; expected address, model, weight, "
-                         f"{', '.join(OPTIONAL)}")  # fmt: skip
-    if "address" not in fields or "model" not in fields:
-        raise ValueError(f"replica {value!r}: address and model are required")
-    try:
-        weight = float(fields.get("weight", 1.0))
-    except (TypeError, ValueError):
-        raise ValueError(f"replica {value!r}: weight must be a number, got {fields['weight']!r}") from None
-    optional = {key: str(fields.get(key) or "").strip() for key in OPTIONAL}
-    return ReplicaSpec(str(fields["address"]).strip(), str(fields["model"]).strip(), weight, **optional)
 
 
 @dataclass(slots=True)

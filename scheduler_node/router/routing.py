@@ -22,7 +22,8 @@ from scheduler_node.router.kv_load import Ticket
 from scheduler_node.router.metrics import RouterMetrics
 from scheduler_node.router.replica import Replica, ReplicaPool
 from scheduler_node.router.request import RouteRequest
-from scheduler_node.router.strategies import DEFAULT_LOAD_FACTOR, LeastLoaded, Pick, Strategy, make_strategy
+from scheduler_node.router.strategies import LeastLoaded, Pick, Strategy, make_strategy
+from settings.router import DEFAULT_LOAD_FACTOR
 
 logger = logging.getLogger(__name__)
 

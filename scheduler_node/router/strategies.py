@@ -25,10 +25,6 @@ from scheduler_node.router.request import RouteRequest
 from scheduler_node.router.ring import HashRing
 
 STRATEGIES = ("round_robin", "least_loaded", "prefix", "latency", "kv")  # kv: scheduler_node/router/kv_strategy.py
-# `prefix`: a replica may take up to 1.5 x its share of the open streams. The bounded-loads paper's 1.25 spills
-# too often when few streams are open (with 2 replicas and 8 streams, a sixth on one replica already overflows):
-# in scripts/bench_router.py it lost a fifth of the hit rate that 1.5 keeps.
-DEFAULT_LOAD_FACTOR = 1.5
 DEFAULT_TOKENS = 64  # `latency`: output tokens expected of a request that does not say (no max_tokens)
 MAX_RINGS = 64  # `prefix`: rings kept, one per set of candidates (a retry excludes one replica)
 

@@ -13,9 +13,9 @@ import pytest
 import tomllib
 import yaml
 
-from proto.cli_config import config_keys, parse_args
-from proto.worker_flags import parse_size
-from scheduler_node.core.speculative import speculative_config_flag
+from settings.config_file import config_keys, parse_args
+from settings.speculative import speculative_text
+from settings.worker import parse_size
 from tests.support.paths import REPO
 
 pytestmark = pytest.mark.unit
@@ -123,16 +123,21 @@ def _other_value(action: argparse.Action, value: Any) -> tuple[list[str], Any]:
         return [flag, str(other)], other
     if action.type is int:
         return [flag, str((value or 0) + 1)], (value or 0) + 1
-    if action.type is float:
-        return [flag, str((value or 0) + 0.5)], (value or 0) + 0.5
-    if action.type is parse_size:
+    if action.type is float:  # another value in range (a fraction stays one)
+        other = value / 2 if value else 0.5
+        return [flag, str(other)], other
+    if action.type is parse_size or getattr(action.type, "__name__", "") == parse_size.__name__:
         return [flag, "3MiB"], 3 * 2**20
     if action.dest == "attention_backend":  # a built-in name or module:Class, checked when parsed
         other = "deploy.custom_attention:PaddedDecodeAttention"
         return [flag, other], other
+    if action.dest == "int8_act_bits":  # BITS or PROJECTION=BITS, checked when parsed
+        return [flag, "down_proj=8"], "down_proj=8"
     if action.dest == "speculative_config":  # JSON, checked when parsed
         other = '{"method": "ngram", "num_speculative_tokens": 3}'
-        return [flag, other], speculative_config_flag(other)
-    if action.nargs == "+":  # one or more values (--lora-modules name=path ...)
-        return [flag, "from-the-command-line"], ["from-the-command-line"]
+        return [flag, other], speculative_text(other)
+    if action.dest in ("tls_cert", "tls_key"):  # they go together (checked when parsed)
+        return ["--tls-cert", "cert.pem", "--tls-key", "key.pem"], f"{action.dest[4:]}.pem"
+    if action.dest == "lora_modules":  # name=path, with --enable-lora (checked when parsed)
+        return [flag, "a=/adapters/a", "--enable-lora"], ["a=/adapters/a"]
     return [flag, "from-the-command-line"], "from-the-command-line"

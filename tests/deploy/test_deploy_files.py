@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from minivllm.cluster import Cluster
-from proto.cli_config import parse_args
 from scheduler_node.api.health import LIVENESS
 from scheduler_node.cli.client import build_parser as client_parser
 from scheduler_node.cli.serve import build_parser as serve_parser
+from settings.config_file import parse_args
 from tests.support.ops import TINY_WORKER, wait_for
 from tests.support.paths import REPO
 

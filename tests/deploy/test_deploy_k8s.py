@@ -16,9 +16,9 @@ import yaml
 
 from proto.parallel import ParallelLayout
 from scheduler_node.api.health import LIVENESS
-from scheduler_node.cli.operations import TOKEN_ENV
 from scheduler_node.engine.placement import place
 from scheduler_node.engine.topology import parse_topology
+from settings.process import TOKEN_ENV
 from tests.support.k8s import K8S, World, files_in, mounts, parse_command, pod_spec, render, resolve
 from tests.support.paths import REPO
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from scheduler_node.api.health import LIVENESS
-from scheduler_node.cli.operations import TOKEN_ENV
 from scheduler_node.engine.model_path import served_name
 from scheduler_node.router.probe import REOPEN_AFTER_S
+from settings.process import TOKEN_ENV
 from tests.support.k8s import FLEET, World, files_in, fleet_prestop, mounts, parse_command, pod_spec, render, resolve
 
 PORT_FLAGS = {"grpc": "port", "http": "openai_port", "metrics": "metrics_port"}

@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 import yaml
 
-from scheduler_node.cli.lora_flags import lora_config
 from scheduler_node.cli.serve import replica_plans
+from settings.cli import from_args
+from settings.lora import LoraConfig
 from tests.deploy import test_deploy_k8s as k8s
 from tests.support.helm import Helm, HelmError, find_helm
 from tests.support.k8s import World, parse_command, pod_spec, resolve
@@ -118,7 +119,7 @@ def test_the_article_values_give_three_worlds_of_two_gpus(helm: Helm, tmp_path: 
     assert container["image"] == "minivllm:cuda"
     assert container["args"][-3:] == ARTICLE["engine"]["args"], "engine.args go last: they win over the file"
     assert (args.model, args.tensor_parallel_size, args.pipeline_parallel_size) == ("default", 2, 1)
-    assert args.max_lora_rank == 64 and lora_config(args).max_lora_rank == 64
+    assert args.max_lora_rank == 64 and from_args(LoraConfig, args).max_lora_rank == 64
     assert args.device == "cuda" and args.worker_host == "127.0.0.1"
     volume, name = resolve(args.topology, spec, container, world)
     local = tmp_path / name

@@ -21,8 +21,8 @@ import pytest
 from minivllm.cluster import Cluster
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
-from proto.cli_config import parse_args
 from scheduler_node.cli.scheduler import build_parser as scheduler_parser
+from settings.config_file import parse_args
 from tests.support.clusters import SHARED, MeteredCluster
 from tests.support.ops import (
     NOT_SERVING,

@@ -29,7 +29,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from minivllm.cluster import REPO, Cluster, RouterProcess, free_port
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
-from scheduler_node.cli.operations import TOKEN_ENV
+from settings.process import TOKEN_ENV
 from tests.support.clusters import control_stats
 from tests.support.k8s import COMMANDS, FLEET, World, fleet_prestop, render
 from tests.support.models import assert_teacher_forced, load_hf

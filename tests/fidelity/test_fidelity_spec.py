@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from proto.wire import SamplingOptions
-from scheduler_node.core.speculative import SpeculativeConfig
+from settings.speculative import SpeculativeConfig
 from tests.support.engine import EngineRun, load_runner
 from tests.support.inprocess_tp import TensorParallelRanks
 from tests.support.models import assert_teacher_forced, load_hf

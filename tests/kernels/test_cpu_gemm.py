@@ -213,13 +213,13 @@ def test_what_the_kernel_does_not_cover_is_torchs(x: torch.Tensor, w: torch.Tens
 
 def test_no_amx_means_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_gemm, "cpu_flags_line", lambda: "flags : avx512f avx512_bf16")
-    cpu_gemm.load.cache_clear()
+    cpu_gemm._load.cache_clear()
     try:
         assert cpu_gemm.load() is None
         x, w = torch.randn(2, 64).bfloat16(), torch.randn(32, 64).bfloat16()
         assert torch.equal(cpu_gemm.linear(x, w), F.linear(x, w))
     finally:
-        cpu_gemm.load.cache_clear()
+        cpu_gemm._load.cache_clear()
 
 
 @needs_amx_int8

@@ -100,14 +100,14 @@ def test_what_the_kernel_does_not_cover_is_left_to_the_caller() -> None:
         assert cpu_gemm_portable.linear(xs, qs, ss) is None, what
 
 
-def test_no_kernel_when_the_cpu_kernels_are_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(cpu_gemm_portable.cpu_gemm.DISABLE_ENV, "0")
-    cpu_gemm_portable.load.cache_clear()
+def test_no_kernel_when_the_cpu_kernels_are_switched_off() -> None:
+    """A worker's --no-cpu-gemm (settings/fast_paths.py), set as it loads."""
+    cpu_gemm_portable.cpu_gemm.set_enabled(False)
     try:
         assert cpu_gemm_portable.linear(torch.randn(1, 96), *_weights(40, 96, 1)) is None
     finally:
-        monkeypatch.undo()
-        cpu_gemm_portable.load.cache_clear()
+        cpu_gemm_portable.cpu_gemm.set_enabled(True)
+    assert cpu_gemm_portable.load() is not None, "on again"
 
 
 # ---- int4 (AWQ's codes, zero points and scales per group)

@@ -6,7 +6,7 @@ import torch
 
 from kernels import cpu_attention, torch_attention
 from kernels.kv_quant import FORMATS, QMAX, cache_dtype, dequantize, quantize
-from proto.worker_flags import KV_CACHE_DTYPES
+from settings.worker import KV_CACHE_DTYPES
 from tests.support.paged_inputs import dense_causal_attention, make_paged_batch, quantize_batch, rel_err
 
 pytestmark = pytest.mark.unit

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from proto.attention_setting import AttentionChoice, from_mapping, parse_setting
-from proto.cli_config import parse_args
+from settings.config_file import parse_args
 
 pytestmark = pytest.mark.unit
 

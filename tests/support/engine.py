@@ -27,9 +27,10 @@ from scheduler_node.core.request import RequestSpec
 from scheduler_node.core.scheduler import PreemptionCosts, Scheduler
 from scheduler_node.engine.core import EngineCore, EngineOptions
 from scheduler_node.text.tokenizer import ModelTokenizer
+from settings.worker import WorkerOptions
 from tests.support.waiting import until
 from worker_node.inprocess import InProcessWorkers
-from worker_node.loading import WorkerOptions, load_rank
+from worker_node.loading import load_rank
 from worker_node.model_runner import ModelRunner
 from worker_node.parallel import SINGLE, Comm, ParallelRank
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from proto.cli_config import parse_args
+from settings.config_file import parse_args
 from tests.support.paths import REPO
 
 K8S = REPO / "deploy" / "k8s"

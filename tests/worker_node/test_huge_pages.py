@@ -6,7 +6,6 @@ import ctypes
 import os
 import platform
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -73,16 +72,6 @@ def _skip_unless_the_kernel_collapses_now() -> None:
         pytest.skip(f"the kernel collapses nothing now: {os.strerror(ctypes.get_errno())}")
 
 
-@pytest.fixture
-def switched_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Huge pages on for the test, whatever $MINIVLLM_HUGE_PAGES says outside it."""
-    monkeypatch.delenv(huge_pages.ENV, raising=False)
-    huge_pages._madvise.cache_clear()
-    yield
-    huge_pages._madvise.cache_clear()
-
-
-@pytest.mark.usefixtures("switched_on")
 def test_a_written_tensor_is_collapsed_onto_huge_pages_in_place() -> None:
     _skip_unless_the_kernel_collapses_now()
     weight = torch.arange(16 * MiB // 4, dtype=torch.float32)
@@ -91,16 +80,6 @@ def test_a_written_tensor_is_collapsed_onto_huge_pages_in_place() -> None:
     assert huge_pages.collapse([weight]) >= 14 * MiB  # all but the partial pages at both ends
     assert _huge_bytes_at(address + 8 * MiB) >= 14 * MiB
     assert weight.data_ptr() == address and torch.equal(weight, before)
-
-
-def test_huge_pages_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(huge_pages.ENV, "0")
-    huge_pages._madvise.cache_clear()
-    try:
-        assert huge_pages.collapse([torch.ones(8 * MiB, dtype=torch.uint8)]) == 0
-    finally:
-        monkeypatch.delenv(huge_pages.ENV)
-        huge_pages._madvise.cache_clear()
 
 
 class _Layer(torch.nn.Linear):

@@ -6,17 +6,20 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 
+from kernels.backend import select_attention_backend
 from proto.checkpoints import PickleCheckpointError
 from scheduler_node.engine.model_path import resolve_model
 from tests.support.engine import load_runner
 from worker_node.convert import main as vllm_convert
 from worker_node.default_model import find_gguf
+from worker_node.models import loader
 from worker_node.models.gguf import LINK_NAME
 
 pytestmark = pytest.mark.model
@@ -118,3 +121,20 @@ def test_vllm_convert_writes_a_safetensors_folder(tmp_path: Path, smollm2_dir: P
     assert resolve_model(str(out)) == out
     assert vllm_convert(["--input", str(find_gguf()), "--output", str(out)]) == 2, "an existing output is kept"
     assert vllm_convert(["--input", str(smollm2_dir / "config.json"), "--output", str(tmp_path / "x")]) == 2
+
+
+def test_the_loader_collapses_a_cpu_model_unless_told_not(
+    monkeypatch: pytest.MonkeyPatch, tiny_llama_dir: Path
+) -> None:
+    """A worker's --no-huge-pages (settings/fast_paths.py) reaches the loader, which then leaves the weights be."""
+    collapsed: list[int] = []
+
+    def collapse(tensors: Iterable[torch.Tensor]) -> int:
+        collapsed.append(len(list(tensors)))
+        return 0
+
+    monkeypatch.setattr(loader, "collapse", collapse)
+    backend = select_attention_backend("torch", torch.device("cpu"))
+    for on in (True, False):
+        loader.load_model(tiny_llama_dir, backend, torch.float32, torch.device("cpu"), 64, huge_pages=on)
+    assert len(collapsed) == 1 and collapsed[0] > 0, collapsed

@@ -82,7 +82,7 @@ def test_the_choice_and_its_errors() -> None:
     assert overlaps_on("on", torch.device("cpu")) and not overlaps_on("off", torch.device("cuda", 0))
     with pytest.raises(ValueError, match="overlap_steps"):
         overlaps_on("sometimes", torch.device("cpu"))
-    with pytest.raises(ValueError, match="overlap_steps: must be one of"):
+    with pytest.raises(ValueError, match="overlap_steps must be one of auto, on, off, got 'yes'"):
         LLM("unused", overlap_steps="yes")
     assert may_follow(StepPlan(1)) and not may_follow(StepPlan(1, propose=[3]))
     assert not may_follow(StepPlan(1, cached_requests=[CachedRequest(3, 5, 2, draft_token_ids=(7,))]))

@@ -7,7 +7,6 @@ checkpoint's layer `first_layer + i`); the first stage embeds, the last one norm
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -20,8 +19,6 @@ from worker_node.models.config import ModelConfig
 from worker_node.models.layers import ParallelLMHead, RMSNorm, RopeAngles, Rotary, VocabParallelEmbedding
 from worker_node.models.native_decode import NativeDecode
 from worker_node.parallel import SINGLE, Comm, ParallelRank
-
-NATIVE_DECODE_ENV = "MINIVLLM_NATIVE_DECODE"  # "0": decode steps run the Python layers (to compare)
 
 
 class StepInterrupted(Exception):
@@ -77,6 +74,8 @@ class CausalLM(nn.Module):
         self.rotary = Rotary(config, max_positions)
         self._native: NativeDecode | None = None
         self._native_checked = False
+        # The worker's --native-decode and --decode-phases (settings/fast_paths.py): `set_native_decode`.
+        self.native_decode, self.decode_phases = True, False
 
     def make_layer(
         self, config: ModelConfig, layer: int, backend: AttentionBackend, where: ParallelRank, comm: Comm
@@ -137,8 +136,8 @@ class CausalLM(nn.Module):
         weights are in their final layout by then); None where the layers do not qualify."""
         if not self._native_checked:
             self._native_checked = True
-            if os.environ.get(NATIVE_DECODE_ENV) != "0" and self.layers and _on_cpu(self):
-                self._native = NativeDecode.build(self.layers, self.where.tp_size)
+            if self.native_decode and self.layers and _on_cpu(self):
+                self._native = NativeDecode.build(self.layers, self.where.tp_size, self.decode_phases)
         return self._native
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -146,6 +145,13 @@ class CausalLM(nn.Module):
         if self.lm_head is None:
             raise RuntimeError("only the last pipeline stage computes logits")
         return self.lm_head(hidden)
+
+
+def set_native_decode(model: CausalLM, on: bool, time_phases: bool = False) -> None:
+    """Whether `model`'s CPU decode steps may run in the C runner (off: the Python layers, to compare), and
+    whether that runner times its phases (native_decode.phase_seconds); before its first step."""
+    model.native_decode, model.decode_phases = on, time_phases
+    model._native, model._native_checked = None, False
 
 
 def residual_stream(hidden: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from kernels.interface import AttentionBackend
 from proto.checkpoints import GGUF, weight_files
 from proto.parallel import kv_head_range, shard, vocab_shard
 from proto.quantization import checkpoint_quantization, resolve_quantization
-from worker_node import huge_pages
+from worker_node.huge_pages import collapse, module_tensors
 from worker_node.models.config import ModelConfig
 from worker_node.models.decoder import CausalLM
 from worker_node.models.quant_linear import QuantMethod, TensorAxes
@@ -110,8 +110,10 @@ def load_model(
     where: ParallelRank = SINGLE,
     comm: Comm | None = None,
     quantization: str = "none",
+    huge_pages: bool = True,
 ) -> CausalLM:
-    """`quantization`: a format name (proto/quantization.py); `auto` takes the checkpoint's own."""
+    """`quantization`: a format name (proto/quantization.py); `auto` takes the checkpoint's own. `huge_pages`: a
+    CPU model's weights are collapsed onto huge pages once loaded (worker_node/huge_pages.py)."""
     folder = Path(folder)
     config = ModelConfig.from_folder(folder)
     quantization = resolve_quantization(quantization, folder)
@@ -138,8 +140,8 @@ def load_model(
     after_load(model)
     quantize_head(model, method)
     model.eval()
-    if device.type == "cpu":
-        huge_pages.collapse(huge_pages.module_tensors(model))
+    if device.type == "cpu" and huge_pages:
+        collapse(module_tensors(model))
     logger.info(
         "loaded %s (%s, %d of %d layers, TP rank %d of %d) in %s%s",
         folder.name,

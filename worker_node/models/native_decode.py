@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -34,15 +33,12 @@ from worker_node.kv_cache import LayerKV
 from worker_node.models.layers import Attention, RopeAngles
 
 MAX_ROWS = min(cpu_gemm.MAX_ROWS, cpu_gemm_awq.MAX_ROWS)  # rows the matmul kernels take in one call
-# "1": every runner made from then on adds each step's seconds per phase of a layer (cpu_decode_layers.PHASES), read
-# with `phase_seconds()` (scripts/bench_decode_phases.py); two clock reads per phase, so off by default.
-PHASES_ENV = "MINIVLLM_DECODE_PHASES"
 _profiled: weakref.WeakSet[NativeDecode] = weakref.WeakSet()
 
 
 def phase_seconds() -> torch.Tensor:
-    """Seconds per phase of a layer (float64 [len(PHASES)]) that the runners made under $MINIVLLM_DECODE_PHASES=1 and
-    still alive have added up, every layer and step together."""
+    """Seconds per phase of a layer (float64 [len(PHASES)]) that the runners made with `time_phases` (a worker's
+    --decode-phases) and still alive have added up, every layer and step together."""
     total = torch.zeros(len(cpu_decode_layers.PHASES), dtype=torch.float64)
     for runner in list(_profiled):
         if runner.phase_seconds is not None:
@@ -53,7 +49,9 @@ def phase_seconds() -> torch.Tensor:
 class NativeDecode:
     """The layers' C tables, built once; `run` one step."""
 
-    def __init__(self, layers: Sequence[Any], tables: list[tuple[NativeGemm, ...]], glue: ctypes.CDLL) -> None:
+    def __init__(
+        self, layers: Sequence[Any], tables: list[tuple[NativeGemm, ...]], glue: ctypes.CDLL, time_phases: bool = False
+    ) -> None:
         first: Attention = layers[0].self_attn
         attention = first.backend.decode_attention
         assert isinstance(attention, cpu_attention.NativeDecodeAttention)  # _plain checked it
@@ -75,7 +73,7 @@ class NativeDecode:
         self.runner = runner
         # A float64 tensor [len(PHASES)] to add each step's seconds per phase of a layer to (a profile), or None.
         self.phase_seconds: torch.Tensor | None = None
-        if os.environ.get(PHASES_ENV) == "1":
+        if time_phases:  # each step's seconds per phase of a layer (cpu_decode_layers.PHASES); two clock reads each
             self.phase_seconds = torch.zeros(len(cpu_decode_layers.PHASES), dtype=torch.float64)
             _profiled.add(self)
         self.kernels = Kernels(
@@ -83,7 +81,7 @@ class NativeDecode:
         )
 
     @classmethod
-    def build(cls, layers: nn.ModuleList, tp_size: int) -> NativeDecode | None:
+    def build(cls, layers: nn.ModuleList, tp_size: int, time_phases: bool = False) -> NativeDecode | None:
         """The runner for these layers, or None where they do not qualify (see the module's docstring)."""
         glue = cpu_glue.load(torch.bfloat16)
         if tp_size != 1 or not len(layers) or glue is None or cpu_decode_layers.load() is None:
@@ -101,7 +99,7 @@ class NativeDecode:
             if any(g is None for g in gemms):
                 return None
             tables.append(tuple(g for g in gemms if g is not None))
-        return cls(plain, tables, glue)
+        return cls(plain, tables, glue, time_phases)
 
     def run(
         self, x: torch.Tensor, angles: RopeAngles, kv_caches: list[LayerKV], meta: AttentionMetadata

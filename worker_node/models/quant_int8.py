@@ -21,33 +21,31 @@ as measured on a 2-core Sapphire Rapids (scripts/bench_quant.py --kernels, docs/
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import torch.nn.functional as F
 
 from kernels import cpu_gemm, cpu_gemm_portable
+from settings.fast_paths import INT8_PROJECTIONS, act_bits_overrides
 from worker_node.models.quant_linear import QuantLinear, QuantMethod, TensorAxes, gpu_kernels
 
 GEMV_ROWS = 4
 QMAX = 127
 # Activation bits per projection in the AMX-INT8 kernel (kernels/cpu_gemm.py's `linear_int8_act`): 8 is W8A8,
-# 16 about bf16's precision. $MINIVLLM_INT8_ACT_BITS overrides them to compare ("8", or "qkv_proj=8,down_proj=16").
-ACT_BITS = {"qkv_proj": 16, "o_proj": 16, "gate_up_proj": 16, "down_proj": 16}
-ACT_BITS_ENV = "MINIVLLM_INT8_ACT_BITS"
+# 16 about bf16's precision. A worker's --int8-act-bits overrides them to compare (settings/fast_paths.py), set as a
+# rank loads: a module-level switch, as the projections ask for it deep in their products.
+ACT_BITS = dict.fromkeys(INT8_PROJECTIONS, 16)
+_act_bits = [dict(ACT_BITS)]
 
 
-@functools.cache
+def set_act_bits(overrides: str) -> None:
+    """`ACT_BITS` with --int8-act-bits's overrides ("8", or "qkv_proj=8,down_proj=16"; "" for none) from now on;
+    ValueError naming an entry that is neither."""
+    _act_bits[0] = ACT_BITS | act_bits_overrides(overrides)
+
+
 def act_bits() -> dict[str, int]:
-    """`ACT_BITS` with $MINIVLLM_INT8_ACT_BITS's overrides (read once)."""
-    bits = dict(ACT_BITS)
-    for entry in filter(None, os.environ.get(ACT_BITS_ENV, "").split(",")):
-        role, _, value = entry.rpartition("=")
-        if not value.isdigit() or int(value) not in cpu_gemm.ACT_BITS or (role and role not in bits):
-            raise ValueError(f"${ACT_BITS_ENV}: {entry!r} is not BITS or PROJECTION=BITS (bits 8 or 16)")
-        bits.update({r: int(value) for r in ([role] if role else bits)})
-    return bits
+    """Each projection's activation bits."""
+    return _act_bits[0]
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from proto.cli_config import parse_args
 from proto.parallel import ParallelLayout
 from scheduler_node.cli.scheduler import build_parser as scheduler_parser
 from scheduler_node.cli.scheduler import engine_config
@@ -16,6 +15,7 @@ from scheduler_node.cli.serve import build_parser as serve_parser
 from scheduler_node.engine.builder import WorldPlan
 from scheduler_node.engine.placement import place
 from scheduler_node.engine.topology import single_island
+from settings.config_file import parse_args
 from tests.support.paths import REPO
 
 pytestmark = pytest.mark.e2e

@@ -10,7 +10,8 @@ import pytest
 
 from proto import serving_pb2 as pb
 from scheduler_node.api.validation import NO_CHAT_TEMPLATE
-from scheduler_node.cli.client import DEFAULT_MAX_TOKENS, build_parser, stream
+from scheduler_node.cli.client import build_parser, stream
+from settings.tools import DEFAULT_MAX_TOKENS
 
 pytestmark = pytest.mark.unit
 

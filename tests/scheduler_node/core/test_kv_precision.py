@@ -14,11 +14,12 @@ from proto.wire import SamplingOptions, StepPlan, StepResult
 from scheduler_node.api.validation import InvalidField, SamplingFields, build_spec
 from scheduler_node.core.block_table import BlockTable
 from scheduler_node.core.config import SchedulerConfig
-from scheduler_node.core.kv_precision import BlockFormat, CompactKV, choose_format
+from scheduler_node.core.kv_precision import BlockFormat, choose_format
 from scheduler_node.core.request import Request, Status, StopConditions
 from scheduler_node.core.scheduler import Scheduler
 from scheduler_node.core.stats import kv_pools
 from scheduler_node.text.tokenizer import ModelTokenizer
+from settings.kv_compact import CompactKV
 from tests.support.models import assert_teacher_forced, load_hf
 
 pytestmark = pytest.mark.model
@@ -44,7 +45,7 @@ def test_the_choice_follows_the_request_then_the_pressure() -> None:
 
 def _scheduler(under_pressure: bool, num_full: int = 8, num_compact: int = 8) -> Scheduler:
     config = SchedulerConfig(block_size=BLOCK, max_num_batched_tokens=512, max_num_seqs=16, watermark=0.0)
-    precision = CompactKV.from_flags(under_pressure, 0.5)
+    precision = CompactKV(0.5, under_pressure=under_pressure)
     return Scheduler(config, num_full, num_compact_blocks=num_compact, precision=precision)
 
 

@@ -18,7 +18,8 @@ from scheduler_node.core.request import Request, StopConditions
 from scheduler_node.core.results import RequestOutput, Results
 from scheduler_node.core.scheduler import Scheduler
 from scheduler_node.core.scheduler_state import SchedulerState
-from scheduler_node.core.speculative import SpecState, SpeculativeConfig
+from scheduler_node.core.speculative import SpecState
+from settings.speculative import SpeculativeConfig
 
 pytestmark = pytest.mark.unit
 

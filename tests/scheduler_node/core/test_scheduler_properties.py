@@ -14,12 +14,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from proto.wire import ExecutionMode, SamplingOptions, StepPlan
 from scheduler_node.core.config import PreemptionMode, SchedulerConfig
-from scheduler_node.core.kv_precision import BlockFormat, CompactKV
+from scheduler_node.core.kv_precision import BlockFormat
 from scheduler_node.core.kv_tiers import KVTiers
 from scheduler_node.core.policy import PriorityPolicy
 from scheduler_node.core.request import Request, Status, StopConditions
 from scheduler_node.core.scheduler import PreemptionCosts, Scheduler
 from scheduler_node.engine.stand_in import StandInWorkers
+from settings.kv_compact import CompactKV
 
 pytestmark = pytest.mark.unit
 

@@ -4,8 +4,6 @@ rejected proposals' slots rolled back."""
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
 from proto.wire import ExecutionMode, SamplingOptions, StepResult
@@ -13,8 +11,9 @@ from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.proposers import NgramProposer
 from scheduler_node.core.request import Request, StopConditions
 from scheduler_node.core.scheduler import Scheduler
-from scheduler_node.core.speculative import SpecState, SpeculativeConfig, eligible, speculative_config_flag
+from scheduler_node.core.speculative import SpecState, eligible
 from scheduler_node.core.speculator import Speculator
+from settings.speculative import SpeculativeConfig, speculative_text
 
 pytestmark = pytest.mark.unit
 
@@ -41,8 +40,8 @@ NGRAM = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_
 def test_a_bad_config_names_its_key(given: str, key: str) -> None:
     with pytest.raises(ValueError, match=rf"speculative_config\b.*{key}|{key}"):
         SpeculativeConfig.parse(given)
-    with pytest.raises(argparse.ArgumentTypeError, match=key):
-        speculative_config_flag(given)
+    with pytest.raises(ValueError, match=key):
+        speculative_text(given)
 
 
 def test_config_as_vllm_spells_it() -> None:
@@ -50,7 +49,7 @@ def test_config_as_vllm_spells_it() -> None:
     assert c == SpeculativeConfig("ngram", 5, 3, 1)
     assert SpeculativeConfig.parse({"method": "ngram"}) == SpeculativeConfig()
     assert SpeculativeConfig.parse("") is None and SpeculativeConfig.parse(None) is None
-    again = SpeculativeConfig.parse(speculative_config_flag({"method": "ngram", "prompt_lookup_max": 2}))
+    again = SpeculativeConfig.parse(speculative_text({"method": "ngram", "prompt_lookup_max": 2}))
     assert again == SpeculativeConfig(prompt_lookup_max=2, prompt_lookup_min=1)
 
 

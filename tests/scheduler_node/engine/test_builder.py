@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from proto.parallel import ParallelLayout
-from scheduler_node.core.speculative import SpeculativeConfig
 from scheduler_node.engine.builder import check_model_split, check_speculative, model_limit, resolve_max_model_len
 from scheduler_node.engine.model_path import resolve_model, served_name
+from settings.speculative import SpeculativeConfig
 
 pytestmark = pytest.mark.unit
 

@@ -27,10 +27,10 @@ from proto import serving_pb2 as pb
 from proto.wire import ExecutionMode
 from scheduler_node.api.validation import InvalidField, validate
 from scheduler_node.core.config import SchedulerConfig
-from scheduler_node.core.speculative import SpeculativeConfig
 from scheduler_node.engine.builder import resolve_max_model_len
 from scheduler_node.engine.core import EngineCore, EngineOptions
 from scheduler_node.engine.outputs import Delta, ErrorStatus
+from settings.speculative import SpeculativeConfig
 from tests.support.stand_in import TOKEN, StandInRun, tokenizer
 
 pytestmark = pytest.mark.unit

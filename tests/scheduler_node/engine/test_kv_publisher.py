@@ -21,7 +21,8 @@ from scheduler_node.engine.kv_publisher import KVEventPublisher
 from scheduler_node.router.kv_index import KVIndex
 from scheduler_node.router.kv_subscriber import KVSubscriber
 from scheduler_node.router.metrics import RouterMetrics
-from scheduler_node.router.replica import SERVING, ReplicaPool, parse_replica
+from scheduler_node.router.replica import SERVING, ReplicaPool
+from settings.router import parse_replica
 from tests.support.stand_in import StandInRun, spec
 from tests.support.waiting import until
 

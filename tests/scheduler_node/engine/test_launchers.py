@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from proto.worker_flags import EXIT_BAD_FLAGS
 from scheduler_node.engine.launchers import LocalLauncher
+from settings.worker import EXIT_BAD_FLAGS
 from tests.support.ops import alive, wait_for
 
 pytestmark = pytest.mark.e2e

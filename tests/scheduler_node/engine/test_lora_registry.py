@@ -1,5 +1,6 @@
 """The adapters a server serves by name: checked when registered (read whole: every value), ids never reused,
-names unique and whole; their content's checksum carried to the workers; the flags."""
+names unique and whole; their content's checksum carried to the workers (the LoRA flags:
+tests/settings/test_groups.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ import torch
 from safetensors.torch import save_file
 
 from proto.lora import AdapterError, BaseShapes
-from scheduler_node.cli.lora_flags import add_lora_flags, lora_config
 from scheduler_node.core.lora_slots import LoraSlots
 from scheduler_node.engine.builder import lora_registry
-from scheduler_node.engine.lora_registry import LoraConfig, LoraRegistry, UnknownAdapter, parse_lora_module
+from scheduler_node.engine.lora_registry import LoraRegistry, UnknownAdapter
+from settings.lora import LoraConfig
 from tests.support.lora import poison
 
 pytestmark = pytest.mark.unit
@@ -74,19 +75,7 @@ def test_a_nan_adapter_is_refused_at_registration(tmp_path: Path) -> None:
     model.mkdir()
     shape = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}
     (model / "config.json").write_text(json.dumps(shape | {"num_hidden_layers": 1}))
-    assert lora_registry(LoraConfig(True, (("ok", str(adapter(tmp_path / "ok"))),)), model) is not None
+    assert lora_registry(LoraConfig(True, (f"ok={adapter(tmp_path / 'ok')}",)), model) is not None
     with pytest.raises(AdapterError, match="values are NaN"):
-        lora_registry(LoraConfig(True, (("nan", str(tmp_path / "a")),)), model)
+        lora_registry(LoraConfig(True, (f"nan={tmp_path / 'a'}",)), model)
 
-
-def test_the_flags_as_vllm_spells_them(tmp_path: Path) -> None:
-    import argparse
-
-    p = argparse.ArgumentParser()
-    add_lora_flags(p)
-    args = p.parse_args(["--enable-lora", "--lora-modules", "a=/x", "b=/y/z", "--max-lora-rank", "64"])
-    assert lora_config(args) == LoraConfig(True, (("a", "/x"), ("b", "/y/z")), 64)
-    with pytest.raises(ValueError, match="expected name=path"):
-        parse_lora_module("just-a-name")
-    with pytest.raises(ValueError, match="needs --enable-lora"):
-        lora_config(p.parse_args(["--lora-modules", "a=/x"]))

@@ -40,8 +40,8 @@ def test_speculative_decoding_counters_reach_prometheus_and_get_stats() -> None:
     import asyncio
 
     from scheduler_node.core.config import SchedulerConfig
-    from scheduler_node.core.speculative import SpeculativeConfig
     from scheduler_node.core.stats import snapshot
+    from settings.speculative import SpeculativeConfig
     from tests.support.stand_in import StandInRun, spec
 
     async def scenario() -> tuple[str, object]:

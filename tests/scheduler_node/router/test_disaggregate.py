@@ -80,4 +80,4 @@ def test_a_negative_bar_is_refused_naming_the_flag(capsys: pytest.CaptureFixture
     with pytest.raises(SystemExit) as exited:
         main(["--disaggregate", "--disaggregate-min-prompt-tokens", "-1", "--replica", "h:1,model=m"])
     assert exited.value.code == 2
-    assert "--disaggregate-min-prompt-tokens: -1 is negative" in capsys.readouterr().err
+    assert "--disaggregate-min-prompt-tokens must be >= 0, got -1" in capsys.readouterr().err

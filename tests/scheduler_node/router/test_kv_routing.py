@@ -31,10 +31,11 @@ from scheduler_node.router.kv_index import KVIndex, ReplicaFeed
 from scheduler_node.router.kv_load import ActiveLoad
 from scheduler_node.router.kv_strategy import PENDING_S, KVAware, PromptTokens, block_hashes
 from scheduler_node.router.metrics import RouterMetrics
-from scheduler_node.router.replica import SERVING, ReplicaPool, parse_replica
+from scheduler_node.router.replica import SERVING, ReplicaPool
 from scheduler_node.router.request import RouteRequest
 from scheduler_node.router.routing import Router
 from scheduler_node.router.upstream import Forwarder
+from settings.router import parse_replica
 from tests.support.stand_in import tokenizer
 
 pytestmark = pytest.mark.unit

@@ -12,11 +12,12 @@ import pytest
 from proto import serving_pb2 as pb
 from scheduler_node.router.control import aggregate
 from scheduler_node.router.metrics import RouterMetrics
-from scheduler_node.router.replica import DOWN, SERVING, Load, Replica, ReplicaPool, ReplicaSpec, parse_replica
+from scheduler_node.router.replica import DOWN, SERVING, Load, Replica, ReplicaPool
 from scheduler_node.router.request import RouteRequest
 from scheduler_node.router.ring import HashRing
 from scheduler_node.router.routing import RouteError, Router
 from scheduler_node.router.upstream import Forwarder
+from settings.router import ReplicaSpec, parse_replica
 
 pytestmark = pytest.mark.unit
 

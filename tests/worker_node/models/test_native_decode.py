@@ -17,7 +17,6 @@ from minivllm import LLM, LoRARequest, SamplingParams
 from tests.support.awq_checkpoint import write_awq_checkpoint
 from tests.support.lora import load_base, make_adapter
 from worker_node.models import native_decode
-from worker_node.models.decoder import NATIVE_DECODE_ENV
 
 pytestmark = pytest.mark.model
 
@@ -41,7 +40,6 @@ def generate(
     **engine: Any,
 ) -> tuple[list[tuple[list[int], list[float]]], int]:
     """Each prompt's greedy tokens and their logprobs, and how many steps the C runner ran."""
-    monkeypatch.setenv(NATIVE_DECODE_ENV, "1" if native else "0")
     ran = 0
     run = native_decode.NativeDecode.run
 
@@ -53,7 +51,7 @@ def generate(
 
     monkeypatch.setattr(native_decode.NativeDecode, "run", counted)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
-    with LLM(str(folder), dtype="bfloat16", num_kv_blocks=256, **engine) as llm:
+    with LLM(str(folder), dtype="bfloat16", num_kv_blocks=256, native_decode=native, **engine) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
     results = []
     for o in outs:
@@ -84,13 +82,12 @@ def test_the_runner_gives_the_python_layers_tokens_and_logprobs_bit_for_bit(
 def test_under_the_profile_switch_every_phase_of_every_step_adds_up(
     monkeypatch: pytest.MonkeyPatch, amx: None, tiny_llama_dir: Path
 ) -> None:
-    """$MINIVLLM_DECODE_PHASES=1: the runners made from then on time their phases (scripts/bench_decode_phases.py);
-    off, none does (the clock reads cost a step time)."""
+    """--decode-phases (settings/fast_paths.py): the runners made from then on time their phases
+    (scripts/bench_decode_phases.py); off, none does (the clock reads cost a step time)."""
     before = native_decode.phase_seconds()
     _, ran = generate(monkeypatch, tiny_llama_dir, True)
     assert ran >= 11 and torch.equal(native_decode.phase_seconds(), before), "off by default: nothing timed"
-    monkeypatch.setenv(native_decode.PHASES_ENV, "1")
-    _, ran = generate(monkeypatch, tiny_llama_dir, True)
+    _, ran = generate(monkeypatch, tiny_llama_dir, True, decode_phases=True)
     added = native_decode.phase_seconds() - before
     assert ran >= 11 and added.shape == (len(PHASES),) and bool((added > 0).all()), added
 

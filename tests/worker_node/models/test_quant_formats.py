@@ -85,31 +85,24 @@ def test_int8_kernels_multiply_by_the_dequantized_weights(rows: int, dtype: torc
 
 
 @pytest.mark.parametrize(
-    ("env", "changed"),
+    ("overrides", "changed"),
     [("", {}), ("8", dict.fromkeys(quant_int8.ACT_BITS, 8)), ("down_proj=8", {"down_proj": 8})],
 )
-def test_activation_bits_per_projection_and_their_override(
-    monkeypatch: pytest.MonkeyPatch, env: str, changed: dict[str, int]
-) -> None:
-    monkeypatch.setenv(quant_int8.ACT_BITS_ENV, env)
-    quant_int8.act_bits.cache_clear()
+def test_activation_bits_per_projection_and_their_override(overrides: str, changed: dict[str, int]) -> None:
+    """A worker's --int8-act-bits, set as it loads (worker_node/loading.py set_kernel_switches)."""
+    quant_int8.set_act_bits(overrides)
     try:
         assert quant_int8.act_bits() == {**quant_int8.ACT_BITS, **changed}
     finally:
-        quant_int8.act_bits.cache_clear()
+        quant_int8.set_act_bits("")
+    assert quant_int8.act_bits() == quant_int8.ACT_BITS
 
 
-@pytest.mark.parametrize("env", ["4", "lm_head=8", "down_proj=", "down_proj=eight"])
-def test_a_bad_activation_bits_override_is_refused_naming_the_variable(
-    monkeypatch: pytest.MonkeyPatch, env: str
-) -> None:
-    monkeypatch.setenv(quant_int8.ACT_BITS_ENV, env)
-    quant_int8.act_bits.cache_clear()
-    try:
-        with pytest.raises(ValueError, match=quant_int8.ACT_BITS_ENV):
-            quant_int8.act_bits()
-    finally:
-        quant_int8.act_bits.cache_clear()
+@pytest.mark.parametrize("overrides", ["4", "lm_head=8", "down_proj=", "down_proj=eight"])
+def test_a_bad_activation_bits_override_is_refused_naming_the_setting(overrides: str) -> None:
+    with pytest.raises(ValueError, match="int8_act_bits"):
+        quant_int8.set_act_bits(overrides)
+    assert quant_int8.act_bits() == quant_int8.ACT_BITS, "a refused override changes nothing"
 
 
 @pytest.mark.skipif(not cpu_gemm.has_int8(), reason="the activation-quantizing kernel needs AMX-INT8")

@@ -1,4 +1,4 @@
-"""`--config FILE.yaml` (proto/cli_config.py) on a small parser: keys are the long flags (dashes or underscores),
+"""`--config FILE.yaml` (settings/config_file.py) on a small parser: keys are the long flags (dashes or underscores),
 flags win, a repeatable flag adds to the file's list, a required flag may come from the file, null keeps the
 default, values are converted and checked like flags, and a bad file is an error naming the key."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from proto.cli_config import add_config_flag, config_keys, parse_args
+from settings.config_file import add_config_flag, config_keys, parse_args
 
 pytestmark = pytest.mark.unit
 

@@ -124,7 +124,7 @@ def _with_attention(parser: argparse.ArgumentParser, path: Path, data: dict[str,
 def _with_mixed_precision(parser: argparse.ArgumentParser, path: Path, data: dict[str, Any]) -> dict[str, Any]:
     """`data` with its `engine:` section replaced by the flags it stands for; a flat key naming the same flag
     with another value is refused (two answers to one question)."""
-    from proto.mixed_precision import MixedPrecisionError, mixed_precision_flags
+    from settings.mixed_precision import MixedPrecisionError, mixed_precision_flags
 
     rest = {k: v for k, v in data.items() if k != "engine"}
     try:

@@ -1,51 +1,45 @@
-"""A worker's settings are declared once (WorkerOptions): its flags' defaults are theirs, and the command line
-vllm-serve and the offline LLM hand a worker (worker_argv) parses back into the same settings. `--kv-offload-disk`
+"""A worker's settings are declared once (WorkerOptions): vllm-worker's flags are derived from them, and the command
+line vllm-serve and the offline LLM hand a worker (worker_argv) parses back into the same settings. `--kv-offload-disk`
 is checked by trying it: a folder this process can write in (created when missing), else one line naming the flag
 (a read-only mount: tests/e2e/test_offload.py)."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 
 import pytest
 
-from proto.worker_flags import (
-    WORKER_FLAGS,
-    WorkerOptions,
-    add_curve_flag,
-    add_worker_flags,
-    offload_dir_problem,
-    parse_size,
-    worker_argv,
-)
+from settings.cli import Part, add_settings, from_args
+from settings.fast_paths import FastPaths
+from settings.worker import WorkerOptions, offload_dir_problem, parse_size, worker_argv
 
 pytestmark = pytest.mark.unit
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
-    p.add_argument("--scheduler-address", default="")
-    add_worker_flags(p)
-    add_curve_flag(p)
+    add_settings(p, [Part(WorkerOptions)])
     return p
 
 
-def test_the_flags_defaults_are_the_settings_defaults() -> None:
-    assert WorkerOptions.from_args(parser().parse_args([])) == WorkerOptions()
-    assert set(WORKER_FLAGS) <= {f.name for f in dataclasses.fields(WorkerOptions)}
+def test_the_flags_defaults_are_the_settings_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    for env in ("MINIVLLM_CPU_GEMM", "MINIVLLM_NATIVE_DECODE", "MINIVLLM_HUGE_PAGES", "MINIVLLM_INT8_ACT_BITS"):
+        monkeypatch.delenv(env, raising=False)
+    assert from_args(WorkerOptions, parser().parse_args([])) == WorkerOptions()
 
 
 def test_settings_survive_the_command_line() -> None:
     options = WorkerOptions(device="cpu", kv_cache_memory=2**24, swap_space=0.5, threads=2, kv_cache_dtype="int8",
                             kv_offload_ram=0.25, kv_offload_disk="/tmp/kv", kv_offload_disk_size=1.5,
                             cuda_graph_sizes="1,2", local_address="10.0.0.2", batch_invariant=True,
-                            overlap_steps="on")  # fmt: skip
-    assert WorkerOptions.from_args(parser().parse_args(worker_argv(options))) == options
-    assert "--batch-invariant" in worker_argv(options), "a switch that is on is passed bare"
-    assert "--kv-offload-disk" not in worker_argv(WorkerOptions()), "an empty setting is left out"
-    assert "--batch-invariant" not in worker_argv(WorkerOptions()), "a switch that is off is left out"
+                            overlap_steps="on", zmq_curve_dir="/keys",
+                            fast_paths=FastPaths(cpu_gemm=False, int8_act_bits="8"))  # fmt: skip
+    argv = worker_argv(options)
+    assert from_args(WorkerOptions, parser().parse_args(argv)) == options
+    assert "--batch-invariant" in argv and "--no-cpu-gemm" in argv, "a switch is passed as its value"
+    assert "--scheduler-address" not in argv, "the launcher says where to join"
+    assert worker_argv(WorkerOptions()) == [], "a setting at its default is left out"
 
 
 def test_sizes_take_units() -> None:

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from proto.cli_config import parse_args
-from proto.mixed_precision import MixedPrecisionError, mixed_precision_flags
 from scheduler_node.cli.scheduler import build_parser as scheduler_parser
 from scheduler_node.cli.serve import build_parser as serve_parser
+from settings.config_file import parse_args
+from settings.mixed_precision import MixedPrecisionError, mixed_precision_flags
 
 pytestmark = pytest.mark.unit
 

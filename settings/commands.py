@@ -1,0 +1,79 @@
+"""The settings tree's index: which groups each console script takes (its flags, --help sections and config keys),
+and the defaults it changes. Its parsers, docs/settings.md and the tests read it; what `LLM(...)` takes is
+settings/engine_args.py's EngineSettings."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from settings.bench import BenchLoad, BenchOutput, BenchTarget, BenchWorkload
+from settings.cli import CommandParser, Part, add_settings
+from settings.config_file import add_config_flag
+from settings.engine import EngineConfig
+from settings.process import ApiKey, Logging, MetricsEndpoint, Tls
+from settings.router import Replicas, RouterServer, Routing
+from settings.server import SERVE_OPENAI_PORT, OpenAIApi, Operations, SchedulerServer, Serve, World
+from settings.tools import ClientConnection, ClientModes, ClientRequest, Convert, Monitor
+from settings.worker import HANDED_ON, WorkerOptions
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """A console script: its groups, and the defaults it changes (by setting name)."""
+
+    parts: tuple[Part, ...]
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+
+
+SCHEDULER = (
+    Part(SchedulerServer),
+    Part(EngineConfig),
+    Part(World),
+    Part(Operations),
+    Part(WorkerOptions, only=("zmq_curve_dir",)),
+    Part(Tls),
+    Part(MetricsEndpoint),
+    Part(OpenAIApi),
+    Part(ApiKey),
+    Part(Logging),
+)
+COMMANDS: dict[str, Command] = {
+    "vllm-scheduler": Command(SCHEDULER),
+    "vllm-worker": Command((Part(WorkerOptions), Part(Logging))),
+    # Its children: a scheduler per replica (the scheduler's settings), their workers (a worker's, but where to
+    # join), and with --data-parallel-size a router in front (its routing settings).
+    "vllm-serve": Command(
+        (*SCHEDULER, *HANDED_ON, Part(Serve), Part(Routing)),
+        {"openai_port": SERVE_OPENAI_PORT, "worker_port": 0},  # 0: a free port (its workers are its children)
+    ),
+    "vllm-router": Command(
+        (
+            Part(RouterServer),
+            Part(Replicas),
+            Part(Routing),
+            Part(ApiKey),
+            Part(Tls),
+            Part(MetricsEndpoint),
+            Part(Logging),
+        )
+    ),  # fmt: skip
+    "vllm-client": Command((Part(ClientConnection), Part(ClientRequest), Part(ClientModes))),
+    "vllm-monitor": Command((Part(Monitor),)),
+    "vllm-bench": Command(
+        (Part(BenchTarget), Part(BenchWorkload), Part(BenchLoad), Part(BenchOutput), Part(Logging)),
+        {"log_level": "WARNING"},
+    ),
+    "vllm-convert": Command((Part(Convert), Part(Logging))),
+}
+
+
+def command_parser(prog: str, description: str, **options: Any) -> CommandParser:
+    """A command's parser: --config, then a section of flags per group of its settings; parsing checks each group
+    (a command that reads its settings off the namespace still gets every group's checks)."""
+    command = COMMANDS[prog]
+    parser = CommandParser(prog=prog, description=description, parts=command.parts, **options)
+    add_config_flag(parser)
+    add_settings(parser, command.parts, command.defaults)
+    return parser
