@@ -93,7 +93,7 @@ class Monitor:
         repeat="append",
         required=True,
         readers=MONITOR,
-        help="metric name (repeatable), or one of cache_hit_rate, memory_usage, spec_decode "
+        help="metric name (repeatable), or one of cache_hit_rate, memory_usage, fragmentation, spec_decode "
         "(scheduler_node/cli/monitor.py ALIASES): what they stand for is printed",
     )
     interval: float = setting(1.0, readers=MONITOR, help="seconds between scrapes")

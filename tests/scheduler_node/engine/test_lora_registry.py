@@ -78,4 +78,3 @@ def test_a_nan_adapter_is_refused_at_registration(tmp_path: Path) -> None:
     assert lora_registry(LoraConfig(True, (f"ok={adapter(tmp_path / 'ok')}",)), model) is not None
     with pytest.raises(AdapterError, match="values are NaN"):
         lora_registry(LoraConfig(True, (f"nan={tmp_path / 'a'}",)), model)
-
