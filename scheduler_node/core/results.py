@@ -122,10 +122,9 @@ class Results:
         decodes, each request's token appended with a few operations (`_apply_sampled` for one that may end)."""
         outputs: list[RequestOutput] = []
         max_len, running, output = self.capacity.max_model_len, Status.RUNNING, outputs.append
-        live = self.queues.by_handle
+        live = map(self.queues.by_handle.get, unpack_int32(result.token_handles))  # looked up in C
         ends: list[tuple[int, list[int]]] = []
-        for handle, token in zip(unpack_int32(result.token_handles), unpack_int32(result.tokens)):
-            req = live.get(handle)
+        for req, token in zip(live, unpack_int32(result.tokens)):
             if req is None or req.status is not running:
                 continue  # aborted or preempted while the step ran
             out, stop = req.output_token_ids, req.stop
@@ -137,7 +136,7 @@ class Results:
                     self._start_forks(req)
                 output(RequestOutput(req, [token]))
             else:
-                ends.append((handle, [token]))  # it may end: the general way, in this result's order after these
+                ends.append((req.handle, [token]))  # it may end: the general way, in this result's order after these
         if ends:
             outputs += self._apply_sampled(ends, {})
         return outputs

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from proto.wire import ExecutionMode, StepPlan, StepResult
 from scheduler_node.core.admission import Admission
 from scheduler_node.core.block_claims import BlockClaims
-from scheduler_node.core.block_table import BlockFormat, BlockTable
+from scheduler_node.core.block_table import BlockTable
 from scheduler_node.core.capacity import Capacity
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.counters import SchedulerCounters
@@ -35,6 +35,7 @@ from scheduler_node.core.kv_events import KVEventSink
 from scheduler_node.core.kv_handoff import KVLeases, Lease
 from scheduler_node.core.kv_precision import CompactKV
 from scheduler_node.core.kv_tiers import KVTiers
+from scheduler_node.core.lifecycle import Lifecycle
 from scheduler_node.core.migrations_in import MigrationsIn
 from scheduler_node.core.policy import Policy
 from scheduler_node.core.preemption import Preemption, PreemptionCosts
@@ -44,7 +45,7 @@ from scheduler_node.core.request import Request, Status
 from scheduler_node.core.results import RequestOutput, Results
 from scheduler_node.core.running_pass import RunningPass
 from scheduler_node.core.speculator import Speculator
-from scheduler_node.core.step import PlanWriter, Step, prompt_blocks
+from scheduler_node.core.step import PlanWriter, Step
 from scheduler_node.core.worker_view import WorkerView
 
 __all__ = ["PreemptionCosts", "RequestOutput", "Scheduler", "SchedulerCounters"]
@@ -97,39 +98,26 @@ class Scheduler:
         self.queues = RequestQueues(self.policy, self.clock)
         self.capacity = Capacity(config, blocks, self.queues, view, counters)
         self.migrations = MigrationsIn(self.queues, blocks, self.leases, counters)
+        self.lifecycle = Lifecycle(
+            self.queues, blocks, view, self.leases, self.in_flight, self.quarantine, self.speculator, self.migrations,
+            self.clock,
+        )  # fmt: skip
         self.preemption = Preemption(config, self.queues, blocks, view, self.policy, self.costs, counters)
         self.writer = PlanWriter(view, blocks, self.leases)
         self.claims = BlockClaims(
             config, self.queues, blocks, self.precision, self.tiers, self.leases, self.migrations, counters
         )
         self.admission = Admission(
-            config,
-            self.queues,
-            self.policy,
-            self.claims,
-            self.preemption,
-            self.writer,
-            blocks,
-            self.in_flight,
-            view,
+            config, self.queues, self.policy, self.claims, self.preemption, self.writer, blocks, self.in_flight, view,
             self.migrations,
-        )
+        )  # fmt: skip
         self.running_pass = RunningPass(
             self.queues, self.policy, blocks, view, self.writer, self.preemption, self.speculator, self.capacity
         )
         self.results = Results(
-            self.queues,
-            blocks,
-            self.in_flight,
-            self.preemption,
-            self.migrations,
-            self.capacity,
-            self.speculator,
-            self.tiers,
-            self.costs,
-            counters,
-            self.finish,
-        )
+            self.queues, blocks, self.in_flight, self.preemption, self.migrations, self.capacity, self.speculator,
+            self.tiers, self.costs, counters, self.lifecycle.finish,
+        )  # fmt: skip
 
     @property
     def config(self) -> SchedulerConfig:
@@ -215,59 +203,19 @@ class Scheduler:
         """Apply a plan's result (results.py)."""
         return self.results.update(plan, result)
 
-    # ---- requests in and out
+    # ---- requests in and out (lifecycle.py)
 
     def add(self, req: Request, forks: list[Request] | None = None) -> None:
         """Queue a request; `forks` (n > 1) start from its prompt's blocks once the prompt is computed."""
-        self.queues.check_new([req, *(forks or [])])
-        req.forks = tuple(forks or ())
-        for r in [req, *req.forks]:
-            self.queues.register(r)
-            if self.speculator is None:
-                r.spec = None
-            else:
-                self.speculator.admit(r)
-            if r.migrated_in and r.kv_source is not None:
-                self.migrations.arrive(r)
-        self.queues.enqueue(req)
+        self.lifecycle.add(req, forks)
 
     def finish(self, req_id: str, status: Status) -> Request | None:
         """End a live request (abort, stop string, error) and free its blocks at once."""
-        req = self.queues.remove(req_id)
-        if req is None:
-            return None
-        if req.kv_lease:  # a prefill for another replica: its prompt's blocks wait under the lease for the pull
-            ending = req.status if req.finished else status
-            if ending in (Status.FINISHED_STOPPED, Status.FINISHED_LENGTH) and req.num_computed_tokens:
-                blocks = prompt_blocks(req, self.blocks.block_size)
-                self.leases.hold(self.blocks, req.req_id, req.kv_lease, blocks, self.clock())
-            else:
-                self.leases.revokes.append(req.kv_lease)
-        if not req.finished:
-            req.status = status
-        self.quarantine.release(req_id)
-        self.blocks.free(req.req_id)
-        self.view.forget(req, preempted=False)
-        return req
+        return self.lifecycle.finish(req_id, status)
 
     def migrate_out(self, req_id: str, keep_kv: bool) -> tuple[Request | None, Lease | None]:
-        """End a live sequence that moves to another replica (FINISHED_MIGRATED). With `keep_kv`, the blocks whose
-        KV its applied steps wrote stay held under a lease for the target to pull (core/kv_handoff.py); without,
-        or when it has none on the device (waiting, swapped out, compact), they are freed with it."""
-        req = self.queues.requests.get(req_id)
-        lease = None
-        if req is not None and keep_kv and (tokens := self._kv_written(req)) > 0:
-            lease = self.leases.hold_sequence(self.blocks, req_id, tokens, self.clock())
-        return self.finish(req_id, Status.FINISHED_MIGRATED), lease
-
-    def _kv_written(self, req: Request) -> int:
-        """Positions of `req` whose KV is on the device and final: all but its last token (the next step's input),
-        less what plans in flight still compute. 0 when its blocks are elsewhere."""
-        if req.status is not Status.RUNNING or req.swapped or self.blocks.format_of(req.req_id) is BlockFormat.COMPACT:
-            return 0
-        written = min(req.num_tokens - 1, req.num_computed_tokens)
-        first = self.in_flight.first_computed(req)
-        return written if first is None else min(written, first)
+        """End a live sequence that moves to another replica, its KV held for the target to pull when `keep_kv`."""
+        return self.lifecycle.migrate_out(req_id, keep_kv)
 
     # ---- the live requests
 

@@ -13,11 +13,14 @@ from scheduler_node.core.block_table import BlockTable
 from scheduler_node.core.capacity import Capacity
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.counters import SchedulerCounters
+from scheduler_node.core.in_flight import InFlightLedger
 from scheduler_node.core.kv_handoff import KVLeases, KVSource
 from scheduler_node.core.kv_precision import CompactKV
+from scheduler_node.core.lifecycle import Lifecycle
 from scheduler_node.core.migrations_in import MigrationsIn
 from scheduler_node.core.policy import Policy, PriorityPolicy
 from scheduler_node.core.preemption import Preemption, PreemptionCosts
+from scheduler_node.core.quarantine import Quarantine
 from scheduler_node.core.queues import RequestQueues, tokens_to_schedule
 from scheduler_node.core.request import Request, Status, StopConditions
 from scheduler_node.core.results import Results
@@ -175,6 +178,33 @@ def test_a_migrated_sequence_counts_as_imported_until_its_pull_fails() -> None:
     assert (counters.migrations_imported, counters.migrations_recomputed) == (0, 1)
 
 
+def test_a_finished_producers_prompt_blocks_stay_under_its_lease_and_an_aborted_one_revokes_it() -> None:
+    queues, blocks, view, leases = (
+        RequestQueues(Policy(), lambda: 0.0),
+        BlockTable(8, BS),
+        WorkerView(False),
+        KVLeases(),
+    )
+    migrations = MigrationsIn(queues, blocks, leases, SchedulerCounters())
+    lifecycle = Lifecycle(
+        queues, blocks, view, leases, InFlightLedger(False), Quarantine(), None, migrations, lambda: 1.0
+    )
+    done, gone = req("done", prompt=17), req("gone", prompt=17)
+    done.kv_lease, gone.kv_lease = b"D" * 16, b"G" * 16
+    for r in (done, gone):
+        lifecycle.add(r)
+        queues.start_running(r)
+        blocks.write(r.req_id, 0, 17)
+        r.num_computed_tokens = 17
+    kept = blocks.blocks_of("done")[:2]
+    done.status = Status.FINISHED_LENGTH  # its one output token ended it
+    assert lifecycle.finish("done", Status.FINISHED_ABORTED) is done and done.status is Status.FINISHED_LENGTH
+    assert leases.held["done"].blocks == kept and not any(blocks.is_free(b) for b in kept)
+    assert lifecycle.finish("gone", Status.FINISHED_ABORTED) is gone and leases.revokes == [b"G" * 16]
+    assert gone.status is Status.FINISHED_ABORTED and queues.num_unfinished == 0 and blocks.num_free == 6
+    assert lifecycle.finish("gone", Status.FINISHED_ABORTED) is None
+
+
 def test_the_plan_writer_grants_a_producers_lease_once_its_prompt_is_computed() -> None:
     view, blocks, leases = WorkerView(False), BlockTable(8, BS), KVLeases()
     writer = PlanWriter(view, blocks, leases)
@@ -228,3 +258,15 @@ def test_an_interrupted_result_rolls_its_requests_back_to_catch_up_again() -> No
     assert results.update(plan, StepResult(plan.step_id, {}, interrupted=True)) == []
     assert [(r.num_computed_tokens, r.num_placeholders) for r in s.running] == [(5, 0), (5, 0)]
     assert s.counters.interrupted_steps == 1
+
+
+def test_a_new_configuration_reaches_every_part_that_reads_one() -> None:
+    """A benchmark narrows max_num_seqs between runs (scripts/bench_spec.py): admission seats that many from then on."""
+    s = Scheduler(SchedulerConfig(block_size=BS, max_num_seqs=4), 32)
+    s.config = SchedulerConfig(block_size=BS, max_num_seqs=2, watermark=0.5)
+    for i in range(3):
+        s.add(req(f"r{i}"))
+    plan = s.schedule()
+    assert len(plan.new_requests) == 2 and len(s.waiting) == 1
+    parts = [s.capacity.config, s.preemption.config, s.claims.config, s.admission.config]
+    assert all(c is s.config for c in parts)
