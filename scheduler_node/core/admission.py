@@ -14,7 +14,7 @@ from scheduler_node.core.in_flight import InFlightLedger
 from scheduler_node.core.migrations_in import MigrationsIn
 from scheduler_node.core.policy import Policy
 from scheduler_node.core.preemption import Preemption
-from scheduler_node.core.queues import RequestQueues, tokens_to_schedule
+from scheduler_node.core.queues import RequestQueues
 from scheduler_node.core.request import Request
 from scheduler_node.core.step import PlanWriter, Step
 from scheduler_node.core.worker_view import WorkerView
@@ -130,7 +130,7 @@ class Admission:
     def _start(self, req: Request, budget: int, step: Step) -> int:
         """A request that claimed its blocks runs, its first chunk in this plan; returns the chunk's tokens."""
         self.queues.start_running(req)
-        todo = tokens_to_schedule(req)
+        todo = req.tokens_to_schedule()
         n = min(todo, budget)
         written = self.blocks.write(req.req_id, req.num_computed_tokens, req.num_computed_tokens + n)
         if written is None:

@@ -15,15 +15,6 @@ from scheduler_node.core.policy import Policy
 from scheduler_node.core.request import Request, Status
 
 
-def tokens_to_schedule(req: Request) -> int:
-    """Tokens to compute: up to the known ones plus the sampled ones still in flight (async scheduling), never
-    past max_tokens."""
-    num_output = len(req.output_token_ids)
-    if num_output + req.num_placeholders >= req.stop.max_tokens:
-        return 0
-    return len(req.prompt_token_ids) + num_output + req.num_placeholders - req.num_computed_tokens
-
-
 class RequestQueues:
     def __init__(self, policy: Policy, clock: Callable[[], float]) -> None:
         self.policy = policy
@@ -106,7 +97,7 @@ class RequestQueues:
         up are dropped for good (only an interrupt's rollback brings one back)."""
         pending = []
         for req in list(self._catching_up):
-            if req.status is not Status.RUNNING or tokens_to_schedule(req) <= 1:
+            if req.status is not Status.RUNNING or req.tokens_to_schedule() <= 1:
                 self._catching_up.discard(req)
             elif not held(req.handle):
                 pending.append(req)

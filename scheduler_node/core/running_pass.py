@@ -11,6 +11,8 @@ as a record of its own. Anything else takes the general way (`_take_one`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from scheduler_node.core.block_table import BlockTable
 from scheduler_node.core.capacity import Capacity
 from scheduler_node.core.policy import Policy
@@ -48,36 +50,32 @@ class RunningPass:
     def run(self, step: Step) -> bool:
         """Take the running requests' tokens into the step, `step.budget` what is left after; returns whether
         anyone was preempted."""
-        running, now = self.queues.running, step.now
-        order = list(running) if self.policy.stable_order else self.policy.order_running(running, now)
+        running = self.queues.running
+        order = list(running) if self.policy.stable_order else self.policy.order_running(running, step.now)
         spec = self.speculator
         # With the policy off (a big batch) speculation costs nothing per request: no proposal is even considered.
         proposing = spec if spec is not None and spec.active else None
-        held, excluded, seats, budget = step.held, step.excluded, step.seats, step.budget
+        held, excluded, seats, budget, sent = step.held, step.excluded, step.seats, step.budget, step.sent
         # What the loop calls is looked up once, here.
-        live, in_place, write, take_one = Status.RUNNING, self.blocks.writes_in_place, self.blocks.write, self._take_one
-        take, take_decodes, scheduled, sent = self.writer.take, self.writer.take_decodes, step.sent.requests, step.sent
+        live, in_place, write, take = Status.RUNNING, self.blocks.writes_in_place, self.blocks.write, self.writer.take
+        take_one, take_decodes, scheduled = self._take_one, self.writer.take_decodes, sent.requests
         plain = self.view.plain_decodes() or _NO_HANDLES  # None: sampled tokens travel in plans
-        # Steady decodes are gathered here and taken together before anything else is taken, so the plan keeps the
-        # loop's order; `firsts`: their computed tokens before this step.
+        # Steady decodes (and their computed tokens before this step), taken together before anything else is taken
         decodes: list[Request] = []
         firsts: list[int] = []
         add_decode, add_first = decodes.append, firsts.append
-        # Requests the loop may still take before it looks at the budget and the seats again: a steady decode
-        # counts it down; any other take sets it to 0, so the next request looks again.
-        room = 0
-        preempted = False
-        for req in order:
+        # `room`: requests the loop may take before it looks at the budget and the seats again (a steady decode
+        # counts it down, any other take sets it to 0); `preempted`: whether anyone was
+        room, preempted = 0, False
+        for req in order if held is None and excluded is None else _eligible(order, held, excluded):
             if room <= 0:
                 room = min(budget, seats - len(scheduled) - len(decodes))
                 if room <= 0:
                     break
-            if req.status is not live or (held is not None and held(req.handle)):
-                continue  # preempted for a request before it in this step, or in a plan in flight
-            if excluded is not None and excluded(req):
-                continue  # a suspect outside its own step, or another request in a suspect's step
+            if req.status is not live:
+                continue  # preempted for a request before it in this step
             first = req.num_computed_tokens
-            # `tokens_to_schedule` (core/queues.py), inline: this line runs for every running request at every step
+            # `Request.tokens_to_schedule`, inline: this line runs for every running request at every step
             num_out = len(req.output_token_ids) + req.num_placeholders
             todo = len(req.prompt_token_ids) + num_out - first if num_out < req.stop.max_tokens else 0
             if todo == 1 and req.handle in plain and (proposing is None or req.spec is None) and not req.kv_lease:
@@ -92,22 +90,16 @@ class RunningPass:
                     room -= 1
                     continue
                 room = 0
-                written = write(req.req_id, first, first + 1)  # None when no block is free: the general way
-                if written is not None:  # a decode that starts a block (or copies a shared one): taken alone
+                written = write(req.req_id, first, first + 1)  # a decode that starts a block, or copies a shared one
+                if written is not None:  # taken alone (None: no block is free, the general way)
                     if decodes:
                         take_decodes(decodes, firsts, sent)
-                        decodes.clear()
-                        firsts.clear()
                     take(req, 1, True, step.plan, sent, written)
                     budget -= 1
                     continue
             room = 0
-            if todo <= 0 or (todo > 1 and budget > 1 and self.policy.effective_priority(req, now) < step.floor):
-                continue
             if decodes:
-                take_decodes(decodes, firsts, sent)
-                decodes.clear()
-                firsts.clear()
+                take_decodes(decodes, firsts, sent)  # (and empties both)
             step.budget = budget
             preempted |= take_one(req, todo, order, step)
             budget = step.budget
@@ -121,14 +113,10 @@ class RunningPass:
         chunk, a decode short of blocks (or one that is not steady: the workers do not hold it, a producer's).
         Takes from `step.budget`; returns whether anyone was preempted for it."""
         first, plan, sent = req.num_computed_tokens, step.plan, step.sent
-        if todo == 1:
-            if self._take_proposals(req, step):
-                return False
-            written = self.blocks.write(req.req_id, first, first + 1)
-            if written is not None:  # a decode that starts a block (or copies a shared one): taken alone
-                self.writer.take(req, 1, True, plan, sent, written)
-                step.budget -= 1
-                return False
+        if todo <= 0 or (todo > 1 and step.budget > 1 and self.policy.effective_priority(req, step.now) < step.floor):
+            return False  # nothing to compute now, or a prefill chunk below the floor
+        if todo == 1 and self._take_proposals(req, step):
+            return False
         n = min(todo, step.budget)
         written, preempted = self.blocks.write(req.req_id, first, first + n), False
         if written is None:  # blocks are short: it may preempt the less valued ones after it
@@ -157,3 +145,15 @@ class RunningPass:
         self.writer.take(req, 1 + len(drafts), True, step.plan, step.sent, written, drafts)
         step.budget -= 1 + len(drafts)
         return True
+
+
+def _eligible(
+    order: list[Request], held: Callable[[int], bool] | None, excluded: Callable[[Request], bool] | None
+) -> list[Request]:
+    """Those of `order` the pass may take: none held by a plan in flight, none left out by the quarantine (a suspect
+    outside its own step, or another request in a suspect's step). Neither changes during the pass."""
+    if held is not None:
+        order = [r for r in order if not held(r.handle)]
+    if excluded is not None:
+        order = [r for r in order if not excluded(r)]
+    return order

@@ -69,8 +69,11 @@ class PlanWriter:
         copied) from `firsts[i]` and samples; the workers hold each one (one stage: they append its tokens
         themselves). None proposes or is a producer's (no drafts, no KV grant: the running pass leaves those to
         `take`). The pass advanced each request already (its computed tokens and placeholder); here the ledger
-        takes them column by column, and the plan gets them packed when it is complete (`pack_decodes`)."""
+        takes them column by column (and both lists are emptied for the next ones), and the plan gets them packed
+        when it is complete (`pack_decodes`)."""
         sent.add_decodes(reqs, firsts)
+        reqs.clear()
+        firsts.clear()
 
     @staticmethod
     def pack_decodes(plan: StepPlan, sent: SentPlan) -> None:

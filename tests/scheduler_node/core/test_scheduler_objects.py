@@ -21,7 +21,7 @@ from scheduler_node.core.migrations_in import MigrationsIn
 from scheduler_node.core.policy import Policy, PriorityPolicy
 from scheduler_node.core.preemption import Preemption, PreemptionCosts
 from scheduler_node.core.quarantine import Quarantine
-from scheduler_node.core.queues import RequestQueues, tokens_to_schedule
+from scheduler_node.core.queues import RequestQueues
 from scheduler_node.core.request import Request, Status, StopConditions
 from scheduler_node.core.results import Results
 from scheduler_node.core.running_pass import RunningPass
@@ -66,7 +66,7 @@ def test_a_request_that_caught_up_leaves_the_catching_up_set_for_good() -> None:
     running(queues, a, b)
     assert set(queues.catching_up_pending(lambda h: False)) == {a, b}
     a.num_computed_tokens = 5  # one prompt token to go: the step that samples its first token, no prefill
-    assert tokens_to_schedule(a) == 1
+    assert a.tokens_to_schedule() == 1
     assert queues.catching_up_pending(lambda h: h == b.handle) == []  # b is held by a plan in flight
     b.num_computed_tokens = 5
     assert queues.catching_up_pending(lambda h: False) == []
@@ -270,3 +270,17 @@ def test_a_new_configuration_reaches_every_part_that_reads_one() -> None:
     assert len(plan.new_requests) == 2 and len(s.waiting) == 1
     parts = [s.capacity.config, s.preemption.config, s.claims.config, s.admission.config]
     assert all(c is s.config for c in parts)
+
+
+def test_the_running_pass_schedules_what_tokens_to_schedule_says() -> None:
+    """The pass has `Request.tokens_to_schedule` inline (it runs for every request at every step): the two agree
+    on a request at its max_tokens with a token in flight, a steady decode and one rolled back to mid-prompt."""
+    s = scheduler_of_decodes(3)
+    done, steady, rolled = s.running
+    done.stop = StopConditions(2)
+    done.num_placeholders = 1  # its last token is in flight: nothing more to compute
+    rolled.num_computed_tokens = 2
+    expected = {r.handle: r.tokens_to_schedule() for r in s.running}
+    assert expected == {done.handle: 0, steady.handle: 1, rolled.handle: 4}
+    plan = s.schedule()
+    assert plan.num_scheduled_tokens == {h: n for h, n in expected.items() if n}
