@@ -6,7 +6,8 @@ steady decode (one token within its own last block, held by the workers; not one
 a disaggregated prefill's, whose plan may grant its KV lease) costs a membership test and the block table's
 in-place test (`BlockTable.writes_in_place`), and enters the plan and the ledger with the other steady decodes,
 column by column (`PlanWriter.take_decodes`), packed (two int32 arrays in the plan, `StepPlan.decode_handles`), not
-as a record of its own. Anything else takes the general way (`_take_one`).
+as a record of its own. Such a decode that starts a block (or copies a shared one) is taken alone, in the loop too;
+anything else takes the general way (`_take_one`: proposals, prompt chunks, preemption).
 """
 
 from __future__ import annotations

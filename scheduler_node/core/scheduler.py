@@ -14,8 +14,9 @@ each plan did, to apply or undo it).
 `Scheduler` is the coordinator: it builds its parts, each handed what it uses, and a step is their passes in
 order. The parts, a module each: the live requests and their queues (queues.py), the running pass (running_pass.py),
 admission (admission.py) and the blocks a start claims (block_claims.py), preemption (preemption.py), applying a
-result (results.py), the cache's capacity (capacity.py), migrated sequences pulling their KV (migrations_in.py),
-taking tokens into a plan (step.py); speculation is the Speculator's (speculator.py), suspects the Quarantine's.
+result (results.py), the cache's capacity (capacity.py), a request's way in and out (lifecycle.py), migrated
+sequences pulling their KV (migrations_in.py), taking tokens into a plan (step.py); speculation is the Speculator's
+(speculator.py), suspects the Quarantine's (quarantine.py).
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ from scheduler_node.core.worker_view import WorkerView
 
 @dataclass(slots=True)
 class Step:
-    """What `schedule()` hands its passes: the plan and its ledger entry, the tokens left to hand out (`budget`, each
-    pass takes from it), and what the step decided before the passes."""
+    """What `schedule()` hands its passes: the plan and its ledger entry, the tokens left to hand out (`budget`: the
+    running pass takes from it, admission gets what is left), and what the step decided before the passes."""
 
     plan: StepPlan
     now: float
