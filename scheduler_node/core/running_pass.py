@@ -57,28 +57,28 @@ class RunningPass:
         # With the policy off (a big batch) speculation costs nothing per request: no proposal is even considered.
         proposing = spec if spec is not None and spec.active else None
         held, excluded, seats, budget, sent = step.held, step.excluded, step.seats, step.budget, step.sent
-        # What the loop calls is looked up once, here.
-        live, in_place, write, take = Status.RUNNING, self.blocks.writes_in_place, self.blocks.write, self.writer.take
-        take_one, take_decodes, scheduled = self._take_one, self.writer.take_decodes, sent.requests
+        # What the loop reads for every request is looked up once, here (len too: a local is found faster).
+        live, size, in_place, scheduled = Status.RUNNING, len, self.blocks.writes_in_place, sent.requests
         plain = self.view.plain_decodes() or _NO_HANDLES  # None: sampled tokens travel in plans
         # Steady decodes (and their computed tokens before this step), taken together before anything else is taken
         decodes: list[Request] = []
         firsts: list[int] = []
         add_decode, add_first = decodes.append, firsts.append
         # `room`: requests the loop may take before it looks at the budget and the seats again (a steady decode
-        # counts it down, any other take sets it to 0); `preempted`: whether anyone was
-        room, preempted = 0, False
+        # counts it down, any other take sets it to 0). The gathered decodes' tokens leave the budget once taken.
+        room, preempted, writer = 0, False, self.writer
         for req in order if held is None and excluded is None else _eligible(order, held, excluded):
             if room <= 0:
-                room = min(budget, seats - len(scheduled) - len(decodes))
+                pending = len(decodes)
+                room = min(budget - pending, seats - len(scheduled) - pending)
                 if room <= 0:
                     break
             if req.status is not live:
                 continue  # preempted for a request before it in this step
             first = req.num_computed_tokens
             # `Request.tokens_to_schedule`, inline: this line runs for every running request at every step
-            num_out = len(req.output_token_ids) + req.num_placeholders
-            todo = len(req.prompt_token_ids) + num_out - first if num_out < req.stop.max_tokens else 0
+            num_out = size(req.output_token_ids) + req.num_placeholders
+            todo = size(req.prompt_token_ids) + num_out - first if num_out < req.stop.max_tokens else 0
             if todo == 1 and req.handle in plain and (proposing is None or req.spec is None) and not req.kv_lease:
                 if in_place(req.req_id, first):
                     # `PlanWriter.take` of a steady decode, its request's part inline: it computes one token and
@@ -87,25 +87,24 @@ class RunningPass:
                     req.num_placeholders += 1
                     add_decode(req)
                     add_first(first)
-                    budget -= 1
                     room -= 1
                     continue
                 room = 0
-                written = write(req.req_id, first, first + 1)  # a decode that starts a block, or copies a shared one
+                written = self.blocks.write(req.req_id, first, first + 1)  # starts a block, or copies a shared one
                 if written is not None:  # taken alone (None: no block is free, the general way)
                     if decodes:
-                        take_decodes(decodes, firsts, sent)
-                    take(req, 1, True, step.plan, sent, written)
+                        budget -= writer.take_decodes(decodes, firsts, sent)
+                    writer.take(req, 1, True, step.plan, sent, written)
                     budget -= 1
                     continue
             room = 0
             if decodes:
-                take_decodes(decodes, firsts, sent)  # (and empties both)
+                budget -= writer.take_decodes(decodes, firsts, sent)
             step.budget = budget
-            preempted |= take_one(req, todo, order, step)
+            preempted |= self._take_one(req, todo, order, step)
             budget = step.budget
         if decodes:
-            take_decodes(decodes, firsts, sent)
+            budget -= writer.take_decodes(decodes, firsts, sent)
         step.budget = budget
         return preempted
 

@@ -64,16 +64,18 @@ class PlanWriter:
             req.num_placeholders += 1  # this step samples a token the scheduler learns of later
         sent.add(req, n, samples, len(drafts) if drafts else 0)
 
-    def take_decodes(self, reqs: list[Request], firsts: list[int], sent: SentPlan) -> None:
+    def take_decodes(self, reqs: list[Request], firsts: list[int], sent: SentPlan) -> int:
         """`take` of steady decodes, together: each computed one token within its own last block (no block added or
         copied) from `firsts[i]` and samples; the workers hold each one (one stage: they append its tokens
         themselves). None proposes or is a producer's (no drafts, no KV grant: the running pass leaves those to
         `take`). The pass advanced each request already (its computed tokens and placeholder); here the ledger
         takes them column by column (and both lists are emptied for the next ones), and the plan gets them packed
-        when it is complete (`pack_decodes`)."""
+        when it is complete (`pack_decodes`). Returns how many: the tokens they take from the budget."""
         sent.add_decodes(reqs, firsts)
+        taken = len(reqs)
         reqs.clear()
         firsts.clear()
+        return taken
 
     @staticmethod
     def pack_decodes(plan: StepPlan, sent: SentPlan) -> None:

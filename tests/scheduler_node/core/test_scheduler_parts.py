@@ -47,9 +47,9 @@ def make(fast: bool, spec: bool) -> tuple[Scheduler, list[int]]:
     taken: list[int] = []
     take_decodes = s.writer.take_decodes
 
-    def counted(reqs: list[Request], firsts: list[int], sent: Any) -> None:
+    def counted(reqs: list[Request], firsts: list[int], sent: Any) -> int:
         taken.append(len(reqs))
-        take_decodes(reqs, firsts, sent)
+        return take_decodes(reqs, firsts, sent)
 
     s.writer.take_decodes = counted  # type: ignore[method-assign]
     if not fast:
