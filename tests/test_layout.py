@@ -138,6 +138,76 @@ def test_the_scheduler_never_imports_torch_and_the_worker_never_imports_grpc() -
             assert "grpc" not in roots and "grpc_health" not in roots, f"{name} imports grpc"
 
 
+# ---- objects own their state
+
+OWNED_PACKAGES = ("scheduler_node/core",)  # composed of objects handed what they use (ARCHITECTURE.md)
+
+
+def owned_names(tree: ast.AST) -> set[str]:
+    """The private names a module owns: attributes it sets on `self`, and what it defines."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _on_self(node):
+            names.add(node.attr)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return names
+
+
+def _on_self(node: ast.Attribute) -> bool:
+    return isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+
+
+def reaches_into_others(source: str) -> list[str]:
+    """`obj._name`, read or written, where `_name` is not this module's own: another object's private state, or
+    through `self` a base's in another module (mixins sharing private names)."""
+    tree = ast.parse(source)
+    own = owned_names(tree)
+    return [
+        f"{node.lineno}: {ast.unparse(node)}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+        and node.attr not in own
+    ]
+
+
+def test_no_module_of_the_scheduler_core_reaches_into_another_objects_private_state() -> None:
+    offenders = {
+        str(path.relative_to(REPO)): found
+        for package in OWNED_PACKAGES
+        for path in sorted((REPO / package).rglob("*.py"))
+        if (found := reaches_into_others(path.read_text()))
+    }
+    assert offenders == {}, "the owner exposes what others need (a method, a property, a prebuilt closure)"
+
+
+def test_the_private_access_scan_finds_a_reach_into_another_object() -> None:
+    source = """
+class Table:
+    def __init__(self):
+        self._free = []
+
+    def steal(self, other):
+        return other._free  # the same module's: allowed
+
+
+class Mixin(Base):
+    def pending(self):
+        return self._ops  # a base's, in another module: found
+
+
+def relocate(table):
+    table._ref_counts[0] = 1  # another module's: found
+    return table.ops._pending, table._free
+"""
+    found = ["12: self._ops", "16: table._ref_counts", "17: table.ops._pending"]
+    assert reaches_into_others(source) == found
+
+
 # ---- every module has a test in its mirror folder
 
 # Modules no test module of their mirror folder imports, each with where it is tested instead. The check below

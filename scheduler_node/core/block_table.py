@@ -52,6 +52,23 @@ class BlockOps:
     copy: list[tuple[int, int]] = field(default_factory=list)  # (source block, destination block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
 
+    @property
+    def pending(self) -> bool:
+        return bool(self.copy or self.swap_out or self.swap_in)
+
+
+def _in_place_test(tables: dict[str, list[int]], ref_counts: list[int], block_size: int) -> Callable[[str, int], bool]:
+    """`BlockTable.writes_in_place`: may a request write position p without a change to its table? When it holds
+    p's block already and is that block's only holder. The first test of `write`, and the scheduler's steady-decode
+    test (one call per running request per step: a closure over the table's own containers, no attribute lookups)."""
+
+    def writes_in_place(req_id: str, position: int) -> bool:
+        table = tables.get(req_id)
+        block = position // block_size
+        return table is not None and block < len(table) and ref_counts[table[block]] == 1
+
+    return writes_in_place
+
 
 class BlockTable:
     def __init__(
@@ -67,28 +84,40 @@ class BlockTable:
         if num_compact_blocks < 0:
             raise ValueError(f"num_compact_blocks must be >= 0, got {num_compact_blocks}")
         self.num_blocks = num_blocks  # full blocks; the compact ones follow them
-        self.num_compact_blocks = num_compact_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.usable_blocks = num_blocks  # ResizeCache limit: blocks at or above it are never handed out
-        total = num_blocks + num_compact_blocks
+        # Called with (hash, block) when a cached block is handed out for new content: the KV offload tiers keep
+        # it (scheduler_node/core/kv_tiers.py). The plan's tier moves run before its copies and forward pass.
+        self.on_evict: Callable[[BlockHash, int], None] | None = None
+        # Told of every hash that enters or leaves the prefix cache (KV events for the router's `kv` strategy).
+        self.events: KVEventSink | None = None
+        self._empty(num_host_blocks, num_compact_blocks)
+
+    def _empty(self, num_host_blocks: int, num_compact_blocks: int) -> None:
+        """Every block free and uncached, within the usable limit; nothing collected for the next plan."""
+        self.num_compact_blocks = num_compact_blocks
+        total = self.num_blocks + num_compact_blocks
         self._ref_counts = [0] * total
         self._hash_of: list[BlockHash | None] = [None] * total
         self._cached: dict[BlockHash, int] = {}
-        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # LRU first
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(self.usable_blocks))  # LRU first
         self._compact_cached: dict[BlockHash, int] = {}
-        self._compact_free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks, total))
+        self._compact_free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(self.num_blocks, total))
         self._compact_reqs: set[str] = set()  # requests whose blocks are compact (the others' are full)
         self._tables: dict[str, list[int]] = {}
         self.num_host_blocks = num_host_blocks
         self._host_free = list(range(num_host_blocks - 1, -1, -1))
         self._host_tables: dict[str, list[int]] = {}
         self.ops = BlockOps()  # collected for the next plan
-        # Called with (hash, block) when a cached block is handed out for new content: the KV offload tiers keep
-        # it (scheduler_node/core/kv_tiers.py). The plan's tier moves run before its copies and forward pass.
-        self.on_evict: Callable[[BlockHash, int], None] | None = None
-        # Told of every hash that enters or leaves the prefix cache (KV events for the router's `kv` strategy).
-        self.events: KVEventSink | None = None
+        self.writes_in_place = _in_place_test(self._tables, self._ref_counts, self.block_size)
+
+    def reset(self, num_host_blocks: int, num_compact_blocks: int) -> None:
+        """Start empty, with the same device blocks and usable limit (a lost rank, a smaller world): nothing is
+        held or cached any more. The same object: whoever was handed the table keeps it."""
+        self._empty(num_host_blocks, num_compact_blocks)
+        if self.events is not None:
+            self.events.cleared(DEVICE)
 
     # ---- reading
 
@@ -159,25 +188,19 @@ class BlockTable:
     def can_write(self, req_id: str, first: int, end: int, reserve: int = 0) -> bool:
         return self.blocks_needed(req_id, first, end) + reserve <= self.num_free_of(self.format_of(req_id))
 
-    def decode_view(self) -> tuple[dict[str, list[int]], list[int], int]:
-        """The tables, reference counts and block size, for the scheduler's steady-decode test (read only): a
-        decode at position p stays within its own last block, what `write` answers UNCHANGED without a change,
-        when its table holds block p // block_size and that block's count is 1. `write`'s first test, inline in a
-        loop that runs for every request at every step."""
-        return self._tables, self._ref_counts, self.block_size
-
     def write(self, req_id: str, first: int, end: int) -> Written | None:
         """Make positions [first, end) writable if the free blocks allow: copy shared blocks, append new ones.
 
         Returns the appended blocks and the (index, block) replacements made by copy-on-write, or None (and changes
         nothing) when blocks are short. The one capacity check of a step: a decode that stays in its last block
         touches one entry."""
+        bs = self.block_size
+        if (end - 1) // bs == first // bs and self.writes_in_place(req_id, first):
+            return UNCHANGED  # within one block of its own (a decode, mostly)
         held = self._tables.get(req_id)
         table = held if held is not None else []
-        bs, refs = self.block_size, self._ref_counts
+        refs = self._ref_counts
         last = (end + bs - 1) // bs  # blocks that hold positions up to end
-        if last <= len(table) and last - first // bs == 1 and refs[table[last - 1]] == 1:
-            return UNCHANGED  # within its own last block (a decode, mostly)
         new = last - len(table) if last > len(table) else 0
         shared = [i for i in range(first // bs, min(len(table), last)) if refs[table[i]] > 1]
         compact = req_id in self._compact_reqs
@@ -297,6 +320,51 @@ class BlockTable:
         self._host_free.extend(host)
         self._tables[req_id] = blocks
         return len(blocks)
+
+    # ---- relocation (core/block_relocation.py chooses which blocks move where)
+
+    def held_blocks(self, start: int, end: int) -> list[int]:
+        """The full blocks in [start, end) that some request holds."""
+        return [b for b in range(start, end) if self._ref_counts[b] > 0]
+
+    def free_blocks(self) -> list[int]:
+        """The free full blocks, lowest first."""
+        return sorted(self._free)
+
+    def set_usable(self, usable: int) -> None:
+        """Hand out full blocks below `usable` only: the free ones at or above it leave the free list (their content
+        forgotten), those between the old limit and it join it. The live ones above it are moved by the caller."""
+        for b in range(usable, self.usable_blocks):
+            if b in self._free:
+                del self._free[b]
+                self._evict(b)
+        for b in range(self.usable_blocks, usable):
+            self._free[b] = None
+        self.usable_blocks = usable
+
+    def move(self, target: dict[int, int]) -> dict[str, list[tuple[int, int]]]:
+        """Move live full blocks into free ones (source: destination), a device copy before the step's forward pass;
+        each keeps its ref count and prefix-cache hash, and every table points at the new id. Returns, per request,
+        the (index, block) replacements."""
+        refs, hash_of = self._ref_counts, self._hash_of
+        for block, dst in sorted(target.items()):
+            del self._free[dst]
+            self._evict(dst)  # its cached content is overwritten
+            self.ops.copy.append((block, dst))
+            refs[dst], refs[block] = refs[block], 0
+            h = hash_of[block]
+            if h is not None:
+                hash_of[dst], hash_of[block] = h, None
+                self._cached[h] = dst
+            if block < self.usable_blocks:
+                self._free[block] = None
+        updates: dict[str, list[tuple[int, int]]] = {}
+        for req_id, table in self._tables.items():
+            for i, block in enumerate(table):
+                if block in target:
+                    table[i] = target[block]
+                    updates.setdefault(req_id, []).append((i, target[block]))
+        return updates
 
     # ---- internals
 

@@ -19,7 +19,7 @@ KV its applied steps wrote (`hold_sequence`, keyed by the sequence's id: a reque
 including the partial last block, and the state it hands over names them with `tokens`, the positions they hold;
 the target imports them all (the partial block unregistered) and computes only the last token, so the KV it reads
 is the very KV an undisturbed run reads. Those leases are shorter (`migration_lease_s`): the target pulls on
-arrival, seat or no seat (`Admission._pin_arrivals`), and one that pulls from its own lease releases it then.
+arrival, seat or no seat (`Admission.pin_arrivals`), and one that pulls from its own lease releases it then.
 """
 
 from __future__ import annotations

@@ -5,18 +5,62 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from scheduler_node.core import block_relocation
-from scheduler_node.core.config import PreemptionMode
+from scheduler_node.core.block_table import BlockTable, Written
+from scheduler_node.core.config import PreemptionMode, SchedulerConfig
+from scheduler_node.core.counters import SchedulerCounters
+from scheduler_node.core.policy import Policy
+from scheduler_node.core.queues import RequestQueues
 from scheduler_node.core.request import Request, Status
-from scheduler_node.core.scheduler_state import SchedulerState
+from scheduler_node.core.worker_view import WorkerView
 
 logger = logging.getLogger(__name__)
 
 
-class Preemption(SchedulerState):
-    def _preempt(self, req: Request, mode: PreemptionMode | None = None) -> None:
-        mode = mode or self._preemption_mode(req)
+@dataclass(slots=True)
+class PreemptionCosts:
+    """What elastic preemption weighs: recomputing a victim's tokens vs moving its blocks out and back."""
+
+    ms_per_token: float = 1.0  # refreshed from the workers' step timings
+    bytes_per_block: int = 0
+    swap_bytes_per_s: float = 0.0  # 0: unknown, swap is never assumed cheaper
+
+    def recompute_ms(self, req: Request) -> float:
+        return req.num_computed_tokens * self.ms_per_token
+
+    def swap_ms(self, num_blocks: int) -> float:
+        if self.swap_bytes_per_s <= 0:
+            return float("inf")
+        return 2 * num_blocks * self.bytes_per_block / self.swap_bytes_per_s * 1e3
+
+    def observe(self, execute_ms: float, num_tokens: int) -> None:
+        if num_tokens > 0 and execute_ms > 0:
+            self.ms_per_token = 0.9 * self.ms_per_token + 0.1 * execute_ms / num_tokens
+
+
+class Preemption:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        queues: RequestQueues,
+        blocks: BlockTable,
+        view: WorkerView,
+        policy: Policy,
+        costs: PreemptionCosts,
+        counters: SchedulerCounters,
+    ) -> None:
+        self.config = config
+        self.queues = queues
+        self.blocks = blocks
+        self.view = view
+        self.policy = policy
+        self.costs = costs
+        self.counters = counters
+
+    def preempt(self, req: Request, mode: PreemptionMode | None = None) -> None:
+        """`req` gives its blocks back (freed, or swapped out) and goes back to waiting; the workers forget it."""
+        mode = mode or self._mode_for(req)
         tokens = req.num_computed_tokens
         req.num_placeholders = 0  # in-flight tokens of a preempted request are dropped and sampled again
         if mode is PreemptionMode.SWAP:
@@ -31,13 +75,12 @@ class Preemption(SchedulerState):
             self.counters.preemptions_recompute += 1
         self.view.forget(req, preempted=True)
         logger.info("preempted %s by %s: %d tokens, %d blocks", req.req_id, mode.value, tokens, blocks)
-        self.running.remove(req)
-        self._catching_up.discard(req)
+        self.queues.stop_running(req)
         req.status = Status.PREEMPTED
         req.num_preemptions += 1
-        self._enqueue(req)
+        self.queues.enqueue(req)
 
-    def _preemption_mode(self, req: Request) -> PreemptionMode:
+    def _mode_for(self, req: Request) -> PreemptionMode:
         mode = self.config.preemption_mode
         if mode is PreemptionMode.RECOMPUTE or not self.blocks.can_swap_out(req.req_id):
             return PreemptionMode.RECOMPUTE  # swap space full: fall back
@@ -46,11 +89,32 @@ class Preemption(SchedulerState):
         swap = self.costs.swap_ms(len(self.blocks.blocks_of(req.req_id)))
         return PreemptionMode.SWAP if swap < self.costs.recompute_ms(req) else PreemptionMode.RECOMPUTE
 
-    def _pick_victim(self, candidates: list[Request], now: float) -> Request | None:
+    def pick_victim(self, candidates: list[Request], now: float) -> Request | None:
         """The policy's least valued of these (under a stable order they are in it: the last one)."""
         if self.policy.stable_order:
             return candidates[-1] if candidates else None
         return self.policy.pick_victim(candidates, now)
+
+    def write_or_preempt(
+        self, req: Request, first: int, n: int, later: list[Request], held: Callable[[int], bool] | None, now: float
+    ) -> tuple[Written | None, bool]:
+        """Make positions [first, first + n) of running `req` writable, preempting the least valued of `later` (the
+        requests after it in this step's order) that holds blocks it can use while blocks are short. When those are
+        all in plans in flight it waits for their results (two big requests preempting each other would take
+        turns forever); when there are none it preempts itself. Returns what the write changed (None: no write)
+        and whether anyone was preempted."""
+        preempted = False
+        while (written := self.blocks.write(req.req_id, first, first + n)) is None:
+            others = self._same_pool(req, later)
+            victim = self.pick_victim([r for r in others if _schedulable(r, held)], now)
+            if victim is None and held is not None and any(_running_in_flight(r, held) for r in others):
+                break
+            victim = victim or req
+            self.preempt(victim)
+            preempted = True
+            if victim is req:
+                break
+        return written, preempted
 
     def _same_pool(self, req: Request, others: list[Request]) -> list[Request]:
         """Those of `others` whose blocks are of `req`'s format: preempting (or waiting for) one of the other pool
@@ -60,51 +124,34 @@ class Preemption(SchedulerState):
         fmt = self.blocks.format_of(req.req_id)
         return [r for r in others if self.blocks.format_of(r.req_id) is fmt]
 
-    @staticmethod
-    def _running_in_flight(req: Request, held: Callable[[int], bool]) -> bool:
-        return req.status is Status.RUNNING and held(req.handle)
+    def release_blocks(self, req: Request) -> None:
+        """A waiting fork lets go of its shared blocks (admission, when nothing runs and no fork can start): it will
+        compute its prompt again, from the prefix cache where it can."""
+        logger.info("%s releases its shared blocks: nothing runs and no fork can start", req.req_id)
+        self.blocks.free(req.req_id)
+        req.num_computed_tokens = 0
+        self.counters.preemptions_recompute += 1
 
-    @staticmethod
-    def _schedulable(req: Request, held: Callable[[int], bool] | None) -> bool:
-        return req.status is Status.RUNNING and not (held is not None and held(req.handle))
-
-    def requeue_all(self, workers_lost: bool = True) -> int:
-        """The workers' KV is gone (a rank was lost) or not to be trusted (a step failed): every running request
-        goes back to waiting, to be recomputed, swapped and forked ones drop their blocks too, and the prefix cache
-        starts empty (the replacement worker's cache holds nothing). Workers that were not lost still hold their
-        requests: the next plan tells them to forget every one (and the finished ones already noted). Returns how
-        many requests were running."""
-        running, self.running = self.running, []
-        self._catching_up.clear()
+    def restart_all(self) -> int:
+        """The workers' KV is gone or not to be trusted: every running request goes back to waiting, and every
+        live request starts over (computed by nobody, swapped and pulling nothing). Returns how many ran."""
+        running = self.queues.take_running()
         for req in running:
             req.status = Status.PREEMPTED
             req.num_preemptions += 1
             self.counters.preemptions_recompute += 1
-            self._enqueue(req)
-        for req in self.requests.values():
+            self.queues.enqueue(req)
+        for req in self.queues.requests.values():
             req.num_computed_tokens = 0
             req.num_placeholders = 0
             req.swapped = False
             req.pulling = False  # its import's plan is dropped with the blocks it filled
-        self._pulls, self._pulls_sent = [], {}
-        if workers_lost:
-            self.view.forget_all()
-        else:
-            self.view.preempt_all()
-        self._new_table(self.blocks.num_host_blocks, self.blocks.num_compact_blocks)
-        self.leases.clear()
-        if self.tiers is not None:
-            self.tiers.clear()  # until the world is back: then its disk blocks are adopted again (engine core)
-        self._attach_tiers()
-        self.in_flight.clear()  # the engine dropped every plan in flight
         return len(running)
 
-    def fit_capacity(self, num_blocks: int, num_host_blocks: int, num_compact_blocks: int | None = None) -> None:
-        """The world came back holding fewer blocks than before (a replacement could not allocate the world's
-        size): only that many are handed out from now on. Called on an empty table, right after `requeue_all`."""
-        block_relocation.resize(self.blocks, min(num_blocks, self.blocks.usable_blocks))
-        compact = self.blocks.num_compact_blocks if num_compact_blocks is None else num_compact_blocks
-        if num_host_blocks < self.blocks.num_host_blocks or compact < self.blocks.num_compact_blocks:
-            bt = self.blocks
-            self._new_table(min(num_host_blocks, bt.num_host_blocks), min(compact, bt.num_compact_blocks))
-            self._attach_tiers()
+
+def _running_in_flight(req: Request, held: Callable[[int], bool]) -> bool:
+    return req.status is Status.RUNNING and held(req.handle)
+
+
+def _schedulable(req: Request, held: Callable[[int], bool] | None) -> bool:
+    return req.status is Status.RUNNING and not (held is not None and held(req.handle))

@@ -142,6 +142,14 @@ class Request:
     def finished(self) -> bool:
         return self.status not in _LIVE
 
+    def tokens_to_schedule(self) -> int:
+        """Tokens to compute: up to the known ones plus the sampled ones still in flight (async scheduling), never
+        past max_tokens. (The scheduler's running pass has it inline: core/running_pass.py.)"""
+        num_output = len(self.output_token_ids)
+        if num_output + self.num_placeholders >= self.stop.max_tokens:
+            return 0
+        return len(self.prompt_token_ids) + num_output + self.num_placeholders - self.num_computed_tokens
+
     def update_block_hashes(self, block_size: int) -> list[BlockHash]:
         """Hash the blocks that filled with tokens (computed or not) since the last call; return all the hashes."""
         hashes = self.block_hashes

@@ -5,15 +5,22 @@ KV imports that failed) and what an interrupted step undoes."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import msgspec
 
 from proto.wire import StepPlan, StepResult, TokenLogprobs, unpack_int32
+from scheduler_node.core.block_table import BlockTable
+from scheduler_node.core.capacity import Capacity
 from scheduler_node.core.config import PreemptionMode
-from scheduler_node.core.in_flight import SentPlan
-from scheduler_node.core.preemption import Preemption
+from scheduler_node.core.counters import SchedulerCounters
+from scheduler_node.core.in_flight import InFlightLedger, SentPlan
+from scheduler_node.core.kv_tiers import KVTiers
+from scheduler_node.core.migrations_in import MigrationsIn
+from scheduler_node.core.preemption import Preemption, PreemptionCosts
+from scheduler_node.core.queues import RequestQueues
 from scheduler_node.core.request import FinishReason, Request, Status
+from scheduler_node.core.speculator import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +42,39 @@ class RequestOutput(msgspec.Struct, gc=False):
     embedding: list[float] | None = None  # with finish_reason, an embedding request's
 
 
-class Results(Preemption):
+class Results:
+    def __init__(
+        self,
+        queues: RequestQueues,
+        blocks: BlockTable,
+        in_flight: InFlightLedger,
+        preemption: Preemption,
+        migrations: MigrationsIn,
+        capacity: Capacity,
+        speculator: Speculator | None,
+        tiers: KVTiers | None,
+        costs: PreemptionCosts,
+        counters: SchedulerCounters,
+        finish: Callable[[str, Status], Request | None],
+    ) -> None:
+        self.queues = queues
+        self.blocks = blocks
+        self.in_flight = in_flight
+        self.preemption = preemption
+        self.migrations = migrations
+        self.capacity = capacity
+        self.speculator = speculator
+        self.tiers = tiers
+        self.costs = costs
+        self.counters = counters
+        self.finish = finish  # the scheduler's: a request its tokens ended leaves as any other
+
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         """Register the blocks the step filled for prefix caching, append sampled tokens, apply stop conditions."""
         sent = self.in_flight.settle(plan.step_id)
         if result.failed_loads:
             self._recompute_failed_loads(result)
-        if self._pulls_sent:
-            self._settle_pulls(plan.step_id, result)
+        self.migrations.settle(plan.step_id, result.failed_loads)
         if result.failed_stores and self.tiers is not None:
             self.tiers.drop_failed_stores(result.failed_stores)
         if result.interrupted:
@@ -60,12 +92,7 @@ class Results(Preemption):
             assert self.speculator is not None, "only a speculator's plans carry proposals"
             self.speculator.settle(sent, result)
         self._register_filled_blocks(sent)
-        for handle, (first, logprobs) in result.prompt_logprobs.items():
-            if (req := self._by_handle.get(handle)) is not None:  # kept even if preempted since: positions checked
-                req.add_prompt_logprobs(first, logprobs)
-        for handle, (first, count, data) in result.pooled.items():
-            if (req := self._by_handle.get(handle)) is not None:
-                req.add_pooled(first, count, data)
+        self._add_prompt_outputs(result)
         all_logprobs = result.logprobs
         if result.tokens and not all_logprobs:
             outputs = self._apply_packed(result)
@@ -74,20 +101,30 @@ class Results(Preemption):
         if self.speculator is not None:
             if sent.num_drafted:
                 self._register_filled_blocks(sent)  # the blocks filled by accepted proposals: hashable only now
-            live, running = self._by_handle, Status.RUNNING
+            live, running = self.queues.by_handle, Status.RUNNING
             for handle, drafted in result.drafts.items():  # a draft model's proposals for the next step
                 if (req := live.get(handle)) is not None and req.status is running:
                     self.speculator.drafted(req, drafted)
         return outputs
 
+    def _add_prompt_outputs(self, result: StepResult) -> None:
+        """Prompt logprobs and pooled hidden states of the prompt chunks the step computed."""
+        live = self.queues.by_handle
+        for handle, (first, logprobs) in result.prompt_logprobs.items():
+            if (req := live.get(handle)) is not None:  # kept even if preempted since: positions checked
+                req.add_prompt_logprobs(first, logprobs)
+        for handle, (first, count, data) in result.pooled.items():
+            if (req := live.get(handle)) is not None:
+                req.add_pooled(first, count, data)
+
     def _apply_packed(self, result: StepResult) -> list[RequestOutput]:
         """A result of one token per request and no logprobs (StepResult.tokens): the common step of a batch of
         decodes, each request's token appended with a few operations (`_apply_sampled` for one that may end)."""
         outputs: list[RequestOutput] = []
-        max_len, running, live, output = self.max_model_len, Status.RUNNING, self._by_handle, outputs.append
+        max_len, running, output = self.capacity.max_model_len, Status.RUNNING, outputs.append
+        live = map(self.queues.by_handle.get, unpack_int32(result.token_handles))  # looked up in C
         ends: list[tuple[int, list[int]]] = []
-        for handle, token in zip(unpack_int32(result.token_handles), unpack_int32(result.tokens)):
-            req = live.get(handle)
+        for req, token in zip(live, unpack_int32(result.tokens)):
             if req is None or req.status is not running:
                 continue  # aborted or preempted while the step ran
             out, stop = req.output_token_ids, req.stop
@@ -99,7 +136,7 @@ class Results(Preemption):
                     self._start_forks(req)
                 output(RequestOutput(req, [token]))
             else:
-                ends.append((handle, [token]))  # it may end: the general way, in this result's order after these
+                ends.append((req.handle, [token]))  # it may end: the general way, in this result's order after these
         if ends:
             outputs += self._apply_sampled(ends, {})
         return outputs
@@ -111,8 +148,8 @@ class Results(Preemption):
         logprobs; the requests they ended finish."""
         outputs: list[RequestOutput] = []
         # Once per sampling request per step: what the loop calls is looked up once, here.
-        max_len, running = self.max_model_len, Status.RUNNING
-        live, output = self._by_handle, outputs.append
+        max_len, running = self.capacity.max_model_len, Status.RUNNING
+        live, output = self.queues.by_handle, outputs.append
         for handle, token_ids in items:
             req = live.get(handle)
             if req is None or req.status is not running:
@@ -149,41 +186,17 @@ class Results(Preemption):
         if self.tiers is not None:
             self.tiers.forget_failed(result.failed_loads)
         bad = {b for h in result.failed_loads if (b := self.blocks.uncache(h)) is not None}
-        readers = [r for h in result.load_skipped if (r := self._by_handle.get(h)) is not None]
-        readers += [r for r in self.running if not bad.isdisjoint(self.blocks.blocks_of(r.req_id))]
+        readers = [r for h in result.load_skipped if (r := self.queues.request_of(h)) is not None]
+        readers += [r for r in self.queues.running if not bad.isdisjoint(self.blocks.blocks_of(r.req_id))]
         for req in dict.fromkeys(readers):
             if req.migration_imports:  # a migrated sequence whose pull failed: it recomputes after all
-                self._pull_failed(req)
+                self.migrations.pull_failed(req)
             if req.status is Status.RUNNING:
-                self._preempt(req, PreemptionMode.RECOMPUTE)
+                self.preemption.preempt(req, PreemptionMode.RECOMPUTE)
             elif req.swapped:  # swapped out since, with the bad block: its copy is dropped too
                 self.blocks.free(req.req_id)
                 req.swapped = False
                 req.num_computed_tokens = 0
-
-    def _settle_pulls(self, step_id: int, result: StepResult) -> None:
-        """The KV imports of migrated sequences that this plan carried are done. One that claimed its blocks while
-        waiting (`_pin_arrivals`) and whose pull failed lets them go and will compute its tokens (a running one is
-        left out by the workers and preempted: `_recompute_failed_loads`). A pull from a lease this replica holds
-        itself (a request it migrated off, back) releases that lease at once: its KV is here twice."""
-        failed = set(result.failed_loads)
-        for req, imp in self._pulls_sent.pop(step_id, []):
-            pinned, req.pulling = req.pulling, False
-            # A partial block's key is b"" in any import: a failed one marks every import with one (a recompute).
-            if failed.isdisjoint(imp.hashes):
-                self.leases.release_lease(self.blocks, imp.lease)
-            elif pinned and self._by_handle.get(req.handle) is req and req.status is not Status.RUNNING:
-                self.blocks.free(req.req_id)
-                req.num_computed_tokens = 0
-                if req.migration_imports:
-                    self._pull_failed(req)
-
-    def _pull_failed(self, req: Request) -> None:
-        """A migrated sequence counted as importing its KV recomputes after all: its pull failed."""
-        req.migration_imports = False
-        self.counters.migrations_imported -= 1
-        self.counters.migrations_recomputed += 1
-        logger.info("%s: migrated in, recomputes: its KV pull failed (the worker's log says why)", req.req_id)
 
     def _register_filled_blocks(self, sent: SentPlan) -> None:
         """The blocks each request's step filled (one in block_size decode steps) get their hashes. This step's
@@ -217,7 +230,7 @@ class Results(Preemption):
             req.num_computed_tokens -= n
             if samples:
                 req.num_placeholders -= 1
-            self._catching_up.add(req)
+            self.queues.catching_up(req)
 
     def _start_forks(self, parent: Request) -> None:
         """The prompt is computed: each sibling shares its blocks and recomputes only the last prompt token,
@@ -227,7 +240,7 @@ class Results(Preemption):
             self.blocks.fork(parent.req_id, child.req_id, prompt_len)
             child.num_computed_tokens = prompt_len - 1
             child.num_cached_tokens = parent.num_cached_tokens  # the prompt they share
-            self._enqueue(child)
+            self.queues.enqueue(child)
         parent.forks = ()
 
 

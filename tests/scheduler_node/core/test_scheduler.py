@@ -7,13 +7,20 @@ import pytest
 from proto.wire import SamplingOptions, StepPlan, StepResult
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.request import Request, Status, StopConditions
-from scheduler_node.core.scheduler import Scheduler
+from scheduler_node.core.scheduler import PreemptionCosts, Scheduler
 from tests.support.plans import handle, named, scheduled
 
 pytestmark = pytest.mark.unit
 
 
-def make(num_blocks: int = 64, budget: int = 16, seqs: int = 8, host: int = 0, **config: object) -> Scheduler:
+def make(
+    num_blocks: int = 64,
+    budget: int = 16,
+    seqs: int = 8,
+    host: int = 0,
+    costs: PreemptionCosts | None = None,
+    **config: object,
+) -> Scheduler:
     cfg = SchedulerConfig(
         block_size=8,
         max_num_batched_tokens=budget,
@@ -21,7 +28,7 @@ def make(num_blocks: int = 64, budget: int = 16, seqs: int = 8, host: int = 0, *
         max_model_len=512,
         **config,  # type: ignore[arg-type]
     )
-    return Scheduler(cfg, num_blocks, num_host_blocks=host)
+    return Scheduler(cfg, num_blocks, num_host_blocks=host, costs=costs)
 
 
 def req(rid: str, prompt_len: int, max_tokens: int = 4, eos: frozenset[int] = frozenset()) -> Request:
@@ -201,11 +208,8 @@ def test_swap_preemption_keeps_computed_tokens_and_swaps_back_in() -> None:
 
 
 def test_elastic_picks_the_cheaper_preemption() -> None:
-    from scheduler_node.core.scheduler import PreemptionCosts
-
     def victim_mode(costs: PreemptionCosts) -> str:
-        s = make(num_blocks=3, budget=64, host=8, preemption_mode="elastic")
-        s.costs = costs
+        s = make(num_blocks=3, budget=64, host=8, costs=costs, preemption_mode="elastic")
         s.add(req("old", 8, max_tokens=8))
         s.add(req("new", 8, max_tokens=8))
         s.update(first := s.schedule(), sample_all(first, s))

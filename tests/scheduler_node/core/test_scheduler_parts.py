@@ -1,6 +1,6 @@
-"""The scheduler's parts: the step loop's steady-decode path builds the plans and ledgers the general path would
-(also with speculation, its policy turning on and off with the batch, and a disaggregated prefill's KV grant), and
-`Scheduler` is its state, preemption, admission and results (one module each)."""
+"""The scheduler's parts: the running pass's steady-decode path builds the plans and ledgers the general path
+would (also with speculation, its policy turning on and off with the batch, and a disaggregated prefill's KV grant),
+and the parts `Scheduler` composes share its one block table and one set of queues."""
 
 from __future__ import annotations
 
@@ -10,14 +10,10 @@ import msgspec
 import pytest
 
 from proto.wire import ExecutionMode, SamplingOptions, StepPlan, StepResult
-from scheduler_node.core.admission import Admission
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.in_flight import SentPlan
-from scheduler_node.core.preemption import Preemption
 from scheduler_node.core.request import Request, StopConditions
-from scheduler_node.core.results import RequestOutput, Results
-from scheduler_node.core.scheduler import Scheduler
-from scheduler_node.core.scheduler_state import SchedulerState
+from scheduler_node.core.scheduler import RequestOutput, Scheduler
 from scheduler_node.core.speculative import SpecState
 from settings.speculative import SpeculativeConfig
 
@@ -50,13 +46,13 @@ def make(fast: bool, spec: bool) -> tuple[Scheduler, list[int]]:
     )
     s = Scheduler(cfg, 12, mode=ExecutionMode.for_world(1, 1, True))
     taken: list[int] = []
-    take_decodes = s._take_decodes
+    take_decodes = s.writer.take_decodes
 
-    def counted(reqs: list[Request], firsts: list[int], plan: StepPlan, sent: Any) -> None:
+    def counted(reqs: list[Request], firsts: list[int], sent: Any) -> int:
         taken.append(len(reqs))
-        take_decodes(reqs, firsts, plan, sent)
+        return take_decodes(reqs, firsts, sent)
 
-    s._take_decodes = counted  # type: ignore[method-assign]
+    s.writer.take_decodes = counted  # type: ignore[method-assign]
     if not fast:
         s.view.plain_decodes = lambda: None  # type: ignore[method-assign]
     return s, taken
@@ -162,8 +158,18 @@ def test_steady_decodes_make_the_plans_the_general_path_makes_with_speculation_a
     assert [(c.num_scheduled_tokens, c.new_block_ids) for c in last_chunk] == [(1, ())], "a steady decode's shape"
 
 
-def test_the_scheduler_is_its_parts() -> None:
-    assert Scheduler.__mro__[1:6] == (Admission, Results, Preemption, SchedulerState, object)
-    assert Scheduler.update is Results.update and Scheduler._preempt is Preemption._preempt
-    assert Scheduler._claim_blocks is Admission._claim_blocks and Scheduler.add is SchedulerState.add
-    assert RequestOutput.__module__ == "scheduler_node.core.results"
+def test_the_parts_hold_the_one_table_and_the_one_set_of_queues_through_a_restart() -> None:
+    """Each part is handed the scheduler's state once, at construction: a restart (a lost rank) empties the block
+    table in place, so every part still works on the table and the queues the scheduler reports."""
+    s, _ = make(fast=True, spec=False)
+    arrive(s, 0, spec=False)
+    s.schedule()
+    assert s.requeue_all() == 3
+    tables = [s.capacity.blocks, s.preemption.blocks, s.claims.blocks, s.admission.blocks, s.running_pass.blocks]
+    tables += [s.results.blocks, s.writer.blocks, s.migrations.blocks]
+    assert all(t is s.blocks for t in tables) and s.blocks.num_free == 12
+    queues = [s.capacity.queues, s.preemption.queues, s.claims.queues, s.admission.queues, s.running_pass.queues]
+    assert all(q is s.queues for q in [*queues, s.results.queues, s.migrations.queues])
+    plan = s.schedule()  # every request starts over, on the emptied table
+    assert {r.handle for r in plan.new_requests} == {s.requests[rid].handle for rid in ("a", "b", "fork")}
+    assert s.blocks.num_free < 12 and RequestOutput.__module__ == "scheduler_node.core.results"

@@ -179,8 +179,8 @@ def test_a_request_the_scheduler_cannot_start_fails_alone() -> None:
     the engine serves the next one: it used to stop, and refuse every later request."""
     run = StandInRun.build(_issue_config(), ISSUE_BLOCKS)
     scheduler = run.engine.scheduler
-    claim = scheduler._claim_blocks
-    scheduler._claim_blocks = lambda req, budget: not req.req_id.startswith("bad") and claim(req, budget)  # type: ignore[method-assign]
+    claim = scheduler.claims.claim
+    scheduler.claims.claim = lambda req, budget: not req.req_id.startswith("bad") and claim(req, budget)  # type: ignore[method-assign]
 
     async def scenario(run: StandInRun) -> None:
         run.submit(spec("bad", 10, 5))
