@@ -75,9 +75,11 @@ class NativeDecodeAttention:
     def __init__(self, fallback: DecodeAttention) -> None:
         self._fallback = fallback
 
-    def _library(
+    def library(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scales: tuple[torch.Tensor, ...]
     ) -> ctypes.CDLL | None:
+        """The C library that runs these queries over these caches; None when the kernel does not cover them (the
+        native decode runner, worker_node/models/native_decode.py, asks before it runs a step in C)."""
         caches = (k_cache, v_cache)
         if q.device.type != "cpu" or not q.is_floating_point():
             return None
@@ -111,7 +113,7 @@ class NativeDecodeAttention:
         plan: NativePlan | None = None,  # plan_decode of these tables (the fallback makes its own)
     ) -> torch.Tensor:
         scales = tuple(t for t in (k_scales, v_scales) if t is not None)
-        library = self._library(q, k_cache, v_cache, scales)
+        library = self.library(q, k_cache, v_cache, scales)
         if library is None:
             options = {"k_scales": k_scales, "v_scales": v_scales} if scales else {}
             return self._fallback(

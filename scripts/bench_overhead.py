@@ -18,8 +18,8 @@ processes on a shared machine do not count (the collector's pauses do):
   rest, which is its part of the output path (handing each step to the output thread, the event loop);
 - output thread: the output path off the engine's thread (engine/output_thread.py: detokenizer, stop checks,
   deltas, LLM's collectors);
-- worker: its step thread (the plan's execute and reply); of it, the input preparation (`_prepare`) and the
-  sampler; for the worker process, also the whole process's CPU (its socket thread's wire and any torch threads);
+- worker: its step thread (the plan's execute and reply); of it, the input preparation (`StepGather.gather`) and
+  the sampler; for the worker process, also the whole process's CPU (its socket thread's wire and any torch threads);
 - wall milliseconds per step.
 
 Two last tables time the sampler and the scheduler alone. The sampler's: greedy sampling of 256 rows over the
@@ -62,6 +62,7 @@ from proto.wire import SamplingOptions, StepPlan  # noqa: E402
 from worker_node.model_runner import ModelRunner  # noqa: E402
 from worker_node.sampler import Sampler  # noqa: E402
 from worker_node.stand_in import zero_cost_loader  # noqa: E402
+from worker_node.step_inputs import StepGather  # noqa: E402
 
 PATHS = ("in-process", "worker process")
 AS_WORKER = "--as-stand-in-worker"  # argv[1] of the worker process this script starts for the second path
@@ -72,8 +73,8 @@ AS_WORKER = "--as-stand-in-worker"  # argv[1] of the worker process this script 
 
 @dataclass(slots=True)
 class WorkerProbe:
-    """At each execute: the step thread's CPU, the process's CPU, the time spent so far in `_prepare` and in the
-    sampler, and the wall clock, by step id. Differences between two steps' marks give what the steps between
+    """At each execute: the step thread's CPU, the process's CPU, the time spent so far in `StepGather.gather` and
+    in the sampler, and the wall clock, by step id. Differences between two steps' marks give what the steps between
     cost."""
 
     prepare: float = 0.0
@@ -86,21 +87,21 @@ WORKER = WorkerProbe()
 
 
 def install_worker_probe(vocab: int) -> None:
-    """The stand-in model in place of the loader's, and the probe's timers around execute, _prepare, sample."""
+    """The stand-in model in place of the loader's, and the probe's timers around execute, gather, sample."""
     import worker_node.loading
 
     worker_node.loading.load_model = zero_cost_loader(vocab)  # type: ignore[assignment]
-    launch, prepare = ModelRunner.launch, ModelRunner._prepare
+    launch, gather = ModelRunner.launch, StepGather.gather
 
     def timed_launch(self: ModelRunner, plan: StepPlan) -> Any:  # (execute is launch, then finish)
         w = WORKER
         w.marks[plan.step_id] = (time.thread_time(), time.process_time(), w.prepare, w.sample, time.perf_counter())
         return launch(self, plan)
 
-    def timed_prepare(self: ModelRunner, *args: Any) -> Any:
+    def timed_gather(self: StepGather, *args: Any) -> Any:
         start = time.thread_time()
         try:
-            return prepare(self, *args)
+            return gather(self, *args)
         finally:
             WORKER.prepare += time.thread_time() - start
 
@@ -120,7 +121,7 @@ def install_worker_probe(vocab: int) -> None:
         return wrapper
 
     ModelRunner.launch = timed_launch  # type: ignore[method-assign]
-    ModelRunner._prepare = timed_prepare  # type: ignore[method-assign,assignment]
+    StepGather.gather = timed_gather  # type: ignore[method-assign,assignment]
     Sampler.sample = timed(Sampler.sample)  # type: ignore[method-assign]
     Sampler.draw = timed(Sampler.draw)  # type: ignore[method-assign]
     Sampler.logprobs = timed(Sampler.logprobs)  # type: ignore[method-assign]

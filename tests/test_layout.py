@@ -224,11 +224,12 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "proto.wire_base": "the wire's building blocks, re-exported by proto.wire (tests/proto/test_wire.py)",
     "proto.step_messages": "the step's plan and result, re-exported by proto.wire (tests/proto/test_wire.py)",
     "proto.session_messages": "hand-shake and control messages, re-exported by proto.wire (tests/proto/test_wire.py)",
-    "scheduler_node.engine.handoffs": "a part of EngineCore: migration through tests/scheduler_node/engine/"
+    "scheduler_node.engine.handoffs": "the engine core's hand-offs: migration through tests/scheduler_node/engine/"
     "test_migration.py, KV leases through tests/fidelity/test_disagg_handoff.py",
-    "scheduler_node.engine.live_stats": "a part of EngineCore, read by tests/scheduler_node/engine/test_metrics.py",
-    "scheduler_node.engine.intake": "a part of EngineCore (submit, abort, drain): every engine test submits through"
-    " it, e.g. tests/scheduler_node/engine/test_engine_errors.py",
+    "scheduler_node.engine.live_stats": "the engine core's scrape-time numbers, read by"
+    " tests/scheduler_node/engine/test_metrics.py",
+    "scheduler_node.engine.intake": "the engine core's intake (submit, abort, drain): every engine test submits"
+    " through it, e.g. tests/scheduler_node/engine/test_engine_errors.py",
     "minivllm.model_executor.layers.attention": "the article's `PagedAttention.supports` line, run as written by"
     " tests/minivllm/test_custom_ops.py; the check itself: tests/worker_node/models/test_attention_support.py",
     "minivllm.collect": "LLM.generate's collectors, through tests/minivllm/test_offline_api.py",
@@ -247,7 +248,7 @@ TESTED_ELSEWHERE: dict[str, str] = {
     " tests/e2e/test_control.py",
     "scheduler_node.cli.router": "vllm-router, run as a program by tests/e2e/test_router.py and"
     " tests/scripts/test_bench_router.py",
-    "scheduler_node.engine.failures": "a part of EngineCore: its failures, in tests/scheduler_node/engine/"
+    "scheduler_node.engine.failures": "the engine core's failures, in tests/scheduler_node/engine/"
     "test_core.py and test_failed_step.py",
     "scheduler_node.engine.processes": "through scheduler_node.engine.launchers"
     " (tests/scheduler_node/engine/test_launchers.py)",
@@ -259,6 +260,14 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "worker_node.attention": "the attention metadata, tested with the decode graphs and kernels"
     " (tests/kernels/test_decode_graphs.py)",
     "worker_node.cuda_graphs": "tests/kernels/test_decode_graphs.py (with the kernels it captures)",
+    "worker_node.batch_rows": "the InputBatch's arrays, through tests/worker_node/test_input_batch.py (which grows"
+    " rows, token and block widths as it goes)",
+    "worker_node.forward_pass": "the model runner's forward pass, through every runner test: tests/worker_node/"
+    "test_faulted_rows.py, test_step_overlap.py, tests/worker_node/models/test_models.py",
+    "worker_node.step_reply": "the model runner's replies, through tests/worker_node/test_step_overlap.py and"
+    " test_faulted_rows.py",
+    "worker_node.lora_holder": "the runner's LoRA manager, made when a request brings an adapter:"
+    " tests/fidelity/test_lora.py",
     "worker_node.loading": "loads a rank as a worker does; tests/support/engine.py's load_runner runs it for every"
     " model test",
     "worker_node.models.gemma2": "registered in worker_node/models/registry.py; tests/worker_node/models/"

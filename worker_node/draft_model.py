@@ -64,7 +64,8 @@ class DraftModel:
             return {}
         rows = np.array([s.row for s in states], dtype=np.int64)
         batch = self.batch
-        counts = batch.num_tokens[rows] - batch.num_computed[rows]  # catch up (a prompt the first time), then 1
+        # Catch up (a prompt the first time), then one token each.
+        counts = batch.rows.num_tokens[rows] - batch.rows.num_computed[rows]
         out: dict[int, list[int]] = {s.handle: [] for s in states}
         for _ in range(self.k):
             inputs = batch.gather(rows, counts, 0)
@@ -92,7 +93,7 @@ class DraftModel:
         else:
             mine = state.token_ids
             # At least its last token is computed again: the step needs a row to sample from.
-            limit = min(len(mine), len(tokens) - 1, int(batch.num_computed[state.row]))
+            limit = min(len(mine), len(tokens) - 1, batch.computed(state))
             start = max(0, limit - 2 * self.k - 2)  # only its last tokens can differ: the rest the target accepted
             if mine[:start] != tokens[:start]:  # a request sent again in full after a preemption, say
                 start = 0
@@ -101,7 +102,7 @@ class DraftModel:
                 shared += 1
             batch.truncate(state, shared)
             batch.append_tokens(state, tokens[shared:])
-        need = -(-(len(tokens) + self.k) // self.block_size) - int(batch.num_blocks[state.row])
+        need = -(-(len(tokens) + self.k) // self.block_size) - int(batch.rows.num_blocks[state.row])
         if need > len(self._free):
             self._evict(asking)
         if need > len(self._free):

@@ -162,8 +162,8 @@ def _capacity_of(runners: list[ModelRunner]) -> WorldCapacity:
         block_bytes = sum(t[0].nbytes for layer in r.kv_cache for t in layer.tensors())
         # host "swap" in the same process is a memory copy: swap is the cheap preemption
         ready = WorkerReady(
-            r.comm.where.rank, r.num_blocks, r.num_blocks * block_bytes, r.num_host_blocks, 1e12,
+            r.comm.where.rank, r.num_blocks, r.num_blocks * block_bytes, r.moves.num_host_blocks, 1e12,
             format_name(r.kv_cache[0].k.dtype), kv_address=r.handoff.address if r.handoff is not None else "",
         )  # fmt: skip
-        readies.append(r.offload.report(ready) if r.offload is not None else ready)
+        readies.append(r.moves.offload.report(ready) if r.moves.offload is not None else ready)
     return WorldCapacity.of(readies)

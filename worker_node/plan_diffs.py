@@ -3,50 +3,45 @@ preempted ones, new blocks, tokens and proposals, block replacements; the packed
 search), after every block id and count in the plan has been checked: the decode kernel reads the cache through
 them without bounds checks, so a bad plan fails here, as a StepError, not as a crash. A new request's LoRA adapter
 that cannot be read fails only the requests naming it (a RequestFault), before any new request joins the batch.
-A part of ModelRunner (worker_node/model_runner.py)."""
+The ModelRunner (worker_node/model_runner.py) is composed of one."""
 
 from __future__ import annotations
 
 import numpy as np
-import torch
 
-from proto.wire import CachedRequest, ExecutionMode, NewRequest, StepPlan
-from worker_node.draft_model import DraftModel
+from proto.wire import CachedRequest, NewRequest, StepPlan
 from worker_node.faults import RequestFault
 from worker_node.input_batch import InputBatch
-from worker_node.kv_cache import KVCache
-from worker_node.kv_handoff import KVHandoff
-from worker_node.kv_offload import KVOffload
+from worker_node.kv_moves import KVMoves, LoadFailures, check_range
 from worker_node.lora.checked_read import AdapterUnusable
-from worker_node.lora.manager import LoraManager
-from worker_node.models.decoder import CausalLM
+from worker_node.lora_holder import LoraHolder
 from worker_node.sampler import Sampler
 
 
 class PlanDiffs:
-    batch: InputBatch
-    sampler: Sampler
-    mode: ExecutionMode
-    draft: DraftModel | None
-    handoff: KVHandoff | None
-    offload: KVOffload | None
-    compact_cache: KVCache
-    num_blocks: int
-    num_compact_blocks: int
-    num_host_blocks: int
-    _load_failed: set[int]
-    model: CausalLM
-    dtype: torch.dtype
-    device: torch.device
-    lora: LoraManager | None
+    def __init__(
+        self,
+        batch: InputBatch,
+        sampler: Sampler,  # forgets a request's penalty counts and grammar when it leaves or comes back
+        loras: LoraHolder,  # a new request's adapter is placed in a slot
+        moves: KVMoves,  # checks the plan's moves
+        load_failures: LoadFailures,  # their requests are forgotten with them, and skip the progress check
+        num_blocks: int,  # the full pool's blocks
+        num_compact_blocks: int,
+        has_compact_pool: bool,
+        tokens_in_plan: bool,  # the execution mode's: sampled tokens and accepted proposals come in the plans
+    ) -> None:
+        self.batch = batch
+        self.sampler = sampler
+        self.loras = loras
+        self.moves = moves
+        self.load_failures = load_failures
+        self.num_blocks = num_blocks
+        self.num_compact_blocks = num_compact_blocks
+        self.has_compact_pool = has_compact_pool
+        self.tokens_in_plan = tokens_in_plan
 
-    def _lora_manager(self) -> LoraManager:
-        """The LoRA slots, made when the first request with an adapter arrives."""
-        if self.lora is None:
-            self.lora = LoraManager(self.model, self.dtype, self.device)
-        return self.lora
-
-    def apply_diffs(self, plan: StepPlan, check_progress: bool = True) -> np.ndarray:
+    def apply(self, plan: StepPlan, check_progress: bool = True) -> np.ndarray:
         """Update the requests this worker holds; their rows, the plan's new requests then its cached ones. Every
         block id is range-checked first: the decode kernel reads the cache through them without bounds checks, so
         a bad plan must fail here (a StepError), not segfault."""
@@ -55,11 +50,9 @@ class PlanDiffs:
         self._check_plan(plan, [cached[i] for i in changed])
         batch = self.batch
         batch.clear_drafts()
-        if self.draft is not None and (plan.finished or plan.preempted):
-            self.draft.forget(plan.finished + plan.preempted)
         for handle in plan.finished + plan.preempted:
             batch.remove(handle)
-            self._load_failed.discard(handle)
+            self.load_failures.forget(handle)
             self.sampler.forget(handle)
         self._place_adapters(plan.new_requests)
         rows = []
@@ -90,7 +83,7 @@ class PlanDiffs:
                     np.frombuffer(plan.decode_computed, dtype="<i4"),
                 )
             )
-            if self.mode.tokens_in_plan:  # proposals of the last step: this plan says how many were accepted
+            if self.tokens_in_plan:  # proposals of the last step: this plan says how many were accepted
                 batch.settle_unverified(cached_rows, said)
             if check_progress:
                 self._check_progress(cached_rows, said, [c.handle for c in cached] + decode_handles.tolist())
@@ -110,7 +103,7 @@ class PlanDiffs:
             if new.lora is None:
                 continue
             try:
-                self._lora_manager().place(new.lora)
+                self.loras.place(new.lora)
             except AdapterUnusable as exc:
                 handles = [r.handle for r in new_requests if r.lora is not None and r.lora.id == exc.lora_id]
                 raise RequestFault(handles, exc.reason, [exc.lora_id]) from exc
@@ -118,9 +111,9 @@ class PlanDiffs:
     def _check_progress(self, rows: np.ndarray, said: np.ndarray, handles: list[int]) -> None:
         """Each cached request's computed tokens are the plan's (`said`, unless a failed tier load left it
         behind)."""
-        has = self.batch.num_computed[rows]
+        has = self.batch.rows.num_computed[rows]
         for i in np.flatnonzero(has != said).tolist():
-            if handles[i] not in self._load_failed:
+            if handles[i] not in self.load_failures:
                 raise RuntimeError(f"request {handles[i]}: worker has {has[i]} computed tokens, plan says {said[i]}")
 
     def _check_plan(self, plan: StepPlan, changed: list[CachedRequest]) -> None:
@@ -130,34 +123,17 @@ class PlanDiffs:
         device_ids += [b for changes in plan.block_updates.values() for _, b in changes]
         device_ids += [b for pair in plan.block_copies for b in pair]
         base = plan.compact_block_base
-        if base and not self.compact_cache:
+        if base and not self.has_compact_pool:
             raise ValueError("the plan addresses compact KV blocks but this worker has no compact pool")
         full_limit = min(base, self.num_blocks) if base else self.num_blocks
         if base:  # ids from the base on are the compact pool's
             compact = [b - base for b in device_ids if b >= base]
-            _check_range(compact, self.num_compact_blocks, f"compact block id (from {base})")
+            check_range(compact, self.num_compact_blocks, f"compact block id (from {base})")
             device_ids = [b for b in device_ids if b < base]
             crossing = next(((s, d) for s, d in plan.block_copies if (s >= base) != (d >= base)), None)
             if crossing is not None:
                 raise ValueError(f"block copy {crossing} crosses KV formats")
-        _check_range(device_ids, full_limit, "block id")
-        swapped = [d for d, _ in plan.swap_out] + [d for _, d in plan.swap_in]
-        _check_range(swapped, full_limit, "swapped block id (full blocks only)")
-        _check_range([h for _, h in plan.swap_out] + [h for h, _ in plan.swap_in], self.num_host_blocks, "swap block")
-        if plan.kv_imports or plan.kv_grants:
-            if self.handoff is None:
-                raise ValueError("the plan moves KV between worlds but this worker has no KV transfer set up")
-            _check_range([b for imp in plan.kv_imports for b in imp.dst], full_limit, "imported block id")
-            _check_range([b for g in plan.kv_grants for b in g.blocks], full_limit, "leased block id")
-        if plan.tier_moves:
-            if self.offload is None:
-                raise ValueError("the plan moves KV tier blocks but this worker has no offload tiers")
-            self.offload.check(plan.tier_moves, full_limit)
+        check_range(device_ids, full_limit, "block id")
+        self.moves.check(plan, full_limit)
         for r in plan.new_requests:
-            _check_range([r.num_computed_tokens], len(r.prompt_token_ids) + len(r.output_token_ids) + 1, "computed")
-
-
-def _check_range(values: list[int], limit: int, what: str) -> None:
-    bad = next((v for v in values if not 0 <= v < limit), None)
-    if bad is not None:
-        raise ValueError(f"{what} {bad} is outside [0, {limit})")
+            check_range([r.num_computed_tokens], len(r.prompt_token_ids) + len(r.output_token_ids) + 1, "computed")

@@ -1,7 +1,8 @@
-"""A step's inputs, gathered from the rows of the InputBatch (worker_node/input_batch.py) in a few vectorised
+"""A step's inputs, gathered from the rows of the InputBatch (worker_node/batch_rows.py) in a few vectorised
 operations: ids, positions, slot mapping, block tables and sequence lengths (the attention metadata), the rows that
 sample and their flags, proposals to verify, prompt rows to score or pool. Its Python work is a few operations per
-request, not a rebuild of every tensor from lists. A part of InputBatch."""
+request, not a rebuild of every tensor from lists. The InputBatch (worker_node/input_batch.py) is composed of one
+StepGather, handed the batch's rows: it reads them, and advances the computed tokens of the rows a step computes."""
 
 from __future__ import annotations
 
@@ -10,23 +11,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from proto.wire import SamplingOptions
 from worker_node.attention import AttentionMetadata
+from worker_node.batch_rows import BatchRows, RequestState
 from worker_node.host_copy import to_device
 from worker_node.sampler import RowFlags, SamplingRequest
 from worker_node.spec_decode import DraftRows, expand
-
-
-@dataclass(slots=True)
-class RequestState:
-    """What the worker keeps of a request besides its row's arrays (what the sampler reads, see SamplingRequest)."""
-
-    handle: int  # the request's id on the wire
-    token_ids: list[int]  # prompt + output so far
-    num_prompt_tokens: int
-    sampling: SamplingOptions
-    row: int  # its row in the InputBatch
-    resumed: bool = False  # came back with output tokens: its prompt logprobs were delivered already
 
 
 @dataclass(slots=True)
@@ -62,39 +51,28 @@ class StepInputs:
 
 
 class StepGather:
-    """Reads the rows a step computes (InputBatch's arrays, declared here) into its StepInputs."""
+    """Reads the rows a step computes into its StepInputs."""
 
-    block_size: int
-    device: torch.device
-    owners: list[RequestState | None]
-    token_ids: np.ndarray
-    num_tokens: np.ndarray
-    num_computed: np.ndarray
-    num_prompt: np.ndarray
-    block_table: np.ndarray
-    num_blocks: np.ndarray
-    wants_prompt_logprobs: np.ndarray
-    plain: np.ndarray
-    wants_logprobs: np.ndarray
-    pools: np.ndarray
-    num_drafts: np.ndarray
-    lora_slot: np.ndarray
-    in_flight: torch.Tensor | None
+    def __init__(self, rows: BatchRows, block_size: int, device: torch.device) -> None:
+        self.rows = rows
+        self.block_size = block_size
+        self.device = device
 
     def gather(self, rows: np.ndarray, n: np.ndarray, compact_base: int) -> StepInputs:
         """The inputs of a step that computes n[i] tokens of the request in row rows[i], from its computed tokens
-        on; advances their computed tokens (`restore` undoes it). Blocks from `compact_base` on are the compact
-        pool's (0: no compact pool)."""
-        compact = self.block_table[rows, 0] >= compact_base if compact_base else np.zeros(len(rows), dtype=bool)
-        drafted = self.num_drafts[rows] > 0
+        on; advances their computed tokens (InputBatch.restore undoes it). Blocks from `compact_base` on are the
+        compact pool's (0: no compact pool)."""
+        a = self.rows
+        compact = a.block_table[rows, 0] >= compact_base if compact_base else np.zeros(len(rows), dtype=bool)
+        drafted = a.num_drafts[rows] > 0
         # Rows with proposals are verified as decodes: each of their tokens a query of its own over its prefix.
         key = compact * 2 + ((n != 1) & ~drafted)
         if key.any():  # full-pool decodes first, then prefills, then the compact pool's
             order = np.argsort(key, kind="stable")
             rows, n, compact, drafted = rows[order], n[order], compact[order], drafted[order]
-        start = self.num_computed[rows]
+        start = a.num_computed[rows]
         end = start + n
-        held = self.num_tokens[rows] + self.num_drafts[rows]
+        held = a.num_tokens[rows] + a.num_drafts[rows]
         self._check(rows, end, held)
         cu = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(n, out=cu[1:])
@@ -104,24 +82,58 @@ class StepGather:
         else:
             owner = np.repeat(np.arange(len(rows)), n)
             positions = np.arange(total) - cu[:-1][owner] + start[owner]
-        ids = self.token_ids[rows[owner], positions].astype(np.int64)
+        ids = a.token_ids[rows[owner], positions].astype(np.int64)
         samples = end == held
-        all_sample = total == len(rows) and bool(samples.all())
-        sample_rows = cu[1:][samples] - 1
         sampler_rows = rows[samples]
-        owners = self.owners
-        samplers: list[RequestState] = [owners[r] for r in sampler_rows.tolist()]  # type: ignore[misc]
-        flags = RowFlags(self.plain[sampler_rows], self.wants_logprobs[sampler_rows])
-        draft_rows = None
-        if self.num_drafts[sampler_rows].any():
-            drafts = [self._drafts_of(s) for s in samplers]
-            sample_rows, draft_rows = expand(samplers, flags, drafts, sample_rows)  # type: ignore[arg-type]
+        sample_rows, samplers, flags, draft_rows = self._samplers(sampler_rows, cu[1:][samples] - 1)
         prompt_rows = self._prompt_rows(rows, start, end, cu)
         pool_rows = self._pool_rows(rows, start, end, cu)
-        self.num_computed[rows] = end
+        a.num_computed[rows] = end
+        dev = self.device
+        return StepInputs(
+            self._input_ids(ids),
+            to_device(positions.astype(np.int64, copy=False), dev),
+            self._metadata(rows, n, positions, end, compact, (n == 1) | drafted, compact_base),
+            to_device(sample_rows, dev),
+            total == len(rows) and bool(samples.all()),
+            samplers,
+            flags,
+            sampler_rows,
+            rows,
+            start,
+            prompt_rows,
+            pool_rows,
+            draft_rows,
+        )
+
+    def _samplers(
+        self, sampler_rows: np.ndarray, sample_rows: np.ndarray
+    ) -> tuple[np.ndarray, list[RequestState], RowFlags, DraftRows | None]:
+        """The rows that sample (`sampler_rows`, their last token at `sample_rows`): their requests and flags; with
+        proposals to verify, every row to score and whose each is."""
+        a = self.rows
+        owners = a.owners
+        samplers: list[RequestState] = [owners[r] for r in sampler_rows.tolist()]  # type: ignore[misc]
+        flags = RowFlags(a.plain[sampler_rows], a.wants_logprobs[sampler_rows])
+        draft_rows = None
+        if a.num_drafts[sampler_rows].any():
+            drafts = [self._drafts_of(s) for s in samplers]
+            sample_rows, draft_rows = expand(samplers, flags, drafts, sample_rows)  # type: ignore[arg-type]
+        return sample_rows, samplers, flags, draft_rows
+
+    def _metadata(
+        self,
+        rows: np.ndarray,
+        n: np.ndarray,
+        positions: np.ndarray,
+        end: np.ndarray,
+        compact: np.ndarray,
+        decode_like: np.ndarray,
+        compact_base: int,
+    ) -> AttentionMetadata:
+        """The attention metadata of the full pool's sequences (first), with the compact pool's beside it."""
         num_full = int(len(rows) - compact.sum())
-        full_tokens = int(cu[num_full])
-        decode_like = (n == 1) | drafted
+        full_tokens = len(positions) if num_full == len(rows) else int(n[:num_full].sum())
         meta = self._attention_meta(
             rows[:num_full], n[:num_full], positions[:full_tokens], end[:num_full], 0, decode_like[:num_full]
         )
@@ -135,22 +147,7 @@ class StepGather:
                 decode_like[num_full:],
             )
             meta.num_full_tokens = full_tokens
-        dev = self.device
-        return StepInputs(
-            self._input_ids(ids),
-            to_device(positions.astype(np.int64, copy=False), dev),
-            meta,
-            to_device(sample_rows, dev),
-            all_sample,
-            samplers,
-            flags,
-            sampler_rows,
-            rows,
-            start,
-            prompt_rows,
-            pool_rows,
-            draft_rows,
-        )
+        return meta
 
     def _input_ids(self, ids: np.ndarray) -> torch.Tensor:
         """The step's token ids on the device. A token the host does not have yet (a placeholder -(i + 1): the
@@ -158,42 +155,36 @@ class StepGather:
         input_ids = to_device(ids, self.device)
         missing = np.flatnonzero(ids < 0)
         if len(missing):
-            if self.in_flight is None:
+            if self.rows.in_flight is None:
                 raise RuntimeError("the step reads a token that no launched step is sampling")
             at = to_device(missing, self.device)
-            input_ids[at] = self.in_flight[to_device(-ids[missing] - 1, self.device)]
+            input_ids[at] = self.rows.in_flight[to_device(-ids[missing] - 1, self.device)]
         return input_ids
 
     def token_lora_slots(self, inputs: StepInputs) -> np.ndarray | None:
         """Each of a step's tokens' LoRA slot (-1: the base model), in batch order; None when none has one."""
-        slots = self.lora_slot[inputs.rows]
+        slots = self.rows.lora_slot[inputs.rows]
         if not slots.any():
             return None
-        counts = self.num_computed[inputs.rows] - inputs.starts  # gather advanced them by the step's tokens
+        counts = self.rows.num_computed[inputs.rows] - inputs.starts  # gather advanced them by the step's tokens
         return np.repeat(slots - 1, counts)
 
     def _drafts_of(self, state: RequestState) -> list[int]:
         n = len(state.token_ids)
-        return self.token_ids[state.row, n : n + int(self.num_drafts[state.row])].tolist()
-
-    def restore(self, inputs: StepInputs) -> None:
-        """The step did not run (interrupted): its requests' computed tokens are what they were, and their
-        proposals are dropped."""
-        self.num_computed[inputs.rows] = inputs.starts
-        self.num_drafts[inputs.rows] = 0
+        return self.rows.token_ids[state.row, n : n + int(self.rows.num_drafts[state.row])].tolist()
 
     def _check(self, rows: np.ndarray, end: np.ndarray, held: np.ndarray) -> None:
         bad = np.flatnonzero(end > held)
         if len(bad):
             i = int(bad[0])
-            state = self.owners[int(rows[i])]
+            state = self.rows.owners[int(rows[i])]
             assert state is not None
             raise RuntimeError(f"request {state.handle}: the plan computes {end[i]} tokens, the worker holds {held[i]}")
-        blocks = self.num_blocks[rows]
+        blocks = self.rows.num_blocks[rows]
         short = np.flatnonzero(-(-end // self.block_size) > blocks)
         if len(short):
             i = int(short[0])
-            state = self.owners[int(rows[i])]
+            state = self.rows.owners[int(rows[i])]
             assert state is not None
             raise ValueError(f"request {state.handle}: {end[i]} tokens need more than its {blocks[i]} blocks")
 
@@ -202,13 +193,13 @@ class StepGather:
     ) -> list[tuple[RequestState, int, int, int]]:
         """The prompt rows each request that asked for prompt logprobs scores this step (rows whose next token is
         the prompt's)."""
-        wants = self.wants_prompt_logprobs[rows]
+        wants = self.rows.wants_prompt_logprobs[rows]
         if not wants.any():
             return []
-        scored = np.minimum(end, self.num_prompt[rows] - 1) - start
+        scored = np.minimum(end, self.rows.num_prompt[rows] - 1) - start
         out = []
         for i in np.flatnonzero(wants & (scored > 0)).tolist():
-            state = self.owners[int(rows[i])]
+            state = self.rows.owners[int(rows[i])]
             assert state is not None
             out.append((state, int(cu[i]), int(scored[i]), int(start[i]) + 1))
         return out
@@ -218,12 +209,12 @@ class StepGather:
     ) -> list[tuple[RequestState, int, int, int]]:
         """The prompt rows each embedding request computes this step ("last" pooling: only the step that
         computes the prompt's last token)."""
-        pools = self.pools[rows]
+        pools = self.rows.pools[rows]
         if not pools.any():
             return []
         out = []
         for i in np.flatnonzero(pools).tolist():
-            state = self.owners[int(rows[i])]
+            state = self.rows.owners[int(rows[i])]
             assert state is not None
             count = min(int(end[i]), state.num_prompt_tokens) - int(start[i])
             if count > 0 and (state.sampling.pooling == "mean" or int(end[i]) >= state.num_prompt_tokens):
@@ -246,10 +237,10 @@ class StepGather:
         dev = self.device
         bs = self.block_size
         num_decodes = int(decode_like.sum())
-        width = max(1, int(self.num_blocks[rows].max())) if len(rows) else 1
-        tables = self.block_table[rows, :width]
+        width = max(1, int(self.rows.num_blocks[rows].max())) if len(rows) else 1
+        tables = self.rows.block_table[rows, :width]
         if base:  # the compact pool's own ids; the padding stays zero
-            tables = np.where(np.arange(width) < self.num_blocks[rows][:, None], tables - base, 0).astype(np.int32)
+            tables = np.where(np.arange(width) < self.rows.num_blocks[rows][:, None], tables - base, 0).astype(np.int32)
         owner = np.repeat(np.arange(len(rows)), n)
         slots = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
         cu_q = np.zeros(len(rows) - num_decodes + 1, dtype=np.int32)

@@ -37,6 +37,7 @@ class CollectorSchedule:
         self.full_interval_s = full_interval_s
         self.clock = clock
         self.full_collections = 0
+        self.admitted_since_idle = False  # a step admitted requests since the last idle collection: one is due
         self._last_full = clock()
 
     def start(self) -> None:
@@ -48,6 +49,7 @@ class CollectorSchedule:
     def admitted(self) -> None:
         """A step admitted requests: they and what they hold live long, out of the collector's walks; a full
         collection runs here if the last one is `full_interval_s` old."""
+        self.admitted_since_idle = True
         if self.clock() - self._last_full >= self.full_interval_s:
             self.collect_all()
         else:
@@ -55,6 +57,7 @@ class CollectorSchedule:
 
     def idle(self) -> None:
         """No request is live: the time for a full collection, frozen objects included."""
+        self.admitted_since_idle = False
         self.collect_all()
 
     def collect_all(self) -> None:

@@ -1,51 +1,54 @@
 """The engine core: the one loop every door drives (gRPC, the offline API, tests, benchmarks).
 
-admit → schedule → send the plan → receive the result → hand the outputs on → free blocks. It keeps up to the
-execution mode's plans in flight, applies their results in order, and interrupts and undoes plans for a request
-that outranks them. What each step produced becomes text and deltas off this loop's thread, on the output side
-(engine/output_side.py, engine/output_thread.py); failures (a lost rank, a failed step, deadlines) are handled in
-engine/failures.py; what the doors ask (submit, abort, drain) in engine/intake.py. It reaches the workers only
-through a transport (proto/transport.py): ZeroMQ to worker processes or in-process.
+admit → schedule → send the plan → receive the result → hand the outputs on → free blocks. The loop is here; the
+rest is collaborators it builds and hands what each uses (the scheduler, the transport, the output side, the
+options, the metrics, and this object's wake event to those that set it):
+
+- PlansInFlight (engine/in_flight.py): the plans on the workers, sent while there is room, awaited in order under a
+  deadline, interrupted and undone for a request that outranks them;
+- Intake (engine/intake.py): what the doors ask (submit, abort, resize, drain) and whether a request can be admitted;
+- Failures (engine/failures.py): a lost rank, a failed step, faulted requests, deadlines;
+- Handoffs (engine/handoffs.py): KV leases and migration to another replica;
+- LiveStats (engine/live_stats.py): the numbers read at scrape time;
+- OutputSide (engine/output_side.py, engine/output_thread.py): each step's outputs become text and deltas off this
+  loop's thread.
+
+The doors know this class's methods, which answer through those objects; it reaches the workers only through a
+transport (proto/transport.py): ZeroMQ to worker processes or in-process.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import itertools
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Collection
 
+from proto.memory_stats import KvPool
 from proto.transport import StepFailed, WorkerLost, WorkerTransport
-from proto.wire import StepPlan, StepResult
+from proto.wire import StepResult
 from scheduler_node.core.kv_handoff import KVSource
-from scheduler_node.core.request import Request, Status
+from scheduler_node.core.lora_slots import LoraMemory
+from scheduler_node.core.request import Request, RequestSpec, Status
 from scheduler_node.core.scheduler import Scheduler
 from scheduler_node.engine.collector import CollectorSchedule
+from scheduler_node.engine.failures import Failures
+from scheduler_node.engine.handoffs import Handoffs
+from scheduler_node.engine.in_flight import InFlight, PlansInFlight
 from scheduler_node.engine.intake import Intake, first_done
 from scheduler_node.engine.live_stats import LiveStats
 from scheduler_node.engine.lora_registry import LoraRegistry
-from scheduler_node.engine.metrics import Metrics
-from scheduler_node.engine.options import STEP_SECONDS_PER_TOKEN, EngineOptions
+from scheduler_node.engine.metrics import LiveSample, Metrics
+from scheduler_node.engine.options import EngineOptions
 from scheduler_node.engine.output_side import OutputSide
-from scheduler_node.engine.outputs import ErrorStatus
+from scheduler_node.engine.outputs import DeltaSink, ErrorStatus, RequestStream
+from scheduler_node.engine.serving_state import ServingState
 from scheduler_node.text.tokenizer import ModelTokenizer
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class _InFlight:
-    plan: StepPlan
-    future: asyncio.Future[StepResult]
-    sent: float  # perf_counter when built
-    tokens: int  # the plan's scheduled tokens
-
-
-class EngineCore(Intake, LiveStats):
+class EngineCore:
     def __init__(
         self,
         scheduler: Scheduler,
@@ -60,28 +63,32 @@ class EngineCore(Intake, LiveStats):
         self.options = options or EngineOptions()
         self.metrics = metrics or Metrics("minivllm")
         self.mode = scheduler.mode
-        self._inflight: collections.deque[_InFlight] = collections.deque()
-        self._interrupting: set[int] = set()  # steps interrupted and not answered yet: no plan is built meanwhile
+        self.wake = asyncio.Event()  # there is work, or the workers must be told something: this loop waits on it
+        self.state = ServingState()
         self.outputs = OutputSide(tokenizer, self.metrics, self._stopped_by_string)
-        self._ids = itertools.count()
-        self._wake = asyncio.Event()
-        self.failed: str = ""  # set when the engine stopped for good
-        self.draining = False  # no new requests; set by Drain and SIGTERM, never cleared
-        self.gave_up = ""  # why requests are refused: a rank was lost and nobody rejoined in time
         self.collector = CollectorSchedule() if self.options.schedule_gc else None
-        self._collected_at_idle = True  # nothing ran since the last idle collection
+        self.plans = PlansInFlight(scheduler, workers, self.metrics, self.outputs, self.collector, self.wake)
+        self.handoffs = Handoffs(scheduler, workers, self.outputs, self.wake)
+        self.failures = Failures(
+            scheduler, workers, self.options, self.metrics, self.outputs, self.handoffs, self.state, self.wake
+        )
+        self.intake = Intake(
+            scheduler,
+            tokenizer,
+            workers,
+            self.options,
+            self.outputs,
+            self.state,
+            self.handoffs,
+            self.failures,
+            self.plans.interrupt,
+            self.wake,
+        )
+        self.stats = LiveStats(scheduler, workers, self.metrics)
         self.loras: LoraRegistry | None = None  # the adapters served by name (None: LoRA is off)
-        # Adapters a worker could not use (StepError.adapters), by id: a request naming one ends at once. Loading
-        # the adapter again gives it a new id.
-        self.unusable_loras: dict[int, str] = {}
         # Called after each step's result is applied: a replica publishing KV events sends the step's batch
         # (scheduler_node/engine/kv_publisher.py).
         self.after_step: Callable[[], None] | None = None
-        self._lease_timer: asyncio.TimerHandle | None = None  # frees KV leases nobody pulled (core/kv_handoff.py)
-        # Migrated sequences whose KV lease is not granted yet (engine/handoffs.py).
-        self._granting: dict[bytes, tuple[Request, KVSource]] = {}
-        self._leases_released = asyncio.Event()
-        self._migrated_off: set[str] = set()
 
     # ---- the loop
 
@@ -94,15 +101,15 @@ class EngineCore(Intake, LiveStats):
             while True:
                 if not self.workers.all_ready:
                     self._drop_inflight()
-                    await self._recover()
-                elif not self.scheduler.has_work and not self._inflight:
+                    await self.failures.recover()
+                elif not self.scheduler.has_work and not self.plans:
                     await self._wait_idle()
                 else:
                     await self._step()
         except Exception as exc:
             logger.exception("engine loop failed")
-            self.failed = f"engine failed: {exc}"
-            self.end_all(self.failed, ErrorStatus.INTERNAL)
+            self.state.failed = f"engine failed: {exc}"
+            self.failures.end_all(self.state.failed, ErrorStatus.INTERNAL)
             raise
         finally:
             self.outputs.stop()
@@ -110,40 +117,39 @@ class EngineCore(Intake, LiveStats):
     async def _step(self) -> None:
         """Keep up to the mode's plans on the workers, then consume the oldest result."""
         await self._maybe_delay()
-        self._fill_pipeline()
-        if not self._inflight:
+        plans = self.plans
+        plans.fill()
+        if not plans:
             if self.scheduler.waiting and not self.scheduler.running:
-                self._end_unstartable()  # admission prevents it: a bug must not stop the engine
+                self.failures.end_unstartable()  # admission prevents it: a bug must not stop the engine
                 return
-            self._wake.clear()
+            self.wake.clear()
             await self._woken()
             return
-        head = self._inflight[0]
+        head = plans.head
         try:
-            result = await self._await_head(head)
+            result = await plans.await_head(self.options.step_timeout)
         except WorkerLost as exc:
             logger.error("step %d did not complete: %s", head.plan.step_id, exc)
             self._drop_inflight()
-            await self._recover()
+            await self.failures.recover()
             return
         except StepFailed as exc:
             self._drop_inflight()
-            self._fail_step(head.plan, exc)
+            self.failures.fail_step(head.plan, exc)
             return
-        self._inflight.popleft()
-        self._interrupting.discard(head.plan.step_id)
+        plans.pop()
+        self._apply(head, result)
+
+    def _apply(self, head: InFlight, result: StepResult) -> None:
+        """The oldest plan's result, in order: the requests it faulted fail first, then the scheduler applies the
+        rest and the output side gets the step's outputs."""
         if result.faulted:
-            self._fail_faulted(result.faulted)
+            self.failures.fail_faulted(result.faulted)
         if self.scheduler.quarantine.active:
-            self._clear_suspects(head.plan, result)
-        released = self.scheduler.leases.released
-        outputs = self.scheduler.update(head.plan, result)
-        if self.scheduler.leases.released != released:  # a request taken back pulled the KV it left here
-            self._leases_released.set()
-        self.outputs.step(outputs)
-        if head.plan.kv_grants:
-            self._granted(head.plan)
-        self._arm_lease_timer()
+            self.failures.clear_suspects(head.plan, result)
+        self.outputs.step(self.scheduler.update(head.plan, result))
+        self.handoffs.applied(head.plan)
         if self.after_step is not None:
             self.after_step()
         if head.tokens:
@@ -155,121 +161,133 @@ class EngineCore(Intake, LiveStats):
     async def _wait_idle(self) -> None:
         """Nothing to do: wait for work (or a lost rank). Once idle for `idle_collection_delay_s`, the collector's
         idle collection runs (once per idle period)."""
-        self._wake.clear()
-        if self.collector is not None and not self._collected_at_idle and not self.outputs.request_of:
+        self.wake.clear()
+        collector = self.collector
+        if collector is not None and collector.admitted_since_idle and not self.outputs.request_of:
             if await self._woken(self.options.idle_collection_delay_s):
                 return  # work came first: the collection waits for the next idle period
-            self.collector.idle()
-            self._collected_at_idle = True
+            collector.idle()
         await self._woken()
 
     async def _woken(self, timeout: float | None = None) -> bool:
         """Wait until work arrives or a rank is lost, at most `timeout` seconds; False if the time ran out."""
-        return await first_done(self._wake.wait(), self.workers.lost.wait(), timeout=timeout)
-
-    def _fill_pipeline(self) -> None:
-        while len(self._inflight) < self.mode.plans_in_flight and self.scheduler.has_work and not self._interrupting:
-            start = time.perf_counter()
-            plan = self.scheduler.schedule()
-            if self.scheduler.quarantine.planned(plan.has_work):
-                continue  # a suspect's turn (or the others') with nothing to run: the next turn at once
-            if not plan.has_work:
-                break  # every running request waits for an in-flight result
-            self.metrics.schedule_time.observe(time.perf_counter() - start)
-            self._note_scheduled(plan)
-            try:
-                future = self.workers.submit(plan)
-            except WorkerLost as exc:
-                logger.error("step %d could not be sent: %s", plan.step_id, exc)
-                return  # the loop sees the lost rank and recovers
-            self._inflight.append(_InFlight(plan, future, start, self.scheduler.scheduled_tokens(plan)))
-            if plan.new_requests:
-                self._collected_at_idle = False
-                if self.collector is not None:
-                    self.collector.admitted()  # once the plan is on its way
-
-    async def _await_head(self, head: _InFlight) -> StepResult:
-        """The oldest plan's result. While it runs and there is room for another plan, requests that arrive are
-        scheduled at once (they do not wait for this step to end). Its deadline runs from now: the workers run
-        plans in order, so it is the one they work on. Past it, the ranks that owe an answer are lost (a hung
-        step, not a slow one)."""
-        timeout = self.options.step_timeout + STEP_SECONDS_PER_TOKEN * head.tokens
-        deadline = time.monotonic() + timeout
-        reason = f"step {head.plan.step_id} ran past its {timeout:.0f} s deadline"
-        while len(self._inflight) < self.mode.plans_in_flight and not self._interrupting and not head.future.done():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self._past_deadline(head, reason)
-                break
-            self._wake.clear()
-            wake: asyncio.Future[Any] = asyncio.ensure_future(self._wake.wait())
-            try:
-                await asyncio.wait((head.future, wake), timeout=left, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                wake.cancel()
-            if not head.future.done() and self._wake.is_set():
-                self._fill_pipeline()
-        if not head.future.done():
-            # No room (the common case: the pipeline is full): the result's future wakes this task itself (no
-            # asyncio.wait in between: one hop of the loop less per step), and a timer fails it at the deadline.
-            left = max(0.0, deadline - time.monotonic())
-            expire = asyncio.get_running_loop().call_later(left, self._past_deadline, head, reason)
-            try:
-                await head.future
-            finally:
-                expire.cancel()
-        return head.future.result()
-
-    def _past_deadline(self, head: _InFlight, reason: str) -> None:
-        """The head's step hung: the ranks that owe it an answer are lost, and it fails with WorkerLost."""
-        if head.future.done():
-            return
-        self.workers.declare_lost(reason)
-        if not head.future.done():
-            head.future.set_exception(WorkerLost(reason))
+        return await first_done(self.wake.wait(), self.workers.lost.wait(), timeout=timeout)
 
     def _drop_inflight(self) -> None:
-        for entry in self._inflight:
-            entry.future.cancel()
-        self._inflight.clear()
-        self._interrupting.clear()
-        self._migrate_without_kv()  # a grant in a dropped plan may never have run
-
-    def interrupt_in_flight(self, req: Request | None = None) -> bool:
-        """Have the workers skip the compute of every plan in flight (the running step stops at its next layer
-        boundary); their requests are rolled back when the interrupted results arrive, and scheduled again. For
-        `req`, a new request, when it outranks them (`Scheduler.may_interrupt`), so its first token waits for no
-        batch step; without one, whenever they can be (`Scheduler.interruptible`). False when none was sent."""
-        plans = [entry.plan for entry in self._inflight]
-        if self._interrupting:  # one at a time: no plan is built until its results are in
-            return False
-        allowed = self.scheduler.interruptible(plans) if req is None else self.scheduler.may_interrupt(req, plans)
-        if not allowed or not self.workers.interrupt(plans[0].step_id, plans[-1].step_id):
-            return False
-        self._interrupting = {plan.step_id for plan in plans}
-        if req is not None:
-            logger.info("%s interrupts steps %d..%d", req.req_id, plans[0].step_id, plans[-1].step_id)
-        return True
+        self.plans.drop()
+        self.handoffs.migrate_without_kv()  # a grant in a dropped plan may never have run
 
     async def _maybe_delay(self) -> None:
         """--scheduler-delay: with nothing in flight and a small batch, give more requests a moment to arrive."""
         s, delay = self.scheduler, self.options.scheduler_delay
-        if not delay or self._inflight or not s.waiting or len(s.running) >= s.config.max_num_seqs // 2:
+        if not delay or self.plans or not s.waiting or len(s.running) >= s.config.max_num_seqs // 2:
             return
         waited = time.monotonic() - min(r.arrival_time for r in s.waiting)
         if waited < delay:
             await asyncio.sleep(delay - waited)
 
-    # ---- outputs
-
-    def _note_scheduled(self, plan: StepPlan) -> None:
-        for new in plan.new_requests:  # a request is scheduled for the first time as a new one
-            req = self.scheduler.request_of(new.handle)
-            if req is not None:
-                self.outputs.scheduled(req.req_id)
-
     def _stopped_by_string(self, req_id: str) -> None:
         """The output side found a stop string (its final delta is out): the scheduler frees the sequence, and the
         workers are told to forget it."""
         self.scheduler.finish(req_id, Status.FINISHED_STOPPED)
-        self._wake.set()
+        self.wake.set()
+
+    # ---- what the doors ask (engine/intake.py)
+
+    def submit(self, spec: RequestSpec, deadline_s: float = 0.0) -> RequestStream:
+        """Queue a request; with `deadline_s` > 0 it ends with DEADLINE_EXCEEDED that many seconds from now.
+        Its deltas come in the stream returned, read on this loop."""
+        return self.intake.submit(spec, deadline_s)
+
+    def submit_to(self, spec: RequestSpec, stream: DeltaSink, deadline_s: float = 0.0) -> None:
+        """`submit`, with the request's deltas put into `stream` (from the output thread if it is threadsafe)."""
+        self.intake.submit_to(spec, stream, deadline_s)
+
+    def abort(self, request_id: str) -> bool:
+        return self.intake.abort(request_id)
+
+    def resize_cache(self, num_blocks: int) -> int:
+        return self.intake.resize_cache(num_blocks)
+
+    def stop_admitting(self) -> None:
+        self.intake.stop_admitting()
+
+    async def drain(self, timeout: float | None, hurry: asyncio.Event | None = None) -> int:
+        return await self.intake.drain(timeout, hurry)
+
+    async def wait_idle(self) -> None:
+        await self.intake.wait_idle()
+
+    def unavailable(self) -> str:
+        """Why a new request cannot be admitted now ("" when it can)."""
+        return self.state.refusal()
+
+    def queue_full(self, n: int) -> bool:
+        return self.intake.queue_full(n)
+
+    def is_live(self, request_id: str) -> bool:
+        return self.intake.is_live(request_id)
+
+    @property
+    def num_live(self) -> int:
+        return self.outputs.num_live
+
+    @property
+    def max_model_len(self) -> int:
+        return self.intake.max_model_len
+
+    @property
+    def max_kv_blocks(self) -> int:
+        return self.intake.max_kv_blocks
+
+    @property
+    def compact_tokens(self) -> int:
+        return self.intake.compact_tokens
+
+    @property
+    def failed(self) -> str:
+        """Why the engine stopped for good ("" while it runs)."""
+        return self.state.failed
+
+    @property
+    def draining(self) -> bool:
+        return self.state.draining
+
+    @property
+    def gave_up(self) -> str:
+        """Why requests are refused: a rank was lost and nobody rejoined in time ("" otherwise)."""
+        return self.state.gave_up
+
+    def interrupt_in_flight(self, req: Request | None = None) -> bool:
+        return self.plans.interrupt(req)
+
+    def end_all(self, reason: str, status: ErrorStatus) -> None:
+        self.failures.end_all(reason, status)
+
+    # ---- another replica's (engine/handoffs.py)
+
+    def migrate(self, request_ids: Collection[str] | None = None) -> int:
+        return self.handoffs.migrate(request_ids)
+
+    def kv_source(self, request_id: str) -> KVSource | None:
+        return self.handoffs.kv_source(request_id)
+
+    def release_kv(self, request_id: str) -> bool:
+        return self.handoffs.release_kv(request_id)
+
+    def takes_back(self, request_id: str) -> bool:
+        return self.handoffs.takes_back(request_id)
+
+    async def migrations_settled(self, timeout: float | None) -> bool:
+        return await self.handoffs.migrations_settled(timeout)
+
+    # ---- read at scrape time (engine/live_stats.py)
+
+    def kv_pools(self) -> list[KvPool]:
+        return self.stats.kv_pools()
+
+    def lora_memory(self) -> list[LoraMemory]:
+        return self.stats.lora_memory(self.loras is not None)
+
+    def live_metrics(self) -> LiveSample:
+        return self.stats.live_metrics(self.loras is not None)

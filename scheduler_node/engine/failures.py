@@ -1,6 +1,7 @@
 """How the engine loop lives through failures: a lost rank (requeue, wait for a replacement, resume by recompute
-or give up), a world that came back smaller, a request that could never start, a step a worker could not run, a
-request's deadline. A part of EngineCore (engine/core.py), which keeps the loop."""
+or give up), a world that came back smaller, a request that could never start, a step a worker could not run, the
+requests whose own computation failed, a request's deadline. The engine core (engine/core.py) owns it and calls it
+from its loop; the intake arms deadlines through it."""
 
 from __future__ import annotations
 
@@ -10,59 +11,49 @@ import time
 
 from proto.transport import StepFailed, WorkerTransport
 from proto.wire import StepPlan, StepResult
-from scheduler_node.core.kv_handoff import KVSource
 from scheduler_node.core.request import Request, Status
 from scheduler_node.core.scheduler import Scheduler
+from scheduler_node.engine.handoffs import Handoffs
 from scheduler_node.engine.metrics import Metrics
 from scheduler_node.engine.options import EngineOptions
 from scheduler_node.engine.output_side import OutputSide
 from scheduler_node.engine.outputs import EngineError, ErrorStatus
+from scheduler_node.engine.serving_state import ServingState
 
 logger = logging.getLogger(__name__)
 
 
 class Failures:
-    scheduler: Scheduler
-    workers: WorkerTransport
-    options: EngineOptions
-    metrics: Metrics
-    outputs: OutputSide
-    draining: bool
-    gave_up: str
-    _wake: asyncio.Event
-    _granting: dict[bytes, tuple[Request, KVSource]]  # migrated sequences whose KV lease is not granted yet
-    unusable_loras: dict[int, str]  # LoRA adapter ids the workers cannot use, with why
-
-    @property
-    def num_live(self) -> int:
-        return len(self.outputs.requests)
-
-    @property
-    def max_model_len(self) -> int:
-        """The longest request (prompt + max_tokens) the world holds now: it follows a ResizeCache and a smaller
-        replacement worker, so a request validated against it always fits."""
-        return self.scheduler.max_model_len
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        workers: WorkerTransport,
+        options: EngineOptions,
+        metrics: Metrics,
+        outputs: OutputSide,
+        handoffs: Handoffs,  # sequences leaving with their KV go out without it when their requests end
+        state: ServingState,  # gave_up is this object's to set
+        wake: asyncio.Event,  # the engine core's: the workers must be told to forget what ended
+    ) -> None:
+        self.scheduler = scheduler
+        self.workers = workers
+        self.options = options
+        self.metrics = metrics
+        self.outputs = outputs
+        self.handoffs = handoffs
+        self.state = state
+        self._wake = wake
 
     def end_all(self, reason: str, status: ErrorStatus) -> None:
         """End every live request with an error and free its blocks (those migrating leave with their states)."""
-        self._migrate_without_kv()
+        self.handoffs.migrate_without_kv()
         for req_id in list(self.outputs.request_of):
             req = self.scheduler.finish(req_id, Status.FINISHED_ERROR)
             if req is not None:
                 self.outputs.end(req, EngineError(status, reason))
         self._wake.set()
 
-    def _migrate_without_kv(self, request_id: str | None = None) -> None:
-        """The plans in flight were dropped (a lost rank, a failed step), or the request was aborted: leases not
-        granted yet may never be. Their sequences (of `request_id`, or all) go out with states that recompute,
-        and their blocks are freed."""
-        for lease, (req, _) in list(self._granting.items()):
-            if request_id is None or self.outputs.request_of.get(req.req_id) == request_id:
-                del self._granting[lease]
-                self.scheduler.leases.release_sequence(self.scheduler.blocks, req.req_id)
-                self.outputs.migrate(req)
-
-    async def _recover(self) -> None:
+    async def recover(self) -> None:
         """A rank is lost with its KV: requeue everything, wait for a replacement, resume by recompute.
 
         If none joins within the rejoin timeout, every live request ends with UNAVAILABLE and new ones are
@@ -71,7 +62,7 @@ class Failures:
         self.metrics.worker_losses.inc()
         running = self.scheduler.requeue_all()
         timeout = self.options.rejoin_timeout
-        if self.draining:
+        if self.state.draining:
             self.end_all(f"{reason} while draining", ErrorStatus.UNAVAILABLE)
         else:
             logger.warning(
@@ -84,13 +75,13 @@ class Failures:
                 self._world_back()
                 logger.info("every rank is ready; resuming %d request(s) by recompute", self.scheduler.num_unfinished)
                 return
-        self.gave_up = f"{reason}, and no worker rejoined within {timeout:g} s"
-        logger.error("%s: failing %d live request(s)", self.gave_up, self.num_live)
-        self.end_all(self.gave_up, ErrorStatus.UNAVAILABLE)
+        self.state.gave_up = f"{reason}, and no worker rejoined within {timeout:g} s"
+        logger.error("%s: failing %d live request(s)", self.state.gave_up, self.outputs.num_live)
+        self.end_all(self.state.gave_up, ErrorStatus.UNAVAILABLE)
         await self.workers.wait_ready(None)
         self.scheduler.requeue_all()  # start from a clean slate: no notices for the old workers
         self._world_back()
-        self.gave_up = ""
+        self.state.gave_up = ""
         self.workers.changed.set()  # health: SERVING again
         logger.info("every rank is ready again; serving")
 
@@ -115,7 +106,7 @@ class Failures:
         ):
             return
         self.scheduler.fit_capacity(capacity.num_kv_blocks, capacity.num_swap_blocks, compact)
-        limit = self.max_model_len
+        limit = self.scheduler.max_model_len
         for req in self.scheduler.stranded(self.scheduler.blocks.usable_blocks):
             message = (
                 f"the KV cache shrank to {limit} tokens (a replacement worker holds fewer blocks); this request "
@@ -124,7 +115,7 @@ class Failures:
             self.scheduler.finish(req.req_id, Status.FINISHED_ERROR)
             self.outputs.end(req, EngineError(ErrorStatus.UNAVAILABLE, message))
 
-    def _end_unstartable(self) -> None:
+    def end_unstartable(self) -> None:
         """Nothing runs or is in flight, yet the scheduler started no waiting request: the first of them could
         never start. It ends with an error instead of stopping the engine (every later request would fail)."""
         head = self.scheduler.policy.order_waiting(self.scheduler.waiting, time.monotonic())[0]
@@ -135,7 +126,7 @@ class Failures:
             self.scheduler.finish(req.req_id, Status.FINISHED_ERROR)
             self.outputs.end(req, EngineError(ErrorStatus.INTERNAL, message))
 
-    def _fail_step(self, plan: StepPlan, exc: StepFailed) -> None:
+    def fail_step(self, plan: StepPlan, exc: StepFailed) -> None:
         """A worker could not run the plan. The requests it blamed (StepError.handles) fail alone; with nobody
         blamed, a request that ran alone fails, and the requests of a larger step become suspects that run alone
         until each has sampled (core/quarantine.py): one request's problem never fails another. Everything else is
@@ -143,7 +134,7 @@ class Failures:
         forget all of it."""
         requests = self.scheduler.requests_in(plan)
         for adapter in exc.adapters:  # refused from now on, at the door: it would fail a step each time
-            self.unusable_loras[adapter] = str(exc)
+            self.state.unusable_loras[adapter] = str(exc)
         if exc.handles:
             blamed = set(exc.handles)
             culprits = [r for r in requests if r.handle in blamed]
@@ -160,7 +151,7 @@ class Failures:
             self._fail_request(req, EngineError(status, str(exc)))
         self.scheduler.requeue_all(workers_lost=False)
 
-    def _fail_faulted(self, faulted: dict[int, str]) -> None:
+    def fail_faulted(self, faulted: dict[int, str]) -> None:
         """The requests whose own computation failed in a step that otherwise went through (their logits were not
         finite): they fail alone, before the step's result is applied, so nothing of theirs is kept."""
         for handle, reason in faulted.items():
@@ -177,12 +168,18 @@ class Failures:
             if self.scheduler.finish(r.req_id, Status.FINISHED_ERROR) is not None:
                 self.outputs.end(r, EngineError(error.status, error.message))
 
-    def _clear_suspects(self, plan: StepPlan, result: StepResult) -> None:
+    def clear_suspects(self, plan: StepPlan, result: StepResult) -> None:
         """Suspects run alone: one that sampled in this step, which went through, is innocent."""
         quarantine = self.scheduler.quarantine
         for req in self.scheduler.requests_in(plan):
             if req.req_id in quarantine and result.tokens_of(req.handle):
                 quarantine.release(req.req_id)
+
+    def arm_deadline(self, request_id: str, deadline_s: float) -> None:
+        """The request ends with DEADLINE_EXCEEDED `deadline_s` seconds from now unless it ended before (the output
+        side cancels the timer when its last sequence ends)."""
+        expire = asyncio.get_running_loop().call_later(deadline_s, self._expire, request_id, deadline_s)
+        self.outputs.deadlines[request_id] = expire
 
     def _expire(self, request_id: str, deadline_s: float) -> None:
         self.outputs.deadlines.pop(request_id, None)

@@ -1,7 +1,7 @@
 """What leaves this replica for another one: running requests moved off by a drain with migration (each ends with
 its state, finish_reason MIGRATED: scheduler_node/core/migration.py; their KV leased to the target) and finished
-prefills' KV held under a lease until a decode replica pulls it (scheduler_node/core/kv_handoff.py). A part of
-EngineCore (engine/core.py)."""
+prefills' KV held under a lease until a decode replica pulls it (scheduler_node/core/kv_handoff.py). The engine
+core (engine/core.py) owns it; the intake and the failures hand sequences back to it."""
 
 from __future__ import annotations
 
@@ -21,15 +21,22 @@ logger = logging.getLogger(__name__)
 
 
 class Handoffs:
-    scheduler: Scheduler
-    workers: WorkerTransport
-    outputs: OutputSide
-    _wake: asyncio.Event
-    _lease_timer: asyncio.TimerHandle | None
-    _leases_released: asyncio.Event
-
-    _granting: dict[bytes, tuple[Request, KVSource]]  # migrated sequences whose KV lease is not granted yet
-    _migrated_off: set[str]  # requests this replica handed back (a drain runs once: bounded by what ran then)
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        workers: WorkerTransport,
+        outputs: OutputSide,
+        wake: asyncio.Event,  # the engine core's: the workers must be told (forget, grant, revoke)
+    ) -> None:
+        self.scheduler = scheduler
+        self.workers = workers
+        self.outputs = outputs
+        self._wake = wake
+        self._granting: dict[bytes, tuple[Request, KVSource]] = {}  # migrated sequences whose lease is not granted
+        self._migrated_off: set[str] = set()  # requests handed back (a drain runs once: bounded by what ran then)
+        self._lease_timer: asyncio.TimerHandle | None = None  # frees KV leases nobody pulled
+        self._leases_released = asyncio.Event()  # a lease was released: `migrations_settled` looks again
+        self._released_seen = scheduler.leases.released
 
     def migrate(self, request_ids: Collection[str] | None = None) -> int:
         """Move every live migratable request off this replica (those of `request_ids` only: a rebalance, which
@@ -57,6 +64,27 @@ class Handoffs:
             logger.info("migrating %d request(s) off this replica", moved)
         self._wake.set()  # tell the workers to forget them (and grant their leases)
         return moved
+
+    def applied(self, plan: StepPlan) -> None:
+        """A plan's result is applied: the leases it granted are served now, a request taken back may have pulled
+        the KV it left here (a lease released), and the lease timer follows the leases held."""
+        released = self.scheduler.leases.released
+        if released != self._released_seen:
+            self._released_seen = released
+            self._leases_released.set()
+        if plan.kv_grants:
+            self._granted(plan)
+        self._arm_lease_timer()
+
+    def migrate_without_kv(self, request_id: str | None = None) -> None:
+        """The plans in flight were dropped (a lost rank, a failed step), or the request was aborted: leases not
+        granted yet may never be. Their sequences (of `request_id`, or all) go out with states that recompute,
+        and their blocks are freed."""
+        for lease, (req, _) in list(self._granting.items()):
+            if request_id is None or self.outputs.request_of.get(req.req_id) == request_id:
+                del self._granting[lease]
+                self.scheduler.leases.release_sequence(self.scheduler.blocks, req.req_id)
+                self.outputs.migrate(req)
 
     def _granted(self, plan: StepPlan) -> None:
         """A plan's results are in: the leases it granted are served now, so their sequences' states go out."""

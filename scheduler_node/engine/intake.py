@@ -1,10 +1,11 @@
 """What the doors ask of the engine: submitting a request (its sequences, to the scheduler and the output side),
-aborting one, resizing the cache, draining, and whether a request can be admitted now. A part of EngineCore
-(engine/core.py), which keeps the loop."""
+aborting one, resizing the cache, draining, and whether a request can be admitted now. The engine core
+(engine/core.py) owns it and answers the doors through it."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -24,29 +25,37 @@ from scheduler_node.engine.handoffs import Handoffs
 from scheduler_node.engine.options import EngineOptions
 from scheduler_node.engine.output_side import OutputSide
 from scheduler_node.engine.outputs import Delta, DeltaSink, EngineError, ErrorStatus, RequestStream
+from scheduler_node.engine.serving_state import ServingState
 from scheduler_node.text.tokenizer import ModelTokenizer
 
 logger = logging.getLogger(__name__)
 
 
-class Intake(Failures, Handoffs):
-    scheduler: Scheduler
-    tokenizer: ModelTokenizer
-    workers: WorkerTransport
-    options: EngineOptions
-    outputs: OutputSide
-    failed: str
-    draining: bool
-    gave_up: str
-    _ids: Any  # itertools.count: the sequences' ids
-    _wake: asyncio.Event
-    interrupt_in_flight: Callable[[Request | None], bool]  # the loop's (engine/core.py)
-
-    def unavailable(self) -> str:
-        """Why a new request cannot be admitted now ("" when it can)."""
-        if self.draining:
-            return "the server is draining: it finishes what runs and takes nothing new"
-        return self.failed or self.gave_up
+class Intake:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        tokenizer: ModelTokenizer,
+        workers: WorkerTransport,
+        options: EngineOptions,
+        outputs: OutputSide,
+        state: ServingState,  # draining is this object's to set
+        handoffs: Handoffs,  # an aborted request's leased or migrating KV
+        failures: Failures,  # deadlines
+        interrupt: Callable[[Request], bool],  # the plans in flight's: a new request may outrank them
+        wake: asyncio.Event,  # the engine core's: there is work, or the workers must forget something
+    ) -> None:
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.workers = workers
+        self.options = options
+        self.outputs = outputs
+        self.state = state
+        self.handoffs = handoffs
+        self.failures = failures
+        self.interrupt = interrupt
+        self._wake = wake
+        self._ids = itertools.count()  # the sequences' ids
 
     def queue_full(self, n: int) -> bool:
         """Would `n` more sequences overflow the waiting queue's bound?"""
@@ -65,6 +74,12 @@ class Intake(Failures, Handoffs):
         blocks = self.scheduler.blocks
         return blocks.num_compact_blocks * blocks.block_size
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest request (prompt + max_tokens) the world holds now: it follows a ResizeCache and a smaller
+        replacement worker, so a request validated against it always fits."""
+        return self.scheduler.max_model_len
+
     def is_live(self, request_id: str) -> bool:
         return request_id in self.outputs.requests
 
@@ -81,8 +96,8 @@ class Intake(Failures, Handoffs):
             raise KeyError(spec.request_id)
         if spec.kv_produce and spec.n != 1:
             raise ValueError(f"kv_produce: a prefill for another replica computes one sequence, not n = {spec.n}")
-        if self.failed:
-            raise RuntimeError(self.failed)
+        if self.state.failed:
+            raise RuntimeError(self.state.failed)
         refused = self._refusal(spec)
         if refused is not None:
             for index, _ in _sequences_of(spec):  # ends at once, engine untouched: no sequence would ever start
@@ -99,17 +114,16 @@ class Intake(Failures, Handoffs):
                 self.scheduler.add(req)
         else:
             self.scheduler.add(sequences[0], forks=sequences[1:])  # siblings share the prompt's blocks
-        self.interrupt_in_flight(sequences[0])
+        self.interrupt(sequences[0])
         if deadline_s > 0:
-            expire = asyncio.get_running_loop().call_later(deadline_s, self._expire, spec.request_id, deadline_s)
-            self.outputs.deadlines[spec.request_id] = expire
+            self.failures.arm_deadline(spec.request_id, deadline_s)
         self._wake.set()
 
     def _refusal(self, spec: RequestSpec) -> EngineError | None:
         """Why a valid request ends at once, engine untouched (None: it is queued)."""
         if too_long := self._too_long(spec):
             return EngineError(ErrorStatus.UNAVAILABLE, too_long)
-        if spec.lora is not None and (why := self.unusable_loras.get(spec.lora.id)):
+        if spec.lora is not None and (why := self.state.unusable_loras.get(spec.lora.id)):
             return EngineError(ErrorStatus.FAILED_PRECONDITION, why)
         return None
 
@@ -158,12 +172,12 @@ class Intake(Failures, Handoffs):
     def abort(self, request_id: str) -> bool:
         ids = self.outputs.requests.get(request_id)
         if ids is None:
-            return self.release_kv(request_id)  # a finished prefill whose KV nobody will pull now
+            return self.handoffs.release_kv(request_id)  # a finished prefill whose KV nobody will pull now
         for req_id in list(ids):
             req = self.scheduler.finish(req_id, Status.FINISHED_ABORTED)
             if req is not None:
                 self.outputs.end(req)
-        self._migrate_without_kv(request_id)  # its client is gone: nobody will pull what it was migrating
+        self.handoffs.migrate_without_kv(request_id)  # its client is gone: nobody will pull what it was migrating
         self._wake.set()  # tell the workers to forget them
         return True
 
@@ -178,9 +192,9 @@ class Intake(Failures, Handoffs):
 
     def stop_admitting(self) -> None:
         """From now on new requests are refused (UNAVAILABLE) and health says NOT_SERVING."""
-        if not self.draining:
-            self.draining = True
-            logger.info("draining: %d live request(s)", self.num_live)
+        if not self.state.draining:
+            self.state.draining = True
+            logger.info("draining: %d live request(s)", self.outputs.num_live)
             self.workers.changed.set()  # health: NOT_SERVING
 
     async def drain(self, timeout: float | None, hurry: asyncio.Event | None = None) -> int:
@@ -190,9 +204,9 @@ class Intake(Failures, Handoffs):
         start = time.monotonic()
         waits = [self.outputs.idle.wait()] + ([hurry.wait()] if hurry is not None else [])
         await first_done(*waits, timeout=timeout)
-        if not self.num_live and not (hurry and hurry.is_set()):  # migrated KV is served until its targets have it
-            await self.migrations_settled(None if timeout is None else timeout - (time.monotonic() - start))
-        return self.num_live
+        if not self.outputs.num_live and not (hurry and hurry.is_set()):  # migrated KV: served until pulled
+            await self.handoffs.migrations_settled(None if timeout is None else timeout - (time.monotonic() - start))
+        return self.outputs.num_live
 
     async def wait_idle(self) -> None:
         """Until no request is live."""

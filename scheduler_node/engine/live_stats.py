@@ -1,5 +1,6 @@
 """The engine's numbers read at scrape time: KV memory per tier and format, LoRA adapters' memory, and the gauges
-and scheduler counters Metrics exports. A part of EngineCore (engine/core.py)."""
+and scheduler counters Metrics exports. Read-only; the engine core (engine/core.py) answers the doors' and the
+scrape's questions through it."""
 
 from __future__ import annotations
 
@@ -10,28 +11,28 @@ from proto.transport import WorkerTransport
 from scheduler_node.core.lora_slots import LoraMemory, lora_requests
 from scheduler_node.core.scheduler import Scheduler
 from scheduler_node.core.stats import hit_rates, kv_pools, snapshot
-from scheduler_node.engine.lora_registry import LoraRegistry
 from scheduler_node.engine.metrics import LiveSample, Metrics
 
 
 class LiveStats:
-    scheduler: Scheduler
-    workers: WorkerTransport
-    metrics: Metrics
-    loras: LoraRegistry | None
+    def __init__(self, scheduler: Scheduler, workers: WorkerTransport, metrics: Metrics) -> None:
+        self.scheduler = scheduler
+        self.workers = workers
+        self.metrics = metrics
 
     def kv_pools(self) -> list[KvPool]:
         """The KV memory in bytes, per tier and format."""
         return kv_pools(self.scheduler, self.workers.capacity)
 
-    def lora_memory(self) -> list[LoraMemory]:
+    def lora_memory(self, lora_on: bool) -> list[LoraMemory]:
         """The LoRA adapters in the workers' slots and host tier (none while LoRA is off)."""
-        return self.scheduler.view.lora_slots.memory() if self.loras is not None else []
+        return self.scheduler.view.lora_slots.memory() if lora_on else []
 
-    def live_metrics(self) -> LiveSample:
+    def live_metrics(self, lora_on: bool) -> LiveSample:
         """The scrape-time gauges and scheduler counters (Metrics reads them on the event loop's thread)."""
         s = snapshot(self.scheduler)
         pools = self.kv_pools()
+        loras = self.lora_memory(lora_on)
         tiers: LiveSample = {}
         if self.scheduler.tiers is not None:
             tiers.update(self.scheduler.tiers.snapshot().as_metrics())
@@ -53,8 +54,8 @@ class LiveStats:
             "minivllm:kv_cache_used_bytes": {(p.tier, p.format): p.used_bytes for p in pools},
             "minivllm:cache_hit_rate": {(tier,): rate for tier, rate in hit_rates(pools, s.prefix_cache_queries)},
             "minivllm:lora_requests": lora_requests(self.scheduler.running, self.scheduler.waiting),
-            "minivllm:lora_memory_bytes": {(m.tier,): m.bytes for m in self.lora_memory()},
-            "minivllm:lora_adapters_resident": {(m.tier,): m.adapters for m in self.lora_memory()},
+            "minivllm:lora_memory_bytes": {(m.tier,): m.bytes for m in loras},
+            "minivllm:lora_adapters_resident": {(m.tier,): m.adapters for m in loras},
             "vllm:spec_decode_num_drafts": s.spec_decode_num_drafts,
             "vllm:spec_decode_num_draft_tokens": s.spec_decode_num_draft_tokens,
             "vllm:spec_decode_num_accepted_tokens": s.spec_decode_num_accepted_tokens,

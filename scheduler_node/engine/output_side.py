@@ -51,6 +51,11 @@ class OutputSide:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: list[Item] = []
 
+    @property
+    def num_live(self) -> int:
+        """Requests not ended yet."""
+        return len(self.requests)
+
     # ---- the thread
 
     def start(self) -> None:

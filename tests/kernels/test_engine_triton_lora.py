@@ -32,7 +32,7 @@ def test_triton_lora_kernels_give_each_request_its_adapters_tokens(tiny_llama_di
         calls.append(1)
         return lora_add(*args, **kw)
 
-    runner._lora_manager()._kernel = kernel  # what a CUDA worker picks
+    runner.lora_manager()._kernel = kernel  # what a CUDA worker picks
     prompts, loras = [[5, 6, 7], [11, 12], [5, 6, 7]], [0, None, 1]
     with EngineRun(runner, tokenizer_dir=tiny_llama_dir, max_loras=2) as run:
         requests = [run.add(p, 3, lora=None if i is None else refs[i]) for p, i in zip(prompts, loras)]

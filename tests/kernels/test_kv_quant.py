@@ -144,7 +144,7 @@ def test_native_decode_matches_float64(
 ) -> None:  # fmt: skip
     q, qb, tables, seq_lens = _decode_case(dtype, block_size + group, num_kv_heads, group, head_dim, block_size)
     fallback = cpu_attention.NativeDecodeAttention(lambda *args, **options: pytest.fail("the kernel must run"))
-    assert fallback._library(q, qb.k_cache, qb.v_cache, (qb.k_scales, qb.v_scales)) is not None
+    assert fallback.library(q, qb.k_cache, qb.v_cache, (qb.k_scales, qb.v_scales)) is not None
     out = native(q, qb.k_cache, qb.v_cache, tables, seq_lens, head_dim**-0.5, **qb.scales())
     _assert_decode_exact(out, q, qb, seq_lens, head_dim**-0.5)
 

@@ -129,7 +129,7 @@ class EngineRun:
             cfg,
             first.num_blocks,
             mode=self.mode,
-            num_host_blocks=first.num_host_blocks,
+            num_host_blocks=first.moves.num_host_blocks,
             costs=costs,
             tiers=_tiers_of(runners, cfg.kv_offload_policy),
         )
@@ -285,7 +285,7 @@ def generate(
 
 def _tiers_of(runners: list[ModelRunner], policy: str) -> KVTiers | None:
     """The scheduler's tier index for runners built with offload tiers, as make_engine builds it."""
-    offloads = [r.offload for r in runners if r.offload is not None]
+    offloads = [r.moves.offload for r in runners if r.moves.offload is not None]
     if len(offloads) != len(runners):
         return None
     cap = WorldCapacity.of([o.report(WorkerReady(0, 0, 0)) for o in offloads])

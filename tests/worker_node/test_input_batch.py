@@ -195,14 +195,14 @@ def test_unverified_proposals_roll_back_to_the_next_plan_only_downwards_by_at_mo
     for s in states:
         batch.set_drafts(s, [20, 21, 22])
     inputs = batch.gather(rows, np.full(4, 4, dtype=np.int64), 0)
-    assert inputs.draft_rows is not None and batch.num_computed[rows].tolist() == [8, 8, 8, 8]
+    assert inputs.draft_rows is not None and batch.rows.num_computed[rows].tolist() == [8, 8, 8, 8]
     batch.defer_drafts(inputs)
-    assert not batch.num_drafts[rows].any()
+    assert not batch.rows.num_drafts[rows].any()
     # 2 accepted, all 3, rolled back by 4 (more than its proposals), and a figure above what the row computed
     batch.settle_unverified(rows, np.array([7, 8, 4, 9], dtype=np.int64))
-    assert batch.num_computed[rows].tolist() == [7, 8, 8, 8]
+    assert batch.rows.num_computed[rows].tolist() == [7, 8, 8, 8]
     batch.settle_unverified(rows, np.array([6, 6, 6, 6], dtype=np.int64))  # settled already: nothing to roll back
-    assert batch.num_computed[rows].tolist() == [7, 8, 8, 8]
+    assert batch.rows.num_computed[rows].tolist() == [7, 8, 8, 8]
 
 
 def test_rows_of_finds_held_handles_as_requests_come_and_go() -> None:

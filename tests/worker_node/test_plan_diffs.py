@@ -41,7 +41,7 @@ def _decodes(step_id: int, handles: list[int], computed: list[int]) -> StepPlan:
 
 def test_packed_decodes_run_on_their_rows_and_unknown_or_wrong_ones_are_refused(tiny_llama_dir: Path) -> None:
     runner = _runner(tiny_llama_dir)
-    assert isinstance(runner, PlanDiffs)
+    assert isinstance(runner.diffs, PlanDiffs)
     first = StepPlan(1)
     first.new_requests = [
         NewRequest(h, [300 + h] * 5, [], SamplingOptions(temperature=0.0), [h], 0, 5) for h in (4, 9, 2)

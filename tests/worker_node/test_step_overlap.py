@@ -156,9 +156,10 @@ def test_placeholders_are_read_on_the_device_and_filled_only_where_the_request_i
     c = batch.add(NewRequest(3, [1, 2, 3], [], greedy, [2], 0, 3))
     assert c.row == b.row
     batch.fill(places, [40, 41], sampled)
-    assert a.token_ids == [5, 6, 7, 40] and batch.token_ids[a.row, 3] == 40
-    assert c.token_ids == [1, 2, 3] and batch.token_ids[c.row, :3].tolist() == [1, 2, 3], "the new request untouched"
-    assert batch.in_flight is None
+    assert a.token_ids == [5, 6, 7, 40] and batch.rows.token_ids[a.row, 3] == 40
+    untouched = c.token_ids == [1, 2, 3] and batch.rows.token_ids[c.row, :3].tolist() == [1, 2, 3]
+    assert untouched, "the new request untouched"
+    assert batch.rows.in_flight is None
     batch.append_tokens(a, [-1])  # a placeholder that no launched step stands behind
     with pytest.raises(RuntimeError, match="no launched step"):
         batch.gather(np.array([a.row]), np.array([1]), 0)

@@ -132,7 +132,7 @@ class NativeDecode:
         first = kv_caches[0]
         if first.k.dtype != torch.bfloat16 or not _same_layout(kv_caches, first.k):
             return None
-        library = self.attention._library(self.probe, first.k, first.v, ())
+        library = self.attention.library(self.probe, first.k, first.v, ())
         if library is None:
             return None
         self.kernels.attention = cpu_gemm.address(library, "paged_decode_attention")
