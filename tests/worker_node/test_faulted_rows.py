@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -14,20 +13,13 @@ import torch
 
 from proto.wire import Message, SamplingOptions, StepError, StepPlan
 from tests.support.engine import EngineRun, load_runner
+from tests.support.sampling import SamplerRow
 from worker_node.faults import RequestFault
 from worker_node.plan_loop import StepThread
 from worker_node.sampler import RowFlags, Sampler, SamplingRequest
 from worker_node.step_overlap import DeviceTokens
 
 VOCAB = 64
-
-
-@dataclass
-class _Request:
-    handle: int
-    token_ids: list[int]
-    num_prompt_tokens: int
-    sampling: SamplingOptions
 
 
 def _poison(row: torch.Tensor, how: str) -> None:
@@ -44,7 +36,7 @@ def _poison(row: torch.Tensor, how: str) -> None:
 @pytest.mark.parametrize("sampled", [False, True])
 def test_the_sampler_flags_exactly_the_rows_whose_logits_are_not_finite(how: str, sampled: bool) -> None:
     options = SamplingOptions(temperature=0.8, seed=3) if sampled else SamplingOptions(temperature=0.0)
-    requests = [_Request(i, [1, 2], 1, options) for i in range(4)]
+    requests = [SamplerRow(i, [1, 2], 1, options) for i in range(4)]
     logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(0))
     logits[0, 5] = -math.inf  # a finite row may hold -inf (a banned token): not a fault
     clean = logits.clone()
@@ -58,7 +50,7 @@ def test_the_sampler_flags_exactly_the_rows_whose_logits_are_not_finite(how: str
 
 @pytest.mark.unit
 def test_device_tokens_carry_the_faulted_rows_in_the_same_copy() -> None:
-    rows = [_Request(h, [], 0, SamplingOptions()) for h in (40, 41, 42)]
+    rows = [SamplerRow(h, [], 0, SamplingOptions()) for h in (40, 41, 42)]
     tokens = DeviceTokens(torch.tensor([7, 8, 9]), torch.tensor([False, True, False]), rows)
     assert tokens.values() == [7, 8, 9]
     assert tokens.faulted_handles() == [41]

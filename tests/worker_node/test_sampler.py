@@ -3,13 +3,12 @@ and top-k / top-p filters that are never crossed."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
 from kernels import cpu_argmax
 from proto.wire import SamplingOptions, TokenLogprobs
+from tests.support.sampling import SamplerRow
 from worker_node import sampler as sampler_module
 from worker_node.sampler import Sampler, seeded_uniform
 
@@ -18,19 +17,11 @@ pytestmark = pytest.mark.unit
 VOCAB = 64
 
 
-@dataclass
-class _Request:
-    handle: int
-    token_ids: list[int]
-    num_prompt_tokens: int
-    sampling: SamplingOptions
-
-
 def sample(
     logits: torch.Tensor, options: list[SamplingOptions], positions: list[int]
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """One token per row; row i samples output position positions[i] (one prompt token, then that many outputs)."""
-    requests = [_Request(i, [0] * (1 + p), 1, o) for i, (o, p) in enumerate(zip(options, positions))]
+    requests = [SamplerRow(i, [0] * (1 + p), 1, o) for i, (o, p) in enumerate(zip(options, positions))]
     return Sampler(VOCAB, torch.device("cpu")).sample(logits, requests)
 
 
