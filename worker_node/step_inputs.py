@@ -84,18 +84,21 @@ class StepGather:
             positions = np.arange(total) - cu[:-1][owner] + start[owner]
         ids = a.token_ids[rows[owner], positions].astype(np.int64)
         samples = end == held
+        all_sample = total == len(rows) and bool(samples.all())
+        sample_rows = cu[1:][samples] - 1
         sampler_rows = rows[samples]
-        sample_rows, samplers, flags, draft_rows = self._samplers(sampler_rows, cu[1:][samples] - 1)
+        sample_rows, samplers, flags, draft_rows = self._samplers(sampler_rows, sample_rows)
         prompt_rows = self._prompt_rows(rows, start, end, cu)
         pool_rows = self._pool_rows(rows, start, end, cu)
         a.num_computed[rows] = end
+        meta = self._metadata(rows, n, positions, end, compact, (n == 1) | drafted, compact_base)
         dev = self.device
         return StepInputs(
             self._input_ids(ids),
             to_device(positions.astype(np.int64, copy=False), dev),
-            self._metadata(rows, n, positions, end, compact, (n == 1) | drafted, compact_base),
+            meta,
             to_device(sample_rows, dev),
-            total == len(rows) and bool(samples.all()),
+            all_sample,
             samplers,
             flags,
             sampler_rows,
