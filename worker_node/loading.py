@@ -37,7 +37,7 @@ from worker_node.lora.manager import LoraManager
 from worker_node.lora.slot_bank import LoraCapacity
 from worker_node.model_runner import ModelRunner
 from worker_node.models.config import ModelConfig
-from worker_node.models.decoder import CausalLM, set_native_decode
+from worker_node.models.decoder import CausalLM
 from worker_node.models.layers import set_batch_invariant
 from worker_node.models.loader import load_model
 from worker_node.models.quant_int8 import set_act_bits
@@ -111,7 +111,7 @@ def load_rank(
         a.model, backend, dtype, device, full.max_model_len, where, comm, a.quantization, huge_pages=fast.huge_pages
     )
     set_batch_invariant(model, options.batch_invariant)
-    set_native_decode(model, fast.native_decode, fast.decode_phases)
+    model.use_native_decode(fast.native_decode, fast.decode_phases)
     # Before the KV cache is sized: the LoRA slot bank's bytes come out of its budget.
     graph_lora = lora_for_graphs(a, options, backend.name, model, dtype, device, where)
     block_bytes = bytes_per_block(config, a.block_size, kv_dtype)
@@ -159,7 +159,7 @@ def load_rank(
             a.draft_max_seqs,
             fast.huge_pages,
         )
-        set_native_decode(runner.draft.model, fast.native_decode, fast.decode_phases)
+        runner.draft.model.use_native_decode(fast.native_decode, fast.decode_phases)
     bandwidth = measure_swap_bandwidth(cache, host, block_bytes)
     release_thread_pool()  # the step thread runs the model; this one's OpenMP workers would slow it (kernels/openmp.py)
     ready = WorkerReady(a.rank, num_blocks, num_blocks * block_bytes, swap_blocks, bandwidth, format_name(kv_dtype))

@@ -49,6 +49,9 @@ class ZeroCostModel(nn.Module):
             self._hidden = torch.zeros(2 * rows, self.config.hidden_size, device=self.device)
         return self._hidden[:rows]
 
+    def use_native_decode(self, on: bool, time_phases: bool = False) -> None:
+        """CausalLM's switch of the C decode runner: this model has no layers to run."""
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden.shape[0]
         if rows > self._logits.shape[0]:
@@ -67,7 +70,9 @@ def _planted_logits(rows: int, vocab: int, device: torch.device) -> torch.Tensor
 def zero_cost_loader(vocab_size: int) -> Callable[..., ZeroCostModel]:
     """A stand-in for worker_node.models.loader.load_model (same arguments): reads only the folder's config."""
 
-    def load(folder: str | Path, backend: Any, dtype: torch.dtype, device: torch.device, *rest: Any) -> ZeroCostModel:
+    def load(
+        folder: str | Path, backend: Any, dtype: torch.dtype, device: torch.device, *rest: Any, **options: Any
+    ) -> ZeroCostModel:
         return ZeroCostModel(ModelConfig.from_folder(folder), vocab_size, device)
 
     return load

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels.cpu_features import has_fast_bf16
 from tests.fidelity.test_fidelity import BLOCK, mixed_prompts
 from tests.support.engine import EngineRun, load_runner
 from tests.support.models import load_hf, teacher_forced_gaps
@@ -49,6 +50,13 @@ def test_bf16_greedy_matches_hf_bf16_under_chunking_and_preemption(kind: str, re
     assert_bf16_greedy(folder, prompts, [req.output for req in requests])
 
 
+@pytest.mark.xfail(
+    not has_fast_bf16(),
+    reason="a knife-edge SmolLM2 token (13 after 'def fibonacci(n):', HF bf16 itself 0.145 off float32 there) lands "
+    "0.139 below both references on CPUs without bf16 dot products (AMD Zen 3, AVX2), where bf16 is not the default "
+    "dtype and its matmuls take another summation order; seen at 528db4e already (issue 49's AVX2 kernels)",
+    strict=False,
+)
 def test_smollm2_bf16_greedy_matches_hf_bf16(smollm2_dir) -> None:  # type: ignore[no-untyped-def]
     from scheduler_node.text.tokenizer import ModelTokenizer
 

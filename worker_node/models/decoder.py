@@ -74,7 +74,7 @@ class CausalLM(nn.Module):
         self.rotary = Rotary(config, max_positions)
         self._native: NativeDecode | None = None
         self._native_checked = False
-        # The worker's --native-decode and --decode-phases (settings/fast_paths.py): `set_native_decode`.
+        # The worker's --native-decode and --decode-phases (settings/fast_paths.py): `use_native_decode`.
         self.native_decode, self.decode_phases = True, False
 
     def make_layer(
@@ -131,6 +131,12 @@ class CausalLM(nn.Module):
             return (x if delta is None else x + delta).to(dtype)
         return self.norm.add(x, delta)[0]
 
+    def use_native_decode(self, on: bool, time_phases: bool = False) -> None:
+        """Whether this model's CPU decode steps may run in the C runner (off: the Python layers, to compare), and
+        whether that runner times its phases (native_decode.phase_seconds); before its first step."""
+        self.native_decode, self.decode_phases = on, time_phases
+        self._native, self._native_checked = None, False
+
     def _native_decode(self) -> NativeDecode | None:
         """The C runner of this stage's layers (worker_node/models/native_decode.py), made at the first step (the
         weights are in their final layout by then); None where the layers do not qualify."""
@@ -145,13 +151,6 @@ class CausalLM(nn.Module):
         if self.lm_head is None:
             raise RuntimeError("only the last pipeline stage computes logits")
         return self.lm_head(hidden)
-
-
-def set_native_decode(model: CausalLM, on: bool, time_phases: bool = False) -> None:
-    """Whether `model`'s CPU decode steps may run in the C runner (off: the Python layers, to compare), and
-    whether that runner times its phases (native_decode.phase_seconds); before its first step."""
-    model.native_decode, model.decode_phases = on, time_phases
-    model._native, model._native_checked = None, False
 
 
 def residual_stream(hidden: torch.Tensor) -> torch.Tensor:
