@@ -9,7 +9,6 @@ from datetime import timedelta
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from proto.kv_events import (
     CLEARED,
@@ -24,7 +23,7 @@ from proto.kv_events import (
     encode_batch,
     encode_snapshot,
 )
-from tests.support.fuzz import mutated, refused_within_bounds, unpacked, with_a_field_changed
+from tests.support.fuzz import field_changed, random_or_mutated, refused_within_bounds
 
 pytestmark = pytest.mark.unit
 
@@ -69,7 +68,7 @@ DECODERS = [(decode_batch, BATCHES), (decode_snapshot, SNAPSHOTS)]
 
 
 @FUZZ
-@given(st.sampled_from(DECODERS).flatmap(lambda d: st.tuples(st.just(d[0]), st.binary(max_size=256) | mutated(d[1]))))
+@given(random_or_mutated(DECODERS))
 def test_random_and_mutated_messages_are_refused_with_kv_wire_error_only(
     case: tuple[Callable[[bytes], object], bytes],
 ) -> None:
@@ -78,7 +77,7 @@ def test_random_and_mutated_messages_are_refused_with_kv_wire_error_only(
 
 
 @FUZZ
-@given(st.sampled_from(DECODERS).flatmap(lambda d: st.tuples(st.just(d[0]), with_a_field_changed(unpacked(d[1])))))
+@given(field_changed(DECODERS))
 def test_a_message_with_any_value_in_a_field_is_read_whole_or_refused(
     case: tuple[Callable[[bytes], object], bytes],
 ) -> None:

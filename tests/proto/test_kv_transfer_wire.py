@@ -10,7 +10,6 @@ from datetime import timedelta
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from proto.kv_transfer import (
     KV_TRANSFER_VERSION,
@@ -26,7 +25,7 @@ from proto.kv_transfer import (
     decode_pull,
     encode,
 )
-from tests.support.fuzz import mutated, refused_within_bounds, unpacked, with_a_field_changed
+from tests.support.fuzz import field_changed, random_or_mutated, refused_within_bounds
 
 pytestmark = pytest.mark.unit
 
@@ -65,7 +64,7 @@ def test_a_pull_or_ack_over_the_limit_is_refused_before_it_is_read(decoder: Call
 
 
 @FUZZ
-@given(st.sampled_from(DECODERS).flatmap(lambda d: st.tuples(st.just(d[0]), st.binary(max_size=256) | mutated(d[1]))))
+@given(random_or_mutated(DECODERS))
 def test_random_and_mutated_messages_are_refused_with_kv_transfer_error_only(
     case: tuple[Callable[[bytes], object], bytes],
 ) -> None:
@@ -74,7 +73,7 @@ def test_random_and_mutated_messages_are_refused_with_kv_transfer_error_only(
 
 
 @FUZZ
-@given(st.sampled_from(DECODERS).flatmap(lambda d: st.tuples(st.just(d[0]), with_a_field_changed(unpacked(d[1])))))
+@given(field_changed(DECODERS))
 def test_a_message_with_any_value_in_a_field_is_read_whole_or_refused(
     case: tuple[Callable[[bytes], object], bytes],
 ) -> None:

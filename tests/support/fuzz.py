@@ -117,6 +117,21 @@ def unpacked(frames: Sequence[bytes]) -> list[Any]:
     return [msgpack.unpackb(f, strict_map_key=False) for f in frames]
 
 
+Decoders = Sequence[tuple[Callable[[bytes], object], Sequence[bytes]]]  # each decoder with valid frames of its own
+
+
+def random_or_mutated(decoders: Decoders) -> st.SearchStrategy[tuple[Callable[[bytes], object], bytes]]:
+    """A decoder and input for it: random bytes, or one of its valid frames `mutated`."""
+    return st.sampled_from(decoders).flatmap(
+        lambda d: st.tuples(st.just(d[0]), st.binary(max_size=256) | mutated(d[1]))
+    )
+
+
+def field_changed(decoders: Decoders) -> st.SearchStrategy[tuple[Callable[[bytes], object], bytes]]:
+    """A decoder and one of its valid frames `with_a_field_changed`."""
+    return st.sampled_from(decoders).flatmap(lambda d: st.tuples(st.just(d[0]), with_a_field_changed(unpacked(d[1]))))
+
+
 def _copy(value: Any) -> Any:
     if isinstance(value, list):
         return [_copy(v) for v in value]
