@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from scheduler_node.router.replica import Replica
-from scheduler_node.router.request import CHARS_PER_TOKEN, RouteRequest
+from router_node.replica import Replica
+from router_node.request import CHARS_PER_TOKEN, RouteRequest
 
 SMALL, LARGE = "small", "large"
 LONG_PROMPT_CHARS = 2000

@@ -18,7 +18,7 @@ import torch
 
 from kernels.interface import AttentionBackend
 from proto.attention_setting import parse_setting
-from proto.plugins import load_named
+from settings.plugins import load_named
 
 logger = logging.getLogger(__name__)
 

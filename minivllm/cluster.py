@@ -22,9 +22,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from clients.client import wait_ready
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
-from scheduler_node.cli.client import wait_ready
 from scheduler_node.engine.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent  # the processes run from the checkout
@@ -171,7 +171,7 @@ class RouterProcess:
         self.http_port = free_port() if http else 0
         self.base_url = f"http://127.0.0.1:{self.http_port}/v1" if http else ""
         self.log = Path(subprocess.check_output(["mktemp"], text=True).strip())
-        argv = [sys.executable, "-m", "scheduler_node.cli.router", "--port", str(self.port), "--log-level", "INFO",
+        argv = [sys.executable, "-m", "router_node.main", "--port", str(self.port), "--log-level", "INFO",
                 "--openai-port", str(self.http_port)]  # fmt: skip
         for replica in replicas:
             argv += ["--replica", replica]

@@ -1,10 +1,10 @@
-"""KV events on the wire: a replica's prefix-cache changes (scheduler_node/core/kv_events.py) as msgpack, for the
+"""KV events on the wire: a replica's prefix-cache changes (scheduler_node/core/kv/prefix_events.py) as msgpack, for the
 router's `kv` strategy. Never pickle.
 
 - A **batch** (the PUB socket, one message per engine step with changes, and a heartbeat when idle):
   `[version, epoch, seq, block_size, events]`. `epoch` is 8 random bytes drawn when the scheduler starts (a
   restarted replica has a new one), `seq` counts the batches of that epoch from 1 with no holes, each event is
-  `[kind, tier, hash, parent]` (kinds and tiers in scheduler_node/core/kv_events.py).
+  `[kind, tier, hash, parent]` (kinds and tiers in scheduler_node/core/kv/prefix_events.py).
 - A **snapshot** (the ROUTER socket answers a `snapshot` request): `[version, epoch, seq, block_size, entries]`,
   every `[tier, hash]` held after batch `seq` was published.
 
@@ -19,8 +19,8 @@ from typing import Annotated, TypeVar
 import msgspec
 from msgspec import Meta
 
-# The tiers, as the offload tiers number them (scheduler_node/core/kv_tiers.py: Tier), and the event kinds
-# (scheduler_node/core/kv_events.py makes the events).
+# The tiers, as the offload tiers number them (scheduler_node/core/kv/tier_index.py: Tier), and the event kinds
+# (scheduler_node/core/kv/prefix_events.py makes the events).
 DEVICE, RAM, DISK = 0, 1, 2
 TIERS = (DEVICE, RAM, DISK)
 TIER_NAMES = {DEVICE: "device", RAM: "cpu", DISK: "disk"}
@@ -32,7 +32,7 @@ Event = tuple[int, int, "bytes | None", "bytes | None"]
 KV_EVENTS_VERSION = 1
 MAX_KV_MESSAGE_BYTES = 64 * 1024 * 1024  # a snapshot of ~2 million blocks; larger ones are cut (see snapshot())
 MAX_EVENTS_PER_BATCH = 8192  # a step's events beyond this go out in several batches
-HASH_BYTES = 16  # scheduler_node/core/block_table.py: hash_block's digest size
+HASH_BYTES = 16  # scheduler_node/core/kv/block_table.py: hash_block's digest size
 SNAPSHOT_REQUEST = b"snapshot"
 
 Hash = Annotated[bytes, Meta(min_length=HASH_BYTES, max_length=HASH_BYTES)]

@@ -14,7 +14,7 @@ PP shape) pair head by head instead: a pull names a run of the producer rank's K
 model's KV heads must agree, and each consumer rank pulls its heads from the producer rank(s) holding them
 (`head_sources`), slicing or concatenating them. msgpack only; no pickle.
 
-Same host: a consumer that sends its host id (`KVPull.host`, worker_node/kv_staging.py `host_id`) asks for the
+Same host: a consumer that sends its host id (`KVPull.host`, worker_node/kv/transfer/staging.py `host_id`) asks for the
 blocks in a staging buffer it can map instead of frames; a producer of the same host id may grant it (it may also
 refuse, silently: it answers with frames as usual). The one reply then names the buffer (`KVChunk.staging`: its
 kind, handle and each frame's offset and size) and carries no frames; the consumer copies from it and answers with
@@ -57,7 +57,7 @@ class KVLayout(msgspec.Struct, frozen=True, array_like=True):
     tensor_rank: Count = 0
     pipeline_parallel_size: Annotated[int, Meta(ge=1)] = 1
     pipeline_rank: Count = 0
-    model: str = ""  # the weights' fingerprint (worker_node/kv_offload.py model_fingerprint); "" is not checked
+    model: str = ""  # the weights' fingerprint (worker_node/kv/tiers.py model_fingerprint); "" is not checked
     total_kv_heads: Count = 0  # the model's KV heads (0: num_kv_heads x TP size, right unless heads are replicated)
 
     @property
@@ -119,7 +119,7 @@ class KVPull(msgspec.Struct, frozen=True, array_like=True):
 
 
 class KVStaging(msgspec.Struct, frozen=True, array_like=True):
-    """Where a same-host reply's frames are: a buffer the consumer maps (worker_node/kv_staging.py)."""
+    """Where a same-host reply's frames are: a buffer the consumer maps (worker_node/kv/transfer/staging.py)."""
 
     kind: str  # "shm" (a /dev/shm file) or "cuda" (a CUDA IPC handle)
     ident: Annotated[bytes, Meta(min_length=STAGING_ID_BYTES, max_length=STAGING_ID_BYTES)]  # for the ack

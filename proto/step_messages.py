@@ -173,12 +173,12 @@ class StepPlan(Message, tag=int(Kind.PLAN)):
     swap_in: list[BlockPair] = []  # (host block, device block)
     # Blocks replaced in tables the workers hold (copy-on-write, compaction): handle -> [(index, block)].
     block_updates: dict[Handle, list[BlockPair]] = {}
-    # KV offload tier moves, in this order, after the swap-out and before copies and swap-in (core/kv_tiers.py).
+    # KV offload tier moves, in this order, after the swap-out and before copies and swap-in (core/kv/tier_index.py).
     tier_moves: list[TierMove] = []
-    # Per-request KV precision (core/kv_precision.py): block ids from here on are the compact pool's (id - base
+    # Per-request KV precision (core/kv/precision.py): block ids from here on are the compact pool's (id - base
     # there); 0: the world keeps no compact pool.
     compact_block_base: Count = 0
-    # Disaggregated prefill/decode (worker_node/kv_transfer.py): leases revoked before anything else runs, KV
+    # Disaggregated prefill/decode (worker_node/kv/transfer/exporter.py): leases revoked before anything else runs, KV
     # pulled from another world after the block operations, leases granted after the forward pass.
     kv_revokes: list[Annotated[bytes, Meta(min_length=16, max_length=16)]] = []
     kv_imports: list[KVImport] = []

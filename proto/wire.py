@@ -97,12 +97,12 @@ __all__ = [
 # carries its own token count (no separate map repeating the ids), logit_bias is a map. A v4 peer's flat frame is
 # refused by its version.
 # 6: plans carry KV offload tier moves, results the time spent on them, Ready the KV format, the tiers' sizes and
-# the blocks a warm disk tier holds (scheduler_node/core/kv_tiers.py, worker_node/kv_offload.py).
+# the blocks a warm disk tier holds (scheduler_node/core/kv/tier_index.py, worker_node/kv/tiers.py).
 # 7: results name the tier loads that failed (a disk block corrupted since start) and the requests left out of
 # the step for reading them, which the scheduler has recomputed (a v6 scheduler would use the bad KV); and the
 # time the tier loads took.
 # 8: per-request KV precision: the Assignment carries the compact pool's share, format and (for a replacement) size,
-# Ready the compact pool's blocks, bytes and format, plans the first compact block id (core/kv_precision.py). A v6
+# Ready the compact pool's blocks, bytes and format, plans the first compact block id (core/kv/precision.py). A v6
 # worker would read compact block ids as full ones (a v7 one, too).
 # 9: embeddings and reasoning grammars: SamplingOptions.pooling, StepResult.pooled, structured kind "lark" (a v8
 # worker would refuse the longer records, and sample an embedding request without pooling it).
@@ -111,8 +111,8 @@ __all__ = [
 # 11: LoRA: a NewRequest names its adapter and the worker slot it runs in (a v10 worker would run the base model).
 # 12: LoRA host tier: the adapter record carries --max-cpu-loras (a v11 worker would refuse the longer record).
 # 13: disaggregated prefill/decode: plans carry KV imports (pull a prefix from another world's ranks), lease grants
-# and revocations (worker_node/kv_transfer.py), Ready the rank's KV exporter address. A v12 worker would compute a
-# prefix the scheduler counts as imported.
+# and revocations (worker_node/kv/transfer/exporter.py), Ready the rank's KV exporter address. A v12 worker would
+# compute a prefix the scheduler counts as imported.
 # 14: a draft model (speculative decoding): Assignment.draft_model, StepPlan.propose, StepResult.drafts (a v13
 # worker would never propose, and the requests would wait on proposals that never come).
 # 15: a result of one token per request carries them packed (StepResult.token_handles, tokens: int32 arrays); a

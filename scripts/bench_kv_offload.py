@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from minivllm import LLM, SamplingParams  # noqa: E402
 from scheduler_node.engine.model_path import resolve_model  # noqa: E402
-from worker_node.kv_offload import HASH_BYTES, DiskLayout, DiskTier  # noqa: E402
+from worker_node.kv.tiers import HASH_BYTES, DiskLayout, DiskTier  # noqa: E402
 
 
 @dataclass(frozen=True, slots=True)

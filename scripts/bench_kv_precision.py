@@ -8,7 +8,7 @@ mode (--kv-compact-under-pressure) on vs off, and what splitting a batch by KV f
     tokens per second over the burst.
 (b) the split: one engine with both pools, each big enough that the whole burst runs at once (--split-memory-factor
     times the budget), the same burst with every request `full`, every one `compact`, and half and half. A mixed
-    step runs attention once per pool (worker_node/attention.py), so half and half against the mean of the other
+    step runs attention once per pool (worker_node/models/attention.py), so half and half against the mean of the other
     two is the cost of splitting.
 
     .venv/bin/python scripts/bench_kv_precision.py [--model default] [--json out.json]

@@ -49,7 +49,7 @@ from kernels.kv_quant import (  # noqa: E402
 )
 from minivllm.kv_agreement import Agreement, quantized_agreement  # noqa: E402
 from minivllm.tiny_models import TINY_KINDS, build_tiny_model  # noqa: E402
-from worker_node.kv_cache import bytes_per_block  # noqa: E402
+from worker_node.kv.cache import bytes_per_block  # noqa: E402
 from worker_node.models.config import ModelConfig  # noqa: E402
 
 GIB = 2**30

@@ -39,10 +39,10 @@ sys.path.insert(0, str(REPO))
 
 import grpc  # noqa: E402
 
+from clients.bench.report import bar_panels  # noqa: E402
 from minivllm.cluster import Cluster, RouterProcess, free_port  # noqa: E402
 from proto import serving_pb2 as pb  # noqa: E402
 from proto import serving_pb2_grpc as pb_grpc  # noqa: E402
-from scheduler_node.bench.report import bar_panels  # noqa: E402
 
 NAME = "m"
 SMOKE = {"streams": 8, "max_tokens": 64, "grace": 0.5, "kv_cache_memory": "16MiB"}

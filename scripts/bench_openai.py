@@ -23,9 +23,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from clients.bench import main as bench  # noqa: E402
+from clients.bench.results import RunSummary  # noqa: E402
 from minivllm.cluster import Cluster  # noqa: E402
-from scheduler_node.bench.results import RunSummary  # noqa: E402
-from scheduler_node.cli import bench  # noqa: E402
 from scheduler_node.engine.model_path import DEFAULT, resolve_model  # noqa: E402
 
 

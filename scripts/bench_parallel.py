@@ -39,9 +39,9 @@ sys.path.insert(0, str(REPO))
 
 from workload import stream_workload  # noqa: E402
 
+from clients.bench.report import bar_panels  # noqa: E402
 from minivllm.cluster import Cluster  # noqa: E402
 from proto.wire import ExecutionMode  # noqa: E402
-from scheduler_node.bench.report import bar_panels  # noqa: E402
 
 # (shortest, longest) prompt and output tokens of a request
 PROMPT_LENS, OUTPUT_LENS = (32, 256), (32, 128)

@@ -29,10 +29,10 @@ sys.path.insert(0, str(REPO))
 
 import grpc  # noqa: E402
 
+from clients.bench.report import bar_panels  # noqa: E402
 from minivllm.cluster import Cluster, RouterProcess  # noqa: E402
 from proto import serving_pb2 as pb  # noqa: E402
 from proto import serving_pb2_grpc as pb_grpc  # noqa: E402
-from scheduler_node.bench.report import bar_panels  # noqa: E402
 from scheduler_node.text.tokenizer import ModelTokenizer  # noqa: E402
 from settings.router import DEFAULT_LOAD_FACTOR  # noqa: E402
 

@@ -29,9 +29,9 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from worker_node.kv_cache import KVCache, LayerKV  # noqa: E402
-from worker_node.kv_frames import block_bytes, export_frames  # noqa: E402
-from worker_node.kv_transfer import KVExporter, cache_layout, new_lease, pull_blocks  # noqa: E402
+from worker_node.kv.cache import KVCache, LayerKV  # noqa: E402
+from worker_node.kv.transfer.exporter import KVExporter, cache_layout, new_lease, pull_blocks  # noqa: E402
+from worker_node.kv.transfer.frames import block_bytes, export_frames  # noqa: E402
 
 PATHS = ("staged", "tcp")
 

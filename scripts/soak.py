@@ -30,9 +30,9 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from clients.bench.mixed import Outcome, mixed_requests, stream  # noqa: E402
+from clients.bench.workload import arrival_times  # noqa: E402
 from minivllm.cluster import ServeProcess  # noqa: E402
-from scheduler_node.bench.mixed import Outcome, mixed_requests, stream  # noqa: E402
-from scheduler_node.bench.workload import arrival_times  # noqa: E402
 from scheduler_node.engine.model_path import resolve_model  # noqa: E402
 
 

@@ -67,8 +67,8 @@ class FastPaths:
         True,
         env="MINIVLLM_HUGE_PAGES",
         readers="worker",
-        help="collapse a CPU model's weights onto transparent huge pages once loaded (worker_node/huge_pages.py); "
-        "advice the kernel may refuse",
+        help="collapse a CPU model's weights onto transparent huge pages once loaded "
+        "(worker_node/runtime/huge_pages.py); advice the kernel may refuse",
     )
     int8_act_bits: str = setting(
         "",

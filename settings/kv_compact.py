@@ -1,5 +1,5 @@
 """Per-request KV precision's settings: the compact pool and the memory-sensitive mode
-(scheduler_node/core/kv_precision.py)."""
+(scheduler_node/core/kv/precision.py)."""
 
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ from settings.worker import KV_ROLES
 # too often when few streams are open (with 2 replicas and 8 streams, a sixth on one replica already overflows):
 # in scripts/bench_router.py it lost a fifth of the hit rate that 1.5 keeps.
 DEFAULT_LOAD_FACTOR = 1.5
-DEFAULT_OVERLAP_WEIGHT = 4.0  # scheduler_node/router/kv_strategy.py
-DEFAULT_MIN_PROMPT_TOKENS = 64  # scheduler_node/router/disaggregate.py
+DEFAULT_OVERLAP_WEIGHT = 4.0  # router_node/kv_strategy.py
+DEFAULT_MIN_PROMPT_TOKENS = 64  # router_node/disaggregate.py
 ROUTER = "router"
 
 
@@ -100,8 +100,8 @@ class Routing:
     routing_strategy: str = setting(
         "least_loaded",
         readers=ROUTER,
-        help="round_robin, least_loaded, prefix, latency, kv (scheduler_node/router/strategies.py), or "
-        "module:function for your own (see scheduler_node/router/routing.py and deploy/custom_route.py)",
+        help="round_robin, least_loaded, prefix, latency, kv (router_node/strategies.py), or "
+        "module:function for your own (see router_node/routing.py and deploy/custom_route.py)",
     )
     routing_prefix_chars: int = setting(
         256,

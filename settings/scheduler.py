@@ -19,7 +19,7 @@ class PreemptionMode(str, enum.Enum):
 
 
 PREEMPTION_MODES = tuple(m.value for m in PreemptionMode)
-KV_OFFLOAD_POLICIES = ("arc", "lru")  # scheduler_node/core/tier_policy.py
+KV_OFFLOAD_POLICIES = ("arc", "lru")  # scheduler_node/core/kv/tier_policy.py
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 BOTH = ("scheduler", "worker")  # the scheduler's, handed to every worker in its Assignment
 

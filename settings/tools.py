@@ -94,7 +94,7 @@ class Monitor:
         required=True,
         readers=MONITOR,
         help="metric name (repeatable), or one of cache_hit_rate, memory_usage, fragmentation, spec_decode "
-        "(scheduler_node/cli/monitor.py ALIASES): what they stand for is printed",
+        "(clients/monitor.py ALIASES): what they stand for is printed",
     )
     interval: float = setting(1.0, readers=MONITOR, help="seconds between scrapes")
     host: str = setting("127.0.0.1", readers=MONITOR, help="the scheduler's --metrics-host")

@@ -5,43 +5,26 @@ never imports grpc; and every module is imported by a test of its mirror folder,
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
 
 from tests.support.paths import REPO
+from tests.support.rooms import (
+    LAYER_OF,
+    import_graph,
+    imports_of,
+    mermaid,
+    module_name,
+    our_modules,
+    room_arrows,
+    upward,
+)
 
 pytestmark = pytest.mark.unit
 
-PACKAGES = ("proto", "settings", "scheduler_node", "worker_node", "kernels", "minivllm")
 
-
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(REPO).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def imports_of(path: Path) -> set[str]:
-    """Every module this file imports, anywhere in it (top level, functions, TYPE_CHECKING blocks)."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return found
-
-
-def our_modules() -> dict[str, Path]:
-    return {module_name(p): p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")}
-
-
-def import_graph() -> dict[str, set[str]]:
-    modules = our_modules()
-    return {name: {m for m in imports_of(path) if m in modules and m != name} for name, path in modules.items()}
-
-
+# The graph (every import of our modules) and the rooms' layers are read by tests/support/rooms.py, which also draws
+# docs/design.md's picture of them.
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan)."""
     index: dict[str, int] = {}
@@ -83,6 +66,25 @@ def test_no_import_cycles() -> None:
 
 def test_the_cycle_finder_finds_a_cycle() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_every_arrow_between_rooms_points_down_a_layer() -> None:
+    assert upward(room_arrows(import_graph())) == [], "an import up a layer, or between sibling rooms"
+
+
+def test_the_layer_check_finds_an_arrow_up_and_one_between_siblings() -> None:
+    graph = {
+        "worker_node.kv.cache": {"worker_node.models.config", "kernels.kv_quant"},
+        "router_node.main": {"clients.client", "scheduler_node.api.health"},
+        "proto.wire": set(),
+    }
+    assert upward(room_arrows(graph)) == ["router_node -> clients", "worker_node.kv -> worker_node.models"]
+    assert LAYER_OF["proto"] == 0
+
+
+def test_design_md_shows_the_rooms_and_arrows_the_code_has() -> None:
+    """docs/design.md's picture is `python -m tests.support.rooms`'s output: regenerate it when an arrow changes."""
+    assert mermaid(room_arrows(import_graph())) in (REPO / "docs" / "design.md").read_text()
 
 
 def test_scripts_import_nothing_from_tests() -> None:
@@ -240,24 +242,20 @@ TESTED_ELSEWHERE: dict[str, str] = {
     "scheduler_node.api.openai_lora": "the door's LoRA routes, through its app:"
     " tests/scheduler_node/api/test_openai_lora.py",
     "scheduler_node.api.openai_runs": "a part of the OpenAI door: tests/scheduler_node/api/test_openai_server.py",
-    "scheduler_node.bench.load": "a part of vllm-bench, run against a real server by"
-    " tests/scheduler_node/bench/test_bench.py",
-    "scheduler_node.bench.mixed": "the chaos workload, run by tests/e2e/test_chaos.py",
-    "scheduler_node.cli.bench": "vllm-bench's entry point, run by tests/scheduler_node/bench/test_bench.py",
+    "clients.bench.load": "a part of vllm-bench, run against a real server by tests/clients/bench/test_bench.py",
+    "clients.bench.mixed": "the chaos workload, run by tests/e2e/test_chaos.py",
     "scheduler_node.cli.signals": "the servers' drain on SIGTERM, through vllm-scheduler as a program:"
     " tests/e2e/test_control.py",
-    "scheduler_node.cli.router": "vllm-router, run as a program by tests/e2e/test_router.py and"
-    " tests/scripts/test_bench_router.py",
     "scheduler_node.engine.failures": "the engine core's failures, in tests/scheduler_node/engine/"
     "test_core.py and test_failed_step.py",
     "scheduler_node.engine.processes": "through scheduler_node.engine.launchers"
     " (tests/scheduler_node/engine/test_launchers.py)",
     "scheduler_node.engine.ray_launcher": "needs ray: tests/e2e/test_ray_launcher.py",
-    "scheduler_node.router.kv_subscriber": "fed by a replica's real publisher in tests/scheduler_node/engine/"
+    "router_node.kv_subscriber": "fed by a replica's real publisher in tests/scheduler_node/engine/"
     "test_kv_publisher.py, and through vllm-router in tests/e2e/test_router.py",
-    "scheduler_node.router.strategies": "through scheduler_node.router.routing (tests/scheduler_node/router/"
+    "router_node.strategies": "through router_node.routing (tests/router_node/"
     "test_routing.py) and scripts/bench_router.py --smoke (tests/scripts/test_bench_router.py)",
-    "worker_node.attention": "the attention metadata, tested with the decode graphs and kernels"
+    "worker_node.models.attention": "the attention metadata, tested with the decode graphs and kernels"
     " (tests/kernels/test_decode_graphs.py)",
     "worker_node.cuda_graphs": "tests/kernels/test_decode_graphs.py (with the kernels it captures)",
     "worker_node.batch_rows": "the InputBatch's arrays, through tests/worker_node/test_input_batch.py (which grows"

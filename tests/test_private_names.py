@@ -18,13 +18,18 @@ SCANNED = ("scheduler_node/engine", "worker_node")
 # (file, the expression as ast.unparse writes it) -> why it may reach a private name.
 ALLOWED: dict[tuple[str, str], str] = {
     ("worker_node/plan_loop.py", "os._exit"): "the documented way out of a process without running its cleanup",
-    ("worker_node/huge_pages.py", "ctypes._CFuncPtr"): "the type of a loaded C function, for an annotation: ctypes"
-    " has no public name for it",
-    ("worker_node/kv_staging.py", "torch.cuda._lazy_init"): "CUDA IPC handles need the context made first;"
+    (
+        "worker_node/runtime/huge_pages.py",
+        "ctypes._CFuncPtr",
+    ): "the type of a loaded C function, for an annotation: ctypes has no public name for it",
+    ("worker_node/kv/transfer/staging.py", "torch.cuda._lazy_init"): "CUDA IPC handles need the context made first;"
     " torch exposes no public call that makes it",
-    ("worker_node/kv_staging.py", "torch.UntypedStorage._new_shared_cuda"): "torch's CUDA IPC (what"
+    ("worker_node/kv/transfer/staging.py", "torch.UntypedStorage._new_shared_cuda"): "torch's CUDA IPC (what"
     " torch.multiprocessing uses), with no public spelling",
-    ("worker_node/kv_staging.py", "tensor.untyped_storage()._share_cuda_"): "the exporting side of the same CUDA IPC",
+    (
+        "worker_node/kv/transfer/staging.py",
+        "tensor.untyped_storage()._share_cuda_",
+    ): "the exporting side of the same CUDA IPC",
     ("worker_node/models/layers.py", "down._forward_hooks"): "whether anyone hooks the module (a hook must see the"
     " module run, so a fused path stays off); torch.nn.Module has no public query",
     ("worker_node/models/layers.py", "down._forward_pre_hooks"): "the same, for pre-hooks",
@@ -39,10 +44,13 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("worker_node/models/quant_int8.py", "torch.ops.aten._weight_int8pack_mm"): "torch's int8 CPU kernel: the same",
     ("worker_node/models/quantize.py", "module._apply"): "casts one module's own tensors without its children"
     " (recurse=False), what .to() does for all of them; no public method does it for one",
-    ("worker_node/parallel.py", "gloo._Options"): "a process group's timeout and devices are set only through these"
+    (
+        "worker_node/runtime/parallel.py",
+        "gloo._Options",
+    ): "a process group's timeout and devices are set only through these"
     " options, as torch.distributed's own init_process_group does",
-    ("worker_node/parallel.py", "options._timeout"): "the same options (gloo's and NCCL's)",
-    ("worker_node/parallel.py", "options._devices"): "the same options object",
+    ("worker_node/runtime/parallel.py", "options._timeout"): "the same options (gloo's and NCCL's)",
+    ("worker_node/runtime/parallel.py", "options._devices"): "the same options object",
 }
 
 

@@ -25,9 +25,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from worker_node.attention import AttentionMetadata
-from worker_node.kv_cache import KVCache
+from worker_node.kv.cache import KVCache
 from worker_node.lora.manager import LoraManager
+from worker_node.models.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import torch
 from kernels.interface import AttentionBackend
 from proto.wire import NewRequest, SamplingOptions
 from worker_node.input_batch import InputBatch, RequestState
-from worker_node.kv_cache import KVCache, allocate_kv_cache
+from worker_node.kv.cache import KVCache, allocate_kv_cache
 from worker_node.models.config import ModelConfig
 from worker_node.models.decoder import CausalLM
 from worker_node.models.loader import load_model

@@ -13,10 +13,10 @@ import torch
 from proto.wire import ExecutionMode, TokenLogprobs
 from worker_node.batch_rows import RequestState
 from worker_node.cuda_graphs import DecodeGraphs
-from worker_node.kv_cache import KVCache
+from worker_node.kv.cache import KVCache
 from worker_node.lora_holder import LoraHolder
 from worker_node.models.decoder import CausalLM
-from worker_node.parallel import Comm
+from worker_node.runtime.parallel import Comm
 from worker_node.sampler import Drawn, Sampler, token_logprobs
 from worker_node.step_inputs import StepGather, StepInputs
 from worker_node.step_overlap import DeviceTokens

@@ -22,8 +22,8 @@ from proto.wire import Assignment, Message, StepError, StepPlan, StepResult, Wor
 from settings.worker import WorkerOptions
 from worker_node.loading import load_rank, pick_device
 from worker_node.model_runner import ModelRunner
-from worker_node.parallel import SINGLE, Comm
 from worker_node.plan_loop import StepThread
+from worker_node.runtime.parallel import SINGLE, Comm
 
 logger = logging.getLogger(__name__)
 

@@ -14,6 +14,8 @@ processors, the grammar matchers and prompt logprobs read them there.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 
@@ -230,6 +232,10 @@ class InputBatch:
             a.in_flight = None
 
     # ---- reads
+
+    def held_blocks(self) -> Iterator[tuple[int, list[int]]]:
+        """Each held request's handle with its blocks (what a failed KV load checks against)."""
+        return ((handle, self.blocks(state)) for handle, state in self.states.items())
 
     def blocks(self, state: RequestState) -> list[int]:
         return self.rows.block_table[state.row, : self.rows.num_blocks[state.row]].tolist()

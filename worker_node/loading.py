@@ -23,7 +23,7 @@ from settings.fast_paths import FastPaths
 from settings.worker import WorkerOptions
 from worker_node.cuda_graphs import DecodeGraphs, parse_sizes
 from worker_node.draft_model import load_draft
-from worker_node.kv_cache import (
+from worker_node.kv.cache import (
     allocate_host_cache,
     allocate_kv_cache,
     attach_compact,
@@ -32,7 +32,7 @@ from worker_node.kv_cache import (
     kv_cache_limit,
     measure_swap_bandwidth,
 )
-from worker_node.kv_offload import DiskLayout, DiskTier, KVOffload, model_fingerprint
+from worker_node.kv.tiers import DiskLayout, DiskTier, KVOffload, model_fingerprint
 from worker_node.lora.manager import LoraManager
 from worker_node.lora.slot_bank import LoraCapacity
 from worker_node.model_runner import ModelRunner
@@ -41,7 +41,7 @@ from worker_node.models.decoder import CausalLM
 from worker_node.models.layers import set_batch_invariant
 from worker_node.models.loader import load_model
 from worker_node.models.quant_int8 import set_act_bits
-from worker_node.parallel import Comm, ParallelRank
+from worker_node.runtime.parallel import Comm, ParallelRank
 from worker_node.step_overlap import overlaps_on
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from worker_node.host_copy import to_device
+from worker_node.runtime.host_copy import to_device
 
 NEG_INF = float("-inf")
 

@@ -2,7 +2,7 @@
 
 - InputBatch (worker_node/input_batch.py): the requests this worker holds, a row each; gathers a step's inputs;
 - PlanDiffs (worker_node/plan_diffs.py): a plan's diffs checked and written into the batch;
-- KVMoves and LoadFailures (worker_node/kv_moves.py): the block operations, tier moves and KV hand-offs before the
+- KVMoves and LoadFailures (worker_node/kv/moves.py): the block operations, tier moves and KV hand-offs before the
   forward pass, and the requests a failed load leaves out;
 - ForwardPass (worker_node/forward_pass.py): this stage's layers and, on the output rank, sampling;
 - Sampler (worker_node/sampler.py), LoraHolder (worker_node/lora_holder.py), and what the loader attaches later:
@@ -27,15 +27,15 @@ from worker_node.cuda_graphs import DecodeGraphs
 from worker_node.draft_model import DraftModel
 from worker_node.forward_pass import Computed, ForwardPass
 from worker_node.input_batch import InputBatch
-from worker_node.kv_cache import KVCache
-from worker_node.kv_handoff import KVHandoff
-from worker_node.kv_moves import KVMoves, LoadFailures, Moved
-from worker_node.kv_offload import KVOffload, TierRun
+from worker_node.kv.cache import KVCache
+from worker_node.kv.handoff import KVHandoff
+from worker_node.kv.moves import KVMoves, LoadFailures, Moved
+from worker_node.kv.tiers import KVOffload, TierRun
 from worker_node.lora.manager import LoraManager
 from worker_node.lora_holder import LoraHolder
 from worker_node.models.decoder import CausalLM, StepInterrupted
-from worker_node.parallel import SINGLE, Comm
 from worker_node.plan_diffs import PlanDiffs
+from worker_node.runtime.parallel import SINGLE, Comm
 from worker_node.sampler import Sampler
 from worker_node.step_inputs import StepInputs
 from worker_node.step_overlap import DeviceTokens, Launched

@@ -12,7 +12,7 @@ import numpy as np
 from proto.wire import CachedRequest, NewRequest, StepPlan
 from worker_node.faults import RequestFault
 from worker_node.input_batch import InputBatch
-from worker_node.kv_moves import KVMoves, LoadFailures, check_range
+from worker_node.kv.moves import KVMoves, LoadFailures, check_range
 from worker_node.lora.checked_read import AdapterUnusable
 from worker_node.lora_holder import LoraHolder
 from worker_node.sampler import Sampler

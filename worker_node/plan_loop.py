@@ -32,7 +32,7 @@ from zmq.utils.monitor import recv_monitor_message
 from proto.drop_log import DropLog
 from proto.wire import Heartbeat, Interrupt, Message, Shutdown, StepError, StepPlan, decode, encode
 from worker_node.faults import RequestFault
-from worker_node.parallel import WorldBroken
+from worker_node.runtime.parallel import WorldBroken
 from worker_node.step_overlap import Launched, may_follow
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import torch
 from kernels.cpu_argmax import argmax_rows
 from proto.wire import SamplingOptions, TokenLogprobs
 from worker_node import logits_processors as lp
-from worker_node.host_copy import to_device
+from worker_node.runtime.host_copy import to_device
 from worker_node.structured import GrammarMasks, GrammarRow
 from worker_node.token_counts import TokenCounts
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from worker_node.attention import AttentionMetadata
 from worker_node.batch_rows import BatchRows, RequestState
-from worker_node.host_copy import to_device
+from worker_node.models.attention import AttentionMetadata
+from worker_node.runtime.host_copy import to_device
 from worker_node.sampler import RowFlags, SamplingRequest
 from worker_node.spec_decode import DraftRows, expand
 

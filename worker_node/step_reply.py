@@ -13,7 +13,7 @@ from proto.wire import StepPlan, StepResult, TokenLogprobs, pack_int32
 from worker_node.batch_rows import RequestState
 from worker_node.forward_pass import Computed, Pooled
 from worker_node.input_batch import InputBatch
-from worker_node.kv_moves import Moved
+from worker_node.kv.moves import Moved
 from worker_node.spec_decode import accept
 from worker_node.step_inputs import StepInputs
 from worker_node.step_overlap import DeviceTokens

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from worker_node.host_copy import to_device
+from worker_node.runtime.host_copy import to_device
 
 
 class TokenCounts:

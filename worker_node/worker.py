@@ -35,11 +35,11 @@ from settings.cli import from_args
 from settings.commands import command_parser
 from settings.config_file import parse_args
 from settings.worker import EXIT_BAD_FLAGS, WorkerOptions, offload_dir_problem
-from worker_node.kv_handoff import make_handoff
+from worker_node.kv.handoff import make_handoff
 from worker_node.loading import load_rank, pick_device
 from worker_node.model_runner import ModelRunner
-from worker_node.parallel import Comm, ParallelRank, RendezvousAborted, connect
 from worker_node.plan_loop import PlanLoop, decode_or_none
+from worker_node.runtime.parallel import Comm, ParallelRank, RendezvousAborted, connect
 
 logger = logging.getLogger("vllm-worker")
 

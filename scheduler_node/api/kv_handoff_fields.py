@@ -1,5 +1,5 @@
 """The doors' forms of disaggregated prefill/decode, checked into the engine's `kv_produce` / `KVSource`
-(scheduler_node/core/kv_handoff.py) and back: gRPC's `GenerateRequest.kv_handoff` / `GenerateResponse.kv_source`,
+(scheduler_node/core/kv/leases.py) and back: gRPC's `GenerateRequest.kv_handoff` / `GenerateResponse.kv_source`,
 and the OpenAI door's `kv_transfer_params` (the lease in hex; an answer's also names the request id to abort)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 from proto import serving_pb2 as pb
 from scheduler_node.api.openai_protocol import KVTransferParams
 from scheduler_node.api.validation import InvalidField
-from scheduler_node.core.kv_handoff import LEASE_BYTES, KVSource
+from scheduler_node.core.kv.leases import LEASE_BYTES, KVSource
 
 MAX_ADDRESSES = 64  # producer ranks
 MAX_SOURCE_BLOCKS = 1 << 20

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from proto.plugins import load_subclass
 from scheduler_node.api.tool_parsers import held_back
+from settings.plugins import load_subclass
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from proto.plugins import load_subclass
+from settings.plugins import load_subclass
 
 _DECODER = json.JSONDecoder()
 _NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')

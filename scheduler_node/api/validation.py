@@ -17,7 +17,7 @@ from proto import serving_pb2 as pb
 from proto.structured import grammar_error
 from proto.wire import SamplingOptions, StructuredOutput
 from scheduler_node.api.sampling import SamplingFields, StructuredFields
-from scheduler_node.core.kv_precision import KV_PRECISIONS
+from scheduler_node.core.kv.precision import KV_PRECISIONS
 from scheduler_node.core.request import RequestSpec
 from scheduler_node.text.tokenizer import ModelTokenizer
 

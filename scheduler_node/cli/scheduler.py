@@ -16,7 +16,7 @@ from scheduler_node.api.reasoning_parsers import reasoning_parser_class
 from scheduler_node.api.security import server_credentials
 from scheduler_node.api.tool_parsers import tool_parser_class
 from scheduler_node.cli.signals import stop_signals
-from scheduler_node.core.kv_events import KVEventSink
+from scheduler_node.core.kv.prefix_events import KVEventSink
 from scheduler_node.engine.builder import WorldPlan, check_model_split, make_engine
 from scheduler_node.engine.core import EngineCore
 from scheduler_node.engine.kv_publisher import KVEventPublisher

@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     worker_flags = ["--log-level", args.log_level, *worker_argv(args)]
     for plan, launcher in zip(plans, launchers):
         launcher.start(f"{args.worker_host}:{plan.worker_port}", worker_flags)
-    routers = [spawn("scheduler_node.cli.router", router_argv(args, plans), env)] if len(plans) > 1 else []
+    routers = [spawn("router_node.main", router_argv(args, plans), env)] if len(plans) > 1 else []
     return Supervisor(args, plans, launchers, schedulers, flags, routers, env).run()
 
 

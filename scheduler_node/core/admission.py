@@ -8,9 +8,9 @@ from __future__ import annotations
 import logging
 
 from scheduler_node.core.block_claims import BlockClaims
-from scheduler_node.core.block_table import BlockTable
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.in_flight import InFlightLedger
+from scheduler_node.core.kv.block_table import BlockTable
 from scheduler_node.core.migrations_in import MigrationsIn
 from scheduler_node.core.policy import Policy
 from scheduler_node.core.preemption import Preemption

@@ -4,12 +4,12 @@ the offload tiers and the KV imported from another replica instead of being comp
 
 from __future__ import annotations
 
-from scheduler_node.core.block_table import BlockHash, BlockTable
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.counters import SchedulerCounters
-from scheduler_node.core.kv_handoff import KVLeases
-from scheduler_node.core.kv_precision import BlockFormat, CompactKV, choose_format
-from scheduler_node.core.kv_tiers import KVTiers
+from scheduler_node.core.kv.block_table import BlockHash, BlockTable
+from scheduler_node.core.kv.leases import KVLeases
+from scheduler_node.core.kv.precision import BlockFormat, CompactKV, choose_format
+from scheduler_node.core.kv.tier_index import KVTiers
 from scheduler_node.core.migrations_in import MigrationsIn
 from scheduler_node.core.queues import RequestQueues
 from scheduler_node.core.request import Request
@@ -46,7 +46,7 @@ class BlockClaims:
     def blocks_to_start(self, req: Request, budget: int) -> Start:
         """Free blocks a waiting request takes to start its next chunk, the cached blocks it would reuse, how
         many blocks after those it would load from the offload tiers (into new blocks) instead of computing, and
-        the format of its blocks (one that holds blocks keeps theirs; a new one's is chosen: core/kv_precision.py).
+        the format of its blocks (one that holds blocks keeps theirs; a new one's is chosen: core/kv/precision.py).
 
         The one fit check of admission and displacement: a swapped request brings its blocks back, a fork (n > 1)
         writes into its shared prompt blocks, a new or recomputed one reuses its longest cached prefix (a cached
@@ -90,7 +90,7 @@ class BlockClaims:
         tiers = self.tiers if fmt is BlockFormat.FULL else None  # the tiers hold full blocks
         loads = tiers.match(hashes[len(hits) : cacheable]) if tiers is not None else 0
         partial = 0
-        if req.kv_source is not None:  # pulled from another replica instead (core/kv_handoff.py)
+        if req.kv_source is not None:  # pulled from another replica instead (core/kv/leases.py)
             loads, partial = self._remote_loads(req, len(hits), cacheable, fmt)
         hit_tokens = (len(hits) + loads) * bt.block_size + partial
         n = min(req.num_tokens - hit_tokens, budget)
@@ -161,7 +161,7 @@ class BlockClaims:
 
     def _load_from_remote(self, req: Request, first: int, keys: list[BlockHash], partial: int = 0) -> None:
         """New blocks after the request's cached prefix, filled by the plan's KV import from the producer replica
-        (core/kv_handoff.py) instead of being computed: full blocks (`keys`, registered), then `partial`
+        (core/kv/leases.py) instead of being computed: full blocks (`keys`, registered), then `partial`
         positions of the next block (a migrated sequence's last block; not a cacheable block)."""
         assert req.kv_source is not None
         bt = self.blocks

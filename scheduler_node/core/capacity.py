@@ -1,15 +1,15 @@
 """What the KV cache holds and changing it at run time: the longest request it holds now (`max_model_len`),
 resizing the usable blocks (ResizeCache), compaction, and a world that came back smaller. Which blocks move where is
-core/block_relocation.py's; the workers learn of the moves through their view."""
+core/kv/relocation.py's; the workers learn of the moves through their view."""
 
 from __future__ import annotations
 
 import time
 
-from scheduler_node.core import block_relocation
-from scheduler_node.core.block_table import BlockTable
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.counters import SchedulerCounters
+from scheduler_node.core.kv import relocation as block_relocation
+from scheduler_node.core.kv.block_table import BlockTable
 from scheduler_node.core.queues import RequestQueues
 from scheduler_node.core.request import Request
 from scheduler_node.core.worker_view import WorkerView

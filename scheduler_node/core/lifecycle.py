@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from scheduler_node.core.block_table import BlockTable
 from scheduler_node.core.in_flight import InFlightLedger
-from scheduler_node.core.kv_handoff import KVLeases, Lease
-from scheduler_node.core.kv_precision import BlockFormat
+from scheduler_node.core.kv.block_table import BlockTable
+from scheduler_node.core.kv.leases import KVLeases, Lease
+from scheduler_node.core.kv.precision import BlockFormat
 from scheduler_node.core.migrations_in import MigrationsIn
 from scheduler_node.core.quarantine import Quarantine
 from scheduler_node.core.queues import RequestQueues
@@ -78,7 +78,7 @@ class Lifecycle:
 
     def migrate_out(self, req_id: str, keep_kv: bool) -> tuple[Request | None, Lease | None]:
         """End a live sequence that moves to another replica (FINISHED_MIGRATED). With `keep_kv`, the blocks whose
-        KV its applied steps wrote stay held under a lease for the target to pull (core/kv_handoff.py); without,
+        KV its applied steps wrote stay held under a lease for the target to pull (core/kv/leases.py); without,
         or when it has none on the device (waiting, swapped out, compact), they are freed with it."""
         req = self.queues.requests.get(req_id)
         lease = None

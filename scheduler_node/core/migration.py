@@ -5,8 +5,8 @@ carries it, finish_reason "migrated"); vllm-router sends the request again, to a
 the sequences that were still running. The target recomputes prompt + outputs (chunked prefill and the prefix cache
 make that cheap) and samples on from the same output position: greedy and seeded draws (a hash of the seed and the
 position, worker_node/sampler.py) are exactly those of an undisturbed run. When the source's workers serve KV
-(their exporters, worker_node/kv_transfer.py), the state also names where its KV waits under a lease
-(`kv_source`, core/kv_handoff.py): the target pulls those blocks instead of recomputing them, and computes only the
+(their exporters, worker_node/kv/transfer/exporter.py), the state also names where its KV waits under a lease
+(`kv_source`, core/kv/leases.py): the target pulls those blocks instead of recomputing them, and computes only the
 last token, so even in bfloat16 it reads the KV an undisturbed run reads. A pull that fails recomputes.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler_node.core.kv_handoff import KVSource
+from scheduler_node.core.kv.leases import KVSource
 
 
 @dataclass(frozen=True, slots=True)

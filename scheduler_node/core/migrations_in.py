@@ -12,9 +12,9 @@ import logging
 from collections.abc import Iterable
 
 from proto.wire import KVImport
-from scheduler_node.core.block_table import BlockTable
 from scheduler_node.core.counters import SchedulerCounters
-from scheduler_node.core.kv_handoff import KVLeases
+from scheduler_node.core.kv.block_table import BlockTable
+from scheduler_node.core.kv.leases import KVLeases
 from scheduler_node.core.queues import RequestQueues
 from scheduler_node.core.request import Request, Status
 

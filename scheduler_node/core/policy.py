@@ -36,9 +36,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from proto.plugins import load_subclass
 from scheduler_node.core.request import Request
 from settings.engine import AGING_INTERVAL_S, PREEMPTION_MARGIN
+from settings.plugins import load_subclass
 
 
 class Policy:

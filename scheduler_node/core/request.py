@@ -9,8 +9,8 @@ import time
 from dataclasses import dataclass, field
 
 from proto.wire import LoraAdapter, NewRequest, SamplingOptions, TokenLogprobs
-from scheduler_node.core.block_table import BlockHash, hash_block
-from scheduler_node.core.kv_handoff import KVSource
+from scheduler_node.core.kv.block_table import BlockHash, hash_block
+from scheduler_node.core.kv.leases import KVSource
 from scheduler_node.core.lora_slots import LoraRef
 from scheduler_node.core.migration import SequenceResume
 from scheduler_node.core.speculative import SpecState
@@ -108,12 +108,12 @@ class Request:
     pooled_upto: int = 0  # the prompt positions in `pooled`
     stopped_by_token: bool = False  # ended by eos or a stop token (its text is not part of the output)
     handle: int = -1  # the request's id on the wire, assigned by the scheduler when the request is added
-    kv_precision: str = "auto"  # auto | full | compact: the format of its KV blocks (core/kv_precision.py)
+    kv_precision: str = "auto"  # auto | full | compact: the format of its KV blocks (core/kv/precision.py)
     lora: LoraRef | None = None  # its LoRA adapter (None: the base model)
     # Speculative decoding (core/speculative.py): None when it never speculates (opted out, or options the worker
     # cannot verify exactly); the scheduler sets it at admission when speculation is on.
     spec: SpecState | None = None
-    # Disaggregated prefill/decode (core/kv_handoff.py): a producer's lease on its prompt blocks (b"": none), or
+    # Disaggregated prefill/decode (core/kv/leases.py): a producer's lease on its prompt blocks (b"": none), or
     # where a consumer pulls its prompt's KV from (used once, at its first start).
     kv_lease: bytes = b""
     kv_source: KVSource | None = None
@@ -248,12 +248,12 @@ class RequestSpec:
     priority: int
     cache_salt: str = ""
     stop_token_ids: list[int] = field(default_factory=list)  # besides eos: tokens that end the output
-    kv_precision: str = "auto"  # auto | full | compact (core/kv_precision.py)
+    kv_precision: str = "auto"  # auto | full | compact (core/kv/precision.py)
     lora: LoraRef | None = None  # the LoRA adapter it runs with (None: the base model)
     speculate: bool = True  # False: never speculative decoding for this request (when the server has it on)
     migratable: bool = False  # its door takes a "migrated" end (vllm-router): a Drain(migrate) moves it
     resume: tuple[SequenceResume, ...] = ()  # a migrated request: only these sequences run, from where they stopped
-    # Disaggregated prefill/decode (core/kv_handoff.py): hold the prompt's KV under a lease when it ends (a
+    # Disaggregated prefill/decode (core/kv/leases.py): hold the prompt's KV under a lease when it ends (a
     # prefill replica), or pull it from another replica's lease (a decode replica).
     kv_produce: bool = False
     kv_source: KVSource | None = None

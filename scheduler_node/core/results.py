@@ -10,12 +10,12 @@ from collections.abc import Callable, Iterable
 import msgspec
 
 from proto.wire import StepPlan, StepResult, TokenLogprobs, unpack_int32
-from scheduler_node.core.block_table import BlockTable
 from scheduler_node.core.capacity import Capacity
 from scheduler_node.core.config import PreemptionMode
 from scheduler_node.core.counters import SchedulerCounters
 from scheduler_node.core.in_flight import InFlightLedger, SentPlan
-from scheduler_node.core.kv_tiers import KVTiers
+from scheduler_node.core.kv.block_table import BlockTable
+from scheduler_node.core.kv.tier_index import KVTiers
 from scheduler_node.core.migrations_in import MigrationsIn
 from scheduler_node.core.preemption import Preemption, PreemptionCosts
 from scheduler_node.core.queues import RequestQueues

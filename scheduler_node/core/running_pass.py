@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from scheduler_node.core.block_table import BlockTable
 from scheduler_node.core.capacity import Capacity
+from scheduler_node.core.kv.block_table import BlockTable
 from scheduler_node.core.policy import Policy
 from scheduler_node.core.preemption import Preemption
 from scheduler_node.core.queues import RequestQueues

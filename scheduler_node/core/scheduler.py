@@ -27,15 +27,15 @@ from collections.abc import Callable
 from proto.wire import ExecutionMode, StepPlan, StepResult
 from scheduler_node.core.admission import Admission
 from scheduler_node.core.block_claims import BlockClaims
-from scheduler_node.core.block_table import BlockTable
 from scheduler_node.core.capacity import Capacity
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.counters import SchedulerCounters
 from scheduler_node.core.in_flight import InFlightLedger
-from scheduler_node.core.kv_events import KVEventSink
-from scheduler_node.core.kv_handoff import KVLeases, Lease
-from scheduler_node.core.kv_precision import CompactKV
-from scheduler_node.core.kv_tiers import KVTiers
+from scheduler_node.core.kv.block_table import BlockTable
+from scheduler_node.core.kv.leases import KVLeases, Lease
+from scheduler_node.core.kv.precision import CompactKV
+from scheduler_node.core.kv.prefix_events import KVEventSink
+from scheduler_node.core.kv.tier_index import KVTiers
 from scheduler_node.core.lifecycle import Lifecycle
 from scheduler_node.core.migrations_in import MigrationsIn
 from scheduler_node.core.policy import Policy
@@ -89,7 +89,7 @@ class Scheduler:
         # proposals were accepted from the request's next plan: speculation runs one plan at a time, so that plan
         # is built after the result (`Speculator.settle`) and carries the rolled-back computed tokens.
         self.speculator = Speculator(config.speculative) if config.speculative is not None else None
-        self.leases = KVLeases()  # disaggregated prefill/decode (core/kv_handoff.py)
+        self.leases = KVLeases()  # disaggregated prefill/decode (core/kv/leases.py)
         self._step_id = 0
         self._build_parts()
 
@@ -183,7 +183,7 @@ class Scheduler:
         return plan
 
     def _hand_off(self, plan: StepPlan, now: float) -> None:
-        """The plan's KV leases and imports (core/kv_handoff.py); leases past their time are released first."""
+        """The plan's KV leases and imports (core/kv/leases.py); leases past their time are released first."""
         leases = self.leases
         if leases.held:
             leases.expire(self.blocks, now)

@@ -17,7 +17,7 @@ from proto.parallel import ParallelLayout
 from proto.quantization import resolve_quantization
 from proto.transport import WorkerTransport, WorldCapacity
 from proto.wire import Assignment
-from scheduler_node.core.kv_tiers import KVTiers
+from scheduler_node.core.kv.tier_index import KVTiers
 from scheduler_node.core.policy import make_policy
 from scheduler_node.core.scheduler import PreemptionCosts, Scheduler
 from scheduler_node.engine.core import EngineCore

@@ -27,7 +27,7 @@ from collections.abc import Callable, Collection
 from proto.memory_stats import KvPool
 from proto.transport import StepFailed, WorkerLost, WorkerTransport
 from proto.wire import StepResult
-from scheduler_node.core.kv_handoff import KVSource
+from scheduler_node.core.kv.leases import KVSource
 from scheduler_node.core.lora_slots import LoraMemory
 from scheduler_node.core.request import Request, RequestSpec, Status
 from scheduler_node.core.scheduler import Scheduler

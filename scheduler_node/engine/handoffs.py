@@ -1,6 +1,6 @@
 """What leaves this replica for another one: running requests moved off by a drain with migration (each ends with
 its state, finish_reason MIGRATED: scheduler_node/core/migration.py; their KV leased to the target) and finished
-prefills' KV held under a lease until a decode replica pulls it (scheduler_node/core/kv_handoff.py). The engine
+prefills' KV held under a lease until a decode replica pulls it (scheduler_node/core/kv/leases.py). The engine
 core (engine/core.py) owns it; the intake and the failures hand sequences back to it."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Collection
 
 from proto.transport import WorkerTransport
 from proto.wire import StepPlan
-from scheduler_node.core.kv_handoff import KVSource
+from scheduler_node.core.kv.leases import KVSource
 from scheduler_node.core.request import Request
 from scheduler_node.core.scheduler import Scheduler
 from scheduler_node.engine.output_side import OutputSide

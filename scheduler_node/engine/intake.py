@@ -15,7 +15,7 @@ import msgspec
 
 from proto.transport import WorkerTransport
 from proto.wire import SamplingOptions
-from scheduler_node.core.kv_handoff import new_lease
+from scheduler_node.core.kv.leases import new_lease
 from scheduler_node.core.migration import SequenceResume
 from scheduler_node.core.request import FinishReason, Request, RequestSpec, Status, StopConditions
 from scheduler_node.core.scheduler import Scheduler

@@ -1,5 +1,5 @@
 """A replica's KV events on ZeroMQ (`--kv-events-port`): what its prefix cache gained and lost, for the router's
-`kv` strategy (scheduler_node/router/kv_index.py).
+`kv` strategy (router_node/kv_index.py).
 
 - **PUB** on `--kv-events-host:--kv-events-port`: one batch per engine step that changed the cache (several when
   a step's events exceed MAX_EVENTS_PER_BATCH), and an empty one every HEARTBEAT_S while nothing changes, so a
@@ -24,7 +24,7 @@ import zmq.asyncio
 
 from proto.drop_log import DropLog
 from proto.kv_events import MAX_EVENTS_PER_BATCH, SNAPSHOT_REQUEST, encode_batch, encode_snapshot
-from scheduler_node.core.kv_events import KVEventSink
+from scheduler_node.core.kv.prefix_events import KVEventSink
 
 logger = logging.getLogger(__name__)
 

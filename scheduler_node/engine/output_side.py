@@ -14,7 +14,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from scheduler_node.core.kv_handoff import KVSource
+from scheduler_node.core.kv.leases import KVSource
 from scheduler_node.core.migration import SequenceResume
 from scheduler_node.core.request import Request, RequestSpec
 from scheduler_node.core.scheduler import RequestOutput

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from scheduler_node.core.kv_handoff import KVSource
+from scheduler_node.core.kv.leases import KVSource
 from scheduler_node.core.migration import SequenceResume
 from scheduler_node.core.request import FinishReason
 from scheduler_node.core.scheduler import RequestOutput

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from clients.client import build_parser as client_parser
 from minivllm.cluster import Cluster
 from scheduler_node.api.health import LIVENESS
-from scheduler_node.cli.client import build_parser as client_parser
 from scheduler_node.cli.serve import build_parser as serve_parser
 from settings.config_file import parse_args
 from tests.support.ops import TINY_WORKER, wait_for
@@ -84,7 +84,7 @@ def test_a_real_build_where_a_daemon_answers() -> None:
 
 def test_health_probe_tells_readiness_from_liveness_and_drains(tiny_llama_dir: Path) -> None:
     cluster = Cluster(tiny_llama_dir, ["--heartbeat-timeout", "2"], TINY_WORKER)
-    probe = [sys.executable, "-m", "scheduler_node.cli.client"]
+    probe = [sys.executable, "-m", "clients.client"]
     port = ["--port", str(cluster.port), "--timeout", "3"]
 
     def run(*argv: str) -> tuple[int, str]:

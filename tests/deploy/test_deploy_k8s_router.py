@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from router_node.probe import REOPEN_AFTER_S
 from scheduler_node.api.health import LIVENESS
 from scheduler_node.engine.model_path import served_name
-from scheduler_node.router.probe import REOPEN_AFTER_S
 from settings.process import TOKEN_ENV
 from tests.support.k8s import FLEET, World, files_in, fleet_prestop, mounts, parse_command, pod_spec, render, resolve
 

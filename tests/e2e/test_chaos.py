@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from clients.bench.mixed import Load, Outcome, mixed_requests
 from minivllm.cluster import ServeProcess as Serve
 from proto import serving_pb2 as pb
-from scheduler_node.bench.mixed import Load, Outcome, mixed_requests
 from scheduler_node.text.tokenizer import ModelTokenizer
 from tests.support.models import assert_teacher_forced, load_hf
 from tests.support.ops import wait_for

@@ -18,12 +18,12 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from clients.client import wait_ready
 from minivllm.cluster import REPO, Cluster, ServeProcess, free_port
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from proto.transport import WorkerLost
 from proto.wire import Assignment, Heartbeat, Shutdown, StepPlan, StepResult, WorkerHello, WorkerReady, decode, encode
-from scheduler_node.cli.client import wait_ready
 from scheduler_node.engine.worker_link import WorkerLink
 from tests.support.clusters import serving
 from tests.support.models import assert_teacher_forced, load_hf

@@ -76,7 +76,7 @@ def test_resize_cache_shrinks_and_grows(cluster: Cluster) -> None:
 def test_client_stats_prints_every_field(cluster: Cluster) -> None:
     deadline = time.monotonic() + 10
     out = subprocess.run(
-        [sys.executable, "-m", "scheduler_node.cli.client", "stats", "--port", str(cluster.port)],
+        [sys.executable, "-m", "clients.client", "stats", "--port", str(cluster.port)],
         cwd=REPO,
         capture_output=True,
         text=True,

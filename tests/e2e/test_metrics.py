@@ -88,7 +88,7 @@ def test_named_series_are_present_and_move(cluster: MeteredCluster) -> None:
 
 def test_vllm_monitor_prints_live_values(cluster: MeteredCluster) -> None:
     url = cluster.metrics_url
-    argv = [sys.executable, "-m", "scheduler_node.cli.monitor", "--url", url, "--interval", "0.1", "--count", "2",
+    argv = [sys.executable, "-m", "clients.monitor", "--url", url, "--interval", "0.1", "--count", "2",
             "--metric", "vllm:num_requests_running", "--metric", "vllm:generation_tokens_total",
             "--metric", "vllm:e2e_request_latency_seconds"]  # fmt: skip
     out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=30)
@@ -106,7 +106,7 @@ def test_vllm_monitor_prints_live_values(cluster: MeteredCluster) -> None:
 def test_vllm_monitor_short_names(cluster: MeteredCluster) -> None:
     """`--metric cache_hit_rate` and `--metric memory_usage`, as the seed asks: per tier (and format)."""
     url = cluster.metrics_url
-    argv = [sys.executable, "-m", "scheduler_node.cli.monitor", "--url", url, "--count", "1",
+    argv = [sys.executable, "-m", "clients.monitor", "--url", url, "--count", "1",
             "--metric", "cache_hit_rate", "--metric", "memory_usage"]  # fmt: skip
     out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
@@ -119,6 +119,6 @@ def test_vllm_monitor_short_names(cluster: MeteredCluster) -> None:
 
 
 def test_vllm_monitor_has_help_and_config() -> None:
-    out = subprocess.run([sys.executable, "-m", "scheduler_node.cli.monitor", "--help"], cwd=REPO, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "clients.monitor", "--help"], cwd=REPO, capture_output=True,
                          text=True)  # fmt: skip
     assert out.returncode == 0 and "--config" in out.stdout and "--interval" in out.stdout

@@ -17,11 +17,11 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from clients.monitor import readings
 from minivllm.cluster import REPO, Cluster, free_port
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
 from scheduler_node.api.openai_server import MAX_BODY_BYTES
-from scheduler_node.cli.monitor import readings
 from scheduler_node.text.tokenizer import ModelTokenizer
 from tests.support.clusters import SHARED, MeteredCluster
 from tests.support.clusters import control_stats as stats

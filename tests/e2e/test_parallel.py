@@ -21,15 +21,15 @@ import grpc
 import pytest
 import torch
 
+from clients.client import wait_ready
 from minivllm.cluster import REPO, free_port
 from minivllm.tiny_models import build_tiny_model
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
-from scheduler_node.cli.client import wait_ready
 from tests.support.engine import generate, load_runner
 from tests.support.models import assert_teacher_forced, load_hf
 from tests.support.ops import Streams, greedy_ids, wait_for
-from worker_node.kv_cache import bytes_per_block
+from worker_node.kv.cache import bytes_per_block
 from worker_node.models.config import ModelConfig
 
 pytestmark = pytest.mark.e2e

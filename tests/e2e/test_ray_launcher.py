@@ -17,10 +17,10 @@ from pathlib import Path
 import grpc
 import pytest
 
+from clients.client import wait_ready
 from minivllm.cluster import REPO, free_port
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
-from scheduler_node.cli.client import wait_ready
 from tests.support.models import assert_teacher_forced, load_hf
 from tests.support.ops import Streams, alive, child_pids, greedy_ids, kill_with_children, prompt_ids, wait_for
 

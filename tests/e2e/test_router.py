@@ -148,7 +148,7 @@ def test_routing_by_model_gives_each_models_own_greedy_tokens(fleet: Fleet) -> N
     text = pb.GenerateRequest(prompt="The capital of France", sampling=pb.SamplingParams(max_tokens=8, temperature=0))
     for model in ("llama", "qwen"):
         expected_text = "".join(d.text for d in direct[model].Generate(text, timeout=60))
-        client = [sys.executable, "-m", "scheduler_node.cli.client", "--port", str(fleet.router.port), "--model",
+        client = [sys.executable, "-m", "clients.client", "--port", str(fleet.router.port), "--model",
                   model, "--no-chat", "--max-tokens", "8", "--temperature", "0", "The capital of France"]  # fmt: skip
         out = subprocess.run(client, cwd=REPO, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0 and out.stdout.startswith(expected_text), (out.stdout, out.stderr)

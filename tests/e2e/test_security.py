@@ -71,7 +71,7 @@ def test_tls_serves_and_plaintext_is_refused(tls_cluster: Cluster, tls_files: tu
         with pytest.raises(grpc.RpcError) as err:
             list(pb_grpc.GenerationStub(plain).Generate(greedy_ids(prompt_ids(1), 3), timeout=5))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    client = [sys.executable, "-m", "scheduler_node.cli.client", "--port", str(tls_cluster.port), "--tls-ca",
+    client = [sys.executable, "-m", "clients.client", "--port", str(tls_cluster.port), "--tls-ca",
               str(tls_files[0]), "--max-tokens", "3", "--temperature", "0", "hello"]  # fmt: skip
     out = subprocess.run(client, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "[length: " in out.stderr, out.stderr
@@ -95,7 +95,7 @@ def test_control_needs_the_token(tls_cluster: Cluster, tls_files: tuple[Path, Pa
     assert [w.state for w in list_workers(tls_cluster, good)] == ["ready"]
     stub = pb_grpc.GenerationStub(tls_cluster.channel)  # Generation stays open
     assert list(stub.Generate(greedy_ids(prompt_ids(2), 2), timeout=30))[-1].finish_reason == "length"
-    stats = [sys.executable, "-m", "scheduler_node.cli.client", "stats", "--port", str(tls_cluster.port),
+    stats = [sys.executable, "-m", "clients.client", "stats", "--port", str(tls_cluster.port),
              "--tls-ca", str(tls_files[0])]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "MINIVLLM_CONTROL_TOKEN"}
     with_token = subprocess.run([*stats, "--control-token", TOKEN], cwd=REPO, capture_output=True, text=True, env=env)

@@ -18,11 +18,11 @@ import httpx
 import openai
 import pytest
 
+from clients.client import wait_ready
 from minivllm.cluster import REPO, free_port
 from minivllm.tiny_models import build_tiny_model
 from proto import serving_pb2 as pb
 from proto import serving_pb2_grpc as pb_grpc
-from scheduler_node.cli.client import wait_ready
 from scheduler_node.cli.serve import build_parser, replica_argv, replica_plans
 from tests.support.ops import (
     SERVING,

@@ -3,7 +3,7 @@ lease, a decode engine pulls them over the KV transfer socket and generates. Gre
 colocated engine's, in float32, bf16 and int8 KV, between PP 2 worlds and between TP 2 worlds or worlds of TP 1 and
 TP 2 (each consumer rank pulls its KV heads from the producer rank(s) holding them); a producer gone mid-hand-off
 or a lease released before the pull makes the decode side compute the prompt itself; no block stays leased at
-idle. Both engines sit on one host, so the pulls go through staging buffers (worker_node/kv_staging.py), as by
+idle. Both engines sit on one host, so the pulls go through staging buffers (worker_node/kv/transfer/staging.py), as by
 default; one case moves them by frames over TCP (`--kv-transfer-mode tcp`)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from tests.support.engine import EngineRun, load_runner
 from tests.support.inprocess_tp import TensorParallelRanks
 from tests.support.models import assert_teacher_forced, load_hf
 from tests.support.stages import stage_runners
-from worker_node.kv_handoff import make_handoff
+from worker_node.kv.handoff import make_handoff
 from worker_node.model_runner import ModelRunner
 
 pytestmark = pytest.mark.model

@@ -20,11 +20,11 @@ from scheduler_node.engine.lora_registry import LoraRegistry  # noqa: E402
 from tests.support.engine import EngineRun, generate, load_runner  # noqa: E402
 from tests.support.lora import load_base, load_peft_many, make_adapters  # noqa: E402
 from tests.support.models import assert_teacher_forced, load_hf  # noqa: E402
-from worker_node.attention import AttentionMetadata  # noqa: E402
 from worker_node.cuda_graphs import DecodeGraphs, parse_sizes  # noqa: E402
 from worker_node.lora.manager import LoraManager  # noqa: E402
 from worker_node.lora.slot_bank import LoraCapacity  # noqa: E402
 from worker_node.model_runner import ModelRunner  # noqa: E402
+from worker_node.models.attention import AttentionMetadata  # noqa: E402
 
 pytestmark = pytest.mark.model
 

@@ -12,7 +12,7 @@ from kernels.triton_lora import lora_add  # noqa: E402
 from tests.support.lora import small_config  # noqa: E402
 from worker_node.lora.slot_bank import LoraCapacity, SlotBank  # noqa: E402
 from worker_node.lora.weights import ProjectionLora  # noqa: E402
-from worker_node.parallel import SINGLE  # noqa: E402
+from worker_node.runtime.parallel import SINGLE  # noqa: E402
 
 pytestmark = pytest.mark.unit
 

@@ -17,7 +17,7 @@ from minivllm.llm import LLM
 from minivllm.tiny_models import TINY_VARIANTS
 from scheduler_node.text.tokenizer import ModelTokenizer
 from tests.support.engine import load_runner
-from worker_node.kv_cache import bytes_per_block
+from worker_node.kv.cache import bytes_per_block
 from worker_node.models.config import ModelConfig
 
 pytestmark = pytest.mark.model

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.unit
 SCRIPTS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
 # The add_argument calls allowed outside settings/, each with why it is no setting.
 OWN_ARGUMENTS = {
-    "scheduler_node/cli/client.py": "the prompt: a positional argument, what one call asks (no key, no default)",
+    "clients/client.py": "the prompt: a positional argument, what one call asks (no key, no default)",
 }
 # Benchmarks and set-up scripts measure or prepare; their flags are their own, not the system's settings.
 OWN_FOLDERS = ("scripts/", "tests/", "settings/")
@@ -81,11 +81,11 @@ def test_the_grep_finds_a_call() -> None:
 
 
 def test_help_names_every_value_a_registry_defines() -> None:
+    from clients.monitor import ALIASES
+    from router_node.strategies import STRATEGIES
     from scheduler_node.api.reasoning_parsers import REASONING_PARSERS
     from scheduler_node.api.tool_parsers import TOOL_PARSERS
-    from scheduler_node.cli.monitor import ALIASES
     from scheduler_node.core.policy import POLICIES
-    from scheduler_node.router.strategies import STRATEGIES
 
     helps = {e.name: e.spec.help for cmd in COMMANDS.values() for _, group in sections(cmd.parts) for e in group}
     registries: dict[str, Iterable[str]] = {

@@ -21,7 +21,7 @@ import torch
 from proto.transport import WorldCapacity
 from proto.wire import Assignment, ExecutionMode, SamplingOptions, StepPlan, TokenLogprobs, WorkerReady
 from scheduler_node.core.config import SchedulerConfig
-from scheduler_node.core.kv_tiers import KVTiers
+from scheduler_node.core.kv.tier_index import KVTiers
 from scheduler_node.core.lora_slots import LoraRef
 from scheduler_node.core.request import RequestSpec
 from scheduler_node.core.scheduler import PreemptionCosts, Scheduler
@@ -32,7 +32,7 @@ from tests.support.waiting import until
 from worker_node.inprocess import InProcessWorkers
 from worker_node.loading import load_rank
 from worker_node.model_runner import ModelRunner
-from worker_node.parallel import SINGLE, Comm, ParallelRank
+from worker_node.runtime.parallel import SINGLE, Comm, ParallelRank
 
 CPU = torch.device("cpu")
 

@@ -1,6 +1,6 @@
 """T tensor-parallel ranks (of each of P pipeline stages) of one model in one process, joined over gloo exactly as
-worker processes join (worker_node.parallel.connect): the model shards, their collectives and the stages' hand-offs
-are the real ones, without paying T x P process start-ups per test. The engine core drives them through
+worker processes join (worker_node.runtime.parallel.connect): the model shards, their collectives and the stages'
+hand-offs are the real ones, without paying T x P process start-ups per test. The engine core drives them through
 InProcessWorkers, one step thread per rank."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from minivllm.cluster import free_port
 from proto.parallel import ParallelLayout
 from tests.support.engine import load_runner
 from worker_node.inprocess import InProcessWorkers
-from worker_node.parallel import ParallelRank, connect
+from worker_node.runtime.parallel import ParallelRank, connect
 
 
 class TensorParallelRanks:

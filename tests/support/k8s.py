@@ -17,8 +17,8 @@ from tests.support.paths import REPO
 
 K8S = REPO / "deploy" / "k8s"
 COMMANDS = {"vllm-scheduler": "scheduler_node.cli.scheduler", "vllm-serve": "scheduler_node.cli.serve",
-            "vllm-worker": "worker_node.worker", "vllm-client": "scheduler_node.cli.client",
-            "vllm-router": "scheduler_node.cli.router"}  # fmt: skip
+            "vllm-worker": "worker_node.worker", "vllm-client": "clients.client",
+            "vllm-router": "router_node.main"}  # fmt: skip
 
 
 def render(*kustomizations: Path, tmp: Path | None = None, components: tuple[Path, ...] = ()) -> list[dict]:

@@ -48,7 +48,7 @@ def assert_same_logprobs(hf_model, runner, tokens: list[int], tol: float = 1e-3)
     """Our log-probabilities over the whole vocabulary at every position of `tokens` (one prefill through a
     TP 1 runner's model and cache) are HF's within `tol`: this sees what greedy tokens cannot, such as a
     monotonic soft-cap on the logits."""
-    from worker_node.attention import AttentionMetadata
+    from worker_node.models.attention import AttentionMetadata
 
     n, int32 = len(tokens), torch.int32
     table = torch.arange(-(-n // runner.block_size), dtype=int32)[None]

@@ -13,7 +13,7 @@ from proto.parallel import ParallelLayout
 from proto.wire import ExecutionMode
 from tests.support.engine import load_runner
 from worker_node.model_runner import ModelRunner
-from worker_node.parallel import Comm, ParallelRank
+from worker_node.runtime.parallel import Comm, ParallelRank
 
 
 class HandOff:

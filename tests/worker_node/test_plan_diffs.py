@@ -19,7 +19,7 @@ from scheduler_node.engine.lora_registry import LoraRegistry
 from tests.support.engine import load_runner
 from tests.support.lora import write_adapter
 from worker_node.faults import RequestFault
-from worker_node.kv_cache import LayerKV
+from worker_node.kv.cache import LayerKV
 from worker_node.model_runner import ModelRunner
 from worker_node.plan_diffs import PlanDiffs
 from worker_node.stand_in import zero_cost_loader

@@ -47,11 +47,11 @@ from torch import nn
 
 from proto.lora import BaseShapes
 from proto.wire import LoraAdapter
-from worker_node.host_copy import to_device
 from worker_node.lora.checked_read import AdapterUnusable, check_finite, read_checked
 from worker_node.lora.slot_bank import BankedProjection, LoraCapacity, SlotBank
 from worker_node.lora.weights import PROJECTIONS, LayerLoras, ProjectionLora, adapter_updates
 from worker_node.models.decoder import CausalLM
+from worker_node.runtime.host_copy import to_device
 
 logger = logging.getLogger(__name__)
 

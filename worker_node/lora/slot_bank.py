@@ -26,7 +26,7 @@ import torch
 
 from worker_node.lora.weights import PROJECTIONS, LayerLoras, ProjectionLora, projection_shape
 from worker_node.models.config import ModelConfig
-from worker_node.parallel import ParallelRank
+from worker_node.runtime.parallel import ParallelRank
 
 
 @dataclass(frozen=True, slots=True)

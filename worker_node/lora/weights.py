@@ -19,7 +19,7 @@ import torch
 from proto.lora import AdapterInfo
 from proto.parallel import kv_head_range, shard
 from worker_node.models.config import ModelConfig
-from worker_node.parallel import ParallelRank
+from worker_node.runtime.parallel import ParallelRank
 
 # Our fused projection -> (its block, the HF modules it fuses, in output order).
 PROJECTIONS: dict[str, tuple[str, tuple[str, ...]]] = {

@@ -20,7 +20,7 @@ from kernels.attention_abi import AbiError, load_library
 from kernels.backend import triton_available
 from kernels.custom_kernels import library_of
 from proto.attention_setting import AttentionChoice, from_mapping
-from proto.plugins import load_named
+from settings.plugins import load_named
 from worker_node.models.config import ModelConfig
 from worker_node.models.registry import MODELS
 

@@ -13,12 +13,12 @@ import torch
 from torch import nn
 
 from kernels.interface import AttentionBackend
-from worker_node.attention import AttentionMetadata
-from worker_node.kv_cache import LayerKV
+from worker_node.kv.cache import LayerKV
+from worker_node.models.attention import AttentionMetadata
 from worker_node.models.config import ModelConfig
 from worker_node.models.layers import ParallelLMHead, RMSNorm, RopeAngles, Rotary, VocabParallelEmbedding
 from worker_node.models.native_decode import NativeDecode
-from worker_node.parallel import SINGLE, Comm, ParallelRank
+from worker_node.runtime.parallel import SINGLE, Comm, ParallelRank
 
 
 class StepInterrupted(Exception):

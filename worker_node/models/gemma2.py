@@ -11,12 +11,12 @@ import math
 import torch
 
 from kernels.interface import AttentionBackend
-from worker_node.attention import AttentionMetadata
-from worker_node.kv_cache import LayerKV
+from worker_node.kv.cache import LayerKV
+from worker_node.models.attention import AttentionMetadata
 from worker_node.models.config import ModelConfig
 from worker_node.models.decoder import CausalLM, DecoderLayer
 from worker_node.models.layers import MLP, Attention, RMSNorm, RopeAngles
-from worker_node.parallel import Comm, ParallelRank
+from worker_node.runtime.parallel import Comm, ParallelRank
 
 NORM_OFFSET = 1.0
 

@@ -20,10 +20,10 @@ from torch import nn
 from kernels import cpu_argmax, cpu_gemm, cpu_gemm_portable, cpu_glue
 from kernels.interface import AttentionBackend
 from proto.parallel import kv_head_range, shard, vocab_shard
-from worker_node.attention import AttentionMetadata, paged_attention
-from worker_node.kv_cache import LayerKV
+from worker_node.kv.cache import LayerKV
+from worker_node.models.attention import AttentionMetadata, paged_attention
 from worker_node.models.config import ModelConfig
-from worker_node.parallel import Comm, ParallelRank
+from worker_node.runtime.parallel import Comm, ParallelRank
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,

@@ -20,7 +20,6 @@ from kernels.interface import AttentionBackend
 from proto.checkpoints import GGUF, weight_files
 from proto.parallel import kv_head_range, shard, vocab_shard
 from proto.quantization import checkpoint_quantization, resolve_quantization
-from worker_node.huge_pages import collapse, module_tensors
 from worker_node.models.config import ModelConfig
 from worker_node.models.decoder import CausalLM
 from worker_node.models.quant_linear import QuantMethod, TensorAxes
@@ -34,7 +33,8 @@ from worker_node.models.quantize import (
     quantize_head,
 )
 from worker_node.models.registry import model_class
-from worker_node.parallel import SINGLE, Comm, ParallelRank
+from worker_node.runtime.huge_pages import collapse, module_tensors
+from worker_node.runtime.parallel import SINGLE, Comm, ParallelRank
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def load_model(
     huge_pages: bool = True,
 ) -> CausalLM:
     """`quantization`: a format name (proto/quantization.py); `auto` takes the checkpoint's own. `huge_pages`: a
-    CPU model's weights are collapsed onto huge pages once loaded (worker_node/huge_pages.py)."""
+    CPU model's weights are collapsed onto huge pages once loaded (worker_node/runtime/huge_pages.py)."""
     folder = Path(folder)
     config = ModelConfig.from_folder(folder)
     quantization = resolve_quantization(quantization, folder)

@@ -28,8 +28,8 @@ from torch import nn
 from kernels import cpu_attention, cpu_decode_layers, cpu_gemm, cpu_gemm_awq, cpu_glue
 from kernels.cpu_decode_layers import Gemm, Kernels, Layer, Step
 from kernels.cpu_gemm import NativeGemm
-from worker_node.attention import AttentionMetadata
-from worker_node.kv_cache import LayerKV
+from worker_node.kv.cache import LayerKV
+from worker_node.models.attention import AttentionMetadata
 from worker_node.models.layers import Attention, RopeAngles
 
 MAX_ROWS = min(cpu_gemm.MAX_ROWS, cpu_gemm_awq.MAX_ROWS)  # rows the matmul kernels take in one call

@@ -10,14 +10,14 @@ import pytest
 
 from proto import serving_pb2 as pb
 from proto.lora import BaseShapes
+from router_node.metrics import RouterMetrics
+from router_node.probe import Prober
+from router_node.replica import SERVING, Replica, ReplicaPool, ReplicaSpec
+from router_node.request import RouteRequest
+from router_node.routing import Router
+from router_node.upstream import Forwarder, UpstreamError, open_links
 from scheduler_node.api.grpc_lora import adapter_info
 from scheduler_node.engine.lora_registry import LoraRegistry
-from scheduler_node.router.metrics import RouterMetrics
-from scheduler_node.router.probe import Prober
-from scheduler_node.router.replica import SERVING, Replica, ReplicaPool, ReplicaSpec
-from scheduler_node.router.request import RouteRequest
-from scheduler_node.router.routing import Router
-from scheduler_node.router.upstream import Forwarder, UpstreamError, open_links
 from tests.scheduler_node.api.test_grpc_server import MODEL, TOKEN_HEADER, Door, greedy, read_all, serve, status_of
 from tests.support.lora import write_adapter
 from tests.support.stand_in import stand_in_engine

@@ -10,7 +10,7 @@ from proto import serving_pb2 as pb
 from scheduler_node.api.kv_handoff_fields import http_kv_fields, kv_fields, source_message, source_params
 from scheduler_node.api.openai_protocol import CompletionRequest, KVTransferParams
 from scheduler_node.api.validation import InvalidField
-from scheduler_node.core.kv_handoff import KVSource
+from scheduler_node.core.kv.leases import KVSource
 
 pytestmark = pytest.mark.unit
 

@@ -15,11 +15,11 @@ from typing import Any
 import httpx
 import pytest
 
+from router_node.http_migration import merged_answer
 from scheduler_node.api.openai_migration import MIGRATED_EVENT, MIGRATED_HEADER
 from scheduler_node.api.openai_server import OpenAIConfig, OpenAIDoor, build_app
 from scheduler_node.engine.core import EngineCore
 from scheduler_node.engine.metrics import Metrics
-from scheduler_node.router.http_migration import merged_answer
 from tests.support.stand_in import ScriptedWorkers, running, stand_in_engine, tokenizer
 
 pytestmark = pytest.mark.unit

@@ -9,7 +9,7 @@ from proto import serving_pb2 as pb
 from proto.wire import SamplingOptions
 from scheduler_node.api.resume import state_message, with_resume
 from scheduler_node.api.validation import InvalidField
-from scheduler_node.core.kv_handoff import KVSource
+from scheduler_node.core.kv.leases import KVSource
 from scheduler_node.core.migration import SequenceResume
 from scheduler_node.core.request import RequestSpec
 

@@ -26,8 +26,8 @@ pytestmark = pytest.mark.e2e
     [
         "scheduler_node.cli.scheduler",
         "scheduler_node.cli.serve",
-        "scheduler_node.cli.client",
-        "scheduler_node.cli.router",
+        "clients.client",
+        "router_node.main",
         "worker_node.worker",
         "worker_node.convert",
     ],
@@ -82,8 +82,8 @@ def test_unknown_config_key_is_an_error(tmp_path: Path, capsys: pytest.CaptureFi
 
 def test_scheduler_never_imports_torch() -> None:
     code = (
-        "import sys, scheduler_node.cli.scheduler, scheduler_node.cli.serve, scheduler_node.cli.client, "
-        "scheduler_node.cli.router; "
+        "import sys, scheduler_node.cli.scheduler, scheduler_node.cli.serve, clients.client, "
+        "router_node.main; "
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
@@ -128,6 +128,6 @@ def test_text_nested_too_deeply_is_a_one_line_usage_error(
     ],
 )
 def test_router_names_what_is_wrong_with_its_flags(argv: list[str], words: str) -> None:
-    command = [sys.executable, "-m", "scheduler_node.cli.router", "--port", "0", *argv]
+    command = [sys.executable, "-m", "router_node.main", "--port", "0", *argv]
     out = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and words in out.stderr, out.stderr

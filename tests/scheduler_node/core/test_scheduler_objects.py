@@ -9,13 +9,13 @@ import pytest
 from proto.wire import ExecutionMode, KVImport, SamplingOptions, StepPlan, StepResult
 from scheduler_node.core.admission import Admission
 from scheduler_node.core.block_claims import BlockClaims
-from scheduler_node.core.block_table import BlockTable
 from scheduler_node.core.capacity import Capacity
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.counters import SchedulerCounters
 from scheduler_node.core.in_flight import InFlightLedger
-from scheduler_node.core.kv_handoff import KVLeases, KVSource
-from scheduler_node.core.kv_precision import CompactKV
+from scheduler_node.core.kv.block_table import BlockTable
+from scheduler_node.core.kv.leases import KVLeases, KVSource
+from scheduler_node.core.kv.precision import CompactKV
 from scheduler_node.core.lifecycle import Lifecycle
 from scheduler_node.core.migrations_in import MigrationsIn
 from scheduler_node.core.policy import Policy, PriorityPolicy

@@ -14,8 +14,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from proto.wire import ExecutionMode, SamplingOptions, StepPlan
 from scheduler_node.core.config import PreemptionMode, SchedulerConfig
-from scheduler_node.core.kv_precision import BlockFormat
-from scheduler_node.core.kv_tiers import KVTiers
+from scheduler_node.core.kv.precision import BlockFormat
+from scheduler_node.core.kv.tier_index import KVTiers
 from scheduler_node.core.policy import PriorityPolicy
 from scheduler_node.core.request import Request, Status, StopConditions
 from scheduler_node.core.scheduler import PreemptionCosts, Scheduler

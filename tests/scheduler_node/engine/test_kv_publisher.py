@@ -15,13 +15,13 @@ from prometheus_client import generate_latest
 
 from minivllm.cluster import free_port
 from proto.kv_events import SNAPSHOT_REQUEST, decode_snapshot, encode_batch
+from router_node.kv_index import KVIndex
+from router_node.kv_subscriber import KVSubscriber
+from router_node.metrics import RouterMetrics
+from router_node.replica import SERVING, ReplicaPool
 from scheduler_node.core.config import SchedulerConfig
-from scheduler_node.core.kv_events import KVEventSink
+from scheduler_node.core.kv.prefix_events import KVEventSink
 from scheduler_node.engine.kv_publisher import KVEventPublisher
-from scheduler_node.router.kv_index import KVIndex
-from scheduler_node.router.kv_subscriber import KVSubscriber
-from scheduler_node.router.metrics import RouterMetrics
-from scheduler_node.router.replica import SERVING, ReplicaPool
 from settings.router import parse_replica
 from tests.support.stand_in import StandInRun, spec
 from tests.support.waiting import until
@@ -86,7 +86,7 @@ def test_junk_on_either_side_is_counted_in_a_few_log_lines(caplog: pytest.LogCap
         feed = subscriber.feeds[pool.replicas[0].address]
         for i in range(FLOOD):
             subscriber._on_message(feed, b"\xc1" if i % 2 else encode_batch(b"e" * 8, 0, 16, []))  # seq 0: refused
-    logged = [r for r in caplog.records if r.name == "scheduler_node.router.kv_subscriber"]
+    logged = [r for r in caplog.records if r.name == "router_node.kv_subscriber"]
     assert len(logged) <= 2 and subscriber.drops.total == FLOOD
     assert (
         f'minivllm:dropped_messages_total{{socket="kv_events"}} {float(FLOOD)}'

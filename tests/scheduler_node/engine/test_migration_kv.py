@@ -17,7 +17,7 @@ from scheduler_node.core.request import FinishReason, RequestSpec
 from tests.scheduler_node.engine.test_migration import Seq
 from tests.support.engine import EngineRun, load_runner
 from tests.support.ops import prompt_ids
-from worker_node.kv_handoff import make_handoff
+from worker_node.kv.handoff import make_handoff
 from worker_node.model_runner import ModelRunner
 
 pytestmark = pytest.mark.model

@@ -11,7 +11,7 @@ from kernels.torch_lora import lora_add_reference
 from tests.support.lora import small_config
 from worker_node.lora.slot_bank import LoraCapacity, SlotBank
 from worker_node.lora.weights import ProjectionLora
-from worker_node.parallel import SINGLE
+from worker_node.runtime.parallel import SINGLE
 
 pytestmark = pytest.mark.unit
 

@@ -14,7 +14,7 @@ from worker_node.models.layers import (
     rescore_top_logits,
     top_candidates,
 )
-from worker_node.parallel import SINGLE, Comm
+from worker_node.runtime.parallel import SINGLE, Comm
 
 pytestmark = pytest.mark.unit
 

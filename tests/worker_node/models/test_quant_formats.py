@@ -18,7 +18,7 @@ from worker_node.models.quant_fp8 import FP8, Fp8Method
 from worker_node.models.quant_int8 import Int8Method
 from worker_node.models.quant_linear import QuantLinear
 from worker_node.models.quantize import QuantizedCheckpoint, quantize_head, weight_bytes
-from worker_node.parallel import SINGLE, Comm
+from worker_node.runtime.parallel import SINGLE, Comm
 
 pytestmark = pytest.mark.unit
 
