@@ -35,7 +35,7 @@ from router_node.kv_load import ActiveLoad
 from router_node.replica import Replica
 from router_node.request import RouteRequest
 from router_node.strategies import DEFAULT_TOKENS, LeastLoaded, Pick, Rotation
-from scheduler_node.core.kv.block_table import hash_block
+from scheduler_node.core.kv.block_ops import hash_block
 from scheduler_node.text.tokenizer import ModelTokenizer
 from settings.router import DEFAULT_OVERLAP_WEIGHT
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.counters import SchedulerCounters
-from scheduler_node.core.kv.block_table import BlockHash, BlockTable
+from scheduler_node.core.kv.block_ops import BlockHash
+from scheduler_node.core.kv.block_table import BlockTable
 from scheduler_node.core.kv.leases import KVLeases
 from scheduler_node.core.kv.precision import BlockFormat, CompactKV, choose_format
 from scheduler_node.core.kv.tier_index import KVTiers

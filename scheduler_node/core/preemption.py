@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from scheduler_node.core.config import PreemptionMode, SchedulerConfig
 from scheduler_node.core.counters import SchedulerCounters
-from scheduler_node.core.kv.block_table import BlockTable, Written
+from scheduler_node.core.kv.block_ops import Written
+from scheduler_node.core.kv.block_table import BlockTable
 from scheduler_node.core.policy import Policy
 from scheduler_node.core.queues import RequestQueues
 from scheduler_node.core.request import Request, Status

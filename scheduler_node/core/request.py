@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from proto.wire import LoraAdapter, NewRequest, SamplingOptions, TokenLogprobs
-from scheduler_node.core.kv.block_table import BlockHash, hash_block
+from scheduler_node.core.kv.block_ops import BlockHash, hash_block
 from scheduler_node.core.kv.leases import KVSource
 from scheduler_node.core.lora_slots import LoraRef
 from scheduler_node.core.migration import SequenceResume

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 from proto.wire import KVGrant, StepPlan, pack_int32
 from scheduler_node.core.in_flight import SentPlan
-from scheduler_node.core.kv.block_table import BlockTable, Written
+from scheduler_node.core.kv.block_ops import Written
+from scheduler_node.core.kv.block_table import BlockTable
 from scheduler_node.core.kv.leases import KVLeases
 from scheduler_node.core.request import Request
 from scheduler_node.core.worker_view import WorkerView

@@ -10,7 +10,8 @@ handles; nothing is kept or sent for a request that has nothing new.
 from __future__ import annotations
 
 from proto.wire import CachedRequest, StepPlan
-from scheduler_node.core.kv.block_table import BlockOps, BlockTable, Written
+from scheduler_node.core.kv.block_ops import BlockOps, Written
+from scheduler_node.core.kv.block_table import BlockTable
 from scheduler_node.core.lora_slots import LoraSlots
 from scheduler_node.core.request import Request
 

@@ -15,59 +15,12 @@ and resizing or compaction (core/kv/relocation.py) moves full blocks only.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
+from scheduler_node.core.kv.block_ops import UNCHANGED, BlockHash, BlockOps, Written, in_place_test
 from scheduler_node.core.kv.precision import BlockFormat
 from scheduler_node.core.kv.prefix_events import DEVICE, KVEventSink
-
-BlockHash = bytes
-
-
-def hash_block(parent: BlockHash | None, token_ids: Sequence[int], salt: str = "") -> BlockHash:
-    """The chained hash of one full block; the salt seeds the chain so tenants can opt out of sharing."""
-    seed = parent if parent is not None else hashlib.blake2b(salt.encode(), digest_size=16).digest()
-    return hashlib.blake2b(seed + array("q", token_ids).tobytes(), digest_size=16).digest()
-
-
-class Written(NamedTuple):
-    """What making positions writable changed in a request's table."""
-
-    added: list[int]  # blocks appended
-    replaced: list[tuple[int, int]]  # (index, block): shared blocks copied before the write
-
-
-UNCHANGED = Written([], [])  # never mutated: callers only read it (the scheduler tests `is UNCHANGED`)
-
-
-@dataclass(slots=True)
-class BlockOps:
-    """Device work the workers do before a step's forward pass, in this order."""
-
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
-    copy: list[tuple[int, int]] = field(default_factory=list)  # (source block, destination block)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
-
-    @property
-    def pending(self) -> bool:
-        return bool(self.copy or self.swap_out or self.swap_in)
-
-
-def _in_place_test(tables: dict[str, list[int]], ref_counts: list[int], block_size: int) -> Callable[[str, int], bool]:
-    """`BlockTable.writes_in_place`: may a request write position p without a change to its table? When it holds
-    p's block already and is that block's only holder. The first test of `write`, and the scheduler's steady-decode
-    test (one call per running request per step: a closure over the table's own containers, no attribute lookups)."""
-
-    def writes_in_place(req_id: str, position: int) -> bool:
-        table = tables.get(req_id)
-        block = position // block_size
-        return table is not None and block < len(table) and ref_counts[table[block]] == 1
-
-    return writes_in_place
 
 
 class BlockTable:
@@ -110,7 +63,7 @@ class BlockTable:
         self._host_free = list(range(num_host_blocks - 1, -1, -1))
         self._host_tables: dict[str, list[int]] = {}
         self.ops = BlockOps()  # collected for the next plan
-        self.writes_in_place = _in_place_test(self._tables, self._ref_counts, self.block_size)
+        self.writes_in_place = in_place_test(self._tables, self._ref_counts, self.block_size)
 
     def reset(self, num_host_blocks: int, num_compact_blocks: int) -> None:
         """Start empty, with the same device blocks and usable limit (a lost rank, a smaller world): nothing is

@@ -29,7 +29,8 @@ import secrets
 from dataclasses import dataclass, field
 
 from proto.wire import KVGrant, KVImport
-from scheduler_node.core.kv.block_table import BlockHash, BlockTable
+from scheduler_node.core.kv.block_ops import BlockHash
+from scheduler_node.core.kv.block_table import BlockTable
 
 logger = logging.getLogger(__name__)
 

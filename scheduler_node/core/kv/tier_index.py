@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from proto.wire import StepResult, TierMove
-from scheduler_node.core.kv.block_table import BlockHash
+from scheduler_node.core.kv.block_ops import BlockHash
 from scheduler_node.core.kv.prefix_events import KVEventSink
 from scheduler_node.core.kv.tier_policy import make_tier_policy
 

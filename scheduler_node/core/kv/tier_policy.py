@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from scheduler_node.core.kv.block_table import BlockHash
+from scheduler_node.core.kv.block_ops import BlockHash
 from settings.scheduler import KV_OFFLOAD_POLICIES
 
 

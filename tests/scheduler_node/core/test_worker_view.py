@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from proto.wire import CachedRequest, SamplingOptions, StepPlan
-from scheduler_node.core.kv.block_table import BlockOps, BlockTable
+from scheduler_node.core.kv.block_ops import BlockOps
+from scheduler_node.core.kv.block_table import BlockTable
 from scheduler_node.core.request import Request, StopConditions
 from scheduler_node.core.worker_view import WorkerView
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scheduler_node.core.kv.block_table import hash_block
+from scheduler_node.core.kv.block_ops import hash_block
 from tests.support.engine import EngineRun, load_runner
 from tests.support.models import assert_teacher_forced, load_hf
 from worker_node.kv.cache import bytes_per_block

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from scheduler_node.core.kv import relocation as block_relocation
-from scheduler_node.core.kv.block_table import BlockTable, hash_block
+from scheduler_node.core.kv.block_ops import hash_block
+from scheduler_node.core.kv.block_table import BlockTable
 from scheduler_node.core.kv.precision import BlockFormat
 
 pytestmark = pytest.mark.unit

@@ -8,7 +8,8 @@ import pytest
 
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.kv import relocation as block_relocation
-from scheduler_node.core.kv.block_table import BlockTable, hash_block
+from scheduler_node.core.kv.block_ops import hash_block
+from scheduler_node.core.kv.block_table import BlockTable
 from scheduler_node.core.kv.prefix_events import CLEARED, DEVICE, DISK, RAM, REMOVED, STORED, KVEventSink
 from scheduler_node.core.kv.tier_index import KVTiers
 from scheduler_node.core.scheduler import Scheduler

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_node.core.kv.block_table import BlockTable, hash_block
+from scheduler_node.core.kv.block_ops import hash_block
+from scheduler_node.core.kv.block_table import BlockTable
 from scheduler_node.core.kv.precision import BlockFormat
 from scheduler_node.core.kv.relocation import compact, resize
 

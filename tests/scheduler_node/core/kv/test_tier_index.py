@@ -7,7 +7,7 @@ import pytest
 
 from proto.wire import SamplingOptions, StepPlan, StepResult, TierMove, WireError, decode, encode
 from scheduler_node.core.config import SchedulerConfig
-from scheduler_node.core.kv.block_table import hash_block
+from scheduler_node.core.kv.block_ops import hash_block
 from scheduler_node.core.kv.tier_index import KVTiers, Tier
 from scheduler_node.core.kv.tier_policy import ArcPolicy, LruPolicy
 from scheduler_node.core.request import Request, Status, StopConditions
