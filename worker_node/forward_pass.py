@@ -146,6 +146,8 @@ class ForwardPass:
 
 def _to_host(drawn: Drawn) -> tuple[list[int], list[int]]:
     """The tokens and the faulted rows' indices, read back in one copy."""
+    if drawn.faulted is None:
+        return drawn.tokens.tolist(), []
     both = torch.stack((drawn.tokens, drawn.faulted.to(drawn.tokens.dtype))).tolist()
     return both[0], [i for i, bad in enumerate(both[1]) if bad]
 

@@ -34,16 +34,20 @@ def _poison(row: torch.Tensor, how: str) -> None:
 @pytest.mark.unit
 @pytest.mark.parametrize("how", ["nan anywhere", "+inf", "all -inf"])
 @pytest.mark.parametrize("sampled", [False, True])
-def test_the_sampler_flags_exactly_the_rows_whose_logits_are_not_finite(how: str, sampled: bool) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_sampler_flags_exactly_the_rows_whose_logits_are_not_finite(
+    how: str, sampled: bool, dtype: torch.dtype
+) -> None:
     options = SamplingOptions(temperature=0.8, seed=3) if sampled else SamplingOptions(temperature=0.0)
     requests = [SamplerRow(i, [1, 2], 1, options) for i in range(4)]
-    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(0)).to(dtype)
     logits[0, 5] = -math.inf  # a finite row may hold -inf (a banned token): not a fault
     clean = logits.clone()
     _poison(logits[2], how)
     drawn = Sampler(VOCAB, torch.device("cpu")).draw(logits, requests, RowFlags.of(requests))
-    assert drawn.faulted.tolist() == [False, False, True, False]
+    assert drawn.faulted is not None and drawn.faulted.tolist() == [False, False, True, False]
     alone = Sampler(VOCAB, torch.device("cpu")).draw(clean, requests, RowFlags.of(requests))
+    assert alone.faulted is None, "on the CPU, a step without a faulted row says so without a tensor"
     keep = [0, 1, 3]
     assert drawn.tokens[keep].tolist() == alone.tokens[keep].tolist(), "a faulted row changed another row's token"
 
