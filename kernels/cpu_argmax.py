@@ -30,7 +30,7 @@ def load() -> ctypes.CDLL | None:
     library = load_library(SOURCE, FLAGS, "greedy sampling's argmax")
     if library is None:
         return None
-    library.argmax_rows.restype = None
+    library.argmax_rows.restype = _i64
     library.argmax_rows.argtypes = [_ptr, _i64, _i64, _i64, ctypes.c_int, _ptr, ctypes.c_int]
     library.top_rows.restype = ctypes.c_int
     library.top_rows.argtypes = [_ptr, _i64, _i64, _i64, ctypes.c_int, ctypes.c_int, _ptr, ctypes.c_int]
@@ -56,14 +56,21 @@ def _library_for(logits: torch.Tensor) -> ctypes.CDLL | None:
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
     """Each row's argmax (int64 [rows]) of a [rows, cols] float32 or bfloat16 CPU tensor whose rows are contiguous;
     None for any other tensor, or where the kernel cannot be built."""
+    found = checked_argmax_rows(logits)
+    return None if found is None else found[0]
+
+
+def checked_argmax_rows(logits: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """`argmax_rows`, and how many rows' maximum is not finite (NaN, an infinity, or nothing but -inf)."""
     library = _library_for(logits)
     if library is None or not logits.shape[1]:
         return None
     rows, cols = logits.shape
     out = torch.empty(rows, dtype=torch.int64)
     bf16 = int(logits.dtype == torch.bfloat16)
-    library.argmax_rows(logits.data_ptr(), rows, cols, logits.stride(0), bf16, out.data_ptr(), torch.get_num_threads())
-    return out
+    threads = torch.get_num_threads()
+    not_finite = library.argmax_rows(logits.data_ptr(), rows, cols, logits.stride(0), bf16, out.data_ptr(), threads)
+    return out, not_finite
 
 
 def top_rows(logits: torch.Tensor, k: int) -> torch.Tensor | None:

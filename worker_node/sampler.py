@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from kernels.cpu_argmax import argmax_rows
+from kernels.cpu_argmax import checked_argmax_rows
 from proto.wire import SamplingOptions, TokenLogprobs
 from worker_node import logits_processors as lp
 from worker_node.runtime.host_copy import to_device
@@ -129,8 +129,7 @@ class Sampler:
         infinity, or nothing but -inf. Its token is meaningless and its request must fail alone; the check reads one
         logit a row, the one argmax found, so it costs nothing beside the argmax itself."""
         special = np.flatnonzero(~flags.plain).tolist()
-        best = argmax(logits)  # of the model's own logits: the plain rows' tokens
-        faulted = not_finite(logits, best)
+        best, faulted = checked_argmax(logits)  # of the model's own logits: the plain rows' tokens
         if len(special) == len(requests):
             return Drawn(self._sample_special(logits, requests, None), faulted)
         if special:
@@ -211,20 +210,20 @@ class Sampler:
         return logits
 
 
-# A float's exponent bits all set: an infinity or a NaN. The CPU reads the argmax's logit of each row through an
-# integer view (numpy has no bfloat16): a few microseconds, where three torch ops took ~16.
-_EXPONENT = {torch.float32: (torch.int32, 0x7F800000), torch.bfloat16: (torch.int16, 0x7F80)}
-_EXPONENT[torch.float16] = (torch.int16, 0x7C00)
+def checked_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`argmax`, and which rows' maximum is not finite (bool [B]; None when the CPU kernel saw none, in the same
+    pass: a clean step pays nothing for the check)."""
+    if logits.device.type == "cpu":
+        native = checked_argmax_rows(logits)
+        if native is not None:
+            best, not_finite = native
+            return best, (None if not not_finite else _not_finite(logits, best))
+    best = argmax(logits)
+    return best, _not_finite(logits, best)
 
 
-def not_finite(logits: torch.Tensor, best: torch.Tensor) -> torch.Tensor | None:
-    """Which rows' logit at `best` (each row's argmax) is not finite, bool [B]; on the CPU None when none is."""
-    if logits.device.type != "cpu" or logits.dtype not in _EXPONENT:
-        return ~torch.isfinite(logits.gather(1, best.unsqueeze(1)).squeeze(1))
-    as_int, mask = _EXPONENT[logits.dtype]
-    values = logits.detach().view(as_int).numpy()[np.arange(logits.shape[0]), best.numpy()]
-    bad = (values & mask) == mask
-    return torch.from_numpy(bad) if bad.any() else None
+def _not_finite(logits: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
+    return ~torch.isfinite(logits.gather(1, best.unsqueeze(1)).squeeze(1))
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -233,9 +232,9 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     is not vectorised: 31 ms for 256 x 49,152 where this takes a few). Without a C compiler, numpy's for float32
     (the same single pass, float32 only)."""
     if logits.device.type == "cpu":
-        native = argmax_rows(logits)
+        native = checked_argmax_rows(logits)
         if native is not None:
-            return native
+            return native[0]
         if logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1]:
             return torch.from_numpy(logits.detach().numpy().argmax(axis=1))
     return logits.argmax(dim=-1)

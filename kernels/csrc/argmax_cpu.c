@@ -116,18 +116,31 @@ VECTOR_ARGMAX(row_bf16, uint16_t, load8_bf16, scalar_bf16, LOAD_BF16)
 #endif
 
 /* out[r] = the argmax of row r of `logits` ([rows, cols], rows `stride` elements apart; bfloat16 when `bf16`).
+ * Returns how many rows' maximum is not finite (a NaN, an infinity, or nothing but -inf): the sampler fails those
+ * requests, and a step whose count is 0 needs no other look (one read of a value each row already has in cache).
  * One thread: rows shared between two threads measured slower on a shared 2-core machine, in wall time and CPU
  * (docs/benchmarks.md); one core's reads come close to what the memory gives. */
-void argmax_rows(const void *logits, int64_t rows, int64_t cols, int64_t stride, int bf16, int64_t *out,
-                 int threads) {
+int64_t argmax_rows(const void *logits, int64_t rows, int64_t cols, int64_t stride, int bf16, int64_t *out,
+                    int threads) {
     /* Rows shared by `threads` only when the matrix is far larger than the cache: below, the fork and join cost
      * more than a second core's bandwidth brings (256 x 1,024 float32 takes ~50 us on one). */
     const int parallel = threads > 1 && rows > 1 && rows * cols >= (1 << 20);
-#pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
+    int64_t not_finite = 0;
+#pragma omp parallel for schedule(static) num_threads(threads) if (parallel) reduction(+ : not_finite)
     for (int64_t r = 0; r < rows; r++) {
-        out[r] = bf16 ? row_bf16((const uint16_t *)logits + r * stride, cols)
-                      : row_f32((const float *)logits + r * stride, cols);
+        float value;
+        if (bf16) {
+            const uint16_t *row = (const uint16_t *)logits + r * stride;
+            out[r] = row_bf16(row, cols);
+            value = bf16_value(row[out[r]]);
+        } else {
+            const float *row = (const float *)logits + r * stride;
+            out[r] = row_f32(row, cols);
+            value = row[out[r]];
+        }
+        not_finite += !isfinite(value);
     }
+    return not_finite;
 }
 
 /* The k (<= MAX_TOP) largest values of a row, for the LM head's rescoring (worker_node/models/layers.py

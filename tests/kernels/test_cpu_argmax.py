@@ -18,9 +18,12 @@ def built() -> None:
 
 
 def check(logits: torch.Tensor) -> None:
-    got = cpu_argmax.argmax_rows(logits)
-    assert got is not None and got.dtype == torch.int64
+    found = cpu_argmax.checked_argmax_rows(logits)
+    assert found is not None and found[0].dtype == torch.int64
+    got, not_finite = found
     assert got.tolist() == logits.argmax(dim=-1).tolist()
+    maxima = logits.float().gather(1, got.unsqueeze(1)).squeeze(1)
+    assert not_finite == int((~torch.isfinite(maxima)).sum()), "the count of rows whose maximum is not finite"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

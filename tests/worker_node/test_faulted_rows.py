@@ -47,7 +47,10 @@ def test_the_sampler_flags_exactly_the_rows_whose_logits_are_not_finite(
     drawn = Sampler(VOCAB, torch.device("cpu")).draw(logits, requests, RowFlags.of(requests))
     assert drawn.faulted is not None and drawn.faulted.tolist() == [False, False, True, False]
     alone = Sampler(VOCAB, torch.device("cpu")).draw(clean, requests, RowFlags.of(requests))
-    assert alone.faulted is None, "on the CPU, a step without a faulted row says so without a tensor"
+    if dtype == torch.float16:  # torch's argmax: the flags as a tensor
+        assert alone.faulted is not None and not alone.faulted.any()
+    else:  # the C kernel's count: a clean step says so without a tensor
+        assert alone.faulted is None
     keep = [0, 1, 3]
     assert drawn.tokens[keep].tolist() == alone.tokens[keep].tolist(), "a faulted row changed another row's token"
 
