@@ -19,7 +19,9 @@ def test_the_flag_names_every_format() -> None:
     assert set(KV_CACHE_DTYPES) == {"auto", *FORMATS, *FLOAT_FORMATS}
     assert cache_dtype("auto", torch.bfloat16) == torch.bfloat16
     assert cache_dtype("int8", torch.bfloat16) == torch.int8
-    with pytest.raises(ValueError, match="kv_cache_dtype must be auto or one of int8, fp8_e4m3, float16, bfloat16, float32, got 'int4'"):
+    with pytest.raises(
+        ValueError, match="kv_cache_dtype must be auto or one of int8, fp8_e4m3, float16, bfloat16, float32, got 'int4'"
+    ):
         cache_dtype("int4", torch.float32)
 
 
