@@ -17,7 +17,10 @@ from worker_node.models.attention import AttentionMetadata, paged_attention  # n
 pytestmark = pytest.mark.model
 
 BS, HKV, H, D = 4, 2, 4, 16
-LENS = [6, 9]  # prefill lengths: across a block boundary, two and a quarter blocks
+LENS = [6, 9]
+QKV = tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor
+]  # prefill lengths: across a block boundary, two and a quarter blocks
 
 
 def _meta(slots: list[int], decode: bool, tables: torch.Tensor, lens: list[int]) -> AttentionMetadata:
@@ -36,7 +39,7 @@ def _meta(slots: list[int], decode: bool, tables: torch.Tensor, lens: list[int])
     )
 
 
-def _run(backend_name: str, cache_dtype: torch.dtype, qkv: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+def _run(backend_name: str, cache_dtype: torch.dtype, qkv: list[QKV]) -> list[torch.Tensor]:
     backend = select_attention_backend(backend_name, torch.device("cpu"))
     cache = LayerKV(torch.zeros(8, BS, HKV, D, dtype=cache_dtype), torch.zeros(8, BS, HKV, D, dtype=cache_dtype))
     tables = torch.tensor([[0, 1, 6, 7], [2, 3, 4, 7]], dtype=torch.int32)
@@ -51,9 +54,9 @@ def _run(backend_name: str, cache_dtype: torch.dtype, qkv: list[tuple[torch.Tens
     return out
 
 
-def _reference(qkv: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+def _reference(qkv: list[QKV]) -> list[torch.Tensor]:
     """float64 causal attention per sequence over the same bf16 inputs."""
-    (q, k, v), (qd, kd, vd) = [[t.double() for t in step] for step in qkv]
+    (q, k, v), (qd, kd, vd) = [tuple(t.double() for t in step) for step in qkv]
     prefill, decode, start = [], [], 0
     for s, n in enumerate(LENS):
         keys = torch.cat([k[start : start + n], kd[s : s + 1]]).repeat_interleave(H // HKV, 1)
@@ -72,9 +75,10 @@ def _reference(qkv: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
 def test_an_fp16_cache_under_bf16_activations(backend: str) -> None:
     gen = torch.Generator().manual_seed(0)
 
-    def rows(t: int) -> tuple[torch.Tensor, ...]:
+    def rows(t: int) -> QKV:
         shapes = [(t, H, D), (t, HKV, D), (t, HKV, D)]
-        return tuple(torch.randn(s, generator=gen).to(torch.bfloat16) for s in shapes)
+        q, k, v = (torch.randn(s, generator=gen).to(torch.bfloat16) for s in shapes)
+        return q, k, v
 
     qkv = [rows(sum(LENS)), rows(len(LENS))]
     fp16, bf16, exact = _run(backend, torch.float16, qkv), _run(backend, torch.bfloat16, qkv), _reference(qkv)
