@@ -22,6 +22,9 @@ import torch
 
 # --kv-cache-dtype names -> the dtype the values are stored in ("auto": the model's dtype, no scales).
 FORMATS: dict[str, torch.dtype] = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+# --kv-cache-dtype names of a full-precision cache in a float other than the model's (an fp16 cache under a bf16
+# model): worker_node/models/attention.py casts K/V into it when they are written and queries to it when read.
+FLOAT_FORMATS: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 QMAX: dict[torch.dtype, float] = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}  # symmetric: -128 unused
 SCALE_DTYPE = torch.float32
 SCALE_BYTES = 4
@@ -32,9 +35,10 @@ def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The dtype the cache's values are stored in for a --kv-cache-dtype name."""
     if kv_cache_dtype == "auto":
         return model_dtype
-    if kv_cache_dtype not in FORMATS:
-        raise ValueError(f"kv_cache_dtype must be auto or one of {', '.join(FORMATS)}, got {kv_cache_dtype!r}")
-    return FORMATS[kv_cache_dtype]
+    named = FORMATS | FLOAT_FORMATS
+    if kv_cache_dtype not in named:
+        raise ValueError(f"kv_cache_dtype must be auto or one of {', '.join(named)}, got {kv_cache_dtype!r}")
+    return named[kv_cache_dtype]
 
 
 def is_quantized(dtype: torch.dtype) -> bool:

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from collections.abc import Callable
 
 from router_node.control import RouterControl
 from router_node.disaggregate import Disaggregator
@@ -16,9 +17,10 @@ from router_node.kv_index import KVIndex
 from router_node.kv_strategy import KVAware, PromptTokens
 from router_node.kv_subscriber import KVSubscriber
 from router_node.metrics import RouterMetrics
+from router_node.prefix_sharing import PrefixSharing
 from router_node.probe import Prober, report_health
 from router_node.rebalance import Rebalancer
-from router_node.replica import ReplicaPool
+from router_node.replica import Replica, ReplicaPool
 from router_node.routing import Router
 from router_node.upstream import Forwarder, open_links
 from scheduler_node.api.grpc_server import build_server
@@ -45,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
 def kv_routing(pool: ReplicaPool, args: argparse.Namespace, metrics: RouterMetrics) -> tuple[KVAware, KVSubscriber]:
     """The `kv` strategy over an index fed by the replicas' KV events (ValueError when none publishes them)."""
     if not any(r.spec.kv_events for r in pool.replicas):
-        raise ValueError("--routing-strategy kv: no --replica has kv_events=HOST:PORT (its --kv-events-port)")
+        why = "--routing-strategy kv" if args.routing_strategy == "kv" else "--memory-sharing"
+        raise ValueError(f"{why}: no --replica has kv_events=HOST:PORT (its --kv-events-port)")
     tokenizers: dict[str, ModelTokenizer] = {}
     for r in pool.replicas:
         if not r.spec.kv_events:
@@ -61,16 +64,26 @@ def kv_routing(pool: ReplicaPool, args: argparse.Namespace, metrics: RouterMetri
     return strategy, subscriber
 
 
+def memory_sharing(pool: ReplicaPool, kv: KVAware | None, release: Callable[[Replica, str], None]) -> PrefixSharing:
+    """--memory-sharing over the KV index (ValueError naming it with fewer than two replicas of a model)."""
+    if kv is None or not any(len(pool.of_model(m)) > 1 for m in pool.models):
+        raise ValueError("--memory-sharing pulls a prefix's KV from a peer replica: give 2+ --replica of a model")
+    return PrefixSharing(pool, kv, release)
+
+
 async def serve(args: argparse.Namespace) -> int:
     pool = ReplicaPool(args.replica)
     metrics = RouterMetrics()
-    kv, subscriber = kv_routing(pool, args, metrics) if args.routing_strategy == "kv" else (None, None)
+    wants_index = args.routing_strategy == "kv" or args.memory_sharing  # who holds which prefix
+    kv, subscriber = kv_routing(pool, args, metrics) if wants_index else (None, None)
     router = Router(
         pool, args.routing_strategy, args.default_model, args.routing_prefix_chars, args.routing_load_factor, metrics,
-        kv,
+        kv if args.routing_strategy == "kv" else None,
     )  # fmt: skip
     links = open_links(pool)
     generation = RouterGeneration(Forwarder(router, links, metrics), args.probe_timeout)
+    if args.memory_sharing:
+        generation.forwarder.sharing = memory_sharing(pool, kv, generation.forwarder.release)
     if args.disaggregate:
         generation.disaggregator = Disaggregator(generation.forwarder, args.disaggregate_min_prompt_tokens)
     control = RouterControl(generation, args.replica_control_token)

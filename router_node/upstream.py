@@ -28,6 +28,7 @@ from proto.wire import MAX_MESSAGE_BYTES
 from router_node.kv_load import Ticket
 from router_node.metrics import RouterMetrics
 from router_node.migration import Journey
+from router_node.prefix_sharing import PrefixSharing
 from router_node.replica import NOT_SERVING, Replica, ReplicaPool
 from router_node.request import RouteRequest
 from router_node.routing import Route, RouteError, Router
@@ -88,6 +89,7 @@ class Forwarder:
         # Live migration: each gRPC request open on a replica (since when), and those a rebalance moves now.
         self.streams: dict[str, tuple[Replica, float]] = {}
         self.rebalancing: set[str] = set()
+        self.sharing: PrefixSharing | None = None  # --memory-sharing: prefixes pulled from peer replicas
 
     async def route(self, request: RouteRequest, failed: Sequence[Replica]) -> Route:
         """The router's decision; a name that no replica served at the last probe is looked up once more first
@@ -148,7 +150,7 @@ class Forwarder:
             started = False
             states: list[pb.SequenceState] = []
             try:
-                async for response in self._stream(replica, request, left, metadata, route.ticket):
+                async for response in self._send(replica, request, route_request, left, metadata, route.ticket):
                     if response.HasField("migrated"):
                         states.append(response.migrated)  # not the client's: the stream goes on elsewhere
                         continue
@@ -171,6 +173,20 @@ class Forwarder:
             self.rebalancing.discard(request.request_id)
             request.resume.CopyFrom(journey.handed_back(replica, states, draining))
             failed = []  # the target starts afresh: UNAVAILABLE before its first message is retried once more
+
+    def _send(
+        self,
+        replica: Replica,
+        request: pb.GenerateRequest,
+        route_request: RouteRequest,
+        timeout: float | None,
+        metadata: Sequence[tuple[str, str]],
+        ticket: Ticket | None,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """The attempt on `replica`, its prompt's prefix first pulled from a peer that holds it (--memory-sharing)."""
+        if self.sharing is None:
+            return self._stream(replica, request, timeout, metadata, ticket)
+        return self.sharing.stream(replica, request, route_request, timeout, metadata, ticket, self._stream)
 
     def release(self, replica: Replica, request_id: str) -> None:
         """Free the KV a replica keeps leased for a request (a migrated request's sequences, a disaggregated

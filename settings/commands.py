@@ -16,6 +16,7 @@ from settings.process import ApiKey, Logging, MetricsEndpoint, Tls
 from settings.router import Replicas, RouterServer, Routing
 from settings.server import SERVE_OPENAI_PORT, OpenAIApi, Operations, SchedulerServer, Serve, World
 from settings.tools import ClientConnection, ClientModes, ClientRequest, Convert, Monitor
+from settings.topology import CrossDevice
 from settings.worker import HANDED_ON, WorkerOptions
 
 
@@ -45,7 +46,7 @@ COMMANDS: dict[str, Command] = {
     # Its children: a scheduler per replica (the scheduler's settings), their workers (a worker's, but where to
     # join), and with --data-parallel-size a router in front (its routing settings).
     "vllm-serve": Command(
-        (*SCHEDULER, *HANDED_ON, Part(Serve), Part(Routing)),
+        (*SCHEDULER, *HANDED_ON, Part(Serve), Part(Routing), Part(CrossDevice)),
         {"openai_port": SERVE_OPENAI_PORT, "worker_port": 0},  # 0: a free port (its workers are its children)
     ),
     "vllm-router": Command(
@@ -53,6 +54,7 @@ COMMANDS: dict[str, Command] = {
             Part(RouterServer),
             Part(Replicas),
             Part(Routing),
+            Part(CrossDevice, only=("memory_sharing",)),
             Part(ApiKey),
             Part(Tls),
             Part(MetricsEndpoint),

@@ -78,6 +78,8 @@ def _load(parser: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
     aliases = _alias_keys(parser)
     if "engine" in data and "quantization" in known:  # the article's engine.mixed_precision section
         data = _with_mixed_precision(parser, path, data)
+    if "gpu_topology" in data or isinstance(data.get("scheduling_policy"), dict):  # the scheduler article's template
+        data = _with_topology(parser, path, data)
     if "attention" in data and "attention_backend" in known:  # the article's model config section
         data = _with_attention(parser, path, data)
     values: dict[str, Any] = {}
@@ -140,3 +142,39 @@ def _with_mixed_precision(parser: argparse.ArgumentParser, path: Path, data: dic
         if given is not None and str(given) != value:
             parser.error(f"{path}: engine.mixed_precision says {dest} {value}, the key {dest} says {given}")
     return rest | flags
+
+
+def _with_topology(parser: argparse.ArgumentParser, path: Path, data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with `gpu_topology` and a `scheduling_policy` mapping replaced by the settings they stand for
+    (settings/topology.py); a key of another command, or a flat key saying otherwise, is refused naming it."""
+    from settings.topology import GPU_TOPOLOGY, TopologyKeyError, policy_values, topology_value
+
+    known = config_keys(parser)
+    policy = data.get("scheduling_policy")
+    rest = {
+        k: v
+        for k, v in data.items()
+        if k != GPU_TOPOLOGY and not (k == "scheduling_policy" and isinstance(policy, dict))
+    }
+    values: dict[str, Any] = {}
+    try:
+        if GPU_TOPOLOGY in data:
+            if "topology" in rest:
+                raise TopologyKeyError(f"{GPU_TOPOLOGY} and topology both give the devices; keep one")
+            values["topology"] = topology_value(data[GPU_TOPOLOGY], rest.get("device", "auto"))
+        if isinstance(policy, dict):
+            values |= policy_values(policy)
+    except TopologyKeyError as exc:
+        parser.error(f"{path}: {exc}")
+    for dest, value in values.items():
+        key = (
+            GPU_TOPOLOGY
+            if dest == "topology"
+            else f"scheduling_policy.{dest.replace('routing_strategy', 'cross_device')}"
+        )
+        if dest not in known:
+            parser.error(f"{path}: {key} is for the data-parallel replicas of vllm-serve; {parser.prog} runs one")
+        given = next((v for k, v in rest.items() if str(k).replace("-", "_") == dest), None)
+        if given is not None and given != value:
+            parser.error(f"{path}: {key} sets {dest} {value}, the key {dest} says {given}")
+    return rest | values

@@ -18,7 +18,8 @@ from settings.setting import check, group, setting
 # it again cannot help, so a supervisor gives up instead of restarting it forever.
 EXIT_BAD_FLAGS = 2
 ATTENTION_BACKENDS = BUILT_IN
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # kernels/kv_quant.py: the formats behind the last two
+# kernels/kv_quant.py: the formats behind int8 and fp8_e4m3; a float names the full-precision cache's own dtype
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "float16", "bfloat16", "float32")
 OVERLAP_CHOICES = ("auto", "on", "off")
 KV_ROLES = ("prefill", "decode", "both")
 KV_TRANSFER_MODES = ("auto", "tcp")
@@ -112,7 +113,9 @@ class WorkerOptions:
         readers="worker",
         help="how the KV cache stores keys and values: auto (the model's dtype, the default), or int8 / fp8_e4m3 "
         "with one float32 scale per token and KV head (about 1.9x the blocks of a bf16 cache, 3.8x of fp32, "
-        "at head_dim 64; fp8 with triton needs compute capability 8.9+)",
+        "at head_dim 64; fp8 with triton needs compute capability 8.9+), or a float other than the model's "
+        "(float16 under a bfloat16 model: K/V are cast when written, queries when read; native reads "
+        "float32/bfloat16 only)",
     )
     kv_offload_ram: float = setting(
         0.0,

@@ -51,6 +51,11 @@ def replica_plans(args: argparse.Namespace) -> list[ReplicaPlan]:
     Without --worker-port (0) each replica's workers join at a free port: they are this process's children, so no
     one else needs to know it, and a fixed one made a second vllm-serve on the host fail to bind it while its
     workers joined the first one's scheduler."""
+    if args.memory_sharing and args.data_parallel_size == 1:
+        raise ValueError(
+            "memory_sharing (--memory-sharing) pulls a prefix's KV blocks from a peer replica: it needs "
+            "--data-parallel-size >= 2, got 1"
+        )
     if args.data_parallel_size == 1:
         placement = resolve_parallel(args)
         return [ReplicaPlan(0, placement, args.port, args.worker_port or free_port())]
@@ -59,10 +64,13 @@ def replica_plans(args: argparse.Namespace) -> list[ReplicaPlan]:
     layout = ParallelLayout(args.tensor_parallel_size, args.pipeline_parallel_size)
     topology = load_topology(args.topology) if args.topology else None
     gpus = args.device != "cpu"
-    plans = plan_replicas(args.data_parallel_size, layout, args.worker_port, topology, args.allow_cross_island, gpus)
+    spread = args.cross_device == "round_robin"
+    plans = plan_replicas(
+        args.data_parallel_size, layout, args.worker_port, topology, args.allow_cross_island, gpus, spread
+    )
     for plan in plans:
         plan.http_port = free_port() if args.openai_port else 0
-        if args.routing_strategy == "kv":  # each replica publishes its KV events to the router
+        if args.routing_strategy == "kv" or args.memory_sharing:  # each replica publishes its KV events to the router
             plan.kv_events_port, plan.kv_snapshot_port = free_port(), free_port()
     return plans
 
@@ -91,6 +99,7 @@ def router_argv(args: argparse.Namespace, plans: list[ReplicaPlan]) -> list[str]
     argv += ["--routing-strategy", args.routing_strategy, "--routing-prefix-chars", str(args.routing_prefix_chars)]
     argv += ["--routing-load-factor", str(args.routing_load_factor), "--shutdown-timeout", str(args.shutdown_timeout)]
     argv += ["--kv-overlap-weight", str(args.kv_overlap_weight)]
+    argv += ["--memory-sharing"] if args.memory_sharing else []
     argv += ["--metrics-port", str(args.metrics_port), "--metrics-host", args.metrics_host]
     argv += ["--openai-port", str(args.openai_port)]  # its --api-key and the replicas' come in the environment
     argv += ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key] if args.tls_cert else []

@@ -2,11 +2,11 @@
 devices no other replica uses, behind one vllm-router.
 
 With --topology, replica after replica is placed on what the previous ones left (first fit, so each TP group sits
-inside one fast island and a replica that fills an island has it alone), and each scheduler gets a topology of
-just its own devices. Without one, the workers of replica i see the i-th slice of the host's GPUs
-(CUDA_VISIBLE_DEVICES) and pick within it as a single world's workers do. Replicas listen on loopback at free
-ports (the router is the door); the workers of replica i join at --worker-port + i, or without one (vllm-serve's
-default, 0) at a free port each.
+inside one fast island and a replica that fills an island has it alone), or with --cross-device round_robin each
+replica whole inside one island, the islands in turn; each scheduler gets a topology of just its own devices.
+Without one, the workers of replica i see the i-th slice of the host's GPUs (CUDA_VISIBLE_DEVICES) and pick within
+it as a single world's workers do. Replicas listen on loopback at free ports (the router is the door); the workers
+of replica i join at --worker-port + i, or without one (vllm-serve's default, 0) at a free port each.
 """
 
 from __future__ import annotations
@@ -69,6 +69,40 @@ def place_replicas(
     return placements
 
 
+def place_round_robin(topology: Topology, layout: ParallelLayout, count: int) -> list[Placement]:
+    """`count` placements of `layout`, each whole inside one fast island, the islands taken in turn (the
+    article's `cross_device: round_robin`): replica i sits on island i mod the number of islands while each has
+    room. An island too small for one replica is an error naming it (the replicas would skip it unseen)."""
+    world, source = layout.world_size, topology.source
+    islands = [i for i, g in enumerate(topology.groups) if g.is_island]
+    for i in islands:
+        group = topology.groups[i]
+        if len(group.device_ids) < world:
+            raise TopologyError(
+                f"{source}: cross_device round_robin places each replica (TP {layout.tensor_parallel_size} x PP "
+                f"{layout.pipeline_parallel_size} = {world} devices) inside one island, and island {i} "
+                f"{list(group.device_ids)} over {group.interconnect} has {len(group.device_ids)}"
+            )
+    if not islands:
+        raise TopologyError(f"{source}: cross_device round_robin needs a fast island (nvlink, pcie, loopback)")
+    free = {i: list(topology.groups[i].device_ids) for i in islands}
+    placements: list[Placement] = []
+    for r in range(count):
+        turn = [islands[(r + k) % len(islands)] for k in range(len(islands))]
+        island = next((i for i in turn if len(free[i]) >= world), None)
+        if island is None:
+            raise TopologyError(
+                f"data-parallel replica {r + 1} of {count}: no island of {source} has {world} devices left"
+            )
+        ids, free[island] = free[island][:world], free[island][world:]
+        group = topology.groups[island]
+        mine = Topology(
+            topology.device, (Group(group.host, group.interconnect, tuple(ids)),), f"{source} (replica {r})"
+        )
+        placements.append(place(mine, layout))
+    return placements
+
+
 def plan_replicas(
     count: int,
     layout: ParallelLayout,
@@ -76,9 +110,11 @@ def plan_replicas(
     topology: Topology | None,
     allow_cross_island: bool,
     gpus: bool,
+    round_robin: bool = False,
 ) -> list[ReplicaPlan]:
     """Where each replica runs; `gpus`: its workers may use GPUs (so each replica gets its own slice of them);
-    `worker_port`: replica i's workers join at worker_port + i (0: at a free port each)."""
+    `worker_port`: replica i's workers join at worker_port + i (0: at a free port each); `round_robin`: each
+    replica inside one island of `topology`, the islands in turn (else first fit)."""
     if count < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {count}")
 
@@ -95,7 +131,12 @@ def plan_replicas(
     # Kept while this process lives (a restarted replica reads its file again), removed when it exits.
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     plans = []
-    for i, placement in enumerate(place_replicas(topology, layout, count, allow_cross_island)):
+    placements = (
+        place_round_robin(topology, layout, count)
+        if round_robin
+        else place_replicas(topology, layout, count, allow_cross_island)
+    )
+    for i, placement in enumerate(placements):
         path = folder / f"topology-{i}.yaml"
         path.write_text(yaml.safe_dump(topology_dict(placement.topology), sort_keys=False))
         plans.append(ReplicaPlan(i, placement, free_port(), joins_at(i), path))

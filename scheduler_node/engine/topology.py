@@ -8,7 +8,8 @@
 
 A group on nvlink, pcie or loopback is a fast island: a tensor-parallel group must sit inside one. Devices of
 different groups on one host talk over PCIe (loopback on CPU); devices on different hosts over the network. A
-group whose own interconnect is `network` is a set of devices with no fast link between them.
+group whose own interconnect is `network` is a set of devices with no fast link between them. A `--config` file's
+`gpu_topology` list (the scheduler article's template) is the same groups, passed inline.
 """
 
 from __future__ import annotations
@@ -87,6 +88,13 @@ def single_island(world_size: int) -> Topology:
 
 
 def load_topology(path: str | Path) -> Topology:
+    """A topology file, or a mapping written inline (what a config file's `gpu_topology` becomes:
+    settings/topology.py), whose errors name gpu_topology."""
+    if isinstance(path, str) and path.lstrip().startswith("{"):
+        try:
+            return parse_topology(yaml.safe_load(path), "gpu_topology")
+        except yaml.YAMLError as exc:
+            raise TopologyError(f"gpu_topology: {exc}") from exc
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
@@ -108,7 +116,7 @@ def parse_topology(data: Any, source: str = "topology") -> Topology:
 
 
 def _group(g: Any, source: str, index: int) -> Group:
-    where = f"{source}: groups[{index}]"
+    where = f"{source}[{index}]" if source == "gpu_topology" else f"{source}: groups[{index}]"
     if not isinstance(g, dict):
         raise TopologyError(f"{where} must be a mapping")
     unknown = set(g) - {"host", "interconnect", "device_ids"}

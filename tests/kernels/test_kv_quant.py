@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernels import cpu_attention, torch_attention
-from kernels.kv_quant import FORMATS, QMAX, cache_dtype, dequantize, quantize
+from kernels.kv_quant import FLOAT_FORMATS, FORMATS, QMAX, cache_dtype, dequantize, quantize
 from settings.worker import KV_CACHE_DTYPES
 from tests.support.paged_inputs import dense_causal_attention, make_paged_batch, quantize_batch, rel_err
 
@@ -16,10 +16,12 @@ EXACT = 1e-5  # float32 arithmetic over the same (dequantized) values: no other 
 
 
 def test_the_flag_names_every_format() -> None:
-    assert set(KV_CACHE_DTYPES) == {"auto", *FORMATS}
+    assert set(KV_CACHE_DTYPES) == {"auto", *FORMATS, *FLOAT_FORMATS}
     assert cache_dtype("auto", torch.bfloat16) == torch.bfloat16
     assert cache_dtype("int8", torch.bfloat16) == torch.int8
-    with pytest.raises(ValueError, match="kv_cache_dtype must be auto or one of int8, fp8_e4m3, got 'int4'"):
+    with pytest.raises(
+        ValueError, match="kv_cache_dtype must be auto or one of int8, fp8_e4m3, float16, bfloat16, float32, got 'int4'"
+    ):
         cache_dtype("int4", torch.float32)
 
 

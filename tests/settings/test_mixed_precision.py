@@ -1,5 +1,6 @@
 """engine.mixed_precision in a config file: mapped onto --dtype, --quantization and --kv-cache-dtype; what the
-engine cannot run refused naming the key (and, for fp8 matmuls on a CPU, the hardware they need)."""
+engine cannot run refused naming the key; the article's own block (fp8 matmuls, an fp16 KV cache, bf16 embeddings)
+on a GPU and on a CPU (fp8 weights widened there, logged once)."""
 
 from __future__ import annotations
 
@@ -35,13 +36,28 @@ def test_settings_map_onto_the_flags() -> None:
         "kv_cache_dtype": "fp8_e4m3",
     }
     assert mixed_precision_flags(mp(matmul="fp8"), device="cuda") == {"quantization": "fp8"}
+    assert mixed_precision_flags(mp(matmul="bf16", kv_cache="fp32")) == {
+        "dtype": "bfloat16",
+        "quantization": "none",
+        "kv_cache_dtype": "float32",
+    }
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_the_articles_block_runs_on_a_gpu_and_on_a_cpu(device: str, caplog: pytest.LogCaptureFixture) -> None:
+    article = mp(matmul="fp8", kv_cache="fp16", embedding="bf16")
+    with caplog.at_level("WARNING", logger="settings.mixed_precision"):
+        flags = mixed_precision_flags(article, device)
+        mixed_precision_flags(article, device)
+    assert flags == {"dtype": "bfloat16", "quantization": "fp8", "kv_cache_dtype": "float16"}
+    widened = [r for r in caplog.records if "stored as fp8 and widened to bfloat16" in r.getMessage()]
+    assert len(widened) == (1 if device == "cpu" else 0)  # once per process, however often a config is read
 
 
 @pytest.mark.parametrize(
     ("section", "device", "message"),
     [
-        (mp(matmul="fp8", kv_cache="fp16", embedding="bf16"), "cuda", r"kv_cache fp16: the KV cache holds .*bfloat16"),
-        (mp(matmul="fp8"), "cpu", r"matmul fp8: needs a GPU with fp8 tensor cores \(compute capability 8.9"),
+        (mp(matmul="fp8", kv_cache="fp4", embedding="bf16"), "cuda", r"kv_cache fp4: one of auto, bf16"),
         (mp(matmul="bf16", embedding="fp32"), None, r"embedding fp32: the model runs in one float dtype"),
         (mp(embedding="int8"), None, r"embedding int8: embeddings stay in a float dtype"),
         (mp(matmul="int3"), None, r"matmul int3: one of"),
@@ -67,10 +83,9 @@ def test_a_config_file_sets_the_flags_and_refuses_a_contradiction(
     with pytest.raises(SystemExit):
         parse_args(serve_parser(), ["--config", str(config)])
     assert "engine.mixed_precision says quantization int8, the key quantization says fp8" in capsys.readouterr().err
-    config.write_text("device: cpu\nengine:\n  mixed_precision:\n    matmul: fp8\n")
-    with pytest.raises(SystemExit):
-        parse_args(serve_parser(), ["--config", str(config)])
-    assert "needs a GPU with fp8 tensor cores" in capsys.readouterr().err
+    config.write_text("device: cpu\nengine:\n  mixed_precision: {matmul: fp8, kv_cache: fp16, embedding: bf16}\n")
+    args = parse_args(serve_parser(), ["--config", str(config)])
+    assert (args.dtype, args.quantization, args.kv_cache_dtype) == ("bfloat16", "fp8", "float16")
     config.write_text("engine:\n  mixed_precision:\n    kv_cache: int8\n")  # the scheduler has no KV cache
     with pytest.raises(SystemExit):
         parse_args(scheduler_parser(), ["--config", str(config)])

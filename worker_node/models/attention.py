@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from kernels.interface import AttentionBackend
+from kernels.kv_quant import is_quantized
 from worker_node.kv.cache import LayerKV
 
 
@@ -54,6 +55,25 @@ def paged_attention(
 
 
 def _attend(
+    backend: AttentionBackend,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: LayerKV,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int,
+    softcap: float,
+) -> torch.Tensor:
+    # A full-precision cache in another float than the model's (--kv-cache-dtype float16 under a bfloat16 model):
+    # every backend reads queries and keys of one dtype, so the step runs in the cache's and its output is cast back.
+    dtype = q.dtype
+    if cache.k.dtype != dtype and not is_quantized(cache.k.dtype):
+        q, k, v = q.to(cache.k.dtype), k.to(cache.k.dtype), v.to(cache.k.dtype)
+    return _attend_in_cache_dtype(backend, q, k, v, cache, meta, scale, window, softcap).to(dtype)
+
+
+def _attend_in_cache_dtype(
     backend: AttentionBackend,
     q: torch.Tensor,
     k: torch.Tensor,

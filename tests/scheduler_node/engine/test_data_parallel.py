@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from proto.parallel import ParallelLayout
-from scheduler_node.engine.data_parallel import place_replicas, plan_replicas
+from scheduler_node.engine.data_parallel import place_replicas, place_round_robin, plan_replicas
 from scheduler_node.engine.placement import Placement
 from scheduler_node.engine.topology import TopologyError, load_topology
 from tests.support.paths import REPO
@@ -90,3 +91,50 @@ def test_serve_prints_each_replicas_placement() -> None:
     assert "replica 1 at 127.0.0.1:" in out.stdout and "cuda:7" in out.stdout
     bad = subprocess.run([*argv[:-1], "--data-parallel-size", "3"], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2 and "data-parallel replica 3 of 3" in bad.stderr
+
+
+def test_round_robin_puts_each_replica_inside_one_island_the_islands_in_turn() -> None:
+    from tests.scheduler_node.engine.test_topology import ARTICLE_TEMPLATE
+
+    topology = load_topology(ARTICLE_TEMPLATE)
+    placements = place_round_robin(topology, ParallelLayout(2), 4)
+    islands = [{r.slot.device_id // 4 for r in p.ranks} for p in placements]
+    assert islands == [{0}, {1}, {0}, {1}]  # never straddling; replica i on island i mod 2
+    assert [[r.slot.device_id for r in p.ranks] for p in placements] == [[0, 1], [4, 5], [2, 3], [6, 7]]
+    assert [p.tp_links for p in placements] == [["nvlink"], ["pcie"], ["nvlink"], ["pcie"]]
+    first_fit = place_replicas(topology, ParallelLayout(2), 2)  # pack: both on the first island
+    assert [{r.slot.device_id // 4 for r in p.ranks} for p in first_fit] == [{0}, {0}]
+    pipeline = place_round_robin(topology, ParallelLayout(2, 2), 2)  # TP x PP whole inside an island too
+    assert [{r.slot.device_id // 4 for r in p.ranks} for p in pipeline] == [{0}, {1}]
+    with pytest.raises(TopologyError, match=r"gpu_topology: cross_device round_robin .* island 0 \[0, 1, 2, 3\]"):
+        place_round_robin(topology, ParallelLayout(4, 2), 1)
+    with pytest.raises(TopologyError, match=r"replica 5 of 5: no island of gpu_topology has 2 devices left"):
+        place_round_robin(topology, ParallelLayout(2), 5)
+
+
+def test_vllm_serve_spreads_replicas_and_routes_them_in_turn(tmp_path: Path) -> None:
+    from scheduler_node.cli.serve import build_parser, replica_plans, router_argv
+    from settings.config_file import parse_args
+    from settings.router import parse_replica
+
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        "device: cpu\ndata_parallel_size: 2\ntensor_parallel_size: 2\n"
+        "gpu_topology: [{device_ids: [0, 1, 2, 3], interconnect: nvlink},\n"
+        "               {device_ids: [4, 5, 6, 7], interconnect: pcie}]\n"
+        "scheduling_policy: {cross_device: round_robin, memory_sharing: enabled}\n"
+    )
+    args = parse_args(build_parser(), ["--config", str(config)])
+    plans = replica_plans(args)
+    assert [[r.slot.device_id for r in p.placement.ranks] for p in plans] == [[0, 1], [4, 5]]
+    assert [load_topology(p.topology_file).groups[0].interconnect for p in plans if p.topology_file] == [
+        "nvlink",
+        "pcie",
+    ]
+    router = router_argv(args, plans)
+    assert router[router.index("--routing-strategy") + 1] == "round_robin" and "--memory-sharing" in router
+    specs = [parse_replica(v) for k, v in zip(router, router[1:]) if k == "--replica"]
+    assert all(s.kv_events and s.kv_snapshot for s in specs)  # the router learns who holds which prefix
+    one = parse_args(build_parser(), ["--config", str(config), "--data-parallel-size", "1"])
+    with pytest.raises(ValueError, match=r"memory_sharing \(--memory-sharing\) .* needs --data-parallel-size >= 2"):
+        replica_plans(one)

@@ -197,3 +197,24 @@ def test_serve_prints_the_placement_of_its_world() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "TP 2 x PP 2 = 4 rank(s)" in out.stdout and "output rank 2" in out.stdout
+
+
+ARTICLE_TEMPLATE = (
+    '{"device": "cpu", "groups": [{"device_ids": [0, 1, 2, 3], "interconnect": "nvlink"}, '
+    '{"device_ids": [4, 5, 6, 7], "interconnect": "pcie"}]}'
+)  # the scheduler article's gpu_topology as a config file hands it on (settings/topology.py), CPU ranks as devices
+
+
+def test_an_inline_topology_is_the_articles_gpu_topology() -> None:
+    topology = load_topology(ARTICLE_TEMPLATE)
+    assert topology.source == "gpu_topology"
+    assert [(g.interconnect, g.device_ids) for g in topology.groups] == [
+        ("nvlink", (0, 1, 2, 3)),
+        ("pcie", (4, 5, 6, 7)),
+    ]
+    placement = place(topology, ParallelLayout(4))
+    assert [r.slot.device_id for r in placement.ranks] == [0, 1, 2, 3] and placement.tp_links == ["nvlink"]
+    with pytest.raises(TopologyError, match=r"none is left in gpu_topology"):
+        place(topology, ParallelLayout(8))  # TP 8 would straddle the islands
+    with pytest.raises(TopologyError, match=r"gpu_topology\[1\]: interconnect is missing"):
+        load_topology('{"groups": [{"device_ids": [0], "interconnect": "pcie"}, {"device_ids": [1]}]}')
