@@ -103,7 +103,9 @@ BLOCKS: tuple[Block, ...] = (
         VLLM_ARTICLE,
         "1.3",
         "python",
-        _lines("from minivllm import MemoryMonitor", "", "monitor = MemoryMonitor(engine)", "print(monitor.get_stats())"),
+        _lines(
+            "from minivllm import MemoryMonitor", "", "monitor = MemoryMonitor(engine)", "print(monitor.get_stats())"
+        ),
     ),
     Block(
         "config_yaml",
