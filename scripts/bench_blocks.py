@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import os
 import platform
@@ -38,6 +39,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
@@ -63,6 +65,8 @@ NATIVE_MAX_BLOCK = 64  # kernels/csrc/paged_attention_cpu.c's MAX_BLOCK_SIZE
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 LAYER_ROTATION_BYTES = 128 << 20  # caches walked per sample: 4 x this machine's 32 MiB L3, at most 30 layers
 GREEDY = SamplingOptions(temperature=0.0)
+UNIT = 16  # the unit of the scheme the runs measure: 16-token blocks, adjacent in runs
+PARTS = ("attention", "scheduler", "waste", "prefix")  # (a) to (d)
 ROUNDS = 3  # attention: each block size timed in turn, this many times
 
 
@@ -73,9 +77,9 @@ def correctness(block_sizes: list[int]) -> list[dict]:
     """The native kernel (blocks up to 64) and Triton's decode kernel in its interpreter against the torch
     reference, fp32, lengths that end mid-block and on a block's end."""
     rows = []
-    tri = None
+    tri: ModuleType | None = None
     if triton_available() and os.environ.get("TRITON_INTERPRET") == "1":
-        from kernels import triton_attention as tri
+        tri = importlib.import_module("kernels.triton_attention")
     native = NativeDecodeAttention(ref.paged_decode_attention)
     for bs in block_sizes:
         lens = [1, bs, bs + 1, 3 * bs + 5]
@@ -103,10 +107,17 @@ def _pool(
 
 
 def time_attention(
-    seqs: int, context: int, block_sizes: list[int], dtype: torch.dtype, threads: list[int], min_s: float
+    seqs: int,
+    context: int,
+    block_sizes: list[int],
+    dtype: torch.dtype,
+    threads: list[int],
+    min_s: float,
+    unit_runs: int = 0,
 ) -> list[dict]:
-    """Per layer call: wall and process CPU µs (medians) of the native kernel at each block size and thread count.
-    One pool of caches per (seqs, context, dtype), viewed at each block size (the same bytes, cut differently)."""
+    """Per layer call: wall and process CPU µs (medians) of the native kernel at each block size and thread count,
+    and (`unit_runs` > 1) at 16-token blocks placed in runs of that many adjacent ones. One pool of caches per
+    (seqs, context, dtype), viewed at each block size (the same bytes, cut differently)."""
     padded = -(-context // 128) * 128
     layer_bytes = 2 * seqs * padded * KV_HEADS * HEAD_DIM * torch.finfo(dtype).bits // 8
     layers = max(1, min(LAYERS, -(-LAYER_ROTATION_BYTES // layer_bytes)))
@@ -116,25 +127,35 @@ def time_attention(
     seq_lens = torch.full((seqs,), context, dtype=torch.int32)
     kernel = NativeDecodeAttention(ref.paged_decode_attention)
     rows, steps = [], {}
-    for bs in block_sizes:
+    layouts = [(bs, 1) for bs in block_sizes] + ([(UNIT, unit_runs)] if unit_runs > 1 else [])
+    for bs, run in layouts:
         row: dict[str, Any] = {"dtype": str(dtype).removeprefix("torch."), "seqs": seqs, "context": context}
-        rows.append(row | {"block_size": bs, "layers": layers, "timed": bs <= NATIVE_MAX_BLOCK})
-        if bs <= NATIVE_MAX_BLOCK:
+        timed = bs <= NATIVE_MAX_BLOCK
+        rows.append(row | {"block_size": bs, "run": run, "layers": layers, "timed": timed})
+        if timed:
             caches = [(f[0].view(-1, bs, KV_HEADS, HEAD_DIM), f[1].view(-1, bs, KV_HEADS, HEAD_DIM)) for f in flat]
-            tables = torch.randperm(seqs * padded // bs, generator=gen, dtype=torch.int32).view(seqs, -1)
-            steps[bs] = _one_call_per_layer(kernel, q, caches, tables, seq_lens)
-    samples: dict[tuple[int, int], list[tuple[float, float]]] = {(bs, t): [] for bs in steps for t in threads}
+            steps[bs, run] = _one_call_per_layer(kernel, q, caches, _tables(seqs, padded // bs, run, gen), seq_lens)
+    samples: dict[tuple[int, int, int], list[tuple[float, float]]] = {
+        (*layout, t): [] for layout in steps for t in threads
+    }
     for _ in range(ROUNDS):  # round robin: a noisy moment on a shared machine hits one round of each block size
-        for (bs, t), taken in samples.items():
+        for (bs, run, t), taken in samples.items():
             torch.set_num_threads(t)
-            taken += _repeat(steps[bs], min_s / ROUNDS)
+            taken += _repeat(steps[bs, run], min_s / ROUNDS)
     for row in rows:
         for t in threads:
-            taken = samples.get((row["block_size"], t))
-            if taken:
-                row[f"wall_us_{t}t"] = statistics.median(w for w, _ in taken) / layers * 1e6
-                row[f"cpu_us_{t}t"] = statistics.median(c for _, c in taken) / layers * 1e6
+            got = samples.get((row["block_size"], row["run"], t))
+            if got:
+                row[f"wall_us_{t}t"] = statistics.median(w for w, _ in got) / layers * 1e6
+                row[f"cpu_us_{t}t"] = statistics.median(c for _, c in got) / layers * 1e6
     return rows
+
+
+def _tables(seqs: int, per_seq: int, run: int, gen: torch.Generator) -> torch.Tensor:
+    """Block tables over a pool of `seqs * per_seq` blocks: scattered one by one (`run` 1), or in runs of `run`
+    adjacent blocks, each run at a random place (a run of 16-token units, listed unit by unit)."""
+    starts = torch.randperm(seqs * per_seq // run, generator=gen, dtype=torch.int32) * run
+    return (starts[:, None] + torch.arange(run, dtype=torch.int32)).reshape(seqs, per_seq)
 
 
 def _one_call_per_layer(
@@ -322,9 +343,9 @@ def measure_prefix(bs: int, users: int, chats: int, turns: int) -> dict:
     d = Driver(bs, pool // bs, 8, 16384, in_flight=1)
     for chat in range(chats):
         history = system[: rng.randrange(50, 400)]
-        for turn in range(turns):
+        for i in range(turns):
             history = history + [rng.randrange(100, 40000) for _ in range(rng.randrange(20, 200))]
-            req = Request(f"c{chat}.{turn}", history, GREEDY, StopConditions(rng.randrange(30, 300)))
+            req = Request(f"c{chat}.{i}", history, GREEDY, StopConditions(rng.randrange(30, 300)))
             history = history + run_to_end(d, req)
     c = d.scheduler.counters
     rates["multi_turn_chat"] = c.prefix_cache_hits / c.prefix_cache_queries
@@ -395,6 +416,7 @@ def print_report(report: dict) -> None:
     print(f"{m['loadavg_before']} before, {report['loadavg_after']} after")
     _table("correctness vs the torch reference (fp32)", report["correctness"], CHECKS)
     columns = [("dtype", "dtype", ""), ("seqs", "seqs", "d"), ("context", "context", "d"), ("block", "block_size", "d")]
+    columns += [("run", "run", "d")]
     for t in report["threads"]:
         columns += [(f"wall µs {t}t", f"wall_us_{t}t", ".1f"), (f"CPU µs {t}t", f"cpu_us_{t}t", ".1f")]
     title = "(a) native decode attention per layer call (median; x30 layers per SmolLM2 step)"
@@ -419,6 +441,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pool-tokens", type=int, default=(1 << 30) // KV_BYTES_PER_TOKEN, help="(c)'s pool, tokens")
     p.add_argument("--snapshots", type=int, default=400, help="(c): full-pool steps sampled")
     p.add_argument("--long-share", type=float, default=0.3, help="(c): share of 2k-8k-token generations")
+    p.add_argument(
+        "--unit-runs", type=int, default=4, help="(a): also 16-token blocks in runs of this many adjacent ones (0: not)"
+    )
+    p.add_argument("--parts", default=",".join(PARTS), help="comma-separated, of: " + ", ".join(PARTS))
     p.add_argument("--json", type=Path, help="also write the figures here")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (CI)")
     args = p.parse_args(argv)
@@ -433,6 +459,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = [b for b in args.block_sizes if b not in (8, 16, 32, 64, 128)]
     if bad:
         p.error(f"--block-sizes: each one of 8, 16, 32, 64, 128, got {bad}")
+    args.parts = args.parts.split(",")
+    if set(args.parts) - set(PARTS):
+        p.error(f"--parts: of {PARTS}, got {args.parts}")
+    if args.unit_runs not in (0, 1, 2, 4, 8):
+        p.error(f"--unit-runs: one of 0, 1, 2, 4, 8, got {args.unit_runs}")
     args.dtypes = args.dtypes.split(",")
     if set(args.dtypes) - set(DTYPES):
         p.error(f"--dtypes: of {sorted(DTYPES)}, got {args.dtypes}")
@@ -443,21 +474,32 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     report: dict[str, Any] = {"machine": machine(), "threads": args.threads, "sched_seqs": args.sched_seqs}
     report["correctness"] = correctness(args.block_sizes)
-    report["attention"] = [
-        row
-        for dtype in args.dtypes
-        for seqs in args.attention_seqs
-        for ctx in args.contexts
-        for row in time_attention(seqs, ctx, args.block_sizes, DTYPES[dtype], args.threads, args.min_seconds)
-    ]
-    report["scheduler"] = [
-        measure_scheduler(bs, ctx, args.sched_seqs, args.sched_steps)
-        for ctx in args.contexts
-        for bs in args.block_sizes
-    ]
-    report["waste"] = [measure_waste(bs, args.pool_tokens, args.snapshots, args.long_share) for bs in args.block_sizes]
+    report["attention"] = (
+        [
+            row
+            for dtype in args.dtypes
+            for seqs in args.attention_seqs
+            for ctx in args.contexts
+            for row in time_attention(
+                seqs, ctx, args.block_sizes, DTYPES[dtype], args.threads, args.min_seconds, args.unit_runs
+            )
+        ]
+        if "attention" in args.parts
+        else []
+    )
+    sizes = args.block_sizes
+    report["scheduler"] = (
+        [measure_scheduler(bs, ctx, args.sched_seqs, args.sched_steps) for ctx in args.contexts for bs in sizes]
+        if "scheduler" in args.parts
+        else []
+    )
+    report["waste"] = (
+        [measure_waste(bs, args.pool_tokens, args.snapshots, args.long_share) for bs in sizes]
+        if "waste" in args.parts
+        else []
+    )
     chats = (2, 2, 3) if args.smoke else (32, 16, 4)
-    report["prefix"] = [measure_prefix(bs, *chats) for bs in args.block_sizes]
+    report["prefix"] = [measure_prefix(bs, *chats) for bs in sizes] if "prefix" in args.parts else []
     report["loadavg_after"] = _loadavg()
     print_report(report)
     if args.json:
