@@ -166,7 +166,7 @@ def test_bench_blocks_smoke_measures_every_block_size_on_all_four_measures(tmp_p
     assert {row["block_size"] for row in timed} == set(sizes[:4])
     assert all(row["cpu_us_1t"] > 0 and row["wall_us_1t"] > 0 for row in timed), timed
     runs = [(row["block_size"], row["context"]) for row in timed if row["run"] == 4]  # 16-token units in runs of 4
-    assert sorted(runs) == [(16, 64), (16, 64), (16, 300), (16, 300)] * 2, runs  # 1 and 2 sequences, bf16 and fp32
+    assert sorted(runs) == [(16, 64)] * 4 + [(16, 300)] * 4, runs  # 1 and 2 sequences, bf16 and fp32
     sched = report["scheduler"]
     assert sorted({row["block_size"] for row in sched}) == sizes
     for row in sched:  # a sequence's table has an entry per block; its prompt ends within 128 tokens past `context`
