@@ -20,11 +20,13 @@ from minivllm.cluster import REPO
 pytestmark = pytest.mark.e2e
 
 
-def _smoke(script: str, model: Path, out: Path, *flags: str) -> tuple[str, Any]:
-    """Run `scripts/<script> --smoke` on `model` with no GPU visible; its stdout and its JSON report (as written)."""
+def _smoke(script: str, model: Path | None, out: Path, *flags: str) -> tuple[str, Any]:
+    """Run `scripts/<script> --smoke` on `model` (None: a script that loads none) with no GPU visible; its stdout
+    and its JSON report (as written)."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    model_flags = [] if model is None else ["--model", str(model)]
     run = subprocess.run(
-        [sys.executable, f"scripts/{script}", "--smoke", "--model", str(model), "--json", str(out), *flags],
+        [sys.executable, f"scripts/{script}", "--smoke", *model_flags, "--json", str(out), *flags],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -151,3 +153,33 @@ def test_bench_decode_phases_smoke_times_every_phase_where_the_runner_runs(
         else:
             assert all(ms > 0 for ms in row["phases_ms"].values()), row
     assert "| format | seqs | step ms | layers ms | input norm |" in stdout
+
+
+def test_bench_blocks_smoke_measures_every_block_size_on_all_four_measures(tmp_path: Path) -> None:
+    stdout, report = _smoke("bench_blocks.py", None, tmp_path / "blocks.json")
+    sizes = [8, 16, 32, 64, 128]
+    checks = report["correctness"]
+    assert all(row["ok"] for row in checks), checks
+    native = {row["block_size"]: row["rel_err"] for row in checks if row["kernel"] == "native"}
+    assert native[128] is None and all(native[bs] < 1e-5 for bs in sizes[:4]), native  # 128 is beyond the kernel
+    timed = [row for row in report["attention"] if row["timed"]]
+    assert {row["block_size"] for row in timed} == set(sizes[:4])
+    assert all(row["cpu_us_1t"] > 0 and row["wall_us_1t"] > 0 for row in timed), timed
+    runs = [(row["block_size"], row["context"]) for row in timed if row["run"] == 4]  # 16-token units in runs of 4
+    assert sorted(runs) == [(16, 64)] * 4 + [(16, 300)] * 4, runs  # 1 and 2 sequences, bf16 and fp32
+    sched = report["scheduler"]
+    assert sorted({row["block_size"] for row in sched}) == sizes
+    for row in sched:  # a sequence's table has an entry per block; its prompt ends within 128 tokens past `context`
+        assert row["decode_ms_per_step"] > 0 and row["plan_bytes_per_step"] > 0, row
+        seqs, context, bs = row["seqs"], row["context"], row["block_size"]
+        assert seqs * -(-context // bs) <= row["table_entries"] <= seqs * -(-(context + 128) // bs), row
+    waste = {row["block_size"]: row for row in report["waste"]}
+    for bs, row in waste.items():  # a running sequence leaves less than one block unused at its tail
+        assert 0 < row["stored_share"] <= 1 and 0 <= row["wasted_per_seq"] < bs + 2, row
+    assert waste[8]["stored_share"] >= waste[128]["stored_share"], waste
+    prefix = {row["block_size"]: row for row in report["prefix"]}
+    for bs in sizes:  # only full blocks of the 1,000 shared tokens are found: never more than the shared tokens
+        assert 0 < prefix[bs]["shared_system_prompt"] < 1 and 0 < prefix[bs]["multi_turn_chat"] < 1, prefix[bs]
+    assert prefix[8]["shared_system_prompt"] >= prefix[128]["shared_system_prompt"], prefix
+    assert "## (c) tail waste when the pool is full" in stdout and "| 128 | - | True |" in stdout
+    assert report["machine"]["loadavg_before"] and report["loadavg_after"]
