@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from settings.bench import BenchLoad, BenchOutput, BenchTarget, BenchWorkload
-from settings.cli import CommandParser, Part, add_settings
+from settings.cli import CommandParser, Part, Spelling, add_settings
 from settings.config_file import add_config_flag
 from settings.engine import EngineConfig
 from settings.process import ApiKey, Logging, MetricsEndpoint, Tls
@@ -25,6 +25,7 @@ class Command:
 
     parts: tuple[Part, ...]
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    spellings: Mapping[str, Spelling] = field(default_factory=dict)  # its own flags for a setting, by name
 
 
 SCHEDULER = (
@@ -47,6 +48,14 @@ COMMANDS: dict[str, Command] = {
     "vllm-serve": Command(
         (*SCHEDULER, *HANDED_ON, Part(Serve), Part(Routing)),
         {"openai_port": SERVE_OPENAI_PORT, "worker_port": 0},  # 0: a free port (its workers are its children)
+        # As vLLM's `vllm serve`: --port is the HTTP (OpenAI) port; gRPC moves to --grpc-port. Its schedulers are
+        # still handed --port (gRPC) and --openai-port: the names are vllm-serve's alone.
+        {
+            "openai_port": Spelling(
+                ("--port", "--openai-port"), "vllm-serve: --port, as in vLLM; --openai-port is its former name"
+            ),
+            "port": Spelling(("--grpc-port",), "vllm-serve: --grpc-port (--port is the HTTP port here)"),
+        },
     ),
     "vllm-router": Command(
         (
@@ -69,11 +78,16 @@ COMMANDS: dict[str, Command] = {
 }
 
 
+# Console scripts that are another name of a command (pyproject.toml points them at its entry): article 003 starts
+# the server as `vllm-serving`.
+SCRIPT_ALIASES = {"vllm-serving": "vllm-serve"}
+
+
 def command_parser(prog: str, description: str, **options: Any) -> CommandParser:
     """A command's parser: --config, then a section of flags per group of its settings; parsing checks each group
     (a command that reads its settings off the namespace still gets every group's checks)."""
     command = COMMANDS[prog]
     parser = CommandParser(prog=prog, description=description, parts=command.parts, **options)
     add_config_flag(parser)
-    add_settings(parser, command.parts, command.defaults)
+    add_settings(parser, command.parts, command.defaults, command.spellings)
     return parser

@@ -199,7 +199,7 @@ class Serve:
         low=1,
         readers="serve",
         help="replicas of the model, each its own scheduler and TP x PP world on devices of its own, behind a "
-        "vllm-router at --host:--port (the replicas listen on loopback)",
+        "vllm-router on --host (gRPC on --grpc-port, HTTP on --port; the replicas listen on loopback)",
     )
     launcher: str = setting(
         "local",
