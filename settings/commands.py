@@ -14,7 +14,7 @@ from settings.config_file import add_config_flag
 from settings.engine import EngineConfig
 from settings.process import ApiKey, Logging, MetricsEndpoint, Tls
 from settings.router import Replicas, RouterServer, Routing
-from settings.server import SERVE_OPENAI_PORT, OpenAIApi, Operations, SchedulerServer, Serve, World
+from settings.server import DEFAULT_MODEL, SERVE_OPENAI_PORT, OpenAIApi, Operations, SchedulerServer, Serve, World
 from settings.tools import ClientConnection, ClientModes, ClientRequest, Convert, Monitor
 from settings.worker import HANDED_ON, WorkerOptions
 
@@ -40,9 +40,31 @@ SCHEDULER = (
     Part(ApiKey),
     Part(Logging),
 )
+# What a worker may say it serves: the scheduler's own settings of the model and the world's shape.
+WORLD_OF_A_WORKER = (
+    Part(SchedulerServer, only=("model",)),
+    Part(EngineConfig, only=("tensor_parallel_size", "pipeline_parallel_size")),
+)
+WORKER_MODEL_NOTE = (
+    "vllm-worker: default none, it serves what the scheduler assigns; with --model, it also says --tensor-parallel-size "
+    "and --pipeline-parallel-size, which a scheduler without --model takes from the first worker and every other "
+    "worker must agree with (else it is refused, naming what disagrees)"
+)
 COMMANDS: dict[str, Command] = {
-    "vllm-scheduler": Command(SCHEDULER),
-    "vllm-worker": Command((Part(WorkerOptions), Part(Logging))),
+    # Without --model, the model and the world's shape come from the first worker that names them (article 003's
+    # multi-node lines: `vllm-scheduler --host H --port 50051`, then `vllm-worker --model M ...` on each node).
+    "vllm-scheduler": Command(
+        SCHEDULER,
+        {"model": ""},
+        {"model": Spelling(("--model",), f"vllm-scheduler: default none, the first worker's --model, else {DEFAULT_MODEL}")},
+    ),
+    # A worker may say what it serves (article 003: `vllm-worker --model M --scheduler-address H:50051
+    # --tensor-parallel-size 2 --pipeline-parallel-size 2`): a world's workers must agree with it, or are refused.
+    "vllm-worker": Command(
+        (Part(WorkerOptions), *WORLD_OF_A_WORKER, Part(Logging)),
+        {"model": ""},
+        {"model": Spelling(("--model",), WORKER_MODEL_NOTE)},
+    ),
     # Its children: a scheduler per replica (the scheduler's settings), their workers (a worker's, but where to
     # join), and with --data-parallel-size a router in front (its routing settings).
     "vllm-serve": Command(

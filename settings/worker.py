@@ -45,7 +45,10 @@ class WorkerOptions:
     """A worker: its device and memory, its kernels, its KV tiers and transfers."""
 
     scheduler_address: str = setting(
-        "127.0.0.1:50061", readers="worker", help="HOST:PORT of the scheduler's worker socket"
+        "127.0.0.1:50061",
+        readers="worker",
+        help="HOST:PORT of the scheduler: its workers' socket (--worker-host:--worker-port), or its gRPC port "
+        "(--host:--port, cleartext), which names that socket (worker_node/join_address.py)",
     )
     device: str = setting("auto", readers="worker", help="auto (cuda if present, else cpu), cpu, cuda, cuda:N")
     kv_cache_memory: int | None = setting(
