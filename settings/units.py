@@ -42,8 +42,15 @@ def _split(text: str, units: dict[str, float] | dict[str, int]) -> tuple[str, fl
 
 
 def has_byte_unit(text: object) -> bool:
-    """True for a string such as '16KB' or '512B' (not a plain number)."""
-    return isinstance(text, str) and _split(text, BYTE_UNITS)[1] is not None
+    """True for a string such as '16KB' or '512B' (not a plain number, nor a unit alone)."""
+    if not isinstance(text, str):
+        return False
+    number, factor = _split(text, BYTE_UNITS)
+    try:
+        float(number)
+    except ValueError:
+        return False
+    return factor is not None
 
 
 def parse_size(text: str) -> int:

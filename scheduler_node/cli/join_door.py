@@ -29,7 +29,11 @@ async def start_join_door(address: str, endpoint: str) -> grpc.aio.Server:
     tokenizer). OSError when the port cannot be bound."""
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((join_handler(endpoint),))
-    if not server.add_insecure_port(address):
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as exc:  # grpc's word for a port in use
+        raise OSError(f"cannot bind gRPC on {address}: {exc}") from None
+    if not bound:
         raise OSError(f"cannot bind gRPC on {address}")
     await server.start()
     return server

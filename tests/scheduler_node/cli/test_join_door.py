@@ -1,0 +1,27 @@
+"""The scheduler's gRPC port names the workers' socket (scheduler_node/cli/join_door.py), and a worker that asks
+there (worker_node/join_address.py, bare HTTP/2) is told it; a wildcard bind address becomes the host it asked."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from scheduler_node.cli.join_door import start_join_door
+from scheduler_node.engine.ports import free_port
+from worker_node.join_address import join_address
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize(("bound", "told"), [("127.0.0.1:50061", "127.0.0.1:50061"), ("0.0.0.0:6000", "127.0.0.1:6000")])
+def test_a_worker_asking_the_grpc_port_is_told_where_workers_join(bound: str, told: str) -> None:
+    async def scenario() -> str:
+        port = free_port()
+        door = await start_join_door(f"127.0.0.1:{port}", bound)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, join_address, f"127.0.0.1:{port}", 10.0)
+        finally:
+            await door.stop(None)
+
+    assert asyncio.run(scenario()) == told
