@@ -46,9 +46,9 @@ WORLD_OF_A_WORKER = (
     Part(EngineConfig, only=("tensor_parallel_size", "pipeline_parallel_size")),
 )
 WORKER_MODEL_NOTE = (
-    "vllm-worker: default none, it serves what the scheduler assigns; with --model, it also says --tensor-parallel-size "
-    "and --pipeline-parallel-size, which a scheduler without --model takes from the first worker and every other "
-    "worker must agree with (else it is refused, naming what disagrees)"
+    "vllm-worker: default none, it serves what the scheduler assigns; with --model, it also says "
+    "--tensor-parallel-size and --pipeline-parallel-size, which a scheduler without --model takes from the first "
+    "worker and every other worker must agree with (else it is refused, naming what disagrees)"
 )
 COMMANDS: dict[str, Command] = {
     # Without --model, the model and the world's shape come from the first worker that names them (article 003's
@@ -56,7 +56,11 @@ COMMANDS: dict[str, Command] = {
     "vllm-scheduler": Command(
         SCHEDULER,
         {"model": ""},
-        {"model": Spelling(("--model",), f"vllm-scheduler: default none, the first worker's --model, else {DEFAULT_MODEL}")},
+        {
+            "model": Spelling(
+                ("--model",), f"vllm-scheduler: default none, the first worker's --model, else {DEFAULT_MODEL}"
+            )
+        },
     ),
     # A worker may say what it serves (article 003: `vllm-worker --model M --scheduler-address H:50051
     # --tensor-parallel-size 2 --pipeline-parallel-size 2`): a world's workers must agree with it, or are refused.

@@ -7,8 +7,8 @@ import enum
 from dataclasses import dataclass
 
 from settings.setting import check, setting
-from settings.units import has_byte_unit, parse_size
 from settings.speculative import DISABLE_BY_BATCH_SIZE, SpeculativeConfig, speculative_text
+from settings.units import has_byte_unit, parse_size
 
 
 class PreemptionMode(str, enum.Enum):

@@ -46,7 +46,7 @@ def join_address(address: str, timeout: float, local_address: str = "") -> str:
                     f"--scheduler-address {address} is neither the scheduler's gRPC port nor its workers' socket "
                     f"(it answered {first[:16]!r})"
                 )
-        except (ConnectionRefusedError, ConnectionResetError, socket.timeout, TimeoutError) as exc:
+        except (ConnectionRefusedError, ConnectionResetError, TimeoutError) as exc:
             if time.monotonic() + RETRY_S >= deadline:
                 raise TimeoutError(f"no scheduler answered at {address} within {timeout:g} s ({exc})") from None
             time.sleep(RETRY_S)

@@ -10,9 +10,9 @@ import pytest
 from prometheus_client import generate_latest
 
 from clients import monitor
-from settings.config_file import parse_args
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.engine.metrics import COUNTERS, GAUGES, LABELLED_COUNTERS, LABELLED_GAUGES
+from settings.config_file import parse_args
 from tests.support.stand_in import StandInRun, spec
 
 pytestmark = pytest.mark.unit

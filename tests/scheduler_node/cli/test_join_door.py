@@ -14,7 +14,9 @@ from worker_node.join_address import join_address
 pytestmark = pytest.mark.unit
 
 
-@pytest.mark.parametrize(("bound", "told"), [("127.0.0.1:50061", "127.0.0.1:50061"), ("0.0.0.0:6000", "127.0.0.1:6000")])
+@pytest.mark.parametrize(
+    ("bound", "told"), [("127.0.0.1:50061", "127.0.0.1:50061"), ("0.0.0.0:6000", "127.0.0.1:6000")]
+)
 def test_a_worker_asking_the_grpc_port_is_told_where_workers_join(bound: str, told: str) -> None:
     async def scenario() -> str:
         port = free_port()

@@ -3,7 +3,7 @@ message by message with a list for an outbox and a hand-moved clock."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -223,9 +223,17 @@ def test_lose_ready_loses_only_ready_owers_and_shutdown_reaches_everyone() -> No
     assert w.lost_reasons == ["rank 0 lost: step 3 ran past its deadline"]
 
 
+def outbox(sent: list[tuple[bytes, Message]]) -> Callable[[bytes, Message], str]:
+    def send(identity: bytes, message: Message) -> str:
+        sent.append((identity, message))
+        return ""
+
+    return send
+
+
 def test_hellos_before_the_world_is_known_wait_for_it_and_are_answered_in_order() -> None:
     sent: list[tuple[bytes, Message]] = []
-    registry = RankRegistry(lambda i, m: sent.append((i, m)) or "", TIMEOUT)
+    registry = RankRegistry(outbox(sent), TIMEOUT)
     registry.hello(b"a", WorkerHello("h", 1, "cpu", "/m", 1, 2), "10.0.0.1")
     registry.hello(b"b", WorkerHello("h", 2, "cpu", "/m", 1, 2), "10.0.0.2")
     registry.hello(b"a", WorkerHello("h", 1, "cpu", "/m", 1, 2), "10.0.0.1")  # a second Hello: dropped
@@ -251,7 +259,7 @@ def test_a_worker_the_world_refuses_is_told_why_and_gets_no_rank() -> None:
 
 def test_waiting_workers_are_told_when_the_world_cannot_be_built_or_the_scheduler_stops() -> None:
     sent: list[tuple[bytes, Message]] = []
-    registry = RankRegistry(lambda i, m: sent.append((i, m)) or "", TIMEOUT)
+    registry = RankRegistry(outbox(sent), TIMEOUT)
     registry.hello(b"a", WorkerHello("h", 1, "cpu", "/m"), "10.0.0.1")
     registry.shutdown_all("stopping")
     registry.refuse_parked("the scheduler cannot serve this world: no such model")
