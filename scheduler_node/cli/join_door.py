@@ -6,6 +6,7 @@ socket's HOST:PORT as UTF-8 bytes (no protobuf: nothing but a worker asks)."""
 from __future__ import annotations
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from proto.session_messages import WORKER_JOIN_PATH
 
@@ -29,6 +30,9 @@ async def start_join_door(address: str, endpoint: str) -> grpc.aio.Server:
     tokenizer). OSError when the port cannot be bound."""
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((join_handler(endpoint),))
+    # Health answers NOT_SERVING meanwhile (not UNIMPLEMENTED): a liveness probe waits, as for a world assembling.
+    checks = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
     try:
         bound = server.add_insecure_port(address)
     except RuntimeError as exc:  # grpc's word for a port in use
@@ -36,4 +40,5 @@ async def start_join_door(address: str, endpoint: str) -> grpc.aio.Server:
     if not bound:
         raise OSError(f"cannot bind gRPC on {address}")
     await server.start()
+    await checks.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     return server

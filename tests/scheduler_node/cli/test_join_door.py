@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from scheduler_node.cli.join_door import start_join_door
 from scheduler_node.engine.ports import free_port
@@ -27,3 +29,17 @@ def test_a_worker_asking_the_grpc_port_is_told_where_workers_join(bound: str, to
             await door.stop(None)
 
     assert asyncio.run(scenario()) == told
+
+
+def test_meanwhile_health_says_not_serving() -> None:
+    async def scenario() -> int:
+        port = free_port()
+        door = await start_join_door(f"127.0.0.1:{port}", "127.0.0.1:50061")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+                return int(reply.status)
+        finally:
+            await door.stop(None)
+
+    assert asyncio.run(scenario()) == health_pb2.HealthCheckResponse.NOT_SERVING
