@@ -6,6 +6,7 @@ with or without --model, a worker that names another model or shape than the wor
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -22,12 +23,17 @@ logger = logging.getLogger("vllm-scheduler")
 async def adopt_first_worker(args: argparse.Namespace, link: WorkerLink) -> argparse.Namespace:
     """`args` with the model and TP/PP of the first worker to say Hello (the scheduler's own when it names none:
     the default model). Meanwhile the gRPC port answers only where workers join (scheduler_node/cli/join_door.py;
-    not behind --tls-cert: workers are then given the worker socket itself)."""
+    not behind --tls-cert: workers are then given the worker socket itself). TimeoutError after
+    --worker-join-timeout without one."""
     endpoint = f"{args.worker_host}:{args.worker_port}"
     door = None if args.tls_cert else await start_join_door(f"{args.host}:{args.port}", endpoint)
     logger.info("no --model: waiting for the first worker to name it (workers join on %s)", endpoint)
     try:
-        hello = await link.first_hello()
+        hello = await asyncio.wait_for(link.first_hello(), args.worker_join_timeout)
+    except asyncio.TimeoutError:
+        await link.close("no world to serve")
+        why = f"no worker joined {endpoint} within {args.worker_join_timeout:g} s (--worker-join-timeout)"
+        raise TimeoutError(why) from None
     finally:
         if door is not None:
             await door.stop(None)

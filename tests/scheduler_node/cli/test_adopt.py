@@ -5,14 +5,17 @@ processes and sockets: tests/e2e/test_multinode_lines.py."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 from pathlib import Path
 
 import pytest
 
 from proto.parallel import ParallelLayout
 from proto.wire import WorkerHello
-from scheduler_node.cli.adopt import adopted, same_model, world_vet
+from scheduler_node.cli.adopt import adopt_first_worker, adopted, same_model, world_vet
 from scheduler_node.cli.scheduler import build_parser
+from scheduler_node.engine.ports import free_port
+from scheduler_node.engine.worker_link import WorkerLink
 
 pytestmark = pytest.mark.unit
 
@@ -55,3 +58,15 @@ def test_one_model_named_two_ways_is_the_same(tmp_path: Path) -> None:
     assert same_model(str(tmp_path / "m"), str(tmp_path / "." / "m"))
     assert not same_model(str(tmp_path / "m"), str(tmp_path / "n"))
     assert same_model("org/name", "org/name")
+
+
+def test_a_scheduler_no_worker_joins_gives_up_after_the_join_timeout() -> None:
+    async def scenario() -> str:
+        args = scheduler_args("--port", str(free_port()), "--worker-port", str(free_port()))
+        args.worker_join_timeout = 0.2
+        link = WorkerLink(f"127.0.0.1:{args.worker_port}")
+        with pytest.raises(TimeoutError) as caught:
+            await adopt_first_worker(args, link)
+        return str(caught.value)
+
+    assert asyncio.run(scenario()).startswith("no worker joined 127.0.0.1:")
