@@ -55,7 +55,7 @@ COMMANDS: dict[str, Command] = {
     # multi-node lines: `vllm-scheduler --host H --port 50051`, then `vllm-worker --model M ...` on each node).
     "vllm-scheduler": Command(
         SCHEDULER,
-        {"model": ""},
+        {"model": "", "worker_host": ""},  # "": --host's (scheduler_node/cli/scheduler.py)
         {
             "model": Spelling(
                 ("--model",), f"vllm-scheduler: default none, the first worker's --model, else {DEFAULT_MODEL}"

@@ -26,7 +26,12 @@ class SchedulerServer:
     )
     host: str = setting("127.0.0.1", readers="scheduler", help="bind address of gRPC and the HTTP API")
     port: int = setting(50051, low=0, high=65535, readers="scheduler", help="gRPC port")
-    worker_host: str = setting("127.0.0.1", readers="scheduler", help="bind address of the ZMQ socket workers join")
+    worker_host: str = setting(
+        "127.0.0.1",
+        readers="scheduler",
+        help="bind address of the ZMQ socket workers join (vllm-scheduler's default: --host, so that workers on other "
+        "hosts reach it where they reach gRPC, as article 003's multi-node lines have it)",
+    )
     worker_port: int = setting(
         50061,
         low=0,

@@ -99,6 +99,8 @@ def openai_config(args: argparse.Namespace, served_model_name: str) -> OpenAICon
 
 
 async def serve(args: argparse.Namespace) -> int:
+    if not args.worker_host:  # vllm-scheduler's default: where gRPC listens (remote workers reach both there)
+        args.worker_host = args.host if ":" not in args.host else "127.0.0.1"  # the ZMQ socket binds IPv4 only
     if args.zmq_curve_dir:
         ensure_keys(args.zmq_curve_dir)
     link = WorkerLink(f"{args.worker_host}:{args.worker_port}", args.heartbeat_timeout, args.zmq_curve_dir)

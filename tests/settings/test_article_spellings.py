@@ -99,6 +99,8 @@ def test_a_worker_may_say_its_model_and_shape() -> None:
     )  # fmt: skip
     assert parse("vllm-worker", []).model == ""  # says nothing: serves what it is assigned
     assert parse("vllm-scheduler", []).model == ""  # the first worker's
+    assert parse("vllm-scheduler", []).worker_host == ""  # --host's: remote workers reach both there
+    assert parse("vllm-serve", []).worker_host == "127.0.0.1"  # its workers are its children
     assert parse("vllm-serve", []).model == "default"
 
 

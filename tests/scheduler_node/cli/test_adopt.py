@@ -62,7 +62,9 @@ def test_one_model_named_two_ways_is_the_same(tmp_path: Path) -> None:
 
 def test_a_scheduler_no_worker_joins_gives_up_after_the_join_timeout() -> None:
     async def scenario() -> str:
-        args = scheduler_args("--port", str(free_port()), "--worker-port", str(free_port()))
+        args = scheduler_args(
+            "--port", str(free_port()), "--worker-host", "127.0.0.1", "--worker-port", str(free_port())
+        )
         args.worker_join_timeout = 0.2
         link = WorkerLink(f"127.0.0.1:{args.worker_port}")
         with pytest.raises(TimeoutError) as caught:
