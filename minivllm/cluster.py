@@ -127,7 +127,7 @@ class ServeProcess:
     def __init__(self, model: Path, log_dir: Path, *extra: str) -> None:
         self.port = free_port()
         self.log = log_dir / "serve.log"
-        argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--model", str(model), "--port", str(self.port),
+        argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--model", str(model), "--grpc-port", str(self.port),
                 "--worker-port", str(free_port()), "--openai-port", "0", *extra]  # fmt: skip
         self.proc = subprocess.Popen(argv, cwd=REPO, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")

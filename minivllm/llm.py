@@ -43,7 +43,7 @@ from scheduler_node.api.validation import (
 )
 from scheduler_node.core.lora_slots import LoraRef
 from scheduler_node.core.request import RequestSpec
-from scheduler_node.engine.builder import WorldPlan, check_model_split, make_engine
+from scheduler_node.engine.builder import WorldPlan, check_model_split, make_engine, with_block_bytes
 from scheduler_node.engine.core import EngineCore
 from scheduler_node.engine.launchers import LocalLauncher
 from scheduler_node.engine.model_path import DEFAULT, resolve_model
@@ -126,6 +126,7 @@ class LLM:
             raise ValueError(problem)
         self.folder = resolve_model(model or DEFAULT)
         check_model_split(self.folder, self.config.layout, self.config.quantization, self.config.scheduler.speculative)
+        self.config = with_block_bytes(self.config, self.folder)  # kv_block_bytes="16KB": tokens for this model
         self.tokenizer = ModelTokenizer(self.folder)
         self._ids = itertools.count()
         self._launcher: LocalLauncher | None = None

@@ -36,12 +36,26 @@ class ExecutionMode(msgspec.Struct, frozen=True, array_like=True, forbid_unknown
         return cls(plans, stages, stages, lone)
 
 
+# The gRPC method, on the scheduler's gRPC port, that answers where workers join (their ZeroMQ socket's HOST:PORT,
+# as UTF-8 bytes; the request is empty): a worker given the scheduler's gRPC address asks it there, over a bare
+# HTTP/2 exchange of its own (worker_node/join_address.py: a worker never imports grpc). A wildcard host (0.0.0.0)
+# stands for the address the worker asked at.
+WORKER_JOIN_PATH = "/minivllm.v1.WorkerJoin/Endpoint"
+
+
 class WorkerHello(Message, tag=int(Kind.HELLO)):
-    """A worker introduces itself; the scheduler answers with an Assignment."""
+    """A worker introduces itself; the scheduler answers with an Assignment, or with a refusing Shutdown.
+
+    A worker started with --model also says what it serves: the model as given, and the world's shape. A scheduler
+    started without --model takes them from the first such worker; a worker whose model or shape disagrees with
+    the world's is refused, by name. "" and 0: the worker did not say (it serves what it is assigned)."""
 
     host: str
     pid: int
     device: str
+    model: Annotated[str, Meta(max_length=4096)] = ""
+    tensor_parallel_size: Annotated[int, Meta(ge=0, le=65536)] = 0
+    pipeline_parallel_size: Annotated[int, Meta(ge=0, le=65536)] = 0
 
 
 class Assignment(Message, tag=int(Kind.ASSIGNMENT)):
@@ -117,6 +131,9 @@ class WorkerReady(Message, tag=int(Kind.READY)):
 
 class Shutdown(Message, tag=int(Kind.SHUTDOWN)):
     reason: str
+    # The worker was refused for what it is (its model or the world's shape disagree): starting it again as it is
+    # cannot help, so it exits with the bad-flags status and its supervisor does not restart it.
+    refused: bool = False
 
 
 class Heartbeat(Message, tag=int(Kind.HEARTBEAT)):

@@ -117,7 +117,9 @@ __all__ = [
 # worker would never propose, and the requests would wait on proposals that never come).
 # 15: a result of one token per request carries them packed (StepResult.token_handles, tokens: int32 arrays); a
 # v14 scheduler would refuse the longer record.
-WIRE_VERSION = 15
+# 16: a Hello may name the worker's model and world shape (--model, TP, PP: a scheduler without --model takes them
+# from the first worker), and a Shutdown may be a refusal (a v15 worker would be restarted to be refused again).
+WIRE_VERSION = 16
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # libzmq's own ZMTP heartbeats, set on both ends of the worker socket: a quiet connection is PINGed this often by
 # libzmq's I/O thread (so a busy Python thread does not drop it), and dropped after the heartbeat timeout.

@@ -68,7 +68,7 @@ class ServeProcess:
         self.base_url = f"http://127.0.0.1:{http_port}/v1" if openai else ""
         self.log = Path(tempfile.mkstemp(suffix=".log")[1])
         argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--model", str(model), "--data-parallel-size", "2",
-                "--port", str(port), "--worker-port", str(free_port()), "--openai-port", str(http_port),
+                "--grpc-port", str(port), "--worker-port", str(free_port()), "--port", str(http_port),
                 "--routing-strategy", "round_robin", "--log-level", "INFO", *flags]  # fmt: skip
         with open(self.log, "w") as log:
             self.process = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)

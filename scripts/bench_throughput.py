@@ -64,7 +64,7 @@ def run_minivllm(model: Path, work: Work, dtype: str, args: argparse.Namespace) 
     """`vllm-serve` (one scheduler, one worker) as a user starts it, driven over gRPC."""
     port, worker_port = free_port(), free_port()
     argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--model", str(model), "--dtype", dtype]
-    argv += ["--port", str(port), "--worker-port", str(worker_port), "--max-num-seqs", str(args.max_num_seqs)]
+    argv += ["--grpc-port", str(port), "--worker-port", str(worker_port), "--max-num-seqs", str(args.max_num_seqs)]
     argv += ["--max-num-batched-tokens", str(args.max_num_batched_tokens), "--kv-cache-memory", args.kv_cache_memory]
     argv += ["--threads", str(args.threads), "--log-level", "WARNING", "--openai-port", "0"]  # gRPC only
     log = tempfile.TemporaryFile()

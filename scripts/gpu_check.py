@@ -148,7 +148,7 @@ def tp_part(args: argparse.Namespace) -> dict[str, Any]:
 
     port, worker_port = free_port(), free_port()
     argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--tensor-parallel-size", "2", "--device", "cuda"]
-    argv += ["--dtype", "bfloat16", "--port", str(port), "--worker-port", str(worker_port), "--openai-port", "0"]
+    argv += ["--dtype", "bfloat16", "--grpc-port", str(port), "--worker-port", str(worker_port), "--openai-port", "0"]
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     server = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     start = time.perf_counter()

@@ -4,7 +4,7 @@
 set -euo pipefail
 . "$(dirname "$0")/setup_env.sh"
 PORT=50051
-for ((i = 1; i <= $#; i++)); do [ "${!i}" = "--port" ] && j=$((i + 1)) && PORT=${!j}; done
+for ((i = 1; i <= $#; i++)); do [ "${!i}" = "--grpc-port" ] && j=$((i + 1)) && PORT=${!j}; done  # vllm-serve: --port is HTTP
 vllm-serve "$@" &
 SERVER=$!
 trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER' INT TERM

@@ -86,16 +86,34 @@ class CommandParser(argparse.ArgumentParser):
         return parsed
 
 
+@dataclass(frozen=True, slots=True)
+class Spelling:
+    """A command's own flags for a setting, where they are not the setting's name (vllm-serve's `--port` is the
+    HTTP port, as in vLLM, while the setting `port` is gRPC's): the flags (the first is its config key), and a
+    note added to its help."""
+
+    flags: tuple[str, ...]
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.flags or not all(f.startswith("--") for f in self.flags):
+            raise ValueError(f"a spelling's flags are long flags (--name), got {self.flags}")
+
+
 def add_settings(
-    parser: argparse.ArgumentParser, parts: Sequence[Part], defaults: Mapping[str, Any] | None = None
+    parser: argparse.ArgumentParser,
+    parts: Sequence[Part],
+    defaults: Mapping[str, Any] | None = None,
+    spellings: Mapping[str, Spelling] | None = None,
 ) -> None:
     """A flag for every setting of `parts` (those with one), a section of --help per group; `defaults`: the
-    command's own defaults, by name (vllm-serve's --openai-port)."""
+    command's own defaults, by name (vllm-serve's --openai-port); `spellings`: its own flags, by name."""
     for cls, found in sections(parts):
         section = parser.add_argument_group(title(cls))
         for entry in found:
             if entry.spec.flag:
-                _add(parser, section, entry, (defaults or {}).get(entry.name, _default(parser, entry)))
+                default = (defaults or {}).get(entry.name, _default(parser, entry))
+                _add(parser, section, entry, default, (spellings or {}).get(entry.name))
 
 
 def title(cls: type) -> str:
@@ -113,10 +131,12 @@ def _default(parser: argparse.ArgumentParser, entry: Entry) -> Any:
     return entry.default
 
 
-def _add(parser: argparse.ArgumentParser, section: Any, entry: Entry, default: Any) -> None:
+def _add(parser: argparse.ArgumentParser, section: Any, entry: Entry, default: Any, spelling: Spelling | None) -> None:
     spec = entry.spec
-    flags = [entry.flag, *("--" + a.replace("_", "-") for a in spec.aliases)]
-    options: dict[str, Any] = {"dest": entry.name, "help": help_text(entry), "metavar": spec.metavar}
+    flags = list(spelling.flags) if spelling else [entry.flag, *("--" + a.replace("_", "-") for a in spec.aliases)]
+    text = help_text(entry) + (f" [{spelling.note}]" if spelling and spelling.note else "")
+    metavar = spec.metavar or (spelling.flags[0][2:].upper().replace("-", "_") if spelling else None)
+    options: dict[str, Any] = {"dest": entry.name, "help": text, "metavar": metavar}
     if spec.required:
         options["required"] = True
     else:

@@ -38,8 +38,13 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = Non
 
 
 def config_keys(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    """Every key a config file for this parser may hold: the long flags' names with underscores."""
-    return {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
+    """Every key a config file for this parser may hold: the long flags' names with underscores (a flag's first
+    name: the setting's, or the command's own spelling of it, as vllm-serve's `port` is its HTTP port)."""
+    return {
+        a.option_strings[0][2:].replace("-", "_"): a
+        for a in parser._actions
+        if a.option_strings and a.dest not in ("help", "config")
+    }
 
 
 def _alias_keys(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
@@ -82,12 +87,18 @@ def _load(parser: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
         data = _with_topology(parser, path, data)
     if "attention" in data and "attention_backend" in known:  # the article's model config section
         data = _with_attention(parser, path, data)
+    if "kv_block_bytes" in known:  # article 000's `block_size: 16KB`
+        data = _with_block_bytes(parser, path, data)
     values: dict[str, Any] = {}
+    keys: dict[str, str] = {}  # dest -> the key that set it
     for key, value in data.items():
         action = known.get(str(key).replace("-", "_")) or aliases.get(str(key).replace("-", "_"))
         if action is None:
             parser.error(f"unknown key {key!r} in {path}; valid keys: {', '.join(sorted(known))}")
         dest = action.dest
+        if dest in keys:
+            parser.error(f"{path}: {keys[dest]!r} and {key!r} are one setting ({action.option_strings[0]}); keep one")
+        keys[dest] = str(key)
         if value is None:
             continue  # null: the command's own default
         repeatable = isinstance(action, argparse._AppendAction)
@@ -103,6 +114,19 @@ def _load(parser: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
             parser.error(f"{key} in {path}: {value!r} is not one of {list(action.choices)}")
         values[dest] = value
     return values
+
+
+def _with_block_bytes(parser: argparse.ArgumentParser, path: Path, data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with a `block_size` given in bytes (`16KB`) as the `kv_block_bytes` it stands for (resolved to tokens
+    once the model is known: settings/scheduler.py)."""
+    from settings.units import has_byte_unit
+
+    found = [k for k, v in data.items() if str(k).replace("-", "_") == "block_size" and has_byte_unit(v)]
+    if not found:
+        return data
+    if any(str(k).replace("-", "_") == "kv_block_bytes" for k in data):
+        parser.error(f"{path}: block_size {data[found[0]]} and kv_block_bytes both size a KV block; keep one")
+    return {("kv_block_bytes" if k in found else k): v for k, v in data.items()}
 
 
 def _with_attention(parser: argparse.ArgumentParser, path: Path, data: dict[str, Any]) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from settings.kv_compact import CompactKV
 from settings.lora import LoraConfig
 from settings.scheduler import BOTH, SchedulerConfig
 from settings.setting import check, group, setting
+from settings.units import parse_duration
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 AGING_INTERVAL_S = 10.0  # seconds of age worth one priority point (dynamic, hybrid)
@@ -41,8 +42,11 @@ class EngineOptions:
     scheduler_delay: float = setting(
         0.0,
         low=0,
+        parse=parse_duration,
+        aliases=("scheduler_interval",),
         readers="scheduler",
-        help="seconds to wait for more arrivals before starting a small batch (0: never wait)",
+        help="seconds to wait for more arrivals before starting a small batch (0: never wait), or a duration with "
+        "its unit (50ms, 0.05s); --scheduler-interval is article 000's name for it",
     )
     step_timeout: float = setting(
         60.0,

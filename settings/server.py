@@ -26,7 +26,12 @@ class SchedulerServer:
     )
     host: str = setting("127.0.0.1", readers="scheduler", help="bind address of gRPC and the HTTP API")
     port: int = setting(50051, low=0, high=65535, readers="scheduler", help="gRPC port")
-    worker_host: str = setting("127.0.0.1", readers="scheduler", help="bind address of the ZMQ socket workers join")
+    worker_host: str = setting(
+        "127.0.0.1",
+        readers="scheduler",
+        help="bind address of the ZMQ socket workers join (vllm-scheduler's default: --host, so that workers on other "
+        "hosts reach it where they reach gRPC, as article 003's multi-node lines have it)",
+    )
     worker_port: int = setting(
         50061,
         low=0,
@@ -199,7 +204,7 @@ class Serve:
         low=1,
         readers="serve",
         help="replicas of the model, each its own scheduler and TP x PP world on devices of its own, behind a "
-        "vllm-router at --host:--port (the replicas listen on loopback)",
+        "vllm-router on --host (gRPC on --grpc-port, HTTP on --port; the replicas listen on loopback)",
     )
     launcher: str = setting(
         "local",

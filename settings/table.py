@@ -62,9 +62,15 @@ def _takers() -> dict[type, list[str]]:
     takers: dict[type, list[str]] = {}
     for command, parts in _uses():
         own = COMMANDS[command].defaults if command in COMMANDS else {}
+        spelled = COMMANDS[command].spellings if command in COMMANDS else {}
         for cls, found in sections(parts):
             missing = [e for e in entries(cls) if e not in found]
             notes = [f"`{_name(e)}` default `{own[e.name]}`" for e in found if e.name in own]
+            notes += [
+                f"`{_name(e)}` spelled " + " or ".join(f"`{f}`" for f in spelled[e.name].flags)
+                for e in found
+                if e.name in spelled
+            ]
             if missing:
                 some = found if len(found) < len(missing) else missing
                 notes.insert(0, ("only " if some is found else "all but ") + ", ".join(f"`{_name(e)}`" for e in some))

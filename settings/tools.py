@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from settings.process import TOKEN_ENV
-from settings.setting import setting
+from settings.setting import check, setting
+from settings.units import parse_duration
 
 DEFAULT_MAX_TOKENS = 256
 CLIENT, MONITOR, CONVERT = "client", "monitor", "convert"
@@ -96,11 +97,16 @@ class Monitor:
         help="metric name (repeatable), or one of cache_hit_rate, memory_usage, fragmentation, spec_decode "
         "(clients/monitor.py ALIASES): what they stand for is printed",
     )
-    interval: float = setting(1.0, readers=MONITOR, help="seconds between scrapes")
+    interval: float = setting(
+        1.0, above=0, parse=parse_duration, readers=MONITOR, help="seconds between scrapes (or a duration: 500ms)"
+    )
     host: str = setting("127.0.0.1", readers=MONITOR, help="the scheduler's --metrics-host")
     metrics_port: int = setting(8000, readers=MONITOR, help="the scheduler's --metrics-port")
     url: str = setting("", readers=MONITOR, help="the full endpoint URL (overrides --host and --metrics-port)")
     count: int = setting(0, readers=MONITOR, help="stop after this many scrapes (0: until Ctrl-C)")
+
+    def __post_init__(self) -> None:
+        check(self)
 
 
 @dataclass(frozen=True, slots=True)

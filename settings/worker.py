@@ -13,6 +13,9 @@ from settings.build import flat_values
 from settings.cli import Part, to_argv
 from settings.fast_paths import FastPaths
 from settings.setting import check, group, setting
+from settings.units import parse_gib, parse_size
+
+__all__ = ["parse_size"]  # where scripts and tests have imported it from (defined in settings/units.py)
 
 # A worker that exits with this status was started with flags it cannot run with (argparse's own status): starting
 # it again cannot help, so a supervisor gives up instead of restarting it forever.
@@ -23,16 +26,6 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "float16", "bfloat16", "float32")
 OVERLAP_CHOICES = ("auto", "on", "off")
 KV_ROLES = ("prefill", "decode", "both")
 KV_TRANSFER_MODES = ("auto", "tcp")
-
-
-def parse_size(text: str) -> int:
-    """'4GiB', '512MiB', '1e9' or a plain byte count."""
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
-    lowered = str(text).strip().lower()
-    for unit, factor in units.items():
-        if lowered.endswith(unit):
-            return int(float(lowered[: -len(unit)]) * factor)
-    return int(float(lowered))
 
 
 def attention_backend(text: str) -> str:
@@ -53,7 +46,10 @@ class WorkerOptions:
     """A worker: its device and memory, its kernels, its KV tiers and transfers."""
 
     scheduler_address: str = setting(
-        "127.0.0.1:50061", readers="worker", help="HOST:PORT of the scheduler's worker socket"
+        "127.0.0.1:50061",
+        readers="worker",
+        help="HOST:PORT of the scheduler: its workers' socket (--worker-host:--worker-port), or its gRPC port "
+        "(--host:--port, cleartext), which names that socket (worker_node/join_address.py)",
     )
     device: str = setting("auto", readers="worker", help="auto (cuda if present, else cpu), cpu, cuda, cuda:N")
     kv_cache_memory: int | None = setting(
@@ -84,8 +80,10 @@ class WorkerOptions:
     swap_space: float = setting(
         4.0,
         low=0,
+        parse=parse_gib,
         readers="worker",
-        help="GiB of host memory per worker for swapped-out KV blocks (preemption by swap); 0 disables swap",
+        help="GiB of host memory per worker for swapped-out KV blocks (preemption by swap), or a size with its unit "
+        "(8GB); 0 disables swap",
     )
     zmq_curve_dir: str | None = setting(
         None,
@@ -120,9 +118,11 @@ class WorkerOptions:
     kv_offload_ram: float = setting(
         0.0,
         low=0,
+        parse=parse_gib,
         metavar="GIB",
         readers="worker",
-        help="GiB of host RAM per worker that keeps prefix blocks evicted from the device KV cache; a later "
+        help="GiB (or a size with its unit, 20GB) of host RAM per worker that keeps prefix blocks evicted from the "
+        "device KV cache; a later "
         "request with that prefix loads them back instead of recomputing them (0: no RAM tier)",
     )
     kv_offload_disk: str = setting(
@@ -138,10 +138,11 @@ class WorkerOptions:
     kv_offload_disk_size: float = setting(
         4.0,
         low=0,
+        parse=parse_gib,
         metavar="GIB",
         readers="worker",
-        help="GiB of the disk KV tier's file per worker (with --kv-offload-disk); a worker warns at start when "
-        "its filesystem has less free",
+        help="GiB of the disk KV tier's file per worker (with --kv-offload-disk), or a size with its unit (20GB, "
+        "512MiB); a worker warns at start when its filesystem has less free",
     )
     kv_role: str = setting(
         "both",

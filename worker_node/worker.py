@@ -11,6 +11,8 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 import torch
@@ -35,6 +37,7 @@ from settings.cli import from_args
 from settings.commands import command_parser
 from settings.config_file import parse_args
 from settings.worker import EXIT_BAD_FLAGS, WorkerOptions, offload_dir_problem
+from worker_node.join_address import JoinAddressError, join_address
 from worker_node.kv.handoff import make_handoff
 from worker_node.loading import load_rank, pick_device
 from worker_node.model_runner import ModelRunner
@@ -44,9 +47,29 @@ from worker_node.runtime.parallel import Comm, ParallelRank, RendezvousAborted, 
 logger = logging.getLogger("vllm-worker")
 
 
+@dataclass(frozen=True, slots=True)
+class Serves:
+    """What a worker started with --model says it serves (its Hello): the model, and the world's shape. Empty: it
+    serves whatever the scheduler assigns."""
+
+    model: str = ""
+    tensor_parallel_size: int = 0
+    pipeline_parallel_size: int = 0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Serves:
+        model = getattr(args, "model", "")
+        if not model:
+            return cls()
+        local = Path(model).expanduser()  # a folder here: named absolutely (the scheduler runs elsewhere)
+        named = str(local.resolve()) if local.exists() else model
+        return cls(named, args.tensor_parallel_size, args.pipeline_parallel_size)
+
+
 class Worker:
-    def __init__(self, options: WorkerOptions, beats: Beats | None = None) -> None:
+    def __init__(self, options: WorkerOptions, beats: Beats | None = None, serves: Serves = Serves()) -> None:
         self.options = options
+        self.serves = serves
         self.beats = beats or Beats()
         self.device = pick_device(options.device)
         self._ctx = zmq.Context()
@@ -63,17 +86,26 @@ class Worker:
         if options.zmq_curve_dir:
             configure_client(self._sock, options.zmq_curve_dir)
         source = f"{options.local_address}:0;" if options.local_address else ""
-        self._sock.connect(f"tcp://{source}{options.scheduler_address}")
+        # The scheduler's gRPC address names the workers' socket; that socket's own address is kept as it is.
+        self.address = join_address(options.scheduler_address, options.connect_timeout, options.local_address)
+        if self.address != options.scheduler_address:
+            logger.info("the scheduler at %s says workers join at %s", options.scheduler_address, self.address)
+        self._sock.connect(f"tcp://{source}{self.address}")
         self.runner: ModelRunner | None = None
         self.comm: Comm | None = None
         self._rendezvous_monitor: zmq.Socket | None = None
         self.drops = DropLog("scheduler", logger)  # what the socket dropped, before and after the assignment
 
     def run(self) -> int:
-        self._send(WorkerHello(socket.gethostname(), os.getpid(), str(self.device)))
+        s = self.serves
+        hello = WorkerHello(socket.gethostname(), os.getpid(), str(self.device), s.model, s.tensor_parallel_size,
+                            s.pipeline_parallel_size)  # fmt: skip
+        self._send(hello)
         assignment = self._await_assignment()
-        if not isinstance(assignment, Assignment):
-            return 0 if isinstance(assignment, Shutdown) else 1
+        if isinstance(assignment, Shutdown):  # refused for what it is: starting it again as it is cannot help
+            return EXIT_BAD_FLAGS if assignment.refused else 0
+        if assignment is None:
+            return 1
         try:
             ready = self._load(assignment)
         except RendezvousAborted as exc:
@@ -104,11 +136,14 @@ class Worker:
             if isinstance(message, Assignment):
                 return message
             if isinstance(message, Shutdown):
-                logger.info("the scheduler turned this worker away: %s", message.reason)
+                if message.refused:
+                    logger.error("the scheduler refused this worker: %s", message.reason)
+                else:
+                    logger.info("the scheduler turned this worker away: %s", message.reason)
                 return message
             if message is not None:
                 self.drops.drop("%s before the assignment", type(message).__name__)
-        logger.error("no assignment from the scheduler at %s", self.options.scheduler_address)
+        logger.error("no assignment from the scheduler at %s", self.address)
         return None
 
     def _thread_setup(self) -> None:
@@ -119,6 +154,8 @@ class Worker:
             torch.cuda.set_device(self.device)
 
     def _load(self, a: Assignment) -> WorkerReady:
+        if self.serves.model and (Path(self.serves.model) / "config.json").is_file():  # the world's: this host's copy
+            a = msgspec.structs.replace(a, model=self.serves.model)
         if a.device:
             self.device = torch.device(a.device)  # the scheduler's placement wins
         if self.device.type == "cuda":
@@ -199,10 +236,13 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_FLAGS
     beats = Beats()  # to the launcher that started this process, if any (proto/liveness.py)
     try:
-        worker = Worker(options, beats)
-    except CurveError as exc:
+        worker = Worker(options, beats, Serves.from_args(args))
+    except (CurveError, JoinAddressError) as exc:
         logger.error("%s", exc)
         return EXIT_BAD_FLAGS
+    except TimeoutError as exc:
+        logger.error("%s", exc)
+        return 1
     try:
         return worker.run()
     except (KeyboardInterrupt, SystemExit):

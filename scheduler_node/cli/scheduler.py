@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from pathlib import Path
 
 from proto.curve import ensure_keys
 from proto.parallel import ParallelLayout
@@ -15,9 +16,11 @@ from scheduler_node.api.openai_server import OpenAIConfig, OpenAIDoor, OpenAISer
 from scheduler_node.api.reasoning_parsers import reasoning_parser_class
 from scheduler_node.api.security import server_credentials
 from scheduler_node.api.tool_parsers import tool_parser_class
+from scheduler_node.cli.adopt import adopt_first_worker, world_vet
+from scheduler_node.cli.join_door import join_handler
 from scheduler_node.cli.signals import stop_signals
 from scheduler_node.core.kv.prefix_events import KVEventSink
-from scheduler_node.engine.builder import WorldPlan, check_model_split, make_engine
+from scheduler_node.engine.builder import WorldPlan, check_model_split, make_engine, with_block_bytes
 from scheduler_node.engine.core import EngineCore
 from scheduler_node.engine.kv_publisher import KVEventPublisher
 from scheduler_node.engine.metrics import Metrics
@@ -66,6 +69,16 @@ def resolve_parallel(args: argparse.Namespace) -> Placement:
     return place(single_island(layout.world_size), layout, worker_chooses_device=True)
 
 
+def plan_world(args: argparse.Namespace) -> tuple[EngineConfig, Placement, Path]:
+    """The engine's settings (a block size given in bytes made tokens for this model), where each rank goes, and
+    the model's folder; ValueError or FileNotFoundError naming what does not fit."""
+    config = engine_config(args)
+    placement = resolve_parallel(args)
+    folder = resolve_model(args.model)
+    check_model_split(folder, placement.layout, config.quantization, config.scheduler.speculative)
+    return with_block_bytes(config, folder), placement, folder
+
+
 def openai_config(args: argparse.Namespace, served_model_name: str) -> OpenAIConfig | None:
     """The door's settings, or None when --openai-port is 0; ValueError naming a parser that does not load."""
     door = from_args(OpenAIApi, args)
@@ -86,19 +99,27 @@ def openai_config(args: argparse.Namespace, served_model_name: str) -> OpenAICon
 
 
 async def serve(args: argparse.Namespace) -> int:
-    config = engine_config(args)
-    placement = resolve_parallel(args)
-    layout = placement.layout
-    folder = resolve_model(args.model)
-    check_model_split(folder, layout, config.quantization, config.scheduler.speculative)
-    tokenizer = ModelTokenizer(folder)
+    if not args.worker_host:  # vllm-scheduler's default: where gRPC listens (remote workers reach both there)
+        args.worker_host = args.host if ":" not in args.host else "127.0.0.1"  # the ZMQ socket binds IPv4 only
     if args.zmq_curve_dir:
         ensure_keys(args.zmq_curve_dir)
     link = WorkerLink(f"{args.worker_host}:{args.worker_port}", args.heartbeat_timeout, args.zmq_curve_dir)
+    if not args.model:  # the first worker names the model and the world's shape (scheduler_node/cli/adopt.py)
+        args = await adopt_first_worker(args, link)
+    try:
+        config, placement, folder = plan_world(args)
+        tokenizer = ModelTokenizer(folder)
+    except (ValueError, OSError) as exc:
+        link.registry.refuse_parked(f"the scheduler cannot serve this world: {exc}")
+        await link.close(str(exc))
+        raise
+    layout = placement.layout
+    link.registry.vet = world_vet(args.model, layout)
     service = GenerationService(tokenizer, args.served_model_name or served_name(args.model))
     service.link = link
     credentials = server_credentials(args.tls_cert, args.tls_key) if args.tls_cert else None
     server, health = build_server(service, f"{args.host}:{args.port}", credentials, args.control_token)
+    server.add_generic_rpc_handlers((join_handler(f"{args.worker_host}:{args.worker_port}"),))
     metrics = Metrics(service.served_model_name)
     metrics.count_drops(link.drops)
     http_config = openai_config(args, service.served_model_name)

@@ -28,10 +28,12 @@ from scheduler_node.engine.ports import free_port
 from scheduler_node.text.tokenizer import ModelTokenizer
 from settings.engine import EngineConfig
 from settings.lora import LoraConfig
-from settings.scheduler import SchedulerConfig
+from settings.scheduler import BLOCK_SIZES, SchedulerConfig
 from settings.speculative import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
+
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
 
 class WorldPlan:
@@ -170,6 +172,43 @@ def check_model_split(
     layout.check_model(
         heads, int(c.get("num_key_value_heads") or heads), int(c["intermediate_size"]), int(c["num_hidden_layers"])
     )
+
+
+def with_block_bytes(config: EngineConfig, folder: Path) -> EngineConfig:
+    """`config` with --kv-block-bytes (article 000's `block_size: 16KB`) made a --block-size for this model: the
+    largest supported block whose tokens' keys and values in one layer (every KV head, at the model's dtype: --dtype,
+    else the checkpoint's torch_dtype) fit in those bytes, logged. ValueError naming block_size when not even the
+    smallest block fits. Unchanged without --kv-block-bytes."""
+    s = config.scheduler
+    if not s.kv_block_bytes:
+        return config
+    per_token = kv_bytes_per_token_per_layer(folder, config.dtype)
+    fits = [size for size in BLOCK_SIZES if size * per_token <= s.kv_block_bytes]
+    if not fits:
+        raise ValueError(
+            f"block_size {s.kv_block_bytes} bytes holds {s.kv_block_bytes / per_token:.1f} tokens of this model's KV "
+            f"({per_token} bytes per token per layer); the smallest block is {BLOCK_SIZES[0]} tokens "
+            f"({BLOCK_SIZES[0] * per_token} bytes)"
+        )
+    tokens = fits[-1]
+    logger.info(
+        "block_size %d bytes is %.1f tokens of this model's KV (%d bytes per token per layer): blocks of %d tokens",
+        s.kv_block_bytes,
+        s.kv_block_bytes / per_token,
+        per_token,
+        tokens,
+    )
+    return dataclasses.replace(config, scheduler=dataclasses.replace(s, block_size=tokens))
+
+
+def kv_bytes_per_token_per_layer(folder: Path, dtype: str) -> int:
+    """Bytes of one token's keys and values in one layer, every KV head, at `dtype` (auto: the checkpoint's)."""
+    c = json.loads((folder / "config.json").read_text())
+    heads = int(c["num_attention_heads"])
+    head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // heads)
+    kv_heads = int(c.get("num_key_value_heads") or heads)
+    name = dtype if dtype != "auto" else str(c.get("torch_dtype") or c.get("dtype") or "bfloat16")
+    return 2 * kv_heads * head_dim * DTYPE_BYTES.get(name, 2)
 
 
 def resolve_max_model_len(requested: int, model_limit: int, num_blocks: int, block_size: int) -> int:

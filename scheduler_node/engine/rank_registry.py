@@ -42,6 +42,8 @@ JOINING, READY, LOST = "joining", "ready", "lost"
 Send = Callable[[bytes, Message], str]
 # Which free rank a joining worker gets: (hello, its address, the free ranks) -> one of them, or None to turn it away
 Claim = Callable[[WorkerHello, str, Sequence[int]], int | None]
+# Why a worker cannot join this world (its model or the world's shape disagree: scheduler_node/cli/adopt.py), or ""
+Vet = Callable[[WorkerHello], str]
 
 
 @dataclass(slots=True)
@@ -65,6 +67,10 @@ class WorkerInfo:
 
 def lowest_free(hello: WorkerHello, address: str, free: Sequence[int]) -> int | None:
     return free[0]
+
+
+def anyone(hello: WorkerHello) -> str:
+    return ""
 
 
 class RankRegistry:
@@ -91,6 +97,10 @@ class RankRegistry:
         self._by_identity: dict[bytes, WorkerInfo] = {}  # joining and ready workers
         self._assignment: Callable[[int], Assignment] | None = None
         self.claim: Claim = lowest_free  # a placement can match hosts and devices instead
+        self.vet: Vet = anyone  # a world that knows its model and shape refuses a worker that says otherwise
+        # Hellos before the world is known (a scheduler without --model waits for the first): answered at `assemble`
+        self.parked: list[tuple[bytes, WorkerHello, str]] = []
+        self.hello_parked = asyncio.Event()
         self._capacity: WorldCapacity | None = None  # fixed once the first world is ready
         self.all_ready_event = asyncio.Event()
         self.lost = asyncio.Event()  # set while a rank is lost, until every rank is ready again
@@ -150,10 +160,28 @@ class RankRegistry:
         self.ranks = [None] * self.world_size
         self._assignment = assignment
         self.join_timeout = join_timeout
+        parked, self.parked = self.parked, []
+        for identity, msg, address in parked:
+            self.hello(identity, msg, address)
+
+    def refuse_parked(self, reason: str) -> None:
+        """The world cannot be built (the first worker's model does not load here): every waiting worker is told."""
+        for identity, _, _ in self.parked:
+            self.tell(identity, Shutdown(reason, refused=True))
+        self.parked = []
 
     def hello(self, identity: bytes, msg: WorkerHello, address: str) -> None:
-        if identity in self._by_identity:
+        if identity in self._by_identity or any(identity == p[0] for p in self.parked):
             self.drops.drop("a second Hello from pid %d", msg.pid)
+            return
+        if self._assignment is None:  # the world is not known yet: the scheduler reads it off the first Hello
+            self.parked.append((identity, msg, address))
+            self.hello_parked.set()
+            return
+        why = self.vet(msg)
+        if why:
+            logger.error("refusing pid %d on %s: %s", msg.pid, msg.host, why)
+            self.tell(identity, Shutdown(why, refused=True))
             return
         free = self.free_ranks()
         rank = self.claim(msg, address, free) if free else None
@@ -302,9 +330,11 @@ class RankRegistry:
         return found
 
     def shutdown_all(self, reason: str) -> None:
-        """Tell every joining and ready worker to leave (the scheduler stops)."""
+        """Tell every joining, ready or waiting worker to leave (the scheduler stops)."""
         for w in list(self._by_identity.values()):
             self.tell(w.identity, Shutdown(reason))
+        for identity, _, _ in self.parked:
+            self.tell(identity, Shutdown(reason))
 
     def _beat(self, w: WorkerInfo) -> Heartbeat:
         return Heartbeat(w.rank, self.beats, self.heartbeat_timeout)

@@ -133,17 +133,30 @@ class WorkerLink:
 
     # ---- joining
 
+    async def first_hello(self) -> WorkerHello:
+        """The first worker's Hello, once one came (its answer waits for `start`): a scheduler without --model
+        reads the world off it."""
+        self._listen()
+        await self.registry.hello_parked.wait()
+        return self.registry.parked[0][1]
+
     async def start(self, assignment: Callable[[int], Assignment], timeout: float) -> WorldCapacity:
         """Wait until the world's workers said hello, got their rank and reported their KV capacity."""
         self.registry.assemble(assignment, timeout)
+        self._listen()
+        if not await self.wait_ready(timeout):
+            raise TimeoutError(self.registry.not_ready(timeout))
+        return self.capacity
+
+    def _listen(self) -> None:
+        """Read the socket from now on, and keep the liveness clock (once)."""
+        if self._reading is not None:
+            return
         loop = asyncio.get_running_loop()
         self._reading = loop
         loop.add_reader(self._raw.FD, self._drain)
         for job in (self._heartbeat_loop(), self._watch_disconnects()):
             self._tasks.append(loop.create_task(job))
-        if not await self.wait_ready(timeout):
-            raise TimeoutError(self.registry.not_ready(timeout))
-        return self.capacity
 
     async def wait_ready(self, timeout: float | None) -> bool:
         """Wait until every rank is ready; False when `timeout` seconds passed first (None: no limit)."""

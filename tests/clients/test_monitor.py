@@ -12,6 +12,7 @@ from prometheus_client import generate_latest
 from clients import monitor
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.engine.metrics import COUNTERS, GAUGES, LABELLED_COUNTERS, LABELLED_GAUGES
+from settings.config_file import parse_args
 from tests.support.stand_in import StandInRun, spec
 
 pytestmark = pytest.mark.unit
@@ -97,3 +98,24 @@ def test_an_unknown_name_exits_2_listing_the_valid_ones(
     assert "did you mean memory_usage" in err
     assert "short names: cache_hit_rate, memory_usage, fragmentation, spec_decode" in err
     assert "minivllm:kv_fragmentation" in err and "vllm:num_requests_running" in err  # the server's series
+
+
+def test_the_articles_lines_run_as_written(
+    exposition: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`vllm-monitor --metric memory_usage --interval 1` and `vllm-monitor --metric cache_hit_rate` (article 003)."""
+    monkeypatch.setattr(monitor, "scrape", lambda url, timeout=5.0: exposition)
+    slept: list[float] = []
+    monkeypatch.setattr(monitor.time, "sleep", slept.append)
+    assert monitor.main(["--metric", "memory_usage", "--interval", "1", "--url", URL, "--count", "2"]) == 0
+    assert slept == [1.0]
+    assert "vllm:kv_cache_usage_perc{" in capsys.readouterr().out
+    assert monitor.main(["--metric", "cache_hit_rate", "--url", URL, "--count", "1"]) == 0
+    assert "minivllm:cache_hit_rate{" in capsys.readouterr().out
+
+
+def test_the_interval_takes_a_unit_and_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse_args(monitor.build_parser(), ["--metric", "fragmentation", "--interval", "500ms"]).interval == 0.5
+    with pytest.raises(SystemExit):
+        parse_args(monitor.build_parser(), ["--metric", "fragmentation", "--interval", "0"])
+    assert "--interval must be > 0, got 0.0" in capsys.readouterr().err

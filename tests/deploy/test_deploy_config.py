@@ -13,6 +13,7 @@ import pytest
 import tomllib
 import yaml
 
+from settings.commands import SCRIPT_ALIASES
 from settings.config_file import config_keys, parse_args
 from settings.speculative import speculative_text
 from settings.worker import parse_size
@@ -24,9 +25,9 @@ EXAMPLES = REPO / "deploy" / "config"
 
 
 def commands() -> dict[str, str]:
-    """command name -> module of its entry point, as installed."""
+    """command name -> module of its entry point, as installed (not a second name of a command: vllm-serving)."""
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    return {name: target.split(":")[0] for name, target in scripts.items()}
+    return {name: target.split(":")[0] for name, target in scripts.items() if name not in SCRIPT_ALIASES}
 
 
 def parser_of(command: str) -> argparse.ArgumentParser:
@@ -61,23 +62,23 @@ def test_the_example_parses_to_its_values(command: str) -> None:
     parser = parser_of(command)
     args = parse_args(parser, ["--config", str(example_of(command))])
     keys = config_keys(parser_of(command))
-    for dest, value in file_values(example_of(command)).items():
-        expected = keys[dest].default if value is None else _converted(keys[dest], value)
-        assert getattr(args, dest) == expected, dest
+    for key, value in file_values(example_of(command)).items():
+        expected = keys[key].default if value is None else _converted(keys[key], value)
+        assert getattr(args, keys[key].dest) == expected, key
 
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_flags_on_the_command_line_win_over_every_key(command: str) -> None:
     keys = config_keys(parser_of(command))
-    for dest, value in file_values(example_of(command)).items():
-        action = keys[dest]
+    for key, value in file_values(example_of(command)).items():
+        action = keys[key]
         if isinstance(action, argparse._AppendAction):
             continue  # repeatable: they merge (below)
         argv, expected = _other_value(action, value)
         if not argv:
             continue
         args = parse_args(parser_of(command), ["--config", str(example_of(command)), *argv])
-        assert getattr(args, dest) == expected, (dest, argv)
+        assert getattr(args, action.dest) == expected, (key, argv)
 
 
 def test_repeatable_flags_merge_file_and_command_line(tmp_path: Path) -> None:
@@ -128,6 +129,10 @@ def _other_value(action: argparse.Action, value: Any) -> tuple[list[str], Any]:
         return [flag, str(other)], other
     if action.type is parse_size or getattr(action.type, "__name__", "") == parse_size.__name__:
         return [flag, "3MiB"], 3 * 2**20
+    if getattr(action.type, "__name__", "") == "parse_gib":  # GiB, or a size with its unit
+        return [flag, "512MiB"], 0.5
+    if getattr(action.type, "__name__", "") == "parse_duration":  # seconds, or a duration with its unit
+        return [flag, "250ms"], 0.25
     if action.dest == "attention_backend":  # a built-in name or module:Class, checked when parsed
         other = "deploy.custom_attention:PaddedDecodeAttention"
         return [flag, other], other

@@ -250,7 +250,7 @@ def test_vllm_serve_restarts_a_dead_worker(tiny_llama_dir: Path, tmp_path: Path)
         f"model: {tiny_llama_dir}\nkv-cache-memory: 16MiB\nthreads: 1\nlog-level: WARNING\n"
         f"heartbeat-timeout: {HEARTBEAT}\nworker-rejoin-timeout: 60\n"
     )
-    argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--config", str(config), "--port", str(port),
+    argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--config", str(config), "--grpc-port", str(port),
             "--worker-port", str(free_port()), "--openai-port", "0"]  # fmt: skip
     serve = subprocess.Popen(argv, cwd=REPO)
     try:

@@ -164,7 +164,7 @@ def test_a_disk_tier_folder_it_cannot_use_is_refused_at_start(tiny_llama_dir: Pa
             bad = stack.enter_context(tmpfs(tmp_path / "ro", "ro", "size=8k"))
             reason = "cannot write in it (Read-only file system)"
         line = f"--kv-offload-disk {bad}: {reason}"
-        ports = ["--port", str(free_port()), "--worker-port", str(free_port()), "--openai-port", "0"]
+        ports = ["--grpc-port", str(free_port()), "--worker-port", str(free_port()), "--port", "0"]
         serve = _refusal(
             ["scheduler_node.cli.serve", "--model", str(tiny_llama_dir), *ports, "--kv-offload-disk", str(bad)]
         )

@@ -40,7 +40,7 @@ class Serve:
 
     def __init__(self, model: Path, log: Path, extra: list[str]) -> None:
         self.port, self.log = free_port(), log
-        argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--model", str(model), "--port", str(self.port),
+        argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--model", str(model), "--grpc-port", str(self.port),
                 "--worker-port", str(free_port()), "--openai-port", "0", "--heartbeat-timeout", "3", *TP2,
                 *extra]  # fmt: skip
         self.proc = subprocess.Popen(argv, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT)

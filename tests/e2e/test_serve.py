@@ -70,7 +70,7 @@ def test_serve_picks_a_free_worker_port_unless_one_is_given() -> None:
 
 def serve_with_default_worker_port(model: Path, port: int, http_port: int) -> subprocess.Popen:
     argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--model", str(model), "--kv-cache-memory", "16MiB",
-            "--threads", "1", "--log-level", "WARNING", "--port", str(port),
+            "--threads", "1", "--log-level", "WARNING", "--grpc-port", str(port),
             "--openai-port", str(http_port)]  # fmt: skip
     return subprocess.Popen(argv, cwd=REPO)
 
@@ -103,7 +103,7 @@ def test_serve_runs_and_stops_all_children_on_sigterm(tiny_llama_dir: Path, tmp_
         f"model: {tiny_llama_dir}\nkv-cache-memory: 16MiB\nthreads: 1\nlog-level: WARNING\napi-key: {KEY}\n"
     )
     argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--config", str(config),
-            "--port", str(port), "--worker-port", str(worker_port), "--openai-port", str(http_port)]  # fmt: skip
+            "--grpc-port", str(port), "--worker-port", str(worker_port), "--port", str(http_port)]  # fmt: skip
     serve = subprocess.Popen(argv, cwd=REPO)
     url = f"http://127.0.0.1:{http_port}"
     try:
@@ -155,7 +155,7 @@ def test_sigterm_refuses_new_work_with_retry_after_then_ends_what_outlasts_shutd
     stream); vllm-serve exits 0 with its children."""
     port, http_port = free_port(), free_port()
     argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--model", str(long_llama_dir), "--kv-cache-memory",
-            "64MiB", "--threads", "1", "--log-level", "WARNING", "--port", str(port), "--worker-port",
+            "64MiB", "--threads", "1", "--log-level", "WARNING", "--grpc-port", str(port), "--worker-port",
             str(free_port()), "--openai-port", str(http_port), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]  # fmt: skip
     serve = subprocess.Popen(argv, cwd=REPO)
     url = f"http://127.0.0.1:{http_port}"
@@ -212,7 +212,7 @@ def test_serve_data_parallel_replicas_behind_a_router_balance_restart_on_sighup_
     # their batch before and after.
     argv = [sys.executable, "-m", "scheduler_node.cli.serve", "--model", str(long_llama_dir), "--data-parallel-size",
             "2", "--routing-strategy", "least_loaded", "--kv-cache-memory", "32MiB", "--threads", "1", "--log-level",
-            "INFO", "--port", str(port), "--worker-port", str(worker_port),
+            "INFO", "--grpc-port", str(port), "--worker-port", str(worker_port),
             "--openai-port", str(http_port),
             "--batch-invariant"]  # fmt: skip
     log = tmp_path / "serve.log"

@@ -14,6 +14,7 @@ import torch
 
 from minivllm import LLM, SamplingParams, TextPrompt, TokensPrompt
 from minivllm.cluster import REPO
+from scheduler_node.engine.builder import kv_bytes_per_token_per_layer
 from tests.support.models import assert_teacher_forced, load_hf
 from tests.support.ops import alive, child_pids
 
@@ -190,3 +191,12 @@ def test_the_readme_example_runs_as_written(smollm2_dir: Path) -> None:
     assert lines[0].startswith("'The capital of France is' -> '") and lines[0].endswith(("length", "stop"))
     assert lines[1].startswith("'def fibonacci(n):' -> '")
     assert len(lines) >= 3 and lines[2].strip(), "the chat answer"
+
+
+def test_a_block_in_bytes_is_made_tokens_for_the_model(tiny_llama_dir: Path) -> None:
+    """Article 000's `block_size: 16KB`, as `LLM(kv_block_bytes=...)`: the largest block of tokens that fits."""
+    per_token = kv_bytes_per_token_per_layer(tiny_llama_dir, "float32")
+    with LLM(model=str(tiny_llama_dir), dtype="float32", kv_block_bytes=f"{32 * per_token + 1}B") as llm:
+        assert llm.config.scheduler.block_size == 32
+        (out,) = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == 3

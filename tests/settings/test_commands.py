@@ -14,7 +14,7 @@ import pytest
 import tomllib
 
 from settings.cli import help_text, sections
-from settings.commands import COMMANDS
+from settings.commands import COMMANDS, SCRIPT_ALIASES
 from settings.config_file import config_keys
 from tests.support.paths import REPO
 
@@ -36,12 +36,18 @@ def parser_of(command: str) -> argparse.ArgumentParser:
 
 
 def test_every_console_script_is_a_command_of_the_tree() -> None:
-    assert sorted(SCRIPTS) == sorted(COMMANDS)
+    assert sorted(SCRIPTS) == sorted([*COMMANDS, *SCRIPT_ALIASES])
     for command in SCRIPTS:
-        assert parser_of(command).prog == command
+        assert parser_of(command).prog == SCRIPT_ALIASES.get(command, command)
 
 
-@pytest.mark.parametrize("command", sorted(SCRIPTS))
+def test_a_script_alias_shares_its_commands_entry() -> None:
+    assert SCRIPT_ALIASES == {"vllm-serving": "vllm-serve"}  # article 003's name
+    for alias, command in SCRIPT_ALIASES.items():
+        assert SCRIPTS[alias] == SCRIPTS[command]
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_help_lists_every_setting_of_the_command_with_its_help(command: str) -> None:
     text = re.sub(r"\s+", "", parser_of(command).format_help())
     found = [e for _, group in sections(COMMANDS[command].parts) for e in group if e.spec.flag]
@@ -51,9 +57,16 @@ def test_help_lists_every_setting_of_the_command_with_its_help(command: str) -> 
         assert re.sub(r"\s+", "", help_text(e).replace("%%", "%")) in text, e.name
 
 
-@pytest.mark.parametrize("command", sorted(SCRIPTS))
+@pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_the_config_file_keys_are_the_settings_names(command: str) -> None:
-    names = {e.name for _, group in sections(COMMANDS[command].parts) for e in group if e.spec.flag}
+    """Each key is its setting's name, or the command's own spelling of its flag (vllm-serve's `port`)."""
+    spelled = COMMANDS[command].spellings
+    names = {
+        spelled[e.name].flags[0][2:].replace("-", "_") if e.name in spelled else e.name
+        for _, group in sections(COMMANDS[command].parts)
+        for e in group
+        if e.spec.flag
+    }
     assert set(config_keys(parser_of(command))) == names
 
 

@@ -139,7 +139,7 @@ def test_replicas_of_vllm_serve_exit_after_a_drain_and_a_single_one_ignores_sigh
 
 
 def test_vllm_serve_asks_its_router_on_loopback_unless_it_serves_tls() -> None:
-    args = build_parser().parse_args(["--host", "0.0.0.0", "--port", "7000"])
+    args = build_parser().parse_args(["--host", "0.0.0.0", "--grpc-port", "7000"])
     assert _router_address(args) == "127.0.0.1:7000"
     args.host = "::1"
     assert _router_address(args) == "[::1]:7000"

@@ -4,13 +4,23 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
 
 from proto.parallel import ParallelLayout
-from scheduler_node.engine.builder import check_model_split, check_speculative, model_limit, resolve_max_model_len
+from scheduler_node.engine.builder import (
+    check_model_split,
+    check_speculative,
+    kv_bytes_per_token_per_layer,
+    model_limit,
+    resolve_max_model_len,
+    with_block_bytes,
+)
 from scheduler_node.engine.model_path import resolve_model, served_name
+from settings.engine import EngineConfig
+from settings.scheduler import SchedulerConfig
 from settings.speculative import SpeculativeConfig
 
 pytestmark = pytest.mark.unit
@@ -79,3 +89,25 @@ def test_speculation_is_refused_at_start_where_it_cannot_run(tmp_path: Path) -> 
         draft(_folder(tmp_path / "bigger", 9, {"a": 0, "b": 1}))
     with pytest.raises(ValueError, match="speculative_config.model: .* has another tokenizer"):
         draft(_folder(tmp_path / "other", 8, {"a": 1, "b": 0}))
+
+
+def test_a_block_in_bytes_is_the_largest_block_of_tokens_that_fits(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # SmolLM2-135M's shape: 3 KV heads of 64 dims in bf16: 768 bytes of K and V per token per layer.
+    folder = model_folder(tmp_path, {"num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
+                                     "torch_dtype": "bfloat16"})  # fmt: skip
+    assert (
+        kv_bytes_per_token_per_layer(folder, "auto") == 768 and kv_bytes_per_token_per_layer(folder, "float32") == 1536
+    )
+    config = EngineConfig(scheduler=SchedulerConfig(kv_block_bytes=16_000))  # article 000's 16KB: 20.8 tokens
+    with caplog.at_level(logging.INFO, "scheduler_node.engine.builder"):
+        assert with_block_bytes(config, folder).scheduler.block_size == 16
+    assert "block_size 16000 bytes is 20.8 tokens of this model's KV (768 bytes per token per layer)" in caplog.text
+    assert (
+        with_block_bytes(EngineConfig(scheduler=SchedulerConfig(kv_block_bytes=2**20)), folder).scheduler.block_size
+        == 128
+    )
+    assert with_block_bytes(EngineConfig(), folder) == EngineConfig()  # no bytes: --block-size as given
+    with pytest.raises(ValueError, match=r"block_size 4096 bytes holds 5.3 tokens .* the smallest block is 8 tokens"):
+        with_block_bytes(EngineConfig(scheduler=SchedulerConfig(kv_block_bytes=4096)), folder)

@@ -3,7 +3,7 @@ message by message with a list for an outbox and a hand-moved clock."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -221,3 +221,50 @@ def test_lose_ready_loses_only_ready_owers_and_shutdown_reaches_everyone() -> No
     assert all(w.to(i)[-1] == Shutdown("scheduler stopped") for i in (b"a", b"b"))
     w.registry.lose_ready([b"a"], "step 3 ran past its deadline")
     assert w.lost_reasons == ["rank 0 lost: step 3 ran past its deadline"]
+
+
+def outbox(sent: list[tuple[bytes, Message]]) -> Callable[[bytes, Message], str]:
+    def send(identity: bytes, message: Message) -> str:
+        sent.append((identity, message))
+        return ""
+
+    return send
+
+
+def test_hellos_before_the_world_is_known_wait_for_it_and_are_answered_in_order() -> None:
+    sent: list[tuple[bytes, Message]] = []
+    registry = RankRegistry(outbox(sent), TIMEOUT)
+    registry.hello(b"a", WorkerHello("h", 1, "cpu", "/m", 1, 2), "10.0.0.1")
+    registry.hello(b"b", WorkerHello("h", 2, "cpu", "/m", 1, 2), "10.0.0.2")
+    registry.hello(b"a", WorkerHello("h", 1, "cpu", "/m", 1, 2), "10.0.0.1")  # a second Hello: dropped
+    assert registry.hello_parked.is_set() and [p[1].pid for p in registry.parked] == [1, 2] and not sent
+
+    def assignment(rank: int) -> Assignment:
+        return Assignment(rank, 2, "/m", "auto", 16, 64, 8, tensor_parallel_size=1, pipeline_parallel_size=2)
+
+    registry.assemble(assignment, 60.0)
+    assert [(i, m.rank) for i, m in sent if isinstance(m, Assignment)] == [(b"a", 0), (b"b", 1)]
+    assert registry.parked == []
+
+
+def test_a_worker_the_world_refuses_is_told_why_and_gets_no_rank() -> None:
+    w = World(world_size=1)
+    w.registry.vet = lambda hello: "this worker disagrees with the world: --model /x" if hello.model == "/x" else ""
+    w.registry.hello(b"x", WorkerHello("h", 9, "cpu", "/x", 1, 1), "10.0.0.9")
+    (refusal,) = w.to(b"x")
+    assert refusal == Shutdown("this worker disagrees with the world: --model /x", refused=True)
+    assert w.registry.free_ranks() == [0]
+    w.join(b"a")  # one that agrees takes the rank
+
+
+def test_waiting_workers_are_told_when_the_world_cannot_be_built_or_the_scheduler_stops() -> None:
+    sent: list[tuple[bytes, Message]] = []
+    registry = RankRegistry(outbox(sent), TIMEOUT)
+    registry.hello(b"a", WorkerHello("h", 1, "cpu", "/m"), "10.0.0.1")
+    registry.shutdown_all("stopping")
+    registry.refuse_parked("the scheduler cannot serve this world: no such model")
+    assert sent == [
+        (b"a", Shutdown("stopping")),
+        (b"a", Shutdown("the scheduler cannot serve this world: no such model", refused=True)),
+    ]
+    assert registry.parked == []
