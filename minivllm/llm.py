@@ -160,7 +160,7 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        priority: Priority | Sequence[Priority] | None = None,
+        priority: Priority | Sequence[Priority | None] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One output per prompt (a string, a list of token ids, or vLLM's `{"prompt": ...}` /
@@ -239,7 +239,7 @@ class LLM:
         texts: list[str | None],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
-        priority: Priority | Sequence[Priority] | None,
+        priority: Priority | Sequence[Priority | None] | None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         params = _per_prompt(sampling_params or SamplingParams(), len(ids), "sampling_params")

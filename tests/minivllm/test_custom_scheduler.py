@@ -47,7 +47,8 @@ def finish_order(policy: Policy, priorities: dict[str, int]) -> list[str]:
     config = SchedulerConfig(block_size=16, max_num_batched_tokens=256, max_num_seqs=1, max_model_len=1024)
     mode = ExecutionMode.for_world(1, 1, async_scheduling=False)
     options = EngineOptions(output_thread=False)  # deltas reach the streams in the loop's order, as they end
-    engine = EngineCore(CoreScheduler(config, 64, policy, mode), tokenizer(), StandInWorkers(64, block_size=16), options)
+    workers = StandInWorkers(64, block_size=16)
+    engine = EngineCore(CoreScheduler(config, 64, policy, mode), tokenizer(), workers, options)
     ended: list[str] = []
 
     async def scenario() -> None:

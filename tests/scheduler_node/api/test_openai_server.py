@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from scheduler_node.api.openai_server import MAX_BODY_BYTES, OpenAIConfig, OpenAIDoor, build_app
-from scheduler_node.engine.core import EngineCore, EngineOptions
 from scheduler_node.core.request import RequestSpec
+from scheduler_node.engine.core import EngineCore, EngineOptions
 from scheduler_node.engine.metrics import Metrics
 from scheduler_node.engine.outputs import RequestStream
 from settings.priority import PriorityConfig
@@ -178,9 +178,9 @@ def test_a_named_priority_in_the_body_or_the_x_priority_header_is_its_ranges_mid
     submitted: list[int] = []
     submit = engine.submit
 
-    def recording(spec: RequestSpec) -> RequestStream:
+    def recording(spec: RequestSpec, deadline_s: float = 0.0) -> RequestStream:
         submitted.append(spec.priority)
-        return submit(spec)
+        return submit(spec, deadline_s)
 
     engine.submit = recording  # type: ignore[method-assign]
 
