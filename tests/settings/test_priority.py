@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from settings.cli import from_args, to_argv
 from settings.commands import COMMANDS, command_parser
+from settings.config_file import parse_args
 from settings.engine import EngineConfig
 from settings.priority import PriorityConfig, parse_priority_ranges, priority_ranges_text
 
@@ -56,3 +59,10 @@ def test_the_servers_take_the_flags_and_hand_them_to_their_schedulers() -> None:
     assert forwarded[at : at + 4] == ["--default-priority", "40", "--priority-ranges", "realtime=80-100,batch=20-40"]
     with pytest.raises(SystemExit):
         command_parser("vllm-scheduler", "").parse_args(["--priority-ranges", "realtime=100-80"])
+
+
+def test_a_config_file_may_write_the_ranges_as_a_mapping(tmp_path: Path) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text("default_priority: 40\npriority_ranges:\n  realtime: [80, 100]\n  batch: [20, 40]\n")
+    args = parse_args(command_parser("vllm-scheduler", ""), ["--config", str(config)])
+    assert from_args(EngineConfig, args).options.priorities == PriorityConfig(40, "realtime=80-100,batch=20-40")
