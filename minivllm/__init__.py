@@ -11,6 +11,7 @@ from minivllm.llm import LLM, TextPrompt, TokensPrompt
 from minivllm.lora_request import LoRARequest
 from minivllm.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
+from minivllm.scheduling import PriorityScheduler, Scheduler
 
 __all__ = [
     "LLM",
@@ -23,4 +24,6 @@ __all__ = [
     "EmbeddingOutput",
     "TextPrompt",
     "TokensPrompt",
+    "PriorityScheduler",
+    "Scheduler",
 ]

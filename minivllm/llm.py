@@ -26,6 +26,7 @@ from minivllm.collect import Batch, Collector, Progress
 from minivllm.lora_request import LoRARequest
 from minivllm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
+from minivllm.scheduling import SchedulerArg, engine_policy
 from scheduler_node.api.embeddings import (
     EngineFailed,
     check_dimensions,
@@ -34,9 +35,9 @@ from scheduler_node.api.embeddings import (
     pooled,
 )
 from scheduler_node.api.validation import (
-    DEFAULT_PRIORITY,
     InvalidField,
     build_spec,
+    priority_from,
     prompt_from_ids,
     prompt_from_messages,
     prompt_from_text,
@@ -77,6 +78,7 @@ class TokensPrompt(TypedDict):
 
 
 Prompt = str | Sequence[int] | TextPrompt | TokensPrompt
+Priority = int | str  # a number, or a name of the engine's priority_ranges
 Message = dict[str, str]
 
 # Every LLM not closed yet. At interpreter exit they are closed by an atexit hook, while the engine's daemon thread
@@ -100,6 +102,7 @@ class LLM:
         *,
         worker_backend: str = "auto",
         attention: Mapping[str, Any] | None = None,
+        scheduler: SchedulerArg | None = None,
         **settings: Any,
     ) -> None:
         """`model`: as vllm-scheduler's --model. `settings`: any setting of the engine and its workers by name, as
@@ -107,11 +110,14 @@ class LLM:
         `speculative_config={"method": "ngram"}`; docs/settings.md lists them, `inspect.signature(LLM)` too);
         a setting not given takes its environment override, else its default. TypeError naming an unknown
         setting, ValueError naming one out of range. `attention`: a model config's attention section
-        (`{"type": NAME, "params": {...}}`), a kernel registered with `minivllm._custom_ops.register_kernel`."""
+        (`{"type": NAME, "params": {...}}`), a kernel registered with `minivllm._custom_ops.register_kernel`.
+        `scheduler`: the request order, a `PriorityScheduler(...)` or a `minivllm.Scheduler` subclass's instance
+        (minivllm/scheduling.py), instead of the `scheduling_policy` setting."""
         if worker_backend not in WORKER_BACKENDS:
             raise ValueError(f"worker_backend: must be one of {WORKER_BACKENDS}, got {worker_backend!r}")
         if attention is not None or "attention_backend" in settings:  # a registered kernel's name gains its path
             settings["attention_backend"] = worker_setting(settings.get("attention_backend", "auto"), attention)
+        self._policy = engine_policy(scheduler, settings)
         built = engine_settings(settings)
         self.config, self.options = built.engine, built.worker
         world = self.config.layout.world_size
@@ -155,11 +161,12 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        priority: Sequence[int] | None = None,
+        priority: Priority | Sequence[Priority | None] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One output per prompt (a string, a list of token ids, or vLLM's `{"prompt": ...}` /
-        `{"prompt_token_ids": ...}`), in input order; `lora_request`: the adapter of every prompt, or of each
+        `{"prompt_token_ids": ...}`), in input order; `priority`: of every prompt or of each, a number (higher runs
+        first) or a name of the `priority_ranges`; `lora_request`: the adapter of every prompt, or of each
         (None: the base model). ValueError names a bad field."""
         ids = self._prompt_ids(prompts)
         single = isinstance(prompts, (str, dict)) or _is_ids(prompts)
@@ -198,7 +205,7 @@ class LLM:
         ids = self._prompt_ids(prompts)
         specs = [
             embedding_spec(p, self.tokenizer, self.engine.max_model_len, f"llm-{next(self._ids)}", pooling,
-                           DEFAULT_PRIORITY)
+                           self.config.options.priorities.default_priority)
             for p in ids
         ]  # fmt: skip
         vectors = self._call(self._pooled(specs))
@@ -233,7 +240,7 @@ class LLM:
         texts: list[str | None],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
-        priority: Sequence[int] | None,
+        priority: Priority | Sequence[Priority | None] | None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         params = _per_prompt(sampling_params or SamplingParams(), len(ids), "sampling_params")
@@ -241,7 +248,8 @@ class LLM:
         if len(requests) != len(ids):
             raise ValueError(f"lora_request: {len(requests)} given for {len(ids)} prompts")
         loras = [None if r is None else self._lora(r) for r in requests]
-        priorities = [DEFAULT_PRIORITY] * len(ids) if priority is None else _per_prompt(priority, len(ids), "priority")
+        table = self.config.options.priorities
+        priorities = [priority_from(p, None, table) for p in _per_prompt(priority, len(ids), "priority")]
         specs = [
             build_spec(
                 p,
@@ -324,7 +332,7 @@ class LLM:
             self._launcher.start(address, worker_argv(self.options))
             self._tasks.append(asyncio.get_running_loop().create_task(self._keep_alive()))
         capacity = await workers.start(world.assignment, join_timeout)
-        self._engine = make_engine(self.config, self.folder, self.tokenizer, workers, capacity)
+        self._engine = make_engine(self.config, self.folder, self.tokenizer, workers, capacity, policy=self._policy)
         self._tasks.append(asyncio.get_running_loop().create_task(self._engine.run()))
 
     async def _keep_alive(self) -> None:
@@ -398,6 +406,7 @@ LLM.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
         inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None),
         inspect.Parameter("worker_backend", inspect.Parameter.KEYWORD_ONLY, default="auto"),
         inspect.Parameter("attention", inspect.Parameter.KEYWORD_ONLY, default=None),
+        inspect.Parameter("scheduler", inspect.Parameter.KEYWORD_ONLY, default=None),
         *keyword_parameters(),
     ]
 )

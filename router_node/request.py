@@ -19,7 +19,7 @@ class RouteRequest:
     prompt_token_ids: Sequence[int] = ()
     messages: Sequence[tuple[str, str]] = ()  # (role, content)
     max_tokens: int | None = None
-    priority: int | None = None
+    priority: int | str | None = None  # a number, or a name of the replicas' --priority-ranges
     cache_salt: str = ""
     metadata: dict[str, str] = field(default_factory=dict)  # the door's headers a routing function may read
 

@@ -11,6 +11,7 @@ from proto.quantization import QUANTIZATIONS
 from proto.wire import WORKER_JOIN_TIMEOUT_S, ExecutionMode
 from settings.kv_compact import CompactKV
 from settings.lora import LoraConfig
+from settings.priority import PriorityConfig
 from settings.scheduler import BOTH, SchedulerConfig
 from settings.setting import check, group, setting
 from settings.units import parse_duration
@@ -24,7 +25,7 @@ STEP_SECONDS_PER_TOKEN = 0.02
 
 @dataclass(frozen=True, slots=True)
 class EngineOptions:
-    """The engine loop: its deadlines, its queue's bound, its batching delay."""
+    """The engine loop: its deadlines, its queue's bound, its batching delay; what its doors take as a priority."""
 
     rejoin_timeout: float = setting(
         60.0,
@@ -77,6 +78,7 @@ class EngineOptions:
         help="detokenize and stream on a thread of the output side's own (scheduler_node/engine/output_thread.py), "
         "off the loop's",
     )
+    priorities: PriorityConfig = group(PriorityConfig)  # the default and the named ranges (settings/priority.py)
 
     def __post_init__(self) -> None:
         check(self)

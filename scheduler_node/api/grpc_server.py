@@ -120,7 +120,13 @@ class GenerationService(pb_grpc.GenerationServicer):
             header = dict(context.invocation_metadata() or ()).get("x-priority")
             # Off the event loop: tokenizing a long prompt must not stall the streams of other requests.
             spec = await asyncio.to_thread(
-                validate, request, self.tokenizer, engine.max_model_len, header, engine.compact_tokens
+                validate,
+                request,
+                self.tokenizer,
+                engine.max_model_len,
+                header,
+                engine.compact_tokens,
+                engine.options.priorities,
             )
             check_prompt_logprobs([spec], "sampling.prompt_logprobs")
             spec = with_resume(request, spec, self.tokenizer.vocab_size)

@@ -222,7 +222,8 @@ class _GenerationRequest(_Body):
     structured_outputs: StructuredOutputs | None = None
     ignore_eos: bool = False
     speculate: bool | None = None  # false: no speculative decoding for this request (a minivllm extension)
-    priority: Int32 | None = None  # higher runs first, as in the gRPC API (vLLM's is the other way round)
+    # higher runs first, as in the gRPC API (vLLM's is the other way round); or a name of --priority-ranges
+    priority: Int32 | str | None = None
     cache_salt: str = ""
     kv_precision: str = ""  # auto (empty), full or compact: the format of the request's KV blocks
     kv_transfer_params: KVTransferParams | None = None  # disaggregated prefill/decode through the router

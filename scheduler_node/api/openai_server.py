@@ -167,7 +167,7 @@ class OpenAIDoor:
         engine = self.ready_engine()
         request_id = f"embd-{uuid.uuid4().hex}"
         try:
-            priority = priority_from(body.priority, request.headers.get("x-priority"))
+            priority = priority_from(body.priority, request.headers.get("x-priority"), engine.options.priorities)
             specs = await asyncio.to_thread(request_specs, body, self.tokenizer, engine.max_model_len, request_id,
                                             self.config.embedding_pooling, priority)  # fmt: skip
         except InvalidField as exc:
@@ -207,7 +207,7 @@ class OpenAIDoor:
                 plan = body.tool_plan()
                 shape = functools.partial(ChatShape, outputs=lambda: self.chat_output(plan))
                 plain = self.chat_output(plan) is None
-            priority = priority_from(body.priority, request.headers.get("x-priority"))
+            priority = priority_from(body.priority, request.headers.get("x-priority"), engine.options.priorities)
             # Off the event loop: tokenizing a long prompt must not stall other requests' streams.
             specs = await asyncio.to_thread(
                 make, body, self.tokenizer, engine.max_model_len, request_id, priority, engine.compact_tokens

@@ -20,6 +20,7 @@ from scheduler_node.api.sampling import SamplingFields, StructuredFields
 from scheduler_node.core.kv.precision import KV_PRECISIONS
 from scheduler_node.core.request import RequestSpec
 from scheduler_node.text.tokenizer import ModelTokenizer
+from settings.priority import DEFAULT_PRIORITY, INT32, PriorityConfig
 
 MAX_N = 64
 MAX_LOGPROBS = 20
@@ -27,7 +28,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_ID_LENGTH = 256
 MAX_MESSAGES = 1024
-DEFAULT_PRIORITY = 50
+DEFAULTS = PriorityConfig()  # no named ranges, DEFAULT_PRIORITY
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 1024  # entries
 MAX_BIAS = 100.0  # |bias| at most (OpenAI's range)
@@ -338,19 +339,33 @@ def _check_depth(value: Any, name: str) -> None:
                 stack.append((child, depth + 1))
 
 
-def priority_from(given: int | None, header: str | None) -> int:
-    """The request's own priority, else the x-priority header's, else the default."""
-    if given is not None:
+def priority_from(given: int | str | None, header: str | None, table: PriorityConfig = DEFAULTS) -> int:
+    """The request's own priority, else the x-priority header's, else the default (`table`: the door's default and
+    named ranges, settings/priority.py). Either may be a number or a range's name (`realtime`)."""
+    if isinstance(given, int):
         return given
+    if given is not None:
+        return _priority_text(given, table, "")
     if header is None:
-        return DEFAULT_PRIORITY
-    shown = header if len(header) <= 40 else header[:40] + "..."
+        return table.default_priority
+    return _priority_text(header, table, "the x-priority header ")
+
+
+def _priority_text(text: str, table: PriorityConfig, where: str) -> int:
+    """A priority given as text: a number in int32's range, or the name of one of `table`'s ranges."""
+    shown = text if len(text) <= 40 else text[:40] + "..."
     try:
-        value = int(header)
+        value = int(text)
     except ValueError:
-        raise InvalidField("priority", f"the x-priority header must be an integer, got {shown!r}") from None
-    if not -(2**31) <= value < 2**31:  # a body's priority is an int32 too
-        raise InvalidField("priority", f"the x-priority header must be in [-2147483648, 2147483647], got {shown}")
+        named = table.named(text.strip())
+        if named is not None:
+            return named
+        ranges = ", ".join(str(r) for r in table.ranges) or "none (--priority-ranges)"
+        raise InvalidField(
+            "priority", f"{where}must be an integer or a named range ({ranges}), got {shown!r}"
+        ) from None
+    if not INT32[0] <= value <= INT32[1]:  # a body's priority is an int32 too
+        raise InvalidField("priority", f"{where}must be in [{INT32[0]}, {INT32[1]}], got {shown}")
     return value
 
 
@@ -363,6 +378,7 @@ def validate(
     max_model_len: int,
     priority_header: str | None = None,
     compact_tokens: int = 0,  # what the engine's compact KV pool holds (0: none)
+    priorities: PriorityConfig = DEFAULTS,  # the default priority and the named ranges
 ) -> RequestSpec:
     """A gRPC GenerateRequest → RequestSpec (sampling fields are named `sampling.<field>`)."""
     s = request.sampling
@@ -375,7 +391,7 @@ def validate(
         max_model_len,
         tokenizer=tokenizer,
         request_id=request.request_id,
-        priority=_priority(request, priority_header),
+        priority=_priority(request, priority_header, priorities),
         cache_salt=request.cache_salt,
         prefix="sampling.",
         kv_precision=request.kv_precision,
@@ -404,8 +420,8 @@ def _structured_fields(s: pb.SamplingParams) -> StructuredFields | None:
     return None
 
 
-def _priority(request: pb.GenerateRequest, header: str | None) -> int:
-    return priority_from(request.priority if request.HasField("priority") else None, header)
+def _priority(request: pb.GenerateRequest, header: str | None, table: PriorityConfig = DEFAULTS) -> int:
+    return priority_from(request.priority if request.HasField("priority") else None, header, table)
 
 
 def _prompt_ids(request: pb.GenerateRequest, tokenizer: ModelTokenizer, max_model_len: int) -> list[int]:

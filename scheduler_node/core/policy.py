@@ -28,12 +28,16 @@ A subclass that overrides how requests rank (`effective_priority`, `sort_key`, `
 or `pick_victim`) is sorted every step, unless it says `stable_order = True`.
 
 Write your own: subclass `Policy`, override `effective_priority` (or the three methods), and load it with
-`--scheduling-policy my_module:MyPolicy` (see deploy/custom_policy.py).
+`--scheduling-policy my_module:MyPolicy` (see deploy/custom_policy.py). Or subclass `StepChoice` (public as
+`minivllm.Scheduler`) and override `schedule()`, which the scheduler calls at the start of every step and which
+returns the policy that orders that step (`self.priority_schedule()`, `self.fifo_schedule()`, or any Policy),
+reading `self.load`: the larger of the seats taken (running sequences / max_num_seqs) and the KV blocks in use
+(of the device cache), from 0 to 1.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from scheduler_node.core.request import Request
@@ -84,6 +88,12 @@ class Policy:
     def _age_points(self, req: Request, now: float) -> float:
         return max(0.0, now - req.arrival_time) / self.aging_interval
 
+    def watch(self, load: Callable[[], float]) -> None:
+        """The scheduler that runs this policy hands it its load gauge (0..1); only a StepChoice reads it."""
+
+    def begin_step(self) -> None:
+        """Called by the scheduler as each step begins, before any order is decided; only a StepChoice acts."""
+
 
 class PriorityPolicy(Policy):
     name = "priority"
@@ -107,6 +117,71 @@ class HybridPolicy(Policy):
 
     def effective_priority(self, req: Request, now: float) -> float:
         return req.priority + self._age_points(req, now)
+
+
+class StepChoice(Policy):
+    """A policy whose `schedule()` picks, as each step begins, the policy that orders that step's requests (the
+    article's `class CustomScheduler(Scheduler)`: `minivllm.Scheduler` is this class). Its order may change from
+    one step to the next, so it is never a stable order: the scheduler sorts its queues every step."""
+
+    name = "step_choice"
+    stable_order = False
+
+    def __init__(self, aging_interval: float = AGING_INTERVAL_S, preemption_margin: float = PREEMPTION_MARGIN) -> None:
+        super().__init__(aging_interval, preemption_margin)
+        self._fifo = Policy(aging_interval, preemption_margin)
+        self._priority = PriorityPolicy(aging_interval, preemption_margin)
+        self._load: Callable[[], float] = lambda: 0.0
+        self.current: Policy = self._fifo  # the choice of the step under way
+
+    @property
+    def load(self) -> float:
+        """The larger of the seats taken (running / max_num_seqs) and the device KV blocks in use, 0..1; 0 before
+        the policy runs in a scheduler."""
+        return self._load()
+
+    def schedule(self) -> Policy:
+        """The policy that orders this step. Override it; the default is arrival order."""
+        return self.fifo_schedule()
+
+    def priority_schedule(self) -> Policy:
+        """Order by the requests' priority (higher first), displacing lower ones by the margin: `priority`."""
+        return self._priority
+
+    def fifo_schedule(self) -> Policy:
+        """Order by arrival, never displacing for priority: `fcfs`."""
+        return self._fifo
+
+    def watch(self, load: Callable[[], float]) -> None:
+        self._load = load
+
+    def begin_step(self) -> None:
+        chosen = self.schedule()
+        if not isinstance(chosen, Policy):
+            raise TypeError(
+                f"{type(self).__name__}.schedule() must return a policy (self.priority_schedule(), "
+                f"self.fifo_schedule() or a Policy), got {chosen!r}"
+            )
+        self.current = chosen
+
+    # Every ranking question goes to the step's choice.
+    def effective_priority(self, req: Request, now: float) -> float:
+        return self.current.effective_priority(req, now)
+
+    def sort_key(self, req: Request, now: float) -> Any:
+        return self.current.sort_key(req, now)
+
+    def order_waiting(self, waiting: Iterable[Request], now: float) -> list[Request]:
+        return self.current.order_waiting(waiting, now)
+
+    def order_running(self, running: Iterable[Request], now: float) -> list[Request]:
+        return self.current.order_running(running, now)
+
+    def pick_victim(self, candidates: list[Request], now: float) -> Request | None:
+        return self.current.pick_victim(candidates, now)
+
+    def displaces(self, waiting: Request, running: Request, now: float) -> bool:
+        return self.current.displaces(waiting, running, now)
 
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Policy, PriorityPolicy, DynamicPolicy, HybridPolicy)}

@@ -92,6 +92,7 @@ class Scheduler:
         self.leases = KVLeases()  # disaggregated prefill/decode (core/kv/leases.py)
         self._step_id = 0
         self._build_parts()
+        self.policy.watch(self.load)  # a StepChoice policy reads it in its schedule()
 
     def _build_parts(self) -> None:
         """The scheduler's parts, each handed what it uses (and nothing of another part's state)."""
@@ -139,6 +140,7 @@ class Scheduler:
         waiting ones (unless the running pass preempted), migrated arrivals pulling their KV, then the plan's
         diffs, block work and KV hand-offs."""
         self._step_id += 1
+        self.policy.begin_step()  # a StepChoice picks this step's order (core/policy.py); others do nothing
         now = self.clock()
         self.capacity.maybe_compact(self._step_id)
         step = self._begin(now)
@@ -235,6 +237,11 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return self.queues.num_unfinished
+
+    def load(self) -> float:
+        """The larger of the seats taken (running sequences / max_num_seqs) and the device KV blocks in use, 0..1."""
+        seats = len(self.queues.running) / self._config.max_num_seqs
+        return min(1.0, max(seats, self.blocks.usage))
 
     @property
     def num_preemptions(self) -> int:

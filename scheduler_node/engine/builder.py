@@ -18,7 +18,7 @@ from proto.quantization import resolve_quantization
 from proto.transport import WorkerTransport, WorldCapacity
 from proto.wire import Assignment
 from scheduler_node.core.kv.tier_index import KVTiers
-from scheduler_node.core.policy import make_policy
+from scheduler_node.core.policy import Policy, make_policy
 from scheduler_node.core.scheduler import PreemptionCosts, Scheduler
 from scheduler_node.engine.core import EngineCore
 from scheduler_node.engine.lora_registry import LoraRegistry
@@ -126,11 +126,14 @@ def make_engine(
     workers: WorkerTransport,
     capacity: WorldCapacity,
     metrics: Metrics | None = None,
+    policy: Policy | None = None,
 ) -> EngineCore:
-    """The scheduler sized to the assembled world, and the engine core over it."""
+    """The scheduler sized to the assembled world, and the engine core over it; `policy`: an instance to order
+    requests with (`LLM(scheduler=...)`), else the one `config.scheduling_policy` names."""
     s = config.scheduler
     max_len = resolve_max_model_len(s.max_model_len, model_limit(folder), capacity.num_kv_blocks, s.block_size)
-    policy = make_policy(config.scheduling_policy, config.aging_interval, config.preemption_margin)
+    if policy is None:
+        policy = make_policy(config.scheduling_policy, config.aging_interval, config.preemption_margin)
     costs = PreemptionCosts(bytes_per_block=capacity.bytes_per_block, swap_bytes_per_s=capacity.swap_bytes_per_s)
     tiers = KVTiers(capacity.ram_tier_blocks, capacity.disk_tier_blocks, s.kv_offload_policy, capacity.bytes_per_block)
     tiers.adopt_disk(capacity.disk_tier_entries)

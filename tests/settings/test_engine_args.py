@@ -34,6 +34,7 @@ TEXT = {
     "kv_offload_disk": "/var/kv",
     "kv_transfer_host": "0.0.0.0",
     "int8_act_bits": "8",
+    "priority_ranges": "realtime=80-100,batch=20-40",
 }
 NEEDS = {"lora_modules": {"enable_lora": True}}
 

@@ -22,6 +22,8 @@ from proto import serving_pb2_grpc as pb_grpc
 from scheduler_node.api import heap
 from scheduler_node.api.grpc_server import GenerationService, build_server
 from scheduler_node.api.request_bounds import MAX_REQUEST_BYTES
+from scheduler_node.engine.core import EngineOptions
+from settings.priority import PriorityConfig
 
 pytestmark = pytest.mark.unit
 
@@ -33,6 +35,7 @@ GENERATE = "/" + pb.DESCRIPTOR.services_by_name["Generation"].full_name + "/Gene
 class IdleEngine:
     max_model_len = MAX_MODEL_LEN
     compact_tokens = 0
+    options = EngineOptions(priorities=PriorityConfig(priority_ranges="realtime=80-100"))  # what the door reads
 
     def unavailable(self) -> str:
         return ""
@@ -119,6 +122,7 @@ def test_what_is_not_a_valid_request_is_invalid_argument_naming_the_field() -> N
             "sampling.structured.json",
         ),
         (pb.GenerateRequest(prompt_token_ids=ids), (("x-priority", str(10**30)),), "priority"),
+        (pb.GenerateRequest(prompt_token_ids=ids), (("x-priority", "urgent"),), "priority"),  # no such range
         (pb.GenerateRequest(prompt_token_ids=ids, sampling=many), (), "sampling.prompt_logprobs"),
     ]
 
@@ -127,6 +131,7 @@ def test_what_is_not_a_valid_request_is_invalid_argument_naming_the_field() -> N
         for request, metadata, field in cases:
             code, details = await refused(stub.Generate(request, metadata=metadata))
             assert (code, details.split(":")[0]) == (grpc.StatusCode.INVALID_ARGUMENT, field), details
+            assert "urgent" not in str(metadata) or "realtime=80-100" in details, details  # the door's own ranges
         # A string field that is not UTF-8 (what a lone surrogate becomes): the message does not parse.
         not_utf8 = pb.GenerateRequest(prompt="ab").SerializeToString().replace(b"ab", b"\xed\xa0")
         raw = channel.unary_stream(GENERATE)

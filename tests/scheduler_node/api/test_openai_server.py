@@ -13,8 +13,11 @@ import httpx
 import pytest
 
 from scheduler_node.api.openai_server import MAX_BODY_BYTES, OpenAIConfig, OpenAIDoor, build_app
+from scheduler_node.core.request import RequestSpec
 from scheduler_node.engine.core import EngineCore, EngineOptions
 from scheduler_node.engine.metrics import Metrics
+from scheduler_node.engine.outputs import RequestStream
+from settings.priority import PriorityConfig
 from tests.support.stand_in import TOKEN, ControlledWorkers, running, stand_in_engine, tokenizer
 
 pytestmark = pytest.mark.unit
@@ -167,3 +170,30 @@ def test_without_ready_workers_the_door_says_503_and_why() -> None:
         assert answer.status_code == 503 and error_of(answer)["message"] == "a worker is not ready"
 
     serve(stand_in_engine(workers=workers, options=EngineOptions(rejoin_timeout=60)), lost)
+
+
+def test_a_named_priority_in_the_body_or_the_x_priority_header_is_its_ranges_middle() -> None:
+    ranges = PriorityConfig(default_priority=45, priority_ranges="realtime=80-100,batch=20-40")
+    engine = stand_in_engine(EngineOptions(priorities=ranges))
+    submitted: list[int] = []
+    submit = engine.submit
+
+    def recording(spec: RequestSpec, deadline_s: float = 0.0) -> RequestStream:
+        submitted.append(spec.priority)
+        return submit(spec, deadline_s)
+
+    engine.submit = recording  # type: ignore[method-assign]
+
+    async def scenario(client: httpx.AsyncClient, door: OpenAIDoor) -> None:
+        body = {"prompt": "x", "max_tokens": 1}
+        for headers, priority in (({"X-Priority": "realtime"}, None), ({}, "batch"), ({"X-Priority": "90"}, None),
+                                  ({}, None), ({"X-Priority": "realtime"}, 7)):  # fmt: skip
+            sent = body if priority is None else {**body, "priority": priority}
+            answer = await client.post("/v1/completions", json=sent, headers=headers)
+            assert answer.status_code == 200, answer.text
+        unknown = await client.post("/v1/completions", json=body, headers={"X-Priority": "urgent"})
+        assert unknown.status_code == 400 and error_of(unknown)["param"] == "priority"
+        assert "realtime=80-100" in error_of(unknown)["message"]
+
+    serve(engine, scenario)
+    assert submitted == [90, 30, 90, 45, 7]  # the body's own priority wins over the header

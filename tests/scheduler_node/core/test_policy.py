@@ -6,7 +6,7 @@ import pytest
 
 from proto.wire import SamplingOptions, StepResult
 from scheduler_node.core.config import SchedulerConfig
-from scheduler_node.core.policy import DynamicPolicy, HybridPolicy, Policy, PriorityPolicy, make_policy
+from scheduler_node.core.policy import DynamicPolicy, HybridPolicy, Policy, PriorityPolicy, StepChoice, make_policy
 from scheduler_node.core.request import Request, Status, StopConditions
 from scheduler_node.core.scheduler import Scheduler
 from tests.support.plans import scheduled
@@ -190,3 +190,74 @@ def test_priority_comes_from_the_field_then_the_header_then_the_default() -> Non
     assert _priority(pb.GenerateRequest(prompt="x"), None) == DEFAULT_PRIORITY
     with pytest.raises(InvalidField):
         _priority(pb.GenerateRequest(prompt="x"), "high")
+
+
+def test_a_named_priority_comes_from_the_field_or_the_header_by_the_doors_ranges() -> None:
+    from scheduler_node.api.validation import InvalidField, priority_from
+    from settings.priority import PriorityConfig
+
+    table = PriorityConfig(default_priority=45, priority_ranges="realtime=80-100,batch=20-40")
+    assert priority_from(None, "realtime", table) == 90  # X-Priority: realtime, its range's middle
+    assert priority_from("batch", "realtime", table) == 30  # the request's own field wins
+    assert priority_from(None, "90", table) == 90  # numbers as before
+    assert priority_from(None, None, table) == 45  # the door's default
+    with pytest.raises(InvalidField) as err:
+        priority_from("urgent", None, table)
+    assert err.value.field == "priority" and "realtime=80-100" in str(err.value) and "'urgent'" in str(err.value)
+    with pytest.raises(InvalidField, match="x-priority header"):
+        priority_from(None, "realtime", PriorityConfig())  # no ranges: a name means nothing
+
+
+class LoadSwitch(StepChoice):
+    """The article's custom scheduler (seed 000, 6.3): by priority under load, else in arrival order."""
+
+    def schedule(self) -> Policy:
+        if self.load > 0.8:
+            return self.priority_schedule()
+        return self.fifo_schedule()
+
+
+@pytest.mark.parametrize(("seats", "first"), [(4, "batch"), (10, "rt")])
+def test_step_choice_orders_each_step_by_what_schedule_returns_under_its_load(seats: int, first: str) -> None:
+    """One seat free: with 3 of 4 taken (load 0.75) arrival order holds (the earlier batch request takes it), with
+    9 of 10 (load 0.9) the order is by priority (the realtime one does)."""
+    policy = LoadSwitch()
+    s = make(policy, num_blocks=64, seqs=seats)
+    running = seats - 1
+    for i in range(running):
+        s.add(req(f"long{i}", 50, prompt=4, max_tokens=200, first=100 + 10 * i))
+    step(s)
+    assert len(s.running) == running and policy.load == pytest.approx(running / seats)
+    s.add(req("batch", 30, at=1.0, first=900))
+    s.add(req("rt", 90, at=2.0, first=950))
+    assert first in step(s) and s.requests[first].status is Status.RUNNING
+    other = "rt" if first == "batch" else "batch"
+    assert s.requests[other].status is Status.WAITING
+
+
+def test_load_is_the_larger_of_seats_taken_and_kv_blocks_in_use() -> None:
+    policy = LoadSwitch()
+    s = make(policy, num_blocks=9, seqs=8)
+    assert policy.load == 0.0
+    s.add(req("big", 50, prompt=64, max_tokens=200))  # 8 of 9 blocks, 1 of 8 seats
+    step(s)
+    assert policy.load == pytest.approx(s.blocks.usage) and policy.load > 0.8
+    assert policy.current is policy.fifo_schedule()  # chosen as the step began, when nothing ran
+    step(s)
+    assert policy.current is policy.priority_schedule()
+
+
+def test_a_schedule_that_returns_no_policy_is_a_clear_error() -> None:
+    class Broken(StepChoice):
+        def schedule(self) -> Policy:
+            return "priority"  # type: ignore[return-value]
+
+    s = make(Broken(), seqs=1)
+    with pytest.raises(TypeError, match=r"Broken.schedule\(\) must return a policy"):
+        s.schedule()
+
+
+def test_step_choice_loads_by_dotted_path_and_the_fixed_orders_stay_stable() -> None:
+    policy = make_policy("tests.scheduler_node.core.test_policy:LoadSwitch")
+    assert isinstance(policy, LoadSwitch) and not policy.stable_order
+    assert Policy.stable_order and PriorityPolicy.stable_order  # the default paths sort nothing per step
