@@ -13,6 +13,7 @@ from clients import monitor
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.engine.metrics import COUNTERS, GAUGES, LABELLED_COUNTERS, LABELLED_GAUGES
 from settings.config_file import parse_args
+from tests.seeds.blocks import block
 from tests.support.stand_in import StandInRun, spec
 
 pytestmark = pytest.mark.unit
@@ -107,10 +108,11 @@ def test_the_articles_lines_run_as_written(
     monkeypatch.setattr(monitor, "scrape", lambda url, timeout=5.0: exposition)
     slept: list[float] = []
     monkeypatch.setattr(monitor.time, "sleep", slept.append)
-    assert monitor.main(["--metric", "memory_usage", "--interval", "1", "--url", URL, "--count", "2"]) == 0
+    memory = block("monitor_memory").text.split()[1:]  # the command's arguments as the article writes them
+    assert monitor.main([*memory, "--url", URL, "--count", "2"]) == 0
     assert slept == [1.0]
     assert "vllm:kv_cache_usage_perc{" in capsys.readouterr().out
-    assert monitor.main(["--metric", "cache_hit_rate", "--url", URL, "--count", "1"]) == 0
+    assert monitor.main([*block("monitor_hit_rate").text.split()[1:], "--url", URL, "--count", "1"]) == 0
     assert "minivllm:cache_hit_rate{" in capsys.readouterr().out
 
 

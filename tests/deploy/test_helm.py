@@ -21,27 +21,13 @@ from scheduler_node.cli.serve import replica_plans
 from settings.cli import from_args
 from settings.lora import LoraConfig
 from tests.deploy import test_deploy_k8s as k8s
+from tests.seeds.blocks import block
 from tests.support.helm import Helm, HelmError, find_helm
 from tests.support.k8s import World, parse_command, pod_spec, resolve
 from tests.support.paths import REPO
 
 # The article's file (section 3.3), as written but for the model.
-ARTICLE = yaml.safe_load("""
-engine:
-  replicaCount: 3
-  resources:
-    limits:
-      nvidia.com/gpu: 2
-  args:
-    - "--model=default"
-    - "--tensor-parallel-size=2"
-    - "--max-lora-rank=64"
-
-ingress:
-  enabled: true
-  annotations:
-    nginx.ingress.kubernetes.io/backend-protocol: "GRPC"
-""")
+ARTICLE = yaml.safe_load(block("helm_values").text)
 # Everything else on: a CPU world of TP 2 x PP 2, the HTTP API routed by the Ingress, the ServiceMonitor.
 CPU_HTTP: dict[str, Any] = {
     "engine": {"args": ["--tensor-parallel-size", "2", "--pipeline-parallel-size=2"]},

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from minivllm import SamplingParams
 from minivllm.controller import ModelRequest, ModelRouter
 from router_node.routing import RouteError
+from tests.seeds.blocks import block
 
 pytestmark = pytest.mark.model
 
@@ -92,3 +94,26 @@ def test_bad_paths_names_and_strategies_are_errors_naming_them(router: ModelRout
     with pytest.raises(ValueError, match="^strategy: must be one of"):
         router.route(strategy="fastest")
     assert list(router.models) == ["qwen-7b", "llama3-70b"]
+
+
+def test_the_articles_lines_as_written(
+    tiny_llama_dir: Path, tiny_qwen2_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seed 003's block run as written (tests/seeds/blocks.py), its two paths made links to two tiny models and its
+    router's KV memory bounded for CI; the function's answer decides which model each request reaches."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "path" / "to").mkdir(parents=True)
+    (tmp_path / "path" / "to" / "qwen").symlink_to(tiny_qwen2_dir)
+    (tmp_path / "path" / "to" / "llama3").symlink_to(tiny_llama_dir)
+    text = block("model_router").text
+    namespace: dict[str, Any] = {}
+    exec(text.replace("ModelRouter()", "ModelRouter(**SETTINGS)"), {"SETTINGS": SETTINGS} | namespace, namespace)
+    router = namespace["router"]
+    with router:
+        short, long = asyncio.run(_both(router))
+        assert short.outputs[0].token_ids == direct(router, "qwen-7b", SHORT)
+        assert long.outputs[0].token_ids == direct(router, "llama3-70b", LONG)
+
+
+async def _both(router: ModelRouter) -> list[Any]:
+    return list(await asyncio.gather(router.generate(SHORT, PARAMS), router.generate(LONG, PARAMS)))

@@ -14,26 +14,14 @@ import pytest
 
 from kernels import custom_kernels
 from minivllm import LLM, SamplingParams, _custom_ops
+from tests.seeds.blocks import block
 from tests.support.custom_kernel import build_example, counter
 
 pytestmark = pytest.mark.e2e
 
-# §6.2 and §4.3, as the article writes them (but for the package's name).
-REGISTER = "\n".join(
-    [
-        "from minivllm import _custom_ops",
-        "_custom_ops.register_kernel(",
-        '    "my_attention", ',  # the article's trailing space too
-        '    "path/to/custom_attention.so"',
-        ")",
-    ]
-)
-CHECK = "\n".join(
-    [
-        "from minivllm.model_executor.layers.attention import PagedAttention",
-        "print(PagedAttention.supports(model_config))",
-    ]
-)
+# §6.2 and §4.3, as the article writes them (but for the package's name): tests/seeds/blocks.py.
+REGISTER = block("register_kernel").text
+CHECK = block("paged_attention_supports").text
 PROMPTS = [[5, 9, 13], list(range(20, 57)), [101] * 18]  # prefill chunks, block boundaries, a repeated prompt
 MAX_TOKENS = 12
 
@@ -78,7 +66,8 @@ def test_the_article_lines_as_written(
     assert _custom_ops.registered_kernels() == {"my_attention": example}
     trace = tmp_path / "calls.txt"
     model_config = json.loads((tiny_llama_dir / "config.json").read_text())
-    model_config["attention"] = {"type": "my_attention", "params": {"trace": str(trace)}}  # the article's JSON
+    params = json.dumps({"trace": str(trace)})  # the article's JSON, its `{...}` filled in
+    model_config.update(json.loads(block("attention_config").text.replace("{...}", params)))
     exec(CHECK, {"model_config": model_config})
     printed = capsys.readouterr().out
     assert printed.startswith("supported: LlamaForCausalLM") and "attention backend my_attention" in printed

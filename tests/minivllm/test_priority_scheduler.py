@@ -12,18 +12,17 @@ from minivllm.scheduling import engine_policy
 from scheduler_node.api.validation import InvalidField
 from scheduler_node.core.policy import PriorityPolicy
 from scheduler_node.core.request import Request
+from tests.seeds.blocks import block
 
 pytestmark = pytest.mark.model
 
 
 def article_scheduler() -> PriorityScheduler:
-    return PriorityScheduler(  # the article's lines, as written
-        default_priority=50,
-        priority_ranges={
-            "realtime": (80, 100),
-            "batch": (20, 40),
-        },
-    )
+    namespace: dict[str, Any] = {}
+    exec(block("priority_scheduler").text, namespace)  # the article's lines, as written
+    scheduler = namespace["scheduler"]
+    assert isinstance(scheduler, PriorityScheduler)
+    return scheduler
 
 
 def test_the_articles_scheduler_orders_by_priority_and_names_its_ranges() -> None:

@@ -387,3 +387,33 @@ def file_of(b: Block, folder: Path) -> Path:
     path = folder / f"{b.name}{suffix}"
     path.write_text(b.text + "\n")
     return path
+
+
+# Where each block runs: the test that runs its text (it reads it with `block(name)`) and checks what the article
+# says it does. tests/seeds/test_blocks.py checks that each one exists and reads its block.
+RUNS: dict[str, str] = {
+    "hybrid_parallel_serving": "tests/seeds/test_serving_lines.py::test_hybrid_parallel_serving_line",
+    "config_yaml": "tests/settings/test_article_spellings.py::test_article_003s_config_and_port_serve_http_on_8000",
+    "serve_config": "tests/seeds/test_serving_lines.py::test_config_file_serves_http_on_its_port",
+    "multi_node": "tests/seeds/test_serving_lines.py::test_multi_node_lines",
+    "helm_values": "tests/deploy/test_helm.py::test_the_article_values_give_three_worlds_of_two_gpus",
+    "monitor_memory": "tests/clients/test_monitor.py::test_the_articles_lines_run_as_written",
+    "monitor_hit_rate": "tests/clients/test_monitor.py::test_the_articles_lines_run_as_written",
+    "paged_attention_supports": "tests/minivllm/test_custom_ops.py::test_the_article_lines_as_written",
+    "register_kernel": "tests/minivllm/test_custom_ops.py::test_the_article_lines_as_written",
+    "attention_config": "tests/minivllm/test_custom_ops.py::test_the_article_lines_as_written",
+    "custom_kernel_source": "tests/minivllm/test_custom_ops.py::test_the_article_lines_as_written",
+    "convert_gguf": "tests/seeds/test_command_lines.py::test_convert_line",
+    "model_router": "tests/minivllm/test_controller.py::test_the_articles_lines_as_written",
+    "mixed_precision": "tests/settings/test_mixed_precision.py::test_the_articles_block_runs_on_a_gpu_and_on_a_cpu",
+    "priority_scheduler": "tests/minivllm/test_priority_scheduler.py::"
+    "test_the_articles_scheduler_orders_by_priority_and_names_its_ranges",
+    "priority_header": "tests/seeds/test_command_lines.py::test_priority_header_line",
+    "data_structures": "tests/seeds/test_scheduler_article.py::test_the_data_structures_are_the_schedulers",
+    "compute_batch_size": "tests/seeds/test_scheduler_article.py::test_the_batch_size_heuristic_runs",
+    "recommended_settings": "tests/settings/test_article_spellings.py::test_article_000s_table_as_a_config_file",
+    "gpu_topology": "tests/settings/test_topology.py::"
+    "test_the_articles_template_sets_the_topology_and_the_replicas_policy",
+    "custom_scheduler": "tests/minivllm/test_custom_scheduler.py::"
+    "test_the_articles_class_loads_by_dotted_path_as_the_servers_name_it",
+}

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ast
+
 import pytest
 
-from tests.seeds.blocks import BLOCKS, SCHEDULER_ARTICLE, VLLM_ARTICLE, Block, article_text
+from tests.seeds.blocks import BLOCKS, RUNS, SCHEDULER_ARTICLE, VLLM_ARTICLE, Block, article_text
+from tests.support.paths import REPO
 
 pytestmark = pytest.mark.unit
 
@@ -32,3 +35,17 @@ def test_every_block_of_both_articles_is_here() -> None:
     by_article = {name: [b for b in BLOCKS if b.article == name] for name in (VLLM_ARTICLE, SCHEDULER_ARTICLE)}
     assert (len(by_article[VLLM_ARTICLE]), len(by_article[SCHEDULER_ARTICLE])) == (23, 5)
     assert len({b.name for b in BLOCKS}) == len(BLOCKS)
+
+
+def test_every_block_runs_in_a_test_that_reads_it() -> None:
+    """Each block is ours to run (not another product's tool) and names the test that runs it; that test exists
+    and reads the block's own text from tests/seeds/blocks.py, so the article's line is what runs."""
+    missing = [b.name for b in BLOCKS if not b.not_ours and b.name not in RUNS]
+    assert missing == [], "a block with no test that runs it"
+    for name, where in RUNS.items():
+        path, _, test = where.partition("::")
+        source = (REPO / path).read_text()
+        tree = ast.parse(source)
+        defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        assert test in defined, f"{name}: {where} is not a test there"
+        assert f'block("{name}")' in source, f"{name}: {path} does not read the block's text"

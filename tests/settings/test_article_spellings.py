@@ -13,18 +13,12 @@ import pytest
 from settings.cli import Spelling
 from settings.commands import COMMANDS, command_parser
 from settings.config_file import parse_args
+from tests.seeds.blocks import block
 
 pytestmark = pytest.mark.unit
 
-ARTICLE_003 = """# config.yaml
-model: "default"
-tensor_parallel_size: 2
-pipeline_parallel_size: 1
-block_size: 16
-enable_prefix_caching: true
-max_num_seqs: 128
-"""
-ARTICLE_000 = "max_num_seqs: 128\nblock_size: 16KB\nscheduler_interval: 50ms\npreemption_mode: elastic\n"
+ARTICLE_003 = block("config_yaml").text + "\n"  # article 003, section 3.1
+ARTICLE_000 = block("recommended_settings").text + "\n"  # article 000's table, section 5.1
 
 
 def parse(command: str, argv: list[str]) -> argparse.Namespace:

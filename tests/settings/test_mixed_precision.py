@@ -7,11 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from scheduler_node.cli.scheduler import build_parser as scheduler_parser
 from scheduler_node.cli.serve import build_parser as serve_parser
 from settings.config_file import parse_args
 from settings.mixed_precision import MixedPrecisionError, mixed_precision_flags
+from tests.seeds.blocks import block
 
 pytestmark = pytest.mark.unit
 
@@ -45,7 +47,7 @@ def test_settings_map_onto_the_flags() -> None:
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_the_articles_block_runs_on_a_gpu_and_on_a_cpu(device: str, caplog: pytest.LogCaptureFixture) -> None:
-    article = mp(matmul="fp8", kv_cache="fp16", embedding="bf16")
+    article = yaml.safe_load(block("mixed_precision").text)["engine"]  # matmul fp8, kv_cache fp16, embedding bf16
     with caplog.at_level("WARNING", logger="settings.mixed_precision"):
         flags = mixed_precision_flags(article, device)
         mixed_precision_flags(article, device)

@@ -13,19 +13,11 @@ from scheduler_node.cli.scheduler import build_parser as scheduler_parser
 from scheduler_node.cli.serve import build_parser as serve_parser
 from settings.config_file import parse_args
 from settings.topology import TopologyKeyError, policy_values, topology_value
+from tests.seeds.blocks import block
 
 pytestmark = pytest.mark.unit
 
-ARTICLE = """
-gpu_topology:
-  - device_ids: [0,1,2,3]
-    interconnect: nvlink
-  - device_ids: [4,5,6,7]
-    interconnect: pcie
-scheduling_policy:
-  cross_device: round_robin
-  memory_sharing: enabled
-"""
+ARTICLE = "\n" + block("gpu_topology").text + "\n"  # article 000, section 6.2
 
 
 def test_the_articles_template_sets_the_topology_and_the_replicas_policy(tmp_path: Path) -> None:
