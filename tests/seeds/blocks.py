@@ -408,7 +408,7 @@ RUNS: dict[str, str] = {
     "mixed_precision": "tests/settings/test_mixed_precision.py::test_the_articles_block_runs_on_a_gpu_and_on_a_cpu",
     "priority_scheduler": "tests/minivllm/test_priority_scheduler.py::"
     "test_the_articles_scheduler_orders_by_priority_and_names_its_ranges",
-    "priority_header": "tests/seeds/test_command_lines.py::test_priority_header_line",
+    "priority_header": "tests/e2e/test_priority_header.py::test_the_articles_curl_line",
     "data_structures": "tests/seeds/test_scheduler_article.py::test_the_data_structures_are_the_schedulers",
     "compute_batch_size": "tests/seeds/test_scheduler_article.py::test_the_batch_size_heuristic_runs",
     "recommended_settings": "tests/settings/test_article_spellings.py::test_article_000s_table_as_a_config_file",
