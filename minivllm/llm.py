@@ -291,7 +291,12 @@ class LLM:
         async def run() -> T:
             return call(self.engine)
 
-        return asyncio.run_coroutine_threadsafe(run(), self._loop)
+        coro = run()
+        try:
+            return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        except RuntimeError:  # the loop is closed
+            coro.close()
+            raise RuntimeError("the LLM is closed") from None
 
     def _lora(self, request: LoRARequest) -> LoraRef:
         """The registered adapter of a LoRARequest, registering (and checking) it on first use."""

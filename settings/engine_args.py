@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from settings.build import build
+from settings.build import build, coerce
 from settings.engine import EngineConfig
 from settings.setting import SettingError, group, walk
 from settings.worker import WorkerOptions
@@ -51,6 +51,13 @@ def engine_settings(values: Mapping[str, Any]) -> EngineSettings:
     unknown key or a setting given twice (by name and alias); ValueError naming a value out of range, as the caller
     spelled it."""
     named, spelled = canonical(values)
+    entries = {e.name: e for e in walk(EngineSettings)}
+    for name, value in named.items():  # text that does not parse, named as given (build's message names no key)
+        if name in entries:
+            try:
+                coerce(entries[name], value)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{spelled.get(name, name)}: {exc}") from None
     try:
         return build(EngineSettings, {**SERVING, **named})
     except SettingError as exc:
