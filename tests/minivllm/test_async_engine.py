@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from minivllm import AsyncEngineArgs, AsyncLLMEngine, RequestOutput, SamplingParams
+from minivllm import AsyncEngineArgs, RequestOutput, SamplingParams
+from minivllm.async_engine import AsyncLLMEngine
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.model
 
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 def article_args(folder: Path) -> AsyncEngineArgs:
@@ -57,7 +59,7 @@ def test_many_coroutines_batch_into_the_same_steps(engine: AsyncLLMEngine) -> No
     results = asyncio.run(run())
     assert all(r[-1].finished and len(r[-1].outputs[0].token_ids) == 8 for r in results)
     steps = engine.engine.scheduler.counters.steps - before
-    assert steps <= 2 * GREEDY.max_tokens, f"8 requests of 8 tokens took {steps} steps: not batched (one by one: 64)"
+    assert steps <= 2 * MAX_TOKENS, f"8 requests of 8 tokens took {steps} steps: not batched (one by one: 64)"
 
 
 def test_abort_ends_the_stream(engine: AsyncLLMEngine) -> None:

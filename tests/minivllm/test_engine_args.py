@@ -7,7 +7,8 @@ import inspect
 
 import pytest
 
-from minivllm import AsyncEngineArgs
+import minivllm
+from minivllm.engine_args import AsyncEngineArgs
 from scheduler_node.cli.scheduler import build_parser, engine_config
 from settings.engine_args import EngineSettings, engine_settings
 from settings.setting import walk
@@ -16,6 +17,7 @@ pytestmark = pytest.mark.unit
 
 
 def test_the_article_line_works_as_written() -> None:
+    assert minivllm.AsyncEngineArgs is AsyncEngineArgs  # `from minivllm import AsyncEngineArgs`
     args = AsyncEngineArgs(model="Qwen-7B", scheduler_delay=0.05, max_batch_size=32, enable_preemption=True)
     assert args.model == "Qwen-7B"
     assert args.max_batch_size == args.max_num_seqs == 32
