@@ -106,7 +106,10 @@ def test_bad_input_is_named(engine: AsyncLLMEngine) -> None:
 
 
 def test_shutdown_ends_a_running_stream(tiny_llama_dir: Path) -> None:
-    engine = AsyncLLMEngine(str(tiny_llama_dir), num_kv_blocks=64)
+    engine = AsyncLLMEngine(
+        str(tiny_llama_dir), num_kv_blocks=64, scheduling_policy="priority", enable_preemption=False
+    )
+    assert engine.engine.scheduler.policy.preemption_margin == 0  # never displaced by priority
 
     async def run() -> None:
         with pytest.raises(RuntimeError, match="shut down"):
