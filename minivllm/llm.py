@@ -15,16 +15,18 @@ import logging
 import sys
 import threading
 import weakref
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, TypedDict, TypeVar
+from typing import Any, TypeVar
 
 from kernels.custom_kernels import worker_setting
 from kernels.openmp import release_thread_pool
 from minivllm.collect import Batch, Collector, Progress
+from minivllm.lm_cache import LMCache, with_cache
 from minivllm.lora_request import LoRARequest
 from minivllm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from minivllm.prompts import Message, Prompt, is_ids, per_prompt, prompt_ids, unwrap
 from minivllm.sampling_params import SamplingParams
 from minivllm.scheduling import SchedulerArg, engine_policy
 from scheduler_node.api.embeddings import (
@@ -38,9 +40,7 @@ from scheduler_node.api.validation import (
     InvalidField,
     build_spec,
     priority_from,
-    prompt_from_ids,
     prompt_from_messages,
-    prompt_from_text,
 )
 from scheduler_node.core.lora_slots import LoraRef
 from scheduler_node.core.request import RequestSpec
@@ -53,7 +53,7 @@ from scheduler_node.engine.ports import free_port
 from scheduler_node.engine.topology import single_island
 from scheduler_node.engine.worker_link import WorkerLink
 from scheduler_node.text.tokenizer import ModelTokenizer
-from settings.engine_args import engine_settings, keyword_parameters
+from settings.engine_args import EngineSettings, alias_parameters, engine_settings, keyword_parameters
 from settings.server import POOLINGS
 from settings.worker import offload_dir_problem, worker_argv
 
@@ -65,21 +65,7 @@ T = TypeVar("T")
 WORKER_BACKENDS = ("auto", "inprocess", "processes")
 
 
-class TextPrompt(TypedDict):
-    """vLLM's dict form of a text prompt."""
-
-    prompt: str
-
-
-class TokensPrompt(TypedDict):
-    """vLLM's dict form of a prompt given as token ids."""
-
-    prompt_token_ids: list[int]
-
-
-Prompt = str | Sequence[int] | TextPrompt | TokensPrompt
 Priority = int | str  # a number, or a name of the engine's priority_ranges
-Message = dict[str, str]
 
 # Every LLM not closed yet. At interpreter exit they are closed by an atexit hook, while the engine's daemon thread
 # still runs: later, in the finalizer, that thread is frozen, and a close from `__del__` would wait on it forever.
@@ -93,6 +79,15 @@ def _close_all_at_exit() -> None:
         llm.close()
 
 
+def build_settings(settings: Mapping[str, Any], attention: Mapping[str, Any] | None = None) -> EngineSettings:
+    """`LLM(...)`'s keywords as the engine's and workers' settings. TypeError naming an unknown keyword,
+    ValueError naming a bad value."""
+    settings = dict(settings)
+    if attention is not None or "attention_backend" in settings:  # a registered kernel's name gains its path
+        settings["attention_backend"] = worker_setting(settings.get("attention_backend", "auto"), attention)
+    return engine_settings(settings)
+
+
 class LLM:
     """Generate completions for batches of prompts. Close it (or use `with`) to stop its workers."""
 
@@ -103,6 +98,7 @@ class LLM:
         worker_backend: str = "auto",
         attention: Mapping[str, Any] | None = None,
         scheduler: SchedulerArg | None = None,
+        cache: LMCache | None = None,
         **settings: Any,
     ) -> None:
         """`model`: as vllm-scheduler's --model. `settings`: any setting of the engine and its workers by name, as
@@ -112,13 +108,14 @@ class LLM:
         setting, ValueError naming one out of range. `attention`: a model config's attention section
         (`{"type": NAME, "params": {...}}`), a kernel registered with `minivllm._custom_ops.register_kernel`.
         `scheduler`: the request order, a `PriorityScheduler(...)` or a `minivllm.Scheduler` subclass's instance
-        (minivllm/scheduling.py), instead of the `scheduling_policy` setting."""
+        (minivllm/scheduling.py), instead of the `scheduling_policy` setting. `cache`: an `LMCache`, the KV offload
+        tiers' settings in one object (minivllm/lm_cache.py)."""
+        settings = with_cache(cache, settings)
+        self.cache = cache  # a temporary disk tier's folder lives as long as it
         if worker_backend not in WORKER_BACKENDS:
             raise ValueError(f"worker_backend: must be one of {WORKER_BACKENDS}, got {worker_backend!r}")
-        if attention is not None or "attention_backend" in settings:  # a registered kernel's name gains its path
-            settings["attention_backend"] = worker_setting(settings.get("attention_backend", "auto"), attention)
         self._policy = engine_policy(scheduler, settings)
-        built = engine_settings(settings)
+        built = build_settings(settings, attention)
         self.config, self.options = built.engine, built.worker
         world = self.config.layout.world_size
         if worker_backend == "inprocess" and world > 1:
@@ -169,8 +166,8 @@ class LLM:
         first) or a name of the `priority_ranges`; `lora_request`: the adapter of every prompt, or of each
         (None: the base model). ValueError names a bad field."""
         ids = self._prompt_ids(prompts)
-        single = isinstance(prompts, (str, dict)) or _is_ids(prompts)
-        batch = [_unwrap(p, f"prompts[{i}]") for i, p in enumerate([prompts] if single else list(prompts))]
+        single = isinstance(prompts, (str, dict)) or is_ids(prompts)
+        batch = [unwrap(p, f"prompts[{i}]") for i, p in enumerate([prompts] if single else list(prompts))]
         texts = [p if isinstance(p, str) else None for p, _ in batch]
         return self._run(ids, texts, sampling_params, use_tqdm, priority, lora_request)
 
@@ -224,14 +221,10 @@ class LLM:
             raise RuntimeError(f"an embedding failed ({exc.error.status.name}): {exc.error.message}") from None
 
     def _prompt_ids(self, prompts: Prompt | Sequence[Prompt]) -> list[list[int]]:
-        single = isinstance(prompts, (str, dict)) or _is_ids(prompts)
-        batch = [_unwrap(p, f"prompts[{i}]") for i, p in enumerate([prompts] if single else list(prompts))]
-        max_len = self.engine.max_model_len
+        single = isinstance(prompts, (str, dict)) or is_ids(prompts)
+        batch = [prompts] if single else list(prompts)
         return [
-            prompt_from_text(p, self.tokenizer, max_len, name)
-            if isinstance(p, str)
-            else prompt_from_ids(p, self.tokenizer, max_len, name)
-            for p, name in batch
+            prompt_ids(p, self.tokenizer, self.engine.max_model_len, f"prompts[{i}]")[0] for i, p in enumerate(batch)
         ]
 
     def _run(
@@ -243,27 +236,17 @@ class LLM:
         priority: Priority | Sequence[Priority | None] | None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        params = _per_prompt(sampling_params or SamplingParams(), len(ids), "sampling_params")
+        params = per_prompt(sampling_params or SamplingParams(), len(ids), "sampling_params")
         requests = [lora_request] * len(ids) if not isinstance(lora_request, Sequence) else list(lora_request)
         if len(requests) != len(ids):
             raise ValueError(f"lora_request: {len(requests)} given for {len(ids)} prompts")
         loras = [None if r is None else self._lora(r) for r in requests]
         table = self.config.options.priorities
-        priorities = [priority_from(p, None, table) for p in _per_prompt(priority, len(ids), "priority")]
+        priorities = [priority_from(p, None, table) for p in per_prompt(priority, len(ids), "priority")]
         specs = [
-            build_spec(
-                p,
-                sp.fields(),
-                self.engine.max_model_len,
-                tokenizer=self.tokenizer,
-                request_id=f"llm-{next(self._ids)}",
-                priority=pr,
-                kv_precision=sp.kv_precision,
-                compact_tokens=self.engine.compact_tokens,
-            )
-            for p, sp, pr in zip(ids, params, priorities)
+            self._spec(p, sp, f"llm-{next(self._ids)}", pr, lora)
+            for p, sp, pr, lora in zip(ids, params, priorities, loras)
         ]
-        specs = [dataclasses.replace(s, lora=lora) if lora else s for s, lora in zip(specs, loras)]
         batch = Batch(len(specs), Progress(len(specs), use_tqdm))
         collectors = [Collector(spec, text, batch) for spec, text in zip(specs, texts)]
         try:
@@ -280,6 +263,52 @@ class LLM:
             raise
         finally:
             batch.progress.close()
+
+    def request_spec(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str,
+        priority: Priority | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> tuple[RequestSpec, str | None]:
+        """One request as the engine takes it, and its prompt's text (None for token ids); ValueError naming a
+        bad field (`prompt`, `sampling_params.top_p`, `priority`, ...). `priority`: a number or a name of the
+        engine's `priority_ranges` (None: its default). For a door that submits its own requests
+        (minivllm/async_engine.py)."""
+        ids, text = prompt_ids(prompt, self.tokenizer, self.engine.max_model_len, "prompt")
+        lora = None if lora_request is None else self._lora(lora_request)
+        rank = priority_from(priority, None, self.config.options.priorities)
+        return self._spec(ids, params, request_id, rank, lora), text
+
+    def _spec(
+        self, ids: list[int], params: SamplingParams, request_id: str, priority: int, lora: LoraRef | None
+    ) -> RequestSpec:
+        spec = build_spec(
+            ids,
+            params.fields(),
+            self.engine.max_model_len,
+            tokenizer=self.tokenizer,
+            request_id=request_id,
+            priority=priority,
+            kv_precision=params.kv_precision,
+            compact_tokens=self.engine.compact_tokens,
+        )
+        return dataclasses.replace(spec, lora=lora) if lora else spec
+
+    def on_engine(self, call: Callable[[EngineCore], T]) -> Future[T]:
+        """Run `call(engine)` on the engine's thread, where the engine core's methods must run (submit, abort,
+        its stats); the Future of its result (`asyncio.wrap_future` awaits it from another event loop)."""
+
+        async def run() -> T:
+            return call(self.engine)
+
+        coro = run()
+        try:
+            return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        except RuntimeError:  # the loop is closed
+            coro.close()
+            raise RuntimeError("the LLM is closed") from None
 
     def _lora(self, request: LoRARequest) -> LoraRef:
         """The registered adapter of a LoRARequest, registering (and checking) it on first use."""
@@ -407,33 +436,8 @@ LLM.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
         inspect.Parameter("worker_backend", inspect.Parameter.KEYWORD_ONLY, default="auto"),
         inspect.Parameter("attention", inspect.Parameter.KEYWORD_ONLY, default=None),
         inspect.Parameter("scheduler", inspect.Parameter.KEYWORD_ONLY, default=None),
+        inspect.Parameter("cache", inspect.Parameter.KEYWORD_ONLY, default=None),
         *keyword_parameters(),
+        *alias_parameters(),
     ]
 )
-
-
-def _unwrap(prompt: Any, name: str) -> tuple[Any, str]:
-    """A prompt as text or token ids, and the name its errors give (a dict prompt's key included)."""
-    if isinstance(prompt, str) or (isinstance(prompt, Sequence) and not isinstance(prompt, bytes)):
-        return prompt, name
-    if not isinstance(prompt, dict):
-        kinds = "a string, a list of token ids, or {'prompt': ...} / {'prompt_token_ids': ...}"
-        raise InvalidField(name, f"must be {kinds}; got {type(prompt).__name__}")
-    if len(prompt) != 1 or next(iter(prompt)) not in ("prompt", "prompt_token_ids"):
-        raise InvalidField(name, f"a dict prompt has one key, 'prompt' or 'prompt_token_ids'; got {sorted(prompt)}")
-    key, value = next(iter(prompt.items()))
-    if key == "prompt" and not isinstance(value, str):
-        raise InvalidField(f"{name}.prompt", f"must be a string, got {type(value).__name__}")
-    return value, f"{name}.{key}"
-
-
-def _is_ids(prompts: Any) -> bool:
-    return isinstance(prompts, Sequence) and bool(prompts) and all(isinstance(t, int) for t in prompts)
-
-
-def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
-    if isinstance(value, Sequence) and not isinstance(value, str):
-        if len(value) != count:
-            raise ValueError(f"{name}: {len(value)} given for {count} prompts")
-        return list(value)
-    return [value] * count

@@ -128,6 +128,13 @@ class EngineConfig:
         readers="scheduler",
         help="priority points a waiting request must beat a running one by to displace it (hysteresis)",
     )
+    enable_preemption: bool = setting(
+        True,
+        readers="scheduler",
+        help="a waiting request may displace a running one that it outranks by --preemption-margin (with a "
+        "policy that ranks by priority: priority, dynamic, hybrid); --no-enable-preemption: never. Requests are "
+        "still preempted when KV blocks run out, which no setting avoids (--preemption-mode says how)",
+    )
     options: EngineOptions = group(EngineOptions)
     num_kv_blocks: int = setting(
         0,
@@ -171,6 +178,12 @@ class EngineConfig:
     @property
     def layout(self) -> ParallelLayout:
         return ParallelLayout(self.tensor_parallel_size, self.pipeline_parallel_size)
+
+    @property
+    def displacement_margin(self) -> float:
+        """The priority points a waiting request must win by to displace a running one; 0 (never) without
+        enable_preemption."""
+        return self.preemption_margin if self.enable_preemption else 0.0
 
     @property
     def mode(self) -> ExecutionMode:

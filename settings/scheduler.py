@@ -58,7 +58,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = setting(
         2048, low=1, readers=BOTH, help="token budget of one step; prompts longer than this are prefilled in chunks"
     )
-    max_num_seqs: int = setting(128, low=1, readers=BOTH, help="running requests at most")
+    max_num_seqs: int = setting(
+        128, low=1, aliases=("max_batch_size",), readers=BOTH, help="running requests at most (a batch's rows)"
+    )
     max_model_len: int = setting(
         0, low=0, readers="scheduler", help="context length (0: the model's, capped by the KV cache capacity)"
     )

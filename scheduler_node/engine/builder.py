@@ -133,7 +133,7 @@ def make_engine(
     s = config.scheduler
     max_len = resolve_max_model_len(s.max_model_len, model_limit(folder), capacity.num_kv_blocks, s.block_size)
     if policy is None:
-        policy = make_policy(config.scheduling_policy, config.aging_interval, config.preemption_margin)
+        policy = make_policy(config.scheduling_policy, config.aging_interval, config.displacement_margin)
     costs = PreemptionCosts(bytes_per_block=capacity.bytes_per_block, swap_bytes_per_s=capacity.swap_bytes_per_s)
     tiers = KVTiers(capacity.ram_tier_blocks, capacity.disk_tier_blocks, s.kv_offload_policy, capacity.bytes_per_block)
     tiers.adopt_disk(capacity.disk_tier_entries)
