@@ -265,6 +265,9 @@ BLOCKS: tuple[Block, ...] = (
         "6.2",
         "cpp",
         _lines("__global__ void my_attention_kernel(...) {", "    // 自定义实现", "}"),
+        not_ours="the user's own CUDA kernel, a stub in the article (its parameters and body are `...`): the complete"
+        " one is deploy/custom_attention_kernel.c against our C ABI (kernels/csrc/custom_attention_abi.h), which the"
+        " register_kernel block's test compiles, registers and serves with",
     ),
     Block(
         "register_kernel",
@@ -392,6 +395,9 @@ def file_of(b: Block, folder: Path) -> Path:
 # Where each block runs: the test that runs its text (it reads it with `block(name)`) and checks what the article
 # says it does. tests/seeds/test_blocks.py checks that each one exists and reads its block.
 RUNS: dict[str, str] = {
+    "async_engine": "tests/seeds/test_python_lines.py::test_the_async_engine_monitor_and_cache_lines",
+    "memory_monitor": "tests/seeds/test_python_lines.py::test_the_async_engine_monitor_and_cache_lines",
+    "lm_cache": "tests/seeds/test_python_lines.py::test_the_async_engine_monitor_and_cache_lines",
     "hybrid_parallel_serving": "tests/seeds/test_serving_lines.py::test_hybrid_parallel_serving_line",
     "config_yaml": "tests/settings/test_article_spellings.py::test_article_003s_config_and_port_serve_http_on_8000",
     "serve_config": "tests/seeds/test_serving_lines.py::test_config_file_serves_http_on_its_port",
@@ -402,7 +408,6 @@ RUNS: dict[str, str] = {
     "paged_attention_supports": "tests/minivllm/test_custom_ops.py::test_the_article_lines_as_written",
     "register_kernel": "tests/minivllm/test_custom_ops.py::test_the_article_lines_as_written",
     "attention_config": "tests/minivllm/test_custom_ops.py::test_the_article_lines_as_written",
-    "custom_kernel_source": "tests/minivllm/test_custom_ops.py::test_the_article_lines_as_written",
     "convert_gguf": "tests/seeds/test_command_lines.py::test_convert_line",
     "model_router": "tests/minivllm/test_controller.py::test_the_articles_lines_as_written",
     "mixed_precision": "tests/settings/test_mixed_precision.py::test_the_articles_block_runs_on_a_gpu_and_on_a_cpu",

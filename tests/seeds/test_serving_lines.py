@@ -100,7 +100,7 @@ def test_config_file_serves_http_on_its_port(four_layers: Path, tmp_path: Path, 
     log = tmp_path / "serve.log"
     procs.append(spawn(argv, log))
     wait_http(http_port, procs[0], log)
-    assert completion(http_port)["model"] == str(four_layers)
+    assert completion(http_port)["model"] == four_layers.name  # the served name: the folder's
 
 
 def test_multi_node_lines(four_layers: Path, tmp_path: Path, procs: list[subprocess.Popen]) -> None:
