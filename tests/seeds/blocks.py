@@ -422,3 +422,52 @@ RUNS: dict[str, str] = {
     "custom_scheduler": "tests/minivllm/test_custom_scheduler.py::"
     "test_the_articles_class_loads_by_dotted_path_as_the_servers_name_it",
 }
+
+# What in minivllm runs each block, for docs/guide.md's "From the articles" table.
+WHAT: dict[str, str] = {
+    "async_engine": "`minivllm.AsyncEngineArgs` / `AsyncLLMEngine` (minivllm/async_engine.py)",
+    "hybrid_parallel_serving": "`vllm-serving` (= `vllm-serve`): 8 worker processes, TP 2 x PP 4",
+    "memory_monitor": "`minivllm.MemoryMonitor` (minivllm/memory_monitor.py)",
+    "config_yaml": "`--config` keys (settings/config_file.py)",
+    "serve_config": "`vllm-serving --port` is the HTTP port (`--grpc-port` for gRPC)",
+    "multi_node": "`vllm-scheduler` without a model; workers join at its gRPC address (worker_node/join_address.py)",
+    "helm_values": "the Helm chart deploy/helm/minivllm/",
+    "monitor_memory": "`vllm-monitor --metric` short names (clients/monitor.py)",
+    "nccl_test": "not ours",
+    "paged_attention_supports": "`PagedAttention.supports` (minivllm/model_executor/layers/attention.py)",
+    "convert_gguf": "`vllm-convert` (worker_node/convert.py)",
+    "extra_modules": "`model_loader.extra_modules` (issue 48: multimodal models)",
+    "dify_config": "not ours: Dify reaches the OpenAI door",
+    "dify_server": "not ours: Dify's server",
+    "lm_cache": "`minivllm.LMCache`: the KV offload tiers (minivllm/lm_cache.py)",
+    "monitor_hit_rate": "`vllm-monitor --metric cache_hit_rate`",
+    "model_router": "`minivllm.controller.ModelRouter` over vllm-router's strategies",
+    "mixed_precision": "`engine.mixed_precision` (settings/mixed_precision.py)",
+    "custom_kernel_source": "not ours: your kernel (deploy/custom_attention_kernel.c is one)",
+    "register_kernel": "`minivllm._custom_ops.register_kernel` (kernels/custom_kernels.py)",
+    "attention_config": "a model config's `attention.type` (proto/attention_setting.py)",
+    "priority_scheduler": "`minivllm.PriorityScheduler` (minivllm/scheduling.py)",
+    "priority_header": "the `X-Priority` header, a number or a range's name",
+    "data_structures": "scheduler_node/core/request.py, scheduler_node/core/kv/block_table.py",
+    "compute_batch_size": "plain Python (the engine sizes its batch from `--max-num-seqs` and the KV cache)",
+    "recommended_settings": "`--config` keys with units (settings/units.py)",
+    "gpu_topology": "`gpu_topology` / `scheduling_policy` (settings/topology.py)",
+    "custom_scheduler": "`minivllm.Scheduler`, subclassed (minivllm/scheduling.py)",
+}
+
+
+def guide_table() -> str:
+    """docs/guide.md's "From the articles" table: each block's first line, what runs it, the test that runs it."""
+    rows = ["| article | line | what runs it | its test |", "| --- | --- | --- | --- |"]
+    for b in BLOCKS:
+        first = next(line for line in b.text.splitlines() if line.strip() and not line.startswith("#")).strip()
+        shown = (first if len(first) <= 72 else first[:69] + "...").replace("|", "/")
+        shown = f'"{shown}"' if b.not_ours else f"`{shown}`"  # another product's flags are not ours to check
+        article = "vLLM" if b.article == VLLM_ARTICLE else "scheduler"
+        test = RUNS.get(b.name, "").replace("::", " ") or "-"
+        rows.append(f"| {article} {b.section} | {shown} | {WHAT[b.name]} | {test} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(guide_table())

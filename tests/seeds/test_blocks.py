@@ -6,7 +6,7 @@ import ast
 
 import pytest
 
-from tests.seeds.blocks import BLOCKS, RUNS, SCHEDULER_ARTICLE, VLLM_ARTICLE, Block, article_text
+from tests.seeds.blocks import BLOCKS, RUNS, SCHEDULER_ARTICLE, VLLM_ARTICLE, Block, article_text, guide_table
 from tests.support.paths import REPO
 
 pytestmark = pytest.mark.unit
@@ -49,3 +49,8 @@ def test_every_block_runs_in_a_test_that_reads_it() -> None:
         defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
         assert test in defined, f"{name}: {where} is not a test there"
         assert f'block("{name}")' in source, f"{name}: {path} does not read the block's text"
+
+
+def test_the_guide_shows_what_runs_each_block() -> None:
+    """docs/guide.md's "From the articles" table is `python -m tests.seeds.blocks`'s output."""
+    assert guide_table() in (REPO / "docs" / "guide.md").read_text()
