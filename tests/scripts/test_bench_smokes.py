@@ -151,3 +151,16 @@ def test_bench_decode_phases_smoke_times_every_phase_where_the_runner_runs(
         else:
             assert all(ms > 0 for ms in row["phases_ms"].values()), row
     assert "| format | seqs | step ms | layers ms | input norm |" in stdout
+
+
+@pytest.mark.slow
+def test_bench_cpu_peer_smoke_measures_every_format_and_the_bandwidth(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """--smoke: minivllm's formats and the copy bandwidth, without llama.cpp (no build in CI)."""
+    stdout, report = _smoke("bench_cpu_peer.py", tiny_llama_dir, tmp_path / "peer.json")
+    rows = {row["format"]: row for row in report["rows"]}
+    assert list(rows) == ["float32", "bf16", "int8"] and report["copy_GB_s"] > 0
+    assert "llama.cpp" in report["skipped"] and all(row["engine"] == "minivllm" for row in rows.values())
+    for row in rows.values():
+        assert row["single_tok_s"] > 0 and row["batch_tok_s"] > 0 and row["share_of_copy"] > 0, row
+    assert rows["int8"]["weight_MB"] < rows["bf16"]["weight_MB"] < rows["float32"]["weight_MB"]
+    assert "| minivllm | int8 |" in stdout
