@@ -11,8 +11,8 @@
  *   - AVX-512 BF16 (Zen 4, Cooper Lake; `__AVX512BF16__`): VDPBF16PS, 32 bf16 products of a weight row's and an
  *     activation row's consecutive inputs into 16 float32 lanes; int8 codes widened to bf16 first (exact:
  *     |q| <= 127 fits bf16's 8 bits; an e4m3 code's 3 mantissa bits too);
- *   - AVX2 + FMA (Zen 3, Haswell and later): bf16 widened to float32 by a shift (exact), 8 lanes, FMA; the
- *     activations widened once per call.
+ *   - AVX2 + FMA (Zen 3, Haswell and later): bf16 widened to float32 by a shift or a mask (exact), 8 lanes, FMA;
+ *     the activations widened once per call.
  *
  * A register block is R rows x C channels of accumulators, each one vector of partial sums along the inputs: per
  * step, C weight vectors are loaded (widened) once and used by R rows. Fewer rows take more channels (enough
@@ -88,9 +88,14 @@ static inline float lane_sum(acc_t v) {
 }
 #define WIDE_ACTIVATIONS 0
 #else
-#define KSTEP 8
+#define KSTEP 16
 typedef __m256 acc_t;
-typedef __m256 operand_t;
+/* 16 inputs as two vectors of 8 floats: for bf16 weights the even inputs and the odd ones (a bf16 pair in a 32-bit
+ * lane gives both with one shift and one mask: two operations per 16 weights instead of four), for codes the first
+ * 8 and the next 8. The activations are widened in the same order (`widen_rows`). */
+typedef struct {
+    __m256 a, b;
+} operand_t;
 
 static inline acc_t acc_zero(void) { return _mm256_setzero_ps(); }
 
@@ -104,22 +109,31 @@ static inline __m256 fp8_to_float8(__m256i b) {
     return _mm256_or_ps(value, _mm256_castsi256_ps(sign));
 }
 
-/* 8 weights of one channel from index i, as float32 (exact). */
-static inline __attribute__((always_inline)) operand_t weights(const void *w, int64_t i, const int FORMAT) {
-    if (FORMAT == FORMAT_BF16) {
-        const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const bf16_t *)w + i)));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-    }
-    const __m128i q = _mm_loadl_epi64((const __m128i *)((const int8_t *)w + i));
-    if (FORMAT == FORMAT_FP8)
-        return fp8_to_float8(_mm256_cvtepu8_epi32(q));
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+/* 8 codes as float32 (exact). */
+static inline __attribute__((always_inline)) __m256 codes8(__m128i q, const int FORMAT) {
+    return FORMAT == FORMAT_FP8 ? fp8_to_float8(_mm256_cvtepu8_epi32(q)) : _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
 }
 
-/* 8 activations from index i of the rows widened to float32 (`widen_rows`). */
-static inline operand_t activations(const void *x, int64_t i) { return _mm256_loadu_ps((const float *)x + i); }
+/* 16 weights of one channel from index i, as float32 (exact). */
+static inline __attribute__((always_inline)) operand_t weights(const void *w, int64_t i, const int FORMAT) {
+    if (FORMAT == FORMAT_BF16) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)((const bf16_t *)w + i));
+        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
+        return (operand_t){even, odd};
+    }
+    const __m128i q = _mm_loadu_si128((const __m128i *)((const int8_t *)w + i));
+    return (operand_t){codes8(q, FORMAT), codes8(_mm_srli_si128(q, 8), FORMAT)};
+}
 
-static inline acc_t madd(acc_t acc, operand_t a, operand_t b) { return _mm256_fmadd_ps(a, b, acc); }
+/* 16 activations from index i of the rows widened to float32 (`widen_rows`, in `weights`' order). */
+static inline operand_t activations(const void *x, int64_t i) {
+    return (operand_t){_mm256_loadu_ps((const float *)x + i), _mm256_loadu_ps((const float *)x + i + 8)};
+}
+
+static inline acc_t madd(acc_t acc, operand_t a, operand_t b) {
+    return _mm256_fmadd_ps(a.b, b.b, _mm256_fmadd_ps(a.a, b.a, acc));
+}
 
 static inline float lane_sum(acc_t v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -219,11 +233,13 @@ static void prefetch_stripe(const Product *p, int64_t s, int64_t row_bytes) {
         _mm_prefetch(start + b, _MM_HINT_T1);
 }
 
+#if WIDE_ACTIVATIONS
 static __thread float *wide_x;
 static __thread size_t wide_capacity;
 
-/* bf16 rows as float32 (exact) in this thread's buffer, kept between calls; NULL when out of memory. */
-static const float *widen_rows(const bf16_t *x, int64_t count) {
+/* bf16 rows as float32 (exact) in this thread's buffer, kept between calls, per 16 inputs in `weights`' order (the
+ * even then the odd ones where `split`: for bf16 weights); NULL when out of memory. */
+static const float *widen_rows(const bf16_t *x, int64_t count, int split) {
     const size_t bytes = (size_t)count * sizeof(float);
     if (bytes > wide_capacity) {
         free(wide_x);
@@ -232,19 +248,34 @@ static const float *widen_rows(const bf16_t *x, int64_t count) {
     }
     if (!wide_x)
         return NULL;
-    for (int64_t i = 0; i < count; i += 8) {
-        const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(x + i)));
-        _mm256_storeu_ps(wide_x + i, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    for (int64_t i = 0; i < count; i += 16) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(x + i));
+        __m256i first, second;
+        if (split) {
+            first = _mm256_slli_epi32(v, 16);
+            second = _mm256_and_si256(v, high);
+        } else {
+            first = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(v)), 16);
+            second = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(v, 1)), 16);
+        }
+        _mm256_storeu_ps(wide_x + i, _mm256_castsi256_ps(first));
+        _mm256_storeu_ps(wide_x + i + 8, _mm256_castsi256_ps(second));
     }
     return wide_x;
 }
+#endif
 
 static int product(const bf16_t *x, const void *w, int format, const float *scales, void *out, int out_f32,
                    int64_t M, int64_t N, int64_t K, int threads) {
     if (M < 1 || N < 16 || K < 32 || N % 16 || K % 32 || format < FORMAT_BF16 || format > FORMAT_FP8 ||
         (format != FORMAT_BF16 && !scales))
         return -1;
-    const void *xa = WIDE_ACTIVATIONS ? (const void *)widen_rows(x, M * K) : (const void *)x;
+#if WIDE_ACTIVATIONS
+    const void *xa = widen_rows(x, M * K, format == FORMAT_BF16);
+#else
+    const void *xa = x;
+#endif
     if (!xa)
         return -1;
     const Product p = {xa, w, scales, out, out_f32, N, K};
