@@ -87,7 +87,30 @@ def minivllm_row(model: Path, fmt: str, args: argparse.Namespace, batch: list[li
         row["single_tok_s"] = max(single_stream(llm, batch[0], args.tokens) for _ in range(args.repeats))
         row["batch_tok_s"] = max(batch_rate(llm, batch, args.tokens) for _ in range(args.repeats))
         row["isa"] = cpu_isa.current() or "none"
+        if fmt == "float32":  # the reference sequences: float32's greedy continuations of a few prompts
+            args.reference = [
+                list(ids) + out
+                for ids, out in zip(batch, greedy(llm, batch[: args.agreement_prompts], args.agreement_tokens))
+            ]
+        if args.reference:
+            row["within_0.5_of_fp32"] = agreement(llm, args.reference, args.prompt_len)
     return row
+
+
+def greedy(llm: LLM, ids: list[list[int]], tokens: int) -> list[list[int]]:
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(ids, [params] * len(ids), use_tqdm=False)]
+
+
+def agreement(llm: LLM, sequences: list[list[int]], prompt_len: int) -> float:
+    """Share of float32's greedy positions (teacher-forced on its sequences) where this engine's logprob of float32's
+    token is within 0.5 of its own best: the quantization issue's agreement bar (>= 97 % for int8)."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    gaps = []
+    for out in llm.generate(sequences, [params] * len(sequences), use_tqdm=False):
+        entries = (out.prompt_logprobs or [])[prompt_len:]  # entry i scores token i given the tokens before it
+        gaps += [e.top[0][1] - e.logprob for e in entries if e is not None]
+    return sum(gap <= 0.5 for gap in gaps) / len(gaps)
 
 
 def generate_seconds(llm: LLM, ids: list[list[int]], tokens: int) -> float:
@@ -140,12 +163,14 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"## CPU decode beside llama.cpp: {report['cpu']} ({report['flags']}), {report['threads']} threads, "
           f"load {report['load']}; copy bandwidth {report['copy_GB_s']:.1f} GB/s")  # fmt: skip
     print("| engine | format | weight MB | 1 stream tok/s | read GB/s | share of copy | "
-          f"batch {report['batch']} tok/s | vs llama.cpp (1 / batch) |")  # fmt: skip
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
+          f"batch {report['batch']} tok/s | vs llama.cpp (1 / batch) | within 0.5 of fp32's token |")  # fmt: skip
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
     for r in report["rows"]:
         peer = f"{r['single_vs_peer']:.2f}x / {r['batch_vs_peer']:.2f}x" if "single_vs_peer" in r else ""
-        print(f"| {r['engine']} | {r['format']} | {r['weight_MB']:.0f} | {r['single_tok_s']:.1f} | "
-              f"{r['read_GB_s']:.1f} | {r['share_of_copy']:.0%} | {r['batch_tok_s']:.1f} | {peer} |")  # fmt: skip
+        agree = f"{r['within_0.5_of_fp32']:.1%}" if "within_0.5_of_fp32" in r else ""
+        cells = [r["engine"], r["format"], f"{r['weight_MB']:.0f}", f"{r['single_tok_s']:.1f}", f"{r['read_GB_s']:.1f}",
+                 f"{r['share_of_copy']:.0%}", f"{r['batch_tok_s']:.1f}", peer, agree]  # fmt: skip
+        print("| " + " | ".join(cells) + " |")
     if report.get("skipped"):
         print(f"skipped: {report['skipped']}")
 
@@ -160,13 +185,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16, help="sequences at once in the batch figure")
     p.add_argument("--repeats", type=int, default=3, help="runs per figure (the fastest counts)")
     p.add_argument("--copy-mib", type=int, default=256, help="MiB per array of the bandwidth copy")
+    p.add_argument(
+        "--agreement-prompts", type=int, default=4, help="prompts of the agreement check (64 greedy tokens each)"
+    )
     p.add_argument("--kv-cache-memory", default="1GiB", help="minivllm's KV cache")
     p.add_argument("--llama-cache", type=Path, default=llama_cpp_peer.CACHE, help="llama.cpp's build and GGUFs")
     p.add_argument("--no-llama", action="store_true", help="minivllm and the bandwidth only")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, no llama.cpp: checks the script (CI)")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args()
+    args.reference, args.agreement_tokens = [], 64  # float32's greedy sequences, once its row has run
     if args.smoke:
+        args.agreement_tokens = 4
         args.tokens, args.prompt_len, args.batch, args.repeats, args.copy_mib = 4, 8, 2, 1, 8
         args.kv_cache_memory, args.no_llama = "64MiB", True
     return args

@@ -163,4 +163,6 @@ def test_bench_cpu_peer_smoke_measures_every_format_and_the_bandwidth(tiny_llama
     for row in rows.values():
         assert row["single_tok_s"] > 0 and row["batch_tok_s"] > 0 and row["share_of_copy"] > 0, row
     assert rows["int8"]["weight_MB"] < rows["bf16"]["weight_MB"] < rows["float32"]["weight_MB"]
+    assert rows["float32"]["within_0.5_of_fp32"] == 1.0, "the reference against itself"
+    assert 0 <= rows["int8"]["within_0.5_of_fp32"] <= 1
     assert "| minivllm | int8 |" in stdout
