@@ -94,6 +94,7 @@ def minivllm_row(model: Path, fmt: str, args: argparse.Namespace, batch: list[li
             ]
         if args.reference:
             row["within_0.5_of_fp32"] = agreement(llm, args.reference, args.prompt_len)
+    print(f"measured: {row}", flush=True)  # a long run on a loaded machine: each row as it comes
     return row
 
 
@@ -144,6 +145,7 @@ def llama_rows(model: Path, args: argparse.Namespace, batch: list[list[int]]) ->
             row["single_tok_s"] = max(peer.single_stream(batch[0], args.tokens) for _ in range(args.repeats))
             row["batch_tok_s"] = max(peer.batch_rate(batch, args.tokens) for _ in range(args.repeats))
         rows.append(row)
+        print(f"measured: {row}", flush=True)
     return rows
 
 
