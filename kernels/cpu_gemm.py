@@ -1,6 +1,9 @@
-"""Skinny matrix products on CPU (kernels/csrc/skinny_gemm_cpu.c): decode steps' `x @ w.T` on AMX tiles.
+"""Skinny matrix products on CPU: decode steps' `x @ w.T` on AMX tiles (kernels/csrc/skinny_gemm_cpu.c), or with
+AVX-512 BF16 or AVX2 vectors where there is no AMX (kernels/csrc/vector_gemm_cpu.c: the same entries; which one,
+kernels/cpu_isa.py).
 
-`linear(x, weight, bias)` is `F.linear` for every input; on a CPU with AMX-BF16 it multiplies bf16 activations of
+`linear(x, weight, bias)` is `F.linear` for every input; on a CPU with AMX-BF16 (or AVX-512 BF16, or AVX2) it
+multiplies bf16 activations of
 at most `MAX_ROWS` rows by a bf16 weight, or by int8 codes with a float32 scale per output channel
 (`linear_int8`), in the C kernel, reading the weight once from the layout torch keeps (no repacked copy). What it
 does not cover (another device or dtype, more rows, a width that is not a multiple of 32 inputs and 16 outputs)
@@ -19,14 +22,18 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_isa
 from kernels.cpu_features import cpu_flags_line
 from kernels.native_build import CFLAGS, CSRC, load_library
 from settings.fast_paths import ACT_BITS  # what the int8 kernel quantizes activations to
 
 SOURCE = CSRC / "skinny_gemm_cpu.c"
+VECTOR_SOURCE = CSRC / "vector_gemm_cpu.c"  # the same entries without AMX (kernels/cpu_isa.py picks)
+VECTOR_BUILDS = {"avx2": 1, "avx512_bf16": 2}  # what its `vector_gemm_isa` returns in each build
 MAX_ROWS = 64  # the kernel's limit (four accumulator tiles of 16 rows); above it torch's matmul is as fast
 BLOCK_N, BLOCK_K = 16, 32
 WEIGHT_FORMATS = {torch.bfloat16: 0, torch.int8: 1}
+VECTOR_FORMATS = {**WEIGHT_FORMATS, torch.float8_e4m3fn: 2}  # fp8 (e4m3) codes: vector_gemm_cpu.c only
 NEEDED_FLAGS = frozenset({"amx_tile", "amx_bf16", "avx512_bf16"})
 INT8_FLAG = "amx_int8"  # for `linear_int8_act` (every CPU with AMX-BF16 so far has it too)
 QUADS_K = 64  # inputs per int8 tile product
@@ -54,7 +61,7 @@ def enabled() -> bool:
 def load_amx_library(source: Path, what: str, init: str, entries: dict[str, list[Any]]) -> ctypes.CDLL | None:
     """A kernel of kernels/csrc on AMX tiles, built for this CPU, its `entries` typed (each returns an int) and its
     `init` run (which asks Linux for the AMX state); None where it cannot run here."""
-    if not NEEDED_FLAGS <= set(cpu_flags_line().partition(":")[2].split()):
+    if cpu_isa.current() != "amx" or not NEEDED_FLAGS <= set(cpu_flags_line().partition(":")[2].split()):
         return None
     library = load_library(source, CFLAGS, what)
     if library is None:
@@ -67,23 +74,44 @@ def load_amx_library(source: Path, what: str, init: str, entries: dict[str, list
 
 
 def load() -> ctypes.CDLL | None:
-    """The kernel built for this CPU, with the AMX state granted to this process; None where it cannot run (or
-    the kernels are switched off)."""
-    return _load() if enabled() else None
+    """The kernel built for this CPU's instruction set (kernels/cpu_isa.py: AMX, with the AMX state granted to
+    this process, or the AVX-512 BF16 or AVX2 build of the vector kernel); None where none can run (or the kernels
+    are switched off)."""
+    return _load(cpu_isa.current()) if enabled() else None
+
+
+_GEMM_ARGS = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int] * 2
 
 
 @functools.cache
-def _load() -> ctypes.CDLL | None:
-    gemm = [_ptr] * 4 + [_i64] * 3 + [ctypes.c_int] * 2
+def _load(isa: str | None) -> ctypes.CDLL | None:
+    if isa in VECTOR_BUILDS:
+        return load_vector(isa)
     names = ("skinny_gemm", "skinny_gemm_f32", "int8_gemm", "int8_gemm_f32", "int8_gemm_silu_gated")
-    entries = {name: gemm for name in names}
-    return load_amx_library(SOURCE, "CPU decode matmuls", "skinny_gemm_init", entries)
+    entries = {name: _GEMM_ARGS for name in names}
+    return load_amx_library(SOURCE, "CPU decode matmuls", "skinny_gemm_init", entries) if isa == "amx" else None
+
+
+@functools.cache
+def load_vector(isa: str) -> ctypes.CDLL | None:
+    """vector_gemm_cpu.c built for `isa` ("avx512_bf16" or "avx2"), whatever was chosen (tests build each the CPU
+    has); None where this CPU lacks the set or it cannot be built."""
+    if not cpu_isa.has(isa):
+        return None
+    library = load_library(VECTOR_SOURCE, cpu_isa.VECTOR_FLAGS[isa], f"CPU decode matmuls ({isa})")
+    if library is None:
+        return None
+    for name in ("skinny_gemm", "skinny_gemm_f32", "vector_gemm_isa"):
+        getattr(library, name).restype = ctypes.c_int
+    library.skinny_gemm.argtypes = library.skinny_gemm_f32.argtypes = _GEMM_ARGS
+    return library if library.vector_gemm_isa() == VECTOR_BUILDS[isa] else None
 
 
 class NativeGemm(NamedTuple):
     """A projection of bf16 rows as one kernel call, what kernels/csrc/decode_layers_cpu.c's `Gemm` holds: the
-    function's address, its signature (`kind`: 0, a last int argument; 1, an int64 one), the weight's and scales'
-    addresses, that last argument and the widths. `gated`: the kernel takes a gated MLP's [T, 2K] gate/up rows."""
+    function's address, its signature (`kind`: 0, a last int argument; 1, an int64 one; 2, the portable int4
+    entry's), the weight's and scales' addresses, that last argument and the widths. `gated`: the kernel takes a
+    gated MLP's [T, 2K] gate/up rows."""
 
     fn: int
     kind: int
@@ -117,7 +145,7 @@ def covers_weight(rows: int, weight: torch.Tensor) -> bool:
     """Whether the kernel takes `rows` bf16 rows times this weight [N, K] (bf16 or int8), on this CPU."""
     return (
         0 < rows <= MAX_ROWS
-        and weight.dtype in WEIGHT_FORMATS
+        and weight.dtype in weight_formats()
         and weight.device.type == "cpu"
         and weight.dim() == 2
         and weight.shape[0] % BLOCK_N == 0
@@ -125,6 +153,11 @@ def covers_weight(rows: int, weight: torch.Tensor) -> bool:
         and weight.is_contiguous()
         and load() is not None
     )
+
+
+def weight_formats() -> dict[torch.dtype, int]:
+    """The weight dtypes the kernel chosen here multiplies, each with its number in the C entries."""
+    return VECTOR_FORMATS if cpu_isa.current() in VECTOR_BUILDS else WEIGHT_FORMATS
 
 
 def _run(
@@ -137,7 +170,7 @@ def _run(
     scale_pointer = None if scales is None else scales.data_ptr()
     rows, outputs, inputs = x.shape[0], weight.shape[0], weight.shape[1]
     threads = kernel_threads(rows)
-    fmt = WEIGHT_FORMATS[weight.dtype]
+    fmt = weight_formats()[weight.dtype]
     entry = library.skinny_gemm_f32 if out_dtype == torch.float32 else library.skinny_gemm
     status = entry(x.data_ptr(), weight.data_ptr(), scale_pointer, out.data_ptr(), rows, outputs, inputs, fmt, threads)
     return out if status == 0 else None
@@ -202,17 +235,24 @@ def _padded_chunks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def linear_int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
-    """x [T, K] bf16 times int8 codes [N, K] scaled per output channel (float32 scales [N]): [T, N] bf16; None
-    where the kernel does not cover them (the caller multiplies in torch)."""
+    """x [T, K] bf16 times int8 codes [N, K] (or fp8 e4m3 ones, where `weight_formats` has them) scaled per output
+    channel (float32 scales [N]): [T, N] bf16; None where the kernel does not cover them (the caller multiplies in
+    torch)."""
+    if codes.dtype == torch.bfloat16:
+        return None
     if not covers(x, codes) or scales.dtype != torch.float32 or not scales.is_contiguous():
         return None
     return _run(x, codes, scales)
 
 
-@functools.cache
 def has_int8() -> bool:
-    """Whether `linear_int8_act` can run here (the kernel loads and the CPU has AMX-INT8)."""
-    return load() is not None and INT8_FLAG in cpu_flags_line().partition(":")[2].split()
+    """Whether `linear_int8_act` can run here (the AMX kernel loads and the CPU has AMX-INT8)."""
+    return _has_int8(cpu_isa.current()) if enabled() else False
+
+
+@functools.cache
+def _has_int8(isa: str | None) -> bool:
+    return isa == "amx" and _load(isa) is not None and INT8_FLAG in cpu_flags_line().partition(":")[2].split()
 
 
 def linear_int8_act(
@@ -281,9 +321,9 @@ def covers_int8_act(codes: torch.Tensor, scales: torch.Tensor) -> bool:
 
 
 def native_linear(weight: torch.Tensor, rows: int, scales: torch.Tensor | None = None) -> NativeGemm | None:
-    """The call `linear` (bf16 weight) or `linear_int8` (int8 codes, float32 scales) makes for `rows` rows; None
-    where they would not call the kernel."""
-    if not covers_weight(rows, weight) or (weight.dtype == torch.int8) != (scales is not None):
+    """The call `linear` (bf16 weight) or `linear_int8` (int8 or fp8 codes, float32 scales) makes for `rows` rows;
+    None where they would not call the kernel."""
+    if not covers_weight(rows, weight) or (weight.dtype != torch.bfloat16) != (scales is not None):
         return None
     if scales is not None and (scales.dtype != torch.float32 or not scales.is_contiguous()):
         return None
@@ -291,7 +331,7 @@ def native_linear(weight: torch.Tensor, rows: int, scales: torch.Tensor | None =
     assert library is not None
     n, k = weight.shape
     scale_pointer = 0 if scales is None else scales.data_ptr()
-    fmt = WEIGHT_FORMATS[weight.dtype]
+    fmt = weight_formats()[weight.dtype]
     return NativeGemm(address(library, "skinny_gemm"), 0, weight.data_ptr(), scale_pointer, fmt, n, k)
 
 

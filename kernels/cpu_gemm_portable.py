@@ -19,6 +19,7 @@ import functools
 import torch
 
 from kernels import cpu_gemm
+from kernels.cpu_gemm import NativeGemm, address
 from kernels.native_build import CSRC, load_library
 
 SOURCE = CSRC / "portable_gemm_cpu.c"
@@ -165,6 +166,16 @@ def linear_int4(
         torch.get_num_threads(),
     )
     return out if status == 0 else None
+
+
+def native_int4(packed: torch.Tensor, pairs: torch.Tensor) -> NativeGemm | None:
+    """The call `linear_int4` makes for bf16 rows (any count), for kernels/csrc/decode_layers_cpu.c (its kind 2:
+    the int4 entry with bf16 activations); None where it would make none."""
+    library = load()
+    if library is None or not _int4_layout(packed, pairs):
+        return None
+    n, k, groups = packed.shape[0], packed.shape[1] * 2, pairs.shape[1]
+    return NativeGemm(address(library, "int4_weight_gemm"), 2, packed.data_ptr(), pairs.data_ptr(), k // groups, n, k)
 
 
 def widen_int4(packed: torch.Tensor, pairs: torch.Tensor, library: ctypes.CDLL | None = None) -> torch.Tensor | None:

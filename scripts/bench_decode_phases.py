@@ -5,7 +5,8 @@ each layer under `LLM(decode_phases=True)` (`native_decode.phase_seconds`); this
 sequences of 16-token random prompts for --tokens tokens each in an in-process engine per format, and prints the
 milliseconds per step of the whole step (wall time, the engine and the prefill of the prompts included) and of each
 phase summed over the layers, medians of --rounds runs. The runner takes bf16 Llama-family models on CPUs with the
-AMX kernels; where it does not run, the report says so and has no phases.
+C matmul kernels (AMX, AVX-512 BF16, AVX2: kernels/cpu_isa.py), so --dtype is bfloat16 unless told otherwise;
+where it does not run, the report says so and has no phases.
 
     .venv/bin/python scripts/bench_decode_phases.py --formats none,int8,awq@FOLDER --seqs 16,64 --threads 2
     .venv/bin/python scripts/bench_decode_phases.py --smoke --model DIR   # what CI runs: a tiny model, a few tokens
@@ -34,6 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default", help="HF folder, or 'default' (SmolLM2-135M-Instruct)")
     p.add_argument("--formats", default="none,int8", help="--quantization values; FORMAT@FOLDER runs a checkpoint")
+    p.add_argument("--dtype", default="bfloat16", help="the model's dtype (the runner takes bfloat16)")
     p.add_argument("--seqs", default="16,64", help="sequences decoded together, comma-separated (at most 64)")
     p.add_argument("--tokens", type=int, default=128, help="tokens each sequence decodes")
     p.add_argument("--rounds", type=int, default=3, help="runs per figure (medians)")
@@ -55,7 +57,12 @@ def measure(model: str, fmt: str, args: argparse.Namespace) -> list[dict[str, An
     folder = fmt.partition("@")[2] or model
     rows = []
     with LLM(
-        folder, quantization=quantization, max_num_seqs=max(args.seqs), threads=args.threads, decode_phases=True
+        folder,
+        dtype=args.dtype,
+        quantization=quantization,
+        max_num_seqs=max(args.seqs),
+        threads=args.threads,
+        decode_phases=True,
     ) as llm:
         params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
         llm.generate([[5, 6, 7]], [SamplingParams(max_tokens=2, temperature=0.0)], use_tqdm=False)  # warm-up

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 
 from settings.setting import check, setting
 
+# kernels/cpu_isa.py's choices (kept here too: settings import no kernels), best last but for auto.
+CPU_ISAS = ("auto", "amx", "avx512_bf16", "avx2")
+
 ACT_BITS = (8, 16)  # what the AMX-INT8 kernel can quantize activations to (kernels/cpu_gemm.py linear_int8_act)
 INT8_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -48,6 +51,14 @@ class FastPaths:
         readers="worker",
         help="the C matmul kernels for decode-sized products on CPU (kernels/cpu_gemm.py: AMX; "
         "kernels/cpu_gemm_portable.py; kernels/cpu_gemm_awq.py); --no-cpu-gemm: torch's matmuls only (to compare)",
+    )
+    cpu_isa: str = setting(
+        "auto",
+        choices=CPU_ISAS,
+        env="MINIVLLM_CPU_ISA",
+        readers="worker",
+        help="the best instruction set the CPU matmul kernels may use (kernels/cpu_isa.py): amx, avx512_bf16 "
+        "(VDPBF16PS) or avx2 (+FMA); the best this CPU has up to it; auto: the best it has (logged at start)",
     )
     native_decode: bool = setting(
         True,

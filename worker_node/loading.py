@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 import torch
 
-from kernels import cpu_gemm
+from kernels import cpu_gemm, cpu_isa
 from kernels.backend import check_cache_dtype, check_reads_quantized, select_attention_backend
 from kernels.cpu_features import has_fast_bf16
 from kernels.kv_quant import cache_dtype, format_name, is_quantized
@@ -177,6 +177,7 @@ def set_kernel_switches(fast: FastPaths) -> None:
     """The CPU kernels' module-level switches, set as a rank loads (what is loaded from then on follows them): the C
     matmul kernels on or off, the int8 kernel's activation bits (settings/fast_paths.py)."""
     cpu_gemm.set_enabled(fast.cpu_gemm)
+    cpu_isa.set_ceiling(fast.cpu_isa)
     set_act_bits(fast.int8_act_bits)
 
 

@@ -24,6 +24,9 @@ typedef int (*gemm_int_fn)(const void *, const void *, const float *, void *, in
 /* awq_gemm: (x, codes, scales, out, M, N, K, group, threads) */
 typedef int (*gemm_i64_fn)(const void *, const void *, const float *, void *, int64_t, int64_t, int64_t, int64_t,
                            int);
+/* int4_weight_gemm (portable_gemm_cpu.c, AWQ without AMX): (x, codes, pairs, out, M, N, K, group, act, threads) */
+typedef int (*gemm_int4_fn)(const void *, const void *, const float *, void *, int64_t, int64_t, int64_t, int64_t,
+                            int, int);
 /* add_rms_norm_f32: (x float32, stride, delta, stride, weight, out, sum float32, rows, width, eps, offset, threads) */
 typedef void (*norm_fn)(const float *, int64_t, const bf16_t *, int64_t, const bf16_t *, bf16_t *, float *, int64_t,
                         int64_t, float, float, int);
@@ -38,6 +41,7 @@ typedef void (*attention_fn)(const void *, const void *, const void *, const flo
 
 #define GEMM_INT_ARG 0 /* gemm_int_fn */
 #define GEMM_I64_ARG 1 /* gemm_i64_fn */
+#define GEMM_INT4_BF16 2 /* gemm_int4_fn, its activations bf16 (the portable kernel's act 1) */
 
 /* One projection as its Python code would multiply `rows` rows: the kernel, its weight tensors and last argument.
  * `gated` (down projections only): the kernel takes the MLP's [rows, 2 K] gate/up rows and makes silu(gate) * up
@@ -104,6 +108,8 @@ static inline void lap(const Step *s, int i, double *last) {
 static int gemm(const Gemm *g, const void *x, void *out, int64_t rows, int threads) {
     if (g->kind == GEMM_I64_ARG)
         return ((gemm_i64_fn)g->fn)(x, g->weight, g->scales, out, rows, g->n, g->k, g->arg, threads);
+    if (g->kind == GEMM_INT4_BF16)
+        return ((gemm_int4_fn)g->fn)(x, g->weight, g->scales, out, rows, g->n, g->k, g->arg, 1, threads);
     return ((gemm_int_fn)g->fn)(x, g->weight, g->scales, out, rows, g->n, g->k, (int)g->arg, threads);
 }
 

@@ -54,7 +54,8 @@ def test_bf16_greedy_matches_hf_bf16_under_chunking_and_preemption(kind: str, re
     not has_fast_bf16(),
     reason="a knife-edge SmolLM2 token (13 after 'def fibonacci(n):', HF bf16 itself 0.145 off float32 there) lands "
     "0.139 below both references on CPUs without bf16 dot products (AMD Zen 3, AVX2), where bf16 is not the default "
-    "dtype and its matmuls take another summation order; seen at 528db4e already (issue 49's AVX2 kernels)",
+    "dtype and its matmuls take another summation order; seen at 528db4e already, and unchanged (0.139) with issue "
+    "49's AVX2 kernels (kernels/csrc/vector_gemm_cpu.c: float32 sums of exact bf16 products, float32 head scores)",
     strict=False,
 )
 def test_smollm2_bf16_greedy_matches_hf_bf16(smollm2_dir) -> None:  # type: ignore[no-untyped-def]

@@ -1,10 +1,11 @@
-"""The AMX skinny-matmul kernel (kernels/cpu_gemm.py) against torch, and what it leaves to torch."""
+"""The AMX skinny-matmul kernel (kernels/cpu_gemm.py) against torch, and what it leaves to torch (the kernel of CPUs
+without AMX: tests/kernels/test_cpu_gemm_vector.py)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_gemm
+from kernels import cpu_gemm, cpu_isa
 from kernels.cpu_features import cpu_flags_line
 
 pytestmark = pytest.mark.unit
@@ -177,12 +178,12 @@ def test_what_the_int8_kernel_does_not_cover_is_refused() -> None:
 
 def test_no_amx_int8_means_the_weight_only_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_gemm, "cpu_flags_line", lambda: "flags : amx_tile amx_bf16 avx512_bf16")
-    cpu_gemm.has_int8.cache_clear()
+    cpu_gemm._has_int8.cache_clear()
     try:
         codes, scales = torch.ones(32, 64, dtype=torch.int8), torch.ones(32)
         assert cpu_gemm.linear_int8_act(torch.randn(4, 64).bfloat16(), codes, scales) is None
     finally:
-        cpu_gemm.has_int8.cache_clear()
+        cpu_gemm._has_int8.cache_clear()
 
 
 @needs_amx
@@ -211,15 +212,15 @@ def test_what_the_kernel_does_not_cover_is_torchs(x: torch.Tensor, w: torch.Tens
         assert cpu_gemm.linear_int8(x, codes, torch.ones(w.shape[0])) is None
 
 
-def test_no_amx_means_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_gemm, "cpu_flags_line", lambda: "flags : avx512f avx512_bf16")
-    cpu_gemm._load.cache_clear()
+def test_no_amx_avx512_or_avx2_means_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_isa, "cpu_flags_line", lambda: "flags : sse2 avx avx512f")
+    cpu_isa._chosen.cache_clear()
     try:
-        assert cpu_gemm.load() is None
+        assert cpu_isa.current() is None and cpu_gemm.load() is None
         x, w = torch.randn(2, 64).bfloat16(), torch.randn(32, 64).bfloat16()
         assert torch.equal(cpu_gemm.linear(x, w), F.linear(x, w))
     finally:
-        cpu_gemm._load.cache_clear()
+        cpu_isa._chosen.cache_clear()
 
 
 @needs_amx_int8

@@ -183,3 +183,18 @@ def test_bench_blocks_smoke_measures_every_block_size_on_all_four_measures(tmp_p
     assert prefix[8]["shared_system_prompt"] >= prefix[128]["shared_system_prompt"], prefix
     assert "## (c) tail waste when the pool is full" in stdout and "| 128 | - | True |" in stdout
     assert report["machine"]["loadavg_before"] and report["loadavg_after"]
+
+
+@pytest.mark.slow
+def test_bench_cpu_peer_smoke_measures_every_format_and_the_bandwidth(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """--smoke: minivllm's formats and the copy bandwidth, without llama.cpp (no build in CI)."""
+    stdout, report = _smoke("bench_cpu_peer.py", tiny_llama_dir, tmp_path / "peer.json")
+    rows = {row["format"]: row for row in report["rows"]}
+    assert list(rows) == ["float32", "bf16", "int8"] and report["copy_GB_s"] > 0
+    assert "llama.cpp" in report["skipped"] and all(row["engine"] == "minivllm" for row in rows.values())
+    for row in rows.values():
+        assert row["single_tok_s"] > 0 and row["batch_tok_s"] > 0 and row["share_of_copy"] > 0, row
+    assert rows["int8"]["weight_MB"] < rows["bf16"]["weight_MB"] < rows["float32"]["weight_MB"]
+    assert rows["float32"]["within_0.5_of_fp32"] == 1.0, "the reference against itself"
+    assert 0 <= rows["int8"]["within_0.5_of_fp32"] <= 1
+    assert "| minivllm | int8 |" in stdout

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernels import cpu_gemm
+from kernels import cpu_gemm, cpu_isa
 from settings.engine_args import engine_settings
 from settings.fast_paths import FastPaths, act_bits_overrides
 from settings.setting import walk
@@ -19,6 +19,7 @@ pytestmark = pytest.mark.unit
 
 SWITCHES = {
     "MINIVLLM_CPU_GEMM": "cpu_gemm",
+    "MINIVLLM_CPU_ISA": "cpu_isa",
     "MINIVLLM_NATIVE_DECODE": "native_decode",
     "MINIVLLM_HUGE_PAGES": "huge_pages",
     "MINIVLLM_INT8_ACT_BITS": "int8_act_bits",
@@ -69,9 +70,21 @@ def test_act_bits_name_projections_and_bits() -> None:
 
 def test_a_rank_sets_the_kernels_switches_as_it_loads() -> None:
     try:
-        set_kernel_switches(FastPaths(cpu_gemm=False, int8_act_bits="o_proj=8"))
+        set_kernel_switches(FastPaths(cpu_gemm=False, int8_act_bits="o_proj=8", cpu_isa="avx2"))
         assert not cpu_gemm.enabled() and cpu_gemm.load() is None
         assert quant_int8.act_bits() == {**quant_int8.ACT_BITS, "o_proj": 8}
+        assert cpu_isa.current() == cpu_isa.best("avx2"), "the ceiling: AVX2 at most"
     finally:
         set_kernel_switches(FastPaths())
     assert cpu_gemm.enabled() and quant_int8.act_bits() == quant_int8.ACT_BITS
+    assert cpu_isa.current() == cpu_isa.best()
+
+
+def test_the_isa_choices_are_the_kernels() -> None:
+    """settings/fast_paths.py keeps its own copy of kernels/cpu_isa.py's names (settings import no kernels)."""
+    assert FastPaths.__dataclass_fields__["cpu_isa"].metadata  # a setting
+    from settings.fast_paths import CPU_ISAS
+
+    assert CPU_ISAS == cpu_isa.CHOICES
+    with pytest.raises(ValueError, match="cpu_isa"):
+        FastPaths(cpu_isa="avx9000")

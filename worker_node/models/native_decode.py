@@ -8,7 +8,8 @@ layers would call, to C: the same calls in the same order, so the hidden states 
 bit (tests/worker_node/models/test_native_decode.py compares them).
 
 It takes a model of plain Llama-family layers on one TP rank whose every projection has such a call (bf16,
-int8 or AWQ weights on an AMX CPU; no bias, LoRA hook, QK norm, sliding window or soft-cap), and a step of decode
+int8, fp8 or AWQ weights on an x86 CPU with AMX, AVX-512 BF16 or AVX2: kernels/cpu_isa.py; no bias, LoRA hook, QK
+norm, sliding window or soft-cap), and a step of decode
 tokens only (at most 64, the matmul kernels' rows) over a bf16 cache read by the native attention kernel. Anything
 else runs the Python layers, as before.
 """

@@ -143,7 +143,11 @@ class AwqMethod(QuantMethod):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), layer.kernel["int4"], self.group_size, pairs)
 
     def native_gemm(self, layer: QuantLinear, rows: int, silu_gated: bool = False) -> NativeGemm | None:
-        if silu_gated or "awq codes" not in layer.kernel:
+        if silu_gated:
+            return None
+        if "int4 codes" in layer.kernel:  # `forward`'s call for bf16 rows on CPUs without AMX
+            return cpu_gemm_portable.native_int4(layer.kernel["int4 codes"], layer.kernel["int4 pairs"])
+        if "awq codes" not in layer.kernel:
             return None
         return cpu_gemm_awq.native_linear(layer.kernel["awq codes"], layer.kernel["awq scales"], rows)
 

@@ -4,8 +4,10 @@ read from an fp8 checkpoint (`quant_method: fp8`, a per-tensor or per-channel `w
 
 w[n, k] ~ weight[n, k] * weight_scale[n]. On GPUs with fp8 tensor cores (compute capability 8.9+: Ada, Hopper)
 `torch._scaled_mm` multiplies fp8 activations (quantized per row each step) by the fp8 weights with both scales
-applied in its epilogue; everywhere else the weights are converted to the activations' dtype each step (memory
-halved against bf16, no speed-up: a CPU has no fp8 arithmetic).
+applied in its epilogue. On CPUs without AMX (kernels/cpu_isa.py: AVX-512 BF16, AVX2) bf16 rows of a decode step
+go to kernels/csrc/vector_gemm_cpu.c, which widens the codes in registers as it reads them (a decode step reads
+half bf16's bytes; the decode runner takes that call too, `native_gemm`); everywhere else the weights are
+converted to the activations' dtype each step (memory halved against bf16, no speed-up).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_gemm
 from proto.quantization import QuantizationError
 from worker_node.models.quant_linear import QuantLinear, QuantMethod, TensorAxes
 
@@ -69,4 +72,21 @@ class Fp8Method(QuantMethod):
             x_scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
             xq = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
             return torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=scales[None, :], out_dtype=x.dtype)
+        if x.device.type == "cpu" and x.dtype == torch.bfloat16:
+            out = cpu_gemm.linear_int8(x, w, self._float_scales(layer))
+            if out is not None:
+                return out
         return F.linear(x, w.to(x.dtype)) * scales.to(x.dtype)
+
+    def native_gemm(self, layer: QuantLinear, rows: int, silu_gated: bool = False) -> cpu_gemm.NativeGemm | None:
+        """The kernel call `forward` makes for `rows` bf16 rows on CPU (the vector kernel's fp8 format)."""
+        if silu_gated:
+            return None
+        return cpu_gemm.native_linear(layer.part("weight"), rows, self._float_scales(layer))
+
+    def _float_scales(self, layer: QuantLinear) -> torch.Tensor:
+        """The scales in float32 for the C kernel, made once."""
+        scales = layer.kernel.get("scales float32")
+        if scales is None:
+            scales = layer.kernel["scales float32"] = layer.part("weight_scale").float().contiguous()
+        return scales

@@ -64,15 +64,15 @@ def generate(
 @pytest.fixture
 def amx() -> None:
     if cpu_gemm.load() is None:
-        pytest.skip("the runner takes the AMX matmul kernels' calls: this CPU has none")
+        pytest.skip("the runner takes the C matmul kernels' calls (AMX, AVX-512 BF16 or AVX2): this CPU has none")
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "awq"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "fp8", "awq"])
 def test_the_runner_gives_the_python_layers_tokens_and_logprobs_bit_for_bit(
     monkeypatch: pytest.MonkeyPatch, amx: None, tiny_llama_dir: Path, awq_dir: Path, fmt: str
 ) -> None:
     folder = awq_dir if fmt == "awq" else tiny_llama_dir
-    engine: dict[str, Any] = {"quantization": "int8"} if fmt == "int8" else {}
+    engine: dict[str, Any] = {"quantization": fmt} if fmt in ("int8", "fp8") else {}
     python, none_ran = generate(monkeypatch, folder, False, **engine)
     native, ran = generate(monkeypatch, folder, True, **engine)
     assert none_ran == 0 and ran >= 11, ran  # every decode step of the 12 tokens but the prefill's
