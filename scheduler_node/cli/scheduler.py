@@ -6,10 +6,15 @@ import argparse
 import asyncio
 import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import grpc
 
 from proto.curve import ensure_keys
 from proto.parallel import ParallelLayout
+from proto.transport import WorldCapacity
 from scheduler_node.api.grpc_server import GenerationService, build_server
 from scheduler_node.api.health import report_health, set_serving
 from scheduler_node.api.openai_server import OpenAIConfig, OpenAIDoor, OpenAIServer, build_app
@@ -98,23 +103,82 @@ def openai_config(args: argparse.Namespace, served_model_name: str) -> OpenAICon
     )
 
 
+@dataclass
+class Doors:
+    """What the scheduler serves before its world exists: the gRPC door (health NOT_SERVING until the engine runs,
+    the workers' join call), the OpenAI door when configured, the metrics."""
+
+    service: GenerationService
+    server: grpc.aio.Server
+    health: Any
+    metrics: Metrics
+    door: OpenAIDoor | None
+    http: OpenAIServer | None
+
+    def attach(self, engine: EngineCore) -> None:
+        self.service.engine = engine
+        if self.door is not None:
+            self.door.engine = engine
+        self.metrics.bind(engine.live_metrics, asyncio.get_running_loop())
+
+    async def close(self, link: WorkerLink, why: str) -> None:
+        await _shutdown(self.server, link, why, self.http)
+
+
 async def serve(args: argparse.Namespace) -> int:
     if not args.worker_host:  # vllm-scheduler's default: where gRPC listens (remote workers reach both there)
         args.worker_host = args.host if ":" not in args.host else "127.0.0.1"  # the ZMQ socket binds IPv4 only
     if args.zmq_curve_dir:
         ensure_keys(args.zmq_curve_dir)
     link = WorkerLink(f"{args.worker_host}:{args.worker_port}", args.heartbeat_timeout, args.zmq_curve_dir)
-    if not args.model:  # the first worker names the model and the world's shape (scheduler_node/cli/adopt.py)
+    args, (config, placement, folder), tokenizer = await _the_world(args, link)
+    link.registry.vet = world_vet(args.model, placement.layout)
+    doors = await _open_doors(args, link, tokenizer)
+    world = WorldPlan(config, folder, placement, args.distributed_port)
+    link.claim = world.claim
+    link.output_rank = placement.layout.output_rank
+    stop, hurry = stop_signals()  # the first signal drains, a second ends the drain
+    if args.exit_after_drain:
+        doors.service.on_drained = lambda: _stop_after_drain(stop)
+    capacity = await _gather(link, world, placement, stop, doors)
+    if capacity is None:
+        return 0
+    engine = make_engine(config, folder, tokenizer, link, capacity, doors.metrics)
+    doors.attach(engine)
+    logger.info(
+        "serving %s on %s:%d: %d KV blocks of %d tokens, max_model_len %d",
+        folder.name,
+        args.host,
+        args.port,
+        capacity.num_kv_blocks,
+        config.scheduler.block_size,
+        engine.max_model_len,
+    )
+    code = await _run_until_stopped(engine, args, doors, stop, hurry)
+    await doors.close(link, "scheduler shutting down")
+    doors.metrics.close()
+    return code
+
+
+async def _the_world(
+    args: argparse.Namespace, link: WorkerLink
+) -> tuple[argparse.Namespace, tuple[EngineConfig, Placement, Path], ModelTokenizer]:
+    """The model and the world's shape: from the flags, or from the first worker that joins (without --model,
+    scheduler_node/cli/adopt.py); a world the scheduler cannot serve refuses the workers waiting to join."""
+    if not args.model:
         args = await adopt_first_worker(args, link)
     try:
-        config, placement, folder = plan_world(args)
-        tokenizer = ModelTokenizer(folder)
+        planned = plan_world(args)
+        return args, planned, ModelTokenizer(planned[2])
     except (ValueError, OSError) as exc:
         link.registry.refuse_parked(f"the scheduler cannot serve this world: {exc}")
         await link.close(str(exc))
         raise
-    layout = placement.layout
-    link.registry.vet = world_vet(args.model, layout)
+
+
+async def _open_doors(args: argparse.Namespace, link: WorkerLink, tokenizer: ModelTokenizer) -> Doors:
+    """The gRPC door (NOT_SERVING until the engine runs; it answers the workers' join call), the OpenAI door when
+    configured, and the metrics endpoint."""
     service = GenerationService(tokenizer, args.served_model_name or served_name(args.model))
     service.link = link
     credentials = server_credentials(args.tls_cert, args.tls_key) if args.tls_cert else None
@@ -131,52 +195,38 @@ async def serve(args: argparse.Namespace) -> int:
     if http is not None:
         http.start()
     await set_serving(health, False)
-    logger.info(
-        "gRPC on %s:%d; waiting for %d worker(s) on %s:%d",
-        args.host,
-        args.port,
-        layout.world_size,
-        args.worker_host,
-        args.worker_port,
-    )
-    if layout.world_size > 1:
-        logger.info("%s", placement.describe())
-    world = WorldPlan(config, folder, placement, args.distributed_port)
-    link.claim = world.claim
-    link.output_rank = layout.output_rank
+    return Doors(service, server, health, metrics, door, http)
 
-    stop, hurry = stop_signals()  # the first signal drains, a second ends the drain
-    if args.exit_after_drain:
-        service.on_drained = lambda: _stop_after_drain(stop)
-    gather = asyncio.ensure_future(link.start(world.assignment, config.worker_join_timeout))
+
+async def _gather(
+    link: WorkerLink, world: WorldPlan, placement: Placement, stop: asyncio.Event, doors: Doors
+) -> WorldCapacity | None:
+    """The world's capacity once every rank has joined; None when a signal came first (the doors are closed)."""
+    logger.info("waiting for %d worker(s) on %s", placement.layout.world_size, link.address)
+    if placement.layout.world_size > 1:
+        logger.info("%s", placement.describe())
+    gather = asyncio.ensure_future(link.start(world.assignment, world.config.worker_join_timeout))
     stopper = asyncio.ensure_future(stop.wait())
     await asyncio.wait({gather, stopper}, return_when=asyncio.FIRST_COMPLETED)
     if not gather.done():
         gather.cancel()
-        await _shutdown(server, link, "scheduler stopped before the workers joined", http)
-        return 0
+        await doors.close(link, "scheduler stopped before the workers joined")
+        return None
     try:
-        capacity = gather.result()
+        return gather.result()
     except TimeoutError:
-        await _shutdown(server, link, "the world did not assemble in time", http)  # the joined workers leave too
+        await doors.close(link, "the world did not assemble in time")  # the joined workers leave too
         raise
-    engine = make_engine(config, folder, tokenizer, link, capacity, metrics)
-    metrics.bind(engine.live_metrics, asyncio.get_running_loop())
+
+
+async def _run_until_stopped(
+    engine: EngineCore, args: argparse.Namespace, doors: Doors, stop: asyncio.Event, hurry: asyncio.Event
+) -> int:
+    """Serve until a signal (drain, then end what is left) or the engine's own end; the exit code."""
     kv_events = publish_kv_events(engine, args) if args.kv_events_port else None
-    service.engine = engine
-    if door is not None:
-        door.engine = engine
     engine_task = asyncio.ensure_future(engine.run())
-    health_task = asyncio.ensure_future(report_health(engine, health))
-    logger.info(
-        "serving %s on %s:%d: %d KV blocks of %d tokens, max_model_len %d",
-        folder.name,
-        args.host,
-        args.port,
-        capacity.num_kv_blocks,
-        config.scheduler.block_size,
-        engine.max_model_len,
-    )
+    health_task = asyncio.ensure_future(report_health(engine, doors.health))
+    stopper = asyncio.ensure_future(stop.wait())
     await asyncio.wait({engine_task, stopper}, return_when=asyncio.FIRST_COMPLETED)
     code = 0
     if engine_task.done():
@@ -192,10 +242,8 @@ async def serve(args: argparse.Namespace) -> int:
     health_task.cancel()
     if kv_events is not None:
         kv_events.cancel()
-    await set_serving(health, False)
+    await set_serving(doors.health, False)
     engine_task.cancel()
-    await _shutdown(server, link, "scheduler shutting down", http)
-    metrics.close()
     return code
 
 
