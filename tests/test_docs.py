@@ -30,6 +30,8 @@ OTHER_PROGRAMS = (
     "systemd-analyze",
     "pip install",
     "llama-server",
+    "nccl-test",  # the articles' own tools (docs/guide.md "From the articles")
+    "dify-server",
 )
 OURS = re.compile(r"(?<![\w-])vllm-[a-z]+|scripts/[\w/]+\.py")
 OTHER = re.compile(r"(?<![\w-])(?:" + "|".join(re.escape(p) for p in OTHER_PROGRAMS) + ")")
