@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -16,6 +17,7 @@ import torch
 from kernels import cpu_gemm, cpu_isa
 from kernels.backend import check_cache_dtype, check_reads_quantized, select_attention_backend
 from kernels.cpu_features import has_fast_bf16
+from kernels.interface import AttentionBackend
 from kernels.kv_quant import cache_dtype, format_name, is_quantized
 from kernels.openmp import release_thread_pool
 from proto.wire import Assignment, WorkerReady
@@ -24,6 +26,7 @@ from settings.worker import WorkerOptions
 from worker_node.cuda_graphs import DecodeGraphs, parse_sizes
 from worker_node.draft_model import load_draft
 from worker_node.kv.cache import (
+    KVCache,
     allocate_host_cache,
     allocate_kv_cache,
     attach_compact,
@@ -88,6 +91,19 @@ def kv_blocks_to_allocate(assigned: int, block_bytes: int, budget: int, limit: i
     return assigned
 
 
+@dataclass
+class Caches:
+    """A rank's KV memory: the device cache (with its compact pool when there is one) and the host swap space."""
+
+    device: KVCache
+    num_blocks: int
+    block_bytes: int
+    host: KVCache
+    swap_blocks: int
+    compact_blocks: int = 0
+    compact_bytes: int = 0
+
+
 def load_rank(
     a: Assignment, options: WorkerOptions, device: torch.device, comm: Comm
 ) -> tuple[ModelRunner, WorkerReady]:
@@ -100,13 +116,8 @@ def load_rank(
     config = shard_config(full, where)  # what this rank's KV cache holds: its layers, its KV heads
     backend = select_attention_backend(options.attention_backend, device)
     kv_dtype = cache_dtype(options.kv_cache_dtype, dtype)
-    check_cache_dtype(backend, kv_dtype)
-    if is_quantized(kv_dtype):
-        check_reads_quantized(backend, kv_dtype, device)
     compact_dtype = cache_dtype(a.kv_compact_dtype, dtype) if a.kv_compact_fraction > 0 else None
-    if compact_dtype is not None:
-        check_cache_dtype(backend, compact_dtype)
-        check_reads_quantized(backend, compact_dtype, device)
+    _check_kv_formats(backend, device, kv_dtype, compact_dtype)
     model = load_model(
         a.model, backend, dtype, device, full.max_model_len, where, comm, a.quantization, huge_pages=fast.huge_pages
     )
@@ -114,30 +125,15 @@ def load_rank(
     model.use_native_decode(fast.native_decode, fast.decode_phases)
     # Before the KV cache is sized: the LoRA slot bank's bytes come out of its budget.
     graph_lora = lora_for_graphs(a, options, backend.name, model, dtype, device, where)
-    block_bytes = bytes_per_block(config, a.block_size, kv_dtype)
-    budget = kv_cache_budget(device, options.kv_cache_memory, options.gpu_memory_utilization, comm.ranks_on_host)
-    limit = kv_cache_limit(device, options.kv_cache_memory, options.gpu_memory_utilization)
-    compact_budget = int(budget * a.kv_compact_fraction)  # the compact pool's share (per-request KV precision)
-    num_blocks = kv_blocks_to_allocate(a.num_kv_blocks, block_bytes, budget - compact_budget, limit)
-    cache = allocate_kv_cache(config, a.block_size, kv_dtype, device, num_blocks)
-    compact_blocks, compact_bytes = 0, 0
-    if compact_dtype is not None:
-        compact_bytes = bytes_per_block(config, a.block_size, compact_dtype)
-        room = limit - num_blocks * block_bytes
-        compact_blocks = kv_blocks_to_allocate(a.num_compact_blocks, compact_bytes, compact_budget, room)
-        cache = attach_compact(cache, allocate_kv_cache(config, a.block_size, compact_dtype, device, compact_blocks))
-    swap_blocks = int(options.swap_space * 2**30) // block_bytes
-    if a.num_swap_blocks >= 0:  # the world's size: never more (its flag is the limit it may take)
-        swap_blocks = min(swap_blocks, a.num_swap_blocks)
-    host = allocate_host_cache(config, a.block_size, kv_dtype, device, swap_blocks)
+    caches = allocate_caches(a, options, config, device, comm, kv_dtype, compact_dtype)
     tokenizer = Path(a.model) / "tokenizer.json"
-    offload = build_offload(options, a, config, kv_dtype, device, block_bytes)
+    offload = build_offload(options, a, config, kv_dtype, device, caches.block_bytes)
     runner = ModelRunner(
         model,
-        cache,
+        caches.device,
         a.block_size,
         device,
-        host,
+        caches.host,
         comm,
         a.mode,
         tokenizer if tokenizer.is_file() else None,
@@ -160,17 +156,69 @@ def load_rank(
             fast.huge_pages,
         )
         runner.draft.model.use_native_decode(fast.native_decode, fast.decode_phases)
-    bandwidth = measure_swap_bandwidth(cache, host, block_bytes)
+    bandwidth = measure_swap_bandwidth(caches.device, caches.host, caches.block_bytes)
     release_thread_pool()  # the step thread runs the model; this one's OpenMP workers would slow it (kernels/openmp.py)
-    ready = WorkerReady(a.rank, num_blocks, num_blocks * block_bytes, swap_blocks, bandwidth, format_name(kv_dtype))
-    if compact_dtype is not None:
-        ready = msgspec.structs.replace(
-            ready,
-            num_compact_blocks=compact_blocks,
-            compact_cache_bytes=compact_blocks * compact_bytes,
-            compact_format=format_name(compact_dtype),
-        )
+    ready = _ready(a.rank, caches, bandwidth, kv_dtype, compact_dtype)
     return runner, offload.report(ready) if offload is not None else ready
+
+
+def _check_kv_formats(
+    backend: AttentionBackend, device: torch.device, kv_dtype: torch.dtype, compact_dtype: torch.dtype | None
+) -> None:
+    """The backend reads the cache's format, and the compact pool's (ValueError naming what it cannot)."""
+    check_cache_dtype(backend, kv_dtype)
+    if is_quantized(kv_dtype):
+        check_reads_quantized(backend, kv_dtype, device)
+    if compact_dtype is not None:
+        check_cache_dtype(backend, compact_dtype)
+        check_reads_quantized(backend, compact_dtype, device)
+
+
+def allocate_caches(
+    a: Assignment,
+    options: WorkerOptions,
+    config: ModelConfig,
+    device: torch.device,
+    comm: Comm,
+    kv_dtype: torch.dtype,
+    compact_dtype: torch.dtype | None,
+) -> Caches:
+    """The device cache sized from the memory this rank may use (less the compact pool's share), the compact pool
+    in what is left, and the host swap space (never more blocks than the world's size says)."""
+    block_bytes = bytes_per_block(config, a.block_size, kv_dtype)
+    budget = kv_cache_budget(device, options.kv_cache_memory, options.gpu_memory_utilization, comm.ranks_on_host)
+    limit = kv_cache_limit(device, options.kv_cache_memory, options.gpu_memory_utilization)
+    compact_budget = int(budget * a.kv_compact_fraction)  # the compact pool's share (per-request KV precision)
+    num_blocks = kv_blocks_to_allocate(a.num_kv_blocks, block_bytes, budget - compact_budget, limit)
+    cache = allocate_kv_cache(config, a.block_size, kv_dtype, device, num_blocks)
+    compact_blocks, compact_bytes = 0, 0
+    if compact_dtype is not None:
+        compact_bytes = bytes_per_block(config, a.block_size, compact_dtype)
+        room = limit - num_blocks * block_bytes
+        compact_blocks = kv_blocks_to_allocate(a.num_compact_blocks, compact_bytes, compact_budget, room)
+        cache = attach_compact(cache, allocate_kv_cache(config, a.block_size, compact_dtype, device, compact_blocks))
+    swap_blocks = int(options.swap_space * 2**30) // block_bytes
+    if a.num_swap_blocks >= 0:  # the world's size: never more (its flag is the limit it may take)
+        swap_blocks = min(swap_blocks, a.num_swap_blocks)
+    host = allocate_host_cache(config, a.block_size, kv_dtype, device, swap_blocks)
+    return Caches(cache, num_blocks, block_bytes, host, swap_blocks, compact_blocks, compact_bytes)
+
+
+def _ready(
+    rank: int, caches: Caches, bandwidth: float, kv_dtype: torch.dtype, compact_dtype: torch.dtype | None
+) -> WorkerReady:
+    ready = WorkerReady(
+        rank, caches.num_blocks, caches.num_blocks * caches.block_bytes, caches.swap_blocks, bandwidth,
+        format_name(kv_dtype),
+    )  # fmt: skip
+    if compact_dtype is None:
+        return ready
+    return msgspec.structs.replace(
+        ready,
+        num_compact_blocks=caches.compact_blocks,
+        compact_cache_bytes=caches.compact_blocks * caches.compact_bytes,
+        compact_format=format_name(compact_dtype),
+    )
 
 
 def set_kernel_switches(fast: FastPaths) -> None:
