@@ -11,6 +11,7 @@ import atexit
 import dataclasses
 import inspect
 import itertools
+import json
 import logging
 import sys
 import threading
@@ -33,6 +34,7 @@ from scheduler_node.api.embeddings import (
     finish,
     pooled,
 )
+from scheduler_node.api.media import message_images, prompt_images, with_images
 from scheduler_node.api.validation import (
     DEFAULT_PRIORITY,
     InvalidField,
@@ -112,6 +114,8 @@ class LLM:
             raise ValueError(f"worker_backend: must be one of {WORKER_BACKENDS}, got {worker_backend!r}")
         if attention is not None or "attention_backend" in settings:  # a registered kernel's name gains its path
             settings["attention_backend"] = worker_setting(settings.get("attention_backend", "auto"), attention)
+        if isinstance(settings.get("limit_mm_per_prompt"), dict):  # vLLM's {"image": 2}
+            settings["limit_mm_per_prompt"] = json.dumps(settings["limit_mm_per_prompt"])
         built = engine_settings(settings)
         self.config, self.options = built.engine, built.worker
         world = self.config.layout.world_size
@@ -125,7 +129,8 @@ class LLM:
         if problem:
             raise ValueError(problem)
         self.folder = resolve_model(model or DEFAULT)
-        check_model_split(self.folder, self.config.layout, self.config.quantization, self.config.scheduler.speculative)
+        c = self.config
+        check_model_split(self.folder, c.layout, c.quantization, c.scheduler.speculative, c.multimodal.extra_modules)
         self.tokenizer = ModelTokenizer(self.folder)
         self._ids = itertools.count()
         self._launcher: LocalLauncher | None = None
@@ -162,9 +167,17 @@ class LLM:
         (None: the base model). ValueError names a bad field."""
         ids = self._prompt_ids(prompts)
         single = isinstance(prompts, (str, dict)) or _is_ids(prompts)
-        batch = [_unwrap(p, f"prompts[{i}]") for i, p in enumerate([prompts] if single else list(prompts))]
+        raw = [prompts] if single else list(prompts)
+        batch = [_unwrap(p, f"prompts[{i}]") for i, p in enumerate(raw)]
         texts = [p if isinstance(p, str) else None for p, _ in batch]
-        return self._run(ids, texts, sampling_params, use_tqdm, priority, lora_request)
+        images = [  # vLLM's {"prompt": ..., "multi_modal_data": {"image": ...}}
+            prompt_images(p["multi_modal_data"], self.engine.images, f"prompts[{i}].multi_modal_data")
+            if isinstance(p, dict) and "multi_modal_data" in p
+            else ([], [])
+            for i, p in enumerate(raw)
+        ]
+        prompt_fields = [name for _, name in batch]
+        return self._run(ids, texts, sampling_params, use_tqdm, priority, lora_request, images, prompt_fields)
 
     def chat(
         self,
@@ -177,11 +190,11 @@ class LLM:
         template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         max_len = self.engine.max_model_len
-        ids = [
-            prompt_from_messages(list(c), self.tokenizer, max_len, f"messages[{i}]")  # type: ignore[arg-type]
-            for i, c in enumerate(conversations)
-        ]
-        return self._run(ids, [None] * len(ids), sampling_params, use_tqdm, None, lora_request)
+        names = ["messages" if len(conversations) == 1 else f"messages[{i}]" for i in range(len(conversations))]
+        parsed = [message_images(list(c), self.engine.images, n) for c, n in zip(conversations, names)]  # type: ignore[arg-type]
+        ids = [prompt_from_messages(m, self.tokenizer, max_len, n) for (m, _, _), n in zip(parsed, names)]
+        images = [(found, fields) for _, found, fields in parsed]
+        return self._run(ids, [None] * len(ids), sampling_params, use_tqdm, None, lora_request, images, names)
 
     def embed(
         self,
@@ -234,6 +247,8 @@ class LLM:
         use_tqdm: bool,
         priority: Sequence[int] | None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        images: list[tuple[list[Any], list[str]]] | None = None,  # each prompt's images and their fields
+        prompt_fields: list[str] | None = None,
     ) -> list[RequestOutput]:
         params = _per_prompt(sampling_params or SamplingParams(), len(ids), "sampling_params")
         requests = [lora_request] * len(ids) if not isinstance(lora_request, Sequence) else list(lora_request)
@@ -255,6 +270,9 @@ class LLM:
             for p, sp, pr in zip(ids, params, priorities)
         ]
         specs = [dataclasses.replace(s, lora=lora) if lora else s for s, lora in zip(specs, loras)]
+        if images and prompt_fields:
+            specs = [with_images(s, found, fields, self.engine.images, self.engine.max_model_len, name)
+                     for s, (found, fields), name in zip(specs, images, prompt_fields)]  # fmt: skip
         batch = Batch(len(specs), Progress(len(specs), use_tqdm))
         collectors = [Collector(spec, text, batch) for spec, text in zip(specs, texts)]
         try:
@@ -409,9 +427,13 @@ def _unwrap(prompt: Any, name: str) -> tuple[Any, str]:
     if not isinstance(prompt, dict):
         kinds = "a string, a list of token ids, or {'prompt': ...} / {'prompt_token_ids': ...}"
         raise InvalidField(name, f"must be {kinds}; got {type(prompt).__name__}")
-    if len(prompt) != 1 or next(iter(prompt)) not in ("prompt", "prompt_token_ids"):
-        raise InvalidField(name, f"a dict prompt has one key, 'prompt' or 'prompt_token_ids'; got {sorted(prompt)}")
-    key, value = next(iter(prompt.items()))
+    keys = [k for k in prompt if k != "multi_modal_data"]
+    if len(keys) != 1 or keys[0] not in ("prompt", "prompt_token_ids"):
+        raise InvalidField(
+            name,
+            f"a dict prompt has one key, 'prompt' or 'prompt_token_ids' (and multi_modal_data); got {sorted(prompt)}",
+        )
+    key, value = keys[0], prompt[keys[0]]
     if key == "prompt" and not isinstance(value, str):
         raise InvalidField(f"{name}.prompt", f"must be a string, got {type(value).__name__}")
     return value, f"{name}.{key}"

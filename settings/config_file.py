@@ -82,6 +82,8 @@ def _load(parser: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
         data = _with_topology(parser, path, data)
     if "attention" in data and "attention_backend" in known:  # the article's model config section
         data = _with_attention(parser, path, data)
+    if "model_loader" in data and "extra_modules" in known:  # the article's multimodal section
+        data = _with_model_loader(parser, path, data)
     values: dict[str, Any] = {}
     for key, value in data.items():
         action = known.get(str(key).replace("-", "_")) or aliases.get(str(key).replace("-", "_"))
@@ -103,6 +105,20 @@ def _load(parser: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
             parser.error(f"{key} in {path}: {value!r} is not one of {list(action.choices)}")
         values[dest] = value
     return values
+
+
+def _with_model_loader(parser: argparse.ArgumentParser, path: Path, data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with its `model_loader:` section (`extra_modules: [vision_encoder, ...]`) replaced by the
+    `extra_modules` setting; any other key of the section is refused by name."""
+    section, rest = data["model_loader"], {k: v for k, v in data.items() if k != "model_loader"}
+    if not isinstance(section, dict):
+        parser.error(f"{path}: model_loader must be a mapping (extra_modules: [...])")
+    unknown = [k for k in section if k != "extra_modules"]
+    if unknown:
+        parser.error(f"{path}: model_loader.{unknown[0]} is not a key of model_loader (extra_modules)")
+    if "extra_modules" in rest:
+        parser.error(f"{path}: model_loader.extra_modules and extra_modules both name the modules; keep one")
+    return {**rest, "extra_modules": section.get("extra_modules")}
 
 
 def _with_attention(parser: argparse.ArgumentParser, path: Path, data: dict[str, Any]) -> dict[str, Any]:

@@ -90,7 +90,9 @@ async def serve(args: argparse.Namespace) -> int:
     placement = resolve_parallel(args)
     layout = placement.layout
     folder = resolve_model(args.model)
-    check_model_split(folder, layout, config.quantization, config.scheduler.speculative)
+    check_model_split(
+        folder, layout, config.quantization, config.scheduler.speculative, config.multimodal.extra_modules
+    )
     tokenizer = ModelTokenizer(folder)
     if args.zmq_curve_dir:
         ensure_keys(args.zmq_curve_dir)
