@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Awaitable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, TypedDict, TypeVar
+from typing import Any, NotRequired, TypedDict, TypeVar
 
 from kernels.custom_kernels import worker_setting
 from kernels.openmp import release_thread_pool
@@ -67,15 +67,17 @@ WORKER_BACKENDS = ("auto", "inprocess", "processes")
 
 
 class TextPrompt(TypedDict):
-    """vLLM's dict form of a text prompt."""
+    """vLLM's dict form of a text prompt (with a multimodal model's images: `{"image": PIL image | [...]}`)."""
 
     prompt: str
+    multi_modal_data: NotRequired[dict[str, Any]]
 
 
 class TokensPrompt(TypedDict):
     """vLLM's dict form of a prompt given as token ids."""
 
     prompt_token_ids: list[int]
+    multi_modal_data: NotRequired[dict[str, Any]]
 
 
 Prompt = str | Sequence[int] | TextPrompt | TokensPrompt

@@ -97,11 +97,13 @@ def build_tiny_llava(folder: Path, tokenizer_dir: Path) -> Path:
     tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     tokenizer.add_special_tokens([AddedToken(IMAGE_TOKEN, special=True, normalized=False)])
     image_token = tokenizer.token_to_id(IMAGE_TOKEN)
+    if image_token is None:
+        raise RuntimeError(f"the tokenizer did not take {IMAGE_TOKEN}")
     vision = transformers.CLIPVisionConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
         image_size=TINY_IMAGE_SIZE, patch_size=7, projection_dim=32,
     )  # fmt: skip
-    text = transformers.LlamaConfig(**{**COMMON, "vocab_size": image_token + 1, "num_key_value_heads": 2})
+    text = transformers.LlamaConfig(**{**COMMON, "vocab_size": image_token + 1, "num_key_value_heads": 2})  # type: ignore[arg-type]
     config = transformers.LlavaConfig(
         vision_config=vision, text_config=text, image_token_index=image_token, projector_hidden_act="gelu",
         vision_feature_layer=-2, vision_feature_select_strategy="default", tie_word_embeddings=False,

@@ -16,7 +16,8 @@ from proto.wire import SamplingOptions
 
 _ROW_ARRAYS = (
     "token_ids", "num_tokens", "num_computed", "num_prompt", "block_table", "num_blocks", "wants_prompt_logprobs",
-    "plain", "on_device", "wants_logprobs", "pools", "has_images", "num_drafts", "num_unverified", "lora_slot", "handle", "held",
+    "plain", "on_device", "wants_logprobs", "pools", "has_images", "num_drafts", "num_unverified", "lora_slot",
+    "handle", "held",
 )  # fmt: skip
 
 

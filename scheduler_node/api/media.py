@@ -179,7 +179,7 @@ def message_images(
             else:
                 inner = part.get("image_url")
                 url = inner.get("url") if isinstance(inner, dict) else inner
-                images.append(image_from_url(url, f"{field}.url", prompts.local_path, prompts.max_pixels))
+                images.append(image_from_url(str(url or ""), f"{field}.url", prompts.local_path, prompts.max_pixels))
             fields.append(field)
     return out, images, fields
 
@@ -192,8 +192,8 @@ def prompt_images(data: object, prompts: ImagePrompts | None, name: str) -> tupl
     if unknown:
         raise InvalidField(f"{name}.{unknown[0]}", "only 'image' is supported")
     given = data.get("image")
+    items: list[Any] = list(given) if isinstance(given, (list, tuple)) else [given]
     many = isinstance(given, (list, tuple))
-    items = list(given) if many else [given]
     fields = [f"{name}.image[{k}]" if many else f"{name}.image" for k in range(len(items))]
     if not items:
         return [], []

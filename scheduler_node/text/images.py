@@ -85,8 +85,8 @@ class ImageProcessor:
         pixels = np.asarray(image).transpose(2, 0, 1)  # HWC -> CHW
         if self.do_center_crop:
             pixels = _center_crop(pixels, *self.crop)
-        out = pixels.astype(np.float64)
-        if self.do_rescale:
+        out: np.ndarray = pixels.astype(np.float64)
+        if self.do_rescale:  # as HF's rescale: in float64, then float32
             out = (out * self.rescale_factor).astype(np.float32)
         if self.do_normalize:
             mean = np.asarray(self.mean, dtype=np.float32)[:, None, None]
@@ -155,8 +155,8 @@ class ImagePrompts:
         if found != len(images):
             raise ImageError(prompt_field, f"{found} image placeholders for {len(images)} images")
         out: list[int] = []
-        inputs = []
-        for i, t in enumerate(prompt_ids):
+        inputs: list[ImageInput] = []
+        for t in prompt_ids:
             if t != token:
                 out.append(t)
                 continue

@@ -3,9 +3,9 @@ that maps its patch features into the decoder's embedding space. An image's proj
 placeholder tokens in the prompt (worker_node/image_embeds.py); the decoder is our Llama path.
 
 Written from HF's `CLIPVisionModel` / `LlavaMultiModalProjector` and read from their safetensors names (any of
-their layouts: `vision_tower.*`, the hub's `vision_tower.vision_model.*`, `model.vision_tower.*`). The tower runs only the
-layers up to `vision_feature_layer`; the `default` feature strategy drops the class token. Replicated on every TP
-rank (each computes the same embeddings; the tower is small beside the decoder).
+their layouts: `vision_tower.*`, the hub's `vision_tower.vision_model.*`, `model.vision_tower.*`). The tower runs
+only the layers up to `vision_feature_layer`; the `default` feature strategy drops the class token. Replicated on
+every TP rank (each computes the same embeddings; the tower is small beside the decoder).
 """
 
 from __future__ import annotations
