@@ -34,6 +34,9 @@ TEXT = {
     "kv_offload_disk": "/var/kv",
     "kv_transfer_host": "0.0.0.0",
     "int8_act_bits": "8",
+    "extra_modules": ["vision_encoder"],
+    "limit_mm_per_prompt": "image=2",
+    "allowed_local_media_path": "/srv/images",
 }
 NEEDS = {"lora_modules": {"enable_lora": True}}
 
