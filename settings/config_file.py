@@ -101,7 +101,8 @@ def _load(parser: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
                 value = [convert(v) for v in value] if isinstance(value, list) else convert(value)
             except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
                 parser.error(f"{key} in {path}: {exc}")
-        if action.choices is not None and not all(v in action.choices for v in (value if repeatable else [value])):
+        many = repeatable or (action.nargs in ("+", "*") and isinstance(value, list))  # a list of choices
+        if action.choices is not None and not all(v in action.choices for v in (value if many else [value])):
             parser.error(f"{key} in {path}: {value!r} is not one of {list(action.choices)}")
         values[dest] = value
     return values
