@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from proto.multimodal import ImageInput
-from worker_node.batch_rows import RequestState
 from worker_node.image_embeds import EncoderCache, ImageEmbedder
 from worker_node.models.vision import VisionEncoder
 
@@ -49,7 +48,7 @@ def _image(value: float, offset: int) -> ImageInput:
 def test_a_chunk_gets_its_rows_of_each_image_and_the_encoder_runs_once_per_image() -> None:
     encoder = _Encoder()
     embedder = ImageEmbedder(encoder)
-    state = RequestState(7, [0] * 12, 12, None, 0, images=(_image(10, 2), _image(20, 7)))  # type: ignore[arg-type]
+    state = types.SimpleNamespace(images=(_image(10, 2), _image(20, 7)))  # a RequestState's images
     model = types.SimpleNamespace(embed_tokens=lambda ids: torch.full((len(ids), 3), -1.0))
     for first, count in ((0, 5), (5, 7)):  # the second image is split across the two chunks
         batch = types.SimpleNamespace(input_ids=torch.zeros(count), image_rows=[(state, 0, count, first)])
