@@ -81,7 +81,7 @@ class TokensPrompt(TypedDict):
 
 
 Prompt = str | Sequence[int] | TextPrompt | TokensPrompt
-Message = dict[str, str]
+Message = dict[str, Any]  # {"role", "content"}: content a string, or text and image parts
 
 # Every LLM not closed yet. At interpreter exit they are closed by an atexit hook, while the engine's daemon thread
 # still runs: later, in the finalizer, that thread is frozen, and a close from `__del__` would wait on it forever.

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from minivllm import LLM, SamplingParams
+from minivllm.llm import TextPrompt
 from minivllm.tiny_models import IMAGE_TOKEN
 from tests.support.images import assert_teacher_forced_images, load_hf_llava, picture, png_bytes
 
@@ -30,15 +31,12 @@ def test_generate_and_chat_with_images_match_hf(tiny_llava_dir: Path) -> None:
         str(tiny_llava_dir), dtype="float32", num_kv_blocks=64, extra_modules=["vision_encoder"],
         limit_mm_per_prompt={"image": 2}, max_num_batched_tokens=24,
     ) as llm:  # fmt: skip
-        outs = llm.generate(
-            [
-                {"prompt": f"USER: {IMAGE_TOKEN}\nWhat is this? ASSISTANT:", "multi_modal_data": {"image": one}},
-                "A text-only prompt beside them",
-                {"prompt": f"{IMAGE_TOKEN} or {IMAGE_TOKEN}?", "multi_modal_data": {"image": [one, two]}},
-            ],
-            GREEDY,
-            use_tqdm=False,
-        )
+        prompts: list[TextPrompt | str] = [
+            {"prompt": f"USER: {IMAGE_TOKEN}\nWhat is this? ASSISTANT:", "multi_modal_data": {"image": one}},
+            "A text-only prompt beside them",
+            {"prompt": f"{IMAGE_TOKEN} or {IMAGE_TOKEN}?", "multi_modal_data": {"image": [one, two]}},
+        ]
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         (answer,) = llm.chat(chat, GREEDY, use_tqdm=False)
         with pytest.raises(ValueError, match=r"prompts\[0\].prompt: 0 image placeholders for 1 images"):
             llm.generate({"prompt": "no placeholder", "multi_modal_data": {"image": one}}, GREEDY)

@@ -58,7 +58,8 @@ def test_remote_urls_are_never_fetched_and_local_files_only_under_the_allowed_pa
     refused("http://127.0.0.1/cat.png", "http\\(s\\) URLs are not fetched")
     refused("ftp://host/cat.png", "URL scheme 'ftp' is not supported")
     allowed, outside = tmp_path / "media", tmp_path / "private"
-    allowed.mkdir(), outside.mkdir()
+    allowed.mkdir()
+    outside.mkdir()
     (allowed / "cat.png").write_bytes(png_bytes(picture(2)))
     (outside / "key.png").write_bytes(png_bytes(picture(3)))
     refused(f"file://{allowed / 'cat.png'}", "no --allowed-local-media-path")

@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from scheduler_node.core.request import RequestSpec
+from scheduler_node.engine.core import RequestStream
 from scheduler_node.text.tokenizer import ModelTokenizer
 from tests.support.images import image_prompts, picture, png_bytes
 from tests.support.openai_door import MODEL, openai_client
@@ -34,7 +36,12 @@ def test_images_reach_the_engine_and_bad_ones_are_400s_naming_the_part(tiny_llav
     engine.images = image_prompts(tiny_llava_dir, limit=2)
     seen: list[Any] = []
     submit = engine.submit
-    engine.submit = lambda spec, deadline_s=0.0: (seen.append(spec), submit(spec, deadline_s))[1]  # type: ignore[method-assign]
+
+    def recording(spec: RequestSpec, deadline_s: float = 0.0) -> RequestStream:
+        seen.append(spec)
+        return submit(spec, deadline_s)
+
+    engine.submit = recording  # type: ignore[method-assign]
 
     async def main() -> None:
         async with running(engine), openai_client(engine, ModelTokenizer(tiny_llava_dir)) as (client, raw):
