@@ -107,9 +107,10 @@ def with_images(
 ) -> RequestSpec:
     """The spec with its images: each placeholder expanded to the image's tokens (ImageError → InvalidField). A
     text-only model refuses images; max_tokens is cut to what the longer prompt leaves."""
-    if not images:
-        return spec
-    prompts = images_taken(prompts, fields)
+    if not images and (prompts is None or prompts.layout.image_token_id not in spec.prompt_token_ids):
+        return spec  # (placeholders without images are refused below, as HF refuses them)
+    prompts = images_taken(prompts, fields) if images else prompts
+    assert prompts is not None
     try:
         ids, inputs = prompts.expand(spec.prompt_token_ids, images, fields, prompt_field)
     except ImageError as exc:

@@ -1,5 +1,5 @@
 """A LLaVA model's greedy tokens are HF's argmax given the same images: one and two images per prompt, beside
-text-only requests, under a chunked prefill that splits an image's tokens; the prefix cache and the workers'
+text-only requests, under a chunked prefill that splits an image's tokens, after preemption; the prefix cache and the workers'
 encoder cache reuse a repeated image and never another one."""
 
 from __future__ import annotations
@@ -28,12 +28,15 @@ def llava_runner(folder: Path, num_blocks: int = 64) -> tuple[ModelRunner, Image
     return runner, images
 
 
-@pytest.mark.parametrize("budget", [2048, 8])  # 8: every image's 16 tokens are split over steps
-def test_greedy_matches_hf_with_one_and_two_images_beside_text(tiny_llava_dir: Path, budget: int) -> None:
+# 8: every image's 16 tokens are split over steps; 5 blocks: the batch needs 7 at its peak (recompute preemption)
+@pytest.mark.parametrize(("budget", "num_blocks"), [(2048, 64), (8, 64), (16, 5)])
+def test_greedy_matches_hf_with_one_and_two_images_beside_text(
+    tiny_llava_dir: Path, budget: int, num_blocks: int
+) -> None:
     folder = tiny_llava_dir
     pictures = [picture(1), picture(2, 60, 31)]
     cases = [([pictures[0]], TEXT[0]), (pictures, TEXT[1]), ([], TEXT[1])]
-    runner, _ = llava_runner(folder)
+    runner, _ = llava_runner(folder, num_blocks)
     with EngineRun(runner, tokenizer_dir=folder, max_num_batched_tokens=budget) as run:
         submitted = []
         for images, text in cases:
@@ -42,6 +45,8 @@ def test_greedy_matches_hf_with_one_and_two_images_beside_text(tiny_llava_dir: P
         run.run()
     if budget == 8:
         assert any(len(p.new_requests) + len(p.cached_requests) > 1 for p in run.plans), "no mixed batch"
+    if num_blocks == 5:
+        assert run.scheduler.num_preemptions > 0, "the test lost its point: no preemption happened"
     hf = load_hf_llava(folder)
     for entry, prompt, images in submitted:
         assert len(entry.output) == 12

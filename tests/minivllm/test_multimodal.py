@@ -40,6 +40,8 @@ def test_generate_and_chat_with_images_match_hf(tiny_llava_dir: Path) -> None:
         (answer,) = llm.chat(chat, GREEDY, use_tqdm=False)
         with pytest.raises(ValueError, match=r"prompts\[0\].prompt: 0 image placeholders for 1 images"):
             llm.generate({"prompt": "no placeholder", "multi_modal_data": {"image": one}}, GREEDY)
+        with pytest.raises(ValueError, match=r"prompts\[0\]: 1 image placeholders for 0 images"):
+            llm.generate(f"{IMAGE_TOKEN} without its image", GREEDY)
         with pytest.raises(ValueError, match=r"image\[2\]: 3 images exceed --limit-mm-per-prompt image=2"):
             llm.generate({"prompt": IMAGE_TOKEN * 3, "multi_modal_data": {"image": [one] * 3}}, GREEDY)
         with pytest.raises(ValueError, match=r"multi_modal_data.video: only 'image'"):
