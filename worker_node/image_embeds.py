@@ -64,7 +64,7 @@ class EncoderCache:
 class ImageEmbedder:
     def __init__(self, encoder: VisionEncoder, cache: EncoderCache | None = None) -> None:
         self.encoder = encoder
-        self.cache = cache or EncoderCache()
+        self.cache = cache if cache is not None else EncoderCache()
         self.device = next(encoder.parameters()).device
 
     def embeddings(self, image: ImageInput) -> torch.Tensor:
@@ -97,10 +97,16 @@ class ImageEmbedder:
 
 
 def load_image_embedder(
-    folder: str | Path, extra_modules: list[str], dtype: torch.dtype, device: torch.device, first_stage: bool
+    folder: str | Path,
+    extra_modules: list[str],
+    dtype: torch.dtype,
+    device: torch.device,
+    first_stage: bool,
+    cache_bytes: int = DEFAULT_CACHE_BYTES,
 ) -> ImageEmbedder | None:
     """The vision encoder of a multimodal checkpoint when `extra_modules` names it (checked against the checkpoint:
-    ValueError naming a module it lacks), on the first pipeline stage (the one that embeds); None otherwise."""
+    ValueError naming a module it lacks), on the first pipeline stage (the one that embeds), with an encoder-output
+    cache of `cache_bytes` (--encoder-cache-memory); None otherwise."""
     modules = resolve_extra_modules(extra_modules, folder)
     config = json.loads((Path(folder) / "config.json").read_text())
     if "vision_encoder" not in modules:
@@ -112,4 +118,4 @@ def load_image_embedder(
         return None
     if not first_stage:
         return None
-    return ImageEmbedder(load_vision_encoder(folder, config, dtype, device))
+    return ImageEmbedder(load_vision_encoder(folder, config, dtype, device), EncoderCache(cache_bytes))

@@ -111,7 +111,9 @@ def load_rank(
     model = load_model(
         a.model, backend, dtype, device, full.max_model_len, where, comm, a.quantization, huge_pages=fast.huge_pages
     )
-    images = load_image_embedder(a.model, a.extra_modules, dtype, device, where.is_first_stage)
+    images = load_image_embedder(
+        a.model, a.extra_modules, dtype, device, where.is_first_stage, options.encoder_cache_memory
+    )
     set_batch_invariant(model, options.batch_invariant)
     model.use_native_decode(fast.native_decode, fast.decode_phases)
     # Before the KV cache is sized: the LoRA slot bank's bytes come out of its budget.

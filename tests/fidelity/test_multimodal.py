@@ -1,6 +1,6 @@
 """A LLaVA model's greedy tokens are HF's argmax given the same images: one and two images per prompt, beside
-text-only requests, under a chunked prefill that splits an image's tokens, after preemption; the prefix cache and the workers'
-encoder cache reuse a repeated image and never another one."""
+text-only requests, under a chunked prefill that splits an image's tokens, after preemption; the prefix cache and
+the workers' encoder cache reuse a repeated image and never another one."""
 
 from __future__ import annotations
 

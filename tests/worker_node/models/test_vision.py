@@ -56,7 +56,8 @@ def test_the_decoder_reads_the_llava_checkpoint_as_a_causal_lm(tiny_llava_dir: P
 
 def test_the_vision_encoder_loads_only_when_named(tiny_llava_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     cpu = torch.device("cpu")
-    assert load_image_embedder(tiny_llava_dir, ["vision_encoder"], torch.float32, cpu, True) is not None
+    embedder = load_image_embedder(tiny_llava_dir, ["vision_encoder"], torch.float32, cpu, True, cache_bytes=4096)
+    assert embedder is not None and embedder.cache.budget == 4096  # --encoder-cache-memory
     assert load_image_embedder(tiny_llava_dir, ["vision_encoder"], torch.float32, cpu, False) is None  # stage 2
     with caplog.at_level(logging.INFO):
         assert load_image_embedder(tiny_llava_dir, [], torch.float32, cpu, True) is None
