@@ -27,6 +27,9 @@ MULTIMODAL_ARCHITECTURES: dict[str, tuple[str, ...]] = {"LlavaForConditionalGene
 
 # One image's pixel values on the wire, at most (a 1024 x 1024 RGB image in float32 is 12 MiB).
 MAX_IMAGE_BYTES = 16 * 1024 * 1024
+# The new requests' pixel values one plan carries, at most (the scheduler starts the rest in later plans): half of
+# proto/wire.py's MAX_MESSAGE_BYTES, the rest of the plan's room.
+MAX_PLAN_IMAGE_BYTES = 32 * 1024 * 1024
 
 
 class ImageInput(Record):

@@ -133,6 +133,11 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def image_bytes(self) -> int:
+        """Its images' pixel values: what a NewRequest of it carries besides tokens."""
+        return sum(len(image.pixels) for image in self.images)
+
+    @property
     def num_tokens_at_most(self) -> int:
         """Its prompt and every token it may generate."""
         return len(self.prompt_token_ids) + self.stop.max_tokens
