@@ -87,9 +87,17 @@ IMAGE_TOKEN = "<image>"
 TINY_IMAGE_SIZE = 28  # with 7-pixel patches: 16 patch tokens per image
 
 
-def build_tiny_llava(folder: Path, tokenizer_dir: Path) -> Path:
+def build_tiny_llava(
+    folder: Path,
+    tokenizer_dir: Path,
+    image_size: int = TINY_IMAGE_SIZE,
+    patch_size: int = 7,
+    vision_hidden: int = 32,
+    vision_layers: int = 3,
+) -> Path:
     """A random LLaVA (CLIP vision tower, MLP projector, Llama decoder) saved by HF, with its image processor's
-    preprocessor_config.json and the tiny models' tokenizer plus an `<image>` token (the vocabulary's last id)."""
+    preprocessor_config.json and the tiny models' tokenizer plus an `<image>` token (the vocabulary's last id).
+    scripts/bench_multimodal.py builds a larger tower (224-pixel images, 256 patches) with the same function."""
     import transformers
     from tokenizers import AddedToken, Tokenizer
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
@@ -100,8 +108,8 @@ def build_tiny_llava(folder: Path, tokenizer_dir: Path) -> Path:
     if image_token is None:
         raise RuntimeError(f"the tokenizer did not take {IMAGE_TOKEN}")
     vision = transformers.CLIPVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        image_size=TINY_IMAGE_SIZE, patch_size=7, projection_dim=32,
+        hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_hidden_layers=vision_layers,
+        num_attention_heads=4, image_size=image_size, patch_size=patch_size, projection_dim=32,
     )  # fmt: skip
     text = transformers.LlamaConfig(**{**COMMON, "vocab_size": image_token + 1, "num_key_value_heads": 2})  # type: ignore[arg-type]
     config = transformers.LlavaConfig(
@@ -117,10 +125,8 @@ def build_tiny_llava(folder: Path, tokenizer_dir: Path) -> Path:
             else:
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(folder)
-    size = {"shortest_edge": TINY_IMAGE_SIZE}
-    CLIPImageProcessorPil(size=size, crop_size={"height": TINY_IMAGE_SIZE, "width": TINY_IMAGE_SIZE}).save_pretrained(
-        folder
-    )
+    crop = {"height": image_size, "width": image_size}
+    CLIPImageProcessorPil(size={"shortest_edge": image_size}, crop_size=crop).save_pretrained(folder)
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).is_file() and name != "tokenizer.json":
             shutil.copy(tokenizer_dir / name, folder / name)
