@@ -8,8 +8,8 @@ import re
 from pathlib import Path
 
 import openai
-from openai.types.chat import ChatCompletionContentPartImageParam
 import pytest
+from openai.types.chat import ChatCompletionContentPartImageParam
 
 from minivllm.cluster import REPO, Cluster
 from tests.support.images import picture
