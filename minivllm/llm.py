@@ -192,7 +192,7 @@ class LLM:
         template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         max_len = self.engine.max_model_len
-        names = ["messages" if len(conversations) == 1 else f"messages[{i}]" for i in range(len(conversations))]
+        names = [f"messages[{i}]" for i in range(len(conversations))]
         parsed = [message_images(list(c), self.engine.images, n) for c, n in zip(conversations, names)]  # type: ignore[arg-type]
         ids = [prompt_from_messages(m, self.tokenizer, max_len, n) for (m, _, _), n in zip(parsed, names)]
         images = [(found, fields) for _, found, fields in parsed]

@@ -57,8 +57,8 @@ def chat_images(
     is as it was."""
     parts = [(f"messages[{i}].content[{j}].image_url", url)
              for i, m in enumerate(req.messages) for j, url in m.image_urls]  # fmt: skip
-    if not parts:
-        return specs
+    if not parts:  # (a multimodal model refuses placeholders typed without images, as HF does)
+        return [with_images(s, [], [], prompts, max_model_len, "messages") for s in specs]
     prompts = images_taken(prompts, [f for f, _ in parts])  # the count checked before any image is decoded
     images = [image_from_url(url, field, prompts.local_path, prompts.max_pixels) for field, url in parts]
     return [with_images(s, images, [f for f, _ in parts], prompts, max_model_len, "messages") for s in specs]

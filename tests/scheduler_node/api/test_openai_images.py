@@ -61,6 +61,8 @@ def test_images_reach_the_engine_and_bad_ones_are_400s_naming_the_part(tiny_llav
                 response = await raw.post("/chat/completions", json=body)
                 assert response.status_code == 400, response.text
                 assert response.json()["error"]["param"] == param, response.text
+            typed = await raw.post("/chat/completions", json=chat(text="<image> with no image part"))
+            assert typed.status_code == 400 and typed.json()["error"]["param"] == "messages", typed.text
             again = await client.chat.completions.create(**chat(url(4)), extra_body={"ignore_eos": True})  # serving on
             assert again.choices[0].finish_reason == "length"
             assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks
