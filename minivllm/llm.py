@@ -11,6 +11,7 @@ import atexit
 import dataclasses
 import inspect
 import itertools
+import json
 import logging
 import sys
 import threading
@@ -36,6 +37,7 @@ from scheduler_node.api.embeddings import (
     finish,
     pooled,
 )
+from scheduler_node.api.media import message_images, prompt_images, with_images
 from scheduler_node.api.validation import (
     InvalidField,
     build_spec,
@@ -114,6 +116,8 @@ class LLM:
         self.cache = cache  # a temporary disk tier's folder lives as long as it
         if worker_backend not in WORKER_BACKENDS:
             raise ValueError(f"worker_backend: must be one of {WORKER_BACKENDS}, got {worker_backend!r}")
+        if isinstance(settings.get("limit_mm_per_prompt"), dict):  # vLLM's {"image": 2}
+            settings["limit_mm_per_prompt"] = json.dumps(settings["limit_mm_per_prompt"])
         self._policy = engine_policy(scheduler, settings)
         built = build_settings(settings, attention)
         self.config, self.options = built.engine, built.worker
@@ -128,7 +132,8 @@ class LLM:
         if problem:
             raise ValueError(problem)
         self.folder = resolve_model(model or DEFAULT)
-        check_model_split(self.folder, self.config.layout, self.config.quantization, self.config.scheduler.speculative)
+        c = self.config
+        check_model_split(self.folder, c.layout, c.quantization, c.scheduler.speculative, c.multimodal.extra_modules)
         self.config = with_block_bytes(self.config, self.folder)  # kv_block_bytes="16KB": tokens for this model
         self.tokenizer = ModelTokenizer(self.folder)
         self._ids = itertools.count()
@@ -167,9 +172,17 @@ class LLM:
         (None: the base model). ValueError names a bad field."""
         ids = self._prompt_ids(prompts)
         single = isinstance(prompts, (str, dict)) or is_ids(prompts)
-        batch = [unwrap(p, f"prompts[{i}]") for i, p in enumerate([prompts] if single else list(prompts))]
+        raw = [prompts] if single else list(prompts)
+        batch = [unwrap(p, f"prompts[{i}]") for i, p in enumerate(raw)]
         texts = [p if isinstance(p, str) else None for p, _ in batch]
-        return self._run(ids, texts, sampling_params, use_tqdm, priority, lora_request)
+        images = [  # vLLM's {"prompt": ..., "multi_modal_data": {"image": ...}}
+            prompt_images(p["multi_modal_data"], self.engine.images, f"prompts[{i}].multi_modal_data")
+            if isinstance(p, dict) and "multi_modal_data" in p
+            else ([], [])
+            for i, p in enumerate(raw)
+        ]
+        prompt_fields = [name for _, name in batch]
+        return self._run(ids, texts, sampling_params, use_tqdm, priority, lora_request, images, prompt_fields)
 
     def chat(
         self,
@@ -182,11 +195,11 @@ class LLM:
         template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         max_len = self.engine.max_model_len
-        ids = [
-            prompt_from_messages(list(c), self.tokenizer, max_len, f"messages[{i}]")  # type: ignore[arg-type]
-            for i, c in enumerate(conversations)
-        ]
-        return self._run(ids, [None] * len(ids), sampling_params, use_tqdm, None, lora_request)
+        names = [f"messages[{i}]" for i in range(len(conversations))]
+        parsed = [message_images(list(c), self.engine.images, n) for c, n in zip(conversations, names)]  # type: ignore[arg-type]
+        ids = [prompt_from_messages(m, self.tokenizer, max_len, n) for (m, _, _), n in zip(parsed, names)]
+        images = [(found, fields) for _, found, fields in parsed]
+        return self._run(ids, [None] * len(ids), sampling_params, use_tqdm, None, lora_request, images, names)
 
     def embed(
         self,
@@ -235,6 +248,8 @@ class LLM:
         use_tqdm: bool,
         priority: Priority | Sequence[Priority | None] | None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        images: list[tuple[list[Any], list[str]]] | None = None,  # each prompt's images and their fields
+        prompt_fields: list[str] | None = None,
     ) -> list[RequestOutput]:
         params = per_prompt(sampling_params or SamplingParams(), len(ids), "sampling_params")
         requests = [lora_request] * len(ids) if not isinstance(lora_request, Sequence) else list(lora_request)
@@ -247,6 +262,9 @@ class LLM:
             self._spec(p, sp, f"llm-{next(self._ids)}", pr, lora)
             for p, sp, pr, lora in zip(ids, params, priorities, loras)
         ]
+        if images and prompt_fields:
+            specs = [with_images(s, found, fields, self.engine.images, self.engine.max_model_len, name)
+                     for s, (found, fields), name in zip(specs, images, prompt_fields)]  # fmt: skip
         batch = Batch(len(specs), Progress(len(specs), use_tqdm))
         collectors = [Collector(spec, text, batch) for spec, text in zip(specs, texts)]
         try:

@@ -4,26 +4,28 @@ engine's token ids: one place for `LLM` and `AsyncLLMEngine`."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 from scheduler_node.api.validation import InvalidField, prompt_from_ids, prompt_from_text
 from scheduler_node.text.tokenizer import ModelTokenizer
 
 
 class TextPrompt(TypedDict):
-    """vLLM's dict form of a text prompt."""
+    """vLLM's dict form of a text prompt (with a multimodal model's images: `{"image": PIL image | [...]}`)."""
 
     prompt: str
+    multi_modal_data: NotRequired[dict[str, Any]]
 
 
 class TokensPrompt(TypedDict):
     """vLLM's dict form of a prompt given as token ids."""
 
     prompt_token_ids: list[int]
+    multi_modal_data: NotRequired[dict[str, Any]]
 
 
 Prompt = str | Sequence[int] | TextPrompt | TokensPrompt
-Message = dict[str, str]
+Message = dict[str, Any]  # {"role", "content"}: content a string, or text and image parts
 
 
 def unwrap(prompt: Any, name: str) -> tuple[Any, str]:
@@ -33,9 +35,13 @@ def unwrap(prompt: Any, name: str) -> tuple[Any, str]:
     if not isinstance(prompt, dict):
         kinds = "a string, a list of token ids, or {'prompt': ...} / {'prompt_token_ids': ...}"
         raise InvalidField(name, f"must be {kinds}; got {type(prompt).__name__}")
-    if len(prompt) != 1 or next(iter(prompt)) not in ("prompt", "prompt_token_ids"):
-        raise InvalidField(name, f"a dict prompt has one key, 'prompt' or 'prompt_token_ids'; got {sorted(prompt)}")
-    key, value = next(iter(prompt.items()))
+    keys = [k for k in prompt if k != "multi_modal_data"]
+    if len(keys) != 1 or keys[0] not in ("prompt", "prompt_token_ids"):
+        raise InvalidField(
+            name,
+            f"a dict prompt has one key, 'prompt' or 'prompt_token_ids' (and multi_modal_data); got {sorted(prompt)}",
+        )
+    key, value = keys[0], prompt[keys[0]]
     if key == "prompt" and not isinstance(value, str):
         raise InvalidField(f"{name}.prompt", f"must be a string, got {type(value).__name__}")
     return value, f"{name}.{key}"

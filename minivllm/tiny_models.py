@@ -81,3 +81,54 @@ def build_tiny_model(kind: str, folder: Path, tokenizer_dir: Path, num_kv_heads:
         if (tokenizer_dir / name).is_file():
             shutil.copy(tokenizer_dir / name, folder / name)
     return folder
+
+
+IMAGE_TOKEN = "<image>"
+TINY_IMAGE_SIZE = 28  # with 7-pixel patches: 16 patch tokens per image
+
+
+def build_tiny_llava(
+    folder: Path,
+    tokenizer_dir: Path,
+    image_size: int = TINY_IMAGE_SIZE,
+    patch_size: int = 7,
+    vision_hidden: int = 32,
+    vision_layers: int = 3,
+) -> Path:
+    """A random LLaVA (CLIP vision tower, MLP projector, Llama decoder) saved by HF, with its image processor's
+    preprocessor_config.json and the tiny models' tokenizer plus an `<image>` token (the vocabulary's last id).
+    scripts/bench_multimodal.py builds a larger tower (224-pixel images, 256 patches) with the same function."""
+    import transformers
+    from tokenizers import AddedToken, Tokenizer
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(IMAGE_TOKEN, special=True, normalized=False)])
+    image_token = tokenizer.token_to_id(IMAGE_TOKEN)
+    if image_token is None:
+        raise RuntimeError(f"the tokenizer did not take {IMAGE_TOKEN}")
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_hidden_layers=vision_layers,
+        num_attention_heads=4, image_size=image_size, patch_size=patch_size, projection_dim=32,
+    )  # fmt: skip
+    text = transformers.LlamaConfig(**{**COMMON, "vocab_size": image_token + 1, "num_key_value_heads": 2})  # type: ignore[arg-type]
+    config = transformers.LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=image_token, projector_hidden_act="gelu",
+        vision_feature_layer=-2, vision_feature_select_strategy="default", tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(1234)
+    model = transformers.LlavaForConditionalGeneration(config)
+    with torch.no_grad():  # a larger spread than the default init, so argmax ties are rare and images matter
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.15)
+            else:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    crop = {"height": image_size, "width": image_size}
+    CLIPImageProcessorPil(size={"shortest_edge": image_size}, crop_size=crop).save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file() and name != "tokenizer.json":
+            shutil.copy(tokenizer_dir / name, folder / name)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder

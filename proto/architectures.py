@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from proto.multimodal import is_multimodal, text_config
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -32,7 +34,10 @@ _BY_MODEL_TYPE = {
 
 
 def architecture_of(config: dict[str, Any]) -> str:
-    """The supported architecture a config.json describes; ValueError naming it (and the choices) if none."""
+    """The supported architecture a config.json describes (a multimodal checkpoint's: its text decoder's,
+    proto/multimodal.py); ValueError naming it (and the choices) if none."""
+    if is_multimodal(config):
+        config = text_config(config)
     named = config.get("architectures") or []
     if not named and config.get("model_type") in _BY_MODEL_TYPE:
         named = [_BY_MODEL_TYPE[config["model_type"]]]

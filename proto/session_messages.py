@@ -90,6 +90,7 @@ class Assignment(Message, tag=int(Kind.ASSIGNMENT)):
     kv_compact_dtype: str = "int8"
     num_compact_blocks: Count = 0
     quantization: str = "auto"  # the weights' format (proto/quantization.py): auto takes the checkpoint's own
+    extra_modules: list[str] = []  # a multimodal checkpoint's modules to load besides the decoder (proto/multimodal.py)
     # Speculative decoding with a draft model (worker_node/draft_model.py): its folder ("" for none), the tokens
     # it proposes per step, and the requests its own KV cache holds at most at full length.
     draft_model: str = ""

@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from proto.multimodal import ImageInput
 from proto.wire_base import BlockPair, Count, Handle, Kind, Message, Record, WireError
 
 STRUCTURED_KINDS = ("json", "regex", "choice", "json_object", "lark")
@@ -110,6 +111,7 @@ class NewRequest(Record):
     num_computed_tokens: Count
     num_scheduled_tokens: Annotated[int, Meta(ge=1)]  # tokens this step computes, from num_computed_tokens on
     lora: LoraAdapter | None = None  # None: the base model
+    images: list[ImageInput] = []  # its images (proto/multimodal.py), sent with every NewRequest of it
 
 
 class CachedRequest(Record):

@@ -89,6 +89,8 @@ def _load(parser: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
         data = _with_attention(parser, path, data)
     if "kv_block_bytes" in known:  # article 000's `block_size: 16KB`
         data = _with_block_bytes(parser, path, data)
+    if "model_loader" in data and "extra_modules" in known:  # the article's multimodal section
+        data = _with_model_loader(parser, path, data)
     values: dict[str, Any] = {}
     keys: dict[str, str] = {}  # dest -> the key that set it
     for key, value in data.items():
@@ -110,7 +112,8 @@ def _load(parser: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
                 value = [convert(v) for v in value] if isinstance(value, list) else convert(value)
             except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
                 parser.error(f"{key} in {path}: {exc}")
-        if action.choices is not None and not all(v in action.choices for v in (value if repeatable else [value])):
+        many = repeatable or (action.nargs in ("+", "*") and isinstance(value, list))  # a list of choices
+        if action.choices is not None and not all(v in action.choices for v in (value if many else [value])):
             parser.error(f"{key} in {path}: {value!r} is not one of {list(action.choices)}")
         values[dest] = value
     return values
@@ -127,6 +130,20 @@ def _with_block_bytes(parser: argparse.ArgumentParser, path: Path, data: dict[st
     if any(str(k).replace("-", "_") == "kv_block_bytes" for k in data):
         parser.error(f"{path}: block_size {data[found[0]]} and kv_block_bytes both size a KV block; keep one")
     return {("kv_block_bytes" if k in found else k): v for k, v in data.items()}
+
+
+def _with_model_loader(parser: argparse.ArgumentParser, path: Path, data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with its `model_loader:` section (`extra_modules: [vision_encoder, ...]`) replaced by the
+    `extra_modules` setting; any other key of the section is refused by name."""
+    section, rest = data["model_loader"], {k: v for k, v in data.items() if k != "model_loader"}
+    if not isinstance(section, dict):
+        parser.error(f"{path}: model_loader must be a mapping (extra_modules: [...])")
+    unknown = [k for k in section if k != "extra_modules"]
+    if unknown:
+        parser.error(f"{path}: model_loader.{unknown[0]} is not a key of model_loader (extra_modules)")
+    if "extra_modules" in rest:
+        parser.error(f"{path}: model_loader.extra_modules and extra_modules both name the modules; keep one")
+    return {**rest, "extra_modules": section.get("extra_modules")}
 
 
 def _with_attention(parser: argparse.ArgumentParser, path: Path, data: dict[str, Any]) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from proto.quantization import QUANTIZATIONS
 from proto.wire import WORKER_JOIN_TIMEOUT_S, ExecutionMode
 from settings.kv_compact import CompactKV
 from settings.lora import LoraConfig
+from settings.multimodal import MultiModalConfig
 from settings.priority import PriorityConfig
 from settings.scheduler import BOTH, SchedulerConfig
 from settings.setting import check, group, setting
@@ -170,6 +171,7 @@ class EngineConfig:
         "(per-output-channel int8, quantized on load), fp8 (e4m3, quantized on load or an fp8 checkpoint), awq "
         "(an AutoAWQ 4-bit checkpoint); a flag that contradicts the checkpoint's quantization_config is refused",
     )
+    multimodal: MultiModalConfig = group(MultiModalConfig)
     lora: LoraConfig = group(LoraConfig)
 
     def __post_init__(self) -> None:

@@ -59,6 +59,14 @@ class WorkerOptions:
         help="bytes for the KV cache, e.g. 4GiB (default: a quarter of free RAM on CPU, split between the ranks of "
         "the world on this host; --gpu-memory-utilization on GPU)",
     )
+    encoder_cache_memory: int = setting(
+        256 * 2**20,
+        parse=parse_size,
+        low=0,
+        readers="worker",
+        help="bytes of a multimodal model's encoder outputs each worker keeps by image (a repeated image is not "
+        "encoded again; least recently used out first), e.g. 256MiB",
+    )
     gpu_memory_utilization: float = setting(
         0.9,
         above=0,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from minivllm.tiny_models import TINY_VARIANTS, build_tiny_model
+from minivllm.tiny_models import TINY_VARIANTS, build_tiny_llava, build_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -29,6 +29,12 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) 
 @pytest.fixture(scope="session")
 def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
     return build_tiny_model("mistral", tmp_path_factory.mktemp("tiny-mistral"), smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """A random LLaVA (CLIP tower, projector, Llama decoder) with its image processor and an `<image>` token."""
+    return build_tiny_llava(tmp_path_factory.mktemp("tiny-llava"), smollm2_dir)
 
 
 @pytest.fixture(scope="session")

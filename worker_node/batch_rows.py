@@ -11,11 +11,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from proto.multimodal import ImageInput
 from proto.wire import SamplingOptions
 
 _ROW_ARRAYS = (
     "token_ids", "num_tokens", "num_computed", "num_prompt", "block_table", "num_blocks", "wants_prompt_logprobs",
-    "plain", "on_device", "wants_logprobs", "pools", "num_drafts", "num_unverified", "lora_slot", "handle", "held",
+    "plain", "on_device", "wants_logprobs", "pools", "has_images", "num_drafts", "num_unverified", "lora_slot",
+    "handle", "held",
 )  # fmt: skip
 
 
@@ -29,6 +31,9 @@ class RequestState:
     sampling: SamplingOptions
     row: int  # its row in the InputBatch
     resumed: bool = False  # came back with output tokens: its prompt logprobs were delivered already
+    images: tuple[
+        ImageInput, ...
+    ] = ()  # its images: their embeddings replace their placeholder tokens' (a LLaVA model)
 
 
 class BatchRows:
@@ -45,6 +50,7 @@ class BatchRows:
         self.on_device = np.zeros(rows, dtype=bool)  # its token needs nothing of the host (sampler.runs_on_device)
         self.wants_logprobs = np.zeros(rows, dtype=bool)
         self.pools = np.zeros(rows, dtype=bool)  # an embedding request
+        self.has_images = np.zeros(rows, dtype=bool)  # its prompt holds images (worker_node/image_embeds.py)
         self.lora_slot = np.zeros(rows, dtype=np.int64)  # its LoRA adapter's slot + 1 (0: the base model)
         self.num_drafts = np.zeros(rows, dtype=np.int64)  # proposals held past num_tokens for this step only
         # Tokens in plans (P > 1 stages): proposals computed in the last step that included the row, counted as

@@ -13,6 +13,7 @@ import torch
 from proto.wire import ExecutionMode, TokenLogprobs
 from worker_node.batch_rows import RequestState
 from worker_node.cuda_graphs import DecodeGraphs
+from worker_node.image_embeds import ImageEmbedder
 from worker_node.kv.cache import KVCache
 from worker_node.lora_holder import LoraHolder
 from worker_node.models.decoder import CausalLM
@@ -61,6 +62,9 @@ class ForwardPass:
         self.loras = loras
         self.dtype = next(model.parameters()).dtype
         self.graphs: DecodeGraphs | None = None  # decode-only steps replay CUDA graphs when set (GPU)
+        # A multimodal model's images into its steps' embeddings (worker_node/image_embeds.py), when the loader
+        # loaded its vision encoder; None: placeholder tokens are plain tokens (text only).
+        self.images: ImageEmbedder | None = None
 
     def run(self, batch: StepInputs, interrupted: Callable[[], bool] | None, on_device: bool) -> Computed:
         """This rank's stage of the forward pass; the output rank samples. With one stage every rank learns the
@@ -96,10 +100,13 @@ class ForwardPass:
         if not self.comm.where.is_first_stage:
             shape = (batch.input_ids.shape[0], self.model.config.hidden_size)
             hidden = self.comm.recv_from_previous_stage(shape, self.dtype)
+        embedded = bool(batch.image_rows) and self.images is not None and self.comm.where.is_first_stage
+        if embedded and self.images is not None:
+            hidden = self.images.embed(self.model, batch)  # the image rows' embeddings are the encoder's
         lora = self.loras.manager
         lora_slots = self.inputs.token_lora_slots(batch) if lora is not None else None
         # Graphs read the full pool only; adapter rows replay them when they were captured with LoRA (a slot bank).
-        graphs = self.graphs if batch.meta.compact is None else None
+        graphs = self.graphs if batch.meta.compact is None and not embedded else None
         if graphs is not None and lora_slots is not None and graphs.lora is None:
             graphs = None
         if graphs is not None and graphs.fits(batch.meta, batch.input_ids.shape[0]):

@@ -65,7 +65,9 @@ class InputBatch:
         row = self._free.pop()
         a = self.rows
         a.fit(len(tokens), len(r.block_ids))
-        state = RequestState(r.handle, tokens, len(r.prompt_token_ids), r.sampling, row, bool(r.output_token_ids))
+        state = RequestState(
+            r.handle, tokens, len(r.prompt_token_ids), r.sampling, row, bool(r.output_token_ids), tuple(r.images)
+        )
         self.states[r.handle] = a.owners[row] = state
         a.token_ids[row, : len(tokens)] = tokens
         a.num_tokens[row] = len(tokens)
@@ -79,6 +81,7 @@ class InputBatch:
         a.on_device[row] = runs_on_device(r.sampling)
         a.wants_logprobs[row] = r.sampling.logprobs is not None
         a.pools[row] = bool(r.sampling.pooling)
+        a.has_images[row] = bool(r.images)
         a.lora_slot[row] = 0 if r.lora is None else r.lora.slot + 1
         a.num_drafts[row] = 0
         a.num_unverified[row] = 0

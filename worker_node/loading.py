@@ -25,6 +25,7 @@ from settings.fast_paths import FastPaths
 from settings.worker import WorkerOptions
 from worker_node.cuda_graphs import DecodeGraphs, parse_sizes
 from worker_node.draft_model import load_draft
+from worker_node.image_embeds import load_image_embedder
 from worker_node.kv.cache import (
     KVCache,
     allocate_host_cache,
@@ -121,6 +122,9 @@ def load_rank(
     model = load_model(
         a.model, backend, dtype, device, full.max_model_len, where, comm, a.quantization, huge_pages=fast.huge_pages
     )
+    images = load_image_embedder(
+        a.model, a.extra_modules, dtype, device, where.is_first_stage, options.encoder_cache_memory
+    )
     set_batch_invariant(model, options.batch_invariant)
     model.use_native_decode(fast.native_decode, fast.decode_phases)
     # Before the KV cache is sized: the LoRA slot bank's bytes come out of its budget.
@@ -141,6 +145,7 @@ def load_rank(
         overlaps_on(options.overlap_steps, device),
     )
     runner.lora = graph_lora
+    runner.forward.images = images
     enable_decode_graphs(runner, options.cuda_graph_sizes, backend.name, full.max_model_len)
     if a.draft_model and runner.samples_here:  # the draft runs where the tokens are sampled (draft_model.py)
         runner.draft = load_draft(

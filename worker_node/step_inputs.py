@@ -39,6 +39,8 @@ class StepInputs:
     # Speculative decoding: the sampling rows of a step where some samplers have proposals (None: one row each);
     # sample_rows then lists every row to score, and these say whose each is.
     draft_rows: DraftRows | None = None
+    # requests with images: (request, first token row, rows, position of the first) of the rows this step computes
+    image_rows: list[tuple[RequestState, int, int, int]] = field(default_factory=list)
 
     @property
     def row_requests(self) -> list[SamplingRequest]:
@@ -90,6 +92,7 @@ class StepGather:
         sample_rows, samplers, flags, draft_rows = self._samplers(sampler_rows, sample_rows)
         prompt_rows = self._prompt_rows(rows, start, end, cu)
         pool_rows = self._pool_rows(rows, start, end, cu)
+        image_rows = self._image_rows(rows, start, end, cu)
         a.num_computed[rows] = end
         meta = self._metadata(rows, n, positions, end, compact, (n == 1) | drafted, compact_base)
         dev = self.device
@@ -107,6 +110,7 @@ class StepGather:
             prompt_rows,
             pool_rows,
             draft_rows,
+            image_rows,
         )
 
     def _samplers(
@@ -222,6 +226,22 @@ class StepGather:
             count = min(int(end[i]), state.num_prompt_tokens) - int(start[i])
             if count > 0 and (state.sampling.pooling == "mean" or int(end[i]) >= state.num_prompt_tokens):
                 out.append((state, int(cu[i]), count, int(start[i])))
+        return out
+
+    def _image_rows(
+        self, rows: np.ndarray, start: np.ndarray, end: np.ndarray, cu: np.ndarray
+    ) -> list[tuple[RequestState, int, int, int]]:
+        """The rows of each request with images that this step computes some of whose placeholders."""
+        has = self.rows.has_images[rows]
+        if not has.any():
+            return []
+        out = []
+        for i in np.flatnonzero(has).tolist():
+            state = self.rows.owners[int(rows[i])]
+            assert state is not None
+            first, last = int(start[i]), int(end[i])
+            if any(image.offset < last and image.end > first for image in state.images):
+                out.append((state, int(cu[i]), last - first, first))
         return out
 
     def _attention_meta(

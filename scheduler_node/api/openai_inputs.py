@@ -14,6 +14,7 @@ from typing import Any
 from proto.nesting import parse_nested
 from proto.structured import grammar_error
 from proto.wire import StructuredOutput
+from scheduler_node.api.media import image_from_url, images_taken, with_images
 from scheduler_node.api.openai_protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, MessageToolCall
 from scheduler_node.api.tools import check_schemas
 from scheduler_node.api.validation import (
@@ -25,6 +26,7 @@ from scheduler_node.api.validation import (
     prompt_from_text,
 )
 from scheduler_node.core.request import RequestSpec
+from scheduler_node.text.images import ImagePrompts
 from scheduler_node.text.tokenizer import ModelTokenizer
 
 
@@ -46,6 +48,20 @@ def chat_specs(
                           priority=priority, cache_salt=req.cache_salt, kv_precision=req.kv_precision,
                           compact_tokens=compact_tokens)  # fmt: skip
     return [spec]
+
+
+def chat_images(
+    req: ChatCompletionRequest, specs: list[RequestSpec], prompts: ImagePrompts | None, max_model_len: int
+) -> list[RequestSpec]:
+    """The chat's image_url parts read, checked and attached to its spec (api/media.py); a chat without images
+    is as it was."""
+    parts = [(f"messages[{i}].content[{j}].image_url", url)
+             for i, m in enumerate(req.messages) for j, url in m.image_urls]  # fmt: skip
+    if not parts:  # (a multimodal model refuses placeholders typed without images, as HF does)
+        return [with_images(s, [], [], prompts, max_model_len, "messages") for s in specs]
+    prompts = images_taken(prompts, [f for f, _ in parts])  # the count checked before any image is decoded
+    images = [image_from_url(url, field, prompts.local_path, prompts.max_pixels) for field, url in parts]
+    return [with_images(s, images, [f for f, _ in parts], prompts, max_model_len, "messages") for s in specs]
 
 
 def completion_specs(

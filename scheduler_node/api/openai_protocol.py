@@ -46,8 +46,14 @@ def _prompts(value: Any) -> list[str | list[int]]:
     )
 
 
+# What an image part becomes in the message's text: LLaVA's placeholder, which the model's tokenizer holds as one
+# token and scheduler_node/text/images.py expands to the image's tokens.
+IMAGE_PLACEHOLDER = "<image>"
+
+
 def _content(value: Any) -> str:
-    """A message's content: a string, or a list of text parts (joined); images and audio are not supported."""
+    """A message's content: a string, or a list of text and image_url parts (joined, each image as its
+    placeholder; ChatMessage keeps their URLs); audio is not supported."""
     if value is None:
         return ""
     if isinstance(value, str):
@@ -55,13 +61,25 @@ def _content(value: Any) -> str:
     if isinstance(value, list):
         texts = []
         for part in value:
+            if isinstance(part, dict) and part.get("type") == "image_url" and _image_url(part) is not None:
+                texts.append(IMAGE_PLACEHOLDER)
+                continue
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 raise PydanticCustomError(
-                    "content_part", "only parts of type 'text' with a string 'text' are supported"
+                    "content_part",
+                    "only parts of type 'text' with a string 'text', or 'image_url' with an object "
+                    "{'url': string}, are supported",
                 )
             texts.append(part["text"])
         return "\n".join(texts)
-    raise PydanticCustomError("content_type", "must be a string or a list of text parts")
+    raise PydanticCustomError("content_type", "must be a string or a list of text and image_url parts")
+
+
+def _image_url(part: dict[str, Any]) -> str | None:
+    """An image_url part's URL (`{"image_url": {"url": ...}}`, or the URL string itself); None when malformed."""
+    inner = part.get("image_url")
+    url = inner.get("url") if isinstance(inner, dict) else inner
+    return url if isinstance(url, str) and url else None
 
 
 def _neutral_only(*allowed: Any) -> BeforeValidator:
@@ -132,6 +150,20 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    # Its image_url parts, in order, as (index in the content list, URL); each one's placeholder is in `content`.
+    image_urls: list[tuple[int, str]] = []
+
+    @model_validator(mode="before")
+    @classmethod
+    def _images(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            content = data.get("content")
+            parts = content if isinstance(content, list) else []
+            urls = [
+                (j, _image_url(p)) for j, p in enumerate(parts) if isinstance(p, dict) and p.get("type") == "image_url"
+            ]
+            data = {**data, "image_urls": [(j, u) for j, u in urls if u is not None]}
+        return data
 
 
 class JsonSchemaFormat(_Strict):

@@ -41,7 +41,7 @@ from scheduler_node.api.kv_handoff_fields import http_kv_fields, source_params
 from scheduler_node.api.openai_encode import json_response
 from scheduler_node.api.openai_errors import OpenAIError, engine_error, install_handlers
 from scheduler_node.api.openai_guards import BearerAuth, BodyLimit, control_routes
-from scheduler_node.api.openai_inputs import chat_specs, completion_specs, template_messages
+from scheduler_node.api.openai_inputs import chat_images, chat_specs, completion_specs, template_messages
 from scheduler_node.api.openai_lora import adapter_cards, adapter_of, install_lora_routes
 from scheduler_node.api.openai_migration import migrated_answer, with_migration
 from scheduler_node.api.openai_protocol import (
@@ -212,6 +212,8 @@ class OpenAIDoor:
             specs = await asyncio.to_thread(
                 make, body, self.tokenizer, engine.max_model_len, request_id, priority, engine.compact_tokens
             )
+            if isinstance(body, ChatCompletionRequest):  # its image_url parts (reads and decodes: off the loop)
+                specs = await asyncio.to_thread(chat_images, body, specs, engine.images, engine.max_model_len)
             check_prompt_logprobs(specs)
             if lora is not None:
                 specs = [dataclasses.replace(spec, lora=lora) for spec in specs]

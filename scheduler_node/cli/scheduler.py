@@ -80,7 +80,8 @@ def plan_world(args: argparse.Namespace) -> tuple[EngineConfig, Placement, Path]
     config = engine_config(args)
     placement = resolve_parallel(args)
     folder = resolve_model(args.model)
-    check_model_split(folder, placement.layout, config.quantization, config.scheduler.speculative)
+    s = config.scheduler
+    check_model_split(folder, placement.layout, config.quantization, s.speculative, config.multimodal.extra_modules)
     return with_block_bytes(config, folder), placement, folder
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+from proto.multimodal import MAX_PLAN_IMAGE_BYTES
 from scheduler_node.core.block_claims import BlockClaims
 from scheduler_node.core.config import SchedulerConfig
 from scheduler_node.core.in_flight import InFlightLedger
@@ -105,6 +106,7 @@ class Admission:
         # A migrated sequence pulling its KV holds blocks too, but starts only once its pull is done (`pulling`).
         holders = [r for r in ordered if not r.swapped and not r.pulling and self.blocks.blocks_of(r.req_id)]
         holding = set(holders)
+        image_bytes = 0  # the started requests' pixel values in this plan (bounded: MAX_PLAN_IMAGE_BYTES)
         for req in holders + [r for r in ordered if r not in holding]:
             if not self._room(budget, step.seats, len(sent.requests)):
                 break
@@ -120,11 +122,14 @@ class Admission:
                 continue  # preempted while its plan runs: it comes back once that result is applied
             if req.lora is not None and not self.view.lora_slots.fits(req.lora):
                 continue  # every LoRA slot is pinned by running requests: it waits, the others pass
+            if req.images and image_bytes and image_bytes + req.image_bytes > MAX_PLAN_IMAGE_BYTES:
+                continue  # the plan carries enough pixels: it starts in the next one, first in line as now
             if not self.claims.claim(req, budget):
                 if holds_blocks:
                     continue
                 break  # strict order: a big request at the head is not overtaken forever
             budget -= self._start(req, budget, step)
+            image_bytes += req.image_bytes
         return holders
 
     def _start(self, req: Request, budget: int, step: Step) -> int:

@@ -8,6 +8,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from proto.multimodal import ImageInput
 from proto.wire import LoraAdapter, NewRequest, SamplingOptions, TokenLogprobs
 from scheduler_node.core.kv.block_ops import BlockHash, hash_block
 from scheduler_node.core.kv.leases import KVSource
@@ -124,10 +125,17 @@ class Request:
     # A migrated sequence that claimed its blocks on arrival while it waits for a seat: its KV import is in a plan
     # whose result is not back (it starts only after: a pull that failed must not be read).
     pulling: bool = False
+    # Its images (proto/multimodal.py): each one's placeholder tokens in the prompt, pixels for the workers' encoder.
+    images: tuple[ImageInput, ...] = ()
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def image_bytes(self) -> int:
+        """Its images' pixel values: what a NewRequest of it carries besides tokens."""
+        return sum(len(image.pixels) for image in self.images)
 
     @property
     def num_tokens_at_most(self) -> int:
@@ -155,7 +163,8 @@ class Request:
         hashes = self.block_hashes
         for i in range(len(hashes), self.num_tokens // block_size):
             chunk = self.token_slice(i * block_size, (i + 1) * block_size)
-            hashes.append(hash_block(hashes[-1] if hashes else None, chunk, self.cache_salt))
+            seen = image_hashes(self.images, i * block_size, (i + 1) * block_size) if self.images else b""
+            hashes.append(hash_block(hashes[-1] if hashes else None, chunk, self.cache_salt, seen))
         return hashes
 
     def token_slice(self, start: int, end: int) -> list[int]:
@@ -231,7 +240,14 @@ class Request:
             self.num_computed_tokens,
             num_scheduled_tokens,
             lora,
+            list(self.images),
         )
+
+
+def image_hashes(images: tuple[ImageInput, ...], start: int, end: int) -> bytes:
+    """The content hashes of the images whose placeholder tokens lie in [start, end): what a block covering them
+    holds besides its tokens (the same placeholders stand for every image)."""
+    return b"".join(image.hash for image in images if image.offset < end and image.end > start)
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,3 +273,4 @@ class RequestSpec:
     # prefill replica), or pull it from another replica's lease (a decode replica).
     kv_produce: bool = False
     kv_source: KVSource | None = None
+    images: tuple[ImageInput, ...] = ()  # its images, their placeholders in prompt_token_ids (proto/multimodal.py)

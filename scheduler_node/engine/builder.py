@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 
 from proto.lora import BaseShapes
+from proto.multimodal import resolve_extra_modules, text_config
 from proto.parallel import ParallelLayout
 from proto.quantization import resolve_quantization
 from proto.transport import WorkerTransport, WorldCapacity
@@ -25,6 +26,7 @@ from scheduler_node.engine.lora_registry import LoraRegistry
 from scheduler_node.engine.metrics import Metrics
 from scheduler_node.engine.placement import Placement, RankAssigner
 from scheduler_node.engine.ports import free_port
+from scheduler_node.text.images import ImagePrompts
 from scheduler_node.text.tokenizer import ModelTokenizer
 from settings.engine import EngineConfig
 from settings.lora import LoraConfig
@@ -71,6 +73,7 @@ class WorldPlan:
             kv_compact_fraction=c.kv_compact.fraction,
             kv_compact_dtype=c.kv_compact.dtype,
             quantization=c.quantization,
+            extra_modules=list(c.multimodal.extra_modules),
             draft_model=draft,
             num_speculative_tokens=k,
             draft_max_seqs=draft_seqs,
@@ -150,6 +153,10 @@ def make_engine(
     )
     engine = EngineCore(scheduler, tokenizer, workers, config.options, metrics or Metrics(folder.name))
     engine.loras = lora_registry(config.lora, folder)
+    mm = config.multimodal
+    engine.images = ImagePrompts.build(
+        folder, mm.extra_modules, mm.images_per_prompt, mm.max_image_pixels, mm.allowed_local_media_path
+    )
     return engine
 
 
@@ -164,13 +171,18 @@ def lora_registry(config: LoraConfig, folder: Path) -> LoraRegistry | None:
 
 
 def check_model_split(
-    folder: Path, layout: ParallelLayout, quantization: str = "auto", speculative: SpeculativeConfig | None = None
+    folder: Path,
+    layout: ParallelLayout,
+    quantization: str = "auto",
+    speculative: SpeculativeConfig | None = None,
+    extra_modules: tuple[str, ...] = (),
 ) -> None:
     """ValueError when the model's heads, MLP or layers do not split over this layout, or its checkpoint cannot
     run in the `quantization` asked for, or speculative decoding as configured (before any worker loads it)."""
     resolve_quantization(quantization, folder)
     check_speculative(folder, speculative)
-    c = json.loads((folder / "config.json").read_text())
+    resolve_extra_modules(extra_modules, folder)
+    c = text_config(json.loads((folder / "config.json").read_text()))
     heads = int(c["num_attention_heads"])
     layout.check_model(
         heads, int(c.get("num_key_value_heads") or heads), int(c["intermediate_size"]), int(c["num_hidden_layers"])
@@ -229,5 +241,5 @@ def resolve_max_model_len(requested: int, model_limit: int, num_blocks: int, blo
 
 
 def model_limit(folder: Path) -> int:
-    c = json.loads((folder / "config.json").read_text())
+    c = text_config(json.loads((folder / "config.json").read_text()))
     return int(c.get("max_position_embeddings", 4096))

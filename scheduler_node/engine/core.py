@@ -43,6 +43,7 @@ from scheduler_node.engine.options import EngineOptions
 from scheduler_node.engine.output_side import OutputSide
 from scheduler_node.engine.outputs import DeltaSink, ErrorStatus, RequestStream
 from scheduler_node.engine.serving_state import ServingState
+from scheduler_node.text.images import ImagePrompts
 from scheduler_node.text.tokenizer import ModelTokenizer
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class EngineCore:
         )
         self.stats = LiveStats(scheduler, workers, self.metrics)
         self.loras: LoraRegistry | None = None  # the adapters served by name (None: LoRA is off)
+        self.images: ImagePrompts | None = None  # a multimodal model's image handling (None: text only)
         # Called after each step's result is applied: a replica publishing KV events sends the step's batch
         # (scheduler_node/engine/kv_publisher.py).
         self.after_step: Callable[[], None] | None = None

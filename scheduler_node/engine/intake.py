@@ -153,6 +153,7 @@ class Intake:
             # Forks share the first's prompt blocks; a migrated sequence pulls its own KV.
             kv_source=resume.kv_source if resume else spec.kv_source if index == 0 else None,
             migrated_in=resume is not None,
+            images=spec.images,
         )
 
     def _too_long(self, spec: RequestSpec) -> str:

@@ -395,6 +395,7 @@ def file_of(b: Block, folder: Path) -> Path:
 # Where each block runs: the test that runs its text (it reads it with `block(name)`) and checks what the article
 # says it does. tests/seeds/test_blocks.py checks that each one exists and reads its block.
 RUNS: dict[str, str] = {
+    "extra_modules": "tests/settings/test_multimodal.py::test_extra_modules_from_the_flag_and_from_the_articles_yaml",
     "async_engine": "tests/seeds/test_python_lines.py::test_the_async_engine_monitor_and_cache_lines",
     "memory_monitor": "tests/seeds/test_python_lines.py::test_the_async_engine_monitor_and_cache_lines",
     "lm_cache": "tests/seeds/test_python_lines.py::test_the_async_engine_monitor_and_cache_lines",
@@ -436,7 +437,7 @@ WHAT: dict[str, str] = {
     "nccl_test": "not ours",
     "paged_attention_supports": "`PagedAttention.supports` (minivllm/model_executor/layers/attention.py)",
     "convert_gguf": "`vllm-convert` (worker_node/convert.py)",
-    "extra_modules": "`model_loader.extra_modules` (issue 48: multimodal models)",
+    "extra_modules": "`model_loader.extra_modules`: the modules to load, checked against the checkpoint (LLaVA)",
     "dify_config": "not ours: Dify reaches the OpenAI door",
     "dify_server": "not ours: Dify's server",
     "lm_cache": "`minivllm.LMCache`: the KV offload tiers (minivllm/lm_cache.py)",

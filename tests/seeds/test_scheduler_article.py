@@ -26,9 +26,9 @@ REQUEST_FIELDS = {
 TABLE_FIELDS = {"block_size": "block_size", "allocated_blocks": "blocks_of", "free_blocks": "free_blocks"}
 
 
-def run(name: str) -> dict[str, Any]:
+def run(text: str) -> dict[str, Any]:
     namespace: dict[str, Any] = {"Dict": typing.Dict, "List": typing.List}  # the article's typing names  # noqa: UP006
-    exec(block(name).text, namespace)
+    exec(text, namespace)
     return namespace
 
 
@@ -39,7 +39,7 @@ def resolve(obj: object, path: str) -> object:
 
 
 def test_the_data_structures_are_the_schedulers() -> None:
-    classes = run("data_structures")
+    classes = run(block("data_structures").text)
     request = Request("r", [1, 2, 3], SamplingOptions(), StopConditions(max_tokens=8))
     table = BlockTable(num_blocks=8, block_size=16)
     table.write("r", 0, 3)
@@ -55,6 +55,6 @@ def test_the_data_structures_are_the_schedulers() -> None:
 
 
 def test_the_batch_size_heuristic_runs() -> None:
-    compute_batch_size = run("compute_batch_size")["compute_batch_size"]
+    compute_batch_size = run(block("compute_batch_size").text)["compute_batch_size"]
     assert compute_batch_size(100, 1) == 64  # the hardware cap
     assert compute_batch_size(50, 1) == 45  # 10 % of the memory kept back

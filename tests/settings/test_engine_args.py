@@ -35,6 +35,9 @@ TEXT = {
     "kv_transfer_host": "0.0.0.0",
     "int8_act_bits": "8",
     "priority_ranges": "realtime=80-100,batch=20-40",
+    "extra_modules": ["vision_encoder"],
+    "limit_mm_per_prompt": "image=2",
+    "allowed_local_media_path": "/srv/images",
 }
 NEEDS = {"lora_modules": {"enable_lora": True}}
 

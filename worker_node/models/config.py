@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from proto.architectures import architecture_of
+from proto.multimodal import text_config
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 ROPE_TYPES = ("default", "llama3")
@@ -55,6 +56,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, c: dict[str, Any]) -> ModelConfig:
+        c = text_config(c)  # a multimodal checkpoint's decoder (proto/multimodal.py)
         architecture = architecture_of(c)
         model_type = c.get("model_type", "")
         rope = c.get("rope_parameters") or c.get("rope_scaling") or {}

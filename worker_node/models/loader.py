@@ -101,6 +101,35 @@ def open_checkpoint(folder: Path) -> Checkpoint:
     return SafetensorsCheckpoint(files)
 
 
+class DecoderView:
+    """A multimodal checkpoint's text decoder under a causal LM's names (`model.*`, `lm_head.*`): LLaVA stores it
+    as `model.language_model.*` (transformers 5) or `language_model.model.*` and `language_model.lm_head.*`."""
+
+    def __init__(self, hf: Checkpoint, body: str, head: str) -> None:
+        self._hf, self._body, self._head = hf, body, head
+
+    @classmethod
+    def over(cls, hf: Checkpoint) -> Checkpoint:
+        for body, head in (("model.language_model.", "lm_head."), ("language_model.model.", "language_model.lm_head.")):
+            if f"{body}embed_tokens.weight" in hf:
+                return cls(hf, body, head)
+        return hf
+
+    def _name(self, name: str) -> str:
+        if name.startswith("model."):
+            return self._body + name[len("model.") :]
+        return self._head + name[len("lm_head.") :] if name.startswith("lm_head.") else name
+
+    def __contains__(self, name: str) -> bool:
+        return self._name(name) in self._hf
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._hf[self._name(name)]
+
+    def close(self) -> None:
+        self._hf.close()
+
+
 def load_model(
     folder: str | Path,
     backend: AttentionBackend,
@@ -125,7 +154,7 @@ def load_model(
         model = model_class(config.architecture)(config, backend, max_positions, where, comm)
         if method is not None:
             prepare_model(model, method)
-    hf: Checkpoint = open_checkpoint(folder)
+    hf: Checkpoint = DecoderView.over(open_checkpoint(folder))
     if method is not None:
         hf = QuantizedCheckpoint(hf, method, made_on_load)
     try:

@@ -12,10 +12,11 @@ from typing import NamedTuple
 BlockHash = bytes
 
 
-def hash_block(parent: BlockHash | None, token_ids: Sequence[int], salt: str = "") -> BlockHash:
-    """The chained hash of one full block; the salt seeds the chain so tenants can opt out of sharing."""
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int], salt: str = "", extra: bytes = b"") -> BlockHash:
+    """The chained hash of one full block; the salt seeds the chain so tenants can opt out of sharing. `extra`:
+    what the block holds besides its tokens (the content hashes of the images whose placeholders it covers)."""
     seed = parent if parent is not None else hashlib.blake2b(salt.encode(), digest_size=16).digest()
-    return hashlib.blake2b(seed + array("q", token_ids).tobytes(), digest_size=16).digest()
+    return hashlib.blake2b(seed + array("q", token_ids).tobytes() + extra, digest_size=16).digest()
 
 
 class Written(NamedTuple):
