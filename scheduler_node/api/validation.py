@@ -138,30 +138,9 @@ def build_spec(
     precision = check_kv_precision(kv_precision, compact_tokens, len(prompt_ids))
     if precision == "compact":
         max_model_len = min(max_model_len, compact_tokens)
-    room = max_model_len - len(prompt_ids)
-    max_tokens = room if s.max_tokens is None else s.max_tokens
-    if max_tokens < 1:
-        raise InvalidField(prefix + "max_tokens", f"must be >= 1, got {max_tokens}")
-    if max_tokens > room:
-        raise InvalidField(
-            prefix + "max_tokens",
-            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len ({max_model_len})",
-        )
+    max_tokens = _max_tokens(s.max_tokens, len(prompt_ids), max_model_len, prefix)
+    _check_sampling(s, prefix)
     temperature, top_p, top_k, n = s.temperature, s.top_p, s.top_k, s.n
-    if not math.isfinite(temperature) or temperature < 0:
-        raise InvalidField(prefix + "temperature", f"must be a finite number >= 0, got {temperature}")
-    if not 0 < top_p <= 1:  # NaN fails too
-        raise InvalidField(prefix + "top_p", f"must be in (0, 1], got {top_p}")
-    if top_k < -1:
-        raise InvalidField(prefix + "top_k", f"must be -1 (off), 0 (off) or positive, got {top_k}")
-    if not 1 <= n <= MAX_N:
-        raise InvalidField(prefix + "n", f"must be in [1, {MAX_N}], got {n}")
-    if s.logprobs is not None and not 0 <= s.logprobs <= MAX_LOGPROBS:
-        raise InvalidField(prefix + "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {s.logprobs}")
-    if len(s.stop) > MAX_STOP_STRINGS:
-        raise InvalidField(prefix + "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(s.stop)}")
-    if any(len(x) > MAX_STOP_CHARS for x in s.stop):
-        raise InvalidField(prefix + "stop", f"a stop string is longer than {MAX_STOP_CHARS} characters")
     vocab = tokenizer.vocab_size
     sampling = SamplingOptions(
         temperature,
@@ -193,6 +172,38 @@ def build_spec(
         kv_precision=precision,
         speculate=s.speculate,
     )
+
+
+def _max_tokens(given: int | None, prompt_tokens: int, max_model_len: int, prefix: str) -> int:
+    """The request's max_tokens: what it gives, else the room its prompt leaves; InvalidField past that room."""
+    room = max_model_len - prompt_tokens
+    max_tokens = room if given is None else given
+    if max_tokens < 1:
+        raise InvalidField(prefix + "max_tokens", f"must be >= 1, got {max_tokens}")
+    if max_tokens > room:
+        raise InvalidField(
+            prefix + "max_tokens",
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds max_model_len ({max_model_len})",
+        )
+    return max_tokens
+
+
+def _check_sampling(s: SamplingFields, prefix: str) -> None:
+    """The sampling fields' ranges and bounds (the rest are checked where they are converted)."""
+    if not math.isfinite(s.temperature) or s.temperature < 0:
+        raise InvalidField(prefix + "temperature", f"must be a finite number >= 0, got {s.temperature}")
+    if not 0 < s.top_p <= 1:  # NaN fails too
+        raise InvalidField(prefix + "top_p", f"must be in (0, 1], got {s.top_p}")
+    if s.top_k < -1:
+        raise InvalidField(prefix + "top_k", f"must be -1 (off), 0 (off) or positive, got {s.top_k}")
+    if not 1 <= s.n <= MAX_N:
+        raise InvalidField(prefix + "n", f"must be in [1, {MAX_N}], got {s.n}")
+    if s.logprobs is not None and not 0 <= s.logprobs <= MAX_LOGPROBS:
+        raise InvalidField(prefix + "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {s.logprobs}")
+    if len(s.stop) > MAX_STOP_STRINGS:
+        raise InvalidField(prefix + "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(s.stop)}")
+    if any(len(x) > MAX_STOP_CHARS for x in s.stop):
+        raise InvalidField(prefix + "stop", f"a stop string is longer than {MAX_STOP_CHARS} characters")
 
 
 def check_kv_precision(value: str, compact_tokens: int, prompt_tokens: int) -> str:
