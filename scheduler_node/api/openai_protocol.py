@@ -97,6 +97,19 @@ def _neutral_only(*allowed: Any) -> BeforeValidator:
 
 # Integers as wide as the gRPC contract's (int32; seeds int64): the wire to the workers carries no bigger ones.
 Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+
+
+def _priority(value: object) -> object:
+    """A number in int32's range, or a name (checked against --priority-ranges where the request is built); checked
+    here so an error names `priority` itself, not a member of the union (pydantic's `priority.constrained-int`)."""
+    if isinstance(value, int) and not isinstance(value, bool) and not -(2**31) <= value <= 2**31 - 1:
+        raise ValueError(f"must be in [{-(2**31)}, {2**31 - 1}], got {value}")
+    if value is not None and not isinstance(value, (int, str)) or isinstance(value, bool):
+        raise ValueError(f"must be a number or a name of the priority ranges, got {type(value).__name__}")
+    return value
+
+
+Priority = Annotated[int | str | None, BeforeValidator(_priority)]
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 StopStrings = Annotated[list[str], BeforeValidator(_stop_strings)]
 Prompts = Annotated[list[str | list[int]], BeforeValidator(_prompts)]
@@ -255,7 +268,7 @@ class _GenerationRequest(_Body):
     ignore_eos: bool = False
     speculate: bool | None = None  # false: no speculative decoding for this request (a minivllm extension)
     # higher runs first, as in the gRPC API (vLLM's is the other way round); or a name of --priority-ranges
-    priority: Int32 | str | None = None
+    priority: Priority = None
     cache_salt: str = ""
     kv_precision: str = ""  # auto (empty), full or compact: the format of the request's KV blocks
     kv_transfer_params: KVTransferParams | None = None  # disaggregated prefill/decode through the router

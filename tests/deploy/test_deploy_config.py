@@ -121,7 +121,7 @@ def _other_value(action: argparse.Action, value: Any) -> tuple[list[str], Any]:
         return ([flag], True) if not value else ([], None)  # a store_true flag cannot undo the file's true
     if action.choices is not None:
         other = next(c for c in action.choices if c != value)
-        return [flag, str(other)], other
+        return [flag, str(other)], ([other] if action.nargs == "+" else other)  # a list flag parses to a list
     if action.type is int:
         return [flag, str((value or 0) + 1)], (value or 0) + 1
     if action.type is float:  # another value in range (a fraction stays one)
@@ -145,4 +145,8 @@ def _other_value(action: argparse.Action, value: Any) -> tuple[list[str], Any]:
         return ["--tls-cert", "cert.pem", "--tls-key", "key.pem"], f"{action.dest[4:]}.pem"
     if action.dest == "lora_modules":  # name=path, with --enable-lora (checked when parsed)
         return [flag, "a=/adapters/a", "--enable-lora"], ["a=/adapters/a"]
+    if action.dest == "limit_mm_per_prompt":  # vLLM's modality=N, checked when parsed
+        return [flag, "image=3"], "image=3"
+    if action.dest == "priority_ranges":  # NAME=LOW-HIGH,..., checked when parsed
+        return [flag, "urgent=90-100"], "urgent=90-100"
     return [flag, "from-the-command-line"], "from-the-command-line"
