@@ -227,7 +227,8 @@ def test_a_frame_with_any_value_in_a_field_is_a_message_or_wire_error(frame: byt
     changed = drawn.draw(with_a_field_changed(unpacked([frame])))
     message = refused_within_bounds(decode, changed, WireError)
     if message is not None:  # what got through passed every check: it encodes again, within the limit
-        assert decode(encode(message)) == message
+        again = encode(message)  # compared as bytes: a float field may hold a NaN, which equals nothing
+        assert encode(decode(again)) == again
 
 
 @pytest.mark.parametrize("header", [b"\xdd\xff\xff\xff\xff", b"\xdf\xff\xff\xff\xff", b"\xc6\xff\xff\xff\xff",
