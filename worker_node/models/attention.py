@@ -70,20 +70,6 @@ def _attend(
     dtype = q.dtype
     if cache.k.dtype != dtype and not is_quantized(cache.k.dtype):
         q, k, v = q.to(cache.k.dtype), k.to(cache.k.dtype), v.to(cache.k.dtype)
-    return _attend_in_cache_dtype(backend, q, k, v, cache, meta, scale, window, softcap).to(dtype)
-
-
-def _attend_in_cache_dtype(
-    backend: AttentionBackend,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cache: LayerKV,
-    meta: AttentionMetadata,
-    scale: float,
-    window: int,
-    softcap: float,
-) -> torch.Tensor:
     # The scales go only to a quantized cache's backend, so one written without them still reads full precision.
     scales = cache.scale_options()
     backend.write_kv(k, v, cache.k, cache.v, meta.slot_mapping, **scales)
@@ -121,4 +107,5 @@ def _attend_in_cache_dtype(
                 **options,
             )
         )
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out.to(dtype)
