@@ -81,6 +81,26 @@ def _no_scales(name: str, k_scales: torch.Tensor | None, v_scales: torch.Tensor 
         raise TypeError(f"attention kernel {name!r} reads float32 KV caches only, not a quantized one")
 
 
+def _inputs(
+    call: _Caller,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    k_scales: torch.Tensor | None,
+    v_scales: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What both attention entries hand the library: the query contiguous and checked against the caches, the block
+    tables and sequence lengths as int32, and the output to fill (a quantized cache refused)."""
+    _no_scales(call.name, k_scales, v_scales)
+    query = q.contiguous()
+    call.check(query, k_cache, v_cache)
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    return query, tables, lens, torch.empty_like(query)
+
+
 class CompiledDecode:
     """`minivllm_decode_attention`, with the signature of `kernels.torch_attention.paged_decode_attention`."""
 
@@ -102,12 +122,7 @@ class CompiledDecode:
         v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         call = self._call
-        _no_scales(call.name, k_scales, v_scales)
-        query = q.contiguous()
-        call.check(query, k_cache, v_cache)
-        tables = block_tables.to(torch.int32).contiguous()
-        lens = seq_lens.to(torch.int32).contiguous()
-        out = torch.empty_like(query)
+        query, tables, lens, out = _inputs(call, q, k_cache, v_cache, block_tables, seq_lens, k_scales, v_scales)
         batch, num_heads, head_dim = query.shape
         num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
         code = call.library.decode(
@@ -149,13 +164,8 @@ class CompiledPrefill:
         v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         call = self._call
-        _no_scales(call.name, k_scales, v_scales)
-        query = q.contiguous()
-        call.check(query, k_cache, v_cache)
-        tables = block_tables.to(torch.int32).contiguous()
+        query, tables, lens, out = _inputs(call, q, k_cache, v_cache, block_tables, seq_lens, k_scales, v_scales)
         starts = cu_seqlens_q.to(torch.int32).contiguous()
-        lens = seq_lens.to(torch.int32).contiguous()
-        out = torch.empty_like(query)
         num_tokens, num_heads, head_dim = query.shape
         num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
         code = self._function(
